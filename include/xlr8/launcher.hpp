@@ -1,0 +1,69 @@
+#pragma once
+// `xlr8 launch`: starts this machine's workers with the torchrun/Accelerate environment, prefixes their
+// output with the rank, fails fast like torchrun (first failure stops the rest: SIGTERM, then SIGKILL
+// after a grace period), forwards SIGINT/SIGTERM, and restarts the whole group up to max_restarts times.
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "xlr8/config.hpp"
+#include "xlr8/settings.hpp"
+
+namespace xlr8 {
+
+struct LaunchOptions {
+  std::vector<std::string> command;  // program and its arguments
+  int nproc_per_node = 1;
+  int num_machines = 1;
+  int machine_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 0;  // 0: a free port (one machine) or 29500 (several)
+  Settings settings;
+  int max_restarts = 0;
+  double grace_period_s = 5.0;  // between SIGTERM and SIGKILL
+  std::string log_dir;          // per-rank stdout/stderr files under <log_dir>/attempt_<n>/<local_rank>/
+  bool prefix_output = true;    // "[rankN]: " before each worker line (when more than one worker)
+  std::string run_id = "none";
+  std::map<std::string, std::string> extra_env;
+  int world_size() const { return nproc_per_node * num_machines; }
+};
+
+// What the user typed on `xlr8 launch`; unset fields come from the config file, then defaults.
+struct LaunchRequest {
+  std::optional<std::string> config_file;
+  std::optional<int> num_processes;   // total over all machines (Accelerate)
+  std::optional<int> nproc_per_node;  // per machine (torchrun)
+  std::optional<int> num_machines;
+  std::optional<int> machine_rank;
+  std::optional<std::string> main_process_ip;
+  std::optional<int> main_process_port;
+  std::optional<std::string> mixed_precision;
+  std::optional<int> gradient_accumulation_steps;
+  bool cpu = false;
+  bool use_fsdp = false;
+  bool use_deepspeed = false;
+  std::map<std::string, std::string> fsdp;       // keys as in fsdp_config (fsdp_sharding_strategy ...)
+  std::map<std::string, std::string> deepspeed;  // keys as in deepspeed_config (zero_stage ...)
+  int max_restarts = 0;
+  std::string log_dir;
+  std::optional<int> rdzv_timeout_s;
+  std::vector<std::string> command;
+};
+
+// Merges flags over the config file (the file named by config_file, else the default one if it exists)
+// and validates everything before any process starts. Throws ConfigError.
+LaunchOptions plan_launch(const LaunchRequest& request);
+
+// Runs the workers to completion. Returns the exit code for the launcher: 0, the first failed worker's
+// code, or 128 + signal. Throws xlr8::Error for problems found before any worker starts (missing or
+// non-executable program, port in use).
+int launch(const LaunchOptions& options);
+
+// Full path of `program` (searching PATH when it has no '/'); throws Error naming what is wrong.
+std::string resolve_program(const std::string& program);
+// A TCP port that is free on this machine now.
+int pick_free_port();
+bool port_is_free(int port);
+
+}  // namespace xlr8

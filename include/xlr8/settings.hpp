@@ -1,0 +1,95 @@
+#pragma once
+// What a job asks for (strategy, precision, FSDP / DeepSpeed / parallelism settings) and where the
+// process sits (topology), with the exact environment-variable protocol of Accelerate and torchrun
+// (reference/000, research/accelerate.md 1.9). Launcher and workers share these mappings.
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "xlr8/env.hpp"
+
+namespace xlr8 {
+
+enum class DistributedType { NO, MULTI_CPU, MULTI_GPU, FSDP, DEEPSPEED };
+enum class MixedPrecision { NO, FP16, BF16 };
+enum class ShardingStrategy { FULL_SHARD = 1, SHARD_GRAD_OP = 2, NO_SHARD = 3, HYBRID_SHARD = 4, HYBRID_SHARD_ZERO2 = 5 };
+
+std::string to_string(DistributedType t);
+std::string to_string(MixedPrecision p);  // "no", "fp16", "bf16"
+std::string to_string(ShardingStrategy s);
+// Parsers name `what` (the key or variable) in their error, with the allowed values.
+MixedPrecision parse_mixed_precision(const std::string& value, const std::string& what);
+ShardingStrategy parse_sharding_strategy(const std::string& value, const std::string& what);
+DistributedType parse_distributed_type(const std::string& value, const std::string& what);
+
+struct FsdpSettings {
+  int version = 1;
+  ShardingStrategy sharding_strategy = ShardingStrategy::FULL_SHARD;
+  std::optional<bool> reshard_after_forward;                   // FSDP2; FSDP1 derives it from the strategy
+  std::string auto_wrap_policy = "NO_WRAP";                    // TRANSFORMER_BASED_WRAP | SIZE_BASED_WRAP | NO_WRAP
+  std::vector<std::string> transformer_layer_cls_to_wrap;
+  long min_num_params = 100000000;
+  std::string backward_prefetch;                               // BACKWARD_PRE | BACKWARD_POST | NO_PREFETCH | ""
+  std::string state_dict_type = "FULL_STATE_DICT";             // FULL_ | SHARDED_ | LOCAL_STATE_DICT
+  bool forward_prefetch = false;
+  bool use_orig_params = true;
+  bool cpu_ram_efficient_loading = true;
+  bool sync_module_states = true;
+  bool offload_params = false;
+  bool activation_checkpointing = false;
+  bool operator==(const FsdpSettings&) const = default;
+};
+
+struct DeepSpeedSettings {
+  int zero_stage = 2;
+  std::string offload_optimizer_device = "none";  // none | cpu | nvme
+  std::string offload_param_device = "none";
+  std::string offload_optimizer_nvme_path;
+  std::string offload_param_nvme_path;
+  std::optional<double> gradient_clipping;
+  bool zero3_init_flag = false;
+  bool zero3_save_16bit_model = false;
+  std::string config_file;                        // a full DeepSpeed JSON config
+  bool operator==(const DeepSpeedSettings&) const = default;
+};
+
+// Accelerate's ParallelismConfig sizes, in mesh order dp_replicate, dp_shard, cp, tp.
+struct ParallelismSettings {
+  int dp_replicate = 1, dp_shard = 1, cp = 1, tp = 1;
+  int total() const { return dp_replicate * dp_shard * cp * tp; }
+  bool operator==(const ParallelismSettings&) const = default;
+};
+
+struct Settings {
+  MixedPrecision mixed_precision = MixedPrecision::NO;
+  int gradient_accumulation_steps = 1;
+  bool use_cpu = false;
+  bool debug = false;
+  std::optional<FsdpSettings> fsdp;           // set: ACCELERATE_USE_FSDP=true
+  std::optional<DeepSpeedSettings> deepspeed; // set: ACCELERATE_USE_DEEPSPEED=true
+  std::optional<ParallelismSettings> parallelism;
+  bool operator==(const Settings&) const = default;
+  // Which strategy these settings ask for, independent of device: "ddp", "fsdp" or "deepspeed".
+  std::string strategy_name() const;
+};
+
+struct Topology {
+  int rank = 0, world_size = 1;
+  int local_rank = 0, local_world_size = 1;
+  int node_rank = 0, num_nodes = 1;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  std::string source = "none";  // which protocol the values came from: torchrun, slurm, openmpi, pmi, none
+  bool distributed() const { return world_size > 1; }
+  bool operator==(const Topology&) const = default;
+};
+
+// Environment protocol. `*_to_env` gives exactly the variables `accelerate launch` / torchrun set.
+std::map<std::string, std::string> settings_to_env(const Settings& settings);
+std::map<std::string, std::string> topology_to_env(const Topology& topology);
+Settings settings_from_env(const Env& env);
+// torchrun / Accelerate variables first, then Slurm, OpenMPI, PMI; no variables: a single process.
+Topology topology_from_env(const Env& env);
+
+}  // namespace xlr8

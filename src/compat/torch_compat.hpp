@@ -1,0 +1,88 @@
+#pragma once
+// The ONLY place with LibTorch version checks (DESIGN.md, research/cpp.md 1.11).
+// 1.13 (Debian, CPU, Gloo): ProcessGroupGloo derives from ProcessGroup; Gloo lacks bf16, AVG,
+// _allgather_base and reduce_scatter. 2.x: ProcessGroupGloo/NCCL derive from c10d::Backend.
+#include <torch/version.h>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef XLR8_WITH_NCCL
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include <chrono>
+#include <string>
+
+#define XLR8_TORCH_AT_LEAST(major, minor) \
+  (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
+
+#if XLR8_TORCH_AT_LEAST(2, 0)
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#endif
+
+namespace xlr8::compat {
+
+#if XLR8_TORCH_AT_LEAST(2, 0)
+using Backend = c10d::Backend;
+#else
+using Backend = c10d::ProcessGroup;
+#endif
+using BackendPtr = c10::intrusive_ptr<Backend>;
+using WorkPtr = c10::intrusive_ptr<c10d::Work>;
+using StorePtr = c10::intrusive_ptr<c10d::Store>;
+
+// Gloo reduces bf16 from PyTorch 2.2 (PR #113557); before that it throws "Invalid scalar type".
+constexpr bool kGlooReducesBFloat16 = XLR8_TORCH_AT_LEAST(2, 2);
+
+#ifdef XLR8_WITH_NCCL
+constexpr bool kHaveNccl = true;
+#else
+constexpr bool kHaveNccl = false;
+#endif
+
+inline int cuda_device_count() { return static_cast<int>(at::detail::getCUDAHooks().getNumGPUs()); }
+
+inline std::string torch_version() { return TORCH_VERSION; }
+
+// A Gloo device: GLOO_SOCKET_IFNAME wins; a loopback master address binds loopback; else the host's address.
+inline std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& master_addr) {
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
+    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  if (master_addr.rfind("127.", 0) == 0 || master_addr == "localhost")
+    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+inline BackendPtr make_gloo(const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout,
+                            const std::string& master_addr) {
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  options->devices.push_back(gloo_device(master_addr));
+  options->threads = 2;
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
+}
+
+#ifdef XLR8_WITH_NCCL
+inline BackendPtr make_nccl(const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout) {
+  auto options = c10d::ProcessGroupNCCL::Options::create();
+  options->timeout = timeout;
+  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+}
+#endif
+
+// TCPStore options: identical fields on 1.13 and 2.x for what we use.
+inline StorePtr make_tcp_store(const std::string& host, int port, bool is_server, int world_size,
+                               std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<std::uint16_t>(port);
+  opts.isServer = is_server;
+  opts.numWorkers = world_size;
+  opts.waitWorkers = false;  // we wait ourselves, to name the ranks that did not join
+  opts.timeout = timeout;
+  return c10::make_intrusive<c10d::TCPStore>(host, opts);
+}
+
+}  // namespace xlr8::compat

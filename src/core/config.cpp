@@ -1,0 +1,378 @@
+#include "xlr8/config.hpp"
+
+#include <fmt/format.h>
+#include <yaml-cpp/yaml.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "xlr8/error.hpp"
+#include "xlr8/text.hpp"
+
+namespace fs = std::filesystem;
+
+namespace xlr8 {
+namespace {
+
+// One mapping of the YAML file: checks unknown keys and types, naming the full key path.
+class Section {
+ public:
+  Section(const YAML::Node& node, std::string prefix, std::string origin)
+      : node_(node), prefix_(std::move(prefix)), origin_(std::move(origin)) {
+    if (node_ && !node_.IsNull() && !node_.IsMap())
+      throw error(prefix_.empty() ? "the file" : prefix_.substr(0, prefix_.size() - 1), "must be a mapping of key: value");
+  }
+
+  void check_keys(const std::vector<std::string>& known, const std::vector<std::string>& ignored,
+                  std::vector<std::string>* ignored_seen) const {
+    if (!node_ || node_.IsNull()) return;
+    for (const auto& kv : node_) {
+      auto key = kv.first.as<std::string>();
+      if (std::find(known.begin(), known.end(), key) != known.end()) continue;
+      if (std::find(ignored.begin(), ignored.end(), key) != ignored.end()) {
+        if (ignored_seen) ignored_seen->push_back(prefix_ + key);
+        continue;
+      }
+      std::vector<std::string> all = known;
+      all.insert(all.end(), ignored.begin(), ignored.end());
+      std::string hint = text::closest(key, all);
+      throw ConfigError(fmt::format("{}: unknown key {:?}{}", origin_, prefix_ + key,
+                                    hint.empty() ? fmt::format("; valid keys: {}", text::join(known))
+                                                 : fmt::format(" (did you mean {:?}?)", prefix_ + hint)));
+    }
+  }
+
+  bool has(const std::string& key) const { return node_ && node_.IsMap() && node_[key] && !node_[key].IsNull(); }
+  YAML::Node child(const std::string& key) const { return has(key) ? node_[key] : YAML::Node(); }
+
+  std::optional<std::string> str(const std::string& key) const {
+    if (!has(key)) return std::nullopt;
+    auto n = node_[key];
+    if (!n.IsScalar()) throw error(key, "must be a single value, not a list or mapping");
+    return n.Scalar();
+  }
+  std::optional<long> integer(const std::string& key, long min, long max) const {
+    auto s = str(key);
+    if (!s) return std::nullopt;
+    long v = 0;
+    try {
+      size_t used = 0;
+      v = std::stol(*s, &used);
+      if (used != s->size()) throw std::invalid_argument("trailing");
+    } catch (const std::exception&) {
+      throw error(key, fmt::format("value {:?} is not an integer", *s));
+    }
+    if (v < min || v > max) throw error(key, fmt::format("value {} is out of range [{}, {}]", v, min, max));
+    return v;
+  }
+  std::optional<double> number(const std::string& key) const {
+    auto s = str(key);
+    if (!s || *s == "auto") return std::nullopt;
+    try {
+      size_t used = 0;
+      double v = std::stod(*s, &used);
+      if (used == s->size()) return v;
+    } catch (const std::exception&) {
+    }
+    throw error(key, fmt::format("value {:?} is not a number", *s));
+  }
+  std::optional<bool> boolean(const std::string& key) const {
+    auto s = str(key);
+    if (!s) return std::nullopt;
+    if (auto b = parse_bool(*s)) return b;
+    throw error(key, fmt::format("value {:?} is not a boolean; use true or false", *s));
+  }
+  std::optional<std::string> choice(const std::string& key, const std::vector<std::string>& allowed, bool upper) const {
+    auto s = str(key);
+    if (!s) return std::nullopt;
+    std::string v = upper ? text::upper(*s) : text::lower(*s);
+    if (std::find(allowed.begin(), allowed.end(), v) != allowed.end()) return v;
+    std::string hint = text::closest(*s, allowed);
+    throw error(key, fmt::format("value {:?} is not allowed; allowed: {}{}", *s, text::join(allowed),
+                                 hint.empty() ? "" : fmt::format(" (did you mean {:?}?)", hint)));
+  }
+  std::vector<std::string> list(const std::string& key) const {
+    if (!has(key)) return {};
+    auto n = node_[key];
+    if (n.IsScalar()) return text::split(n.Scalar(), ',');
+    if (!n.IsSequence()) throw error(key, "must be a list or a comma-separated string");
+    std::vector<std::string> out;
+    for (const auto& item : n) out.push_back(item.as<std::string>());
+    return out;
+  }
+  ConfigError error(const std::string& key, const std::string& why) const {
+    return ConfigError(fmt::format("{}: {}: {}", origin_, prefix_ + key, why));
+  }
+
+ private:
+  YAML::Node node_;
+  std::string prefix_;
+  std::string origin_;
+};
+
+const std::vector<std::string> kTopKeys = {
+    "compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug", "num_processes",
+    "num_machines", "machine_rank", "gpu_ids", "main_process_ip", "main_process_port", "rdzv_backend",
+    "same_network", "main_training_function", "enable_cpu_affinity", "downcast_bf16",
+    "gradient_accumulation_steps", "fsdp_config", "deepspeed_config", "parallelism_config"};
+// Written by some `accelerate config` versions; accepted and without effect here.
+const std::vector<std::string> kIgnoredTopKeys = {
+    "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm", "tpu_env",
+    "dynamo_config", "dynamo_backend", "megatron_lm_config", "mpirun_config", "ipex_config", "fp8_config",
+    "fp16", "use_mps_device", "mps_config"};
+const std::vector<std::string> kFsdpKeys = {
+    "fsdp_version", "fsdp_activation_checkpointing", "fsdp_auto_wrap_policy", "fsdp_backward_prefetch",
+    "fsdp_backward_prefetch_policy", "fsdp_cpu_ram_efficient_loading", "fsdp_forward_prefetch",
+    "fsdp_min_num_params", "fsdp_offload_params", "fsdp_reshard_after_forward", "fsdp_sharding_strategy",
+    "fsdp_state_dict_type", "fsdp_sync_module_states", "fsdp_transformer_layer_cls_to_wrap", "fsdp_use_orig_params"};
+const std::vector<std::string> kDeepSpeedKeys = {
+    "deepspeed_config_file", "zero_stage", "gradient_accumulation_steps", "gradient_clipping",
+    "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path", "offload_param_nvme_path",
+    "zero3_init_flag", "zero3_save_16bit_model"};
+const std::vector<std::string> kIgnoredDeepSpeedKeys = {
+    "deepspeed_hostfile", "deepspeed_multinode_launcher", "deepspeed_exclusion_filter",
+    "deepspeed_inclusion_filter", "deepspeed_moe_layer_cls_names"};
+const std::vector<std::string> kParallelismKeys = {
+    "parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size", "parallelism_config_tp_size",
+    "parallelism_config_cp_size", "parallelism_config_cp_comm_strategy", "parallelism_config_cp_backend"};
+
+void read_fsdp(const Section& s, FsdpSettings& f) {
+  s.check_keys(kFsdpKeys, {}, nullptr);
+  if (auto v = s.integer("fsdp_version", 1, 2)) f.version = static_cast<int>(*v);
+  if (auto v = s.str("fsdp_sharding_strategy"))
+    f.sharding_strategy = parse_sharding_strategy(*v, s.error("fsdp_sharding_strategy", "").what());
+  if (auto v = s.str("fsdp_reshard_after_forward")) {
+    if (auto b = parse_bool(*v)) f.reshard_after_forward = b;
+    else f.sharding_strategy = parse_sharding_strategy(*v, s.error("fsdp_reshard_after_forward", "").what());
+  }
+  if (auto v = s.choice("fsdp_auto_wrap_policy", {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"}, true))
+    f.auto_wrap_policy = *v;
+  f.transformer_layer_cls_to_wrap = s.list("fsdp_transformer_layer_cls_to_wrap");
+  if (auto v = s.integer("fsdp_min_num_params", 0, std::numeric_limits<long>::max())) f.min_num_params = *v;
+  for (auto key : {"fsdp_backward_prefetch", "fsdp_backward_prefetch_policy"})
+    if (auto v = s.choice(key, {"BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"}, true)) f.backward_prefetch = *v;
+  if (auto v = s.choice("fsdp_state_dict_type", {"FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"}, true))
+    f.state_dict_type = *v;
+  f.forward_prefetch = s.boolean("fsdp_forward_prefetch").value_or(f.forward_prefetch);
+  f.use_orig_params = s.boolean("fsdp_use_orig_params").value_or(f.use_orig_params);
+  f.cpu_ram_efficient_loading = s.boolean("fsdp_cpu_ram_efficient_loading").value_or(f.cpu_ram_efficient_loading);
+  f.sync_module_states = s.boolean("fsdp_sync_module_states").value_or(f.sync_module_states);
+  f.offload_params = s.boolean("fsdp_offload_params").value_or(f.offload_params);
+  f.activation_checkpointing = s.boolean("fsdp_activation_checkpointing").value_or(f.activation_checkpointing);
+}
+
+void read_deepspeed(const Section& s, LaunchConfig& c, std::vector<std::string>* ignored) {
+  s.check_keys(kDeepSpeedKeys, kIgnoredDeepSpeedKeys, ignored);
+  auto& d = c.deepspeed;
+  if (auto v = s.str("deepspeed_config_file")) d.config_file = *v;
+  if (auto v = s.integer("zero_stage", 0, 3)) d.zero_stage = static_cast<int>(*v);
+  if (auto v = s.integer("gradient_accumulation_steps", 1, 1L << 30)) c.gradient_accumulation_steps = static_cast<int>(*v);
+  d.gradient_clipping = s.number("gradient_clipping");
+  if (auto v = s.choice("offload_optimizer_device", {"none", "cpu", "nvme"}, false)) d.offload_optimizer_device = *v;
+  if (auto v = s.choice("offload_param_device", {"none", "cpu", "nvme"}, false)) d.offload_param_device = *v;
+  if (auto v = s.str("offload_optimizer_nvme_path")) d.offload_optimizer_nvme_path = *v;
+  if (auto v = s.str("offload_param_nvme_path")) d.offload_param_nvme_path = *v;
+  d.zero3_init_flag = s.boolean("zero3_init_flag").value_or(d.zero3_init_flag);
+  d.zero3_save_16bit_model = s.boolean("zero3_save_16bit_model").value_or(d.zero3_save_16bit_model);
+}
+
+void read_parallelism(const Section& s, LaunchConfig& c) {
+  s.check_keys(kParallelismKeys, {}, nullptr);
+  ParallelismSettings p;
+  constexpr long kMax = 1 << 20;
+  p.dp_replicate = static_cast<int>(s.integer("parallelism_config_dp_replicate_size", 1, kMax).value_or(1));
+  p.dp_shard = static_cast<int>(s.integer("parallelism_config_dp_shard_size", 1, kMax).value_or(1));
+  p.tp = static_cast<int>(s.integer("parallelism_config_tp_size", 1, kMax).value_or(1));
+  p.cp = static_cast<int>(s.integer("parallelism_config_cp_size", 1, kMax).value_or(1));
+  c.parallelism = p;
+}
+
+}  // namespace
+
+LaunchConfig parse_config(const std::string& yaml_text, const std::string& origin) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(fmt::format("{}: not valid YAML: {}", origin, e.what()));
+  }
+  LaunchConfig c;
+  c.path = origin;
+  Section top(root, "", origin);
+  top.check_keys(kTopKeys, kIgnoredTopKeys, &c.ignored_keys);
+  if (auto v = top.str("compute_environment")) {
+    if (*v != "LOCAL_MACHINE")
+      throw top.error("compute_environment", fmt::format("value {:?} is not supported; xlr8 runs on LOCAL_MACHINE", *v));
+    c.compute_environment = *v;
+  }
+  if (auto v = top.str("distributed_type")) {
+    try {
+      c.distributed_type = parse_distributed_type(*v, "distributed_type");
+    } catch (const ConfigError&) {
+      throw top.error("distributed_type", fmt::format("value {:?} is not supported; allowed: NO, MULTI_CPU, MULTI_GPU, "
+                                                      "FSDP, DEEPSPEED",
+                                                      *v));
+    }
+  }
+  if (auto v = top.str("mixed_precision"))
+    c.mixed_precision = parse_mixed_precision(*v, fmt::format("{}: mixed_precision", origin));
+  c.use_cpu = top.boolean("use_cpu").value_or(false);
+  c.debug = top.boolean("debug").value_or(false);
+  if (auto v = top.integer("num_processes", -1, 1 << 20)) {
+    if (*v == 0) throw top.error("num_processes", "value 0 is not allowed; use a positive count (or -1 to require --num_processes)");
+    c.num_processes = static_cast<int>(*v);
+  }
+  if (auto v = top.integer("num_machines", 1, 1 << 16)) c.num_machines = static_cast<int>(*v);
+  if (auto v = top.integer("machine_rank", 0, 1 << 16)) c.machine_rank = static_cast<int>(*v);
+  if (auto v = top.str("gpu_ids")) c.gpu_ids = *v;
+  if (auto v = top.str("main_process_ip")) c.main_process_ip = *v;
+  if (auto v = top.integer("main_process_port", 0, 65535)) c.main_process_port = static_cast<int>(*v);
+  if (auto v = top.choice("rdzv_backend", {"static", "c10d"}, false)) c.rdzv_backend = *v;
+  c.same_network = top.boolean("same_network").value_or(true);
+  if (auto v = top.str("main_training_function")) c.main_training_function = *v;
+  c.enable_cpu_affinity = top.boolean("enable_cpu_affinity").value_or(false);
+  if (auto v = top.str("downcast_bf16")) c.downcast_bf16 = *v;
+  if (auto v = top.integer("gradient_accumulation_steps", 1, 1L << 30)) c.gradient_accumulation_steps = static_cast<int>(*v);
+  read_fsdp(Section(top.child("fsdp_config"), "fsdp_config.", origin), c.fsdp);
+  read_deepspeed(Section(top.child("deepspeed_config"), "deepspeed_config.", origin), c, &c.ignored_keys);
+  if (top.has("parallelism_config")) read_parallelism(Section(top.child("parallelism_config"), "parallelism_config.", origin), c);
+  c.validate();
+  return c;
+}
+
+LaunchConfig load_config(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    throw ConfigError(fmt::format("config file {:?} {}; create one with `xlr8 config` or `xlr8 config --default`", path,
+                                  fs::exists(path) ? "cannot be read" : "does not exist"));
+  }
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return parse_config(buffer.str(), path);
+}
+
+void LaunchConfig::validate() const {
+  auto fail = [&](const std::string& why) { return ConfigError(fmt::format("{}: {}", path.empty() ? "config" : path, why)); };
+  if (machine_rank >= num_machines)
+    throw fail(fmt::format("machine_rank {} must be below num_machines {} (ranks count from 0)", machine_rank, num_machines));
+  if (num_processes > 0 && num_processes % num_machines != 0)
+    throw fail(fmt::format("num_processes {} (the total over all machines) is not divisible by num_machines {}",
+                           num_processes, num_machines));
+  if (num_processes > 0 && num_processes < num_machines)
+    throw fail(fmt::format("num_processes {} is smaller than num_machines {}; num_processes counts all machines",
+                           num_processes, num_machines));
+  if (num_machines > 1 && main_process_ip.empty())
+    throw fail(fmt::format("main_process_ip is required when num_machines is {}; set it to the host of machine 0",
+                           num_machines));
+  if (parallelism && num_processes > 0 && parallelism->total() != num_processes)
+    throw fail(fmt::format("parallelism_config sizes multiply to {} (dp_replicate {} x dp_shard {} x cp {} x tp {}) but "
+                           "num_processes is {}",
+                           parallelism->total(), parallelism->dp_replicate, parallelism->dp_shard, parallelism->cp,
+                           parallelism->tp, num_processes));
+  if (distributed_type == DistributedType::DEEPSPEED && deepspeed.offload_optimizer_device == "nvme" &&
+      deepspeed.offload_optimizer_nvme_path.empty())
+    throw fail("deepspeed_config.offload_optimizer_device is nvme but offload_optimizer_nvme_path is empty");
+}
+
+Settings LaunchConfig::settings() const {
+  validate();
+  Settings s;
+  s.mixed_precision = mixed_precision;
+  s.gradient_accumulation_steps = gradient_accumulation_steps;
+  s.use_cpu = use_cpu;
+  s.debug = debug;
+  if (distributed_type == DistributedType::FSDP) s.fsdp = fsdp;
+  if (distributed_type == DistributedType::DEEPSPEED) s.deepspeed = deepspeed;
+  s.parallelism = parallelism;
+  return s;
+}
+
+std::string to_yaml(const LaunchConfig& c) {
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  out << YAML::Key << "compute_environment" << YAML::Value << c.compute_environment;
+  out << YAML::Key << "debug" << YAML::Value << c.debug;
+  out << YAML::Key << "distributed_type" << YAML::Value << to_string(c.distributed_type);
+  out << YAML::Key << "downcast_bf16" << YAML::Value << YAML::SingleQuoted << c.downcast_bf16;
+  out << YAML::Key << "enable_cpu_affinity" << YAML::Value << c.enable_cpu_affinity;
+  if (c.distributed_type == DistributedType::FSDP) {
+    const auto& f = c.fsdp;
+    out << YAML::Key << "fsdp_config" << YAML::Value << YAML::BeginMap;
+    out << YAML::Key << "fsdp_activation_checkpointing" << YAML::Value << f.activation_checkpointing;
+    out << YAML::Key << "fsdp_auto_wrap_policy" << YAML::Value << f.auto_wrap_policy;
+    if (!f.backward_prefetch.empty()) out << YAML::Key << "fsdp_backward_prefetch" << YAML::Value << f.backward_prefetch;
+    out << YAML::Key << "fsdp_cpu_ram_efficient_loading" << YAML::Value << f.cpu_ram_efficient_loading;
+    out << YAML::Key << "fsdp_forward_prefetch" << YAML::Value << f.forward_prefetch;
+    if (f.auto_wrap_policy == "SIZE_BASED_WRAP") out << YAML::Key << "fsdp_min_num_params" << YAML::Value << f.min_num_params;
+    out << YAML::Key << "fsdp_offload_params" << YAML::Value << f.offload_params;
+    if (f.reshard_after_forward) out << YAML::Key << "fsdp_reshard_after_forward" << YAML::Value << *f.reshard_after_forward;
+    out << YAML::Key << "fsdp_sharding_strategy" << YAML::Value << to_string(f.sharding_strategy);
+    out << YAML::Key << "fsdp_state_dict_type" << YAML::Value << f.state_dict_type;
+    out << YAML::Key << "fsdp_sync_module_states" << YAML::Value << f.sync_module_states;
+    if (!f.transformer_layer_cls_to_wrap.empty())
+      out << YAML::Key << "fsdp_transformer_layer_cls_to_wrap" << YAML::Value << text::join(f.transformer_layer_cls_to_wrap, ",");
+    out << YAML::Key << "fsdp_use_orig_params" << YAML::Value << f.use_orig_params;
+    out << YAML::Key << "fsdp_version" << YAML::Value << f.version;
+    out << YAML::EndMap;
+  }
+  if (c.distributed_type == DistributedType::DEEPSPEED) {
+    const auto& d = c.deepspeed;
+    out << YAML::Key << "deepspeed_config" << YAML::Value << YAML::BeginMap;
+    if (!d.config_file.empty()) out << YAML::Key << "deepspeed_config_file" << YAML::Value << d.config_file;
+    out << YAML::Key << "gradient_accumulation_steps" << YAML::Value << c.gradient_accumulation_steps;
+    if (d.gradient_clipping) out << YAML::Key << "gradient_clipping" << YAML::Value << *d.gradient_clipping;
+    out << YAML::Key << "offload_optimizer_device" << YAML::Value << d.offload_optimizer_device;
+    out << YAML::Key << "offload_param_device" << YAML::Value << d.offload_param_device;
+    out << YAML::Key << "zero3_init_flag" << YAML::Value << d.zero3_init_flag;
+    out << YAML::Key << "zero3_save_16bit_model" << YAML::Value << d.zero3_save_16bit_model;
+    out << YAML::Key << "zero_stage" << YAML::Value << d.zero_stage;
+    out << YAML::EndMap;
+  } else if (c.gradient_accumulation_steps != 1) {
+    out << YAML::Key << "gradient_accumulation_steps" << YAML::Value << c.gradient_accumulation_steps;
+  }
+  out << YAML::Key << "gpu_ids" << YAML::Value << c.gpu_ids;
+  out << YAML::Key << "machine_rank" << YAML::Value << c.machine_rank;
+  if (!c.main_process_ip.empty()) out << YAML::Key << "main_process_ip" << YAML::Value << c.main_process_ip;
+  if (c.main_process_port) out << YAML::Key << "main_process_port" << YAML::Value << *c.main_process_port;
+  out << YAML::Key << "main_training_function" << YAML::Value << c.main_training_function;
+  out << YAML::Key << "mixed_precision" << YAML::Value << YAML::SingleQuoted << to_string(c.mixed_precision);
+  out << YAML::Key << "num_machines" << YAML::Value << c.num_machines;
+  out << YAML::Key << "num_processes" << YAML::Value << c.num_processes;
+  if (c.parallelism) {
+    out << YAML::Key << "parallelism_config" << YAML::Value << YAML::BeginMap;
+    out << YAML::Key << "parallelism_config_dp_replicate_size" << YAML::Value << c.parallelism->dp_replicate;
+    out << YAML::Key << "parallelism_config_dp_shard_size" << YAML::Value << c.parallelism->dp_shard;
+    out << YAML::Key << "parallelism_config_cp_size" << YAML::Value << c.parallelism->cp;
+    out << YAML::Key << "parallelism_config_tp_size" << YAML::Value << c.parallelism->tp;
+    out << YAML::EndMap;
+  }
+  out << YAML::Key << "rdzv_backend" << YAML::Value << c.rdzv_backend;
+  out << YAML::Key << "same_network" << YAML::Value << c.same_network;
+  out << YAML::Key << "use_cpu" << YAML::Value << c.use_cpu;
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+void save_config(const LaunchConfig& config, const std::string& path) {
+  fs::path target(path);
+  if (target.has_parent_path()) fs::create_directories(target.parent_path());
+  fs::path tmp = target;
+  tmp += ".tmp";
+  {
+    std::ofstream out(tmp);
+    if (!out) throw ConfigError(fmt::format("cannot write config file {:?}", tmp.string()));
+    out << to_yaml(config);
+    if (!out.flush()) throw ConfigError(fmt::format("cannot write config file {:?}", tmp.string()));
+  }
+  fs::rename(tmp, target);
+}
+
+std::string default_config_path() {
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return std::string(xdg) + "/xlr8/default_config.yaml";
+  const char* home = std::getenv("HOME");
+  return std::string(home && *home ? home : ".") + "/.cache/xlr8/default_config.yaml";
+}
+
+}  // namespace xlr8

@@ -1,0 +1,317 @@
+#include "xlr8/settings.hpp"
+
+#include <fmt/format.h>
+
+#include "xlr8/error.hpp"
+#include "xlr8/text.hpp"
+
+namespace xlr8 {
+namespace {
+
+template <class E>
+struct Names {
+  std::vector<std::pair<E, std::string>> items;
+  std::string name(E e) const {
+    for (auto& [v, n] : items)
+      if (v == e) return n;
+    return "?";
+  }
+  std::vector<std::string> all() const {
+    std::vector<std::string> out;
+    for (auto& [v, n] : items) out.push_back(n);
+    return out;
+  }
+  E parse(const std::string& value, const std::string& what, bool case_insensitive = true) const {
+    for (auto& [v, n] : items)
+      if (n == value || (case_insensitive && text::upper(n) == text::upper(value))) return v;
+    std::string hint = text::closest(value, all());
+    throw ConfigError(fmt::format("{}: invalid value {:?}; allowed: {}{}", what, value, text::join(all()),
+                                  hint.empty() ? "" : fmt::format(" (did you mean {:?}?)", hint)));
+  }
+};
+
+const Names<DistributedType> kDistributedTypes{{{DistributedType::NO, "NO"},
+                                                {DistributedType::MULTI_CPU, "MULTI_CPU"},
+                                                {DistributedType::MULTI_GPU, "MULTI_GPU"},
+                                                {DistributedType::FSDP, "FSDP"},
+                                                {DistributedType::DEEPSPEED, "DEEPSPEED"}}};
+const Names<MixedPrecision> kPrecisions{
+    {{MixedPrecision::NO, "no"}, {MixedPrecision::FP16, "fp16"}, {MixedPrecision::BF16, "bf16"}}};
+const Names<ShardingStrategy> kStrategies{{{ShardingStrategy::FULL_SHARD, "FULL_SHARD"},
+                                           {ShardingStrategy::SHARD_GRAD_OP, "SHARD_GRAD_OP"},
+                                           {ShardingStrategy::NO_SHARD, "NO_SHARD"},
+                                           {ShardingStrategy::HYBRID_SHARD, "HYBRID_SHARD"},
+                                           {ShardingStrategy::HYBRID_SHARD_ZERO2, "HYBRID_SHARD_ZERO2"}}};
+
+std::string bool_text(bool b) { return b ? "true" : "false"; }
+
+void check_choice(const std::string& value, const std::vector<std::string>& allowed, const std::string& what) {
+  for (auto& a : allowed)
+    if (a == value) return;
+  std::string hint = text::closest(value, allowed);
+  throw ConfigError(fmt::format("{}: invalid value {:?}; allowed: {}{}", what, value, text::join(allowed),
+                                hint.empty() ? "" : fmt::format(" (did you mean {:?}?)", hint)));
+}
+
+}  // namespace
+
+std::string to_string(DistributedType t) { return kDistributedTypes.name(t); }
+std::string to_string(MixedPrecision p) { return kPrecisions.name(p); }
+std::string to_string(ShardingStrategy s) { return kStrategies.name(s); }
+
+MixedPrecision parse_mixed_precision(const std::string& value, const std::string& what) {
+  if (text::lower(value) == "fp8")
+    throw ConfigError(fmt::format("{}: \"fp8\" is not supported by xlr8 yet; use \"bf16\" or \"fp16\"", what));
+  return kPrecisions.parse(value, what);
+}
+
+ShardingStrategy parse_sharding_strategy(const std::string& value, const std::string& what) {
+  // Accelerate also accepts the enum's integer value (1..5).
+  if (value.size() == 1 && value[0] >= '1' && value[0] <= '5') return static_cast<ShardingStrategy>(value[0] - '0');
+  return kStrategies.parse(value, what);
+}
+
+DistributedType parse_distributed_type(const std::string& value, const std::string& what) {
+  return kDistributedTypes.parse(value, what, /*case_insensitive=*/false);
+}
+
+std::string Settings::strategy_name() const { return deepspeed ? "deepspeed" : fsdp ? "fsdp" : "ddp"; }
+
+std::map<std::string, std::string> settings_to_env(const Settings& s) {
+  std::map<std::string, std::string> env;
+  env["ACCELERATE_MIXED_PRECISION"] = to_string(s.mixed_precision);
+  if (s.gradient_accumulation_steps != 1)
+    env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = std::to_string(s.gradient_accumulation_steps);
+  if (s.use_cpu) env["ACCELERATE_USE_CPU"] = "true";
+  if (s.debug) env["ACCELERATE_DEBUG_MODE"] = "true";
+  if (const auto& f = s.fsdp) {
+    env["ACCELERATE_USE_FSDP"] = "true";
+    env["FSDP_VERSION"] = std::to_string(f->version);
+    env["FSDP_SHARDING_STRATEGY"] = to_string(f->sharding_strategy);
+    if (f->reshard_after_forward) env["FSDP_RESHARD_AFTER_FORWARD"] = bool_text(*f->reshard_after_forward);
+    env["FSDP_AUTO_WRAP_POLICY"] = f->auto_wrap_policy;
+    if (!f->transformer_layer_cls_to_wrap.empty())
+      env["FSDP_TRANSFORMER_CLS_TO_WRAP"] = text::join(f->transformer_layer_cls_to_wrap, ",");
+    env["FSDP_MIN_NUM_PARAMS"] = std::to_string(f->min_num_params);
+    if (!f->backward_prefetch.empty()) env["FSDP_BACKWARD_PREFETCH"] = f->backward_prefetch;
+    env["FSDP_STATE_DICT_TYPE"] = f->state_dict_type;
+    env["FSDP_FORWARD_PREFETCH"] = bool_text(f->forward_prefetch);
+    env["FSDP_USE_ORIG_PARAMS"] = bool_text(f->use_orig_params);
+    env["FSDP_CPU_RAM_EFFICIENT_LOADING"] = bool_text(f->cpu_ram_efficient_loading);
+    env["FSDP_SYNC_MODULE_STATES"] = bool_text(f->sync_module_states);
+    env["FSDP_OFFLOAD_PARAMS"] = bool_text(f->offload_params);
+    env["FSDP_ACTIVATION_CHECKPOINTING"] = bool_text(f->activation_checkpointing);
+  }
+  if (const auto& d = s.deepspeed) {
+    env["ACCELERATE_USE_DEEPSPEED"] = "true";
+    env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = std::to_string(d->zero_stage);
+    env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = std::to_string(s.gradient_accumulation_steps);
+    if (d->gradient_clipping) env["ACCELERATE_GRADIENT_CLIPPING"] = fmt::format("{}", *d->gradient_clipping);
+    env["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"] = d->offload_optimizer_device;
+    env["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"] = d->offload_param_device;
+    if (!d->offload_optimizer_nvme_path.empty())
+      env["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH"] = d->offload_optimizer_nvme_path;
+    if (!d->offload_param_nvme_path.empty())
+      env["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH"] = d->offload_param_nvme_path;
+    env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] = bool_text(d->zero3_init_flag);
+    env["ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"] = bool_text(d->zero3_save_16bit_model);
+    if (!d->config_file.empty()) env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = d->config_file;
+  }
+  if (const auto& p = s.parallelism) {
+    env["ACCELERATE_USE_PARALLELISM_CONFIG"] = "true";
+    env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"] = std::to_string(p->dp_replicate);
+    env["PARALLELISM_CONFIG_DP_SHARD_SIZE"] = std::to_string(p->dp_shard);
+    env["PARALLELISM_CONFIG_CP_SIZE"] = std::to_string(p->cp);
+    env["PARALLELISM_CONFIG_TP_SIZE"] = std::to_string(p->tp);
+  }
+  return env;
+}
+
+std::map<std::string, std::string> topology_to_env(const Topology& t) {
+  return {
+      {"RANK", std::to_string(t.rank)},
+      {"WORLD_SIZE", std::to_string(t.world_size)},
+      {"LOCAL_RANK", std::to_string(t.local_rank)},
+      {"LOCAL_WORLD_SIZE", std::to_string(t.local_world_size)},
+      {"GROUP_RANK", std::to_string(t.node_rank)},
+      {"NODE_RANK", std::to_string(t.node_rank)},
+      {"ROLE_RANK", std::to_string(t.rank)},
+      {"ROLE_WORLD_SIZE", std::to_string(t.world_size)},
+      {"MASTER_ADDR", t.master_addr},
+      {"MASTER_PORT", std::to_string(t.master_port)},
+  };
+}
+
+namespace {
+
+int positive(const Env& env, const char* name, long fallback) {
+  long v = env.get_int(name).value_or(fallback);
+  if (v < 1) throw ConfigError(fmt::format("environment variable {}={} must be at least 1", name, v));
+  return static_cast<int>(v);
+}
+
+FsdpSettings fsdp_from_env(const Env& env) {
+  FsdpSettings f;
+  f.version = positive(env, "FSDP_VERSION", 1);
+  if (f.version > 2) throw ConfigError(fmt::format("FSDP_VERSION={}: allowed values are 1 and 2", f.version));
+  if (auto v = env.get("FSDP_SHARDING_STRATEGY")) f.sharding_strategy = parse_sharding_strategy(*v, "FSDP_SHARDING_STRATEGY");
+  if (auto v = env.get("FSDP_RESHARD_AFTER_FORWARD")) {
+    if (auto b = parse_bool(*v)) f.reshard_after_forward = b;
+    else if (f.version == 1) f.sharding_strategy = parse_sharding_strategy(*v, "FSDP_RESHARD_AFTER_FORWARD");
+    else throw ConfigError(fmt::format("FSDP_RESHARD_AFTER_FORWARD={:?} must be true or false with FSDP_VERSION=2", *v));
+  }
+  if (auto v = env.get("FSDP_AUTO_WRAP_POLICY")) {
+    f.auto_wrap_policy = text::upper(*v);
+    check_choice(f.auto_wrap_policy, {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"}, "FSDP_AUTO_WRAP_POLICY");
+  }
+  if (auto v = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP")) f.transformer_layer_cls_to_wrap = text::split(*v, ',');
+  if (auto v = env.get_int("FSDP_MIN_NUM_PARAMS")) f.min_num_params = *v;
+  if (auto v = env.get("FSDP_BACKWARD_PREFETCH")) {
+    f.backward_prefetch = text::upper(*v);
+    check_choice(f.backward_prefetch, {"BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"}, "FSDP_BACKWARD_PREFETCH");
+  }
+  if (auto v = env.get("FSDP_STATE_DICT_TYPE")) {
+    f.state_dict_type = text::upper(*v);
+    check_choice(f.state_dict_type, {"FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"}, "FSDP_STATE_DICT_TYPE");
+  }
+  f.forward_prefetch = env.get_bool("FSDP_FORWARD_PREFETCH").value_or(f.forward_prefetch);
+  f.use_orig_params = env.get_bool("FSDP_USE_ORIG_PARAMS").value_or(f.use_orig_params);
+  f.cpu_ram_efficient_loading = env.get_bool("FSDP_CPU_RAM_EFFICIENT_LOADING").value_or(f.cpu_ram_efficient_loading);
+  f.sync_module_states = env.get_bool("FSDP_SYNC_MODULE_STATES").value_or(f.sync_module_states);
+  f.offload_params = env.get_bool("FSDP_OFFLOAD_PARAMS").value_or(f.offload_params);
+  f.activation_checkpointing = env.get_bool("FSDP_ACTIVATION_CHECKPOINTING").value_or(f.activation_checkpointing);
+  return f;
+}
+
+DeepSpeedSettings deepspeed_from_env(const Env& env) {
+  DeepSpeedSettings d;
+  if (auto v = env.get_int("ACCELERATE_DEEPSPEED_ZERO_STAGE")) {
+    if (*v < 0 || *v > 3)
+      throw ConfigError(fmt::format("ACCELERATE_DEEPSPEED_ZERO_STAGE={}: allowed values are 0, 1, 2, 3", *v));
+    d.zero_stage = static_cast<int>(*v);
+  }
+  if (auto v = env.get("ACCELERATE_GRADIENT_CLIPPING"); v && !v->empty() && *v != "auto") {
+    try {
+      d.gradient_clipping = std::stod(*v);
+    } catch (const std::exception&) {
+      throw ConfigError(fmt::format("ACCELERATE_GRADIENT_CLIPPING={:?} is not a number", *v));
+    }
+  }
+  for (auto [var, field] : {std::pair{"ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", &d.offload_optimizer_device},
+                            std::pair{"ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", &d.offload_param_device}}) {
+    if (auto v = env.get(var)) {
+      *field = text::lower(*v);
+      check_choice(*field, {"none", "cpu", "nvme"}, var);
+    }
+  }
+  d.offload_optimizer_nvme_path = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH").value_or("");
+  d.offload_param_nvme_path = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH").value_or("");
+  d.zero3_init_flag = env.get_bool("ACCELERATE_DEEPSPEED_ZERO3_INIT").value_or(d.zero3_init_flag);
+  d.zero3_save_16bit_model = env.get_bool("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL").value_or(false);
+  d.config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE").value_or("");
+  return d;
+}
+
+}  // namespace
+
+Settings settings_from_env(const Env& env) {
+  Settings s;
+  if (auto v = env.get("ACCELERATE_MIXED_PRECISION")) s.mixed_precision = parse_mixed_precision(*v, "ACCELERATE_MIXED_PRECISION");
+  s.gradient_accumulation_steps = positive(env, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", 1);
+  s.use_cpu = env.get_bool("ACCELERATE_USE_CPU").value_or(false);
+  s.debug = env.get_bool("ACCELERATE_DEBUG_MODE").value_or(false);
+  bool use_fsdp = env.get_bool("ACCELERATE_USE_FSDP").value_or(false);
+  bool use_deepspeed = env.get_bool("ACCELERATE_USE_DEEPSPEED").value_or(false);
+  if (use_fsdp && use_deepspeed)
+    throw ConfigError("ACCELERATE_USE_FSDP and ACCELERATE_USE_DEEPSPEED are both true; choose one strategy");
+  if (use_fsdp) s.fsdp = fsdp_from_env(env);
+  if (use_deepspeed) s.deepspeed = deepspeed_from_env(env);
+  bool any_parallelism = env.get_bool("ACCELERATE_USE_PARALLELISM_CONFIG").value_or(false);
+  for (auto n : {"PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "PARALLELISM_CONFIG_DP_SHARD_SIZE", "PARALLELISM_CONFIG_CP_SIZE",
+                 "PARALLELISM_CONFIG_TP_SIZE"})
+    any_parallelism = any_parallelism || env.has(n);
+  if (any_parallelism) {
+    ParallelismSettings p;
+    p.dp_replicate = positive(env, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE", 1);
+    p.dp_shard = positive(env, "PARALLELISM_CONFIG_DP_SHARD_SIZE", 1);
+    p.cp = positive(env, "PARALLELISM_CONFIG_CP_SIZE", 1);
+    p.tp = positive(env, "PARALLELISM_CONFIG_TP_SIZE", 1);
+    s.parallelism = p;
+  }
+  return s;
+}
+
+namespace {
+
+struct Source {
+  const char* name;
+  const char* rank;
+  const char* size;
+  std::initializer_list<const char*> local_rank;
+  std::initializer_list<const char*> local_size;
+  std::initializer_list<const char*> node_rank;
+  std::initializer_list<const char*> num_nodes;
+};
+
+// Slurm's SLURM_NTASKS_PER_NODE may read "2" or "2(x3)"; the leading count is what we need.
+std::optional<long> leading_int(const Env& env, const char* name) {
+  auto v = env.get(name);
+  if (!v || v->empty() || !std::isdigit(static_cast<unsigned char>((*v)[0]))) return std::nullopt;
+  return std::stol(*v);
+}
+
+}  // namespace
+
+Topology topology_from_env(const Env& env) {
+  static const Source kSources[] = {
+      {"torchrun", "RANK", "WORLD_SIZE", {"LOCAL_RANK"}, {"LOCAL_WORLD_SIZE"}, {"NODE_RANK", "GROUP_RANK"}, {}},
+      {"slurm", "SLURM_PROCID", "SLURM_NTASKS", {"SLURM_LOCALID"}, {}, {"SLURM_NODEID"}, {"SLURM_NNODES"}},
+      {"openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", {"OMPI_COMM_WORLD_LOCAL_RANK"},
+       {"OMPI_COMM_WORLD_LOCAL_SIZE"}, {"OMPI_COMM_WORLD_NODE_RANK"}, {}},
+      {"mvapich", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", {"MV2_COMM_WORLD_LOCAL_RANK"},
+       {"MV2_COMM_WORLD_LOCAL_SIZE"}, {}, {}},
+      {"pmi", "PMI_RANK", "PMI_SIZE", {"MPI_LOCALRANKID", "PALS_LOCAL_RANKID"}, {"MPI_LOCALNRANKS"}, {}, {}},
+  };
+  Topology t;
+  const Source* src = nullptr;
+  for (const auto& s : kSources)
+    if (env.has(s.size) && (env.has(s.rank) || (std::string(s.name) == "torchrun" && env.has("LOCAL_RANK")))) {
+      src = &s;
+      break;
+    }
+  if (!src) return t;
+  t.source = src->name;
+  t.world_size = positive(env, src->size, 1);
+  t.rank = static_cast<int>(env.first_int({src->rank}).value_or(env.get_int("LOCAL_RANK").value_or(0)));
+  auto local_size = env.first_int(src->local_size);
+  if (!local_size && t.source == "slurm") local_size = leading_int(env, "SLURM_NTASKS_PER_NODE");
+  auto num_nodes = env.first_int(src->num_nodes);
+  if (!local_size) local_size = num_nodes ? t.world_size / std::max(1L, *num_nodes) : t.world_size;
+  t.local_world_size = static_cast<int>(std::max(1L, *local_size));
+  t.local_rank = static_cast<int>(env.first_int(src->local_rank).value_or(t.rank % t.local_world_size));
+  t.node_rank = static_cast<int>(env.first_int(src->node_rank).value_or(t.rank / t.local_world_size));
+  t.num_nodes = static_cast<int>(num_nodes.value_or((t.world_size + t.local_world_size - 1) / t.local_world_size));
+
+  auto bad = [&](const std::string& why) {
+    return ConfigError(fmt::format("inconsistent {} environment: {} (rank={}, world_size={}, local_rank={}, "
+                                   "local_world_size={}, node_rank={}, num_nodes={})",
+                                   t.source, why, t.rank, t.world_size, t.local_rank, t.local_world_size, t.node_rank,
+                                   t.num_nodes));
+  };
+  if (t.rank < 0 || t.rank >= t.world_size) throw bad(fmt::format("{} must be in [0, {})", src->rank, t.world_size));
+  if (t.local_rank < 0 || t.local_rank >= t.local_world_size) throw bad("local rank must be below the local world size");
+  if (t.node_rank < 0 || t.node_rank >= t.num_nodes) throw bad("node rank must be below the number of nodes");
+
+  t.master_port = static_cast<int>(env.get_int("MASTER_PORT").value_or(29500));
+  if (t.master_port < 1 || t.master_port > 65535)
+    throw ConfigError(fmt::format("MASTER_PORT={} is not a TCP port (1-65535)", t.master_port));
+  if (auto addr = env.get("MASTER_ADDR"); addr && !addr->empty()) {
+    t.master_addr = *addr;
+  } else if (t.num_nodes > 1) {
+    throw ConfigError(fmt::format("MASTER_ADDR is not set but the job spans {} nodes; set MASTER_ADDR to the host of rank 0",
+                                  t.num_nodes));
+  }
+  return t;
+}
+
+}  // namespace xlr8

@@ -1,0 +1,67 @@
+#pragma once
+// Internal state behind xlr8::Communicator and xlr8::Work (not a public header: it exposes c10d).
+#include <condition_variable>
+#include <deque>
+#include <future>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "compat/torch_compat.hpp"
+#include "xlr8/communicator.hpp"
+
+namespace xlr8::detail {
+
+// One background thread per communicator for composite operations (rings over send/recv), so that
+// their async form really overlaps with the caller. FIFO: composite ops complete in issue order.
+class SerialExecutor {
+ public:
+  ~SerialExecutor();
+  std::shared_future<void> submit(std::function<void()> task);
+
+ private:
+  void loop();
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<std::packaged_task<void()>> queue_;
+  std::thread thread_;
+  bool stopping_ = false;
+};
+
+struct CommState {
+  compat::BackendPtr backend;
+  compat::StorePtr store;  // this group's namespace in the job's store
+  int rank = 0;
+  int size = 1;
+  std::string name = "world";
+  std::string master_addr = "127.0.0.1";
+  std::chrono::milliseconds timeout{std::chrono::minutes(30)};
+  bool nccl = false;
+  std::uint64_t object_sequence = 0;
+  std::uint64_t ring_sequence = 0;
+  std::map<std::string, int> subgroups_made;
+  SerialExecutor executor;
+};
+
+struct WorkState {
+  std::string what;  // e.g. "all_reduce(bfloat16[1024], SUM) on group 'world' (rank 1 of 2)"
+  std::chrono::milliseconds timeout{0};
+  compat::WorkPtr work;               // a native c10d operation, or
+  std::shared_future<void> future;    // a composite one on the executor
+  std::function<void()> finish;       // runs once after a successful wait (AVG division, copy back)
+  std::mutex mutex;
+  bool done = false;
+};
+
+// The world communicator over an established store (rendezvous.cpp makes the store).
+Communicator make_communicator(compat::StorePtr store, int rank, int size, const std::string& name,
+                               const std::string& master_addr, std::chrono::milliseconds timeout, bool use_nccl);
+
+// Rethrows a c10d/gloo failure as xlr8::TimeoutError or xlr8::Error naming `what`.
+[[noreturn]] void rethrow_with_context(const std::string& what, std::chrono::milliseconds timeout,
+                                       const std::exception& cause);
+
+std::string describe(const at::Tensor& t);  // "float32[4, 8]"
+std::string dtype_name(at::ScalarType t);  // "bfloat16"
+
+}  // namespace xlr8::detail

@@ -1,0 +1,568 @@
+// Communicator: native c10d collectives where the backend has them, composite ones where it does not.
+#include <fmt/format.h>
+
+#include "dist/comm_state.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/text.hpp"
+
+namespace xlr8 {
+
+std::string to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM: return "SUM";
+    case ReduceOp::AVG: return "AVG";
+    case ReduceOp::MIN: return "MIN";
+    case ReduceOp::MAX: return "MAX";
+    case ReduceOp::PRODUCT: return "PRODUCT";
+  }
+  return "?";
+}
+
+namespace detail {
+
+SerialExecutor::~SerialExecutor() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (thread_.joinable()) thread_.join();
+}
+
+std::shared_future<void> SerialExecutor::submit(std::function<void()> task) {
+  std::packaged_task<void()> packaged(std::move(task));
+  auto future = packaged.get_future().share();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    queue_.push_back(std::move(packaged));
+    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+  }
+  cv_.notify_one();
+  return future;
+}
+
+void SerialExecutor::loop() {
+  for (;;) {
+    std::packaged_task<void()> task;
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      task = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    task();
+  }
+}
+
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kDouble: return "float64";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kLong: return "int64";
+    case at::kInt: return "int32";
+    case at::kShort: return "int16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    default: return c10::toString(t);
+  }
+}
+
+std::string describe(const at::Tensor& t) {
+  if (!t.defined()) return "undefined";
+  std::vector<std::string> dims;
+  for (auto d : t.sizes()) dims.push_back(std::to_string(d));
+  return fmt::format("{}[{}]", dtype_name(t.scalar_type()), text::join(dims));
+}
+
+void rethrow_with_context(const std::string& what, std::chrono::milliseconds timeout, const std::exception& cause) {
+  std::string message = cause.what();
+  // c10::Error messages carry a C++ backtrace after the first line; keep the first line only.
+  if (auto nl = message.find('\n'); nl != std::string::npos) message = message.substr(0, nl);
+  bool timed_out = message.find("imed out") != std::string::npos || message.find("imeout") != std::string::npos;
+  if (timed_out)
+    throw TimeoutError(fmt::format("{} timed out after {} s: a peer rank did not reach this collective or died "
+                                   "(set XLR8_COLLECTIVE_TIMEOUT to wait longer). Cause: {}",
+                                   what, timeout.count() / 1000.0, message));
+  throw Error(fmt::format("{} failed: {}", what, message));
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------- Work
+
+void Work::wait() {
+  if (!state_) return;
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.done) return;
+  if (s.work) {
+    try {
+      s.work->wait(s.timeout);
+    } catch (const std::exception& e) {
+      detail::rethrow_with_context(s.what, s.timeout, e);
+    }
+  } else if (s.future.valid()) {
+    // The composite op enforces the timeout on each of its steps; this is a backstop.
+    if (s.future.wait_for(s.timeout + std::chrono::seconds(5)) != std::future_status::ready)
+      throw TimeoutError(fmt::format("{} timed out after {} s", s.what, s.timeout.count() / 1000.0));
+    s.future.get();
+  }
+  if (s.finish) s.finish();
+  s.done = true;
+}
+
+bool Work::is_completed() const {
+  if (!state_) return true;
+  if (state_->work) return state_->work->isCompleted();
+  if (state_->future.valid()) return state_->future.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  return true;
+}
+
+// ---------------------------------------------------------------------------------------------- helpers
+
+namespace {
+
+using detail::CommState;
+using detail::WorkState;
+
+// Types Gloo can reduce and move on this LibTorch version.
+bool gloo_native(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kChar: case at::kByte: case at::kInt: case at::kLong:
+      return true;
+    case at::kBFloat16:
+      return compat::kGlooReducesBFloat16;
+    default:
+      return false;
+  }
+}
+
+// Data-moving collectives only copy bytes: move what Gloo can't type as a Gloo type of equal width
+// (Gloo 1.13 has no int16, so 2-byte types travel as float16 bit patterns, unchanged).
+at::Tensor movable(const CommState& s, const at::Tensor& t) {
+  if (s.nccl || gloo_native(t.scalar_type())) return t;
+  switch (t.element_size()) {
+    case 1: return t.view(at::kByte);
+    case 2: return t.view(at::kHalf);
+    case 4: return t.view(at::kInt);
+    case 8: return t.view(at::kLong);
+    default: throw Error(fmt::format("cannot move tensors of type {} through Gloo", detail::describe(t)));
+  }
+}
+
+c10d::ReduceOp native_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM: return c10d::ReduceOp::SUM;
+    case ReduceOp::AVG: return c10d::ReduceOp::AVG;
+    case ReduceOp::MIN: return c10d::ReduceOp::MIN;
+    case ReduceOp::MAX: return c10d::ReduceOp::MAX;
+    case ReduceOp::PRODUCT: return c10d::ReduceOp::PRODUCT;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+// Gloo has no AVG: reduce with SUM, then divide (truncating for integers, as NCCL does).
+c10d::ReduceOp backend_op(const CommState& s, ReduceOp op) {
+  return (!s.nccl && op == ReduceOp::AVG) ? c10d::ReduceOp(c10d::ReduceOp::SUM) : native_op(op);
+}
+
+void divide_for_average(at::Tensor& t, int size) {
+  if (at::isFloatingType(t.scalar_type())) t.div_(size);
+  else t.div_(size, "trunc");
+}
+
+void combine(at::Tensor& acc, const at::Tensor& other, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM: case ReduceOp::AVG: acc.add_(other); break;
+    case ReduceOp::MIN: at::minimum_out(acc, acc, other); break;
+    case ReduceOp::MAX: at::maximum_out(acc, acc, other); break;
+    case ReduceOp::PRODUCT: acc.mul_(other); break;
+  }
+}
+
+std::string what(const CommState& s, const std::string& op, const at::Tensor& t, const std::string& extra = "") {
+  return fmt::format("{}({}{}) on group '{}' (rank {} of {})", op, detail::describe(t), extra, s.name, s.rank, s.size);
+}
+
+Work native(CommState& s, std::string description, compat::WorkPtr work, std::function<void()> finish = {}) {
+  auto st = std::make_shared<WorkState>();
+  st->what = std::move(description);
+  st->timeout = s.timeout;
+  st->work = std::move(work);
+  st->finish = std::move(finish);
+  return Work(st);
+}
+
+Work composite(CommState& s, std::string description, std::function<void()> body, std::function<void()> finish = {}) {
+  auto st = std::make_shared<WorkState>();
+  st->what = description;
+  st->timeout = s.timeout;
+  st->future = s.executor.submit([body = std::move(body), description, timeout = s.timeout] {
+    try {
+      body();
+    } catch (const Error&) {
+      throw;
+    } catch (const std::exception& e) {
+      detail::rethrow_with_context(description, timeout, e);
+    }
+  });
+  st->finish = std::move(finish);
+  return Work(st);
+}
+
+// Calls `fn` with the raw c10d error converted to an xlr8 error naming `description`.
+template <class Fn>
+auto guarded(const CommState& s, const std::string& description, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    detail::rethrow_with_context(description, s.timeout, e);
+  }
+}
+
+void wait_step(const CommState& s, const compat::WorkPtr& w) { w->wait(s.timeout); }
+
+// Ring reduce-scatter over send/recv: (P-1)/P of the input crosses each link once, in the tensor's
+// own dtype, so bf16 stays bf16 on the wire. `input` is contiguous 1-D with P * output.numel() elements.
+void ring_reduce_scatter(CommState& s, at::Tensor output, at::Tensor input, ReduceOp op, int tag) {
+  const int P = s.size, r = s.rank;
+  const int64_t n = output.numel();
+  auto chunk = [&](int i) { return input.narrow(0, static_cast<int64_t>(i) * n, n); };
+  if (P == 1) {
+    output.view(-1).copy_(input);
+    return;
+  }
+  const int next = (r + 1) % P, prev = (r - 1 + P) % P;
+  at::Tensor send_buf = chunk((r - 1 + P) % P).clone();
+  at::Tensor recv_buf = at::empty_like(send_buf);
+  for (int step = 0; step < P - 1; ++step) {
+    std::vector<at::Tensor> recv_list{recv_buf}, send_list{send_buf};
+    auto receiving = s.backend->recv(recv_list, prev, tag);
+    auto sending = s.backend->send(send_list, next, tag);
+    wait_step(s, sending);
+    wait_step(s, receiving);
+    combine(recv_buf, chunk((r - step - 2 + 2 * P) % P), op);
+    std::swap(send_buf, recv_buf);
+  }
+  if (op == ReduceOp::AVG) divide_for_average(send_buf, P);
+  output.view(-1).copy_(send_buf);
+}
+
+int next_ring_tag(CommState& s) {
+  // Above any tag a user would pick for send/recv; identical on all ranks since ops are issued in order.
+  return static_cast<int>((1u << 28) + (s.ring_sequence++ % (1u << 20)));
+}
+
+// Ring all-gather over send/recv; `flat` holds P chunks and this rank's chunk is already in place.
+// Composite ops use only tagged point-to-point messages: a native collective issued from the executor
+// thread could take its Gloo sequence number in a different order on different ranks.
+void ring_all_gather(CommState& s, at::Tensor flat, int tag) {
+  const int P = s.size, r = s.rank;
+  if (P == 1) return;
+  const int64_t n = flat.numel() / P;
+  auto chunk = [&](int i) { return flat.narrow(0, static_cast<int64_t>(i) * n, n); };
+  const int next = (r + 1) % P, prev = (r - 1 + P) % P;
+  for (int step = 0; step < P - 1; ++step) {
+    std::vector<at::Tensor> send_list{chunk((r - step + P) % P)}, recv_list{chunk((r - step - 1 + 2 * P) % P)};
+    auto receiving = s.backend->recv(recv_list, prev, tag);
+    auto sending = s.backend->send(send_list, next, tag);
+    wait_step(s, sending);
+    wait_step(s, receiving);
+  }
+}
+
+void require(bool ok, const std::string& description, const std::string& why) {
+  if (!ok) throw Error(fmt::format("{}: {}", description, why));
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------- Communicator
+
+int Communicator::rank() const { return state_ ? state_->rank : 0; }
+int Communicator::size() const { return state_ ? state_->size : 1; }
+const std::string& Communicator::name() const {
+  static const std::string none = "none";
+  return state_ ? state_->name : none;
+}
+std::string Communicator::backend() const { return state_ && state_->nccl ? "nccl" : "gloo"; }
+std::chrono::milliseconds Communicator::timeout() const { return state_ ? state_->timeout : std::chrono::milliseconds(0); }
+
+Work Communicator::all_reduce_async(at::Tensor& tensor, ReduceOp op) {
+  auto& s = *state_;
+  auto desc = what(s, "all_reduce", tensor, ", " + to_string(op));
+  require(tensor.defined(), desc, "the tensor is undefined");
+  at::Tensor work_tensor = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  auto copy_back = [tensor, work_tensor]() mutable {
+    if (!work_tensor.is_same(tensor)) tensor.copy_(work_tensor);
+  };
+  if (s.nccl || gloo_native(tensor.scalar_type())) {
+    std::vector<at::Tensor> list{work_tensor};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = backend_op(s, op);
+    opts.timeout = s.timeout;
+    auto w = guarded(s, desc, [&] { return s.backend->allreduce(list, opts); });
+    bool average = !s.nccl && op == ReduceOp::AVG;
+    return native(s, desc, w, [work_tensor, copy_back, average, size = s.size]() mutable {
+      if (average) divide_for_average(work_tensor, size);
+      copy_back();
+    });
+  }
+  // Gloo can't reduce this dtype: ring reduce-scatter in the dtype, then a typeless all-gather.
+  const int64_t shard = (work_tensor.numel() + s.size - 1) / s.size;
+  at::Tensor padded = at::zeros({shard * s.size}, work_tensor.options());
+  padded.narrow(0, 0, work_tensor.numel()).copy_(work_tensor.view(-1));
+  int scatter_tag = next_ring_tag(s), gather_tag = next_ring_tag(s);
+  CommState* sp = &s;
+  return composite(
+      s, desc,
+      [sp, padded, shard, op, scatter_tag, gather_tag]() mutable {
+        at::Tensor mine = padded.narrow(0, sp->rank * shard, shard);
+        ring_reduce_scatter(*sp, mine, padded, op, scatter_tag);  // reads chunk r before writing it
+        ring_all_gather(*sp, padded, gather_tag);
+      },
+      [work_tensor, padded, copy_back]() mutable {
+        work_tensor.view(-1).copy_(padded.narrow(0, 0, work_tensor.numel()));
+        copy_back();
+      });
+}
+
+Work Communicator::broadcast_async(at::Tensor& tensor, int root) {
+  auto& s = *state_;
+  auto desc = what(s, "broadcast", tensor, fmt::format(", root {}", root));
+  require(root >= 0 && root < s.size, desc, fmt::format("root must be in [0, {})", s.size));
+  at::Tensor work_tensor = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  std::vector<at::Tensor> list{movable(s, work_tensor)};
+  c10d::BroadcastOptions opts;
+  opts.rootRank = root;
+  opts.timeout = s.timeout;
+  auto w = guarded(s, desc, [&] { return s.backend->broadcast(list, opts); });
+  return native(s, desc, w, [tensor, work_tensor]() mutable {
+    if (!work_tensor.is_same(tensor)) tensor.copy_(work_tensor);
+  });
+}
+
+Work Communicator::all_gather_async(at::Tensor& output, const at::Tensor& input) {
+  auto& s = *state_;
+  auto desc = what(s, "all_gather", input);
+  require(output.numel() == input.numel() * s.size, desc,
+          fmt::format("output has {} elements; it needs {} (group size x input)", output.numel(), input.numel() * s.size));
+  require(output.scalar_type() == input.scalar_type(), desc, "output and input dtypes differ");
+  require(output.is_contiguous(), desc, "output must be contiguous");
+  at::Tensor flat_out = output.view(-1);
+  at::Tensor in = input.contiguous().view(-1);
+  if (s.nccl) {
+    c10d::AllgatherOptions opts;
+    opts.timeout = s.timeout;
+    auto w = guarded(s, desc, [&] { return s.backend->_allgather_base(flat_out, in, opts); });
+    return native(s, desc, w);
+  }
+  // Gloo's list all-gather writes each rank's part straight into views of the flat output.
+  auto in_m = movable(s, in);
+  auto out_m = movable(s, flat_out);
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int i = 0; i < s.size; ++i) outputs[0].push_back(out_m.narrow(0, i * in.numel(), in.numel()));
+  std::vector<at::Tensor> inputs{in_m};
+  c10d::AllgatherOptions opts;
+  opts.timeout = s.timeout;
+  auto w = guarded(s, desc, [&] { return s.backend->allgather(outputs, inputs, opts); });
+  return native(s, desc, w);
+}
+
+void Communicator::all_gather(std::vector<at::Tensor>& outputs, const at::Tensor& input) {
+  at::Tensor flat = at::empty({input.numel() * size()}, input.options());
+  all_gather(flat, input);
+  outputs.resize(size());
+  for (int i = 0; i < size(); ++i) {
+    auto part = flat.narrow(0, i * input.numel(), input.numel()).view(input.sizes());
+    if (outputs[i].defined()) outputs[i].copy_(part);
+    else outputs[i] = part;
+  }
+}
+
+Work Communicator::reduce_scatter_async(at::Tensor& output, const at::Tensor& input, ReduceOp op) {
+  auto& s = *state_;
+  auto desc = what(s, "reduce_scatter", input, ", " + to_string(op));
+  require(input.numel() == output.numel() * s.size, desc,
+          fmt::format("input has {} elements; it needs {} (group size x output)", input.numel(), output.numel() * s.size));
+  require(output.scalar_type() == input.scalar_type(), desc, "output and input dtypes differ");
+  require(output.is_contiguous(), desc, "output must be contiguous");
+  at::Tensor in = input.contiguous().view(-1);
+  if (s.nccl) {
+    at::Tensor out = output.view(-1);
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = native_op(op);
+    opts.timeout = s.timeout;
+    auto w = guarded(s, desc, [&] { return s.backend->_reduce_scatter_base(out, in, opts); });
+    return native(s, desc, w);
+  }
+  int tag = next_ring_tag(s);
+  CommState* sp = &s;
+  at::Tensor out = output;
+  return composite(s, desc, [sp, out, in, op, tag]() mutable { ring_reduce_scatter(*sp, out, in, op, tag); });
+}
+
+Work Communicator::all_to_all_async(at::Tensor& output, const at::Tensor& input) {
+  auto& s = *state_;
+  auto desc = what(s, "all_to_all", input);
+  require(output.numel() == input.numel(), desc, "output and input must have the same number of elements");
+  require(input.numel() % s.size == 0, desc, fmt::format("{} elements do not split evenly over {} ranks", input.numel(), s.size));
+  require(output.is_contiguous(), desc, "output must be contiguous");
+  at::Tensor out = movable(s, output.view(-1));
+  at::Tensor in = movable(s, input.contiguous().view(-1));
+  std::vector<int64_t> counts;  // empty: equal splits
+  c10d::AllToAllOptions opts;
+  opts.timeout = s.timeout;
+  auto w = guarded(s, desc, [&] { return s.backend->alltoall_base(out, in, counts, counts, opts); });
+  return native(s, desc, w);
+}
+
+Work Communicator::send_async(const at::Tensor& tensor, int dst, int tag) {
+  auto& s = *state_;
+  auto desc = what(s, "send", tensor, fmt::format(", to rank {}, tag {}", dst, tag));
+  require(dst >= 0 && dst < s.size && dst != s.rank, desc, fmt::format("destination must be another rank in [0, {})", s.size));
+  require(tag >= 0 && tag < (1 << 28), desc, "tags must be in [0, 2^28)");
+  std::vector<at::Tensor> list{movable(s, tensor.contiguous())};
+  auto w = guarded(s, desc, [&] { return s.backend->send(list, dst, tag); });
+  return native(s, desc, w);
+}
+
+Work Communicator::recv_async(at::Tensor& tensor, int src, int tag) {
+  auto& s = *state_;
+  auto desc = what(s, "recv", tensor, fmt::format(", from rank {}, tag {}", src, tag));
+  require(src >= 0 && src < s.size && src != s.rank, desc, fmt::format("source must be another rank in [0, {})", s.size));
+  require(tag >= 0 && tag < (1 << 28), desc, "tags must be in [0, 2^28)");
+  at::Tensor work_tensor = tensor.is_contiguous() ? tensor : tensor.contiguous();
+  std::vector<at::Tensor> list{movable(s, work_tensor)};
+  auto w = guarded(s, desc, [&] { return s.backend->recv(list, src, tag); });
+  return native(s, desc, w, [tensor, work_tensor]() mutable {
+    if (!work_tensor.is_same(tensor)) tensor.copy_(work_tensor);
+  });
+}
+
+void Communicator::barrier() {
+  auto& s = *state_;
+  auto desc = fmt::format("barrier on group '{}' (rank {} of {})", s.name, s.rank, s.size);
+  c10d::BarrierOptions opts;
+  opts.timeout = s.timeout;
+  native(s, desc, guarded(s, desc, [&] { return s.backend->barrier(opts); })).wait();
+}
+
+// Object collectives go through the store: no device tensors, any backend, store-enforced timeouts.
+namespace {
+
+std::string store_get(const CommState& s, const std::string& key, const std::string& desc) {
+  return guarded(s, desc, [&] {
+    auto bytes = s.store->get(key);
+    return std::string(bytes.begin(), bytes.end());
+  });
+}
+
+void store_set(const CommState& s, const std::string& key, const std::string& value, const std::string& desc) {
+  guarded(s, desc, [&] {
+    s.store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+    return 0;
+  });
+}
+
+// The last rank to finish reading removes the keys, so the store does not grow without bound.
+void release(const CommState& s, const std::string& base, const std::vector<std::string>& keys, const std::string& desc) {
+  guarded(s, desc, [&] {
+    if (s.store->add(base + "/read", 1) == s.size) {
+      for (auto& k : keys) s.store->deleteKey(k);
+      s.store->deleteKey(base + "/read");
+    }
+    return 0;
+  });
+}
+
+}  // namespace
+
+std::string Communicator::broadcast_object(const std::string& payload, int root) {
+  auto& s = *state_;
+  auto desc = fmt::format("broadcast_object({} bytes, root {}) on group '{}' (rank {} of {})", payload.size(), root,
+                          s.name, s.rank, s.size);
+  require(root >= 0 && root < s.size, desc, fmt::format("root must be in [0, {})", s.size));
+  std::string base = fmt::format("xlr8/obj/{}", s.object_sequence++);
+  if (s.rank == root) store_set(s, base, payload, desc);
+  std::string value = s.rank == root ? payload : store_get(s, base, desc);
+  release(s, base, {base}, desc);
+  return value;
+}
+
+std::vector<std::string> Communicator::all_gather_object(const std::string& payload) {
+  auto& s = *state_;
+  auto desc = fmt::format("all_gather_object({} bytes) on group '{}' (rank {} of {})", payload.size(), s.name, s.rank, s.size);
+  std::string base = fmt::format("xlr8/obj/{}", s.object_sequence++);
+  store_set(s, fmt::format("{}/{}", base, s.rank), payload, desc);
+  std::vector<std::string> values, keys;
+  for (int i = 0; i < s.size; ++i) {
+    keys.push_back(fmt::format("{}/{}", base, i));
+    values.push_back(i == s.rank ? payload : store_get(s, keys.back(), desc));
+  }
+  release(s, base, keys, desc);
+  return values;
+}
+
+Communicator Communicator::new_group(const std::vector<int>& ranks, const std::string& name) const {
+  auto& s = *state_;
+  auto desc = fmt::format("new_group('{}', ranks [{}]) from group '{}'", name, fmt::join(ranks, ", "), s.name);
+  require(!ranks.empty(), desc, "a group needs at least one rank");
+  int my_index = -1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    require(ranks[i] >= 0 && ranks[i] < s.size, desc, fmt::format("rank {} is outside [0, {})", ranks[i], s.size));
+    require(i == 0 || ranks[i] > ranks[i - 1], desc, "ranks must be increasing and distinct");
+    if (ranks[i] == s.rank) my_index = static_cast<int>(i);
+  }
+  require(my_index >= 0, desc, fmt::format("this rank ({}) is not a member; only members create a group", s.rank));
+  std::string key = fmt::format("{}/{}", name, fmt::join(ranks, ","));
+  int generation = state_->subgroups_made[key]++;
+  auto store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("xlr8/group/{}/{}", key, generation), s.store);
+  return detail::make_communicator(store, my_index, static_cast<int>(ranks.size()), s.name + "/" + name, s.master_addr,
+                                   s.timeout, s.nccl);
+}
+
+Communicator detail::make_communicator(compat::StorePtr store, int rank, int size, const std::string& name,
+                                       const std::string& master_addr, std::chrono::milliseconds timeout, bool use_nccl) {
+  auto s = std::make_shared<CommState>();
+  s->store = store;
+  s->rank = rank;
+  s->size = size;
+  s->name = name;
+  s->master_addr = master_addr;
+  s->timeout = timeout;
+  s->nccl = use_nccl;
+  auto desc = fmt::format("creating process group '{}' (rank {} of {}, backend {})", name, rank, size,
+                          use_nccl ? "nccl" : "gloo");
+  s->backend = guarded(*s, desc, [&]() -> compat::BackendPtr {
+#ifdef XLR8_WITH_NCCL
+    if (use_nccl) return compat::make_nccl(store, rank, size, timeout);
+#endif
+    if (use_nccl) throw Error("this xlr8 build has no NCCL support");
+    return compat::make_gloo(store, rank, size, timeout, master_addr);
+  });
+  return Communicator(s);
+}
+
+Communicator Communicator::in_process(const std::string& store_key, int rank, int size, std::chrono::milliseconds timeout) {
+  static std::mutex mutex;
+  static std::map<std::string, c10::intrusive_ptr<c10d::HashStore>> stores;
+  c10::intrusive_ptr<c10d::HashStore> store;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto& slot = stores[store_key];
+    if (!slot) slot = c10::make_intrusive<c10d::HashStore>();
+    store = slot;
+  }
+  store->setTimeout(timeout);
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("xlr8/" + store_key, store);
+  return detail::make_communicator(prefixed, rank, size, "world", "127.0.0.1", timeout, false);
+}
+
+}  // namespace xlr8

@@ -1,0 +1,103 @@
+#include "xlr8/process_state.hpp"
+
+#include <fmt/format.h>
+
+#include <cstdlib>
+#include <mutex>
+#include <thread>
+
+#include "dist/comm_state.hpp"
+#include "dist/rendezvous.hpp"
+#include "xlr8/error.hpp"
+
+namespace xlr8 {
+namespace {
+
+std::mutex g_mutex;
+std::unique_ptr<ProcessState> g_state;
+
+std::chrono::milliseconds seconds_from(const Env& env, const char* name, long fallback) {
+  long v = env.get_int(name).value_or(fallback);
+  if (v <= 0) throw ConfigError(fmt::format("{}={} must be a positive number of seconds", name, v));
+  return std::chrono::seconds(v);
+}
+
+}  // namespace
+
+std::unique_ptr<ProcessState> ProcessState::create(const Env& env, const ProcessStateOptions& options) {
+  std::unique_ptr<ProcessState> s(new ProcessState());
+  s->topology_ = topology_from_env(env);
+  s->settings_ = settings_from_env(env);
+  const auto& t = s->topology_;
+
+  // Device and backend, as Accelerate detects them: CUDA with NCCL when present, else CPU with Gloo.
+  int gpus = s->settings_.use_cpu ? 0 : compat::cuda_device_count();
+  bool gpu = gpus > 0 && compat::kHaveNccl;
+  s->device_ = gpu ? fmt::format("cuda:{}", t.local_rank % gpus) : "cpu";
+  s->backend_ = gpu ? "nccl" : "gloo";
+  if (s->settings_.deepspeed) s->distributed_type_ = DistributedType::DEEPSPEED;
+  else if (!t.distributed()) s->distributed_type_ = DistributedType::NO;
+  else if (s->settings_.fsdp) s->distributed_type_ = DistributedType::FSDP;
+  else s->distributed_type_ = gpu ? DistributedType::MULTI_GPU : DistributedType::MULTI_CPU;
+
+  // Intra-op threads: cores / local ranks, unless OMP_NUM_THREADS says otherwise (no oversubscription).
+  if (auto omp = env.get_int("OMP_NUM_THREADS"); omp && *omp > 0) {
+    s->threads_ = static_cast<int>(*omp);
+  } else {
+    int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    s->threads_ = std::max(1, cores / std::max(1, t.local_world_size));
+  }
+  at::set_num_threads(s->threads_);
+
+  auto rdzv_timeout = options.rendezvous_timeout.value_or(seconds_from(env, "XLR8_RDZV_TIMEOUT", 300));
+  auto coll_timeout = options.collective_timeout.value_or(seconds_from(env, "XLR8_COLLECTIVE_TIMEOUT", 1800));
+  compat::StorePtr store;
+  if (t.distributed()) {
+    store = detail::rendezvous(t, rdzv_timeout);
+    store->setTimeout(coll_timeout);
+  } else {
+    store = c10::make_intrusive<c10d::HashStore>();  // one process: no network at all
+  }
+  auto world_store = c10::make_intrusive<c10d::PrefixStore>("xlr8/world", store);
+  s->world_ = detail::make_communicator(world_store, t.rank, t.world_size, "world", t.master_addr, coll_timeout, gpu);
+  return s;
+}
+
+ProcessState::~ProcessState() = default;
+
+const ProcessState& ProcessState::instance() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!g_state) g_state = create(Env::current());
+  return *g_state;
+}
+
+bool ProcessState::exists() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_state != nullptr;
+}
+
+void configure_environment(const Settings& settings, const Topology& topology) {
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (g_state) {
+      const auto& current = g_state->settings();
+      if (current.strategy_name() != settings.strategy_name() || current.mixed_precision != settings.mixed_precision ||
+          current.fsdp != settings.fsdp || current.deepspeed != settings.deepspeed)
+        throw Error(fmt::format(
+            "configure_environment() was called after the ProcessState was created: the state already runs as {} "
+            "with mixed_precision={}, and cannot switch to {} with mixed_precision={}. Call configure_environment() "
+            "before anything creates the state (xlr8::Accelerator, ProcessState::instance()), as early as possible "
+            "in the worker",
+            to_string(g_state->distributed_type()), to_string(current.mixed_precision), settings.strategy_name(),
+            to_string(settings.mixed_precision)));
+      return;  // same settings: nothing to change
+    }
+  }
+  // A strategy switched off must not linger from an earlier call.
+  for (const char* flag : {"ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_PARALLELISM_CONFIG"})
+    unsetenv(flag);
+  for (const auto& vars : {topology_to_env(topology), settings_to_env(settings)})
+    for (const auto& [name, value] : vars) setenv(name.c_str(), value.c_str(), 1);
+}
+
+}  // namespace xlr8

@@ -1,0 +1,57 @@
+#include "dist/rendezvous.hpp"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <thread>
+
+#include "xlr8/error.hpp"
+
+namespace xlr8::detail {
+
+namespace {
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+}  // namespace
+
+compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout) {
+  const std::string where = fmt::format("{}:{}", t.master_addr, t.master_port);
+  const double seconds = timeout.count() / 1000.0;
+  compat::StorePtr store;
+  try {
+    store = compat::make_tcp_store(t.master_addr, t.master_port, t.rank == 0, t.world_size, timeout);
+  } catch (const std::exception& e) {
+    std::string cause = first_line(e.what());
+    if (t.rank == 0)
+      throw Error(fmt::format("rank 0 could not start the rendezvous server on port {} ({}): {}. If the port is in use, "
+                              "choose another with --main_process_port, or omit it to pick a free one",
+                              t.master_port, where, cause));
+    throw TimeoutError(fmt::format("rank {} could not reach the rendezvous server at {} within {} s: {}. Check that "
+                                   "rank 0 (machine 0) is running and that MASTER_ADDR/MASTER_PORT are right",
+                                   t.rank, where, seconds, cause));
+  }
+
+  char host[256] = "?";
+  gethostname(host, sizeof(host) - 1);
+  store->set(fmt::format("xlr8/rdzv/rank/{}", t.rank), std::vector<uint8_t>(host, host + std::strlen(host)));
+  store->add("xlr8/rdzv/joined", 1);
+
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::milliseconds(2);
+  while (store->add("xlr8/rdzv/joined", 0) < t.world_size) {
+    if (std::chrono::steady_clock::now() >= deadline) {
+      std::vector<int> missing;
+      for (int r = 0; r < t.world_size; ++r)
+        if (!store->check({fmt::format("xlr8/rdzv/rank/{}", r)})) missing.push_back(r);
+      throw TimeoutError(fmt::format(
+          "rendezvous at {} timed out after {} s on rank {}: {} of {} ranks joined; missing rank{} {}. Start the missing "
+          "processes (every machine's launcher), or raise XLR8_RDZV_TIMEOUT",
+          where, seconds, t.rank, t.world_size - static_cast<int>(missing.size()), t.world_size,
+          missing.size() == 1 ? "" : "s", fmt::join(missing, ", ")));
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(100));
+  }
+  return store;
+}
+
+}  // namespace xlr8::detail

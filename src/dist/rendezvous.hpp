@@ -1,0 +1,12 @@
+#pragma once
+// Rendezvous through a c10d TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 serves it).
+#include "compat/torch_compat.hpp"
+#include "xlr8/settings.hpp"
+
+namespace xlr8::detail {
+
+// Returns once every rank has joined; otherwise throws xlr8::TimeoutError naming the missing ranks and
+// the address, or xlr8::Error when the server cannot listen (port in use) or cannot be reached.
+compat::StorePtr rendezvous(const Topology& topology, std::chrono::milliseconds timeout);
+
+}  // namespace xlr8::detail

@@ -1,0 +1,74 @@
+// Turning `xlr8 launch` flags plus a config file into validated LaunchOptions.
+#include <fmt/format.h>
+#include <yaml-cpp/yaml.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "xlr8/error.hpp"
+#include "xlr8/launcher.hpp"
+
+namespace xlr8 {
+
+LaunchOptions plan_launch(const LaunchRequest& r) {
+  if (r.command.empty()) throw ConfigError("no program given: usage `xlr8 launch [options] program [args...]`");
+  // Start from the file's YAML, overlay the flags as the same keys, then parse once: one validator, and
+  // the same messages for a bad flag and a bad key.
+  std::string path = r.config_file.value_or("");
+  if (path.empty() && std::filesystem::exists(default_config_path())) path = default_config_path();
+  YAML::Node root(YAML::NodeType::Map);
+  if (!path.empty()) {
+    std::ifstream in(path);
+    if (!in) throw ConfigError(fmt::format("--config_file {:?} does not exist or cannot be read", path));
+    std::stringstream text;
+    text << in.rdbuf();
+    try {
+      root = YAML::Load(text.str());
+    } catch (const YAML::Exception& e) {
+      throw ConfigError(fmt::format("{}: not valid YAML: {}", path, e.what()));
+    }
+    if (root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
+  }
+  if (r.num_processes) root["num_processes"] = *r.num_processes;
+  if (r.num_machines) root["num_machines"] = *r.num_machines;
+  if (r.nproc_per_node) root["num_processes"] = *r.nproc_per_node * root["num_machines"].as<int>(1);
+  if (r.machine_rank) root["machine_rank"] = *r.machine_rank;
+  if (r.main_process_ip) root["main_process_ip"] = *r.main_process_ip;
+  if (r.main_process_port) root["main_process_port"] = *r.main_process_port;
+  if (r.mixed_precision) root["mixed_precision"] = *r.mixed_precision;
+  if (r.cpu) root["use_cpu"] = true;
+  if (r.use_fsdp && r.use_deepspeed) throw ConfigError("--use_fsdp and --use_deepspeed were both given; choose one");
+  if (r.use_fsdp) root["distributed_type"] = "FSDP";
+  if (r.use_deepspeed) root["distributed_type"] = "DEEPSPEED";
+  for (auto& [k, v] : r.fsdp) root["fsdp_config"][k] = v;
+  for (auto& [k, v] : r.deepspeed) root["deepspeed_config"][k] = v;
+  if (r.gradient_accumulation_steps) root["gradient_accumulation_steps"] = *r.gradient_accumulation_steps;
+
+  std::string origin = path.empty() ? "xlr8 launch options" : fmt::format("xlr8 launch options over {}", path);
+  YAML::Emitter emitter;
+  emitter << root;
+  LaunchConfig cfg = parse_config(emitter.c_str(), origin);
+  if (cfg.num_processes == -1)
+    throw ConfigError(fmt::format("{}: num_processes is -1, which means it must be given: pass --num_processes N", origin));
+
+  LaunchOptions o;
+  o.command = r.command;
+  o.num_machines = cfg.num_machines;
+  o.machine_rank = cfg.machine_rank;
+  o.nproc_per_node = cfg.processes_per_machine();
+  o.master_addr = cfg.main_process_ip.empty() ? "127.0.0.1" : cfg.main_process_ip;
+  o.master_port = cfg.main_process_port.value_or(0);
+  if (o.master_port == 0 && o.num_machines > 1) o.master_port = 29500;  // every machine must agree on it
+  o.settings = cfg.settings();
+  o.max_restarts = r.max_restarts;
+  if (o.max_restarts < 0) throw ConfigError(fmt::format("--max_restarts {} must be 0 or more", o.max_restarts));
+  o.log_dir = r.log_dir;
+  if (r.rdzv_timeout_s) {
+    if (*r.rdzv_timeout_s <= 0) throw ConfigError(fmt::format("--rdzv_timeout {} must be a positive number of seconds", *r.rdzv_timeout_s));
+    o.extra_env["XLR8_RDZV_TIMEOUT"] = std::to_string(*r.rdzv_timeout_s);
+  }
+  return o;
+}
+
+}  // namespace xlr8

@@ -1,0 +1,394 @@
+// The worker supervisor behind `xlr8 launch`: one poll loop over the workers' output pipes and a
+// signalfd, so output, exits and signals are handled in one thread with no races.
+#include "xlr8/launcher.hpp"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "xlr8/error.hpp"
+
+extern char** environ;
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace xlr8 {
+
+std::string resolve_program(const std::string& program) {
+  auto check = [&](const std::string& path) {
+    struct stat st {};
+    if (stat(path.c_str(), &st) != 0) return false;
+    if (S_ISDIR(st.st_mode)) throw Error(fmt::format("cannot run {:?}: it is a directory", program));
+    if (access(path.c_str(), X_OK) != 0)
+      throw Error(fmt::format("cannot run {:?}: the file is not executable (chmod +x {})", path, path));
+    return true;
+  };
+  if (program.find('/') != std::string::npos) {
+    if (!check(program)) throw Error(fmt::format("cannot run {:?}: no such file", program));
+    return program;
+  }
+  const char* path_env = std::getenv("PATH");
+  std::string paths = path_env ? path_env : "/usr/bin:/bin";
+  size_t start = 0;
+  while (start <= paths.size()) {
+    size_t end = paths.find(':', start);
+    if (end == std::string::npos) end = paths.size();
+    std::string dir = paths.substr(start, end - start);
+    std::string candidate = (dir.empty() ? "." : dir) + "/" + program;
+    if (check(candidate)) return candidate;
+    start = end + 1;
+  }
+  throw Error(fmt::format("cannot run {:?}: not found in PATH (give a path such as ./{})", program, program));
+}
+
+namespace {
+
+int bind_probe(int port) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  int result = -1;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 && listen(fd, 1) == 0) {
+    socklen_t len = sizeof(addr);
+    getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+    result = ntohs(addr.sin_port);
+  }
+  close(fd);
+  return result;
+}
+
+}  // namespace
+
+bool port_is_free(int port) { return bind_probe(port) == port; }
+
+int pick_free_port() {
+  int port = bind_probe(0);
+  if (port <= 0) throw Error(fmt::format("cannot find a free TCP port: {}", std::strerror(errno)));
+  return port;
+}
+
+namespace {
+
+std::string signal_name(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
+}
+
+// One output stream of one worker: split into lines, prefixed, copied to the console and a log file.
+struct Stream {
+  int fd = -1;
+  int console_fd = 1;
+  std::string prefix;
+  std::string partial;
+  std::ofstream log;
+  std::deque<std::string>* tail = nullptr;  // last lines kept for the failure report (stderr only)
+
+  void emit(const std::string& line) {
+    std::string out = prefix + line + "\n";
+    for (size_t done = 0; done < out.size();) {
+      ssize_t n = write(console_fd, out.data() + done, out.size() - done);
+      if (n <= 0) break;
+      done += static_cast<size_t>(n);
+    }
+    if (log.is_open()) log << line << '\n' << std::flush;
+    if (tail) {
+      tail->push_back(line);
+      if (tail->size() > 20) tail->pop_front();
+    }
+  }
+  // Returns false at end of file.
+  bool pump() {
+    char buffer[65536];
+    ssize_t n = read(fd, buffer, sizeof(buffer));
+    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return true;
+    if (n <= 0) {
+      if (!partial.empty()) emit(partial), partial.clear();
+      close(fd);
+      fd = -1;
+      return false;
+    }
+    partial.append(buffer, static_cast<size_t>(n));
+    size_t start = 0, nl;
+    while ((nl = partial.find('\n', start)) != std::string::npos) {
+      emit(partial.substr(start, nl - start));
+      start = nl + 1;
+    }
+    partial.erase(0, start);
+    return true;
+  }
+};
+
+struct Worker {
+  int rank = 0, local_rank = 0;
+  pid_t pid = -1;
+  bool running = false;
+  int status = 0;
+  Stream out, err;
+  std::deque<std::string> err_tail;
+};
+
+std::string describe_status(int status) {
+  if (WIFSIGNALED(status))
+    return fmt::format("killed by {} (signal {})", signal_name(WTERMSIG(status)), WTERMSIG(status));
+  return fmt::format("exit code {}", WEXITSTATUS(status));
+}
+
+int exit_code_of(int status) { return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status); }
+
+class Supervisor {
+ public:
+  Supervisor(const LaunchOptions& o, std::string program) : o_(o), program_(std::move(program)) {
+    sigset_t mask;
+    sigemptyset(&mask);
+    for (int s : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaddset(&mask, s);
+    sigprocmask(SIG_BLOCK, &mask, &saved_mask_);
+    signal_fd_ = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
+    if (signal_fd_ < 0) throw Error(fmt::format("signalfd failed: {}", std::strerror(errno)));
+  }
+  ~Supervisor() {
+    close(signal_fd_);
+    sigprocmask(SIG_SETMASK, &saved_mask_, nullptr);
+  }
+
+  // One attempt: start every local worker and supervise until all have exited.
+  int run_attempt(int attempt, int port) {
+    workers_.clear();
+    workers_.resize(o_.nproc_per_node);
+    first_failure_ = -1;
+    interrupted_by_ = 0;
+    kill_deadline_.reset();
+    for (int i = 0; i < o_.nproc_per_node; ++i) start(workers_[i], i, attempt, port);
+    supervise();
+    if (interrupted_by_) return 128 + interrupted_by_;
+    if (first_failure_ >= 0) return exit_code_of(workers_[first_failure_].status);
+    return 0;
+  }
+
+  void report_failure() const {
+    if (first_failure_ < 0) return;
+    const auto& w = workers_[first_failure_];
+    auto& err = stderr;
+    fmt::print(err, "xlr8 launch: rank {} (local rank {}, pid {}) failed first: {}\n", w.rank, w.local_rank, w.pid,
+               describe_status(w.status));
+    if (!w.err_tail.empty()) {
+      fmt::print(err, "xlr8 launch: last {} lines of rank {}'s stderr:\n", w.err_tail.size(), w.rank);
+      for (auto& line : w.err_tail) fmt::print(err, "    {}\n", line);
+    }
+    int others = static_cast<int>(workers_.size()) - 1;
+    if (others > 0) fmt::print(err, "xlr8 launch: stopped the other {} local worker(s)\n", others);
+    std::fflush(err);
+  }
+  bool failed() const { return first_failure_ >= 0; }
+
+ private:
+  void start(Worker& w, int local_rank, int attempt, int port) {
+    w.local_rank = local_rank;
+    w.rank = o_.machine_rank * o_.nproc_per_node + local_rank;
+    Topology t;
+    t.rank = w.rank;
+    t.world_size = o_.world_size();
+    t.local_rank = local_rank;
+    t.local_world_size = o_.nproc_per_node;
+    t.node_rank = o_.machine_rank;
+    t.num_nodes = o_.num_machines;
+    t.master_addr = o_.master_addr;
+    t.master_port = port;
+
+    std::map<std::string, std::string> env;
+    for (char** e = environ; e && *e; ++e) {
+      std::string entry(*e);
+      auto eq = entry.find('=');
+      if (eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
+    }
+    for (const auto& vars : {topology_to_env(t), settings_to_env(o_.settings), o_.extra_env})
+      for (const auto& [k, v] : vars) env[k] = v;
+    env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt);
+    env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(o_.max_restarts);
+    env["TORCHELASTIC_RUN_ID"] = o_.run_id;
+    env["XLR8_LAUNCHED"] = "1";
+    if (!env.count("OMP_NUM_THREADS")) {
+      unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+      env["OMP_NUM_THREADS"] = std::to_string(std::max(1u, cores / static_cast<unsigned>(o_.nproc_per_node)));
+    }
+    std::vector<std::string> env_strings;
+    for (auto& [k, v] : env) env_strings.push_back(k + "=" + v);
+    std::vector<char*> envp, argv;
+    for (auto& s : env_strings) envp.push_back(s.data());
+    envp.push_back(nullptr);
+    std::vector<std::string> args = o_.command;
+    for (auto& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+
+    int out_pipe[2], err_pipe[2];
+    if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0)
+      throw Error(fmt::format("pipe failed: {}", std::strerror(errno)));
+    pid_t launcher = getpid();
+    pid_t pid = fork();
+    if (pid < 0) throw Error(fmt::format("fork failed: {}", std::strerror(errno)));
+    if (pid == 0) {
+      // Child: own process group (so the whole worker tree can be signalled), die with the launcher.
+      setpgid(0, 0);
+      prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (getppid() != launcher) _exit(1);
+      sigprocmask(SIG_SETMASK, &saved_mask_, nullptr);
+      dup2(out_pipe[1], 1);
+      dup2(err_pipe[1], 2);
+      execve(program_.c_str(), argv.data(), envp.data());
+      dprintf(2, "xlr8 launch: cannot execute %s: %s\n", program_.c_str(), std::strerror(errno));
+      _exit(127);
+    }
+    setpgid(pid, pid);  // also from the parent, so signalling the group never races the child's setpgid
+    close(out_pipe[1]);
+    close(err_pipe[1]);
+    w.pid = pid;
+    w.running = true;
+    bool prefix = o_.prefix_output && o_.world_size() > 1;
+    std::string tag = prefix ? fmt::format("[rank{}]: ", w.rank) : "";
+    w.out.fd = out_pipe[0];
+    w.out.console_fd = 1;
+    w.out.prefix = tag;
+    w.err.fd = err_pipe[0];
+    w.err.console_fd = 2;
+    w.err.prefix = tag;
+    w.err.tail = &w.err_tail;
+    if (!o_.log_dir.empty()) {
+      fs::path dir = fs::path(o_.log_dir) / fmt::format("attempt_{}", attempt) / std::to_string(local_rank);
+      fs::create_directories(dir);
+      w.out.log.open(dir / "stdout.log");
+      w.err.log.open(dir / "stderr.log");
+    }
+  }
+
+  void signal_all(int sig) {
+    for (auto& w : workers_)
+      if (w.running) kill(-w.pid, sig);
+  }
+
+  void begin_stop(int sig) {
+    signal_all(sig);
+    if (!kill_deadline_)
+      kill_deadline_ = Clock::now() + std::chrono::milliseconds(static_cast<long>(o_.grace_period_s * 1000));
+  }
+
+  void reap() {
+    for (;;) {
+      int status = 0;
+      pid_t pid = waitpid(-1, &status, WNOHANG);
+      if (pid <= 0) return;
+      for (size_t i = 0; i < workers_.size(); ++i) {
+        auto& w = workers_[i];
+        if (w.pid != pid || !w.running) continue;
+        w.running = false;
+        w.status = status;
+        bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+        if (!ok && first_failure_ < 0 && !interrupted_by_) {
+          first_failure_ = static_cast<int>(i);
+          begin_stop(SIGTERM);
+        }
+        // Anything the worker left in its process group goes with it.
+        kill(-pid, SIGKILL);
+      }
+    }
+  }
+
+  void supervise() {
+    auto any_running = [&] {
+      for (auto& w : workers_)
+        if (w.running) return true;
+      return false;
+    };
+    std::optional<Clock::time_point> drain_deadline;
+    for (;;) {
+      std::vector<pollfd> fds{{signal_fd_, POLLIN, 0}};
+      std::vector<Stream*> streams;
+      for (auto& w : workers_)
+        for (Stream* s : {&w.out, &w.err})
+          if (s->fd >= 0) fds.push_back({s->fd, POLLIN, 0}), streams.push_back(s);
+      bool running = any_running();
+      if (!running && streams.empty()) return;
+      if (!running && !drain_deadline) drain_deadline = Clock::now() + std::chrono::seconds(2);
+      if (drain_deadline && Clock::now() > *drain_deadline) {
+        // A grandchild still holds a pipe open after every worker exited: stop reading.
+        for (Stream* s : streams) close(s->fd), s->fd = -1;
+        return;
+      }
+      poll(fds.data(), fds.size(), 100);
+      if (fds[0].revents & POLLIN) {
+        signalfd_siginfo info{};
+        while (read(signal_fd_, &info, sizeof(info)) == sizeof(info)) {
+          int sig = static_cast<int>(info.ssi_signo);
+          if (sig == SIGCHLD) continue;  // reaped below
+          if (!interrupted_by_ && first_failure_ < 0) {
+            interrupted_by_ = sig;
+            fmt::print(stderr, "xlr8 launch: received {}, stopping {} worker(s)\n", signal_name(sig), workers_.size());
+            std::fflush(stderr);
+          }
+          begin_stop(sig == SIGINT ? SIGINT : SIGTERM);
+        }
+      }
+      for (size_t i = 1; i < fds.size(); ++i)
+        if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) streams[i - 1]->pump();
+      reap();
+      if (kill_deadline_ && Clock::now() > *kill_deadline_) signal_all(SIGKILL);
+    }
+  }
+
+  const LaunchOptions& o_;
+  std::string program_;
+  int signal_fd_ = -1;
+  sigset_t saved_mask_{};
+  std::vector<Worker> workers_;
+  int first_failure_ = -1;
+  int interrupted_by_ = 0;
+  std::optional<Clock::time_point> kill_deadline_;
+};
+
+}  // namespace
+
+int launch(const LaunchOptions& o) {
+  if (o.command.empty()) throw Error("no program to launch");
+  if (o.nproc_per_node < 1) throw Error(fmt::format("{} processes per machine: need at least 1", o.nproc_per_node));
+  std::string program = resolve_program(o.command[0]);
+  const bool choose_port = o.master_port == 0;
+  int port = choose_port ? pick_free_port() : o.master_port;
+  if (!choose_port && o.machine_rank == 0 && !port_is_free(port))
+    throw Error(fmt::format("port {} is already in use on this machine; pass another --main_process_port, or omit it "
+                            "to pick a free one",
+                            port));
+  Supervisor supervisor(o, program);
+  for (int attempt = 0;; ++attempt) {
+    int code = supervisor.run_attempt(attempt, port);
+    if (code == 0 || !supervisor.failed()) return code;
+    supervisor.report_failure();
+    if (attempt >= o.max_restarts) return code;
+    fmt::print(stderr, "xlr8 launch: restarting all {} local worker(s) (restart {} of {})\n", o.nproc_per_node,
+               attempt + 1, o.max_restarts);
+    std::fflush(stderr);
+    if (choose_port) port = pick_free_port();
+  }
+}
+
+}  // namespace xlr8

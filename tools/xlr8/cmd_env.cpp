@@ -1,0 +1,64 @@
+// `xlr8 env`: what a bug report needs: versions, BLAS actually loaded, backends, cores, GPUs, config.
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <thread>
+
+#include "compat/torch_compat.hpp"
+#include "xlr8/commands.hpp"
+#include "xlr8/config.hpp"
+
+namespace xlr8::cli {
+namespace {
+
+// The BLAS libraries mapped into this process after a matmul: the one that really runs.
+std::string loaded_blas() {
+  auto a = at::ones({64, 64});
+  (void)at::mm(a, a);
+  std::ifstream maps("/proc/self/maps");
+  std::set<std::string> libs;
+  std::string line;
+  while (std::getline(maps, line)) {
+    auto slash = line.find('/');
+    if (slash == std::string::npos) continue;
+    std::string path = line.substr(slash);
+    std::string name = std::filesystem::path(path).filename();
+    if (name.find("blas") != std::string::npos || name.find("mkl") != std::string::npos)
+      libs.insert(std::filesystem::canonical(path).string());
+  }
+  std::string out;
+  for (auto& l : libs) out += (out.empty() ? "" : ", ") + l;
+  return out.empty() ? "none found" : out;
+}
+
+}  // namespace
+
+Handler add_env(CLI::App& app) {
+  auto* cmd = app.add_subcommand("env", "Print versions, backends, hardware and the active config");
+  auto path = std::make_shared<std::string>();
+  cmd->add_option("--config_file,--config-file", *path, "Config file to show (default: the default config)");
+  return [=]() {
+    fmt::print("- xlr8 version: {}\n", XLR8_VERSION);
+    fmt::print("- LibTorch version: {}\n", compat::torch_version());
+    fmt::print("- BLAS in use: {}\n", loaded_blas());
+    fmt::print("- intra-op threads: {}\n", at::get_num_threads());
+    fmt::print("- Gloo: available\n");
+    fmt::print("- NCCL: {}\n", compat::kHaveNccl ? "available (built with NCCL)" : "not built (CPU LibTorch)");
+    fmt::print("- CPU cores: {}\n", std::thread::hardware_concurrency());
+    fmt::print("- GPUs: {}\n", compat::cuda_device_count());
+    std::string config = path->empty() ? default_config_path() : *path;
+    if (std::filesystem::exists(config)) {
+      fmt::print("- config ({}):\n", config);
+      std::ifstream in(config);
+      std::string line;
+      while (std::getline(in, line)) fmt::print("    {}\n", line);
+    } else {
+      fmt::print("- config: none ({} does not exist)\n", config);
+    }
+    return 0;
+  };
+}
+
+}  // namespace xlr8::cli

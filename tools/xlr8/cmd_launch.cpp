@@ -1,0 +1,95 @@
+// `xlr8 launch`: Accelerate's and torchrun's flag spellings over one LaunchRequest.
+#include <fmt/format.h>
+
+#include <memory>
+
+#include "xlr8/commands.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/launcher.hpp"
+#include "xlr8/text.hpp"
+
+namespace xlr8::cli {
+
+namespace {
+
+// "--a_b" also answers to "--a-b", as in `accelerate launch`.
+std::string spellings(const std::string& underscored) {
+  std::string hyphen = underscored;
+  std::replace(hyphen.begin() + 2, hyphen.end(), '_', '-');
+  return hyphen == underscored ? underscored : underscored + "," + hyphen;
+}
+
+}  // namespace
+
+Handler add_launch(CLI::App& app) {
+  auto* cmd = app.add_subcommand("launch", "Start the worker processes of a distributed job on this machine");
+  auto req = std::make_shared<LaunchRequest>();
+  cmd->prefix_command();  // everything from the program on belongs to the program
+  auto opt = [&](const std::string& name, auto& target, const std::string& help) {
+    return cmd->add_option(spellings(name), target, help);
+  };
+  auto& r = *req;
+  opt("--config_file", r.config_file, "Accelerate-format YAML config (default: ~/.cache/xlr8/default_config.yaml)");
+  opt("--num_processes", r.num_processes, "Total processes over all machines");
+  opt("--num_machines", r.num_machines, "Number of machines");
+  opt("--machine_rank", r.machine_rank, "Rank of this machine, from 0");
+  opt("--main_process_ip", r.main_process_ip, "Address of machine 0");
+  opt("--main_process_port", r.main_process_port, "Rendezvous port on machine 0 (0 or unset: a free port)");
+  opt("--mixed_precision", r.mixed_precision, "no | fp16 | bf16");
+  opt("--gradient_accumulation_steps", r.gradient_accumulation_steps, "Gradient accumulation steps");
+  cmd->add_flag("--cpu", r.cpu, "Run on CPU even when GPUs are present");
+  cmd->add_flag("--use_fsdp,--use-fsdp", r.use_fsdp, "Shard with FSDP");
+  cmd->add_flag("--use_deepspeed,--use-deepspeed", r.use_deepspeed, "Use DeepSpeed-style ZeRO");
+  opt("--max_restarts", r.max_restarts, "Restart the whole group up to N times when a worker fails");
+  opt("--log_dir", r.log_dir, "Also write each rank's output to <dir>/attempt_<n>/<local_rank>/{stdout,stderr}.log");
+  opt("--rdzv_timeout", r.rdzv_timeout_s, "Seconds the workers wait for all ranks to join (default 300)");
+  // torchrun spellings.
+  cmd->add_option("--nproc-per-node,--nproc_per_node", r.nproc_per_node, "Processes on this machine (torchrun)");
+  cmd->add_option("--nnodes", r.num_machines, "Number of machines (torchrun)");
+  cmd->add_option("--node-rank,--node_rank", r.machine_rank, "Rank of this machine (torchrun)");
+  cmd->add_option("--master-addr,--master_addr", r.main_process_ip, "Address of machine 0 (torchrun)");
+  cmd->add_option("--master-port,--master_port", r.main_process_port, "Rendezvous port (torchrun)");
+  // Accepted for compatibility with `accelerate launch`; xlr8 needs nothing from them.
+  auto compat_flags = std::make_shared<std::vector<std::string>>();
+  auto compat_switch = std::make_shared<bool>(false);
+  for (auto name : {"--multi_gpu", "--quiet", "--debug", "--same_network", "--standalone", "--no_python"})
+    cmd->add_flag(spellings(name), *compat_switch, "Accepted for compatibility")->group("Compatibility");
+  for (auto name : {"--monitor_interval", "--rdzv_backend", "--num_cpu_threads_per_process", "--gpu_ids", "--role", "--tee"})
+    cmd->add_option(spellings(name), *compat_flags, "Accepted for compatibility")->group("Compatibility")->expected(1);
+  // FSDP and DeepSpeed options, stored under their config-file keys.
+  for (auto key : {"fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_auto_wrap_policy",
+                   "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params", "fsdp_backward_prefetch",
+                   "fsdp_state_dict_type", "fsdp_forward_prefetch", "fsdp_use_orig_params",
+                   "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states", "fsdp_offload_params",
+                   "fsdp_activation_checkpointing"}) {
+    std::string k = key;
+    cmd->add_option_function<std::string>(spellings("--" + k), [req, k](const std::string& v) { req->fsdp[k] = v; },
+                                          "FSDP: as fsdp_config." + k)
+        ->group("FSDP");
+  }
+  for (auto key : {"zero_stage", "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path",
+                   "offload_param_nvme_path", "gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model",
+                   "deepspeed_config_file"}) {
+    std::string k = key;
+    cmd->add_option_function<std::string>(spellings("--" + k), [req, k](const std::string& v) { req->deepspeed[k] = v; },
+                                          "DeepSpeed: as deepspeed_config." + k)
+        ->group("DeepSpeed");
+  }
+  return [req, cmd, compat_flags, compat_switch]() {
+    req->command = cmd->remaining();
+    // prefix_command() hands unknown options to the program; one before the program is a typo.
+    if (!req->command.empty() && req->command[0].rfind("-", 0) == 0) {
+      std::vector<std::string> names;
+      for (const auto* o : cmd->get_options())
+        for (const auto& n : o->get_lnames()) names.push_back("--" + n);
+      std::string word = req->command[0].substr(0, req->command[0].find('='));
+      std::string hint = text::closest(word, names);
+      throw ConfigError(fmt::format("xlr8 launch: unknown option {}{}", word,
+                                    hint.empty() ? "; see xlr8 launch --help" : fmt::format(" (did you mean {}?)", hint)));
+    }
+    LaunchOptions options = plan_launch(*req);
+    return launch(options);
+  };
+}
+
+}  // namespace xlr8::cli

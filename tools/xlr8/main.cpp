@@ -1,0 +1,38 @@
+// xlr8: launch, config, env, test.
+#include <fmt/format.h>
+
+#include "xlr8/commands.hpp"
+#include "xlr8/error.hpp"
+
+int main(int argc, char** argv) {
+  CLI::App app{"xlr8: distributed training for LibTorch"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("xlr8 ") + XLR8_VERSION);
+  std::vector<std::pair<CLI::App*, xlr8::cli::Handler>> handlers;
+  auto reg = [&](xlr8::cli::Handler (*add)(CLI::App&)) {
+    size_t before = app.get_subcommands(nullptr).size();
+    auto handler = add(app);
+    handlers.emplace_back(app.get_subcommands(nullptr)[before], handler);
+  };
+  reg(xlr8::cli::add_launch);
+  reg(xlr8::cli::add_config);
+  reg(xlr8::cli::add_env);
+  reg(xlr8::cli::add_test);
+  reg(xlr8::cli::add_selftest_worker);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    for (auto& [sub, handler] : handlers)
+      if (sub->parsed()) return handler();
+  } catch (const xlr8::Error& e) {
+    fmt::print(stderr, "xlr8: error: {}\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "xlr8: unexpected error: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}
