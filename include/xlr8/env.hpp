@@ -11,6 +11,7 @@ class Env {
  public:
   Env() = default;
   explicit Env(std::map<std::string, std::string> vars) : vars_(std::move(vars)) {}
+  Env(std::initializer_list<std::pair<const std::string, std::string>> vars) : vars_(vars) {}
   static Env current();
 
   std::optional<std::string> get(const std::string& name) const;

@@ -12,7 +12,7 @@ Handler add_launch(CLI::App& app);
 Handler add_config(CLI::App& app);
 Handler add_env(CLI::App& app);
 Handler add_test(CLI::App& app);
-// Hidden: the worker side of `xlr8 test`.
+// The worker side of `xlr8 test`.
 Handler add_selftest_worker(CLI::App& app);
 
 }  // namespace xlr8::cli

@@ -52,7 +52,7 @@ Handler add_test(CLI::App& app) {
   cmd->add_option("--config_file,--config-file", req->config_file, "Config file for the launch");
   return [req]() {
     if (!req->num_processes) req->num_processes = 2;
-    req->command = {self_path(), "_selftest"};
+    req->command = {self_path(), "selftest"};
     auto options = plan_launch(*req);
     int code = launch(options);
     fmt::print("xlr8 test: {}\n", code == 0 ? "PASSED" : fmt::format("FAILED (exit code {})", code));
@@ -61,8 +61,7 @@ Handler add_test(CLI::App& app) {
 }
 
 Handler add_selftest_worker(CLI::App& app) {
-  auto* cmd = app.add_subcommand("_selftest", "");
-  cmd->group("");  // hidden
+  app.add_subcommand("selftest", "The self-check worker: run it under `xlr8 launch` (what `xlr8 test` does)");
   return []() {
     const auto& state = ProcessState::instance();
     auto results = run_collective_checks(state.world());

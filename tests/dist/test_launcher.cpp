@@ -1,0 +1,307 @@
+// `xlr8 launch` and the CLI, with real processes: environment, fail-fast, signals, restarts,
+// rendezvous failures, two "machines" on loopback, output handling and bad input.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <thread>
+
+#include "process_runner.hpp"
+#include "xlr8/config.hpp"
+#include "xlr8/launcher.hpp"
+
+namespace fs = std::filesystem;
+using Args = std::vector<std::string>;
+
+namespace {
+
+const std::string kXlr8 = XLR8_BIN;
+const std::string kWorker = WORKER_BIN;
+
+Args launch(Args options, Args program) {
+  Args a{kXlr8, "launch"};
+  a.insert(a.end(), options.begin(), options.end());
+  a.push_back(kWorker);
+  a.insert(a.end(), program.begin(), program.end());
+  return a;
+}
+
+std::map<std::string, std::string> read_env_file(const std::string& path) {
+  std::map<std::string, std::string> vars;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto eq = line.find('=');
+    if (eq != std::string::npos) vars[line.substr(0, eq)] = line.substr(eq + 1);
+  }
+  return vars;
+}
+
+std::vector<pid_t> read_pids(const std::string& dir) {
+  std::vector<pid_t> pids;
+  for (auto& entry : fs::directory_iterator(dir))
+    if (entry.path().filename().string().rfind("pid", 0) == 0) pids.push_back(std::stoi(read_file(entry.path())));
+  return pids;
+}
+
+void wait_for_files(const std::string& dir, size_t count, double timeout_s = 30) {
+  auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  while (std::chrono::steady_clock::now() < deadline) {
+    size_t n = 0;
+    for (auto& e : fs::directory_iterator(dir)) n += e.path().filename().string().rfind("pid", 0) == 0;
+    if (n >= count) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+void expect_all_dead(const std::vector<pid_t>& pids) {
+  // The launcher reaps its workers before it exits; give the kernel a moment for anything reparented.
+  for (int i = 0; i < 50; ++i) {
+    bool any = false;
+    for (pid_t p : pids) any = any || process_alive(p);
+    if (!any) return;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (pid_t p : pids) EXPECT_FALSE(process_alive(p)) << "worker pid " << p << " was left behind";
+}
+
+size_t count(const std::string& text, const std::string& needle) {
+  size_t n = 0;
+  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+}  // namespace
+
+class WorkerEnvironment : public ::testing::TestWithParam<int> {};
+
+TEST_P(WorkerEnvironment, EachWorkerSeesTheTorchrunAndAccelerateVariables) {
+  const int n = GetParam();
+  auto dir = temp_dir("env");
+  auto r = run(launch({"--num_processes", std::to_string(n), "--mixed_precision", "bf16", "--use_fsdp",
+                       "--fsdp_sharding_strategy", "SHARD_GRAD_OP"},
+                      {"env", dir}),
+               60, {{"OMP_NUM_THREADS", ""}});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::string port;
+  for (int rank = 0; rank < n; ++rank) {
+    auto vars = read_env_file(fmt::format("{}/rank{}.env", dir, rank));
+    EXPECT_EQ(vars["RANK"], std::to_string(rank));
+    EXPECT_EQ(vars["LOCAL_RANK"], std::to_string(rank));
+    EXPECT_EQ(vars["WORLD_SIZE"], std::to_string(n));
+    EXPECT_EQ(vars["LOCAL_WORLD_SIZE"], std::to_string(n));
+    EXPECT_EQ(vars["NODE_RANK"], "0");
+    EXPECT_EQ(vars["GROUP_RANK"], "0");
+    EXPECT_EQ(vars["MASTER_ADDR"], "127.0.0.1");
+    EXPECT_EQ(vars["TORCHELASTIC_RESTART_COUNT"], "0");
+    EXPECT_EQ(vars["ACCELERATE_MIXED_PRECISION"], "bf16");
+    EXPECT_EQ(vars["ACCELERATE_USE_FSDP"], "true");
+    EXPECT_EQ(vars["FSDP_SHARDING_STRATEGY"], "SHARD_GRAD_OP");
+    EXPECT_FALSE(vars["MASTER_PORT"].empty());
+    if (rank == 0) port = vars["MASTER_PORT"];
+    EXPECT_EQ(vars["MASTER_PORT"], port);  // one free port, shared
+  }
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Launcher, WorkerEnvironment, ::testing::Values(2, 4));
+
+TEST(Launcher, WorkerExitCodeStopsTheOthersPromptly) {
+  auto dir = temp_dir("exit");
+  auto r = run(launch({"--num_processes", "4"}, {"exit", "3", "1", dir}), 60);
+  EXPECT_EQ(r.exit_code, 3) << r.err;
+  EXPECT_LT(r.seconds, 15.0);
+  EXPECT_NE(r.err.find("rank 1 (local rank 1"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("failed first: exit code 3"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("giving up with code 3"), std::string::npos) << r.err;  // stderr tail in the report
+  auto pids = read_pids(dir);
+  EXPECT_EQ(pids.size(), 3u);
+  expect_all_dead(pids);
+  fs::remove_all(dir);
+}
+
+TEST(Launcher, SigtermToTheLauncherStopsHangingWorkers) {
+  auto dir = temp_dir("hang");
+  Process launcher(launch({"--num_processes", "2"}, {"hang", dir}));
+  wait_for_files(dir, 2);
+  auto pids = read_pids(dir);
+  ASSERT_EQ(pids.size(), 2u);
+  launcher.signal(SIGTERM);
+  auto r = launcher.wait(30);
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.err;
+  EXPECT_NE(r.err.find("received SIGTERM"), std::string::npos) << r.err;
+  expect_all_dead(pids);
+  fs::remove_all(dir);
+}
+
+TEST(Launcher, SigintIsForwardedToWorkers) {
+  auto dir = temp_dir("int");
+  Process launcher(launch({"--num_processes", "2"}, {"hang", dir}));
+  wait_for_files(dir, 2);
+  auto pids = read_pids(dir);
+  launcher.signal(SIGINT);
+  auto r = launcher.wait(30);
+  EXPECT_EQ(r.exit_code, 128 + SIGINT) << r.err;
+  expect_all_dead(pids);
+  fs::remove_all(dir);
+}
+
+TEST(Launcher, MaxRestartsRerunsTheGroupAfterAFailure) {
+  auto once = run(launch({"--num_processes", "2", "--max_restarts", "1"}, {"fail-once", "5"}), 60);
+  EXPECT_EQ(once.exit_code, 0) << once.err;
+  EXPECT_NE(once.err.find("restarting all 2 local worker(s) (restart 1 of 1)"), std::string::npos) << once.err;
+  EXPECT_EQ(count(once.out, "attempt 1 ok"), 2u) << once.out;
+  auto none = run(launch({"--num_processes", "2"}, {"fail-once", "5"}), 60);
+  EXPECT_EQ(none.exit_code, 5) << none.err;
+}
+
+TEST(Launcher, ARankThatNeverJoinsGivesTheRendezvousErrorWithinTheTimeout) {
+  int port = xlr8::pick_free_port();
+  // Machine 0 of 2 alone: ranks 2 and 3 never come.
+  auto r = run(launch({"--num_processes", "4", "--num_machines", "2", "--machine_rank", "0", "--main_process_ip",
+                       "127.0.0.1", "--main_process_port", std::to_string(port), "--rdzv_timeout", "3"},
+                      {"allreduce"}),
+               60);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_LT(r.seconds, 20.0);
+  EXPECT_NE(r.err.find("missing ranks 2, 3"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(fmt::format("127.0.0.1:{}", port)), std::string::npos) << r.err;
+}
+
+TEST(Launcher, TwoMachinesOnLoopbackFormOneFourRankJob) {
+  int port = xlr8::pick_free_port();
+  auto machine = [&](int rank) {
+    return launch({"--num_processes", "4", "--num_machines", "2", "--machine_rank", std::to_string(rank),
+                   "--main_process_ip", "127.0.0.1", "--main_process_port", std::to_string(port)},
+                  {"allreduce"});
+  };
+  Process m0(machine(0)), m1(machine(1));
+  auto r0 = m0.wait(90), r1 = m1.wait(90);
+  ASSERT_EQ(r0.exit_code, 0) << r0.err;
+  ASSERT_EQ(r1.exit_code, 0) << r1.err;
+  EXPECT_EQ(count(r0.out, "sum=10 world=4 node=0"), 2u) << r0.out;
+  EXPECT_EQ(count(r1.out, "sum=10 world=4 node=1"), 2u) << r1.out;
+  EXPECT_NE(r1.out.find("[rank3]: "), std::string::npos) << r1.out;
+}
+
+TEST(Launcher, OutputIsPrefixedAndLogDirKeepsPerRankFiles) {
+  auto dir = temp_dir("logs");
+  auto r = run(launch({"--num_processes", "2", "--log_dir", dir}, {"print", "3"}), 60);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("[rank0]: out 2"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("[rank1]: out 0"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("[rank1]: err 1"), std::string::npos) << r.err;
+  EXPECT_EQ(read_file(dir + "/attempt_0/1/stdout.log"), "out 0\nout 1\nout 2\n");
+  EXPECT_EQ(read_file(dir + "/attempt_0/0/stderr.log"), "err 0\nerr 1\nerr 2\n");
+  fs::remove_all(dir);
+}
+
+TEST(LauncherErrors, MissingProgramIsOneClearLine) {
+  auto r = run({kXlr8, "launch", "--num_processes", "2", "/nonexistent/train"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(count(r.err, "\n"), 1u) << r.err;
+  EXPECT_NE(r.err.find("no such file"), std::string::npos) << r.err;
+  auto p = run({kXlr8, "launch", "no_such_program_xlr8"});
+  EXPECT_EQ(p.exit_code, 1);
+  EXPECT_NE(p.err.find("not found in PATH"), std::string::npos) << p.err;
+}
+
+TEST(LauncherErrors, NonExecutableFileIsOneClearLine) {
+  auto dir = temp_dir("noexec");
+  std::ofstream(dir + "/train") << "#!/bin/sh\n";
+  auto r = run({kXlr8, "launch", dir + "/train"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(count(r.err, "\n"), 1u) << r.err;
+  EXPECT_NE(r.err.find("not executable"), std::string::npos) << r.err;
+  fs::remove_all(dir);
+}
+
+TEST(LauncherErrors, PortInUseIsOneClearLine) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(fd, 1), 0);
+  socklen_t len = sizeof(addr);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  int port = ntohs(addr.sin_port);
+  auto dir = temp_dir("port");
+  auto r = run(launch({"--num_processes", "2", "--main_process_port", std::to_string(port)}, {"env", dir}));
+  close(fd);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(count(r.err, "\n"), 1u) << r.err;
+  EXPECT_NE(r.err.find(fmt::format("port {} is already in use", port)), std::string::npos) << r.err;
+  EXPECT_TRUE(fs::is_empty(dir));  // no worker started
+  fs::remove_all(dir);
+}
+
+TEST(LauncherErrors, BadConfigIsRejectedBeforeAnyProcessStarts) {
+  auto dir = temp_dir("badcfg");
+  std::ofstream(dir + "/c.yaml") << "distributed_type: MULTI_CPU\nnum_proceses: 2\n";
+  auto r = run(launch({"--config_file", dir + "/c.yaml"}, {"env", dir}));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("unknown key \"num_proceses\" (did you mean \"num_processes\"?)"), std::string::npos) << r.err;
+  auto m = run(launch({"--num_processes", "4", "--num_machines", "2", "--machine_rank", "2", "--main_process_ip", "h"},
+                      {"env", dir}));
+  EXPECT_EQ(m.exit_code, 1);
+  EXPECT_NE(m.err.find("machine_rank 2 must be below num_machines 2"), std::string::npos) << m.err;
+  auto t = run(launch({"--num_proceses", "2"}, {"env", dir}));
+  EXPECT_EQ(t.exit_code, 1);
+  EXPECT_NE(t.err.find("did you mean --num_processes"), std::string::npos) << t.err;
+  auto v = run(launch({"--mixed_precision", "fp32"}, {"env", dir}));
+  EXPECT_EQ(v.exit_code, 1);
+  EXPECT_NE(v.err.find("\"fp32\""), std::string::npos) << v.err;
+  EXPECT_EQ(fs::directory_iterator(dir)->path().filename(), "c.yaml");  // nothing else was written
+  fs::remove_all(dir);
+}
+
+TEST(Cli, SelfTestPassesOn2And4Processes) {
+  for (auto n : {"2", "4"}) {
+    auto r = run({kXlr8, "test", "--num_processes", n}, 120);
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_NE(r.out.find(fmt::format("on {} ranks (gloo backend", n)), std::string::npos) << r.out;
+    EXPECT_NE(r.out.find("0 failed"), std::string::npos) << r.out;
+    EXPECT_EQ(r.out.find("FAIL "), std::string::npos) << r.out;
+  }
+}
+
+TEST(Cli, ConfigDefaultAndInteractiveWriteLoadableFiles) {
+  auto dir = temp_dir("config");
+  auto d = run({kXlr8, "config", "--default", "--config_file", dir + "/d.yaml", "--mixed_precision", "bf16"});
+  ASSERT_EQ(d.exit_code, 0) << d.err;
+  auto loaded = xlr8::load_config(dir + "/d.yaml");
+  EXPECT_EQ(loaded.mixed_precision, xlr8::MixedPrecision::BF16);
+  // Answers piped as a terminal user would type them: DeepSpeed, 1 machine, 4 processes, ZeRO 3 ...
+  auto i = run({"/bin/sh", "-c",
+                fmt::format("printf 'DEEPSPEED\\n1\\n4\\n3\\ncpu\\nnone\\n2\\nbf16\\n' | {} config --config_file {}/i.yaml",
+                            kXlr8, dir)});
+  ASSERT_EQ(i.exit_code, 0) << i.out << i.err;
+  auto c = xlr8::load_config(dir + "/i.yaml");
+  EXPECT_EQ(c.distributed_type, xlr8::DistributedType::DEEPSPEED);
+  EXPECT_EQ(c.num_processes, 4);
+  EXPECT_EQ(c.deepspeed.zero_stage, 3);
+  EXPECT_EQ(c.deepspeed.offload_optimizer_device, "cpu");
+  EXPECT_EQ(c.gradient_accumulation_steps, 2);
+  EXPECT_EQ(c.mixed_precision, xlr8::MixedPrecision::BF16);
+  // And the launcher uses it.
+  auto r = run(launch({"--config_file", dir + "/i.yaml", "--num_processes", "2"}, {"env", dir}));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(read_env_file(dir + "/rank1.env")["ACCELERATE_MIXED_PRECISION"], "bf16");
+  fs::remove_all(dir);
+}
+
+TEST(Cli, EnvReportsVersionsBlasAndConfig) {
+  auto r = run({kXlr8, "env", "--config_file", "/nonexistent.yaml"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (auto needle : {"xlr8 version", "LibTorch version: 1.", "BLAS in use", "Gloo: available", "CPU cores", "GPUs"})
+    EXPECT_NE(r.out.find(needle), std::string::npos) << needle << "\n" << r.out;
+}

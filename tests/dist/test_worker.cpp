@@ -1,0 +1,77 @@
+// A worker for the launcher tests. Modes:
+//   env DIR            write this rank's launch variables to DIR/rank<R>.env
+//   exit CODE RANK DIR rank RANK exits with CODE after 0.3 s; the others write their pid to DIR and sleep
+//   hang DIR           write pid to DIR/pid<R>, then sleep forever
+//   fail-once CODE     rank 1 exits with CODE on the first attempt; everything succeeds on a restart
+//   allreduce          rendezvous through ProcessState, all-reduce rank+1, print "sum=<S> world=<W>"
+//   print N            print N lines on stdout and stderr
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <thread>
+
+#include "xlr8/process_state.hpp"
+
+namespace {
+std::string env(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? v : "";
+}
+int rank() { return std::atoi(env("RANK").c_str()); }
+void write_pid(const std::string& dir) { std::ofstream(fmt::format("{}/pid{}", dir, rank())) << getpid(); }
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string mode = argc > 1 ? argv[1] : "";
+  if (mode == "env") {
+    std::ofstream out(fmt::format("{}/rank{}.env", argv[2], rank()));
+    for (auto name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
+                      "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS",
+                      "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_FSDP", "FSDP_SHARDING_STRATEGY", "XLR8_LAUNCHED"})
+      out << name << "=" << env(name) << "\n";
+    return 0;
+  }
+  if (mode == "exit") {
+    int code = std::atoi(argv[2]), failing = std::atoi(argv[3]);
+    if (rank() == failing) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      fmt::print(stderr, "rank {} giving up with code {}\n", rank(), code);
+      return code;
+    }
+    write_pid(argv[4]);
+    std::this_thread::sleep_for(std::chrono::seconds(120));
+    return 0;
+  }
+  if (mode == "hang") {
+    write_pid(argv[2]);
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
+  if (mode == "fail-once") {
+    if (env("TORCHELASTIC_RESTART_COUNT") == "0" && rank() == 1) return std::atoi(argv[2]);
+    fmt::print("attempt {} ok\n", env("TORCHELASTIC_RESTART_COUNT"));
+    return 0;
+  }
+  if (mode == "allreduce") {
+    try {
+      const auto& state = xlr8::ProcessState::instance();
+      auto x = at::full({4}, state.rank() + 1.0);
+      state.world().all_reduce(x);
+      fmt::print("sum={} world={} node={}\n", x[0].item<double>(), state.world_size(), state.node_rank());
+      state.world().barrier();
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "error: {}\n", e.what());
+      return 2;
+    }
+    return 0;
+  }
+  if (mode == "print") {
+    for (int i = 0; i < std::atoi(argv[2]); ++i) fmt::print("out {}\n", i), fmt::print(stderr, "err {}\n", i);
+    return 0;
+  }
+  fmt::print(stderr, "unknown mode {}\n", mode);
+  return 64;
+}

@@ -1,0 +1,272 @@
+// Collectives x dtypes on 2 and 4 ranks (threads over an in-process store), timeouts, errors,
+// sub-groups, the device mesh, ProcessState and rendezvous over a real TCPStore on loopback.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <thread>
+
+#include "compat/torch_compat.hpp"
+#include "xlr8/launcher.hpp"
+#include "xlr8/device_mesh.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/process_state.hpp"
+#include "xlr8/self_check.hpp"
+
+using namespace xlr8;
+using namespace std::chrono_literals;
+
+namespace {
+
+std::string unique_key() {
+  static std::atomic<int> counter{0};
+  return fmt::format("{}-{}", ::testing::UnitTest::GetInstance()->current_test_info()->name(), counter++);
+}
+
+// Runs fn(comm) on P ranks, one thread each; rethrows the first failure.
+template <class Fn>
+void run_ranks(int P, Fn fn, std::chrono::milliseconds timeout = 30s) {
+  std::string key = unique_key();
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> errors(P);
+  for (int r = 0; r < P; ++r)
+    threads.emplace_back([&, r] {
+      try {
+        auto comm = Communicator::in_process(key, r, P, timeout);
+        fn(comm);
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (auto& e : errors)
+    if (e) std::rethrow_exception(e);
+}
+
+void expect_all_checks_pass(int P) {
+  run_ranks(P, [](Communicator& comm) {
+    auto results = run_collective_checks(comm);
+    EXPECT_GT(results.size(), 80u);
+    for (auto& r : results) EXPECT_TRUE(r.ok) << "rank " << comm.rank() << ": " << r.name << ": " << r.detail;
+  });
+}
+
+}  // namespace
+
+TEST(Collectives, EveryCollectiveEveryDtypeOn2Ranks) { expect_all_checks_pass(2); }
+TEST(Collectives, EveryCollectiveEveryDtypeOn4Ranks) { expect_all_checks_pass(4); }
+TEST(Collectives, SingleRankIsTheIdentity) { expect_all_checks_pass(1); }
+
+TEST(Collectives, AsyncCompositeAndNativeOpsInterleave) {
+  // bf16 reductions run as a ring on a helper thread while float ones go to Gloo directly; results must
+  // not depend on which finishes first, whatever order they are waited for.
+  run_ranks(3, [](Communicator& comm) {
+    std::vector<at::Tensor> tensors;
+    std::vector<Work> works;
+    for (int i = 0; i < 12; ++i) {
+      auto dtype = i % 2 ? at::kBFloat16 : at::kFloat;
+      tensors.push_back(at::full({257 + i}, comm.rank() + i, dtype));
+      works.push_back(comm.all_reduce_async(tensors.back()));
+    }
+    for (int i = 11; i >= 0; --i) works[i].wait();
+    for (int i = 0; i < 12; ++i) {
+      double want = 3 * i + 3;  // sum over ranks of (rank + i)
+      EXPECT_EQ(tensors[i].to(at::kDouble).min().item<double>(), want) << i;
+      EXPECT_EQ(tensors[i].to(at::kDouble).max().item<double>(), want) << i;
+    }
+  });
+}
+
+TEST(Collectives, NonContiguousTensorsAreHandled) {
+  run_ranks(2, [](Communicator& comm) {
+    auto base = at::full({4, 6}, comm.rank() + 1.0, at::kFloat);
+    auto view = base.t();  // not contiguous
+    comm.all_reduce(view);
+    EXPECT_TRUE(at::allclose(base, at::full({4, 6}, 3.0)));
+    auto bview = at::full({4, 6}, comm.rank() + 1.0, at::kBFloat16).t();
+    comm.broadcast(bview, 1);
+    EXPECT_EQ(bview.to(at::kFloat).sum().item<float>(), 48.0f);
+  });
+}
+
+TEST(Collectives, TimeoutNamesCollectiveTensorRankAndGroup) {
+  for (auto dtype : {at::kFloat, at::kBFloat16}) {  // native Gloo path and the send/recv ring
+    std::atomic<bool> rank0_done{false};
+    std::string message;
+    double seconds = 0;
+    run_ranks(
+        2,
+        [&](Communicator& comm) {
+          if (comm.rank() == 1) {  // never joins the collective
+            while (!rank0_done) std::this_thread::sleep_for(10ms);
+            return;
+          }
+          auto x = at::ones({8}, dtype);
+          auto start = std::chrono::steady_clock::now();
+          try {
+            comm.all_reduce(x);
+          } catch (const TimeoutError& e) {
+            message = e.what();
+          }
+          seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+          rank0_done = true;
+        },
+        1s);
+    std::string type = dtype == at::kFloat ? "float32[8]" : "bfloat16[8]";
+    EXPECT_NE(message.find("all_reduce(" + type + ", SUM)"), std::string::npos) << message;
+    EXPECT_NE(message.find("group 'world' (rank 0 of 2)"), std::string::npos) << message;
+    EXPECT_NE(message.find("timed out"), std::string::npos) << message;
+    EXPECT_LT(seconds, 10.0);
+  }
+}
+
+TEST(Collectives, BadArgumentsAreClearErrors) {
+  run_ranks(2, [](Communicator& comm) {
+    auto in = at::ones({4});
+    auto wrong = at::empty({7});
+    try {
+      comm.all_gather(wrong, in);
+      ADD_FAILURE();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("needs 8"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(comm.reduce_scatter(wrong, in), Error);
+    EXPECT_THROW(comm.broadcast(in, 5), Error);
+    EXPECT_THROW(comm.send(in, comm.rank()), Error);
+    try {
+      comm.new_group({1 - comm.rank()}, "others");
+      ADD_FAILURE();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("not a member"), std::string::npos) << e.what();
+    }
+  });
+}
+
+TEST(DeviceMesh, GroupsReduceOverTheRightRanks) {
+  run_ranks(4, [](Communicator& world) {
+    DeviceMesh mesh(world, MeshLayout::from({2, 2, 1, 1}, 4));
+    for (const std::string name : {"dp_replicate", "dp_shard", "dp", "cp", "tp", "dp_shard_cp"}) {
+      auto x = at::full({2}, world.rank(), at::kLong);
+      auto& g = mesh.group(name);
+      EXPECT_EQ(g.size(), mesh.size(name)) << name;
+      EXPECT_EQ(g.rank(), mesh.rank(name)) << name;
+      g.all_reduce(x);
+      long want = 0;
+      for (int r : mesh.layout().group_ranks(world.rank(), name)) want += r;
+      EXPECT_EQ(x[0].item<long>(), want) << name;
+    }
+  });
+}
+
+TEST(ProcessState, SingleProcessNeedsNoNetwork) {
+  auto s = ProcessState::create(Env());
+  EXPECT_EQ(s->world_size(), 1);
+  EXPECT_EQ(s->distributed_type(), DistributedType::NO);
+  EXPECT_EQ(s->device(), "cpu");
+  EXPECT_EQ(s->backend(), "gloo");
+  auto x = at::ones({3});
+  s->world().all_reduce(x);
+  EXPECT_EQ(x.sum().item<float>(), 3.0f);
+}
+
+TEST(ProcessState, ThreadsAreCoresOverLocalRanksUnlessOmpSaysOtherwise) {
+  int cores = static_cast<int>(std::thread::hardware_concurrency());
+  auto s = ProcessState::create(Env({{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"LOCAL_WORLD_SIZE", "2"}}));
+  EXPECT_EQ(s->intra_op_threads(), std::max(1, cores / 2));
+  EXPECT_EQ(at::get_num_threads(), std::max(1, cores / 2));
+  auto t = ProcessState::create(Env({{"OMP_NUM_THREADS", "3"}}));
+  EXPECT_EQ(t->intra_op_threads(), 3);
+}
+
+TEST(ProcessState, StrategyFromAccelerateVariables) {
+  auto s = ProcessState::create(Env({{"ACCELERATE_USE_DEEPSPEED", "true"}, {"ACCELERATE_DEEPSPEED_ZERO_STAGE", "1"},
+                                     {"ACCELERATE_MIXED_PRECISION", "bf16"}}));
+  EXPECT_EQ(s->distributed_type(), DistributedType::DEEPSPEED);
+  EXPECT_EQ(s->mixed_precision(), MixedPrecision::BF16);
+  EXPECT_EQ(s->settings().deepspeed->zero_stage, 1);
+}
+
+namespace {
+Env rank_env(int rank, int world, int port) {
+  return Env({{"RANK", std::to_string(rank)}, {"WORLD_SIZE", std::to_string(world)}, {"MASTER_ADDR", "127.0.0.1"},
+              {"MASTER_PORT", std::to_string(port)}, {"XLR8_RDZV_TIMEOUT", "2"}, {"OMP_NUM_THREADS", "1"}});
+}
+}  // namespace
+
+TEST(Rendezvous, RanksMeetOverTcpStoreAndReduce) {
+  int port = pick_free_port();
+  std::vector<std::thread> threads;
+  std::vector<float> sums(3);
+  for (int r = 0; r < 3; ++r)
+    threads.emplace_back([&, r] {
+      auto s = ProcessState::create(rank_env(r, 3, port));
+      EXPECT_EQ(s->distributed_type(), DistributedType::MULTI_CPU);
+      auto x = at::full({2}, r + 1.0);
+      s->world().all_reduce(x);
+      sums[r] = x[0].item<float>();
+      s->world().barrier();
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(sums, (std::vector<float>{6, 6, 6}));
+}
+
+TEST(Rendezvous, MissingRanksAreNamedWithinTheTimeout) {
+  int port = pick_free_port();
+  std::vector<std::string> errors(2);
+  std::vector<double> seconds(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r)  // ranks 2 and 3 never come
+    threads.emplace_back([&, r] {
+      auto start = std::chrono::steady_clock::now();
+      try {
+        ProcessState::create(rank_env(r, 4, port));
+      } catch (const TimeoutError& e) {
+        errors[r] = e.what();
+      }
+      seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    });
+  for (auto& t : threads) t.join();
+  EXPECT_NE(errors[0].find("missing ranks 2, 3"), std::string::npos) << errors[0];
+  EXPECT_NE(errors[0].find(fmt::format("127.0.0.1:{}", port)), std::string::npos) << errors[0];
+  EXPECT_LT(seconds[0], 8.0);
+}
+
+TEST(Rendezvous, PortInUseIsAClearError) {
+  int port = pick_free_port();
+  auto blocker = xlr8::compat::make_tcp_store("127.0.0.1", port, true, 1, 5s);  // someone else's server
+  try {
+    ProcessState::create(rank_env(0, 2, port));
+    FAIL();
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("rank 0 could not start the rendezvous server"), std::string::npos) << m;
+    EXPECT_NE(m.find("--main_process_port"), std::string::npos) << m;
+  }
+}
+
+TEST(ConfigureEnvironment, SetsTheLauncherVariablesAndRefusesLateStrategyChanges) {
+  unsetenv("RANK");
+  unsetenv("WORLD_SIZE");
+  unsetenv("ACCELERATE_USE_FSDP");
+  Settings fsdp;
+  fsdp.fsdp = FsdpSettings{};
+  Topology single;
+  if (!ProcessState::exists()) {
+    configure_environment(fsdp, single);
+    EXPECT_STREQ(std::getenv("ACCELERATE_USE_FSDP"), "true");
+    EXPECT_STREQ(std::getenv("WORLD_SIZE"), "1");
+    Settings plain;
+    configure_environment(plain, single);  // still early: replaces the strategy
+    EXPECT_EQ(std::getenv("ACCELERATE_USE_FSDP"), nullptr);
+  }
+  const auto& state = ProcessState::instance();
+  EXPECT_EQ(state.settings().strategy_name(), "ddp");
+  try {
+    configure_environment(fsdp, single);
+    FAIL();
+  } catch (const Error& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("after the ProcessState was created"), std::string::npos) << m;
+    EXPECT_NE(m.find("before"), std::string::npos) << m;
+  }
+  EXPECT_NO_THROW(configure_environment(state.settings(), single));  // same settings: fine
+}

@@ -1,0 +1,253 @@
+// The launch config file: Accelerate-written YAML loads unchanged; bad input names key, value and fix.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "xlr8/config.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/launcher.hpp"
+
+using namespace xlr8;
+
+namespace {
+
+// As written by `accelerate config` (Accelerate's own FSDP template).
+const char* kAccelerateFsdp = R"(compute_environment: LOCAL_MACHINE
+debug: false
+distributed_type: FSDP
+downcast_bf16: 'no'
+enable_cpu_affinity: false
+fsdp_config:
+  fsdp_activation_checkpointing: false
+  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP
+  fsdp_backward_prefetch: BACKWARD_PRE
+  fsdp_cpu_ram_efficient_loading: true
+  fsdp_forward_prefetch: false
+  fsdp_offload_params: false
+  fsdp_sharding_strategy: FULL_SHARD
+  fsdp_state_dict_type: SHARDED_STATE_DICT
+  fsdp_sync_module_states: true
+  fsdp_transformer_layer_cls_to_wrap: GPT2Block
+  fsdp_use_orig_params: false
+machine_rank: 0
+main_training_function: main
+mixed_precision: bf16
+num_machines: 1
+num_processes: 8
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+)";
+
+// An older Accelerate multi-CPU file: empty sections, nulls and ipex_config.
+const char* kAccelerateMultiCpu = R"(compute_environment: LOCAL_MACHINE
+deepspeed_config: {}
+distributed_type: MULTI_CPU
+downcast_bf16: 'no'
+fsdp_config: {}
+ipex_config:
+  ipex: false
+machine_rank: 0
+main_process_ip: null
+main_process_port: null
+main_training_function: main
+megatron_lm_config: {}
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+use_cpu: true
+)";
+
+const char* kAccelerateDeepSpeed = R"(compute_environment: LOCAL_MACHINE
+debug: false
+deepspeed_config:
+  gradient_accumulation_steps: 4
+  gradient_clipping: 1.0
+  offload_optimizer_device: cpu
+  offload_param_device: none
+  zero3_init_flag: false
+  zero_stage: 3
+distributed_type: DEEPSPEED
+downcast_bf16: 'no'
+machine_rank: 0
+main_training_function: main
+mixed_precision: fp16
+num_machines: 2
+main_process_ip: 10.1.2.3
+main_process_port: 29555
+num_processes: 16
+rdzv_backend: static
+same_network: true
+use_cpu: false
+)";
+
+std::string error_of(const std::string& yaml) {
+  try {
+    parse_config(yaml, "test.yaml");
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(Config, AccelerateFsdpFileLoadsUnchanged) {
+  auto c = parse_config(kAccelerateFsdp);
+  EXPECT_EQ(c.distributed_type, DistributedType::FSDP);
+  EXPECT_EQ(c.mixed_precision, MixedPrecision::BF16);
+  EXPECT_EQ(c.num_processes, 8);
+  EXPECT_EQ(c.fsdp.state_dict_type, "SHARDED_STATE_DICT");
+  EXPECT_EQ(c.fsdp.transformer_layer_cls_to_wrap, std::vector<std::string>{"GPT2Block"});
+  EXPECT_FALSE(c.fsdp.use_orig_params);
+  auto s = c.settings();
+  ASSERT_TRUE(s.fsdp);
+  EXPECT_FALSE(s.deepspeed);
+  EXPECT_EQ(settings_to_env(s).at("FSDP_STATE_DICT_TYPE"), "SHARDED_STATE_DICT");
+}
+
+TEST(Config, AccelerateMultiCpuFileLoadsUnchanged) {
+  auto c = parse_config(kAccelerateMultiCpu);
+  EXPECT_EQ(c.distributed_type, DistributedType::MULTI_CPU);
+  EXPECT_EQ(c.num_processes, 2);
+  EXPECT_TRUE(c.use_cpu);
+  EXPECT_FALSE(c.main_process_port);
+  EXPECT_FALSE(c.ignored_keys.empty());  // ipex_config, megatron_lm_config: accepted, no effect
+}
+
+TEST(Config, AccelerateDeepSpeedFileLoadsUnchanged) {
+  auto c = parse_config(kAccelerateDeepSpeed);
+  EXPECT_EQ(c.deepspeed.zero_stage, 3);
+  EXPECT_EQ(c.deepspeed.offload_optimizer_device, "cpu");
+  EXPECT_EQ(c.gradient_accumulation_steps, 4);
+  EXPECT_EQ(c.processes_per_machine(), 8);
+  EXPECT_EQ(*c.main_process_port, 29555);
+  auto env = settings_to_env(c.settings());
+  EXPECT_EQ(env.at("ACCELERATE_DEEPSPEED_ZERO_STAGE"), "3");
+  EXPECT_EQ(env.at("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"), "4");
+  EXPECT_EQ(env.at("ACCELERATE_GRADIENT_CLIPPING"), "1");
+}
+
+TEST(Config, UnknownKeyNamesClosestValidOne) {
+  auto m = error_of("num_proceses: 2\n");
+  EXPECT_NE(m.find("unknown key \"num_proceses\""), std::string::npos) << m;
+  EXPECT_NE(m.find("did you mean \"num_processes\""), std::string::npos) << m;
+  m = error_of("fsdp_config:\n  fsdp_sharding_stratgy: FULL_SHARD\n");
+  EXPECT_NE(m.find("fsdp_config.fsdp_sharding_stratgy"), std::string::npos) << m;
+  EXPECT_NE(m.find("fsdp_config.fsdp_sharding_strategy"), std::string::npos) << m;
+}
+
+TEST(Config, WrongTypeOrValueNamesKeyValueAndAllowed) {
+  auto m = error_of("num_processes: two\n");
+  EXPECT_NE(m.find("num_processes"), std::string::npos) << m;
+  EXPECT_NE(m.find("\"two\""), std::string::npos) << m;
+  m = error_of("mixed_precision: fp32\n");
+  EXPECT_NE(m.find("fp32"), std::string::npos) << m;
+  EXPECT_NE(m.find("bf16"), std::string::npos) << m;
+  m = error_of("distributed_type: XLA\n");
+  EXPECT_NE(m.find("distributed_type"), std::string::npos) << m;
+  EXPECT_NE(m.find("MULTI_CPU"), std::string::npos) << m;
+  m = error_of("deepspeed_config:\n  zero_stage: 4\n");
+  EXPECT_NE(m.find("deepspeed_config.zero_stage"), std::string::npos) << m;
+  EXPECT_NE(m.find("[0, 3]"), std::string::npos) << m;
+  m = error_of("use_cpu: perhaps\n");
+  EXPECT_NE(m.find("use_cpu"), std::string::npos) << m;
+  m = error_of("fsdp_config:\n  fsdp_sharding_strategy: FULL_SHARDS\n");
+  EXPECT_NE(m.find("did you mean \"FULL_SHARD\""), std::string::npos) << m;
+  m = error_of("num_processes: [1, 2]\n");
+  EXPECT_NE(m.find("num_processes"), std::string::npos) << m;
+  m = error_of("num_processes: 2\n  bad indent: 1\n");
+  EXPECT_NE(m.find("not valid YAML"), std::string::npos) << m;
+}
+
+TEST(Config, InconsistentSettingsRejected) {
+  auto m = error_of("num_machines: 2\nmachine_rank: 2\nmain_process_ip: h\nnum_processes: 4\n");
+  EXPECT_NE(m.find("machine_rank 2 must be below num_machines 2"), std::string::npos) << m;
+  m = error_of("num_machines: 2\nnum_processes: 3\nmain_process_ip: h\n");
+  EXPECT_NE(m.find("not divisible"), std::string::npos) << m;
+  m = error_of("num_machines: 2\nnum_processes: 4\n");
+  EXPECT_NE(m.find("main_process_ip is required"), std::string::npos) << m;
+  m = error_of("num_processes: 4\nparallelism_config:\n  parallelism_config_dp_shard_size: 3\n");
+  EXPECT_NE(m.find("multiply to 3"), std::string::npos) << m;
+}
+
+TEST(Config, SaveAndLoadRoundTrip) {
+  auto dir = std::filesystem::temp_directory_path() / ("xlr8_cfg_" + std::to_string(getpid()));
+  auto path = (dir / "nested" / "default_config.yaml").string();
+  for (const char* text : {kAccelerateFsdp, kAccelerateDeepSpeed, kAccelerateMultiCpu}) {
+    auto c = parse_config(text);
+    save_config(c, path);
+    auto back = load_config(path);
+    EXPECT_EQ(back.settings(), c.settings());
+    EXPECT_EQ(back.num_processes, c.num_processes);
+    EXPECT_EQ(back.num_machines, c.num_machines);
+    EXPECT_EQ(back.main_process_port, c.main_process_port);
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(Config, MissingFileSaysHowToCreateOne) {
+  try {
+    load_config("/nonexistent/x.yaml");
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("xlr8 config"), std::string::npos);
+  }
+}
+
+TEST(LaunchPlan, FlagsOverrideConfigFile) {
+  auto dir = std::filesystem::temp_directory_path() / ("xlr8_plan_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  auto path = (dir / "c.yaml").string();
+  std::ofstream(path) << kAccelerateDeepSpeed;
+  LaunchRequest r;
+  r.config_file = path;
+  r.command = {"prog"};
+  auto o = plan_launch(r);
+  EXPECT_EQ(o.nproc_per_node, 8);
+  EXPECT_EQ(o.num_machines, 2);
+  EXPECT_EQ(o.master_addr, "10.1.2.3");
+  EXPECT_EQ(o.master_port, 29555);
+  ASSERT_TRUE(o.settings.deepspeed);
+  EXPECT_EQ(o.settings.deepspeed->zero_stage, 3);
+
+  r.num_processes = 4;
+  r.machine_rank = 1;
+  r.deepspeed["zero_stage"] = "1";
+  r.mixed_precision = "bf16";
+  o = plan_launch(r);
+  EXPECT_EQ(o.nproc_per_node, 2);
+  EXPECT_EQ(o.machine_rank, 1);
+  EXPECT_EQ(o.settings.deepspeed->zero_stage, 1);
+  EXPECT_EQ(o.settings.mixed_precision, MixedPrecision::BF16);
+
+  r.deepspeed["zero_stage"] = "7";
+  EXPECT_THROW(plan_launch(r), ConfigError);
+  std::filesystem::remove_all(dir);
+}
+
+TEST(LaunchPlan, TorchrunSpellingsAndDefaults) {
+  LaunchRequest r;
+  r.config_file = "";
+  r.command = {"prog"};
+  r.nproc_per_node = 3;
+  r.num_machines = 2;
+  r.main_process_ip = "127.0.0.1";
+  auto o = plan_launch(r);
+  EXPECT_EQ(o.nproc_per_node, 3);
+  EXPECT_EQ(o.world_size(), 6);
+  EXPECT_EQ(o.master_port, 29500);  // several machines must agree on a port
+  r.use_fsdp = true;
+  r.fsdp["fsdp_sharding_strategy"] = "SHARD_GRAD_OP";
+  o = plan_launch(r);
+  ASSERT_TRUE(o.settings.fsdp);
+  EXPECT_EQ(o.settings.fsdp->sharding_strategy, ShardingStrategy::SHARD_GRAD_OP);
+  r.machine_rank = 5;
+  EXPECT_THROW(plan_launch(r), ConfigError);
+}

@@ -1,0 +1,60 @@
+// DeviceMesh arithmetic: dims in Accelerate's order, row-major ranks, flattened groups.
+#include <gtest/gtest.h>
+
+#include "xlr8/device_mesh.hpp"
+#include "xlr8/error.hpp"
+
+using namespace xlr8;
+
+TEST(MeshLayout, ProductMustEqualWorldSize) {
+  try {
+    MeshLayout::from({2, 2, 1, 1}, 8);
+    FAIL();
+  } catch (const ConfigError& e) {
+    std::string m = e.what();
+    EXPECT_NE(m.find("multiply to 4"), std::string::npos) << m;
+    EXPECT_NE(m.find("world size is 8"), std::string::npos) << m;
+  }
+  EXPECT_THROW(MeshLayout({{"tp", 0}}, 0), ConfigError);
+}
+
+TEST(MeshLayout, CoordinatesAreRowMajorWithTpFastest) {
+  auto m = MeshLayout::from({2, 2, 1, 2}, 8);  // dp_replicate 2, dp_shard 2, cp 1, tp 2
+  EXPECT_EQ(m.coordinate(5, "dp_replicate"), 1);
+  EXPECT_EQ(m.coordinate(5, "dp_shard"), 0);
+  EXPECT_EQ(m.coordinate(5, "tp"), 1);
+  EXPECT_EQ(m.group_ranks(5, "tp"), (std::vector<int>{4, 5}));
+  EXPECT_EQ(m.group_ranks(5, "dp_shard"), (std::vector<int>{5, 7}));
+  EXPECT_EQ(m.group_ranks(5, "dp_replicate"), (std::vector<int>{1, 5}));
+  EXPECT_EQ(m.group_ranks(5, "dp"), (std::vector<int>{1, 3, 5, 7}));
+  EXPECT_EQ(m.group_ranks(5, "dp_shard_cp"), (std::vector<int>{5, 7}));
+  EXPECT_EQ(m.rank_in(5, "dp"), 2);
+  EXPECT_EQ(m.size("dp"), 4);
+  EXPECT_EQ(m.size("dp_cp"), 4);
+  EXPECT_EQ(m.size("tp"), 2);
+}
+
+TEST(MeshLayout, GroupsPartitionTheWorld) {
+  auto m = MeshLayout::from({1, 2, 2, 3}, 12);
+  for (const std::string name : {"dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp"}) {
+    std::vector<int> seen(12, 0);
+    for (int r = 0; r < 12; ++r) {
+      auto g = m.group_ranks(r, name);
+      EXPECT_EQ(static_cast<int>(g.size()), m.size(name)) << name;
+      EXPECT_EQ(g[m.rank_in(r, name)], r);
+      if (g.front() == r)
+        for (int member : g) ++seen[member];
+    }
+    for (int r = 0; r < 12; ++r) EXPECT_EQ(seen[r], 1) << name << " rank " << r;
+  }
+}
+
+TEST(MeshLayout, UnknownNameListsKnownOnes) {
+  auto m = MeshLayout::from({1, 2, 1, 1}, 2);
+  try {
+    m.size("pp");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("dp_shard"), std::string::npos);
+  }
+}
