@@ -30,27 +30,38 @@ compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout
                                    t.rank, where, seconds, cause));
   }
 
+  // Any store failure from here on means the server (rank 0) went away: it gave up or died.
+  auto lost_server = [&](const std::exception& e) {
+    return Error(fmt::format("rank {} lost the rendezvous server at {} while waiting for all {} ranks: {}. Rank 0 "
+                             "exited or gave up; its own error names the ranks that did not join",
+                             t.rank, where, t.world_size, first_line(e.what())));
+  };
   char host[256] = "?";
   gethostname(host, sizeof(host) - 1);
-  store->set(fmt::format("xlr8/rdzv/rank/{}", t.rank), std::vector<uint8_t>(host, host + std::strlen(host)));
-  store->add("xlr8/rdzv/joined", 1);
-
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  auto pause = std::chrono::milliseconds(2);
-  while (store->add("xlr8/rdzv/joined", 0) < t.world_size) {
-    if (std::chrono::steady_clock::now() >= deadline) {
-      std::vector<int> missing;
-      for (int r = 0; r < t.world_size; ++r)
-        if (!store->check({fmt::format("xlr8/rdzv/rank/{}", r)})) missing.push_back(r);
-      throw TimeoutError(fmt::format(
-          "rendezvous at {} timed out after {} s on rank {}: {} of {} ranks joined; missing rank{} {}. Start the missing "
-          "processes (every machine's launcher), or raise XLR8_RDZV_TIMEOUT",
-          where, seconds, t.rank, t.world_size - static_cast<int>(missing.size()), t.world_size,
-          missing.size() == 1 ? "" : "s", fmt::join(missing, ", ")));
+  std::vector<int> missing;
+  try {
+    store->set(fmt::format("xlr8/rdzv/rank/{}", t.rank), std::vector<uint8_t>(host, host + std::strlen(host)));
+    store->add("xlr8/rdzv/joined", 1);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto pause = std::chrono::milliseconds(2);
+    while (store->add("xlr8/rdzv/joined", 0) < t.world_size) {
+      if (std::chrono::steady_clock::now() >= deadline) {
+        for (int r = 0; r < t.world_size; ++r)
+          if (!store->check({fmt::format("xlr8/rdzv/rank/{}", r)})) missing.push_back(r);
+        break;
+      }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::milliseconds(100));
     }
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::milliseconds(100));
+  } catch (const std::exception& e) {
+    throw lost_server(e);
   }
+  if (!missing.empty())
+    throw TimeoutError(fmt::format(
+        "rendezvous at {} timed out after {} s on rank {}: {} of {} ranks joined; missing rank{} {}. Start the missing "
+        "processes (every machine's launcher), or raise XLR8_RDZV_TIMEOUT",
+        where, seconds, t.rank, t.world_size - static_cast<int>(missing.size()), t.world_size,
+        missing.size() == 1 ? "" : "s", fmt::join(missing, ", ")));
   return store;
 }
 

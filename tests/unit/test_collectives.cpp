@@ -219,7 +219,7 @@ TEST(Rendezvous, MissingRanksAreNamedWithinTheTimeout) {
       auto start = std::chrono::steady_clock::now();
       try {
         ProcessState::create(rank_env(r, 4, port));
-      } catch (const TimeoutError& e) {
+      } catch (const Error& e) {  // rank 1 may instead see rank 0's server close after rank 0 gave up
         errors[r] = e.what();
       }
       seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -228,6 +228,10 @@ TEST(Rendezvous, MissingRanksAreNamedWithinTheTimeout) {
   EXPECT_NE(errors[0].find("missing ranks 2, 3"), std::string::npos) << errors[0];
   EXPECT_NE(errors[0].find(fmt::format("127.0.0.1:{}", port)), std::string::npos) << errors[0];
   EXPECT_LT(seconds[0], 8.0);
+  EXPECT_TRUE(errors[1].find("missing ranks 2, 3") != std::string::npos ||
+              errors[1].find("rank 1 lost the rendezvous server") != std::string::npos)
+      << errors[1];
+  EXPECT_LT(seconds[1], 8.0);
 }
 
 TEST(Rendezvous, PortInUseIsAClearError) {
