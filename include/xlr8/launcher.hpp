@@ -48,6 +48,9 @@ struct LaunchRequest {
   int max_restarts = 0;
   std::string log_dir;
   std::optional<int> rdzv_timeout_s;
+  std::optional<int> num_cpu_threads_per_process;  // sets OMP_NUM_THREADS for every worker
+  std::optional<std::string> gpu_ids;              // "all" or "0,1": sets CUDA_VISIBLE_DEVICES
+  bool debug = false;                              // ACCELERATE_DEBUG_MODE
   std::vector<std::string> command;
 };
 

@@ -41,6 +41,19 @@ struct FsdpSettings {
   bool operator==(const FsdpSettings&) const = default;
 };
 
+// The FSDP switches, one row each: the member, its key in the config file, its environment variable.
+struct FsdpFlag {
+  bool FsdpSettings::*member;
+  const char* config_key;
+  const char* env_var;
+};
+const std::vector<FsdpFlag>& fsdp_flags();
+// Allowed values, shared by the config file, the environment and `xlr8 config`.
+extern const std::vector<std::string> kAutoWrapPolicies;
+extern const std::vector<std::string> kBackwardPrefetchValues;
+extern const std::vector<std::string> kStateDictTypes;
+extern const std::vector<std::string> kOffloadDevices;
+
 struct DeepSpeedSettings {
   int zero_stage = 2;
   std::string offload_optimizer_device = "none";  // none | cpu | nvme

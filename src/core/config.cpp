@@ -147,20 +147,14 @@ void read_fsdp(const Section& s, FsdpSettings& f) {
     if (auto b = parse_bool(*v)) f.reshard_after_forward = b;
     else f.sharding_strategy = parse_sharding_strategy(*v, s.error("fsdp_reshard_after_forward", "").what());
   }
-  if (auto v = s.choice("fsdp_auto_wrap_policy", {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"}, true))
-    f.auto_wrap_policy = *v;
+  if (auto v = s.choice("fsdp_auto_wrap_policy", kAutoWrapPolicies, true)) f.auto_wrap_policy = *v;
   f.transformer_layer_cls_to_wrap = s.list("fsdp_transformer_layer_cls_to_wrap");
   if (auto v = s.integer("fsdp_min_num_params", 0, std::numeric_limits<long>::max())) f.min_num_params = *v;
   for (auto key : {"fsdp_backward_prefetch", "fsdp_backward_prefetch_policy"})
-    if (auto v = s.choice(key, {"BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"}, true)) f.backward_prefetch = *v;
-  if (auto v = s.choice("fsdp_state_dict_type", {"FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"}, true))
-    f.state_dict_type = *v;
-  f.forward_prefetch = s.boolean("fsdp_forward_prefetch").value_or(f.forward_prefetch);
-  f.use_orig_params = s.boolean("fsdp_use_orig_params").value_or(f.use_orig_params);
-  f.cpu_ram_efficient_loading = s.boolean("fsdp_cpu_ram_efficient_loading").value_or(f.cpu_ram_efficient_loading);
-  f.sync_module_states = s.boolean("fsdp_sync_module_states").value_or(f.sync_module_states);
-  f.offload_params = s.boolean("fsdp_offload_params").value_or(f.offload_params);
-  f.activation_checkpointing = s.boolean("fsdp_activation_checkpointing").value_or(f.activation_checkpointing);
+    if (auto v = s.choice(key, kBackwardPrefetchValues, true)) f.backward_prefetch = *v;
+  if (auto v = s.choice("fsdp_state_dict_type", kStateDictTypes, true)) f.state_dict_type = *v;
+  for (const auto& flag : fsdp_flags())
+    if (auto b = s.boolean(flag.config_key)) f.*flag.member = *b;
 }
 
 void read_deepspeed(const Section& s, LaunchConfig& c, std::vector<std::string>* ignored) {
@@ -170,8 +164,8 @@ void read_deepspeed(const Section& s, LaunchConfig& c, std::vector<std::string>*
   if (auto v = s.integer("zero_stage", 0, 3)) d.zero_stage = static_cast<int>(*v);
   if (auto v = s.integer("gradient_accumulation_steps", 1, 1L << 30)) c.gradient_accumulation_steps = static_cast<int>(*v);
   d.gradient_clipping = s.number("gradient_clipping");
-  if (auto v = s.choice("offload_optimizer_device", {"none", "cpu", "nvme"}, false)) d.offload_optimizer_device = *v;
-  if (auto v = s.choice("offload_param_device", {"none", "cpu", "nvme"}, false)) d.offload_param_device = *v;
+  if (auto v = s.choice("offload_optimizer_device", kOffloadDevices, false)) d.offload_optimizer_device = *v;
+  if (auto v = s.choice("offload_param_device", kOffloadDevices, false)) d.offload_param_device = *v;
   if (auto v = s.str("offload_optimizer_nvme_path")) d.offload_optimizer_nvme_path = *v;
   if (auto v = s.str("offload_param_nvme_path")) d.offload_param_nvme_path = *v;
   d.zero3_init_flag = s.boolean("zero3_init_flag").value_or(d.zero3_init_flag);
@@ -300,20 +294,15 @@ std::string to_yaml(const LaunchConfig& c) {
   if (c.distributed_type == DistributedType::FSDP) {
     const auto& f = c.fsdp;
     out << YAML::Key << "fsdp_config" << YAML::Value << YAML::BeginMap;
-    out << YAML::Key << "fsdp_activation_checkpointing" << YAML::Value << f.activation_checkpointing;
+    for (const auto& flag : fsdp_flags()) out << YAML::Key << flag.config_key << YAML::Value << f.*flag.member;
     out << YAML::Key << "fsdp_auto_wrap_policy" << YAML::Value << f.auto_wrap_policy;
     if (!f.backward_prefetch.empty()) out << YAML::Key << "fsdp_backward_prefetch" << YAML::Value << f.backward_prefetch;
-    out << YAML::Key << "fsdp_cpu_ram_efficient_loading" << YAML::Value << f.cpu_ram_efficient_loading;
-    out << YAML::Key << "fsdp_forward_prefetch" << YAML::Value << f.forward_prefetch;
     if (f.auto_wrap_policy == "SIZE_BASED_WRAP") out << YAML::Key << "fsdp_min_num_params" << YAML::Value << f.min_num_params;
-    out << YAML::Key << "fsdp_offload_params" << YAML::Value << f.offload_params;
     if (f.reshard_after_forward) out << YAML::Key << "fsdp_reshard_after_forward" << YAML::Value << *f.reshard_after_forward;
     out << YAML::Key << "fsdp_sharding_strategy" << YAML::Value << to_string(f.sharding_strategy);
     out << YAML::Key << "fsdp_state_dict_type" << YAML::Value << f.state_dict_type;
-    out << YAML::Key << "fsdp_sync_module_states" << YAML::Value << f.sync_module_states;
     if (!f.transformer_layer_cls_to_wrap.empty())
       out << YAML::Key << "fsdp_transformer_layer_cls_to_wrap" << YAML::Value << text::join(f.transformer_layer_cls_to_wrap, ",");
-    out << YAML::Key << "fsdp_use_orig_params" << YAML::Value << f.use_orig_params;
     out << YAML::Key << "fsdp_version" << YAML::Value << f.version;
     out << YAML::EndMap;
   }

@@ -55,6 +55,23 @@ void check_choice(const std::string& value, const std::vector<std::string>& allo
 
 }  // namespace
 
+const std::vector<std::string> kAutoWrapPolicies = {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"};
+const std::vector<std::string> kBackwardPrefetchValues = {"BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"};
+const std::vector<std::string> kStateDictTypes = {"FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"};
+const std::vector<std::string> kOffloadDevices = {"none", "cpu", "nvme"};
+
+const std::vector<FsdpFlag>& fsdp_flags() {
+  static const std::vector<FsdpFlag> flags = {
+      {&FsdpSettings::forward_prefetch, "fsdp_forward_prefetch", "FSDP_FORWARD_PREFETCH"},
+      {&FsdpSettings::use_orig_params, "fsdp_use_orig_params", "FSDP_USE_ORIG_PARAMS"},
+      {&FsdpSettings::cpu_ram_efficient_loading, "fsdp_cpu_ram_efficient_loading", "FSDP_CPU_RAM_EFFICIENT_LOADING"},
+      {&FsdpSettings::sync_module_states, "fsdp_sync_module_states", "FSDP_SYNC_MODULE_STATES"},
+      {&FsdpSettings::offload_params, "fsdp_offload_params", "FSDP_OFFLOAD_PARAMS"},
+      {&FsdpSettings::activation_checkpointing, "fsdp_activation_checkpointing", "FSDP_ACTIVATION_CHECKPOINTING"},
+  };
+  return flags;
+}
+
 std::string to_string(DistributedType t) { return kDistributedTypes.name(t); }
 std::string to_string(MixedPrecision p) { return kPrecisions.name(p); }
 std::string to_string(ShardingStrategy s) { return kStrategies.name(s); }
@@ -95,12 +112,7 @@ std::map<std::string, std::string> settings_to_env(const Settings& s) {
     env["FSDP_MIN_NUM_PARAMS"] = std::to_string(f->min_num_params);
     if (!f->backward_prefetch.empty()) env["FSDP_BACKWARD_PREFETCH"] = f->backward_prefetch;
     env["FSDP_STATE_DICT_TYPE"] = f->state_dict_type;
-    env["FSDP_FORWARD_PREFETCH"] = bool_text(f->forward_prefetch);
-    env["FSDP_USE_ORIG_PARAMS"] = bool_text(f->use_orig_params);
-    env["FSDP_CPU_RAM_EFFICIENT_LOADING"] = bool_text(f->cpu_ram_efficient_loading);
-    env["FSDP_SYNC_MODULE_STATES"] = bool_text(f->sync_module_states);
-    env["FSDP_OFFLOAD_PARAMS"] = bool_text(f->offload_params);
-    env["FSDP_ACTIVATION_CHECKPOINTING"] = bool_text(f->activation_checkpointing);
+    for (const auto& flag : fsdp_flags()) env[flag.env_var] = bool_text((*f).*flag.member);
   }
   if (const auto& d = s.deepspeed) {
     env["ACCELERATE_USE_DEEPSPEED"] = "true";
@@ -162,24 +174,20 @@ FsdpSettings fsdp_from_env(const Env& env) {
   }
   if (auto v = env.get("FSDP_AUTO_WRAP_POLICY")) {
     f.auto_wrap_policy = text::upper(*v);
-    check_choice(f.auto_wrap_policy, {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"}, "FSDP_AUTO_WRAP_POLICY");
+    check_choice(f.auto_wrap_policy, kAutoWrapPolicies, "FSDP_AUTO_WRAP_POLICY");
   }
   if (auto v = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP")) f.transformer_layer_cls_to_wrap = text::split(*v, ',');
   if (auto v = env.get_int("FSDP_MIN_NUM_PARAMS")) f.min_num_params = *v;
   if (auto v = env.get("FSDP_BACKWARD_PREFETCH")) {
     f.backward_prefetch = text::upper(*v);
-    check_choice(f.backward_prefetch, {"BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"}, "FSDP_BACKWARD_PREFETCH");
+    check_choice(f.backward_prefetch, kBackwardPrefetchValues, "FSDP_BACKWARD_PREFETCH");
   }
   if (auto v = env.get("FSDP_STATE_DICT_TYPE")) {
     f.state_dict_type = text::upper(*v);
-    check_choice(f.state_dict_type, {"FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"}, "FSDP_STATE_DICT_TYPE");
+    check_choice(f.state_dict_type, kStateDictTypes, "FSDP_STATE_DICT_TYPE");
   }
-  f.forward_prefetch = env.get_bool("FSDP_FORWARD_PREFETCH").value_or(f.forward_prefetch);
-  f.use_orig_params = env.get_bool("FSDP_USE_ORIG_PARAMS").value_or(f.use_orig_params);
-  f.cpu_ram_efficient_loading = env.get_bool("FSDP_CPU_RAM_EFFICIENT_LOADING").value_or(f.cpu_ram_efficient_loading);
-  f.sync_module_states = env.get_bool("FSDP_SYNC_MODULE_STATES").value_or(f.sync_module_states);
-  f.offload_params = env.get_bool("FSDP_OFFLOAD_PARAMS").value_or(f.offload_params);
-  f.activation_checkpointing = env.get_bool("FSDP_ACTIVATION_CHECKPOINTING").value_or(f.activation_checkpointing);
+  for (const auto& flag : fsdp_flags())
+    if (auto b = env.get_bool(flag.env_var)) f.*flag.member = *b;
   return f;
 }
 
@@ -201,7 +209,7 @@ DeepSpeedSettings deepspeed_from_env(const Env& env) {
                             std::pair{"ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", &d.offload_param_device}}) {
     if (auto v = env.get(var)) {
       *field = text::lower(*v);
-      check_choice(*field, {"none", "cpu", "nvme"}, var);
+      check_choice(*field, kOffloadDevices, var);
     }
   }
   d.offload_optimizer_nvme_path = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH").value_or("");

@@ -1,5 +1,6 @@
 // Communicator: native c10d collectives where the backend has them, composite ones where it does not.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "dist/comm_state.hpp"
 #include "xlr8/error.hpp"

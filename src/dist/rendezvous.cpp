@@ -1,6 +1,7 @@
 #include "dist/rendezvous.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <thread>

@@ -38,6 +38,8 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   if (r.main_process_port) root["main_process_port"] = *r.main_process_port;
   if (r.mixed_precision) root["mixed_precision"] = *r.mixed_precision;
   if (r.cpu) root["use_cpu"] = true;
+  if (r.debug) root["debug"] = true;
+  if (r.gpu_ids) root["gpu_ids"] = *r.gpu_ids;
   if (r.use_fsdp && r.use_deepspeed) throw ConfigError("--use_fsdp and --use_deepspeed were both given; choose one");
   if (r.use_fsdp) root["distributed_type"] = "FSDP";
   if (r.use_deepspeed) root["distributed_type"] = "DEEPSPEED";
@@ -68,6 +70,12 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
     if (*r.rdzv_timeout_s <= 0) throw ConfigError(fmt::format("--rdzv_timeout {} must be a positive number of seconds", *r.rdzv_timeout_s));
     o.extra_env["XLR8_RDZV_TIMEOUT"] = std::to_string(*r.rdzv_timeout_s);
   }
+  if (r.num_cpu_threads_per_process) {
+    if (*r.num_cpu_threads_per_process < 1)
+      throw ConfigError(fmt::format("--num_cpu_threads_per_process {} must be at least 1", *r.num_cpu_threads_per_process));
+    o.extra_env["OMP_NUM_THREADS"] = std::to_string(*r.num_cpu_threads_per_process);
+  }
+  if (!cfg.gpu_ids.empty() && cfg.gpu_ids != "all") o.extra_env["CUDA_VISIBLE_DEVICES"] = cfg.gpu_ids;
   return o;
 }
 

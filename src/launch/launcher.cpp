@@ -229,7 +229,7 @@ class Supervisor {
     env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(o_.max_restarts);
     env["TORCHELASTIC_RUN_ID"] = o_.run_id;
     env["XLR8_LAUNCHED"] = "1";
-    if (!env.count("OMP_NUM_THREADS")) {
+    if (env["OMP_NUM_THREADS"].empty()) {  // unset or empty: cores / local workers, never oversubscribed
       unsigned cores = std::max(1u, std::thread::hardware_concurrency());
       env["OMP_NUM_THREADS"] = std::to_string(std::max(1u, cores / static_cast<unsigned>(o_.nproc_per_node)));
     }

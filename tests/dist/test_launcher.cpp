@@ -85,9 +85,9 @@ TEST_P(WorkerEnvironment, EachWorkerSeesTheTorchrunAndAccelerateVariables) {
   const int n = GetParam();
   auto dir = temp_dir("env");
   auto r = run(launch({"--num_processes", std::to_string(n), "--mixed_precision", "bf16", "--use_fsdp",
-                       "--fsdp_sharding_strategy", "SHARD_GRAD_OP"},
+                       "--fsdp_sharding_strategy", "SHARD_GRAD_OP", "--num_cpu_threads_per_process", "3"},
                       {"env", dir}),
-               60, {{"OMP_NUM_THREADS", ""}});
+               60);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   std::string port;
   for (int rank = 0; rank < n; ++rank) {
@@ -103,6 +103,8 @@ TEST_P(WorkerEnvironment, EachWorkerSeesTheTorchrunAndAccelerateVariables) {
     EXPECT_EQ(vars["ACCELERATE_MIXED_PRECISION"], "bf16");
     EXPECT_EQ(vars["ACCELERATE_USE_FSDP"], "true");
     EXPECT_EQ(vars["FSDP_SHARDING_STRATEGY"], "SHARD_GRAD_OP");
+    EXPECT_EQ(vars["OMP_NUM_THREADS"], "3");
+    EXPECT_EQ(vars["XLR8_LAUNCHED"], "1");
     EXPECT_FALSE(vars["MASTER_PORT"].empty());
     if (rank == 0) port = vars["MASTER_PORT"];
     EXPECT_EQ(vars["MASTER_PORT"], port);  // one free port, shared
@@ -111,6 +113,15 @@ TEST_P(WorkerEnvironment, EachWorkerSeesTheTorchrunAndAccelerateVariables) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Launcher, WorkerEnvironment, ::testing::Values(2, 4));
+
+TEST(Launcher, ThreadsDefaultToCoresOverLocalWorkers) {
+  auto dir = temp_dir("threads");
+  auto r = run(launch({"--num_processes", "2"}, {"env", dir}), 60, {{"OMP_NUM_THREADS", ""}});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  int cores = static_cast<int>(std::thread::hardware_concurrency());
+  EXPECT_EQ(read_env_file(dir + "/rank1.env")["OMP_NUM_THREADS"], std::to_string(std::max(1, cores / 2)));
+  fs::remove_all(dir);
+}
 
 TEST(Launcher, WorkerExitCodeStopsTheOthersPromptly) {
   auto dir = temp_dir("exit");

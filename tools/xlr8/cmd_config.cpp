@@ -69,7 +69,7 @@ LaunchConfig interview() {
     c.fsdp.sharding_strategy = parse_sharding_strategy(
         a.ask("Sharding strategy", "FULL_SHARD", {"FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"}),
         "fsdp_sharding_strategy");
-    c.fsdp.auto_wrap_policy = a.ask("Auto wrap policy", "TRANSFORMER_BASED_WRAP", {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"});
+    c.fsdp.auto_wrap_policy = a.ask("Auto wrap policy", "TRANSFORMER_BASED_WRAP", kAutoWrapPolicies);
     if (c.fsdp.auto_wrap_policy == "TRANSFORMER_BASED_WRAP")
       c.fsdp.transformer_layer_cls_to_wrap = text::split(a.ask("Layer class names to wrap (comma-separated)", "TransformerBlock"), ',');
     if (c.fsdp.auto_wrap_policy == "SIZE_BASED_WRAP") c.fsdp.min_num_params = a.ask_int("Minimum parameters per unit", 100000000, 0);
@@ -78,8 +78,8 @@ LaunchConfig interview() {
   }
   if (c.distributed_type == DistributedType::DEEPSPEED) {
     c.deepspeed.zero_stage = std::stoi(a.ask("ZeRO stage", "2", {"0", "1", "2", "3"}));
-    c.deepspeed.offload_optimizer_device = a.ask("Offload optimizer states to", "none", {"none", "cpu", "nvme"});
-    c.deepspeed.offload_param_device = a.ask("Offload parameters to", "none", {"none", "cpu", "nvme"});
+    c.deepspeed.offload_optimizer_device = a.ask("Offload optimizer states to", "none", kOffloadDevices);
+    c.deepspeed.offload_param_device = a.ask("Offload parameters to", "none", kOffloadDevices);
     c.gradient_accumulation_steps = a.ask_int("Gradient accumulation steps", 1, 1);
   }
   c.use_cpu = gpus == 0 || a.ask_bool("Train on CPU only", false);

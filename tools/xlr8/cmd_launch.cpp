@@ -43,6 +43,9 @@ Handler add_launch(CLI::App& app) {
   opt("--max_restarts", r.max_restarts, "Restart the whole group up to N times when a worker fails");
   opt("--log_dir", r.log_dir, "Also write each rank's output to <dir>/attempt_<n>/<local_rank>/{stdout,stderr}.log");
   opt("--rdzv_timeout", r.rdzv_timeout_s, "Seconds the workers wait for all ranks to join (default 300)");
+  opt("--num_cpu_threads_per_process", r.num_cpu_threads_per_process, "Intra-op threads per worker (OMP_NUM_THREADS)");
+  opt("--gpu_ids", r.gpu_ids, "GPUs to use, e.g. 0,1 (CUDA_VISIBLE_DEVICES); default all");
+  cmd->add_flag("--debug", r.debug, "Set ACCELERATE_DEBUG_MODE for the workers");
   // torchrun spellings.
   cmd->add_option("--nproc-per-node,--nproc_per_node", r.nproc_per_node, "Processes on this machine (torchrun)");
   cmd->add_option("--nnodes", r.num_machines, "Number of machines (torchrun)");
@@ -52,9 +55,9 @@ Handler add_launch(CLI::App& app) {
   // Accepted for compatibility with `accelerate launch`; xlr8 needs nothing from them.
   auto compat_flags = std::make_shared<std::vector<std::string>>();
   auto compat_switch = std::make_shared<bool>(false);
-  for (auto name : {"--multi_gpu", "--quiet", "--debug", "--same_network", "--standalone", "--no_python"})
+  for (auto name : {"--multi_gpu", "--quiet", "--same_network", "--standalone", "--no_python"})
     cmd->add_flag(spellings(name), *compat_switch, "Accepted for compatibility")->group("Compatibility");
-  for (auto name : {"--monitor_interval", "--rdzv_backend", "--num_cpu_threads_per_process", "--gpu_ids", "--role", "--tee"})
+  for (auto name : {"--monitor_interval", "--rdzv_backend", "--role", "--tee"})
     cmd->add_option(spellings(name), *compat_flags, "Accepted for compatibility")->group("Compatibility")->expected(1);
   // FSDP and DeepSpeed options, stored under their config-file keys.
   for (auto key : {"fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_auto_wrap_policy",
