@@ -14,7 +14,8 @@ struct CheckResult {
   std::string detail;  // what differed, or the error
 };
 
-// Collective over `comm`: every rank must call it. Returns this rank's results.
-std::vector<CheckResult> run_collective_checks(Communicator& comm);
+// Collective over `comm`: every rank must call it. Returns this rank's results. `device` "cpu" checks
+// the Gloo paths; a CUDA device ("cuda:0") checks the NCCL ones.
+std::vector<CheckResult> run_collective_checks(Communicator& comm, const std::string& device = "cpu");
 
 }  // namespace xlr8

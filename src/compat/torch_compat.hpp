@@ -11,6 +11,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef XLR8_WITH_NCCL
+#include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
@@ -47,6 +48,15 @@ constexpr bool kHaveNccl = false;
 inline int cuda_device_count() { return static_cast<int>(at::detail::getCUDAHooks().getNumGPUs()); }
 
 inline std::string torch_version() { return TORCH_VERSION; }
+
+// NCCL communicators bind to the current device when first used: select it before any collective.
+inline void set_cuda_device(int index) {
+#ifdef XLR8_WITH_NCCL
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(index));
+#else
+  (void)index;
+#endif
+}
 
 // A Gloo device: GLOO_SOCKET_IFNAME wins; a loopback master address binds loopback; else the host's address.
 inline std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& master_addr) {

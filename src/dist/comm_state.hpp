@@ -28,15 +28,20 @@ class SerialExecutor {
   bool stopping_ = false;
 };
 
+// Like PyTorch's "cuda:nccl,cpu:gloo": Gloo always (CPU tensors, rings, barriers), NCCL for CUDA tensors
+// when the build and the machine have it.
 struct CommState {
-  compat::BackendPtr backend;
+  compat::BackendPtr gloo;
+  compat::BackendPtr nccl;  // null without NCCL
   compat::StorePtr store;  // this group's namespace in the job's store
   int rank = 0;
   int size = 1;
   std::string name = "world";
   std::string master_addr = "127.0.0.1";
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
-  bool nccl = false;
+  // The backend for `t`, and whether it is NCCL (which reduces every dtype, AVG included).
+  compat::Backend& backend_for(const at::Tensor& t, const std::string& what) const;
+  bool uses_nccl(const at::Tensor& t) const { return t.is_cuda() && nccl; }
   std::uint64_t object_sequence = 0;
   std::uint64_t ring_sequence = 0;
   std::map<std::string, int> subgroups_made;

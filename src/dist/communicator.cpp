@@ -145,7 +145,7 @@ bool gloo_native(at::ScalarType t) {
 // Data-moving collectives only copy bytes: move what Gloo can't type as a Gloo type of equal width
 // (Gloo 1.13 has no int16, so 2-byte types travel as float16 bit patterns, unchanged).
 at::Tensor movable(const CommState& s, const at::Tensor& t) {
-  if (s.nccl || gloo_native(t.scalar_type())) return t;
+  if (s.uses_nccl(t) || gloo_native(t.scalar_type())) return t;
   switch (t.element_size()) {
     case 1: return t.view(at::kByte);
     case 2: return t.view(at::kHalf);
@@ -167,8 +167,8 @@ c10d::ReduceOp native_op(ReduceOp op) {
 }
 
 // Gloo has no AVG: reduce with SUM, then divide (truncating for integers, as NCCL does).
-c10d::ReduceOp backend_op(const CommState& s, ReduceOp op) {
-  return (!s.nccl && op == ReduceOp::AVG) ? c10d::ReduceOp(c10d::ReduceOp::SUM) : native_op(op);
+c10d::ReduceOp backend_op(bool nccl, ReduceOp op) {
+  return (!nccl && op == ReduceOp::AVG) ? c10d::ReduceOp(c10d::ReduceOp::SUM) : native_op(op);
 }
 
 void divide_for_average(at::Tensor& t, int size) {
@@ -244,8 +244,8 @@ void ring_reduce_scatter(CommState& s, at::Tensor output, at::Tensor input, Redu
   at::Tensor recv_buf = at::empty_like(send_buf);
   for (int step = 0; step < P - 1; ++step) {
     std::vector<at::Tensor> recv_list{recv_buf}, send_list{send_buf};
-    auto receiving = s.backend->recv(recv_list, prev, tag);
-    auto sending = s.backend->send(send_list, next, tag);
+    auto receiving = s.gloo->recv(recv_list, prev, tag);
+    auto sending = s.gloo->send(send_list, next, tag);
     wait_step(s, sending);
     wait_step(s, receiving);
     combine(recv_buf, chunk((r - step - 2 + 2 * P) % P), op);
@@ -271,8 +271,8 @@ void ring_all_gather(CommState& s, at::Tensor flat, int tag) {
   const int next = (r + 1) % P, prev = (r - 1 + P) % P;
   for (int step = 0; step < P - 1; ++step) {
     std::vector<at::Tensor> send_list{chunk((r - step + P) % P)}, recv_list{chunk((r - step - 1 + 2 * P) % P)};
-    auto receiving = s.backend->recv(recv_list, prev, tag);
-    auto sending = s.backend->send(send_list, next, tag);
+    auto receiving = s.gloo->recv(recv_list, prev, tag);
+    auto sending = s.gloo->send(send_list, next, tag);
     wait_step(s, sending);
     wait_step(s, receiving);
   }
@@ -293,6 +293,15 @@ const std::string& Communicator::name() const {
   return state_ ? state_->name : none;
 }
 std::string Communicator::backend() const { return state_ && state_->nccl ? "nccl" : "gloo"; }
+
+compat::Backend& detail::CommState::backend_for(const at::Tensor& t, const std::string& what) const {
+  if (!t.is_cuda()) return *gloo;
+  if (!nccl)
+    throw Error(fmt::format("{}: the tensor is on {} but group '{}' has no NCCL backend (CPU build, or no GPU); move "
+                            "it to the CPU",
+                            what, t.device().str(), name));
+  return *nccl;
+}
 std::chrono::milliseconds Communicator::timeout() const { return state_ ? state_->timeout : std::chrono::milliseconds(0); }
 
 Work Communicator::all_reduce_async(at::Tensor& tensor, ReduceOp op) {
@@ -303,13 +312,14 @@ Work Communicator::all_reduce_async(at::Tensor& tensor, ReduceOp op) {
   auto copy_back = [tensor, work_tensor]() mutable {
     if (!work_tensor.is_same(tensor)) tensor.copy_(work_tensor);
   };
-  if (s.nccl || gloo_native(tensor.scalar_type())) {
+  const bool nccl = s.uses_nccl(tensor);
+  if (nccl || gloo_native(tensor.scalar_type())) {
     std::vector<at::Tensor> list{work_tensor};
     c10d::AllreduceOptions opts;
-    opts.reduceOp = backend_op(s, op);
+    opts.reduceOp = backend_op(nccl, op);
     opts.timeout = s.timeout;
-    auto w = guarded(s, desc, [&] { return s.backend->allreduce(list, opts); });
-    bool average = !s.nccl && op == ReduceOp::AVG;
+    auto w = guarded(s, desc, [&] { return s.backend_for(tensor, desc).allreduce(list, opts); });
+    bool average = !nccl && op == ReduceOp::AVG;
     return native(s, desc, w, [work_tensor, copy_back, average, size = s.size]() mutable {
       if (average) divide_for_average(work_tensor, size);
       copy_back();
@@ -343,7 +353,7 @@ Work Communicator::broadcast_async(at::Tensor& tensor, int root) {
   c10d::BroadcastOptions opts;
   opts.rootRank = root;
   opts.timeout = s.timeout;
-  auto w = guarded(s, desc, [&] { return s.backend->broadcast(list, opts); });
+  auto w = guarded(s, desc, [&] { return s.backend_for(tensor, desc).broadcast(list, opts); });
   return native(s, desc, w, [tensor, work_tensor]() mutable {
     if (!work_tensor.is_same(tensor)) tensor.copy_(work_tensor);
   });
@@ -358,10 +368,10 @@ Work Communicator::all_gather_async(at::Tensor& output, const at::Tensor& input)
   require(output.is_contiguous(), desc, "output must be contiguous");
   at::Tensor flat_out = output.view(-1);
   at::Tensor in = input.contiguous().view(-1);
-  if (s.nccl) {
+  if (s.uses_nccl(input)) {
     c10d::AllgatherOptions opts;
     opts.timeout = s.timeout;
-    auto w = guarded(s, desc, [&] { return s.backend->_allgather_base(flat_out, in, opts); });
+    auto w = guarded(s, desc, [&] { return s.nccl->_allgather_base(flat_out, in, opts); });
     return native(s, desc, w);
   }
   // Gloo's list all-gather writes each rank's part straight into views of the flat output.
@@ -372,7 +382,7 @@ Work Communicator::all_gather_async(at::Tensor& output, const at::Tensor& input)
   std::vector<at::Tensor> inputs{in_m};
   c10d::AllgatherOptions opts;
   opts.timeout = s.timeout;
-  auto w = guarded(s, desc, [&] { return s.backend->allgather(outputs, inputs, opts); });
+  auto w = guarded(s, desc, [&] { return s.backend_for(input, desc).allgather(outputs, inputs, opts); });
   return native(s, desc, w);
 }
 
@@ -395,12 +405,12 @@ Work Communicator::reduce_scatter_async(at::Tensor& output, const at::Tensor& in
   require(output.scalar_type() == input.scalar_type(), desc, "output and input dtypes differ");
   require(output.is_contiguous(), desc, "output must be contiguous");
   at::Tensor in = input.contiguous().view(-1);
-  if (s.nccl) {
+  if (s.uses_nccl(input)) {
     at::Tensor out = output.view(-1);
     c10d::ReduceScatterOptions opts;
     opts.reduceOp = native_op(op);
     opts.timeout = s.timeout;
-    auto w = guarded(s, desc, [&] { return s.backend->_reduce_scatter_base(out, in, opts); });
+    auto w = guarded(s, desc, [&] { return s.nccl->_reduce_scatter_base(out, in, opts); });
     return native(s, desc, w);
   }
   int tag = next_ring_tag(s);
@@ -420,7 +430,7 @@ Work Communicator::all_to_all_async(at::Tensor& output, const at::Tensor& input)
   std::vector<int64_t> counts;  // empty: equal splits
   c10d::AllToAllOptions opts;
   opts.timeout = s.timeout;
-  auto w = guarded(s, desc, [&] { return s.backend->alltoall_base(out, in, counts, counts, opts); });
+  auto w = guarded(s, desc, [&] { return s.backend_for(input, desc).alltoall_base(out, in, counts, counts, opts); });
   return native(s, desc, w);
 }
 
@@ -430,7 +440,7 @@ Work Communicator::send_async(const at::Tensor& tensor, int dst, int tag) {
   require(dst >= 0 && dst < s.size && dst != s.rank, desc, fmt::format("destination must be another rank in [0, {})", s.size));
   require(tag >= 0 && tag < (1 << 28), desc, "tags must be in [0, 2^28)");
   std::vector<at::Tensor> list{movable(s, tensor.contiguous())};
-  auto w = guarded(s, desc, [&] { return s.backend->send(list, dst, tag); });
+  auto w = guarded(s, desc, [&] { return s.backend_for(tensor, desc).send(list, dst, tag); });
   return native(s, desc, w);
 }
 
@@ -441,7 +451,7 @@ Work Communicator::recv_async(at::Tensor& tensor, int src, int tag) {
   require(tag >= 0 && tag < (1 << 28), desc, "tags must be in [0, 2^28)");
   at::Tensor work_tensor = tensor.is_contiguous() ? tensor : tensor.contiguous();
   std::vector<at::Tensor> list{movable(s, work_tensor)};
-  auto w = guarded(s, desc, [&] { return s.backend->recv(list, src, tag); });
+  auto w = guarded(s, desc, [&] { return s.backend_for(tensor, desc).recv(list, src, tag); });
   return native(s, desc, w, [tensor, work_tensor]() mutable {
     if (!work_tensor.is_same(tensor)) tensor.copy_(work_tensor);
   });
@@ -452,7 +462,8 @@ void Communicator::barrier() {
   auto desc = fmt::format("barrier on group '{}' (rank {} of {})", s.name, s.rank, s.size);
   c10d::BarrierOptions opts;
   opts.timeout = s.timeout;
-  native(s, desc, guarded(s, desc, [&] { return s.backend->barrier(opts); })).wait();
+  // Gloo: a host-side barrier, which is what "wait for everyone" means (NCCL's only orders streams).
+  native(s, desc, guarded(s, desc, [&] { return s.gloo->barrier(opts); })).wait();
 }
 
 // Object collectives go through the store: no device tensors, any backend, store-enforced timeouts.
@@ -526,7 +537,7 @@ Communicator Communicator::new_group(const std::vector<int>& ranks, const std::s
   int generation = state_->subgroups_made[key]++;
   auto store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("xlr8/group/{}/{}", key, generation), s.store);
   return detail::make_communicator(store, my_index, static_cast<int>(ranks.size()), s.name + "/" + name, s.master_addr,
-                                   s.timeout, s.nccl);
+                                   s.timeout, s.nccl != nullptr);
 }
 
 Communicator detail::make_communicator(compat::StorePtr store, int rank, int size, const std::string& name,
@@ -538,16 +549,19 @@ Communicator detail::make_communicator(compat::StorePtr store, int rank, int siz
   s->name = name;
   s->master_addr = master_addr;
   s->timeout = timeout;
-  s->nccl = use_nccl;
-  auto desc = fmt::format("creating process group '{}' (rank {} of {}, backend {})", name, rank, size,
-                          use_nccl ? "nccl" : "gloo");
-  s->backend = guarded(*s, desc, [&]() -> compat::BackendPtr {
-#ifdef XLR8_WITH_NCCL
-    if (use_nccl) return compat::make_nccl(store, rank, size, timeout);
-#endif
-    if (use_nccl) throw Error("this xlr8 build has no NCCL support");
-    return compat::make_gloo(store, rank, size, timeout, master_addr);
+  auto desc = fmt::format("creating process group '{}' (rank {} of {})", name, rank, size);
+  s->gloo = guarded(*s, desc + " with gloo", [&] {
+    return compat::make_gloo(c10::make_intrusive<c10d::PrefixStore>("gloo", store), rank, size, timeout, master_addr);
   });
+  if (use_nccl) {
+#ifdef XLR8_WITH_NCCL
+    s->nccl = guarded(*s, desc + " with nccl", [&] {
+      return compat::make_nccl(c10::make_intrusive<c10d::PrefixStore>("nccl", store), rank, size, timeout);
+    });
+#else
+    throw Error(desc + ": this xlr8 build has no NCCL support");
+#endif
+  }
   return Communicator(s);
 }
 

@@ -35,6 +35,7 @@ std::unique_ptr<ProcessState> ProcessState::create(const Env& env, const Process
   bool gpu = gpus > 0 && compat::kHaveNccl;
   s->device_ = gpu ? fmt::format("cuda:{}", t.local_rank % gpus) : "cpu";
   s->backend_ = gpu ? "nccl" : "gloo";
+  if (gpu) compat::set_cuda_device(t.local_rank % gpus);
   if (s->settings_.deepspeed) s->distributed_type_ = DistributedType::DEEPSPEED;
   else if (!t.distributed()) s->distributed_type_ = DistributedType::NO;
   else if (s->settings_.fsdp) s->distributed_type_ = DistributedType::FSDP;

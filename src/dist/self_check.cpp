@@ -12,6 +12,7 @@ const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kDouble, at::kHalf,
                                              at::kLong, at::kInt, at::kByte};
 
 // Expected all-reduce of (rank + 1 + i % 3) over ranks, for element i.
+// Expected values are computed on the CPU.
 at::Tensor expected_reduction(ReduceOp op, int P, int64_t n, at::ScalarType t) {
   auto base = at::arange(n, at::kDouble).remainder(3);
   at::Tensor acc;
@@ -31,7 +32,8 @@ at::Tensor rank_values(int rank, int64_t n, at::ScalarType t) {
   return (at::arange(n, at::kDouble).remainder(3) + (rank + 1)).to(t);
 }
 
-std::string compare(const at::Tensor& got, const at::Tensor& want) {
+std::string compare(const at::Tensor& got_any, const at::Tensor& want) {
+  auto got = got_any.cpu();
   if (!got.sizes().equals(want.sizes())) return "shape differs";
   auto diff = (got.to(at::kDouble) - want.to(at::kDouble)).abs();
   double tolerance = got.scalar_type() == at::kBFloat16 || got.scalar_type() == at::kHalf ? 1e-2 : 1e-6;
@@ -44,11 +46,15 @@ std::string compare(const at::Tensor& got, const at::Tensor& want) {
 
 }  // namespace
 
-std::vector<CheckResult> run_collective_checks(Communicator& comm) {
+std::vector<CheckResult> run_collective_checks(Communicator& comm, const std::string& device_name) {
   std::vector<CheckResult> results;
   const int P = comm.size(), r = comm.rank();
+  const at::Device device(device_name);
+  const std::string where = device.is_cpu() ? "" : "[" + device_name + "] ";
+  auto on = [&](at::ScalarType t) { return at::TensorOptions().dtype(t).device(device); };
+  auto values = [&](int rank, int64_t count, at::ScalarType t) { return rank_values(rank, count, t).to(device); };
   auto check = [&](const std::string& name, auto&& body) {
-    CheckResult result{name, false, ""};
+    CheckResult result{where + name, false, ""};
     try {
       result.detail = body();
       result.ok = result.detail.empty();
@@ -64,14 +70,14 @@ std::vector<CheckResult> run_collective_checks(Communicator& comm) {
     for (auto op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MIN, ReduceOp::MAX, ReduceOp::PRODUCT}) {
       if (op == ReduceOp::PRODUCT && (t == at::kByte || t == at::kHalf || t == at::kBFloat16) && P > 3) continue;
       check(fmt::format("all_reduce {} {}", to_string(op), dt), [&] {
-        auto x = rank_values(r, n, t);
+        auto x = values(r, n, t);
         comm.all_reduce(x, op);
         return compare(x, expected_reduction(op, P, n, t));
       });
     }
     check(fmt::format("all_reduce async {}", dt), [&] {
-      auto x = rank_values(r, n, t);
-      auto y = rank_values(r, 7, t);
+      auto x = values(r, n, t);
+      auto y = values(r, 7, t);
       auto w1 = comm.all_reduce_async(x);
       auto w2 = comm.all_reduce_async(y, ReduceOp::MAX);
       w2.wait();
@@ -80,14 +86,14 @@ std::vector<CheckResult> run_collective_checks(Communicator& comm) {
       return e.empty() ? compare(y, expected_reduction(ReduceOp::MAX, P, 7, t)) : e;
     });
     check(fmt::format("broadcast {}", dt), [&] {
-      auto x = rank_values(r, n, t);
+      auto x = values(r, n, t);
       int root = P - 1;
       comm.broadcast(x, root);
       return compare(x, rank_values(root, n, t));
     });
     check(fmt::format("all_gather {}", dt), [&] {
-      auto x = rank_values(r, 10, t);
-      auto out = at::empty({P * 10}, t);
+      auto x = values(r, 10, t);
+      auto out = at::empty({P * 10}, on(t));
       comm.all_gather(out, x);
       std::vector<at::Tensor> want;
       for (int i = 0; i < P; ++i) want.push_back(rank_values(i, 10, t));
@@ -101,8 +107,8 @@ std::vector<CheckResult> run_collective_checks(Communicator& comm) {
     });
     for (auto op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MAX}) {
       check(fmt::format("reduce_scatter {} {}", to_string(op), dt), [&] {
-        auto in = rank_values(r, n * P, t);
-        auto out = at::empty({n}, t);
+        auto in = values(r, n * P, t);
+        auto out = at::empty({n}, on(t));
         comm.reduce_scatter(out, in, op);
         // Element j of chunk r has base index r*n + j.
         auto full = expected_reduction(op, P, n * P, t);
@@ -111,7 +117,7 @@ std::vector<CheckResult> run_collective_checks(Communicator& comm) {
     }
     check(fmt::format("all_to_all {}", dt), [&] {
       // Chunk j sent by rank i holds 10*i + j.
-      auto in = (at::arange(P, at::kDouble) + 10 * r).repeat_interleave(3).to(t);
+      auto in = (at::arange(P, at::kDouble) + 10 * r).repeat_interleave(3).to(on(t));
       auto out = at::empty_like(in);
       comm.all_to_all(out, in);
       auto want = (at::arange(P, at::kDouble) * 10 + r).repeat_interleave(3).to(t);
@@ -120,8 +126,8 @@ std::vector<CheckResult> run_collective_checks(Communicator& comm) {
     if (P > 1) {
       check(fmt::format("send/recv {}", dt), [&] {
         // A ring: send to the next rank, receive from the previous one.
-        auto mine = rank_values(r, 16, t);
-        auto got = at::empty({16}, t);
+        auto mine = values(r, 16, t);
+        auto got = at::empty({16}, on(t));
         auto sending = comm.send_async(mine, (r + 1) % P, 7);
         comm.recv(got, (r - 1 + P) % P, 7);
         sending.wait();
@@ -148,7 +154,7 @@ std::vector<CheckResult> run_collective_checks(Communicator& comm) {
       std::vector<int> members;
       for (int i = r % 2; i < P; i += 2) members.push_back(i);
       auto group = comm.new_group(members, r % 2 ? "odd" : "even");
-      auto x = at::full({4}, r + 1, at::kFloat);
+      auto x = at::full({4}, r + 1, on(at::kFloat));
       group.all_reduce(x);
       double want = 0;
       for (int m : members) want += m + 1;

@@ -64,7 +64,11 @@ Handler add_selftest_worker(CLI::App& app) {
   app.add_subcommand("selftest", "The self-check worker: run it under `xlr8 launch` (what `xlr8 test` does)");
   return []() {
     const auto& state = ProcessState::instance();
-    auto results = run_collective_checks(state.world());
+    auto results = run_collective_checks(state.world());  // CPU tensors: the Gloo paths
+    if (state.device() != "cpu") {                        // CUDA tensors: the NCCL paths
+      auto device_results = run_collective_checks(state.world(), state.device());
+      results.insert(results.end(), device_results.begin(), device_results.end());
+    }
     results.push_back(mesh_check(state));
     nlohmann::json mine = nlohmann::json::array();
     for (auto& r : results) mine.push_back({{"name", r.name}, {"ok", r.ok}, {"detail", r.detail}});
