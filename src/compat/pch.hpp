@@ -3,3 +3,4 @@
 #include "compat/torch_compat.hpp"
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
+#include "xlr8/accelerator.hpp"

@@ -6,6 +6,11 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -82,6 +87,54 @@ inline BackendPtr make_nccl(const StorePtr& store, int rank, int size, std::chro
   return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
 }
 #endif
+
+// ------------------------------------------------------------------ autograd
+// grad_accumulator() returns std::shared_ptr<Node> on 1.13 and c10::intrusive_ptr<Node> on newer 2.x.
+using GradAccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+inline GradAccumulatorPtr grad_accumulator(const at::Tensor& parameter) {
+  return torch::autograd::impl::grad_accumulator(parameter);
+}
+
+// Runs `callback` when the current backward pass ends; only valid from inside a backward hook.
+inline void at_end_of_backward(std::function<void()> callback) {
+  torch::autograd::Engine::get_default_engine().queue_callback(std::move(callback));
+}
+
+// ------------------------------------------------------------------ autocast
+// 2.4 made the API device-generic (PR #124359); the old names warn at run time from then on.
+inline bool autocast_enabled(c10::DeviceType device) {
+#if XLR8_TORCH_AT_LEAST(2, 4)
+  return at::autocast::is_autocast_enabled(device);
+#else
+  return device == c10::DeviceType::CUDA ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
+#endif
+}
+inline at::ScalarType autocast_dtype(c10::DeviceType device) {
+#if XLR8_TORCH_AT_LEAST(2, 4)
+  return at::autocast::get_autocast_dtype(device);
+#else
+  return device == c10::DeviceType::CUDA ? at::autocast::get_autocast_gpu_dtype() : at::autocast::get_autocast_cpu_dtype();
+#endif
+}
+inline void set_autocast(c10::DeviceType device, bool enabled, at::ScalarType dtype) {
+#if XLR8_TORCH_AT_LEAST(2, 4)
+  at::autocast::set_autocast_enabled(device, enabled);
+  at::autocast::set_autocast_dtype(device, dtype);
+#else
+  if (device == c10::DeviceType::CUDA) {
+    at::autocast::set_enabled(enabled);
+    at::autocast::set_autocast_gpu_dtype(dtype);
+  } else {
+    at::autocast::set_cpu_enabled(enabled);
+    at::autocast::set_autocast_cpu_dtype(dtype);
+  }
+#endif
+}
+inline void autocast_enter() { at::autocast::increment_nesting(); }
+inline void autocast_exit() {
+  if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+}
 
 // TCPStore options: identical fields on 1.13 and 2.x for what we use.
 inline StorePtr make_tcp_store(const std::string& host, int port, bool is_server, int world_size,

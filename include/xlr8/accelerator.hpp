@@ -1,0 +1,212 @@
+#pragma once
+// xlr8::Accelerator: turns a single-process LibTorch loop into distributed training (Accelerate's
+// Accelerator). Semantics follow reference/001 and reference/004: the loss is divided by the
+// accumulation steps; optimizer and scheduler only step on sync steps; an epoch's last batch always
+// syncs; gather_for_metrics drops the samples that even_batches padded.
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <torch/nn/module.h>
+#include <torch/nn/pimpl.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/schedulers/lr_scheduler.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "xlr8/autocast.hpp"
+#include "xlr8/data_loader.hpp"
+#include "xlr8/ddp.hpp"
+#include "xlr8/process_state.hpp"
+
+namespace xlr8 {
+
+struct AcceleratorOptions {
+  std::optional<MixedPrecision> mixed_precision;   // default: ACCELERATE_MIXED_PRECISION / config
+  std::optional<int> gradient_accumulation_steps;  // default: ACCELERATE_GRADIENT_ACCUMULATION_STEPS / config
+  bool cpu = false;                                // stay on the CPU even with GPUs
+  DDPOptions ddp;
+  bool split_batches = false;
+  bool even_batches = true;
+  bool sync_with_dataloader = true;  // an epoch's last batch always syncs
+  std::string project_dir = ".";     // metrics.jsonl and automatic checkpoints go here
+  bool automatic_checkpoint_naming = false;  // save_state() -> <project_dir>/checkpoints/checkpoint_<N>
+  std::optional<int> total_limit;            // keep at most this many automatic checkpoints
+};
+
+struct AcceleratorImpl;
+
+// step() and zero_grad() act only on sync steps. With fp16 the step unscales the gradients, checks them
+// for inf/NaN on every rank, and is skipped (and reported) on overflow.
+class PreparedOptimizer {
+ public:
+  struct State;
+  PreparedOptimizer() = default;
+  explicit PreparedOptimizer(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  void step();
+  void zero_grad();
+  torch::optim::Optimizer& optimizer();
+  bool step_was_skipped() const;  // the last sync step was skipped for fp16 overflow
+  int64_t steps_taken() const;
+  torch::optim::Optimizer* operator->() { return &optimizer(); }
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+// Advances once per optimizer step that really happened.
+class PreparedScheduler {
+ public:
+  struct State;
+  PreparedScheduler() = default;
+  explicit PreparedScheduler(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  void step();
+  torch::optim::LRScheduler& scheduler();
+  int64_t steps_taken() const;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+// The body of one micro-step (Accelerate's `with accelerator.accumulate(model)`): decides whether this
+// step syncs gradients, turns DDP sync off otherwise, and runs the forward under autocast.
+class StepScope {
+ public:
+  StepScope(AcceleratorImpl* impl, std::vector<DistributedDataParallel*> models, bool sync, AutocastScope autocast);
+  StepScope(StepScope&&) noexcept;
+  StepScope(const StepScope&) = delete;
+  ~StepScope();
+  bool sync_gradients() const { return sync_; }
+
+ private:
+  AcceleratorImpl* impl_;
+  std::vector<DistributedDataParallel*> models_;
+  bool sync_;
+  AutocastScope autocast_;
+  bool active_ = true;
+};
+
+class Accelerator {
+ public:
+  explicit Accelerator(AcceleratorOptions options = {});
+  ~Accelerator();
+  Accelerator(const Accelerator&) = delete;
+  Accelerator& operator=(const Accelerator&) = delete;
+
+  const ProcessState& state() const;
+  int num_processes() const;
+  int process_index() const;
+  int local_process_index() const;
+  bool is_main_process() const;
+  bool is_local_main_process() const;
+  at::Device device() const;
+  MixedPrecision mixed_precision() const;
+  int gradient_accumulation_steps() const;
+  bool sync_gradients() const;
+  bool end_of_dataloader() const;
+
+  // Models: any torch::nn::ModuleHolder (Net, torch::nn::Linear ...) or std::shared_ptr<Module>. The
+  // module is moved to the device; with several processes its gradients are synchronised (DDP).
+  template <class Model>
+  Model prepare(Model model) {
+    register_model(module_pointer(model));
+    return model;
+  }
+  // Optimizers are taken by value (or shared_ptr) and owned by the returned handle.
+  template <class Optim, std::enable_if_t<std::is_base_of_v<torch::optim::Optimizer, std::decay_t<Optim>>, int> = 0>
+  PreparedOptimizer prepare(Optim&& optimizer) {
+    return prepare_optimizer(std::make_shared<std::decay_t<Optim>>(std::move(optimizer)));
+  }
+  PreparedOptimizer prepare_optimizer(std::shared_ptr<torch::optim::Optimizer> optimizer);
+  template <class Sched, std::enable_if_t<std::is_base_of_v<torch::optim::LRScheduler, std::decay_t<Sched>>, int> = 0>
+  PreparedScheduler prepare(Sched&& scheduler) {
+    return prepare_scheduler(std::make_shared<std::decay_t<Sched>>(std::move(scheduler)));
+  }
+  PreparedScheduler prepare_scheduler(std::shared_ptr<torch::optim::LRScheduler> scheduler);
+  template <class Dataset>
+  std::shared_ptr<DataLoader<Dataset>> prepare_data_loader(Dataset dataset, DataLoaderOptions options = {}) {
+    auto loader = std::make_shared<DataLoader<Dataset>>(std::move(dataset), options, sharding(), seed(),
+                                                        gradient_state(), device());
+    register_loader(loader);
+    return loader;
+  }
+
+  // Gradient accumulation: the scope decides sync_gradients for this micro-step.
+  template <class... Models>
+  StepScope accumulate(const Models&... models) {
+    return make_step_scope({module_pointer(models).get()...}, /*decide_sync=*/true);
+  }
+  // Turns gradient synchronisation off for the given (or all) prepared models.
+  template <class... Models>
+  StepScope no_sync(const Models&... models) {
+    return make_step_scope({module_pointer(models).get()...}, /*decide_sync=*/false);
+  }
+  // loss / gradient_accumulation_steps (times the fp16 loss scale), then backward outside autocast.
+  void backward(const at::Tensor& loss);
+  // Clips by the global norm across ranks; returns the norm. Off the sync boundary it does nothing and
+  // returns 0 (the gradients are still partial sums).
+  double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0);
+  AutocastScope autocast() const;
+
+  // Collectives on tensors.
+  at::Tensor gather(const at::Tensor& tensor) const;              // concatenated on dim 0 in rank order
+  at::Tensor gather_for_metrics(const at::Tensor& tensor) const;  // drops even_batches padding at the end
+  at::Tensor reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::SUM) const;
+  at::Tensor pad_across_processes(const at::Tensor& tensor, int64_t dim = 0, double pad_index = 0,
+                                  bool pad_first = false) const;
+  void wait_for_everyone() const;
+  // Runs `fn` on the main process first, then on the others (e.g. downloading or preprocessing once).
+  void main_process_first(const std::function<void()>& fn) const;
+  template <class T>
+  std::vector<T> split_between_processes(const std::vector<T>& items, bool apply_padding = false) const {
+    auto [begin, end] = split_range(static_cast<int64_t>(items.size()), num_processes(), process_index());
+    std::vector<T> mine(items.begin() + begin, items.begin() + end);
+    int64_t longest = static_cast<int64_t>((items.size() + num_processes() - 1) / num_processes());
+    while (apply_padding && !items.empty() && static_cast<int64_t>(mine.size()) < longest) mine.push_back(items.back());
+    return mine;
+  }
+  template <class... Args>
+  void print(fmt::format_string<Args...> format, Args&&... args) const {
+    if (is_main_process()) fmt::print("{}\n", fmt::format(format, std::forward<Args>(args)...)), std::fflush(stdout);
+  }
+  // Seeds LibTorch's generators (and the default data-loader shuffle seed); device_specific adds the rank.
+  void set_seed(uint64_t seed, bool device_specific = false);
+  template <class Model>
+  Model unwrap_model(Model model) const {
+    return model;  // xlr8 never wraps the module: hooks do the synchronisation
+  }
+  // Appends {"step": step, ...values} to <project_dir>/metrics.jsonl on the main process.
+  void log(const nlohmann::json& values, std::optional<int64_t> step = std::nullopt);
+  void end_training();
+
+  // Checkpoints (crash-safe, checksummed). Without a directory: automatic naming under project_dir.
+  std::string save_state(const std::string& dir = "");
+  void load_state(const std::string& dir = "");
+  // Hugging Face layout: model.safetensors, or shards plus model.safetensors.index.json.
+  template <class Model>
+  void save_model(const Model& model, const std::string& dir, const std::string& max_shard_size = "10GB") const {
+    save_module(*module_pointer(model), dir, max_shard_size);
+  }
+
+  int64_t step() const;  // optimizer steps taken by the first prepared optimizer
+
+ private:
+  template <class M>
+  static std::shared_ptr<torch::nn::Module> module_pointer(const M& m) {
+    if constexpr (std::is_convertible_v<M, std::shared_ptr<torch::nn::Module>>) return m;
+    else return m.ptr();
+  }
+  void register_model(std::shared_ptr<torch::nn::Module> module);
+  void register_loader(std::shared_ptr<DataLoaderBase> loader);
+  StepScope make_step_scope(std::vector<torch::nn::Module*> modules, bool decide_sync);
+  void save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const;
+  ShardingOptions sharding() const;
+  uint64_t seed() const;
+  std::shared_ptr<GradientState> gradient_state() const;
+
+  std::unique_ptr<AcceleratorImpl> impl_;
+};
+
+}  // namespace xlr8

@@ -1,0 +1,134 @@
+#include "xlr8/data_loader.hpp"
+
+#include <fmt/format.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <numeric>
+#include <thread>
+
+#include "xlr8/error.hpp"
+
+namespace xlr8 {
+
+// Fixed threads running loader tasks in submission order.
+class WorkerPool {
+ public:
+  explicit WorkerPool(int threads) {
+    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { loop(); });
+  }
+  ~WorkerPool() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+  void submit(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void loop() {
+    for (;;) {
+      std::function<void()> task;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
+        if (tasks_.empty()) return;
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();
+    }
+  }
+  std::vector<std::thread> threads_;
+  std::deque<std::function<void()>> tasks_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+};
+
+DataLoaderBase::DataLoaderBase(int64_t dataset_size, DataLoaderOptions options, ShardingOptions sharding,
+                               uint64_t default_seed, std::shared_ptr<GradientState> gradient_state, at::Device device)
+    : device_(device),
+      dataset_size_(dataset_size),
+      options_(options),
+      sharding_(sharding),
+      seed_(options.seed.value_or(default_seed)),
+      gradient_state_(std::move(gradient_state)) {
+  if (options_.batch_size < 1) throw ConfigError(fmt::format("batch_size {} must be at least 1", options_.batch_size));
+  if (options_.num_workers < 0) throw ConfigError(fmt::format("num_workers {} must be 0 or more", options_.num_workers));
+  sharding_.batch_size = options_.batch_size;
+  sharding_.drop_last = options_.drop_last;
+  if (dataset_size_ == 0) throw Error("the dataset is empty");
+  if (options_.num_workers > 0) pool_ = std::make_unique<WorkerPool>(options_.num_workers);
+}
+
+DataLoaderBase::~DataLoaderBase() = default;
+
+std::vector<std::vector<int64_t>> DataLoaderBase::plan_epoch() const {
+  std::vector<int64_t> order(static_cast<size_t>(dataset_size_));
+  if (options_.shuffle) {
+    // One permutation per (seed, epoch), identical on every rank and for any number of ranks.
+    at::Generator generator = at::detail::createCPUGenerator(seed_ * 1000003ULL + static_cast<uint64_t>(epoch_));
+    auto perm = at::randperm(dataset_size_, generator, at::kLong);
+    auto data = perm.data_ptr<int64_t>();
+    order.assign(data, data + dataset_size_);
+  } else {
+    std::iota(order.begin(), order.end(), 0);
+  }
+  return shard_batches(order, sharding_);
+}
+
+int64_t DataLoaderBase::size() const {
+  std::vector<int64_t> order(static_cast<size_t>(dataset_size_));
+  std::iota(order.begin(), order.end(), 0);
+  return static_cast<int64_t>(shard_batches(order, sharding_).size());
+}
+
+std::shared_ptr<DataLoaderBase::Pass> DataLoaderBase::start_pass() {
+  auto pass = std::make_shared<Pass>();
+  pass->loader = this;
+  pass->batches = plan_epoch();
+  pass->progress.remainder = padding_remainder(dataset_size_, sharding_);
+  if (skip_ > 0) {
+    pass->next = static_cast<size_t>(std::min<int64_t>(skip_, static_cast<int64_t>(pass->batches.size())));
+    position_ = static_cast<int64_t>(pass->next);
+    skip_ = 0;
+  } else {
+    position_ = 0;
+  }
+  if (gradient_state_) gradient_state_->push(&pass->progress);
+  return pass;
+}
+
+void DataLoaderBase::Pass::yielded(size_t index) {
+  progress.end_of_dataloader = index + 1 == batches.size();
+  loader->position_ = static_cast<int64_t>(index) + 1;
+}
+
+DataLoaderBase::Pass::~Pass() {
+  if (loader->gradient_state_) loader->gradient_state_->pop(&progress);
+  if (finished) {  // a complete pass ends the epoch
+    loader->epoch_ += 1;
+    loader->position_ = 0;
+  }
+}
+
+void DataLoaderBase::run_async(std::function<void()> task) { pool_->submit(std::move(task)); }
+
+nlohmann::json DataLoaderBase::state() const { return {{"epoch", epoch_}, {"position", position_}}; }
+
+void DataLoaderBase::load_state(const nlohmann::json& state) {
+  epoch_ = state.at("epoch").get<int64_t>();
+  position_ = state.at("position").get<int64_t>();
+  skip_ = position_;
+}
+
+}  // namespace xlr8

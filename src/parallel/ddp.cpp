@@ -1,0 +1,266 @@
+#include "xlr8/ddp.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include <mutex>
+
+#include "compat/torch_compat.hpp"
+#include "dist/comm_state.hpp"
+#include "xlr8/error.hpp"
+
+namespace xlr8 {
+
+struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
+  struct Bucket {
+    std::vector<size_t> params;
+    std::vector<int64_t> offsets;  // element offset of each parameter in `flat`
+    at::Tensor flat;
+    size_t pending = 0;
+    Work work;
+  };
+
+  std::shared_ptr<torch::nn::Module> module;
+  Communicator comm;
+  DDPOptions options;
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;
+  std::vector<size_t> bucket_of, slot_of;  // per parameter: its bucket and position in it
+  std::vector<Bucket> buckets;
+  std::vector<compat::GradAccumulatorPtr> accumulators;  // hooks only fire while these live
+
+  std::mutex mutex;
+  bool sync = true;
+  bool detached = false;
+  bool in_backward = false;
+  std::vector<bool> ready;
+  size_t next_launch = 0;
+  size_t ready_count = 0;
+  size_t overlapped = 0;
+
+  void assign_buckets() {
+    const double first_cap = options.first_bucket_mb * 1024 * 1024, cap = options.bucket_cap_mb * 1024 * 1024;
+    // Reverse order: gradients of the last layers are ready first.
+    for (size_t k = params.size(); k-- > 0;) {
+      const auto& p = params[k];
+      double bytes = static_cast<double>(p.numel() * p.element_size());
+      bool fits = !buckets.empty();
+      if (fits) {
+        auto& b = buckets.back();
+        const auto& first = params[b.params.front()];
+        double used = static_cast<double>(b.offsets.back() + params[b.params.back()].numel()) * first.element_size();
+        double limit = buckets.size() == 1 ? first_cap : cap;
+        fits = first.scalar_type() == p.scalar_type() && first.device() == p.device() && used + bytes <= limit;
+      }
+      if (!fits) buckets.emplace_back();
+      auto& b = buckets.back();
+      int64_t offset = b.params.empty() ? 0 : b.offsets.back() + params[b.params.back()].numel();
+      bucket_of[k] = buckets.size() - 1;
+      slot_of[k] = b.params.size();
+      b.params.push_back(k);
+      b.offsets.push_back(offset);
+    }
+    for (auto& b : buckets) {
+      const auto& last = params[b.params.back()];
+      b.flat = at::zeros({b.offsets.back() + last.numel()}, last.options().requires_grad(false));
+    }
+  }
+
+  void reset_backward_state() {
+    ready.assign(params.size(), false);
+    for (auto& b : buckets) b.pending = b.params.size(), b.work = Work();
+    next_launch = 0;
+    ready_count = 0;
+    in_backward = false;
+  }
+
+  at::Tensor view_of(size_t k) {
+    auto& b = buckets[bucket_of[k]];
+    return b.flat.narrow(0, b.offsets[slot_of[k]], params[k].numel());
+  }
+
+  // Buckets are launched strictly in index order on every rank: the same collective sequence everywhere.
+  void launch_ready() {
+    while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
+      auto& b = buckets[next_launch++];
+      b.work = comm.all_reduce_async(b.flat, ReduceOp::AVG);
+      if (ready_count < params.size()) ++overlapped;  // started while other gradients are still being computed
+    }
+  }
+
+  void mark_ready(size_t k) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (!sync || detached) return;
+    if (!in_backward) {
+      in_backward = true;
+      std::weak_ptr<Core> weak = shared_from_this();
+      compat::at_end_of_backward([weak] {
+        if (auto self = weak.lock()) self->finish_backward();
+      });
+    }
+    if (ready[k]) return;  // already counted (reentrant backward)
+    const auto& grad = params[k].grad();
+    if (grad.defined()) view_of(k).copy_(grad.reshape(-1));
+    else view_of(k).zero_();
+    ready[k] = true;
+    ++ready_count;
+    --buckets[bucket_of[k]].pending;
+    launch_ready();
+  }
+
+  void finish_backward() {
+    std::lock_guard<std::mutex> lock(mutex);
+    std::vector<std::string> unused;
+    for (size_t k = 0; k < params.size(); ++k)
+      if (!ready[k]) unused.push_back(names[k]);
+    if (!unused.empty()) {
+      if (!options.find_unused_parameters) {
+        reset_backward_state();
+        throw Error(fmt::format("rank {}: parameter{} {} received no gradient in this backward pass, so the gradient "
+                                "all-reduce cannot complete. Use every parameter in forward, set requires_grad(false) "
+                                "on it, or set find_unused_parameters = true",
+                                comm.rank(), unused.size() == 1 ? "" : "s", fmt::join(unused, ", ")));
+      }
+      for (size_t k = 0; k < params.size(); ++k)
+        if (!ready[k]) {
+          view_of(k).zero_();
+          ready[k] = true;
+          ++ready_count;
+          --buckets[bucket_of[k]].pending;
+        }
+      launch_ready();
+    }
+    for (auto& b : buckets) b.work.wait();
+    at::NoGradGuard no_grad;
+    for (size_t k = 0; k < params.size(); ++k) {
+      auto averaged = view_of(k).view(params[k].sizes());
+      auto& grad = params[k].mutable_grad();
+      if (grad.defined()) grad.copy_(averaged);
+      else grad = averaged.clone();
+    }
+    reset_backward_state();
+  }
+};
+
+namespace {
+
+std::string signature_of(const std::string& name, const at::Tensor& t) {
+  return fmt::format("{} {}", name, detail::describe(t));
+}
+
+// Every rank must hold the same model: compare names, dtypes and shapes before anything is broadcast.
+void verify_same_model(Communicator& comm, const std::vector<std::string>& mine) {
+  auto all = comm.all_gather_object(nlohmann::json(mine).dump());
+  auto reference = nlohmann::json::parse(all[0]).get<std::vector<std::string>>();
+  for (int r = 1; r < comm.size(); ++r) {
+    auto theirs = nlohmann::json::parse(all[r]).get<std::vector<std::string>>();
+    for (size_t i = 0; i < std::max(reference.size(), theirs.size()); ++i) {
+      std::string a = i < reference.size() ? reference[i] : "(nothing)";
+      std::string b = i < theirs.size() ? theirs[i] : "(nothing)";
+      if (a != b)
+        throw Error(fmt::format("the model differs across ranks: entry {} is {} on rank 0 but {} on rank {}. Every "
+                                "rank must build the same model",
+                                i, a, b, r));
+    }
+  }
+}
+
+void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& tensors) {
+  at::NoGradGuard no_grad;
+  // One broadcast per dtype: flatten, broadcast, copy back.
+  std::map<at::ScalarType, std::vector<at::Tensor>> by_type;
+  for (const auto& t : tensors) by_type[t.scalar_type()].push_back(t);
+  for (auto& [type, group] : by_type) {
+    std::vector<at::Tensor> flat_parts;
+    for (auto& t : group) flat_parts.push_back(t.detach().reshape(-1));
+    auto flat = at::cat(flat_parts);
+    comm.broadcast(flat, 0);
+    int64_t offset = 0;
+    for (auto& t : group) {
+      t.detach().copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+}
+
+// A post-hook on a parameter's AccumulateGrad node: `.grad` already holds this backward's sum.
+struct ReadyHook : torch::autograd::FunctionPostHook {
+  ReadyHook(std::weak_ptr<DistributedDataParallel::Core> core, size_t index) : core_(std::move(core)), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    if (auto core = core_.lock()) core->mark_ready(index_);
+    return outputs;
+  }
+  std::weak_ptr<DistributedDataParallel::Core> core_;
+  size_t index_;
+};
+
+}  // namespace
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, Communicator comm,
+                                                 DDPOptions options)
+    : core_(std::make_shared<Core>()) {
+  if (!module) throw Error("DistributedDataParallel: the module is null");
+  auto& c = *core_;
+  c.module = std::move(module);
+  c.comm = std::move(comm);
+  c.options = options;
+  std::vector<std::string> signatures;
+  std::vector<at::Tensor> to_broadcast;
+  for (const auto& item : c.module->named_parameters()) {
+    signatures.push_back(signature_of(item.key(), item.value()));
+    to_broadcast.push_back(item.value());
+    if (!item.value().requires_grad()) continue;
+    c.names.push_back(item.key());
+    c.params.push_back(item.value());
+  }
+  for (const auto& item : c.module->named_buffers()) {
+    signatures.push_back(signature_of("buffer " + item.key(), item.value()));
+    to_broadcast.push_back(item.value());
+  }
+  if (c.comm.size() > 1) {
+    verify_same_model(c.comm, signatures);
+    broadcast_from_rank0(c.comm, to_broadcast);
+  }
+  c.bucket_of.resize(c.params.size());
+  c.slot_of.resize(c.params.size());
+  c.assign_buckets();
+  c.reset_backward_state();
+  for (size_t k = 0; k < c.params.size(); ++k) {
+    auto acc = compat::grad_accumulator(c.params[k]);
+    acc->add_post_hook(std::make_unique<ReadyHook>(core_, k));
+    c.accumulators.push_back(acc);
+  }
+}
+
+DistributedDataParallel::~DistributedDataParallel() {
+  std::lock_guard<std::mutex> lock(core_->mutex);
+  core_->detached = true;
+}
+
+void DistributedDataParallel::set_sync(bool enabled) {
+  std::lock_guard<std::mutex> lock(core_->mutex);
+  core_->sync = enabled;
+}
+
+bool DistributedDataParallel::sync_enabled() const { return core_->sync; }
+
+void DistributedDataParallel::sync_buffers() {
+  if (!core_->options.broadcast_buffers || core_->comm.size() == 1) return;
+  std::vector<at::Tensor> buffers;
+  for (auto& b : core_->module->buffers()) buffers.push_back(b);
+  if (!buffers.empty()) broadcast_from_rank0(core_->comm, buffers);
+}
+
+const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::module() const { return core_->module; }
+
+std::vector<std::vector<size_t>> DistributedDataParallel::bucket_layout() const {
+  std::vector<std::vector<size_t>> layout;
+  for (auto& b : core_->buckets) layout.push_back(b.params);
+  return layout;
+}
+
+size_t DistributedDataParallel::overlapped_launches() const { return core_->overlapped; }
+
+}  // namespace xlr8

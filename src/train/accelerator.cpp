@@ -1,0 +1,320 @@
+#include "xlr8/accelerator.hpp"
+
+#include <torch/nn/utils/clip_grad.h>
+
+#include <filesystem>
+#include <limits>
+
+#include "compat/torch_compat.hpp"
+#include "train/accelerator_impl.hpp"
+#include "xlr8/error.hpp"
+
+namespace xlr8 {
+
+// ------------------------------------------------------------------------------------------ impl helpers
+
+std::vector<at::Tensor> AcceleratorImpl::optimized_parameters() const {
+  std::vector<at::Tensor> params;
+  for (const auto& o : optimizers)
+    for (const auto& group : o->optimizer->param_groups())
+      for (const auto& p : group.params()) params.push_back(p);
+  return params;
+}
+
+void AcceleratorImpl::unscale_gradients() {
+  if (!scaler || unscaled) return;
+  const double inverse = 1.0 / scaler->scale();
+  bool found = false;
+  at::NoGradGuard no_grad;
+  for (auto& p : optimized_parameters()) {
+    auto& g = p.mutable_grad();
+    if (!g.defined()) continue;
+    g.mul_(inverse);
+    if (!found) found = !at::isfinite(g).all().item<bool>();
+  }
+  // Every rank must skip the same step: MAX of the overflow flag over the world.
+  auto flag = at::full({1}, found ? 1 : 0, at::kInt);
+  world().all_reduce(flag, ReduceOp::MAX);
+  overflow = flag.item<int>() != 0;
+  scaler->update(overflow);
+  unscaled = true;
+}
+
+std::vector<DistributedDataParallel*> AcceleratorImpl::ddps_of(const std::vector<torch::nn::Module*>& modules) const {
+  std::vector<DistributedDataParallel*> out;
+  if (modules.empty()) {
+    for (const auto& m : models)
+      if (m.ddp) out.push_back(m.ddp.get());
+    return out;
+  }
+  for (auto* module : modules) {
+    auto it = std::find_if(models.begin(), models.end(), [&](const Model& m) { return m.module.get() == module; });
+    if (it == models.end()) throw Error("this model was not passed to Accelerator::prepare(); prepare it first");
+    if (it->ddp) out.push_back(it->ddp.get());
+  }
+  return out;
+}
+
+// ------------------------------------------------------------------------------------------ optimizer, scheduler
+
+void PreparedOptimizer::step() {
+  auto& s = *state_;
+  auto& impl = *s.impl;
+  if (!impl.gradient_state->sync_gradients) return;
+  impl.unscale_gradients();
+  if (impl.scaler && impl.overflow) {
+    s.skipped = true;
+    impl.last_step_applied = false;
+    if (impl.state->is_main_process())
+      fmt::print(stderr, "xlr8: fp16 gradient overflow: skipped optimizer step; loss scale is now {}\n",
+                 impl.scaler->scale());
+    return;
+  }
+  s.optimizer->step();
+  s.skipped = false;
+  s.steps += 1;
+  impl.last_step_applied = true;
+}
+
+void PreparedOptimizer::zero_grad() {
+  if (!state_->impl->gradient_state->sync_gradients) return;
+  state_->optimizer->zero_grad();
+}
+
+torch::optim::Optimizer& PreparedOptimizer::optimizer() { return *state_->optimizer; }
+bool PreparedOptimizer::step_was_skipped() const { return state_->skipped; }
+int64_t PreparedOptimizer::steps_taken() const { return state_->steps; }
+
+void PreparedScheduler::step() {
+  auto& impl = *state_->impl;
+  if (!impl.gradient_state->sync_gradients || !impl.last_step_applied) return;
+  state_->scheduler->step();
+  state_->steps += 1;
+}
+
+torch::optim::LRScheduler& PreparedScheduler::scheduler() { return *state_->scheduler; }
+int64_t PreparedScheduler::steps_taken() const { return state_->steps; }
+
+// ------------------------------------------------------------------------------------------ step scope
+
+StepScope::StepScope(AcceleratorImpl* impl, std::vector<DistributedDataParallel*> models, bool sync,
+                     AutocastScope autocast)
+    : impl_(impl), models_(std::move(models)), sync_(sync), autocast_(std::move(autocast)) {
+  for (auto* m : models_) m->set_sync(sync_);
+}
+
+StepScope::StepScope(StepScope&& other) noexcept
+    : impl_(other.impl_), models_(std::move(other.models_)), sync_(other.sync_), autocast_(std::move(other.autocast_)) {
+  other.active_ = false;
+}
+
+StepScope::~StepScope() {
+  if (!active_) return;
+  for (auto* m : models_) m->set_sync(true);
+}
+
+// ------------------------------------------------------------------------------------------ accelerator
+
+Accelerator::Accelerator(AcceleratorOptions options) : impl_(std::make_unique<AcceleratorImpl>()) {
+  auto& s = *impl_;
+  s.state = &ProcessState::instance();
+  s.options = std::move(options);
+  s.device = s.options.cpu ? at::Device(at::kCPU) : at::Device(s.state->device());
+  s.precision = s.options.mixed_precision.value_or(s.state->mixed_precision());
+  int steps = s.options.gradient_accumulation_steps.value_or(s.state->settings().gradient_accumulation_steps);
+  if (steps < 1) throw ConfigError(fmt::format("gradient_accumulation_steps {} must be at least 1", steps));
+  s.gradient_state->num_steps = steps;
+  s.gradient_state->sync_with_dataloader = s.options.sync_with_dataloader;
+  if (s.precision == MixedPrecision::FP16) s.scaler.emplace();
+}
+
+Accelerator::~Accelerator() = default;
+
+const ProcessState& Accelerator::state() const { return *impl_->state; }
+int Accelerator::num_processes() const { return impl_->state->world_size(); }
+int Accelerator::process_index() const { return impl_->state->rank(); }
+int Accelerator::local_process_index() const { return impl_->state->local_rank(); }
+bool Accelerator::is_main_process() const { return impl_->state->is_main_process(); }
+bool Accelerator::is_local_main_process() const { return impl_->state->is_local_main_process(); }
+at::Device Accelerator::device() const { return impl_->device; }
+MixedPrecision Accelerator::mixed_precision() const { return impl_->precision; }
+int Accelerator::gradient_accumulation_steps() const { return impl_->gradient_state->num_steps; }
+bool Accelerator::sync_gradients() const { return impl_->gradient_state->sync_gradients; }
+bool Accelerator::end_of_dataloader() const { return impl_->gradient_state->end_of_dataloader(); }
+int64_t Accelerator::step() const { return impl_->optimizers.empty() ? 0 : impl_->optimizers.front()->steps; }
+
+void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
+  auto& s = *impl_;
+  if (!module) throw Error("prepare(): the model is null");
+  for (const auto& m : s.models)
+    if (m.module == module) throw Error("prepare(): this model was already prepared; prepare each model once");
+  module->to(s.device);
+  AcceleratorImpl::Model entry{module, nullptr};
+  if (s.state->world_size() > 1) entry.ddp = std::make_unique<DistributedDataParallel>(module, s.world(), s.options.ddp);
+  s.models.push_back(std::move(entry));
+}
+
+PreparedOptimizer Accelerator::prepare_optimizer(std::shared_ptr<torch::optim::Optimizer> optimizer) {
+  auto& s = *impl_;
+  if (!optimizer) throw Error("prepare(): the optimizer is null");
+  for (const auto& o : s.optimizers)
+    if (o->optimizer == optimizer) throw Error("prepare(): this optimizer was already prepared; prepare it once");
+  auto state = std::make_shared<PreparedOptimizer::State>();
+  state->optimizer = std::move(optimizer);
+  state->impl = impl_.get();
+  s.optimizers.push_back(state);
+  return PreparedOptimizer(state);
+}
+
+PreparedScheduler Accelerator::prepare_scheduler(std::shared_ptr<torch::optim::LRScheduler> scheduler) {
+  auto state = std::make_shared<PreparedScheduler::State>();
+  state->scheduler = std::move(scheduler);
+  state->impl = impl_.get();
+  impl_->schedulers.push_back(state);
+  return PreparedScheduler(state);
+}
+
+void Accelerator::register_loader(std::shared_ptr<DataLoaderBase> loader) { impl_->loaders.push_back(loader); }
+
+ShardingOptions Accelerator::sharding() const {
+  ShardingOptions o;
+  o.num_processes = num_processes();
+  o.process_index = process_index();
+  o.split_batches = impl_->options.split_batches;
+  o.even_batches = impl_->options.even_batches;
+  return o;
+}
+
+uint64_t Accelerator::seed() const { return impl_->seed; }
+std::shared_ptr<GradientState> Accelerator::gradient_state() const { return impl_->gradient_state; }
+
+StepScope Accelerator::make_step_scope(std::vector<torch::nn::Module*> modules, bool decide_sync) {
+  auto& s = *impl_;
+  auto ddps = s.ddps_of(modules);
+  bool sync = false;
+  if (decide_sync) {
+    auto& gs = *s.gradient_state;
+    if (gs.sync_with_dataloader && gs.end_of_dataloader()) {
+      s.micro_step = 0;
+      sync = true;
+    } else {
+      s.micro_step += 1;
+      sync = s.micro_step % gs.num_steps == 0;
+    }
+    gs.sync_gradients = sync;
+  }
+  return StepScope(impl_.get(), std::move(ddps), sync, decide_sync ? autocast() : AutocastScope());
+}
+
+AutocastScope Accelerator::autocast() const {
+  auto type = impl_->device.type();
+  bool enabled = impl_->precision == MixedPrecision::BF16 ||
+                 (impl_->precision == MixedPrecision::FP16 && type == c10::DeviceType::CUDA);
+  auto dtype = impl_->precision == MixedPrecision::FP16 ? at::kHalf : at::kBFloat16;
+  return enabled ? AutocastScope(type, dtype) : AutocastScope();
+}
+
+void Accelerator::backward(const at::Tensor& loss) {
+  auto& s = *impl_;
+  if (!loss.defined()) throw Error("backward(): the loss tensor is undefined");
+  at::Tensor scaled = loss / s.gradient_state->num_steps;
+  if (s.scaler) scaled = scaled * s.scaler->scale();
+  s.unscaled = false;
+  s.overflow = false;
+  AutocastPause outside_autocast;
+  scaled.backward();
+}
+
+double Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
+  auto& s = *impl_;
+  if (!s.gradient_state->sync_gradients) return 0.0;
+  s.unscale_gradients();
+  if (s.scaler && s.overflow) return std::numeric_limits<double>::infinity();
+  // After DDP every rank holds the same averaged gradients, so the local norm is the global one.
+  return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+}
+
+at::Tensor Accelerator::gather(const at::Tensor& tensor) const {
+  auto input = tensor.contiguous();
+  const int P = num_processes();
+  if (P == 1) return input;
+  auto flat = at::empty({input.numel() * P}, input.options());
+  impl_->world().all_gather(flat, input);
+  if (input.dim() == 0) return flat;
+  std::vector<int64_t> shape = input.sizes().vec();
+  shape[0] *= P;
+  return flat.view(shape);
+}
+
+at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) const {
+  auto gathered = gather(tensor);
+  const auto& gs = *impl_->gradient_state;
+  if (gs.end_of_dataloader() && gs.remainder() > 0 && gathered.dim() > 0)
+    return gathered.narrow(0, 0, std::min<int64_t>(gs.remainder(), gathered.size(0)));
+  return gathered;
+}
+
+at::Tensor Accelerator::reduce(const at::Tensor& tensor, ReduceOp op) const {
+  auto result = tensor.clone();
+  impl_->world().all_reduce(result, op);
+  return result;
+}
+
+at::Tensor Accelerator::pad_across_processes(const at::Tensor& tensor, int64_t dim, double pad_index, bool pad_first) const {
+  if (tensor.dim() == 0 || num_processes() == 1) return tensor;
+  if (dim < 0) dim += tensor.dim();
+  auto size = at::full({1}, tensor.size(dim), at::kLong);
+  impl_->world().all_reduce(size, ReduceOp::MAX);
+  int64_t longest = size.item<int64_t>();
+  if (longest == tensor.size(dim)) return tensor;
+  auto shape = tensor.sizes().vec();
+  shape[dim] = longest;
+  auto padded = at::full(shape, pad_index, tensor.options());
+  int64_t start = pad_first ? longest - tensor.size(dim) : 0;
+  padded.narrow(dim, start, tensor.size(dim)).copy_(tensor);
+  return padded;
+}
+
+void Accelerator::wait_for_everyone() const { impl_->world().barrier(); }
+
+void Accelerator::main_process_first(const std::function<void()>& fn) const {
+  if (!is_main_process()) wait_for_everyone();
+  fn();
+  if (is_main_process()) wait_for_everyone();
+}
+
+void Accelerator::set_seed(uint64_t seed, bool device_specific) {
+  impl_->seed = seed;
+  uint64_t s = seed + (device_specific ? static_cast<uint64_t>(process_index()) : 0);
+  {
+    auto gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_current_seed(s);
+  }
+  if (compat::cuda_device_count() > 0) {
+    auto cuda = at::globalContext().defaultGenerator(at::kCUDA);
+    cuda.set_current_seed(s);
+  }
+  std::srand(static_cast<unsigned>(s));
+}
+
+void Accelerator::log(const nlohmann::json& values, std::optional<int64_t> step) {
+  if (!is_main_process()) return;
+  auto& s = *impl_;
+  if (!s.metrics.is_open()) {
+    std::filesystem::create_directories(s.options.project_dir);
+    s.metrics.open(std::filesystem::path(s.options.project_dir) / "metrics.jsonl", std::ios::app);
+    if (!s.metrics) throw Error(fmt::format("cannot write metrics to {}/metrics.jsonl", s.options.project_dir));
+  }
+  nlohmann::json line = nlohmann::json::object();
+  if (step) line["step"] = *step;
+  for (auto& [k, v] : values.items()) line[k] = v;
+  s.metrics << line.dump() << '\n' << std::flush;
+}
+
+void Accelerator::end_training() {
+  if (impl_->metrics.is_open()) impl_->metrics.close();
+  wait_for_everyone();
+}
+
+}  // namespace xlr8

@@ -1,0 +1,55 @@
+#pragma once
+// Internal state of xlr8::Accelerator, shared by accelerator.cpp and the checkpoint code.
+#include <fstream>
+#include <optional>
+
+#include "xlr8/accelerator.hpp"
+#include "xlr8/loss_scaler.hpp"
+
+namespace xlr8 {
+
+struct PreparedOptimizer::State {
+  std::shared_ptr<torch::optim::Optimizer> optimizer;
+  AcceleratorImpl* impl = nullptr;
+  bool skipped = false;
+  int64_t steps = 0;
+};
+
+struct PreparedScheduler::State {
+  std::shared_ptr<torch::optim::LRScheduler> scheduler;
+  AcceleratorImpl* impl = nullptr;
+  int64_t steps = 0;
+};
+
+struct AcceleratorImpl {
+  struct Model {
+    std::shared_ptr<torch::nn::Module> module;
+    std::unique_ptr<DistributedDataParallel> ddp;  // null on one process
+  };
+
+  const ProcessState* state = nullptr;
+  AcceleratorOptions options;
+  at::Device device{at::kCPU};
+  MixedPrecision precision = MixedPrecision::NO;
+  std::shared_ptr<GradientState> gradient_state = std::make_shared<GradientState>();
+  int64_t micro_step = 0;  // Accelerate's accelerator.step: micro-steps in the current window
+  std::vector<Model> models;
+  std::vector<std::shared_ptr<PreparedOptimizer::State>> optimizers;
+  std::vector<std::shared_ptr<PreparedScheduler::State>> schedulers;
+  std::vector<std::weak_ptr<DataLoaderBase>> loaders;
+  std::optional<DynamicLossScaler> scaler;  // fp16 only
+  bool unscaled = false;                    // gradients of this step already divided by the scale
+  bool overflow = false;                    // ... and found inf/NaN on some rank
+  bool last_step_applied = false;           // the last sync step really updated the parameters
+  uint64_t seed = 0;
+  int64_t save_iteration = 0;               // next automatic checkpoint number
+  std::ofstream metrics;
+
+  Communicator& world() const { return state->world(); }
+  std::vector<at::Tensor> optimized_parameters() const;
+  // fp16: divide this step's gradients by the scale once, and agree across ranks whether any overflowed.
+  void unscale_gradients();
+  std::vector<DistributedDataParallel*> ddps_of(const std::vector<torch::nn::Module*>& modules) const;
+};
+
+}  // namespace xlr8
