@@ -109,7 +109,9 @@ class Accelerator {
 
   // Models: any torch::nn::ModuleHolder (Net, torch::nn::Linear ...) or std::shared_ptr<Module>. The
   // module is moved to the device; with several processes its gradients are synchronised (DDP).
-  template <class Model>
+  template <class Model, std::enable_if_t<!std::is_base_of_v<torch::optim::Optimizer, Model> &&
+                                              !std::is_base_of_v<torch::optim::LRScheduler, Model>,
+                                          int> = 0>
   Model prepare(Model model) {
     register_model(module_pointer(model));
     return model;
