@@ -1,0 +1,220 @@
+// The correctness oracle (DESIGN.md): N processes with DDP on per-rank batch b reproduce one process on
+// batch N*b (same losses, same final parameters), with and without gradient accumulation, with bf16
+// (looser tolerance), and a run resumed from a mid-epoch checkpoint equals the uninterrupted one.
+// Plus gather_for_metrics over real ranks, and the error cases, all through the real launcher.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+#include "process_runner.hpp"
+#include "xlr8/safetensors.hpp"
+
+namespace fs = std::filesystem;
+using Args = std::vector<std::string>;
+
+namespace {
+
+const std::string kXlr8 = XLR8_BIN;
+const std::string kTrain = TRAIN_BIN;
+const std::string kFashion = FASHION_BIN;
+
+ProcessResult train(int processes, Args args, double timeout = 120) {
+  Args a{kXlr8, "launch", "--num_processes", std::to_string(processes), kTrain};
+  a.insert(a.end(), args.begin(), args.end());
+  return run(a, timeout);
+}
+
+nlohmann::json last_json(const std::string& out) {
+  auto end = out.rfind('}');
+  auto start = out.rfind('{', end);
+  // The line may be prefixed with "[rank0]: "; the JSON object itself may nest braces only in arrays.
+  auto line_start = out.rfind('\n', start);
+  auto text = out.substr(line_start == std::string::npos ? 0 : line_start + 1);
+  text = text.substr(text.find('{'));
+  text = text.substr(0, text.rfind('}') + 1);
+  return nlohmann::json::parse(text);
+}
+
+std::map<std::string, at::Tensor> params(const std::string& dir) {
+  auto content = xlr8::load_safetensors(dir + "/model/model.safetensors");
+  return {content.tensors.begin(), content.tensors.end()};
+}
+
+void expect_close(const std::vector<double>& a, const std::vector<double>& b, double tolerance) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_NEAR(a[i], b[i], tolerance * (1 + std::abs(b[i]))) << "step " << i;
+}
+
+void expect_same_params(const std::string& a, const std::string& b, double tolerance) {
+  auto pa = params(a), pb = params(b);
+  ASSERT_EQ(pa.size(), pb.size());
+  for (auto& [name, t] : pa) {
+    ASSERT_TRUE(pb.count(name)) << name;
+    double diff = (t - pb[name]).abs().max().item<double>();
+    EXPECT_LE(diff, tolerance) << name;
+  }
+}
+
+struct Run {
+  std::string dir;
+  std::vector<double> losses;
+};
+
+Run oracle_run(int processes, int batch, Args extra) {
+  Run r{temp_dir("oracle"), {}};
+  Args args{"--batch", std::to_string(batch), "--out", r.dir};
+  args.insert(args.end(), extra.begin(), extra.end());
+  auto result = train(processes, args);
+  EXPECT_EQ(result.exit_code, 0) << result.out << result.err;
+  if (result.exit_code == 0) r.losses = last_json(result.out)["losses"].get<std::vector<double>>();
+  return r;
+}
+
+}  // namespace
+
+TEST(Oracle, TwoRanksWithDdpEqualOneProcessOnTheGlobalBatch) {
+  auto one = oracle_run(1, 8, {"--steps", "16"});
+  auto two = oracle_run(2, 4, {"--steps", "16"});
+  ASSERT_EQ(one.losses.size(), 16u);
+  expect_close(two.losses, one.losses, 1e-5);
+  expect_same_params(two.dir, one.dir, 1e-5);
+  // The oracle can fail: a different global batch gives a different trajectory.
+  auto other = oracle_run(2, 2, {"--steps", "16"});
+  EXPECT_GT(std::abs(other.losses.back() - one.losses.back()), 1e-4);
+}
+
+TEST(Oracle, GradientAccumulationIncludingTheForcedSyncAtEpochEnd) {
+  // 88 samples, global batch 8: 11 micro-batches per epoch, so every epoch ends on a short window.
+  auto one = oracle_run(1, 8, {"--steps", "9", "--accum", "2", "--samples", "88"});
+  auto two = oracle_run(2, 4, {"--steps", "9", "--accum", "2", "--samples", "88"});
+  ASSERT_EQ(one.losses.size(), 9u);
+  expect_close(two.losses, one.losses, 1e-5);
+  expect_same_params(two.dir, one.dir, 1e-5);
+}
+
+TEST(Oracle, Bf16MatchesWithALooserTolerance) {
+  auto one = oracle_run(1, 8, {"--steps", "10", "--precision", "bf16"});
+  auto two = oracle_run(2, 4, {"--steps", "10", "--precision", "bf16"});
+  expect_close(two.losses, one.losses, 3e-2);
+  expect_same_params(two.dir, one.dir, 3e-2);
+  auto fp32 = oracle_run(1, 8, {"--steps", "10"});
+  EXPECT_NE(fp32.losses, one.losses);  // bf16 really ran
+}
+
+TEST(Oracle, ResumingMidEpochEqualsTheUninterruptedRun) {
+  auto straight = oracle_run(2, 4, {"--steps", "18"});  // 12 steps per epoch: crosses an epoch
+  auto first = oracle_run(2, 4, {"--steps", "5", "--checkpoint_at", "5"});
+  ASSERT_TRUE(fs::exists(first.dir + "/checkpoint/MANIFEST.json"));
+  auto resumed_dir = temp_dir("resumed");
+  auto r = train(2, {"--batch", "4", "--steps", "18", "--resume", first.dir + "/checkpoint", "--out", resumed_dir});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto resumed = last_json(r.out);
+  auto tail = std::vector<double>(straight.losses.begin() + 5, straight.losses.end());
+  expect_close(resumed["losses"].get<std::vector<double>>(), tail, 1e-6);
+  EXPECT_EQ(resumed["step"], 18);
+  expect_same_params(resumed_dir, straight.dir, 1e-6);
+  auto full = train(2, {"--batch", "4", "--steps", "18", "--out", temp_dir("lr")});
+  EXPECT_EQ(last_json(full.out)["lr"], resumed["lr"]);  // the scheduler resumed too
+}
+
+TEST(GatherForMetrics, ReturnsExactlyTheDatasetOnRealRanks) {
+  for (int n : {20, 21, 22, 24}) {
+    auto r = train(2, {"--mode", "gather", "--samples", std::to_string(n), "--batch", "3"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    std::vector<int64_t> want(n);
+    std::iota(want.begin(), want.end(), 0);
+    // In order: rounds in rank order, and the padding of the last round dropped.
+    EXPECT_EQ(last_json(r.out)["gathered"].get<std::vector<int64_t>>(), want) << n << " samples";
+  }
+}
+
+TEST(TrainingErrors, MismatchedModelsAcrossRanksNameTheParameter) {
+  auto r = train(2, {"--mode", "mismatch"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("the model differs across ranks"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("fc1.weight float32[16, 8] on rank 0 but fc1.weight float32[12, 8] on rank 1"), std::string::npos)
+      << r.err;
+}
+
+TEST(TrainingErrors, UnusedParameterIsNamedUnlessFindUnusedIsSet) {
+  auto r = train(2, {"--mode", "unused", "--steps", "2"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("spare.weight, spare.bias received no gradient"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("find_unused_parameters"), std::string::npos) << r.err;
+  auto ok = train(2, {"--mode", "unused", "--steps", "2", "--find_unused", "--out", temp_dir("unused")});
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+}
+
+TEST(TrainingErrors, CorruptPartialOrIncompleteCheckpointsAreRefusedWithTheFile) {
+  auto base = oracle_run(2, 4, {"--steps", "3", "--checkpoint_at", "3"});
+  auto checkpoint = base.dir + "/checkpoint";
+  auto attempt = [&](const std::string& dir) {
+    return train(2, {"--batch", "4", "--steps", "6", "--resume", dir, "--out", temp_dir("bad")});
+  };
+  auto copy_of = [&](const std::string& tag) {
+    auto dir = temp_dir(tag) + "/checkpoint";
+    fs::copy(checkpoint, dir, fs::copy_options::recursive);
+    return dir;
+  };
+  {  // one flipped byte in the weights
+    auto dir = copy_of("flip");
+    std::fstream f(dir + "/model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-3, std::ios::end);
+    f.put('\x7f');
+    f.close();
+    auto before = read_file(dir + "/model.safetensors");
+    auto r = attempt(dir);
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_NE(r.err.find("model.safetensors fails its CRC32 check"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("nothing was loaded"), std::string::npos) << r.err;
+    EXPECT_EQ(read_file(dir + "/model.safetensors"), before);  // nothing overwritten
+  }
+  {  // the save never finished: no manifest
+    auto dir = copy_of("partial");
+    fs::remove(dir + "/MANIFEST.json");
+    auto r = attempt(dir);
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_NE(r.err.find("is not a complete checkpoint"), std::string::npos) << r.err;
+  }
+  {  // a file went missing
+    auto dir = copy_of("missing");
+    fs::remove(dir + "/optimizer.bin");
+    auto r = attempt(dir);
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_NE(r.err.find("optimizer.bin is missing"), std::string::npos) << r.err;
+  }
+  auto r = attempt(base.dir + "/nonexistent");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("does not exist"), std::string::npos) << r.err;
+}
+
+TEST(FashionMnist, TrainsCheckpointsAndResumesOnTwoProcesses) {
+  auto out = temp_dir("fashion");
+  Args base{kXlr8, "launch", "--num_processes", "2", kFashion, "--train_limit", "2048", "--checkpoint_every", "8",
+            "--output_dir", out};
+  Args first = base;
+  first.insert(first.end(), {"--epochs", "1"});
+  auto r = run(first, 180);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto result = last_json(r.out);
+  EXPECT_EQ(result["global_step"], 16);  // 2048 samples / (2 x 64)
+  EXPECT_GT(result["test_accuracy"].get<double>(), 0.5);
+  EXPECT_TRUE(fs::exists(out + "/model/model.safetensors"));
+  EXPECT_TRUE(fs::exists(out + "/checkpoints/checkpoint_1/MANIFEST.json"));
+  EXPECT_NE(read_file(out + "/metrics.jsonl").find("\"loss\""), std::string::npos);
+  Args resume = base;
+  resume.insert(resume.end(), {"--epochs", "2", "--resume_from", "latest"});
+  auto again = run(resume, 180);
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_NE(again.out.find("resumed from latest at step 16"), std::string::npos) << again.out;
+  EXPECT_EQ(last_json(again.out)["global_step"], 32);
+}
+
+TEST(FashionMnist, BadDatasetPathIsAClearError) {
+  auto r = run({kXlr8, "launch", "--num_processes", "2", kFashion, "--data_dir", "/nonexistent/fm"}, 60);
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("/nonexistent/fm/train-images-idx3-ubyte.gz does not exist"), std::string::npos) << r.err;
+}

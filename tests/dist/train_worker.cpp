@@ -1,0 +1,119 @@
+// The training side of the correctness oracle: a small MLP on deterministic synthetic data, trained
+// through xlr8::Accelerator. Launched on 1 or N processes by the tests; rank 0 prints one JSON line
+// with the per-step losses (mean over ranks) and writes the final parameters with save_model.
+//   --batch B --accum K --steps S --precision no|bf16|fp16 --out DIR
+//   --checkpoint_at N (save_state after optimizer step N)   --resume DIR
+//   --mode train|gather|mismatch|unused   --find_unused   --samples N
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "xlr8/accelerator.hpp"
+#include "xlr8/error.hpp"
+
+namespace {
+
+struct Synthetic {  // a fixed classification problem, identical on every rank
+  at::Tensor x, y;
+  explicit Synthetic(int64_t n) {
+    auto gen = at::detail::createCPUGenerator(1234);
+    x = at::randn({n, 8}, gen);
+    y = (x.narrow(1, 0, 1).squeeze(1) + x.narrow(1, 1, 1).squeeze(1) * 2 > 0).to(at::kLong) +
+        (x.narrow(1, 2, 1).squeeze(1) > 0.5).to(at::kLong) * 2;
+  }
+  size_t size() const { return static_cast<size_t>(x.size(0)); }
+  torch::data::Example<> get(size_t i) const { return {x[i], y[i]}; }
+};
+
+struct MlpImpl : torch::nn::Module {
+  MlpImpl(int64_t hidden, bool with_unused) {
+    fc1 = register_module("fc1", torch::nn::Linear(8, hidden));
+    fc2 = register_module("fc2", torch::nn::Linear(hidden, 4));
+    if (with_unused) spare = register_module("spare", torch::nn::Linear(4, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc2(torch::tanh(fc1(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, spare{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"xlr8 oracle worker"};
+  int64_t batch = 4, steps = 12, checkpoint_at = 0, samples = 96;
+  int accum = 1;
+  std::string precision = "no", out = ".", resume, mode = "train";
+  bool find_unused = false;
+  app.add_option("--batch", batch);
+  app.add_option("--accum", accum);
+  app.add_option("--steps", steps);
+  app.add_option("--precision", precision);
+  app.add_option("--out", out);
+  app.add_option("--checkpoint_at", checkpoint_at);
+  app.add_option("--resume", resume);
+  app.add_option("--mode", mode);
+  app.add_option("--samples", samples);
+  app.add_flag("--find_unused", find_unused);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    xlr8::AcceleratorOptions options;
+    options.mixed_precision = xlr8::parse_mixed_precision(precision, "--precision");
+    options.gradient_accumulation_steps = accum;
+    options.ddp.find_unused_parameters = find_unused;
+    options.ddp.first_bucket_mb = 0.0005;  // several buckets even for this small model
+    options.ddp.bucket_cap_mb = 0.001;
+    xlr8::Accelerator acc(options);
+    acc.set_seed(7);
+
+    if (mode == "gather") {  // gather_for_metrics must return exactly the dataset, padding dropped
+      struct Ids {
+        int64_t n;
+        size_t size() const { return static_cast<size_t>(n); }
+        at::Tensor get(size_t i) const { return at::full({}, static_cast<int64_t>(i), at::kLong); }
+      };
+      auto loader = acc.prepare_data_loader(Ids{samples}, {.batch_size = batch});
+      std::vector<int64_t> seen;
+      for (auto& b : *loader) {
+        auto all = acc.gather_for_metrics(b);
+        for (int64_t i = 0; i < all.size(0); ++i) seen.push_back(all[i].item<int64_t>());
+      }
+      if (acc.is_main_process()) fmt::print("{}\n", nlohmann::json{{"gathered", seen}}.dump());
+      acc.end_training();
+      return 0;
+    }
+
+    int64_t hidden = (mode == "mismatch" && acc.process_index() == 1) ? 12 : 16;
+    auto model = acc.prepare(Mlp(hidden, mode == "unused"));
+    auto opt = acc.prepare(torch::optim::AdamW(model->parameters(), torch::optim::AdamWOptions(1e-2)));
+    auto sched = acc.prepare(torch::optim::StepLR(opt.optimizer(), 5, 0.5));
+    auto loader = acc.prepare_data_loader(Synthetic(samples), {.batch_size = batch, .shuffle = true, .seed = 11});
+    if (!resume.empty()) acc.load_state(resume);
+
+    std::vector<double> losses;
+    while (acc.step() < steps) {
+      for (auto& b : *loader) {
+        auto scope = acc.accumulate(model);
+        auto loss = torch::cross_entropy_loss(model->forward(b.data), b.target);
+        acc.backward(loss);
+        acc.clip_grad_norm(model->parameters(), 5.0);
+        opt.step();
+        sched.step();
+        opt.zero_grad();
+        if (!acc.sync_gradients()) continue;
+        losses.push_back(acc.reduce(loss.detach().to(at::kDouble), xlr8::ReduceOp::AVG).item<double>());
+        if (checkpoint_at > 0 && acc.step() == checkpoint_at) acc.save_state(out + "/checkpoint");
+        if (acc.step() >= steps) break;
+      }
+    }
+    acc.save_model(model, out + "/model");
+    if (acc.is_main_process())
+      fmt::print("{}\n", nlohmann::json{{"losses", losses}, {"step", acc.step()},
+                                         {"lr", opt.optimizer().param_groups()[0].options().get_lr()}}
+                             .dump());
+    acc.end_training();
+    return 0;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "train_worker: error: {}\n", e.what());
+    return 1;
+  }
+}
