@@ -64,15 +64,15 @@ torch::data::Example<> Dataset::get(size_t index) { return {images_[index], labe
 torch::optional<size_t> Dataset::size() const { return static_cast<size_t>(images_.size(0)); }
 
 NetImpl::NetImpl() {
-  conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 16, 5)));
-  conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(16, 32, 5)));
-  fc1 = register_module("fc1", torch::nn::Linear(32 * 4 * 4, 128));
+  conv1 = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 5)));
+  conv2 = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 5)));
+  fc1 = register_module("fc1", torch::nn::Linear(64 * 4 * 4, 128));
   fc2 = register_module("fc2", torch::nn::Linear(128, 10));
 }
 
 torch::Tensor NetImpl::forward(torch::Tensor x) {
-  x = torch::max_pool2d(torch::relu(conv1(x)), 2);  // 16 x 12 x 12
-  x = torch::max_pool2d(torch::relu(conv2(x)), 2);  // 32 x 4 x 4
+  x = torch::max_pool2d(torch::relu(conv1(x)), 2);  // 32 x 12 x 12
+  x = torch::max_pool2d(torch::relu(conv2(x)), 2);  // 64 x 4 x 4
   x = torch::relu(fc1(x.flatten(1)));
   return torch::log_softmax(fc2(x), 1);
 }

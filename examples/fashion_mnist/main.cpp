@@ -62,13 +62,14 @@ int run(const Args& args) {
   auto train = acc.prepare_data_loader(
       std::move(train_set), {.batch_size = args.batch_size, .shuffle = true, .num_workers = args.num_workers});
   auto test = acc.prepare_data_loader(std::move(test_set), {.batch_size = 256, .num_workers = args.num_workers});
+  const int64_t steps_per_epoch = (train->size() + args.gradient_accumulation_steps - 1) / args.gradient_accumulation_steps;
+  // Halve the learning rate every epoch (the scheduler advances once per optimizer step).
+  auto scheduler = acc.prepare(torch::optim::StepLR(opt.optimizer(), static_cast<unsigned>(steps_per_epoch), 0.5));
   if (!args.resume_from.empty()) {
     acc.load_state(args.resume_from == "latest" ? "" : args.resume_from);
     acc.print("resumed from {} at step {} (epoch {}, batch {})", args.resume_from, acc.step(), train->epoch(),
               train->batches_yielded());
   }
-
-  const int64_t steps_per_epoch = (train->size() + args.gradient_accumulation_steps - 1) / args.gradient_accumulation_steps;
   const int64_t total_steps = args.max_steps > 0 ? args.max_steps : steps_per_epoch * args.epochs;
   acc.print("training on {} process(es), {} samples per global batch, {} steps", acc.num_processes(),
             args.batch_size * acc.num_processes() * args.gradient_accumulation_steps, total_steps);
@@ -84,6 +85,7 @@ int run(const Args& args) {
       acc.backward(loss);
       if (args.clip > 0) acc.clip_grad_norm(model->parameters(), args.clip);
       opt.step();
+      scheduler.step();
       opt.zero_grad();
       samples += batch.data.size(0) * acc.num_processes();
       if (!acc.sync_gradients()) continue;

@@ -1,5 +1,6 @@
 #pragma once
 // Everything public in xlr8.
+#include "xlr8/accelerator.hpp"
 #include "xlr8/communicator.hpp"
 #include "xlr8/config.hpp"
 #include "xlr8/device_mesh.hpp"
@@ -7,4 +8,5 @@
 #include "xlr8/error.hpp"
 #include "xlr8/launcher.hpp"
 #include "xlr8/process_state.hpp"
+#include "xlr8/safetensors.hpp"
 #include "xlr8/settings.hpp"
