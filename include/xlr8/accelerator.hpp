@@ -193,6 +193,7 @@ class Accelerator {
   }
 
   int64_t step() const;  // optimizer steps taken by the first prepared optimizer
+  double loss_scale() const;  // the fp16 dynamic loss scale; 1 otherwise
 
  private:
   template <class M>

@@ -141,6 +141,7 @@ MixedPrecision Accelerator::mixed_precision() const { return impl_->precision; }
 int Accelerator::gradient_accumulation_steps() const { return impl_->gradient_state->num_steps; }
 bool Accelerator::sync_gradients() const { return impl_->gradient_state->sync_gradients; }
 bool Accelerator::end_of_dataloader() const { return impl_->gradient_state->end_of_dataloader(); }
+double Accelerator::loss_scale() const { return impl_->scaler ? impl_->scaler->scale() : 1.0; }
 int64_t Accelerator::step() const { return impl_->optimizers.empty() ? 0 : impl_->optimizers.front()->steps; }
 
 void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {

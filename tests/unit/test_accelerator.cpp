@@ -1,0 +1,194 @@
+// The Accelerator on one process: preparation rules, fp16 loss scaling on CPU tensors, accumulation
+// semantics, scheduler stepping, metrics logging, save_model's Hugging Face layout, checkpoint retention.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "xlr8/accelerator.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/safetensors.hpp"
+
+using namespace xlr8;
+namespace fs = std::filesystem;
+
+namespace {
+std::string fresh_dir(const std::string& tag) {
+  auto d = fs::temp_directory_path() / ("xlr8_acc_" + tag + "_" + std::to_string(getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d.string();
+}
+}  // namespace
+
+TEST(Accelerator, PreparingTwiceIsAnError) {
+  Accelerator acc;
+  auto model = acc.prepare(torch::nn::Linear(2, 2));
+  EXPECT_THROW(acc.prepare(model), Error);
+  auto opt = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
+  acc.prepare_optimizer(opt);
+  try {
+    acc.prepare_optimizer(opt);
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("already prepared"), std::string::npos);
+  }
+  torch::nn::Linear stranger(2, 2);
+  EXPECT_THROW(acc.accumulate(stranger), Error);  // not prepared
+}
+
+TEST(Accelerator, Fp16ScalerSkipsOverflowStepsAndUnscalesOnCpu) {
+  AcceleratorOptions o;
+  o.mixed_precision = MixedPrecision::FP16;
+  Accelerator acc(o);
+  auto model = acc.prepare(torch::nn::Linear(torch::nn::LinearOptions(2, 1).bias(false)));
+  auto opt = acc.prepare(torch::optim::SGD(model->parameters(), 0.5));
+  auto x = torch::ones({1, 2});
+  EXPECT_EQ(acc.loss_scale(), 65536.0);
+  for (int overflow = 0; overflow < 2; ++overflow) {  // two overflows: hysteresis 2, then the scale halves
+    auto before = model->weight.clone();
+    acc.backward(model->forward(x).sum() * std::numeric_limits<float>::infinity());
+    opt.step();
+    opt.zero_grad();
+    EXPECT_TRUE(opt.step_was_skipped());
+    EXPECT_TRUE(model->weight.equal(before));
+  }
+  EXPECT_EQ(acc.loss_scale(), 32768.0);
+  // A clean step: gradients arrive scaled by 32768 and are unscaled before SGD uses them.
+  auto before = model->weight.clone();
+  acc.backward(model->forward(x).sum());  // d/dw = x = 1
+  opt.step();
+  EXPECT_FALSE(opt.step_was_skipped());
+  EXPECT_TRUE(torch::allclose(model->weight, before - 0.5));
+  EXPECT_EQ(opt.steps_taken(), 1);
+}
+
+TEST(Accelerator, AccumulationDividesTheLossAndStepsOnlyOnTheBoundary) {
+  AcceleratorOptions o;
+  o.gradient_accumulation_steps = 2;
+  Accelerator acc(o);
+  auto model = acc.prepare(torch::nn::Linear(torch::nn::LinearOptions(1, 1).bias(false)));
+  {
+    torch::NoGradGuard no_grad;
+    model->weight.fill_(0);
+  }
+  auto opt = acc.prepare(torch::optim::SGD(model->parameters(), 1.0));
+  auto sched = acc.prepare(torch::optim::StepLR(opt.optimizer(), 1, 0.5));
+  std::vector<bool> syncs;
+  for (double value : {2.0, 4.0, 6.0, 8.0}) {
+    auto scope = acc.accumulate(model);
+    syncs.push_back(acc.sync_gradients());
+    acc.backward(model->forward(torch::full({1, 1}, value)).sum());  // d/dw = value
+    opt.step();
+    sched.step();
+    opt.zero_grad();
+  }
+  EXPECT_EQ(syncs, (std::vector<bool>{false, true, false, true}));
+  // Step 1: w -= 1.0 * (2+4)/2 -> -3. Step 2: w -= 1.0 * (6+8)/2 -> -10 (LibTorch's StepLR leaves the first
+  // step alone), after which the scheduler's second real step halves the rate.
+  EXPECT_NEAR(model->weight.item<double>(), -10.0, 1e-6);
+  EXPECT_DOUBLE_EQ(opt.optimizer().param_groups()[0].options().get_lr(), 0.5);
+  EXPECT_EQ(opt.steps_taken(), 2);
+  EXPECT_EQ(sched.steps_taken(), 2);
+}
+
+TEST(Accelerator, LastBatchOfAnEpochAlwaysSyncs) {
+  AcceleratorOptions o;
+  o.gradient_accumulation_steps = 4;
+  Accelerator acc(o);
+  struct Ten {
+    size_t size() const { return 10; }
+    at::Tensor get(size_t i) const { return at::full({1}, static_cast<double>(i)); }
+  };
+  auto loader = acc.prepare_data_loader(Ten{}, {.batch_size = 2});
+  std::vector<bool> syncs;
+  for (auto& b : *loader) {
+    (void)b;
+    auto scope = acc.accumulate();
+    syncs.push_back(acc.sync_gradients());
+  }
+  EXPECT_EQ(syncs, (std::vector<bool>{false, false, false, true, true}));
+}
+
+TEST(Accelerator, HelpersOnOneProcess) {
+  AcceleratorOptions o;
+  o.project_dir = fresh_dir("helpers");
+  Accelerator acc(o);
+  EXPECT_EQ(acc.split_between_processes(std::vector<int>{1, 2, 3}), (std::vector<int>{1, 2, 3}));
+  EXPECT_TRUE(acc.gather(at::ones({3})).equal(at::ones({3})));
+  EXPECT_TRUE(acc.reduce(at::ones({2}), ReduceOp::AVG).equal(at::ones({2})));
+  bool ran = false;
+  acc.main_process_first([&] { ran = true; });
+  EXPECT_TRUE(ran);
+  acc.log({{"loss", 0.5}}, 3);
+  acc.log({{"accuracy", 0.9}});
+  acc.end_training();
+  std::ifstream in(o.project_dir + "/metrics.jsonl");
+  std::string first, second;
+  std::getline(in, first);
+  std::getline(in, second);
+  EXPECT_EQ(nlohmann::json::parse(first), (nlohmann::json{{"step", 3}, {"loss", 0.5}}));
+  EXPECT_EQ(nlohmann::json::parse(second), (nlohmann::json{{"accuracy", 0.9}}));
+  fs::remove_all(o.project_dir);
+}
+
+TEST(Accelerator, SaveModelWritesOneFileOrHuggingFaceShards) {
+  Accelerator acc;
+  auto model = acc.prepare(torch::nn::Sequential(torch::nn::Linear(16, 16), torch::nn::ReLU(), torch::nn::Linear(16, 4)));
+  auto dir = fresh_dir("save_model");
+  acc.save_model(model, dir);
+  auto whole = load_safetensors(dir + "/model.safetensors");
+  EXPECT_EQ(whole.tensors.size(), 4u);
+  EXPECT_EQ(whole.metadata.at("format"), "pt");
+  acc.save_model(model, dir, "1KB");  // 16x16 floats = 1 KiB: one tensor per shard or so
+  EXPECT_FALSE(fs::exists(dir + "/model.safetensors"));
+  auto index = nlohmann::json::parse(std::ifstream(dir + "/model.safetensors.index.json"));
+  EXPECT_EQ(index["weight_map"].size(), 4u);
+  std::set<std::string> shards;
+  for (auto& [name, file] : index["weight_map"].items()) {
+    shards.insert(file.get<std::string>());
+    auto content = load_safetensors(dir + "/" + file.get<std::string>());
+    bool found = false;
+    for (auto& [n, t] : content.tensors) found = found || n == name;
+    EXPECT_TRUE(found) << name;
+  }
+  EXPECT_GT(shards.size(), 1u);
+  EXPECT_TRUE(shards.count(fmt::format("model-00001-of-{:05d}.safetensors", shards.size())));
+  EXPECT_EQ(index["metadata"]["total_size"], (16 * 16 + 16 + 16 * 4 + 4) * 4);
+  fs::remove_all(dir);
+}
+
+TEST(Accelerator, AutomaticCheckpointNamingKeepsTheNewestAndLoadsTheLatest) {
+  AcceleratorOptions o;
+  o.project_dir = fresh_dir("auto");
+  o.automatic_checkpoint_naming = true;
+  o.total_limit = 2;
+  Accelerator acc(o);
+  auto model = acc.prepare(torch::nn::Linear(2, 2));
+  auto opt = acc.prepare(torch::optim::SGD(model->parameters(), 0.1));
+  std::vector<at::Tensor> weights;
+  for (int i = 0; i < 3; ++i) {
+    {
+      torch::NoGradGuard no_grad;
+      model->weight.fill_(i);
+    }
+    weights.push_back(model->weight.clone());
+    acc.save_state();
+  }
+  auto root = o.project_dir + "/checkpoints/";
+  EXPECT_FALSE(fs::exists(root + "checkpoint_0"));
+  EXPECT_TRUE(fs::exists(root + "checkpoint_1/MANIFEST.json"));
+  EXPECT_TRUE(fs::exists(root + "checkpoint_2/MANIFEST.json"));
+  for (auto& e : fs::directory_iterator(root)) EXPECT_EQ(e.path().filename().string().find(".partial"), std::string::npos);
+  {
+    torch::NoGradGuard no_grad;
+    model->weight.fill_(-1);
+  }
+  acc.load_state();  // the newest
+  EXPECT_TRUE(model->weight.equal(weights[2]));
+  acc.save_state(root + "checkpoint_2");  // saving over a checkpoint replaces it whole
+  EXPECT_TRUE(fs::exists(root + "checkpoint_2/MANIFEST.json"));
+  EXPECT_FALSE(fs::exists(root + "checkpoint_2.old"));
+  fs::remove_all(o.project_dir);
+}
