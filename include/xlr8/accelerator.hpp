@@ -194,6 +194,11 @@ class Accelerator {
 
   int64_t step() const;  // optimizer steps taken by the first prepared optimizer
   double loss_scale() const;  // the fp16 dynamic loss scale; 1 otherwise
+  // The DDP engine behind a prepared model (null on one process), for statistics.
+  template <class Model>
+  const DistributedDataParallel* ddp(const Model& model) const {
+    return ddp_of(*module_pointer(model));
+  }
 
  private:
   template <class M>
@@ -202,6 +207,7 @@ class Accelerator {
     else return m.ptr();
   }
   void register_model(std::shared_ptr<torch::nn::Module> module);
+  const DistributedDataParallel* ddp_of(const torch::nn::Module& module) const;
   void register_loader(std::shared_ptr<DataLoaderBase> loader);
   StepScope make_step_scope(std::vector<torch::nn::Module*> modules, bool decide_sync);
   void save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const;

@@ -39,7 +39,9 @@ class DistributedDataParallel {
   const std::shared_ptr<torch::nn::Module>& module() const;
   // Parameter indices (in module->parameters() order) of each bucket, in launch order.
   std::vector<std::vector<size_t>> bucket_layout() const;
-  // How many all-reduces were started while backward was still running (for tests and benchmarks).
+  // All-reduces started in total, and how many of them while other gradients were still being computed
+  // (communication overlapping backward). For tests and benchmarks.
+  size_t launches() const;
   size_t overlapped_launches() const;
 
   struct Core;

@@ -38,6 +38,7 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
   size_t next_launch = 0;
   size_t ready_count = 0;
   size_t overlapped = 0;
+  size_t launched = 0;
 
   void assign_buckets() {
     const double first_cap = options.first_bucket_mb * 1024 * 1024, cap = options.bucket_cap_mb * 1024 * 1024;
@@ -85,6 +86,7 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
     while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
       auto& b = buckets[next_launch++];
       b.work = comm.all_reduce_async(b.flat, ReduceOp::AVG);
+      ++launched;
       if (ready_count < params.size()) ++overlapped;  // started while other gradients are still being computed
     }
   }
@@ -261,6 +263,7 @@ std::vector<std::vector<size_t>> DistributedDataParallel::bucket_layout() const 
   return layout;
 }
 
+size_t DistributedDataParallel::launches() const { return core_->launched; }
 size_t DistributedDataParallel::overlapped_launches() const { return core_->overlapped; }
 
 }  // namespace xlr8

@@ -100,7 +100,10 @@ int64_t PreparedScheduler::steps_taken() const { return state_->steps; }
 StepScope::StepScope(AcceleratorImpl* impl, std::vector<DistributedDataParallel*> models, bool sync,
                      AutocastScope autocast)
     : impl_(impl), models_(std::move(models)), sync_(sync), autocast_(std::move(autocast)) {
-  for (auto* m : models_) m->set_sync(sync_);
+  for (auto* m : models_) {
+    m->set_sync(sync_);
+    m->sync_buffers();  // as PyTorch DDP's broadcast_buffers: rank 0's buffers before each forward
+  }
 }
 
 StepScope::StepScope(StepScope&& other) noexcept
@@ -141,6 +144,12 @@ MixedPrecision Accelerator::mixed_precision() const { return impl_->precision; }
 int Accelerator::gradient_accumulation_steps() const { return impl_->gradient_state->num_steps; }
 bool Accelerator::sync_gradients() const { return impl_->gradient_state->sync_gradients; }
 bool Accelerator::end_of_dataloader() const { return impl_->gradient_state->end_of_dataloader(); }
+const DistributedDataParallel* Accelerator::ddp_of(const torch::nn::Module& module) const {
+  for (const auto& m : impl_->models)
+    if (m.module.get() == &module) return m.ddp.get();
+  throw Error("ddp_of(): this model was not passed to Accelerator::prepare()");
+}
+
 double Accelerator::loss_scale() const { return impl_->scaler ? impl_->scaler->scale() : 1.0; }
 int64_t Accelerator::step() const { return impl_->optimizers.empty() ? 0 : impl_->optimizers.front()->steps; }
 

@@ -61,6 +61,7 @@ void expect_same_params(const std::string& a, const std::string& b, double toler
 struct Run {
   std::string dir;
   std::vector<double> losses;
+  nlohmann::json result;
 };
 
 Run oracle_run(int processes, int batch, Args extra) {
@@ -69,7 +70,10 @@ Run oracle_run(int processes, int batch, Args extra) {
   args.insert(args.end(), extra.begin(), extra.end());
   auto result = train(processes, args);
   EXPECT_EQ(result.exit_code, 0) << result.out << result.err;
-  if (result.exit_code == 0) r.losses = last_json(result.out)["losses"].get<std::vector<double>>();
+  if (result.exit_code == 0) {
+    r.result = last_json(result.out);
+    r.losses = r.result["losses"].get<std::vector<double>>();
+  }
   return r;
 }
 
@@ -93,6 +97,12 @@ TEST(Oracle, GradientAccumulationIncludingTheForcedSyncAtEpochEnd) {
   ASSERT_EQ(one.losses.size(), 9u);
   expect_close(two.losses, one.losses, 1e-5);
   expect_same_params(two.dir, one.dir, 1e-5);
+  // One all-reduce per bucket per optimizer step: nothing is sent on accumulation micro-steps, and
+  // most buckets start while backward is still computing other gradients.
+  auto buckets = two.result["buckets"].get<size_t>();
+  EXPECT_GT(buckets, 2u);
+  EXPECT_EQ(two.result["launches"].get<size_t>(), buckets * 9);
+  EXPECT_GE(two.result["overlapped"].get<size_t>(), (buckets - 1) * 9);
 }
 
 TEST(Oracle, Bf16MatchesWithALooserTolerance) {
@@ -211,6 +221,20 @@ TEST(FashionMnist, TrainsCheckpointsAndResumesOnTwoProcesses) {
   ASSERT_EQ(again.exit_code, 0) << again.err;
   EXPECT_NE(again.out.find("resumed from latest at step 16"), std::string::npos) << again.out;
   EXPECT_EQ(last_json(again.out)["global_step"], 32);
+}
+
+TEST(FashionMnist, OneProcessOnTwiceTheBatchReportsTheSameLossAsTwoProcesses) {
+  Args common{"--train_limit", "1280", "--max_steps", "6", "--epochs", "1", "--num_workers", "0"};
+  auto launch = [&](int processes, int batch) {
+    Args a{kXlr8, "launch", "--num_processes", std::to_string(processes), "--num_cpu_threads_per_process", "1",
+           kFashion, "--batch_size", std::to_string(batch), "--output_dir", temp_dir("same")};
+    a.insert(a.end(), common.begin(), common.end());
+    auto r = run(a, 120);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return last_json(r.out)["final_train_loss"].get<double>();
+  };
+  double one = launch(1, 64), two = launch(2, 32);
+  EXPECT_NEAR(one, two, 1e-4 * (1 + std::abs(one)));
 }
 
 TEST(FashionMnist, BadDatasetPathIsAClearError) {

@@ -60,8 +60,8 @@ int main(int argc, char** argv) {
     options.mixed_precision = xlr8::parse_mixed_precision(precision, "--precision");
     options.gradient_accumulation_steps = accum;
     options.ddp.find_unused_parameters = find_unused;
-    options.ddp.first_bucket_mb = 0.0005;  // several buckets even for this small model
-    options.ddp.bucket_cap_mb = 0.001;
+    options.ddp.first_bucket_mb = 0.0002;  // three buckets even for this small model
+    options.ddp.bucket_cap_mb = 0.0005;
     xlr8::Accelerator acc(options);
     acc.set_seed(7);
 
@@ -106,9 +106,14 @@ int main(int argc, char** argv) {
       }
     }
     acc.save_model(model, out + "/model");
+    const auto* ddp = acc.ddp(model);
     if (acc.is_main_process())
-      fmt::print("{}\n", nlohmann::json{{"losses", losses}, {"step", acc.step()},
-                                         {"lr", opt.optimizer().param_groups()[0].options().get_lr()}}
+      fmt::print("{}\n", nlohmann::json{{"losses", losses},
+                                         {"step", acc.step()},
+                                         {"lr", opt.optimizer().param_groups()[0].options().get_lr()},
+                                         {"buckets", ddp ? ddp->bucket_layout().size() : 0},
+                                         {"launches", ddp ? ddp->launches() : 0},
+                                         {"overlapped", ddp ? ddp->overlapped_launches() : 0}}
                              .dump());
     acc.end_training();
     return 0;
