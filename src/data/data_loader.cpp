@@ -2,57 +2,12 @@
 
 #include <fmt/format.h>
 
-#include <condition_variable>
-#include <mutex>
 #include <numeric>
-#include <thread>
 
+#include "core/worker_pool.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8 {
-
-// Fixed threads running loader tasks in submission order.
-class WorkerPool {
- public:
-  explicit WorkerPool(int threads) {
-    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { loop(); });
-  }
-  ~WorkerPool() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
-  void submit(std::function<void()> task) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      tasks_.push_back(std::move(task));
-    }
-    cv_.notify_one();
-  }
-
- private:
-  void loop() {
-    for (;;) {
-      std::function<void()> task;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait(lock, [this] { return stopping_ || !tasks_.empty(); });
-        if (tasks_.empty()) return;
-        task = std::move(tasks_.front());
-        tasks_.pop_front();
-      }
-      task();
-    }
-  }
-  std::vector<std::thread> threads_;
-  std::deque<std::function<void()>> tasks_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  bool stopping_ = false;
-};
 
 DataLoaderBase::DataLoaderBase(int64_t dataset_size, DataLoaderOptions options, ShardingOptions sharding,
                                uint64_t default_seed, std::shared_ptr<GradientState> gradient_state, at::Device device)

@@ -8,25 +8,10 @@
 #include <thread>
 
 #include "compat/torch_compat.hpp"
+#include "core/worker_pool.hpp"
 #include "xlr8/communicator.hpp"
 
 namespace xlr8::detail {
-
-// One background thread per communicator for composite operations (rings over send/recv), so that
-// their async form really overlaps with the caller. FIFO: composite ops complete in issue order.
-class SerialExecutor {
- public:
-  ~SerialExecutor();
-  std::shared_future<void> submit(std::function<void()> task);
-
- private:
-  void loop();
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::packaged_task<void()>> queue_;
-  std::thread thread_;
-  bool stopping_ = false;
-};
 
 // Like PyTorch's "cuda:nccl,cpu:gloo": Gloo always (CPU tensors, rings, barriers), NCCL for CUDA tensors
 // when the build and the machine have it.
@@ -45,7 +30,11 @@ struct CommState {
   std::uint64_t object_sequence = 0;
   std::uint64_t ring_sequence = 0;
   std::map<std::string, int> subgroups_made;
-  SerialExecutor executor;
+  // Composite operations (rings over send/recv) run on one background thread, so their async form
+  // really overlaps with the caller, and they complete in issue order. Started on first use; declared
+  // last so it is joined before anything it uses is destroyed.
+  std::unique_ptr<WorkerPool> executor;
+  std::shared_future<void> run_composite(std::function<void()> task);
 };
 
 struct WorkState {

@@ -21,39 +21,12 @@ std::string to_string(ReduceOp op) {
 
 namespace detail {
 
-SerialExecutor::~SerialExecutor() {
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    stopping_ = true;
-  }
-  cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
-}
-
-std::shared_future<void> SerialExecutor::submit(std::function<void()> task) {
-  std::packaged_task<void()> packaged(std::move(task));
-  auto future = packaged.get_future().share();
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    queue_.push_back(std::move(packaged));
-    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
-  }
-  cv_.notify_one();
+std::shared_future<void> CommState::run_composite(std::function<void()> task) {
+  auto packaged = std::make_shared<std::packaged_task<void()>>(std::move(task));
+  auto future = packaged->get_future().share();
+  if (!executor) executor = std::make_unique<WorkerPool>(1);
+  executor->submit([packaged] { (*packaged)(); });
   return future;
-}
-
-void SerialExecutor::loop() {
-  for (;;) {
-    std::packaged_task<void()> task;
-    {
-      std::unique_lock<std::mutex> lock(mutex_);
-      cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      task = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    task();
-  }
 }
 
 std::string dtype_name(at::ScalarType t) {
@@ -202,7 +175,7 @@ Work composite(CommState& s, std::string description, std::function<void()> body
   auto st = std::make_shared<WorkState>();
   st->what = description;
   st->timeout = s.timeout;
-  st->future = s.executor.submit([body = std::move(body), description, timeout = s.timeout] {
+  st->future = s.run_composite([body = std::move(body), description, timeout = s.timeout] {
     try {
       body();
     } catch (const Error&) {
