@@ -82,10 +82,12 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
   }
 
   // Buckets are launched strictly in index order on every rank: the same collective sequence everywhere.
+  // Dividing before the SUM keeps the averaging inside the window where communication overlaps backward.
   void launch_ready() {
     while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
       auto& b = buckets[next_launch++];
-      b.work = comm.all_reduce_async(b.flat, ReduceOp::AVG);
+      b.flat.div_(comm.size());
+      b.work = comm.all_reduce_async(b.flat, ReduceOp::SUM);
       ++launched;
       if (ready_count < params.size()) ++overlapped;  // started while other gradients are still being computed
     }
@@ -102,9 +104,13 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
       });
     }
     if (ready[k]) return;  // already counted (reentrant backward)
+    // From the second step on, .grad is a view into its bucket (gradient_as_bucket_view): AccumulateGrad
+    // already wrote it in place and nothing needs copying. Otherwise (first step, or an optimizer that
+    // reset grads to undefined) copy it in.
     const auto& grad = params[k].grad();
-    if (grad.defined()) view_of(k).copy_(grad.reshape(-1));
-    else view_of(k).zero_();
+    auto view = view_of(k);
+    if (!grad.defined()) view.zero_();
+    else if (grad.data_ptr() != view.data_ptr()) view.copy_(grad.reshape(-1));
     ready[k] = true;
     ++ready_count;
     --buckets[bucket_of[k]].pending;
@@ -138,8 +144,7 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
     for (size_t k = 0; k < params.size(); ++k) {
       auto averaged = view_of(k).view(params[k].sizes());
       auto& grad = params[k].mutable_grad();
-      if (grad.defined()) grad.copy_(averaged);
-      else grad = averaged.clone();
+      if (!grad.defined() || grad.data_ptr() != averaged.data_ptr()) grad = averaged;  // .grad becomes the bucket view
     }
     reset_backward_state();
   }

@@ -78,7 +78,12 @@ void PreparedOptimizer::step() {
 
 void PreparedOptimizer::zero_grad() {
   if (!state_->impl->gradient_state->sync_gradients) return;
-  state_->optimizer->zero_grad();
+  // Zero in place: under DDP each .grad is a view into its communication bucket, which LibTorch's own
+  // zero_grad() (detach_, or set_to_none on 2.x) would break or drop.
+  at::NoGradGuard no_grad;
+  for (auto& group : state_->optimizer->param_groups())
+    for (auto& p : group.params())
+      if (p.grad().defined()) p.mutable_grad().zero_();
 }
 
 torch::optim::Optimizer& PreparedOptimizer::optimizer() { return *state_->optimizer; }

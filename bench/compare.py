@@ -1,0 +1,92 @@
+#!/usr/bin/env python3
+"""The bench/run driver: alternating runs, medians, ratios, a table and bench/results.json."""
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILD = os.environ.get("XLR8_BUILD_DIR", os.path.join(ROOT, "build"))
+XLR8 = os.path.join(BUILD, "bin", "xlr8")
+BENCH = os.path.join(BUILD, "bin", "xlr8-bench")
+PYBENCH = [sys.executable, os.path.join(ROOT, "bench", "torch_ddp.py")]
+REPS = int(os.environ.get("REPS", "5"))
+STEPS = os.environ.get("STEPS", "50")
+MODELS = os.environ.get("MODELS", "mlp transformer").split()
+SPEC = {"mlp": {"batch": "64", "steps": STEPS, "warmup": "5"},
+        "transformer": {"batch": "8", "steps": str(min(int(STEPS), 20)), "warmup": "3"}}
+
+
+def launch(n, cmd):
+    return [XLR8, "launch", "--num_processes", str(n), "--num_cpu_threads_per_process", "1"] + cmd
+
+
+def configs(model):
+    s = SPEC[model]
+    args = ["--model", model, "--batch", s["batch"], "--steps", s["steps"], "--warmup", s["warmup"], "--threads", "1"]
+    return {
+        "a_handwritten_1": [BENCH, "--impl", "handwritten"] + args,
+        "b_xlr8_1": [BENCH, "--impl", "xlr8"] + args,
+        "c_xlr8_ddp_2": launch(2, [BENCH, "--impl", "xlr8"] + args),
+        "d_pytorch_ddp_2": launch(2, PYBENCH + args),
+        "e_pytorch_1": PYBENCH + args,
+    }
+
+
+def run_json(cmd):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    if out.returncode != 0:
+        raise SystemExit(f"bench: {' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-2000:]}")
+    lines = [l[l.index("{"):] for l in out.stdout.splitlines() if "{" in l]
+    return [json.loads(l) for l in lines]
+
+
+def main():
+    results = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "date": time.strftime("%Y-%m-%d")},
+               "reps": REPS, "models": {}}
+    for model in MODELS:
+        cfgs = configs(model)
+        samples = {name: [] for name in cfgs}
+        for rep in range(REPS):  # alternate, so drift in the machine affects every implementation alike
+            for name, cmd in cfgs.items():
+                samples[name].append(run_json(cmd)[-1])
+            print(f"bench: {model} repetition {rep + 1}/{REPS} done", file=sys.stderr, flush=True)
+        med = {name: {k: statistics.median(r[k] for r in runs) for k in ("step_ms_median", "samples_per_s", "peak_rss_mb")}
+               for name, runs in samples.items()}
+        sps = {k: v["samples_per_s"] for k, v in med.items()}
+        ratios = {
+            "xlr8_overhead_vs_handwritten_pct": (med["b_xlr8_1"]["step_ms_median"] / med["a_handwritten_1"]["step_ms_median"] - 1) * 100,
+            "xlr8_ddp2_vs_xlr8_1": sps["c_xlr8_ddp_2"] / sps["b_xlr8_1"],
+            "xlr8_ddp2_vs_pytorch_ddp2": sps["c_xlr8_ddp_2"] / sps["d_pytorch_ddp_2"],
+            "pytorch_ddp2_vs_pytorch_1": sps["d_pytorch_ddp_2"] / sps["e_pytorch_1"],
+        }
+        results["models"][model] = {"medians": med, "ratios": ratios, "runs": samples}
+        print(f"\n{model}: medians of {REPS} alternating runs")
+        print(f"{'impl':<18}{'step ms':>10}{'samples/s':>12}{'peak RSS MB':>13}")
+        for name, m in med.items():
+            print(f"{name:<18}{m['step_ms_median']:>10.1f}{m['samples_per_s']:>12.0f}{m['peak_rss_mb']:>13.0f}")
+        for k, v in ratios.items():
+            print(f"  {k}: {v:.3f}")
+    coll = run_json(launch(2, [BENCH, "--collectives", "--max_mb", "64"]))
+    results["collectives"] = coll
+    print("\ncollectives on 2 ranks (GB/s of payload; ours vs raw c10d Gloo)")
+    print(f"{'bytes':>10}{'all_reduce':>12}{'gloo':>8}{'red_scat':>10}{'gloo':>8}{'all_gather':>12}{'gloo':>8}")
+    for c in coll:
+        if "memcpy_gb_per_s" in c:
+            print(f"memcpy ceiling: {c['memcpy_gb_per_s']:.1f} GB/s")
+            continue
+        print(f"{c['bytes']:>10}{c['all_reduce_gb_per_s']:>12.2f}{c['raw_gloo_all_reduce_gb_per_s']:>8.2f}"
+              f"{c['reduce_scatter_gb_per_s']:>10.2f}{c['raw_gloo_reduce_scatter_gb_per_s']:>8.2f}"
+              f"{c['all_gather_gb_per_s']:>12.2f}{c['raw_gloo_all_gather_gb_per_s']:>8.2f}")
+    path = os.path.join(ROOT, "bench", "results.json")
+    with open(path, "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"\nwrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+// xlr8-bench: training-step throughput of the bench specs, and collective bandwidth.
+//   --model mlp|transformer --batch B --steps S --warmup W --threads T --impl xlr8|handwritten
+//   --collectives [--max_mb M]   (launch on 2 ranks with `xlr8 launch`)
+// Each training run prints one JSON line: {"impl", "model", "nproc", "batch_per_rank", "step_ms_median",
+// "samples_per_s", "peak_rss_mb"}; samples/s counts all ranks. Benchmarks, never assertions.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <sys/resource.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstring>
+
+#include "compat/torch_compat.hpp"
+#include "xlr8/accelerator.hpp"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Spec {
+  std::string model = "mlp";
+  int64_t batch = 64;
+  int steps = 50;
+  int warmup = 5;
+  int threads = 1;
+  std::string impl = "xlr8";
+  double bucket_cap_mb = 25;
+};
+
+// MLP 784-2048-2048-10 (ReLU), or a small transformer encoder (d_model 256, 4 heads, 2 layers, seq 128).
+torch::nn::Sequential make_model(const std::string& name) {
+  if (name == "mlp")
+    return torch::nn::Sequential(torch::nn::Linear(784, 2048), torch::nn::ReLU(), torch::nn::Linear(2048, 2048),
+                                 torch::nn::ReLU(), torch::nn::Linear(2048, 10));
+  if (name == "transformer") {
+    auto layer = torch::nn::TransformerEncoderLayerOptions(256, 4).dim_feedforward(1024).dropout(0.0);
+    return torch::nn::Sequential(torch::nn::TransformerEncoder(torch::nn::TransformerEncoderOptions(layer, 2)),
+                                 torch::nn::Linear(256, 10));
+  }
+  throw std::invalid_argument("unknown --model " + name + " (mlp or transformer)");
+}
+
+// Synthetic inputs, fixed for the run: [B, 784] or [seq 128, B, 256].
+std::pair<at::Tensor, at::Tensor> make_batch(const std::string& model, int64_t batch) {
+  if (model == "mlp") return {torch::randn({batch, 784}), torch::randint(10, {batch})};
+  return {torch::randn({128, batch, 256}), torch::randint(10, {128 * batch})};
+}
+
+at::Tensor loss_of(const std::string& model, torch::nn::Sequential& net, const std::pair<at::Tensor, at::Tensor>& b) {
+  auto out = net->forward(b.first);
+  if (model == "transformer") out = out.reshape({-1, 10});
+  return torch::cross_entropy_loss(out, b.second);
+}
+
+double peak_rss_mb() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss / 1024.0;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+void report(const Spec& s, int nproc, const std::vector<double>& step_ms, double rss_mb) {
+  double med = median(step_ms);
+  nlohmann::json line{{"impl", s.impl},           {"model", s.model},  {"nproc", nproc},
+                      {"batch_per_rank", s.batch}, {"step_ms_median", med},
+                      {"samples_per_s", s.batch * nproc * 1000.0 / med}, {"peak_rss_mb", rss_mb}};
+  fmt::print("{}\n", line.dump());
+  std::fflush(stdout);
+}
+
+// (a) The loop a user writes without xlr8.
+int handwritten(const Spec& s) {
+  at::set_num_threads(s.threads);
+  torch::manual_seed(0);
+  auto net = make_model(s.model);
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-3));
+  auto batch = make_batch(s.model, s.batch);
+  std::vector<double> times;
+  for (int i = 0; i < s.warmup + s.steps; ++i) {
+    auto start = Clock::now();
+    opt.zero_grad();
+    loss_of(s.model, net, batch).backward();
+    opt.step();
+    if (i >= s.warmup) times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+  }
+  report(s, 1, times, peak_rss_mb());
+  return 0;
+}
+
+// (b)/(c) The same loop through xlr8 (DDP when launched on several processes).
+int with_xlr8(const Spec& s) {
+  xlr8::AcceleratorOptions options;
+  options.ddp.bucket_cap_mb = s.bucket_cap_mb;
+  xlr8::Accelerator acc(options);
+  at::set_num_threads(s.threads);
+  torch::manual_seed(0);
+  auto net = acc.prepare(make_model(s.model));
+  auto opt = acc.prepare(torch::optim::AdamW(net->parameters(), torch::optim::AdamWOptions(1e-3)));
+  auto batch = make_batch(s.model, s.batch);
+  acc.wait_for_everyone();
+  std::vector<double> times;
+  for (int i = 0; i < s.warmup + s.steps; ++i) {
+    auto start = Clock::now();
+    opt.zero_grad();
+    acc.backward(loss_of(s.model, net, batch));
+    opt.step();
+    if (i >= s.warmup) times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+  }
+  // The slowest rank sets the pace: report the max over ranks of each figure.
+  auto med = acc.reduce(at::full({1}, median(times), at::kDouble), xlr8::ReduceOp::MAX).item<double>();
+  auto rss = acc.reduce(at::full({1}, peak_rss_mb(), at::kDouble), xlr8::ReduceOp::MAX).item<double>();
+  if (acc.is_main_process()) report(s, acc.num_processes(), {med}, rss);
+  acc.end_training();
+  return 0;
+}
+
+// Collective bandwidth on the world group: ours vs raw c10d Gloo, against a memcpy ceiling.
+int collectives(double max_mb) {
+  const auto& state = xlr8::ProcessState::instance();
+  auto& comm = state.world();
+  const int P = comm.size();
+  {  // the machine's single-thread copy bandwidth
+    auto a = at::ones({16 << 20}), b = at::empty_like(a);
+    auto start = Clock::now();
+    for (int i = 0; i < 10; ++i) std::memcpy(b.data_ptr(), a.data_ptr(), a.nbytes());
+    double s = std::chrono::duration<double>(Clock::now() - start).count();
+    if (state.is_main_process()) fmt::print("{}\n", nlohmann::json{{"memcpy_gb_per_s", 10 * a.nbytes() / s / 1e9}}.dump());
+  }
+  // The baseline: a raw c10d Gloo group built the way a hand-rolled C++ loop does (its own TCPStore on
+  // MASTER_PORT + 1, ProcessGroupGloo on loopback), called directly.
+  const auto& t = state.topology();
+  auto store = xlr8::compat::make_tcp_store(t.master_addr, t.master_port + 1, t.rank == 0, P, std::chrono::seconds(60));
+  auto backend = xlr8::compat::make_gloo(store, t.rank, P, std::chrono::seconds(60), t.master_addr);
+  auto slowest = [&](double seconds) {
+    auto v = at::full({1}, seconds, at::kDouble);
+    comm.all_reduce(v, xlr8::ReduceOp::MAX);
+    return v.item<double>();
+  };
+  for (double kb = 1; kb <= max_mb * 1024; kb *= 4) {
+    int64_t n = static_cast<int64_t>(kb * 1024 / 4);
+    n = std::max<int64_t>(P, n / P * P);
+    auto x = at::ones({n});
+    auto out = at::empty({n / P});
+    auto gathered = at::empty({n});
+    int reps = kb <= 1024 ? 50 : 5;
+    auto time = [&](auto&& fn) {
+      fn();
+      comm.barrier();
+      std::vector<double> t;
+      for (int i = 0; i < reps; ++i) {
+        auto start = Clock::now();
+        fn();
+        t.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+      }
+      return slowest(median(t));
+    };
+    double ar = time([&] { comm.all_reduce(x); });
+    double rs = time([&] { comm.reduce_scatter(out, x); });
+    double ag = time([&] { comm.all_gather(gathered, out); });
+    // Raw c10d Gloo baselines: allreduce directly on the backend; reduce-scatter as Gloo 2.x does it
+    // (allreduce + take the chunk); all-gather through Gloo's list allgather.
+    double raw_ar = time([&] {
+      std::vector<at::Tensor> v{x};
+      backend->allreduce(v)->wait();
+    });
+    double raw_rs = time([&] {
+      std::vector<at::Tensor> v{x};
+      backend->allreduce(v)->wait();
+      out.copy_(x.narrow(0, state.rank() * (n / P), n / P));
+    });
+    double raw_ag = time([&] {
+      std::vector<std::vector<at::Tensor>> o(1);
+      for (int i = 0; i < P; ++i) o[0].push_back(at::empty({n / P}));
+      std::vector<at::Tensor> in{out};
+      backend->allgather(o, in)->wait();
+    });
+    double bytes = n * 4.0;
+    if (state.is_main_process())
+      fmt::print("{}\n", nlohmann::json{{"bytes", static_cast<int64_t>(bytes)},
+                                        {"all_reduce_gb_per_s", bytes / ar / 1e9},
+                                        {"raw_gloo_all_reduce_gb_per_s", bytes / raw_ar / 1e9},
+                                        {"reduce_scatter_gb_per_s", bytes / rs / 1e9},
+                                        {"raw_gloo_reduce_scatter_gb_per_s", bytes / raw_rs / 1e9},
+                                        {"all_gather_gb_per_s", bytes / ag / 1e9},
+                                        {"raw_gloo_all_gather_gb_per_s", bytes / raw_ag / 1e9}}
+                             .dump());
+  }
+  comm.barrier();
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"xlr8-bench"};
+  Spec s;
+  bool coll = false;
+  double max_mb = 64;
+  app.add_option("--model", s.model, "mlp | transformer");
+  app.add_option("--batch", s.batch, "Batch per rank");
+  app.add_option("--steps", s.steps, "Timed steps");
+  app.add_option("--warmup", s.warmup, "Untimed steps first");
+  app.add_option("--threads", s.threads, "Intra-op threads per rank");
+  app.add_option("--impl", s.impl, "xlr8 | handwritten");
+  app.add_option("--bucket_cap_mb", s.bucket_cap_mb, "DDP bucket size");
+  app.add_flag("--collectives", coll, "Collective bandwidth instead of training");
+  app.add_option("--max_mb", max_mb, "Largest collective size in MB");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    if (coll) return collectives(max_mb);
+    return s.impl == "handwritten" ? handwritten(s) : with_xlr8(s);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "xlr8-bench: error: {}\n", e.what());
+    return 1;
+  }
+}
