@@ -134,6 +134,13 @@ Accelerator::Accelerator(AcceleratorOptions options) : impl_(std::make_unique<Ac
   s.gradient_state->num_steps = steps;
   s.gradient_state->sync_with_dataloader = s.options.sync_with_dataloader;
   if (s.precision == MixedPrecision::FP16) s.scaler.emplace();
+  // Sharded strategies are parsed and reported, but their engines are not written yet: say so rather
+  // than silently training full replicas.
+  auto type = s.state->distributed_type();
+  if ((type == DistributedType::FSDP || type == DistributedType::DEEPSPEED) && s.state->is_main_process())
+    fmt::print(stderr, "xlr8: warning: {} sharding is not implemented yet; training with DDP (every rank holds full "
+                       "parameters, gradients and optimizer state)\n",
+               to_string(type));
 }
 
 Accelerator::~Accelerator() = default;
