@@ -32,6 +32,7 @@ def configs(model):
         "b_xlr8_1": [BENCH, "--impl", "xlr8"] + args,
         "c_xlr8_ddp_2": launch(2, [BENCH, "--impl", "xlr8"] + args),
         "d_pytorch_ddp_2": launch(2, PYBENCH + args),
+        "f_xlr8_ddp_2_bf16_wire": launch(2, [BENCH, "--impl", "xlr8", "--compress_bf16"] + args),
         "e_pytorch_1": PYBENCH + args,
     }
 
@@ -63,6 +64,8 @@ def main():
             "xlr8_ddp2_vs_xlr8_1": sps["c_xlr8_ddp_2"] / sps["b_xlr8_1"],
             "xlr8_ddp2_vs_pytorch_ddp2": sps["c_xlr8_ddp_2"] / sps["d_pytorch_ddp_2"],
             "pytorch_ddp2_vs_pytorch_1": sps["d_pytorch_ddp_2"] / sps["e_pytorch_1"],
+            "xlr8_ddp2_bf16_wire_vs_xlr8_1": sps["f_xlr8_ddp_2_bf16_wire"] / sps["b_xlr8_1"],
+            "xlr8_ddp2_bf16_wire_vs_pytorch_ddp2": sps["f_xlr8_ddp_2_bf16_wire"] / sps["d_pytorch_ddp_2"],
         }
         results["models"][model] = {"medians": med, "ratios": ratios, "runs": samples}
         print(f"\n{model}: medians of {REPS} alternating runs")

@@ -26,6 +26,7 @@ struct Spec {
   int threads = 1;
   std::string impl = "xlr8";
   double bucket_cap_mb = 25;
+  bool compress_bf16 = false;
 };
 
 // MLP 784-2048-2048-10 (ReLU), or a small transformer encoder (d_model 256, 4 heads, 2 layers, seq 128).
@@ -66,7 +67,7 @@ double median(std::vector<double> v) {
 
 void report(const Spec& s, int nproc, const std::vector<double>& step_ms, double rss_mb) {
   double med = median(step_ms);
-  nlohmann::json line{{"impl", s.impl},           {"model", s.model},  {"nproc", nproc},
+  nlohmann::json line{{"impl", s.compress_bf16 ? s.impl + "_bf16_wire" : s.impl},           {"model", s.model},  {"nproc", nproc},
                       {"batch_per_rank", s.batch}, {"step_ms_median", med},
                       {"samples_per_s", s.batch * nproc * 1000.0 / med}, {"peak_rss_mb", rss_mb}};
   fmt::print("{}\n", line.dump());
@@ -96,6 +97,7 @@ int handwritten(const Spec& s) {
 int with_xlr8(const Spec& s) {
   xlr8::AcceleratorOptions options;
   options.ddp.bucket_cap_mb = s.bucket_cap_mb;
+  options.ddp.compress_bf16 = s.compress_bf16;
   xlr8::Accelerator acc(options);
   at::set_num_threads(s.threads);
   torch::manual_seed(0);
@@ -208,6 +210,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", s.threads, "Intra-op threads per rank");
   app.add_option("--impl", s.impl, "xlr8 | handwritten");
   app.add_option("--bucket_cap_mb", s.bucket_cap_mb, "DDP bucket size");
+  app.add_flag("--compress_bf16", s.compress_bf16, "DDP: bf16 gradients on the wire");
   app.add_flag("--collectives", coll, "Collective bandwidth instead of training");
   app.add_option("--max_mb", max_mb, "Largest collective size in MB");
   CLI11_PARSE(app, argc, argv);

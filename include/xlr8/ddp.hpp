@@ -19,6 +19,9 @@ struct DDPOptions {
   double first_bucket_mb = 1.0;
   bool find_unused_parameters = false;  // unused parameters then count as zero gradients instead of an error
   bool broadcast_buffers = true;        // sync_buffers() broadcasts buffers from rank 0
+  // Send fp32 gradients as bf16 (PyTorch's bf16_compress_hook): half the bytes on the wire, gradients
+  // rounded to bf16 before averaging. Off by default: it changes the numbers.
+  bool compress_bf16 = false;
 };
 
 class DistributedDataParallel {

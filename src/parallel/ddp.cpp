@@ -17,6 +17,7 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
     std::vector<size_t> params;
     std::vector<int64_t> offsets;  // element offset of each parameter in `flat`
     at::Tensor flat;
+    at::Tensor wire;  // the bf16 copy sent instead of `flat` when compressing
     size_t pending = 0;
     Work work;
   };
@@ -87,7 +88,12 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
     while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
       auto& b = buckets[next_launch++];
       b.flat.div_(comm.size());
-      b.work = comm.all_reduce_async(b.flat, ReduceOp::SUM);
+      if (options.compress_bf16 && b.flat.scalar_type() == at::kFloat) {
+        b.wire = b.flat.to(at::kBFloat16);
+        b.work = comm.all_reduce_async(b.wire, ReduceOp::SUM);
+      } else {
+        b.work = comm.all_reduce_async(b.flat, ReduceOp::SUM);
+      }
       ++launched;
       if (ready_count < params.size()) ++overlapped;  // started while other gradients are still being computed
     }
@@ -139,7 +145,10 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
         }
       launch_ready();
     }
-    for (auto& b : buckets) b.work.wait();
+    for (auto& b : buckets) {
+      b.work.wait();
+      if (b.wire.defined()) b.flat.copy_(b.wire), b.wire = at::Tensor();
+    }
     at::NoGradGuard no_grad;
     for (size_t k = 0; k < params.size(); ++k) {
       auto averaged = view_of(k).view(params[k].sizes());

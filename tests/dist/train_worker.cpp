@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
   int64_t batch = 4, steps = 12, checkpoint_at = 0, samples = 96;
   int accum = 1;
   std::string precision = "no", out = ".", resume, mode = "train";
-  bool find_unused = false;
+  bool find_unused = false, compress = false;
   app.add_option("--batch", batch);
   app.add_option("--accum", accum);
   app.add_option("--steps", steps);
@@ -54,12 +54,14 @@ int main(int argc, char** argv) {
   app.add_option("--mode", mode);
   app.add_option("--samples", samples);
   app.add_flag("--find_unused", find_unused);
+  app.add_flag("--compress_bf16", compress);
   CLI11_PARSE(app, argc, argv);
   try {
     xlr8::AcceleratorOptions options;
     options.mixed_precision = xlr8::parse_mixed_precision(precision, "--precision");
     options.gradient_accumulation_steps = accum;
     options.ddp.find_unused_parameters = find_unused;
+    options.ddp.compress_bf16 = compress;
     options.ddp.first_bucket_mb = 0.0002;  // three buckets even for this small model
     options.ddp.bucket_cap_mb = 0.0005;
     xlr8::Accelerator acc(options);
