@@ -24,14 +24,15 @@ std::vector<at::Tensor> AcceleratorImpl::optimized_parameters() const {
 void AcceleratorImpl::unscale_gradients() {
   if (!scaler || unscaled) return;
   const double inverse = 1.0 / scaler->scale();
-  bool found = false;
   at::NoGradGuard no_grad;
+  std::vector<at::Tensor> finite;  // one flag per gradient, read back once (one device sync, not one per tensor)
   for (auto& p : optimized_parameters()) {
     auto& g = p.mutable_grad();
     if (!g.defined()) continue;
     g.mul_(inverse);
-    if (!found) found = !at::isfinite(g).all().item<bool>();
+    finite.push_back(at::isfinite(g).all());
   }
+  bool found = !finite.empty() && !at::stack(finite).all().item<bool>();
   // Every rank must skip the same step: MAX of the overflow flag over the world.
   auto flag = at::full({1}, found ? 1 : 0, at::kInt);
   world().all_reduce(flag, ReduceOp::MAX);
