@@ -152,6 +152,24 @@ TEST(GatherForMetrics, ReturnsExactlyTheDatasetOnRealRanks) {
   }
 }
 
+TEST(AcceleratorHelpers, PadSplitReduceAndMainFirstOnRealRanks) {
+  auto dir = temp_dir("helpers");
+  auto r = train(2, {"--mode", "helpers", "--out", dir});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto report = last_json(r.out);
+  // Rank 0 holds 1 row of 1s, rank 1 holds 2 rows of 2s: both padded to 2 rows with -1, gathered in rank order.
+  EXPECT_EQ(report["gathered"].get<std::vector<double>>(), (std::vector<double>{1, -1, 2, 2}));
+  auto ranks = report["ranks"];
+  EXPECT_EQ(ranks[0]["padded_rows"], 2);
+  EXPECT_EQ(ranks[0]["pad_first_row0"], -1.0);  // padding in front
+  EXPECT_EQ(ranks[1]["pad_first_row0"], 2.0);   // already the longest
+  EXPECT_EQ(ranks[0]["items"], (std::vector<int>{10, 11}));
+  EXPECT_EQ(ranks[1]["items"], (std::vector<int>{12, 12}));  // padded with the last item
+  EXPECT_EQ(ranks[0]["max"], 1.0);
+  EXPECT_EQ(ranks[1]["max"], 1.0);
+  EXPECT_EQ(ranks[1]["saw_marker"], (std::vector<int>{1}));  // rank 1 ran after rank 0
+}
+
 TEST(TrainingErrors, MismatchedModelsAcrossRanksNameTheParameter) {
   auto r = train(2, {"--mode", "mismatch"});
   EXPECT_NE(r.exit_code, 0);

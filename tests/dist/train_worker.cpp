@@ -8,6 +8,9 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include <filesystem>
+#include <fstream>
+
 #include "xlr8/accelerator.hpp"
 #include "xlr8/error.hpp"
 
@@ -80,6 +83,38 @@ int main(int argc, char** argv) {
         for (int64_t i = 0; i < all.size(0); ++i) seen.push_back(all[i].item<int64_t>());
       }
       if (acc.is_main_process()) fmt::print("{}\n", nlohmann::json{{"gathered", seen}}.dump());
+      acc.end_training();
+      return 0;
+    }
+
+    if (mode == "helpers") {  // the small collectives of the Accelerator, on real ranks
+      const int r = acc.process_index();
+      auto mine = at::full({r + 1, 2}, static_cast<double>(r + 1));  // ranks hold different lengths
+      auto padded = acc.pad_across_processes(mine, 0, -1.0);
+      auto first = acc.pad_across_processes(mine, 0, -1.0, /*pad_first=*/true);
+      auto gathered = acc.gather(padded);
+      auto items = acc.split_between_processes(std::vector<int>{10, 11, 12}, /*apply_padding=*/true);
+      auto maximum = acc.reduce(at::full({1}, static_cast<double>(r)), xlr8::ReduceOp::MAX).item<double>();
+      std::vector<int> order;  // main_process_first: rank 0's body runs before everyone else's
+      auto marker = out + "/first";
+      acc.main_process_first([&] {
+        if (r != 0) order.push_back(std::filesystem::exists(marker) ? 1 : 0);
+        else std::ofstream(marker) << "0";
+      });
+      auto all = acc.state().world().all_gather_object(nlohmann::json{{"rank", r},
+                                                                {"padded_rows", padded.size(0)},
+                                                                {"pad_first_row0", first[0][0].item<double>()},
+                                                                {"items", items},
+                                                                {"max", maximum},
+                                                                {"saw_marker", order}}
+                                                    .dump());
+      if (acc.is_main_process()) {
+        std::vector<double> column;
+        for (int64_t i = 0; i < gathered.size(0); ++i) column.push_back(gathered[i][0].item<double>());
+        nlohmann::json report{{"gathered", column}, {"ranks", nlohmann::json::array()}};
+        for (auto& a : all) report["ranks"].push_back(nlohmann::json::parse(a));
+        fmt::print("{}\n", report.dump());
+      }
       acc.end_training();
       return 0;
     }
