@@ -211,6 +211,8 @@ class Accelerator {
   void register_loader(std::shared_ptr<DataLoaderBase> loader);
   StepScope make_step_scope(std::vector<torch::nn::Module*> modules, bool decide_sync);
   void save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const;
+  std::string save_state_unguarded(const std::string& dir);
+  void load_state_unguarded(const std::string& dir);
   ShardingOptions sharding() const;
   uint64_t seed() const;
   std::shared_ptr<GradientState> gradient_state() const;

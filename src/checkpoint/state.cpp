@@ -27,6 +27,13 @@ constexpr const char* kManifest = "MANIFEST.json";
 
 std::string suffix(size_t i) { return i == 0 ? "" : fmt::format("_{}", i); }
 
+// "ckpt/" and "ckpt" name the same directory; the temporary and backup siblings need the bare name.
+fs::path directory_path(const std::string& dir) {
+  fs::path p = fs::path(dir).lexically_normal();
+  if (p.filename().empty() && p.has_parent_path()) p = p.parent_path();
+  return p;
+}
+
 NamedTensors state_dict(const torch::nn::Module& module) {
   NamedTensors tensors;
   for (const auto& p : module.named_parameters()) tensors.emplace_back(p.key(), p.value());
@@ -128,9 +135,30 @@ void copy_into_module(torch::nn::Module& module, const SafetensorsContent& conte
   for (auto& [name, t] : targets) t.copy_(by_name.at(name));
 }
 
+// Filesystem failures (permissions, a full disk) become xlr8 errors that name the checkpoint.
+template <class Fn>
+auto filesystem_guard(const std::string& what, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const fs::filesystem_error& e) {
+    throw Error(fmt::format("{}: {}", what, e.what()));
+  }
+}
+
 }  // namespace
 
 std::string Accelerator::save_state(const std::string& dir) {
+  return filesystem_guard(fmt::format("save_state({:?})", dir), [&] { return save_state_unguarded(dir); });
+}
+
+void Accelerator::load_state(const std::string& dir) {
+  filesystem_guard(fmt::format("load_state({:?})", dir), [&] {
+    load_state_unguarded(dir);
+    return 0;
+  });
+}
+
+std::string Accelerator::save_state_unguarded(const std::string& dir) {
   auto& s = *impl_;
   std::string target = dir;
   if (target.empty()) {
@@ -138,7 +166,7 @@ std::string Accelerator::save_state(const std::string& dir) {
       throw Error("save_state(): give a directory, or set AcceleratorOptions::automatic_checkpoint_naming");
     target = (fs::path(s.options.project_dir) / "checkpoints" / fmt::format("checkpoint_{}", s.save_iteration)).string();
   }
-  const fs::path final_dir(target), tmp(target + ".partial");
+  const fs::path final_dir = directory_path(target), tmp = final_dir.string() + ".partial";
   const bool main = is_main_process();
   if (main) {
     fs::remove_all(tmp);
@@ -183,7 +211,7 @@ std::string Accelerator::save_state(const std::string& dir) {
       manifest["files"][e.path().filename().string()] = {{"size", bytes.size()}, {"crc32", files::crc32_of(bytes)}};
     }
     files::write_durably((tmp / kManifest).string(), manifest.dump(2));
-    fs::path old = target + ".old";
+    fs::path old = final_dir.string() + ".old";
     fs::remove_all(old);
     if (fs::exists(final_dir)) fs::rename(final_dir, old);
     fs::rename(tmp, final_dir);
@@ -196,12 +224,12 @@ std::string Accelerator::save_state(const std::string& dir) {
   }
   s.save_iteration += 1;
   wait_for_everyone();
-  return target;
+  return final_dir.string();
 }
 
-void Accelerator::load_state(const std::string& dir) {
+void Accelerator::load_state_unguarded(const std::string& dir) {
   auto& s = *impl_;
-  fs::path source(dir);
+  fs::path source = directory_path(dir);
   if (dir.empty()) {
     auto all = automatic_checkpoints(s.options.project_dir);
     if (all.empty())
@@ -283,7 +311,7 @@ int64_t parse_size(const std::string& text) {
 
 void Accelerator::save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const {
   const int64_t limit = parse_size(max_shard_size);
-  if (is_main_process()) {
+  if (is_main_process()) filesystem_guard(fmt::format("save_model({:?})", dir), [&] {
     fs::create_directories(dir);
     std::vector<NamedTensors> shards(1);
     int64_t used = 0, total = 0;
@@ -310,7 +338,8 @@ void Accelerator::save_module(const torch::nn::Module& module, const std::string
       fs::remove(fs::path(dir) / "model.safetensors");
       files::write_durably((fs::path(dir) / "model.safetensors.index.json").string(), index.dump(2));
     }
-  }
+    return 0;
+  });
   wait_for_everyone();
 }
 

@@ -187,8 +187,10 @@ TEST(Accelerator, AutomaticCheckpointNamingKeepsTheNewestAndLoadsTheLatest) {
   }
   acc.load_state();  // the newest
   EXPECT_TRUE(model->weight.equal(weights[2]));
-  acc.save_state(root + "checkpoint_2");  // saving over a checkpoint replaces it whole
+  acc.save_state(root + "checkpoint_2/");  // saving over a checkpoint replaces it whole; a trailing slash is fine
   EXPECT_TRUE(fs::exists(root + "checkpoint_2/MANIFEST.json"));
   EXPECT_FALSE(fs::exists(root + "checkpoint_2.old"));
+  EXPECT_FALSE(fs::exists(root + "checkpoint_2/.partial"));
+  acc.load_state(root + "checkpoint_2/");
   fs::remove_all(o.project_dir);
 }
