@@ -57,7 +57,7 @@ class DataLoaderBase {
                  std::shared_ptr<GradientState> gradient_state, at::Device device);
   virtual ~DataLoaderBase();
 
-  int64_t size() const;             // batches this rank yields per epoch
+  int64_t size() const { return batches_per_epoch_; }  // batches this rank yields per epoch
   int64_t dataset_size() const { return dataset_size_; }
   int64_t epoch() const { return epoch_; }
   void set_epoch(int64_t epoch) { epoch_ = epoch; }
@@ -88,6 +88,7 @@ class DataLoaderBase {
   int64_t epoch_ = 0;
   int64_t position_ = 0;
   int64_t skip_ = 0;
+  int64_t batches_per_epoch_ = 0;  // does not depend on the order, so computed once
   std::unique_ptr<WorkerPool> pool_;
 };
 

@@ -78,8 +78,21 @@ std::vector<fs::path> automatic_checkpoints(const std::string& project_dir) {
   return dirs;
 }
 
-// Checks every file named in the manifest; throws naming the first bad file and why.
-nlohmann::json verify_checkpoint(const fs::path& dir) {
+// Checks every file named in the manifest; throws naming the first bad file and why. Returns the checked
+// bytes of each file by name, so loading parses exactly what was verified and reads nothing twice.
+struct VerifiedCheckpoint {
+  nlohmann::json manifest;
+  std::map<std::string, std::string> files;
+  const std::string& bytes(const std::string& name, const fs::path& dir) const {
+    auto it = files.find(name);
+    if (it == files.end())
+      throw Error(fmt::format("load_state: {} is missing: the checkpoint does not list it; nothing was loaded",
+                              (dir / name).string()));
+    return it->second;
+  }
+};
+
+VerifiedCheckpoint verify_checkpoint(const fs::path& dir) {
   if (!fs::is_directory(dir)) throw Error(fmt::format("load_state: checkpoint {} does not exist", dir.string()));
   fs::path manifest_path = dir / kManifest;
   if (!fs::exists(manifest_path))
@@ -93,6 +106,7 @@ nlohmann::json verify_checkpoint(const fs::path& dir) {
   } catch (const std::exception& e) {
     throw Error(fmt::format("load_state: {} is corrupt ({}); nothing was loaded", manifest_path.string(), e.what()));
   }
+  VerifiedCheckpoint verified;
   for (auto& [name, entry] : manifest.at("files").items()) {
     fs::path file = dir / name;
     auto fail = [&](const std::string& why) {
@@ -103,8 +117,10 @@ nlohmann::json verify_checkpoint(const fs::path& dir) {
     if (bytes.size() != entry.at("size").get<size_t>())
       throw fail(fmt::format("has {} bytes, expected {}", bytes.size(), entry.at("size").get<size_t>()));
     if (files::crc32_of(bytes) != entry.at("crc32").get<uint32_t>()) throw fail("fails its CRC32 check");
+    verified.files.emplace(name, std::move(bytes));
   }
-  return manifest;
+  verified.manifest = std::move(manifest);
+  return verified;
 }
 
 // Throws unless `content` has exactly the module's names, dtypes and shapes.
@@ -205,6 +221,7 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
   wait_for_everyone();
 
   if (main) {
+    // Read back from disk on purpose: the CRCs describe what was actually written, including other ranks' files.
     nlohmann::json manifest{{"format", kFormat}, {"world_size", num_processes()}, {"files", nlohmann::json::object()}};
     for (auto& e : fs::directory_iterator(tmp)) {
       auto bytes = files::read_all(e.path().string());
@@ -236,15 +253,14 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
       throw Error(fmt::format("load_state(): no checkpoints under {}/checkpoints", s.options.project_dir));
     source = all.back();
   }
-  auto manifest = verify_checkpoint(source);
-  auto st = nlohmann::json::parse(files::read_all((source / "accelerator_state.json").string()));
+  auto checkpoint = verify_checkpoint(source);
+  auto st = nlohmann::json::parse(checkpoint.bytes("accelerator_state.json", source));
 
   // Parse and check everything before the first change.
   std::vector<SafetensorsContent> model_files;
   for (size_t i = 0; i < s.models.size(); ++i) {
-    auto path = (source / fmt::format("model{}.safetensors", suffix(i))).string();
-    if (!fs::exists(path)) throw Error(fmt::format("load_state: {} is missing: the checkpoint has fewer models", path));
-    model_files.push_back(load_safetensors(path));
+    auto name = fmt::format("model{}.safetensors", suffix(i));
+    model_files.push_back(parse_safetensors(checkpoint.bytes(name, source), (source / name).string()));
   }
   auto optimizer_steps = st.value("optimizer_steps", nlohmann::json::array());
   if (optimizer_steps.size() != s.optimizers.size())
@@ -262,8 +278,8 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
     s.schedulers[i]->steps = n;
   }
   for (size_t i = 0; i < s.optimizers.size(); ++i) {
-    auto path = (source / fmt::format("optimizer{}.bin", suffix(i))).string();
-    load_optimizer_bytes(*s.optimizers[i]->optimizer, files::read_all(path), path);
+    auto name = fmt::format("optimizer{}.bin", suffix(i));
+    load_optimizer_bytes(*s.optimizers[i]->optimizer, checkpoint.bytes(name, source), (source / name).string());
     s.optimizers[i]->steps = optimizer_steps[i].get<int64_t>();
   }
   s.micro_step = st.value("micro_step", int64_t{0});
@@ -275,9 +291,9 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
   size_t li = 0;
   for (auto& weak : s.loaders)
     if (auto loader = weak.lock(); loader && li < loaders.size()) loader->load_state(loaders[li++]);
-  auto rng_path = source / fmt::format("random_states_{}.safetensors", process_index());
-  if (fs::exists(rng_path)) {
-    auto rng = load_safetensors(rng_path.string());
+  auto rng_name = fmt::format("random_states_{}.safetensors", process_index());
+  if (checkpoint.files.count(rng_name)) {
+    auto rng = parse_safetensors(checkpoint.files.at(rng_name), (source / rng_name).string());
     for (auto& [name, t] : rng.tensors)
       if (name == "cpu") {
         auto generator = at::detail::getDefaultCPUGenerator();
@@ -286,7 +302,7 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
       }
   } else if (is_main_process()) {
     fmt::print(stderr, "xlr8: {} has no RNG state for rank {} (saved with {} processes); RNG not restored\n",
-               source.string(), process_index(), manifest.value("world_size", 0));
+               source.string(), process_index(), checkpoint.manifest.value("world_size", 0));
   }
 }
 

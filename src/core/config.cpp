@@ -89,9 +89,8 @@ class Section {
     if (!s) return std::nullopt;
     std::string v = upper ? text::upper(*s) : text::lower(*s);
     if (std::find(allowed.begin(), allowed.end(), v) != allowed.end()) return v;
-    std::string hint = text::closest(*s, allowed);
     throw error(key, fmt::format("value {:?} is not allowed; allowed: {}{}", *s, text::join(allowed),
-                                 hint.empty() ? "" : fmt::format(" (did you mean {:?}?)", hint)));
+                                 text::suggestion(*s, allowed)));
   }
   std::vector<std::string> list(const std::string& key) const {
     if (!has(key)) return {};

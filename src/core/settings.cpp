@@ -8,6 +8,11 @@
 namespace xlr8 {
 namespace {
 
+[[noreturn]] void invalid_value(const std::string& value, const std::vector<std::string>& allowed, const std::string& what) {
+  throw ConfigError(fmt::format("{}: invalid value {:?}; allowed: {}{}", what, value, text::join(allowed),
+                                text::suggestion(value, allowed)));
+}
+
 template <class E>
 struct Names {
   std::vector<std::pair<E, std::string>> items;
@@ -24,9 +29,7 @@ struct Names {
   E parse(const std::string& value, const std::string& what, bool case_insensitive = true) const {
     for (auto& [v, n] : items)
       if (n == value || (case_insensitive && text::upper(n) == text::upper(value))) return v;
-    std::string hint = text::closest(value, all());
-    throw ConfigError(fmt::format("{}: invalid value {:?}; allowed: {}{}", what, value, text::join(all()),
-                                  hint.empty() ? "" : fmt::format(" (did you mean {:?}?)", hint)));
+    invalid_value(value, all(), what);
   }
 };
 
@@ -48,9 +51,7 @@ std::string bool_text(bool b) { return b ? "true" : "false"; }
 void check_choice(const std::string& value, const std::vector<std::string>& allowed, const std::string& what) {
   for (auto& a : allowed)
     if (a == value) return;
-  std::string hint = text::closest(value, allowed);
-  throw ConfigError(fmt::format("{}: invalid value {:?}; allowed: {}{}", what, value, text::join(allowed),
-                                hint.empty() ? "" : fmt::format(" (did you mean {:?}?)", hint)));
+  invalid_value(value, allowed, what);
 }
 
 }  // namespace

@@ -32,6 +32,11 @@ std::string closest(const std::string& word, const std::vector<std::string>& can
   return best_distance <= std::max<size_t>(2, word.size() / 3) ? best : "";
 }
 
+std::string suggestion(const std::string& word, const std::vector<std::string>& candidates) {
+  std::string hint = closest(word, candidates);
+  return hint.empty() ? "" : " (did you mean \"" + hint + "\"?)";
+}
+
 std::string join(const std::vector<std::string>& items, const std::string& sep) {
   std::string out;
   for (size_t i = 0; i < items.size(); ++i) out += (i ? sep : "") + items[i];

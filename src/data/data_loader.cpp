@@ -23,6 +23,9 @@ DataLoaderBase::DataLoaderBase(int64_t dataset_size, DataLoaderOptions options, 
   sharding_.drop_last = options_.drop_last;
   if (dataset_size_ == 0) throw Error("the dataset is empty");
   if (options_.num_workers > 0) pool_ = std::make_unique<WorkerPool>(options_.num_workers);
+  std::vector<int64_t> order(static_cast<size_t>(dataset_size_));
+  std::iota(order.begin(), order.end(), 0);
+  batches_per_epoch_ = static_cast<int64_t>(shard_batches(order, sharding_).size());
 }
 
 DataLoaderBase::~DataLoaderBase() = default;
@@ -39,12 +42,6 @@ std::vector<std::vector<int64_t>> DataLoaderBase::plan_epoch() const {
     std::iota(order.begin(), order.end(), 0);
   }
   return shard_batches(order, sharding_);
-}
-
-int64_t DataLoaderBase::size() const {
-  std::vector<int64_t> order(static_cast<size_t>(dataset_size_));
-  std::iota(order.begin(), order.end(), 0);
-  return static_cast<int64_t>(shard_batches(order, sharding_).size());
 }
 
 std::shared_ptr<DataLoaderBase::Pass> DataLoaderBase::start_pass() {

@@ -25,8 +25,6 @@
 
 #include "xlr8/error.hpp"
 
-extern char** environ;
-
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
@@ -217,12 +215,7 @@ class Supervisor {
     t.master_addr = o_.master_addr;
     t.master_port = port;
 
-    std::map<std::string, std::string> env;
-    for (char** e = environ; e && *e; ++e) {
-      std::string entry(*e);
-      auto eq = entry.find('=');
-      if (eq != std::string::npos) env[entry.substr(0, eq)] = entry.substr(eq + 1);
-    }
+    std::map<std::string, std::string> env = Env::current().vars();
     for (const auto& vars : {topology_to_env(t), settings_to_env(o_.settings), o_.extra_env})
       for (const auto& [k, v] : vars) env[k] = v;
     env["TORCHELASTIC_RESTART_COUNT"] = std::to_string(attempt);
