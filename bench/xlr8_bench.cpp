@@ -149,6 +149,8 @@ int collectives(double max_mb) {
     auto x = at::ones({n});
     auto out = at::empty({n / P});
     auto gathered = at::empty({n});
+    // The same operands in shared memory (symmetric_empty), which all_reduce and reduce_scatter read in place.
+    auto xs = comm.symmetric_empty({n}, at::kFloat).fill_(1);
     int reps = kb <= 1024 ? 50 : 5;
     auto time = [&](auto&& fn) {
       fn();
@@ -164,6 +166,8 @@ int collectives(double max_mb) {
     double ar = time([&] { comm.all_reduce(x); });
     double rs = time([&] { comm.reduce_scatter(out, x); });
     double ag = time([&] { comm.all_gather(gathered, out); });
+    double ar_sym = time([&] { comm.all_reduce(xs); });
+    double rs_sym = time([&] { comm.reduce_scatter(out, xs); });
     // Raw c10d Gloo baselines: allreduce directly on the backend; reduce-scatter as Gloo 2.x does it
     // (allreduce + take the chunk); all-gather through Gloo's list allgather.
     double raw_ar = time([&] {
@@ -184,7 +188,10 @@ int collectives(double max_mb) {
     double bytes = n * 4.0;
     if (state.is_main_process())
       fmt::print("{}\n", nlohmann::json{{"bytes", static_cast<int64_t>(bytes)},
+                                        {"shared_memory", comm.uses_shared_memory()},
                                         {"all_reduce_gb_per_s", bytes / ar / 1e9},
+                                        {"all_reduce_symmetric_gb_per_s", bytes / ar_sym / 1e9},
+                                        {"reduce_scatter_symmetric_gb_per_s", bytes / rs_sym / 1e9},
                                         {"raw_gloo_all_reduce_gb_per_s", bytes / raw_ar / 1e9},
                                         {"reduce_scatter_gb_per_s", bytes / rs / 1e9},
                                         {"raw_gloo_reduce_scatter_gb_per_s", bytes / raw_rs / 1e9},

@@ -41,7 +41,8 @@ class Communicator {
   // N ranks in one process (threads), over an in-process store: for tests and tools. Every thread
   // calls it with its rank and the same `store_key`.
   static Communicator in_process(const std::string& store_key, int rank, int size,
-                                 std::chrono::milliseconds timeout = std::chrono::seconds(60));
+                                 std::chrono::milliseconds timeout = std::chrono::seconds(60),
+                                 bool shared_memory = true);
 
   int rank() const;
   int size() const;
@@ -49,6 +50,15 @@ class Communicator {
   std::string backend() const;  // "gloo" or "nccl"
   std::chrono::milliseconds timeout() const;
   bool valid() const { return state_ != nullptr; }
+  // True when CPU collectives go through shared memory: every rank of the group is on this host
+  // (and XLR8_SHM is not 0). Gloo carries them otherwise; NCCL always carries CUDA tensors.
+  bool uses_shared_memory() const;
+
+  // Collective (every rank calls it with the same sizes). With shared memory, a CPU tensor that
+  // lives in a segment mapped by the whole group: all_reduce, reduce_scatter and all_gather on it (or
+  // on a view of it) read the peers' copies directly, with no copy in or out. Otherwise, or when
+  // /dev/shm runs short, an ordinary tensor. Either way its contents start uninitialised.
+  at::Tensor symmetric_empty(at::IntArrayRef sizes, const at::TensorOptions& options);
 
   // In place on `tensor`.
   void all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::SUM) { all_reduce_async(tensor, op).wait(); }

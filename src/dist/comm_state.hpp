@@ -9,6 +9,7 @@
 
 #include "compat/torch_compat.hpp"
 #include "core/worker_pool.hpp"
+#include "dist/shm_transport.hpp"
 #include "xlr8/communicator.hpp"
 
 namespace xlr8::detail {
@@ -30,6 +31,11 @@ struct CommState {
   std::uint64_t object_sequence = 0;
   std::uint64_t ring_sequence = 0;
   std::map<std::string, int> subgroups_made;
+  // Shared memory between the group's ranks when they all run on this host (null otherwise, or
+  // with XLR8_SHM=0); its operations run on the executor.
+  bool shared_memory_wanted = true;
+  std::unique_ptr<ShmTransport> shm;
+  bool uses_shm(const at::Tensor& t) const { return shm && !t.is_cuda(); }
   // Composite operations (rings over send/recv) run on one background thread, so their async form
   // really overlaps with the caller, and they complete in issue order. Started on first use; declared
   // last so it is joined before anything it uses is destroyed.
@@ -49,11 +55,17 @@ struct WorkState {
 
 // The world communicator over an established store (rendezvous.cpp makes the store).
 Communicator make_communicator(compat::StorePtr store, int rank, int size, const std::string& name,
-                               const std::string& master_addr, std::chrono::milliseconds timeout, bool use_nccl);
+                               const std::string& master_addr, std::chrono::milliseconds timeout, bool use_nccl,
+                               bool use_shared_memory);
 
 // Rethrows a c10d/gloo failure as xlr8::TimeoutError or xlr8::Error naming `what`.
 [[noreturn]] void rethrow_with_context(const std::string& what, std::chrono::milliseconds timeout,
                                        const std::exception& cause);
+
+// acc = acc (op) other, elementwise; AVG accumulates as SUM. divide_for_average finishes an AVG
+// (truncating for integers, as NCCL does).
+void combine(at::Tensor& acc, const at::Tensor& other, ReduceOp op);
+void divide_for_average(at::Tensor& t, int size);
 
 std::string describe(const at::Tensor& t);  // "float32[4, 8]"
 std::string dtype_name(at::ScalarType t);  // "bfloat16"

@@ -64,6 +64,20 @@ void rethrow_with_context(const std::string& what, std::chrono::milliseconds tim
   throw Error(fmt::format("{} failed: {}", what, message));
 }
 
+void divide_for_average(at::Tensor& t, int size) {
+  if (at::isFloatingType(t.scalar_type())) t.div_(size);
+  else t.div_(size, "trunc");
+}
+
+void combine(at::Tensor& acc, const at::Tensor& other, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM: case ReduceOp::AVG: acc.add_(other); break;
+    case ReduceOp::MIN: at::minimum_out(acc, acc, other); break;
+    case ReduceOp::MAX: at::maximum_out(acc, acc, other); break;
+    case ReduceOp::PRODUCT: acc.mul_(other); break;
+  }
+}
+
 }  // namespace detail
 
 // ---------------------------------------------------------------------------------------------- Work
@@ -100,7 +114,9 @@ bool Work::is_completed() const {
 
 namespace {
 
+using detail::combine;
 using detail::CommState;
+using detail::divide_for_average;
 using detail::WorkState;
 
 // Types Gloo can reduce and move on this LibTorch version.
@@ -142,20 +158,6 @@ c10d::ReduceOp native_op(ReduceOp op) {
 // Gloo has no AVG: reduce with SUM, then divide (truncating for integers, as NCCL does).
 c10d::ReduceOp backend_op(bool nccl, ReduceOp op) {
   return (!nccl && op == ReduceOp::AVG) ? c10d::ReduceOp(c10d::ReduceOp::SUM) : native_op(op);
-}
-
-void divide_for_average(at::Tensor& t, int size) {
-  if (at::isFloatingType(t.scalar_type())) t.div_(size);
-  else t.div_(size, "trunc");
-}
-
-void combine(at::Tensor& acc, const at::Tensor& other, ReduceOp op) {
-  switch (op) {
-    case ReduceOp::SUM: case ReduceOp::AVG: acc.add_(other); break;
-    case ReduceOp::MIN: at::minimum_out(acc, acc, other); break;
-    case ReduceOp::MAX: at::maximum_out(acc, acc, other); break;
-    case ReduceOp::PRODUCT: acc.mul_(other); break;
-  }
 }
 
 std::string what(const CommState& s, const std::string& op, const at::Tensor& t, const std::string& extra = "") {
@@ -275,6 +277,17 @@ compat::Backend& detail::CommState::backend_for(const at::Tensor& t, const std::
                             what, t.device().str(), name));
   return *nccl;
 }
+bool Communicator::uses_shared_memory() const { return state_ && state_->shm; }
+
+at::Tensor Communicator::symmetric_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  at::Tensor t;
+  if (state_ && state_->shm && options.device().is_cpu()) {
+    auto desc = fmt::format("symmetric_empty on group '{}' (rank {} of {})", state_->name, state_->rank, state_->size);
+    t = guarded(*state_, desc, [&] { return state_->shm->symmetric_empty(sizes, options); });
+  }
+  return t.defined() ? t : at::empty(sizes, options);
+}
+
 std::chrono::milliseconds Communicator::timeout() const { return state_ ? state_->timeout : std::chrono::milliseconds(0); }
 
 Work Communicator::all_reduce_async(at::Tensor& tensor, ReduceOp op) {
@@ -285,6 +298,10 @@ Work Communicator::all_reduce_async(at::Tensor& tensor, ReduceOp op) {
   auto copy_back = [tensor, work_tensor]() mutable {
     if (!work_tensor.is_same(tensor)) tensor.copy_(work_tensor);
   };
+  if (s.uses_shm(tensor)) {
+    CommState* sp = &s;
+    return composite(s, desc, [sp, work_tensor, op, desc] { sp->shm->all_reduce(work_tensor, op, desc); }, copy_back);
+  }
   const bool nccl = s.uses_nccl(tensor);
   if (nccl || gloo_native(tensor.scalar_type())) {
     std::vector<at::Tensor> list{work_tensor};
@@ -347,6 +364,10 @@ Work Communicator::all_gather_async(at::Tensor& output, const at::Tensor& input)
     auto w = guarded(s, desc, [&] { return s.nccl->_allgather_base(flat_out, in, opts); });
     return native(s, desc, w);
   }
+  if (s.uses_shm(input)) {
+    CommState* sp = &s;
+    return composite(s, desc, [sp, flat_out, in, desc] { sp->shm->all_gather(flat_out, in, desc); });
+  }
   // Gloo's list all-gather writes each rank's part straight into views of the flat output.
   auto in_m = movable(s, in);
   auto out_m = movable(s, flat_out);
@@ -386,9 +407,11 @@ Work Communicator::reduce_scatter_async(at::Tensor& output, const at::Tensor& in
     auto w = guarded(s, desc, [&] { return s.nccl->_reduce_scatter_base(out, in, opts); });
     return native(s, desc, w);
   }
-  int tag = next_ring_tag(s);
   CommState* sp = &s;
   at::Tensor out = output;
+  if (s.uses_shm(input))
+    return composite(s, desc, [sp, out, in, op, desc] { sp->shm->reduce_scatter(out, in, op, desc); });
+  int tag = next_ring_tag(s);
   return composite(s, desc, [sp, out, in, op, tag]() mutable { ring_reduce_scatter(*sp, out, in, op, tag); });
 }
 
@@ -510,11 +533,12 @@ Communicator Communicator::new_group(const std::vector<int>& ranks, const std::s
   int generation = state_->subgroups_made[key]++;
   auto store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("xlr8/group/{}/{}", key, generation), s.store);
   return detail::make_communicator(store, my_index, static_cast<int>(ranks.size()), s.name + "/" + name, s.master_addr,
-                                   s.timeout, s.nccl != nullptr);
+                                   s.timeout, s.nccl != nullptr, s.shared_memory_wanted);
 }
 
 Communicator detail::make_communicator(compat::StorePtr store, int rank, int size, const std::string& name,
-                                       const std::string& master_addr, std::chrono::milliseconds timeout, bool use_nccl) {
+                                       const std::string& master_addr, std::chrono::milliseconds timeout, bool use_nccl,
+                                       bool use_shared_memory) {
   auto s = std::make_shared<CommState>();
   s->store = store;
   s->rank = rank;
@@ -535,10 +559,17 @@ Communicator detail::make_communicator(compat::StorePtr store, int rank, int siz
     throw Error(desc + ": this xlr8 build has no NCCL support");
 #endif
   }
+  s->shared_memory_wanted = use_shared_memory;
+  if (use_shared_memory)
+    s->shm = guarded(*s, desc + " with shared memory", [&] {
+      return detail::ShmTransport::connect(c10::make_intrusive<c10d::PrefixStore>("shm", store), rank, size, name,
+                                           timeout);
+    });
   return Communicator(s);
 }
 
-Communicator Communicator::in_process(const std::string& store_key, int rank, int size, std::chrono::milliseconds timeout) {
+Communicator Communicator::in_process(const std::string& store_key, int rank, int size, std::chrono::milliseconds timeout,
+                                      bool shared_memory) {
   static std::mutex mutex;
   static std::map<std::string, c10::intrusive_ptr<c10d::HashStore>> stores;
   c10::intrusive_ptr<c10d::HashStore> store;
@@ -550,7 +581,7 @@ Communicator Communicator::in_process(const std::string& store_key, int rank, in
   }
   store->setTimeout(timeout);
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("xlr8/" + store_key, store);
-  return detail::make_communicator(prefixed, rank, size, "world", "127.0.0.1", timeout, false);
+  return detail::make_communicator(prefixed, rank, size, "world", "127.0.0.1", timeout, false, shared_memory);
 }
 
 }  // namespace xlr8

@@ -105,7 +105,8 @@ DeviceMesh::DeviceMesh(const Communicator& world, MeshLayout layout)
     if (found == by_ranks.end()) {
       Communicator group = ranks.size() == 1
                                ? detail::make_communicator(c10::make_intrusive<c10d::HashStore>(), 0, 1,
-                                                           world.name() + "/" + name, "127.0.0.1", world.timeout(), false)
+                                                           world.name() + "/" + name, "127.0.0.1", world.timeout(), false,
+                                                           false)
                                : world.new_group(ranks, name);
       found = by_ranks.emplace(ranks, group).first;
     }

@@ -60,7 +60,9 @@ std::unique_ptr<ProcessState> ProcessState::create(const Env& env, const Process
     store = c10::make_intrusive<c10d::HashStore>();  // one process: no network at all
   }
   auto world_store = c10::make_intrusive<c10d::PrefixStore>("xlr8/world", store);
-  s->world_ = detail::make_communicator(world_store, t.rank, t.world_size, "world", t.master_addr, coll_timeout, gpu);
+  bool shared_memory = env.get_bool("XLR8_SHM").value_or(true);
+  s->world_ = detail::make_communicator(world_store, t.rank, t.world_size, "world", t.master_addr, coll_timeout, gpu,
+                                        shared_memory);
   return s;
 }
 

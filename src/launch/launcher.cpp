@@ -23,6 +23,7 @@
 #include <random>
 #include <thread>
 
+#include "dist/shm_segment.hpp"
 #include "xlr8/error.hpp"
 
 namespace fs = std::filesystem;
@@ -222,6 +223,7 @@ class Supervisor {
     env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(o_.max_restarts);
     env["TORCHELASTIC_RUN_ID"] = o_.run_id;
     env["XLR8_LAUNCHED"] = "1";
+    env["XLR8_SHM_JOB"] = std::to_string(::getpid());  // names the workers' shared memory, for clean-up below
     if (env["OMP_NUM_THREADS"].empty()) {  // unset or empty: cores / local workers, never oversubscribed
       unsigned cores = std::max(1u, std::thread::hardware_concurrency());
       env["OMP_NUM_THREADS"] = std::to_string(std::max(1u, cores / static_cast<unsigned>(o_.nproc_per_node)));
@@ -374,6 +376,8 @@ int launch(const LaunchOptions& o) {
   Supervisor supervisor(o, program);
   for (int attempt = 0;; ++attempt) {
     int code = supervisor.run_attempt(attempt, port);
+    // Workers unlink their segments once mapped; only one killed mid-setup can leave one behind.
+    detail::remove_job_segments(std::to_string(::getpid()));
     if (code == 0 || !supervisor.failed()) return code;
     supervisor.report_failure();
     if (attempt >= o.max_restarts) return code;

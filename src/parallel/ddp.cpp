@@ -65,7 +65,8 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
     }
     for (auto& b : buckets) {
       const auto& last = params[b.params.back()];
-      b.flat = at::zeros({b.offsets.back() + last.numel()}, last.options().requires_grad(false));
+      // In shared memory when the ranks share a host, so its all-reduce needs no copy in or out.
+      b.flat = comm.symmetric_empty({b.offsets.back() + last.numel()}, last.options().requires_grad(false)).zero_();
     }
   }
 

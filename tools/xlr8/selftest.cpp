@@ -85,8 +85,9 @@ Handler add_selftest_worker(CLI::App& app) {
         fmt::print("{} {}\n", bad.empty() ? "PASS" : "FAIL", results[i].name);
         for (auto& b : bad) fmt::print("     {}\n", b);
       }
-      fmt::print("{} checks on {} ranks ({} backend, LibTorch {}): {} failed\n", results.size(), state.world_size(),
-                 state.backend(), compat::torch_version(), failures);
+      fmt::print("{} checks on {} ranks ({} backend{}, LibTorch {}): {} failed\n", results.size(), state.world_size(),
+                 state.backend(), state.world().uses_shared_memory() ? " + shared memory for CPU tensors" : "",
+                 compat::torch_version(), failures);
     }
     int any = failures;
     auto flag = at::full({1}, any, at::kInt);

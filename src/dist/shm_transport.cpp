@@ -1,0 +1,301 @@
+// The shared-memory transport (see shm_transport.hpp).
+#include "dist/shm_transport.hpp"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "dist/comm_state.hpp"
+#include "xlr8/error.hpp"
+
+namespace xlr8::detail {
+
+namespace {
+
+enum OpKind : std::uint64_t { kAllReduce = 1, kReduceScatter = 2, kAllGather = 3 };
+
+constexpr std::size_t kPage = 4096;
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+std::string store_get(c10d::Store& store, const std::string& key) {
+  auto bytes = store.get(key);
+  return std::string(bytes.begin(), bytes.end());
+}
+void store_set(c10d::Store& store, const std::string& key, const std::string& value) {
+  store.set(key, std::vector<uint8_t>(value.begin(), value.end()));
+}
+
+// Per-rank staging slot: XLR8_SHM_STAGING_MB (default 4), whole pages.
+std::size_t staging_bytes_from_env() {
+  const char* text = std::getenv("XLR8_SHM_STAGING_MB");
+  if (!text || !*text) return 4u << 20;
+  char* end = nullptr;
+  double mb = std::strtod(text, &end);
+  if (*end != '\0' || !(mb >= 0.0625 && mb <= 1024))
+    throw ConfigError(fmt::format("XLR8_SHM_STAGING_MB={} must be a number of MB in [0.0625, 1024]", text));
+  return round_up(static_cast<std::size_t>(mb * (1 << 20)), kPage);
+}
+
+// out = op over sources (sources[0] first, copied in unless it is `out`), block by block so each block
+// is still in cache when it is combined and copied out to `copies`.
+void reduce_blocks(std::byte* out, const std::vector<const std::byte*>& sources, const std::vector<std::byte*>& copies,
+                   std::int64_t n, at::ScalarType dtype, ReduceOp op, int group_size) {
+  const auto es = static_cast<std::int64_t>(c10::elementSize(dtype));
+  const std::int64_t block = std::max<std::int64_t>(1, (std::int64_t{128} << 10) / es);
+  const auto options = at::TensorOptions().dtype(dtype);
+  for (std::int64_t start = 0; start < n; start += block) {
+    const std::int64_t count = std::min(block, n - start), offset = start * es;
+    const auto bytes = static_cast<std::size_t>(count * es);
+    if (sources[0] != out) std::memcpy(out + offset, sources[0] + offset, bytes);
+    at::Tensor acc = at::from_blob(out + offset, {count}, options);
+    for (std::size_t k = 1; k < sources.size(); ++k)
+      combine(acc, at::from_blob(const_cast<std::byte*>(sources[k] + offset), {count}, options), op);
+    if (op == ReduceOp::AVG) divide_for_average(acc, group_size);
+    for (auto* copy : copies) std::memcpy(copy + offset, out + offset, bytes);
+  }
+}
+
+}  // namespace
+
+ShmTransport::ShmTransport(compat::StorePtr store, int rank, int size, std::chrono::milliseconds timeout)
+    : store_(std::move(store)), rank_(rank), size_(size), timeout_(timeout) {}
+
+std::unique_ptr<ShmTransport> ShmTransport::connect(compat::StorePtr store, int rank, int size, const std::string& group,
+                                                    std::chrono::milliseconds timeout) {
+  if (size < 2) return nullptr;
+  // Every rank reads every rank's host key, so all reach the same answer.
+  std::string mine = shared_memory_host_key();
+  if (mine.empty()) mine = fmt::format("unknown host of rank {}", rank);
+  store_set(*store, fmt::format("shm/host/{}", rank), mine);
+  for (int r = 0; r < size; ++r)
+    if (r != rank && store_get(*store, fmt::format("shm/host/{}", r)) != mine) return nullptr;
+
+  std::unique_ptr<ShmTransport> t(new ShmTransport(store, rank, size, timeout));
+  t->control_bytes_ = round_up(ShmControl::bytes(size), kPage);
+  t->stride_ = staging_bytes_from_env();
+  std::string why_not;
+  t->segment_ = t->make_segment(
+      t->control_bytes_ + static_cast<std::size_t>(size) * t->stride_,
+      [size](std::byte* base) { ShmControl(base, 0, size).initialise(); }, why_not);
+  if (!t->segment_) {
+    if (rank == 0) fmt::print(stderr, "xlr8: group '{}' uses Gloo between its local ranks: {}\n", group, why_not);
+    return nullptr;
+  }
+  t->control_ = std::make_unique<ShmControl>(t->segment_->data(), rank, size);
+  t->control_->register_self();
+  return t;
+}
+
+std::shared_ptr<SharedSegment> ShmTransport::make_segment(std::size_t bytes, const std::function<void(std::byte*)>& init,
+                                                          std::string& why_not) {
+  const std::string key = fmt::format("shm/segment/{}", segments_made_++);
+  std::shared_ptr<SharedSegment> segment;
+  std::string name;
+  if (rank_ == 0) {
+    try {
+      segment = SharedSegment::create(new_segment_name(), bytes);
+      if (init) init(segment->data());
+      name = segment->name();
+    } catch (const Error& e) {
+      segment.reset();
+      name = std::string("!rank 0: ") + e.what();
+    }
+    store_set(*store_, key, name);
+  } else {
+    name = store_get(*store_, key);
+  }
+  if (name.front() == '!') {
+    why_not = name.substr(1);
+    return nullptr;
+  }
+  // Everyone maps it; once rank 0 has heard from all, it removes the name, so nothing can leak later.
+  std::string verdict = "ok";
+  if (rank_ != 0) {
+    std::string status = "ok";
+    try {
+      segment = SharedSegment::open(name, bytes);
+    } catch (const Error& e) {
+      status = fmt::format("rank {}: {}", rank_, e.what());
+    }
+    store_set(*store_, fmt::format("{}/{}", key, rank_), status);
+    verdict = store_get(*store_, key + "/verdict");
+  } else {
+    for (int r = 1; r < size_; ++r) {
+      std::string status = store_get(*store_, fmt::format("{}/{}", key, r));
+      if (status != "ok" && verdict == "ok") verdict = status;
+      store_->deleteKey(fmt::format("{}/{}", key, r));
+    }
+    segment->unlink();
+    store_set(*store_, key + "/verdict", verdict);
+  }
+  if (verdict != "ok") {
+    why_not = verdict;
+    return nullptr;
+  }
+  return segment;
+}
+
+at::Tensor ShmTransport::symmetric_empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
+  const auto bytes = static_cast<std::size_t>(c10::multiply_integers(sizes)) * c10::elementSize(options.dtype().toScalarType());
+  const std::size_t stride = round_up(std::max<std::size_t>(bytes, 1), kPage);
+  std::string why_not;
+  const std::uint64_t id = segments_made_;  // this segment's index: >= 1, as 0 (the staging slots) came first
+  auto segment = make_segment(stride * static_cast<std::size_t>(size_), {}, why_not);
+  if (!segment) return {};
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    symmetric_.erase(std::remove_if(symmetric_.begin(), symmetric_.end(), [](auto& b) { return b.segment.expired(); }),
+                     symmetric_.end());
+    symmetric_.push_back({segment, id, stride, bytes});
+  }
+  std::byte* mine = segment->data() + static_cast<std::size_t>(rank_) * stride;
+  return at::from_blob(mine, sizes, [segment](void*) mutable { segment.reset(); },
+                       options.device(at::kCPU).requires_grad(false));
+}
+
+std::optional<ShmTransport::Placement> ShmTransport::find_symmetric(const at::Tensor& t) {
+  const auto* p = static_cast<const std::byte*>(t.data_ptr());
+  const std::size_t n = t.nbytes();
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& b : symmetric_) {
+    auto segment = b.segment.lock();
+    if (!segment) continue;
+    std::byte* mine = segment->data() + static_cast<std::size_t>(rank_) * b.stride;
+    if (p < mine || p + n > mine + b.bytes) continue;
+    Placement where{{}, b.id, static_cast<std::uint64_t>(p - mine), segment};
+    for (int j = 0; j < size_; ++j) where.bases.push_back(segment->data() + static_cast<std::size_t>(j) * b.stride + where.offset);
+    return where;
+  }
+  return std::nullopt;
+}
+
+ShmTransport::Placement ShmTransport::staging() const {
+  Placement where{{}, 0, 0, segment_};
+  for (int j = 0; j < size_; ++j)
+    where.bases.push_back(segment_->data() + control_bytes_ + static_cast<std::size_t>(j) * stride_);
+  return where;
+}
+
+template <class Body>
+void ShmTransport::guarded(const std::string& what, Body&& body) {
+  control_->check_not_failed(what);
+  try {
+    body();
+  } catch (const std::exception& e) {
+    control_->fail(e.what());  // release the others now rather than at their timeout
+    throw;
+  }
+}
+
+// This rank reduces its shard (cache-line aligned, so no two ranks write one line) from every rank's
+// copy and writes the result into every copy: reduce-scatter and all-gather in one pass.
+void ShmTransport::reduce_shard(const Placement& where, std::int64_t numel, at::ScalarType dtype, ReduceOp op) {
+  const auto es = static_cast<std::int64_t>(c10::elementSize(dtype));
+  const std::int64_t unit = std::max<std::int64_t>(1, 64 / es);
+  const std::int64_t units = (numel + unit - 1) / unit;
+  const std::int64_t lo = std::min(numel, units * rank_ / size_ * unit);
+  const std::int64_t hi = std::min(numel, units * (rank_ + 1) / size_ * unit);
+  if (hi <= lo) return;
+  std::vector<const std::byte*> sources{where.bases[rank_] + lo * es};
+  std::vector<std::byte*> copies;
+  for (int j = 0; j < size_; ++j) {
+    if (j == rank_) continue;
+    sources.push_back(where.bases[j] + lo * es);
+    copies.push_back(where.bases[j] + lo * es);
+  }
+  reduce_blocks(where.bases[rank_] + lo * es, sources, copies, hi - lo, dtype, op, size_);
+}
+
+void ShmTransport::all_reduce(const at::Tensor& tensor, ReduceOp op, const std::string& what) {
+  const std::int64_t numel = tensor.numel();
+  if (numel == 0) return;
+  const auto dtype = tensor.scalar_type();
+  const auto es = static_cast<std::int64_t>(tensor.element_size());
+  guarded(what, [&] {
+    if (auto sym = find_symmetric(tensor)) {  // in place, no copies
+      control_->enter({kAllReduce, std::uint64_t(dtype), std::uint64_t(numel), std::uint64_t(op), sym->buffer, sym->offset},
+                      what, timeout_);
+      reduce_shard(*sym, numel, dtype, op);
+      control_->barrier(what, timeout_);
+      return;
+    }
+    const auto slots = staging();
+    auto* data = static_cast<std::byte*>(tensor.data_ptr());
+    const std::int64_t chunk = static_cast<std::int64_t>(stride_) / es;
+    for (std::int64_t c = 0; c < numel; c += chunk) {
+      const std::int64_t m = std::min(chunk, numel - c);
+      std::memcpy(slots.bases[rank_], data + c * es, static_cast<std::size_t>(m * es));
+      control_->enter({kAllReduce, std::uint64_t(dtype), std::uint64_t(numel), std::uint64_t(op), 0, std::uint64_t(c)},
+                      what, timeout_);
+      reduce_shard(slots, m, dtype, op);
+      control_->barrier(what, timeout_);
+      std::memcpy(data + c * es, slots.bases[rank_], static_cast<std::size_t>(m * es));
+    }
+  });
+}
+
+void ShmTransport::reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op,
+                                  const std::string& what) {
+  const std::int64_t n = output.numel();
+  if (n == 0) return;
+  const auto dtype = input.scalar_type();
+  const auto es = static_cast<std::int64_t>(input.element_size());
+  auto* out = static_cast<std::byte*>(output.data_ptr());
+  // Sources of this rank's chunk: rank r's own copy first, then the others.
+  auto sources_at = [&](const Placement& where, std::int64_t byte_offset) {
+    std::vector<const std::byte*> sources{where.bases[rank_] + byte_offset};
+    for (int j = 0; j < size_; ++j)
+      if (j != rank_) sources.push_back(where.bases[j] + byte_offset);
+    return sources;
+  };
+  guarded(what, [&] {
+    if (auto sym = find_symmetric(input)) {
+      control_->enter({kReduceScatter, std::uint64_t(dtype), std::uint64_t(n), std::uint64_t(op), sym->buffer, sym->offset},
+                      what, timeout_);
+      reduce_blocks(out, sources_at(*sym, rank_ * n * es), {}, n, dtype, op, size_);
+      control_->barrier(what, timeout_);
+      return;
+    }
+    const auto slots = staging();
+    const auto* in = static_cast<const std::byte*>(input.data_ptr());
+    const std::int64_t chunk = std::max<std::int64_t>(1, static_cast<std::int64_t>(stride_) / (es * size_));
+    for (std::int64_t c = 0; c < n; c += chunk) {
+      const std::int64_t m = std::min(chunk, n - c);
+      for (int i = 0; i < size_; ++i)  // slot layout: the m elements bound for rank 0, then rank 1, ...
+        std::memcpy(slots.bases[rank_] + i * m * es, in + (i * n + c) * es, static_cast<std::size_t>(m * es));
+      control_->enter({kReduceScatter, std::uint64_t(dtype), std::uint64_t(n), std::uint64_t(op), 0, std::uint64_t(c)},
+                      what, timeout_);
+      reduce_blocks(out + c * es, sources_at(slots, rank_ * m * es), {}, m, dtype, op, size_);
+      control_->barrier(what, timeout_);
+    }
+  });
+}
+
+void ShmTransport::all_gather(const at::Tensor& output, const at::Tensor& input, const std::string& what) {
+  const std::int64_t n = input.numel();
+  if (n == 0) return;
+  const auto dtype = input.scalar_type();
+  const auto es = static_cast<std::int64_t>(input.element_size());
+  auto* out = static_cast<std::byte*>(output.data_ptr());
+  guarded(what, [&] {
+    if (auto sym = find_symmetric(input)) {
+      control_->enter({kAllGather, std::uint64_t(dtype), std::uint64_t(n), 0, sym->buffer, sym->offset}, what, timeout_);
+      for (int j = 0; j < size_; ++j) std::memcpy(out + j * n * es, sym->bases[j], static_cast<std::size_t>(n * es));
+      control_->barrier(what, timeout_);
+      return;
+    }
+    const auto slots = staging();
+    const auto* in = static_cast<const std::byte*>(input.data_ptr());
+    const std::int64_t chunk = static_cast<std::int64_t>(stride_) / es;
+    for (std::int64_t c = 0; c < n; c += chunk) {
+      const std::int64_t m = std::min(chunk, n - c);
+      std::memcpy(slots.bases[rank_], in + c * es, static_cast<std::size_t>(m * es));
+      control_->enter({kAllGather, std::uint64_t(dtype), std::uint64_t(n), 0, 0, std::uint64_t(c)}, what, timeout_);
+      for (int j = 0; j < size_; ++j)
+        std::memcpy(out + (j * n + c) * es, slots.bases[j], static_cast<std::size_t>(m * es));
+      control_->barrier(what, timeout_);
+    }
+  });
+}
+
+}  // namespace xlr8::detail
