@@ -202,6 +202,41 @@ TEST(Launcher, TwoMachinesOnLoopbackFormOneFourRankJob) {
   EXPECT_NE(r1.out.find("[rank3]: "), std::string::npos) << r1.out;
 }
 
+TEST(SharedMemory, APeerThatDiesIsNamedPromptlyNotAtTheTimeout) {
+  // Two launchers ("machines" on one host), so rank 0's launcher does not stop it when rank 1 dies:
+  // rank 0 must notice by itself, in the shared-memory barrier, long before the 120 s timeout.
+  int port = xlr8::pick_free_port();
+  auto machine = [&](int rank) {
+    return launch({"--num_processes", "2", "--num_machines", "2", "--machine_rank", std::to_string(rank),
+                   "--main_process_ip", "127.0.0.1", "--main_process_port", std::to_string(port)},
+                  {"peer-dies"});
+  };
+  std::map<std::string, std::string> env{{"XLR8_COLLECTIVE_TIMEOUT", "120"}};
+  Process m0(machine(0), env), m1(machine(1), env);
+  auto r1 = m1.wait(60), r0 = m0.wait(60);
+  EXPECT_EQ(r1.exit_code, 3) << r1.err;
+  EXPECT_EQ(r0.exit_code, 2) << r0.err;
+  EXPECT_LT(r0.seconds, 30.0);
+  EXPECT_NE(r0.err.find("all_reduce(float32[1048576], SUM) on group 'world' (rank 0 of 2)"), std::string::npos) << r0.err;
+  EXPECT_NE(r0.err.find("rank 1 (pid"), std::string::npos) << r0.err;
+  EXPECT_NE(r0.err.find("exited"), std::string::npos) << r0.err;
+}
+
+TEST(SharedMemory, TheLauncherRemovesSegmentsThatKilledWorkersLeft) {
+  auto dir = temp_dir("leak");
+  Process launcher(launch({"--num_processes", "2"}, {"leak-segment", dir}));
+  auto r = launcher.wait(60);
+  EXPECT_NE(r.exit_code, 0);
+  int checked = 0;
+  for (auto& entry : fs::directory_iterator(dir)) {
+    std::string name = read_file(entry.path());  // "/xlr8.<launcher pid>.<worker pid>.<n>"
+    EXPECT_EQ(name.rfind(fmt::format("/xlr8.{}.", launcher.pid()), 0), 0u) << name;
+    EXPECT_FALSE(fs::exists("/dev/shm" + name)) << name << " was left in /dev/shm";
+    ++checked;
+  }
+  EXPECT_GE(checked, 1);
+}
+
 TEST(Launcher, OutputIsPrefixedAndLogDirKeepsPerRankFiles) {
   auto dir = temp_dir("logs");
   auto r = run(launch({"--num_processes", "2", "--log_dir", dir}, {"print", "3"}), 60);

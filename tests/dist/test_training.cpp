@@ -21,10 +21,10 @@ const std::string kXlr8 = XLR8_BIN;
 const std::string kTrain = TRAIN_BIN;
 const std::string kFashion = FASHION_BIN;
 
-ProcessResult train(int processes, Args args, double timeout = 120) {
+ProcessResult train(int processes, Args args, double timeout = 120, const std::map<std::string, std::string>& env = {}) {
   Args a{kXlr8, "launch", "--num_processes", std::to_string(processes), kTrain};
   a.insert(a.end(), args.begin(), args.end());
-  return run(a, timeout);
+  return run(a, timeout, env);
 }
 
 nlohmann::json last_json(const std::string& out) {
@@ -64,11 +64,11 @@ struct Run {
   nlohmann::json result;
 };
 
-Run oracle_run(int processes, int batch, Args extra) {
+Run oracle_run(int processes, int batch, Args extra, const std::map<std::string, std::string>& env = {}) {
   Run r{temp_dir("oracle"), {}};
   Args args{"--batch", std::to_string(batch), "--out", r.dir};
   args.insert(args.end(), extra.begin(), extra.end());
-  auto result = train(processes, args);
+  auto result = train(processes, args, 120, env);
   EXPECT_EQ(result.exit_code, 0) << result.out << result.err;
   if (result.exit_code == 0) {
     r.result = last_json(result.out);
@@ -88,6 +88,20 @@ TEST(Oracle, TwoRanksWithDdpEqualOneProcessOnTheGlobalBatch) {
   // The oracle can fail: a different global batch gives a different trajectory.
   auto other = oracle_run(2, 2, {"--steps", "16"});
   EXPECT_GT(std::abs(other.losses.back() - one.losses.back()), 1e-4);
+}
+
+TEST(Oracle, ThreeRanksMatchOneProcessOverSharedMemoryAndOverGloo) {
+  // Three ranks split each bucket into uneven shards; a 64 KB staging slot forces the chunked path
+  // for the non-bucket collectives. XLR8_SHM=0 keeps the Gloo path under the same oracle.
+  auto one = oracle_run(1, 12, {"--steps", "8"});
+  ASSERT_EQ(one.losses.size(), 8u);
+  for (std::string shm : {"1", "0"}) {
+    SCOPED_TRACE("XLR8_SHM=" + shm);
+    auto three = oracle_run(3, 4, {"--steps", "8"}, {{"XLR8_SHM", shm}, {"XLR8_SHM_STAGING_MB", "0.0625"}});
+    EXPECT_EQ(three.result.value("shared_memory", shm == "0"), shm == "1");
+    expect_close(three.losses, one.losses, 1e-5);
+    expect_same_params(three.dir, one.dir, 1e-5);
+  }
 }
 
 TEST(Oracle, GradientAccumulationIncludingTheForcedSyncAtEpochEnd) {

@@ -5,15 +5,19 @@
 //   fail-once CODE     rank 1 exits with CODE on the first attempt; everything succeeds on a restart
 //   allreduce          rendezvous through ProcessState, all-reduce rank+1, print "sum=<S> world=<W>"
 //   print N            print N lines on stdout and stderr
+//   peer-dies          rank 1 exits (code 3) after joining; rank 0 all-reduces and prints the error it gets
+//   leak-segment DIR   create a shared segment, write its name to DIR/segment<R>, then SIGKILL itself
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
 #include <string>
 #include <thread>
 
+#include "dist/shm_segment.hpp"
 #include "xlr8/process_state.hpp"
 
 namespace {
@@ -67,6 +71,29 @@ int main(int argc, char** argv) {
       return 2;
     }
     return 0;
+  }
+  if (mode == "peer-dies") {
+    const auto& state = xlr8::ProcessState::instance();
+    if (state.rank() == 1) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      std::_Exit(3);  // no goodbye to anyone: as a crash looks to the others
+    }
+    auto x = at::ones({1 << 20});
+    auto start = std::chrono::steady_clock::now();
+    try {
+      state.world().all_reduce(x);
+      fmt::print("all_reduce succeeded without rank 1\n");
+      return 0;
+    } catch (const std::exception& e) {
+      double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      fmt::print(stderr, "error after {:.1f} s: {}\n", s, e.what());
+      return 2;
+    }
+  }
+  if (mode == "leak-segment") {
+    auto segment = xlr8::detail::SharedSegment::create(xlr8::detail::new_segment_name(), 4096);
+    std::ofstream(fmt::format("{}/segment{}", argv[2], rank())) << segment->name() << std::flush;
+    std::raise(SIGKILL);
   }
   if (mode == "print") {
     for (int i = 0; i < std::atoi(argv[2]); ++i) fmt::print("out {}\n", i), fmt::print(stderr, "err {}\n", i);

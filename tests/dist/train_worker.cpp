@@ -150,7 +150,8 @@ int main(int argc, char** argv) {
                                          {"lr", opt.optimizer().param_groups()[0].options().get_lr()},
                                          {"buckets", ddp ? ddp->bucket_layout().size() : 0},
                                          {"launches", ddp ? ddp->launches() : 0},
-                                         {"overlapped", ddp ? ddp->overlapped_launches() : 0}}
+                                         {"overlapped", ddp ? ddp->overlapped_launches() : 0},
+                                         {"shared_memory", acc.state().world().uses_shared_memory()}}
                              .dump());
     acc.end_training();
     return 0;

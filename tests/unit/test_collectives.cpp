@@ -5,7 +5,12 @@
 #include <atomic>
 #include <thread>
 
+#include <unistd.h>
+
+#include <filesystem>
+
 #include "compat/torch_compat.hpp"
+#include "dist/shm_segment.hpp"
 #include "xlr8/launcher.hpp"
 #include "xlr8/device_mesh.hpp"
 #include "xlr8/error.hpp"
@@ -24,14 +29,14 @@ std::string unique_key() {
 
 // Runs fn(comm) on P ranks, one thread each; rethrows the first failure.
 template <class Fn>
-void run_ranks(int P, Fn fn, std::chrono::milliseconds timeout = 30s) {
+void run_ranks(int P, Fn fn, std::chrono::milliseconds timeout = 30s, bool shared_memory = true) {
   std::string key = unique_key();
   std::vector<std::thread> threads;
   std::vector<std::exception_ptr> errors(P);
   for (int r = 0; r < P; ++r)
     threads.emplace_back([&, r] {
       try {
-        auto comm = Communicator::in_process(key, r, P, timeout);
+        auto comm = Communicator::in_process(key, r, P, timeout, shared_memory);
         fn(comm);
       } catch (...) {
         errors[r] = std::current_exception();
@@ -42,12 +47,16 @@ void run_ranks(int P, Fn fn, std::chrono::milliseconds timeout = 30s) {
     if (e) std::rethrow_exception(e);
 }
 
-void expect_all_checks_pass(int P) {
-  run_ranks(P, [](Communicator& comm) {
-    auto results = run_collective_checks(comm);
-    EXPECT_GT(results.size(), 80u);
-    for (auto& r : results) EXPECT_TRUE(r.ok) << "rank " << comm.rank() << ": " << r.name << ": " << r.detail;
-  });
+void expect_all_checks_pass(int P, bool shared_memory = true) {
+  run_ranks(
+      P,
+      [&](Communicator& comm) {
+        EXPECT_EQ(comm.uses_shared_memory(), shared_memory && P > 1);
+        auto results = run_collective_checks(comm);
+        EXPECT_GT(results.size(), 80u);
+        for (auto& r : results) EXPECT_TRUE(r.ok) << "rank " << comm.rank() << ": " << r.name << ": " << r.detail;
+      },
+      30s, shared_memory);
 }
 
 }  // namespace
@@ -55,6 +64,8 @@ void expect_all_checks_pass(int P) {
 TEST(Collectives, EveryCollectiveEveryDtypeOn2Ranks) { expect_all_checks_pass(2); }
 TEST(Collectives, EveryCollectiveEveryDtypeOn4Ranks) { expect_all_checks_pass(4); }
 TEST(Collectives, SingleRankIsTheIdentity) { expect_all_checks_pass(1); }
+TEST(Collectives, EveryCollectiveEveryDtypeOverGlooOn2Ranks) { expect_all_checks_pass(2, false); }
+TEST(Collectives, EveryCollectiveEveryDtypeOverGlooOn4Ranks) { expect_all_checks_pass(4, false); }
 
 TEST(Collectives, AsyncCompositeAndNativeOpsInterleave) {
   // bf16 reductions run as a ring on a helper thread while float ones go to Gloo directly; results must
@@ -89,7 +100,10 @@ TEST(Collectives, NonContiguousTensorsAreHandled) {
 }
 
 TEST(Collectives, TimeoutNamesCollectiveTensorRankAndGroup) {
-  for (auto dtype : {at::kFloat, at::kBFloat16}) {  // native Gloo path and the send/recv ring
+  // Shared memory; then Gloo's native path (float) and the send/recv ring (bf16).
+  for (auto [dtype, shared_memory] : {std::pair{at::kFloat, true}, std::pair{at::kFloat, false},
+                                      std::pair{at::kBFloat16, false}}) {
+    SCOPED_TRACE(shared_memory ? "shared memory" : "gloo");
     std::atomic<bool> rank0_done{false};
     std::string message;
     double seconds = 0;
@@ -110,13 +124,136 @@ TEST(Collectives, TimeoutNamesCollectiveTensorRankAndGroup) {
           seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
           rank0_done = true;
         },
-        1s);
+        1s, shared_memory);
     std::string type = dtype == at::kFloat ? "float32[8]" : "bfloat16[8]";
     EXPECT_NE(message.find("all_reduce(" + type + ", SUM)"), std::string::npos) << message;
     EXPECT_NE(message.find("group 'world' (rank 0 of 2)"), std::string::npos) << message;
     EXPECT_NE(message.find("timed out"), std::string::npos) << message;
     EXPECT_LT(seconds, 10.0);
+    if (shared_memory) {
+      EXPECT_NE(message.find("rank 1 (pid"), std::string::npos) << message;  // who is late
+    }
   }
+}
+
+// ---------------------------------------------------------------------------------------------- shared memory
+
+TEST(SharedMemory, ChunkedOddSizedOperandsGiveExactResults) {
+  // 64 KB staging slots, so the larger operands cross many chunks; 3 ranks, so shards are uneven.
+  setenv("XLR8_SHM_STAGING_MB", "0.0625", 1);
+  run_ranks(3, [](Communicator& comm) {
+    ASSERT_TRUE(comm.uses_shared_memory());
+    const int P = comm.size(), r = comm.rank();
+    for (int64_t n : {1, 7, 16383, 100003}) {
+      for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16, at::kInt, at::kLong}) {
+        SCOPED_TRACE(fmt::format("n={} dtype={}", n, c10::toString(dtype)));
+        auto base = at::arange(n, at::kLong).remainder(7);
+        auto x = (base + r).to(dtype);
+        comm.all_reduce(x);
+        EXPECT_TRUE(at::equal(x.to(at::kLong), base * P + P * (P - 1) / 2));
+        auto m = (base + r).to(dtype);
+        comm.all_reduce(m, ReduceOp::MAX);
+        EXPECT_TRUE(at::equal(m.to(at::kLong), base + P - 1));
+        auto input = (at::arange(P * n, at::kLong).remainder(5) + r).to(dtype);
+        auto out = at::empty({n}, dtype);
+        comm.reduce_scatter(out, input);
+        auto want = at::arange(P * n, at::kLong).remainder(5).narrow(0, r * n, n) * P + P * (P - 1) / 2;
+        EXPECT_TRUE(at::equal(out.to(at::kLong), want));
+        auto gathered = at::empty({P * n}, dtype);
+        comm.all_gather(gathered, (base + 10 * r).to(dtype));
+        for (int j = 0; j < P; ++j) EXPECT_TRUE(at::equal(gathered.narrow(0, j * n, n).to(at::kLong), base + 10 * j));
+      }
+    }
+    auto avg = at::full({1001}, 2.0 * r + 1);  // 1, 3, 5 -> 3
+    comm.all_reduce(avg, ReduceOp::AVG);
+    EXPECT_TRUE(at::allclose(avg, at::full({1001}, 3.0)));
+  });
+  unsetenv("XLR8_SHM_STAGING_MB");
+}
+
+TEST(SharedMemory, SymmetricTensorsAndTheirViewsAreReducedInPlace) {
+  run_ranks(2, [](Communicator& comm) {
+    const int r = comm.rank();
+    auto buffer = comm.symmetric_empty({1000}, at::kFloat);
+    buffer.fill_(r + 1);
+    auto middle = buffer.narrow(0, 100, 500);
+    comm.all_reduce(middle);  // 1 + 2 inside the view, untouched outside it
+    EXPECT_EQ(buffer.narrow(0, 100, 500).min().item<float>(), 3.0f);
+    EXPECT_EQ(buffer.narrow(0, 100, 500).max().item<float>(), 3.0f);
+    EXPECT_EQ(buffer.narrow(0, 0, 100).max().item<float>(), r + 1.0f);
+    EXPECT_EQ(buffer.narrow(0, 600, 400).min().item<float>(), r + 1.0f);
+    auto source = comm.symmetric_empty({2, 300}, at::kFloat);
+    source[0].fill_(10 * r);
+    source[1].fill_(10 * r + 1);
+    auto out = at::empty({300});
+    comm.reduce_scatter(out, source);  // rank k gets row k summed: 0 + 10 (+ 2 for row 1)
+    EXPECT_TRUE(at::equal(out, at::full({300}, 10.0 + 2 * r)));
+    auto gathered = at::empty({2, 2, 300});
+    comm.all_gather(gathered, source);
+    EXPECT_EQ(gathered[1][1][0].item<float>(), 11.0f);
+    // Symmetric on one rank, an ordinary tensor on the other: a clear error, not silent corruption.
+    auto symmetric = comm.symmetric_empty({64}, at::kFloat).fill_(1);  // collective: both ranks make it
+    auto mixed = r == 0 ? symmetric : at::ones({64});
+    try {
+      comm.all_reduce(mixed);
+      ADD_FAILURE() << "rank " << r << ": mixing a symmetric and an ordinary tensor was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(fmt::format("rank {} called all_reduce(float32[64]", 1 - r)),
+                std::string::npos)
+          << e.what();
+    }
+  });
+}
+
+TEST(SharedMemory, MismatchedCollectivesFailOnEveryRankInsteadOfHanging) {
+  std::vector<std::string> messages(2);
+  auto start = std::chrono::steady_clock::now();
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto x = at::ones({comm.rank() == 0 ? 10 : 12});
+        try {
+          comm.all_reduce(x);
+        } catch (const Error& e) {
+          messages[comm.rank()] = e.what();
+        }
+        auto y = at::ones({4});
+        EXPECT_THROW(comm.all_reduce(y), Error);  // the group stays failed, it does not hang
+      },
+      60s);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10.0);
+  EXPECT_NE(messages[0].find("rank 1 called all_reduce(float32[12], SUM)"), std::string::npos) << messages[0];
+  EXPECT_NE(messages[1].find("rank 0 called all_reduce(float32[10], SUM)"), std::string::npos) << messages[1];
+}
+
+namespace {
+std::vector<std::string> shm_entries(const std::string& prefix) {
+  std::vector<std::string> found;
+  for (auto& entry : std::filesystem::directory_iterator("/dev/shm"))
+    if (entry.path().filename().string().rfind(prefix, 0) == 0) found.push_back(entry.path().filename());
+  return found;
+}
+}  // namespace
+
+TEST(SharedMemory, SegmentsHaveNoNameOnceEveryRankHasMappedThem) {
+  const std::string prefix = fmt::format("xlr8.{}.{}.", xlr8::detail::shared_memory_job(), getpid());
+  run_ranks(4, [&](Communicator& comm) {
+    ASSERT_TRUE(comm.uses_shared_memory());
+    auto buffer = comm.symmetric_empty({1 << 16}, at::kFloat).fill_(1);
+    comm.all_reduce(buffer);
+    EXPECT_EQ(buffer[0].item<float>(), 4.0f);
+    comm.barrier();
+    EXPECT_EQ(shm_entries(prefix), std::vector<std::string>{});  // nothing for a crash to leave behind
+  });
+}
+
+TEST(SharedMemory, RemoveJobSegmentsDeletesWhatACrashedWorkerLeft) {
+  const std::string job = fmt::format("unit{}", getpid());
+  auto segment = xlr8::detail::SharedSegment::create(fmt::format("/xlr8.{}.1.0", job), 4096);
+  EXPECT_EQ(shm_entries("xlr8." + job + ".").size(), 1u);
+  EXPECT_EQ(xlr8::detail::remove_job_segments(job), 1);
+  EXPECT_TRUE(shm_entries("xlr8." + job + ".").empty());
+  segment->data()[0] = std::byte{1};  // the mapping outlives the name
 }
 
 TEST(Collectives, BadArgumentsAreClearErrors) {
