@@ -24,14 +24,21 @@ def launch(n, cmd):
     return [XLR8, "launch", "--num_processes", str(n), "--num_cpu_threads_per_process", "1"] + cmd
 
 
+# glibc settings equal to xlr8's allocator tuning (ProcessState), for baselines run on equal terms.
+TUNED_MALLOC = ["/usr/bin/env", "GLIBC_TUNABLES=glibc.malloc.mmap_threshold=134217728:glibc.malloc.trim_threshold=268435456"]
+
+
 def configs(model):
     s = SPEC[model]
     args = ["--model", model, "--batch", s["batch"], "--steps", s["steps"], "--warmup", s["warmup"], "--threads", "1"]
     return {
         "a_handwritten_1": [BENCH, "--impl", "handwritten"] + args,
+        "a2_handwritten_1_tuned_malloc": TUNED_MALLOC + [BENCH, "--impl", "handwritten"] + args,
         "b_xlr8_1": [BENCH, "--impl", "xlr8"] + args,
         "c_xlr8_ddp_2": launch(2, [BENCH, "--impl", "xlr8"] + args),
+        "g_xlr8_ddp_2_gloo": ["/usr/bin/env", "XLR8_SHM=0"] + launch(2, [BENCH, "--impl", "xlr8"] + args),
         "d_pytorch_ddp_2": launch(2, PYBENCH + args),
+        "d2_pytorch_ddp_2_tuned_malloc": TUNED_MALLOC + launch(2, PYBENCH + args),
         "f_xlr8_ddp_2_bf16_wire": launch(2, [BENCH, "--impl", "xlr8", "--compress_bf16"] + args),
         "e_pytorch_1": PYBENCH + args,
     }
@@ -61,30 +68,42 @@ def main():
         sps = {k: v["samples_per_s"] for k, v in med.items()}
         ratios = {
             "xlr8_overhead_vs_handwritten_pct": (med["b_xlr8_1"]["step_ms_median"] / med["a_handwritten_1"]["step_ms_median"] - 1) * 100,
+            "xlr8_overhead_vs_handwritten_same_malloc_pct": (med["b_xlr8_1"]["step_ms_median"] / med["a2_handwritten_1_tuned_malloc"]["step_ms_median"] - 1) * 100,
             "xlr8_ddp2_vs_xlr8_1": sps["c_xlr8_ddp_2"] / sps["b_xlr8_1"],
+            "xlr8_ddp2_vs_pytorch_ddp2_same_malloc": sps["c_xlr8_ddp_2"] / sps["d2_pytorch_ddp_2_tuned_malloc"],
             "xlr8_ddp2_vs_pytorch_ddp2": sps["c_xlr8_ddp_2"] / sps["d_pytorch_ddp_2"],
             "pytorch_ddp2_vs_pytorch_1": sps["d_pytorch_ddp_2"] / sps["e_pytorch_1"],
             "xlr8_ddp2_bf16_wire_vs_xlr8_1": sps["f_xlr8_ddp_2_bf16_wire"] / sps["b_xlr8_1"],
             "xlr8_ddp2_bf16_wire_vs_pytorch_ddp2": sps["f_xlr8_ddp_2_bf16_wire"] / sps["d_pytorch_ddp_2"],
+            "xlr8_ddp2_shm_vs_xlr8_ddp2_gloo": sps["c_xlr8_ddp_2"] / sps["g_xlr8_ddp_2_gloo"],
         }
         results["models"][model] = {"medians": med, "ratios": ratios, "runs": samples}
         print(f"\n{model}: medians of {REPS} alternating runs")
-        print(f"{'impl':<18}{'step ms':>10}{'samples/s':>12}{'peak RSS MB':>13}")
+        print(f"{'impl':<31}{'step ms':>10}{'samples/s':>12}{'peak RSS MB':>13}")
         for name, m in med.items():
-            print(f"{name:<18}{m['step_ms_median']:>10.1f}{m['samples_per_s']:>12.0f}{m['peak_rss_mb']:>13.0f}")
+            print(f"{name:<31}{m['step_ms_median']:>10.1f}{m['samples_per_s']:>12.0f}{m['peak_rss_mb']:>13.0f}")
         for k, v in ratios.items():
             print(f"  {k}: {v:.3f}")
-    coll = run_json(launch(2, [BENCH, "--collectives", "--max_mb", "64"]))
+    # Collectives: REPS alternating invocations; per size and column, the median over invocations.
+    runs = [run_json(launch(2, [BENCH, "--collectives", "--max_mb", "64"])) for _ in range(REPS)]
+    coll = []
+    for rows in zip(*runs):
+        coll.append({k: (statistics.median(r[k] for r in rows) if isinstance(v, float) else v) for k, v in rows[0].items()})
     results["collectives"] = coll
-    print("\ncollectives on 2 ranks (GB/s of payload; ours vs raw c10d Gloo)")
-    print(f"{'bytes':>10}{'all_reduce':>12}{'gloo':>8}{'red_scat':>10}{'gloo':>8}{'all_gather':>12}{'gloo':>8}")
+    print(f"\ncollectives on 2 ranks (GB/s of payload, medians of {REPS} invocations; ours vs raw c10d Gloo;"
+          " 'sym' = operand from symmetric_empty, read in place)")
+    cols = [("all_reduce", "all_reduce_gb_per_s"), ("ar_sym", "all_reduce_symmetric_gb_per_s"),
+            ("gloo_ar", "raw_gloo_all_reduce_gb_per_s"), ("red_scat", "reduce_scatter_gb_per_s"),
+            ("rs_sym", "reduce_scatter_symmetric_gb_per_s"), ("gloo_rs", "raw_gloo_reduce_scatter_gb_per_s"),
+            ("all_gather", "all_gather_gb_per_s"), ("gloo_ag", "raw_gloo_all_gather_gb_per_s")]
+    print(f"{'bytes':>10}" + "".join(f"{name:>11}" for name, _ in cols) + f"{'ar/gloo':>9}{'ar_sym/gloo':>12}")
     for c in coll:
         if "memcpy_gb_per_s" in c:
             print(f"memcpy ceiling: {c['memcpy_gb_per_s']:.1f} GB/s")
             continue
-        print(f"{c['bytes']:>10}{c['all_reduce_gb_per_s']:>12.2f}{c['raw_gloo_all_reduce_gb_per_s']:>8.2f}"
-              f"{c['reduce_scatter_gb_per_s']:>10.2f}{c['raw_gloo_reduce_scatter_gb_per_s']:>8.2f}"
-              f"{c['all_gather_gb_per_s']:>12.2f}{c['raw_gloo_all_gather_gb_per_s']:>8.2f}")
+        gloo = c["raw_gloo_all_reduce_gb_per_s"]
+        print(f"{c['bytes']:>10}" + "".join(f"{c[key]:>11.2f}" for _, key in cols) +
+              f"{c['all_reduce_gb_per_s'] / gloo:>9.1f}{c['all_reduce_symmetric_gb_per_s'] / gloo:>12.1f}")
     path = os.path.join(ROOT, "bench", "results.json")
     with open(path, "w") as f:
         json.dump(results, f, indent=1)

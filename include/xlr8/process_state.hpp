@@ -39,6 +39,8 @@ class ProcessState {
   const std::string& device() const { return device_; }    // "cpu" or "cuda:<local_rank % gpus>"
   const std::string& backend() const { return backend_; }  // "gloo" or "nccl"
   int intra_op_threads() const { return threads_; }
+  // Whether glibc's allocator was tuned for training loops (XLR8_MALLOC_TUNING, default on).
+  bool allocator_tuned() const { return allocator_tuned_; }
   Communicator& world() const { return world_; }
 
   ~ProcessState();
@@ -53,6 +55,7 @@ class ProcessState {
   std::string device_ = "cpu";
   std::string backend_ = "gloo";
   int threads_ = 1;
+  bool allocator_tuned_ = false;
   mutable Communicator world_;
 };
 
