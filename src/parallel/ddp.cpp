@@ -88,12 +88,18 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
   void launch_ready() {
     while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
       auto& b = buckets[next_launch++];
-      b.flat.div_(comm.size());
-      if (options.compress_bf16 && b.flat.scalar_type() == at::kFloat) {
-        b.wire = b.flat.to(at::kBFloat16);
-        b.work = comm.all_reduce_async(b.wire, ReduceOp::SUM);
+      const bool compress = options.compress_bf16 && b.flat.scalar_type() == at::kFloat;
+      if (comm.uses_shared_memory() && !compress && b.flat.device().is_cpu()) {
+        // Shared memory averages each block of the reduced shard while it is in cache: no extra pass.
+        b.work = comm.all_reduce_async(b.flat, ReduceOp::AVG);
       } else {
-        b.work = comm.all_reduce_async(b.flat, ReduceOp::SUM);
+        b.flat.div_(comm.size());
+        if (compress) {
+          b.wire = b.flat.to(at::kBFloat16);
+          b.work = comm.all_reduce_async(b.wire, ReduceOp::SUM);
+        } else {
+          b.work = comm.all_reduce_async(b.flat, ReduceOp::SUM);
+        }
       }
       ++launched;
       if (ready_count < params.size()) ++overlapped;  // started while other gradients are still being computed
