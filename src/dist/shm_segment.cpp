@@ -283,12 +283,12 @@ void ShmControl::check_laggards_alive(std::uint64_t generation, const std::strin
     std::string reason =
         fmt::format("{}: rank {} (pid {}) exited while rank {} waited for it in this collective; its own log says why",
                     what, r, pid, rank_);
-    const_cast<ShmControl*>(this)->fail(reason);
+    fail(reason);
     throw Error(reason);
   }
 }
 
-void ShmControl::fail(const std::string& reason) noexcept {
+void ShmControl::fail(const std::string& reason) const noexcept {
   copy_text(slot(rank_).failure, sizeof slot(rank_).failure, reason);
   std::int32_t none = -1;
   header().failed_rank.compare_exchange_strong(none, rank_);

@@ -72,7 +72,8 @@ class ShmControl {
   // Error when one of them has exited, or when one has abandoned the group (fail()).
   void barrier(const std::string& what, std::chrono::milliseconds timeout);
   // Marks the group unusable and wakes the others, so they fail now instead of at their timeout.
-  void fail(const std::string& reason) noexcept;
+  // (const: it writes the shared block, not this handle.)
+  void fail(const std::string& reason) const noexcept;
   // Throws when some rank has failed the group.
   void check_not_failed(const std::string& what) const;
 

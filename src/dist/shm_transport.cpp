@@ -196,14 +196,17 @@ void ShmTransport::reduce_shard(const Placement& where, std::int64_t numel, at::
   const std::int64_t lo = std::min(numel, units * rank_ / size_ * unit);
   const std::int64_t hi = std::min(numel, units * (rank_ + 1) / size_ * unit);
   if (hi <= lo) return;
-  std::vector<const std::byte*> sources{where.bases[rank_] + lo * es};
   std::vector<std::byte*> copies;
-  for (int j = 0; j < size_; ++j) {
-    if (j == rank_) continue;
-    sources.push_back(where.bases[j] + lo * es);
-    copies.push_back(where.bases[j] + lo * es);
-  }
-  reduce_blocks(where.bases[rank_] + lo * es, sources, copies, hi - lo, dtype, op, size_);
+  for (int j = 0; j < size_; ++j)
+    if (j != rank_) copies.push_back(where.bases[j] + lo * es);
+  reduce_blocks(where.bases[rank_] + lo * es, own_first(where, lo * es), copies, hi - lo, dtype, op, size_);
+}
+
+std::vector<const std::byte*> ShmTransport::own_first(const Placement& where, std::int64_t byte_offset) const {
+  std::vector<const std::byte*> sources{where.bases[rank_] + byte_offset};
+  for (int j = 0; j < size_; ++j)
+    if (j != rank_) sources.push_back(where.bases[j] + byte_offset);
+  return sources;
 }
 
 void ShmTransport::all_reduce(const at::Tensor& tensor, ReduceOp op, const std::string& what) {
@@ -241,18 +244,11 @@ void ShmTransport::reduce_scatter(const at::Tensor& output, const at::Tensor& in
   const auto dtype = input.scalar_type();
   const auto es = static_cast<std::int64_t>(input.element_size());
   auto* out = static_cast<std::byte*>(output.data_ptr());
-  // Sources of this rank's chunk: rank r's own copy first, then the others.
-  auto sources_at = [&](const Placement& where, std::int64_t byte_offset) {
-    std::vector<const std::byte*> sources{where.bases[rank_] + byte_offset};
-    for (int j = 0; j < size_; ++j)
-      if (j != rank_) sources.push_back(where.bases[j] + byte_offset);
-    return sources;
-  };
   guarded(what, [&] {
     if (auto sym = find_symmetric(input)) {
       control_->enter({kReduceScatter, std::uint64_t(dtype), std::uint64_t(n), std::uint64_t(op), sym->buffer, sym->offset},
                       what, timeout_);
-      reduce_blocks(out, sources_at(*sym, rank_ * n * es), {}, n, dtype, op, size_);
+      reduce_blocks(out, own_first(*sym, rank_ * n * es), {}, n, dtype, op, size_);
       control_->barrier(what, timeout_);
       return;
     }
@@ -265,7 +261,7 @@ void ShmTransport::reduce_scatter(const at::Tensor& output, const at::Tensor& in
         std::memcpy(slots.bases[rank_] + i * m * es, in + (i * n + c) * es, static_cast<std::size_t>(m * es));
       control_->enter({kReduceScatter, std::uint64_t(dtype), std::uint64_t(n), std::uint64_t(op), 0, std::uint64_t(c)},
                       what, timeout_);
-      reduce_blocks(out + c * es, sources_at(slots, rank_ * m * es), {}, m, dtype, op, size_);
+      reduce_blocks(out + c * es, own_first(slots, rank_ * m * es), {}, m, dtype, op, size_);
       control_->barrier(what, timeout_);
     }
   });

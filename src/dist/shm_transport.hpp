@@ -57,6 +57,8 @@ class ShmTransport {
   template <class Body>
   void guarded(const std::string& what, Body&& body);
   void reduce_shard(const Placement& where, std::int64_t numel, at::ScalarType dtype, ReduceOp op);
+  // Every rank's copy at `byte_offset`, this rank's first (reduce_blocks starts from it).
+  std::vector<const std::byte*> own_first(const Placement& where, std::int64_t byte_offset) const;
 
   compat::StorePtr store_;
   int rank_, size_;

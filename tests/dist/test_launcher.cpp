@@ -32,6 +32,14 @@ Args launch(Args options, Args program) {
   return a;
 }
 
+// One of two launchers ("machines" on loopback) of a job with `processes` ranks in all.
+Args two_machines(int port, int machine_rank, int processes, Args program) {
+  return launch({"--num_processes", std::to_string(processes), "--num_machines", "2", "--machine_rank",
+                 std::to_string(machine_rank), "--main_process_ip", "127.0.0.1", "--main_process_port",
+                 std::to_string(port)},
+                std::move(program));
+}
+
 std::map<std::string, std::string> read_env_file(const std::string& path) {
   std::map<std::string, std::string> vars;
   std::ifstream in(path);
@@ -188,12 +196,7 @@ TEST(Launcher, ARankThatNeverJoinsGivesTheRendezvousErrorWithinTheTimeout) {
 
 TEST(Launcher, TwoMachinesOnLoopbackFormOneFourRankJob) {
   int port = xlr8::pick_free_port();
-  auto machine = [&](int rank) {
-    return launch({"--num_processes", "4", "--num_machines", "2", "--machine_rank", std::to_string(rank),
-                   "--main_process_ip", "127.0.0.1", "--main_process_port", std::to_string(port)},
-                  {"allreduce"});
-  };
-  Process m0(machine(0)), m1(machine(1));
+  Process m0(two_machines(port, 0, 4, {"allreduce"})), m1(two_machines(port, 1, 4, {"allreduce"}));
   auto r0 = m0.wait(90), r1 = m1.wait(90);
   ASSERT_EQ(r0.exit_code, 0) << r0.err;
   ASSERT_EQ(r1.exit_code, 0) << r1.err;
@@ -206,13 +209,8 @@ TEST(SharedMemory, APeerThatDiesIsNamedPromptlyNotAtTheTimeout) {
   // Two launchers ("machines" on one host), so rank 0's launcher does not stop it when rank 1 dies:
   // rank 0 must notice by itself, in the shared-memory barrier, long before the 120 s timeout.
   int port = xlr8::pick_free_port();
-  auto machine = [&](int rank) {
-    return launch({"--num_processes", "2", "--num_machines", "2", "--machine_rank", std::to_string(rank),
-                   "--main_process_ip", "127.0.0.1", "--main_process_port", std::to_string(port)},
-                  {"peer-dies"});
-  };
   std::map<std::string, std::string> env{{"XLR8_COLLECTIVE_TIMEOUT", "120"}};
-  Process m0(machine(0), env), m1(machine(1), env);
+  Process m0(two_machines(port, 0, 2, {"peer-dies"}), env), m1(two_machines(port, 1, 2, {"peer-dies"}), env);
   auto r1 = m1.wait(60), r0 = m0.wait(60);
   EXPECT_EQ(r1.exit_code, 3) << r1.err;
   EXPECT_EQ(r0.exit_code, 2) << r0.err;
