@@ -46,7 +46,7 @@ class PreparedOptimizer {
   PreparedOptimizer() = default;
   explicit PreparedOptimizer(std::shared_ptr<State> state) : state_(std::move(state)) {}
   void step();
-  void zero_grad();
+  void zero_grad(bool set_to_none = true);  // as PyTorch 2.x: .grad becomes undefined, or zeros in place
   torch::optim::Optimizer& optimizer();
   bool step_was_skipped() const;  // the last sync step was skipped for fp16 overflow
   int64_t steps_taken() const;

@@ -23,7 +23,7 @@ std::string fresh_dir(const std::string& tag) {
 }  // namespace
 
 TEST(Accelerator, PreparingTwiceIsAnError) {
-  Accelerator acc;
+  Accelerator acc(AcceleratorOptions{});
   auto model = acc.prepare(torch::nn::Linear(2, 2));
   EXPECT_THROW(acc.prepare(model), Error);
   auto opt = std::make_shared<torch::optim::SGD>(model->parameters(), 0.1);
@@ -62,6 +62,24 @@ TEST(Accelerator, Fp16ScalerSkipsOverflowStepsAndUnscalesOnCpu) {
   EXPECT_FALSE(opt.step_was_skipped());
   EXPECT_TRUE(torch::allclose(model->weight, before - 0.5));
   EXPECT_EQ(opt.steps_taken(), 1);
+}
+
+TEST(Accelerator, ZeroGradSetsGradientsToNoneOrZerosThemInPlace) {
+  Accelerator acc(AcceleratorOptions{});
+  auto model = acc.prepare(torch::nn::Linear(2, 1));
+  auto opt = acc.prepare(torch::optim::SGD(model->parameters(), 0.1));
+  acc.backward(model->forward(torch::ones({1, 2})).sum());
+  auto grad = model->weight.grad();
+  ASSERT_TRUE(grad.defined());
+  opt.zero_grad(false);  // same storage, zeros
+  EXPECT_TRUE(model->weight.grad().is_same(grad));
+  EXPECT_EQ(grad.abs().sum().item<float>(), 0.0f);
+  acc.backward(model->forward(torch::ones({1, 2})).sum());
+  opt.zero_grad();  // PyTorch 2.x's default: undefined until the next backward
+  EXPECT_FALSE(model->weight.grad().defined());
+  EXPECT_FALSE(model->bias.grad().defined());
+  acc.backward(model->forward(torch::ones({1, 2})).sum());
+  EXPECT_TRUE(model->weight.grad().equal(torch::ones({1, 2})));
 }
 
 TEST(Accelerator, AccumulationDividesTheLossAndStepsOnlyOnTheBoundary) {
@@ -134,7 +152,7 @@ TEST(Accelerator, HelpersOnOneProcess) {
 }
 
 TEST(Accelerator, SaveModelWritesOneFileOrHuggingFaceShards) {
-  Accelerator acc;
+  Accelerator acc(AcceleratorOptions{});
   auto model = acc.prepare(torch::nn::Sequential(torch::nn::Linear(16, 16), torch::nn::ReLU(), torch::nn::Linear(16, 4)));
   auto dir = fresh_dir("save_model");
   acc.save_model(model, dir);
