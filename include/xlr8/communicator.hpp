@@ -63,6 +63,15 @@ class Communicator {
   // In place on `tensor`.
   void all_reduce(at::Tensor& tensor, ReduceOp op = ReduceOp::SUM) { all_reduce_async(tensor, op).wait(); }
   Work all_reduce_async(at::Tensor& tensor, ReduceOp op = ReduceOp::SUM);
+  // all_reduce of `inputs` laid end to end (flattened, same dtype and device, output.numel() elements
+  // in all) into the contiguous `output`: like copying them in and calling all_reduce(output), but over
+  // shared memory into a symmetric_empty() output this rank's own shard is reduced straight from the
+  // inputs, on the communication thread. Keep the inputs alive and unchanged until the work completes.
+  // An input may already be its own part of `output`.
+  void all_reduce_into(at::Tensor& output, const std::vector<at::Tensor>& inputs, ReduceOp op = ReduceOp::SUM) {
+    all_reduce_into_async(output, inputs, op).wait();
+  }
+  Work all_reduce_into_async(at::Tensor& output, const std::vector<at::Tensor>& inputs, ReduceOp op = ReduceOp::SUM);
   void broadcast(at::Tensor& tensor, int root) { broadcast_async(tensor, root).wait(); }
   Work broadcast_async(at::Tensor& tensor, int root);
   // `output` holds size() * input.numel() elements, rank-major.

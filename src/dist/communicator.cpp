@@ -334,6 +334,44 @@ Work Communicator::all_reduce_async(at::Tensor& tensor, ReduceOp op) {
       });
 }
 
+Work Communicator::all_reduce_into_async(at::Tensor& output, const std::vector<at::Tensor>& inputs, ReduceOp op) {
+  auto& s = *state_;
+  auto desc = what(s, "all_reduce_into", output, fmt::format(", {}, from {} inputs", to_string(op), inputs.size()));
+  require(output.defined() && output.is_contiguous(), desc, "the output must be a defined, contiguous tensor");
+  const auto* out_begin = static_cast<const std::byte*>(output.data_ptr());
+  const auto es = static_cast<int64_t>(output.element_size());
+  std::vector<at::Tensor> flat;
+  int64_t total = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    const auto& in = inputs[i];
+    require(in.defined() && in.scalar_type() == output.scalar_type() && in.device() == output.device(), desc,
+            fmt::format("input {} is {}, but every input must be a defined {} tensor on {}", i,
+                        in.defined() ? detail::describe(in) + " on " + in.device().str() : "undefined",
+                        detail::dtype_name(output.scalar_type()), output.device().str()));
+    // An input may be its own place in the output (nothing to copy) but must not overlap any other part.
+    const auto* p = static_cast<const std::byte*>(in.data_ptr());
+    const bool overlaps = p < out_begin + output.nbytes() && p + in.nbytes() > out_begin;
+    require(!overlaps || (in.is_contiguous() && p == out_begin + total * es), desc,
+            fmt::format("input {} overlaps the output somewhere other than its own place (elements {}..{})", i, total,
+                        total + in.numel()));
+    flat.push_back(in.is_contiguous() ? in.view(-1) : in.reshape(-1));
+    total += in.numel();
+  }
+  require(total == output.numel(), desc,
+          fmt::format("the inputs hold {} elements in all but the output holds {}", total, output.numel()));
+  if (s.uses_shm(output)) {
+    CommState* sp = &s;
+    return composite(s, desc, [sp, output, flat, op, desc] { sp->shm->all_reduce_into(output, flat, op, desc); });
+  }
+  int64_t offset = 0;
+  for (const auto& in : flat) {
+    auto place = output.view(-1).narrow(0, offset, in.numel());
+    if (!in.is_same(place) && in.data_ptr() != place.data_ptr()) place.copy_(in);
+    offset += in.numel();
+  }
+  return all_reduce_async(output, op);
+}
+
 Work Communicator::broadcast_async(at::Tensor& tensor, int root) {
   auto& s = *state_;
   auto desc = what(s, "broadcast", tensor, fmt::format(", root {}", root));

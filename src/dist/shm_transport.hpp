@@ -27,6 +27,11 @@ class ShmTransport {
 
   // Run on the Communicator's executor thread, in issue order; tensors are contiguous CPU tensors.
   void all_reduce(const at::Tensor& tensor, ReduceOp op, const std::string& what);
+  // all_reduce of the inputs laid end to end, into `output` (their total size). When `output` is
+  // symmetric, this rank's own shard is reduced straight from the inputs: a quarter less memory
+  // traffic than copying them in first (2 ranks). An input may be `output`'s own region.
+  void all_reduce_into(const at::Tensor& output, const std::vector<at::Tensor>& inputs, ReduceOp op,
+                       const std::string& what);
   void reduce_scatter(const at::Tensor& output, const at::Tensor& input, ReduceOp op, const std::string& what);
   void all_gather(const at::Tensor& output, const at::Tensor& input, const std::string& what);
 
@@ -57,6 +62,9 @@ class ShmTransport {
   template <class Body>
   void guarded(const std::string& what, Body&& body);
   void reduce_shard(const Placement& where, std::int64_t numel, at::ScalarType dtype, ReduceOp op);
+  // [lo, hi): the elements this rank reduces, whole 64-byte lines.
+  std::pair<std::int64_t, std::int64_t> own_shard(std::int64_t numel, std::int64_t es) const;
+  std::vector<std::byte*> peer_copies(const Placement& where, std::int64_t byte_offset) const;
   // Every rank's copy at `byte_offset`, this rank's first (reduce_blocks starts from it).
   std::vector<const std::byte*> own_first(const Placement& where, std::int64_t byte_offset) const;
 

@@ -18,6 +18,8 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
     std::vector<int64_t> offsets;  // element offset of each parameter in `flat`
     at::Tensor flat;
     at::Tensor wire;  // the bf16 copy sent instead of `flat` when compressing
+    bool reduce_from_grads = false;  // shared memory: all_reduce_into `flat` straight from the gradients
+    std::vector<at::Tensor> sources;  // then: each parameter's gradient (or its own view of `flat`)
     size_t pending = 0;
     Work work;
   };
@@ -67,12 +69,19 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
       const auto& last = params[b.params.back()];
       // In shared memory when the ranks share a host, so its all-reduce needs no copy in or out.
       b.flat = comm.symmetric_empty({b.offsets.back() + last.numel()}, last.options().requires_grad(false)).zero_();
+      b.reduce_from_grads = comm.uses_shared_memory() && b.flat.device().is_cpu() &&
+                            !(options.compress_bf16 && b.flat.scalar_type() == at::kFloat);
+      b.sources.resize(b.params.size());
     }
   }
 
   void reset_backward_state() {
     ready.assign(params.size(), false);
-    for (auto& b : buckets) b.pending = b.params.size(), b.work = Work();
+    for (auto& b : buckets) {
+      b.pending = b.params.size();
+      b.work = Work();
+      std::fill(b.sources.begin(), b.sources.end(), at::Tensor());
+    }
     next_launch = 0;
     ready_count = 0;
     in_backward = false;
@@ -89,9 +98,10 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
     while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
       auto& b = buckets[next_launch++];
       const bool compress = options.compress_bf16 && b.flat.scalar_type() == at::kFloat;
-      if (comm.uses_shared_memory() && !compress && b.flat.device().is_cpu()) {
-        // Shared memory averages each block of the reduced shard while it is in cache: no extra pass.
-        b.work = comm.all_reduce_async(b.flat, ReduceOp::AVG);
+      if (b.reduce_from_grads) {
+        // Shared memory averages each block of this rank's shard while it is in cache, reading that
+        // shard straight from the gradients: only the peers' shards are copied into the bucket.
+        b.work = comm.all_reduce_into_async(b.flat, b.sources, ReduceOp::AVG);
       } else {
         b.flat.div_(comm.size());
         if (compress) {
@@ -117,13 +127,19 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
       });
     }
     if (ready[k]) return;  // already counted (reentrant backward)
-    // From the second step on, .grad is a view into its bucket (gradient_as_bucket_view): AccumulateGrad
-    // already wrote it in place and nothing needs copying. Otherwise (first step, or an optimizer that
-    // reset grads to undefined) copy it in.
+    // After zero_grad(set_to_none = false), .grad is still a view into its bucket: AccumulateGrad wrote it
+    // in place and nothing needs copying. Otherwise it is a fresh tensor: over shared memory the bucket's
+    // all_reduce_into reads it directly (this rank's shard) on the communication thread; elsewhere it is
+    // copied in here.
     const auto& grad = params[k].grad();
+    auto& b = buckets[bucket_of[k]];
     auto view = view_of(k);
     if (!grad.defined()) view.zero_();
-    else if (grad.data_ptr() != view.data_ptr()) view.copy_(grad.reshape(-1));
+    else if (grad.data_ptr() != view.data_ptr()) {
+      if (b.reduce_from_grads) b.sources[slot_of[k]] = grad;  // held until finish_backward() replaces .grad
+      else view.copy_(grad.reshape(-1));
+    }
+    if (b.reduce_from_grads && !b.sources[slot_of[k]].defined()) b.sources[slot_of[k]] = view;
     ready[k] = true;
     ++ready_count;
     --buckets[bucket_of[k]].pending;
@@ -146,6 +162,8 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
       for (size_t k = 0; k < params.size(); ++k)
         if (!ready[k]) {
           view_of(k).zero_();
+          auto& b = buckets[bucket_of[k]];
+          if (b.reduce_from_grads) b.sources[slot_of[k]] = view_of(k);
           ready[k] = true;
           ++ready_count;
           --buckets[bucket_of[k]].pending;

@@ -95,10 +95,14 @@ TEST(Oracle, ThreeRanksMatchOneProcessOverSharedMemoryAndOverGloo) {
   // for the non-bucket collectives. XLR8_SHM=0 keeps the Gloo path under the same oracle.
   auto one = oracle_run(1, 12, {"--steps", "8"});
   ASSERT_EQ(one.losses.size(), 8u);
-  for (std::string shm : {"1", "0"}) {
-    SCOPED_TRACE("XLR8_SHM=" + shm);
-    auto three = oracle_run(3, 4, {"--steps", "8"}, {{"XLR8_SHM", shm}, {"XLR8_SHM_STAGING_MB", "0.0625"}});
-    EXPECT_EQ(three.result.value("shared_memory", shm == "0"), shm == "1");
+  // Over shared memory, zero_grad() leaves fresh gradients that each bucket's all_reduce_into reads in
+  // place; zero_grad(false) keeps .grad a view into the bucket, the other path.
+  for (auto [shm, zero_in_place] : {std::pair{"1", false}, std::pair{"1", true}, std::pair{"0", false}}) {
+    SCOPED_TRACE(fmt::format("XLR8_SHM={} zero_in_place={}", shm, zero_in_place));
+    std::vector<std::string> args{"--steps", "8"};
+    if (zero_in_place) args.push_back("--zero_in_place");
+    auto three = oracle_run(3, 4, args, {{"XLR8_SHM", shm}, {"XLR8_SHM_STAGING_MB", "0.0625"}});
+    EXPECT_EQ(three.result.value("shared_memory", std::string(shm) == "0"), std::string(shm) == "1");
     expect_close(three.losses, one.losses, 1e-5);
     expect_same_params(three.dir, one.dir, 1e-5);
   }

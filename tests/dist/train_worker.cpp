@@ -46,7 +46,7 @@ int main(int argc, char** argv) {
   int64_t batch = 4, steps = 12, checkpoint_at = 0, samples = 96;
   int accum = 1;
   std::string precision = "no", out = ".", resume, mode = "train";
-  bool find_unused = false, compress = false;
+  bool find_unused = false, compress = false, zero_in_place = false;
   app.add_option("--batch", batch);
   app.add_option("--accum", accum);
   app.add_option("--steps", steps);
@@ -58,6 +58,7 @@ int main(int argc, char** argv) {
   app.add_option("--samples", samples);
   app.add_flag("--find_unused", find_unused);
   app.add_flag("--compress_bf16", compress);
+  app.add_flag("--zero_in_place", zero_in_place);
   CLI11_PARSE(app, argc, argv);
   try {
     xlr8::AcceleratorOptions options;
@@ -135,7 +136,7 @@ int main(int argc, char** argv) {
         acc.clip_grad_norm(model->parameters(), 5.0);
         opt.step();
         sched.step();
-        opt.zero_grad();
+        opt.zero_grad(!zero_in_place);
         if (!acc.sync_gradients()) continue;
         losses.push_back(acc.reduce(loss.detach().to(at::kDouble), xlr8::ReduceOp::AVG).item<double>());
         if (checkpoint_at > 0 && acc.step() == checkpoint_at) acc.save_state(out + "/checkpoint");

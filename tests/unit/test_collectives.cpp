@@ -205,6 +205,66 @@ TEST(SharedMemory, SymmetricTensorsAndTheirViewsAreReducedInPlace) {
   });
 }
 
+// all_reduce_into over shared memory into a symmetric output (this rank's shard read straight from the
+// inputs), into an ordinary output, and over Gloo: the same exact results, the inputs left unchanged.
+void expect_all_reduce_into_is_exact(int P, bool shared_memory) {
+  run_ranks(
+      P,
+      [&](Communicator& comm) {
+        const int r = comm.rank();
+        // Uneven pieces, so shard edges fall inside pieces; one piece is already the output's own region.
+        const std::vector<int64_t> sizes{5, 70001, 0, 33333, 17};
+        const int64_t total = 5 + 70001 + 33333 + 17;
+        for (auto dtype : {at::kFloat, at::kDouble, at::kBFloat16}) {  // float32 takes the SSE kernel
+          for (bool symmetric : {true, false}) {
+            for (auto op : {ReduceOp::SUM, ReduceOp::AVG}) {
+              SCOPED_TRACE(fmt::format("P={} shm={} dtype={} symmetric={} op={}", P, shared_memory,
+                                       c10::toString(dtype), symmetric, to_string(op)));
+              auto output = symmetric ? comm.symmetric_empty({total}, dtype) : at::empty({total}, dtype);
+              output.fill_(-1);
+              auto values = (at::arange(total, at::kLong).remainder(11) * P + r).to(dtype);  // sum: 11-ish * P^2 + P(P-1)/2
+              std::vector<at::Tensor> inputs, originals;
+              int64_t offset = 0;
+              for (size_t i = 0; i < sizes.size(); ++i) {
+                auto part = values.narrow(0, offset, sizes[i]);
+                inputs.push_back(i == 3 ? output.narrow(0, offset, sizes[i]).copy_(part) : part.clone());
+                originals.push_back(part.clone());
+                offset += sizes[i];
+              }
+              comm.all_reduce_into(output, inputs, op);
+              auto base = at::arange(total, at::kLong).remainder(11) * P;
+              auto sum = base * P + P * (P - 1) / 2;
+              auto want = op == ReduceOp::SUM ? sum.to(at::kDouble) : sum.to(at::kDouble) / P;
+              EXPECT_TRUE(at::equal(output.to(at::kDouble), want.to(dtype).to(at::kDouble)));
+              for (size_t i = 0; i < inputs.size(); ++i) {
+                if (i == 3) continue;  // the output's own region
+                EXPECT_TRUE(at::equal(inputs[i], originals[i])) << "input " << i << " was changed";
+              }
+            }
+          }
+        }
+        auto out = comm.symmetric_empty({8}, at::kFloat);
+        EXPECT_THROW(comm.all_reduce_into(out, {at::ones({7})}), Error);                  // 7 elements for 8
+        EXPECT_THROW(comm.all_reduce_into(out, {at::ones({8}, at::kDouble)}), Error);     // wrong dtype
+        EXPECT_THROW(comm.all_reduce_into(out, {out.narrow(0, 1, 4), at::ones({4})}), Error);  // misplaced overlap
+        try {
+          comm.all_reduce_into(out, {at::ones({3}), at::ones({3})});
+          ADD_FAILURE() << "a short input list was accepted";
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("the inputs hold 6 elements in all but the output holds 8"),
+                    std::string::npos)
+              << e.what();
+        }
+      },
+      30s, shared_memory);
+}
+
+TEST(SharedMemory, AllReduceIntoGivesExactResultsOn2And3Ranks) {
+  expect_all_reduce_into_is_exact(2, true);
+  expect_all_reduce_into_is_exact(3, true);
+}
+TEST(Collectives, AllReduceIntoOverGlooMatchesSharedMemory) { expect_all_reduce_into_is_exact(3, false); }
+
 TEST(SharedMemory, MismatchedCollectivesFailOnEveryRankInsteadOfHanging) {
   std::vector<std::string> messages(2);
   auto start = std::chrono::steady_clock::now();
