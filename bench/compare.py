@@ -35,6 +35,9 @@ def configs(model):
         "a_handwritten_1": [BENCH, "--impl", "handwritten"] + args,
         "a2_handwritten_1_tuned_malloc": TUNED_MALLOC + [BENCH, "--impl", "handwritten"] + args,
         "b_xlr8_1": [BENCH, "--impl", "xlr8"] + args,
+        # Two unrelated single processes at once: the most 2 ranks could reach on this machine with no
+        # communication at all (they still share memory bandwidth and caches).
+        "h_two_independent_xlr8_1": Together([BENCH, "--impl", "xlr8"] + args, [BENCH, "--impl", "xlr8"] + args),
         "c_xlr8_ddp_2": launch(2, [BENCH, "--impl", "xlr8"] + args),
         "g_xlr8_ddp_2_gloo": ["/usr/bin/env", "XLR8_SHM=0"] + launch(2, [BENCH, "--impl", "xlr8"] + args),
         "d_pytorch_ddp_2": launch(2, PYBENCH + args),
@@ -44,8 +47,23 @@ def configs(model):
     }
 
 
+class Together(list):
+    """Commands run at the same time; their result adds samples/s and takes the slowest of the rest."""
+
+
 def run_json(cmd):
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    if isinstance(cmd, Together):
+        procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for c in cmd]
+        outs = [p.communicate(timeout=900) for p in procs]
+        for c, p, (_, err) in zip(cmd, procs, outs):
+            if p.returncode != 0:
+                raise SystemExit(f"bench: {' '.join(c)} failed ({p.returncode}):\n{err[-2000:]}")
+        rows = [json.loads(o[o.index("{"):].splitlines()[0]) for o, _ in outs]
+        joined = {k: (max(r[k] for r in rows) if isinstance(v, float) else v) for k, v in rows[0].items()}
+        joined["samples_per_s"] = sum(r["samples_per_s"] for r in rows)
+        joined["nproc"] = len(rows)
+        return [joined]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     if out.returncode != 0:
         raise SystemExit(f"bench: {' '.join(cmd)} failed ({out.returncode}):\n{out.stderr[-2000:]}")
@@ -63,13 +81,17 @@ def main():
             for name, cmd in cfgs.items():
                 samples[name].append(run_json(cmd)[-1])
             print(f"bench: {model} repetition {rep + 1}/{REPS} done", file=sys.stderr, flush=True)
-        med = {name: {k: statistics.median(r[k] for r in runs) for k in ("step_ms_median", "samples_per_s", "peak_rss_mb")}
+        keys = ("step_ms_median", "samples_per_s", "peak_rss_mb", "forward_ms_median", "backward_ms_median",
+                "optimizer_ms_median")
+        med = {name: {k: statistics.median(r[k] for r in runs) for k in keys if k in runs[0]}
                for name, runs in samples.items()}
         sps = {k: v["samples_per_s"] for k, v in med.items()}
         ratios = {
             "xlr8_overhead_vs_handwritten_pct": (med["b_xlr8_1"]["step_ms_median"] / med["a_handwritten_1"]["step_ms_median"] - 1) * 100,
             "xlr8_overhead_vs_handwritten_same_malloc_pct": (med["b_xlr8_1"]["step_ms_median"] / med["a2_handwritten_1_tuned_malloc"]["step_ms_median"] - 1) * 100,
             "xlr8_ddp2_vs_xlr8_1": sps["c_xlr8_ddp_2"] / sps["b_xlr8_1"],
+            "two_independent_vs_xlr8_1": sps["h_two_independent_xlr8_1"] / sps["b_xlr8_1"],
+            "xlr8_ddp2_vs_two_independent": sps["c_xlr8_ddp_2"] / sps["h_two_independent_xlr8_1"],
             "xlr8_ddp2_vs_pytorch_ddp2_same_malloc": sps["c_xlr8_ddp_2"] / sps["d2_pytorch_ddp_2_tuned_malloc"],
             "xlr8_ddp2_vs_pytorch_ddp2": sps["c_xlr8_ddp_2"] / sps["d_pytorch_ddp_2"],
             "pytorch_ddp2_vs_pytorch_1": sps["d_pytorch_ddp_2"] / sps["e_pytorch_1"],
@@ -79,9 +101,11 @@ def main():
         }
         results["models"][model] = {"medians": med, "ratios": ratios, "runs": samples}
         print(f"\n{model}: medians of {REPS} alternating runs")
-        print(f"{'impl':<31}{'step ms':>10}{'samples/s':>12}{'peak RSS MB':>13}")
+        print(f"{'impl':<31}{'step ms':>10}{'samples/s':>12}{'peak RSS MB':>13}{'fwd ms':>9}{'bwd ms':>9}{'opt ms':>9}")
         for name, m in med.items():
-            print(f"{name:<31}{m['step_ms_median']:>10.1f}{m['samples_per_s']:>12.0f}{m['peak_rss_mb']:>13.0f}")
+            phases = "".join(f"{m[k]:>9.1f}" if k in m else f"{'-':>9}"
+                             for k in ("forward_ms_median", "backward_ms_median", "optimizer_ms_median"))
+            print(f"{name:<31}{m['step_ms_median']:>10.1f}{m['samples_per_s']:>12.0f}{m['peak_rss_mb']:>13.0f}{phases}")
         for k, v in ratios.items():
             print(f"  {k}: {v:.3f}")
     # Collectives: REPS alternating invocations; per size and column, the median over invocations.

@@ -2,7 +2,8 @@
 //   --model mlp|transformer --batch B --steps S --warmup W --threads T --impl xlr8|handwritten
 //   --collectives [--max_mb M]   (launch on 2 ranks with `xlr8 launch`)
 // Each training run prints one JSON line: {"impl", "model", "nproc", "batch_per_rank", "step_ms_median",
-// "samples_per_s", "peak_rss_mb"}; samples/s counts all ranks. Benchmarks, never assertions.
+// "samples_per_s", "peak_rss_mb", "forward_ms_median", "backward_ms_median", "optimizer_ms_median"};
+// samples/s counts all ranks. Benchmarks, never assertions.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <sys/resource.h>
@@ -27,6 +28,7 @@ struct Spec {
   std::string impl = "xlr8";
   double bucket_cap_mb = 25;
   bool compress_bf16 = false;
+  bool zero_in_place = false;  // zero_grad(false): keep .grad allocated (and a bucket view under DDP)
 };
 
 // MLP 784-2048-2048-10 (ReLU), or a small transformer encoder (d_model 256, 4 heads, 2 layers, seq 128).
@@ -65,13 +67,48 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : v[v.size() / 2];
 }
 
-void report(const Spec& s, int nproc, const std::vector<double>& step_ms, double rss_mb) {
-  double med = median(step_ms);
-  nlohmann::json line{{"impl", s.compress_bf16 ? s.impl + "_bf16_wire" : s.impl},           {"model", s.model},  {"nproc", nproc},
-                      {"batch_per_rank", s.batch}, {"step_ms_median", med},
-                      {"samples_per_s", s.batch * nproc * 1000.0 / med}, {"peak_rss_mb", rss_mb}};
+// Per timed step: the whole step, and its forward, backward (with DDP's wait for the all-reduce) and
+// optimizer (zero_grad + step) parts, so a slower step can be traced to its phase.
+struct StepTimes {
+  std::vector<double> step, forward, backward, optimizer;
+  template <class ZeroGrad, class Forward, class Backward, class Step>
+  void time(ZeroGrad&& zero_grad, Forward&& run_forward, Backward&& run_backward, Step&& optimizer_step) {
+    auto ms = [](Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double, std::milli>(b - a).count(); };
+    auto t0 = Clock::now();
+    zero_grad();
+    auto t1 = Clock::now();
+    auto loss = run_forward();
+    auto t2 = Clock::now();
+    run_backward(loss);
+    auto t3 = Clock::now();
+    optimizer_step();
+    auto t4 = Clock::now();
+    step.push_back(ms(t0, t4));
+    forward.push_back(ms(t1, t2));
+    backward.push_back(ms(t2, t3));
+    optimizer.push_back(ms(t0, t1) + ms(t3, t4));
+  }
+};
+
+// `medians` holds the step, forward, backward and optimizer medians (the slowest rank's, under DDP).
+void report(const Spec& s, int nproc, const std::vector<double>& medians, double rss_mb) {
+  const double med = medians[0];
+  nlohmann::json line{{"impl", s.compress_bf16 ? s.impl + "_bf16_wire" : s.impl},
+                      {"model", s.model},
+                      {"nproc", nproc},
+                      {"batch_per_rank", s.batch},
+                      {"step_ms_median", med},
+                      {"samples_per_s", s.batch * nproc * 1000.0 / med},
+                      {"peak_rss_mb", rss_mb},
+                      {"forward_ms_median", medians[1]},
+                      {"backward_ms_median", medians[2]},
+                      {"optimizer_ms_median", medians[3]}};
   fmt::print("{}\n", line.dump());
   std::fflush(stdout);
+}
+
+std::vector<double> medians_of(const StepTimes& t) {
+  return {median(t.step), median(t.forward), median(t.backward), median(t.optimizer)};
 }
 
 // (a) The loop a user writes without xlr8.
@@ -81,15 +118,12 @@ int handwritten(const Spec& s) {
   auto net = make_model(s.model);
   torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(1e-3));
   auto batch = make_batch(s.model, s.batch);
-  std::vector<double> times;
-  for (int i = 0; i < s.warmup + s.steps; ++i) {
-    auto start = Clock::now();
-    opt.zero_grad();
-    loss_of(s.model, net, batch).backward();
-    opt.step();
-    if (i >= s.warmup) times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
-  }
-  report(s, 1, times, peak_rss_mb());
+  StepTimes times, warmup;
+  for (int i = 0; i < s.warmup + s.steps; ++i)
+    (i < s.warmup ? warmup : times)
+        .time([&] { opt.zero_grad(); }, [&] { return loss_of(s.model, net, batch); },
+              [&](const at::Tensor& loss) { loss.backward(); }, [&] { opt.step(); });
+  report(s, 1, medians_of(times), peak_rss_mb());
   return 0;
 }
 
@@ -105,18 +139,17 @@ int with_xlr8(const Spec& s) {
   auto opt = acc.prepare(torch::optim::AdamW(net->parameters(), torch::optim::AdamWOptions(1e-3)));
   auto batch = make_batch(s.model, s.batch);
   acc.wait_for_everyone();
-  std::vector<double> times;
-  for (int i = 0; i < s.warmup + s.steps; ++i) {
-    auto start = Clock::now();
-    opt.zero_grad();
-    acc.backward(loss_of(s.model, net, batch));
-    opt.step();
-    if (i >= s.warmup) times.push_back(std::chrono::duration<double, std::milli>(Clock::now() - start).count());
-  }
+  StepTimes times, warmup;
+  for (int i = 0; i < s.warmup + s.steps; ++i)
+    (i < s.warmup ? warmup : times)
+        .time([&] { opt.zero_grad(!s.zero_in_place); }, [&] { return loss_of(s.model, net, batch); },
+              [&](const at::Tensor& loss) { acc.backward(loss); }, [&] { opt.step(); });
   // The slowest rank sets the pace: report the max over ranks of each figure.
-  auto med = acc.reduce(at::full({1}, median(times), at::kDouble), xlr8::ReduceOp::MAX).item<double>();
-  auto rss = acc.reduce(at::full({1}, peak_rss_mb(), at::kDouble), xlr8::ReduceOp::MAX).item<double>();
-  if (acc.is_main_process()) report(s, acc.num_processes(), {med}, rss);
+  auto mine = medians_of(times);
+  mine.push_back(peak_rss_mb());
+  auto slowest = acc.reduce(at::tensor(mine, at::kDouble), xlr8::ReduceOp::MAX);
+  std::vector<double> medians(slowest.data_ptr<double>(), slowest.data_ptr<double>() + 4);
+  if (acc.is_main_process()) report(s, acc.num_processes(), medians, slowest[4].item<double>());
   acc.end_training();
   return 0;
 }
@@ -218,6 +251,7 @@ int main(int argc, char** argv) {
   app.add_option("--impl", s.impl, "xlr8 | handwritten");
   app.add_option("--bucket_cap_mb", s.bucket_cap_mb, "DDP bucket size");
   app.add_flag("--compress_bf16", s.compress_bf16, "DDP: bf16 gradients on the wire");
+  app.add_flag("--zero_in_place", s.zero_in_place, "xlr8: zero gradients in place instead of setting them to none");
   app.add_flag("--collectives", coll, "Collective bandwidth instead of training");
   app.add_option("--max_mb", max_mb, "Largest collective size in MB");
   CLI11_PARSE(app, argc, argv);
