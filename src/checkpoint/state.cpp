@@ -3,6 +3,7 @@
 // renamed into place; a previous checkpoint at <dir> survives any failure before that rename.
 // load_state verifies every file against the manifest before it changes anything.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
