@@ -37,7 +37,7 @@ def configs(model):
         "b_xlr8_1": [BENCH, "--impl", "xlr8"] + args,
         # Two unrelated single processes at once: the most 2 ranks could reach on this machine with no
         # communication at all (they still share memory bandwidth and caches).
-        "h_two_independent_xlr8_1": Together([BENCH, "--impl", "xlr8"] + args, [BENCH, "--impl", "xlr8"] + args),
+        "h_two_independent_xlr8_1": Together([[BENCH, "--impl", "xlr8"] + args] * 2),
         "c_xlr8_ddp_2": launch(2, [BENCH, "--impl", "xlr8"] + args),
         "g_xlr8_ddp_2_gloo": ["/usr/bin/env", "XLR8_SHM=0"] + launch(2, [BENCH, "--impl", "xlr8"] + args),
         "d_pytorch_ddp_2": launch(2, PYBENCH + args),
