@@ -30,8 +30,9 @@ TUNED_MALLOC = ["/usr/bin/env", "GLIBC_TUNABLES=glibc.malloc.mmap_threshold=1342
 
 def configs(model):
     s = SPEC[model]
+    only = os.environ.get("ONLY", "").split()  # e.g. ONLY="b_xlr8_1 c_xlr8_ddp_2": just those configs
     args = ["--model", model, "--batch", s["batch"], "--steps", s["steps"], "--warmup", s["warmup"], "--threads", "1"]
-    return {
+    every = {
         "a_handwritten_1": [BENCH, "--impl", "handwritten"] + args,
         "a2_handwritten_1_tuned_malloc": TUNED_MALLOC + [BENCH, "--impl", "handwritten"] + args,
         "b_xlr8_1": [BENCH, "--impl", "xlr8"] + args,
@@ -39,12 +40,15 @@ def configs(model):
         # communication at all (they still share memory bandwidth and caches).
         "h_two_independent_xlr8_1": Together([[BENCH, "--impl", "xlr8"] + args] * 2),
         "c_xlr8_ddp_2": launch(2, [BENCH, "--impl", "xlr8"] + args),
+        # Diagnostic: the ranks kept in lockstep by a barrier per step, with no gradient all-reduce at all.
+        "i_xlr8_2_lockstep_only": launch(2, [BENCH, "--impl", "xlr8", "--lockstep_only"] + args),
         "g_xlr8_ddp_2_gloo": ["/usr/bin/env", "XLR8_SHM=0"] + launch(2, [BENCH, "--impl", "xlr8"] + args),
         "d_pytorch_ddp_2": launch(2, PYBENCH + args),
         "d2_pytorch_ddp_2_tuned_malloc": TUNED_MALLOC + launch(2, PYBENCH + args),
         "f_xlr8_ddp_2_bf16_wire": launch(2, [BENCH, "--impl", "xlr8", "--compress_bf16"] + args),
         "e_pytorch_1": PYBENCH + args,
     }
+    return {name: cmd for name, cmd in every.items() if not only or name in only}
 
 
 class Together(list):
@@ -86,19 +90,24 @@ def main():
         med = {name: {k: statistics.median(r[k] for r in runs) for k in keys if k in runs[0]}
                for name, runs in samples.items()}
         sps = {k: v["samples_per_s"] for k, v in med.items()}
-        ratios = {
-            "xlr8_overhead_vs_handwritten_pct": (med["b_xlr8_1"]["step_ms_median"] / med["a_handwritten_1"]["step_ms_median"] - 1) * 100,
-            "xlr8_overhead_vs_handwritten_same_malloc_pct": (med["b_xlr8_1"]["step_ms_median"] / med["a2_handwritten_1_tuned_malloc"]["step_ms_median"] - 1) * 100,
-            "xlr8_ddp2_vs_xlr8_1": sps["c_xlr8_ddp_2"] / sps["b_xlr8_1"],
-            "two_independent_vs_xlr8_1": sps["h_two_independent_xlr8_1"] / sps["b_xlr8_1"],
-            "xlr8_ddp2_vs_two_independent": sps["c_xlr8_ddp_2"] / sps["h_two_independent_xlr8_1"],
-            "xlr8_ddp2_vs_pytorch_ddp2_same_malloc": sps["c_xlr8_ddp_2"] / sps["d2_pytorch_ddp_2_tuned_malloc"],
-            "xlr8_ddp2_vs_pytorch_ddp2": sps["c_xlr8_ddp_2"] / sps["d_pytorch_ddp_2"],
-            "pytorch_ddp2_vs_pytorch_1": sps["d_pytorch_ddp_2"] / sps["e_pytorch_1"],
-            "xlr8_ddp2_bf16_wire_vs_xlr8_1": sps["f_xlr8_ddp_2_bf16_wire"] / sps["b_xlr8_1"],
-            "xlr8_ddp2_bf16_wire_vs_pytorch_ddp2": sps["f_xlr8_ddp_2_bf16_wire"] / sps["d_pytorch_ddp_2"],
-            "xlr8_ddp2_shm_vs_xlr8_ddp2_gloo": sps["c_xlr8_ddp_2"] / sps["g_xlr8_ddp_2_gloo"],
-        }
+        step = {k: v["step_ms_median"] for k, v in med.items()}
+        # (name, numerator, denominator, kind): a ratio of samples/s, or an overhead in % of step time.
+        wanted = [
+            ("xlr8_overhead_vs_handwritten_pct", "b_xlr8_1", "a_handwritten_1", "pct"),
+            ("xlr8_overhead_vs_handwritten_same_malloc_pct", "b_xlr8_1", "a2_handwritten_1_tuned_malloc", "pct"),
+            ("xlr8_ddp2_vs_xlr8_1", "c_xlr8_ddp_2", "b_xlr8_1", "x"),
+            ("two_independent_vs_xlr8_1", "h_two_independent_xlr8_1", "b_xlr8_1", "x"),
+            ("xlr8_ddp2_vs_two_independent", "c_xlr8_ddp_2", "h_two_independent_xlr8_1", "x"),
+            ("lockstep_only_vs_two_independent", "i_xlr8_2_lockstep_only", "h_two_independent_xlr8_1", "x"),
+            ("xlr8_ddp2_vs_pytorch_ddp2_same_malloc", "c_xlr8_ddp_2", "d2_pytorch_ddp_2_tuned_malloc", "x"),
+            ("xlr8_ddp2_vs_pytorch_ddp2", "c_xlr8_ddp_2", "d_pytorch_ddp_2", "x"),
+            ("pytorch_ddp2_vs_pytorch_1", "d_pytorch_ddp_2", "e_pytorch_1", "x"),
+            ("xlr8_ddp2_bf16_wire_vs_xlr8_1", "f_xlr8_ddp_2_bf16_wire", "b_xlr8_1", "x"),
+            ("xlr8_ddp2_bf16_wire_vs_pytorch_ddp2", "f_xlr8_ddp_2_bf16_wire", "d_pytorch_ddp_2", "x"),
+            ("xlr8_ddp2_shm_vs_xlr8_ddp2_gloo", "c_xlr8_ddp_2", "g_xlr8_ddp_2_gloo", "x"),
+        ]
+        ratios = {name: (step[a] / step[b] - 1) * 100 if kind == "pct" else sps[a] / sps[b]
+                  for name, a, b, kind in wanted if a in med and b in med}
         results["models"][model] = {"medians": med, "ratios": ratios, "runs": samples}
         print(f"\n{model}: medians of {REPS} alternating runs")
         print(f"{'impl':<31}{'step ms':>10}{'samples/s':>12}{'peak RSS MB':>13}{'fwd ms':>9}{'bwd ms':>9}{'opt ms':>9}")
@@ -108,6 +117,9 @@ def main():
             print(f"{name:<31}{m['step_ms_median']:>10.1f}{m['samples_per_s']:>12.0f}{m['peak_rss_mb']:>13.0f}{phases}")
         for k, v in ratios.items():
             print(f"  {k}: {v:.3f}")
+    if os.environ.get("ONLY"):
+        print("\nbench: ONLY is set, so no collectives and no results.json")
+        return
     # Collectives: REPS alternating invocations; per size and column, the median over invocations.
     runs = [run_json(launch(2, [BENCH, "--collectives", "--max_mb", "64"])) for _ in range(REPS)]
     coll = []

@@ -29,6 +29,7 @@ struct Spec {
   double bucket_cap_mb = 25;
   bool compress_bf16 = false;
   bool zero_in_place = false;  // zero_grad(false): keep .grad allocated (and a bucket view under DDP)
+  bool lockstep_only = false;  // diagnostic: a barrier per step instead of DDP's gradient all-reduce
 };
 
 // MLP 784-2048-2048-10 (ReLU), or a small transformer encoder (d_model 256, 4 heads, 2 layers, seq 128).
@@ -142,8 +143,18 @@ int with_xlr8(const Spec& s) {
   StepTimes times, warmup;
   for (int i = 0; i < s.warmup + s.steps; ++i)
     (i < s.warmup ? warmup : times)
-        .time([&] { opt.zero_grad(!s.zero_in_place); }, [&] { return loss_of(s.model, net, batch); },
-              [&](const at::Tensor& loss) { acc.backward(loss); }, [&] { opt.step(); });
+        .time(
+            [&] {
+              opt.zero_grad(!s.zero_in_place);
+              if (s.lockstep_only) acc.wait_for_everyone();
+            },
+            [&] { return loss_of(s.model, net, batch); },
+            [&](const at::Tensor& loss) {
+              if (!s.lockstep_only) return acc.backward(loss);
+              auto local = acc.no_sync(net);
+              acc.backward(loss);
+            },
+            [&] { opt.step(); });
   // The slowest rank sets the pace: report the max over ranks of each figure.
   auto mine = medians_of(times);
   mine.push_back(peak_rss_mb());
@@ -252,6 +263,8 @@ int main(int argc, char** argv) {
   app.add_option("--bucket_cap_mb", s.bucket_cap_mb, "DDP bucket size");
   app.add_flag("--compress_bf16", s.compress_bf16, "DDP: bf16 gradients on the wire");
   app.add_flag("--zero_in_place", s.zero_in_place, "xlr8: zero gradients in place instead of setting them to none");
+  app.add_flag("--lockstep_only", s.lockstep_only,
+               "Diagnostic: no gradient all-reduce, only a barrier per step (what running in lockstep costs)");
   app.add_flag("--collectives", coll, "Collective bandwidth instead of training");
   app.add_option("--max_mb", max_mb, "Largest collective size in MB");
   CLI11_PARSE(app, argc, argv);
