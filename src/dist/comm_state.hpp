@@ -11,6 +11,7 @@
 #include "core/worker_pool.hpp"
 #include "dist/shm_transport.hpp"
 #include "xlr8/communicator.hpp"
+#include "xlr8/error.hpp"
 
 namespace xlr8::detail {
 
@@ -61,6 +62,23 @@ Communicator make_communicator(compat::StorePtr store, int rank, int size, const
 // Rethrows a c10d/gloo failure as xlr8::TimeoutError or xlr8::Error naming `what`.
 [[noreturn]] void rethrow_with_context(const std::string& what, std::chrono::milliseconds timeout,
                                        const std::exception& cause);
+
+// Calls `fn` with the raw c10d error converted to an xlr8 error naming `description`.
+template <class Fn>
+auto guarded(const CommState& s, const std::string& description, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {
+    rethrow_with_context(description, s.timeout, e);
+  }
+}
+
+// Throws xlr8::Error "<description>: <why>" unless `ok`.
+inline void require(bool ok, const std::string& description, const std::string& why) {
+  if (!ok) throw Error(description + ": " + why);
+}
 
 // acc = acc (op) other, elementwise; AVG accumulates as SUM. divide_for_average finishes an AVG
 // (truncating for integers, as NCCL does).

@@ -117,6 +117,8 @@ namespace {
 using detail::combine;
 using detail::CommState;
 using detail::divide_for_average;
+using detail::guarded;
+using detail::require;
 using detail::WorkState;
 
 // Types Gloo can reduce and move on this LibTorch version.
@@ -190,18 +192,6 @@ Work composite(CommState& s, std::string description, std::function<void()> body
   return Work(st);
 }
 
-// Calls `fn` with the raw c10d error converted to an xlr8 error naming `description`.
-template <class Fn>
-auto guarded(const CommState& s, const std::string& description, Fn&& fn) {
-  try {
-    return fn();
-  } catch (const Error&) {
-    throw;
-  } catch (const std::exception& e) {
-    detail::rethrow_with_context(description, s.timeout, e);
-  }
-}
-
 void wait_step(const CommState& s, const compat::WorkPtr& w) { w->wait(s.timeout); }
 
 // Ring reduce-scatter over send/recv: (P-1)/P of the input crosses each link once, in the tensor's
@@ -251,10 +241,6 @@ void ring_all_gather(CommState& s, at::Tensor flat, int tag) {
     wait_step(s, sending);
     wait_step(s, receiving);
   }
-}
-
-void require(bool ok, const std::string& description, const std::string& why) {
-  if (!ok) throw Error(fmt::format("{}: {}", description, why));
 }
 
 }  // namespace
@@ -498,128 +484,6 @@ void Communicator::barrier() {
   opts.timeout = s.timeout;
   // Gloo: a host-side barrier, which is what "wait for everyone" means (NCCL's only orders streams).
   native(s, desc, guarded(s, desc, [&] { return s.gloo->barrier(opts); })).wait();
-}
-
-// Object collectives go through the store: no device tensors, any backend, store-enforced timeouts.
-namespace {
-
-std::string store_get(const CommState& s, const std::string& key, const std::string& desc) {
-  return guarded(s, desc, [&] {
-    auto bytes = s.store->get(key);
-    return std::string(bytes.begin(), bytes.end());
-  });
-}
-
-void store_set(const CommState& s, const std::string& key, const std::string& value, const std::string& desc) {
-  guarded(s, desc, [&] {
-    s.store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
-    return 0;
-  });
-}
-
-// The last rank to finish reading removes the keys, so the store does not grow without bound.
-void release(const CommState& s, const std::string& base, const std::vector<std::string>& keys, const std::string& desc) {
-  guarded(s, desc, [&] {
-    if (s.store->add(base + "/read", 1) == s.size) {
-      for (auto& k : keys) s.store->deleteKey(k);
-      s.store->deleteKey(base + "/read");
-    }
-    return 0;
-  });
-}
-
-}  // namespace
-
-std::string Communicator::broadcast_object(const std::string& payload, int root) {
-  auto& s = *state_;
-  auto desc = fmt::format("broadcast_object({} bytes, root {}) on group '{}' (rank {} of {})", payload.size(), root,
-                          s.name, s.rank, s.size);
-  require(root >= 0 && root < s.size, desc, fmt::format("root must be in [0, {})", s.size));
-  std::string base = fmt::format("xlr8/obj/{}", s.object_sequence++);
-  if (s.rank == root) store_set(s, base, payload, desc);
-  std::string value = s.rank == root ? payload : store_get(s, base, desc);
-  release(s, base, {base}, desc);
-  return value;
-}
-
-std::vector<std::string> Communicator::all_gather_object(const std::string& payload) {
-  auto& s = *state_;
-  auto desc = fmt::format("all_gather_object({} bytes) on group '{}' (rank {} of {})", payload.size(), s.name, s.rank, s.size);
-  std::string base = fmt::format("xlr8/obj/{}", s.object_sequence++);
-  store_set(s, fmt::format("{}/{}", base, s.rank), payload, desc);
-  std::vector<std::string> values, keys;
-  for (int i = 0; i < s.size; ++i) {
-    keys.push_back(fmt::format("{}/{}", base, i));
-    values.push_back(i == s.rank ? payload : store_get(s, keys.back(), desc));
-  }
-  release(s, base, keys, desc);
-  return values;
-}
-
-Communicator Communicator::new_group(const std::vector<int>& ranks, const std::string& name) const {
-  auto& s = *state_;
-  auto desc = fmt::format("new_group('{}', ranks [{}]) from group '{}'", name, fmt::join(ranks, ", "), s.name);
-  require(!ranks.empty(), desc, "a group needs at least one rank");
-  int my_index = -1;
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    require(ranks[i] >= 0 && ranks[i] < s.size, desc, fmt::format("rank {} is outside [0, {})", ranks[i], s.size));
-    require(i == 0 || ranks[i] > ranks[i - 1], desc, "ranks must be increasing and distinct");
-    if (ranks[i] == s.rank) my_index = static_cast<int>(i);
-  }
-  require(my_index >= 0, desc, fmt::format("this rank ({}) is not a member; only members create a group", s.rank));
-  std::string key = fmt::format("{}/{}", name, fmt::join(ranks, ","));
-  int generation = state_->subgroups_made[key]++;
-  auto store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("xlr8/group/{}/{}", key, generation), s.store);
-  return detail::make_communicator(store, my_index, static_cast<int>(ranks.size()), s.name + "/" + name, s.master_addr,
-                                   s.timeout, s.nccl != nullptr, s.shared_memory_wanted);
-}
-
-Communicator detail::make_communicator(compat::StorePtr store, int rank, int size, const std::string& name,
-                                       const std::string& master_addr, std::chrono::milliseconds timeout, bool use_nccl,
-                                       bool use_shared_memory) {
-  auto s = std::make_shared<CommState>();
-  s->store = store;
-  s->rank = rank;
-  s->size = size;
-  s->name = name;
-  s->master_addr = master_addr;
-  s->timeout = timeout;
-  auto desc = fmt::format("creating process group '{}' (rank {} of {})", name, rank, size);
-  s->gloo = guarded(*s, desc + " with gloo", [&] {
-    return compat::make_gloo(c10::make_intrusive<c10d::PrefixStore>("gloo", store), rank, size, timeout, master_addr);
-  });
-  if (use_nccl) {
-#ifdef XLR8_WITH_NCCL
-    s->nccl = guarded(*s, desc + " with nccl", [&] {
-      return compat::make_nccl(c10::make_intrusive<c10d::PrefixStore>("nccl", store), rank, size, timeout);
-    });
-#else
-    throw Error(desc + ": this xlr8 build has no NCCL support");
-#endif
-  }
-  s->shared_memory_wanted = use_shared_memory;
-  if (use_shared_memory)
-    s->shm = guarded(*s, desc + " with shared memory", [&] {
-      return detail::ShmTransport::connect(c10::make_intrusive<c10d::PrefixStore>("shm", store), rank, size, name,
-                                           timeout);
-    });
-  return Communicator(s);
-}
-
-Communicator Communicator::in_process(const std::string& store_key, int rank, int size, std::chrono::milliseconds timeout,
-                                      bool shared_memory) {
-  static std::mutex mutex;
-  static std::map<std::string, c10::intrusive_ptr<c10d::HashStore>> stores;
-  c10::intrusive_ptr<c10d::HashStore> store;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto& slot = stores[store_key];
-    if (!slot) slot = c10::make_intrusive<c10d::HashStore>();
-    store = slot;
-  }
-  store->setTimeout(timeout);
-  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("xlr8/" + store_key, store);
-  return detail::make_communicator(prefixed, rank, size, "world", "127.0.0.1", timeout, false, shared_memory);
 }
 
 }  // namespace xlr8

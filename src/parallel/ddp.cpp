@@ -142,7 +142,7 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
     if (b.reduce_from_grads && !b.sources[slot_of[k]].defined()) b.sources[slot_of[k]] = view;
     ready[k] = true;
     ++ready_count;
-    --buckets[bucket_of[k]].pending;
+    --b.pending;
     launch_ready();
   }
 
@@ -161,12 +161,12 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
       }
       for (size_t k = 0; k < params.size(); ++k)
         if (!ready[k]) {
-          view_of(k).zero_();
           auto& b = buckets[bucket_of[k]];
-          if (b.reduce_from_grads) b.sources[slot_of[k]] = view_of(k);
+          auto view = view_of(k).zero_();
+          if (b.reduce_from_grads) b.sources[slot_of[k]] = view;
           ready[k] = true;
           ++ready_count;
-          --buckets[bucket_of[k]].pending;
+          --b.pending;
         }
       launch_ready();
     }
