@@ -243,14 +243,27 @@ std::vector<std::byte*> ShmTransport::peer_copies(const Placement& where, std::i
   return copies;
 }
 
+template <class Body>
+void ShmTransport::in_step(const OpDescriptor& op, const std::string& what, Body&& body) {
+  control_->enter(op, what, timeout_);
+  body();
+  control_->barrier(what, timeout_);
+}
+
 // This rank reduces its shard (cache-line aligned, so no two ranks write one line) from every rank's
 // copy and writes the result into every copy: reduce-scatter and all-gather in one pass.
 void ShmTransport::reduce_shard(const Placement& where, std::int64_t numel, at::ScalarType dtype, ReduceOp op) {
   const auto es = static_cast<std::int64_t>(c10::elementSize(dtype));
   const auto [lo, hi] = own_shard(numel, es);
   if (hi <= lo) return;
-  reduce_blocks(where.bases[rank_] + lo * es, own_first(where, lo * es), peer_copies(where, lo * es), hi - lo, dtype,
-                op, size_);
+  reduce_to_all(where, lo * es, where.bases[rank_] + lo * es, where.bases[rank_] + lo * es, hi - lo, dtype, op);
+}
+
+void ShmTransport::reduce_to_all(const Placement& where, std::int64_t byte_offset, const std::byte* own, std::byte* out,
+                                 std::int64_t count, at::ScalarType dtype, ReduceOp op) {
+  auto sources = own_first(where, byte_offset);
+  sources[0] = own;
+  reduce_blocks(out, sources, peer_copies(where, byte_offset), count, dtype, op, size_);
 }
 
 std::vector<const std::byte*> ShmTransport::own_first(const Placement& where, std::int64_t byte_offset) const {
@@ -267,10 +280,8 @@ void ShmTransport::all_reduce(const at::Tensor& tensor, ReduceOp op, const std::
   const auto es = static_cast<std::int64_t>(tensor.element_size());
   guarded(what, [&] {
     if (auto sym = find_symmetric(tensor)) {  // in place, no copies
-      control_->enter({kAllReduce, std::uint64_t(dtype), std::uint64_t(numel), std::uint64_t(op), sym->buffer, sym->offset},
-                      what, timeout_);
-      reduce_shard(*sym, numel, dtype, op);
-      control_->barrier(what, timeout_);
+      in_step({kAllReduce, std::uint64_t(dtype), std::uint64_t(numel), std::uint64_t(op), sym->buffer, sym->offset}, what,
+              [&] { reduce_shard(*sym, numel, dtype, op); });
       return;
     }
     const auto slots = staging();
@@ -289,14 +300,9 @@ void ShmTransport::all_reduce(const at::Tensor& tensor, ReduceOp op, const std::
         std::memcpy(to + hi * es, from + hi * es, static_cast<std::size_t>((m - hi) * es));
       };
       copy_peer_shards(slot, mine);
-      control_->enter({kAllReduce, std::uint64_t(dtype), std::uint64_t(numel), std::uint64_t(op), 0, std::uint64_t(c)},
-                      what, timeout_);
-      if (hi > lo) {
-        auto sources = own_first(slots, lo * es);
-        sources[0] = mine + lo * es;
-        reduce_blocks(mine + lo * es, sources, peer_copies(slots, lo * es), hi - lo, dtype, op, size_);
-      }
-      control_->barrier(what, timeout_);
+      in_step({kAllReduce, std::uint64_t(dtype), std::uint64_t(numel), std::uint64_t(op), 0, std::uint64_t(c)}, what, [&] {
+        reduce_to_all(slots, lo * es, mine + lo * es, mine + lo * es, hi - lo, dtype, op);
+      });
       copy_peer_shards(mine, slot);
     }
   });
@@ -333,14 +339,12 @@ void ShmTransport::all_reduce_into(const at::Tensor& output, const std::vector<a
     const auto [lo, hi] = own_shard(numel, es);
     for_inputs_in(0, lo, publish);
     for_inputs_in(hi, numel, publish);
-    control_->enter({kAllReduce, std::uint64_t(dtype), std::uint64_t(numel), std::uint64_t(op), sym->buffer, sym->offset},
-                    what, timeout_);
-    for_inputs_in(lo, hi, [&](const std::byte* from, std::int64_t offset, std::int64_t count) {
-      auto sources = own_first(*sym, offset * es);
-      sources[0] = from;
-      reduce_blocks(out + offset * es, sources, peer_copies(*sym, offset * es), count, dtype, op, size_);
-    });
-    control_->barrier(what, timeout_);
+    in_step({kAllReduce, std::uint64_t(dtype), std::uint64_t(numel), std::uint64_t(op), sym->buffer, sym->offset}, what,
+            [&] {
+              for_inputs_in(lo, hi, [&](const std::byte* from, std::int64_t offset, std::int64_t count) {
+                reduce_to_all(*sym, offset * es, from, out + offset * es, count, dtype, op);
+              });
+            });
   });
 }
 
@@ -353,10 +357,8 @@ void ShmTransport::reduce_scatter(const at::Tensor& output, const at::Tensor& in
   auto* out = static_cast<std::byte*>(output.data_ptr());
   guarded(what, [&] {
     if (auto sym = find_symmetric(input)) {
-      control_->enter({kReduceScatter, std::uint64_t(dtype), std::uint64_t(n), std::uint64_t(op), sym->buffer, sym->offset},
-                      what, timeout_);
-      reduce_blocks(out, own_first(*sym, rank_ * n * es), {}, n, dtype, op, size_);
-      control_->barrier(what, timeout_);
+      in_step({kReduceScatter, std::uint64_t(dtype), std::uint64_t(n), std::uint64_t(op), sym->buffer, sym->offset}, what,
+              [&] { reduce_blocks(out, own_first(*sym, rank_ * n * es), {}, n, dtype, op, size_); });
       return;
     }
     const auto slots = staging();
@@ -366,10 +368,8 @@ void ShmTransport::reduce_scatter(const at::Tensor& output, const at::Tensor& in
       const std::int64_t m = std::min(chunk, n - c);
       for (int i = 0; i < size_; ++i)  // slot layout: the m elements bound for rank 0, then rank 1, ...
         std::memcpy(slots.bases[rank_] + i * m * es, in + (i * n + c) * es, static_cast<std::size_t>(m * es));
-      control_->enter({kReduceScatter, std::uint64_t(dtype), std::uint64_t(n), std::uint64_t(op), 0, std::uint64_t(c)},
-                      what, timeout_);
-      reduce_blocks(out + c * es, own_first(slots, rank_ * m * es), {}, m, dtype, op, size_);
-      control_->barrier(what, timeout_);
+      in_step({kReduceScatter, std::uint64_t(dtype), std::uint64_t(n), std::uint64_t(op), 0, std::uint64_t(c)}, what,
+              [&] { reduce_blocks(out + c * es, own_first(slots, rank_ * m * es), {}, m, dtype, op, size_); });
     }
   });
 }
@@ -382,9 +382,9 @@ void ShmTransport::all_gather(const at::Tensor& output, const at::Tensor& input,
   auto* out = static_cast<std::byte*>(output.data_ptr());
   guarded(what, [&] {
     if (auto sym = find_symmetric(input)) {
-      control_->enter({kAllGather, std::uint64_t(dtype), std::uint64_t(n), 0, sym->buffer, sym->offset}, what, timeout_);
-      for (int j = 0; j < size_; ++j) std::memcpy(out + j * n * es, sym->bases[j], static_cast<std::size_t>(n * es));
-      control_->barrier(what, timeout_);
+      in_step({kAllGather, std::uint64_t(dtype), std::uint64_t(n), 0, sym->buffer, sym->offset}, what, [&] {
+        for (int j = 0; j < size_; ++j) std::memcpy(out + j * n * es, sym->bases[j], static_cast<std::size_t>(n * es));
+      });
       return;
     }
     const auto slots = staging();
@@ -393,10 +393,10 @@ void ShmTransport::all_gather(const at::Tensor& output, const at::Tensor& input,
     for (std::int64_t c = 0; c < n; c += chunk) {
       const std::int64_t m = std::min(chunk, n - c);
       std::memcpy(slots.bases[rank_], in + c * es, static_cast<std::size_t>(m * es));
-      control_->enter({kAllGather, std::uint64_t(dtype), std::uint64_t(n), 0, 0, std::uint64_t(c)}, what, timeout_);
-      for (int j = 0; j < size_; ++j)
-        std::memcpy(out + (j * n + c) * es, slots.bases[j], static_cast<std::size_t>(m * es));
-      control_->barrier(what, timeout_);
+      in_step({kAllGather, std::uint64_t(dtype), std::uint64_t(n), 0, 0, std::uint64_t(c)}, what, [&] {
+        for (int j = 0; j < size_; ++j)
+          std::memcpy(out + (j * n + c) * es, slots.bases[j], static_cast<std::size_t>(m * es));
+      });
     }
   });
 }

@@ -61,7 +61,15 @@ class ShmTransport {
   // Runs `body` with the group failed (and the others released) if it throws.
   template <class Body>
   void guarded(const std::string& what, Body&& body);
+  // Every rank publishes `op` and waits for all (mismatches are errors), runs `body` on the shared
+  // buffers, then waits for all again, so no buffer is reused while a peer still reads it.
+  template <class Body>
+  void in_step(const OpDescriptor& op, const std::string& what, Body&& body);
   void reduce_shard(const Placement& where, std::int64_t numel, at::ScalarType dtype, ReduceOp op);
+  // `count` elements at `byte_offset` of every rank's copy, this rank's read from `own`, reduced into
+  // `out` and into every peer's copy.
+  void reduce_to_all(const Placement& where, std::int64_t byte_offset, const std::byte* own, std::byte* out,
+                     std::int64_t count, at::ScalarType dtype, ReduceOp op);
   // [lo, hi): the elements this rank reduces, whole 64-byte lines.
   std::pair<std::int64_t, std::int64_t> own_shard(std::int64_t numel, std::int64_t es) const;
   std::vector<std::byte*> peer_copies(const Placement& where, std::int64_t byte_offset) const;
