@@ -47,6 +47,10 @@ def configs(model):
         "d2_pytorch_ddp_2_tuned_malloc": TUNED_MALLOC + launch(2, PYBENCH + args),
         "f_xlr8_ddp_2_bf16_wire": launch(2, [BENCH, "--impl", "xlr8", "--compress_bf16"] + args),
         "e_pytorch_1": PYBENCH + args,
+        # The same xlr8 runs with xlr8::optim::FusedAdamW instead of LibTorch's AdamW.
+        "b_f_xlr8_1_fused_adamw": [BENCH, "--impl", "xlr8", "--optimizer", "fused_adamw"] + args,
+        "h_f_two_independent_xlr8_1_fused_adamw": Together([[BENCH, "--impl", "xlr8", "--optimizer", "fused_adamw"] + args] * 2),
+        "c_f_xlr8_ddp_2_fused_adamw": launch(2, [BENCH, "--impl", "xlr8", "--optimizer", "fused_adamw"] + args),
     }
     return {name: cmd for name, cmd in every.items() if not only or name in only}
 
@@ -105,16 +109,21 @@ def main():
             ("xlr8_ddp2_bf16_wire_vs_xlr8_1", "f_xlr8_ddp_2_bf16_wire", "b_xlr8_1", "x"),
             ("xlr8_ddp2_bf16_wire_vs_pytorch_ddp2", "f_xlr8_ddp_2_bf16_wire", "d_pytorch_ddp_2", "x"),
             ("xlr8_ddp2_shm_vs_xlr8_ddp2_gloo", "c_xlr8_ddp_2", "g_xlr8_ddp_2_gloo", "x"),
+            ("fused_adamw: xlr8_1_vs_xlr8_1_adamw", "b_f_xlr8_1_fused_adamw", "b_xlr8_1", "x"),
+            ("fused_adamw: xlr8_ddp2_vs_xlr8_1", "c_f_xlr8_ddp_2_fused_adamw", "b_f_xlr8_1_fused_adamw", "x"),
+            ("fused_adamw: two_independent_vs_xlr8_1", "h_f_two_independent_xlr8_1_fused_adamw", "b_f_xlr8_1_fused_adamw", "x"),
+            ("fused_adamw: xlr8_ddp2_vs_pytorch_ddp2", "c_f_xlr8_ddp_2_fused_adamw", "d_pytorch_ddp_2", "x"),
+            ("fused_adamw: xlr8_ddp2_vs_pytorch_ddp2_same_malloc", "c_f_xlr8_ddp_2_fused_adamw", "d2_pytorch_ddp_2_tuned_malloc", "x"),
         ]
         ratios = {name: (step[a] / step[b] - 1) * 100 if kind == "pct" else sps[a] / sps[b]
                   for name, a, b, kind in wanted if a in med and b in med}
         results["models"][model] = {"medians": med, "ratios": ratios, "runs": samples}
         print(f"\n{model}: medians of {REPS} alternating runs")
-        print(f"{'impl':<31}{'step ms':>10}{'samples/s':>12}{'peak RSS MB':>13}{'fwd ms':>9}{'bwd ms':>9}{'opt ms':>9}")
+        print(f"{'impl':<40}{'step ms':>10}{'samples/s':>12}{'peak RSS MB':>13}{'fwd ms':>9}{'bwd ms':>9}{'opt ms':>9}")
         for name, m in med.items():
             phases = "".join(f"{m[k]:>9.1f}" if k in m else f"{'-':>9}"
                              for k in ("forward_ms_median", "backward_ms_median", "optimizer_ms_median"))
-            print(f"{name:<31}{m['step_ms_median']:>10.1f}{m['samples_per_s']:>12.0f}{m['peak_rss_mb']:>13.0f}{phases}")
+            print(f"{name:<40}{m['step_ms_median']:>10.1f}{m['samples_per_s']:>12.0f}{m['peak_rss_mb']:>13.0f}{phases}")
         for k, v in ratios.items():
             print(f"  {k}: {v:.3f}")
     if os.environ.get("ONLY"):

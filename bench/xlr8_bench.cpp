@@ -1,5 +1,6 @@
 // xlr8-bench: training-step throughput of the bench specs, and collective bandwidth.
 //   --model mlp|transformer --batch B --steps S --warmup W --threads T --impl xlr8|handwritten
+//   [--optimizer adamw|fused_adamw]
 //   --collectives [--max_mb M]   (launch on 2 ranks with `xlr8 launch`)
 // Each training run prints one JSON line: {"impl", "model", "nproc", "batch_per_rank", "step_ms_median",
 // "samples_per_s", "peak_rss_mb", "forward_ms_median", "backward_ms_median", "optimizer_ms_median"};
@@ -14,6 +15,7 @@
 
 #include "compat/torch_compat.hpp"
 #include "xlr8/accelerator.hpp"
+#include "xlr8/fused_adam.hpp"
 
 namespace {
 
@@ -30,6 +32,7 @@ struct Spec {
   bool compress_bf16 = false;
   bool zero_in_place = false;  // zero_grad(false): keep .grad allocated (and a bucket view under DDP)
   bool lockstep_only = false;  // diagnostic: a barrier per step instead of DDP's gradient all-reduce
+  std::string optimizer = "adamw";  // xlr8 only: adamw (LibTorch's) | fused_adamw (xlr8::optim::FusedAdamW)
 };
 
 // MLP 784-2048-2048-10 (ReLU), or a small transformer encoder (d_model 256, 4 heads, 2 layers, seq 128).
@@ -94,7 +97,8 @@ struct StepTimes {
 // `medians` holds the step, forward, backward and optimizer medians (the slowest rank's, under DDP).
 void report(const Spec& s, int nproc, const std::vector<double>& medians, double rss_mb) {
   const double med = medians[0];
-  nlohmann::json line{{"impl", s.compress_bf16 ? s.impl + "_bf16_wire" : s.impl},
+  const std::string impl = s.impl + (s.compress_bf16 ? "_bf16_wire" : "") + (s.optimizer == "adamw" ? "" : "_" + s.optimizer);
+  nlohmann::json line{{"impl", impl},
                       {"model", s.model},
                       {"nproc", nproc},
                       {"batch_per_rank", s.batch},
@@ -137,7 +141,9 @@ int with_xlr8(const Spec& s) {
   at::set_num_threads(s.threads);
   torch::manual_seed(0);
   auto net = acc.prepare(make_model(s.model));
-  auto opt = acc.prepare(torch::optim::AdamW(net->parameters(), torch::optim::AdamWOptions(1e-3)));
+  const torch::optim::AdamWOptions adamw(1e-3);
+  auto opt = s.optimizer == "fused_adamw" ? acc.prepare(xlr8::optim::FusedAdamW(net->parameters(), adamw))
+                                          : acc.prepare(torch::optim::AdamW(net->parameters(), adamw));
   auto batch = make_batch(s.model, s.batch);
   acc.wait_for_everyone();
   StepTimes times, warmup;
@@ -263,6 +269,7 @@ int main(int argc, char** argv) {
   app.add_option("--bucket_cap_mb", s.bucket_cap_mb, "DDP bucket size");
   app.add_flag("--compress_bf16", s.compress_bf16, "DDP: bf16 gradients on the wire");
   app.add_flag("--zero_in_place", s.zero_in_place, "xlr8: zero gradients in place instead of setting them to none");
+  app.add_option("--optimizer", s.optimizer, "xlr8: adamw | fused_adamw")->check(CLI::IsMember({"adamw", "fused_adamw"}));
   app.add_flag("--lockstep_only", s.lockstep_only,
                "Diagnostic: no gradient all-reduce, only a barrier per step (what running in lockstep costs)");
   app.add_flag("--collectives", coll, "Collective bandwidth instead of training");

@@ -21,6 +21,7 @@
 #endif
 
 #include <chrono>
+#include <sstream>
 #include <string>
 
 #define XLR8_TORCH_AT_LEAST(major, minor) \
@@ -135,6 +136,21 @@ inline void autocast_enter() { at::autocast::increment_nesting(); }
 inline void autocast_exit() {
   if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
 }
+
+// ------------------------------------------------------------------ optimizers
+// Optimizer::state_ is keyed by the parameter's TensorImpl: its address printed as a string before 2.2,
+// the address itself from 2.2 on (PR #108480). Subclasses that create state must use the same key.
+#if XLR8_TORCH_AT_LEAST(2, 2)
+using OptimizerStateKey = void*;
+inline OptimizerStateKey optimizer_state_key(const at::Tensor& parameter) { return parameter.unsafeGetTensorImpl(); }
+#else
+using OptimizerStateKey = std::string;
+inline OptimizerStateKey optimizer_state_key(const at::Tensor& parameter) {
+  std::ostringstream address;
+  address << parameter.unsafeGetTensorImpl();
+  return address.str();
+}
+#endif
 
 // TCPStore options: identical fields on 1.13 and 2.x for what we use.
 inline StorePtr make_tcp_store(const std::string& host, int port, bool is_server, int world_size,

@@ -108,6 +108,30 @@ TEST(Oracle, ThreeRanksMatchOneProcessOverSharedMemoryAndOverGloo) {
   }
 }
 
+TEST(Oracle, FusedAdamWUnderDdpMatchesOneProcessAndResumesFromACheckpoint) {
+  // Both DDP gradient paths (fresh gradients read by all_reduce_into, and .grad views into buckets)
+  // feed the fused step; save_state/load_state carry its state.
+  const Args fused{"--optimizer", "fused_adamw", "--steps", "12"};
+  auto one = oracle_run(1, 8, fused);
+  ASSERT_EQ(one.losses.size(), 12u);
+  for (bool zero_in_place : {false, true}) {
+    SCOPED_TRACE(fmt::format("zero_in_place={}", zero_in_place));
+    Args args = fused;
+    if (zero_in_place) args.push_back("--zero_in_place");
+    auto two = oracle_run(2, 4, args);
+    expect_close(two.losses, one.losses, 1e-5);
+    expect_same_params(two.dir, one.dir, 1e-5);
+  }
+  auto first = oracle_run(2, 4, {"--optimizer", "fused_adamw", "--steps", "5", "--checkpoint_at", "5"});
+  auto resumed_dir = temp_dir("fused_resumed");
+  auto r = train(2, {"--optimizer", "fused_adamw", "--batch", "4", "--steps", "12", "--resume",
+                     first.dir + "/checkpoint", "--out", resumed_dir});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto tail = std::vector<double>(one.losses.begin() + 5, one.losses.end());
+  expect_close(last_json(r.out)["losses"].get<std::vector<double>>(), tail, 1e-5);
+  expect_same_params(resumed_dir, one.dir, 1e-5);
+}
+
 TEST(Oracle, GradientAccumulationIncludingTheForcedSyncAtEpochEnd) {
   // 88 samples, global batch 8: 11 micro-batches per epoch, so every epoch ends on a short window.
   auto one = oracle_run(1, 8, {"--steps", "9", "--accum", "2", "--samples", "88"});

@@ -3,7 +3,7 @@
 // with the per-step losses (mean over ranks) and writes the final parameters with save_model.
 //   --batch B --accum K --steps S --precision no|bf16|fp16 --out DIR
 //   --checkpoint_at N (save_state after optimizer step N)   --resume DIR
-//   --mode train|gather|mismatch|unused   --find_unused   --samples N
+//   --mode train|gather|mismatch|unused   --find_unused   --samples N   --optimizer adamw|fused_adamw
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -13,6 +13,7 @@
 
 #include "xlr8/accelerator.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/fused_adam.hpp"
 
 namespace {
 
@@ -59,6 +60,8 @@ int main(int argc, char** argv) {
   app.add_flag("--find_unused", find_unused);
   app.add_flag("--compress_bf16", compress);
   app.add_flag("--zero_in_place", zero_in_place);
+  std::string optimizer = "adamw";
+  app.add_option("--optimizer", optimizer)->check(CLI::IsMember({"adamw", "fused_adamw"}));
   CLI11_PARSE(app, argc, argv);
   try {
     xlr8::AcceleratorOptions options;
@@ -122,7 +125,9 @@ int main(int argc, char** argv) {
 
     int64_t hidden = (mode == "mismatch" && acc.process_index() == 1) ? 12 : 16;
     auto model = acc.prepare(Mlp(hidden, mode == "unused"));
-    auto opt = acc.prepare(torch::optim::AdamW(model->parameters(), torch::optim::AdamWOptions(1e-2)));
+    const torch::optim::AdamWOptions adamw(1e-2);
+    auto opt = optimizer == "fused_adamw" ? acc.prepare(xlr8::optim::FusedAdamW(model->parameters(), adamw))
+                                          : acc.prepare(torch::optim::AdamW(model->parameters(), adamw));
     auto sched = acc.prepare(torch::optim::StepLR(opt.optimizer(), 5, 0.5));
     auto loader = acc.prepare_data_loader(Synthetic(samples), {.batch_size = batch, .shuffle = true, .seed = 11});
     if (!resume.empty()) acc.load_state(resume);

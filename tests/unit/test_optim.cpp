@@ -1,0 +1,193 @@
+// FusedAdamW / FusedAdam against LibTorch's AdamW / Adam: the same trajectory to float32 rounding, the
+// same state (interchangeable through torch::save/load), LibTorch's arithmetic on the paths the fused
+// pass leaves out, and results that do not depend on the number of intra-op threads.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+
+#include "xlr8/error.hpp"
+#include "xlr8/fused_adam.hpp"
+
+using xlr8::optim::FusedAdam;
+using xlr8::optim::FusedAdamW;
+namespace fs = std::filesystem;
+
+namespace {
+
+// Parameters that cover every path: odd sizes (vector tail), a large one (split over threads), a
+// non-contiguous one and a float64 one (LibTorch's arithmetic), one that never gets a gradient.
+std::vector<torch::Tensor> make_parameters() {
+  torch::manual_seed(3);
+  std::vector<torch::Tensor> ps{torch::randn({37, 13}), torch::randn({100003}), torch::randn({64, 64}),
+                                torch::randn({6, 4}).t(), torch::randn({5, 5}, torch::kDouble), torch::randn({4}),
+                                torch::randn({21})};
+  for (auto& p : ps) p.requires_grad_(true);
+  return ps;
+}
+
+std::vector<torch::Tensor> copies(const std::vector<torch::Tensor>& ps) {
+  std::vector<torch::Tensor> out;
+  for (const auto& p : ps) {
+    // empty_strided keeps a non-contiguous parameter non-contiguous in the copy.
+    auto c = torch::empty_strided(p.sizes(), p.strides(), p.options());
+    c.copy_(p);
+    out.push_back(c.detach().requires_grad_(true));
+  }
+  return out;
+}
+
+// Groups: [0..2] defaults, [3..4] other hyper-parameters, [6] amsgrad. Parameter 5 never gets a gradient.
+template <class Optim, class Options>
+Optim make_optimizer(const std::vector<torch::Tensor>& ps, double weight_decay) {
+  using Group = torch::optim::OptimizerParamGroup;
+  std::vector<Group> groups;
+  groups.emplace_back(std::vector<torch::Tensor>{ps[0], ps[1], ps[2], ps[5]});
+  groups.emplace_back(std::vector<torch::Tensor>{ps[3], ps[4]},
+                      std::make_unique<Options>(Options(5e-3).betas({0.8, 0.99}).eps(1e-6).weight_decay(0)));
+  groups.emplace_back(std::vector<torch::Tensor>{ps[6]},
+                      std::make_unique<Options>(Options(2e-3).amsgrad(true).weight_decay(weight_decay)));
+  return Optim(groups, Options(1e-3).weight_decay(weight_decay));
+}
+
+void give_gradients(std::vector<std::vector<torch::Tensor>*> sets, int step) {
+  torch::manual_seed(100 + step);
+  auto& first = *sets[0];
+  for (std::size_t i = 0; i < first.size(); ++i) {
+    if (i == 5) continue;
+    auto g = torch::randn(first[i].sizes(), first[i].options().requires_grad(false));
+    for (auto* set : sets) (*set)[i].mutable_grad() = g.clone();
+  }
+}
+
+void expect_close(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, double rtol,
+                  double atol) {
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i)
+    EXPECT_TRUE(torch::allclose(a[i], b[i], rtol, atol))
+        << "parameter " << i << ": max difference " << (a[i] - b[i]).abs().max().item<double>();
+}
+
+template <class Fused, class Reference, class Options>
+void expect_same_trajectory(double weight_decay) {
+  auto fused_params = make_parameters(), reference_params = copies(fused_params);
+  auto fused = make_optimizer<Fused, Options>(fused_params, weight_decay);
+  auto reference = make_optimizer<Reference, Options>(reference_params, weight_decay);
+  for (int step = 0; step < 12; ++step) {
+    give_gradients({&fused_params, &reference_params}, step);
+    fused.step();
+    reference.step();
+  }
+  expect_close(fused_params, reference_params, 1e-5, 1e-6);
+  // The trajectory moved far enough for a wrong coefficient to show.
+  EXPECT_GT((fused_params[1] - make_parameters()[1]).abs().max().item<double>(), 5e-3);
+  EXPECT_EQ(fused.state().size(), reference.state().size());  // none for the gradient-less parameter
+  EXPECT_EQ(fused.state().size(), 6u);
+}
+
+}  // namespace
+
+TEST(FusedAdam, AdamWFollowsLibTorchsAdamW) {
+  expect_same_trajectory<FusedAdamW, torch::optim::AdamW, torch::optim::AdamWOptions>(1e-2);
+}
+
+TEST(FusedAdam, AdamWithL2WeightDecayFollowsLibTorchsAdam) {
+  expect_same_trajectory<FusedAdam, torch::optim::Adam, torch::optim::AdamOptions>(0.1);
+  expect_same_trajectory<FusedAdam, torch::optim::Adam, torch::optim::AdamOptions>(0.0);
+}
+
+TEST(FusedAdam, StateIsInterchangeableWithLibTorchsAdamW) {
+  auto dir = fs::temp_directory_path() / ("xlr8_optim_" + std::to_string(getpid()));
+  fs::create_directories(dir);
+  // Five fused steps, saved; a plain AdamW loads them and takes three more, as does the fused one.
+  auto fused_params = make_parameters();
+  auto fused = make_optimizer<FusedAdamW, torch::optim::AdamWOptions>(fused_params, 1e-2);
+  for (int step = 0; step < 5; ++step) {
+    give_gradients({&fused_params}, step);
+    fused.step();
+  }
+  torch::save(fused, (dir / "fused.pt").string());
+  auto plain_params = copies(fused_params);
+  auto plain = make_optimizer<torch::optim::AdamW, torch::optim::AdamWOptions>(plain_params, 1e-2);
+  torch::load(plain, (dir / "fused.pt").string());
+  // And back: a fused optimizer loading the plain one's archive.
+  torch::save(plain, (dir / "plain.pt").string());
+  auto again_params = copies(fused_params);
+  auto again = make_optimizer<FusedAdamW, torch::optim::AdamWOptions>(again_params, 1e-2);
+  torch::load(again, (dir / "plain.pt").string());
+  for (int step = 5; step < 8; ++step) {
+    give_gradients({&fused_params, &plain_params, &again_params}, step);
+    fused.step();
+    plain.step();
+    again.step();
+  }
+  expect_close(plain_params, fused_params, 1e-5, 1e-6);
+  expect_close(again_params, fused_params, 1e-5, 1e-6);
+  for (const auto& [key, state] : again.state())
+    EXPECT_EQ(static_cast<const torch::optim::AdamWParamState&>(*state).step(), 8);
+  fs::remove_all(dir);
+}
+
+TEST(FusedAdam, ResultsDoNotDependOnThreadsOrOnWhereAnElementFallsInTheVectorLoop) {
+  // Threads split a parameter at arbitrary elements; every element must take the same arithmetic.
+  const int threads = at::get_num_threads();
+  std::vector<torch::Tensor> results;
+  for (int n : {1, 2, 3}) {
+    at::set_num_threads(n);
+    auto ps = make_parameters();
+    auto opt = make_optimizer<FusedAdamW, torch::optim::AdamWOptions>(ps, 1e-2);
+    for (int step = 0; step < 3; ++step) {
+      give_gradients({&ps}, step);
+      opt.step();
+    }
+    results.push_back(ps[1].detach().clone());
+  }
+  at::set_num_threads(threads);
+  EXPECT_TRUE(torch::equal(results[0], results[1]));
+  EXPECT_TRUE(torch::equal(results[0], results[2]));
+
+  // 300 parameters of 7 elements (all vector tail) against one of 2100 (no tail), same values.
+  torch::manual_seed(5);
+  auto whole = torch::randn({2100}).requires_grad_(true);
+  std::vector<torch::Tensor> pieces;
+  for (const auto& chunk : whole.detach().split(7)) pieces.push_back(chunk.clone().requires_grad_(true));
+  FusedAdamW one({whole}), many(pieces);
+  for (int step = 0; step < 3; ++step) {
+    whole.mutable_grad() = torch::randn({2100});
+    auto grads = whole.grad().split(7);
+    for (std::size_t i = 0; i < pieces.size(); ++i) pieces[i].mutable_grad() = grads[i].clone();
+    one.step();
+    many.step();
+  }
+  EXPECT_TRUE(torch::equal(torch::cat(pieces).detach(), whole.detach()));
+}
+
+TEST(FusedAdam, StepBumpsTheParameterVersionAndRunsTheClosure) {
+  auto p = torch::randn({10}).requires_grad_(true);
+  FusedAdamW opt({p}, torch::optim::AdamWOptions(1e-3));
+  const auto version = p._version();
+  int calls = 0;
+  auto loss = opt.step([&] {
+    ++calls;
+    auto l = (p * p).sum();
+    l.backward();
+    return l;
+  });
+  EXPECT_EQ(calls, 1);
+  EXPECT_TRUE(loss.defined());
+  EXPECT_GT(p._version(), version);  // autograd sees the in-place update
+}
+
+TEST(FusedAdam, SparseGradientIsAClearError) {
+  auto p = torch::randn({3, 2}).requires_grad_(true);
+  p.mutable_grad() = torch::randn({3, 2}).to_sparse();
+  FusedAdamW opt({p});
+  try {
+    opt.step();
+    FAIL() << "expected an error";
+  } catch (const xlr8::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("FusedAdamW: the parameter of shape [3, 2] has a sparse gradient"),
+              std::string::npos)
+        << e.what();
+  }
+}
