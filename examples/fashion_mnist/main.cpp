@@ -8,6 +8,7 @@
 #include "fashion_mnist.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/fused_adam.hpp"
 
 namespace {
 
@@ -57,7 +58,8 @@ int run(const Args& args) {
   acc.set_seed(args.seed);
 
   auto model = acc.prepare(fashion::Net());
-  auto opt = acc.prepare(torch::optim::AdamW(model->parameters(), torch::optim::AdamWOptions(args.lr)));
+  // FusedAdamW: LibTorch's AdamW (same options and state) with a one-pass step on CPU.
+  auto opt = acc.prepare(xlr8::optim::FusedAdamW(model->parameters(), torch::optim::AdamWOptions(args.lr)));
   fashion::Dataset train_set(args.data_dir, "train", args.train_limit), test_set(args.data_dir, "t10k");
   auto train = acc.prepare_data_loader(
       std::move(train_set), {.batch_size = args.batch_size, .shuffle = true, .num_workers = args.num_workers});
