@@ -60,6 +60,17 @@ void give_gradients(std::vector<std::vector<torch::Tensor>*> sets, int step) {
   }
 }
 
+// Steps [from, to): the same fresh gradients into every run's parameters, then each run's optimizer steps.
+using Run = std::pair<std::vector<torch::Tensor>*, torch::optim::Optimizer*>;
+void take_steps(const std::vector<Run>& runs, int from, int to) {
+  std::vector<std::vector<torch::Tensor>*> sets;
+  for (const auto& run : runs) sets.push_back(run.first);
+  for (int step = from; step < to; ++step) {
+    give_gradients(sets, step);
+    for (const auto& run : runs) run.second->step();
+  }
+}
+
 void expect_close(const std::vector<torch::Tensor>& a, const std::vector<torch::Tensor>& b, double rtol,
                   double atol) {
   ASSERT_EQ(a.size(), b.size());
@@ -73,11 +84,7 @@ void expect_same_trajectory(double weight_decay) {
   auto fused_params = make_parameters(), reference_params = copies(fused_params);
   auto fused = make_optimizer<Fused, Options>(fused_params, weight_decay);
   auto reference = make_optimizer<Reference, Options>(reference_params, weight_decay);
-  for (int step = 0; step < 12; ++step) {
-    give_gradients({&fused_params, &reference_params}, step);
-    fused.step();
-    reference.step();
-  }
+  take_steps({{&fused_params, &fused}, {&reference_params, &reference}}, 0, 12);
   expect_close(fused_params, reference_params, 1e-5, 1e-6);
   // The trajectory moved far enough for a wrong coefficient to show.
   EXPECT_GT((fused_params[1] - make_parameters()[1]).abs().max().item<double>(), 5e-3);
@@ -102,10 +109,7 @@ TEST(FusedAdam, StateIsInterchangeableWithLibTorchsAdamW) {
   // Five fused steps, saved; a plain AdamW loads them and takes three more, as does the fused one.
   auto fused_params = make_parameters();
   auto fused = make_optimizer<FusedAdamW, torch::optim::AdamWOptions>(fused_params, 1e-2);
-  for (int step = 0; step < 5; ++step) {
-    give_gradients({&fused_params}, step);
-    fused.step();
-  }
+  take_steps({{&fused_params, &fused}}, 0, 5);
   torch::save(fused, (dir / "fused.pt").string());
   auto plain_params = copies(fused_params);
   auto plain = make_optimizer<torch::optim::AdamW, torch::optim::AdamWOptions>(plain_params, 1e-2);
@@ -115,12 +119,7 @@ TEST(FusedAdam, StateIsInterchangeableWithLibTorchsAdamW) {
   auto again_params = copies(fused_params);
   auto again = make_optimizer<FusedAdamW, torch::optim::AdamWOptions>(again_params, 1e-2);
   torch::load(again, (dir / "plain.pt").string());
-  for (int step = 5; step < 8; ++step) {
-    give_gradients({&fused_params, &plain_params, &again_params}, step);
-    fused.step();
-    plain.step();
-    again.step();
-  }
+  take_steps({{&fused_params, &fused}, {&plain_params, &plain}, {&again_params, &again}}, 5, 8);
   expect_close(plain_params, fused_params, 1e-5, 1e-6);
   expect_close(again_params, fused_params, 1e-5, 1e-6);
   for (const auto& [key, state] : again.state())
@@ -136,10 +135,7 @@ TEST(FusedAdam, ResultsDoNotDependOnThreadsOrOnWhereAnElementFallsInTheVectorLoo
     at::set_num_threads(n);
     auto ps = make_parameters();
     auto opt = make_optimizer<FusedAdamW, torch::optim::AdamWOptions>(ps, 1e-2);
-    for (int step = 0; step < 3; ++step) {
-      give_gradients({&ps}, step);
-      opt.step();
-    }
+    take_steps({{&ps, &opt}}, 0, 3);
     results.push_back(ps[1].detach().clone());
   }
   at::set_num_threads(threads);
