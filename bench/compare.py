@@ -90,7 +90,7 @@ def main():
                 samples[name].append(run_json(cmd)[-1])
             print(f"bench: {model} repetition {rep + 1}/{REPS} done", file=sys.stderr, flush=True)
         keys = ("step_ms_median", "samples_per_s", "peak_rss_mb", "forward_ms_median", "backward_ms_median",
-                "optimizer_ms_median")
+                "optimizer_ms_median", "comm_wait_ms_median")
         med = {name: {k: statistics.median(r[k] for r in runs) for k in keys if k in runs[0]}
                for name, runs in samples.items()}
         sps = {k: v["samples_per_s"] for k, v in med.items()}
@@ -119,10 +119,11 @@ def main():
                   for name, a, b, kind in wanted if a in med and b in med}
         results["models"][model] = {"medians": med, "ratios": ratios, "runs": samples}
         print(f"\n{model}: medians of {REPS} alternating runs")
-        print(f"{'impl':<40}{'step ms':>10}{'samples/s':>12}{'peak RSS MB':>13}{'fwd ms':>9}{'bwd ms':>9}{'opt ms':>9}")
+        print(f"{'impl':<40}{'step ms':>10}{'samples/s':>12}{'peak RSS MB':>13}{'fwd ms':>9}{'bwd ms':>9}{'opt ms':>9}{'wait ms':>9}")
         for name, m in med.items():
             phases = "".join(f"{m[k]:>9.1f}" if k in m else f"{'-':>9}"
-                             for k in ("forward_ms_median", "backward_ms_median", "optimizer_ms_median"))
+                             for k in ("forward_ms_median", "backward_ms_median", "optimizer_ms_median",
+                                       "comm_wait_ms_median"))
             print(f"{name:<40}{m['step_ms_median']:>10.1f}{m['samples_per_s']:>12.0f}{m['peak_rss_mb']:>13.0f}{phases}")
         for k, v in ratios.items():
             print(f"  {k}: {v:.3f}")

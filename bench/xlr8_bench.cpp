@@ -3,7 +3,8 @@
 //   [--optimizer adamw|fused_adamw]
 //   --collectives [--max_mb M]   (launch on 2 ranks with `xlr8 launch`)
 // Each training run prints one JSON line: {"impl", "model", "nproc", "batch_per_rank", "step_ms_median",
-// "samples_per_s", "peak_rss_mb", "forward_ms_median", "backward_ms_median", "optimizer_ms_median"};
+// "samples_per_s", "peak_rss_mb", "forward_ms_median", "backward_ms_median", "optimizer_ms_median"}, plus
+// "comm_wait_ms_median" under DDP (the part of backward spent waiting for unfinished all-reduces);
 // samples/s counts all ranks. Benchmarks, never assertions.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -94,7 +95,8 @@ struct StepTimes {
   }
 };
 
-// `medians` holds the step, forward, backward and optimizer medians (the slowest rank's, under DDP).
+// `medians` holds the step, forward, backward and optimizer medians (the slowest rank's, under DDP),
+// then under DDP the median time backward's end waited for all-reduces still running.
 void report(const Spec& s, int nproc, const std::vector<double>& medians, double rss_mb) {
   const double med = medians[0];
   const std::string impl = s.impl + (s.compress_bf16 ? "_bf16_wire" : "") + (s.optimizer == "adamw" ? "" : "_" + s.optimizer);
@@ -108,6 +110,7 @@ void report(const Spec& s, int nproc, const std::vector<double>& medians, double
                       {"forward_ms_median", medians[1]},
                       {"backward_ms_median", medians[2]},
                       {"optimizer_ms_median", medians[3]}};
+  if (medians.size() > 4) line["comm_wait_ms_median"] = medians[4];
   fmt::print("{}\n", line.dump());
   std::fflush(stdout);
 }
@@ -145,6 +148,8 @@ int with_xlr8(const Spec& s) {
   auto opt = s.optimizer == "fused_adamw" ? acc.prepare(xlr8::optim::FusedAdamW(net->parameters(), adamw))
                                           : acc.prepare(torch::optim::AdamW(net->parameters(), adamw));
   auto batch = make_batch(s.model, s.batch);
+  const xlr8::DistributedDataParallel* ddp = acc.ddp(net);
+  std::vector<double> comm_wait_ms;  // per timed step: backward's end waiting for unfinished all-reduces
   acc.wait_for_everyone();
   StepTimes times, warmup;
   for (int i = 0; i < s.warmup + s.steps; ++i)
@@ -156,17 +161,24 @@ int with_xlr8(const Spec& s) {
             },
             [&] { return loss_of(s.model, net, batch); },
             [&](const at::Tensor& loss) {
-              if (!s.lockstep_only) return acc.backward(loss);
-              auto local = acc.no_sync(net);
-              acc.backward(loss);
+              const double waited_before = ddp ? ddp->exposed_comm_seconds() : 0;
+              if (s.lockstep_only) {
+                auto local = acc.no_sync(net);
+                acc.backward(loss);
+              } else {
+                acc.backward(loss);
+              }
+              if (i >= s.warmup && ddp) comm_wait_ms.push_back((ddp->exposed_comm_seconds() - waited_before) * 1e3);
             },
             [&] { opt.step(); });
   // The slowest rank sets the pace: report the max over ranks of each figure.
   auto mine = medians_of(times);
+  mine.push_back(median(comm_wait_ms));
   mine.push_back(peak_rss_mb());
   auto slowest = acc.reduce(at::tensor(mine, at::kDouble), xlr8::ReduceOp::MAX);
   std::vector<double> medians(slowest.data_ptr<double>(), slowest.data_ptr<double>() + 4);
-  if (acc.is_main_process()) report(s, acc.num_processes(), medians, slowest[4].item<double>());
+  if (ddp) medians.push_back(slowest[4].item<double>());
+  if (acc.is_main_process()) report(s, acc.num_processes(), medians, slowest[5].item<double>());
   acc.end_training();
   return 0;
 }

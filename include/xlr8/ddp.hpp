@@ -46,6 +46,9 @@ class DistributedDataParallel {
   // (communication overlapping backward). For tests and benchmarks.
   size_t launches() const;
   size_t overlapped_launches() const;
+  // Seconds the ends of backward have spent waiting for all-reduces still running: the communication
+  // that overlap did not hide, summed over synchronised backward passes.
+  double exposed_comm_seconds() const;
 
   struct Core;
 

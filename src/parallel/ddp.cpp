@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <mutex>
 
 #include "compat/torch_compat.hpp"
@@ -42,6 +43,7 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
   size_t ready_count = 0;
   size_t overlapped = 0;
   size_t launched = 0;
+  double exposed_comm_seconds = 0;
 
   void assign_buckets() {
     const double first_cap = options.first_bucket_mb * 1024 * 1024, cap = options.bucket_cap_mb * 1024 * 1024;
@@ -170,10 +172,12 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
         }
       launch_ready();
     }
+    const auto waiting_since = std::chrono::steady_clock::now();
     for (auto& b : buckets) {
       b.work.wait();
       if (b.wire.defined()) b.flat.copy_(b.wire), b.wire = at::Tensor();
     }
+    exposed_comm_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - waiting_since).count();
     at::NoGradGuard no_grad;
     for (size_t k = 0; k < params.size(); ++k) {
       auto averaged = view_of(k).view(params[k].sizes());
@@ -304,5 +308,9 @@ std::vector<std::vector<size_t>> DistributedDataParallel::bucket_layout() const 
 
 size_t DistributedDataParallel::launches() const { return core_->launched; }
 size_t DistributedDataParallel::overlapped_launches() const { return core_->overlapped; }
+double DistributedDataParallel::exposed_comm_seconds() const {
+  std::lock_guard<std::mutex> lock(core_->mutex);
+  return core_->exposed_comm_seconds;
+}
 
 }  // namespace xlr8

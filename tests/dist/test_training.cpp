@@ -145,6 +145,9 @@ TEST(Oracle, GradientAccumulationIncludingTheForcedSyncAtEpochEnd) {
   EXPECT_GT(buckets, 2u);
   EXPECT_EQ(two.result["launches"].get<size_t>(), buckets * 9);
   EXPECT_GE(two.result["overlapped"].get<size_t>(), (buckets - 1) * 9);
+  // The end of each synchronised backward waited for its last bucket, and that time is counted.
+  EXPECT_GT(two.result["exposed_comm_s"].get<double>(), 0.0);
+  EXPECT_EQ(one.result["exposed_comm_s"].get<double>(), 0.0);  // one process: no DDP, nothing to wait for
 }
 
 TEST(Oracle, Bf16MatchesWithALooserTolerance) {

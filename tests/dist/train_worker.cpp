@@ -157,6 +157,7 @@ int main(int argc, char** argv) {
                                          {"buckets", ddp ? ddp->bucket_layout().size() : 0},
                                          {"launches", ddp ? ddp->launches() : 0},
                                          {"overlapped", ddp ? ddp->overlapped_launches() : 0},
+                                         {"exposed_comm_s", ddp ? ddp->exposed_comm_seconds() : 0.0},
                                          {"shared_memory", acc.state().world().uses_shared_memory()}}
                              .dump());
     acc.end_training();
