@@ -51,6 +51,7 @@ struct LaunchRequest {
   std::optional<int> num_cpu_threads_per_process;  // sets OMP_NUM_THREADS for every worker
   std::optional<std::string> gpu_ids;              // "all" or "0,1": sets CUDA_VISIBLE_DEVICES
   bool debug = false;                              // ACCELERATE_DEBUG_MODE
+  bool enable_cpu_affinity = false;                // ACCELERATE_CPU_AFFINITY: each local rank on its own cores
   std::vector<std::string> command;
 };
 

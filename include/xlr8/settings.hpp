@@ -79,6 +79,7 @@ struct Settings {
   int gradient_accumulation_steps = 1;
   bool use_cpu = false;
   bool debug = false;
+  bool cpu_affinity = false;  // ACCELERATE_CPU_AFFINITY: bind each local rank to its own cores
   std::optional<FsdpSettings> fsdp;           // set: ACCELERATE_USE_FSDP=true
   std::optional<DeepSpeedSettings> deepspeed; // set: ACCELERATE_USE_DEEPSPEED=true
   std::optional<ParallelismSettings> parallelism;

@@ -276,6 +276,7 @@ Settings LaunchConfig::settings() const {
   s.gradient_accumulation_steps = gradient_accumulation_steps;
   s.use_cpu = use_cpu;
   s.debug = debug;
+  s.cpu_affinity = enable_cpu_affinity;
   if (distributed_type == DistributedType::FSDP) s.fsdp = fsdp;
   if (distributed_type == DistributedType::DEEPSPEED) s.deepspeed = deepspeed;
   s.parallelism = parallelism;

@@ -102,6 +102,7 @@ std::map<std::string, std::string> settings_to_env(const Settings& s) {
     env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = std::to_string(s.gradient_accumulation_steps);
   if (s.use_cpu) env["ACCELERATE_USE_CPU"] = "true";
   if (s.debug) env["ACCELERATE_DEBUG_MODE"] = "true";
+  if (s.cpu_affinity) env["ACCELERATE_CPU_AFFINITY"] = "1";
   if (const auto& f = s.fsdp) {
     env["ACCELERATE_USE_FSDP"] = "true";
     env["FSDP_VERSION"] = std::to_string(f->version);
@@ -229,6 +230,7 @@ Settings settings_from_env(const Env& env) {
   s.gradient_accumulation_steps = positive(env, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", 1);
   s.use_cpu = env.get_bool("ACCELERATE_USE_CPU").value_or(false);
   s.debug = env.get_bool("ACCELERATE_DEBUG_MODE").value_or(false);
+  s.cpu_affinity = env.get_bool("ACCELERATE_CPU_AFFINITY").value_or(false);
   bool use_fsdp = env.get_bool("ACCELERATE_USE_FSDP").value_or(false);
   bool use_deepspeed = env.get_bool("ACCELERATE_USE_DEEPSPEED").value_or(false);
   if (use_fsdp && use_deepspeed)

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "dist/comm_state.hpp"
+#include "dist/cpu_affinity.hpp"
 #include "dist/rendezvous.hpp"
 #include "xlr8/error.hpp"
 
@@ -60,9 +61,19 @@ std::unique_ptr<ProcessState> ProcessState::create(const Env& env, const Process
   else if (s->settings_.fsdp) s->distributed_type_ = DistributedType::FSDP;
   else s->distributed_type_ = gpu ? DistributedType::MULTI_GPU : DistributedType::MULTI_CPU;
 
-  // Intra-op threads: cores / local ranks, unless OMP_NUM_THREADS says otherwise (no oversubscription).
+  // Before any thread of ours starts, so they all inherit it (earlier ones are bound too).
+  std::vector<int> bound_cpus;
+  if (s->settings_.cpu_affinity) {
+    bound_cpus = detail::cpus_for_local_rank(detail::allowed_cpus(), t.local_rank, t.local_world_size);
+    detail::bind_process_to(bound_cpus);
+  }
+
+  // Intra-op threads: cores / local ranks (or the bound CPUs), unless OMP_NUM_THREADS says otherwise
+  // (no oversubscription).
   if (auto omp = env.get_int("OMP_NUM_THREADS"); omp && *omp > 0) {
     s->threads_ = static_cast<int>(*omp);
+  } else if (!bound_cpus.empty()) {
+    s->threads_ = static_cast<int>(bound_cpus.size());
   } else {
     int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
     s->threads_ = std::max(1, cores / std::max(1, t.local_world_size));
@@ -116,7 +127,8 @@ void configure_environment(const Settings& settings, const Topology& topology) {
     }
   }
   // A strategy switched off must not linger from an earlier call.
-  for (const char* flag : {"ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_PARALLELISM_CONFIG"})
+  for (const char* flag : {"ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_PARALLELISM_CONFIG",
+                           "ACCELERATE_CPU_AFFINITY"})
     unsetenv(flag);
   for (const auto& vars : {topology_to_env(topology), settings_to_env(settings)})
     for (const auto& [name, value] : vars) setenv(name.c_str(), value.c_str(), 1);

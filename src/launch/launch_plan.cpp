@@ -39,6 +39,7 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   if (r.mixed_precision) root["mixed_precision"] = *r.mixed_precision;
   if (r.cpu) root["use_cpu"] = true;
   if (r.debug) root["debug"] = true;
+  if (r.enable_cpu_affinity) root["enable_cpu_affinity"] = true;
   if (r.gpu_ids) root["gpu_ids"] = *r.gpu_ids;
   if (r.use_fsdp && r.use_deepspeed) throw ConfigError("--use_fsdp and --use_deepspeed were both given; choose one");
   if (r.use_fsdp) root["distributed_type"] = "FSDP";

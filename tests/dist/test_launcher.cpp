@@ -10,8 +10,11 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
+#include <sstream>
 #include <thread>
 
+#include "dist/cpu_affinity.hpp"
 #include "process_runner.hpp"
 #include "xlr8/config.hpp"
 #include "xlr8/launcher.hpp"
@@ -129,6 +132,59 @@ TEST(Launcher, ThreadsDefaultToCoresOverLocalWorkers) {
   int cores = static_cast<int>(std::thread::hardware_concurrency());
   EXPECT_EQ(read_env_file(dir + "/rank1.env")["OMP_NUM_THREADS"], std::to_string(std::max(1, cores / 2)));
   fs::remove_all(dir);
+}
+
+// "0-3,8 4" from the affinity mode: the CPUs a worker may use, then its intra-op threads.
+std::pair<std::set<int>, int> read_affinity(const std::string& path) {
+  std::istringstream in(read_file(path));
+  std::string list;
+  int threads = 0;
+  in >> list >> threads;
+  std::set<int> cpus;
+  std::istringstream parts(list);
+  for (std::string part; std::getline(parts, part, ',');) {
+    auto dash = part.find('-');
+    int lo = std::stoi(part.substr(0, dash)), hi = dash == std::string::npos ? lo : std::stoi(part.substr(dash + 1));
+    for (int c = lo; c <= hi; ++c) cpus.insert(c);
+  }
+  return {cpus, threads};
+}
+
+TEST(Launcher, EnableCpuAffinityGivesEachLocalRankItsOwnCpus) {
+  std::set<int> allowed;
+  for (const auto& c : xlr8::detail::allowed_cpus()) allowed.insert(c.id);
+  auto config = temp_dir("affinity_config") + "/config.yaml";
+  std::ofstream(config) << "enable_cpu_affinity: true\nnum_processes: 2\n";
+  for (Args how : {Args{"--num_processes", "2", "--enable_cpu_affinity"}, Args{"--config_file", config}}) {
+    auto dir = temp_dir("affinity");
+    auto r = run(launch(how, {"affinity", dir}), 60, {{"OMP_NUM_THREADS", ""}});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    auto [first, first_threads] = read_affinity(dir + "/affinity0");
+    auto [second, second_threads] = read_affinity(dir + "/affinity1");
+    std::set<int> both(first.begin(), first.end());
+    both.insert(second.begin(), second.end());
+    EXPECT_FALSE(first.empty());
+    EXPECT_FALSE(second.empty());
+    if (allowed.size() >= 2) {  // every allowed CPU used by exactly one rank
+      EXPECT_EQ(both, allowed) << how[0];
+      EXPECT_EQ(first.size() + second.size(), allowed.size()) << how[0];
+    } else {
+      EXPECT_EQ(first, allowed);
+      EXPECT_EQ(second, allowed);
+    }
+    // The launcher's thread default (cores / local workers) still applies.
+    EXPECT_EQ(first_threads, std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / 2));
+    EXPECT_EQ(second_threads, first_threads);
+    fs::remove_all(dir);
+  }
+  // Without it, every worker may use every CPU the launcher may.
+  auto dir = temp_dir("no_affinity");
+  auto r = run(launch({"--num_processes", "2"}, {"affinity", dir}), 60);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(read_affinity(dir + "/affinity0").first, allowed);
+  EXPECT_EQ(read_affinity(dir + "/affinity1").first, allowed);
+  fs::remove_all(dir);
+  fs::remove_all(fs::path(config).parent_path());
 }
 
 TEST(Launcher, WorkerExitCodeStopsTheOthersPromptly) {

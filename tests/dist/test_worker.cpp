@@ -7,6 +7,8 @@
 //   print N            print N lines on stdout and stderr
 //   peer-dies          rank 1 exits (code 3) after joining; rank 0 all-reduces and prints the error it gets
 //   leak-segment DIR   create a shared segment, write its name to DIR/segment<R>, then SIGKILL itself
+//   affinity DIR       create the ProcessState, then write the CPUs this process may use and its intra-op
+//                      thread count to DIR/affinity<R> ("0-1 2")
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -17,6 +19,7 @@
 #include <string>
 #include <thread>
 
+#include "dist/cpu_affinity.hpp"
 #include "dist/shm_segment.hpp"
 #include "xlr8/process_state.hpp"
 
@@ -94,6 +97,14 @@ int main(int argc, char** argv) {
     auto segment = xlr8::detail::SharedSegment::create(xlr8::detail::new_segment_name(), 4096);
     std::ofstream(fmt::format("{}/segment{}", argv[2], rank())) << segment->name() << std::flush;
     std::raise(SIGKILL);
+  }
+  if (mode == "affinity") {
+    const auto& state = xlr8::ProcessState::instance();
+    std::vector<int> cpus;
+    for (const auto& c : xlr8::detail::allowed_cpus()) cpus.push_back(c.id);
+    std::ofstream(fmt::format("{}/affinity{}", argv[2], rank())) << xlr8::detail::cpu_list_text(cpus) << " "
+                                                                 << state.intra_op_threads() << std::flush;
+    return 0;
   }
   if (mode == "print") {
     for (int i = 0; i < std::atoi(argv[2]); ++i) fmt::print("out {}\n", i), fmt::print(stderr, "err {}\n", i);

@@ -46,6 +46,8 @@ Handler add_launch(CLI::App& app) {
   opt("--num_cpu_threads_per_process", r.num_cpu_threads_per_process, "Intra-op threads per worker (OMP_NUM_THREADS)");
   opt("--gpu_ids", r.gpu_ids, "GPUs to use, e.g. 0,1 (CUDA_VISIBLE_DEVICES); default all");
   cmd->add_flag("--debug", r.debug, "Set ACCELERATE_DEBUG_MODE for the workers");
+  cmd->add_flag("--enable_cpu_affinity,--enable-cpu-affinity", r.enable_cpu_affinity,
+                "Bind each worker to its own share of this machine's cores (ACCELERATE_CPU_AFFINITY)");
   // torchrun spellings.
   cmd->add_option("--nproc-per-node,--nproc_per_node", r.nproc_per_node, "Processes on this machine (torchrun)");
   cmd->add_option("--nnodes", r.num_machines, "Number of machines (torchrun)");
