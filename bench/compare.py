@@ -51,6 +51,10 @@ def configs(model):
         "b_f_xlr8_1_fused_adamw": [BENCH, "--impl", "xlr8", "--optimizer", "fused_adamw"] + args,
         "h_f_two_independent_xlr8_1_fused_adamw": Together([[BENCH, "--impl", "xlr8", "--optimizer", "fused_adamw"] + args] * 2),
         "c_f_xlr8_ddp_2_fused_adamw": launch(2, [BENCH, "--impl", "xlr8", "--optimizer", "fused_adamw"] + args),
+        # (c_f) with each rank bound to its own cores (xlr8 launch --enable_cpu_affinity).
+        "c_fa_xlr8_ddp_2_fused_adamw_cpu_affinity": [XLR8, "launch", "--num_processes", "2", "--num_cpu_threads_per_process",
+                                                     "1", "--enable_cpu_affinity", BENCH, "--impl", "xlr8",
+                                                     "--optimizer", "fused_adamw"] + args,
     }
     return {name: cmd for name, cmd in every.items() if not only or name in only}
 
@@ -114,6 +118,8 @@ def main():
             ("fused_adamw: two_independent_vs_xlr8_1", "h_f_two_independent_xlr8_1_fused_adamw", "b_f_xlr8_1_fused_adamw", "x"),
             ("fused_adamw: xlr8_ddp2_vs_pytorch_ddp2", "c_f_xlr8_ddp_2_fused_adamw", "d_pytorch_ddp_2", "x"),
             ("fused_adamw: xlr8_ddp2_vs_pytorch_ddp2_same_malloc", "c_f_xlr8_ddp_2_fused_adamw", "d2_pytorch_ddp_2_tuned_malloc", "x"),
+            ("fused_adamw: xlr8_ddp2_cpu_affinity_vs_xlr8_1", "c_fa_xlr8_ddp_2_fused_adamw_cpu_affinity", "b_f_xlr8_1_fused_adamw", "x"),
+            ("fused_adamw: xlr8_ddp2_cpu_affinity_vs_without", "c_fa_xlr8_ddp_2_fused_adamw_cpu_affinity", "c_f_xlr8_ddp_2_fused_adamw", "x"),
         ]
         ratios = {name: (step[a] / step[b] - 1) * 100 if kind == "pct" else sps[a] / sps[b]
                   for name, a, b, kind in wanted if a in med and b in med}

@@ -7,9 +7,11 @@
 #include <fmt/ranges.h>
 
 #include <cmath>
+#include <atomic>
 #include <type_traits>
 
 #include "compat/torch_compat.hpp"
+#include "optim/fused_adam_testing.hpp"
 #include "xlr8/error.hpp"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -98,10 +100,12 @@ bool cpu_has_avx2_fma() {
 }
 #endif
 
+std::atomic<bool> g_force_portable{false};
+
 template <bool kL2>
 void update_range(float* p, const float* g, float* m, float* v, std::int64_t n, const AdamCoefficients& c) {
 #ifdef XLR8_FUSED_ADAM_AVX2
-  if (cpu_has_avx2_fma()) return update_avx2<kL2>(p, g, m, v, n, c);
+  if (cpu_has_avx2_fma() && !g_force_portable.load(std::memory_order_relaxed)) return update_avx2<kL2>(p, g, m, v, n, c);
 #endif
   update_portable<kL2>(p, g, m, v, n, c);
 }
@@ -214,6 +218,10 @@ torch::Tensor adam_step(std::vector<torch::optim::OptimizerParamGroup>& groups, 
 }
 
 }  // namespace
+
+namespace detail {
+void force_portable_kernel(bool on) { g_force_portable.store(on); }
+}  // namespace detail
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {
   return adam_step<torch::optim::AdamWOptions, torch::optim::AdamWParamState>(param_groups_, state_, closure,

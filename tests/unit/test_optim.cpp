@@ -6,6 +6,7 @@
 
 #include <filesystem>
 
+#include "optim/fused_adam_testing.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/fused_adam.hpp"
 
@@ -101,6 +102,30 @@ TEST(FusedAdam, AdamWFollowsLibTorchsAdamW) {
 TEST(FusedAdam, AdamWithL2WeightDecayFollowsLibTorchsAdam) {
   expect_same_trajectory<FusedAdam, torch::optim::Adam, torch::optim::AdamOptions>(0.1);
   expect_same_trajectory<FusedAdam, torch::optim::Adam, torch::optim::AdamOptions>(0.0);
+}
+
+TEST(FusedAdam, ThePortableLoopFollowsLibTorchToo) {
+  // The loop CPUs without AVX2+FMA run (and non-x86 builds), forced on this one.
+  struct Portable {
+    Portable() { xlr8::optim::detail::force_portable_kernel(true); }
+    ~Portable() { xlr8::optim::detail::force_portable_kernel(false); }
+  };
+  auto vector_params = make_parameters();
+  auto vector_opt = make_optimizer<FusedAdamW, torch::optim::AdamWOptions>(vector_params, 1e-2);
+  take_steps({{&vector_params, &vector_opt}}, 0, 12);
+  Portable portable;
+  expect_same_trajectory<FusedAdamW, torch::optim::AdamW, torch::optim::AdamWOptions>(1e-2);
+  expect_same_trajectory<FusedAdam, torch::optim::Adam, torch::optim::AdamOptions>(0.1);
+  // The switch really changed the path: without FMA, some elements round differently.
+  auto portable_params = make_parameters();
+  auto portable_opt = make_optimizer<FusedAdamW, torch::optim::AdamWOptions>(portable_params, 1e-2);
+  take_steps({{&portable_params, &portable_opt}}, 0, 12);
+#if defined(__x86_64__)
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
+    EXPECT_FALSE(torch::equal(portable_params[1], vector_params[1]));
+  }
+#endif
+  expect_close(portable_params, vector_params, 1e-5, 1e-6);
 }
 
 TEST(FusedAdam, StateIsInterchangeableWithLibTorchsAdamW) {
