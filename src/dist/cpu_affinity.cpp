@@ -87,6 +87,7 @@ void bind_process_to(const std::vector<int>& cpus) {
     }
     closedir(tasks);
   }
+  // This thread again, so it is bound even where /proc is not mounted.
   const int self = static_cast<int>(::syscall(SYS_gettid));
   if (sched_setaffinity(self, sizeof set, &set) != 0) refuse(self);
 }

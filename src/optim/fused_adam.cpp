@@ -6,8 +6,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include <cmath>
 #include <atomic>
+#include <cmath>
 #include <type_traits>
 
 #include "compat/torch_compat.hpp"
