@@ -52,9 +52,8 @@ def configs(model):
         "h_f_two_independent_xlr8_1_fused_adamw": Together([[BENCH, "--impl", "xlr8", "--optimizer", "fused_adamw"] + args] * 2),
         "c_f_xlr8_ddp_2_fused_adamw": launch(2, [BENCH, "--impl", "xlr8", "--optimizer", "fused_adamw"] + args),
         # (c_f) with each rank bound to its own cores (xlr8 launch --enable_cpu_affinity).
-        "c_fa_xlr8_ddp_2_fused_adamw_cpu_affinity": [XLR8, "launch", "--num_processes", "2", "--num_cpu_threads_per_process",
-                                                     "1", "--enable_cpu_affinity", BENCH, "--impl", "xlr8",
-                                                     "--optimizer", "fused_adamw"] + args,
+        "c_fa_xlr8_ddp_2_fused_adamw_cpu_affinity": launch(2, ["--enable_cpu_affinity", BENCH, "--impl", "xlr8",
+                                                               "--optimizer", "fused_adamw"] + args),
     }
     return {name: cmd for name, cmd in every.items() if not only or name in only}
 
