@@ -49,7 +49,7 @@ Process::Process(const std::vector<std::string>& args, const std::map<std::strin
     std::vector<char*> argv;
     for (auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
     argv.push_back(nullptr);
-    execv(argv[0], argv.data());
+    execvp(argv[0], argv.data());  // PATH lookup for tools like mpirun and srun
     _exit(127);
   }
 }

@@ -21,10 +21,42 @@ std::string spellings(const std::string& underscored) {
 
 }  // namespace
 
+std::vector<std::string> normalize_launch_args(const CLI::App& launch, const std::vector<std::string>& args) {
+  std::vector<std::string> out;
+  size_t i = 0;
+  for (; i < args.size(); ++i) {
+    const std::string& word = args[i];
+    if (word == "--") {
+      ++i;
+      break;
+    }
+    if (word.size() < 2 || word[0] != '-') break;  // the program: it and everything after it are its own
+    std::string name = word.substr(0, word.find('='));
+    const CLI::Option* opt = launch.get_option_no_throw(name);
+    if (!opt) {
+      std::vector<std::string> names;
+      for (const auto* o : launch.get_options())
+        for (const auto& n : o->get_lnames()) names.push_back("--" + n);
+      std::string hint = text::closest(name, names);
+      throw ConfigError(fmt::format("xlr8 launch: unknown option {}{}; to pass it to the program, put it after the "
+                                    "program's name",
+                                    name, hint.empty() ? "" : fmt::format(" (did you mean {}?)", hint)));
+    }
+    out.push_back(word);
+    bool takes_value = opt->get_items_expected_max() > 0 && word.find('=') == std::string::npos;
+    if (takes_value && i + 1 < args.size()) out.push_back(args[++i]);
+  }
+  out.push_back("--");
+  out.insert(out.end(), args.begin() + static_cast<std::ptrdiff_t>(i), args.end());
+  return out;
+}
+
 Handler add_launch(CLI::App& app) {
   auto* cmd = app.add_subcommand("launch", "Start the worker processes of a distributed job on this machine");
   auto req = std::make_shared<LaunchRequest>();
-  cmd->prefix_command();  // everything from the program on belongs to the program
+  // The program and its arguments: normalize_launch_args puts a `--` before them, so CLI11 never reads
+  // them as options (`xlr8 launch prog --help` is prog's help).
+  cmd->add_option("program", req->command, "The program to start, and its arguments")->group("");
   auto opt = [&](const std::string& name, auto& target, const std::string& help) {
     return cmd->add_option(spellings(name), target, help);
   };
@@ -80,18 +112,7 @@ Handler add_launch(CLI::App& app) {
                                           "DeepSpeed: as deepspeed_config." + k)
         ->group("DeepSpeed");
   }
-  return [req, cmd, compat_flags, compat_switch]() {
-    req->command = cmd->remaining();
-    // prefix_command() hands unknown options to the program; one before the program is a typo.
-    if (!req->command.empty() && req->command[0].rfind("-", 0) == 0) {
-      std::vector<std::string> names;
-      for (const auto* o : cmd->get_options())
-        for (const auto& n : o->get_lnames()) names.push_back("--" + n);
-      std::string word = req->command[0].substr(0, req->command[0].find('='));
-      std::string hint = text::closest(word, names);
-      throw ConfigError(fmt::format("xlr8 launch: unknown option {}{}", word,
-                                    hint.empty() ? "; see xlr8 launch --help" : fmt::format(" (did you mean {}?)", hint)));
-    }
+  return [req, compat_flags, compat_switch]() {
     LaunchOptions options = plan_launch(*req);
     return launch(options);
   };

@@ -3,12 +3,19 @@
 #include <CLI/CLI.hpp>
 
 #include <functional>
+#include <string>
+#include <vector>
 
 namespace xlr8::cli {
 
 using Handler = std::function<int()>;
 
 Handler add_launch(CLI::App& app);
+// `xlr8 launch` arguments (after "launch") with a `--` placed where the program starts: at the first
+// word that is neither a launcher option nor an option's value, or after the user's own `--`. What
+// follows is the program's, even words that look like launcher options. An unknown option before the
+// program is a ConfigError naming the closest launcher option.
+std::vector<std::string> normalize_launch_args(const CLI::App& launch, const std::vector<std::string>& args);
 Handler add_config(CLI::App& app);
 Handler add_env(CLI::App& app);
 Handler add_test(CLI::App& app);

@@ -1,6 +1,10 @@
 // xlr8: launch, config, env, test.
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <string>
+#include <vector>
+
 #include "xlr8/commands.hpp"
 #include "xlr8/error.hpp"
 
@@ -20,9 +24,19 @@ int main(int argc, char** argv) {
   reg(xlr8::cli::add_test);
   reg(xlr8::cli::add_selftest_worker);
   try {
-    app.parse(argc, argv);
+    std::vector<std::string> args(argv + 1, argv + argc);
+    if (!args.empty() && args[0] == "launch") {
+      auto rest = xlr8::cli::normalize_launch_args(*app.get_subcommand("launch"), {args.begin() + 1, args.end()});
+      args.resize(1);
+      args.insert(args.end(), rest.begin(), rest.end());
+    }
+    std::reverse(args.begin(), args.end());  // CLI11 takes a vector last word first
+    app.parse(args);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const xlr8::Error& e) {
+    fmt::print(stderr, "xlr8: error: {}\n", e.what());
+    return 1;
   }
   try {
     for (auto& [sub, handler] : handlers)

@@ -1,0 +1,65 @@
+// `xlr8 launch`'s argument rules, with real programs: `--` ends the launcher's options, and everything
+// from the program's name on is the program's, even words that look like launcher options or --help.
+#include <gtest/gtest.h>
+
+#include "process_runner.hpp"
+
+using Args = std::vector<std::string>;
+
+namespace {
+
+const std::string kXlr8 = XLR8_BIN;
+const std::string kTrain = TRAIN_BIN;
+
+size_t occurrences(const std::string& text, const std::string& needle) {
+  size_t n = 0;
+  for (auto at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+  return n;
+}
+
+}  // namespace
+
+TEST(LaunchArguments, DoubleDashEndsTheLauncherOptions) {
+  auto r = run({kXlr8, "launch", "--num_processes", "2", "--", "sh", "-c", "echo rank=$RANK of $WORLD_SIZE"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("rank=0 of 2"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("rank=1 of 2"), std::string::npos) << r.out;
+  auto t = run({kXlr8, "launch", "--num_processes", "1", "--", "true"});
+  EXPECT_EQ(t.exit_code, 0) << t.err;
+  auto f = run({kXlr8, "launch", "--num_processes", "1", "--", "sh", "-c", "exit 7"});
+  EXPECT_EQ(f.exit_code, 7) << f.err;  // the program's own code, not the launcher's
+}
+
+TEST(LaunchArguments, WordsAfterTheProgramAreTheProgramsEvenLauncherOptions) {
+  // With and without `--`, with `--opt=value` and a flag before the program.
+  const Args script{"sh", "-c", "echo \"[$RANK/$WORLD_SIZE] $*\"", "sh", "--num_processes", "7", "--", "--cpu"};
+  for (Args options : {Args{"--num_processes", "2"}, Args{"--num_processes=2", "--cpu"},
+                       Args{"--cpu", "--num_processes", "2", "--"}}) {
+    Args a{kXlr8, "launch"};
+    a.insert(a.end(), options.begin(), options.end());
+    a.insert(a.end(), script.begin(), script.end());
+    auto r = run(a);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(occurrences(r.out, "/2] --num_processes 7 -- --cpu"), 2u) << r.out;
+    EXPECT_EQ(occurrences(r.out, "/7]"), 0u) << r.out;
+  }
+}
+
+TEST(LaunchArguments, HelpAfterTheProgramIsTheProgramsHelp) {
+  auto r = run({kXlr8, "launch", "--num_processes", "1", kTrain, "--help"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("xlr8 oracle worker"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("Start the worker processes"), std::string::npos) << r.out;
+  auto own = run({kXlr8, "launch", "--help"});
+  EXPECT_EQ(own.exit_code, 0) << own.err;
+  EXPECT_NE(own.out.find("Start the worker processes"), std::string::npos) << own.out;
+}
+
+TEST(LaunchArguments, AnUnknownOptionBeforeTheProgramIsOneClearLine) {
+  auto r = run({kXlr8, "launch", "--num_process", "2", "--", "true"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("unknown option --num_process (did you mean --num_processes?)"), std::string::npos) << r.err;
+  auto none = run({kXlr8, "launch", "--num_processes", "2", "--"});
+  EXPECT_EQ(none.exit_code, 1);
+  EXPECT_NE(none.err.find("no program given"), std::string::npos) << none.err;
+}
