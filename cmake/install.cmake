@@ -1,0 +1,40 @@
+# `cmake --install build --prefix P`: public headers, the libraries, the `xlr8` CLI and a CMake package
+# (find_package(xlr8) + xlr8::xlr8), and `cpack -G DEB` for a Debian package of the same files.
+include(CMakePackageConfigHelpers)
+
+set(XLR8_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/xlr8)
+
+install(TARGETS xlr8 xlr8_base EXPORT xlr8Targets
+        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
+        LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+install(TARGETS xlr8_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+# Only include/xlr8 is public; src/ headers stay private.
+install(DIRECTORY include/xlr8 DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} FILES_MATCHING PATTERN "*.hpp")
+install(FILES examples/slurm/train.sbatch DESTINATION ${CMAKE_INSTALL_DOCDIR}/examples)
+install(EXPORT xlr8Targets NAMESPACE xlr8:: DESTINATION ${XLR8_CMAKE_DIR})
+
+set(XLR8_OPENMP ${OpenMP_CXX_FOUND})
+configure_package_config_file(cmake/xlr8Config.cmake.in ${CMAKE_CURRENT_BINARY_DIR}/xlr8Config.cmake
+                              INSTALL_DESTINATION ${XLR8_CMAKE_DIR})
+# 0.x: a minor release may break the API, so only the same minor version is compatible.
+write_basic_package_version_file(${CMAKE_CURRENT_BINARY_DIR}/xlr8ConfigVersion.cmake
+                                 COMPATIBILITY SameMinorVersion)
+install(FILES ${CMAKE_CURRENT_BINARY_DIR}/xlr8Config.cmake ${CMAKE_CURRENT_BINARY_DIR}/xlr8ConfigVersion.cmake
+        DESTINATION ${XLR8_CMAKE_DIR})
+
+# --- Debian package: xlr8_<version>_<arch>.deb, installed under /usr.
+set(CPACK_PACKAGE_NAME xlr8)
+set(CPACK_PACKAGE_VENDOR xlr8)
+set(CPACK_PACKAGE_CONTACT "xlr8 developers <xlr8@localhost>")
+set(CPACK_PACKAGE_DESCRIPTION_SUMMARY "distributed training for LibTorch (C++): launcher, Accelerator, DDP")
+set(CPACK_PACKAGING_INSTALL_PREFIX /usr)
+set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)
+set(CPACK_DEBIAN_PACKAGE_SECTION devel)
+# Run-time libraries of the CLI come from dpkg-shlibdeps; building against xlr8 needs the -dev packages
+# its exported target finds with find_dependency (cmake/xlr8Config.cmake.in).
+set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)
+set(CPACK_DEBIAN_PACKAGE_DEPENDS
+    "libtorch-dev, libgloo-dev, libyaml-cpp-dev, nlohmann-json3-dev, libfmt-dev, zlib1g-dev, libgomp1")
+set(CPACK_DEBIAN_PACKAGE_RECOMMENDS "cmake, g++, libopenblas0-openmp")
+set(CPACK_DEBIAN_PACKAGE_SUGGESTS "openmpi-bin, slurm-client")
+include(CPack)
