@@ -19,6 +19,8 @@ class Env {
   // Typed reads: the error names the variable, its value and what is allowed.
   std::optional<long> get_int(const std::string& name) const;
   std::optional<bool> get_bool(const std::string& name) const;
+  // An integer of at least 1, or `fallback` when unset.
+  long get_positive(const std::string& name, long fallback) const;
   // First variable among `names` that is set, as an integer.
   std::optional<long> first_int(std::initializer_list<const char*> names) const;
 

@@ -103,7 +103,18 @@ struct Topology {
 std::map<std::string, std::string> settings_to_env(const Settings& settings);
 std::map<std::string, std::string> topology_to_env(const Topology& topology);
 Settings settings_from_env(const Env& env);
-// torchrun / Accelerate variables first, then Slurm, OpenMPI, PMI; no variables: a single process.
+// torchrun / Accelerate variables first, then Slurm, OpenMPI, MVAPICH, PMI; no variables: a single
+// process. Without MASTER_PORT, a Slurm or MPI job rendezvouses on port_for_job(scheduler_job_id(...));
+// without MASTER_ADDR, on 127.0.0.1 when it runs on one node, on the first host of the Slurm step's
+// node list across Slurm nodes, and is a ConfigError naming MASTER_ADDR across MPI nodes.
 Topology topology_from_env(const Env& env);
+
+// "slurm:<job>.<step>", "OMPI_MCA_ess_base_jobid:<id>", ...: what identifies one job (step) of the
+// scheduler that started the process; nullopt when it sets nothing of the kind.
+std::optional<std::string> scheduler_job_id(const Env& env, const std::string& source);
+// A port in 20000-29999 that every rank derives alike from the job's id.
+int port_for_job(const std::string& job_id);
+// First host of a Slurm host list: "node[07-09,12],gpu3" -> "node07".
+std::string first_slurm_host(const std::string& nodelist);
 
 }  // namespace xlr8

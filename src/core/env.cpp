@@ -40,6 +40,12 @@ std::optional<long> Env::get_int(const std::string& name) const {
                                 name, *v));
 }
 
+long Env::get_positive(const std::string& name, long fallback) const {
+  long v = get_int(name).value_or(fallback);
+  if (v < 1) throw ConfigError(fmt::format("environment variable {}={} must be at least 1", name, v));
+  return v;
+}
+
 std::optional<bool> Env::get_bool(const std::string& name) const {
   auto v = get(name);
   if (!v || v->empty()) return std::nullopt;

@@ -158,15 +158,10 @@ std::map<std::string, std::string> topology_to_env(const Topology& t) {
 
 namespace {
 
-int positive(const Env& env, const char* name, long fallback) {
-  long v = env.get_int(name).value_or(fallback);
-  if (v < 1) throw ConfigError(fmt::format("environment variable {}={} must be at least 1", name, v));
-  return static_cast<int>(v);
-}
 
 FsdpSettings fsdp_from_env(const Env& env) {
   FsdpSettings f;
-  f.version = positive(env, "FSDP_VERSION", 1);
+  f.version = static_cast<int>(env.get_positive("FSDP_VERSION", 1));
   if (f.version > 2) throw ConfigError(fmt::format("FSDP_VERSION={}: allowed values are 1 and 2", f.version));
   if (auto v = env.get("FSDP_SHARDING_STRATEGY")) f.sharding_strategy = parse_sharding_strategy(*v, "FSDP_SHARDING_STRATEGY");
   if (auto v = env.get("FSDP_RESHARD_AFTER_FORWARD")) {
@@ -227,7 +222,7 @@ DeepSpeedSettings deepspeed_from_env(const Env& env) {
 Settings settings_from_env(const Env& env) {
   Settings s;
   if (auto v = env.get("ACCELERATE_MIXED_PRECISION")) s.mixed_precision = parse_mixed_precision(*v, "ACCELERATE_MIXED_PRECISION");
-  s.gradient_accumulation_steps = positive(env, "ACCELERATE_GRADIENT_ACCUMULATION_STEPS", 1);
+  s.gradient_accumulation_steps = static_cast<int>(env.get_positive("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", 1));
   s.use_cpu = env.get_bool("ACCELERATE_USE_CPU").value_or(false);
   s.debug = env.get_bool("ACCELERATE_DEBUG_MODE").value_or(false);
   s.cpu_affinity = env.get_bool("ACCELERATE_CPU_AFFINITY").value_or(false);
@@ -243,86 +238,13 @@ Settings settings_from_env(const Env& env) {
     any_parallelism = any_parallelism || env.has(n);
   if (any_parallelism) {
     ParallelismSettings p;
-    p.dp_replicate = positive(env, "PARALLELISM_CONFIG_DP_REPLICATE_SIZE", 1);
-    p.dp_shard = positive(env, "PARALLELISM_CONFIG_DP_SHARD_SIZE", 1);
-    p.cp = positive(env, "PARALLELISM_CONFIG_CP_SIZE", 1);
-    p.tp = positive(env, "PARALLELISM_CONFIG_TP_SIZE", 1);
+    p.dp_replicate = static_cast<int>(env.get_positive("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", 1));
+    p.dp_shard = static_cast<int>(env.get_positive("PARALLELISM_CONFIG_DP_SHARD_SIZE", 1));
+    p.cp = static_cast<int>(env.get_positive("PARALLELISM_CONFIG_CP_SIZE", 1));
+    p.tp = static_cast<int>(env.get_positive("PARALLELISM_CONFIG_TP_SIZE", 1));
     s.parallelism = p;
   }
   return s;
-}
-
-namespace {
-
-struct Source {
-  const char* name;
-  const char* rank;
-  const char* size;
-  std::initializer_list<const char*> local_rank;
-  std::initializer_list<const char*> local_size;
-  std::initializer_list<const char*> node_rank;
-  std::initializer_list<const char*> num_nodes;
-};
-
-// Slurm's SLURM_NTASKS_PER_NODE may read "2" or "2(x3)"; the leading count is what we need.
-std::optional<long> leading_int(const Env& env, const char* name) {
-  auto v = env.get(name);
-  if (!v || v->empty() || !std::isdigit(static_cast<unsigned char>((*v)[0]))) return std::nullopt;
-  return std::stol(*v);
-}
-
-}  // namespace
-
-Topology topology_from_env(const Env& env) {
-  static const Source kSources[] = {
-      {"torchrun", "RANK", "WORLD_SIZE", {"LOCAL_RANK"}, {"LOCAL_WORLD_SIZE"}, {"NODE_RANK", "GROUP_RANK"}, {}},
-      {"slurm", "SLURM_PROCID", "SLURM_NTASKS", {"SLURM_LOCALID"}, {}, {"SLURM_NODEID"}, {"SLURM_NNODES"}},
-      {"openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", {"OMPI_COMM_WORLD_LOCAL_RANK"},
-       {"OMPI_COMM_WORLD_LOCAL_SIZE"}, {"OMPI_COMM_WORLD_NODE_RANK"}, {}},
-      {"mvapich", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", {"MV2_COMM_WORLD_LOCAL_RANK"},
-       {"MV2_COMM_WORLD_LOCAL_SIZE"}, {}, {}},
-      {"pmi", "PMI_RANK", "PMI_SIZE", {"MPI_LOCALRANKID", "PALS_LOCAL_RANKID"}, {"MPI_LOCALNRANKS"}, {}, {}},
-  };
-  Topology t;
-  const Source* src = nullptr;
-  for (const auto& s : kSources)
-    if (env.has(s.size) && (env.has(s.rank) || (std::string(s.name) == "torchrun" && env.has("LOCAL_RANK")))) {
-      src = &s;
-      break;
-    }
-  if (!src) return t;
-  t.source = src->name;
-  t.world_size = positive(env, src->size, 1);
-  t.rank = static_cast<int>(env.first_int({src->rank}).value_or(env.get_int("LOCAL_RANK").value_or(0)));
-  auto local_size = env.first_int(src->local_size);
-  if (!local_size && t.source == "slurm") local_size = leading_int(env, "SLURM_NTASKS_PER_NODE");
-  auto num_nodes = env.first_int(src->num_nodes);
-  if (!local_size) local_size = num_nodes ? t.world_size / std::max(1L, *num_nodes) : t.world_size;
-  t.local_world_size = static_cast<int>(std::max(1L, *local_size));
-  t.local_rank = static_cast<int>(env.first_int(src->local_rank).value_or(t.rank % t.local_world_size));
-  t.node_rank = static_cast<int>(env.first_int(src->node_rank).value_or(t.rank / t.local_world_size));
-  t.num_nodes = static_cast<int>(num_nodes.value_or((t.world_size + t.local_world_size - 1) / t.local_world_size));
-
-  auto bad = [&](const std::string& why) {
-    return ConfigError(fmt::format("inconsistent {} environment: {} (rank={}, world_size={}, local_rank={}, "
-                                   "local_world_size={}, node_rank={}, num_nodes={})",
-                                   t.source, why, t.rank, t.world_size, t.local_rank, t.local_world_size, t.node_rank,
-                                   t.num_nodes));
-  };
-  if (t.rank < 0 || t.rank >= t.world_size) throw bad(fmt::format("{} must be in [0, {})", src->rank, t.world_size));
-  if (t.local_rank < 0 || t.local_rank >= t.local_world_size) throw bad("local rank must be below the local world size");
-  if (t.node_rank < 0 || t.node_rank >= t.num_nodes) throw bad("node rank must be below the number of nodes");
-
-  t.master_port = static_cast<int>(env.get_int("MASTER_PORT").value_or(29500));
-  if (t.master_port < 1 || t.master_port > 65535)
-    throw ConfigError(fmt::format("MASTER_PORT={} is not a TCP port (1-65535)", t.master_port));
-  if (auto addr = env.get("MASTER_ADDR"); addr && !addr->empty()) {
-    t.master_addr = *addr;
-  } else if (t.num_nodes > 1) {
-    throw ConfigError(fmt::format("MASTER_ADDR is not set but the job spans {} nodes; set MASTER_ADDR to the host of rank 0",
-                                  t.num_nodes));
-  }
-  return t;
 }
 
 }  // namespace xlr8

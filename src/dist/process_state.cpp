@@ -85,6 +85,7 @@ std::unique_ptr<ProcessState> ProcessState::create(const Env& env, const Process
   compat::StorePtr store;
   if (t.distributed()) {
     store = detail::rendezvous(t, rdzv_timeout);
+    if (t.source == "openmpi" || t.source == "mvapich" || t.source == "pmi") detail::place_nodes_by_host(store, s->topology_);
     store->setTimeout(coll_timeout);
   } else {
     store = c10::make_intrusive<c10d::HashStore>();  // one process: no network at all

@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <thread>
 
 #include "xlr8/error.hpp"
@@ -64,6 +65,26 @@ compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout
         where, seconds, t.rank, t.world_size - static_cast<int>(missing.size()), t.world_size,
         missing.size() == 1 ? "" : "s", fmt::join(missing, ", ")));
   return store;
+}
+
+void place_nodes_by_host(const compat::StorePtr& store, Topology& t) {
+  std::vector<std::string> hosts;
+  for (int r = 0; r < t.world_size; ++r) {
+    auto bytes = store->get(fmt::format("xlr8/rdzv/rank/{}", r));
+    hosts.emplace_back(bytes.begin(), bytes.end());
+  }
+  std::vector<std::string> nodes;  // distinct hosts, by lowest rank
+  int local_count = 0;
+  for (int r = 0; r < t.world_size; ++r) {
+    if (std::find(nodes.begin(), nodes.end(), hosts[r]) == nodes.end()) nodes.push_back(hosts[r]);
+    local_count += hosts[r] == hosts[t.rank];
+  }
+  if (local_count != t.local_world_size)
+    throw Error(fmt::format("rank {} on host {} was told by the {} environment that {} ranks share its node, but {} "
+                            "ranks reported this host at rendezvous; check the launcher's host names and slots",
+                            t.rank, hosts[t.rank], t.source, t.local_world_size, local_count));
+  t.num_nodes = static_cast<int>(nodes.size());
+  t.node_rank = static_cast<int>(std::find(nodes.begin(), nodes.end(), hosts[t.rank]) - nodes.begin());
 }
 
 }  // namespace xlr8::detail

@@ -9,4 +9,9 @@ namespace xlr8::detail {
 // the address, or xlr8::Error when the server cannot listen (port in use) or cannot be reached.
 compat::StorePtr rendezvous(const Topology& topology, std::chrono::milliseconds timeout);
 
+// Sets the node index and count from the hosts every rank reported at rendezvous (nodes numbered in the
+// order of their lowest rank), for starters that give no node index (OpenMPI, PMI). Throws xlr8::Error
+// when the local rank/size the starter gave disagree with the ranks seen on this host.
+void place_nodes_by_host(const compat::StorePtr& store, Topology& topology);
+
 }  // namespace xlr8::detail

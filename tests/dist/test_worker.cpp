@@ -67,7 +67,10 @@ int main(int argc, char** argv) {
       const auto& state = xlr8::ProcessState::instance();
       auto x = at::full({4}, state.rank() + 1.0);
       state.world().all_reduce(x);
-      fmt::print("sum={} world={} node={}\n", x[0].item<double>(), state.world_size(), state.node_rank());
+      const auto& t = state.topology();
+      fmt::print("sum={} world={} node={} rank={} local={}/{} nodes={} source={} at={}:{}\n", x[0].item<double>(),
+                 state.world_size(), state.node_rank(), t.rank, t.local_rank, t.local_world_size, t.num_nodes, t.source,
+                 t.master_addr, t.master_port);
       state.world().barrier();
     } catch (const std::exception& e) {
       fmt::print(stderr, "error: {}\n", e.what());

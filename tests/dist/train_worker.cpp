@@ -152,6 +152,7 @@ int main(int argc, char** argv) {
     const auto* ddp = acc.ddp(model);
     if (acc.is_main_process())
       fmt::print("{}\n", nlohmann::json{{"losses", losses},
+                                         {"num_processes", acc.num_processes()},
                                          {"step", acc.step()},
                                          {"lr", opt.optimizer().param_groups()[0].options().get_lr()},
                                          {"buckets", ddp ? ddp->bucket_layout().size() : 0},

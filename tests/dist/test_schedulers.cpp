@@ -1,0 +1,228 @@
+// Programs built with xlr8 started by real schedulers instead of `xlr8 launch`: Debian's OpenMPI
+// `mpirun`, and a real single-node Slurm (slurmctld + slurmd started by tests/sched/slurm_cluster.sh)
+// with `srun` and `sbatch`. Each checks the oracle: N ranks on batch b train exactly like one process on
+// batch N*b, so the ranks found each other and stepped in lockstep.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "oracle.hpp"
+#include "xlr8/launcher.hpp"
+
+namespace fs = std::filesystem;
+using Args = std::vector<std::string>;
+
+namespace {
+
+const std::string kXlr8 = XLR8_BIN;
+const std::string kTrain = TRAIN_BIN;
+const std::string kWorker = WORKER_BIN;
+const std::string kFashion = FASHION_BIN;
+const std::string kSource = XLR8_SOURCE_DIR;
+
+bool on_path(const std::string& program) { return run({"sh", "-c", "command -v " + program}, 10).exit_code == 0; }
+
+// mpirun refuses root unless told; neither variable changes anything else.
+const std::map<std::string, std::string> kMpiEnv{{"OMPI_ALLOW_RUN_AS_ROOT", "1"},
+                                                 {"OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1"}};
+
+// No MASTER_ADDR/MASTER_PORT from the test's own environment: the ranks must work them out.
+Args without_master(Args command) {
+  Args a{"env", "-u", "MASTER_ADDR", "-u", "MASTER_PORT"};
+  a.insert(a.end(), command.begin(), command.end());
+  return a;
+}
+
+Args mpirun(int n, Args program) {
+  Args a{"mpirun", "-np", std::to_string(n)};
+  if (n > 2) a.push_back("--oversubscribe");  // more ranks than this machine's cores
+  a.insert(a.end(), program.begin(), program.end());
+  return a;
+}
+
+Run one_process(int batch, int steps) {
+  auto dir = temp_dir("sched1");
+  return oracle_command({kXlr8, "launch", "--num_processes", "1", kTrain, "--batch", std::to_string(batch), "--steps",
+                         std::to_string(steps), "--out", dir},
+                        dir);
+}
+
+Args train_args(int batch, int steps, const std::string& dir) {
+  return {kTrain, "--batch", std::to_string(batch), "--steps", std::to_string(steps), "--out", dir};
+}
+
+// The allreduce worker's lines: "sum=S world=W node=N rank=R local=L/LW nodes=K source=X at=A:P".
+std::vector<std::string> lines_with(const std::string& out, const std::string& needle) {
+  std::vector<std::string> found;
+  std::istringstream in(out);
+  for (std::string line; std::getline(in, line);)
+    if (line.find(needle) != std::string::npos) found.push_back(line);
+  return found;
+}
+
+std::string field(const std::string& line, const std::string& name) {
+  auto at = line.find(" " + name + "=");
+  if (at == std::string::npos) return "";
+  at += name.size() + 2;
+  return line.substr(at, line.find(' ', at) - at);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------- OpenMPI
+
+class OpenMpi : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!on_path("mpirun")) GTEST_SKIP() << "mpirun not installed (scripts/setup installs openmpi-bin)";
+  }
+};
+
+TEST_F(OpenMpi, TrainsInLockstepWithoutMasterAddrOrPort) {
+  for (int n : {2, 3}) {
+    auto one = one_process(4 * n, 8);
+    auto dir = temp_dir("mpi");
+    auto many = oracle_command(without_master(mpirun(n, train_args(4, 8, dir))), dir, 180, kMpiEnv);
+    ASSERT_EQ(one.losses.size(), 8u);
+    expect_close(many.losses, one.losses, 1e-5);
+    expect_same_params(many.dir, one.dir, 1e-5);
+    EXPECT_EQ(many.result["num_processes"], n);
+  }
+}
+
+TEST_F(OpenMpi, RanksReadTheirPlaceFromOpenMpiAndAgreeOnOnePort) {
+  auto r = run(without_master(mpirun(3, {kWorker, "allreduce"})), 120, kMpiEnv);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  auto lines = lines_with(r.out, "sum=6 world=3 node=0 ");
+  ASSERT_EQ(lines.size(), 3u) << r.out;
+  std::set<std::string> ranks, places;
+  for (const auto& line : lines) {
+    ranks.insert(field(line, "rank"));
+    EXPECT_EQ(field(line, "local"), field(line, "rank") + "/3") << line;  // one node: local rank = rank
+    EXPECT_EQ(field(line, "nodes"), "1") << line;
+    EXPECT_EQ(field(line, "source"), "openmpi") << line;
+    places.insert(field(line, "at"));
+  }
+  EXPECT_EQ(ranks, (std::set<std::string>{"0", "1", "2"}));
+  ASSERT_EQ(places.size(), 1u) << r.out;
+  const std::string at = *places.begin();
+  EXPECT_EQ(at.rfind("127.0.0.1:", 0), 0u) << at;
+  int port = std::stoi(at.substr(at.find(':') + 1));
+  EXPECT_GE(port, 20000);
+  EXPECT_LT(port, 30000);
+}
+
+TEST_F(OpenMpi, ExportedMasterAddrAndPortAreUsed) {
+  int port = xlr8::pick_free_port();
+  auto env = kMpiEnv;
+  env["MASTER_ADDR"] = "127.0.0.1";
+  env["MASTER_PORT"] = std::to_string(port);
+  auto r = run({"mpirun", "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-np", "2", kWorker, "allreduce"}, 120, env);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  auto lines = lines_with(r.out, "sum=3 world=2 node=0 ");
+  ASSERT_EQ(lines.size(), 2u) << r.out;
+  for (const auto& line : lines) EXPECT_EQ(field(line, "at"), fmt::format("127.0.0.1:{}", port)) << line;
+}
+
+// ------------------------------------------------------------------------------------------------ Slurm
+
+// One real Slurm cluster (controller + one node daemon) for the whole suite.
+class Slurm : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!on_path("slurmctld") || !on_path("slurmd") || !on_path("srun")) {
+      skip_ = "Slurm not installed (scripts/setup installs slurmctld slurmd slurm-client)";
+      return;
+    }
+    dir_ = temp_dir("slurm");
+    auto r = run({kSource + "/tests/sched/slurm_cluster.sh", "start", dir_}, 60);
+    if (r.exit_code != 0) failure_ = "could not start Slurm: " + r.out + r.err;
+  }
+  static void TearDownTestSuite() {
+    if (!dir_.empty()) run({kSource + "/tests/sched/slurm_cluster.sh", "stop", dir_}, 60);
+  }
+  void SetUp() override {
+    if (!skip_.empty()) GTEST_SKIP() << skip_;
+    ASSERT_TRUE(failure_.empty()) << failure_;
+  }
+  static std::map<std::string, std::string> env() { return {{"SLURM_CONF", dir_ + "/slurm.conf"}}; }
+
+  // Submits `script` with sbatch, polls squeue until the job is gone, and returns its output file.
+  static std::string sbatch(const std::string& script, Args args = {}) {
+    auto out_file = temp_dir("sbatch") + "/job.out";
+    Args command{"sbatch", "--parsable", "--output", out_file, script};
+    command.insert(command.end(), args.begin(), args.end());
+    auto submitted = run(without_master(command), 30, env());
+    EXPECT_EQ(submitted.exit_code, 0) << submitted.err;
+    std::string job = submitted.out.substr(0, submitted.out.find_first_of(";\n"));
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(180);
+    while (std::chrono::steady_clock::now() < deadline) {
+      auto q = run({"squeue", "-h", "-j", job}, 30, env());
+      if (q.out.find(job) == std::string::npos) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    return read_file(out_file);
+  }
+
+  static inline std::string dir_, skip_, failure_;
+};
+
+TEST_F(Slurm, SrunTrainsInLockstep) {
+  for (int n : {2, 3}) {
+    auto one = one_process(4 * n, 8);
+    auto dir = temp_dir("srun");
+    Args command{"srun", "-n", std::to_string(n)};
+    auto program = train_args(4, 8, dir);
+    command.insert(command.end(), program.begin(), program.end());
+    auto many = oracle_command(without_master(command), dir, 180, env());
+    ASSERT_EQ(one.losses.size(), 8u);
+    expect_close(many.losses, one.losses, 1e-5);
+    expect_same_params(many.dir, one.dir, 1e-5);
+    EXPECT_EQ(many.result["num_processes"], n);
+  }
+}
+
+TEST_F(Slurm, BackToBackStepsOfOneAllocationEachRendezvous) {
+  // Two steps of one allocation, one after the other: each derives its own port from job and step id.
+  const std::string step = fmt::format("srun --overlap -n 2 {} allreduce", kWorker);
+  auto r = run(without_master({"salloc", "-n", "2", "sh", "-c", step + " && " + step}), 180, env());
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  auto lines = lines_with(r.out, "sum=3 world=2 node=0 ");
+  ASSERT_EQ(lines.size(), 4u) << r.out;
+  for (const auto& line : lines) {
+    EXPECT_EQ(field(line, "source"), "slurm") << line;
+    EXPECT_EQ(field(line, "local"), field(line, "rank") + "/2") << line;
+    EXPECT_EQ(field(line, "at").rfind("127.0.0.1:", 0), 0u) << line;
+  }
+}
+
+TEST_F(Slurm, SbatchJobTrainsInLockstep) {
+  auto one = one_process(8, 8);
+  auto dir = temp_dir("sbatch-train");
+  auto script = dir + "/job.sbatch";
+  std::ofstream(script) << fmt::format("#!/bin/bash\n#SBATCH --ntasks=2\nsrun {} --batch 4 --steps 8 --out {}\n",
+                                       kTrain, dir);
+  auto out = sbatch(script);
+  ASSERT_NE(out.find("\"losses\""), std::string::npos) << out;
+  auto result = last_json(out);
+  expect_close(result["losses"].get<std::vector<double>>(), one.losses, 1e-5);
+  expect_same_params(dir, one.dir, 1e-5);
+}
+
+TEST_F(Slurm, TheShippedSbatchExampleTrainsFashionMnist) {
+  auto dir = temp_dir("sbatch-example");
+  setenv("XLR8_PROGRAM", kFashion.c_str(), 1);  // sbatch passes the submitting environment on
+  auto out = sbatch(kSource + "/examples/slurm/train.sbatch",
+                    {"--max_steps", "20", "--train_limit", "2560", "--output_dir", dir});
+  unsetenv("XLR8_PROGRAM");
+  ASSERT_NE(out.find("num_processes"), std::string::npos) << out;
+  auto result = last_json(out);
+  EXPECT_EQ(result["num_processes"], 2) << out;
+}
