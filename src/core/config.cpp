@@ -8,6 +8,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/config_compat.hpp"
+#include "core/config_section.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/text.hpp"
 
@@ -16,129 +18,51 @@ namespace fs = std::filesystem;
 namespace xlr8 {
 namespace {
 
-// One mapping of the YAML file: checks unknown keys and types, naming the full key path.
-class Section {
- public:
-  Section(const YAML::Node& node, std::string prefix, std::string origin)
-      : node_(node), prefix_(std::move(prefix)), origin_(std::move(origin)) {
-    if (node_ && !node_.IsNull() && !node_.IsMap())
-      throw error(prefix_.empty() ? "the file" : prefix_.substr(0, prefix_.size() - 1), "must be a mapping of key: value");
-  }
-
-  void check_keys(const std::vector<std::string>& known, const std::vector<std::string>& ignored,
-                  std::vector<std::string>* ignored_seen) const {
-    if (!node_ || node_.IsNull()) return;
-    for (const auto& kv : node_) {
-      auto key = kv.first.as<std::string>();
-      if (std::find(known.begin(), known.end(), key) != known.end()) continue;
-      if (std::find(ignored.begin(), ignored.end(), key) != ignored.end()) {
-        if (ignored_seen) ignored_seen->push_back(prefix_ + key);
-        continue;
-      }
-      std::vector<std::string> all = known;
-      all.insert(all.end(), ignored.begin(), ignored.end());
-      std::string hint = text::closest(key, all);
-      throw ConfigError(fmt::format("{}: unknown key {:?}{}", origin_, prefix_ + key,
-                                    hint.empty() ? fmt::format("; valid keys: {}", text::join(known))
-                                                 : fmt::format(" (did you mean {:?}?)", prefix_ + hint)));
-    }
-  }
-
-  bool has(const std::string& key) const { return node_ && node_.IsMap() && node_[key] && !node_[key].IsNull(); }
-  YAML::Node child(const std::string& key) const { return has(key) ? node_[key] : YAML::Node(); }
-
-  std::optional<std::string> str(const std::string& key) const {
-    if (!has(key)) return std::nullopt;
-    auto n = node_[key];
-    if (!n.IsScalar()) throw error(key, "must be a single value, not a list or mapping");
-    return n.Scalar();
-  }
-  std::optional<long> integer(const std::string& key, long min, long max) const {
-    auto s = str(key);
-    if (!s) return std::nullopt;
-    long v = 0;
-    try {
-      size_t used = 0;
-      v = std::stol(*s, &used);
-      if (used != s->size()) throw std::invalid_argument("trailing");
-    } catch (const std::exception&) {
-      throw error(key, fmt::format("value {:?} is not an integer", *s));
-    }
-    if (v < min || v > max) throw error(key, fmt::format("value {} is out of range [{}, {}]", v, min, max));
-    return v;
-  }
-  std::optional<double> number(const std::string& key) const {
-    auto s = str(key);
-    if (!s || *s == "auto") return std::nullopt;
-    try {
-      size_t used = 0;
-      double v = std::stod(*s, &used);
-      if (used == s->size()) return v;
-    } catch (const std::exception&) {
-    }
-    throw error(key, fmt::format("value {:?} is not a number", *s));
-  }
-  std::optional<bool> boolean(const std::string& key) const {
-    auto s = str(key);
-    if (!s) return std::nullopt;
-    if (auto b = parse_bool(*s)) return b;
-    throw error(key, fmt::format("value {:?} is not a boolean; use true or false", *s));
-  }
-  std::optional<std::string> choice(const std::string& key, const std::vector<std::string>& allowed, bool upper) const {
-    auto s = str(key);
-    if (!s) return std::nullopt;
-    std::string v = upper ? text::upper(*s) : text::lower(*s);
-    if (std::find(allowed.begin(), allowed.end(), v) != allowed.end()) return v;
-    throw error(key, fmt::format("value {:?} is not allowed; allowed: {}{}", *s, text::join(allowed),
-                                 text::suggestion(*s, allowed)));
-  }
-  std::vector<std::string> list(const std::string& key) const {
-    if (!has(key)) return {};
-    auto n = node_[key];
-    if (n.IsScalar()) return text::split(n.Scalar(), ',');
-    if (!n.IsSequence()) throw error(key, "must be a list or a comma-separated string");
-    std::vector<std::string> out;
-    for (const auto& item : n) out.push_back(item.as<std::string>());
-    return out;
-  }
-  ConfigError error(const std::string& key, const std::string& why) const {
-    return ConfigError(fmt::format("{}: {}: {}", origin_, prefix_ + key, why));
-  }
-
- private:
-  YAML::Node node_;
-  std::string prefix_;
-  std::string origin_;
-};
+using detail::Section;
 
 const std::vector<std::string> kTopKeys = {
     "compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug", "num_processes",
     "num_machines", "machine_rank", "gpu_ids", "main_process_ip", "main_process_port", "rdzv_backend",
     "same_network", "main_training_function", "enable_cpu_affinity", "downcast_bf16",
     "gradient_accumulation_steps", "fsdp_config", "deepspeed_config", "parallelism_config"};
-// Written by some `accelerate config` versions; accepted and without effect here.
-const std::vector<std::string> kIgnoredTopKeys = {
-    "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm", "tpu_env",
-    "dynamo_config", "dynamo_backend", "megatron_lm_config", "mpirun_config", "ipex_config", "fp8_config",
-    "fp16", "use_mps_device", "mps_config"};
 const std::vector<std::string> kFsdpKeys = {
     "fsdp_version", "fsdp_activation_checkpointing", "fsdp_auto_wrap_policy", "fsdp_backward_prefetch",
     "fsdp_backward_prefetch_policy", "fsdp_cpu_ram_efficient_loading", "fsdp_forward_prefetch",
     "fsdp_min_num_params", "fsdp_offload_params", "fsdp_reshard_after_forward", "fsdp_sharding_strategy",
-    "fsdp_state_dict_type", "fsdp_sync_module_states", "fsdp_transformer_layer_cls_to_wrap", "fsdp_use_orig_params"};
+    "fsdp_state_dict_type", "fsdp_sync_module_states", "fsdp_transformer_layer_cls_to_wrap", "fsdp_use_orig_params",
+    "fsdp_ignored_modules"};
 const std::vector<std::string> kDeepSpeedKeys = {
     "deepspeed_config_file", "zero_stage", "gradient_accumulation_steps", "gradient_clipping",
     "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path", "offload_param_nvme_path",
     "zero3_init_flag", "zero3_save_16bit_model"};
-const std::vector<std::string> kIgnoredDeepSpeedKeys = {
+// Only read for what they would turn on (checked in read_deepspeed).
+const std::vector<std::string> kLauncherDeepSpeedKeys = {
     "deepspeed_hostfile", "deepspeed_multinode_launcher", "deepspeed_exclusion_filter",
     "deepspeed_inclusion_filter", "deepspeed_moe_layer_cls_names"};
 const std::vector<std::string> kParallelismKeys = {
     "parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size", "parallelism_config_tp_size",
-    "parallelism_config_cp_size", "parallelism_config_cp_comm_strategy", "parallelism_config_cp_backend"};
+    "parallelism_config_cp_size", "parallelism_config_cp_comm_strategy", "parallelism_config_cp_backend",
+    "parallelism_config_sp_size", "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
+    "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_attn_implementation"};
+
+// Accelerate 0.7-0.11 wrote fsdp_config keys without the prefix, and `accelerate launch` still adds it.
+YAML::Node with_fsdp_prefix(const YAML::Node& node) {
+  if (!node || !node.IsMap()) return node;
+  YAML::Node out(YAML::NodeType::Map);
+  for (const auto& kv : node) {
+    auto key = kv.first.as<std::string>();
+    if (key.rfind("fsdp_", 0) != 0 && !node["fsdp_" + key]) key = "fsdp_" + key;
+    out[key] = kv.second;
+  }
+  return out;
+}
 
 void read_fsdp(const Section& s, FsdpSettings& f) {
   s.check_keys(kFsdpKeys, {}, nullptr);
+  if (!s.is_off("fsdp_ignored_modules"))
+    throw s.error("fsdp_ignored_modules", fmt::format("value {} is not supported: xlr8 shards every module; remove "
+                                                      "the key or set it to null",
+                                                      s.shown("fsdp_ignored_modules")));
   if (auto v = s.integer("fsdp_version", 1, 2)) f.version = static_cast<int>(*v);
   if (auto v = s.str("fsdp_sharding_strategy"))
     f.sharding_strategy = parse_sharding_strategy(*v, s.error("fsdp_sharding_strategy", "").what());
@@ -157,7 +81,20 @@ void read_fsdp(const Section& s, FsdpSettings& f) {
 }
 
 void read_deepspeed(const Section& s, LaunchConfig& c, std::vector<std::string>* ignored) {
-  s.check_keys(kDeepSpeedKeys, kIgnoredDeepSpeedKeys, ignored);
+  s.check_keys(kDeepSpeedKeys, kLauncherDeepSpeedKeys, ignored);
+  if (!s.is_off("deepspeed_moe_layer_cls_names"))
+    throw s.error("deepspeed_moe_layer_cls_names",
+                  fmt::format("value {} asks for DeepSpeed mixture-of-experts layers, which xlr8 does not have; remove "
+                              "the key",
+                              s.shown("deepspeed_moe_layer_cls_names")));
+  // Across machines, `accelerate launch` may start the other machines itself (pdsh, ssh, mpirun...);
+  // xlr8 launch runs on every machine, as DeepSpeed's "standard" launcher does.
+  if (auto v = s.str("deepspeed_multinode_launcher"); v && *v != "standard" && c.num_machines > 1)
+    throw s.error("deepspeed_multinode_launcher",
+                  fmt::format("value {:?} asks the launcher to start the other machines, which xlr8 launch does not "
+                              "do; set it to \"standard\" and run xlr8 launch on every machine (or start the job with "
+                              "srun or mpirun)",
+                              *v));
   auto& d = c.deepspeed;
   if (auto v = s.str("deepspeed_config_file")) d.config_file = *v;
   if (auto v = s.integer("zero_stage", 0, 3)) d.zero_stage = static_cast<int>(*v);
@@ -179,6 +116,14 @@ void read_parallelism(const Section& s, LaunchConfig& c) {
   p.dp_shard = static_cast<int>(s.integer("parallelism_config_dp_shard_size", 1, kMax).value_or(1));
   p.tp = static_cast<int>(s.integer("parallelism_config_tp_size", 1, kMax).value_or(1));
   p.cp = static_cast<int>(s.integer("parallelism_config_cp_size", 1, kMax).value_or(1));
+  // Tensor, context and sequence parallelism are later work: a size above 1 would silently train as data
+  // parallel, so it is refused.
+  for (auto [key, what] : {std::pair{"parallelism_config_tp_size", "tensor"}, std::pair{"parallelism_config_cp_size", "context"},
+                           std::pair{"parallelism_config_sp_size", "sequence"}})
+    if (auto v = s.integer(key, 1, kMax); v && *v > 1)
+      throw s.error(key, fmt::format("value {} asks for {} parallelism, which xlr8 does not have yet; supported: "
+                                     "parallelism_config_dp_replicate_size and parallelism_config_dp_shard_size",
+                                     *v, what));
   c.parallelism = p;
 }
 
@@ -194,12 +139,9 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
   LaunchConfig c;
   c.path = origin;
   Section top(root, "", origin);
-  top.check_keys(kTopKeys, kIgnoredTopKeys, &c.ignored_keys);
-  if (auto v = top.str("compute_environment")) {
-    if (*v != "LOCAL_MACHINE")
-      throw top.error("compute_environment", fmt::format("value {:?} is not supported; xlr8 runs on LOCAL_MACHINE", *v));
-    c.compute_environment = *v;
-  }
+  detail::refuse_foreign_environment(top);
+  top.check_keys(kTopKeys, detail::kCompatTopKeys, &c.ignored_keys);
+  detail::refuse_unsupported_features(top);
   if (auto v = top.str("distributed_type")) {
     try {
       c.distributed_type = parse_distributed_type(*v, "distributed_type");
@@ -211,6 +153,8 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
   }
   if (auto v = top.str("mixed_precision"))
     c.mixed_precision = parse_mixed_precision(*v, fmt::format("{}: mixed_precision", origin));
+  else if (top.boolean("fp16").value_or(false))  // Accelerate < 0.6
+    c.mixed_precision = MixedPrecision::FP16;
   c.use_cpu = top.boolean("use_cpu").value_or(false);
   c.debug = top.boolean("debug").value_or(false);
   if (auto v = top.integer("num_processes", -1, 1 << 20)) {
@@ -228,7 +172,7 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
   c.enable_cpu_affinity = top.boolean("enable_cpu_affinity").value_or(false);
   if (auto v = top.str("downcast_bf16")) c.downcast_bf16 = *v;
   if (auto v = top.integer("gradient_accumulation_steps", 1, 1L << 30)) c.gradient_accumulation_steps = static_cast<int>(*v);
-  read_fsdp(Section(top.child("fsdp_config"), "fsdp_config.", origin), c.fsdp);
+  read_fsdp(Section(with_fsdp_prefix(top.child("fsdp_config")), "fsdp_config.", origin), c.fsdp);
   read_deepspeed(Section(top.child("deepspeed_config"), "deepspeed_config.", origin), c, &c.ignored_keys);
   if (top.has("parallelism_config")) read_parallelism(Section(top.child("parallelism_config"), "parallelism_config.", origin), c);
   c.validate();

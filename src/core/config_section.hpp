@@ -1,0 +1,137 @@
+#pragma once
+// One mapping of an Accelerate-format config file, read with checks: unknown keys name the closest
+// valid one, wrong types and values name the full key path, the value and what is allowed.
+#include <fmt/format.h>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <limits>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "xlr8/env.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/text.hpp"
+
+namespace xlr8::detail {
+
+// One mapping of the YAML file: checks unknown keys and types, naming the full key path.
+class Section {
+ public:
+  Section(const YAML::Node& node, std::string prefix, std::string origin)
+      : node_(node), prefix_(std::move(prefix)), origin_(std::move(origin)) {
+    if (node_ && !node_.IsNull() && !node_.IsMap())
+      throw error(prefix_.empty() ? "the file" : prefix_.substr(0, prefix_.size() - 1), "must be a mapping of key: value");
+  }
+
+  void check_keys(const std::vector<std::string>& known, const std::vector<std::string>& ignored,
+                  std::vector<std::string>* ignored_seen) const {
+    if (!node_ || node_.IsNull()) return;
+    for (const auto& kv : node_) {
+      auto key = kv.first.as<std::string>();
+      if (std::find(known.begin(), known.end(), key) != known.end()) continue;
+      if (std::find(ignored.begin(), ignored.end(), key) != ignored.end()) {
+        if (ignored_seen) ignored_seen->push_back(prefix_ + key);
+        continue;
+      }
+      std::vector<std::string> all = known;
+      all.insert(all.end(), ignored.begin(), ignored.end());
+      std::string hint = text::closest(key, all);
+      throw ConfigError(fmt::format("{}: unknown key {:?}{}", origin_, prefix_ + key,
+                                    hint.empty() ? fmt::format("; valid keys: {}", text::join(known))
+                                                 : fmt::format(" (did you mean {:?}?)", prefix_ + hint)));
+    }
+  }
+
+  bool has(const std::string& key) const { return node_ && node_.IsMap() && node_[key] && !node_[key].IsNull(); }
+  YAML::Node child(const std::string& key) const { return has(key) ? node_[key] : YAML::Node(); }
+  const std::string& prefix() const { return prefix_; }
+  const std::string& origin() const { return origin_; }
+
+  // True when `key` leaves its feature off: absent, null, false/"no", "" or a list of only "" (as
+  // `accelerate config` writes tpu_env: [] and tpu_vm: ['']).
+  bool is_off(const std::string& key) const {
+    if (!has(key)) return true;
+    auto n = node_[key];
+    if (n.IsSequence()) {
+      for (const auto& item : n)
+        if (!item.IsScalar() || !item.Scalar().empty()) return false;
+      return true;
+    }
+    if (n.IsMap()) return n.size() == 0;
+    return n.Scalar().empty() || parse_bool(n.Scalar()) == false;
+  }
+  // The value as one line of YAML, for messages.
+  std::string shown(const std::string& key) const {
+    if (!has(key)) return "null";
+    YAML::Emitter out;
+    out << YAML::Flow << node_[key];
+    return out.c_str();
+  }
+
+  std::optional<std::string> str(const std::string& key) const {
+    if (!has(key)) return std::nullopt;
+    auto n = node_[key];
+    if (!n.IsScalar()) throw error(key, "must be a single value, not a list or mapping");
+    return n.Scalar();
+  }
+  std::optional<long> integer(const std::string& key, long min, long max) const {
+    auto s = str(key);
+    if (!s) return std::nullopt;
+    long v = 0;
+    try {
+      size_t used = 0;
+      v = std::stol(*s, &used);
+      if (used != s->size()) throw std::invalid_argument("trailing");
+    } catch (const std::exception&) {
+      throw error(key, fmt::format("value {:?} is not an integer", *s));
+    }
+    if (v < min || v > max) throw error(key, fmt::format("value {} is out of range [{}, {}]", v, min, max));
+    return v;
+  }
+  std::optional<double> number(const std::string& key) const {
+    auto s = str(key);
+    if (!s || *s == "auto") return std::nullopt;
+    try {
+      size_t used = 0;
+      double v = std::stod(*s, &used);
+      if (used == s->size()) return v;
+    } catch (const std::exception&) {
+    }
+    throw error(key, fmt::format("value {:?} is not a number", *s));
+  }
+  std::optional<bool> boolean(const std::string& key) const {
+    auto s = str(key);
+    if (!s) return std::nullopt;
+    if (auto b = parse_bool(*s)) return b;
+    throw error(key, fmt::format("value {:?} is not a boolean; use true or false", *s));
+  }
+  std::optional<std::string> choice(const std::string& key, const std::vector<std::string>& allowed, bool upper) const {
+    auto s = str(key);
+    if (!s) return std::nullopt;
+    std::string v = upper ? text::upper(*s) : text::lower(*s);
+    if (std::find(allowed.begin(), allowed.end(), v) != allowed.end()) return v;
+    throw error(key, fmt::format("value {:?} is not allowed; allowed: {}{}", *s, text::join(allowed),
+                                 text::suggestion(*s, allowed)));
+  }
+  std::vector<std::string> list(const std::string& key) const {
+    if (!has(key)) return {};
+    auto n = node_[key];
+    if (n.IsScalar()) return text::split(n.Scalar(), ',');
+    if (!n.IsSequence()) throw error(key, "must be a list or a comma-separated string");
+    std::vector<std::string> out;
+    for (const auto& item : n) out.push_back(item.as<std::string>());
+    return out;
+  }
+  ConfigError error(const std::string& key, const std::string& why) const {
+    return ConfigError(fmt::format("{}: {}: {}", origin_, prefix_ + key, why));
+  }
+
+ private:
+  YAML::Node node_;
+  std::string prefix_;
+  std::string origin_;
+};
+
+}  // namespace xlr8::detail
