@@ -21,17 +21,20 @@ struct Source {
   std::initializer_list<const char*> local_size;
   std::initializer_list<const char*> node_rank;
   std::initializer_list<const char*> num_nodes;
+  std::initializer_list<const char*> task_marker;  // one must be set, when listed
 };
 
 // Checked in this order; the first whose size (and rank) variables are set wins.
 // OMPI_COMM_WORLD_NODE_RANK is not a node index: it is the rank among the processes on this node
 // (OpenMPI's mpirun(1), "ENVIRONMENT VARIABLES"), so OpenMPI gives no node index at all.
 // SLURM_STEP_NUM_TASKS comes first: a job step started by srun sets it, while SLURM_NTASKS is the whole
-// allocation's task count (srun -n 2 inside an allocation of 4).
+// allocation's task count (srun -n 2 inside an allocation of 4). Only srun's tasks have a step id: an
+// sbatch script itself also has SLURM_PROCID=0 and SLURM_NTASKS=2, and a program it runs without srun is
+// one process, not rank 0 of 2.
 const Source kSources[] = {
     {"torchrun", {"RANK"}, {"WORLD_SIZE"}, {"LOCAL_RANK"}, {"LOCAL_WORLD_SIZE"}, {"NODE_RANK", "GROUP_RANK"}, {}},
     {"slurm", {"SLURM_PROCID"}, {"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"}, {"SLURM_LOCALID"}, {},
-     {"SLURM_NODEID"}, {"SLURM_STEP_NUM_NODES", "SLURM_NNODES"}},
+     {"SLURM_NODEID"}, {"SLURM_STEP_NUM_NODES", "SLURM_NNODES"}, {"SLURM_STEP_ID", "SLURM_STEPID"}},
     {"openmpi", {"OMPI_COMM_WORLD_RANK"}, {"OMPI_COMM_WORLD_SIZE"}, {"OMPI_COMM_WORLD_LOCAL_RANK"},
      {"OMPI_COMM_WORLD_LOCAL_SIZE"}, {}, {"OMPI_MCA_orte_num_nodes"}},
     {"mvapich", {"MV2_COMM_WORLD_RANK"}, {"MV2_COMM_WORLD_SIZE"}, {"MV2_COMM_WORLD_LOCAL_RANK"},
@@ -106,7 +109,8 @@ Topology topology_from_env(const Env& env) {
   Topology t;
   const Source* src = nullptr;
   for (const auto& s : kSources)
-    if (has_any(env, s.size) && (has_any(env, s.rank) || (std::string(s.name) == "torchrun" && env.has("LOCAL_RANK")))) {
+    if (has_any(env, s.size) && (has_any(env, s.rank) || (std::string(s.name) == "torchrun" && env.has("LOCAL_RANK"))) &&
+        (s.task_marker.size() == 0 || has_any(env, s.task_marker))) {
       src = &s;
       break;
     }
@@ -122,7 +126,7 @@ Topology topology_from_env(const Env& env) {
   }
   auto num_nodes = env.first_int(src->num_nodes);
   if (!local_size) local_size = num_nodes ? t.world_size / std::max(1L, *num_nodes) : t.world_size;
-  t.local_world_size = static_cast<int>(std::clamp(*local_size, 1L, static_cast<long>(t.world_size)));
+  t.local_world_size = static_cast<int>(std::max(1L, *local_size));
   t.local_rank = static_cast<int>(env.first_int(src->local_rank).value_or(t.rank % t.local_world_size));
   t.num_nodes = static_cast<int>(num_nodes.value_or((t.world_size + t.local_world_size - 1) / t.local_world_size));
   // Without a node index (OpenMPI, PMI), this one holds for ranks placed by slot; ProcessState replaces it

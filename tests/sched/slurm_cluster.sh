@@ -3,8 +3,8 @@
 #
 # Usage:
 #   slurm_cluster.sh start DIR   # writes DIR/slurm.conf, starts slurmctld + slurmd,
-#                                # returns once the node is idle (~1 s)
-#   slurm_cluster.sh stop DIR    # cancels jobs, shuts the daemons down, waits for them
+#                                # returns once the node is idle (~0.1 s)
+#   slurm_cluster.sh stop DIR    # cancels jobs, shuts the daemons down, waits for them (~0.2 s)
 #
 # After `start`, the caller exports SLURM_CONF=DIR/slurm.conf itself and then
 # uses srun/sbatch/squeue/scontrol as usual. Prints nothing but errors.
@@ -212,7 +212,10 @@ do_stop() {
 }
 
 do_start() {
-    local host ncpu cpus ports ctld_port slurmd_port name timeout
+    local host ncpu cpus ctld_port slurmd_port name timeout
+    if [ -n "$(pid_from "$dir/run/slurmctld.pid")$(pid_from "$dir/run/slurmd.pid")" ]; then
+        die "a cluster is already running in $dir (stop it first)"
+    fi
     host=$(hostname -s) || die "hostname -s failed"
     ncpu=$(nproc 2>/dev/null || echo 1)
     cpus=${SLURM_CLUSTER_CPUS:-$((ncpu > 8 ? ncpu : 8))}
@@ -222,6 +225,9 @@ do_start() {
     # Private cluster name (lower case, short): t<pid><random>
     name=$(printf 't%x%04x' "$$" "$RANDOM")
 
+    # A restart in the same DIR begins from scratch (the old state would hold
+    # the old ClusterName, which slurmctld refuses).
+    rm -rf "$dir/state" "$dir/spool" "$dir/log" "$dir/run"
     mkdir -p "$dir/state" "$dir/spool" "$dir/log" "$dir/run" || die "cannot create dirs in $dir"
     : >"$dir/plugstack.conf"
 

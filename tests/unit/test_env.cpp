@@ -38,7 +38,7 @@ TEST(Topology, NodeRankDerivedWhenAbsent) {
 TEST(Topology, SlurmFallback) {
   Topology t = topology_from_env(Env({{"SLURM_PROCID", "3"}, {"SLURM_NTASKS", "4"}, {"SLURM_LOCALID", "1"},
                                       {"SLURM_NTASKS_PER_NODE", "2(x2)"}, {"SLURM_NODEID", "1"}, {"SLURM_NNODES", "2"},
-                                      {"MASTER_ADDR", "node0"}}));
+                                      {"SLURM_STEP_ID", "0"}, {"MASTER_ADDR", "node0"}}));
   EXPECT_EQ(t.source, "slurm");
   EXPECT_EQ(t.rank, 3);
   EXPECT_EQ(t.local_world_size, 2);

@@ -1,0 +1,197 @@
+// Every config file shape that `accelerate config` writes (tests/data/accelerate_configs: its real
+// output) either loads, or is refused with one line that names the key and the value. Plus the shapes
+// older Accelerate versions wrote, which current files no longer show.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <functional>
+#include <map>
+
+#include "xlr8/config.hpp"
+#include "xlr8/error.hpp"
+
+using namespace xlr8;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string error_of(const std::function<void()>& load) {
+  try {
+    load();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+std::string error_of_text(const std::string& yaml) {
+  return error_of([&] { parse_config(yaml, "test.yaml"); });
+}
+
+// What each file must give: "" loads; otherwise every listed piece is in the one-line error.
+const std::map<std::string, std::vector<std::string>> kExpected = {
+    {"basic_ngpu0.yaml", {}},
+    {"basic_ngpu4.yaml", {}},
+    {"ds_file.yaml", {}},
+    {"ds_file_multinode.yaml", {"deepspeed_config.deepspeed_multinode_launcher", "\"pdsh\"", "\"standard\""}},
+    {"ds_nofile_multinode_standard.yaml", {}},
+    {"ds_nofile_z0.yaml", {}},
+    {"ds_nofile_z2.yaml", {}},
+    {"ds_nofile_z3_nvme.yaml", {"deepspeed_config.deepspeed_moe_layer_cls_names", "MixtralSparseMoeBlock"}},
+    {"ds_single.yaml", {}},
+    {"fp8_ao.yaml", {"mixed_precision", "fp8", "bf16"}},
+    {"fp8_msamp.yaml", {"mixed_precision", "fp8", "bf16"}},
+    {"fp8_te.yaml", {"mixed_precision", "fp8", "bf16"}},
+    {"fp8_te_default.yaml", {"mixed_precision", "fp8", "bf16"}},
+    {"fsdp_v1.yaml", {}},
+    {"fsdp_v1_nowrap.yaml", {}},
+    {"fsdp_v1_size.yaml", {}},
+    {"fsdp_v2.yaml", {}},
+    {"fsdp_v2_pc.yaml", {"parallelism_config.parallelism_config_tp_size", "value 2", "tensor parallelism",
+                         "dp_shard_size"}},
+    {"megatron.yaml", {"distributed_type", "\"MEGATRON_LM\"", "MULTI_GPU"}},
+    {"megatron_min.yaml", {"distributed_type", "\"MEGATRON_LM\"", "MULTI_GPU"}},
+    {"multi_cpu.yaml", {}},
+    {"multi_cpu_mpirun.yaml", {"mpirun_config.mpirun_hostfile", "\"/root/hostfile\"", "mpirun --hostfile"}},
+    {"multi_gpu.yaml", {}},
+    {"multi_gpu_json.json", {}},
+    {"multi_hpu.yaml", {"distributed_type", "\"MULTI_HPU\"", "CUDA GPUs"}},
+    {"multi_node_gpu.yaml", {}},
+    {"multi_xpu.yaml", {"distributed_type", "\"MULTI_XPU\"", "CUDA GPUs"}},
+    {"no_dist_cpu.yaml", {}},
+    {"no_dist_default.yaml", {}},
+    {"no_dist_dynamo_custom.yaml", {"dynamo_config.dynamo_backend", "INDUCTOR", "torch.compile"}},
+    {"no_dist_gpu_bf16_dynamo.yaml", {"dynamo_config.dynamo_backend", "INDUCTOR", "torch.compile"}},
+    {"no_dist_mps.yaml", {}},
+    {"sagemaker_dp.yaml", {"compute_environment", "\"AMAZON_SAGEMAKER\"", "compute environment is not supported"}},
+    {"sagemaker_json.json", {"compute_environment", "\"AMAZON_SAGEMAKER\"", "compute environment is not supported"}},
+    {"sagemaker_no.yaml", {"compute_environment", "\"AMAZON_SAGEMAKER\"", "compute environment is not supported"}},
+    {"tpu.yaml", {"distributed_type", "\"XLA\"", "TPU compute environment is not supported"}},
+    {"tpu_cluster_cmds.yaml", {"distributed_type", "\"XLA\"", "TPU compute environment is not supported"}},
+    {"tpu_cluster_file.yaml", {"distributed_type", "\"XLA\"", "TPU compute environment is not supported"}},
+};
+
+}  // namespace
+
+TEST(AccelerateConfigs, EveryShapeAccelerateWritesLoadsOrIsRefusedInOneLine) {
+  const fs::path dir = fs::path(XLR8_SOURCE_DIR) / "tests/data/accelerate_configs";
+  size_t seen = 0, loaded = 0;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    auto name = entry.path().filename().string();
+    if (name == "README.md") continue;
+    ++seen;
+    auto expected = kExpected.find(name);
+    ASSERT_NE(expected, kExpected.end()) << name << " has no expectation in this test";
+    std::string message = error_of([&] { load_config(entry.path().string()).settings(); });
+    if (expected->second.empty()) {
+      EXPECT_EQ(message, "") << name;
+      loaded += message.empty();
+      continue;
+    }
+    EXPECT_EQ(message.find('\n'), std::string::npos) << name << ": " << message;
+    EXPECT_NE(message.find(name), std::string::npos) << message;  // the file is named
+    for (const auto& piece : expected->second) EXPECT_NE(message.find(piece), std::string::npos) << name << ": " << message;
+  }
+  EXPECT_EQ(seen, kExpected.size());
+  EXPECT_GE(loaded, 15u);
+}
+
+TEST(AccelerateConfigs, WhatTheAcceptedFilesSayIsWhatTheWorkersGet) {
+  const fs::path dir = fs::path(XLR8_SOURCE_DIR) / "tests/data/accelerate_configs";
+  auto fsdp2 = load_config((dir / "fsdp_v2.yaml").string());
+  ASSERT_EQ(fsdp2.distributed_type, DistributedType::FSDP);
+  EXPECT_EQ(fsdp2.fsdp.version, 2);
+  auto z2 = load_config((dir / "ds_nofile_z2.yaml").string());
+  EXPECT_EQ(z2.deepspeed.zero_stage, 2);
+  EXPECT_EQ(z2.deepspeed.offload_optimizer_device, "cpu");
+  EXPECT_EQ(z2.gradient_accumulation_steps, 4);
+  auto ds_file = load_config((dir / "ds_file.yaml").string());
+  EXPECT_EQ(ds_file.deepspeed.config_file, "/path/ds_config.json");
+  auto node = load_config((dir / "multi_node_gpu.yaml").string());
+  EXPECT_EQ(node.num_machines, 2);
+  EXPECT_EQ(node.machine_rank, 1);
+  EXPECT_EQ(node.main_process_ip, "10.0.0.1");
+  EXPECT_EQ(node.rdzv_backend, "c10d");
+  auto basic = load_config((dir / "basic_ngpu0.yaml").string());  // JSON text in a .yaml file
+  EXPECT_TRUE(basic.use_cpu);
+  EXPECT_EQ(basic.distributed_type, DistributedType::NO);
+}
+
+TEST(AccelerateConfigs, OlderVersionsShapesLoad) {
+  // Accelerate <= 0.17: nulls and empty sections; <= 0.5: fp16; 0.15-0.16: top-level dynamo_backend;
+  // 0.19-1.12: ipex_config; 0.7-0.11: FSDP keys without the prefix; tests' fsdp_ignored_modules: null.
+  auto c = parse_config(R"(compute_environment: LOCAL_MACHINE
+deepspeed_config: {}
+distributed_type: FSDP
+downcast_bf16: 'no'
+dynamo_backend: 'NO'
+fp16: true
+fsdp_config:
+  sharding_strategy: 2
+  offload_params: false
+  min_num_params: 2000
+  transformer_layer_cls_to_wrap: Block
+  fsdp_ignored_modules: null
+gpu_ids: null
+ipex_config:
+  ipex: false
+machine_rank: 0
+main_process_ip: null
+main_process_port: null
+megatron_lm_config: {}
+mpirun_config:
+  mpirun_ccl: 1
+num_machines: 1
+num_processes: 2
+tp_config:
+  tp_size: 1
+use_cpu: true
+)");
+  EXPECT_EQ(c.mixed_precision, MixedPrecision::FP16);
+  EXPECT_EQ(c.fsdp.sharding_strategy, ShardingStrategy::SHARD_GRAD_OP);
+  EXPECT_EQ(c.fsdp.min_num_params, 2000);
+  EXPECT_EQ(c.fsdp.transformer_layer_cls_to_wrap, std::vector<std::string>{"Block"});
+  // dp-only parallelism_config, as Accelerate writes it with its comm strategy.
+  auto p = parse_config(R"(distributed_type: FSDP
+fsdp_config:
+  fsdp_version: 2
+num_processes: 4
+parallelism_config:
+  parallelism_config_dp_replicate_size: 2
+  parallelism_config_dp_shard_size: 2
+  parallelism_config_tp_size: 1
+  parallelism_config_cp_size: 1
+  parallelism_config_cp_comm_strategy: allgather
+)");
+  ASSERT_TRUE(p.parallelism);
+  EXPECT_EQ(p.parallelism->dp_replicate, 2);
+}
+
+TEST(AccelerateConfigs, KeysThatTurnOnMissingFeaturesAreRefusedByName) {
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"fp16: true\nmixed_precision: fp8\n", {"mixed_precision", "fp8"}},
+      {"tpu_use_sudo: 'yes'\n", {"tpu_use_sudo", "yes", "TPU"}},
+      {"tpu_vm:\n- my-vm\n", {"tpu_vm", "my-vm", "TPU"}},
+      {"downcast_bf16: 'yes'\n", {"downcast_bf16", "TPU"}},
+      {"dynamo_backend: INDUCTOR\n", {"dynamo_backend", "INDUCTOR", "torch.compile"}},
+      {"ipex_config:\n  ipex: true\n", {"ipex_config.ipex", "true", "Intel Extension"}},
+      {"use_mps_device: true\n", {"use_mps_device", "MPS"}},
+      {"tp_config:\n  tp_size: 2\n", {"tp_config.tp_size", "2", "tensor parallelism"}},
+      {"distributed_type: TP\n", {"distributed_type", "TP", "tensor parallelism"}},
+      {"distributed_type: MPS\n", {"distributed_type", "MPS"}},
+      {"fsdp_config:\n  fsdp_ignored_modules: [head]\n", {"fsdp_config.fsdp_ignored_modules", "head"}},
+      {"deepspeed_config:\n  deepspeed_moe_layer_cls_names: MoEBlock\n", {"deepspeed_moe_layer_cls_names", "MoEBlock"}},
+      {"parallelism_config:\n  parallelism_config_cp_size: 2\n", {"parallelism_config_cp_size", "context parallelism"}},
+      {"dynamo_config:\n  dynamo_bakend: NO\n", {"dynamo_config.dynamo_bakend", "did you mean"}},
+  };
+  for (const auto& [yaml, pieces] : cases) {
+    auto m = error_of_text(yaml);
+    ASSERT_FALSE(m.empty()) << yaml;
+    EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+    for (const auto& piece : pieces) EXPECT_NE(m.find(piece), std::string::npos) << yaml << " -> " << m;
+  }
+  // The same keys left off load silently.
+  EXPECT_EQ(error_of_text("tpu_use_sudo: 'no'\ntpu_vm:\n- ''\ndowncast_bf16: false\ndynamo_config:\n  dynamo_backend: NO\n"
+                          "use_mps_device: false\ndeepspeed_config:\n  deepspeed_multinode_launcher: pdsh\n"),
+            "");
+}
