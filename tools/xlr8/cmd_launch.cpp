@@ -57,6 +57,8 @@ Handler add_launch(CLI::App& app) {
   // The program and its arguments: normalize_launch_args puts a `--` before them, so CLI11 never reads
   // them as options (`xlr8 launch prog --help` is prog's help).
   cmd->add_option("program", req->command, "The program to start, and its arguments")->group("");
+  cmd->footer("Usage: xlr8 launch [options] [--] program [args...]\n"
+              "Everything from the program's name on (or after --) is the program's, even --help.");
   auto opt = [&](const std::string& name, auto& target, const std::string& help) {
     return cmd->add_option(spellings(name), target, help);
   };
