@@ -33,8 +33,11 @@ set(CPACK_DEBIAN_PACKAGE_SECTION devel)
 # Run-time libraries of the CLI come from dpkg-shlibdeps; building against xlr8 needs the -dev packages
 # its exported target finds with find_dependency (cmake/xlr8Config.cmake.in).
 set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)
+# The static libraries are built against one LibTorch release: its -dev package, that major.minor only.
+string(REGEX MATCH "^[0-9]+\\.[0-9]+" XLR8_TORCH_MINOR "${Torch_VERSION}")
+math(EXPR XLR8_TORCH_NEXT_MINOR "${Torch_VERSION_MINOR} + 1")
 set(CPACK_DEBIAN_PACKAGE_DEPENDS
-    "libtorch-dev, libgloo-dev, libyaml-cpp-dev, nlohmann-json3-dev, libfmt-dev, zlib1g-dev, libgomp1")
+    "libtorch-dev (>= ${XLR8_TORCH_MINOR}), libtorch-dev (<< ${Torch_VERSION_MAJOR}.${XLR8_TORCH_NEXT_MINOR}), libgloo-dev, libyaml-cpp-dev, nlohmann-json3-dev, libfmt-dev, zlib1g-dev, libgomp1")
 set(CPACK_DEBIAN_PACKAGE_RECOMMENDS "cmake, g++, libopenblas0-openmp")
 set(CPACK_DEBIAN_PACKAGE_SUGGESTS "openmpi-bin, slurm-client")
 include(CPack)

@@ -95,6 +95,7 @@ struct Topology {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   std::string source = "none";  // which protocol the values came from: torchrun, slurm, openmpi, pmi, none
+  std::string job_id;           // scheduler_job_id(): ranks of other jobs are refused at rendezvous
   bool distributed() const { return world_size > 1; }
   bool operator==(const Topology&) const = default;
 };
@@ -109,12 +110,12 @@ Settings settings_from_env(const Env& env);
 // node list across Slurm nodes, and is a ConfigError naming MASTER_ADDR across MPI nodes.
 Topology topology_from_env(const Env& env);
 
-// "slurm:<job>.<step>", "OMPI_MCA_ess_base_jobid:<id>", ...: what identifies one job (step) of the
+// "slurm:<cluster>:<job>.<step>", "OMPI_MCA_ess_base_jobid:<id>", ...: what identifies one job (step) of the
 // scheduler that started the process; nullopt when it sets nothing of the kind.
 std::optional<std::string> scheduler_job_id(const Env& env, const std::string& source);
 // A port in 20000-29999 that every rank derives alike from the job's id.
 int port_for_job(const std::string& job_id);
-// First host of a Slurm host list: "node[07-09,12],gpu3" -> "node07".
+// First host of a Slurm host list: "node[07-09,12],gpu3" -> "node07", "r[1-2]-n[01-04]" -> "r1-n01".
 std::string first_slurm_host(const std::string& nodelist);
 
 }  // namespace xlr8

@@ -89,10 +89,11 @@ void read_deepspeed(const Section& s, LaunchConfig& c, std::vector<std::string>*
                               s.shown("deepspeed_moe_layer_cls_names")));
   // Across machines, `accelerate launch` may start the other machines itself (pdsh, ssh, mpirun...);
   // xlr8 launch runs on every machine, as DeepSpeed's "standard" launcher does.
-  if (auto v = s.str("deepspeed_multinode_launcher"); v && *v != "standard" && c.num_machines > 1)
+  if (auto v = s.str("deepspeed_multinode_launcher"); v && *v != "standard" && *v != "nossh" && c.num_machines > 1)
     throw s.error("deepspeed_multinode_launcher",
                   fmt::format("value {:?} asks the launcher to start the other machines, which xlr8 launch does not "
-                              "do; set it to \"standard\" and run xlr8 launch on every machine (or start the job with "
+                              "do; set it to \"standard\" (or \"nossh\") and run xlr8 launch on every machine (or start "
+                              "the job with "
                               "srun or mpirun)",
                               *v));
   auto& d = c.deepspeed;

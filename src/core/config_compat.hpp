@@ -15,7 +15,7 @@ extern const std::vector<std::string> kCompatTopKeys;
 
 // compute_environment and distributed_type first: a SageMaker file's other keys would read as unknown.
 void refuse_foreign_environment(const Section& top);
-// Every key of kCompatTopKeys, and keys in them; `num_machines` decides whether launcher keys matter.
+// Every key of kCompatTopKeys, and the keys inside those sections.
 void refuse_unsupported_features(const Section& top);
 
 }  // namespace xlr8::detail

@@ -9,6 +9,7 @@
 
 #include "xlr8/error.hpp"
 #include "xlr8/settings.hpp"
+#include "xlr8/text.hpp"
 
 namespace xlr8 {
 namespace {
@@ -24,7 +25,9 @@ struct Source {
   std::initializer_list<const char*> task_marker;  // one must be set, when listed
 };
 
-// Checked in this order; the first whose size (and rank) variables are set wins.
+// Checked in this order; the first whose size (and rank) variables are set wins: the innermost starter
+// first, since a job's processes inherit the variables of whatever started its starter (mpirun run
+// inside `srun --pty bash` still sees that shell's SLURM_PROCID=0 and SLURM_STEP_NUM_TASKS=1).
 // OMPI_COMM_WORLD_NODE_RANK is not a node index: it is the rank among the processes on this node
 // (OpenMPI's mpirun(1), "ENVIRONMENT VARIABLES"), so OpenMPI gives no node index at all.
 // SLURM_STEP_NUM_TASKS comes first: a job step started by srun sets it, while SLURM_NTASKS is the whole
@@ -32,14 +35,14 @@ struct Source {
 // sbatch script itself also has SLURM_PROCID=0 and SLURM_NTASKS=2, and a program it runs without srun is
 // one process, not rank 0 of 2.
 const Source kSources[] = {
-    {"torchrun", {"RANK"}, {"WORLD_SIZE"}, {"LOCAL_RANK"}, {"LOCAL_WORLD_SIZE"}, {"NODE_RANK", "GROUP_RANK"}, {}},
+    {"torchrun", {"RANK"}, {"WORLD_SIZE"}, {"LOCAL_RANK"}, {"LOCAL_WORLD_SIZE"}, {"NODE_RANK", "GROUP_RANK"}, {}, {}},
+    {"openmpi", {"OMPI_COMM_WORLD_RANK"}, {"OMPI_COMM_WORLD_SIZE"}, {"OMPI_COMM_WORLD_LOCAL_RANK"},
+     {"OMPI_COMM_WORLD_LOCAL_SIZE"}, {}, {"OMPI_MCA_orte_num_nodes"}, {}},
+    {"mvapich", {"MV2_COMM_WORLD_RANK"}, {"MV2_COMM_WORLD_SIZE"}, {"MV2_COMM_WORLD_LOCAL_RANK"},
+     {"MV2_COMM_WORLD_LOCAL_SIZE"}, {}, {}, {}},
+    {"pmi", {"PMI_RANK"}, {"PMI_SIZE"}, {"MPI_LOCALRANKID", "PALS_LOCAL_RANKID"}, {"MPI_LOCALNRANKS"}, {}, {}, {}},
     {"slurm", {"SLURM_PROCID"}, {"SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"}, {"SLURM_LOCALID"}, {},
      {"SLURM_NODEID"}, {"SLURM_STEP_NUM_NODES", "SLURM_NNODES"}, {"SLURM_STEP_ID", "SLURM_STEPID"}},
-    {"openmpi", {"OMPI_COMM_WORLD_RANK"}, {"OMPI_COMM_WORLD_SIZE"}, {"OMPI_COMM_WORLD_LOCAL_RANK"},
-     {"OMPI_COMM_WORLD_LOCAL_SIZE"}, {}, {"OMPI_MCA_orte_num_nodes"}},
-    {"mvapich", {"MV2_COMM_WORLD_RANK"}, {"MV2_COMM_WORLD_SIZE"}, {"MV2_COMM_WORLD_LOCAL_RANK"},
-     {"MV2_COMM_WORLD_LOCAL_SIZE"}, {}, {}},
-    {"pmi", {"PMI_RANK"}, {"PMI_SIZE"}, {"MPI_LOCALRANKID", "PALS_LOCAL_RANKID"}, {"MPI_LOCALNRANKS"}, {}, {}},
 };
 
 bool has_any(const Env& env, std::initializer_list<const char*> names) {
@@ -48,12 +51,24 @@ bool has_any(const Env& env, std::initializer_list<const char*> names) {
   return false;
 }
 
-// Slurm's task counts per node read "2", "2(x3)" or "3,2(x2)"; the leading count is this layout's
-// first node, which is what a uniform job needs.
-std::optional<long> leading_int(const Env& env, const char* name) {
+// Slurm's task counts per node read "2", "2(x3)" or "3,2(x2)" (node 0 runs 3, nodes 1 and 2 run 2 each):
+// the count of node `node`.
+std::optional<long> tasks_on_node(const Env& env, const char* name, long node) {
   auto v = env.get(name);
-  if (!v || v->empty() || !std::isdigit(static_cast<unsigned char>((*v)[0]))) return std::nullopt;
-  return std::stol(*v);
+  if (!v || v->empty()) return std::nullopt;
+  for (const auto& part : text::split(*v, ',')) {
+    size_t used = 0;
+    long count = 0, repeat = 1;
+    try {
+      count = std::stol(part, &used);
+      if (used < part.size() && part.compare(used, 2, "(x") == 0) repeat = std::stol(part.substr(used + 2));
+    } catch (const std::exception&) {
+      return std::nullopt;
+    }
+    if (node < repeat) return count;
+    node -= repeat;
+  }
+  return std::nullopt;
 }
 
 // FNV-1a: stable across processes, compilers and runs (std::hash is not).
@@ -66,24 +81,19 @@ uint64_t stable_hash(const std::string& text) {
 }  // namespace
 
 std::string first_slurm_host(const std::string& nodelist) {
-  // "node[07-09,12],gpu3" -> "node07": the first entry, and in a bracket the first number as written
-  // (zero padding included).
-  std::string first;
-  int depth = 0;
-  for (char c : nodelist) {
-    if (c == ',' && depth == 0) break;
-    depth += c == '[' ? 1 : c == ']' ? -1 : 0;
-    first += c;
+  // "node[07-09,12],gpu3" -> "node07", "rack[1-2]-n[01-04]" -> "rack1-n01": the first entry, and in each
+  // bracket the first number as written (zero padding included).
+  std::string host;
+  for (size_t i = 0; i < nodelist.size() && nodelist[i] != ','; ++i) {
+    if (nodelist[i] != '[') {
+      host += nodelist[i];
+      continue;
+    }
+    for (++i; i < nodelist.size() && std::isdigit(static_cast<unsigned char>(nodelist[i])); ++i) host += nodelist[i];
+    i = nodelist.find(']', i);
+    if (i == std::string::npos) break;
   }
-  auto open = first.find('[');
-  if (open == std::string::npos) return first;
-  std::string prefix = first.substr(0, open);
-  size_t i = open + 1;
-  std::string number;
-  while (i < first.size() && std::isdigit(static_cast<unsigned char>(first[i]))) number += first[i++];
-  auto close = first.find(']', i);
-  std::string suffix = close == std::string::npos ? "" : first.substr(close + 1);
-  return prefix + number + suffix;
+  return host;
 }
 
 std::optional<std::string> scheduler_job_id(const Env& env, const std::string& source) {
@@ -91,7 +101,9 @@ std::optional<std::string> scheduler_job_id(const Env& env, const std::string& s
     auto job = env.get("SLURM_JOB_ID");
     if (!job) job = env.get("SLURM_JOBID");
     if (!job) return std::nullopt;
-    return "slurm:" + *job + "." + env.get("SLURM_STEP_ID").value_or(env.get("SLURM_STEPID").value_or("0"));
+    // The cluster's name too: two clusters (or two test clusters on one machine) both have a job 1.
+    return "slurm:" + env.get("SLURM_CLUSTER_NAME").value_or("") + ":" + *job + "." +
+           env.get("SLURM_STEP_ID").value_or(env.get("SLURM_STEPID").value_or("0"));
   }
   if (source == "openmpi" || source == "pmi" || source == "mvapich") {
     for (const char* name : {"OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "PMI_JOBID", "MPIRUN_ID"})
@@ -121,8 +133,9 @@ Topology topology_from_env(const Env& env) {
   t.rank = static_cast<int>(env.first_int(src->rank).value_or(env.get_int("LOCAL_RANK").value_or(0)));
   auto local_size = env.first_int(src->local_size);
   if (!local_size && t.source == "slurm") {
+    long node = env.get_int("SLURM_NODEID").value_or(0);
     for (const char* name : {"SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"})
-      if ((local_size = leading_int(env, name))) break;
+      if ((local_size = tasks_on_node(env, name, node))) break;
   }
   auto num_nodes = env.first_int(src->num_nodes);
   if (!local_size) local_size = num_nodes ? t.world_size / std::max(1L, *num_nodes) : t.world_size;
@@ -149,6 +162,7 @@ Topology topology_from_env(const Env& env) {
   // from its job id (the same on every rank, different for every job and job step) and, on one node,
   // loopback; across Slurm nodes, the first node of the step.
   auto job = scheduler_job_id(env, t.source);
+  t.job_id = job.value_or("");
   t.master_port = static_cast<int>(env.get_int("MASTER_PORT").value_or(job ? port_for_job(*job) : 29500));
   if (t.master_port < 1 || t.master_port > 65535)
     throw ConfigError(fmt::format("MASTER_PORT={} is not a TCP port (1-65535)", t.master_port));

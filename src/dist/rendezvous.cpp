@@ -41,7 +41,19 @@ compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout
   char host[256] = "?";
   gethostname(host, sizeof(host) - 1);
   std::vector<int> missing;
+  // The job this server belongs to: a rank of another job that reached it (two jobs on one derived port,
+  // a stale MASTER_PORT) must stop with an error instead of joining.
+  const std::string job = fmt::format("{} with {} ranks", t.job_id.empty() ? "this job" : t.job_id, t.world_size);
   try {
+    if (t.rank == 0) {
+      store->set("xlr8/rdzv/job", std::vector<uint8_t>(job.begin(), job.end()));
+    } else {
+      auto theirs = store->get("xlr8/rdzv/job");
+      if (std::string(theirs.begin(), theirs.end()) != job)
+        throw Error(fmt::format("rank {} ({}) reached the rendezvous server at {} of another job ({}); give this job a "
+                                "port of its own with MASTER_PORT",
+                                t.rank, job, where, std::string(theirs.begin(), theirs.end())));
+    }
     store->set(fmt::format("xlr8/rdzv/rank/{}", t.rank), std::vector<uint8_t>(host, host + std::strlen(host)));
     store->add("xlr8/rdzv/joined", 1);
     const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -55,6 +67,8 @@ compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout
       std::this_thread::sleep_for(pause);
       pause = std::min(pause * 2, std::chrono::milliseconds(100));
     }
+  } catch (const Error&) {
+    throw;
   } catch (const std::exception& e) {
     throw lost_server(e);
   }
@@ -68,11 +82,29 @@ compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout
 }
 
 void place_nodes_by_host(const compat::StorePtr& store, Topology& t) {
+  // Rank 0 reads every rank's host and publishes the list under one key: W requests in all, where every
+  // rank reading every host would send W^2 to the server.
   std::vector<std::string> hosts;
-  for (int r = 0; r < t.world_size; ++r) {
-    auto bytes = store->get(fmt::format("xlr8/rdzv/rank/{}", r));
-    hosts.emplace_back(bytes.begin(), bytes.end());
+  try {
+    if (t.rank == 0) {
+      std::string all;
+      for (int r = 0; r < t.world_size; ++r) {
+        auto bytes = store->get(fmt::format("xlr8/rdzv/rank/{}", r));
+        all += std::string(bytes.begin(), bytes.end()) + "\n";
+      }
+      store->set("xlr8/rdzv/hosts", std::vector<uint8_t>(all.begin(), all.end()));
+    }
+    auto bytes = store->get("xlr8/rdzv/hosts");
+    std::string all(bytes.begin(), bytes.end());
+    for (size_t start = 0, end; (end = all.find('\n', start)) != std::string::npos; start = end + 1)
+      hosts.push_back(all.substr(start, end - start));
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("rank {} could not read the hosts of the {} ranks from the rendezvous server at {}:{}: {}",
+                            t.rank, t.world_size, t.master_addr, t.master_port, first_line(e.what())));
   }
+  if (static_cast<int>(hosts.size()) != t.world_size)
+    throw Error(fmt::format("rank {}: the rendezvous server listed {} hosts for {} ranks", t.rank, hosts.size(),
+                            t.world_size));
   std::vector<std::string> nodes;  // distinct hosts, by lowest rank
   int local_count = 0;
   for (int r = 0; r < t.world_size; ++r) {

@@ -129,6 +129,42 @@ TEST_F(OpenMpi, ExportedMasterAddrAndPortAreUsed) {
   auto lines = lines_with(r.out, "sum=3 world=2 node=0 ");
   ASSERT_EQ(lines.size(), 2u) << r.out;
   for (const auto& line : lines) EXPECT_EQ(field(line, "at"), fmt::format("127.0.0.1:{}", port)) << line;
+  // And training through that rendezvous follows the oracle.
+  auto one = one_process(8, 8);
+  auto dir = temp_dir("mpi-x");
+  Args command{"mpirun", "-x", "MASTER_ADDR", "-x", "MASTER_PORT", "-np", "2"};
+  auto program = train_args(4, 8, dir);
+  command.insert(command.end(), program.begin(), program.end());
+  env["MASTER_PORT"] = std::to_string(xlr8::pick_free_port());
+  auto two = oracle_command(command, dir, 180, env);
+  expect_close(two.losses, one.losses, 1e-5);
+  expect_same_params(two.dir, one.dir, 1e-5);
+}
+
+// --------------------------------------------------------------------------------- torchrun environment
+
+TEST(TorchrunEnvironment, HandSetVariablesTrainInLockstep) {
+  // What torchrun (or any other starter) sets, written by hand: no launcher involved.
+  auto one = one_process(8, 8);
+  auto dir = temp_dir("torchrun");
+  int port = xlr8::pick_free_port();
+  std::vector<std::unique_ptr<Process>> ranks;
+  for (int r = 0; r < 2; ++r)
+    ranks.push_back(std::make_unique<Process>(
+        train_args(4, 8, dir), std::map<std::string, std::string>{{"RANK", std::to_string(r)},
+                                                                  {"WORLD_SIZE", "2"},
+                                                                  {"LOCAL_RANK", std::to_string(r)},
+                                                                  {"LOCAL_WORLD_SIZE", "2"},
+                                                                  {"GROUP_RANK", "0"},
+                                                                  {"MASTER_ADDR", "127.0.0.1"},
+                                                                  {"MASTER_PORT", std::to_string(port)}}));
+  auto r1 = ranks[1]->wait(120), r0 = ranks[0]->wait(120);
+  ASSERT_EQ(r0.exit_code, 0) << r0.err;
+  ASSERT_EQ(r1.exit_code, 0) << r1.err;
+  auto result = last_json(r0.out);
+  EXPECT_EQ(result["num_processes"], 2);
+  expect_close(result["losses"].get<std::vector<double>>(), one.losses, 1e-5);
+  expect_same_params(dir, one.dir, 1e-5);
 }
 
 // ------------------------------------------------------------------------------------------------ Slurm
@@ -141,8 +177,13 @@ class Slurm : public ::testing::Test {
       skip_ = "Slurm not installed (scripts/setup installs slurmctld slurmd slurm-client)";
       return;
     }
+    if (geteuid() != 0) {
+      skip_ = "the private Slurm cluster runs its daemons as root; run the tests as root (CI does)";
+      return;
+    }
     dir_ = temp_dir("slurm");
-    auto r = run({kSource + "/tests/sched/slurm_cluster.sh", "start", dir_}, 60);
+    // With our pid, the cluster stops itself if this test is killed before TearDownTestSuite.
+    auto r = run({kSource + "/tests/sched/slurm_cluster.sh", "start", dir_, std::to_string(getpid())}, 60);
     if (r.exit_code != 0) failure_ = "could not start Slurm: " + r.out + r.err;
   }
   static void TearDownTestSuite() {
@@ -160,9 +201,12 @@ class Slurm : public ::testing::Test {
     Args command{"sbatch", "--parsable", "--output", out_file, script};
     command.insert(command.end(), args.begin(), args.end());
     auto submitted = run(without_master(command), 30, env());
-    EXPECT_EQ(submitted.exit_code, 0) << submitted.err;
     std::string job = submitted.out.substr(0, submitted.out.find_first_of(";\n"));
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(180);
+    if (submitted.exit_code != 0 || job.empty()) {
+      ADD_FAILURE() << "sbatch failed: " << submitted.out << submitted.err;
+      return "";
+    }
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(100);
     while (std::chrono::steady_clock::now() < deadline) {
       auto q = run({"squeue", "-h", "-j", job}, 30, env());
       if (q.out.find(job) == std::string::npos) break;
@@ -212,8 +256,22 @@ TEST_F(Slurm, SbatchJobTrainsInLockstep) {
   auto out = sbatch(script);
   ASSERT_NE(out.find("\"losses\""), std::string::npos) << out;
   auto result = last_json(out);
+  EXPECT_EQ(result["num_processes"], 2);
   expect_close(result["losses"].get<std::vector<double>>(), one.losses, 1e-5);
   expect_same_params(dir, one.dir, 1e-5);
+}
+
+TEST_F(Slurm, AProgramTheBatchScriptRunsWithoutSrunIsOneProcess) {
+  // The batch script has SLURM_PROCID=0 and SLURM_NTASKS=2 but no step: it must not wait for a rank 1.
+  auto one = one_process(4, 8);
+  auto dir = temp_dir("sbatch-direct");
+  auto script = dir + "/job.sbatch";
+  std::ofstream(script) << fmt::format("#!/bin/bash\n#SBATCH --ntasks=2\n{} --batch 4 --steps 8 --out {}\n", kTrain, dir);
+  auto out = sbatch(script);
+  ASSERT_NE(out.find("\"losses\""), std::string::npos) << out;
+  auto result = last_json(out);
+  EXPECT_EQ(result["num_processes"], 1);
+  expect_close(result["losses"].get<std::vector<double>>(), one.losses, 1e-9);
 }
 
 TEST_F(Slurm, TheShippedSbatchExampleTrainsFashionMnist) {
@@ -225,4 +283,5 @@ TEST_F(Slurm, TheShippedSbatchExampleTrainsFashionMnist) {
   ASSERT_NE(out.find("num_processes"), std::string::npos) << out;
   auto result = last_json(out);
   EXPECT_EQ(result["num_processes"], 2) << out;
+  EXPECT_EQ(result["global_step"], 20) << out;  // both ranks stepped together to --max_steps
 }

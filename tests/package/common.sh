@@ -8,6 +8,11 @@ build_and_run_downstream() {
   command -v ninja >/dev/null && configure+=(-G Ninja)
   [ -n "$prefix" ] && configure+=("-DCMAKE_PREFIX_PATH=$prefix")
   "${configure[@]}" >"$work/configure.log" 2>&1 || { cat "$work/configure.log"; echo "FAIL: configure"; exit 1; }
+  # The package under test, not another xlr8 installed elsewhere (/usr/local...).
+  local found
+  found=$(grep '^xlr8_DIR:' "$work/build/CMakeCache.txt" | cut -d= -f2-)
+  echo "found xlr8 in $found"
+  case "$found" in "${prefix:-/usr}"/*) ;; *) echo "FAIL: found xlr8 in $found, not under ${prefix:-/usr}"; exit 1 ;; esac
   cmake --build "$work/build" >"$work/build.log" 2>&1 || { cat "$work/build.log"; echo "FAIL: build"; exit 1; }
   local out
   out=$(cd "$work" && "$xlr8" launch --num_processes 2 "$work/build/app" 2>&1) || { echo "$out"; echo "FAIL: run"; exit 1; }

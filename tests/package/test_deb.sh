@@ -37,7 +37,7 @@ if [ "$(id -u)" = 0 ] && [ "${XLR8_TEST_SYSTEM_INSTALL:-1}" != 0 ]; then
     exit 1
   fi
   mkdir -p "$(dirname "$marker")" && touch "$marker"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$deb" >"$tmp/apt.log" 2>&1 ||
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$deb" >"$tmp/apt.log" 2>&1 ||
     { cat "$tmp/apt.log"; echo "FAIL: apt-get install"; exit 1; }
   mkdir "$tmp/empty"
   (cd "$tmp/empty" && env -i PATH=/usr/bin:/bin HOME="$tmp/empty" xlr8 env) || { echo "FAIL: xlr8 env"; exit 1; }

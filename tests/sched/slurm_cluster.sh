@@ -2,8 +2,9 @@
 # Throw-away single-node Slurm cluster for tests.
 #
 # Usage:
-#   slurm_cluster.sh start DIR   # writes DIR/slurm.conf, starts slurmctld + slurmd,
-#                                # returns once the node is idle (~0.1 s)
+#   slurm_cluster.sh start DIR [PID]  # writes DIR/slurm.conf, starts slurmctld + slurmd,
+#                                # returns once the node is idle (~0.1 s); with PID, a watchdog
+#                                # stops the cluster once that process is gone (a killed test)
 #   slurm_cluster.sh stop DIR    # cancels jobs, shuts the daemons down, waits for them (~0.2 s)
 #
 # After `start`, the caller exports SLURM_CONF=DIR/slurm.conf itself and then
@@ -24,9 +25,10 @@ die() { echo "slurm_cluster.sh: $*" >&2; exit 1; }
 
 usage() { die "usage: $0 {start|stop} DIR"; }
 
-[ $# -eq 2 ] || usage
+[ $# -eq 2 ] || [ $# -eq 3 ] || usage
 cmd=$1
 dir=$2
+watch_pid=${3:-}
 [ -n "$dir" ] || usage
 
 # Work with an absolute path: the daemons chdir and Slurm wants absolute paths.
@@ -211,6 +213,14 @@ do_stop() {
     return 0
 }
 
+# Stops the cluster once `pid` is gone: a test killed at its timeout never runs its own `stop`.
+start_watchdog() {
+    local pid=$1 self
+    self=$(cd "$(dirname "$0")" && pwd)/$(basename "$0")
+    setsid bash -c 'while kill -0 "$1" 2>/dev/null && [ -f "$2/slurm.conf" ]; do sleep 1; done; "$3" stop "$2"' \
+        _ "$pid" "$dir" "$self" </dev/null >/dev/null 2>&1 &
+}
+
 do_start() {
     local host ncpu cpus ctld_port slurmd_port name timeout
     if [ -n "$(pid_from "$dir/run/slurmctld.pid")$(pid_from "$dir/run/slurmd.pid")" ]; then
@@ -270,6 +280,7 @@ MinJobAge=60
 MessageTimeout=10
 SlurmdTimeout=300
 SlurmctldTimeout=120
+FirstJobId=$((1000 + RANDOM % 100000))
 NodeName=$host NodeAddr=127.0.0.1 NodeHostname=$host CPUs=$cpus Sockets=1 CoresPerSocket=$cpus ThreadsPerCore=1 RealMemory=1 State=UNKNOWN
 PartitionName=debug Nodes=$host Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
 EOF
@@ -293,7 +304,10 @@ EOF
     local state=
     while :; do
         state=$(timeout 5 sinfo -h -o %t -n "$host" 2>/dev/null)
-        [ "$state" = idle ] && return 0
+        if [ "$state" = idle ]; then
+            [ -n "$watch_pid" ] && start_watchdog "$watch_pid"
+            return 0
+        fi
         if [ $SECONDS -ge $deadline ]; then
             echo "slurm_cluster.sh: node $host not idle after ${timeout}s (state: '${state:-none}')" >&2
             log_tails

@@ -36,6 +36,7 @@ Env slurm_step(int rank, const std::string& step, const std::string& nodelist = 
               {"SLURM_STEP_NUM_NODES", std::to_string(nodes)},
               {"SLURM_STEP_TASKS_PER_NODE", fmt::format("{}(x{})", tasks_per_node, nodes)},
               {"SLURM_JOB_ID", "2"},
+              {"SLURM_CLUSTER_NAME", "c1"},
               {"SLURM_STEP_ID", step},
               {"SLURM_STEP_NODELIST", nodelist},
               {"SLURM_JOB_NODELIST", nodelist}});
@@ -81,8 +82,8 @@ TEST(SchedulerTopology, SlurmStepsGetTheirOwnPortAndTheFirstNodeAcrossNodes) {
   EXPECT_EQ(a.source, "slurm");
   EXPECT_EQ(a.local_world_size, 2);
   EXPECT_EQ(a.master_addr, "127.0.0.1");
-  EXPECT_EQ(a.master_port, port_for_job("slurm:2.0"));
-  EXPECT_EQ(b.master_port, port_for_job("slurm:2.1"));
+  EXPECT_EQ(a.master_port, port_for_job("slurm:c1:2.0"));
+  EXPECT_EQ(b.master_port, port_for_job("slurm:c1:2.1"));
   EXPECT_NE(a.master_port, b.master_port);
   auto multi = topology_from_env(slurm_step(3, "0", "gpu[007-009,012]", 2));
   EXPECT_EQ(multi.node_rank, 1);
@@ -92,6 +93,16 @@ TEST(SchedulerTopology, SlurmStepsGetTheirOwnPortAndTheFirstNodeAcrossNodes) {
   auto env = slurm_step(0, "0");
   env.set("SLURM_NTASKS", "4");
   EXPECT_EQ(topology_from_env(env).world_size, 2);
+  // Uneven layout: node 0 runs 1 task, node 1 runs 2 ("1,2"); rank 2 is node 1's second task.
+  auto uneven = slurm_step(2, "0", "n[1-2]", 2);
+  uneven.set("SLURM_STEP_NUM_TASKS", "3");
+  uneven.set("SLURM_STEP_TASKS_PER_NODE", "1,2");
+  uneven.set("SLURM_NODEID", "1");
+  uneven.set("SLURM_LOCALID", "1");
+  auto u = topology_from_env(uneven);
+  EXPECT_EQ(u.local_world_size, 2);
+  EXPECT_EQ(u.local_rank, 1);
+  EXPECT_EQ(u.node_rank, 1);
   // The sbatch script itself looks like rank 0 of the job's tasks, but has no step: one process.
   auto batch = Env({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "0"}, {"SLURM_NODEID", "0"},
                     {"SLURM_JOB_ID", "5"}});
@@ -99,11 +110,23 @@ TEST(SchedulerTopology, SlurmStepsGetTheirOwnPortAndTheFirstNodeAcrossNodes) {
   EXPECT_EQ(topology_from_env(batch).source, "none");
 }
 
+TEST(SchedulerTopology, TheInnermostStarterWins) {
+  // mpirun inside `srun --pty bash`: the ranks inherit the shell's step variables (rank 0 of 1).
+  auto env = openmpi_one_node(1);
+  for (auto [k, v] : std::map<std::string, std::string>{{"SLURM_PROCID", "0"}, {"SLURM_STEP_NUM_TASKS", "1"},
+                                                        {"SLURM_NTASKS", "1"}, {"SLURM_STEP_ID", "0"}, {"SLURM_JOB_ID", "9"}})
+    env.set(k, v);
+  auto t = topology_from_env(env);
+  EXPECT_EQ(t.source, "openmpi");
+  EXPECT_EQ(t.world_size, 2);
+  EXPECT_EQ(t.rank, 1);
+}
+
 TEST(SchedulerTopology, FirstSlurmHost) {
   EXPECT_EQ(first_slurm_host("vm"), "vm");
   EXPECT_EQ(first_slurm_host("node[07-09,12],gpu3"), "node07");
   EXPECT_EQ(first_slurm_host("a1,a2"), "a1");
-  EXPECT_EQ(first_slurm_host("rack[2]-n[1-4]"), "rack2-n[1-4]");  // only the first bracket is expanded
+  EXPECT_EQ(first_slurm_host("rack[2-3]-n[01-04],x"), "rack2-n01");
 }
 
 TEST(SchedulerTopology, PortsStayInTheirRangeAndDependOnTheWholeId) {
@@ -112,7 +135,11 @@ TEST(SchedulerTopology, PortsStayInTheirRangeAndDependOnTheWholeId) {
     EXPECT_GE(p, 20000) << id;
     EXPECT_LT(p, 30000) << id;
   }
-  EXPECT_EQ(scheduler_job_id(Env({{"SLURM_JOB_ID", "7"}, {"SLURM_STEP_ID", "3"}}), "slurm"), "slurm:7.3");
+  EXPECT_EQ(scheduler_job_id(Env({{"SLURM_JOB_ID", "7"}, {"SLURM_STEP_ID", "3"}, {"SLURM_CLUSTER_NAME", "a"}}), "slurm"),
+            "slurm:a:7.3");
+  // Two clusters' job 1 step 0 are different jobs.
+  EXPECT_NE(scheduler_job_id(Env({{"SLURM_JOB_ID", "1"}, {"SLURM_STEP_ID", "0"}, {"SLURM_CLUSTER_NAME", "a"}}), "slurm"),
+            scheduler_job_id(Env({{"SLURM_JOB_ID", "1"}, {"SLURM_STEP_ID", "0"}, {"SLURM_CLUSTER_NAME", "b"}}), "slurm"));
   EXPECT_FALSE(scheduler_job_id(Env({{"SLURM_JOB_ID", "7"}}), "torchrun"));
 }
 

@@ -9,7 +9,7 @@
 #include "xlr8/error.hpp"
 
 int main(int argc, char** argv) {
-  CLI::App app{"xlr8: distributed training for LibTorch"};
+  CLI::App app{"xlr8: distributed training for LibTorch", "xlr8"};
   app.require_subcommand(1);
   app.set_version_flag("--version", std::string("xlr8 ") + XLR8_VERSION);
   std::vector<std::pair<CLI::App*, xlr8::cli::Handler>> handlers;
