@@ -18,7 +18,7 @@
 
 #include "xlr8/autocast.hpp"
 #include "xlr8/data_loader.hpp"
-#include "xlr8/ddp.hpp"
+#include "xlr8/parallel_strategy.hpp"
 #include "xlr8/process_state.hpp"
 
 namespace xlr8 {
@@ -27,7 +27,7 @@ struct AcceleratorOptions {
   std::optional<MixedPrecision> mixed_precision;   // default: ACCELERATE_MIXED_PRECISION / config
   std::optional<int> gradient_accumulation_steps;  // default: ACCELERATE_GRADIENT_ACCUMULATION_STEPS / config
   bool cpu = false;                                // stay on the CPU even with GPUs
-  DDPOptions ddp;
+  ParallelOptions parallel;                        // passed to the strategy each prepared model gets (DDP: .ddp)
   bool split_batches = false;
   bool even_batches = true;
   bool sync_with_dataloader = true;  // an epoch's last batch always syncs
@@ -71,10 +71,10 @@ class PreparedScheduler {
 };
 
 // The body of one micro-step (Accelerate's `with accelerator.accumulate(model)`): decides whether this
-// step syncs gradients, turns DDP sync off otherwise, and runs the forward under autocast.
+// step syncs gradients, tells the models' strategies, and runs the forward under autocast.
 class StepScope {
  public:
-  StepScope(AcceleratorImpl* impl, std::vector<DistributedDataParallel*> models, bool sync, AutocastScope autocast);
+  StepScope(AcceleratorImpl* impl, std::vector<ParallelStrategy*> models, bool sync, AutocastScope autocast);
   StepScope(StepScope&&) noexcept;
   StepScope(const StepScope&) = delete;
   ~StepScope();
@@ -82,7 +82,7 @@ class StepScope {
 
  private:
   AcceleratorImpl* impl_;
-  std::vector<DistributedDataParallel*> models_;
+  std::vector<ParallelStrategy*> models_;
   bool sync_;
   AutocastScope autocast_;
   bool active_ = true;
@@ -108,7 +108,8 @@ class Accelerator {
   bool end_of_dataloader() const;
 
   // Models: any torch::nn::ModuleHolder (Net, torch::nn::Linear ...) or std::shared_ptr<Module>. The
-  // module is moved to the device; with several processes its gradients are synchronised (DDP).
+  // module is moved to the device and gets its parallel strategy (make_parallel_strategy): with several
+  // processes its gradients are synchronised (DDP).
   template <class Model, std::enable_if_t<!std::is_base_of_v<torch::optim::Optimizer, Model> &&
                                               !std::is_base_of_v<torch::optim::LRScheduler, Model>,
                                           int> = 0>
@@ -194,10 +195,11 @@ class Accelerator {
 
   int64_t step() const;  // optimizer steps taken by the first prepared optimizer
   double loss_scale() const;  // the fp16 dynamic loss scale; 1 otherwise
-  // The DDP engine behind a prepared model (null on one process), for statistics.
+  // The prepared model's strategy: {"strategy": "single" | "ddp", ...its figures}; DDP adds buckets,
+  // launches, overlapped_launches and exposed_comm_seconds.
   template <class Model>
-  const DistributedDataParallel* ddp(const Model& model) const {
-    return ddp_of(*module_pointer(model));
+  nlohmann::json parallel_stats(const Model& model) const {
+    return strategy_of(*module_pointer(model)).stats();
   }
 
  private:
@@ -207,7 +209,7 @@ class Accelerator {
     else return m.ptr();
   }
   void register_model(std::shared_ptr<torch::nn::Module> module);
-  const DistributedDataParallel* ddp_of(const torch::nn::Module& module) const;
+  const ParallelStrategy& strategy_of(const torch::nn::Module& module) const;
   void register_loader(std::shared_ptr<DataLoaderBase> loader);
   StepScope make_step_scope(std::vector<torch::nn::Module*> modules, bool decide_sync);
   void save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const;

@@ -13,6 +13,7 @@
 #include <optional>
 
 #include "xlr8/batch_sharding.hpp"
+#include "xlr8/error.hpp"
 #include "xlr8/gradient_state.hpp"
 #include "xlr8/to_device.hpp"
 
@@ -163,7 +164,7 @@ class DataLoader : public DataLoaderBase {
     if constexpr (std::is_integral_v<decltype(s)>) {
       return static_cast<int64_t>(s);
     } else {
-      if (!s) throw std::invalid_argument("the dataset has no size(); xlr8 data loaders need a map-style dataset");
+      if (!s) throw Error("the dataset has no size(); xlr8 data loaders need a map-style dataset");
       return static_cast<int64_t>(*s);
     }
   }

@@ -1,6 +1,7 @@
 #pragma once
 // Accelerate's GradientState: whether this step syncs gradients, and where the active data loader is
 // (end_of_dataloader and remainder drive the forced sync on an epoch's last batch and gather_for_metrics).
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 

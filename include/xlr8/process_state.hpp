@@ -1,11 +1,14 @@
 #pragma once
 // xlr8::ProcessState (Accelerate's PartialState): created once per process from the environment,
-// then immutable. It rendezvouses with the other ranks and owns the world communicator.
+// then immutable. It rendezvouses with the other ranks and owns the world communicator and the device
+// mesh (parallelism_config's dp_replicate x dp_shard x cp x tp; by default every rank a data-parallel
+// replica).
 #include <chrono>
 #include <memory>
 #include <string>
 
 #include "xlr8/communicator.hpp"
+#include "xlr8/device_mesh.hpp"
 #include "xlr8/settings.hpp"
 
 namespace xlr8 {
@@ -42,6 +45,9 @@ class ProcessState {
   // Whether glibc's allocator was tuned for training loops (XLR8_MALLOC_TUNING, default on).
   bool allocator_tuned() const { return allocator_tuned_; }
   Communicator& world() const { return world_; }
+  // Groups by mesh dimension: "dp" (data parallel: the data loader shards over it), "dp_cp" (metrics),
+  // "dp_shard", "dp_replicate", "cp", "tp". Groups that span the world are the world communicator.
+  DeviceMesh& mesh() const { return *mesh_; }
 
   ~ProcessState();
   ProcessState(const ProcessState&) = delete;
@@ -57,6 +63,7 @@ class ProcessState {
   int threads_ = 1;
   bool allocator_tuned_ = false;
   mutable Communicator world_;
+  std::unique_ptr<DeviceMesh> mesh_;
 };
 
 // For long-lived workers that never pass through a launcher (reference/000): sets the variables

@@ -13,6 +13,7 @@
 
 #include "checkpoint/files.hpp"
 #include "compat/torch_compat.hpp"
+#include "core/log.hpp"
 #include "dist/comm_state.hpp"
 #include "train/accelerator_impl.hpp"
 #include "xlr8/error.hpp"
@@ -197,7 +198,7 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
                    {{"rank", std::to_string(process_index())}});
   if (main) {
     for (size_t i = 0; i < s.models.size(); ++i)
-      save_safetensors((tmp / fmt::format("model{}.safetensors", suffix(i))).string(), state_dict(*s.models[i].module),
+      save_safetensors((tmp / fmt::format("model{}.safetensors", suffix(i))).string(), state_dict(*s.models[i]->module()),
                        {{"format", "pt"}});
     for (size_t i = 0; i < s.optimizers.size(); ++i)
       files::write_durably((tmp / fmt::format("optimizer{}.bin", suffix(i))).string(),
@@ -268,9 +269,9 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
     throw Error(fmt::format("load_state: {} holds {} optimizer(s) but {} were prepared; nothing was loaded",
                             source.string(), optimizer_steps.size(), s.optimizers.size()));
   for (size_t i = 0; i < s.models.size(); ++i)
-    check_module(*s.models[i].module, model_files[i], (source / fmt::format("model{}.safetensors", suffix(i))).string());
+    check_module(*s.models[i]->module(), model_files[i], (source / fmt::format("model{}.safetensors", suffix(i))).string());
 
-  for (size_t i = 0; i < s.models.size(); ++i) copy_into_module(*s.models[i].module, model_files[i]);
+  for (size_t i = 0; i < s.models.size(); ++i) copy_into_module(*s.models[i]->module(), model_files[i]);
   // Schedulers replay their steps before the optimizer state restores the exact learning rates.
   auto scheduler_steps = st.value("scheduler_steps", nlohmann::json::array());
   for (size_t i = 0; i < s.schedulers.size() && i < scheduler_steps.size(); ++i) {
@@ -302,8 +303,8 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
         generator.set_state(t);
       }
   } else if (is_main_process()) {
-    fmt::print(stderr, "xlr8: {} has no RNG state for rank {} (saved with {} processes); RNG not restored\n",
-               source.string(), process_index(), checkpoint.manifest.value("world_size", 0));
+    log::warning("xlr8: {} has no RNG state for rank {} (saved with {} processes); RNG not restored", source.string(),
+                 process_index(), checkpoint.manifest.value("world_size", 0));
   }
 }
 

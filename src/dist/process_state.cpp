@@ -9,6 +9,7 @@
 #endif
 #include <thread>
 
+#include "core/log.hpp"
 #include "dist/comm_state.hpp"
 #include "dist/cpu_affinity.hpp"
 #include "dist/rendezvous.hpp"
@@ -48,6 +49,7 @@ std::unique_ptr<ProcessState> ProcessState::create(const Env& env, const Process
   s->topology_ = topology_from_env(env);
   s->settings_ = settings_from_env(env);
   s->allocator_tuned_ = tune_allocator(env);
+  log::set_rank(s->topology_.rank, s->topology_.world_size);
   const auto& t = s->topology_;
 
   // Device and backend, as Accelerate detects them: CUDA with NCCL when present, else CPU with Gloo.
@@ -94,6 +96,13 @@ std::unique_ptr<ProcessState> ProcessState::create(const Env& env, const Process
   bool shared_memory = env.get_bool("XLR8_SHM").value_or(true);
   s->world_ = detail::make_communicator(world_store, t.rank, t.world_size, "world", t.master_addr, coll_timeout, gpu,
                                         shared_memory);
+  // Without parallelism_config every rank is a data-parallel replica.
+  ParallelismSettings sizes = s->settings_.parallelism.value_or(ParallelismSettings{t.world_size, 1, 1, 1});
+  if (sizes.total() != t.world_size)
+    throw ConfigError(fmt::format("parallelism_config sizes multiply to {} (dp_replicate {} x dp_shard {} x cp {} x tp "
+                                  "{}) but the job has {} processes; make their product the number of processes",
+                                  sizes.total(), sizes.dp_replicate, sizes.dp_shard, sizes.cp, sizes.tp, t.world_size));
+  s->mesh_ = std::make_unique<DeviceMesh>(s->world_, MeshLayout::from(sizes, t.world_size));
   return s;
 }
 

@@ -9,6 +9,7 @@
 #include <emmintrin.h>  // SSE2: the float32 sum kernel
 #endif
 
+#include "core/log.hpp"
 #include "dist/comm_state.hpp"
 #include "xlr8/error.hpp"
 
@@ -121,7 +122,7 @@ std::unique_ptr<ShmTransport> ShmTransport::connect(compat::StorePtr store, int 
       t->control_bytes_ + static_cast<std::size_t>(size) * t->stride_,
       [size](std::byte* base) { ShmControl(base, 0, size).initialise(); }, why_not);
   if (!t->segment_) {
-    if (rank == 0) fmt::print(stderr, "xlr8: group '{}' uses Gloo between its local ranks: {}\n", group, why_not);
+    if (rank == 0) log::warning("xlr8: group '{}' uses Gloo between its local ranks: {}", group, why_not);
     return nullptr;
   }
   t->control_ = std::make_unique<ShmControl>(t->segment_->data(), rank, size);

@@ -23,6 +23,7 @@
 #include <random>
 #include <thread>
 
+#include "core/log.hpp"
 #include "dist/shm_segment.hpp"
 #include "xlr8/error.hpp"
 
@@ -338,8 +339,7 @@ class Supervisor {
           if (sig == SIGCHLD) continue;  // reaped below
           if (!interrupted_by_ && first_failure_ < 0) {
             interrupted_by_ = sig;
-            fmt::print(stderr, "xlr8 launch: received {}, stopping {} worker(s)\n", signal_name(sig), workers_.size());
-            std::fflush(stderr);
+            log::warning("xlr8 launch: received {}, stopping {} worker(s)", signal_name(sig), workers_.size());
           }
           begin_stop(sig == SIGINT ? SIGINT : SIGTERM);
         }
@@ -381,9 +381,8 @@ int launch(const LaunchOptions& o) {
     if (code == 0 || !supervisor.failed()) return code;
     supervisor.report_failure();
     if (attempt >= o.max_restarts) return code;
-    fmt::print(stderr, "xlr8 launch: restarting all {} local worker(s) (restart {} of {})\n", o.nproc_per_node,
-               attempt + 1, o.max_restarts);
-    std::fflush(stderr);
+    log::warning("xlr8 launch: restarting all {} local worker(s) (restart {} of {})", o.nproc_per_node, attempt + 1,
+                 o.max_restarts);
     if (choose_port) port = pick_free_port();
   }
 }

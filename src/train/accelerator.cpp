@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "compat/torch_compat.hpp"
+#include "core/log.hpp"
 #include "train/accelerator_impl.hpp"
 #include "xlr8/error.hpp"
 
@@ -41,19 +42,25 @@ void AcceleratorImpl::unscale_gradients() {
   unscaled = true;
 }
 
-std::vector<DistributedDataParallel*> AcceleratorImpl::ddps_of(const std::vector<torch::nn::Module*>& modules) const {
-  std::vector<DistributedDataParallel*> out;
+std::vector<ParallelStrategy*> AcceleratorImpl::strategies_of(const std::vector<torch::nn::Module*>& modules) const {
+  std::vector<ParallelStrategy*> out;
   if (modules.empty()) {
-    for (const auto& m : models)
-      if (m.ddp) out.push_back(m.ddp.get());
+    for (const auto& m : models) out.push_back(m.get());
     return out;
   }
   for (auto* module : modules) {
-    auto it = std::find_if(models.begin(), models.end(), [&](const Model& m) { return m.module.get() == module; });
+    auto it = std::find_if(models.begin(), models.end(), [&](const auto& m) { return m->module().get() == module; });
     if (it == models.end()) throw Error("this model was not passed to Accelerator::prepare(); prepare it first");
-    if (it->ddp) out.push_back(it->ddp.get());
+    out.push_back(it->get());
   }
   return out;
+}
+
+ParallelStrategy* AcceleratorImpl::owner_of(const at::Tensor& parameter) const {
+  for (const auto& m : models)
+    for (const auto& p : m->optimizer_parameters())
+      if (p.is_same(parameter)) return m.get();
+  return nullptr;
 }
 
 // ------------------------------------------------------------------------------------------ optimizer, scheduler
@@ -67,11 +74,14 @@ void PreparedOptimizer::step() {
     s.skipped = true;
     impl.last_step_applied = false;
     if (impl.state->is_main_process())
-      fmt::print(stderr, "xlr8: fp16 gradient overflow: skipped optimizer step; loss scale is now {}\n",
-                 impl.scaler->scale());
+      log::info("xlr8: fp16 gradient overflow: skipped optimizer step; loss scale is now {}", impl.scaler->scale());
     return;
   }
-  s.optimizer->step();
+  // The strategy of the model it optimizes steps it (sharded strategies step their shards, then gather).
+  const auto& groups = s.optimizer->param_groups();
+  auto* owner = groups.empty() || groups.front().params().empty() ? nullptr : impl.owner_of(groups.front().params().front());
+  if (owner) owner->optimizer_step(*s.optimizer);
+  else s.optimizer->step();
   s.skipped = false;
   s.steps += 1;
   impl.last_step_applied = true;
@@ -109,12 +119,11 @@ int64_t PreparedScheduler::steps_taken() const { return state_->steps; }
 
 // ------------------------------------------------------------------------------------------ step scope
 
-StepScope::StepScope(AcceleratorImpl* impl, std::vector<DistributedDataParallel*> models, bool sync,
-                     AutocastScope autocast)
+StepScope::StepScope(AcceleratorImpl* impl, std::vector<ParallelStrategy*> models, bool sync, AutocastScope autocast)
     : impl_(impl), models_(std::move(models)), sync_(sync), autocast_(std::move(autocast)) {
   for (auto* m : models_) {
     m->set_sync(sync_);
-    m->sync_buffers();  // as PyTorch DDP's broadcast_buffers: rank 0's buffers before each forward
+    m->before_forward();
   }
 }
 
@@ -145,9 +154,9 @@ Accelerator::Accelerator(AcceleratorOptions options) : impl_(std::make_unique<Ac
   // than silently training full replicas.
   auto type = s.state->distributed_type();
   if ((type == DistributedType::FSDP || type == DistributedType::DEEPSPEED) && s.state->is_main_process())
-    fmt::print(stderr, "xlr8: warning: {} sharding is not implemented yet; training with DDP (every rank holds full "
-                       "parameters, gradients and optimizer state)\n",
-               to_string(type));
+    log::warning("xlr8: warning: {} sharding is not implemented yet; training with DDP (every rank holds full "
+                 "parameters, gradients and optimizer state)",
+                 to_string(type));
 }
 
 Accelerator::~Accelerator() = default;
@@ -163,10 +172,10 @@ MixedPrecision Accelerator::mixed_precision() const { return impl_->precision; }
 int Accelerator::gradient_accumulation_steps() const { return impl_->gradient_state->num_steps; }
 bool Accelerator::sync_gradients() const { return impl_->gradient_state->sync_gradients; }
 bool Accelerator::end_of_dataloader() const { return impl_->gradient_state->end_of_dataloader(); }
-const DistributedDataParallel* Accelerator::ddp_of(const torch::nn::Module& module) const {
+const ParallelStrategy& Accelerator::strategy_of(const torch::nn::Module& module) const {
   for (const auto& m : impl_->models)
-    if (m.module.get() == &module) return m.ddp.get();
-  throw Error("ddp_of(): this model was not passed to Accelerator::prepare()");
+    if (m->module().get() == &module) return *m;
+  throw Error("parallel_stats(): this model was not passed to Accelerator::prepare(); prepare it first");
 }
 
 double Accelerator::loss_scale() const { return impl_->scaler ? impl_->scaler->scale() : 1.0; }
@@ -176,11 +185,9 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   auto& s = *impl_;
   if (!module) throw Error("prepare(): the model is null");
   for (const auto& m : s.models)
-    if (m.module == module) throw Error("prepare(): this model was already prepared; prepare each model once");
+    if (m->module() == module) throw Error("prepare(): this model was already prepared; prepare each model once");
   module->to(s.device);
-  AcceleratorImpl::Model entry{module, nullptr};
-  if (s.state->world_size() > 1) entry.ddp = std::make_unique<DistributedDataParallel>(module, s.world(), s.options.ddp);
-  s.models.push_back(std::move(entry));
+  s.models.push_back(make_parallel_strategy(std::move(module), *s.state, s.options.parallel));
 }
 
 PreparedOptimizer Accelerator::prepare_optimizer(std::shared_ptr<torch::optim::Optimizer> optimizer) {
@@ -207,8 +214,10 @@ void Accelerator::register_loader(std::shared_ptr<DataLoaderBase> loader) { impl
 
 ShardingOptions Accelerator::sharding() const {
   ShardingOptions o;
-  o.num_processes = num_processes();
-  o.process_index = process_index();
+  // Ranks of one data-parallel index (tensor or context parallel peers) read the same batches.
+  auto& mesh = impl_->state->mesh();
+  o.num_processes = mesh.size("dp");
+  o.process_index = mesh.rank("dp");
   o.split_batches = impl_->options.split_batches;
   o.even_batches = impl_->options.even_batches;
   return o;
@@ -219,7 +228,7 @@ std::shared_ptr<GradientState> Accelerator::gradient_state() const { return impl
 
 StepScope Accelerator::make_step_scope(std::vector<torch::nn::Module*> modules, bool decide_sync) {
   auto& s = *impl_;
-  auto ddps = s.ddps_of(modules);
+  auto strategies = s.strategies_of(modules);
   bool sync = false;
   if (decide_sync) {
     auto& gs = *s.gradient_state;
@@ -232,7 +241,7 @@ StepScope Accelerator::make_step_scope(std::vector<torch::nn::Module*> modules, 
     }
     gs.sync_gradients = sync;
   }
-  return StepScope(impl_.get(), std::move(ddps), sync, decide_sync ? autocast() : AutocastScope());
+  return StepScope(impl_.get(), std::move(strategies), sync, decide_sync ? autocast() : AutocastScope());
 }
 
 AutocastScope Accelerator::autocast() const {
@@ -259,24 +268,34 @@ double Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, do
   if (!s.gradient_state->sync_gradients) return 0.0;
   s.unscale_gradients();
   if (s.scaler && s.overflow) return std::numeric_limits<double>::infinity();
-  // After DDP every rank holds the same averaged gradients, so the local norm is the global one.
+  if (parameters.empty()) return 0.0;
+  // The strategy of the model these parameters belong to knows which ranks hold which gradients;
+  // parameters of no prepared model are plain local tensors.
+  if (auto* owner = s.owner_of(parameters.front())) return owner->clip_grad_norm(parameters, max_norm, norm_type);
   return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
 }
 
-at::Tensor Accelerator::gather(const at::Tensor& tensor) const {
+namespace {
+
+at::Tensor gather_over(Communicator& group, const at::Tensor& tensor) {
   auto input = tensor.contiguous();
-  const int P = num_processes();
+  const int P = group.size();
   if (P == 1) return input;
   auto flat = at::empty({input.numel() * P}, input.options());
-  impl_->world().all_gather(flat, input);
+  group.all_gather(flat, input);
   if (input.dim() == 0) return flat;
   std::vector<int64_t> shape = input.sizes().vec();
   shape[0] *= P;
   return flat.view(shape);
 }
 
+}  // namespace
+
+at::Tensor Accelerator::gather(const at::Tensor& tensor) const { return gather_over(impl_->world(), tensor); }
+
 at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) const {
-  auto gathered = gather(tensor);
+  // Over the ranks that read different data (dp x cp): tensor-parallel peers would repeat samples.
+  auto gathered = gather_over(impl_->state->mesh().group("dp_cp"), tensor);
   const auto& gs = *impl_->gradient_state;
   if (gs.end_of_dataloader() && gs.remainder() > 0 && gathered.dim() > 0)
     return gathered.narrow(0, 0, std::min<int64_t>(gs.remainder(), gathered.size(0)));

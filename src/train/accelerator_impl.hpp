@@ -22,18 +22,13 @@ struct PreparedScheduler::State {
 };
 
 struct AcceleratorImpl {
-  struct Model {
-    std::shared_ptr<torch::nn::Module> module;
-    std::unique_ptr<DistributedDataParallel> ddp;  // null on one process
-  };
-
   const ProcessState* state = nullptr;
   AcceleratorOptions options;
   at::Device device{at::kCPU};
   MixedPrecision precision = MixedPrecision::NO;
   std::shared_ptr<GradientState> gradient_state = std::make_shared<GradientState>();
   int64_t micro_step = 0;  // Accelerate's accelerator.step: micro-steps in the current window
-  std::vector<Model> models;
+  std::vector<std::unique_ptr<ParallelStrategy>> models;  // one per prepared model, in prepare() order
   std::vector<std::shared_ptr<PreparedOptimizer::State>> optimizers;
   std::vector<std::shared_ptr<PreparedScheduler::State>> schedulers;
   std::vector<std::weak_ptr<DataLoaderBase>> loaders;
@@ -49,7 +44,10 @@ struct AcceleratorImpl {
   std::vector<at::Tensor> optimized_parameters() const;
   // fp16: divide this step's gradients by the scale once, and agree across ranks whether any overflowed.
   void unscale_gradients();
-  std::vector<DistributedDataParallel*> ddps_of(const std::vector<torch::nn::Module*>& modules) const;
+  // The strategies of `modules` (all prepared models when empty); an unprepared module is an Error.
+  std::vector<ParallelStrategy*> strategies_of(const std::vector<torch::nn::Module*>& modules) const;
+  // The strategy whose optimizer parameters include `parameter`, or null.
+  ParallelStrategy* owner_of(const at::Tensor& parameter) const;
 };
 
 }  // namespace xlr8

@@ -100,6 +100,8 @@ TEST(Oracle, GradientAccumulationIncludingTheForcedSyncAtEpochEnd) {
   expect_same_params(two.dir, one.dir, 1e-5);
   // One all-reduce per bucket per optimizer step: nothing is sent on accumulation micro-steps, and
   // most buckets start while backward is still computing other gradients.
+  EXPECT_EQ(two.result["strategy"], "ddp");
+  EXPECT_EQ(one.result["strategy"], "single");
   auto buckets = two.result["buckets"].get<size_t>();
   EXPECT_GT(buckets, 2u);
   EXPECT_EQ(two.result["launches"].get<size_t>(), buckets * 9);
@@ -274,4 +276,23 @@ TEST(FashionMnist, BadDatasetPathIsAClearError) {
   auto r = run({kXlr8, "launch", "--num_processes", "2", kFashion, "--data_dir", "/nonexistent/fm"}, 60);
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("/nonexistent/fm/train-images-idx3-ubyte.gz does not exist"), std::string::npos) << r.err;
+}
+
+TEST(Mesh, DpReplicateTimesDpShardShardsDataAsTheWorldDoes) {
+  // parallelism_config 2 x 2 on 4 processes: the data loader shards over the flattened dp dimension,
+  // which is every rank, so the run equals the plain 4-process run and one process on the global batch.
+  auto dir = temp_dir("mesh");
+  std::ofstream(dir + "/mesh.yaml") << "distributed_type: MULTI_CPU\nnum_processes: 4\nparallelism_config:\n"
+                                       "  parallelism_config_dp_replicate_size: 2\n"
+                                       "  parallelism_config_dp_shard_size: 2\n";
+  auto one = oracle_run(1, 12, {"--steps", "8"});
+  auto plain = oracle_run(4, 3, {"--steps", "8"});
+  auto out = temp_dir("mesh-run");
+  auto meshed = oracle_command({kXlr8, "launch", "--config_file", dir + "/mesh.yaml", kTrain, "--batch", "3", "--steps",
+                                "8", "--out", out},
+                               out);
+  ASSERT_EQ(one.losses.size(), 8u);
+  expect_close(meshed.losses, plain.losses, 1e-12);
+  expect_close(meshed.losses, one.losses, 1e-5);
+  expect_same_params(meshed.dir, one.dir, 1e-5);
 }

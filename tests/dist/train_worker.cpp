@@ -67,10 +67,10 @@ int main(int argc, char** argv) {
     xlr8::AcceleratorOptions options;
     options.mixed_precision = xlr8::parse_mixed_precision(precision, "--precision");
     options.gradient_accumulation_steps = accum;
-    options.ddp.find_unused_parameters = find_unused;
-    options.ddp.compress_bf16 = compress;
-    options.ddp.first_bucket_mb = 0.0002;  // three buckets even for this small model
-    options.ddp.bucket_cap_mb = 0.0005;
+    options.parallel.ddp.find_unused_parameters = find_unused;
+    options.parallel.ddp.compress_bf16 = compress;
+    options.parallel.ddp.first_bucket_mb = 0.0002;  // three buckets even for this small model
+    options.parallel.ddp.bucket_cap_mb = 0.0005;
     xlr8::Accelerator acc(options);
     acc.set_seed(7);
 
@@ -149,16 +149,18 @@ int main(int argc, char** argv) {
       }
     }
     acc.save_model(model, out + "/model");
-    const auto* ddp = acc.ddp(model);
+    auto stats = acc.parallel_stats(model);
+    auto figure = [&](const char* key) { return stats.value(key, nlohmann::json(0)); };
     if (acc.is_main_process())
       fmt::print("{}\n", nlohmann::json{{"losses", losses},
                                          {"num_processes", acc.num_processes()},
                                          {"step", acc.step()},
                                          {"lr", opt.optimizer().param_groups()[0].options().get_lr()},
-                                         {"buckets", ddp ? ddp->bucket_layout().size() : 0},
-                                         {"launches", ddp ? ddp->launches() : 0},
-                                         {"overlapped", ddp ? ddp->overlapped_launches() : 0},
-                                         {"exposed_comm_s", ddp ? ddp->exposed_comm_seconds() : 0.0},
+                                         {"strategy", stats["strategy"]},
+                                         {"buckets", figure("buckets")},
+                                         {"launches", figure("launches")},
+                                         {"overlapped", figure("overlapped_launches")},
+                                         {"exposed_comm_s", figure("exposed_comm_seconds")},
                                          {"shared_memory", acc.state().world().uses_shared_memory()}}
                              .dump());
     acc.end_training();

@@ -1,0 +1,75 @@
+#pragma once
+// The seam every data-parallel strategy plugs into: one object per prepared model, picked once by
+// make_parallel_strategy from the process state. The Accelerator talks only to this interface, so DDP
+// today and ZeRO-1/2/3 / FSDP next live entirely in src/parallel/.
+//
+// Why this shape (DESIGN.md "Strategies" sketches a close one): the strategy owns the module it was
+// given, so a model is prepared once and everything the Accelerator needs about it (sync switch, hook
+// before forward, what the optimizer updates, the step, the norm, state dicts, statistics) is one
+// virtual call away; replicas share the defaults below and only override what differs.
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "xlr8/ddp.hpp"
+#include "xlr8/process_state.hpp"
+
+namespace xlr8 {
+
+// What AcceleratorOptions passes to the factory; each strategy reads its own part.
+struct ParallelOptions {
+  DDPOptions ddp;
+};
+
+// FULL: every tensor whole, by name (what save_model exports). SHARDED: what this rank holds.
+enum class StateDictKind { FULL, SHARDED };
+using StateDict = std::map<std::string, at::Tensor>;
+
+class ParallelStrategy {
+ public:
+  virtual ~ParallelStrategy() = default;
+  // "single" (one process, nothing to synchronise) or "ddp".
+  virtual std::string name() const = 0;
+  const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
+
+  // false: the next backward keeps its gradients local (accumulation, no_sync); true: it synchronises.
+  virtual void set_sync(bool enabled) {}
+  // Called at the start of every accumulate()/no_sync() scope, before the forward pass.
+  virtual void before_forward() {}
+  // The tensors the optimizer updates: the full parameters for replicas, this rank's shards when sharded.
+  virtual std::vector<at::Tensor> optimizer_parameters() const { return module_->parameters(); }
+  // One optimizer step: plain for replicas; shard step plus all-gather when sharded.
+  virtual void optimizer_step(torch::optim::Optimizer& optimizer) { optimizer.step(); }
+  // Clips `parameters` (of this strategy's module) to the global gradient norm and returns it. Replicas
+  // hold identical synchronised gradients, so their local norm is the global one; sharded strategies
+  // reduce partial norms over the groups that hold different parts.
+  virtual double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
+  // Parameters and buffers by name.
+  virtual StateDict state_dict(StateDictKind kind) const;
+  // Copies `state` into the module; every name must exist with the same shape (ConfigError otherwise).
+  virtual void load_state_dict(const StateDict& state, StateDictKind kind);
+  // Figures for tests, benchmarks and logs: at least {"strategy": name()}.
+  virtual nlohmann::json stats() const { return {{"strategy", name()}}; }
+
+ protected:
+  explicit ParallelStrategy(std::shared_ptr<torch::nn::Module> module) : module_(std::move(module)) {}
+
+ private:
+  std::shared_ptr<torch::nn::Module> module_;
+};
+
+// Collective over `data_parallel` when it has several ranks. One rank: "single". Several: "ddp", which
+// FSDP and DeepSpeed settings also get until their sharding engines exist (the Accelerator warns once).
+std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::nn::Module> module,
+                                                         Communicator data_parallel, const ParallelOptions& options);
+// The same over the process's data-parallel group.
+std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::nn::Module> module,
+                                                         const ProcessState& state, const ParallelOptions& options);
+
+}  // namespace xlr8

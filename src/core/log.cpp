@@ -1,0 +1,46 @@
+#include "core/log.hpp"
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "xlr8/text.hpp"
+
+namespace xlr8::log {
+namespace {
+
+std::atomic<int> g_rank{-1};
+
+Level threshold() {
+  // Read once: the level is a property of the run.
+  static const Level level = [] {
+    const char* v = std::getenv("XLR8_LOG_LEVEL");
+    if (!v || !*v) v = std::getenv("ACCELERATE_LOG_LEVEL");
+    std::string name = text::lower(v ? v : "");
+    if (name == "debug") return Level::DEBUG;
+    if (name == "warning" || name == "warn") return Level::WARNING;
+    if (name == "error" || name == "critical") return Level::ERROR;
+    return Level::INFO;
+  }();
+  return level;
+}
+
+}  // namespace
+
+bool enabled(Level level) { return level >= threshold(); }
+
+void set_rank(int rank, int world_size) {
+  const char* launched = std::getenv("XLR8_LAUNCHED");
+  g_rank = world_size > 1 && !(launched && *launched) ? rank : -1;
+}
+
+void write(Level level, std::string_view message) {
+  if (!enabled(level)) return;
+  int rank = g_rank;
+  std::string line = rank >= 0 ? fmt::format("[rank {}] {}\n", rank, message) : fmt::format("{}\n", message);
+  std::fwrite(line.data(), 1, line.size(), stderr);  // one write: lines of concurrent threads do not interleave
+  std::fflush(stderr);
+}
+
+}  // namespace xlr8::log

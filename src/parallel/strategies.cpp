@@ -1,0 +1,78 @@
+// The replica strategies (one process; DDP) and the factory that picks a strategy once per model.
+#include <fmt/format.h>
+#include <torch/nn/utils/clip_grad.h>
+
+#include "xlr8/error.hpp"
+#include "xlr8/parallel_strategy.hpp"
+
+namespace xlr8 {
+
+double ParallelStrategy::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
+  return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+}
+
+StateDict ParallelStrategy::state_dict(StateDictKind) const {
+  StateDict out;
+  for (const auto& item : module_->named_parameters()) out.emplace(item.key(), item.value());
+  for (const auto& item : module_->named_buffers()) out.emplace(item.key(), item.value());
+  return out;
+}
+
+void ParallelStrategy::load_state_dict(const StateDict& state, StateDictKind kind) {
+  auto own = state_dict(kind);
+  for (const auto& [name, tensor] : state) {
+    auto it = own.find(name);
+    if (it == own.end()) throw ConfigError(fmt::format("load_state_dict: the model has no tensor named {:?}", name));
+    if (!it->second.sizes().equals(tensor.sizes()))
+      throw ConfigError(fmt::format("load_state_dict: {:?} has shape {} in the model but {} in the state dict", name,
+                                    c10::str(it->second.sizes()), c10::str(tensor.sizes())));
+  }
+  at::NoGradGuard no_grad;
+  for (const auto& [name, tensor] : state) own.at(name).copy_(tensor);
+}
+
+namespace {
+
+// One process: nothing to synchronise; every default applies.
+class SingleProcess final : public ParallelStrategy {
+ public:
+  explicit SingleProcess(std::shared_ptr<torch::nn::Module> module) : ParallelStrategy(std::move(module)) {}
+  std::string name() const override { return "single"; }
+};
+
+// Full replicas kept equal by DistributedDataParallel's bucketed all-reduce.
+class DataParallelReplicas final : public ParallelStrategy {
+ public:
+  DataParallelReplicas(std::shared_ptr<torch::nn::Module> module, Communicator comm, const DDPOptions& options)
+      : ParallelStrategy(module), ddp_(std::move(module), std::move(comm), options) {}
+  std::string name() const override { return "ddp"; }
+  void set_sync(bool enabled) override { ddp_.set_sync(enabled); }
+  // As PyTorch DDP's broadcast_buffers: rank 0's buffers before each forward.
+  void before_forward() override { ddp_.sync_buffers(); }
+  nlohmann::json stats() const override {
+    return {{"strategy", name()},
+            {"buckets", ddp_.bucket_layout().size()},
+            {"launches", ddp_.launches()},
+            {"overlapped_launches", ddp_.overlapped_launches()},
+            {"exposed_comm_seconds", ddp_.exposed_comm_seconds()}};
+  }
+
+ private:
+  DistributedDataParallel ddp_;
+};
+
+}  // namespace
+
+std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::nn::Module> module,
+                                                         Communicator data_parallel, const ParallelOptions& options) {
+  if (!module) throw Error("prepare(): the model is null");
+  if (data_parallel.size() == 1) return std::make_unique<SingleProcess>(std::move(module));
+  return std::make_unique<DataParallelReplicas>(std::move(module), std::move(data_parallel), options.ddp);
+}
+
+std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::nn::Module> module,
+                                                         const ProcessState& state, const ParallelOptions& options) {
+  return make_parallel_strategy(std::move(module), state.mesh().group("dp"), options);
+}
+
+}  // namespace xlr8
