@@ -285,3 +285,24 @@ TEST_F(Slurm, TheShippedSbatchExampleTrainsFashionMnist) {
   EXPECT_EQ(result["num_processes"], 2) << out;
   EXPECT_EQ(result["global_step"], 20) << out;  // both ranks stepped together to --max_steps
 }
+
+TEST(TorchrunEnvironment, ARankOfAnotherJobIsRefusedAtTheRendezvous) {
+  // Two jobs on one port (what a port collision between two scheduler jobs looks like): job B's rank 1
+  // reaches job A's server and must stop with an error, not join a job of a different size.
+  int port = xlr8::pick_free_port();
+  auto rank_env = [&](int rank, int world) {
+    return std::map<std::string, std::string>{{"RANK", std::to_string(rank)},      {"WORLD_SIZE", std::to_string(world)},
+                                              {"MASTER_ADDR", "127.0.0.1"},        {"MASTER_PORT", std::to_string(port)},
+                                              {"XLR8_RDZV_TIMEOUT", "5"}};
+  };
+  Process a0({kWorker, "allreduce"}, rank_env(0, 2));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // job A's server is up first
+  Process b1({kWorker, "allreduce"}, rank_env(1, 3));
+  auto b = b1.wait(60), a = a0.wait(60);
+  EXPECT_NE(b.exit_code, 0);
+  EXPECT_LT(b.seconds, 4.0) << "refused at once, not at the rendezvous timeout";
+  EXPECT_NE(b.err.find("reached the rendezvous server"), std::string::npos) << b.err;
+  EXPECT_NE(b.err.find("of another job (this job with 2 ranks)"), std::string::npos) << b.err;
+  EXPECT_NE(b.err.find("MASTER_PORT"), std::string::npos) << b.err;
+  EXPECT_NE(a.exit_code, 0);  // job A's rank 1 never came
+}
