@@ -11,7 +11,6 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
-#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -19,6 +18,7 @@
 
 #include "xlr8/ddp.hpp"
 #include "xlr8/process_state.hpp"
+#include "xlr8/safetensors.hpp"
 
 namespace xlr8 {
 
@@ -29,7 +29,8 @@ struct ParallelOptions {
 
 // FULL: every tensor whole, by name (what save_model exports). SHARDED: what this rank holds.
 enum class StateDictKind { FULL, SHARDED };
-using StateDict = std::map<std::string, at::Tensor>;
+// Named tensors in the module's order (parameters, then buffers), as PyTorch's state_dict orders them.
+using StateDict = NamedTensors;
 
 class ParallelStrategy {
  public:

@@ -10,6 +10,7 @@
 #include "compat/torch_compat.hpp"
 #include "core/worker_pool.hpp"
 #include "dist/shm_transport.hpp"
+#include "dist/tensor_text.hpp"
 #include "xlr8/communicator.hpp"
 #include "xlr8/error.hpp"
 
@@ -85,7 +86,5 @@ inline void require(bool ok, const std::string& description, const std::string& 
 void combine(at::Tensor& acc, const at::Tensor& other, ReduceOp op);
 void divide_for_average(at::Tensor& t, int size);
 
-std::string describe(const at::Tensor& t);  // "float32[4, 8]"
-std::string dtype_name(at::ScalarType t);  // "bfloat16"
 
 }  // namespace xlr8::detail

@@ -2,6 +2,8 @@
 #include <fmt/format.h>
 #include <torch/nn/utils/clip_grad.h>
 
+#include <map>
+
 #include "xlr8/error.hpp"
 #include "xlr8/parallel_strategy.hpp"
 
@@ -13,13 +15,14 @@ double ParallelStrategy::clip_grad_norm(const std::vector<at::Tensor>& parameter
 
 StateDict ParallelStrategy::state_dict(StateDictKind) const {
   StateDict out;
-  for (const auto& item : module_->named_parameters()) out.emplace(item.key(), item.value());
-  for (const auto& item : module_->named_buffers()) out.emplace(item.key(), item.value());
+  for (const auto& item : module_->named_parameters()) out.emplace_back(item.key(), item.value());
+  for (const auto& item : module_->named_buffers()) out.emplace_back(item.key(), item.value());
   return out;
 }
 
 void ParallelStrategy::load_state_dict(const StateDict& state, StateDictKind kind) {
-  auto own = state_dict(kind);
+  auto list = state_dict(kind);
+  std::map<std::string, at::Tensor> own(list.begin(), list.end());
   for (const auto& [name, tensor] : state) {
     auto it = own.find(name);
     if (it == own.end()) throw ConfigError(fmt::format("load_state_dict: the model has no tensor named {:?}", name));

@@ -1,0 +1,61 @@
+#include "checkpoint/hf_export.hpp"
+
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <regex>
+
+#include "checkpoint/files.hpp"
+#include "xlr8/error.hpp"
+
+namespace fs = std::filesystem;
+
+namespace xlr8::checkpoint {
+
+int64_t parse_size(const std::string& text) {
+  std::smatch m;
+  static const std::regex pattern("\\s*(\\d+(?:\\.\\d+)?)\\s*([KMGT]?i?B)?\\s*", std::regex::icase);
+  if (!std::regex_match(text, m, pattern))
+    throw ConfigError(fmt::format("max_shard_size {:?} is not a size such as \"10GB\", \"500MB\" or a byte count", text));
+  double value = std::stod(m[1]);
+  std::string unit = m[2].matched ? std::string(m[2]) : "B";
+  for (auto& c : unit) c = static_cast<char>(std::toupper(c));
+  bool binary = unit.size() == 3;
+  double base = binary ? 1024.0 : 1000.0;
+  int power = static_cast<int>(std::string("BKMGT").find(unit[0]));
+  for (int i = 0; i < power; ++i) value *= base;
+  return static_cast<int64_t>(value);
+}
+
+void export_hf_model(const NamedTensors& tensors, const std::string& dir, const std::string& max_shard_size) {
+  const int64_t limit = parse_size(max_shard_size);
+  fs::create_directories(dir);
+  std::vector<NamedTensors> shards(1);
+  int64_t used = 0, total = 0;
+  for (auto& [name, t] : tensors) {
+    int64_t bytes = t.numel() * t.element_size();
+    if (!shards.back().empty() && used + bytes > limit) shards.emplace_back(), used = 0;
+    shards.back().emplace_back(name, t);
+    used += bytes;
+    total += bytes;
+  }
+  static const std::regex stale("model-\\d{5}-of-\\d{5}\\.safetensors");
+  for (auto& e : fs::directory_iterator(dir))
+    if (std::regex_match(e.path().filename().string(), stale)) fs::remove(e.path());
+  if (shards.size() == 1) {
+    fs::remove(fs::path(dir) / "model.safetensors.index.json");
+    save_safetensors((fs::path(dir) / "model.safetensors").string(), shards[0], {{"format", "pt"}});
+    return;
+  }
+  nlohmann::ordered_json index{{"metadata", {{"total_size", total}}}, {"weight_map", nlohmann::ordered_json::object()}};
+  for (size_t i = 0; i < shards.size(); ++i) {
+    std::string name = fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, shards.size());
+    save_safetensors((fs::path(dir) / name).string(), shards[i], {{"format", "pt"}});
+    for (auto& [tensor_name, t] : shards[i]) index["weight_map"][tensor_name] = name;
+  }
+  fs::remove(fs::path(dir) / "model.safetensors");
+  files::write_durably((fs::path(dir) / "model.safetensors.index.json").string(), index.dump(2));
+}
+
+}  // namespace xlr8::checkpoint

@@ -1,0 +1,17 @@
+#pragma once
+// Hugging Face's model layout: model.safetensors, or model-0000i-of-0000n.safetensors shards plus
+// model.safetensors.index.json when the tensors exceed max_shard_size. What transformers' and Python
+// safetensors' loaders read.
+#include <string>
+
+#include "xlr8/safetensors.hpp"
+
+namespace xlr8::checkpoint {
+
+// Writes `tensors` (in their order) into `dir`, replacing an earlier export there. No communication:
+// the caller picks the process that writes.
+void export_hf_model(const NamedTensors& tensors, const std::string& dir, const std::string& max_shard_size);
+// "10GB", "500MB", "2GiB", "1000": bytes. ConfigError for anything else.
+int64_t parse_size(const std::string& text);
+
+}  // namespace xlr8::checkpoint

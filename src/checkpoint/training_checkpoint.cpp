@@ -1,0 +1,179 @@
+#include "checkpoint/training_checkpoint.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/serialize/input-archive.h>
+#include <torch/serialize/output-archive.h>
+
+#include <regex>
+#include <sstream>
+
+#include "checkpoint/files.hpp"
+#include "dist/tensor_text.hpp"
+
+namespace fs = std::filesystem;
+
+namespace xlr8::checkpoint {
+namespace {
+
+constexpr const char* kFormat = "xlr8-checkpoint-1";
+constexpr const char* kManifest = "MANIFEST.json";
+constexpr const char* kStateFile = "accelerator_state.json";
+
+std::string suffix(size_t i) { return i == 0 ? "" : fmt::format("_{}", i); }
+std::string rng_file(int rank) { return fmt::format("random_states_{}.safetensors", rank); }
+
+int64_t checkpoint_number(const fs::path& p) {
+  static const std::regex pattern("checkpoint_(\\d+)");
+  std::smatch m;
+  std::string name = p.filename().string();
+  return std::regex_match(name, m, pattern) ? std::stoll(m[1]) : -1;
+}
+
+}  // namespace
+
+std::string model_file(size_t index) { return fmt::format("model{}.safetensors", suffix(index)); }
+std::string optimizer_file(size_t index) { return fmt::format("optimizer{}.bin", suffix(index)); }
+
+fs::path directory_path(const std::string& dir) {
+  fs::path p = fs::path(dir).lexically_normal();
+  if (p.filename().empty() && p.has_parent_path()) p = p.parent_path();
+  return p;
+}
+
+std::vector<fs::path> automatic_checkpoints(const std::string& project_dir) {
+  std::vector<fs::path> dirs;
+  fs::path root = fs::path(project_dir) / "checkpoints";
+  if (!fs::exists(root)) return dirs;
+  for (auto& e : fs::directory_iterator(root))
+    if (e.is_directory() && checkpoint_number(e.path()) >= 0) dirs.push_back(e.path());
+  std::sort(dirs.begin(), dirs.end(), [](auto& a, auto& b) { return checkpoint_number(a) < checkpoint_number(b); });
+  return dirs;
+}
+
+std::string optimizer_bytes(const torch::optim::Optimizer& optimizer) {
+  torch::serialize::OutputArchive archive;
+  optimizer.save(archive);
+  std::ostringstream out;
+  archive.save_to(out);
+  return out.str();
+}
+
+void load_optimizer_bytes(torch::optim::Optimizer& optimizer, const std::string& bytes, const std::string& path) {
+  torch::serialize::InputArchive archive;
+  std::istringstream in(bytes);
+  try {
+    archive.load_from(in);
+    optimizer.load(archive);
+  } catch (const std::exception& e) {
+    std::string m = e.what();
+    throw Error(fmt::format("{}: cannot load the optimizer state: {}", path, m.substr(0, m.find('\n'))));
+  }
+}
+
+std::string save(const fs::path& final_dir, const Content& content, Communicator& world) {
+  const fs::path tmp = final_dir.string() + ".partial";
+  const bool main = world.rank() == 0;
+  if (main) {
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+  }
+  world.barrier();
+  save_safetensors((tmp / rng_file(world.rank())).string(), content.rng, {{"rank", std::to_string(world.rank())}});
+  if (main) {
+    for (size_t i = 0; i < content.models.size(); ++i)
+      save_safetensors((tmp / model_file(i)).string(), content.models[i], {{"format", "pt"}});
+    for (size_t i = 0; i < content.optimizers.size(); ++i)
+      files::write_durably((tmp / optimizer_file(i)).string(), content.optimizers[i]);
+    auto state = content.state;
+    state["format"] = kFormat;
+    state["world_size"] = world.size();
+    files::write_durably((tmp / kStateFile).string(), state.dump(2));
+  }
+  world.barrier();
+  if (main) {
+    // Read back from disk on purpose: the CRCs describe what was actually written, including other ranks' files.
+    nlohmann::json manifest{{"format", kFormat}, {"world_size", world.size()}, {"files", nlohmann::json::object()}};
+    for (auto& e : fs::directory_iterator(tmp)) {
+      auto bytes = files::read_all(e.path().string());
+      manifest["files"][e.path().filename().string()] = {{"size", bytes.size()}, {"crc32", files::crc32_of(bytes)}};
+    }
+    files::write_durably((tmp / kManifest).string(), manifest.dump(2));
+    fs::path old = final_dir.string() + ".old";
+    fs::remove_all(old);
+    if (fs::exists(final_dir)) fs::rename(final_dir, old);
+    fs::rename(tmp, final_dir);
+    fs::remove_all(old);
+    files::fsync_directory(final_dir.parent_path().empty() ? "." : final_dir.parent_path().string());
+  }
+  return final_dir.string();
+}
+
+Verified::Verified(const fs::path& dir) : dir_(dir) {
+  if (!fs::is_directory(dir)) throw Error(fmt::format("load_state: checkpoint {} does not exist", dir.string()));
+  fs::path manifest_path = dir / kManifest;
+  if (!fs::exists(manifest_path))
+    throw Error(fmt::format("load_state: {} is not a complete checkpoint: {} is missing (the save was interrupted, or "
+                            "this is not an xlr8 checkpoint); nothing was loaded",
+                            dir.string(), kManifest));
+  try {
+    manifest_ = nlohmann::json::parse(files::read_all(manifest_path.string()));
+    if (manifest_.at("format") != kFormat) throw std::runtime_error("unknown format " + manifest_.at("format").dump());
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("load_state: {} is corrupt ({}); nothing was loaded", manifest_path.string(), e.what()));
+  }
+  for (auto& [name, entry] : manifest_.at("files").items()) {
+    fs::path file = dir / name;
+    auto fail = [&](const std::string& why) {
+      return Error(fmt::format("load_state: {} {}; the checkpoint is corrupt or partial, nothing was loaded", file.string(), why));
+    };
+    if (!fs::exists(file)) throw fail("is missing");
+    auto bytes = files::read_all(file.string());
+    if (bytes.size() != entry.at("size").get<size_t>())
+      throw fail(fmt::format("has {} bytes, expected {}", bytes.size(), entry.at("size").get<size_t>()));
+    if (files::crc32_of(bytes) != entry.at("crc32").get<uint32_t>()) throw fail("fails its CRC32 check");
+    files_.emplace(name, std::move(bytes));
+  }
+}
+
+const std::string& Verified::bytes(const std::string& name) const {
+  auto it = files_.find(name);
+  if (it == files_.end())
+    throw Error(fmt::format("load_state: {} is missing: the checkpoint does not list it; nothing was loaded",
+                            (dir_ / name).string()));
+  return it->second;
+}
+
+nlohmann::json Verified::state() const { return nlohmann::json::parse(bytes(kStateFile)); }
+
+SafetensorsContent Verified::model(size_t index) const {
+  return parse_safetensors(bytes(model_file(index)), (dir_ / model_file(index)).string());
+}
+
+const std::string& Verified::optimizer(size_t index) const { return bytes(optimizer_file(index)); }
+
+std::optional<SafetensorsContent> Verified::rng(int rank) const {
+  if (!files_.count(rng_file(rank))) return std::nullopt;
+  return parse_safetensors(files_.at(rng_file(rank)), (dir_ / rng_file(rank)).string());
+}
+
+void check_matches(const NamedTensors& expected, const SafetensorsContent& content, const std::string& path) {
+  std::map<std::string, at::Tensor> saved(content.tensors.begin(), content.tensors.end());
+  std::vector<std::string> missing, mismatched;
+  for (auto& [name, t] : expected) {
+    auto it = saved.find(name);
+    if (it == saved.end()) missing.push_back(name);
+    else if (!it->second.sizes().equals(t.sizes()) || it->second.scalar_type() != t.scalar_type())
+      mismatched.push_back(fmt::format("{} ({} saved, {} in the model)", name, detail::describe(it->second), detail::describe(t)));
+    saved.erase(name);
+  }
+  if (!missing.empty() || !mismatched.empty() || !saved.empty()) {
+    std::vector<std::string> unexpected;
+    for (auto& [k, v] : saved) unexpected.push_back(k);
+    throw Error(fmt::format("load_state: {} does not match the model: missing [{}], mismatched [{}], unexpected [{}]; "
+                            "nothing was loaded",
+                            path, fmt::join(missing, ", "), fmt::join(mismatched, ", "), fmt::join(unexpected, ", ")));
+  }
+}
+
+}  // namespace xlr8::checkpoint

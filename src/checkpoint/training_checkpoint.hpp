@@ -1,0 +1,76 @@
+#pragma once
+// A training checkpoint as plain data and its crash-safe directory format, for any strategy. Nothing
+// here knows the Accelerator: it passes in what to write (its counters, each strategy's state dicts,
+// optimizer archives, this rank's RNG) and applies what it reads.
+//
+// Written into <dir>.partial, every file fsynced, MANIFEST.json (size + CRC32 of each file) last, then
+// renamed into place: a previous checkpoint at <dir> survives any failure before that rename. Reading
+// verifies every file against the manifest before anything is returned.
+#include <torch/optim/optimizer.h>
+
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "xlr8/communicator.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/safetensors.hpp"
+
+namespace xlr8::checkpoint {
+
+struct Content {
+  nlohmann::json state;                 // counters, loss scaler, data loaders (accelerator_state.json)
+  std::vector<NamedTensors> models;     // full state dicts; the main process writes them
+  std::vector<std::string> optimizers;  // optimizer archives (optimizer_bytes); the main process writes them
+  NamedTensors rng;                     // this rank's generator states
+};
+
+// Collective over `world`: every rank writes its RNG file, the main process the rest. Returns the
+// directory written.
+std::string save(const std::filesystem::path& dir, const Content& content, Communicator& world);
+
+// A checkpoint whose every file matched the manifest; parsing reads the verified bytes, nothing twice.
+class Verified {
+ public:
+  explicit Verified(const std::filesystem::path& dir);  // throws naming the first bad or missing file
+  const std::filesystem::path& dir() const { return dir_; }
+  int saved_world_size() const { return manifest_.value("world_size", 0); }
+  nlohmann::json state() const;
+  SafetensorsContent model(size_t index) const;
+  const std::string& optimizer(size_t index) const;
+  std::optional<SafetensorsContent> rng(int rank) const;  // absent when saved by fewer ranks
+
+ private:
+  const std::string& bytes(const std::string& name) const;
+  std::filesystem::path dir_;
+  nlohmann::json manifest_;
+  std::map<std::string, std::string> files_;
+};
+
+// Throws unless `saved` has exactly `expected`'s names, dtypes and shapes (naming every difference).
+void check_matches(const NamedTensors& expected, const SafetensorsContent& saved, const std::string& path);
+
+std::string optimizer_bytes(const torch::optim::Optimizer& optimizer);
+void load_optimizer_bytes(torch::optim::Optimizer& optimizer, const std::string& bytes, const std::string& path);
+
+// "ckpt/" and "ckpt" name the same directory; the temporary and backup siblings need the bare name.
+std::filesystem::path directory_path(const std::string& dir);
+// <project_dir>/checkpoints/checkpoint_<N>, oldest first.
+std::vector<std::filesystem::path> automatic_checkpoints(const std::string& project_dir);
+std::string model_file(size_t index);      // "model.safetensors", "model_1.safetensors", ...
+std::string optimizer_file(size_t index);  // "optimizer.bin", "optimizer_1.bin", ...
+
+// Filesystem failures (permissions, a full disk) become xlr8 errors that name the operation.
+template <class Fn>
+auto filesystem_guard(const std::string& what, Fn&& fn) {
+  try {
+    return fn();
+  } catch (const std::filesystem::filesystem_error& e) {
+    throw Error(what + ": " + e.what());
+  }
+}
+
+}  // namespace xlr8::checkpoint
