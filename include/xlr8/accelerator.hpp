@@ -1,8 +1,8 @@
 #pragma once
-// xlr8::Accelerator: turns a single-process LibTorch loop into distributed training (Accelerate's
-// Accelerator). Semantics follow reference/001 and reference/004: the loss is divided by the
-// accumulation steps; optimizer and scheduler only step on sync steps; an epoch's last batch always
-// syncs; gather_for_metrics drops the samples that even_batches padded.
+// xlr8::Accelerator: turns a single-process LibTorch loop into distributed training, with the semantics
+// of Accelerate's Accelerator: the loss is divided by the accumulation steps; optimizer and scheduler
+// only step on sync steps; an epoch's last batch always syncs; gather_for_metrics drops the samples
+// that even_batches padded.
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <torch/nn/module.h>

@@ -1,5 +1,5 @@
 #pragma once
-// Accelerate's BatchSamplerShard, exactly (research/accelerate.md 4.1): how one epoch's sample order is
+// Accelerate's BatchSamplerShard, exactly (accelerate/data_loader.py): how one epoch's sample order is
 // cut into global batches and dealt to ranks. Pure arithmetic, no communication.
 #include <cstdint>
 #include <vector>

@@ -1,6 +1,6 @@
 #pragma once
 // The launch config file: Accelerate's default_config.yaml format (keys as `accelerate config` writes
-// them, research/accelerate.md 1.8), so a file written by `accelerate config` works unchanged.
+// them, accelerate/commands/config/config_args.py), so a file written by `accelerate config` works unchanged.
 #include <optional>
 #include <string>
 #include <vector>

@@ -1,5 +1,5 @@
 #pragma once
-// Data-parallel gradient synchronisation for any torch::nn::Module (DESIGN.md, hard problem 1).
+// Data-parallel gradient synchronisation for any torch::nn::Module, from AccumulateGrad post-hooks.
 // Gradients are packed into flat buckets in reverse parameter order (first bucket ~1 MB, then
 // bucket_cap_mb); each bucket's async all-reduce starts from the AccumulateGrad post-hook as soon as
 // its last gradient is ready, so communication overlaps the rest of backward; the end-of-backward

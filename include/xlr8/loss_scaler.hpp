@@ -1,5 +1,5 @@
 #pragma once
-// DeepSpeed's DynamicLossScaler state machine, exactly (research/peers.md 1.4): initial 2^16, window
+// DeepSpeed's DynamicLossScaler state machine, exactly (deepspeed/runtime/fp16/loss_scaler.py): initial 2^16, window
 // 1000, hysteresis 2, min scale 1. An overflow skips the step; the scale halves once hysteresis is used
 // up (it is not refilled by a decrease); a full clean window doubles it and refills hysteresis.
 #include <nlohmann/json.hpp>

@@ -3,7 +3,7 @@
 // make_parallel_strategy from the process state. The Accelerator talks only to this interface, so DDP
 // today and ZeRO-1/2/3 / FSDP next live entirely in src/parallel/.
 //
-// Why this shape (DESIGN.md "Strategies" sketches a close one): the strategy owns the module it was
+// Why this shape: the strategy owns the module it was
 // given, so a model is prepared once and everything the Accelerator needs about it (sync switch, hook
 // before forward, what the optimizer updates, the step, the norm, state dicts, statistics) is one
 // virtual call away; replicas share the defaults below and only override what differs.

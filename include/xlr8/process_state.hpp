@@ -66,8 +66,8 @@ class ProcessState {
   std::unique_ptr<DeviceMesh> mesh_;
 };
 
-// For long-lived workers that never pass through a launcher (reference/000): sets the variables
-// `xlr8 launch` would set. Must run before the ProcessState exists; calling it afterwards with a
+// For long-lived workers that never pass through a launcher (Accelerate's notebook-launcher case): sets
+// the variables `xlr8 launch` would set. Must run before the ProcessState exists; calling it afterwards with a
 // different strategy or precision throws, because the state has already locked them in.
 void configure_environment(const Settings& settings, const Topology& topology);
 

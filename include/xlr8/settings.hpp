@@ -1,7 +1,7 @@
 #pragma once
 // What a job asks for (strategy, precision, FSDP / DeepSpeed / parallelism settings) and where the
-// process sits (topology), with the exact environment-variable protocol of Accelerate and torchrun
-// (reference/000, research/accelerate.md 1.9). Launcher and workers share these mappings.
+// process sits (topology), in the exact variables `accelerate launch` and torchrun set for each worker.
+// Launcher and workers share these mappings.
 #include <map>
 #include <optional>
 #include <string>
@@ -84,7 +84,10 @@ struct Settings {
   std::optional<DeepSpeedSettings> deepspeed; // set: ACCELERATE_USE_DEEPSPEED=true
   std::optional<ParallelismSettings> parallelism;
   bool operator==(const Settings&) const = default;
-  // Which strategy these settings ask for, independent of device: "ddp", "fsdp" or "deepspeed".
+  // The one place the strategy is decided (as Accelerate's PartialState does): DeepSpeed when asked for;
+  // otherwise NO on one process; else FSDP when asked for, else MULTI_GPU or MULTI_CPU.
+  DistributedType distributed_type(bool distributed, bool gpu) const;
+  // Which strategy these settings ask for, independent of device and size: "ddp", "fsdp" or "deepspeed".
   std::string strategy_name() const;
 };
 

@@ -9,7 +9,7 @@
 #include <sstream>
 
 #include "checkpoint/files.hpp"
-#include "dist/tensor_text.hpp"
+#include "distributed/tensor_text.hpp"
 
 namespace fs = std::filesystem;
 

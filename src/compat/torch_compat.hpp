@@ -1,5 +1,5 @@
 #pragma once
-// The ONLY place with LibTorch version checks (DESIGN.md, research/cpp.md 1.11).
+// The ONLY place with LibTorch version checks (TORCH_VERSION_MAJOR/MINOR): the rest builds on 1.13 and 2.x.
 // 1.13 (Debian, CPU, Gloo): ProcessGroupGloo derives from ProcessGroup; Gloo lacks bf16, AVG,
 // _allgather_base and reduce_scatter. 2.x: ProcessGroupGloo/NCCL derive from c10d::Backend.
 #include <torch/version.h>

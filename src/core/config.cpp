@@ -11,7 +11,7 @@
 #include "core/config_compat.hpp"
 #include "core/config_section.hpp"
 #include "xlr8/error.hpp"
-#include "xlr8/text.hpp"
+#include "core/text.hpp"
 
 namespace fs = std::filesystem;
 

@@ -3,7 +3,7 @@
 #include <fmt/format.h>
 
 #include "xlr8/error.hpp"
-#include "xlr8/text.hpp"
+#include "core/text.hpp"
 
 namespace xlr8::detail {
 

@@ -12,7 +12,7 @@
 
 #include "xlr8/env.hpp"
 #include "xlr8/error.hpp"
-#include "xlr8/text.hpp"
+#include "core/text.hpp"
 
 namespace xlr8::detail {
 

@@ -5,7 +5,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "xlr8/text.hpp"
+#include "core/text.hpp"
 
 namespace xlr8::log {
 namespace {

@@ -3,7 +3,7 @@
 #include <fmt/format.h>
 
 #include "xlr8/error.hpp"
-#include "xlr8/text.hpp"
+#include "core/text.hpp"
 
 namespace xlr8 {
 namespace {
@@ -93,7 +93,20 @@ DistributedType parse_distributed_type(const std::string& value, const std::stri
   return kDistributedTypes.parse(value, what, /*case_insensitive=*/false);
 }
 
-std::string Settings::strategy_name() const { return deepspeed ? "deepspeed" : fsdp ? "fsdp" : "ddp"; }
+DistributedType Settings::distributed_type(bool distributed, bool gpu) const {
+  if (deepspeed) return DistributedType::DEEPSPEED;
+  if (!distributed) return DistributedType::NO;
+  if (fsdp) return DistributedType::FSDP;
+  return gpu ? DistributedType::MULTI_GPU : DistributedType::MULTI_CPU;
+}
+
+std::string Settings::strategy_name() const {
+  switch (distributed_type(/*distributed=*/true, /*gpu=*/false)) {
+    case DistributedType::DEEPSPEED: return "deepspeed";
+    case DistributedType::FSDP: return "fsdp";
+    default: return "ddp";
+  }
+}
 
 std::map<std::string, std::string> settings_to_env(const Settings& s) {
   std::map<std::string, std::string> env;

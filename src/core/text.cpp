@@ -1,4 +1,4 @@
-#include "xlr8/text.hpp"
+#include "core/text.hpp"
 
 #include <algorithm>
 #include <cctype>

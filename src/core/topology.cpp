@@ -9,7 +9,7 @@
 
 #include "xlr8/error.hpp"
 #include "xlr8/settings.hpp"
-#include "xlr8/text.hpp"
+#include "core/text.hpp"
 
 namespace xlr8 {
 namespace {

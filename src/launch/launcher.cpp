@@ -24,7 +24,7 @@
 #include <thread>
 
 #include "core/log.hpp"
-#include "dist/shm_segment.hpp"
+#include "os/shm_segment.hpp"
 #include "xlr8/error.hpp"
 
 namespace fs = std::filesystem;

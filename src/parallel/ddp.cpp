@@ -8,7 +8,7 @@
 #include <mutex>
 
 #include "compat/torch_compat.hpp"
-#include "dist/comm_state.hpp"
+#include "distributed/comm_state.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8 {

@@ -1,8 +1,8 @@
 // How enable_cpu_affinity splits a host's CPUs between its local ranks (the binding itself is tested
-// with real processes in tests/dist).
+// with real processes in tests/multiprocess).
 #include <gtest/gtest.h>
 
-#include "dist/cpu_affinity.hpp"
+#include "os/cpu_affinity.hpp"
 #include "xlr8/error.hpp"
 
 using xlr8::detail::cpu_list_text;

@@ -4,14 +4,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <atomic>
 #include <mutex>
-#include <thread>
 
+#include "thread_ranks.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/parallel_strategy.hpp"
 
 using namespace xlr8;
+using xlr8::testing::run_ranks;
 
 namespace {
 
@@ -56,29 +56,14 @@ std::vector<at::Tensor> train(ParallelStrategy& strategy, int rank, int ranks, i
   return out;
 }
 
-// Runs `body(rank, communicator)` on `ranks` threads.
-void on_ranks(int ranks, const std::string& key, const std::function<void(int, Communicator)>& body) {
-  std::vector<std::thread> threads;
-  std::atomic<int> failures{0};
-  for (int r = 0; r < ranks; ++r)
-    threads.emplace_back([&, r] {
-      try {
-        body(r, Communicator::in_process(key, r, ranks));
-      } catch (const std::exception& e) {
-        ADD_FAILURE() << "rank " << r << ": " << e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-}
-
 }  // namespace
 
 TEST(ParallelStrategy, FactoryPicksSingleForOneRankAndDdpForSeveral) {
   auto single = make_parallel_strategy(make_model(), Communicator::in_process("factory1", 0, 1), {});
   EXPECT_EQ(single->name(), "single");
   EXPECT_EQ(single->stats()["strategy"], "single");
-  on_ranks(2, "factory2", [](int, Communicator comm) {
-    auto s = make_parallel_strategy(make_model(), std::move(comm), {});
+  run_ranks(2, [](Communicator& comm) {
+    auto s = make_parallel_strategy(make_model(), comm, {});
     EXPECT_EQ(s->name(), "ddp");
     auto stats = s->stats();
     EXPECT_EQ(stats["strategy"], "ddp");
@@ -94,8 +79,9 @@ TEST(ParallelStrategy, EveryStrategyOnNRanksMatchesOneRankOnTheGlobalBatch) {
     ParallelOptions options;
     options.ddp.first_bucket_mb = 0.0001;  // several buckets, uneven over 3 ranks
     options.ddp.bucket_cap_mb = 0.0002;
-    on_ranks(ranks, "oracle" + std::to_string(ranks), [&](int r, Communicator comm) {
-      auto strategy = make_parallel_strategy(make_model(), std::move(comm), options);
+    run_ranks(ranks, [&](Communicator& comm) {
+      const int r = comm.rank();
+      auto strategy = make_parallel_strategy(make_model(), comm, options);
       auto got = train(*strategy, r, ranks, 5);
       ASSERT_EQ(got.size(), expected.size());
       for (size_t i = 0; i < got.size(); ++i)
@@ -107,9 +93,9 @@ TEST(ParallelStrategy, EveryStrategyOnNRanksMatchesOneRankOnTheGlobalBatch) {
 TEST(ParallelStrategy, SyncOffKeepsGradientsLocal) {
   // The oracle can fail: without synchronisation each rank follows its own rows and the ranks drift apart.
   std::vector<at::Tensor> first(2);
-  on_ranks(2, "nosync", [&](int r, Communicator comm) {
-    auto strategy = make_parallel_strategy(make_model(), std::move(comm), {});
-    first[r] = train(*strategy, r, 2, 3, /*sync=*/false).front();
+  run_ranks(2, [&](Communicator& comm) {
+    auto strategy = make_parallel_strategy(make_model(), comm, {});
+    first[comm.rank()] = train(*strategy, comm.rank(), 2, 3, /*sync=*/false).front();
   });
   EXPECT_GT((first[0] - first[1]).abs().max().item<double>(), 1e-4);
 }

@@ -1,10 +1,10 @@
 // Where a process sits when a scheduler started it. The variable sets below are what Debian's OpenMPI 4.1
 // `mpirun -np 2` and Slurm 22.05 `srun -n 2` really set (trimmed to the ones xlr8 reads); the end-to-end
-// tests under the real programs are in tests/dist/test_schedulers.cpp.
+// tests under the real programs are in tests/multiprocess/test_schedulers.cpp.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include "dist/rendezvous.hpp"
+#include "distributed/rendezvous.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/settings.hpp"
 

@@ -19,8 +19,8 @@
 #include <string>
 #include <thread>
 
-#include "dist/cpu_affinity.hpp"
-#include "dist/shm_segment.hpp"
+#include "os/cpu_affinity.hpp"
+#include "os/shm_segment.hpp"
 #include "xlr8/process_state.hpp"
 
 namespace {

@@ -1,5 +1,5 @@
 // Shared segments and the shared-memory barrier (see shm_segment.hpp).
-#include "dist/shm_segment.hpp"
+#include "os/shm_segment.hpp"
 
 #include <dirent.h>
 #include <fcntl.h>

@@ -7,7 +7,7 @@
 #include <thread>
 
 #include "compat/torch_compat.hpp"
-#include "xlr8/commands.hpp"
+#include "cli/commands.hpp"
 #include "xlr8/config.hpp"
 
 namespace xlr8::cli {

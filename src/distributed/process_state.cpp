@@ -10,9 +10,9 @@
 #include <thread>
 
 #include "core/log.hpp"
-#include "dist/comm_state.hpp"
-#include "dist/cpu_affinity.hpp"
-#include "dist/rendezvous.hpp"
+#include "distributed/comm_state.hpp"
+#include "os/cpu_affinity.hpp"
+#include "distributed/rendezvous.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8 {
@@ -58,10 +58,7 @@ std::unique_ptr<ProcessState> ProcessState::create(const Env& env, const Process
   s->device_ = gpu ? fmt::format("cuda:{}", t.local_rank % gpus) : "cpu";
   s->backend_ = gpu ? "nccl" : "gloo";
   if (gpu) compat::set_cuda_device(t.local_rank % gpus);
-  if (s->settings_.deepspeed) s->distributed_type_ = DistributedType::DEEPSPEED;
-  else if (!t.distributed()) s->distributed_type_ = DistributedType::NO;
-  else if (s->settings_.fsdp) s->distributed_type_ = DistributedType::FSDP;
-  else s->distributed_type_ = gpu ? DistributedType::MULTI_GPU : DistributedType::MULTI_CPU;
+  s->distributed_type_ = s->settings_.distributed_type(t.distributed(), gpu);
 
   // Before any thread of ours starts, so they all inherit it (earlier ones are bound too).
   std::vector<int> bound_cpus;

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "compat/torch_compat.hpp"
-#include "dist/shm_segment.hpp"
+#include "os/shm_segment.hpp"
 #include "xlr8/communicator.hpp"
 
 namespace xlr8::detail {

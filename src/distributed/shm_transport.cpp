@@ -1,5 +1,5 @@
 // The shared-memory transport (see shm_transport.hpp).
-#include "dist/shm_transport.hpp"
+#include "distributed/shm_transport.hpp"
 
 #include <fmt/format.h>
 
@@ -10,7 +10,7 @@
 #endif
 
 #include "core/log.hpp"
-#include "dist/comm_state.hpp"
+#include "distributed/comm_state.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8::detail {

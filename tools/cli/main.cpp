@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "xlr8/commands.hpp"
+#include "cli/commands.hpp"
 #include "xlr8/error.hpp"
 
 int main(int argc, char** argv) {

@@ -1,4 +1,4 @@
-#include "dist/cpu_affinity.hpp"
+#include "os/cpu_affinity.hpp"
 
 #include <dirent.h>
 #include <fmt/format.h>

@@ -1,8 +1,8 @@
-#include "xlr8/self_check.hpp"
+#include "distributed/self_check.hpp"
 
 #include <fmt/format.h>
 
-#include "dist/comm_state.hpp"
+#include "distributed/comm_state.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8 {

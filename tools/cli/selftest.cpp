@@ -6,12 +6,12 @@
 #include <climits>
 
 #include "compat/torch_compat.hpp"
-#include "xlr8/commands.hpp"
+#include "cli/commands.hpp"
 #include "xlr8/device_mesh.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/launcher.hpp"
 #include "xlr8/process_state.hpp"
-#include "xlr8/self_check.hpp"
+#include "distributed/self_check.hpp"
 
 namespace xlr8::cli {
 namespace {

@@ -9,8 +9,8 @@
 
 #include "compat/torch_compat.hpp"
 #include "core/worker_pool.hpp"
-#include "dist/shm_transport.hpp"
-#include "dist/tensor_text.hpp"
+#include "distributed/shm_transport.hpp"
+#include "distributed/tensor_text.hpp"
 #include "xlr8/communicator.hpp"
 #include "xlr8/error.hpp"
 

@@ -3,10 +3,10 @@
 
 #include <memory>
 
-#include "xlr8/commands.hpp"
+#include "cli/commands.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/launcher.hpp"
-#include "xlr8/text.hpp"
+#include "core/text.hpp"
 
 namespace xlr8::cli {
 

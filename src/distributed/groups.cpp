@@ -3,7 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
-#include "dist/comm_state.hpp"
+#include "distributed/comm_state.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8 {

@@ -5,10 +5,10 @@
 #include <iostream>
 
 #include "compat/torch_compat.hpp"
-#include "xlr8/commands.hpp"
+#include "cli/commands.hpp"
 #include "xlr8/config.hpp"
 #include "xlr8/error.hpp"
-#include "xlr8/text.hpp"
+#include "core/text.hpp"
 
 namespace xlr8::cli {
 namespace {

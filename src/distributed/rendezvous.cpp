@@ -1,4 +1,4 @@
-#include "dist/rendezvous.hpp"
+#include "distributed/rendezvous.hpp"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>

@@ -14,7 +14,7 @@
 #include <sstream>
 #include <thread>
 
-#include "dist/cpu_affinity.hpp"
+#include "os/cpu_affinity.hpp"
 #include "process_runner.hpp"
 #include "xlr8/config.hpp"
 #include "xlr8/launcher.hpp"
