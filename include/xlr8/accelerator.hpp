@@ -74,16 +74,17 @@ class PreparedScheduler {
 // step syncs gradients, tells the models' strategies, and runs the forward under autocast.
 class StepScope {
  public:
-  StepScope(AcceleratorImpl* impl, std::vector<ParallelStrategy*> models, bool sync, AutocastScope autocast);
+  // `suspend_sync`: no_sync(); otherwise the GradientState's decision for this step applies.
+  StepScope(AcceleratorImpl* impl, std::vector<ParallelStrategy*> models, bool suspend_sync, AutocastScope autocast);
   StepScope(StepScope&&) noexcept;
   StepScope(const StepScope&) = delete;
   ~StepScope();
-  bool sync_gradients() const { return sync_; }
+  bool sync_gradients() const;
 
  private:
   AcceleratorImpl* impl_;
   std::vector<ParallelStrategy*> models_;
-  bool sync_;
+  bool suspend_sync_;
   AutocastScope autocast_;
   bool active_ = true;
 };

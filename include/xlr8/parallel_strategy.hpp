@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "xlr8/ddp.hpp"
+#include "xlr8/gradient_state.hpp"
 #include "xlr8/process_state.hpp"
 #include "xlr8/safetensors.hpp"
 
@@ -39,10 +40,13 @@ class ParallelStrategy {
   virtual std::string name() const = 0;
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
 
-  // false: the next backward keeps its gradients local (accumulation, no_sync); true: it synchronises.
-  virtual void set_sync(bool enabled) {}
-  // Called at the start of every accumulate()/no_sync() scope, before the forward pass.
-  virtual void before_forward() {}
+  // Called at the start of every accumulate()/no_sync() scope, before the forward pass. Whether this
+  // step's backward synchronises has one owner, the GradientState the strategy was made with (its
+  // sync_gradients: the accumulation boundary); `suspend_sync` is no_sync()'s request for this model.
+  // Here DDP broadcasts buffers; ZeRO-3 / FSDP gather their first unit.
+  virtual void begin_step(bool suspend_sync) {}
+  // At the end of the scope: outside scopes every backward synchronises, as DDP without no_sync.
+  virtual void end_step() {}
   // The tensors the optimizer updates: the full parameters for replicas, this rank's shards when sharded.
   virtual std::vector<at::Tensor> optimizer_parameters() const { return module_->parameters(); }
   // One optimizer step: plain for replicas; shard step plus all-gather when sharded.
@@ -67,10 +71,13 @@ class ParallelStrategy {
 
 // Collective over `data_parallel` when it has several ranks. One rank: "single". Several: "ddp", which
 // FSDP and DeepSpeed settings also get until their sharding engines exist (the Accelerator warns once).
+// Without `gradient_state`, every step is a synchronisation boundary.
 std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::nn::Module> module,
-                                                         Communicator data_parallel, const ParallelOptions& options);
+                                                         Communicator data_parallel, const ParallelOptions& options,
+                                                         std::shared_ptr<const GradientState> gradient_state = nullptr);
 // The same over the process's data-parallel group.
 std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::nn::Module> module,
-                                                         const ProcessState& state, const ParallelOptions& options);
+                                                         const ProcessState& state, const ParallelOptions& options,
+                                                         std::shared_ptr<const GradientState> gradient_state = nullptr);
 
 }  // namespace xlr8

@@ -46,12 +46,17 @@ class SingleProcess final : public ParallelStrategy {
 // Full replicas kept equal by DistributedDataParallel's bucketed all-reduce.
 class DataParallelReplicas final : public ParallelStrategy {
  public:
-  DataParallelReplicas(std::shared_ptr<torch::nn::Module> module, Communicator comm, const DDPOptions& options)
-      : ParallelStrategy(module), ddp_(std::move(module), std::move(comm), options) {}
+  DataParallelReplicas(std::shared_ptr<torch::nn::Module> module, Communicator comm, const DDPOptions& options,
+                       std::shared_ptr<const GradientState> gradient_state)
+      : ParallelStrategy(module), ddp_(std::move(module), std::move(comm), options),
+        gradient_state_(std::move(gradient_state)) {}
   std::string name() const override { return "ddp"; }
-  void set_sync(bool enabled) override { ddp_.set_sync(enabled); }
-  // As PyTorch DDP's broadcast_buffers: rank 0's buffers before each forward.
-  void before_forward() override { ddp_.sync_buffers(); }
+  void begin_step(bool suspend_sync) override {
+    // The engine's switch follows the one decision; it holds no opinion of its own.
+    ddp_.set_sync(!suspend_sync && (!gradient_state_ || gradient_state_->sync_gradients));
+    ddp_.sync_buffers();  // as PyTorch DDP's broadcast_buffers: rank 0's buffers before each forward
+  }
+  void end_step() override { ddp_.set_sync(true); }
   nlohmann::json stats() const override {
     return {{"strategy", name()},
             {"buckets", ddp_.bucket_layout().size()},
@@ -62,20 +67,24 @@ class DataParallelReplicas final : public ParallelStrategy {
 
  private:
   DistributedDataParallel ddp_;
+  std::shared_ptr<const GradientState> gradient_state_;
 };
 
 }  // namespace
 
 std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::nn::Module> module,
-                                                         Communicator data_parallel, const ParallelOptions& options) {
+                                                         Communicator data_parallel, const ParallelOptions& options,
+                                                         std::shared_ptr<const GradientState> gradient_state) {
   if (!module) throw Error("prepare(): the model is null");
   if (data_parallel.size() == 1) return std::make_unique<SingleProcess>(std::move(module));
-  return std::make_unique<DataParallelReplicas>(std::move(module), std::move(data_parallel), options.ddp);
+  return std::make_unique<DataParallelReplicas>(std::move(module), std::move(data_parallel), options.ddp,
+                                                std::move(gradient_state));
 }
 
 std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::nn::Module> module,
-                                                         const ProcessState& state, const ParallelOptions& options) {
-  return make_parallel_strategy(std::move(module), state.mesh().group("dp"), options);
+                                                         const ProcessState& state, const ParallelOptions& options,
+                                                         std::shared_ptr<const GradientState> gradient_state) {
+  return make_parallel_strategy(std::move(module), state.mesh().group("dp"), options, std::move(gradient_state));
 }
 
 }  // namespace xlr8

@@ -119,23 +119,26 @@ int64_t PreparedScheduler::steps_taken() const { return state_->steps; }
 
 // ------------------------------------------------------------------------------------------ step scope
 
-StepScope::StepScope(AcceleratorImpl* impl, std::vector<ParallelStrategy*> models, bool sync, AutocastScope autocast)
-    : impl_(impl), models_(std::move(models)), sync_(sync), autocast_(std::move(autocast)) {
-  for (auto* m : models_) {
-    m->set_sync(sync_);
-    m->before_forward();
-  }
+StepScope::StepScope(AcceleratorImpl* impl, std::vector<ParallelStrategy*> models, bool suspend_sync,
+                     AutocastScope autocast)
+    : impl_(impl), models_(std::move(models)), suspend_sync_(suspend_sync), autocast_(std::move(autocast)) {
+  for (auto* m : models_) m->begin_step(suspend_sync_);
 }
 
 StepScope::StepScope(StepScope&& other) noexcept
-    : impl_(other.impl_), models_(std::move(other.models_)), sync_(other.sync_), autocast_(std::move(other.autocast_)) {
+    : impl_(other.impl_),
+      models_(std::move(other.models_)),
+      suspend_sync_(other.suspend_sync_),
+      autocast_(std::move(other.autocast_)) {
   other.active_ = false;
 }
 
 StepScope::~StepScope() {
   if (!active_) return;
-  for (auto* m : models_) m->set_sync(true);
+  for (auto* m : models_) m->end_step();
 }
+
+bool StepScope::sync_gradients() const { return !suspend_sync_ && impl_->gradient_state->sync_gradients; }
 
 // ------------------------------------------------------------------------------------------ accelerator
 
@@ -187,7 +190,7 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   for (const auto& m : s.models)
     if (m->module() == module) throw Error("prepare(): this model was already prepared; prepare each model once");
   module->to(s.device);
-  s.models.push_back(make_parallel_strategy(std::move(module), *s.state, s.options.parallel));
+  s.models.push_back(make_parallel_strategy(std::move(module), *s.state, s.options.parallel, s.gradient_state));
 }
 
 PreparedOptimizer Accelerator::prepare_optimizer(std::shared_ptr<torch::optim::Optimizer> optimizer) {
@@ -229,19 +232,19 @@ std::shared_ptr<GradientState> Accelerator::gradient_state() const { return impl
 StepScope Accelerator::make_step_scope(std::vector<torch::nn::Module*> modules, bool decide_sync) {
   auto& s = *impl_;
   auto strategies = s.strategies_of(modules);
-  bool sync = false;
+  // The one decision of whether this step synchronises (the GradientState owns it; strategies read it).
   if (decide_sync) {
     auto& gs = *s.gradient_state;
     if (gs.sync_with_dataloader && gs.end_of_dataloader()) {
       s.micro_step = 0;
-      sync = true;
+      gs.sync_gradients = true;
     } else {
       s.micro_step += 1;
-      sync = s.micro_step % gs.num_steps == 0;
+      gs.sync_gradients = s.micro_step % gs.num_steps == 0;
     }
-    gs.sync_gradients = sync;
   }
-  return StepScope(impl_.get(), std::move(strategies), sync, decide_sync ? autocast() : AutocastScope());
+  return StepScope(impl_.get(), std::move(strategies), /*suspend_sync=*/!decide_sync,
+                   decide_sync ? autocast() : AutocastScope());
 }
 
 AutocastScope Accelerator::autocast() const {
