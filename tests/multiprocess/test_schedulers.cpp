@@ -141,6 +141,20 @@ TEST_F(OpenMpi, ExportedMasterAddrAndPortAreUsed) {
   expect_same_params(two.dir, one.dir, 1e-5);
 }
 
+TEST_F(OpenMpi, AJobAcrossNodesWithoutMasterAddrIsOneClearError) {
+  // Two "nodes" as OpenMPI sees them (its rsh launcher with a local ssh stand-in), no MASTER_ADDR:
+  // every rank stops at once with the error, instead of guessing an address or waiting.
+  auto r = run(without_master({"mpirun", "--mca", "plm_rsh_agent", kSource + "/tests/sched/local_ssh.sh", "--host",
+                               "localhost,127.0.0.2", "-np", "2", kWorker, "allreduce"}),
+               60, kMpiEnv);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_LT(r.seconds, 30.0);
+  const std::string output = r.out + r.err;  // mpirun forwards the ranks' stderr
+  EXPECT_NE(output.find("MASTER_ADDR is not set but the job spans 2 nodes (openmpi environment)"), std::string::npos)
+      << output;
+  EXPECT_NE(output.find("-x MASTER_ADDR"), std::string::npos) << output;
+}
+
 // --------------------------------------------------------------------------------- torchrun environment
 
 TEST(TorchrunEnvironment, HandSetVariablesTrainInLockstep) {
