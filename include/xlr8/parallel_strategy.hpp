@@ -55,9 +55,14 @@ class ParallelStrategy {
   // hold identical synchronised gradients, so their local norm is the global one; sharded strategies
   // reduce partial norms over the groups that hold different parts.
   virtual double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
-  // Parameters and buffers by name.
+  // Whether every rank holds the whole synchronised gradients (replicas), so that a gradient norm over
+  // parameters of several such models is the local one.
+  virtual bool replicated() const { return true; }
+  // Parameters and buffers by name. Collective: every rank of the strategy's group calls it together
+  // (a sharded FULL state dict gathers).
   virtual StateDict state_dict(StateDictKind kind) const;
-  // Copies `state` into the module; every name must exist with the same shape (ConfigError otherwise).
+  // Copies `state` into the module, strictly: exactly the module's names, shapes and dtypes
+  // (ConfigError naming every difference otherwise). Collective, as state_dict.
   virtual void load_state_dict(const StateDict& state, StateDictKind kind);
   // Figures for tests, benchmarks and logs: at least {"strategy": name()}.
   virtual nlohmann::json stats() const { return {{"strategy", name()}}; }
@@ -68,6 +73,9 @@ class ParallelStrategy {
  private:
   std::shared_ptr<torch::nn::Module> module_;
 };
+
+// A module's parameters, then its buffers, by name: the order PyTorch's state_dict uses.
+StateDict module_state_dict(const torch::nn::Module& module);
 
 // Collective over `data_parallel` when it has several ranks. One rank: "single". Several: "ddp", which
 // FSDP and DeepSpeed settings also get until their sharding engines exist (the Accelerator warns once).

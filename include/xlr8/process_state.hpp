@@ -45,7 +45,7 @@ class ProcessState {
   // Whether glibc's allocator was tuned for training loops (XLR8_MALLOC_TUNING, default on).
   bool allocator_tuned() const { return allocator_tuned_; }
   Communicator& world() const { return world_; }
-  // Groups by mesh dimension: "dp" (data parallel: the data loader shards over it), "dp_cp" (metrics),
+  // Groups by mesh dimension: "dp" (data parallel: the data loader shards over it, metrics gather over it), "dp_cp",
   // "dp_shard", "dp_replicate", "cp", "tp". Groups that span the world are the world communicator.
   DeviceMesh& mesh() const { return *mesh_; }
 

@@ -71,6 +71,18 @@ void load_optimizer_bytes(torch::optim::Optimizer& optimizer, const std::string&
   }
 }
 
+void check_optimizer_bytes(const std::string& bytes, const std::string& path) {
+  torch::serialize::InputArchive archive;
+  std::istringstream in(bytes);
+  try {
+    archive.load_from(in);
+  } catch (const std::exception& e) {
+    std::string m = e.what();
+    throw Error(fmt::format("load_state: {} is not a readable optimizer state: {}; nothing was loaded", path,
+                            m.substr(0, m.find('\n'))));
+  }
+}
+
 std::string save(const fs::path& final_dir, const Content& content, Communicator& world) {
   const fs::path tmp = final_dir.string() + ".partial";
   const bool main = world.rank() == 0;
@@ -148,6 +160,12 @@ nlohmann::json Verified::state() const { return nlohmann::json::parse(bytes(kSta
 
 SafetensorsContent Verified::model(size_t index) const {
   return parse_safetensors(bytes(model_file(index)), (dir_ / model_file(index)).string());
+}
+
+size_t Verified::models() const {
+  size_t n = 0;
+  while (files_.count(model_file(n))) ++n;
+  return n;
 }
 
 const std::string& Verified::optimizer(size_t index) const { return bytes(optimizer_file(index)); }

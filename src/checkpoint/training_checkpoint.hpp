@@ -38,6 +38,7 @@ class Verified {
   explicit Verified(const std::filesystem::path& dir);  // throws naming the first bad or missing file
   const std::filesystem::path& dir() const { return dir_; }
   int saved_world_size() const { return manifest_.value("world_size", 0); }
+  size_t models() const;  // how many model files it holds
   nlohmann::json state() const;
   SafetensorsContent model(size_t index) const;
   const std::string& optimizer(size_t index) const;
@@ -55,6 +56,8 @@ void check_matches(const NamedTensors& expected, const SafetensorsContent& saved
 
 std::string optimizer_bytes(const torch::optim::Optimizer& optimizer);
 void load_optimizer_bytes(torch::optim::Optimizer& optimizer, const std::string& bytes, const std::string& path);
+// Throws (naming `path`) unless `bytes` is a readable optimizer archive; changes nothing.
+void check_optimizer_bytes(const std::string& bytes, const std::string& path);
 
 // "ckpt/" and "ckpt" name the same directory; the temporary and backup siblings need the bare name.
 std::filesystem::path directory_path(const std::string& dir);

@@ -18,10 +18,10 @@ Level threshold() {
     const char* v = std::getenv("XLR8_LOG_LEVEL");
     if (!v || !*v) v = std::getenv("ACCELERATE_LOG_LEVEL");
     std::string name = text::lower(v ? v : "");
-    if (name == "debug") return Level::DEBUG;
-    if (name == "warning" || name == "warn") return Level::WARNING;
-    if (name == "error" || name == "critical") return Level::ERROR;
-    return Level::INFO;
+    if (name == "debug") return Level::kDebug;
+    if (name == "warning" || name == "warn") return Level::kWarning;
+    if (name == "error" || name == "critical") return Level::kError;
+    return Level::kInfo;
   }();
   return level;
 }

@@ -9,7 +9,7 @@
 
 namespace xlr8::log {
 
-enum class Level { DEBUG = 0, INFO = 1, WARNING = 2, ERROR = 3 };
+enum class Level { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3 };
 
 bool enabled(Level level);
 // ProcessState sets it when it knows where this process sits.
@@ -18,11 +18,11 @@ void write(Level level, std::string_view message);
 
 template <class... Args>
 void info(fmt::format_string<Args...> format, Args&&... args) {
-  if (enabled(Level::INFO)) write(Level::INFO, fmt::format(format, std::forward<Args>(args)...));
+  if (enabled(Level::kInfo)) write(Level::kInfo, fmt::format(format, std::forward<Args>(args)...));
 }
 template <class... Args>
 void warning(fmt::format_string<Args...> format, Args&&... args) {
-  if (enabled(Level::WARNING)) write(Level::WARNING, fmt::format(format, std::forward<Args>(args)...));
+  if (enabled(Level::kWarning)) write(Level::kWarning, fmt::format(format, std::forward<Args>(args)...));
 }
 
 }  // namespace xlr8::log

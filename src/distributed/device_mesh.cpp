@@ -103,13 +103,15 @@ DeviceMesh::DeviceMesh(const Communicator& world, MeshLayout layout)
     auto ranks = layout_.group_ranks(world_rank_, name);
     auto found = by_ranks.find(ranks);
     if (found == by_ranks.end()) {
-      // A group of one needs no network; a group of everyone is the world (no second set of buffers).
-      Communicator group = ranks.size() == 1
+      // A group of everyone is the world (no second set of buffers; its collectives keep one program
+      // order, so never issue on two such names from different threads). A group of one needs no network,
+      // but the world's device backend.
+      Communicator group = static_cast<int>(ranks.size()) == world.size() ? world
+                           : ranks.size() == 1
                                ? detail::make_communicator(c10::make_intrusive<c10d::HashStore>(), 0, 1,
-                                                           world.name() + "/" + name, "127.0.0.1", world.timeout(), false,
-                                                           false)
-                           : static_cast<int>(ranks.size()) == world.size() ? world
-                                                                            : world.new_group(ranks, name);
+                                                           world.name() + "/" + name, "127.0.0.1", world.timeout(),
+                                                           world.backend() == "nccl", false)
+                               : world.new_group(ranks, name);
       found = by_ranks.emplace(ranks, group).first;
     }
     groups_[name] = found->second;

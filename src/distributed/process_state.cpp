@@ -95,11 +95,11 @@ std::unique_ptr<ProcessState> ProcessState::create(const Env& env, const Process
                                         shared_memory);
   // Without parallelism_config every rank is a data-parallel replica.
   ParallelismSettings sizes = s->settings_.parallelism.value_or(ParallelismSettings{t.world_size, 1, 1, 1});
-  if (sizes.total() != t.world_size)
-    throw ConfigError(fmt::format("parallelism_config sizes multiply to {} (dp_replicate {} x dp_shard {} x cp {} x tp "
-                                  "{}) but the job has {} processes; make their product the number of processes",
-                                  sizes.total(), sizes.dp_replicate, sizes.dp_shard, sizes.cp, sizes.tp, t.world_size));
-  s->mesh_ = std::make_unique<DeviceMesh>(s->world_, MeshLayout::from(sizes, t.world_size));
+  try {
+    s->mesh_ = std::make_unique<DeviceMesh>(s->world_, MeshLayout::from(sizes, t.world_size));
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("parallelism_config (PARALLELISM_CONFIG_*_SIZE): {}", e.what()));
+  }
   return s;
 }
 

@@ -1,5 +1,6 @@
 // The replica strategies (one process; DDP) and the factory that picks a strategy once per model.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/nn/utils/clip_grad.h>
 
 #include <map>
@@ -13,23 +14,34 @@ double ParallelStrategy::clip_grad_norm(const std::vector<at::Tensor>& parameter
   return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
 }
 
-StateDict ParallelStrategy::state_dict(StateDictKind) const {
+StateDict module_state_dict(const torch::nn::Module& module) {
   StateDict out;
-  for (const auto& item : module_->named_parameters()) out.emplace_back(item.key(), item.value());
-  for (const auto& item : module_->named_buffers()) out.emplace_back(item.key(), item.value());
+  for (const auto& item : module.named_parameters()) out.emplace_back(item.key(), item.value());
+  for (const auto& item : module.named_buffers()) out.emplace_back(item.key(), item.value());
   return out;
 }
+
+StateDict ParallelStrategy::state_dict(StateDictKind) const { return module_state_dict(*module_); }
 
 void ParallelStrategy::load_state_dict(const StateDict& state, StateDictKind kind) {
   auto list = state_dict(kind);
   std::map<std::string, at::Tensor> own(list.begin(), list.end());
+  std::vector<std::string> problems;
+  std::map<std::string, bool> seen;
   for (const auto& [name, tensor] : state) {
     auto it = own.find(name);
-    if (it == own.end()) throw ConfigError(fmt::format("load_state_dict: the model has no tensor named {:?}", name));
-    if (!it->second.sizes().equals(tensor.sizes()))
-      throw ConfigError(fmt::format("load_state_dict: {:?} has shape {} in the model but {} in the state dict", name,
-                                    c10::str(it->second.sizes()), c10::str(tensor.sizes())));
+    seen[name] = true;
+    if (it == own.end()) problems.push_back(fmt::format("unexpected {:?}", name));
+    else if (!it->second.sizes().equals(tensor.sizes()) || it->second.scalar_type() != tensor.scalar_type())
+      problems.push_back(fmt::format("{:?} is {}{} in the model but {}{} in the state dict", name,
+                                     c10::toString(it->second.scalar_type()), c10::str(it->second.sizes()),
+                                     c10::toString(tensor.scalar_type()), c10::str(tensor.sizes())));
   }
+  for (const auto& [name, tensor] : own)
+    if (!seen.count(name)) problems.push_back(fmt::format("missing {:?}", name));
+  if (!problems.empty())
+    throw ConfigError(fmt::format("load_state_dict: the state dict does not match the model ({}); nothing was loaded",
+                                  fmt::join(problems, "; ")));
   at::NoGradGuard no_grad;
   for (const auto& [name, tensor] : state) own.at(name).copy_(tensor);
 }

@@ -57,10 +57,8 @@ std::vector<ParallelStrategy*> AcceleratorImpl::strategies_of(const std::vector<
 }
 
 ParallelStrategy* AcceleratorImpl::owner_of(const at::Tensor& parameter) const {
-  for (const auto& m : models)
-    for (const auto& p : m->optimizer_parameters())
-      if (p.is_same(parameter)) return m.get();
-  return nullptr;
+  auto it = owners.find(parameter.unsafeGetTensorImpl());
+  return it == owners.end() ? nullptr : it->second;
 }
 
 // ------------------------------------------------------------------------------------------ optimizer, scheduler
@@ -191,6 +189,11 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
     if (m->module() == module) throw Error("prepare(): this model was already prepared; prepare each model once");
   module->to(s.device);
   s.models.push_back(make_parallel_strategy(std::move(module), *s.state, s.options.parallel, s.gradient_state));
+  // What users pass to optimizers and clip_grad_norm (the module's parameters) and what a sharded
+  // strategy optimizes (its shards) both lead to the strategy.
+  auto* strategy = s.models.back().get();
+  for (const auto& p : strategy->module()->parameters()) s.owners[p.unsafeGetTensorImpl()] = strategy;
+  for (const auto& p : strategy->optimizer_parameters()) s.owners[p.unsafeGetTensorImpl()] = strategy;
 }
 
 PreparedOptimizer Accelerator::prepare_optimizer(std::shared_ptr<torch::optim::Optimizer> optimizer) {
@@ -272,9 +275,21 @@ double Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, do
   s.unscale_gradients();
   if (s.scaler && s.overflow) return std::numeric_limits<double>::infinity();
   if (parameters.empty()) return 0.0;
-  // The strategy of the model these parameters belong to knows which ranks hold which gradients;
-  // parameters of no prepared model are plain local tensors.
-  if (auto* owner = s.owner_of(parameters.front())) return owner->clip_grad_norm(parameters, max_norm, norm_type);
+  // The strategy of the model these parameters belong to knows which ranks hold which gradients.
+  std::vector<ParallelStrategy*> owners;
+  bool unowned = false;
+  for (const auto& p : parameters) {
+    auto* owner = s.owner_of(p);
+    if (!owner) unowned = true;
+    else if (std::find(owners.begin(), owners.end(), owner) == owners.end()) owners.push_back(owner);
+  }
+  if (owners.size() == 1 && !unowned) return owners.front()->clip_grad_norm(parameters, max_norm, norm_type);
+  // Several models (or tensors of none): the local norm is the global one only when all are replicas.
+  for (auto* owner : owners)
+    if (!owner->replicated())
+      throw Error(fmt::format("clip_grad_norm(): the parameters span several prepared models and the {} one is sharded; "
+                              "clip each model's parameters in its own call",
+                              owner->name()));
   return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
 }
 
@@ -297,8 +312,9 @@ at::Tensor gather_over(Communicator& group, const at::Tensor& tensor) {
 at::Tensor Accelerator::gather(const at::Tensor& tensor) const { return gather_over(impl_->world(), tensor); }
 
 at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) const {
-  // Over the ranks that read different data (dp x cp): tensor-parallel peers would repeat samples.
-  auto gathered = gather_over(impl_->state->mesh().group("dp_cp"), tensor);
+  // Over the ranks that read different batches (dp: the loader shards over it); tensor- and
+  // context-parallel peers read the same batch and would repeat its samples.
+  auto gathered = gather_over(impl_->state->mesh().group("dp"), tensor);
   const auto& gs = *impl_->gradient_state;
   if (gs.end_of_dataloader() && gs.remainder() > 0 && gathered.dim() > 0)
     return gathered.narrow(0, 0, std::min<int64_t>(gs.remainder(), gathered.size(0)));

@@ -14,14 +14,11 @@ namespace fs = std::filesystem;
 namespace xlr8 {
 namespace {
 
-// The full state dict of a prepared model (through its strategy), or of any other module as it is.
+// The full state dict of a prepared model (through its strategy: collective), or of any other module.
 NamedTensors full_state_of(const AcceleratorImpl& s, const torch::nn::Module& module) {
   for (const auto& m : s.models)
     if (m->module().get() == &module) return m->state_dict(StateDictKind::FULL);
-  NamedTensors out;
-  for (const auto& p : module.named_parameters()) out.emplace_back(p.key(), p.value());
-  for (const auto& b : module.named_buffers()) out.emplace_back(b.key(), b.value());
-  return out;
+  return module_state_dict(module);
 }
 
 }  // namespace
@@ -47,8 +44,12 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
   }
   checkpoint::Content content;
   content.rng = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
+  // Every rank asks for the state dicts (collective for sharded strategies); the main process writes them.
+  for (const auto& m : s.models) {
+    auto full = m->state_dict(StateDictKind::FULL);
+    if (is_main_process()) content.models.push_back(std::move(full));
+  }
   if (is_main_process()) {
-    for (const auto& m : s.models) content.models.push_back(m->state_dict(StateDictKind::FULL));
     for (const auto& o : s.optimizers) content.optimizers.push_back(checkpoint::optimizer_bytes(*o->optimizer));
     auto& st = content.state;
     st["micro_step"] = s.micro_step;
@@ -87,12 +88,17 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
   auto st = saved.state();
 
   // Parse and check everything before the first change.
+  if (saved.models() != s.models.size())
+    throw Error(fmt::format("load_state: {} holds {} model(s) but {} were prepared; nothing was loaded", source.string(),
+                            saved.models(), s.models.size()));
   std::vector<SafetensorsContent> model_files;
   for (size_t i = 0; i < s.models.size(); ++i) model_files.push_back(saved.model(i));
   auto optimizer_steps = st.value("optimizer_steps", nlohmann::json::array());
   if (optimizer_steps.size() != s.optimizers.size())
     throw Error(fmt::format("load_state: {} holds {} optimizer(s) but {} were prepared; nothing was loaded",
                             source.string(), optimizer_steps.size(), s.optimizers.size()));
+  for (size_t i = 0; i < s.optimizers.size(); ++i)
+    checkpoint::check_optimizer_bytes(saved.optimizer(i), (source / checkpoint::optimizer_file(i)).string());
   for (size_t i = 0; i < s.models.size(); ++i)
     checkpoint::check_matches(s.models[i]->state_dict(StateDictKind::FULL), model_files[i],
                               (source / checkpoint::model_file(i)).string());
@@ -134,7 +140,7 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
 
 void Accelerator::save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const {
   checkpoint::parse_size(max_shard_size);  // a bad size is an error on every rank, not only the writer
-  auto tensors = full_state_of(*impl_, module);
+  auto tensors = full_state_of(*impl_, module);  // on every rank: collective for sharded strategies
   if (is_main_process())
     checkpoint::filesystem_guard(fmt::format("save_model({:?})", dir), [&] {
       checkpoint::export_hf_model(tensors, dir, max_shard_size);

@@ -2,6 +2,7 @@
 // Internal state of xlr8::Accelerator, shared by accelerator.cpp and the checkpoint code.
 #include <fstream>
 #include <optional>
+#include <unordered_map>
 
 #include "xlr8/accelerator.hpp"
 #include "xlr8/loss_scaler.hpp"
@@ -46,8 +47,9 @@ struct AcceleratorImpl {
   void unscale_gradients();
   // The strategies of `modules` (all prepared models when empty); an unprepared module is an Error.
   std::vector<ParallelStrategy*> strategies_of(const std::vector<torch::nn::Module*>& modules) const;
-  // The strategy whose optimizer parameters include `parameter`, or null.
+  // The strategy whose module parameters or optimizer parameters include `parameter`, or null.
   ParallelStrategy* owner_of(const at::Tensor& parameter) const;
+  std::unordered_map<const c10::TensorImpl*, ParallelStrategy*> owners;  // filled by prepare()
 };
 
 }  // namespace xlr8

@@ -1,4 +1,4 @@
-// The correctness oracle (DESIGN.md): N processes with DDP on per-rank batch b reproduce one process on
+// The correctness oracle: N processes with DDP on per-rank batch b reproduce one process on
 // batch N*b (same losses, same final parameters), with and without gradient accumulation, with bf16
 // (looser tolerance), and a run resumed from a mid-epoch checkpoint equals the uninterrupted one.
 // Plus gather_for_metrics over real ranks, and the error cases, all through the real launcher.
@@ -295,4 +295,20 @@ TEST(Mesh, DpReplicateTimesDpShardShardsDataAsTheWorldDoes) {
   expect_close(meshed.losses, plain.losses, 1e-12);
   expect_close(meshed.losses, one.losses, 1e-5);
   expect_same_params(meshed.dir, one.dir, 1e-5);
+}
+
+TEST(Mesh, TensorParallelPeersReadTheSameBatchesAndDdpSpansOnlyDp) {
+  // dp != world: 4 processes as dp_replicate 2 x tp 2. Both ranks of a tp pair read the same batches (the
+  // loader shards over dp, not the world) and DDP averages over the 2-rank dp group, so the run equals 2
+  // processes; sharding over the world rank would give 4 different quarter-batches instead.
+  const std::map<std::string, std::string> mesh{{"ACCELERATE_USE_PARALLELISM_CONFIG", "true"},
+                                                {"PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2"},
+                                                {"PARALLELISM_CONFIG_TP_SIZE", "2"}};
+  auto two = oracle_run(2, 4, {"--steps", "8"});
+  auto four = oracle_run(4, 4, {"--steps", "8"}, mesh);
+  ASSERT_EQ(two.losses.size(), 8u);
+  expect_close(four.losses, two.losses, 1e-6);
+  expect_same_params(four.dir, two.dir, 1e-6);
+  auto plain = oracle_run(4, 4, {"--steps", "8"});  // the oracle can fail: 4 data-parallel ranks differ
+  EXPECT_GT(std::abs(plain.losses.back() - two.losses.back()), 1e-4);
 }

@@ -1,4 +1,4 @@
-// BatchSamplerShard against Accelerate's published golden vectors (research/accelerate.md 4.1),
+// BatchSamplerShard against Accelerate's published golden vectors (Accelerate's tests/test_data_loader.py),
 // split_between_processes, the loader's epochs/resume, to_device, and gather_for_metrics' remainder.
 #include <gtest/gtest.h>
 

@@ -1,0 +1,105 @@
+// The checkpoint format on its own, without an Accelerator: save, verified reading, model/state
+// mismatches and corruption named by file, and the Hugging Face export's sharding.
+#include <gtest/gtest.h>
+#include <torch/optim/sgd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+
+#include "checkpoint/hf_export.hpp"
+#include "checkpoint/training_checkpoint.hpp"
+#include "xlr8/error.hpp"
+
+using namespace xlr8;
+namespace fs = std::filesystem;
+
+namespace {
+
+fs::path fresh_dir(const std::string& tag) {
+  auto dir = fs::temp_directory_path() / ("xlr8_ckpt_" + tag + "_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  return dir;
+}
+
+checkpoint::Content sample_content() {
+  checkpoint::Content c;
+  c.state = {{"micro_step", 3}};
+  c.models.push_back({{"w", at::arange(6, at::kFloat).reshape({2, 3})}, {"b", at::ones({2})}});
+  torch::optim::SGD sgd(std::vector<at::Tensor>{at::ones({2}, at::requires_grad())}, 0.1);
+  c.optimizers.push_back(checkpoint::optimizer_bytes(sgd));
+  c.rng = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
+  return c;
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(TrainingCheckpoint, SavedContentReadsBackVerified) {
+  auto dir = fresh_dir("roundtrip");
+  auto world = Communicator::in_process("ckpt-roundtrip", 0, 1);
+  auto written = checkpoint::save(dir, sample_content(), world);
+  EXPECT_EQ(written, dir.string());
+  EXPECT_FALSE(fs::exists(dir.string() + ".partial"));
+  checkpoint::Verified saved(dir);
+  EXPECT_EQ(saved.models(), 1u);
+  EXPECT_EQ(saved.saved_world_size(), 1);
+  EXPECT_EQ(saved.state()["micro_step"], 3);
+  auto model = saved.model(0);
+  ASSERT_EQ(model.tensors.size(), 2u);
+  EXPECT_EQ(model.tensors[0].first, "w");  // module order kept
+  EXPECT_TRUE(at::equal(model.tensors[0].second, at::arange(6, at::kFloat).reshape({2, 3})));
+  checkpoint::check_optimizer_bytes(saved.optimizer(0), "optimizer.bin");
+  EXPECT_TRUE(saved.rng(0).has_value());
+  EXPECT_FALSE(saved.rng(1).has_value());
+  fs::remove_all(dir);
+}
+
+TEST(TrainingCheckpoint, MismatchesAndCorruptionAreNamed) {
+  auto dir = fresh_dir("bad");
+  auto world = Communicator::in_process("ckpt-bad", 0, 1);
+  checkpoint::save(dir, sample_content(), world);
+  checkpoint::Verified saved(dir);
+  NamedTensors other{{"w", at::zeros({3, 2})}, {"extra", at::zeros({1})}};
+  auto m = error_of([&] { checkpoint::check_matches(other, saved.model(0), "model.safetensors"); });
+  EXPECT_NE(m.find("missing [extra]"), std::string::npos) << m;
+  EXPECT_NE(m.find("mismatched [w (float32[2, 3] saved, float32[3, 2] in the model)]"), std::string::npos) << m;
+  EXPECT_NE(m.find("unexpected [b]"), std::string::npos) << m;
+  m = error_of([&] { checkpoint::check_optimizer_bytes("not an archive", "optimizer.bin"); });
+  EXPECT_NE(m.find("optimizer.bin is not a readable optimizer state"), std::string::npos) << m;
+  {  // one flipped byte in the model file
+    std::fstream f(dir / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-1, std::ios::end);
+    f.put('\x7f');
+  }
+  m = error_of([&] { checkpoint::Verified again(dir); });
+  EXPECT_NE(m.find("model.safetensors fails its CRC32 check"), std::string::npos) << m;
+  fs::remove(dir / "MANIFEST.json");
+  m = error_of([&] { checkpoint::Verified again(dir); });
+  EXPECT_NE(m.find("MANIFEST.json is missing"), std::string::npos) << m;
+  fs::remove_all(dir);
+}
+
+TEST(HfExport, ShardsWithAnIndexAboveTheLimitAndOneFileBelow) {
+  auto dir = fresh_dir("hf");
+  NamedTensors tensors{{"a", at::zeros({256})}, {"b", at::zeros({256})}, {"c", at::zeros({256})}};  // 1 KB each
+  checkpoint::export_hf_model(tensors, dir.string(), "2100");  // a and b fit one shard, c the next
+  EXPECT_TRUE(fs::exists(dir / "model.safetensors.index.json"));
+  EXPECT_TRUE(fs::exists(dir / "model-00001-of-00002.safetensors"));
+  EXPECT_FALSE(fs::exists(dir / "model.safetensors"));
+  checkpoint::export_hf_model(tensors, dir.string(), "10GB");  // a later single-file export replaces the shards
+  EXPECT_TRUE(fs::exists(dir / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(dir / "model.safetensors.index.json"));
+  EXPECT_FALSE(fs::exists(dir / "model-00001-of-00002.safetensors"));
+  EXPECT_EQ(checkpoint::parse_size("2GiB"), int64_t{2} << 30);
+  EXPECT_THROW(checkpoint::parse_size("lots"), ConfigError);
+  fs::remove_all(dir);
+}
