@@ -1,0 +1,119 @@
+#include "gpt.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
+#include "xlr8/error.hpp"
+
+namespace fs = std::filesystem;
+namespace F = torch::nn::functional;
+
+namespace gpt {
+
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const Config& c) : n_head(c.n_head) {
+  if (c.d_model % c.n_head != 0)
+    throw xlr8::ConfigError(fmt::format("--d_model {} must be a multiple of --n_head {}", c.d_model, c.n_head));
+  qkv = register_module("qkv", torch::nn::Linear(c.d_model, 3 * c.d_model));
+  proj = register_module("proj", torch::nn::Linear(c.d_model, c.d_model));
+  dropout = register_module("dropout", torch::nn::Dropout(c.dropout));
+}
+
+torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
+  const auto B = x.size(0), T = x.size(1), C = x.size(2), hd = C / n_head;
+  auto parts = qkv(x).split(C, 2);
+  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head, hd}).transpose(1, 2); };  // [B, h, T, hd]
+  auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
+  auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
+  auto future = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
+  auto weights = dropout(torch::softmax(scores.masked_fill(future, -INFINITY), -1));
+  return proj(torch::matmul(weights, v).transpose(1, 2).contiguous().view({B, T, C}));
+}
+
+MlpImpl::MlpImpl(const Config& c) {
+  fc = register_module("fc", torch::nn::Linear(c.d_model, 4 * c.d_model));
+  proj = register_module("proj", torch::nn::Linear(4 * c.d_model, c.d_model));
+}
+
+torch::Tensor MlpImpl::forward(const torch::Tensor& x) { return proj(F::gelu(fc(x))); }
+
+BlockImpl::BlockImpl(const Config& c) {
+  ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+  attn = register_module("attn", CausalSelfAttention(c));
+  ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+  mlp = register_module("mlp", Mlp(c));
+}
+
+torch::Tensor BlockImpl::forward(torch::Tensor x) {
+  x = x + attn(ln1(x));
+  return x + mlp(ln2(x));
+}
+
+GptImpl::GptImpl(const Config& c) : config(c) {
+  wte = register_module("wte", torch::nn::Embedding(c.vocab_size, c.d_model));
+  wpe = register_module("wpe", torch::nn::Embedding(c.seq_len, c.d_model));
+  blocks = register_module("blocks", torch::nn::ModuleList());
+  for (int64_t i = 0; i < c.n_layer; ++i) blocks->push_back(Block(c));
+  ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
+  if (!c.tied_head) head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
+  // GPT-2's initialisation: N(0, 0.02) weights, zero biases (LayerNorms keep ones and zeros).
+  torch::NoGradGuard no_grad;
+  for (auto& item : named_parameters()) {
+    const auto& name = item.key();
+    if (name.find("ln") != std::string::npos) continue;
+    if (name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0) item.value().zero_();
+    else item.value().normal_(0.0, 0.02);
+  }
+}
+
+torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
+  const auto T = tokens.size(1);
+  if (T > config.seq_len)
+    throw xlr8::Error(fmt::format("sequence of {} tokens is longer than the model's {}", T, config.seq_len));
+  auto positions = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(tokens.device()));
+  auto x = wte(tokens) + wpe(positions);
+  for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x);
+  x = ln_f(x);
+  return head ? head(x) : F::linear(x, wte->weight);
+}
+
+TextWindows::TextWindows(torch::Tensor bytes, int64_t seq_len) : bytes_(std::move(bytes)), seq_len_(seq_len) {
+  if (bytes_.numel() < seq_len_ + 1)
+    throw xlr8::Error(fmt::format("the text has {} bytes, fewer than one window of {}", bytes_.numel(), seq_len_ + 1));
+}
+
+torch::data::Example<> TextWindows::get(size_t index) {
+  auto window = bytes_.narrow(0, static_cast<int64_t>(index) * seq_len_, seq_len_ + 1).to(torch::kLong);
+  return {window.narrow(0, 0, seq_len_), window.narrow(0, 1, seq_len_)};
+}
+
+torch::optional<size_t> TextWindows::size() const {
+  return static_cast<size_t>((bytes_.numel() - 1) / seq_len_);
+}
+
+torch::Tensor load_text(const std::string& dir) {
+  std::vector<fs::path> files;
+  if (fs::is_directory(dir))
+    for (auto& e : fs::directory_iterator(dir))
+      if (e.is_regular_file() && !e.is_symlink() && e.path().extension() != ".dat") files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  std::string text;
+  for (auto& f : files) {
+    std::ifstream in(f, std::ios::binary);
+    text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  if (text.empty())
+    throw xlr8::Error(fmt::format("no text found in {}: install Debian's `fortunes` package (scripts/setup does) or "
+                                  "pass --data_dir",
+                                  dir));
+  auto bytes = torch::empty({static_cast<int64_t>(text.size())}, torch::kUInt8);
+  std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  return bytes;
+}
+
+}  // namespace gpt

@@ -1,0 +1,75 @@
+#pragma once
+// A GPT-2-style decoder written with plain LibTorch modules, as a user would write it: token + position
+// embedding, N pre-norm blocks (causal self-attention + MLP), a final norm and an LM head tied to the
+// token embedding (or not). Byte-level: the vocabulary is the 256 byte values. Nothing here knows xlr8.
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+namespace gpt {
+
+struct Config {
+  int64_t vocab_size = 256;
+  int64_t seq_len = 128;
+  int64_t n_layer = 4;
+  int64_t d_model = 128;
+  int64_t n_head = 4;
+  double dropout = 0.0;  // off by default, so runs on any number of processes compare exactly
+  bool tied_head = true;
+};
+
+struct CausalSelfAttentionImpl : torch::nn::Module {
+  explicit CausalSelfAttentionImpl(const Config& c);
+  torch::Tensor forward(const torch::Tensor& x);  // [B, T, C] -> [B, T, C]
+  torch::nn::Linear qkv{nullptr}, proj{nullptr};
+  torch::nn::Dropout dropout{nullptr};
+  int64_t n_head;
+};
+TORCH_MODULE(CausalSelfAttention);
+
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(const Config& c);
+  torch::Tensor forward(const torch::Tensor& x);
+  torch::nn::Linear fc{nullptr}, proj{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+// One transformer block: the unit that sharding strategies wrap (fsdp_transformer_layer_cls_to_wrap: Block).
+struct BlockImpl : torch::nn::Module {
+  explicit BlockImpl(const Config& c);
+  torch::Tensor forward(torch::Tensor x);
+  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
+  CausalSelfAttention attn{nullptr};
+  Mlp mlp{nullptr};
+};
+TORCH_MODULE(Block);
+
+struct GptImpl : torch::nn::Module {
+  explicit GptImpl(const Config& c);
+  torch::Tensor forward(const torch::Tensor& tokens);  // int64 [B, T] -> logits [B, T, vocab]
+  Config config;
+  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::LayerNorm ln_f{nullptr};
+  torch::nn::Linear head{nullptr};  // null when tied to wte
+};
+TORCH_MODULE(Gpt);
+
+// Windows of seq_len + 1 bytes of one text, seq_len apart: input bytes and the next bytes as targets.
+class TextWindows : public torch::data::datasets::Dataset<TextWindows> {
+ public:
+  TextWindows(torch::Tensor bytes, int64_t seq_len);
+  torch::data::Example<> get(size_t index) override;
+  torch::optional<size_t> size() const override;
+
+ private:
+  torch::Tensor bytes_;
+  int64_t seq_len_;
+};
+
+// Every regular file of Debian's `fortunes` package (/usr/share/games/fortunes, no .dat indexes or
+// links), in name order, as one uint8 tensor. Throws xlr8::Error naming the directory when it is empty.
+torch::Tensor load_text(const std::string& dir);
+
+}  // namespace gpt

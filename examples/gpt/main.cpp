@@ -1,0 +1,207 @@
+// A byte-level GPT trained on the text of Debian's `fortunes` package with xlr8: the same program on 1
+// process or many (`xlr8 launch`); the parallel strategy comes from the launcher or the config file,
+// never from these flags. Prints progress, a held-out validation loss, and one JSON line last.
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <chrono>
+#include <fstream>
+#include <set>
+
+#include "gpt.hpp"
+#include "xlr8/accelerator.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/fused_adam.hpp"
+
+namespace {
+
+namespace F = torch::nn::functional;
+
+struct Args {
+  int64_t max_steps = 300;
+  int64_t batch_size = 16;
+  int64_t seq_len = 128;
+  int64_t n_layer = 4;
+  int64_t d_model = 128;
+  int64_t n_head = 4;
+  uint64_t seed = 1234;
+  double lr = 3e-4;  // 1e-3 stalls at the unigram loss (~3.3) for hundreds of steps
+  std::string output_dir = "gpt_output";
+  int64_t checkpoint_every = 0;
+  std::string resume_from;
+  int gradient_accumulation_steps = 1;
+  std::string data_dir = "/usr/share/games/fortunes";
+  int64_t val_windows = 256;  // held-out windows scored at the end
+  bool untied_head = false;
+  int64_t log_every = 25;
+};
+
+// Bytes of parameters, gradients and optimizer state this process holds, each storage counted once
+// (DDP's gradients are views of its buckets).
+int64_t state_bytes(const torch::nn::Module& model, const torch::optim::Optimizer& opt) {
+  std::set<const void*> seen;
+  int64_t total = 0;
+  auto add = [&](const at::Tensor& t) {
+    if (t.defined() && seen.insert(t.storage().data()).second) total += static_cast<int64_t>(t.storage().nbytes());
+  };
+  for (const auto& p : model.parameters()) {
+    add(p);
+    add(p.grad());
+  }
+  for (const auto& [key, state] : opt.state()) {
+    if (const auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(state.get())) {
+      add(s->exp_avg());
+      add(s->exp_avg_sq());
+      add(s->max_exp_avg_sq());
+    }
+  }
+  return total;
+}
+
+double peak_rss_mb() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  return 0;
+}
+
+double validation_loss(xlr8::Accelerator& acc, gpt::Gpt& model, xlr8::DataLoader<gpt::TextWindows>& val) {
+  torch::NoGradGuard no_grad;
+  model->eval();
+  double sum = 0;
+  int64_t windows = 0;
+  for (auto& batch : val) {
+    auto autocast = acc.autocast();
+    auto logits = model->forward(batch.data);
+    // One loss per window, gathered without even_batches' padding: exactly the held-out windows count.
+    auto per_window = F::cross_entropy(logits.flatten(0, 1), batch.target.flatten(),
+                                       F::CrossEntropyFuncOptions().reduction(torch::kNone))
+                          .view({batch.data.size(0), -1})
+                          .mean(1);
+    auto all = acc.gather_for_metrics(per_window.to(torch::kDouble));
+    sum += all.sum().item<double>();
+    windows += all.size(0);
+  }
+  model->train();
+  return windows ? sum / static_cast<double>(windows) : 0.0;
+}
+
+int run(const Args& args) {
+  xlr8::AcceleratorOptions options;
+  options.gradient_accumulation_steps = args.gradient_accumulation_steps;
+  options.project_dir = args.output_dir;
+  options.automatic_checkpoint_naming = true;
+  options.total_limit = 2;
+  xlr8::Accelerator acc(options);
+  acc.set_seed(args.seed);
+
+  gpt::Config config{.seq_len = args.seq_len, .n_layer = args.n_layer, .d_model = args.d_model,
+                     .n_head = args.n_head, .tied_head = !args.untied_head};
+  auto model = acc.prepare(gpt::Gpt(config));
+  auto opt = acc.prepare(xlr8::optim::FusedAdamW(model->parameters(), torch::optim::AdamWOptions(args.lr)));
+
+  // 90% of the text for training, the rest held out.
+  auto text = gpt::load_text(args.data_dir);
+  const int64_t split = text.numel() * 9 / 10;
+  auto val_text = text.narrow(0, split, text.numel() - split);
+  val_text = val_text.narrow(0, 0, std::min(val_text.numel(), args.val_windows * args.seq_len + 1));
+  auto train = acc.prepare_data_loader(gpt::TextWindows(text.narrow(0, 0, split), args.seq_len),
+                                       {.batch_size = args.batch_size, .shuffle = true});
+  auto val = acc.prepare_data_loader(gpt::TextWindows(val_text, args.seq_len), {.batch_size = args.batch_size});
+  if (!args.resume_from.empty()) {
+    acc.load_state(args.resume_from == "latest" ? "" : args.resume_from);
+    acc.print("resumed from {} at step {}", args.resume_from, acc.step());
+  }
+  int64_t params = 0;
+  for (const auto& p : model->parameters()) params += p.numel();
+  acc.print("gpt: {} parameters, {} layers, d_model {}, {} heads; {} bytes of text, windows of {}; {} process(es), "
+            "{} windows per global batch, {} batches per epoch per process",
+            params, args.n_layer, args.d_model, args.n_head, text.numel(), args.seq_len, acc.num_processes(),
+            args.batch_size * acc.num_processes() * args.gradient_accumulation_steps, train->size());
+
+  const auto start = std::chrono::steady_clock::now();
+  int64_t tokens = 0, steps_at_start = acc.step();
+  int64_t held = 0, peak = 0;
+  double last_loss = 0;
+  bool done = acc.step() >= args.max_steps;
+  while (!done) {
+    for (auto& batch : *train) {
+      auto step = acc.accumulate(model);
+      auto logits = model->forward(batch.data);
+      auto loss = F::cross_entropy(logits.flatten(0, 1), batch.target.flatten());
+      acc.backward(loss);
+      peak = std::max(peak, state_bytes(*model, opt.optimizer()));
+      opt.step();
+      if (acc.sync_gradients()) held = state_bytes(*model, opt.optimizer());  // what stays between steps
+      peak = std::max(peak, held);
+      opt.zero_grad();
+      tokens += batch.data.numel() * acc.num_processes();
+      if (!acc.sync_gradients()) continue;
+      last_loss = loss.item<double>();
+      const int64_t global_step = acc.step();
+      if (global_step % args.log_every == 0 || global_step == args.max_steps) {
+        double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        double eta = (args.max_steps - global_step) * seconds / std::max<int64_t>(1, global_step - steps_at_start);
+        acc.print("step {}/{} loss {:.4f} tokens/s {:.0f} ETA {:02d}:{:02d}", global_step, args.max_steps, last_loss,
+                  tokens / std::max(seconds, 1e-9), static_cast<int>(eta) / 60, static_cast<int>(eta) % 60);
+      }
+      if (args.checkpoint_every > 0 && global_step % args.checkpoint_every == 0) acc.print("saved {}", acc.save_state());
+      if (global_step >= args.max_steps) {
+        done = true;
+        break;
+      }
+    }
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double val_loss = validation_loss(acc, model, *val);
+  acc.print("validation loss {:.4f} over {} held-out windows", val_loss, (val_text.numel() - 1) / args.seq_len);
+  auto mean_loss = acc.reduce(torch::full({1}, last_loss, torch::kFloat64), xlr8::ReduceOp::AVG).item<double>();
+  auto largest = acc.reduce(torch::tensor({static_cast<double>(held), static_cast<double>(peak), peak_rss_mb()},
+                                          torch::kFloat64),
+                            xlr8::ReduceOp::MAX);
+  acc.save_model(model, args.output_dir + "/model");
+  acc.end_training();
+  if (acc.is_main_process()) {
+    nlohmann::json result{{"final_train_loss", mean_loss},
+                          {"val_loss", val_loss},
+                          {"global_step", acc.step()},
+                          {"num_processes", acc.num_processes()},
+                          {"tokens_per_s", tokens / std::max(seconds, 1e-9)},
+                          {"state_bytes_per_rank", static_cast<int64_t>(largest[0].item<double>())},
+                          {"peak_state_bytes_per_rank", static_cast<int64_t>(largest[1].item<double>())},
+                          {"peak_rss_mb", largest[2].item<double>()},
+                          {"parameters", params}};
+    fmt::print("{}\n", result.dump());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"gpt: a byte-level GPT on the fortunes text, with xlr8"};
+  Args a;
+  app.add_option("--max_steps", a.max_steps, "Optimizer steps");
+  app.add_option("--batch_size", a.batch_size, "Windows per process per micro-batch");
+  app.add_option("--seq_len", a.seq_len, "Bytes per window (the model's context)");
+  app.add_option("--n_layer", a.n_layer, "Transformer blocks");
+  app.add_option("--d_model", a.d_model, "Model width");
+  app.add_option("--n_head", a.n_head, "Attention heads");
+  app.add_option("--seed", a.seed, "Seed: same seed, same initialisation and data order on any number of processes");
+  app.add_option("--lr", a.lr, "AdamW learning rate");
+  app.add_option("--output_dir", a.output_dir, "Checkpoints and the final model go here");
+  app.add_option("--checkpoint_every", a.checkpoint_every, "Save a checkpoint every N optimizer steps");
+  app.add_option("--resume_from", a.resume_from, "Checkpoint directory to resume from, or 'latest'");
+  app.add_option("--gradient_accumulation_steps", a.gradient_accumulation_steps, "Micro-batches per optimizer step");
+  app.add_option("--data_dir", a.data_dir, "Directory of text files (default: Debian's fortunes)");
+  app.add_option("--val_windows", a.val_windows, "Held-out windows scored at the end");
+  app.add_flag("--untied_head", a.untied_head, "An LM head of its own instead of the token embedding's weights");
+  app.add_option("--log_every", a.log_every, "Print progress every N steps");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    return run(a);
+  } catch (const xlr8::Error& e) {
+    fmt::print(stderr, "gpt: error: {}\n", e.what());
+    return 2;
+  }
+}
