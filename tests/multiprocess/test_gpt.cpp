@@ -12,10 +12,11 @@ namespace {
 const std::string kXlr8 = XLR8_BIN;
 const std::string kGpt = GPT_BIN;
 
-nlohmann::json gpt_run(int processes, int batch, const std::string& dir) {
+nlohmann::json gpt_run(int processes, int batch, const std::string& dir, Args extra = {"--max_steps", "12"}) {
   Args command{kXlr8, "launch", "--num_processes", std::to_string(processes), kGpt, "--n_layer", "2", "--d_model",
-               "32", "--n_head", "2", "--seq_len", "32", "--batch_size", std::to_string(batch), "--max_steps", "12",
+               "32", "--n_head", "2", "--seq_len", "32", "--batch_size", std::to_string(batch),
                "--lr", "3e-3", "--val_windows", "48", "--output_dir", dir};
+  command.insert(command.end(), extra.begin(), extra.end());
   auto r = run(command, 180);
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
   return r.exit_code == 0 ? last_json(r.out) : nlohmann::json::object();
@@ -41,4 +42,16 @@ TEST(GptExample, TwoProcessesTrainLikeOneOnTheGlobalBatch) {
   EXPECT_GE(two["state_bytes_per_rank"].get<int64_t>(), 16 * two["parameters"].get<int64_t>());
   EXPECT_GE(two["peak_state_bytes_per_rank"], two["state_bytes_per_rank"]);
   EXPECT_LT(two["val_loss"].get<double>(), 5.3);  // below ln(256) = 5.55: it learned something about the text
+}
+
+TEST(GptExample, ResumingFromACheckpointContinuesTheSameRun) {
+  auto whole_dir = temp_dir("gpt-whole"), split_dir = temp_dir("gpt-split");
+  auto whole = gpt_run(2, 4, whole_dir, {"--max_steps", "12"});
+  auto first = gpt_run(2, 4, split_dir, {"--max_steps", "6", "--checkpoint_every", "6"});
+  EXPECT_EQ(first["global_step"], 6);
+  auto resumed = gpt_run(2, 4, split_dir, {"--max_steps", "12", "--resume_from", "latest"});
+  ASSERT_TRUE(whole.contains("final_train_loss") && resumed.contains("final_train_loss"));
+  EXPECT_EQ(resumed["global_step"], 12);
+  EXPECT_NEAR(resumed["final_train_loss"].get<double>(), whole["final_train_loss"].get<double>(), 1e-6);
+  EXPECT_NEAR(resumed["val_loss"].get<double>(), whole["val_loss"].get<double>(), 1e-6);
 }
