@@ -113,6 +113,9 @@ Settings settings_from_env(const Env& env);
 // node list across Slurm nodes, and is a ConfigError naming MASTER_ADDR across MPI nodes.
 Topology topology_from_env(const Env& env);
 
+// Whether the starter of `topology` sets no node index (OpenMPI, MVAPICH, PMI): the node index and count
+// then come from the hosts every rank reports at rendezvous.
+bool node_index_from_hosts(const Topology& topology);
 // "slurm:<cluster>:<job>.<step>", "OMPI_MCA_ess_base_jobid:<id>", ...: what identifies one job (step) of the
 // scheduler that started the process; nullopt when it sets nothing of the kind.
 std::optional<std::string> scheduler_job_id(const Env& env, const std::string& source);

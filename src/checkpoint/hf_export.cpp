@@ -28,8 +28,7 @@ int64_t parse_size(const std::string& text) {
   return static_cast<int64_t>(value);
 }
 
-void export_hf_model(const NamedTensors& tensors, const std::string& dir, const std::string& max_shard_size) {
-  const int64_t limit = parse_size(max_shard_size);
+void export_hf_model(const NamedTensors& tensors, const std::string& dir, int64_t limit) {
   fs::create_directories(dir);
   std::vector<NamedTensors> shards(1);
   int64_t used = 0, total = 0;

@@ -8,9 +8,9 @@
 
 namespace xlr8::checkpoint {
 
-// Writes `tensors` (in their order) into `dir`, replacing an earlier export there. No communication:
-// the caller picks the process that writes.
-void export_hf_model(const NamedTensors& tensors, const std::string& dir, const std::string& max_shard_size);
+// Writes `tensors` (in their order) into `dir`, shards of at most `max_shard_bytes` (a single tensor may
+// exceed it), replacing an earlier export there. No communication: the caller picks the process that writes.
+void export_hf_model(const NamedTensors& tensors, const std::string& dir, int64_t max_shard_bytes);
 // "10GB", "500MB", "2GiB", "1000": bytes. ConfigError for anything else.
 int64_t parse_size(const std::string& text);
 

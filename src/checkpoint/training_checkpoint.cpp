@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "checkpoint/files.hpp"
+#include "core/text.hpp"
 #include "distributed/tensor_text.hpp"
 
 namespace fs = std::filesystem;
@@ -59,27 +60,23 @@ std::string optimizer_bytes(const torch::optim::Optimizer& optimizer) {
   return out.str();
 }
 
-void load_optimizer_bytes(torch::optim::Optimizer& optimizer, const std::string& bytes, const std::string& path) {
+torch::serialize::InputArchive read_optimizer_archive(const std::string& bytes, const std::string& path) {
   torch::serialize::InputArchive archive;
   std::istringstream in(bytes);
   try {
     archive.load_from(in);
-    optimizer.load(archive);
   } catch (const std::exception& e) {
-    std::string m = e.what();
-    throw Error(fmt::format("{}: cannot load the optimizer state: {}", path, m.substr(0, m.find('\n'))));
+    throw Error(fmt::format("load_state: {} is not a readable optimizer state: {}; nothing was loaded", path,
+                            text::first_line(e.what())));
   }
+  return archive;
 }
 
-void check_optimizer_bytes(const std::string& bytes, const std::string& path) {
-  torch::serialize::InputArchive archive;
-  std::istringstream in(bytes);
+void load_optimizer(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive, const std::string& path) {
   try {
-    archive.load_from(in);
+    optimizer.load(archive);
   } catch (const std::exception& e) {
-    std::string m = e.what();
-    throw Error(fmt::format("load_state: {} is not a readable optimizer state: {}; nothing was loaded", path,
-                            m.substr(0, m.find('\n'))));
+    throw Error(fmt::format("{}: cannot load the optimizer state: {}", path, text::first_line(e.what())));
   }
 }
 

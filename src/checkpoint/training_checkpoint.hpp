@@ -7,6 +7,7 @@
 // renamed into place: a previous checkpoint at <dir> survives any failure before that rename. Reading
 // verifies every file against the manifest before anything is returned.
 #include <torch/optim/optimizer.h>
+#include <torch/serialize/input-archive.h>
 
 #include <filesystem>
 #include <map>
@@ -55,9 +56,10 @@ class Verified {
 void check_matches(const NamedTensors& expected, const SafetensorsContent& saved, const std::string& path);
 
 std::string optimizer_bytes(const torch::optim::Optimizer& optimizer);
-void load_optimizer_bytes(torch::optim::Optimizer& optimizer, const std::string& bytes, const std::string& path);
-// Throws (naming `path`) unless `bytes` is a readable optimizer archive; changes nothing.
-void check_optimizer_bytes(const std::string& bytes, const std::string& path);
+// Parses an optimizer archive; throws naming `path` when it is not one. Changes nothing, so a loader can
+// read every archive before it applies any.
+torch::serialize::InputArchive read_optimizer_archive(const std::string& bytes, const std::string& path);
+void load_optimizer(torch::optim::Optimizer& optimizer, torch::serialize::InputArchive& archive, const std::string& path);
 
 // "ckpt/" and "ckpt" name the same directory; the temporary and backup siblings need the bare name.
 std::filesystem::path directory_path(const std::string& dir);

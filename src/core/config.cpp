@@ -10,8 +10,8 @@
 
 #include "core/config_compat.hpp"
 #include "core/config_section.hpp"
-#include "xlr8/error.hpp"
 #include "core/text.hpp"
+#include "xlr8/error.hpp"
 
 namespace fs = std::filesystem;
 

@@ -2,8 +2,8 @@
 
 #include <fmt/format.h>
 
-#include "xlr8/error.hpp"
 #include "core/text.hpp"
+#include "xlr8/error.hpp"
 
 namespace xlr8::detail {
 
@@ -35,28 +35,20 @@ void refuse_foreign_environment(const Section& top) {
   }
   auto type = top.str("distributed_type");
   if (!type) return;
-  std::string t = text::upper(*type);
-  if (t == "XLA" || t == "TPU")
-    throw top.error("distributed_type",
-                    fmt::format("value {:?} (TPU) is not supported: the TPU compute environment is not supported by "
-                                "xlr8, which runs on CPUs and CUDA GPUs; allowed: {}",
-                                *type, kSupportedTypes));
-  if (t.rfind("MULTI_", 0) == 0 && t != "MULTI_CPU" && t != "MULTI_GPU")
-    throw top.error("distributed_type", fmt::format("value {:?} is not supported: xlr8 runs on CPUs and CUDA GPUs; "
-                                                    "allowed: {}",
-                                                    *type, kSupportedTypes));
-  if (t == "MEGATRON_LM")
-    throw top.error("distributed_type", fmt::format("value {:?} is not supported: xlr8 has no Megatron-LM engine; "
-                                                    "allowed: {}",
-                                                    *type, kSupportedTypes));
-  if (t == "MPS")
-    throw top.error("distributed_type",
-                    fmt::format("value {:?} is not supported: Apple MPS is not supported by xlr8; allowed: {}", *type,
-                                kSupportedTypes));
-  if (t == "TP")
-    throw top.error("distributed_type", fmt::format("value {:?} is not supported: xlr8 has no tensor parallelism yet; "
-                                                    "allowed: {}",
-                                                    *type, kSupportedTypes));
+  const std::string t = text::upper(*type);
+  const bool other_accelerator = t.rfind("MULTI_", 0) == 0 && t != "MULTI_CPU" && t != "MULTI_GPU";
+  // Accelerate's distributed types (and older spellings) xlr8 cannot run, and why.
+  const std::vector<std::pair<bool, const char*>> refused = {
+      {t == "XLA" || t == "TPU", "(TPU) is not supported: the TPU compute environment is not supported by xlr8, which "
+                                 "runs on CPUs and CUDA GPUs"},
+      {other_accelerator, "is not supported: xlr8 runs on CPUs and CUDA GPUs"},
+      {t == "MEGATRON_LM", "is not supported: xlr8 has no Megatron-LM engine"},
+      {t == "MPS", "is not supported: Apple MPS is not supported by xlr8"},
+      {t == "TP", "is not supported: xlr8 has no tensor parallelism yet"},
+  };
+  for (const auto& [applies, why] : refused)
+    if (applies)
+      throw top.error("distributed_type", fmt::format("value {:?} {}; allowed: {}", *type, why, kSupportedTypes));
 }
 
 void refuse_unsupported_features(const Section& top) {

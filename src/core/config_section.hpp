@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "core/text.hpp"
 #include "xlr8/env.hpp"
 #include "xlr8/error.hpp"
-#include "core/text.hpp"
 
 namespace xlr8::detail {
 

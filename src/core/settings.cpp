@@ -2,8 +2,8 @@
 
 #include <fmt/format.h>
 
-#include "xlr8/error.hpp"
 #include "core/text.hpp"
+#include "xlr8/error.hpp"
 
 namespace xlr8 {
 namespace {

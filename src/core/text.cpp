@@ -73,4 +73,6 @@ std::string trim(const std::string& s) {
   return s.substr(b, e - b + 1);
 }
 
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
 }  // namespace xlr8::text

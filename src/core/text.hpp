@@ -14,5 +14,7 @@ std::vector<std::string> split(const std::string& text, char sep);
 std::string upper(std::string s);
 std::string lower(std::string s);
 std::string trim(const std::string& s);
+// Up to the first newline: exception texts from LibTorch carry a stack trace after it.
+std::string first_line(const std::string& s);
 
 }  // namespace xlr8::text

@@ -7,9 +7,9 @@
 #include <algorithm>
 #include <cctype>
 
+#include "core/text.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/settings.hpp"
-#include "core/text.hpp"
 
 namespace xlr8 {
 namespace {
@@ -79,6 +79,12 @@ uint64_t stable_hash(const std::string& text) {
 }
 
 }  // namespace
+
+bool node_index_from_hosts(const Topology& topology) {
+  for (const auto& s : kSources)
+    if (topology.source == s.name) return s.node_rank.size() == 0;
+  return false;
+}
 
 std::string first_slurm_host(const std::string& nodelist) {
   // "node[07-09,12],gpu3" -> "node07", "rack[1-2]-n[01-04]" -> "rack1-n01": the first entry, and in each

@@ -2,9 +2,9 @@
 
 #include <fmt/format.h>
 
+#include "core/text.hpp"
 #include "distributed/comm_state.hpp"
 #include "xlr8/error.hpp"
-#include "core/text.hpp"
 
 namespace xlr8 {
 

@@ -11,8 +11,8 @@
 
 #include "core/log.hpp"
 #include "distributed/comm_state.hpp"
-#include "os/cpu_affinity.hpp"
 #include "distributed/rendezvous.hpp"
+#include "os/cpu_affinity.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8 {
@@ -84,7 +84,7 @@ std::unique_ptr<ProcessState> ProcessState::create(const Env& env, const Process
   compat::StorePtr store;
   if (t.distributed()) {
     store = detail::rendezvous(t, rdzv_timeout);
-    if (t.source == "openmpi" || t.source == "mvapich" || t.source == "pmi") detail::place_nodes_by_host(store, s->topology_);
+    if (node_index_from_hosts(t)) detail::place_nodes_by_host(store, s->topology_);
     store->setTimeout(coll_timeout);
   } else {
     store = c10::make_intrusive<c10d::HashStore>();  // one process: no network at all

@@ -7,13 +7,12 @@
 #include <algorithm>
 #include <thread>
 
+#include "core/text.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8::detail {
 
-namespace {
-std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
-}  // namespace
+using text::first_line;
 
 compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout) {
   const std::string where = fmt::format("{}:{}", t.master_addr, t.master_port);

@@ -42,6 +42,12 @@ void AcceleratorImpl::unscale_gradients() {
   unscaled = true;
 }
 
+ParallelStrategy* AcceleratorImpl::strategy_for(const torch::nn::Module* module) const {
+  for (const auto& m : models)
+    if (m->module().get() == module) return m.get();
+  return nullptr;
+}
+
 std::vector<ParallelStrategy*> AcceleratorImpl::strategies_of(const std::vector<torch::nn::Module*>& modules) const {
   std::vector<ParallelStrategy*> out;
   if (modules.empty()) {
@@ -49,9 +55,9 @@ std::vector<ParallelStrategy*> AcceleratorImpl::strategies_of(const std::vector<
     return out;
   }
   for (auto* module : modules) {
-    auto it = std::find_if(models.begin(), models.end(), [&](const auto& m) { return m->module().get() == module; });
-    if (it == models.end()) throw Error("this model was not passed to Accelerator::prepare(); prepare it first");
-    out.push_back(it->get());
+    auto* strategy = strategy_for(module);
+    if (!strategy) throw Error("this model was not passed to Accelerator::prepare(); prepare it first");
+    out.push_back(strategy);
   }
   return out;
 }
@@ -174,8 +180,7 @@ int Accelerator::gradient_accumulation_steps() const { return impl_->gradient_st
 bool Accelerator::sync_gradients() const { return impl_->gradient_state->sync_gradients; }
 bool Accelerator::end_of_dataloader() const { return impl_->gradient_state->end_of_dataloader(); }
 const ParallelStrategy& Accelerator::strategy_of(const torch::nn::Module& module) const {
-  for (const auto& m : impl_->models)
-    if (m->module().get() == &module) return *m;
+  if (auto* strategy = impl_->strategy_for(&module)) return *strategy;
   throw Error("parallel_stats(): this model was not passed to Accelerator::prepare(); prepare it first");
 }
 
@@ -185,8 +190,7 @@ int64_t Accelerator::step() const { return impl_->optimizers.empty() ? 0 : impl_
 void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   auto& s = *impl_;
   if (!module) throw Error("prepare(): the model is null");
-  for (const auto& m : s.models)
-    if (m->module() == module) throw Error("prepare(): this model was already prepared; prepare each model once");
+  if (s.strategy_for(module.get())) throw Error("prepare(): this model was already prepared; prepare each model once");
   module->to(s.device);
   s.models.push_back(make_parallel_strategy(std::move(module), *s.state, s.options.parallel, s.gradient_state));
   // What users pass to optimizers and clip_grad_norm (the module's parameters) and what a sharded

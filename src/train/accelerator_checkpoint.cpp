@@ -16,8 +16,7 @@ namespace {
 
 // The full state dict of a prepared model (through its strategy: collective), or of any other module.
 NamedTensors full_state_of(const AcceleratorImpl& s, const torch::nn::Module& module) {
-  for (const auto& m : s.models)
-    if (m->module().get() == &module) return m->state_dict(StateDictKind::FULL);
+  if (auto* strategy = s.strategy_for(&module)) return strategy->state_dict(StateDictKind::FULL);
   return module_state_dict(module);
 }
 
@@ -97,8 +96,10 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
   if (optimizer_steps.size() != s.optimizers.size())
     throw Error(fmt::format("load_state: {} holds {} optimizer(s) but {} were prepared; nothing was loaded",
                             source.string(), optimizer_steps.size(), s.optimizers.size()));
+  std::vector<torch::serialize::InputArchive> optimizer_archives;
   for (size_t i = 0; i < s.optimizers.size(); ++i)
-    checkpoint::check_optimizer_bytes(saved.optimizer(i), (source / checkpoint::optimizer_file(i)).string());
+    optimizer_archives.push_back(
+        checkpoint::read_optimizer_archive(saved.optimizer(i), (source / checkpoint::optimizer_file(i)).string()));
   for (size_t i = 0; i < s.models.size(); ++i)
     checkpoint::check_matches(s.models[i]->state_dict(StateDictKind::FULL), model_files[i],
                               (source / checkpoint::model_file(i)).string());
@@ -112,8 +113,8 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
     s.schedulers[i]->steps = n;
   }
   for (size_t i = 0; i < s.optimizers.size(); ++i) {
-    checkpoint::load_optimizer_bytes(*s.optimizers[i]->optimizer, saved.optimizer(i),
-                                     (source / checkpoint::optimizer_file(i)).string());
+    checkpoint::load_optimizer(*s.optimizers[i]->optimizer, optimizer_archives[i],
+                               (source / checkpoint::optimizer_file(i)).string());
     s.optimizers[i]->steps = optimizer_steps[i].get<int64_t>();
   }
   s.micro_step = st.value("micro_step", int64_t{0});
@@ -139,11 +140,11 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
 }
 
 void Accelerator::save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const {
-  checkpoint::parse_size(max_shard_size);  // a bad size is an error on every rank, not only the writer
+  const int64_t limit = checkpoint::parse_size(max_shard_size);  // on every rank: a bad size fails them all
   auto tensors = full_state_of(*impl_, module);  // on every rank: collective for sharded strategies
   if (is_main_process())
     checkpoint::filesystem_guard(fmt::format("save_model({:?})", dir), [&] {
-      checkpoint::export_hf_model(tensors, dir, max_shard_size);
+      checkpoint::export_hf_model(tensors, dir, limit);
       return 0;
     });
   wait_for_everyone();

@@ -45,6 +45,8 @@ struct AcceleratorImpl {
   std::vector<at::Tensor> optimized_parameters() const;
   // fp16: divide this step's gradients by the scale once, and agree across ranks whether any overflowed.
   void unscale_gradients();
+  // The strategy of a prepared module, or null.
+  ParallelStrategy* strategy_for(const torch::nn::Module* module) const;
   // The strategies of `modules` (all prepared models when empty); an unprepared module is an Error.
   std::vector<ParallelStrategy*> strategies_of(const std::vector<torch::nn::Module*>& modules) const;
   // The strategy whose module parameters or optimizer parameters include `parameter`, or null.

@@ -57,7 +57,7 @@ TEST(TrainingCheckpoint, SavedContentReadsBackVerified) {
   ASSERT_EQ(model.tensors.size(), 2u);
   EXPECT_EQ(model.tensors[0].first, "w");  // module order kept
   EXPECT_TRUE(at::equal(model.tensors[0].second, at::arange(6, at::kFloat).reshape({2, 3})));
-  checkpoint::check_optimizer_bytes(saved.optimizer(0), "optimizer.bin");
+  (void)checkpoint::read_optimizer_archive(saved.optimizer(0), "optimizer.bin");
   EXPECT_TRUE(saved.rng(0).has_value());
   EXPECT_FALSE(saved.rng(1).has_value());
   fs::remove_all(dir);
@@ -73,7 +73,7 @@ TEST(TrainingCheckpoint, MismatchesAndCorruptionAreNamed) {
   EXPECT_NE(m.find("missing [extra]"), std::string::npos) << m;
   EXPECT_NE(m.find("mismatched [w (float32[2, 3] saved, float32[3, 2] in the model)]"), std::string::npos) << m;
   EXPECT_NE(m.find("unexpected [b]"), std::string::npos) << m;
-  m = error_of([&] { checkpoint::check_optimizer_bytes("not an archive", "optimizer.bin"); });
+  m = error_of([&] { (void)checkpoint::read_optimizer_archive("not an archive", "optimizer.bin"); });
   EXPECT_NE(m.find("optimizer.bin is not a readable optimizer state"), std::string::npos) << m;
   {  // one flipped byte in the model file
     std::fstream f(dir / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
@@ -91,11 +91,11 @@ TEST(TrainingCheckpoint, MismatchesAndCorruptionAreNamed) {
 TEST(HfExport, ShardsWithAnIndexAboveTheLimitAndOneFileBelow) {
   auto dir = fresh_dir("hf");
   NamedTensors tensors{{"a", at::zeros({256})}, {"b", at::zeros({256})}, {"c", at::zeros({256})}};  // 1 KB each
-  checkpoint::export_hf_model(tensors, dir.string(), "2100");  // a and b fit one shard, c the next
+  checkpoint::export_hf_model(tensors, dir.string(), 2100);  // a and b fit one shard, c the next
   EXPECT_TRUE(fs::exists(dir / "model.safetensors.index.json"));
   EXPECT_TRUE(fs::exists(dir / "model-00001-of-00002.safetensors"));
   EXPECT_FALSE(fs::exists(dir / "model.safetensors"));
-  checkpoint::export_hf_model(tensors, dir.string(), "10GB");  // a later single-file export replaces the shards
+  checkpoint::export_hf_model(tensors, dir.string(), checkpoint::parse_size("10GB"));  // replaces the shards
   EXPECT_TRUE(fs::exists(dir / "model.safetensors"));
   EXPECT_FALSE(fs::exists(dir / "model.safetensors.index.json"));
   EXPECT_FALSE(fs::exists(dir / "model-00001-of-00002.safetensors"));

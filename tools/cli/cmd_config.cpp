@@ -4,11 +4,11 @@
 
 #include <iostream>
 
-#include "compat/torch_compat.hpp"
 #include "cli/commands.hpp"
+#include "compat/torch_compat.hpp"
+#include "core/text.hpp"
 #include "xlr8/config.hpp"
 #include "xlr8/error.hpp"
-#include "core/text.hpp"
 
 namespace xlr8::cli {
 namespace {

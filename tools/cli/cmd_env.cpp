@@ -6,8 +6,8 @@
 #include <set>
 #include <thread>
 
-#include "compat/torch_compat.hpp"
 #include "cli/commands.hpp"
+#include "compat/torch_compat.hpp"
 #include "xlr8/config.hpp"
 
 namespace xlr8::cli {

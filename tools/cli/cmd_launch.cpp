@@ -4,9 +4,9 @@
 #include <memory>
 
 #include "cli/commands.hpp"
+#include "core/text.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/launcher.hpp"
-#include "core/text.hpp"
 
 namespace xlr8::cli {
 

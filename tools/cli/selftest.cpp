@@ -5,13 +5,13 @@
 
 #include <climits>
 
-#include "compat/torch_compat.hpp"
 #include "cli/commands.hpp"
+#include "compat/torch_compat.hpp"
+#include "distributed/self_check.hpp"
 #include "xlr8/device_mesh.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/launcher.hpp"
 #include "xlr8/process_state.hpp"
-#include "distributed/self_check.hpp"
 
 namespace xlr8::cli {
 namespace {
