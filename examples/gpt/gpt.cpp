@@ -10,6 +10,7 @@
 #include <iterator>
 
 #include "xlr8/error.hpp"
+#include "xlr8/unshard.hpp"
 
 namespace fs = std::filesystem;
 namespace F = torch::nn::functional;
@@ -50,8 +51,9 @@ BlockImpl::BlockImpl(const Config& c) {
 }
 
 torch::Tensor BlockImpl::forward(torch::Tensor x) {
+  auto unit = xlr8::unshard(*this);  // sharding: gathers this block's parameters (a no-op otherwise)
   x = x + attn(ln1(x));
-  return x + mlp(ln2(x));
+  return unit.done(x + mlp(ln2(x)));  // ... frees them, and gathers them again for backward
 }
 
 GptImpl::GptImpl(const Config& c) : config(c) {
@@ -72,6 +74,7 @@ GptImpl::GptImpl(const Config& c) : config(c) {
 }
 
 torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
+  auto unit = xlr8::unshard(*this);  // the embeddings and final norm, which no block owns
   const auto T = tokens.size(1);
   if (T > config.seq_len)
     throw xlr8::Error(fmt::format("sequence of {} tokens is longer than the model's {}", T, config.seq_len));
@@ -79,7 +82,7 @@ torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
   auto x = wte(tokens) + wpe(positions);
   for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x);
   x = ln_f(x);
-  return head ? head(x) : F::linear(x, wte->weight);
+  return unit.done(head ? head(x) : F::linear(x, wte->weight));
 }
 
 TextWindows::TextWindows(torch::Tensor bytes, int64_t seq_len) : bytes_(std::move(bytes)), seq_len_(seq_len) {

@@ -37,7 +37,8 @@ struct Args {
 };
 
 // Bytes of parameters, gradients and optimizer state this process holds, each storage counted once
-// (DDP's gradients are views of its buckets).
+// (DDP's gradients are views of its buckets; sharded strategies' optimizers hold this rank's shards,
+// which may be views of the whole parameters; a freed gathered unit holds no bytes).
 int64_t state_bytes(const torch::nn::Module& model, const torch::optim::Optimizer& opt) {
   std::set<const void*> seen;
   int64_t total = 0;
@@ -48,6 +49,11 @@ int64_t state_bytes(const torch::nn::Module& model, const torch::optim::Optimize
     add(p);
     add(p.grad());
   }
+  for (const auto& group : opt.param_groups())
+    for (const auto& p : group.params()) {
+      add(p);
+      add(p.grad());
+    }
   for (const auto& [key, state] : opt.state()) {
     if (const auto* s = dynamic_cast<const torch::optim::AdamWParamState*>(state.get())) {
       add(s->exp_avg());

@@ -89,6 +89,20 @@ class StepScope {
   bool active_ = true;
 };
 
+// FSDP's summon_full_params: while it lives, a sharded model's parameters are whole and current on
+// every rank (a no-op for replicas). With `writeback`, changes made to them are kept.
+class FullParametersScope {
+ public:
+  FullParametersScope(ParallelStrategy* strategy, bool writeback);
+  FullParametersScope(FullParametersScope&& other) noexcept;
+  FullParametersScope(const FullParametersScope&) = delete;
+  ~FullParametersScope();
+
+ private:
+  ParallelStrategy* strategy_;
+  bool writeback_;
+};
+
 class Accelerator {
  public:
   explicit Accelerator(AcceleratorOptions options = {});
@@ -110,7 +124,8 @@ class Accelerator {
 
   // Models: any torch::nn::ModuleHolder (Net, torch::nn::Linear ...) or std::shared_ptr<Module>. The
   // module is moved to the device and gets its parallel strategy (make_parallel_strategy): with several
-  // processes its gradients are synchronised (DDP).
+  // processes its gradients are synchronised (DDP) or it is sharded (ZeRO / FSDP settings). Prepare a
+  // sharded model before the optimizer's first step: the optimizer is pointed at this rank's shards.
   template <class Model, std::enable_if_t<!std::is_base_of_v<torch::optim::Optimizer, Model> &&
                                               !std::is_base_of_v<torch::optim::LRScheduler, Model>,
                                           int> = 0>
@@ -135,6 +150,12 @@ class Accelerator {
                                                         gradient_state(), device());
     register_loader(loader);
     return loader;
+  }
+
+  // Collective: every rank opens it together (stage 3 gathers every unit).
+  template <class Model>
+  [[nodiscard]] FullParametersScope summon_full_params(const Model& model, bool writeback = true) {
+    return FullParametersScope(&strategy_for_scope(*module_pointer(model)), writeback);
   }
 
   // Gradient accumulation: the scope decides sync_gradients for this micro-step.
@@ -196,8 +217,9 @@ class Accelerator {
 
   int64_t step() const;  // optimizer steps taken by the first prepared optimizer
   double loss_scale() const;  // the fp16 dynamic loss scale; 1 otherwise
-  // The prepared model's strategy: {"strategy": "single" | "ddp", ...its figures}; DDP adds buckets,
-  // launches, overlapped_launches and exposed_comm_seconds.
+  // The prepared model's strategy: {"strategy": "single" | "ddp" | "zero1" | "zero2" | "zero3", ...its
+  // figures}; DDP adds buckets, launches, overlapped_launches and exposed_comm_seconds; ZeRO adds its
+  // groups, gathers, launches and gathered bytes.
   template <class Model>
   nlohmann::json parallel_stats(const Model& model) const {
     return strategy_of(*module_pointer(model)).stats();
@@ -211,6 +233,7 @@ class Accelerator {
   }
   void register_model(std::shared_ptr<torch::nn::Module> module);
   const ParallelStrategy& strategy_of(const torch::nn::Module& module) const;
+  ParallelStrategy& strategy_for_scope(const torch::nn::Module& module);
   void register_loader(std::shared_ptr<DataLoaderBase> loader);
   StepScope make_step_scope(std::vector<torch::nn::Module*> modules, bool decide_sync);
   void save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const;

@@ -20,12 +20,14 @@
 #include "xlr8/gradient_state.hpp"
 #include "xlr8/process_state.hpp"
 #include "xlr8/safetensors.hpp"
+#include "xlr8/zero.hpp"
 
 namespace xlr8 {
 
 // What AcceleratorOptions passes to the factory; each strategy reads its own part.
 struct ParallelOptions {
   DDPOptions ddp;
+  ZeroOptions zero;
 };
 
 // FULL: every tensor whole, by name (what save_model exports). SHARDED: what this rank holds.
@@ -36,7 +38,7 @@ using StateDict = NamedTensors;
 class ParallelStrategy {
  public:
   virtual ~ParallelStrategy() = default;
-  // "single" (one process, nothing to synchronise) or "ddp".
+  // "single" (one process, nothing to synchronise), "ddp", or "zero1" / "zero2" / "zero3".
   virtual std::string name() const = 0;
   const std::shared_ptr<torch::nn::Module>& module() const { return module_; }
 
@@ -49,6 +51,9 @@ class ParallelStrategy {
   virtual void end_step() {}
   // The tensors the optimizer updates: the full parameters for replicas, this rank's shards when sharded.
   virtual std::vector<at::Tensor> optimizer_parameters() const { return module_->parameters(); }
+  // Points an optimizer built over the module's parameters at what optimizer_parameters() returns (in
+  // place, group by group, keeping each group's options). Before the optimizer's first step.
+  virtual void bind_optimizer(torch::optim::Optimizer& optimizer) const {}
   // One optimizer step: plain for replicas; shard step plus all-gather when sharded.
   virtual void optimizer_step(torch::optim::Optimizer& optimizer) { optimizer.step(); }
   // Clips `parameters` (of this strategy's module) to the global gradient norm and returns it. Replicas
@@ -64,6 +69,10 @@ class ParallelStrategy {
   // Copies `state` into the module, strictly: exactly the module's names, shapes and dtypes
   // (ConfigError naming every difference otherwise). Collective, as state_dict.
   virtual void load_state_dict(const StateDict& state, StateDictKind kind);
+  // FSDP's summon_full_params: every parameter whole and current until release_full_parameters(), which
+  // with `writeback` keeps changes made to them meanwhile. Collective; replicas are always whole.
+  virtual void gather_full_parameters() {}
+  virtual void release_full_parameters(bool writeback) {}
   // Figures for tests, benchmarks and logs: at least {"strategy": name()}.
   virtual nlohmann::json stats() const { return {{"strategy", name()}}; }
 
@@ -77,13 +86,14 @@ class ParallelStrategy {
 // A module's parameters, then its buffers, by name: the order PyTorch's state_dict uses.
 StateDict module_state_dict(const torch::nn::Module& module);
 
-// Collective over `data_parallel` when it has several ranks. One rank: "single". Several: "ddp", which
-// FSDP and DeepSpeed settings also get until their sharding engines exist (the Accelerator warns once).
-// Without `gradient_state`, every step is a synchronisation boundary.
+// Collective over `data_parallel` when it has several ranks. One rank: "single". Several: "ddp" for
+// options.zero.stage 0 (or -1), else the ZeRO stage's sharded strategy. Without `gradient_state`, every
+// step is a synchronisation boundary.
 std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::nn::Module> module,
                                                          Communicator data_parallel, const ParallelOptions& options,
                                                          std::shared_ptr<const GradientState> gradient_state = nullptr);
-// The same over the process's data-parallel group.
+// The same over the process's data-parallel group, with options.zero.stage -1 meaning the stage (and
+// units) the process's FSDP / DeepSpeed settings ask for.
 std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::nn::Module> module,
                                                          const ProcessState& state, const ParallelOptions& options,
                                                          std::shared_ptr<const GradientState> gradient_state = nullptr);

@@ -11,3 +11,5 @@
 #include "xlr8/process_state.hpp"
 #include "xlr8/safetensors.hpp"
 #include "xlr8/settings.hpp"
+#include "xlr8/unshard.hpp"
+#include "xlr8/zero.hpp"

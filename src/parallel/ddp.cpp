@@ -9,6 +9,7 @@
 
 #include "compat/torch_compat.hpp"
 #include "distributed/comm_state.hpp"
+#include "parallel/replica_sync.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8 {
@@ -190,45 +191,6 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
 
 namespace {
 
-std::string signature_of(const std::string& name, const at::Tensor& t) {
-  return fmt::format("{} {}", name, detail::describe(t));
-}
-
-// Every rank must hold the same model: compare names, dtypes and shapes before anything is broadcast.
-void verify_same_model(Communicator& comm, const std::vector<std::string>& mine) {
-  auto all = comm.all_gather_object(nlohmann::json(mine).dump());
-  auto reference = nlohmann::json::parse(all[0]).get<std::vector<std::string>>();
-  for (int r = 1; r < comm.size(); ++r) {
-    auto theirs = nlohmann::json::parse(all[r]).get<std::vector<std::string>>();
-    for (size_t i = 0; i < std::max(reference.size(), theirs.size()); ++i) {
-      std::string a = i < reference.size() ? reference[i] : "(nothing)";
-      std::string b = i < theirs.size() ? theirs[i] : "(nothing)";
-      if (a != b)
-        throw Error(fmt::format("the model differs across ranks: entry {} is {} on rank 0 but {} on rank {}. Every "
-                                "rank must build the same model",
-                                i, a, b, r));
-    }
-  }
-}
-
-void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& tensors) {
-  at::NoGradGuard no_grad;
-  // One broadcast per dtype: flatten, broadcast, copy back.
-  std::map<at::ScalarType, std::vector<at::Tensor>> by_type;
-  for (const auto& t : tensors) by_type[t.scalar_type()].push_back(t);
-  for (auto& [type, group] : by_type) {
-    std::vector<at::Tensor> flat_parts;
-    for (auto& t : group) flat_parts.push_back(t.detach().reshape(-1));
-    auto flat = at::cat(flat_parts);
-    comm.broadcast(flat, 0);
-    int64_t offset = 0;
-    for (auto& t : group) {
-      t.detach().copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
-      offset += t.numel();
-    }
-  }
-}
-
 // A post-hook on a parameter's AccumulateGrad node: `.grad` already holds this backward's sum.
 struct ReadyHook : torch::autograd::FunctionPostHook {
   ReadyHook(std::weak_ptr<DistributedDataParallel::Core> core, size_t index) : core_(std::move(core)), index_(index) {}
@@ -251,23 +213,12 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   c.module = std::move(module);
   c.comm = std::move(comm);
   c.options = options;
-  std::vector<std::string> signatures;
-  std::vector<at::Tensor> to_broadcast;
   for (const auto& item : c.module->named_parameters()) {
-    signatures.push_back(signature_of(item.key(), item.value()));
-    to_broadcast.push_back(item.value());
     if (!item.value().requires_grad()) continue;
     c.names.push_back(item.key());
     c.params.push_back(item.value());
   }
-  for (const auto& item : c.module->named_buffers()) {
-    signatures.push_back(signature_of("buffer " + item.key(), item.value()));
-    to_broadcast.push_back(item.value());
-  }
-  if (c.comm.size() > 1) {
-    verify_same_model(c.comm, signatures);
-    broadcast_from_rank0(c.comm, to_broadcast);
-  }
+  if (c.comm.size() > 1) detail::make_replicas_equal(c.comm, *c.module);
   c.bucket_of.resize(c.params.size());
   c.slot_of.resize(c.params.size());
   c.assign_buckets();
@@ -295,7 +246,7 @@ void DistributedDataParallel::sync_buffers() {
   if (!core_->options.broadcast_buffers || core_->comm.size() == 1) return;
   std::vector<at::Tensor> buffers;
   for (auto& b : core_->module->buffers()) buffers.push_back(b);
-  if (!buffers.empty()) broadcast_from_rank0(core_->comm, buffers);
+  if (!buffers.empty()) detail::broadcast_from_rank0(core_->comm, buffers);
 }
 
 const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::module() const { return core_->module; }

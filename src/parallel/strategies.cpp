@@ -5,6 +5,8 @@
 
 #include <map>
 
+#include "parallel/state_dict_check.hpp"
+#include "parallel/zero_strategy.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/parallel_strategy.hpp"
 
@@ -25,7 +27,16 @@ StateDict ParallelStrategy::state_dict(StateDictKind) const { return module_stat
 
 void ParallelStrategy::load_state_dict(const StateDict& state, StateDictKind kind) {
   auto list = state_dict(kind);
+  detail::check_state_dict(list, state);
   std::map<std::string, at::Tensor> own(list.begin(), list.end());
+  at::NoGradGuard no_grad;
+  for (const auto& [name, tensor] : state) own.at(name).copy_(tensor);
+}
+
+namespace detail {
+
+void check_state_dict(const StateDict& expected, const StateDict& state) {
+  std::map<std::string, at::Tensor> own(expected.begin(), expected.end());
   std::vector<std::string> problems;
   std::map<std::string, bool> seen;
   for (const auto& [name, tensor] : state) {
@@ -42,9 +53,9 @@ void ParallelStrategy::load_state_dict(const StateDict& state, StateDictKind kin
   if (!problems.empty())
     throw ConfigError(fmt::format("load_state_dict: the state dict does not match the model ({}); nothing was loaded",
                                   fmt::join(problems, "; ")));
-  at::NoGradGuard no_grad;
-  for (const auto& [name, tensor] : state) own.at(name).copy_(tensor);
 }
+
+}  // namespace detail
 
 namespace {
 
@@ -89,6 +100,8 @@ std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::
                                                          std::shared_ptr<const GradientState> gradient_state) {
   if (!module) throw Error("prepare(): the model is null");
   if (data_parallel.size() == 1) return std::make_unique<SingleProcess>(std::move(module));
+  if (options.zero.stage > 0)
+    return detail::make_zero_strategy(std::move(module), std::move(data_parallel), options, std::move(gradient_state));
   return std::make_unique<DataParallelReplicas>(std::move(module), std::move(data_parallel), options.ddp,
                                                 std::move(gradient_state));
 }
@@ -96,7 +109,9 @@ std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::
 std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::nn::Module> module,
                                                          const ProcessState& state, const ParallelOptions& options,
                                                          std::shared_ptr<const GradientState> gradient_state) {
-  return make_parallel_strategy(std::move(module), state.mesh().group("dp"), options, std::move(gradient_state));
+  auto resolved = options;
+  resolved.zero = detail::resolve_zero_options(options.zero, state.settings());
+  return make_parallel_strategy(std::move(module), state.mesh().group("dp"), resolved, std::move(gradient_state));
 }
 
 }  // namespace xlr8

@@ -157,13 +157,15 @@ Accelerator::Accelerator(AcceleratorOptions options) : impl_(std::make_unique<Ac
   s.gradient_state->num_steps = steps;
   s.gradient_state->sync_with_dataloader = s.options.sync_with_dataloader;
   if (s.precision == MixedPrecision::FP16) s.scaler.emplace();
-  // Sharded strategies are parsed and reported, but their engines are not written yet: say so rather
-  // than silently training full replicas.
-  auto type = s.state->distributed_type();
-  if ((type == DistributedType::FSDP || type == DistributedType::DEEPSPEED) && s.state->is_main_process())
-    log::warning("xlr8: warning: {} sharding is not implemented yet; training with DDP (every rank holds full "
-                 "parameters, gradients and optimizer state)",
-                 to_string(type));
+  // Offload moves shards to host memory on CUDA machines; this build keeps them on the training device.
+  const auto& settings = s.state->settings();
+  bool offload = (settings.fsdp && settings.fsdp->offload_params) ||
+                 (settings.deepspeed && (settings.deepspeed->offload_optimizer_device != "none" ||
+                                         settings.deepspeed->offload_param_device != "none"));
+  if (offload && s.state->is_main_process())
+    log::info("xlr8: offload requested: shards, gradients and optimizer state stay on the training device ({}); on a "
+              "CPU-only machine that is host memory already, so nothing moves",
+              s.device.str());
 }
 
 Accelerator::~Accelerator() = default;
@@ -184,6 +186,23 @@ const ParallelStrategy& Accelerator::strategy_of(const torch::nn::Module& module
   throw Error("parallel_stats(): this model was not passed to Accelerator::prepare(); prepare it first");
 }
 
+ParallelStrategy& Accelerator::strategy_for_scope(const torch::nn::Module& module) {
+  if (auto* strategy = impl_->strategy_for(&module)) return *strategy;
+  throw Error("summon_full_params(): this model was not passed to Accelerator::prepare(); prepare it first");
+}
+
+FullParametersScope::FullParametersScope(ParallelStrategy* strategy, bool writeback)
+    : strategy_(strategy), writeback_(writeback) {
+  strategy_->gather_full_parameters();
+}
+
+FullParametersScope::FullParametersScope(FullParametersScope&& other) noexcept
+    : strategy_(std::exchange(other.strategy_, nullptr)), writeback_(other.writeback_) {}
+
+FullParametersScope::~FullParametersScope() {
+  if (strategy_) strategy_->release_full_parameters(writeback_);
+}
+
 double Accelerator::loss_scale() const { return impl_->scaler ? impl_->scaler->scale() : 1.0; }
 int64_t Accelerator::step() const { return impl_->optimizers.empty() ? 0 : impl_->optimizers.front()->steps; }
 
@@ -198,6 +217,7 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   auto* strategy = s.models.back().get();
   for (const auto& p : strategy->module()->parameters()) s.owners[p.unsafeGetTensorImpl()] = strategy;
   for (const auto& p : strategy->optimizer_parameters()) s.owners[p.unsafeGetTensorImpl()] = strategy;
+  for (const auto& o : s.optimizers) strategy->bind_optimizer(*o->optimizer);  // prepared before the model
 }
 
 PreparedOptimizer Accelerator::prepare_optimizer(std::shared_ptr<torch::optim::Optimizer> optimizer) {
@@ -205,6 +225,8 @@ PreparedOptimizer Accelerator::prepare_optimizer(std::shared_ptr<torch::optim::O
   if (!optimizer) throw Error("prepare(): the optimizer is null");
   for (const auto& o : s.optimizers)
     if (o->optimizer == optimizer) throw Error("prepare(): this optimizer was already prepared; prepare it once");
+  // A sharded model's optimizer works on this rank's shards of the parameters it was given.
+  for (const auto& model : s.models) model->bind_optimizer(*optimizer);
   auto state = std::make_shared<PreparedOptimizer::State>();
   state->optimizer = std::move(optimizer);
   state->impl = impl_.get();

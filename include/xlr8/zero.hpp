@@ -1,0 +1,32 @@
+#pragma once
+// Sharded data parallelism: ZeRO stages 1-3, which are also FSDP's sharding strategies
+// (SHARD_GRAD_OP = stage 2, FULL_SHARD = stage 3, NO_SHARD = stage 0 = DDP). What each rank keeps
+// between steps, for Ψ fp32 parameters trained with Adam (reference/003):
+//   stage 1: parameters and gradients whole, optimizer state sharded        8Ψ + 8Ψ/N bytes
+//   stage 2: parameters whole, gradients and optimizer state sharded        4Ψ + 12Ψ/N
+//   stage 3: everything sharded; each unit gathered around its forward
+//            and its backward, then freed                                    16Ψ/N (+ the gathered units)
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace xlr8 {
+
+struct ZeroOptions {
+  // -1: from the process's settings (FSDP / DeepSpeed keys of the config file or environment);
+  // 0: replicas (DDP); 1, 2, 3: the ZeRO stage.
+  int stage = -1;
+  // Stage 3's units, as FSDP's auto wrap policy: "TRANSFORMER_BASED_WRAP" (modules whose class is in
+  // `layer_classes`: "Block", "BlockImpl" or a namespace-qualified name all match TORCH_MODULE(Block)),
+  // "SIZE_BASED_WRAP" (the smallest modules holding at least `min_num_params` parameters not already in a
+  // unit) or "NO_WRAP" (the whole model is one unit). The parameters no unit takes form the root unit.
+  std::string auto_wrap_policy = "NO_WRAP";
+  std::vector<std::string> layer_classes;
+  int64_t min_num_params = 100'000'000;
+  // Stages 1 and 2 reduce gradients in buckets of consecutive parameters (reverse order, as DDP), the
+  // first `first_bucket_mb`, the others `bucket_cap_mb`; stage 3 reduces per unit.
+  double bucket_cap_mb = 25.0;
+  double first_bucket_mb = 1.0;
+};
+
+}  // namespace xlr8

@@ -1,0 +1,93 @@
+#include "parallel/flat_group.hpp"
+
+#include <ATen/ATen.h>
+
+#include "xlr8/error.hpp"
+
+namespace xlr8::detail {
+
+bool FlatGroup::gathered() const { return full.storage().nbytes() > 0 || padded() == 0; }
+
+int64_t FlatGroup::full_bytes() const { return padded() * static_cast<int64_t>(full.element_size()); }
+
+FlatGroup::Overlap FlatGroup::owned_part(size_t i) const {
+  const int64_t lo = static_cast<int64_t>(rank) * shard_numel, hi = lo + shard_numel;
+  const int64_t a = std::max(lo, offsets[i]), b = std::min(hi, offsets[i] + params[i].numel());
+  if (a >= b) return {};
+  return {a - lo, a - offsets[i], b - a};
+}
+
+void FlatGroup::gather(Communicator& comm) {
+  if (!owns_shard || gathered()) return;
+  // Same storage object, new memory: every parameter view (and every tensor autograd saved from them
+  // during forward) sees the gathered values.
+  auto storage = full.storage();
+  const auto bytes = static_cast<size_t>(full_bytes());
+  storage.set_data_ptr_noswap(storage.allocator()->allocate(bytes));
+  storage.set_nbytes(bytes);
+  comm.all_gather(full, shard);
+}
+
+void FlatGroup::release() {
+  if (!owns_shard || !gathered()) return;
+  auto storage = full.storage();
+  storage.set_data_ptr_noswap(at::DataPtr(nullptr, full.device()));
+  storage.set_nbytes(0);
+}
+
+Work FlatGroup::refresh_async(Communicator& comm) {
+  if (owns_shard) {
+    if (!gathered()) return Work();
+    return comm.all_gather_async(full, shard);
+  }
+  return comm.all_gather_async(full, shard);  // `shard` is this rank's chunk of `full`: gathered in place
+}
+
+FlatGroup make_flat_group(std::string label, const torch::nn::Module* unit, std::vector<std::string> names,
+                          std::vector<at::Tensor> params, Communicator& comm, bool owns_shard) {
+  FlatGroup g;
+  g.label = std::move(label);
+  g.unit = unit;
+  g.names = std::move(names);
+  g.params = std::move(params);
+  g.rank = comm.rank();
+  g.ranks = comm.size();
+  g.owns_shard = owns_shard;
+  if (g.params.empty()) throw Error("internal: a sharding unit without parameters");
+  const auto options = g.params.front().options().requires_grad(false);
+  for (const auto& p : g.params) {
+    if (p.scalar_type() != g.params.front().scalar_type() || p.device() != g.params.front().device())
+      throw Error(fmt::format("sharding unit {}: its parameters mix dtypes or devices ({} and {}); keep a unit's "
+                              "parameters in one dtype on one device",
+                              g.label, g.names.front(), g.names[&p - g.params.data()]));
+    g.offsets.push_back(g.numel);
+    g.numel += p.numel();
+  }
+  g.shard_numel = (g.numel + g.ranks - 1) / g.ranks;
+  at::NoGradGuard no_grad;
+  g.full = at::zeros({g.padded()}, options);
+  for (size_t i = 0; i < g.params.size(); ++i) {
+    auto& p = g.params[i];
+    auto view = g.full.narrow(0, g.offsets[i], p.numel());
+    view.copy_(p.detach().reshape(-1));
+    // The same parameter object, now a view of the flat buffer: its autograd identity (and the hooks
+    // on its gradient accumulator) stay.
+    p.set_data(view.view(p.sizes()));
+  }
+  auto own = g.full.narrow(0, static_cast<int64_t>(g.rank) * g.shard_numel, g.shard_numel);
+  if (owns_shard) {
+    g.shard = comm.symmetric_empty({g.shard_numel}, options);
+    g.shard.copy_(own);
+  } else {
+    g.shard = own;
+  }
+  for (size_t i = 0; i < g.params.size(); ++i) {
+    auto part = g.owned_part(i);
+    auto leaf = g.shard.narrow(0, part.in_shard, part.count).detach();
+    leaf.set_requires_grad(true);
+    g.shard_params.push_back(leaf);
+  }
+  return g;
+}
+
+}  // namespace xlr8::detail

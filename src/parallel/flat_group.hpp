@@ -1,0 +1,56 @@
+#pragma once
+// One unit of sharding (FSDP2's parameter group): its parameters laid end to end in one flat buffer,
+// padded to a multiple of the shard group's size, of which rank r owns the r-th contiguous chunk. The
+// user's parameter tensors become views of that buffer (same tensors, same autograd identity), so a
+// gather is one all-gather into it and freeing it keeps their shapes. The optimizer gets, per
+// parameter, a leaf over the part of it that lies in this rank's chunk (possibly empty): padding never
+// reaches the optimizer, a checkpoint or a result.
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "xlr8/communicator.hpp"
+
+namespace xlr8::detail {
+
+struct FlatGroup {
+  std::string label;                         // the unit's module path, "(root)", or "bucket k"
+  const torch::nn::Module* unit = nullptr;   // the module whose guard gathers it (stage 3), or null
+  std::vector<std::string> names;
+  std::vector<at::Tensor> params;            // the user's parameters: views of `full`
+  std::vector<int64_t> offsets;              // element offset of each parameter in the flat buffer
+  int64_t numel = 0;                         // real elements, without padding
+  int64_t shard_numel = 0;                   // elements per rank: padded size / ranks
+  int rank = 0, ranks = 1;
+  bool owns_shard = false;                   // stage 3: `shard` is its own tensor, `full` may be freed
+  at::Tensor full;                           // the gathered parameters, padded
+  at::Tensor shard;                          // this rank's chunk (a view of `full` unless owns_shard)
+  at::Tensor grad_full;                      // gradients laid out like `full` (while reducing; stage 1 keeps it)
+  std::vector<at::Tensor> shard_params;      // per parameter: the leaf the optimizer updates
+
+  int64_t padded() const { return shard_numel * ranks; }
+  bool gathered() const;
+  int64_t full_bytes() const;
+  // Parameter i's elements inside this rank's chunk: {offset in the chunk, offset in the parameter, count}.
+  struct Overlap {
+    int64_t in_shard = 0, in_param = 0, count = 0;
+  };
+  Overlap owned_part(size_t i) const;
+
+  // Allocates `full` again and all-gathers the shards into it (owns_shard only; no-op when gathered).
+  void gather(Communicator& comm);
+  // Frees `full`'s memory; the parameters keep their shapes but hold no data until the next gather.
+  void release();
+  // After the optimizer updated this rank's chunk: all-gathers every chunk into `full`, in place.
+  Work refresh_async(Communicator& comm);
+};
+
+// Lays `params` (all requiring gradients, same dtype and device) out in a new group. Collective when
+// `owns_shard` (the shard is allocated in memory the group's peers can read directly).
+FlatGroup make_flat_group(std::string label, const torch::nn::Module* unit, std::vector<std::string> names,
+                          std::vector<at::Tensor> params, Communicator& comm, bool owns_shard);
+
+}  // namespace xlr8::detail

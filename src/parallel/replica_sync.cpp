@@ -1,0 +1,67 @@
+#include "parallel/replica_sync.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "distributed/tensor_text.hpp"
+#include "xlr8/error.hpp"
+
+namespace xlr8::detail {
+namespace {
+
+void verify_same_model(Communicator& comm, const std::vector<std::string>& mine) {
+  auto all = comm.all_gather_object(nlohmann::json(mine).dump());
+  auto reference = nlohmann::json::parse(all[0]).get<std::vector<std::string>>();
+  for (int r = 1; r < comm.size(); ++r) {
+    auto theirs = nlohmann::json::parse(all[r]).get<std::vector<std::string>>();
+    for (size_t i = 0; i < std::max(reference.size(), theirs.size()); ++i) {
+      std::string a = i < reference.size() ? reference[i] : "(nothing)";
+      std::string b = i < theirs.size() ? theirs[i] : "(nothing)";
+      if (a != b)
+        throw Error(fmt::format("the model differs across ranks: entry {} is {} on rank 0 but {} on rank {}. Every "
+                                "rank must build the same model",
+                                i, a, b, r));
+    }
+  }
+}
+
+}  // namespace
+
+void make_replicas_equal(Communicator& comm, const torch::nn::Module& module) {
+  std::vector<std::string> signatures;
+  std::vector<at::Tensor> tensors;
+  for (const auto& item : module.named_parameters()) {
+    signatures.push_back(fmt::format("{} {}", item.key(), describe(item.value())));
+    tensors.push_back(item.value());
+  }
+  for (const auto& item : module.named_buffers()) {
+    signatures.push_back(fmt::format("buffer {} {}", item.key(), describe(item.value())));
+    tensors.push_back(item.value());
+  }
+  if (comm.size() == 1) return;
+  verify_same_model(comm, signatures);
+  broadcast_from_rank0(comm, tensors);
+}
+
+void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& tensors) {
+  at::NoGradGuard no_grad;
+  std::map<at::ScalarType, std::vector<at::Tensor>> by_type;
+  for (const auto& t : tensors) by_type[t.scalar_type()].push_back(t);
+  for (auto& [type, group] : by_type) {
+    std::vector<at::Tensor> flat_parts;
+    for (auto& t : group) flat_parts.push_back(t.detach().reshape(-1));
+    auto flat = at::cat(flat_parts);
+    comm.broadcast(flat, 0);
+    int64_t offset = 0;
+    for (auto& t : group) {
+      t.detach().copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
+      offset += t.numel();
+    }
+  }
+}
+
+}  // namespace xlr8::detail

@@ -1,0 +1,19 @@
+#pragma once
+// What every data-parallel strategy does first: check that all ranks built the same model, then make
+// them start from rank 0's values.
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <vector>
+
+#include "xlr8/communicator.hpp"
+
+namespace xlr8::detail {
+
+// Collective: compares every rank's parameter and buffer names, dtypes and shapes (an Error names the
+// first difference and the rank), then broadcasts parameters and buffers from rank 0.
+void make_replicas_equal(Communicator& comm, const torch::nn::Module& module);
+// One broadcast per dtype of all `tensors`, from rank 0, copied back in place.
+void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& tensors);
+
+}  // namespace xlr8::detail

@@ -1,0 +1,28 @@
+#pragma once
+// What xlr8::unshard() talks to: the stage-3 engine registers one ShardedUnit per unit module. The
+// registry maps a module to it; modules that are not units get none and their guards do nothing.
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <memory>
+
+namespace xlr8::detail {
+
+class ShardedUnit {
+ public:
+  virtual ~ShardedUnit() = default;
+  virtual void before_forward() = 0;
+  virtual at::Tensor after_forward(const at::Tensor& output) = 0;
+  virtual void forward_abandoned() = 0;
+};
+
+void register_unit(const torch::nn::Module& module, std::weak_ptr<ShardedUnit> unit);
+void unregister_unit(const torch::nn::Module& module);
+std::shared_ptr<ShardedUnit> find_unit(const torch::nn::Module& module);
+
+// `output`, passed through an autograd function whose backward calls `before_backward` first: the
+// hook that gathers a unit's parameters again just before backward reaches the unit.
+at::Tensor with_backward_prehook(const at::Tensor& output, std::function<void()> before_backward);
+
+}  // namespace xlr8::detail

@@ -1,0 +1,492 @@
+#include "parallel/zero_engine.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cmath>
+#include <map>
+
+#include "parallel/replica_sync.hpp"
+#include "parallel/sharded_unit.hpp"
+#include "parallel/state_dict_check.hpp"
+#include "parallel/wrap_policy.hpp"
+#include "xlr8/error.hpp"
+
+namespace xlr8::detail {
+namespace {
+
+// A post-hook on a parameter's AccumulateGrad node: `.grad` holds this backward's sum.
+struct GradientReadyHook : torch::autograd::FunctionPostHook {
+  GradientReadyHook(std::weak_ptr<ZeroEngine> engine, size_t group, size_t index)
+      : engine_(std::move(engine)), group_(group), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    if (auto engine = engine_.lock()) engine->gradient_ready(group_, index_);
+    return outputs;
+  }
+  std::weak_ptr<ZeroEngine> engine_;
+  size_t group_, index_;
+};
+
+class UnitHandle final : public ShardedUnit {
+ public:
+  UnitHandle(std::weak_ptr<ZeroEngine> engine, size_t group) : engine_(std::move(engine)), group_(group) {}
+  void before_forward() override {
+    if (auto e = engine_.lock()) e->unit_forward_begins(group_);
+  }
+  at::Tensor after_forward(const at::Tensor& output) override {
+    auto e = engine_.lock();
+    return e ? e->unit_forward_ends(group_, output) : output;
+  }
+  void forward_abandoned() override {
+    if (auto e = engine_.lock()) e->unit_forward_abandoned(group_);
+  }
+
+ private:
+  std::weak_ptr<ZeroEngine> engine_;
+  size_t group_;
+};
+
+}  // namespace
+
+ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator comm, int stage, ZeroOptions options,
+                       bool find_unused_parameters, std::shared_ptr<const GradientState> gradient_state)
+    : module_(std::move(module)),
+      comm_(std::move(comm)),
+      stage_(stage),
+      options_(std::move(options)),
+      find_unused_(find_unused_parameters),
+      gradient_state_(std::move(gradient_state)) {
+  if (stage_ < 1 || stage_ > 3) throw Error(fmt::format("ZeRO stage {} does not exist; use 1, 2 or 3", stage_));
+  // fsdp_sync_module_states: every rank starts from rank 0's weights (and the same model is checked).
+  make_replicas_equal(comm_, *module_);
+  auto plans = stage_ == 3 ? plan_units(*module_, options_) : plan_buckets(*module_, options_);
+  for (auto& plan : plans) {
+    groups_.push_back(make_flat_group(plan.label, plan.unit, std::move(plan.names), std::move(plan.params), comm_,
+                                      /*owns_shard=*/stage_ == 3));
+    const size_t g = groups_.size() - 1;
+    for (size_t i = 0; i < groups_[g].params.size(); ++i) {
+      user_slots_[groups_[g].params[i].unsafeGetTensorImpl()] = {g, i};
+      shard_slots_[groups_[g].shard_params[i].unsafeGetTensorImpl()] = {g, i};
+    }
+    if (stage_ == 3) gathered_bytes_ += groups_[g].full_bytes();
+  }
+  // Gradients become ready in reverse: buckets are already in that order; units (root last) reverse.
+  for (size_t g = 0; g < groups_.size(); ++g) launch_order_.push_back(g);
+  if (stage_ == 3) {
+    std::reverse(launch_order_.begin(), launch_order_.end());
+    // The root's group (its embeddings finish last) goes last.
+    auto root = std::find_if(launch_order_.begin(), launch_order_.end(),
+                             [&](size_t g) { return groups_[g].unit == module_.get(); });
+    if (root != launch_order_.end()) std::rotate(root, root + 1, launch_order_.end());
+  }
+  managed_.assign(groups_.size(), false);
+  grad_shards_.resize(groups_.size());
+  works_.resize(groups_.size());
+  peak_gathered_bytes_ = step_peak_gathered_bytes_ = gathered_bytes_;
+  reset_backward_state();
+}
+
+void ZeroEngine::attach() {
+  std::weak_ptr<ZeroEngine> self = shared_from_this();
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    for (size_t i = 0; i < groups_[g].params.size(); ++i) {
+      auto acc = compat::grad_accumulator(groups_[g].params[i]);
+      acc->add_post_hook(std::make_unique<GradientReadyHook>(self, g, i));
+      accumulators_.push_back(acc);
+    }
+    if (stage_ == 3 && groups_[g].unit) {
+      auto handle = std::make_shared<UnitHandle>(self, g);
+      register_unit(*groups_[g].unit, handle);
+      unit_handles_.push_back(handle);
+    }
+  }
+}
+
+ZeroEngine::~ZeroEngine() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  detached_ = true;
+  for (const auto& g : groups_)
+    if (g.unit) unregister_unit(*g.unit);
+}
+
+// ------------------------------------------------------------------------------------------ gathers (stage 3)
+
+void ZeroEngine::gather(size_t g) {
+  auto& group = groups_[g];
+  if (group.gathered()) return;
+  group.gather(comm_);
+  ++gathers_;
+  gathered_bytes_ += group.full_bytes();
+  peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+  step_peak_gathered_bytes_ = std::max(step_peak_gathered_bytes_, gathered_bytes_);
+}
+
+void ZeroEngine::release(size_t g) {
+  auto& group = groups_[g];
+  if (!managed_[g] || summoned_ > 0 || !group.gathered()) return;
+  group.release();
+  ++releases_;
+  gathered_bytes_ -= group.full_bytes();
+}
+
+void ZeroEngine::unit_forward_begins(size_t g) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  managed_[g] = true;
+  gather(g);
+}
+
+at::Tensor ZeroEngine::unit_forward_ends(size_t g, const at::Tensor& output) {
+  const bool backward_follows = at::GradMode::is_enabled() && output.defined() && output.requires_grad();
+  at::Tensor out = output;
+  if (backward_follows) {
+    std::weak_ptr<ZeroEngine> self = shared_from_this();
+    out = with_backward_prehook(output, [self, g] {
+      if (auto e = self.lock()) e->unit_backward_begins(g);
+    });
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  // The root's backward comes first, right after its forward ends: it stays gathered until then.
+  if (!backward_follows || groups_[g].unit != module_.get()) release(g);
+  return out;
+}
+
+void ZeroEngine::unit_forward_abandoned(size_t g) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  release(g);
+}
+
+void ZeroEngine::unit_backward_begins(size_t g) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (detached_) return;
+  arm_end_of_backward();
+  gather(g);
+}
+
+void ZeroEngine::gather_all() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ++summoned_;
+  for (size_t g = 0; g < groups_.size(); ++g) gather(g);
+}
+
+void ZeroEngine::release_all(bool writeback) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (summoned_ > 0) --summoned_;
+  at::NoGradGuard no_grad;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    auto& group = groups_[g];
+    if (writeback && group.owns_shard && group.gathered())
+      group.shard.copy_(group.full.narrow(0, static_cast<int64_t>(group.rank) * group.shard_numel, group.shard_numel));
+    release(g);
+  }
+}
+
+// ------------------------------------------------------------------------------------------ gradients
+
+void ZeroEngine::begin_step(bool suspend_sync) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_ = !suspend_sync && (!gradient_state_ || gradient_state_->sync_gradients);
+  step_peak_gathered_bytes_ = gathered_bytes_;
+}
+
+void ZeroEngine::end_step() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_ = true;
+}
+
+void ZeroEngine::arm_end_of_backward() {
+  if (in_backward_) return;
+  in_backward_ = true;
+  std::weak_ptr<ZeroEngine> weak = shared_from_this();
+  compat::at_end_of_backward([weak] {
+    if (auto self = weak.lock()) self->finish_backward();
+  });
+}
+
+void ZeroEngine::gradient_ready(size_t g, size_t i) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (detached_) return;
+  arm_end_of_backward();
+  if (ready_[g][i]) return;  // counted already (reentrant backward)
+  ready_[g][i] = true;
+  if (sync_) stash_gradient(g, i);
+  if (--pending_[g] == 0) group_complete(g);
+  if (sync_) launch_ready();
+}
+
+// The gradient moves into the group's flat buffer and leaves the parameter: a sharded rank keeps
+// only its chunk after the reduction. Off the sync boundary it stays in .grad and accumulates there
+// (as FSDP's no_sync: whole gradients for the window).
+void ZeroEngine::stash_gradient(size_t g, size_t i) {
+  auto& group = groups_[g];
+  if (!group.grad_full.defined()) {
+    auto options = group.full.options();
+    group.grad_full = stage_ == 1 ? comm_.symmetric_empty({group.padded()}, options) : at::empty({group.padded()}, options);
+    group.grad_full.zero_();
+  }
+  auto& grad = group.params[i].mutable_grad();
+  auto view = group.grad_full.narrow(0, group.offsets[i], group.params[i].numel());
+  if (grad.defined()) view.copy_(grad.reshape(-1));
+  else view.zero_();
+  grad = at::Tensor();
+}
+
+void ZeroEngine::group_complete(size_t g) {
+  // Every gradient of the group is computed, so nothing in backward reads its parameters any more.
+  if (stage_ == 3) release(g);
+}
+
+void ZeroEngine::launch_ready() {
+  while (next_launch_ < launch_order_.size() && pending_[launch_order_[next_launch_]] == 0)
+    launch(launch_order_[next_launch_++]);
+}
+
+// Groups launch in one fixed order on every rank, so every rank issues the same collective sequence.
+void ZeroEngine::launch(size_t g) {
+  auto& group = groups_[g];
+  group.grad_full.div_(comm_.size());
+  if (stage_ == 1) {
+    works_[g] = comm_.all_reduce_async(group.grad_full, ReduceOp::SUM);
+  } else {
+    grad_shards_[g] = at::empty({group.shard_numel}, group.grad_full.options());
+    works_[g] = comm_.reduce_scatter_async(grad_shards_[g], group.grad_full, ReduceOp::SUM);
+  }
+  ++launches_;
+  for (auto p : pending_)
+    if (p > 0) {
+      ++overlapped_;
+      break;
+    }
+  in_flight_.push_back(g);
+  // At most two groups' whole gradients are alive at once (FSDP's limit on unsharded buffers).
+  while (stage_ > 1 && in_flight_.size() > 2) retire_oldest();
+}
+
+void ZeroEngine::retire_oldest() {
+  const size_t g = in_flight_.front();
+  in_flight_.pop_front();
+  works_[g].wait();
+  works_[g] = Work();
+  if (stage_ > 1) groups_[g].grad_full = at::Tensor();
+}
+
+void ZeroEngine::finish_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (sync_) {
+    std::vector<std::string> unused;
+    for (size_t g = 0; g < groups_.size(); ++g)
+      for (size_t i = 0; i < groups_[g].params.size(); ++i)
+        if (!ready_[g][i]) unused.push_back(groups_[g].names[i]);
+    if (!unused.empty() && !find_unused_) {
+      reset_backward_state();
+      throw Error(fmt::format("rank {}: parameter{} {} received no gradient in this backward pass, so the gradient "
+                              "reduction cannot complete. Use every parameter in forward, set requires_grad(false) "
+                              "on it, or set find_unused_parameters = true",
+                              comm_.rank(), unused.size() == 1 ? "" : "s", fmt::join(unused, ", ")));
+    }
+    for (size_t g = 0; g < groups_.size(); ++g)
+      for (size_t i = 0; i < groups_[g].params.size(); ++i)
+        if (!ready_[g][i]) {
+          ready_[g][i] = true;
+          stash_gradient(g, i);
+          if (--pending_[g] == 0) group_complete(g);
+        }
+    launch_ready();
+    while (!in_flight_.empty()) retire_oldest();
+    // The optimizer's leaves get their parts of the averaged chunks.
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      auto& group = groups_[g];
+      at::Tensor chunk = stage_ == 1 ? group.grad_full.narrow(0, static_cast<int64_t>(group.rank) * group.shard_numel,
+                                                              group.shard_numel)
+                                     : grad_shards_[g];
+      for (size_t i = 0; i < group.params.size(); ++i) {
+        auto part = group.owned_part(i);
+        group.shard_params[i].mutable_grad() = chunk.narrow(0, part.in_shard, part.count);
+      }
+      grad_shards_[g] = at::Tensor();  // owned by the leaves' gradients now: zero_grad(set_to_none) frees it
+    }
+  }
+  if (stage_ == 3)
+    for (size_t g = 0; g < groups_.size(); ++g) release(g);
+  reset_backward_state();
+}
+
+void ZeroEngine::reset_backward_state() {
+  ready_.assign(groups_.size(), {});
+  pending_.assign(groups_.size(), 0);
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    ready_[g].assign(groups_[g].params.size(), false);
+    pending_[g] = groups_[g].params.size();
+  }
+  next_launch_ = 0;
+  in_backward_ = false;
+}
+
+// ------------------------------------------------------------------------------------------ optimizer
+
+std::vector<at::Tensor> ZeroEngine::optimizer_parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto& g : groups_) out.insert(out.end(), g.shard_params.begin(), g.shard_params.end());
+  return out;
+}
+
+void ZeroEngine::bind_optimizer(torch::optim::Optimizer& optimizer) const {
+  for (auto& param_group : optimizer.param_groups())
+    for (auto& p : param_group.params()) {
+      auto it = user_slots_.find(p.unsafeGetTensorImpl());
+      if (it == user_slots_.end()) continue;
+      if (optimizer.state().count(c10::guts::to_string(p.unsafeGetTensorImpl())))
+        throw Error(fmt::format("prepare(): the optimizer already holds state for parameter {}; prepare the "
+                                "optimizer before its first step so that it can work on this rank's shards",
+                                groups_[it->second.group].names[it->second.index]));
+      p = groups_[it->second.group].shard_params[it->second.index];
+    }
+}
+
+void ZeroEngine::optimizer_step(torch::optim::Optimizer& optimizer) {
+  optimizer.step();
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Stages 1-2: every rank updated its chunk of the whole parameters; gather the others' in place.
+  // Stage 3: the shards are the parameters; only groups held whole (no guard, or gathered now) refresh.
+  std::vector<Work> works;
+  for (auto& group : groups_) works.push_back(group.refresh_async(comm_));
+  for (auto& w : works) w.wait();
+}
+
+const ZeroEngine::Slot* ZeroEngine::slot_of(const at::Tensor& tensor) const {
+  auto it = user_slots_.find(tensor.unsafeGetTensorImpl());
+  if (it != user_slots_.end()) return &it->second;
+  it = shard_slots_.find(tensor.unsafeGetTensorImpl());
+  return it == shard_slots_.end() ? nullptr : &it->second;
+}
+
+double ZeroEngine::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
+  // Each rank holds the averaged gradients of its own chunks: partial norms, reduced over the group.
+  std::vector<at::Tensor> grads;
+  std::map<std::pair<size_t, size_t>, bool> seen;
+  for (const auto& p : parameters) {
+    const auto* slot = slot_of(p);
+    if (!slot)
+      throw Error("clip_grad_norm(): a parameter is not one this sharded model trains (pass model->parameters())");
+    if (!seen.emplace(std::pair{slot->group, slot->index}, true).second) continue;
+    const auto& grad = groups_[slot->group].shard_params[slot->index].grad();
+    if (grad.defined() && grad.numel() > 0) grads.push_back(grad);
+  }
+  const bool infinity = std::isinf(norm_type);
+  double local = 0;
+  for (const auto& g : grads) {
+    double n = g.norm(norm_type).item<double>();
+    local = infinity ? std::max(local, n) : local + std::pow(n, norm_type);
+  }
+  auto total = at::full({1}, local, at::TensorOptions().dtype(at::kDouble));
+  comm_.all_reduce(total, infinity ? ReduceOp::MAX : ReduceOp::SUM);
+  const double norm = infinity ? total.item<double>() : std::pow(total.item<double>(), 1.0 / norm_type);
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1) {
+    at::NoGradGuard no_grad;
+    for (auto& g : grads) g.mul_(coef);
+  }
+  return norm;
+}
+
+// ------------------------------------------------------------------------------------------ state dicts
+
+StateDict ZeroEngine::state_dict(StateDictKind kind) {
+  StateDict out;
+  if (kind == StateDictKind::SHARDED) {
+    for (const auto& item : module_->named_parameters()) {
+      const auto* slot = slot_of(item.value());
+      out.emplace_back(item.key(), slot ? groups_[slot->group].shard_params[slot->index].detach() : item.value());
+    }
+    for (const auto& item : module_->named_buffers()) out.emplace_back(item.key(), item.value());
+    return out;
+  }
+  // FULL: stages 1-2 hold whole parameters; stage 3 gathers one group at a time and copies it out.
+  std::map<const c10::TensorImpl*, at::Tensor> copies;
+  if (stage_ == 3) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      const bool was = groups_[g].gathered();
+      gather(g);
+      for (const auto& p : groups_[g].params) copies[p.unsafeGetTensorImpl()] = p.detach().clone();
+      if (!was) release(g);  // only a guarded group is ever freed: it goes back to freed
+    }
+  }
+  for (const auto& item : module_->named_parameters()) {
+    auto it = copies.find(item.value().unsafeGetTensorImpl());
+    out.emplace_back(item.key(), it != copies.end() ? it->second : item.value());
+  }
+  for (const auto& item : module_->named_buffers()) out.emplace_back(item.key(), item.value());
+  return out;
+}
+
+void ZeroEngine::load_state_dict(const StateDict& state, StateDictKind kind) {
+  check_state_dict(state_dict_shapes(kind), state);
+  std::map<std::string, at::Tensor> own;
+  for (const auto& item : module_->named_parameters()) own[item.key()] = item.value();
+  for (const auto& item : module_->named_buffers()) own[item.key()] = item.value();
+  std::lock_guard<std::mutex> lock(mutex_);
+  at::NoGradGuard no_grad;
+  for (const auto& [name, tensor] : state) {
+    const auto& target = own.at(name);
+    const auto* slot = slot_of(target);
+    if (!slot) {
+      target.detach().copy_(tensor);
+      continue;
+    }
+    auto& group = groups_[slot->group];
+    if (kind == StateDictKind::SHARDED) {
+      group.shard_params[slot->index].detach().copy_(tensor);
+    } else {
+      auto part = group.owned_part(slot->index);
+      group.shard.narrow(0, part.in_shard, part.count).copy_(tensor.reshape(-1).narrow(0, part.in_param, part.count));
+    }
+  }
+  // Whole copies that are alive (stages 1-2 always; stage 3 groups held whole) follow their shards.
+  std::vector<Work> works;
+  for (auto& group : groups_) works.push_back(group.refresh_async(comm_));
+  for (auto& w : works) w.wait();
+}
+
+StateDict ZeroEngine::state_dict_shapes(StateDictKind kind) const {
+  // Names, dtypes and shapes only: stage 3's freed parameters keep their shapes.
+  StateDict out;
+  for (const auto& item : module_->named_parameters()) {
+    const auto* slot = slot_of(item.value());
+    const at::Tensor& t = kind == StateDictKind::SHARDED && slot ? groups_[slot->group].shard_params[slot->index]
+                                                                  : item.value();
+    out.emplace_back(item.key(), at::empty(t.sizes(), t.options().device(at::kMeta)));
+  }
+  for (const auto& item : module_->named_buffers())
+    out.emplace_back(item.key(), at::empty(item.value().sizes(), item.value().options().device(at::kMeta)));
+  return out;
+}
+
+nlohmann::json ZeroEngine::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  nlohmann::json units = nlohmann::json::array();
+  int64_t shard_elements = 0, elements = 0;
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    units.push_back({{"name", groups_[g].label},
+                     {"parameters", groups_[g].numel},
+                     {"bytes", groups_[g].full_bytes()},
+                     {"sharded_between_steps", stage_ == 3 && managed_[g]}});
+    shard_elements += groups_[g].shard_numel;
+    elements += groups_[g].numel;
+  }
+  return {{"stage", stage_},
+          {"ranks", comm_.size()},
+          {"groups", units},
+          {"parameters", elements},
+          {"shard_elements", shard_elements},
+          {"gathers", gathers_},
+          {"releases", releases_},
+          {"launches", launches_},
+          {"overlapped_launches", overlapped_},
+          {"gathered_bytes", gathered_bytes_},
+          {"peak_gathered_bytes", peak_gathered_bytes_},
+          {"step_peak_gathered_bytes", step_peak_gathered_bytes_}};
+}
+
+}  // namespace xlr8::detail

@@ -1,0 +1,100 @@
+#pragma once
+// The sharding engine behind ZeRO stages 1-3 (and FSDP's strategies): flat parameter groups, the hooks
+// that reduce gradients group by group as backward produces them, the gathers around stage-3 units,
+// the sharded optimizer step and the global gradient norm.
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <unordered_map>
+#include <vector>
+
+#include "compat/torch_compat.hpp"
+#include "parallel/flat_group.hpp"
+#include "xlr8/communicator.hpp"
+#include "xlr8/gradient_state.hpp"
+#include "xlr8/parallel_strategy.hpp"
+#include "xlr8/zero.hpp"
+
+namespace xlr8::detail {
+
+class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
+ public:
+  // Collective over `comm`. Call attach() once the object is owned by a shared_ptr.
+  ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator comm, int stage, ZeroOptions options,
+             bool find_unused_parameters, std::shared_ptr<const GradientState> gradient_state);
+  ~ZeroEngine();
+  void attach();  // installs the gradient hooks and registers the units
+
+  int stage() const { return stage_; }
+  void begin_step(bool suspend_sync);
+  void end_step();
+  std::vector<at::Tensor> optimizer_parameters() const;
+  void bind_optimizer(torch::optim::Optimizer& optimizer) const;
+  void optimizer_step(torch::optim::Optimizer& optimizer);
+  double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
+  StateDict state_dict(StateDictKind kind);
+  void load_state_dict(const StateDict& state, StateDictKind kind);
+  void gather_all();
+  void release_all(bool writeback);
+  nlohmann::json stats() const;
+
+  // From the unit guards and the backward pre-hook (stage 3).
+  void unit_forward_begins(size_t group);
+  at::Tensor unit_forward_ends(size_t group, const at::Tensor& output);
+  void unit_forward_abandoned(size_t group);
+  void unit_backward_begins(size_t group);
+  // From the gradient accumulator hooks.
+  void gradient_ready(size_t group, size_t index);
+
+ private:
+  struct Slot {
+    size_t group = 0, index = 0;
+  };
+  void arm_end_of_backward();
+  void finish_backward();
+  void stash_gradient(size_t group, size_t index);
+  void group_complete(size_t group);
+  void launch_ready();
+  void launch(size_t group);
+  void retire_oldest();
+  void gather(size_t group);
+  void release(size_t group);
+  void reset_backward_state();
+  const Slot* slot_of(const at::Tensor& tensor) const;
+  StateDict state_dict_shapes(StateDictKind kind) const;
+
+  std::shared_ptr<torch::nn::Module> module_;
+  Communicator comm_;
+  int stage_;
+  ZeroOptions options_;
+  bool find_unused_;
+  std::shared_ptr<const GradientState> gradient_state_;
+  std::vector<FlatGroup> groups_;
+  std::vector<size_t> launch_order_;
+  std::vector<bool> managed_;  // stage 3: a guard gathers and frees it (seen in a forward)
+  std::unordered_map<const c10::TensorImpl*, Slot> user_slots_, shard_slots_;
+  std::vector<compat::GradAccumulatorPtr> accumulators_;
+  std::vector<std::shared_ptr<void>> unit_handles_;
+
+  mutable std::mutex mutex_;
+  bool sync_ = true;
+  bool detached_ = false;
+  bool in_backward_ = false;
+  int summoned_ = 0;
+  std::vector<std::vector<bool>> ready_;
+  std::vector<size_t> pending_;
+  std::vector<at::Tensor> grad_shards_;
+  std::vector<Work> works_;
+  std::deque<size_t> in_flight_;
+  size_t next_launch_ = 0;
+
+  // Figures for stats().
+  int64_t gathers_ = 0, releases_ = 0, launches_ = 0, overlapped_ = 0;
+  int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0, step_peak_gathered_bytes_ = 0;
+};
+
+}  // namespace xlr8::detail

@@ -1,0 +1,270 @@
+// ZeRO stages 1-3 in one process: ranks are threads over Communicator::in_process. Every stage must
+// reproduce one rank on the global batch (the oracle), hold the bytes it promises, and free what it
+// gathers.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <mutex>
+
+#include "thread_ranks.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/parallel_strategy.hpp"
+#include "xlr8/unshard.hpp"
+
+using namespace xlr8;
+using xlr8::testing::run_ranks;
+
+namespace {
+
+constexpr int64_t kWidth = 10;
+
+// A residual block with an odd hidden width, so no unit's size divides evenly over 2, 3 or 4 ranks.
+struct TinyBlockImpl : torch::nn::Module {
+  TinyBlockImpl() {
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kWidth})));
+    fc = register_module("fc", torch::nn::Linear(kWidth, 2 * kWidth + 1));
+    out = register_module("out", torch::nn::Linear(2 * kWidth + 1, kWidth));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto unit = xlr8::unshard(*this);
+    return unit.done(x + out(torch::tanh(fc(norm(x)))));
+  }
+  torch::nn::LayerNorm norm{nullptr};
+  torch::nn::Linear fc{nullptr}, out{nullptr};
+};
+TORCH_MODULE(TinyBlock);
+
+// Parameters of its own (input layer, final norm, head) that no unit owns: the root's group.
+struct TinyNetImpl : torch::nn::Module {
+  explicit TinyNetImpl(bool guard_root) : guard_root(guard_root) {
+    in = register_module("in", torch::nn::Linear(6, kWidth));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 3; ++i) blocks->push_back(TinyBlock());
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({kWidth})));
+    head = register_module("head", torch::nn::Linear(kWidth, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto unit = guard_root ? xlr8::unshard(*this) : xlr8::UnshardScope();
+    x = in(x);
+    for (const auto& block : *blocks) x = block->as<TinyBlockImpl>()->forward(x);
+    return unit.done(head(norm(x)));
+  }
+  bool guard_root;
+  torch::nn::Linear in{nullptr}, head{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+};
+TORCH_MODULE(TinyNet);
+
+std::shared_ptr<TinyNetImpl> make_model(bool guard_root = true) {
+  static std::mutex mutex;  // ranks are threads sharing LibTorch's default generator
+  std::lock_guard<std::mutex> lock(mutex);
+  torch::manual_seed(11);
+  return TinyNet(guard_root).ptr();
+}
+
+struct Batch {
+  at::Tensor x, y;
+};
+Batch global_batch(int step) {
+  auto gen = at::detail::createCPUGenerator(100 + step);
+  return {at::randn({12, 6}, gen), at::randint(0, 3, {12}, gen)};
+}
+
+ParallelOptions stage_options(int stage, const std::string& policy = "TRANSFORMER_BASED_WRAP") {
+  ParallelOptions o;
+  o.zero.stage = stage;
+  o.zero.auto_wrap_policy = policy;
+  o.zero.layer_classes = {"TinyBlock"};
+  o.zero.first_bucket_mb = o.zero.bucket_cap_mb = 0.001;  // stages 1-2: several buckets
+  return o;
+}
+
+struct Run {
+  std::vector<double> losses;
+  StateDict params;
+  std::vector<double> norms;
+};
+
+// AdamW steps on this rank's rows (accumulating `micro` micro-batches per step); clipping when max_norm > 0.
+Run train(ParallelStrategy& strategy, int rank, int ranks, int steps, int micro = 1, double max_norm = 0) {
+  auto gs = std::make_shared<GradientState>();
+  torch::optim::AdamW opt(strategy.module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  strategy.bind_optimizer(opt);
+  auto& net = dynamic_cast<TinyNetImpl&>(*strategy.module());
+  Run run;
+  for (int s = 0; s < steps; ++s) {
+    double loss_sum = 0;
+    for (int m = 0; m < micro; ++m) {
+      auto batch = global_batch(s * micro + m);
+      const int64_t rows = 12 / ranks;
+      auto x = batch.x.narrow(0, rank * rows, rows), y = batch.y.narrow(0, rank * rows, rows);
+      strategy.begin_step(/*suspend_sync=*/m + 1 < micro);
+      auto loss = torch::nll_loss(torch::log_softmax(net.forward(x), 1), y);
+      (loss / micro).backward();
+      strategy.end_step();
+      loss_sum += loss.item<double>();
+    }
+    if (max_norm > 0) run.norms.push_back(strategy.clip_grad_norm(strategy.module()->parameters(), max_norm, 2.0));
+    strategy.optimizer_step(opt);
+    for (auto& group : opt.param_groups())
+      for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
+    run.losses.push_back(loss_sum / micro);
+  }
+  for (auto& [name, t] : strategy.state_dict(StateDictKind::FULL)) run.params.emplace_back(name, t.detach().clone());
+  return run;
+}
+
+void expect_same_run(const Run& got, const Run& expected, double tolerance, const std::string& what) {
+  // Each rank's loss is over its own rows: only the parameters and norms compare directly.
+  ASSERT_EQ(got.params.size(), expected.params.size()) << what;
+  for (size_t i = 0; i < got.params.size(); ++i) {
+    EXPECT_EQ(got.params[i].first, expected.params[i].first) << what;
+    EXPECT_LE((got.params[i].second - expected.params[i].second).abs().max().item<double>(), tolerance)
+        << what << " " << got.params[i].first;
+  }
+  ASSERT_EQ(got.norms.size(), expected.norms.size()) << what;
+  for (size_t i = 0; i < got.norms.size(); ++i) EXPECT_NEAR(got.norms[i], expected.norms[i], 1e-5) << what;
+}
+
+Run single_run(int steps, int micro = 1, double max_norm = 0) {
+  auto single = make_parallel_strategy(make_model(), Communicator::in_process(xlr8::testing::unique_key(), 0, 1), {});
+  return train(*single, 0, 1, steps, micro, max_norm);
+}
+
+}  // namespace
+
+TEST(Zero, EveryStageOnTwoThreeAndFourRanksMatchesOneRank) {
+  const auto expected = single_run(4);
+  for (int stage : {1, 2, 3})
+    for (int ranks : {2, 3, 4})
+      run_ranks(ranks, [&](Communicator& comm) {
+        auto strategy = make_parallel_strategy(make_model(), comm, stage_options(stage));
+        EXPECT_EQ(strategy->name(), fmt::format("zero{}", stage));
+        EXPECT_FALSE(strategy->replicated());
+        auto got = train(*strategy, comm.rank(), ranks, 4);
+        expect_same_run(got, expected, 2e-6, fmt::format("stage {} on {} ranks, rank {}", stage, ranks, comm.rank()));
+      });
+}
+
+TEST(Zero, AccumulationAndClippingMatchOneRank) {
+  const auto expected = single_run(3, /*micro=*/2, /*max_norm=*/0.05);
+  for (int stage : {1, 2, 3})
+    run_ranks(3, [&](Communicator& comm) {
+      auto strategy = make_parallel_strategy(make_model(), comm, stage_options(stage));
+      auto got = train(*strategy, comm.rank(), 3, 3, 2, 0.05);
+      expect_same_run(got, expected, 2e-6, fmt::format("stage {}, rank {}", stage, comm.rank()));
+      EXPECT_GT(got.norms.front(), 0.05);  // the clipping really clipped
+    });
+}
+
+TEST(Zero, WithoutReductionRanksDrift) {
+  // The oracle can fail: a strategy that skipped the reduction leaves each rank on its own rows.
+  std::vector<at::Tensor> first(2);
+  run_ranks(2, [&](Communicator& comm) {
+    auto off = std::make_shared<GradientState>();
+    off->sync_gradients = false;
+    auto strategy = make_parallel_strategy(make_model(), comm, stage_options(3), off);
+    auto& net = dynamic_cast<TinyNetImpl&>(*strategy->module());
+    auto batch = global_batch(0);
+    strategy->begin_step(false);
+    torch::nll_loss(torch::log_softmax(net.forward(batch.x.narrow(0, comm.rank() * 6, 6)), 1),
+                    batch.y.narrow(0, comm.rank() * 6, 6))
+        .backward();
+    strategy->end_step();
+    // Off the boundary the whole gradients stay on the parameters, unreduced.
+    first[comm.rank()] = net.head->weight.grad().clone();
+  });
+  EXPECT_GT((first[0] - first[1]).abs().max().item<double>(), 1e-4);
+}
+
+TEST(Zero, StageThreeFreesUnitsBetweenStepsAndGathersAtMostRootPlusOneUnit) {
+  run_ranks(2, [&](Communicator& comm) {
+    auto strategy = make_parallel_strategy(make_model(), comm, stage_options(3));
+    train(*strategy, comm.rank(), 2, 2);
+    auto stats = strategy->stats();
+    EXPECT_EQ(stats["gathered_bytes"], 0) << stats.dump();  // every unit freed between steps
+    int64_t root = 0, largest_unit = 0, total = 0;
+    for (const auto& g : stats["groups"]) {
+      EXPECT_TRUE(g["sharded_between_steps"].get<bool>()) << g.dump();
+      const int64_t bytes = g["bytes"];
+      total += bytes;
+      if (g["name"] == "(root)") root = bytes;
+      else largest_unit = std::max(largest_unit, bytes);
+    }
+    EXPECT_EQ(stats["groups"].size(), 4u);  // three blocks and the root
+    EXPECT_EQ(stats["step_peak_gathered_bytes"].get<int64_t>(), root + largest_unit) << stats.dump();
+    EXPECT_LT(stats["step_peak_gathered_bytes"].get<int64_t>(), total);
+    // Freed parameters keep their shapes; summon_full_params-style gathering shows current values.
+    auto& net = dynamic_cast<TinyNetImpl&>(*strategy->module());
+    auto* block = net.blocks[0]->as<TinyBlockImpl>();
+    EXPECT_EQ(block->fc->weight.storage().nbytes(), 0u);
+    EXPECT_EQ(block->fc->weight.sizes(), (std::vector<int64_t>{2 * kWidth + 1, kWidth}));
+    strategy->gather_full_parameters();
+    EXPECT_GT(block->fc->weight.storage().nbytes(), 0u);
+    auto full = strategy->state_dict(StateDictKind::FULL);
+    EXPECT_TRUE(at::equal(block->fc->weight, std::find_if(full.begin(), full.end(), [](auto& e) {
+                                               return e.first == "blocks.0.fc.weight";
+                                             })->second));
+    strategy->release_full_parameters(false);
+    EXPECT_EQ(block->fc->weight.storage().nbytes(), 0u);
+  });
+}
+
+TEST(Zero, ARootWithoutGuardStaysWholeAndStillMatches) {
+  const auto expected = single_run(3);
+  run_ranks(2, [&](Communicator& comm) {
+    auto strategy = make_parallel_strategy(make_model(/*guard_root=*/false), comm, stage_options(3));
+    auto got = train(*strategy, comm.rank(), 2, 3);
+    expect_same_run(got, expected, 2e-6, "unguarded root");
+    for (const auto& g : strategy->stats()["groups"])
+      EXPECT_EQ(g["sharded_between_steps"].get<bool>(), g["name"] != "(root)") << g.dump();
+  });
+}
+
+TEST(Zero, OptimizerStateExistsOnlyForTheShard) {
+  run_ranks(3, [&](Communicator& comm) {
+    auto strategy = make_parallel_strategy(make_model(), comm, stage_options(2));
+    torch::optim::AdamW opt(strategy->module()->parameters(), torch::optim::AdamWOptions(1e-2));
+    strategy->bind_optimizer(opt);
+    int64_t total = 0, in_optimizer = 0;
+    for (auto& p : strategy->module()->parameters()) total += p.numel();
+    for (auto& p : opt.param_groups().front().params()) in_optimizer += p.numel();
+    // Padding never reaches the optimizer: the shards add up to the model over the ranks.
+    auto all = comm.all_gather_object(std::to_string(in_optimizer));
+    int64_t sum = 0;
+    for (auto& s : all) sum += std::stoll(s);
+    EXPECT_EQ(sum, total);
+    EXPECT_LE(in_optimizer, total / 3 + 3);
+  });
+}
+
+TEST(Zero, LoadStateDictReachesEveryShard) {
+  run_ranks(3, [&](Communicator& comm) {
+    auto strategy = make_parallel_strategy(make_model(), comm, stage_options(3));
+    auto state = strategy->state_dict(StateDictKind::FULL);
+    float k = 0;
+    for (auto& [name, t] : state) t = t.detach().clone().fill_(k += 0.5f);
+    strategy->load_state_dict(state, StateDictKind::FULL);
+    auto back = strategy->state_dict(StateDictKind::FULL);
+    for (size_t i = 0; i < back.size(); ++i) EXPECT_TRUE(at::equal(back[i].second, state[i].second)) << back[i].first;
+    StateDict wrong = state;
+    wrong.front().second = at::zeros({2, 2});
+    EXPECT_THROW(strategy->load_state_dict(wrong, StateDictKind::FULL), ConfigError);
+  });
+}
+
+TEST(Zero, UnknownLayerClassNamesTheClassesThatExist) {
+  run_ranks(2, [&](Communicator& comm) {
+    auto options = stage_options(3);
+    options.zero.layer_classes = {"Blok"};
+    try {
+      make_parallel_strategy(make_model(), comm, options);
+      FAIL();
+    } catch (const ConfigError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("\"Blok\""), std::string::npos) << what;
+      EXPECT_NE(what.find("TinyBlockImpl"), std::string::npos) << what;
+    }
+  });
+}
