@@ -138,7 +138,13 @@ int run(const Args& args) {
       acc.backward(loss);
       peak = std::max(peak, state_bytes(*model, opt.optimizer()));
       opt.step();
-      if (acc.sync_gradients()) held = state_bytes(*model, opt.optimizer());  // what stays between steps
+      if (acc.sync_gradients()) {
+        held = state_bytes(*model, opt.optimizer());  // what stays between steps
+        // Stage 3 gathers units inside the step and frees them: their largest total counts in the peak.
+        // (The first step is left out: until a unit's guard has run once, its parameters stay whole.)
+        if (acc.step() > steps_at_start + 1)
+          peak = std::max(peak, held + acc.parallel_stats(model).value("step_peak_gathered_bytes", int64_t{0}));
+      }
       peak = std::max(peak, held);
       opt.zero_grad();
       tokens += batch.data.numel() * acc.num_processes();

@@ -35,6 +35,9 @@ int64_t checkpoint_number(const fs::path& p) {
 
 std::string model_file(size_t index) { return fmt::format("model{}.safetensors", suffix(index)); }
 std::string optimizer_file(size_t index) { return fmt::format("optimizer{}.bin", suffix(index)); }
+std::string rank_optimizer_file(size_t index, int rank) {
+  return fmt::format("optimizer{}_rank{}.bin", suffix(index), rank);
+}
 
 fs::path directory_path(const std::string& dir) {
   fs::path p = fs::path(dir).lexically_normal();
@@ -89,11 +92,13 @@ std::string save(const fs::path& final_dir, const Content& content, Communicator
   }
   world.barrier();
   save_safetensors((tmp / rng_file(world.rank())).string(), content.rng, {{"rank", std::to_string(world.rank())}});
+  for (const auto& [index, bytes] : content.rank_optimizers)
+    files::write_durably((tmp / rank_optimizer_file(index, world.rank())).string(), bytes);
   if (main) {
     for (size_t i = 0; i < content.models.size(); ++i)
       save_safetensors((tmp / model_file(i)).string(), content.models[i], {{"format", "pt"}});
-    for (size_t i = 0; i < content.optimizers.size(); ++i)
-      files::write_durably((tmp / optimizer_file(i)).string(), content.optimizers[i]);
+    for (const auto& [index, bytes] : content.optimizers)
+      files::write_durably((tmp / optimizer_file(index)).string(), bytes);
     auto state = content.state;
     state["format"] = kFormat;
     state["world_size"] = world.size();
@@ -166,6 +171,9 @@ size_t Verified::models() const {
 }
 
 const std::string& Verified::optimizer(size_t index) const { return bytes(optimizer_file(index)); }
+const std::string& Verified::rank_optimizer(size_t index, int rank) const {
+  return bytes(rank_optimizer_file(index, rank));
+}
 
 std::optional<SafetensorsContent> Verified::rng(int rank) const {
   if (!files_.count(rng_file(rank))) return std::nullopt;

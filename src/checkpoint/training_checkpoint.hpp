@@ -25,7 +25,9 @@ namespace xlr8::checkpoint {
 struct Content {
   nlohmann::json state;                 // counters, loss scaler, data loaders (accelerator_state.json)
   std::vector<NamedTensors> models;     // full state dicts; the main process writes them
-  std::vector<std::string> optimizers;  // optimizer archives (optimizer_bytes); the main process writes them
+  std::map<size_t, std::string> optimizers;  // optimizer archives by index (optimizer_bytes); the main process writes them
+  // Archives of optimizers over sharded models: this rank's (each rank writes its own), by optimizer index.
+  std::map<size_t, std::string> rank_optimizers;
   NamedTensors rng;                     // this rank's generator states
 };
 
@@ -43,6 +45,7 @@ class Verified {
   nlohmann::json state() const;
   SafetensorsContent model(size_t index) const;
   const std::string& optimizer(size_t index) const;
+  const std::string& rank_optimizer(size_t index, int rank) const;  // throws naming the file when absent
   std::optional<SafetensorsContent> rng(int rank) const;  // absent when saved by fewer ranks
 
  private:
@@ -67,6 +70,7 @@ std::filesystem::path directory_path(const std::string& dir);
 std::vector<std::filesystem::path> automatic_checkpoints(const std::string& project_dir);
 std::string model_file(size_t index);      // "model.safetensors", "model_1.safetensors", ...
 std::string optimizer_file(size_t index);  // "optimizer.bin", "optimizer_1.bin", ...
+std::string rank_optimizer_file(size_t index, int rank);  // "optimizer_rank0.bin", "optimizer_1_rank2.bin", ...
 
 // Filesystem failures (permissions, a full disk) become xlr8 errors that name the operation.
 template <class Fn>

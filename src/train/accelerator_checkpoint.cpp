@@ -20,6 +20,14 @@ NamedTensors full_state_of(const AcceleratorImpl& s, const torch::nn::Module& mo
   return module_state_dict(module);
 }
 
+// Whether `optimizer` updates a sharded model's shards (its state then differs on every rank).
+bool optimizer_is_sharded(const AcceleratorImpl& s, const torch::optim::Optimizer& optimizer) {
+  for (const auto& group : optimizer.param_groups())
+    for (const auto& p : group.params())
+      if (auto* owner = s.owner_of(p); owner && !owner->replicated()) return true;
+  return false;
+}
+
 }  // namespace
 
 std::string Accelerator::save_state(const std::string& dir) {
@@ -48,8 +56,15 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
     auto full = m->state_dict(StateDictKind::FULL);
     if (is_main_process()) content.models.push_back(std::move(full));
   }
+  // An optimizer of a sharded model holds this rank's shard of the state: every rank writes its own.
+  std::vector<bool> sharded;
+  for (size_t i = 0; i < s.optimizers.size(); ++i) {
+    sharded.push_back(optimizer_is_sharded(s, *s.optimizers[i]->optimizer));
+    if (sharded[i]) content.rank_optimizers[i] = checkpoint::optimizer_bytes(*s.optimizers[i]->optimizer);
+    else if (is_main_process()) content.optimizers[i] = checkpoint::optimizer_bytes(*s.optimizers[i]->optimizer);
+  }
   if (is_main_process()) {
-    for (const auto& o : s.optimizers) content.optimizers.push_back(checkpoint::optimizer_bytes(*o->optimizer));
+    content.state["sharded_optimizers"] = sharded;
     auto& st = content.state;
     st["micro_step"] = s.micro_step;
     st["save_iteration"] = s.save_iteration + 1;
@@ -97,9 +112,23 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
     throw Error(fmt::format("load_state: {} holds {} optimizer(s) but {} were prepared; nothing was loaded",
                             source.string(), optimizer_steps.size(), s.optimizers.size()));
   std::vector<torch::serialize::InputArchive> optimizer_archives;
-  for (size_t i = 0; i < s.optimizers.size(); ++i)
-    optimizer_archives.push_back(
-        checkpoint::read_optimizer_archive(saved.optimizer(i), (source / checkpoint::optimizer_file(i)).string()));
+  std::vector<std::string> optimizer_paths;
+  auto sharded = st.value("sharded_optimizers", std::vector<bool>(s.optimizers.size(), false));
+  for (size_t i = 0; i < s.optimizers.size(); ++i) {
+    const bool now_sharded = optimizer_is_sharded(s, *s.optimizers[i]->optimizer);
+    if (i < sharded.size() && (sharded[i] != now_sharded || (sharded[i] && saved.saved_world_size() != num_processes())))
+      throw Error(fmt::format("load_state: optimizer {} of {} was saved {} on {} process(es) and is loaded {} on {}; "
+                              "resharding optimizer state between strategies or process counts is not supported yet, "
+                              "so resume with the same strategy and number of processes; nothing was loaded",
+                              i, source.string(), sharded[i] ? "sharded" : "whole", saved.saved_world_size(),
+                              now_sharded ? "sharded" : "whole", num_processes()));
+    const bool per_rank = i < sharded.size() && sharded[i];
+    optimizer_paths.push_back(
+        (source / (per_rank ? checkpoint::rank_optimizer_file(i, process_index()) : checkpoint::optimizer_file(i)))
+            .string());
+    optimizer_archives.push_back(checkpoint::read_optimizer_archive(
+        per_rank ? saved.rank_optimizer(i, process_index()) : saved.optimizer(i), optimizer_paths.back()));
+  }
   for (size_t i = 0; i < s.models.size(); ++i)
     checkpoint::check_matches(s.models[i]->state_dict(StateDictKind::FULL), model_files[i],
                               (source / checkpoint::model_file(i)).string());
@@ -113,8 +142,7 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
     s.schedulers[i]->steps = n;
   }
   for (size_t i = 0; i < s.optimizers.size(); ++i) {
-    checkpoint::load_optimizer(*s.optimizers[i]->optimizer, optimizer_archives[i],
-                               (source / checkpoint::optimizer_file(i)).string());
+    checkpoint::load_optimizer(*s.optimizers[i]->optimizer, optimizer_archives[i], optimizer_paths[i]);
     s.optimizers[i]->steps = optimizer_steps[i].get<int64_t>();
   }
   s.micro_step = st.value("micro_step", int64_t{0});

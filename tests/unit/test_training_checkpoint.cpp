@@ -27,7 +27,7 @@ checkpoint::Content sample_content() {
   c.state = {{"micro_step", 3}};
   c.models.push_back({{"w", at::arange(6, at::kFloat).reshape({2, 3})}, {"b", at::ones({2})}});
   torch::optim::SGD sgd(std::vector<at::Tensor>{at::ones({2}, at::requires_grad())}, 0.1);
-  c.optimizers.push_back(checkpoint::optimizer_bytes(sgd));
+  c.optimizers[0] = checkpoint::optimizer_bytes(sgd);
   c.rng = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
   return c;
 }

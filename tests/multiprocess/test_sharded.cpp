@@ -1,0 +1,179 @@
+// The oracle for the sharded strategies through the real launcher, chosen by the same flags Accelerate
+// and DeepSpeed users pass: N ranks on b equal one process on N*b, with accumulation, clipping, a
+// scheduler and bf16; a resumed sharded run equals the uninterrupted one; the GPT example holds the
+// bytes per rank the ZeRO formulas promise and frees what it gathers.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "oracle.hpp"
+#include "process_runner.hpp"
+
+namespace fs = std::filesystem;
+using Args = std::vector<std::string>;
+
+namespace {
+
+const std::string kXlr8 = XLR8_BIN;
+const std::string kTrain = TRAIN_BIN;
+const std::string kGpt = GPT_BIN;
+
+struct Strategy {
+  std::string name;  // what parallel_stats reports
+  Args flags;        // xlr8 launch flags
+};
+
+// train_worker's MLP has no layer classes to wrap: its stage 3 is FULL_SHARD with NO_WRAP (one unit,
+// no guard, so the parameters stay whole and gradients and optimizer state are sharded).
+const std::vector<Strategy>& worker_strategies() {
+  static const std::vector<Strategy> all{
+      {"zero1", {"--use_deepspeed", "--zero_stage", "1"}},
+      {"zero2", {"--use_fsdp", "--fsdp_sharding_strategy", "SHARD_GRAD_OP"}},
+      {"zero3", {"--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD"}},
+  };
+  return all;
+}
+
+const std::vector<Strategy>& strategies() {
+  static const std::vector<Strategy> all{
+      {"zero1", {"--use_deepspeed", "--zero_stage", "1"}},
+      {"zero2", {"--use_fsdp", "--fsdp_sharding_strategy", "SHARD_GRAD_OP"}},
+      {"zero3",
+       {"--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+        "--fsdp_transformer_layer_cls_to_wrap", "Block"}},
+  };
+  return all;
+}
+
+Args launch(int processes, const Args& flags, const std::string& program) {
+  Args a{kXlr8, "launch", "--num_processes", std::to_string(processes)};
+  a.insert(a.end(), flags.begin(), flags.end());
+  a.push_back(program);
+  return a;
+}
+
+Run worker_run(int processes, const Args& flags, int batch, Args extra) {
+  auto dir = temp_dir("sharded");
+  auto a = launch(processes, flags, kTrain);
+  Args rest{"--batch", std::to_string(batch), "--out", dir};
+  a.insert(a.end(), rest.begin(), rest.end());
+  a.insert(a.end(), extra.begin(), extra.end());
+  return oracle_command(a, dir, 120, {});
+}
+
+// A small GPT (2 blocks) for `steps` steps; its parameters are saved under dir/model.
+nlohmann::json gpt_run(int processes, const Args& flags, int batch, const std::string& dir,
+                       Args extra = {"--max_steps", "8"}) {
+  auto a = launch(processes, flags, kGpt);
+  Args rest{"--n_layer", "2", "--d_model", "32", "--n_head", "2", "--seq_len", "32", "--batch_size",
+            std::to_string(batch), "--lr", "3e-3", "--val_windows", "24", "--output_dir", dir};
+  a.insert(a.end(), rest.begin(), rest.end());
+  a.insert(a.end(), extra.begin(), extra.end());
+  auto r = run(a, 180);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  return r.exit_code == 0 ? last_json(r.out) : nlohmann::json::object();
+}
+
+}  // namespace
+
+TEST(ShardedOracle, EveryStageOnTwoThreeAndFourRanksWithAccumulationClippingAndScheduler) {
+  // train_worker clips to norm 5 every step and halves the learning rate every 5 steps.
+  auto one = worker_run(1, {}, 12, {"--steps", "6", "--accum", "2"});
+  ASSERT_EQ(one.losses.size(), 6u);
+  for (const auto& s : worker_strategies())
+    for (int n : {2, 3, 4}) {
+      SCOPED_TRACE(fmt::format("{} on {} ranks", s.name, n));
+      auto got = worker_run(n, s.flags, 12 / n, {"--steps", "6", "--accum", "2"});
+      EXPECT_EQ(got.result["strategy"], s.name);
+      expect_close(got.losses, one.losses, 1e-5);
+      expect_same_params(got.dir, one.dir, 1e-5);
+    }
+}
+
+TEST(ShardedOracle, Bf16UnderEveryStageStaysWithinTheBf16Tolerance) {
+  auto one = worker_run(1, {}, 8, {"--steps", "8", "--precision", "bf16"});
+  for (const auto& s : worker_strategies()) {
+    SCOPED_TRACE(s.name);
+    auto got = worker_run(2, s.flags, 4, {"--steps", "8", "--precision", "bf16"});
+    expect_close(got.losses, one.losses, 3e-2);
+    expect_same_params(got.dir, one.dir, 3e-2);
+  }
+}
+
+TEST(ShardedOracle, ResumedShardedRunEqualsTheUninterruptedOneAndAStrategyChangeIsRefused) {
+  const auto& zero2 = worker_strategies()[1];
+  auto straight = worker_run(3, zero2.flags, 4, {"--steps", "10"});
+  auto first = worker_run(3, zero2.flags, 4, {"--steps", "4", "--checkpoint_at", "4"});
+  ASSERT_TRUE(fs::exists(first.dir + "/checkpoint/optimizer_rank2.bin"));  // each rank's shard of the state
+  auto resumed = worker_run(3, zero2.flags, 4, {"--steps", "10", "--resume", first.dir + "/checkpoint"});
+  auto tail = std::vector<double>(straight.losses.begin() + 4, straight.losses.end());
+  expect_close(resumed.losses, tail, 1e-6);
+  expect_same_params(resumed.dir, straight.dir, 1e-6);
+  // Resharding optimizer state is not built yet: a different strategy or process count is refused.
+  auto a = launch(2, zero2.flags, kTrain);
+  Args rest{"--batch", "6", "--steps", "10", "--out", temp_dir("refused"), "--resume", first.dir + "/checkpoint"};
+  a.insert(a.end(), rest.begin(), rest.end());
+  auto r = run(a, 120);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE((r.out + r.err).find("saved sharded on 3 process(es) and is loaded sharded on 2"), std::string::npos)
+      << r.out << r.err;
+}
+
+TEST(ShardedGpt, EveryStageMatchesOneProcessAndHoldsTheFormulaBytes) {
+  // fp32 AdamW, Ψ parameters, N ranks (reference/003): DDP 16Ψ, ZeRO-1 8Ψ + 8Ψ/N, ZeRO-2 4Ψ + 12Ψ/N,
+  // ZeRO-3 16Ψ/N, plus at most N - 1 padding elements per group.
+  auto one_dir = temp_dir("gpt-one");
+  auto one = gpt_run(1, {}, 8, one_dir);
+  ASSERT_TRUE(one.contains("parameters"));
+  const double psi = one["parameters"].get<double>();
+  for (int n : {2, 4}) {
+    auto ddp = gpt_run(n, {}, 8 / n, temp_dir("gpt-ddp"));
+    EXPECT_NEAR(ddp["state_bytes_per_rank"].get<double>(), 16 * psi, 0.05 * 16 * psi);
+    for (const auto& s : strategies()) {
+      SCOPED_TRACE(fmt::format("{} on {} ranks", s.name, n));
+      auto dir = temp_dir("gpt-sharded");
+      auto got = gpt_run(n, s.flags, 8 / n, dir);
+      ASSERT_TRUE(got.contains("state_bytes_per_rank"));
+      EXPECT_NEAR(got["final_train_loss"].get<double>(), one["final_train_loss"].get<double>(), 1e-5);
+      EXPECT_NEAR(got["val_loss"].get<double>(), one["val_loss"].get<double>(), 1e-5);
+      expect_same_params(dir, one_dir, 1e-4);
+      const double formula = s.name == "zero1"   ? 8 * psi + 8 * psi / n
+                             : s.name == "zero2" ? 4 * psi + 12 * psi / n
+                                                 : 16 * psi / n;
+      EXPECT_NEAR(got["state_bytes_per_rank"].get<double>(), formula, 0.05 * formula);
+      EXPECT_LT(got["state_bytes_per_rank"].get<double>(), ddp["state_bytes_per_rank"].get<double>());
+      if (s.name == "zero3") {
+        // Gathered units are freed after use: the transient is the root's parameters plus one block,
+        // far from the whole model (4Ψ).
+        const double transient = got["peak_state_bytes_per_rank"].get<double>() - got["state_bytes_per_rank"].get<double>();
+        EXPECT_GT(transient, 0);
+        EXPECT_LT(transient, 0.75 * 4 * psi);
+      }
+    }
+  }
+}
+
+TEST(ShardedGpt, ResumingAFullShardRunOnThreeRanksContinuesTheSameRun) {
+  const auto& zero3 = strategies()[2];
+  auto whole_dir = temp_dir("gpt-z3-whole"), split_dir = temp_dir("gpt-z3-split");
+  auto whole = gpt_run(3, zero3.flags, 2, whole_dir, {"--max_steps", "10"});
+  gpt_run(3, zero3.flags, 2, split_dir, {"--max_steps", "5", "--checkpoint_every", "5"});
+  auto resumed = gpt_run(3, zero3.flags, 2, split_dir, {"--max_steps", "10", "--resume_from", "latest"});
+  ASSERT_TRUE(whole.contains("final_train_loss") && resumed.contains("final_train_loss"));
+  EXPECT_EQ(resumed["global_step"], 10);
+  EXPECT_NEAR(resumed["final_train_loss"].get<double>(), whole["final_train_loss"].get<double>(), 1e-6);
+  EXPECT_NEAR(resumed["val_loss"].get<double>(), whole["val_loss"].get<double>(), 1e-6);
+}
+
+TEST(ShardedGpt, AnUnknownLayerClassIsRefusedNamingTheClassesThatExist) {
+  auto r = run(launch(2,
+                      {"--use_fsdp", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+                       "--fsdp_transformer_layer_cls_to_wrap", "Blok"},
+                      kGpt),
+               60);
+  EXPECT_NE(r.exit_code, 0);
+  const auto text = r.out + r.err;
+  EXPECT_NE(text.find("\"Blok\""), std::string::npos) << text;
+  EXPECT_NE(text.find("BlockImpl"), std::string::npos) << text;
+}
