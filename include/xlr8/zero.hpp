@@ -27,6 +27,10 @@ struct ZeroOptions {
   // first `first_bucket_mb`, the others `bucket_cap_mb`; stage 3 reduces per unit.
   double bucket_cap_mb = 25.0;
   double first_bucket_mb = 1.0;
+  // Hybrid sharding (FSDP's HYBRID_SHARD / HYBRID_SHARD_ZERO2, stages 3 / 2): shard inside groups of
+  // this many consecutive data-parallel ranks (a node by default), and all-reduce the sharded gradients
+  // across the groups' replicas. 0: shard over all data-parallel ranks.
+  int hybrid_shard_size = 0;
 };
 
 }  // namespace xlr8

@@ -110,7 +110,7 @@ std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::
                                                          const ProcessState& state, const ParallelOptions& options,
                                                          std::shared_ptr<const GradientState> gradient_state) {
   auto resolved = options;
-  resolved.zero = detail::resolve_zero_options(options.zero, state.settings());
+  resolved.zero = detail::resolve_zero_options(options.zero, state.settings(), state.local_world_size());
   return make_parallel_strategy(std::move(module), state.mesh().group("dp"), resolved, std::move(gradient_state));
 }
 

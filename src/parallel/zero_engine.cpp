@@ -50,10 +50,12 @@ class UnitHandle final : public ShardedUnit {
 
 }  // namespace
 
-ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator comm, int stage, ZeroOptions options,
-                       bool find_unused_parameters, std::shared_ptr<const GradientState> gradient_state)
+ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator comm, Communicator replicate, int stage,
+                       ZeroOptions options, bool find_unused_parameters,
+                       std::shared_ptr<const GradientState> gradient_state)
     : module_(std::move(module)),
       comm_(std::move(comm)),
+      replicate_(std::move(replicate)),
       stage_(stage),
       options_(std::move(options)),
       find_unused_(find_unused_parameters),
@@ -269,6 +271,11 @@ void ZeroEngine::retire_oldest() {
   works_[g].wait();
   works_[g] = Work();
   if (stage_ > 1) groups_[g].grad_full = at::Tensor();
+  // Hybrid: this chunk's holders in the other shard groups average it too (same order on every rank).
+  if (replicate_.valid() && replicate_.size() > 1) {
+    grad_shards_[g].div_(replicate_.size());
+    replicate_.all_reduce(grad_shards_[g], ReduceOp::SUM);
+  }
 }
 
 void ZeroEngine::finish_backward() {
@@ -477,6 +484,7 @@ nlohmann::json ZeroEngine::stats() const {
   }
   return {{"stage", stage_},
           {"ranks", comm_.size()},
+          {"replicas", replicate_.valid() ? replicate_.size() : 1},
           {"groups", units},
           {"parameters", elements},
           {"shard_elements", shard_elements},

@@ -23,9 +23,11 @@ namespace xlr8::detail {
 
 class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
  public:
-  // Collective over `comm`. Call attach() once the object is owned by a shared_ptr.
-  ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator comm, int stage, ZeroOptions options,
-             bool find_unused_parameters, std::shared_ptr<const GradientState> gradient_state);
+  // Collective over `comm`, the group the parameters are sharded over. `replicate` (hybrid sharding):
+  // the same shard's holders in the other groups, over which sharded gradients are averaged too.
+  // Call attach() once the object is owned by a shared_ptr.
+  ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator comm, Communicator replicate, int stage,
+             ZeroOptions options, bool find_unused_parameters, std::shared_ptr<const GradientState> gradient_state);
   ~ZeroEngine();
   void attach();  // installs the gradient hooks and registers the units
 
@@ -69,6 +71,7 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
 
   std::shared_ptr<torch::nn::Module> module_;
   Communicator comm_;
+  Communicator replicate_;  // invalid unless hybrid
   int stage_;
   ZeroOptions options_;
   bool find_unused_;

@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <tuple>
+
+#include "parallel/replica_sync.hpp"
 #include "parallel/zero_engine.hpp"
 #include "xlr8/error.hpp"
 
@@ -39,26 +42,50 @@ class ShardedDataParallel final : public ParallelStrategy {
 int stage_of(const FsdpSettings& f) {
   switch (f.sharding_strategy) {
     case ShardingStrategy::NO_SHARD: return 0;
-    case ShardingStrategy::SHARD_GRAD_OP: return 2;
+    case ShardingStrategy::SHARD_GRAD_OP:
+    case ShardingStrategy::HYBRID_SHARD_ZERO2: return 2;
+    case ShardingStrategy::HYBRID_SHARD: return 3;
     case ShardingStrategy::FULL_SHARD: return f.version == 2 && f.reshard_after_forward == false ? 2 : 3;
-    case ShardingStrategy::HYBRID_SHARD:
-    case ShardingStrategy::HYBRID_SHARD_ZERO2:
-      throw ConfigError(fmt::format("fsdp_sharding_strategy {}: hybrid sharding (shard inside a node, replicate "
-                                    "across nodes) is not implemented yet; use FULL_SHARD or SHARD_GRAD_OP",
-                                    to_string(f.sharding_strategy)));
   }
   return 3;
 }
 
+bool hybrid(const FsdpSettings& f) {
+  return f.sharding_strategy == ShardingStrategy::HYBRID_SHARD ||
+         f.sharding_strategy == ShardingStrategy::HYBRID_SHARD_ZERO2;
+}
+
+// HSDP: consecutive blocks of `shard_size` data-parallel ranks shard; ranks at the same place in every
+// block are replicas. Every rank makes its two groups (collective among their members).
+std::pair<Communicator, Communicator> hybrid_groups(Communicator& dp, int shard_size) {
+  if (shard_size < 1 || dp.size() % shard_size != 0)
+    throw ConfigError(fmt::format("hybrid sharding: {} data-parallel ranks do not split into shard groups of {} (set "
+                                  "parallelism_config_dp_shard_size to a divisor of the number of processes, or run the "
+                                  "same number of processes on every machine)",
+                                  dp.size(), shard_size));
+  const int block = dp.rank() / shard_size, place = dp.rank() % shard_size;
+  std::vector<int> shard_ranks, replica_ranks;
+  for (int i = 0; i < shard_size; ++i) shard_ranks.push_back(block * shard_size + i);
+  for (int b = 0; b < dp.size() / shard_size; ++b) replica_ranks.push_back(b * shard_size + place);
+  auto shard = dp.new_group(shard_ranks, fmt::format("{}/hsdp_shard{}", dp.name(), block));
+  auto replicate = dp.new_group(replica_ranks, fmt::format("{}/hsdp_replicate{}", dp.name(), place));
+  return {shard, replicate};
+}
+
 }  // namespace
 
-ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings) {
+ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings, int node_size) {
   if (settings.fsdp) {
     const auto& f = *settings.fsdp;
     options.auto_wrap_policy = f.auto_wrap_policy;
     options.layer_classes = f.transformer_layer_cls_to_wrap;
     options.min_num_params = f.min_num_params;
-    if (options.stage < 0) options.stage = stage_of(f);
+    if (options.stage < 0) {
+      options.stage = stage_of(f);
+      if (hybrid(f))
+        options.hybrid_shard_size =
+            settings.parallelism && settings.parallelism->dp_shard > 1 ? settings.parallelism->dp_shard : node_size;
+    }
   }
   if (settings.deepspeed && options.stage < 0) {
     options.stage = settings.deepspeed->zero_stage;
@@ -70,8 +97,17 @@ ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings) 
 std::unique_ptr<ParallelStrategy> make_zero_strategy(std::shared_ptr<torch::nn::Module> module, Communicator comm,
                                                      const ParallelOptions& options,
                                                      std::shared_ptr<const GradientState> gradient_state) {
-  auto engine = std::make_shared<ZeroEngine>(module, std::move(comm), options.zero.stage, options.zero,
-                                             options.ddp.find_unused_parameters, std::move(gradient_state));
+  Communicator shard = std::move(comm), replicate;
+  if (options.zero.hybrid_shard_size > 0 && options.zero.hybrid_shard_size != shard.size()) {
+    if (options.zero.stage < 2)
+      throw ConfigError(fmt::format("hybrid sharding needs ZeRO stage 2 or 3 (HYBRID_SHARD_ZERO2 or HYBRID_SHARD); "
+                                    "stage {} was asked for",
+                                    options.zero.stage));
+    make_replicas_equal(shard, *module);  // every replica starts from rank 0's weights
+    std::tie(shard, replicate) = hybrid_groups(shard, options.zero.hybrid_shard_size);
+  }
+  auto engine = std::make_shared<ZeroEngine>(module, std::move(shard), std::move(replicate), options.zero.stage,
+                                             options.zero, options.ddp.find_unused_parameters, std::move(gradient_state));
   engine->attach();
   return std::make_unique<ShardedDataParallel>(std::move(module), std::move(engine));
 }

@@ -9,6 +9,7 @@
 
 #include "oracle.hpp"
 #include "process_runner.hpp"
+#include "xlr8/launcher.hpp"
 
 namespace fs = std::filesystem;
 using Args = std::vector<std::string>;
@@ -176,4 +177,34 @@ TEST(ShardedGpt, AnUnknownLayerClassIsRefusedNamingTheClassesThatExist) {
   const auto text = r.out + r.err;
   EXPECT_NE(text.find("\"Blok\""), std::string::npos) << text;
   EXPECT_NE(text.find("BlockImpl"), std::string::npos) << text;
+}
+
+TEST(ShardedGpt, HybridShardOnTwoMachinesOfTwoRanksMatchesOneProcess) {
+  // Two launchers form one 4-rank job ("machines" on loopback): HYBRID_SHARD shards inside each machine
+  // (2 ranks) and averages each shard's gradients with its replica on the other machine.
+  auto one_dir = temp_dir("gpt-hsdp-one"), dir = temp_dir("gpt-hsdp");
+  auto one = gpt_run(1, {}, 8, one_dir);
+  const int port = xlr8::pick_free_port();
+  auto machine = [&](int rank) {
+    Args flags{"--num_machines", "2", "--machine_rank", std::to_string(rank), "--main_process_ip", "127.0.0.1",
+               "--main_process_port", std::to_string(port), "--use_fsdp", "--fsdp_sharding_strategy", "HYBRID_SHARD",
+               "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"};
+    auto a = launch(4, flags, kGpt);
+    Args rest{"--n_layer", "2", "--d_model", "32", "--n_head", "2", "--seq_len", "32", "--batch_size", "2", "--lr",
+              "3e-3", "--val_windows", "24", "--output_dir", dir, "--max_steps", "8"};
+    a.insert(a.end(), rest.begin(), rest.end());
+    return a;
+  };
+  Process m0(machine(0)), m1(machine(1));
+  auto r0 = m0.wait(180), r1 = m1.wait(180);
+  ASSERT_EQ(r0.exit_code, 0) << r0.out << r0.err;
+  ASSERT_EQ(r1.exit_code, 0) << r1.out << r1.err;
+  auto got = last_json(r0.out);
+  EXPECT_EQ(got["num_processes"], 4);
+  EXPECT_NEAR(got["final_train_loss"].get<double>(), one["final_train_loss"].get<double>(), 1e-5);
+  EXPECT_NEAR(got["val_loss"].get<double>(), one["val_loss"].get<double>(), 1e-5);
+  expect_same_params(dir, one_dir, 1e-4);
+  // Sharded over 2 ranks, not 4: ZeRO-3's 16 bytes per parameter over 2.
+  const double psi = one["parameters"].get<double>();
+  EXPECT_NEAR(got["state_bytes_per_rank"].get<double>(), 8 * psi, 0.05 * 8 * psi);
 }

@@ -268,3 +268,24 @@ TEST(Zero, UnknownLayerClassNamesTheClassesThatExist) {
     }
   });
 }
+
+TEST(Zero, HybridShardingOverTwoGroupsOfTwoMatchesOneRank) {
+  // HSDP: ranks {0, 1} and {2, 3} each shard the model; ranks 0 and 2 (1 and 3) hold the same shard and
+  // average it. Stage 3 is HYBRID_SHARD, stage 2 HYBRID_SHARD_ZERO2.
+  const auto expected = single_run(3, /*micro=*/2, /*max_norm=*/0.05);
+  for (int stage : {2, 3})
+    run_ranks(4, [&](Communicator& comm) {
+      auto options = stage_options(stage);
+      options.zero.hybrid_shard_size = 2;
+      auto strategy = make_parallel_strategy(make_model(), comm, options);
+      EXPECT_EQ(strategy->stats()["ranks"], 2);
+      EXPECT_EQ(strategy->stats()["replicas"], 2);
+      auto got = train(*strategy, comm.rank(), 4, 3, 2, 0.05);
+      expect_same_run(got, expected, 2e-6, fmt::format("hybrid stage {}, rank {}", stage, comm.rank()));
+    });
+  run_ranks(4, [&](Communicator& comm) {
+    auto options = stage_options(3);
+    options.zero.hybrid_shard_size = 3;  // 4 ranks do not split into groups of 3
+    EXPECT_THROW(make_parallel_strategy(make_model(), comm, options), ConfigError);
+  });
+}
