@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""Sharded strategies on the GPT example: tokens/s, bytes per rank and peak RSS of DDP, ZeRO-1, ZeRO-2
+(SHARD_GRAD_OP) and FULL_SHARD (ZeRO-3 with Block units), fp32 and bf16, on 2 and 4 ranks. Every
+configuration of one (ranks, precision) pair is alternated REPS times in one invocation; the table gives
+medians and the ratio of each strategy's tokens/s to DDP's measured alongside it.
+
+    REPS=3 STEPS=30 RANKS="2 4" PRECISIONS="no bf16" bench/sharding.py   (bench/run-sharding wraps it)
+Writes bench/sharding_results.json.
+"""
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILD = os.environ.get("XLR8_BUILD_DIR", os.path.join(ROOT, "build"))
+XLR8 = os.path.join(BUILD, "bin", "xlr8")
+GPT = os.path.join(BUILD, "bin", "gpt")
+REPS = int(os.environ.get("REPS", "3"))
+STEPS = os.environ.get("STEPS", "30")
+RANKS = [int(n) for n in os.environ.get("RANKS", "2 4").split()]
+PRECISIONS = os.environ.get("PRECISIONS", "no bf16").split()
+# Extra gpt flags for the model shape (default: the example's default, ~200 ms a step on 2 ranks here).
+SHAPE = os.environ.get("SHAPE", "").split()
+
+STRATEGIES = {
+    "ddp": [],
+    "zero1": ["--use_deepspeed", "--zero_stage", "1"],
+    "zero2_shard_grad_op": ["--use_fsdp", "--fsdp_sharding_strategy", "SHARD_GRAD_OP"],
+    "zero3_full_shard": ["--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD", "--fsdp_auto_wrap_policy",
+                         "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"],
+}
+
+
+def run_once(ranks, precision, flags):
+    cmd = [XLR8, "launch", "--num_processes", str(ranks), "--num_cpu_threads_per_process", "1",
+           "--mixed_precision", precision] + flags + [GPT, "--max_steps", STEPS, "--log_every", "1000",
+           "--output_dir", "/tmp/xlr8-bench-sharding", "--val_windows", "16"] + SHAPE
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{out.stdout}\n{out.stderr}")
+    line = [l for l in out.stdout.splitlines() if "{" in l][-1]
+    return json.loads(line[line.index("{"):]), cmd
+
+
+def main():
+    results = []
+    for ranks in RANKS:
+        for precision in PRECISIONS:
+            samples = {name: [] for name in STRATEGIES}
+            commands = {}
+            for rep in range(REPS):
+                for name, flags in STRATEGIES.items():  # alternated: drift hits every strategy alike
+                    result, cmd = run_once(ranks, precision, flags)
+                    samples[name].append(result)
+                    commands[name] = " ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd)
+            ddp_tps = statistics.median(r["tokens_per_s"] for r in samples["ddp"])
+            for name, runs in samples.items():
+                tps = statistics.median(r["tokens_per_s"] for r in runs)
+                results.append({
+                    "ranks": ranks, "precision": precision, "strategy": name,
+                    "tokens_per_s": tps, "ratio_to_ddp": tps / ddp_tps,
+                    "state_bytes_per_rank": runs[0]["state_bytes_per_rank"],
+                    "peak_state_bytes_per_rank": runs[0]["peak_state_bytes_per_rank"],
+                    "peak_rss_mb": statistics.median(r["peak_rss_mb"] for r in runs),
+                    "parameters": runs[0]["parameters"], "final_train_loss": runs[0]["final_train_loss"],
+                    "command": commands[name]})
+    print("| ranks | precision | strategy | tokens/s | × DDP | state bytes/rank | bytes/param | peak state bytes | peak RSS MB |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        print(f"| {r['ranks']} | {r['precision']} | {r['strategy']} | {r['tokens_per_s']:.0f} | {r['ratio_to_ddp']:.3f} | "
+              f"{r['state_bytes_per_rank']:,} | {r['state_bytes_per_rank'] / r['parameters']:.2f} | "
+              f"{r['peak_state_bytes_per_rank']:,} | {r['peak_rss_mb']:.0f} |")
+    meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "cores": os.cpu_count(),
+            "reps": REPS, "steps": STEPS, "shape": SHAPE}
+    with open(os.path.join(ROOT, "bench", "sharding_results.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
