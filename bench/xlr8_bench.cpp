@@ -13,6 +13,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <set>
 
 #include "compat/torch_compat.hpp"
 #include "xlr8/accelerator.hpp"
@@ -97,7 +98,23 @@ struct StepTimes {
 
 // `medians` holds the step, forward, backward and optimizer medians (the slowest rank's, under DDP),
 // then under DDP the median time backward's end waited for all-reduces still running.
-void report(const Spec& s, int nproc, const std::vector<double>& medians, double rss_mb) {
+// Bytes of parameters, gradients and optimizer state held, each storage once (as examples/gpt counts).
+int64_t state_bytes(const torch::nn::Module& model, const torch::optim::Optimizer& opt) {
+  std::set<const void*> seen;
+  int64_t total = 0;
+  auto add = [&](const at::Tensor& t) {
+    if (t.defined() && seen.insert(t.storage().data()).second) total += static_cast<int64_t>(t.storage().nbytes());
+  };
+  for (const auto& p : model.parameters()) add(p), add(p.grad());
+  for (const auto& group : opt.param_groups())
+    for (const auto& p : group.params()) add(p), add(p.grad());
+  for (const auto& [key, state] : opt.state())
+    if (const auto* a = dynamic_cast<const torch::optim::AdamWParamState*>(state.get()))
+      add(a->exp_avg()), add(a->exp_avg_sq()), add(a->max_exp_avg_sq());
+  return total;
+}
+
+void report(const Spec& s, int nproc, const std::vector<double>& medians, double rss_mb, int64_t state = -1) {
   const double med = medians[0];
   const std::string impl = s.impl + (s.compress_bf16 ? "_bf16_wire" : "") + (s.optimizer == "adamw" ? "" : "_" + s.optimizer);
   nlohmann::json line{{"impl", impl},
@@ -111,6 +128,7 @@ void report(const Spec& s, int nproc, const std::vector<double>& medians, double
                       {"backward_ms_median", medians[2]},
                       {"optimizer_ms_median", medians[3]}};
   if (medians.size() > 4) line["comm_wait_ms_median"] = medians[4];
+  if (state >= 0) line["state_bytes_per_rank"] = state;
   fmt::print("{}\n", line.dump());
   std::fflush(stdout);
 }
@@ -177,10 +195,12 @@ int with_xlr8(const Spec& s) {
   auto mine = medians_of(times);
   mine.push_back(median(comm_wait_ms));
   mine.push_back(peak_rss_mb());
+  mine.push_back(static_cast<double>(state_bytes(*net.ptr(), opt.optimizer())));
   auto slowest = acc.reduce(at::tensor(mine, at::kDouble), xlr8::ReduceOp::MAX);
   std::vector<double> medians(slowest.data_ptr<double>(), slowest.data_ptr<double>() + 4);
   if (ddp) medians.push_back(slowest[4].item<double>());
-  if (acc.is_main_process()) report(s, acc.num_processes(), medians, slowest[5].item<double>());
+  if (acc.is_main_process())
+    report(s, acc.num_processes(), medians, slowest[5].item<double>(), static_cast<int64_t>(slowest[6].item<double>()));
   acc.end_training();
   return 0;
 }

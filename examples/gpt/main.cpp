@@ -139,7 +139,10 @@ int run(const Args& args) {
       peak = std::max(peak, state_bytes(*model, opt.optimizer()));
       opt.step();
       if (acc.sync_gradients()) {
-        held = state_bytes(*model, opt.optimizer());  // what stays between steps
+        // What stays between steps; sharding under mixed precision also keeps low-precision copies that
+        // neither the parameters nor the optimizer reach.
+        held = state_bytes(*model, opt.optimizer()) +
+               acc.parallel_stats(model).value("internal_state_bytes", int64_t{0});
         // Stage 3 gathers units inside the step and frees them: their largest total counts in the peak.
         // (The first step is left out: until a unit's guard has run once, its parameters stay whole.)
         if (acc.step() > steps_at_start + 1)

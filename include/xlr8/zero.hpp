@@ -6,7 +6,12 @@
 //   stage 2: parameters whole, gradients and optimizer state sharded        4Ψ + 12Ψ/N
 //   stage 3: everything sharded; each unit gathered around its forward
 //            and its backward, then freed                                    16Ψ/N (+ the gathered units)
+// With a lower-precision param_dtype the whole parameters (and gradients) take 2 bytes each and the
+// optimizer keeps fp32 master shards.
+#include <c10/core/ScalarType.h>
+
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +36,11 @@ struct ZeroOptions {
   // this many consecutive data-parallel ranks (a node by default), and all-reduce the sharded gradients
   // across the groups' replicas. 0: shard over all data-parallel ranks.
   int hybrid_shard_size = 0;
+  // FSDP's MixedPrecision: parameters gathered and computed in `param_dtype` (the Accelerator sets bf16
+  // for mixed_precision bf16, fp16 for fp16 on CUDA) while the optimizer updates fp32 master shards;
+  // gradients reduced in `reduce_dtype` (default: the parameters' compute dtype; at::kFloat for fp32).
+  std::optional<at::ScalarType> param_dtype;
+  std::optional<at::ScalarType> reduce_dtype;
 };
 
 }  // namespace xlr8

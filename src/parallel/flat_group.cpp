@@ -36,15 +36,24 @@ void FlatGroup::release() {
 }
 
 Work FlatGroup::refresh_async(Communicator& comm) {
-  if (owns_shard) {
-    if (!gathered()) return Work();
-    return comm.all_gather_async(full, shard);
+  if (mixed()) {
+    at::NoGradGuard no_grad;
+    shard.copy_(master);
   }
-  return comm.all_gather_async(full, shard);  // `shard` is this rank's chunk of `full`: gathered in place
+  if (owns_shard && !gathered()) return Work();
+  return comm.all_gather_async(full, shard);  // stages 1-2: `shard` is this rank's chunk of `full`: in place
+}
+
+at::Tensor FlatGroup::gather_master(Communicator& comm) const {
+  if (!mixed() && gathered()) return full;
+  auto whole = at::empty({padded()}, master.options());
+  comm.all_gather(whole, master);
+  return whole;
 }
 
 FlatGroup make_flat_group(std::string label, const torch::nn::Module* unit, std::vector<std::string> names,
-                          std::vector<at::Tensor> params, Communicator& comm, bool owns_shard) {
+                          std::vector<at::Tensor> params, Communicator& comm, bool owns_shard,
+                          std::optional<at::ScalarType> compute_dtype) {
   FlatGroup g;
   g.label = std::move(label);
   g.unit = unit;
@@ -65,25 +74,28 @@ FlatGroup make_flat_group(std::string label, const torch::nn::Module* unit, std:
   }
   g.shard_numel = (g.numel + g.ranks - 1) / g.ranks;
   at::NoGradGuard no_grad;
-  g.full = at::zeros({g.padded()}, options);
+  const auto compute = compute_dtype.value_or(options.dtype().toScalarType());
+  auto exact = at::zeros({g.padded()}, options);  // the parameters in their own dtype, end to end
+  for (size_t i = 0; i < g.params.size(); ++i)
+    exact.narrow(0, g.offsets[i], g.params[i].numel()).copy_(g.params[i].detach().reshape(-1));
+  g.full = compute == exact.scalar_type() ? exact : exact.to(compute);
   for (size_t i = 0; i < g.params.size(); ++i) {
-    auto& p = g.params[i];
-    auto view = g.full.narrow(0, g.offsets[i], p.numel());
-    view.copy_(p.detach().reshape(-1));
     // The same parameter object, now a view of the flat buffer: its autograd identity (and the hooks
     // on its gradient accumulator) stay.
-    p.set_data(view.view(p.sizes()));
+    auto& p = g.params[i];
+    p.set_data(g.full.narrow(0, g.offsets[i], p.numel()).view(p.sizes()));
   }
-  auto own = g.full.narrow(0, static_cast<int64_t>(g.rank) * g.shard_numel, g.shard_numel);
+  const int64_t own_offset = static_cast<int64_t>(g.rank) * g.shard_numel;
   if (owns_shard) {
-    g.shard = comm.symmetric_empty({g.shard_numel}, options);
-    g.shard.copy_(own);
+    g.shard = comm.symmetric_empty({g.shard_numel}, g.full.options());
+    g.shard.copy_(g.full.narrow(0, own_offset, g.shard_numel));
   } else {
-    g.shard = own;
+    g.shard = g.full.narrow(0, own_offset, g.shard_numel);
   }
+  g.master = compute == exact.scalar_type() ? g.shard : exact.narrow(0, own_offset, g.shard_numel).clone();
   for (size_t i = 0; i < g.params.size(); ++i) {
     auto part = g.owned_part(i);
-    auto leaf = g.shard.narrow(0, part.in_shard, part.count).detach();
+    auto leaf = g.master.narrow(0, part.in_shard, part.count).detach();
     leaf.set_requires_grad(true);
     g.shard_params.push_back(leaf);
   }

@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -26,10 +27,14 @@ struct FlatGroup {
   int64_t shard_numel = 0;                   // elements per rank: padded size / ranks
   int rank = 0, ranks = 1;
   bool owns_shard = false;                   // stage 3: `shard` is its own tensor, `full` may be freed
-  at::Tensor full;                           // the gathered parameters, padded
-  at::Tensor shard;                          // this rank's chunk (a view of `full` unless owns_shard)
+  at::Tensor full;                           // the gathered parameters, padded, in the compute dtype
+  at::Tensor shard;                          // this rank's chunk of them (a view of `full` unless owns_shard)
+  at::Tensor master;                         // the chunk the optimizer updates: `shard` itself, or its fp32
+                                             // master copy when parameters compute in a lower precision
   at::Tensor grad_full;                      // gradients laid out like `full` (while reducing; stage 1 keeps it)
-  std::vector<at::Tensor> shard_params;      // per parameter: the leaf the optimizer updates
+  std::vector<at::Tensor> shard_params;      // per parameter: the leaf the optimizer updates (a view of `master`)
+
+  bool mixed() const { return !master.is_same(shard); }
 
   int64_t padded() const { return shard_numel * ranks; }
   bool gathered() const;
@@ -44,13 +49,19 @@ struct FlatGroup {
   void gather(Communicator& comm);
   // Frees `full`'s memory; the parameters keep their shapes but hold no data until the next gather.
   void release();
-  // After the optimizer updated this rank's chunk: all-gathers every chunk into `full`, in place.
+  // After the optimizer updated `master`: copies it into `shard` when they differ, then all-gathers every
+  // chunk into `full` (in place for stages 1-2; stage 3 only when gathered).
   Work refresh_async(Communicator& comm);
+  // The whole parameters in the master dtype, whatever `full` holds now (collective).
+  at::Tensor gather_master(Communicator& comm) const;
 };
 
-// Lays `params` (all requiring gradients, same dtype and device) out in a new group. Collective when
-// `owns_shard` (the shard is allocated in memory the group's peers can read directly).
+// Lays `params` (all requiring gradients, same dtype and device) out in a new group. With a
+// `compute_dtype` other than theirs, the parameters become tensors of that dtype (views of `full`) and
+// the optimizer's leaves stay in theirs. Collective when `owns_shard` (the shard is allocated in memory
+// the group's peers can read directly).
 FlatGroup make_flat_group(std::string label, const torch::nn::Module* unit, std::vector<std::string> names,
-                          std::vector<at::Tensor> params, Communicator& comm, bool owns_shard);
+                          std::vector<at::Tensor> params, Communicator& comm, bool owns_shard,
+                          std::optional<at::ScalarType> compute_dtype = std::nullopt);
 
 }  // namespace xlr8::detail

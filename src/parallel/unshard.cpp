@@ -19,28 +19,26 @@ std::unordered_map<const torch::nn::Module*, std::weak_ptr<ShardedUnit>>& regist
   return units;
 }
 
-// Callbacks by id: autograd functions keep only IValues in their context.
-std::unordered_map<int64_t, std::function<void()>>& prehooks() {
-  static std::unordered_map<int64_t, std::function<void()>> hooks;
-  return hooks;
-}
-int64_t next_prehook_id = 0;
-constexpr int64_t kPrehooksKept = 1 << 16;
+// The callback travels in the autograd node's context (as a capsule), so it lives exactly as long as
+// the graph: nothing long-lived is allocated per forward. (An id-keyed registry did, and its small
+// entries, interleaved with each step's large temporaries, kept glibc from reusing and trimming the heap:
+// stage 3's resident memory grew by megabytes a step.)
+struct Prehook : torch::CustomClassHolder {
+  explicit Prehook(std::function<void()> fn) : fn(std::move(fn)) {}
+  std::function<void()> fn;
+};
 
 struct BackwardPrehook : torch::autograd::Function<BackwardPrehook> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, int64_t id) {
-    ctx->saved_data["id"] = id;
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            c10::intrusive_ptr<Prehook> hook) {
+    ctx->saved_data["hook"] = c10::IValue::make_capsule(std::move(hook));
     return x;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    std::function<void()> hook;  // kept: a graph run backward twice (retain_graph) gathers twice
-    {
-      std::lock_guard<std::mutex> lock(registry_mutex);
-      auto it = prehooks().find(ctx->saved_data["id"].toInt());
-      if (it != prehooks().end()) hook = it->second;
-    }
-    if (hook) hook();
+    // Kept, not consumed: a graph run backward twice (retain_graph) gathers twice.
+    auto hook = c10::static_intrusive_pointer_cast<Prehook>(ctx->saved_data["hook"].toCapsule());
+    hook->fn();
     return {grads[0], at::Tensor()};
   }
 };
@@ -64,16 +62,7 @@ std::shared_ptr<ShardedUnit> find_unit(const torch::nn::Module& module) {
 }
 
 at::Tensor with_backward_prehook(const at::Tensor& output, std::function<void()> before_backward) {
-  int64_t id;
-  {
-    std::lock_guard<std::mutex> lock(registry_mutex);
-    id = next_prehook_id++;
-    prehooks()[id] = std::move(before_backward);
-    // Entries stay for graphs run backward again; the graphs of long-gone forwards are gone too, so
-    // only the most recent ones are kept.
-    prehooks().erase(id - kPrehooksKept);
-  }
-  return BackwardPrehook::apply(output, id);
+  return BackwardPrehook::apply(output, c10::make_intrusive<Prehook>(std::move(before_backward)));
 }
 
 }  // namespace detail

@@ -66,7 +66,7 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
   auto plans = stage_ == 3 ? plan_units(*module_, options_) : plan_buckets(*module_, options_);
   for (auto& plan : plans) {
     groups_.push_back(make_flat_group(plan.label, plan.unit, std::move(plan.names), std::move(plan.params), comm_,
-                                      /*owns_shard=*/stage_ == 3));
+                                      /*owns_shard=*/stage_ == 3, options_.param_dtype));
     const size_t g = groups_.size() - 1;
     for (size_t i = 0; i < groups_[g].params.size(); ++i) {
       user_slots_[groups_[g].params[i].unsafeGetTensorImpl()] = {g, i};
@@ -178,8 +178,11 @@ void ZeroEngine::release_all(bool writeback) {
   at::NoGradGuard no_grad;
   for (size_t g = 0; g < groups_.size(); ++g) {
     auto& group = groups_[g];
-    if (writeback && group.owns_shard && group.gathered())
-      group.shard.copy_(group.full.narrow(0, static_cast<int64_t>(group.rank) * group.shard_numel, group.shard_numel));
+    if (writeback && group.gathered()) {
+      auto own = group.full.narrow(0, static_cast<int64_t>(group.rank) * group.shard_numel, group.shard_numel);
+      if (group.owns_shard) group.shard.copy_(own);
+      if (group.mixed()) group.master.copy_(own);
+    }
     release(g);
   }
 }
@@ -223,7 +226,7 @@ void ZeroEngine::gradient_ready(size_t g, size_t i) {
 void ZeroEngine::stash_gradient(size_t g, size_t i) {
   auto& group = groups_[g];
   if (!group.grad_full.defined()) {
-    auto options = group.full.options();
+    auto options = group.full.options().dtype(options_.reduce_dtype.value_or(group.full.scalar_type()));
     group.grad_full = stage_ == 1 ? comm_.symmetric_empty({group.padded()}, options) : at::empty({group.padded()}, options);
     group.grad_full.zero_();
   }
@@ -307,6 +310,7 @@ void ZeroEngine::finish_backward() {
       at::Tensor chunk = stage_ == 1 ? group.grad_full.narrow(0, static_cast<int64_t>(group.rank) * group.shard_numel,
                                                               group.shard_numel)
                                      : grad_shards_[g];
+      if (chunk.scalar_type() != group.master.scalar_type()) chunk = chunk.to(group.master.scalar_type());
       for (size_t i = 0; i < group.params.size(); ++i) {
         auto part = group.owned_part(i);
         group.shard_params[i].mutable_grad() = chunk.narrow(0, part.in_shard, part.count);
@@ -411,9 +415,18 @@ StateDict ZeroEngine::state_dict(StateDictKind kind) {
   }
   // FULL: stages 1-2 hold whole parameters; stage 3 gathers one group at a time and copies it out.
   std::map<const c10::TensorImpl*, at::Tensor> copies;
-  if (stage_ == 3) {
+  {
     std::lock_guard<std::mutex> lock(mutex_);
     for (size_t g = 0; g < groups_.size(); ++g) {
+      auto& group = groups_[g];
+      if (group.mixed()) {  // the fp32 master values, not their low-precision copies
+        auto whole = group.gather_master(comm_);
+        for (size_t i = 0; i < group.params.size(); ++i)
+          copies[group.params[i].unsafeGetTensorImpl()] =
+              whole.narrow(0, group.offsets[i], group.params[i].numel()).view(group.params[i].sizes()).clone();
+        continue;
+      }
+      if (stage_ != 3) continue;
       const bool was = groups_[g].gathered();
       gather(g);
       for (const auto& p : groups_[g].params) copies[p.unsafeGetTensorImpl()] = p.detach().clone();
@@ -447,7 +460,7 @@ void ZeroEngine::load_state_dict(const StateDict& state, StateDictKind kind) {
       group.shard_params[slot->index].detach().copy_(tensor);
     } else {
       auto part = group.owned_part(slot->index);
-      group.shard.narrow(0, part.in_shard, part.count).copy_(tensor.reshape(-1).narrow(0, part.in_param, part.count));
+      group.master.narrow(0, part.in_shard, part.count).copy_(tensor.reshape(-1).narrow(0, part.in_param, part.count));
     }
   }
   // Whole copies that are alive (stages 1-2 always; stage 3 groups held whole) follow their shards.
@@ -463,7 +476,9 @@ StateDict ZeroEngine::state_dict_shapes(StateDictKind kind) const {
     const auto* slot = slot_of(item.value());
     const at::Tensor& t = kind == StateDictKind::SHARDED && slot ? groups_[slot->group].shard_params[slot->index]
                                                                   : item.value();
-    out.emplace_back(item.key(), at::empty(t.sizes(), t.options().device(at::kMeta)));
+    auto options = t.options().device(at::kMeta);
+    if (slot) options = options.dtype(groups_[slot->group].master.scalar_type());  // fp32 under mixed precision
+    out.emplace_back(item.key(), at::empty(t.sizes(), options));
   }
   for (const auto& item : module_->named_buffers())
     out.emplace_back(item.key(), at::empty(item.value().sizes(), item.value().options().device(at::kMeta)));
@@ -473,7 +488,7 @@ StateDict ZeroEngine::state_dict_shapes(StateDictKind kind) const {
 nlohmann::json ZeroEngine::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   nlohmann::json units = nlohmann::json::array();
-  int64_t shard_elements = 0, elements = 0;
+  int64_t shard_elements = 0, elements = 0, internal = 0;
   for (size_t g = 0; g < groups_.size(); ++g) {
     units.push_back({{"name", groups_[g].label},
                      {"parameters", groups_[g].numel},
@@ -481,6 +496,11 @@ nlohmann::json ZeroEngine::stats() const {
                      {"sharded_between_steps", stage_ == 3 && managed_[g]}});
     shard_elements += groups_[g].shard_numel;
     elements += groups_[g].numel;
+    // Held by the engine and reachable from neither the parameters nor the optimizer: the low-precision
+    // copy of a stage-3 shard, and stage 1's whole low-precision gradient buffer under mixed precision.
+    if (groups_[g].mixed() && groups_[g].owns_shard) internal += static_cast<int64_t>(groups_[g].shard.nbytes());
+    if (groups_[g].mixed() && stage_ == 1 && groups_[g].grad_full.defined())
+      internal += static_cast<int64_t>(groups_[g].grad_full.nbytes());
   }
   return {{"stage", stage_},
           {"ranks", comm_.size()},
@@ -488,6 +508,7 @@ nlohmann::json ZeroEngine::stats() const {
           {"groups", units},
           {"parameters", elements},
           {"shard_elements", shard_elements},
+          {"internal_state_bytes", internal},
           {"gathers", gathers_},
           {"releases", releases_},
           {"launches", launches_},

@@ -211,7 +211,13 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   if (!module) throw Error("prepare(): the model is null");
   if (s.strategy_for(module.get())) throw Error("prepare(): this model was already prepared; prepare each model once");
   module->to(s.device);
-  s.models.push_back(make_parallel_strategy(std::move(module), *s.state, s.options.parallel, s.gradient_state));
+  // Sharded strategies gather and compute parameters in the autocast dtype (FSDP's MixedPrecision).
+  auto parallel = s.options.parallel;
+  const bool low_precision = s.precision == MixedPrecision::BF16 ||
+                             (s.precision == MixedPrecision::FP16 && s.device.is_cuda());
+  if (!parallel.zero.param_dtype && low_precision)
+    parallel.zero.param_dtype = s.precision == MixedPrecision::FP16 ? at::kHalf : at::kBFloat16;
+  s.models.push_back(make_parallel_strategy(std::move(module), *s.state, parallel, s.gradient_state));
   // What users pass to optimizers and clip_grad_norm (the module's parameters) and what a sharded
   // strategy optimizes (its shards) both lead to the strategy.
   auto* strategy = s.models.back().get();
