@@ -51,6 +51,12 @@ def configs(model):
         "b_f_xlr8_1_fused_adamw": [BENCH, "--impl", "xlr8", "--optimizer", "fused_adamw"] + args,
         "h_f_two_independent_xlr8_1_fused_adamw": Together([[BENCH, "--impl", "xlr8", "--optimizer", "fused_adamw"] + args] * 2),
         "c_f_xlr8_ddp_2_fused_adamw": launch(2, [BENCH, "--impl", "xlr8", "--optimizer", "fused_adamw"] + args),
+        # ZeRO-1 on 2 ranks: xlr8's (--use_deepspeed --zero_stage 1) against PyTorch's own
+        # ZeroRedundancyOptimizer over DDP; both report their bytes per rank (state_bytes_per_rank).
+        "z_xlr8_zero1_2": launch(2, ["--use_deepspeed", "--zero_stage", "1", BENCH, "--impl", "xlr8"] + args),
+        "z_f_xlr8_zero1_2_fused_adamw": launch(2, ["--use_deepspeed", "--zero_stage", "1", BENCH, "--impl", "xlr8",
+                                                   "--optimizer", "fused_adamw"] + args),
+        "zp_pytorch_zero1_2": launch(2, PYBENCH + ["--zero"] + args),
         # (c_f) with each rank bound to its own cores (xlr8 launch --enable_cpu_affinity).
         "c_fa_xlr8_ddp_2_fused_adamw_cpu_affinity": launch(2, ["--enable_cpu_affinity", BENCH, "--impl", "xlr8",
                                                                "--optimizer", "fused_adamw"] + args),
@@ -93,7 +99,7 @@ def main():
                 samples[name].append(run_json(cmd)[-1])
             print(f"bench: {model} repetition {rep + 1}/{REPS} done", file=sys.stderr, flush=True)
         keys = ("step_ms_median", "samples_per_s", "peak_rss_mb", "forward_ms_median", "backward_ms_median",
-                "optimizer_ms_median", "comm_wait_ms_median")
+                "optimizer_ms_median", "comm_wait_ms_median", "state_bytes_per_rank")
         med = {name: {k: statistics.median(r[k] for r in runs) for k in keys if k in runs[0]}
                for name, runs in samples.items()}
         sps = {k: v["samples_per_s"] for k, v in med.items()}
@@ -117,6 +123,9 @@ def main():
             ("fused_adamw: two_independent_vs_xlr8_1", "h_f_two_independent_xlr8_1_fused_adamw", "b_f_xlr8_1_fused_adamw", "x"),
             ("fused_adamw: xlr8_ddp2_vs_pytorch_ddp2", "c_f_xlr8_ddp_2_fused_adamw", "d_pytorch_ddp_2", "x"),
             ("fused_adamw: xlr8_ddp2_vs_pytorch_ddp2_same_malloc", "c_f_xlr8_ddp_2_fused_adamw", "d2_pytorch_ddp_2_tuned_malloc", "x"),
+            ("xlr8_zero1_2_vs_pytorch_zero1_2", "z_xlr8_zero1_2", "zp_pytorch_zero1_2", "x"),
+            ("fused_adamw: xlr8_zero1_2_vs_pytorch_zero1_2", "z_f_xlr8_zero1_2_fused_adamw", "zp_pytorch_zero1_2", "x"),
+            ("xlr8_zero1_2_vs_xlr8_ddp2", "z_xlr8_zero1_2", "c_xlr8_ddp_2", "x"),
             ("fused_adamw: xlr8_ddp2_cpu_affinity_vs_xlr8_1", "c_fa_xlr8_ddp_2_fused_adamw_cpu_affinity", "b_f_xlr8_1_fused_adamw", "x"),
             ("fused_adamw: xlr8_ddp2_cpu_affinity_vs_without", "c_fa_xlr8_ddp_2_fused_adamw_cpu_affinity", "c_f_xlr8_ddp_2_fused_adamw", "x"),
         ]
@@ -124,12 +133,14 @@ def main():
                   for name, a, b, kind in wanted if a in med and b in med}
         results["models"][model] = {"medians": med, "ratios": ratios, "runs": samples}
         print(f"\n{model}: medians of {REPS} alternating runs")
-        print(f"{'impl':<40}{'step ms':>10}{'samples/s':>12}{'peak RSS MB':>13}{'fwd ms':>9}{'bwd ms':>9}{'opt ms':>9}{'wait ms':>9}")
+        print(f"{'impl':<40}{'step ms':>10}{'samples/s':>12}{'peak RSS MB':>13}{'fwd ms':>9}{'bwd ms':>9}{'opt ms':>9}"
+              f"{'wait ms':>9}{'state MB':>10}")
         for name, m in med.items():
             phases = "".join(f"{m[k]:>9.1f}" if k in m else f"{'-':>9}"
                              for k in ("forward_ms_median", "backward_ms_median", "optimizer_ms_median",
                                        "comm_wait_ms_median"))
-            print(f"{name:<40}{m['step_ms_median']:>10.1f}{m['samples_per_s']:>12.0f}{m['peak_rss_mb']:>13.0f}{phases}")
+            state = f"{m['state_bytes_per_rank'] / 1e6:>10.1f}" if "state_bytes_per_rank" in m else f"{'-':>10}"
+            print(f"{name:<40}{m['step_ms_median']:>10.1f}{m['samples_per_s']:>12.0f}{m['peak_rss_mb']:>13.0f}{phases}{state}")
         for k, v in ratios.items():
             print(f"  {k}: {v:.3f}")
     if os.environ.get("ONLY"):
