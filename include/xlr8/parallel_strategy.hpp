@@ -30,8 +30,10 @@ struct ParallelOptions {
   ZeroOptions zero;
 };
 
-// FULL: every tensor whole, by name (what save_model exports). SHARDED: what this rank holds.
-enum class StateDictKind { FULL, SHARDED };
+// FULL: every tensor whole, by name, on every rank. FULL_ON_MAIN: the same on the strategy group's rank 0
+// (FSDP's rank0_only; what save_model and save_state write), and elsewhere only names, dtypes and shapes
+// (meta tensors, no memory). SHARDED: what this rank holds.
+enum class StateDictKind { FULL, SHARDED, FULL_ON_MAIN };
 // Named tensors in the module's order (parameters, then buffers), as PyTorch's state_dict orders them.
 using StateDict = NamedTensors;
 

@@ -414,6 +414,18 @@ StateDict ZeroEngine::state_dict(StateDictKind kind) {
     return out;
   }
   // FULL: stages 1-2 hold whole parameters; stage 3 gathers one group at a time and copies it out.
+  // FULL_ON_MAIN: only the group's first rank (the first replica's, under hybrid sharding) copies.
+  if (kind == StateDictKind::FULL_ON_MAIN && (comm_.rank() != 0 || (replicate_.valid() && replicate_.rank() != 0))) {
+    for (size_t g = 0; g < groups_.size(); ++g) {  // the collectives still need every rank
+      if (groups_[g].mixed()) groups_[g].gather_master(comm_);
+      else if (stage_ == 3 && !groups_[g].gathered()) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        gather(g);
+        release(g);
+      }
+    }
+    return state_dict_shapes(StateDictKind::FULL);
+  }
   std::map<const c10::TensorImpl*, at::Tensor> copies;
   {
     std::lock_guard<std::mutex> lock(mutex_);

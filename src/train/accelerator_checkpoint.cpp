@@ -16,7 +16,7 @@ namespace {
 
 // The full state dict of a prepared model (through its strategy: collective), or of any other module.
 NamedTensors full_state_of(const AcceleratorImpl& s, const torch::nn::Module& module) {
-  if (auto* strategy = s.strategy_for(&module)) return strategy->state_dict(StateDictKind::FULL);
+  if (auto* strategy = s.strategy_for(&module)) return strategy->state_dict(StateDictKind::FULL_ON_MAIN);
   return module_state_dict(module);
 }
 
@@ -53,7 +53,7 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
   content.rng = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
   // Every rank asks for the state dicts (collective for sharded strategies); the main process writes them.
   for (const auto& m : s.models) {
-    auto full = m->state_dict(StateDictKind::FULL);
+    auto full = m->state_dict(StateDictKind::FULL_ON_MAIN);
     if (is_main_process()) content.models.push_back(std::move(full));
   }
   // An optimizer of a sharded model holds this rank's shard of the state: every rank writes its own.
@@ -130,7 +130,7 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
         per_rank ? saved.rank_optimizer(i, process_index()) : saved.optimizer(i), optimizer_paths.back()));
   }
   for (size_t i = 0; i < s.models.size(); ++i)
-    checkpoint::check_matches(s.models[i]->state_dict(StateDictKind::FULL), model_files[i],
+    checkpoint::check_matches(s.models[i]->state_dict(StateDictKind::FULL_ON_MAIN), model_files[i],
                               (source / checkpoint::model_file(i)).string());
 
   for (size_t i = 0; i < s.models.size(); ++i) s.models[i]->load_state_dict(model_files[i].tensors, StateDictKind::FULL);

@@ -215,6 +215,15 @@ TEST(Zero, StageThreeFreesUnitsBetweenStepsAndGathersAtMostRootPlusOneUnit) {
                                              })->second));
     strategy->release_full_parameters(false);
     EXPECT_EQ(block->fc->weight.storage().nbytes(), 0u);
+    // FULL_ON_MAIN: the values on the group's first rank only; shapes elsewhere, and nothing stays gathered.
+    auto on_main = strategy->state_dict(StateDictKind::FULL_ON_MAIN);
+    ASSERT_EQ(on_main.size(), full.size());
+    for (size_t i = 0; i < full.size(); ++i) {
+      EXPECT_EQ(on_main[i].second.sizes(), full[i].second.sizes());
+      if (comm.rank() == 0) EXPECT_TRUE(at::equal(on_main[i].second, full[i].second)) << full[i].first;
+      else EXPECT_TRUE(on_main[i].second.is_meta()) << full[i].first;
+    }
+    EXPECT_EQ(strategy->stats()["gathered_bytes"], 0);
   });
 }
 
