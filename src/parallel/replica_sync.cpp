@@ -49,9 +49,14 @@ void make_replicas_equal(Communicator& comm, const torch::nn::Module& module) {
 
 void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& tensors) {
   at::NoGradGuard no_grad;
-  std::map<at::ScalarType, std::vector<at::Tensor>> by_type;
-  for (const auto& t : tensors) by_type[t.scalar_type()].push_back(t);
-  for (auto& [type, group] : by_type) {
+  // Small tensors travel packed, one broadcast per ~64 MB of one dtype; a large contiguous tensor is
+  // broadcast in place. Never a copy of the whole model: at start-up every rank already holds one.
+  constexpr int64_t kChunkBytes = 64 << 20;
+  std::map<at::ScalarType, std::vector<at::Tensor>> pending;
+  std::map<at::ScalarType, int64_t> pending_bytes;
+  auto flush = [&](at::ScalarType type) {
+    auto& group = pending[type];
+    if (group.empty()) return;
     std::vector<at::Tensor> flat_parts;
     for (auto& t : group) flat_parts.push_back(t.detach().reshape(-1));
     auto flat = at::cat(flat_parts);
@@ -61,7 +66,20 @@ void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& ten
       t.detach().copy_(flat.narrow(0, offset, t.numel()).view(t.sizes()));
       offset += t.numel();
     }
+    group.clear();
+    pending_bytes[type] = 0;
+  };
+  for (const auto& t : tensors) {
+    const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
+    if (bytes >= kChunkBytes && t.is_contiguous()) {
+      auto in_place = t.detach();
+      comm.broadcast(in_place, 0);
+      continue;
+    }
+    pending[t.scalar_type()].push_back(t);
+    if ((pending_bytes[t.scalar_type()] += bytes) >= kChunkBytes) flush(t.scalar_type());
   }
+  for (auto& [type, group] : pending) flush(type);
 }
 
 }  // namespace xlr8::detail

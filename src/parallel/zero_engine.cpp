@@ -7,6 +7,7 @@
 #include <cmath>
 #include <map>
 
+#include "os/memory.hpp"
 #include "parallel/replica_sync.hpp"
 #include "parallel/sharded_unit.hpp"
 #include "parallel/state_dict_check.hpp"
@@ -73,6 +74,7 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
       shard_slots_[groups_[g].shard_params[i].unsafeGetTensorImpl()] = {g, i};
     }
     if (stage_ == 3) gathered_bytes_ += groups_[g].full_bytes();
+    return_free_memory_to_system();  // the group's original parameter storage, now replaced
   }
   // Gradients become ready in reverse: buckets are already in that order; units (root last) reverse.
   for (size_t g = 0; g < groups_.size(); ++g) launch_order_.push_back(g);
@@ -264,8 +266,9 @@ void ZeroEngine::launch(size_t g) {
       break;
     }
   in_flight_.push_back(g);
-  // At most two groups' whole gradients are alive at once (FSDP's limit on unsharded buffers).
-  while (stage_ > 1 && in_flight_.size() > 2) retire_oldest();
+  // At most two groups' whole gradients are alive at once (FSDP's limit on unsharded buffers): the one
+  // in flight and the next one filling up.
+  while (stage_ > 1 && in_flight_.size() > 1) retire_oldest();
 }
 
 void ZeroEngine::retire_oldest() {
