@@ -157,10 +157,7 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
     if (!unused.empty()) {
       if (!options.find_unused_parameters) {
         reset_backward_state();
-        throw Error(fmt::format("rank {}: parameter{} {} received no gradient in this backward pass, so the gradient "
-                                "all-reduce cannot complete. Use every parameter in forward, set requires_grad(false) "
-                                "on it, or set find_unused_parameters = true",
-                                comm.rank(), unused.size() == 1 ? "" : "s", fmt::join(unused, ", ")));
+        throw detail::unused_parameters_error(comm.rank(), unused, "all-reduce");
       }
       for (size_t k = 0; k < params.size(); ++k)
         if (!ready[k]) {

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <map>
 #include <nlohmann/json.hpp>
@@ -45,6 +46,13 @@ void make_replicas_equal(Communicator& comm, const torch::nn::Module& module) {
   if (comm.size() == 1) return;
   verify_same_model(comm, signatures);
   broadcast_from_rank0(comm, tensors);
+}
+
+Error unused_parameters_error(int rank, const std::vector<std::string>& names, const std::string& reduction) {
+  return Error(fmt::format("rank {}: parameter{} {} received no gradient in this backward pass, so the gradient {} "
+                           "cannot complete. Use every parameter in forward, set requires_grad(false) on it, or set "
+                           "find_unused_parameters = true",
+                           rank, names.size() == 1 ? "" : "s", fmt::join(names, ", "), reduction));
 }
 
 void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& tensors) {

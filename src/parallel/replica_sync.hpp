@@ -4,15 +4,20 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include <string>
 #include <vector>
 
 #include "xlr8/communicator.hpp"
+#include "xlr8/error.hpp"
 
 namespace xlr8::detail {
 
 // Collective: compares every rank's parameter and buffer names, dtypes and shapes (an Error names the
 // first difference and the rank), then broadcasts parameters and buffers from rank 0.
 void make_replicas_equal(Communicator& comm, const torch::nn::Module& module);
+// The error for parameters that got no gradient in a synchronised backward (`reduction`: the
+// collective that cannot complete without them).
+Error unused_parameters_error(int rank, const std::vector<std::string>& names, const std::string& reduction);
 // One broadcast per dtype of all `tensors`, from rank 0, copied back in place.
 void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& tensors);
 

@@ -293,10 +293,7 @@ void ZeroEngine::finish_backward() {
         if (!ready_[g][i]) unused.push_back(groups_[g].names[i]);
     if (!unused.empty() && !find_unused_) {
       reset_backward_state();
-      throw Error(fmt::format("rank {}: parameter{} {} received no gradient in this backward pass, so the gradient "
-                              "reduction cannot complete. Use every parameter in forward, set requires_grad(false) "
-                              "on it, or set find_unused_parameters = true",
-                              comm_.rank(), unused.size() == 1 ? "" : "s", fmt::join(unused, ", ")));
+      throw unused_parameters_error(comm_.rank(), unused, "reduction");
     }
     for (size_t g = 0; g < groups_.size(); ++g)
       for (size_t i = 0; i < groups_[g].params.size(); ++i)
