@@ -360,6 +360,10 @@ void ZeroEngine::optimizer_step(torch::optim::Optimizer& optimizer) {
   std::lock_guard<std::mutex> lock(mutex_);
   // Stages 1-2: every rank updated its chunk of the whole parameters; gather the others' in place.
   // Stage 3: the shards are the parameters; only groups held whole (no guard, or gathered now) refresh.
+  refresh_whole_copies();
+}
+
+void ZeroEngine::refresh_whole_copies() {
   std::vector<Work> works;
   for (auto& group : groups_) works.push_back(group.refresh_async(comm_));
   for (auto& w : works) w.wait();
@@ -385,12 +389,14 @@ double ZeroEngine::clip_grad_norm(const std::vector<at::Tensor>& parameters, dou
     if (grad.defined() && grad.numel() > 0) grads.push_back(grad);
   }
   const bool infinity = std::isinf(norm_type);
-  double local = 0;
-  for (const auto& g : grads) {
-    double n = g.norm(norm_type).item<double>();
-    local = infinity ? std::max(local, n) : local + std::pow(n, norm_type);
+  // One read-back for all the partial norms, not one per gradient.
+  auto total = at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
+  if (!grads.empty()) {
+    std::vector<at::Tensor> norms;
+    for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble).reshape({1}));
+    auto all = at::cat(norms);
+    total = infinity ? all.max().reshape({1}) : all.pow(norm_type).sum().reshape({1});
   }
-  auto total = at::full({1}, local, at::TensorOptions().dtype(at::kDouble));
   comm_.all_reduce(total, infinity ? ReduceOp::MAX : ReduceOp::SUM);
   const double norm = infinity ? total.item<double>() : std::pow(total.item<double>(), 1.0 / norm_type);
   const double coef = max_norm / (norm + 1e-6);
@@ -476,9 +482,7 @@ void ZeroEngine::load_state_dict(const StateDict& state, StateDictKind kind) {
     }
   }
   // Whole copies that are alive (stages 1-2 always; stage 3 groups held whole) follow their shards.
-  std::vector<Work> works;
-  for (auto& group : groups_) works.push_back(group.refresh_async(comm_));
-  for (auto& w : works) w.wait();
+  refresh_whole_copies();
 }
 
 StateDict ZeroEngine::state_dict_shapes(StateDictKind kind) const {

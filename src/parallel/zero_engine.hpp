@@ -67,6 +67,8 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   void release(size_t group);
   void reset_backward_state();
   const Slot* slot_of(const at::Tensor& tensor) const;
+  // Every whole copy that is alive (stages 1-2; stage-3 groups held whole) catches up with its shards.
+  void refresh_whole_copies();
   StateDict state_dict_shapes(StateDictKind kind) const;
 
   std::shared_ptr<torch::nn::Module> module_;
