@@ -68,7 +68,8 @@ class DataLoaderBase {
   const DataLoaderOptions& options() const { return options_; }
   const ShardingOptions& sharding() const { return sharding_; }
 
-  // For checkpoints: {"epoch", "position"}. Loading makes the next iteration resume at that batch.
+  // For checkpoints: {"epoch", "position", "samples"}. Loading makes the next iteration resume at that
+  // sample, also with another number of processes.
   nlohmann::json state() const;
   void load_state(const nlohmann::json& state);
 
@@ -77,6 +78,7 @@ class DataLoaderBase {
   std::shared_ptr<Pass> start_pass();
   std::vector<std::vector<int64_t>> plan_epoch() const;
   void run_async(std::function<void()> task);
+  int64_t global_batch() const;  // samples all processes take per batch
   at::Device device_;
 
  private:

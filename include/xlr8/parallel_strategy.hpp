@@ -37,6 +37,19 @@ enum class StateDictKind { FULL, SHARDED, FULL_ON_MAIN };
 // Named tensors in the module's order (parameters, then buffers), as PyTorch's state_dict orders them.
 using StateDict = NamedTensors;
 
+// A part of one parameter that this rank holds, for checkpoints that any strategy and process count can
+// read back: `values` is the tensor the optimizer updates for it (the parameter itself for replicas, a
+// shard leaf when sharded; its optimizer state has its shape) and covers the elements [start, start +
+// values.numel()) of the parameter flattened. `writes` says whether this rank is the one that saves it
+// (hybrid sharding: the first replica's).
+struct ParameterPiece {
+  std::string name;
+  std::vector<int64_t> shape;  // the whole parameter's
+  at::Tensor values;
+  int64_t start = 0;
+  bool writes = true;
+};
+
 class ParallelStrategy {
  public:
   virtual ~ParallelStrategy() = default;
@@ -71,6 +84,11 @@ class ParallelStrategy {
   // Copies `state` into the module, strictly: exactly the module's names, shapes and dtypes
   // (ConfigError naming every difference otherwise). Collective, as state_dict.
   virtual void load_state_dict(const StateDict& state, StateDictKind kind);
+  // Every parameter of the module, as the parts this rank holds (in the module's order). Replicas: each
+  // parameter whole. No communication.
+  virtual std::vector<ParameterPiece> parameter_pieces() const;
+  // After new values were copied into parameter_pieces()' `values`: whole copies catch up. Collective.
+  virtual void parameter_pieces_loaded() {}
   // FSDP's summon_full_params: every parameter whole and current until release_full_parameters(), which
   // with `writeback` keeps changes made to them meanwhile. Collective; replicas are always whole.
   virtual void gather_full_parameters() {}

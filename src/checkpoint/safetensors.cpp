@@ -30,41 +30,86 @@ std::optional<at::ScalarType> dtype_of(const std::string& code) {
 
 }  // namespace
 
-std::string safetensors_bytes(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
+std::string safetensors_dtype_code(at::ScalarType type) { return dtype_code(type); }
+std::optional<at::ScalarType> safetensors_dtype_from_code(const std::string& code) { return dtype_of(code); }
+
+std::string safetensors_header_bytes(const std::vector<SafetensorsSpec>& specs,
+                                    const std::map<std::string, std::string>& metadata) {
   nlohmann::ordered_json header;
   if (!metadata.empty()) header["__metadata__"] = metadata;
-  std::vector<at::Tensor> contiguous;
   size_t offset = 0;
-  for (const auto& [name, tensor] : tensors) {
-    if (header.contains(name)) throw Error(fmt::format("safetensors: duplicate tensor name {:?}", name));
-    auto t = tensor.detach().to(at::kCPU).contiguous();
-    size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
-    header[name] = {{"dtype", dtype_code(t.scalar_type())}, {"shape", t.sizes().vec()}, {"data_offsets", {offset, offset + bytes}}};
+  for (const auto& spec : specs) {
+    if (header.contains(spec.name)) throw Error(fmt::format("safetensors: duplicate tensor name {:?}", spec.name));
+    size_t bytes = at::elementSize(spec.dtype);
+    for (auto d : spec.shape) bytes *= static_cast<size_t>(d);
+    header[spec.name] = {{"dtype", dtype_code(spec.dtype)}, {"shape", spec.shape}, {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;
-    contiguous.push_back(t);
   }
   std::string head = header.dump();
   head.append((8 - head.size() % 8) % 8, ' ');  // keep the data 8-byte aligned
   std::string out(8, '\0');
   uint64_t n = head.size();
   for (int i = 0; i < 8; ++i) out[i] = static_cast<char>((n >> (8 * i)) & 0xff);
-  out += head;
-  out.reserve(out.size() + offset);
+  return out + head;
+}
+
+std::string safetensors_bytes(const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
+  std::vector<SafetensorsSpec> specs;
+  std::vector<at::Tensor> contiguous;
+  size_t total = 0;
+  for (const auto& [name, tensor] : tensors) {
+    auto t = tensor.detach().to(at::kCPU).contiguous();
+    specs.push_back({name, t.scalar_type(), t.sizes().vec()});
+    total += static_cast<size_t>(t.numel()) * t.element_size();
+    contiguous.push_back(t);
+  }
+  std::string out = safetensors_header_bytes(specs, metadata);
+  out.reserve(out.size() + total);
   for (const auto& t : contiguous)
     out.append(reinterpret_cast<const char*>(t.data_ptr()), static_cast<size_t>(t.numel()) * t.element_size());
   return out;
 }
 
 void save_safetensors(const std::string& path, const NamedTensors& tensors, const std::map<std::string, std::string>& metadata) {
-  files::write_durably(path, safetensors_bytes(tensors, metadata));
+  std::vector<SafetensorsSpec> specs;
+  for (const auto& [name, t] : tensors) specs.push_back({name, t.scalar_type(), t.sizes().vec()});
+  SafetensorsWriter writer(path, specs, metadata);
+  for (const auto& [name, t] : tensors) writer.write(t);
+  writer.commit();
 }
 
-SafetensorsContent parse_safetensors(const std::string& bytes, const std::string& origin) {
+SafetensorsWriter::SafetensorsWriter(std::string path, std::vector<SafetensorsSpec> specs,
+                                     const std::map<std::string, std::string>& metadata)
+    : path_(std::move(path)), specs_(std::move(specs)), out_(std::make_unique<files::DurableFile>(path_)) {
+  out_->append(safetensors_header_bytes(specs_, metadata));
+}
+
+SafetensorsWriter::~SafetensorsWriter() = default;
+
+void SafetensorsWriter::write(const at::Tensor& tensor) {
+  if (next_ >= specs_.size()) throw Error(fmt::format("{}: more tensors written than announced", path_));
+  const auto& spec = specs_[next_];
+  auto t = tensor.detach().to(at::kCPU).contiguous();
+  if (t.scalar_type() != spec.dtype || t.sizes().vec() != spec.shape)
+    throw Error(fmt::format("{}: tensor {:?} is {}{}, announced as {}{}", path_, spec.name, c10::toString(t.scalar_type()),
+                            c10::str(t.sizes()), c10::toString(spec.dtype), c10::str(at::IntArrayRef(spec.shape))));
+  out_->append(t.data_ptr(), static_cast<size_t>(t.numel()) * t.element_size());
+  ++next_;
+}
+
+void SafetensorsWriter::commit() {
+  if (next_ != specs_.size())
+    throw Error(fmt::format("{}: {} of {} tensors written", path_, next_, specs_.size()));
+  out_->commit();
+}
+
+SafetensorsHeader parse_safetensors_header(const std::string& bytes, size_t file_size, const std::string& origin) {
   auto bad = [&](const std::string& why) { return Error(fmt::format("{} is not a valid safetensors file: {}", origin, why)); };
   if (bytes.size() < 8) throw bad(fmt::format("only {} bytes", bytes.size()));
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(bytes[i])) << (8 * i);
-  if (n > bytes.size() - 8) throw bad(fmt::format("header length {} exceeds the file size {}", n, bytes.size()));
+  if (n > file_size - 8 || n > bytes.size() - 8)
+    throw bad(fmt::format("header length {} exceeds the file size {}", n, file_size));
   nlohmann::ordered_json header;
   try {
     header = nlohmann::ordered_json::parse(bytes.substr(8, n));
@@ -72,11 +117,12 @@ SafetensorsContent parse_safetensors(const std::string& bytes, const std::string
     throw bad(std::string("header is not JSON: ") + e.what());
   }
   if (!header.is_object()) throw bad("header is not a JSON object");
-  const size_t data_start = 8 + n, data_size = bytes.size() - data_start;
-  SafetensorsContent content;
+  SafetensorsHeader out;
+  out.data_start = 8 + n;
+  const size_t data_size = file_size - out.data_start;
   for (auto& [name, entry] : header.items()) {
     if (name == "__metadata__") {
-      for (auto& [k, v] : entry.items()) content.metadata[k] = v.get<std::string>();
+      for (auto& [k, v] : entry.items()) out.metadata[k] = v.get<std::string>();
       continue;
     }
     try {
@@ -85,17 +131,30 @@ SafetensorsContent parse_safetensors(const std::string& bytes, const std::string
       auto shape = entry.at("shape").get<std::vector<int64_t>>();
       auto offsets = entry.at("data_offsets").get<std::vector<size_t>>();
       int64_t numel = 1;
-      for (auto d : shape) numel *= d;
+      for (auto d : shape) {
+        if (d < 0) throw bad(fmt::format("tensor {:?} has a negative dimension", name));
+        numel *= d;
+      }
       size_t expected = static_cast<size_t>(numel) * at::elementSize(*type);
       if (offsets.size() != 2 || offsets[1] < offsets[0] || offsets[1] > data_size || offsets[1] - offsets[0] != expected)
         throw bad(fmt::format("tensor {:?} has data offsets {} that do not fit its shape or the file", name,
                               entry.at("data_offsets").dump()));
-      auto t = at::empty(shape, at::TensorOptions().dtype(*type));
-      std::memcpy(t.data_ptr(), bytes.data() + data_start + offsets[0], expected);
-      content.tensors.emplace_back(name, t);
+      out.entries.push_back({name, *type, std::move(shape), out.data_start + offsets[0], expected});
     } catch (const nlohmann::json::exception& e) {
       throw bad(fmt::format("tensor {:?}: {}", name, e.what()));
     }
+  }
+  return out;
+}
+
+SafetensorsContent parse_safetensors(const std::string& bytes, const std::string& origin) {
+  auto header = parse_safetensors_header(bytes, bytes.size(), origin);
+  SafetensorsContent content;
+  content.metadata = std::move(header.metadata);
+  for (auto& e : header.entries) {
+    auto t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+    std::memcpy(t.data_ptr(), bytes.data() + e.begin, e.bytes);
+    content.tensors.emplace_back(e.name, t);
   }
   return content;
 }

@@ -5,6 +5,9 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <fcntl.h>
+#include <stdio.h>
+
 #include <regex>
 #include <sstream>
 
@@ -29,6 +32,25 @@ int64_t checkpoint_number(const fs::path& p) {
   std::smatch m;
   std::string name = p.filename().string();
   return std::regex_match(name, m, pattern) ? std::stoll(m[1]) : -1;
+}
+
+// Puts `tmp` at `final_dir` in one atomic step: a rename, or where a checkpoint is already there an
+// exchange of the two (renameat2), so that at every instant `final_dir` is a complete checkpoint.
+void commit_directory(const fs::path& tmp, const fs::path& final_dir) {
+  if (!fs::exists(final_dir)) {
+    fs::rename(tmp, final_dir);
+    return;
+  }
+  if (renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+    fs::remove_all(tmp);  // the previous checkpoint, now under the temporary name
+    return;
+  }
+  // A filesystem without exchange: the old one is moved aside for the instant between two renames.
+  fs::path old = final_dir.string() + ".old";
+  fs::remove_all(old);
+  fs::rename(final_dir, old);
+  fs::rename(tmp, final_dir);
+  fs::remove_all(old);
 }
 
 }  // namespace
@@ -91,33 +113,42 @@ std::string save(const fs::path& final_dir, const Content& content, Communicator
     fs::create_directories(tmp);
   }
   world.barrier();
+  std::vector<std::string> written{rng_file(world.rank()), pieces_file(world.rank())};
   save_safetensors((tmp / rng_file(world.rank())).string(), content.rng, {{"rank", std::to_string(world.rank())}});
-  for (const auto& [index, bytes] : content.rank_optimizers)
-    files::write_durably((tmp / rank_optimizer_file(index, world.rank())).string(), bytes);
+  for (const auto& [index, bytes] : content.rank_optimizers) {
+    written.push_back(rank_optimizer_file(index, world.rank()));
+    files::write_durably((tmp / written.back()).string(), bytes);
+  }
+  write_pieces(tmp, content.pieces, world);
   if (main) {
-    for (size_t i = 0; i < content.models.size(); ++i)
-      save_safetensors((tmp / model_file(i)).string(), content.models[i], {{"format", "pt"}});
-    for (const auto& [index, bytes] : content.optimizers)
-      files::write_durably((tmp / optimizer_file(index)).string(), bytes);
+    written.push_back(kPiecesIndex);
+    for (size_t i = 0; i < content.models.size(); ++i) {
+      written.push_back(model_file(i));
+      save_safetensors((tmp / written.back()).string(), content.models[i], {{"format", "pt"}});
+    }
+    for (const auto& [index, bytes] : content.optimizers) {
+      written.push_back(optimizer_file(index));
+      files::write_durably((tmp / written.back()).string(), bytes);
+    }
     auto state = content.state;
     state["format"] = kFormat;
     state["world_size"] = world.size();
+    written.push_back(kStateFile);
     files::write_durably((tmp / kStateFile).string(), state.dump(2));
   }
-  world.barrier();
+  // Every rank checksums what it wrote, read back from disk on purpose: the CRCs describe what was
+  // actually written. In parallel, so no rank reads the whole checkpoint.
+  nlohmann::json mine = nlohmann::json::object();
+  for (const auto& name : written) {
+    auto bytes = files::read_all((tmp / name).string());
+    mine[name] = {{"size", bytes.size()}, {"crc32", files::crc32_of(bytes)}};
+  }
+  auto all = world.all_gather_object(mine.dump());
   if (main) {
-    // Read back from disk on purpose: the CRCs describe what was actually written, including other ranks' files.
     nlohmann::json manifest{{"format", kFormat}, {"world_size", world.size()}, {"files", nlohmann::json::object()}};
-    for (auto& e : fs::directory_iterator(tmp)) {
-      auto bytes = files::read_all(e.path().string());
-      manifest["files"][e.path().filename().string()] = {{"size", bytes.size()}, {"crc32", files::crc32_of(bytes)}};
-    }
+    for (const auto& text : all) manifest["files"].update(nlohmann::json::parse(text));
     files::write_durably((tmp / kManifest).string(), manifest.dump(2));
-    fs::path old = final_dir.string() + ".old";
-    fs::remove_all(old);
-    if (fs::exists(final_dir)) fs::rename(final_dir, old);
-    fs::rename(tmp, final_dir);
-    fs::remove_all(old);
+    commit_directory(tmp, final_dir);
     files::fsync_directory(final_dir.parent_path().empty() ? "." : final_dir.parent_path().string());
   }
   return final_dir.string();
@@ -138,46 +169,78 @@ Verified::Verified(const fs::path& dir) : dir_(dir) {
   }
   for (auto& [name, entry] : manifest_.at("files").items()) {
     fs::path file = dir / name;
-    auto fail = [&](const std::string& why) {
-      return Error(fmt::format("load_state: {} {}; the checkpoint is corrupt or partial, nothing was loaded", file.string(), why));
-    };
-    if (!fs::exists(file)) throw fail("is missing");
-    auto bytes = files::read_all(file.string());
-    if (bytes.size() != entry.at("size").get<size_t>())
-      throw fail(fmt::format("has {} bytes, expected {}", bytes.size(), entry.at("size").get<size_t>()));
-    if (files::crc32_of(bytes) != entry.at("crc32").get<uint32_t>()) throw fail("fails its CRC32 check");
-    files_.emplace(name, std::move(bytes));
+    if (!fs::exists(file))
+      throw Error(fmt::format("load_state: {} is missing; the checkpoint is corrupt or partial, nothing was loaded",
+                              file.string()));
+    if (fs::file_size(file) != entry.at("size").get<size_t>())
+      throw Error(fmt::format("load_state: {} has {} bytes, expected {}; the checkpoint is corrupt or partial, "
+                              "nothing was loaded",
+                              file.string(), fs::file_size(file), entry.at("size").get<size_t>()));
   }
 }
 
-const std::string& Verified::bytes(const std::string& name) const {
+const std::string& Verified::file(const std::string& name) const {
   auto it = files_.find(name);
-  if (it == files_.end())
+  if (it != files_.end()) return it->second;
+  const fs::path path = dir_ / name;
+  if (!has(name))
     throw Error(fmt::format("load_state: {} is missing: the checkpoint does not list it; nothing was loaded",
-                            (dir_ / name).string()));
-  return it->second;
+                            path.string()));
+  auto bytes = files::read_all(path.string());
+  const auto& entry = manifest_.at("files").at(name);
+  auto fail = [&](const std::string& why) {
+    return Error(fmt::format("load_state: {} {}; the checkpoint is corrupt or partial, nothing was loaded", path.string(), why));
+  };
+  if (bytes.size() != entry.at("size").get<size_t>())
+    throw fail(fmt::format("has {} bytes, expected {}", bytes.size(), entry.at("size").get<size_t>()));
+  if (files::crc32_of(bytes) != entry.at("crc32").get<uint32_t>()) throw fail("fails its CRC32 check");
+  return files_.emplace(name, std::move(bytes)).first->second;
 }
 
-nlohmann::json Verified::state() const { return nlohmann::json::parse(bytes(kStateFile)); }
+void Verified::verify_streaming(const std::string& name) const {
+  if (verified_.count(name)) return;
+  if (!has(name))
+    throw Error(fmt::format("load_state: {} is missing: the checkpoint does not list it; nothing was loaded",
+                            (dir_ / name).string()));
+  const auto path = (dir_ / name).string();
+  const auto& entry = manifest_.at("files").at(name);
+  const auto crc = files::crc32_of_file(path);
+  if (crc.size != entry.at("size").get<size_t>())
+    throw Error(fmt::format("load_state: {} has {} bytes, expected {}; the checkpoint is corrupt or partial, nothing "
+                            "was loaded",
+                            path, crc.size, entry.at("size").get<size_t>()));
+  if (crc.crc32 != entry.at("crc32").get<uint32_t>())
+    throw Error(fmt::format("load_state: {} fails its CRC32 check; the checkpoint is corrupt or partial, nothing was "
+                            "loaded",
+                            path));
+  verified_[name] = true;
+}
+
+void Verified::read_into(const std::string& name, size_t offset, size_t size, void* out) const {
+  verify_streaming(name);
+  files::read_range((dir_ / name).string(), offset, size, out);
+}
+
+nlohmann::json Verified::state() const { return nlohmann::json::parse(file(kStateFile)); }
 
 SafetensorsContent Verified::model(size_t index) const {
-  return parse_safetensors(bytes(model_file(index)), (dir_ / model_file(index)).string());
+  return parse_safetensors(file(model_file(index)), (dir_ / model_file(index)).string());
 }
 
 size_t Verified::models() const {
   size_t n = 0;
-  while (files_.count(model_file(n))) ++n;
+  while (has(model_file(n))) ++n;
   return n;
 }
 
-const std::string& Verified::optimizer(size_t index) const { return bytes(optimizer_file(index)); }
+const std::string& Verified::optimizer(size_t index) const { return file(optimizer_file(index)); }
 const std::string& Verified::rank_optimizer(size_t index, int rank) const {
-  return bytes(rank_optimizer_file(index, rank));
+  return file(rank_optimizer_file(index, rank));
 }
 
 std::optional<SafetensorsContent> Verified::rng(int rank) const {
-  if (!files_.count(rng_file(rank))) return std::nullopt;
-  return parse_safetensors(files_.at(rng_file(rank)), (dir_ / rng_file(rank)).string());
+  if (!has(rng_file(rank))) return std::nullopt;
+  return parse_safetensors(file(rng_file(rank)), (dir_ / rng_file(rank)).string());
 }
 
 void check_matches(const NamedTensors& expected, const SafetensorsContent& content, const std::string& path) {

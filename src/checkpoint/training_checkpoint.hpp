@@ -18,6 +18,7 @@
 
 #include "xlr8/communicator.hpp"
 #include "xlr8/error.hpp"
+#include "checkpoint/sharded_pieces.hpp"
 #include "xlr8/safetensors.hpp"
 
 namespace xlr8::checkpoint {
@@ -29,16 +30,20 @@ struct Content {
   // Archives of optimizers over sharded models: this rank's (each rank writes its own), by optimizer index.
   std::map<size_t, std::string> rank_optimizers;
   NamedTensors rng;                     // this rank's generator states
+  RankPieces pieces;                    // what this rank holds of sharded tensors (every rank writes its own)
 };
 
 // Collective over `world`: every rank writes its RNG file, the main process the rest. Returns the
 // directory written.
 std::string save(const std::filesystem::path& dir, const Content& content, Communicator& world);
 
-// A checkpoint whose every file matched the manifest; parsing reads the verified bytes, nothing twice.
+// A checkpoint whose files match the manifest: on construction every listed file exists with its size;
+// a file is checked against its CRC32 when first touched (so each rank reads only the shards it needs).
+// Small files are kept in memory (file()); shards are read in ranges (read_into()), so reading a
+// checkpoint never holds more of it than the caller asks for.
 class Verified {
  public:
-  explicit Verified(const std::filesystem::path& dir);  // throws naming the first bad or missing file
+  explicit Verified(const std::filesystem::path& dir);  // throws naming the first missing or truncated file
   const std::filesystem::path& dir() const { return dir_; }
   int saved_world_size() const { return manifest_.value("world_size", 0); }
   size_t models() const;  // how many model files it holds
@@ -47,12 +52,19 @@ class Verified {
   const std::string& optimizer(size_t index) const;
   const std::string& rank_optimizer(size_t index, int rank) const;  // throws naming the file when absent
   std::optional<SafetensorsContent> rng(int rank) const;  // absent when saved by fewer ranks
+  bool has(const std::string& name) const { return manifest_.at("files").contains(name); }
+  // The verified bytes of a listed file; throws naming it when it is unlisted or fails its CRC32.
+  const std::string& file(const std::string& name) const;
+  // `size` bytes at `offset` of a listed file into `out`, after streaming it once through its CRC32.
+  void read_into(const std::string& name, size_t offset, size_t size, void* out) const;
+  size_t size_of(const std::string& name) const { return manifest_.at("files").at(name).at("size").get<size_t>(); }
 
  private:
-  const std::string& bytes(const std::string& name) const;
+  void verify_streaming(const std::string& name) const;
+  mutable std::map<std::string, bool> verified_;
   std::filesystem::path dir_;
   nlohmann::json manifest_;
-  std::map<std::string, std::string> files_;
+  mutable std::map<std::string, std::string> files_;
 };
 
 // Throws unless `saved` has exactly `expected`'s names, dtypes and shapes (naming every difference).

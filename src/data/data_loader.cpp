@@ -75,11 +75,28 @@ DataLoaderBase::Pass::~Pass() {
 
 void DataLoaderBase::run_async(std::function<void()> task) { pool_->submit(std::move(task)); }
 
-nlohmann::json DataLoaderBase::state() const { return {{"epoch", epoch_}, {"position", position_}}; }
+int64_t DataLoaderBase::global_batch() const {
+  return sharding_.split_batches ? sharding_.batch_size : sharding_.batch_size * sharding_.num_processes;
+}
+
+nlohmann::json DataLoaderBase::state() const {
+  // The global sample position too: a run resumed with another global batch (another number of
+  // processes at the same per-process batch) continues at the same sample.
+  return {{"epoch", epoch_}, {"position", position_}, {"samples", position_ * global_batch()}};
+}
 
 void DataLoaderBase::load_state(const nlohmann::json& state) {
   epoch_ = state.at("epoch").get<int64_t>();
   position_ = state.at("position").get<int64_t>();
+  if (state.contains("samples")) {
+    const int64_t samples = state.at("samples").get<int64_t>();
+    if (samples % global_batch() != 0)
+      throw ConfigError(fmt::format("load_state: the data loader stopped after {} samples of epoch {}, which is not a "
+                                    "whole number of global batches of {} ({} per process on {} processes); resume "
+                                    "with a global batch that divides it",
+                                    samples, epoch_, global_batch(), sharding_.batch_size, sharding_.num_processes));
+    position_ = samples / global_batch();
+  }
   skip_ = position_;
 }
 

@@ -33,6 +33,13 @@ void ParallelStrategy::load_state_dict(const StateDict& state, StateDictKind kin
   for (const auto& [name, tensor] : state) own.at(name).copy_(tensor);
 }
 
+std::vector<ParameterPiece> ParallelStrategy::parameter_pieces() const {
+  std::vector<ParameterPiece> out;
+  for (const auto& item : module_->named_parameters())
+    out.push_back({item.key(), item.value().sizes().vec(), item.value(), 0, true});
+  return out;
+}
+
 namespace detail {
 
 void check_state_dict(const StateDict& expected, const StateDict& state) {

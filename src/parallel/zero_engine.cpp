@@ -485,6 +485,29 @@ void ZeroEngine::load_state_dict(const StateDict& state, StateDictKind kind) {
   refresh_whole_copies();
 }
 
+std::vector<ParameterPiece> ZeroEngine::parameter_pieces() const {
+  // Under hybrid sharding every replica holds the same shards: the first one writes them.
+  const bool writer = !replicate_.valid() || replicate_.rank() == 0;
+  std::vector<ParameterPiece> out;
+  for (const auto& item : module_->named_parameters()) {
+    const auto& p = item.value();
+    const auto* slot = slot_of(p);
+    if (!slot) {  // not sharded (frozen): whole everywhere
+      out.push_back({item.key(), p.sizes().vec(), p, 0, comm_.rank() == 0 && writer});
+      continue;
+    }
+    const auto& group = groups_[slot->group];
+    out.push_back({item.key(), p.sizes().vec(), group.shard_params[slot->index],
+                   group.owned_part(slot->index).in_param, writer});
+  }
+  return out;
+}
+
+void ZeroEngine::pieces_loaded() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  refresh_whole_copies();
+}
+
 StateDict ZeroEngine::state_dict_shapes(StateDictKind kind) const {
   // Names, dtypes and shapes only: stage 3's freed parameters keep their shapes.
   StateDict out;

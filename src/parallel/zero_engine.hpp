@@ -40,6 +40,8 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
   StateDict state_dict(StateDictKind kind);
   void load_state_dict(const StateDict& state, StateDictKind kind);
+  std::vector<ParameterPiece> parameter_pieces() const;
+  void pieces_loaded();
   void gather_all();
   void release_all(bool writeback);
   nlohmann::json stats() const;

@@ -27,6 +27,8 @@ class ShardedDataParallel final : public ParallelStrategy {
   bool replicated() const override { return false; }
   StateDict state_dict(StateDictKind kind) const override { return engine_->state_dict(kind); }
   void load_state_dict(const StateDict& state, StateDictKind kind) override { engine_->load_state_dict(state, kind); }
+  std::vector<ParameterPiece> parameter_pieces() const override { return engine_->parameter_pieces(); }
+  void parameter_pieces_loaded() override { engine_->pieces_loaded(); }
   void gather_full_parameters() override { engine_->gather_all(); }
   void release_full_parameters(bool writeback) override { engine_->release_all(writeback); }
   nlohmann::json stats() const override {

@@ -7,6 +7,7 @@
 #include "checkpoint/training_checkpoint.hpp"
 #include "core/log.hpp"
 #include "train/accelerator_impl.hpp"
+#include "train/portable_state.hpp"
 #include "xlr8/error.hpp"
 
 namespace fs = std::filesystem;
@@ -51,20 +52,31 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
   }
   checkpoint::Content content;
   content.rng = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
-  // Every rank asks for the state dicts (collective for sharded strategies); the main process writes them.
-  for (const auto& m : s.models) {
-    auto full = m->state_dict(StateDictKind::FULL_ON_MAIN);
-    if (is_main_process()) content.models.push_back(std::move(full));
-  }
-  // An optimizer of a sharded model holds this rank's shard of the state: every rank writes its own.
+  // Models: whole on the main process (FULL_STATE_DICT; gathered one unit at a time when sharded), or
+  // each rank's pieces. Optimizers of LibTorch's types: each rank's pieces, by parameter name, so any
+  // strategy and process count reads them back; others as archives.
+  const bool sharded_models = models_saved_sharded(s);
+  if (!sharded_models)
+    for (const auto& m : s.models) {
+      auto full = m->state_dict(StateDictKind::FULL_ON_MAIN);  // collective
+      if (is_main_process()) content.models.push_back(std::move(full));
+    }
+  const auto portable = collect_portable_state(s, sharded_models, content.pieces, content.state);
   std::vector<bool> sharded;
   for (size_t i = 0; i < s.optimizers.size(); ++i) {
     sharded.push_back(optimizer_is_sharded(s, *s.optimizers[i]->optimizer));
+    if (portable[i]) continue;
     if (sharded[i]) content.rank_optimizers[i] = checkpoint::optimizer_bytes(*s.optimizers[i]->optimizer);
     else if (is_main_process()) content.optimizers[i] = checkpoint::optimizer_bytes(*s.optimizers[i]->optimizer);
   }
   if (is_main_process()) {
     content.state["sharded_optimizers"] = sharded;
+    content.state["models_sharded"] = sharded_models;
+    for (const auto& m : s.models) {  // the order merge-weights writes them in
+      std::vector<std::string> names;
+      for (const auto& [name, t] : module_state_dict(*m->module())) names.push_back(name);
+      content.state["model_tensors"].push_back(names);
+    }
     auto& st = content.state;
     st["micro_step"] = s.micro_step;
     st["save_iteration"] = s.save_iteration + 1;
@@ -82,7 +94,14 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
   auto written = checkpoint::save(checkpoint::directory_path(target), content, s.world());
   if (is_main_process() && dir.empty() && s.options.total_limit) {
     auto all = checkpoint::automatic_checkpoints(s.options.project_dir);
-    for (size_t i = 0; i + static_cast<size_t>(*s.options.total_limit) < all.size(); ++i) fs::remove_all(all[i]);
+    for (size_t i = 0; i + static_cast<size_t>(*s.options.total_limit) < all.size(); ++i) {
+      // Renamed first, so that a crash while deleting never leaves a half-deleted checkpoint_<N>.
+      const auto doomed = all[i].string() + ".removing";
+      fs::rename(all[i], doomed);
+      fs::remove_all(doomed);
+    }
+    for (auto& e : fs::directory_iterator(fs::path(s.options.project_dir) / "checkpoints"))  // a crash's leftovers
+      if (e.path().extension() == ".removing") fs::remove_all(e.path());
   }
   s.save_iteration += 1;
   wait_for_everyone();
@@ -101,39 +120,48 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
   const checkpoint::Verified saved(source);
   auto st = saved.state();
 
-  // Parse and check everything before the first change.
-  if (saved.models() != s.models.size())
-    throw Error(fmt::format("load_state: {} holds {} model(s) but {} were prepared; nothing was loaded", source.string(),
-                            saved.models(), s.models.size()));
-  std::vector<SafetensorsContent> model_files;
-  for (size_t i = 0; i < s.models.size(); ++i) model_files.push_back(saved.model(i));
-  auto optimizer_steps = st.value("optimizer_steps", nlohmann::json::array());
-  if (optimizer_steps.size() != s.optimizers.size())
-    throw Error(fmt::format("load_state: {} holds {} optimizer(s) but {} were prepared; nothing was loaded",
-                            source.string(), optimizer_steps.size(), s.optimizers.size()));
-  std::vector<torch::serialize::InputArchive> optimizer_archives;
-  std::vector<std::string> optimizer_paths;
-  auto sharded = st.value("sharded_optimizers", std::vector<bool>(s.optimizers.size(), false));
-  for (size_t i = 0; i < s.optimizers.size(); ++i) {
-    const bool now_sharded = optimizer_is_sharded(s, *s.optimizers[i]->optimizer);
-    if (i < sharded.size() && (sharded[i] != now_sharded || (sharded[i] && saved.saved_world_size() != num_processes())))
-      throw Error(fmt::format("load_state: optimizer {} of {} was saved {} on {} process(es) and is loaded {} on {}; "
-                              "resharding optimizer state between strategies or process counts is not supported yet, "
-                              "so resume with the same strategy and number of processes; nothing was loaded",
-                              i, source.string(), sharded[i] ? "sharded" : "whole", saved.saved_world_size(),
-                              now_sharded ? "sharded" : "whole", num_processes()));
-    const bool per_rank = i < sharded.size() && sharded[i];
-    optimizer_paths.push_back(
-        (source / (per_rank ? checkpoint::rank_optimizer_file(i, process_index()) : checkpoint::optimizer_file(i)))
-            .string());
-    optimizer_archives.push_back(checkpoint::read_optimizer_archive(
-        per_rank ? saved.rank_optimizer(i, process_index()) : saved.optimizer(i), optimizer_paths.back()));
+  // Read and check everything before the first change, on every rank; then agree, so that a bad shard
+  // one rank read stops them all.
+  std::optional<PortableLoad> portable;
+  std::vector<torch::serialize::InputArchive> optimizer_archives(s.optimizers.size());
+  std::vector<std::string> optimizer_paths(s.optimizers.size());
+  std::string problem;
+  try {
+    if (saved.models() != 0 && saved.models() != s.models.size())
+      throw Error(fmt::format("load_state: {} holds {} model(s) but {} were prepared; nothing was loaded",
+                              source.string(), saved.models(), s.models.size()));
+    auto optimizer_steps = st.value("optimizer_steps", nlohmann::json::array());
+    if (optimizer_steps.size() != s.optimizers.size())
+      throw Error(fmt::format("load_state: {} holds {} optimizer(s) but {} were prepared; nothing was loaded",
+                              source.string(), optimizer_steps.size(), s.optimizers.size()));
+    portable = read_portable_state(s, saved, st);
+    auto sharded = st.value("sharded_optimizers", std::vector<bool>(s.optimizers.size(), false));
+    for (size_t i = 0; i < s.optimizers.size(); ++i) {
+      if (portable->optimizers[i].portable) continue;
+      const bool now_sharded = optimizer_is_sharded(s, *s.optimizers[i]->optimizer);
+      if (i < sharded.size() && (sharded[i] != now_sharded || (sharded[i] && saved.saved_world_size() != num_processes())))
+        throw Error(fmt::format("load_state: optimizer {} of {} (a type without portable state, saved as an archive) "
+                                "was saved {} on {} process(es) and is loaded {} on {}; such state cannot be resharded, "
+                                "so resume with the same strategy and number of processes; nothing was loaded",
+                                i, source.string(), sharded[i] ? "sharded" : "whole", saved.saved_world_size(),
+                                now_sharded ? "sharded" : "whole", num_processes()));
+      const bool per_rank = i < sharded.size() && sharded[i];
+      optimizer_paths[i] =
+          (source / (per_rank ? checkpoint::rank_optimizer_file(i, process_index()) : checkpoint::optimizer_file(i)))
+              .string();
+      optimizer_archives[i] = checkpoint::read_optimizer_archive(
+          per_rank ? saved.rank_optimizer(i, process_index()) : saved.optimizer(i), optimizer_paths[i]);
+    }
+  } catch (const Error& e) {
+    problem = e.what();
   }
-  for (size_t i = 0; i < s.models.size(); ++i)
-    checkpoint::check_matches(s.models[i]->state_dict(StateDictKind::FULL_ON_MAIN), model_files[i],
-                              (source / checkpoint::model_file(i)).string());
+  auto problems = s.world().all_gather_object(problem);
+  for (size_t r = 0; r < problems.size(); ++r)
+    if (!problems[r].empty())
+      throw Error(problems.size() == 1 ? problems[r] : fmt::format("rank {}: {}", r, problems[r]));
 
-  for (size_t i = 0; i < s.models.size(); ++i) s.models[i]->load_state_dict(model_files[i].tensors, StateDictKind::FULL);
+  apply_model_state(s, *portable);
+  auto optimizer_steps = st.value("optimizer_steps", nlohmann::json::array());
   // Schedulers replay their steps before the optimizer state restores the exact learning rates.
   auto scheduler_steps = st.value("scheduler_steps", nlohmann::json::array());
   for (size_t i = 0; i < s.schedulers.size() && i < scheduler_steps.size(); ++i) {
@@ -142,9 +170,11 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
     s.schedulers[i]->steps = n;
   }
   for (size_t i = 0; i < s.optimizers.size(); ++i) {
-    checkpoint::load_optimizer(*s.optimizers[i]->optimizer, optimizer_archives[i], optimizer_paths[i]);
+    if (!portable->optimizers[i].portable)
+      checkpoint::load_optimizer(*s.optimizers[i]->optimizer, optimizer_archives[i], optimizer_paths[i]);
     s.optimizers[i]->steps = optimizer_steps[i].get<int64_t>();
   }
+  apply_optimizer_state(s, *portable);
   s.micro_step = st.value("micro_step", int64_t{0});
   s.save_iteration = st.value("save_iteration", int64_t{0});
   s.seed = st.value("seed", uint64_t{0});

@@ -19,6 +19,7 @@ namespace {
 const std::string kXlr8 = XLR8_BIN;
 const std::string kTrain = TRAIN_BIN;
 const std::string kGpt = GPT_BIN;
+const std::string kCompare = COMPARE_SAFETENSORS;
 
 struct Strategy {
   std::string name;  // what parallel_stats reports
@@ -105,23 +106,99 @@ TEST(ShardedOracle, Bf16UnderEveryStageStaysWithinTheBf16Tolerance) {
     }
 }
 
-TEST(ShardedOracle, ResumedShardedRunEqualsTheUninterruptedOneAndAStrategyChangeIsRefused) {
+TEST(ShardedOracle, ResumedShardedRunEqualsTheUninterruptedOne) {
   const auto& zero2 = worker_strategies()[1];
   auto straight = worker_run(3, zero2.flags, 4, {"--steps", "10"});
   auto first = worker_run(3, zero2.flags, 4, {"--steps", "4", "--checkpoint_at", "4"});
-  ASSERT_TRUE(fs::exists(first.dir + "/checkpoint/optimizer_rank2.bin"));  // each rank's shard of the state
+  ASSERT_TRUE(fs::exists(first.dir + "/checkpoint/shards_rank2.safetensors"));  // each rank's shard of the state
   auto resumed = worker_run(3, zero2.flags, 4, {"--steps", "10", "--resume", first.dir + "/checkpoint"});
   auto tail = std::vector<double>(straight.losses.begin() + 4, straight.losses.end());
   expect_close(resumed.losses, tail, 1e-6);
   expect_same_params(resumed.dir, straight.dir, 1e-6);
-  // Resharding optimizer state is not built yet: a different strategy or process count is refused.
-  auto a = launch(2, zero2.flags, kTrain);
-  Args rest{"--batch", "6", "--steps", "10", "--out", temp_dir("refused"), "--resume", first.dir + "/checkpoint"};
-  a.insert(a.end(), rest.begin(), rest.end());
-  auto r = run(a, 120);
+}
+
+TEST(ShardedCheckpoint, SavedUnderOneStrategyAndProcessCountResumesUnderAnother) {
+  // The oracle: N ranks x 12/N for 3 steps (mid-epoch: 4 steps make an epoch), saved; resumed on M ranks
+  // x 12/M for 7 more steps; equal to one process on 12 for 10 steps (losses and parameters), optimizer
+  // state and data position included.
+  const Strategy ddp{"ddp", {}};
+  const Strategy sharded_sd{"zero3",
+                            {"--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD", "--fsdp_state_dict_type",
+                             "SHARDED_STATE_DICT"}};
+  const auto& z = worker_strategies();
+  struct Case {
+    Strategy from;
+    int n;
+    Strategy to;
+    int m;
+  };
+  const std::vector<Case> cases{
+      {z[2], 4, z[0], 3},        // FULL_SHARD (full model file) 4 -> ZeRO-1 3
+      {sharded_sd, 4, z[1], 3},  // FULL_SHARD, SHARDED_STATE_DICT 4 -> SHARD_GRAD_OP 3
+      {ddp, 2, ddp, 1},          // DDP 2 -> one process
+      {z[0], 2, sharded_sd, 4},  // ZeRO-1 2 -> FULL_SHARD 4
+      {z[1], 3, ddp, 2},         // SHARD_GRAD_OP 3 -> DDP 2
+      {ddp, 1, z[2], 3},         // one process -> FULL_SHARD 3
+  };
+  auto one = worker_run(1, {}, 12, {"--steps", "10"});
+  ASSERT_EQ(one.losses.size(), 10u);
+  const auto tail = std::vector<double>(one.losses.begin() + 3, one.losses.end());
+  for (const auto& c : cases) {
+    SCOPED_TRACE(fmt::format("{} on {} -> {} on {}", c.from.name, c.n, c.to.name, c.m));
+    auto first = worker_run(c.n, c.from.flags, 12 / c.n, {"--steps", "3", "--checkpoint_at", "3"});
+    auto resumed = worker_run(c.m, c.to.flags, 12 / c.m, {"--steps", "10", "--resume", first.dir + "/checkpoint"});
+    EXPECT_EQ(resumed.result["num_processes"], c.m);
+    expect_close(resumed.losses, tail, 1e-5);
+    expect_same_params(resumed.dir, one.dir, 1e-5);
+  }
+}
+
+TEST(ShardedCheckpoint, MergeWeightsTurnsShardsIntoTheUnshardedModelBitForBit) {
+  // FULL_SHARD with SHARDED_STATE_DICT on 3 ranks saves at step 4 and stops: save_model then writes the
+  // same state gathered, which the merged shards must equal bit for bit, read by an independent reader.
+  Args sharded_sd{"--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD", "--fsdp_state_dict_type",
+                  "SHARDED_STATE_DICT"};
+  auto first = worker_run(3, sharded_sd, 4, {"--steps", "4", "--checkpoint_at", "4"});
+  const auto checkpoint = first.dir + "/checkpoint";
+  ASSERT_FALSE(fs::exists(checkpoint + "/model.safetensors"));
+  auto compare = [&](const std::string& merged, Args extra) {
+    Args a{"python3", kCompare, merged, first.dir + "/model"};
+    a.insert(a.end(), extra.begin(), extra.end());
+    auto r = run(a, 60);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return r.exit_code == 0 ? last_json(r.out) : nlohmann::json::object();
+  };
+  auto merged = temp_dir("merged");
+  auto r = run({kXlr8, "merge-weights", checkpoint, merged}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("sharded over 3 rank(s)"), std::string::npos) << r.out;
+  auto same = compare(merged, {});
+  EXPECT_EQ(same["compared"], 4);  // the MLP's two weights and two biases
+  EXPECT_EQ(same["differ"], nlohmann::json::array());
+  EXPECT_EQ(same["extra"], nlohmann::json::array());
+  // bf16, split into files of at most 200 bytes plus the index: each value is fp32 rounded to nearest even.
+  auto small = temp_dir("merged-bf16");
+  r = run({kXlr8, "merge-weights", checkpoint, small, "--dtype", "bf16", "--max_shard_size", "200"}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  auto rounded = compare(small, {"--bf16"});
+  EXPECT_GT(rounded["files"].get<int>(), 1);
+  EXPECT_EQ(rounded["differ"], nlohmann::json::array());
+  // A checkpoint with a whole model file (DDP) merges to a copy of it.
+  auto ddp = worker_run(2, {}, 6, {"--steps", "4", "--checkpoint_at", "4"});
+  auto copied = temp_dir("merged-ddp");
+  r = run({kXlr8, "merge-weights", ddp.dir + "/checkpoint", copied}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("a whole model file"), std::string::npos) << r.out;
+  Args b{"python3", kCompare, copied, ddp.dir + "/model"};
+  auto c = run(b, 60);
+  EXPECT_EQ(last_json(c.out)["differ"], nlohmann::json::array()) << c.out << c.err;
+  // Bad input names what is wrong.
+  r = run({kXlr8, "merge-weights", first.dir, temp_dir("merged-bad")}, 60);
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE((r.out + r.err).find("saved sharded on 3 process(es) and is loaded sharded on 2"), std::string::npos)
-      << r.out << r.err;
+  EXPECT_NE(r.err.find("is not a complete checkpoint"), std::string::npos) << r.err;
+  r = run({kXlr8, "merge-weights", checkpoint, temp_dir("merged-bad"), "--dtype", "int4"}, 60);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("--dtype \"int4\""), std::string::npos) << r.err;
 }
 
 TEST(ShardedGpt, EveryStageMatchesOneProcessAndHoldsTheFormulaBytes) {
@@ -131,9 +208,21 @@ TEST(ShardedGpt, EveryStageMatchesOneProcessAndHoldsTheFormulaBytes) {
   auto one = gpt_run(1, {}, 8, one_dir);
   ASSERT_TRUE(one.contains("parameters"));
   const double psi = one["parameters"].get<double>();
+  // `xlr8 estimate-memory` for the same shape predicts what each run measures (within 10 %).
+  auto estimate = [&](int n) {
+    auto r = run({kXlr8, "estimate-memory", "--n_layer", "2", "--d_model", "32", "--n_head", "2", "--seq_len", "32",
+                  "--num_processes", std::to_string(n), "--dtypes", "float32", "--json"},
+                 30);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    auto out = last_json(r.out);
+    EXPECT_EQ(out["parameters"].get<double>(), psi);
+    return out["rows"][0]["training_bytes_per_rank"];
+  };
   for (int n : {2, 4}) {
+    const auto predicted = estimate(n);
     auto ddp = gpt_run(n, {}, 8 / n, temp_dir("gpt-ddp"));
     EXPECT_NEAR(ddp["state_bytes_per_rank"].get<double>(), 16 * psi, 0.05 * 16 * psi);
+    EXPECT_NEAR(predicted["ddp"].get<double>(), ddp["state_bytes_per_rank"].get<double>(), 0.1 * predicted["ddp"].get<double>());
     for (const auto& s : strategies()) {
       SCOPED_TRACE(fmt::format("{} on {} ranks", s.name, n));
       auto dir = temp_dir("gpt-sharded");
@@ -146,6 +235,8 @@ TEST(ShardedGpt, EveryStageMatchesOneProcessAndHoldsTheFormulaBytes) {
                              : s.name == "zero2" ? 4 * psi + 12 * psi / n
                                                  : 16 * psi / n;
       EXPECT_NEAR(got["state_bytes_per_rank"].get<double>(), formula, 0.05 * formula);
+      const double guess = predicted[s.name].get<double>();
+      EXPECT_NEAR(guess, got["state_bytes_per_rank"].get<double>(), 0.1 * guess);
       EXPECT_LT(got["state_bytes_per_rank"].get<double>(), ddp["state_bytes_per_rank"].get<double>());
       if (s.name == "zero3") {
         // Gathered units are freed after use: the transient is the root's parameters plus one block,
@@ -158,16 +249,26 @@ TEST(ShardedGpt, EveryStageMatchesOneProcessAndHoldsTheFormulaBytes) {
   }
 }
 
-TEST(ShardedGpt, ResumingAFullShardRunOnThreeRanksContinuesTheSameRun) {
-  const auto& zero3 = strategies()[2];
-  auto whole_dir = temp_dir("gpt-z3-whole"), split_dir = temp_dir("gpt-z3-split");
-  auto whole = gpt_run(3, zero3.flags, 2, whole_dir, {"--max_steps", "10"});
-  gpt_run(3, zero3.flags, 2, split_dir, {"--max_steps", "5", "--checkpoint_every", "5"});
-  auto resumed = gpt_run(3, zero3.flags, 2, split_dir, {"--max_steps", "10", "--resume_from", "latest"});
+TEST(ShardedGpt, AFullShardRunSavedShardedOnFourRanksResumesOnThreeWithShardGradOp) {
+  // A real transformer with one unit per block: saved as SHARDED_STATE_DICT (every rank writes only its
+  // shards) by FULL_SHARD on 4 ranks x 3, resumed by SHARD_GRAD_OP on 3 ranks x 4 (same global batch).
+  auto zero3 = strategies()[2];
+  Args sharded_sd = zero3.flags;
+  sharded_sd.insert(sharded_sd.end(), {"--fsdp_state_dict_type", "SHARDED_STATE_DICT"});
+  const auto& zero2 = strategies()[1];
+  auto whole_dir = temp_dir("gpt-reshard-whole"), split_dir = temp_dir("gpt-reshard-split");
+  auto whole = gpt_run(3, zero3.flags, 4, whole_dir, {"--max_steps", "10"});
+  gpt_run(4, sharded_sd, 3, split_dir, {"--max_steps", "5", "--checkpoint_every", "5"});
+  const auto checkpoint = split_dir + "/checkpoints/checkpoint_0";
+  ASSERT_TRUE(fs::exists(checkpoint + "/shards_rank3.safetensors"));
+  EXPECT_FALSE(fs::exists(checkpoint + "/model.safetensors"));  // nothing gathered
+  auto resumed = gpt_run(3, zero2.flags, 4, split_dir, {"--max_steps", "10", "--resume_from", "latest"});
   ASSERT_TRUE(whole.contains("final_train_loss") && resumed.contains("final_train_loss"));
   EXPECT_EQ(resumed["global_step"], 10);
-  EXPECT_NEAR(resumed["final_train_loss"].get<double>(), whole["final_train_loss"].get<double>(), 1e-6);
-  EXPECT_NEAR(resumed["val_loss"].get<double>(), whole["val_loss"].get<double>(), 1e-6);
+  EXPECT_EQ(resumed["num_processes"], 3);
+  EXPECT_NEAR(resumed["final_train_loss"].get<double>(), whole["final_train_loss"].get<double>(), 1e-5);
+  EXPECT_NEAR(resumed["val_loss"].get<double>(), whole["val_loss"].get<double>(), 1e-5);
+  expect_same_params(split_dir, whole_dir, 1e-4);
 }
 
 TEST(ShardedGpt, AnUnknownLayerClassIsRefusedNamingTheClassesThatExist) {
@@ -210,4 +311,36 @@ TEST(ShardedGpt, HybridShardOnTwoMachinesOfTwoRanksMatchesOneProcess) {
   // Sharded over 2 ranks, not 4: ZeRO-3's 16 bytes per parameter over 2.
   const double psi = one["parameters"].get<double>();
   EXPECT_NEAR(got["state_bytes_per_rank"].get<double>(), 8 * psi, 0.05 * 8 * psi);
+}
+
+TEST(EstimateMemory, CountsAModelFileOrShardedIndexAndNamesBadArguments) {
+  auto dir = temp_dir("estimate");
+  auto got = gpt_run(1, {}, 4, dir, {"--max_steps", "1", "--checkpoint_every", "1"});
+  ASSERT_TRUE(got.contains("parameters"));
+  auto sharded = temp_dir("estimate-index");
+  auto r = run({kXlr8, "merge-weights", dir + "/checkpoints/checkpoint_0", sharded, "--max_shard_size", "50KB"}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  ASSERT_TRUE(fs::exists(sharded + "/model.safetensors.index.json"));
+  for (const auto& model : {dir + "/model", sharded, sharded + "/model.safetensors.index.json"}) {
+    r = run({kXlr8, "estimate-memory", "--model", model, "--json", "--num_processes", "4"}, 30);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    auto out = last_json(r.out);
+    EXPECT_EQ(out["parameters"], got["parameters"]) << model;
+    EXPECT_EQ(out["rows"][0]["training_bytes_per_rank"]["zero3"].get<double>(), 4 * got["parameters"].get<double>());
+  }
+  const std::vector<std::pair<Args, std::string>> bad{
+      {{"--params", "1e9", "--n_layer", "2"}, "give exactly one of --params"},
+      {{"--params", "1e9", "--num_processes", "0"}, "--num_processes 0 must be 1 or more"},
+      {{"--params", "1e9", "--strategies", "zero9"}, "--strategies \"zero9\" is not a strategy"},
+      {{"--params", "-5"}, "--params -5 must be"},
+      {{"--n_layer", "2", "--d_model", "30", "--n_head", "4", "--seq_len", "8"}, "--d_model 30 is not a multiple of --n_head 4"},
+      {{"--model", dir + "/nothing"}, "no such file"},
+  };
+  for (const auto& [args, message] : bad) {
+    Args a{kXlr8, "estimate-memory"};
+    a.insert(a.end(), args.begin(), args.end());
+    r = run(a, 30);
+    EXPECT_NE(r.exit_code, 0) << message;
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+  }
 }

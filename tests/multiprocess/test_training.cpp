@@ -224,12 +224,23 @@ TEST(TrainingErrors, CorruptPartialOrIncompleteCheckpointsAreRefusedWithTheFile)
     EXPECT_EQ(r.exit_code, 1);
     EXPECT_NE(r.err.find("is not a complete checkpoint"), std::string::npos) << r.err;
   }
-  {  // a file went missing
+  {  // a shard went missing
     auto dir = copy_of("missing");
-    fs::remove(dir + "/optimizer.bin");
+    fs::remove(dir + "/shards_rank1.safetensors");
     auto r = attempt(dir);
     EXPECT_EQ(r.exit_code, 1);
-    EXPECT_NE(r.err.find("optimizer.bin is missing"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("shards_rank1.safetensors is missing"), std::string::npos) << r.err;
+  }
+  {  // one flipped byte in rank 1's shard of the optimizer state: rank 1 finds it, every rank refuses
+    auto dir = copy_of("flip-shard");
+    std::fstream f(dir + "/shards_rank1.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-5, std::ios::end);
+    f.put('\x7f');
+    f.close();
+    auto r = attempt(dir);
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_NE(r.err.find("shards_rank1.safetensors fails its CRC32 check"), std::string::npos) << r.err;
+    EXPECT_EQ(r.err.find("Timeout"), std::string::npos) << r.err;
   }
   auto r = attempt(base.dir + "/nonexistent");
   EXPECT_EQ(r.exit_code, 1);

@@ -3,9 +3,12 @@
 // with the per-step losses (mean over ranks) and writes the final parameters with save_model.
 //   --batch B --accum K --steps S --precision no|bf16|fp16 --out DIR
 //   --checkpoint_at N (save_state after optimizer step N)   --resume DIR
+//   --save_every N (save_state into DIR/checkpoint every N steps)   --die_at N --die_rank R
 //   --mode train|gather|mismatch|unused   --find_unused   --samples N   --optimizer adamw|fused_adamw
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
+
+#include <csignal>
 #include <torch/torch.h>
 
 #include <filesystem>
@@ -54,6 +57,11 @@ int main(int argc, char** argv) {
   app.add_option("--precision", precision);
   app.add_option("--out", out);
   app.add_option("--checkpoint_at", checkpoint_at);
+  int64_t save_every = 0, die_at = 0;
+  int die_rank = -1;
+  app.add_option("--save_every", save_every);  // save_state(out/checkpoint) after every N steps, overwriting
+  app.add_option("--die_at", die_at);          // with --die_rank: that rank SIGKILLs itself as the others save
+  app.add_option("--die_rank", die_rank);
   app.add_option("--resume", resume);
   app.add_option("--mode", mode);
   app.add_option("--samples", samples);
@@ -131,6 +139,7 @@ int main(int argc, char** argv) {
     auto sched = acc.prepare(torch::optim::StepLR(opt.optimizer(), 5, 0.5));
     auto loader = acc.prepare_data_loader(Synthetic(samples), {.batch_size = batch, .shuffle = true, .seed = 11});
     if (!resume.empty()) acc.load_state(resume);
+    const int64_t resumed_step = acc.step();
 
     std::vector<double> losses;
     while (acc.step() < steps) {
@@ -144,7 +153,9 @@ int main(int argc, char** argv) {
         opt.zero_grad(!zero_in_place);
         if (!acc.sync_gradients()) continue;
         losses.push_back(acc.reduce(loss.detach().to(at::kDouble), xlr8::ReduceOp::AVG).item<double>());
-        if (checkpoint_at > 0 && acc.step() == checkpoint_at) acc.save_state(out + "/checkpoint");
+        if (die_rank == acc.process_index() && acc.step() == die_at) raise(SIGKILL);
+        if ((checkpoint_at > 0 && acc.step() == checkpoint_at) || (save_every > 0 && acc.step() % save_every == 0))
+          acc.save_state(out + "/checkpoint");
         if (acc.step() >= steps) break;
       }
     }
@@ -153,6 +164,7 @@ int main(int argc, char** argv) {
     auto figure = [&](const char* key) { return stats.value(key, nlohmann::json(0)); };
     if (acc.is_main_process())
       fmt::print("{}\n", nlohmann::json{{"losses", losses},
+                                         {"resumed_step", resumed_step},
                                          {"num_processes", acc.num_processes()},
                                          {"step", acc.step()},
                                          {"lr", opt.optimizer().param_groups()[0].options().get_lr()},

@@ -212,3 +212,42 @@ TEST(Accelerator, AutomaticCheckpointNamingKeepsTheNewestAndLoadsTheLatest) {
   acc.load_state(root + "checkpoint_2/");
   fs::remove_all(o.project_dir);
 }
+
+TEST(Accelerator, ACheckpointOfAnotherModelOrOptimizerIsRefusedNamingTheTensorAndBothShapes) {
+  auto dir = fresh_dir("other-model");
+  {
+    Accelerator acc;
+    auto model = acc.prepare(torch::nn::Linear(4, 3));
+    auto opt = acc.prepare(torch::optim::AdamW(model->parameters(), 0.1));
+    acc.backward(model->forward(at::ones({2, 4})).sum());
+    opt.step();
+    acc.save_state(dir);
+  }
+  auto refused = [&](auto&& prepare_model, auto&& prepare_optimizer) {
+    Accelerator acc;
+    auto model = prepare_model(acc);
+    auto before = model->parameters()[0].clone();
+    auto opt = prepare_optimizer(acc, model);
+    std::string message;
+    try {
+      acc.load_state(dir);
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    EXPECT_TRUE(model->parameters()[0].equal(before));  // nothing changed
+    return message;
+  };
+  auto adamw = [](Accelerator& acc, auto& model) { return acc.prepare(torch::optim::AdamW(model->parameters(), 0.1)); };
+  auto m = refused([](Accelerator& acc) { return acc.prepare(torch::nn::Linear(4, 2)); }, adamw);
+  EXPECT_NE(m.find("mismatched [weight ([3, 4] saved, [2, 4] in the model), bias ([3] saved, [2] in the model)]"),
+            std::string::npos)
+      << m;
+  m = refused([](Accelerator& acc) { return acc.prepare(torch::nn::Linear(torch::nn::LinearOptions(4, 3).bias(false))); },
+              adamw);
+  EXPECT_NE(m.find("unexpected [bias]"), std::string::npos) << m;
+  m = refused([](Accelerator& acc) { return acc.prepare(torch::nn::Linear(4, 3)); },
+              [](Accelerator& acc, auto& model) { return acc.prepare(torch::optim::SGD(model->parameters(), 0.1)); });
+  EXPECT_NE(m.find("holds adamw state, but the prepared optimizer is sgd"), std::string::npos) << m;
+  fs::remove_all(dir);
+}
+

@@ -146,6 +146,33 @@ TEST(DataLoader, ResumeContinuesTheExactBatchSequence) {
   EXPECT_EQ(head, expected);
 }
 
+TEST(DataLoader, ResumeWithAnotherGlobalBatchContinuesAtTheSameSample) {
+  // Two processes x 4 stopped after 3 batches each: 24 samples. One process x 4 resumes at batch 6 and
+  // takes exactly the samples the two would have taken next, in order.
+  ShardingOptions two;
+  two.num_processes = 2;
+  DataLoader<Numbers> first(Numbers{40}, {.batch_size = 4, .shuffle = true, .seed = 3}, two, 0, nullptr, at::kCPU);
+  (void)flatten(first, 3);
+  auto saved = first.state();
+  EXPECT_EQ(saved["samples"], 24);
+  ShardingOptions one;
+  DataLoader<Numbers> whole(Numbers{40}, {.batch_size = 4, .shuffle = true, .seed = 3}, one, 0, nullptr, at::kCPU);
+  auto expected = flatten(whole);
+  DataLoader<Numbers> resumed(Numbers{40}, {.batch_size = 4, .shuffle = true, .seed = 3}, one, 0, nullptr, at::kCPU);
+  resumed.load_state(saved);
+  EXPECT_EQ(resumed.state()["position"], 6);
+  auto tail = flatten(resumed);
+  EXPECT_EQ(tail, std::vector<int64_t>(expected.begin() + 24, expected.end()));
+  // 24 samples are not a whole number of batches of 16: refused, naming the numbers.
+  DataLoader<Numbers> odd(Numbers{40}, {.batch_size = 16}, one, 0, nullptr, at::kCPU);
+  try {
+    odd.load_state(saved);
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("after 24 samples"), std::string::npos) << e.what();
+  }
+}
+
 TEST(DataLoader, EndOfDataloaderAndRemainderTrackTheLastBatch) {
   auto gs = std::make_shared<GradientState>();
   ShardingOptions s;

@@ -80,8 +80,12 @@ TEST(TrainingCheckpoint, MismatchesAndCorruptionAreNamed) {
     f.seekp(-1, std::ios::end);
     f.put('\x7f');
   }
-  m = error_of([&] { checkpoint::Verified again(dir); });
+  checkpoint::Verified again(dir);  // sizes match: the CRC32 is checked when the file is read
+  m = error_of([&] { (void)again.model(0); });
   EXPECT_NE(m.find("model.safetensors fails its CRC32 check"), std::string::npos) << m;
+  fs::resize_file(dir / "model.safetensors", fs::file_size(dir / "model.safetensors") - 1);
+  m = error_of([&] { checkpoint::Verified truncated(dir); });
+  EXPECT_NE(m.find("model.safetensors has"), std::string::npos) << m;
   fs::remove(dir / "MANIFEST.json");
   m = error_of([&] { checkpoint::Verified again(dir); });
   EXPECT_NE(m.find("MANIFEST.json is missing"), std::string::npos) << m;

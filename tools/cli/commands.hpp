@@ -19,6 +19,8 @@ std::vector<std::string> normalize_launch_args(const CLI::App& launch, const std
 Handler add_config(CLI::App& app);
 Handler add_env(CLI::App& app);
 Handler add_test(CLI::App& app);
+Handler add_merge_weights(CLI::App& app);
+Handler add_estimate_memory(CLI::App& app);
 // The worker side of `xlr8 test`.
 Handler add_selftest_worker(CLI::App& app);
 

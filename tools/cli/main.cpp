@@ -1,4 +1,4 @@
-// xlr8: launch, config, env, test.
+// xlr8: launch, config, env, test, merge-weights, estimate-memory.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -22,6 +22,8 @@ int main(int argc, char** argv) {
   reg(xlr8::cli::add_config);
   reg(xlr8::cli::add_env);
   reg(xlr8::cli::add_test);
+  reg(xlr8::cli::add_merge_weights);
+  reg(xlr8::cli::add_estimate_memory);
   reg(xlr8::cli::add_selftest_worker);
   try {
     std::vector<std::string> args(argv + 1, argv + argc);

@@ -1,0 +1,29 @@
+#pragma once
+// LibTorch's built-in optimizers' per-parameter state as named tensors and counters, so that a
+// checkpoint can hold it by parameter name and element range (any strategy, any process count) instead
+// of as an archive keyed by tensor addresses that only the same layout can read back.
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+
+namespace xlr8::checkpoint {
+
+struct ParameterState {
+  std::map<std::string, at::Tensor> tensors;  // shaped like the parameter (leaf) they belong to
+  std::map<std::string, int64_t> counters;    // "step"
+};
+
+// The optimizer's type when its state can be written portably ("adamw", "adam", "sgd", "rmsprop",
+// "adagrad"; xlr8's fused Adam/AdamW count as theirs), nullopt otherwise.
+std::optional<std::string> portable_optimizer_kind(const torch::optim::Optimizer& optimizer);
+// The state of `leaf`, nullopt when it has none yet (before the first step). Requires a portable kind.
+std::optional<ParameterState> read_parameter_state(const torch::optim::Optimizer& optimizer, const at::Tensor& leaf);
+// Replaces the state of `leaf` (tensors copied into new memory shaped like `leaf`).
+void write_parameter_state(torch::optim::Optimizer& optimizer, const at::Tensor& leaf, const ParameterState& state);
+// The names of the tensors and counters `kind` keeps per parameter (for checking a checkpoint).
+std::vector<std::string> state_tensor_names(const std::string& kind);
+
+}  // namespace xlr8::checkpoint

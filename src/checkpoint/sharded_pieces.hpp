@@ -1,0 +1,75 @@
+#pragma once
+// The sharded part of a checkpoint: every rank writes the slices it holds of each logical tensor
+// (parameters and optimizer state, by name) into its own safetensors file, in parallel, and rank 0 an
+// index of which rank holds which element range of which tensor. Slices are ranges of the tensor
+// flattened, the way every strategy lays parameters out, so any strategy on any number of processes
+// reads back exactly the ranges it holds (resharding on load), and merge-weights streams whole tensors.
+#include <ATen/core/Tensor.h>
+
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "xlr8/communicator.hpp"
+#include "xlr8/safetensors.hpp"
+
+namespace xlr8::checkpoint {
+
+class Verified;
+
+// Elements [start, start + data.numel()) of the tensor `key` (shape `shape`) flattened.
+struct Piece {
+  std::string key;
+  std::vector<int64_t> shape;
+  at::Tensor data;
+  int64_t start = 0;
+};
+
+struct RankPieces {
+  std::vector<Piece> pieces;
+  std::map<std::string, int64_t> counters;  // per-tensor scalars (an optimizer's step), equal where repeated
+};
+
+std::string pieces_file(int rank);     // "shards_rank<r>.safetensors"
+std::string model_key(size_t model, const std::string& name);  // "model<i>/<name>"
+extern const char* const kPiecesIndex;  // "sharded_index.json"
+
+// Collective over `world`: writes this rank's file into `dir`; rank 0 also the index. Every rank checks
+// that the pieces of all ranks cover each tensor exactly once (so all fail together when they do not).
+void write_pieces(const std::filesystem::path& dir, const RankPieces& mine, Communicator& world);
+
+struct IndexedTensor {
+  std::vector<int64_t> shape;
+  at::ScalarType dtype;
+  struct Range {
+    std::string file, entry;  // where its elements lie: a file of the checkpoint and a tensor in it
+    int64_t start, count;
+  };
+  std::vector<Range> ranges;  // sorted by start, covering the tensor
+  int64_t numel() const;
+};
+
+// Reads ranges of a verified checkpoint's tensors, opening only the files it needs: the sharded ones of
+// the index (when there is one) and each whole model file's tensors as "model<i>/<name>".
+class PieceReader {
+ public:
+  explicit PieceReader(const Verified& checkpoint);  // throws when the index is malformed
+  const std::map<std::string, IndexedTensor>& tensors() const { return tensors_; }
+  const IndexedTensor* find(const std::string& key) const;
+  // Elements [start, start + count) of `key` flattened, in its saved dtype (1-D).
+  at::Tensor read(const std::string& key, int64_t start, int64_t count) const;
+  std::optional<int64_t> counter(const std::string& key) const;
+  std::string describe(const std::string& key) const;  // "tensor K of <dir>"
+
+ private:
+  const std::map<std::string, SafetensorsEntry>& entries_of(const std::string& file) const;
+  const Verified& checkpoint_;
+  std::map<std::string, IndexedTensor> tensors_;
+  std::map<std::string, int64_t> counters_;
+  mutable std::map<std::string, std::map<std::string, SafetensorsEntry>> headers_;  // by rank file
+};
+
+}  // namespace xlr8::checkpoint

@@ -1,0 +1,207 @@
+// `xlr8 estimate-memory`: Accelerate's `accelerate estimate-memory` for C++ users, with the training
+// bytes per rank of each strategy. Static memory with Adam (reference/003, "Static Memory" and ZeRO):
+//   fp32 training:          parameters 4, gradients 4, Adam moments 8 bytes per parameter (K = 8)
+//   bf16 / fp16 (mixed):    parameters 2, gradients 2, fp32 master + moments 12 bytes per parameter (K = 12)
+//   per rank on N ranks:    DDP (p + g + K)Ψ; ZeRO-1 (p + g)Ψ + KΨ/N; ZeRO-2 pΨ + (g + K)Ψ/N; ZeRO-3 (p + g + K)Ψ/N
+// Activations of a transformer of L layers, hidden size h, a heads, sequence s, batch b (reference/003):
+//   L·s·b·h·(34 + 5·a·s/h) bytes with 2-byte activations (twice that in fp32); with full activation
+//   checkpointing each layer keeps only its input (2·s·b·h bytes, or 4) and one layer is recomputed at a time.
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/files.hpp"
+#include "cli/commands.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/safetensors.hpp"
+
+namespace fs = std::filesystem;
+
+namespace xlr8::cli {
+namespace {
+
+struct Model {
+  double parameters = 0;
+  double largest_layer = 0;  // parameters of the largest layer (tensor, for a file), 0 when unknown
+  std::string largest_name;
+  bool has_shape = false;    // layers, hidden size and heads known: activations can be estimated
+  int64_t n_layer = 0, d_model = 0, n_head = 0;
+};
+
+struct DtypeBytes {
+  std::string name;
+  double param, grad, optimizer, activation;
+};
+
+DtypeBytes dtype_bytes(const std::string& text) {
+  if (text == "float32" || text == "fp32") return {"float32", 4, 4, 8, 4};
+  if (text == "bfloat16" || text == "bf16") return {"bfloat16", 2, 2, 12, 2};
+  if (text == "float16" || text == "fp16") return {"float16", 2, 2, 12, 2};
+  throw ConfigError(fmt::format("--dtypes {:?} is not a training dtype; use float32, bfloat16 or float16 "
+                                "(or fp32, bf16, fp16)",
+                                text));
+}
+
+double per_rank(const std::string& strategy, const DtypeBytes& d, double psi, int n) {
+  if (strategy == "ddp") return (d.param + d.grad + d.optimizer) * psi;
+  if (strategy == "zero1") return (d.param + d.grad) * psi + d.optimizer * psi / n;
+  if (strategy == "zero2") return d.param * psi + (d.grad + d.optimizer) * psi / n;
+  if (strategy == "zero3") return (d.param + d.grad + d.optimizer) * psi / n;
+  throw ConfigError(fmt::format("--strategies {:?} is not a strategy; use ddp, zero1, zero2 or zero3 (FSDP's "
+                                "NO_SHARD, SHARD_GRAD_OP and FULL_SHARD are ddp, zero2 and zero3)",
+                                strategy));
+}
+
+// Parameters of a safetensors file, a model.safetensors.index.json, or a directory holding either.
+Model model_of_file(const std::string& path) {
+  fs::path p(path);
+  if (fs::is_directory(p)) p = fs::exists(p / "model.safetensors.index.json") ? p / "model.safetensors.index.json"
+                                                                              : p / "model.safetensors";
+  if (!fs::exists(p)) throw ConfigError(fmt::format("--model {:?}: no such file (give a .safetensors file, a "
+                                                    "model.safetensors.index.json or a directory with one)",
+                                                    path));
+  std::vector<fs::path> files{p};
+  if (p.extension() == ".json") {
+    files.clear();
+    std::set<std::string> names;
+    try {
+      auto index = nlohmann::json::parse(files::read_all(p.string()));
+      for (auto& [tensor, file] : index.at("weight_map").items()) names.insert(file.get<std::string>());
+    } catch (const nlohmann::json::exception& e) {
+      throw ConfigError(fmt::format("--model {:?} is not a safetensors index: {}", p.string(), e.what()));
+    }
+    for (const auto& n : names) files.push_back(p.parent_path() / n);
+  }
+  Model m;
+  for (const auto& f : files) {
+    const auto size = fs::file_size(f);
+    std::string head(std::min<size_t>(size, 8), '\0');
+    files::read_range(f.string(), 0, head.size(), head.data());
+    uint64_t n = 0;
+    for (size_t i = 0; i < head.size(); ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(head[i])) << (8 * i);
+    head.resize(static_cast<size_t>(std::min<uint64_t>(8 + n, size)));
+    files::read_range(f.string(), 0, head.size(), head.data());
+    for (const auto& e : parse_safetensors_header(head, size, f.string()).entries) {
+      double count = 1;
+      for (auto d : e.shape) count *= static_cast<double>(d);
+      m.parameters += count;
+      if (count > m.largest_layer) m.largest_layer = count, m.largest_name = e.name;
+    }
+  }
+  return m;
+}
+
+// The GPT example's shape (examples/gpt): embeddings, L blocks of 12h² + 13h, a final norm, an optional head.
+Model model_of_gpt(int64_t layers, int64_t d, int64_t heads, int64_t vocab, int64_t seq, bool untied) {
+  Model m;
+  const double block = 12.0 * d * d + 13.0 * d, embedding = static_cast<double>(vocab) * d;
+  m.parameters = embedding + static_cast<double>(seq) * d + layers * block + 2.0 * d + (untied ? embedding : 0);
+  m.largest_layer = std::max(block, embedding);
+  m.largest_name = block >= embedding ? "a block" : "the token embedding";
+  m.has_shape = true;
+  m.n_layer = layers, m.d_model = d, m.n_head = heads;
+  return m;
+}
+
+std::string human(double bytes) {
+  const char* units[] = {"B", "KB", "MB", "GB", "TB"};
+  int u = 0;
+  while (bytes >= 1000 && u < 4) bytes /= 1000, ++u;
+  return fmt::format("{:.2f} {}", bytes, units[u]);
+}
+
+}  // namespace
+
+Handler add_estimate_memory(CLI::App& app) {
+  auto* cmd = app.add_subcommand("estimate-memory",
+                                 "Estimate the memory of training a model per rank, by dtype and strategy (Adam)");
+  struct Args {
+    double params = 0;
+    std::string model;
+    int64_t n_layer = 0, d_model = 0, n_head = 0, vocab_size = 256, seq_len = 0, batch_size = 1;
+    bool untied_head = false, json = false;
+    int num_processes = 1;
+    std::vector<std::string> dtypes{"float32", "bfloat16"};
+    std::vector<std::string> strategies{"ddp", "zero1", "zero2", "zero3"};
+  };
+  auto a = std::make_shared<Args>();
+  cmd->add_option("--params", a->params, "Number of parameters, such as 7e9");
+  cmd->add_option("--model", a->model, "A safetensors file, a model.safetensors.index.json, or a directory with one");
+  cmd->add_option("--n_layer", a->n_layer, "GPT shape: layers (with --d_model, --n_head; activations need it)");
+  cmd->add_option("--d_model", a->d_model, "GPT shape: hidden size");
+  cmd->add_option("--n_head", a->n_head, "GPT shape: attention heads");
+  cmd->add_option("--vocab_size", a->vocab_size, "GPT shape: vocabulary (default 256, the example's bytes)");
+  cmd->add_option("--seq_len", a->seq_len, "Sequence length (GPT position embedding; activations)");
+  cmd->add_option("--batch_size", a->batch_size, "Per-process batch, for the activations (default 1)");
+  cmd->add_flag("--untied_head", a->untied_head, "GPT shape: an LM head of its own");
+  cmd->add_option("--num_processes", a->num_processes, "Ranks the model is sharded over (default 1)");
+  cmd->add_option("--dtypes", a->dtypes, "Training dtypes: float32, bfloat16, float16 (default float32 bfloat16)");
+  cmd->add_option("--strategies", a->strategies, "Any of ddp zero1 zero2 zero3 (default all)");
+  cmd->add_flag("--json", a->json, "One JSON object instead of the tables");
+  return [a]() {
+    if (a->params < 0) throw ConfigError(fmt::format("--params {} must be a number of parameters above 0", a->params));
+    const int given = (a->params > 0) + !a->model.empty() + (a->n_layer > 0 || a->d_model > 0);
+    if (given != 1)
+      throw ConfigError("estimate-memory: give exactly one of --params N, --model FILE, or the GPT shape "
+                        "(--n_layer, --d_model, --n_head, --seq_len)");
+    if (a->num_processes < 1)
+      throw ConfigError(fmt::format("--num_processes {} must be 1 or more", a->num_processes));
+    if (a->batch_size < 1) throw ConfigError(fmt::format("--batch_size {} must be 1 or more", a->batch_size));
+    Model m;
+    if (a->params > 0) m.parameters = a->params;
+    else if (!a->model.empty()) m = model_of_file(a->model);
+    else {
+      if (a->n_layer < 1 || a->d_model < 1 || a->n_head < 1 || a->seq_len < 1 || a->vocab_size < 1)
+        throw ConfigError(fmt::format("estimate-memory: the GPT shape needs --n_layer, --d_model, --n_head and "
+                                      "--seq_len, all 1 or more (got {}, {}, {}, {})",
+                                      a->n_layer, a->d_model, a->n_head, a->seq_len));
+      if (a->d_model % a->n_head != 0)
+        throw ConfigError(fmt::format("--d_model {} is not a multiple of --n_head {}", a->d_model, a->n_head));
+      m = model_of_gpt(a->n_layer, a->d_model, a->n_head, a->vocab_size, a->seq_len, a->untied_head);
+    }
+    if (!(m.parameters > 0)) throw ConfigError(fmt::format("--params {} must be above 0", m.parameters));
+    nlohmann::json out{{"parameters", m.parameters}, {"num_processes", a->num_processes}, {"rows", nlohmann::json::array()}};
+    if (m.largest_layer > 0) out["largest_layer"] = {{"name", m.largest_name}, {"parameters", m.largest_layer}};
+    for (const auto& text : a->dtypes) {
+      const auto d = dtype_bytes(text);
+      nlohmann::json row{{"dtype", d.name},
+                         {"total_size_bytes", d.param * m.parameters},
+                         {"training_bytes_per_rank", nlohmann::json::object()}};
+      if (m.largest_layer > 0) row["largest_layer_bytes"] = d.param * m.largest_layer;
+      for (const auto& s : a->strategies) row["training_bytes_per_rank"][s] = per_rank(s, d, m.parameters, a->num_processes);
+      if (m.has_shape) {
+        const double s = static_cast<double>(a->seq_len), b = static_cast<double>(a->batch_size);
+        const double h = static_cast<double>(m.d_model), heads = static_cast<double>(m.n_head);
+        const double scale = d.activation / 2;  // the formula counts 2-byte activations
+        const double layer = s * b * h * (34 + 5 * heads * s / h) * scale;
+        row["activation_bytes"] = m.n_layer * layer;
+        row["activation_bytes_checkpointed"] = m.n_layer * s * b * h * d.activation + layer;
+      }
+      out["rows"].push_back(row);
+    }
+    if (a->json) {
+      fmt::print("{}\n", out.dump());
+      return 0;
+    }
+    fmt::print("Memory to train a model of {:.4g} parameters with Adam on {} rank(s)", m.parameters, a->num_processes);
+    if (m.largest_layer > 0) fmt::print(" (largest layer: {}, {:.4g} parameters)", m.largest_name, m.largest_layer);
+    fmt::print("\n\n{:<10} {:>12} {:>14}", "dtype", "total size", "largest layer");
+    for (const auto& s : a->strategies) fmt::print(" {:>12}", s);
+    if (m.has_shape) fmt::print(" {:>12} {:>12}", "activations", "act. ckpt");
+    fmt::print("\n");
+    for (const auto& row : out["rows"]) {
+      fmt::print("{:<10} {:>12} {:>14}", row["dtype"].get<std::string>(), human(row["total_size_bytes"]),
+                 row.contains("largest_layer_bytes") ? human(row["largest_layer_bytes"]) : "-");
+      for (const auto& s : a->strategies) fmt::print(" {:>12}", human(row["training_bytes_per_rank"][s]));
+      if (m.has_shape) fmt::print(" {:>12} {:>12}", human(row["activation_bytes"]), human(row["activation_bytes_checkpointed"]));
+      fmt::print("\n");
+    }
+    fmt::print("\nPer rank: parameters, gradients and Adam state (fp32 master weights in bf16/fp16); add the "
+               "activations{} and framework overhead.\n",
+               m.has_shape ? fmt::format(" (batch {} x sequence {})", a->batch_size, a->seq_len) : "");
+    return 0;
+  };
+}
+
+}  // namespace xlr8::cli

@@ -1,0 +1,84 @@
+// `xlr8 merge-weights CHECKPOINT OUT`: Accelerate's `accelerate merge-weights` and DeepSpeed's
+// zero_to_fp32.py. Turns a checkpoint's model (each rank's shards, or a whole model file) into Hugging
+// Face safetensors, tensor by tensor: each tensor is read from the ranges the ranks wrote, converted,
+// written and dropped, so the peak memory is about the largest tensor, not the model.
+#include <fmt/format.h>
+
+#include <filesystem>
+
+#include "checkpoint/hf_export.hpp"
+#include "checkpoint/sharded_pieces.hpp"
+#include "checkpoint/training_checkpoint.hpp"
+#include "cli/commands.hpp"
+#include "xlr8/error.hpp"
+
+namespace fs = std::filesystem;
+
+namespace xlr8::cli {
+namespace {
+
+std::optional<at::ScalarType> parse_dtype(const std::string& text) {
+  if (text.empty()) return std::nullopt;
+  if (text == "fp32" || text == "float32") return at::kFloat;
+  if (text == "bf16" || text == "bfloat16") return at::kBFloat16;
+  if (text == "fp16" || text == "float16") return at::kHalf;
+  throw ConfigError(fmt::format("--dtype {:?} is not a dtype merge-weights writes; use fp32, bf16 or fp16", text));
+}
+
+}  // namespace
+
+Handler add_merge_weights(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "merge-weights", "Merge a checkpoint's model (sharded over ranks or whole) into Hugging Face safetensors");
+  struct Args {
+    std::string checkpoint, out, max_shard_size = "10GB", dtype;
+    size_t model = 0;
+  };
+  auto a = std::make_shared<Args>();
+  cmd->add_option("checkpoint", a->checkpoint, "A directory save_state wrote")->required();
+  cmd->add_option("output", a->out, "Directory to write model.safetensors (or shards and their index) into")->required();
+  cmd->add_option("--max_shard_size,--max-shard-size", a->max_shard_size,
+                  "Largest file before the model is split into shards plus model.safetensors.index.json");
+  cmd->add_option("--dtype", a->dtype, "fp32, bf16 or fp16 (default: as saved, fp32 for fp32 training)");
+  cmd->add_option("--model", a->model, "Which prepared model, when the checkpoint holds several (default 0)");
+  return [a]() {
+    const auto dtype = parse_dtype(a->dtype);
+    const int64_t limit = checkpoint::parse_size(a->max_shard_size);
+    const checkpoint::Verified saved(checkpoint::directory_path(a->checkpoint));
+    const checkpoint::PieceReader reader(saved);
+    // The model's own order (parameters, then buffers) when the checkpoint records it; else by name.
+    const auto prefix = checkpoint::model_key(a->model, "");
+    std::vector<std::string> names;
+    auto state = saved.state();
+    if (state.contains("model_tensors") && a->model < state["model_tensors"].size())
+      names = state["model_tensors"][a->model].get<std::vector<std::string>>();
+    else
+      for (const auto& [key, entry] : reader.tensors())
+        if (key.rfind(prefix, 0) == 0) names.push_back(key.substr(prefix.size()));
+    if (names.empty())
+      throw ConfigError(fmt::format("{} holds no model {} (--model counts the prepared models from 0)", a->checkpoint,
+                                    a->model));
+    std::vector<SafetensorsSpec> specs;
+    int64_t bytes = 0;
+    for (const auto& name : names) {
+      const auto* entry = reader.find(prefix + name);
+      if (!entry) throw Error(fmt::format("{} lists {:?} but holds no data for it", a->checkpoint, name));
+      specs.push_back({name, dtype && at::isFloatingType(entry->dtype) ? *dtype : entry->dtype, entry->shape});
+      bytes += entry->numel() * static_cast<int64_t>(at::elementSize(specs.back().dtype));
+    }
+    checkpoint::export_hf_model(
+        specs,
+        [&](size_t i) {
+          const auto* entry = reader.find(prefix + names[i]);
+          return reader.read(prefix + names[i], 0, entry->numel()).view(entry->shape).to(specs[i].dtype);
+        },
+        a->out, limit);
+    const bool sharded = !saved.has(checkpoint::model_file(a->model));
+    fmt::print("merged {} tensors ({:.1f} MB) of {} ({}) into {}\n", specs.size(), bytes / 1e6, a->checkpoint,
+               sharded ? fmt::format("sharded over {} rank(s)", saved.saved_world_size()) : "a whole model file",
+               (fs::path(a->out) / (bytes > limit ? "model.safetensors.index.json" : "model.safetensors")).string());
+    return 0;
+  };
+}
+
+}  // namespace xlr8::cli
