@@ -11,6 +11,7 @@
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
+#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -84,6 +85,13 @@ class ParallelStrategy {
   // Copies `state` into the module, strictly: exactly the module's names, shapes and dtypes
   // (ConfigError naming every difference otherwise). Collective, as state_dict.
   virtual void load_state_dict(const StateDict& state, StateDictKind kind);
+  // Names, dtypes and shapes of state_dict(FULL), as meta tensors: nothing is gathered.
+  virtual StateDict full_state_layout() const;
+  // The whole parameters and buffers one at a time in that order, fn(index, tensor), at least on the
+  // group's rank 0 (FSDP's rank0_only): at most one sharding unit is gathered at a time (and the root's,
+  // whose parameters are spread over the module's order), so a model larger than one rank's memory can
+  // be written. Collective.
+  virtual void visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn) const;
   // Every parameter of the module, as the parts this rank holds (in the module's order). Replicas: each
   // parameter whole. No communication.
   virtual std::vector<ParameterPiece> parameter_pieces() const;

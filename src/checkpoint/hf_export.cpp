@@ -28,42 +28,65 @@ int64_t parse_size(const std::string& text) {
   return static_cast<int64_t>(value);
 }
 
-void export_hf_model(const std::vector<SafetensorsSpec>& specs, const std::function<at::Tensor(size_t)>& fetch,
-                     const std::string& dir, int64_t limit) {
-  fs::create_directories(dir);
-  std::vector<std::vector<size_t>> shards(1);  // tensor indices per file
-  int64_t used = 0, total = 0;
-  for (size_t i = 0; i < specs.size(); ++i) {
-    int64_t bytes = static_cast<int64_t>(at::elementSize(specs[i].dtype));
-    for (auto d : specs[i].shape) bytes *= d;
-    if (!shards.back().empty() && used + bytes > limit) shards.emplace_back(), used = 0;
-    shards.back().push_back(i);
+HfModelWriter::HfModelWriter(std::string dir, std::vector<SafetensorsSpec> specs, int64_t limit)
+    : dir_(std::move(dir)), specs_(std::move(specs)), files_(1) {
+  fs::create_directories(dir_);
+  int64_t used = 0;
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    int64_t bytes = static_cast<int64_t>(at::elementSize(specs_[i].dtype));
+    for (auto d : specs_[i].shape) bytes *= d;
+    if (!files_.back().empty() && used + bytes > limit) files_.emplace_back(), used = 0;
+    files_.back().push_back(i);
     used += bytes;
-    total += bytes;
+    total_ += bytes;
   }
   static const std::regex stale("model-\\d{5}-of-\\d{5}\\.safetensors");
-  for (auto& e : fs::directory_iterator(dir))
+  for (auto& e : fs::directory_iterator(dir_))
     if (std::regex_match(e.path().filename().string(), stale)) fs::remove(e.path());
-  auto write_file = [&](const std::string& name, const std::vector<size_t>& members) {
+}
+
+HfModelWriter::~HfModelWriter() = default;
+
+std::string HfModelWriter::file_name(size_t k) const {
+  return files_.size() == 1 ? "model.safetensors" : fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, files_.size());
+}
+
+void HfModelWriter::write(const at::Tensor& tensor) {
+  if (next_ >= specs_.size()) throw Error(fmt::format("{}: more tensors written than announced", dir_));
+  if (!current_) {
     std::vector<SafetensorsSpec> announced;
-    for (auto i : members) announced.push_back(specs[i]);
-    SafetensorsWriter writer((fs::path(dir) / name).string(), announced, {{"format", "pt"}});
-    for (auto i : members) writer.write(fetch(i));  // one tensor in memory at a time
-    writer.commit();
-  };
-  if (shards.size() == 1) {
-    fs::remove(fs::path(dir) / "model.safetensors.index.json");
-    write_file("model.safetensors", shards[0]);
+    for (auto i : files_[file_]) announced.push_back(specs_[i]);
+    current_ = std::make_unique<SafetensorsWriter>((fs::path(dir_) / file_name(file_)).string(), announced,
+                                                   std::map<std::string, std::string>{{"format", "pt"}});
+  }
+  current_->write(tensor.to(specs_[next_].dtype));
+  ++next_;
+  if (next_ == files_[file_].back() + 1) {  // the file is complete
+    current_->commit();
+    current_.reset();
+    ++file_;
+  }
+}
+
+void HfModelWriter::finish() {
+  if (next_ != specs_.size()) throw Error(fmt::format("{}: {} of {} tensors written", dir_, next_, specs_.size()));
+  if (files_.size() == 1) {
+    if (specs_.empty()) SafetensorsWriter((fs::path(dir_) / file_name(0)).string(), {}, {{"format", "pt"}}).commit();
+    fs::remove(fs::path(dir_) / "model.safetensors.index.json");
     return;
   }
-  nlohmann::ordered_json index{{"metadata", {{"total_size", total}}}, {"weight_map", nlohmann::ordered_json::object()}};
-  for (size_t k = 0; k < shards.size(); ++k) {
-    std::string name = fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, shards.size());
-    write_file(name, shards[k]);
-    for (auto i : shards[k]) index["weight_map"][specs[i].name] = name;
-  }
-  fs::remove(fs::path(dir) / "model.safetensors");
-  files::write_durably((fs::path(dir) / "model.safetensors.index.json").string(), index.dump(2));
+  nlohmann::ordered_json index{{"metadata", {{"total_size", total_}}}, {"weight_map", nlohmann::ordered_json::object()}};
+  for (size_t k = 0; k < files_.size(); ++k)
+    for (auto i : files_[k]) index["weight_map"][specs_[i].name] = file_name(k);
+  fs::remove(fs::path(dir_) / "model.safetensors");
+  files::write_durably((fs::path(dir_) / "model.safetensors.index.json").string(), index.dump(2));
+}
+
+void export_hf_model(const std::vector<SafetensorsSpec>& specs, const std::function<at::Tensor(size_t)>& fetch,
+                     const std::string& dir, int64_t limit) {
+  HfModelWriter writer(dir, specs, limit);
+  for (size_t i = 0; i < specs.size(); ++i) writer.write(fetch(i));  // one tensor in memory at a time
+  writer.finish();
 }
 
 void export_hf_model(const NamedTensors& tensors, const std::string& dir, int64_t limit) {

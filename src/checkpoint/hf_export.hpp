@@ -3,6 +3,7 @@
 // model.safetensors.index.json when the tensors exceed max_shard_size. What transformers' and Python
 // safetensors' loaders read.
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,25 @@ void export_hf_model(const NamedTensors& tensors, const std::string& dir, int64_
 // comes, so only one need be in memory (merge-weights, save_model of a sharded model).
 void export_hf_model(const std::vector<SafetensorsSpec>& specs, const std::function<at::Tensor(size_t)>& fetch,
                      const std::string& dir, int64_t max_shard_bytes);
+// The same pushed one tensor at a time in the announced order (a collective visit of a sharded model
+// feeds it on the main process): each file is written and committed as its last tensor arrives.
+class HfModelWriter {
+ public:
+  HfModelWriter(std::string dir, std::vector<SafetensorsSpec> specs, int64_t max_shard_bytes);
+  ~HfModelWriter();
+  void write(const at::Tensor& tensor);  // converted to the announced dtype
+  void finish();                         // the index, when there are several files
+
+ private:
+  std::string file_name(size_t k) const;
+  std::string dir_;
+  std::vector<SafetensorsSpec> specs_;
+  std::vector<std::vector<size_t>> files_;  // tensor indices per file
+  int64_t total_ = 0;
+  size_t next_ = 0, file_ = 0;
+  std::unique_ptr<SafetensorsWriter> current_;
+};
+
 // "10GB", "500MB", "2GiB", "1000": bytes. ConfigError for anything else.
 int64_t parse_size(const std::string& text);
 

@@ -120,6 +120,10 @@ std::string save(const fs::path& final_dir, const Content& content, Communicator
     files::write_durably((tmp / written.back()).string(), bytes);
   }
   write_pieces(tmp, content.pieces, world);
+  if (content.write_models) {
+    auto names = content.write_models(tmp);  // collective
+    if (main) written.insert(written.end(), names.begin(), names.end());
+  }
   if (main) {
     written.push_back(kPiecesIndex);
     for (size_t i = 0; i < content.models.size(); ++i) {

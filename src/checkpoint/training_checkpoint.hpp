@@ -10,6 +10,7 @@
 #include <torch/serialize/input-archive.h>
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -26,6 +27,9 @@ namespace xlr8::checkpoint {
 struct Content {
   nlohmann::json state;                 // counters, loss scaler, data loaders (accelerator_state.json)
   std::vector<NamedTensors> models;     // full state dicts; the main process writes them
+  // Or: called on every rank with the temporary directory, writes the model files there (streaming a
+  // sharded model collectively) and returns their names (on the main process).
+  std::function<std::vector<std::string>(const std::filesystem::path&)> write_models;
   std::map<size_t, std::string> optimizers;  // optimizer archives by index (optimizer_bytes); the main process writes them
   // Archives of optimizers over sharded models: this rank's (each rank writes its own), by optimizer index.
   std::map<size_t, std::string> rank_optimizers;

@@ -33,6 +33,17 @@ void ParallelStrategy::load_state_dict(const StateDict& state, StateDictKind kin
   for (const auto& [name, tensor] : state) own.at(name).copy_(tensor);
 }
 
+StateDict ParallelStrategy::full_state_layout() const {
+  StateDict out;
+  for (auto& [name, t] : module_state_dict(*module_)) out.emplace_back(name, at::empty(t.sizes(), t.options().device(at::kMeta)));
+  return out;
+}
+
+void ParallelStrategy::visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn) const {
+  auto state = state_dict(StateDictKind::FULL);  // replicas: views, nothing copied
+  for (size_t i = 0; i < state.size(); ++i) fn(i, state[i].second);
+}
+
 std::vector<ParameterPiece> ParallelStrategy::parameter_pieces() const {
   std::vector<ParameterPiece> out;
   for (const auto& item : module_->named_parameters())

@@ -503,6 +503,37 @@ std::vector<ParameterPiece> ZeroEngine::parameter_pieces() const {
   return out;
 }
 
+void ZeroEngine::visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  const bool receiver = comm_.rank() == 0 && (!replicate_.valid() || replicate_.rank() == 0);
+  // A group is gathered when its first parameter comes up (in the master dtype) and dropped after its
+  // last: units are subtrees, so only the root's group stays open across others.
+  std::vector<size_t> left(groups_.size(), 0);
+  for (const auto& item : module_->named_parameters())
+    if (const auto* slot = slot_of(item.value())) ++left[slot->group];
+  std::vector<at::Tensor> whole(groups_.size());
+  size_t index = 0;
+  for (const auto& item : module_->named_parameters()) {
+    const auto* slot = slot_of(item.value());
+    if (!slot) {
+      if (receiver) fn(index, item.value().detach());
+      ++index;
+      continue;
+    }
+    auto& group = groups_[slot->group];
+    if (!whole[slot->group].defined()) whole[slot->group] = group.gather_master(comm_);
+    if (receiver)
+      fn(index, whole[slot->group].narrow(0, group.offsets[slot->index], group.params[slot->index].numel())
+                    .view(group.params[slot->index].sizes()));
+    ++index;
+    if (--left[slot->group] == 0) whole[slot->group] = at::Tensor();
+  }
+  for (const auto& item : module_->named_buffers()) {
+    if (receiver) fn(index, item.value().detach());
+    ++index;
+  }
+}
+
 void ZeroEngine::pieces_loaded() {
   std::lock_guard<std::mutex> lock(mutex_);
   refresh_whole_copies();

@@ -41,6 +41,8 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   StateDict state_dict(StateDictKind kind);
   void load_state_dict(const StateDict& state, StateDictKind kind);
   std::vector<ParameterPiece> parameter_pieces() const;
+  void visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn);
+  StateDict state_dict_shapes(StateDictKind kind) const;
   void pieces_loaded();
   void gather_all();
   void release_all(bool writeback);
@@ -71,7 +73,6 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   const Slot* slot_of(const at::Tensor& tensor) const;
   // Every whole copy that is alive (stages 1-2; stage-3 groups held whole) catches up with its shards.
   void refresh_whole_copies();
-  StateDict state_dict_shapes(StateDictKind kind) const;
 
   std::shared_ptr<torch::nn::Module> module_;
   Communicator comm_;

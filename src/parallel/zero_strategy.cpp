@@ -28,6 +28,10 @@ class ShardedDataParallel final : public ParallelStrategy {
   StateDict state_dict(StateDictKind kind) const override { return engine_->state_dict(kind); }
   void load_state_dict(const StateDict& state, StateDictKind kind) override { engine_->load_state_dict(state, kind); }
   std::vector<ParameterPiece> parameter_pieces() const override { return engine_->parameter_pieces(); }
+  StateDict full_state_layout() const override { return engine_->state_dict_shapes(StateDictKind::FULL); }
+  void visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn) const override {
+    engine_->visit_full_state(fn);
+  }
   void parameter_pieces_loaded() override { engine_->pieces_loaded(); }
   void gather_full_parameters() override { engine_->gather_all(); }
   void release_full_parameters(bool writeback) override { engine_->release_all(writeback); }

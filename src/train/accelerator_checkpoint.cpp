@@ -15,10 +15,37 @@ namespace fs = std::filesystem;
 namespace xlr8 {
 namespace {
 
-// The full state dict of a prepared model (through its strategy: collective), or of any other module.
-NamedTensors full_state_of(const AcceleratorImpl& s, const torch::nn::Module& module) {
-  if (auto* strategy = s.strategy_for(&module)) return strategy->state_dict(StateDictKind::FULL_ON_MAIN);
-  return module_state_dict(module);
+// Streams a module's whole state (a prepared model's through its strategy: collective, one unit gathered
+// at a time) into a writer that exists on the main process only: `open` receives the names, dtypes and
+// shapes, `write` each tensor in that order, `close` ends it. A failure of the writer does not stop the
+// collective; every rank then throws it.
+void stream_full_state(const AcceleratorImpl& s, const torch::nn::Module& module, const std::string& what,
+                       const std::function<void(std::vector<SafetensorsSpec>)>& open,
+                       const std::function<void(const at::Tensor&)>& write, const std::function<void()>& close) {
+  const bool main = s.world().rank() == 0;
+  const auto* strategy = s.strategy_for(&module);
+  auto layout = strategy ? strategy->full_state_layout() : module_state_dict(module);
+  std::string problem;
+  auto guarded = [&](auto&& fn) {
+    if (!main || !problem.empty()) return;
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+  };
+  guarded([&] {
+    std::vector<SafetensorsSpec> specs;
+    for (const auto& [name, t] : layout) specs.push_back({name, t.scalar_type(), t.sizes().vec()});
+    open(std::move(specs));
+  });
+  auto deliver = [&](size_t, const at::Tensor& t) { guarded([&] { write(t); }); };
+  if (strategy) strategy->visit_full_state(deliver);
+  else
+    for (size_t i = 0; i < layout.size(); ++i) deliver(i, layout[i].second);
+  guarded(close);
+  auto outcome = s.world().size() > 1 ? s.world().broadcast_object(problem, 0) : problem;
+  if (!outcome.empty()) throw Error(fmt::format("{}: {}", what, outcome));
 }
 
 // Whether `optimizer` updates a sharded model's shards (its state then differs on every rank).
@@ -57,10 +84,21 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
   // strategy and process count reads them back; others as archives.
   const bool sharded_models = models_saved_sharded(s);
   if (!sharded_models)
-    for (const auto& m : s.models) {
-      auto full = m->state_dict(StateDictKind::FULL_ON_MAIN);  // collective
-      if (is_main_process()) content.models.push_back(std::move(full));
-    }
+    content.write_models = [&](const fs::path& tmp) {
+      std::vector<std::string> names;
+      for (size_t i = 0; i < s.models.size(); ++i) {
+        names.push_back(checkpoint::model_file(i));
+        std::unique_ptr<SafetensorsWriter> writer;
+        stream_full_state(
+            s, *s.models[i]->module(), "save_state",
+            [&](std::vector<SafetensorsSpec> specs) {
+              writer = std::make_unique<SafetensorsWriter>((tmp / names.back()).string(), std::move(specs),
+                                                           std::map<std::string, std::string>{{"format", "pt"}});
+            },
+            [&](const at::Tensor& t) { writer->write(t); }, [&] { writer->commit(); });
+      }
+      return names;
+    };
   const auto portable = collect_portable_state(s, sharded_models, content.pieces, content.state);
   std::vector<bool> sharded;
   for (size_t i = 0; i < s.optimizers.size(); ++i) {
@@ -199,13 +237,16 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
 
 void Accelerator::save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const {
   const int64_t limit = checkpoint::parse_size(max_shard_size);  // on every rank: a bad size fails them all
-  auto tensors = full_state_of(*impl_, module);  // on every rank: collective for sharded strategies
-  if (is_main_process())
-    checkpoint::filesystem_guard(fmt::format("save_model({:?})", dir), [&] {
-      checkpoint::export_hf_model(tensors, dir, limit);
-      return 0;
-    });
-  wait_for_everyone();
+  std::unique_ptr<checkpoint::HfModelWriter> writer;
+  stream_full_state(
+      *impl_, module, fmt::format("save_model({:?})", dir),
+      [&](std::vector<SafetensorsSpec> specs) {
+        writer = checkpoint::filesystem_guard(fmt::format("save_model({:?})", dir), [&] {
+          return std::make_unique<checkpoint::HfModelWriter>(dir, std::move(specs), limit);
+        });
+      },
+      [&](const at::Tensor& t) { writer->write(t); },
+      [&] { checkpoint::filesystem_guard(fmt::format("save_model({:?})", dir), [&] { writer->finish(); return 0; }); });
 }
 
 }  // namespace xlr8
