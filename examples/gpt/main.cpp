@@ -29,6 +29,7 @@ struct Args {
   std::string output_dir = "gpt_output";
   int64_t checkpoint_every = 0;
   std::string resume_from;
+  std::string init_from;  // weights save_model wrote (another run's output_dir/model)
   int gradient_accumulation_steps = 1;
   std::string data_dir = "/usr/share/games/fortunes";
   int64_t val_windows = 256;  // held-out windows scored at the end
@@ -70,6 +71,9 @@ double peak_rss_mb() {
     if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
   return 0;
 }
+
+// Resets VmHWM to the current RSS, so that a later peak_rss_mb() measures what happened since.
+void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
 
 double validation_loss(xlr8::Accelerator& acc, gpt::Gpt& model, xlr8::DataLoader<gpt::TextWindows>& val) {
   torch::NoGradGuard no_grad;
@@ -114,6 +118,14 @@ int run(const Args& args) {
   auto train = acc.prepare_data_loader(gpt::TextWindows(text.narrow(0, 0, split), args.seq_len),
                                        {.batch_size = args.batch_size, .shuffle = true});
   auto val = acc.prepare_data_loader(gpt::TextWindows(val_text, args.seq_len), {.batch_size = args.batch_size});
+  double load_growth_mb = 0;  // how far loading the weights raised this rank's peak RSS
+  if (!args.init_from.empty()) {
+    reset_peak_rss();
+    const double before = peak_rss_mb();
+    acc.load_model(model, args.init_from);  // rank 0 reads; each rank keeps only what it holds
+    load_growth_mb = peak_rss_mb() - before;
+    acc.print("initialised from {}", args.init_from);
+  }
   if (!args.resume_from.empty()) {
     acc.load_state(args.resume_from == "latest" ? "" : args.resume_from);
     acc.print("resumed from {} at step {}", args.resume_from, acc.step());
@@ -174,6 +186,7 @@ int run(const Args& args) {
   auto largest = acc.reduce(torch::tensor({static_cast<double>(held), static_cast<double>(peak), peak_rss_mb()},
                                           torch::kFloat64),
                             xlr8::ReduceOp::MAX);
+  auto growth = acc.gather(torch::full({1}, load_growth_mb, torch::kFloat64));
   acc.save_model(model, args.output_dir + "/model");
   acc.end_training();
   if (acc.is_main_process()) {
@@ -186,6 +199,10 @@ int run(const Args& args) {
                           {"peak_state_bytes_per_rank", static_cast<int64_t>(largest[1].item<double>())},
                           {"peak_rss_mb", largest[2].item<double>()},
                           {"parameters", params}};
+    if (!args.init_from.empty()) {
+      std::vector<double> per_rank(growth.data_ptr<double>(), growth.data_ptr<double>() + growth.numel());
+      result["load_peak_rss_growth_mb"] = per_rank;
+    }
     fmt::print("{}\n", result.dump());
   }
   return 0;
@@ -205,6 +222,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", a.seed, "Seed: same seed, same initialisation and data order on any number of processes");
   app.add_option("--lr", a.lr, "AdamW learning rate");
   app.add_option("--output_dir", a.output_dir, "Checkpoints and the final model go here");
+  app.add_option("--init_from", a.init_from, "Start from weights save_model wrote (a directory or safetensors file)");
   app.add_option("--checkpoint_every", a.checkpoint_every, "Save a checkpoint every N optimizer steps");
   app.add_option("--resume_from", a.resume_from, "Checkpoint directory to resume from, or 'latest'");
   app.add_option("--gradient_accumulation_steps", a.gradient_accumulation_steps, "Micro-batches per optimizer step");

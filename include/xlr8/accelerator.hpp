@@ -214,6 +214,15 @@ class Accelerator {
   void save_model(const Model& model, const std::string& dir, const std::string& max_shard_size = "10GB") const {
     save_module(*module_pointer(model), dir, max_shard_size);
   }
+  // Reads what save_model writes (a directory, model.safetensors, or model.safetensors.index.json with
+  // its shards) into `model` by name. `strict`: exactly the model's names (else missing ones keep their
+  // values and unexpected ones are ignored); shapes must always match. Nothing changes when it throws.
+  // A prepared model: collective; rank 0 reads each tensor once and every rank keeps the part it holds
+  // (its shard, when sharded), so ranks other than 0 need neither the file nor the whole model in memory.
+  template <class Model>
+  void load_model(const Model& model, const std::string& path, bool strict = true) {
+    load_module(*module_pointer(model), path, strict);
+  }
 
   int64_t step() const;  // optimizer steps taken by the first prepared optimizer
   double loss_scale() const;  // the fp16 dynamic loss scale; 1 otherwise
@@ -237,6 +246,7 @@ class Accelerator {
   void register_loader(std::shared_ptr<DataLoaderBase> loader);
   StepScope make_step_scope(std::vector<torch::nn::Module*> modules, bool decide_sync);
   void save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const;
+  void load_module(torch::nn::Module& module, const std::string& path, bool strict);
   std::string save_state_unguarded(const std::string& dir);
   void load_state_unguarded(const std::string& dir);
   ShardingOptions sharding() const;

@@ -95,8 +95,10 @@ class ParallelStrategy {
   // Every parameter of the module, as the parts this rank holds (in the module's order). Replicas: each
   // parameter whole. No communication.
   virtual std::vector<ParameterPiece> parameter_pieces() const;
-  // After new values were copied into parameter_pieces()' `values`: whole copies catch up. Collective.
-  virtual void parameter_pieces_loaded() {}
+  // After new values were copied into parameter_pieces()' `values`: whole copies catch up. Collective,
+  // unless `whole_parameters_written` (the caller also wrote every parameter that holds memory whole):
+  // then only local copies (low-precision shards of fp32 masters) are refreshed.
+  virtual void parameter_pieces_loaded(bool whole_parameters_written = false) {}
   // FSDP's summon_full_params: every parameter whole and current until release_full_parameters(), which
   // with `writeback` keeps changes made to them meanwhile. Collective; replicas are always whole.
   virtual void gather_full_parameters() {}

@@ -3,6 +3,7 @@
 // header length, a JSON header {name: {dtype, shape, data_offsets}, "__metadata__": {...}}, then the data.
 #include <ATen/core/Tensor.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -74,5 +75,8 @@ struct SafetensorsHeader {
 };
 // `bytes` needs to hold at least the header; `file_size` is the whole file's (offsets are checked against it).
 SafetensorsHeader parse_safetensors_header(const std::string& bytes, size_t file_size, const std::string& origin);
+// Reads just the header of a file of `file_size` bytes through `read(offset, size, destination)`.
+SafetensorsHeader read_safetensors_header(size_t file_size, const std::function<void(size_t, size_t, void*)>& read,
+                                          const std::string& origin);
 
 }  // namespace xlr8

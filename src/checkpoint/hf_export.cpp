@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <set>
 
 #include "checkpoint/files.hpp"
 #include "xlr8/error.hpp"
@@ -80,6 +81,51 @@ void HfModelWriter::finish() {
     for (auto i : files_[k]) index["weight_map"][specs_[i].name] = file_name(k);
   fs::remove(fs::path(dir_) / "model.safetensors");
   files::write_durably((fs::path(dir_) / "model.safetensors.index.json").string(), index.dump(2));
+}
+
+HfModelReader::HfModelReader(const std::string& path) {
+  fs::path p(path);
+  if (fs::is_directory(p))
+    p = fs::exists(p / "model.safetensors.index.json") ? p / "model.safetensors.index.json" : p / "model.safetensors";
+  if (!fs::exists(p))
+    throw Error(fmt::format("{} holds no model (expected model.safetensors, or "
+                            "model.safetensors.index.json and its shards)",
+                            path));
+  std::vector<fs::path> files{p};
+  if (p.extension() == ".json") {
+    files.clear();
+    std::set<std::string> names;
+    try {
+      auto index = nlohmann::json::parse(files::read_all(p.string()));
+      for (auto& [tensor, file] : index.at("weight_map").items()) names.insert(file.get<std::string>());
+    } catch (const nlohmann::json::exception& e) {
+      throw Error(fmt::format("{} is not a safetensors index: {}", p.string(), e.what()));
+    }
+    for (const auto& n : names) files.push_back(p.parent_path() / n);
+  }
+  for (const auto& f : files) {
+    if (!fs::exists(f)) throw Error(fmt::format("{} is missing (listed by {})", f.string(), p.string()));
+    const auto read = [&](size_t offset, size_t size, void* out) { files::read_range(f.string(), offset, size, out); };
+    for (auto& e : read_safetensors_header(fs::file_size(f), read, f.string()).entries) {
+      files_[e.name] = f.string();
+      entries_[e.name] = std::move(e);
+    }
+  }
+}
+
+at::Tensor HfModelReader::read(const std::string& name) const {
+  const auto& e = entries_.at(name);
+  auto t = at::empty(e.shape, at::TensorOptions().dtype(e.dtype));
+  read_into(name, t);
+  return t;
+}
+
+void HfModelReader::read_into(const std::string& name, at::Tensor& out) const {
+  const auto& e = entries_.at(name);
+  if (!out.is_contiguous() || out.scalar_type() != e.dtype || out.nbytes() != e.bytes)
+    throw Error(fmt::format("HfModelReader: a buffer of {} bytes of {} cannot take {:?}", out.nbytes(),
+                            c10::toString(out.scalar_type()), name));
+  files::read_range(files_.at(name), e.begin, e.bytes, out.data_ptr());
 }
 
 void export_hf_model(const std::vector<SafetensorsSpec>& specs, const std::function<at::Tensor(size_t)>& fetch,

@@ -3,6 +3,7 @@
 // model.safetensors.index.json when the tensors exceed max_shard_size. What transformers' and Python
 // safetensors' loaders read.
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -35,6 +36,23 @@ class HfModelWriter {
   int64_t total_ = 0;
   size_t next_ = 0, file_ = 0;
   std::unique_ptr<SafetensorsWriter> current_;
+};
+
+// Reads what save_model (or transformers) wrote: model.safetensors, or model.safetensors.index.json
+// with its shards; `path` is the directory or either file. Headers are read on construction; tensors
+// one at a time, each from its byte range only.
+class HfModelReader {
+ public:
+  explicit HfModelReader(const std::string& path);  // throws naming the path when it holds no model
+  const std::map<std::string, SafetensorsEntry>& tensors() const { return entries_; }
+  const std::string& file_of(const std::string& name) const { return files_.at(name); }
+  at::Tensor read(const std::string& name) const;
+  // Into `out` (contiguous, of the tensor's dtype and number of elements), so a caller can reuse one buffer.
+  void read_into(const std::string& name, at::Tensor& out) const;
+
+ private:
+  std::map<std::string, SafetensorsEntry> entries_;
+  std::map<std::string, std::string> files_;  // tensor -> file path
 };
 
 // "10GB", "500MB", "2GiB", "1000": bytes. ConfigError for anything else.

@@ -147,6 +147,21 @@ SafetensorsHeader parse_safetensors_header(const std::string& bytes, size_t file
   return out;
 }
 
+SafetensorsHeader read_safetensors_header(size_t file_size, const std::function<void(size_t, size_t, void*)>& read,
+                                          const std::string& origin) {
+  if (file_size < 8) throw Error(fmt::format("{} is not a valid safetensors file: only {} bytes", origin, file_size));
+  std::string head(8, '\0');
+  read(0, 8, head.data());
+  uint64_t n = 0;
+  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(head[i])) << (8 * i);
+  if (n > file_size - 8)
+    throw Error(fmt::format("{} is not a valid safetensors file: header length {} exceeds the file size {}", origin, n,
+                            file_size));
+  head.resize(8 + n);
+  read(8, n, head.data() + 8);
+  return parse_safetensors_header(head, file_size, origin);
+}
+
 SafetensorsContent parse_safetensors(const std::string& bytes, const std::string& origin) {
   auto header = parse_safetensors_header(bytes, bytes.size(), origin);
   SafetensorsContent content;

@@ -93,19 +93,9 @@ void write_pieces(const fs::path& dir, const RankPieces& mine, Communicator& wor
 const std::map<std::string, SafetensorsEntry>& PieceReader::entries_of(const std::string& name) const {
   auto& entries = headers_[name];
   if (!entries.empty()) return entries;
-  const auto origin = (checkpoint_.dir() / name).string();
-  const size_t size = checkpoint_.size_of(name);
-  if (size < 8) throw Error(fmt::format("{} is not a valid safetensors file: only {} bytes", origin, size));
-  std::string head(8, '\0');
-  checkpoint_.read_into(name, 0, 8, head.data());
-  uint64_t n = 0;
-  for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(head[i])) << (8 * i);
-  if (n > size - 8) throw Error(fmt::format("{} is not a valid safetensors file: header length {} exceeds the file "
-                                            "size {}",
-                                            origin, n, size));
-  head.resize(8 + n);
-  checkpoint_.read_into(name, 8, n, head.data() + 8);
-  for (auto& e : parse_safetensors_header(head, size, origin).entries) entries.emplace(e.name, e);
+  const auto read = [&](size_t offset, size_t size, void* out) { checkpoint_.read_into(name, offset, size, out); };
+  for (auto& e : read_safetensors_header(checkpoint_.size_of(name), read, (checkpoint_.dir() / name).string()).entries)
+    entries.emplace(e.name, e);
   return entries;
 }
 

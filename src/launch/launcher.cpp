@@ -180,6 +180,7 @@ class Supervisor {
     first_failure_ = -1;
     interrupted_by_ = 0;
     kill_deadline_.reset();
+    term_deadline_.reset();
     for (int i = 0; i < o_.nproc_per_node; ++i) start(workers_[i], i, attempt, port);
     supervise();
     if (interrupted_by_) return 128 + interrupted_by_;
@@ -249,7 +250,12 @@ class Supervisor {
       setpgid(0, 0);
       prctl(PR_SET_PDEATHSIG, SIGKILL);
       if (getppid() != launcher) _exit(1);
-      sigprocmask(SIG_SETMASK, &saved_mask_, nullptr);
+      // Default dispositions and nothing blocked, whatever the launcher inherited: a shell without job
+      // control starts background jobs with SIGINT and SIGQUIT ignored, and exec keeps ignored signals.
+      for (int sig : {SIGINT, SIGQUIT, SIGTERM, SIGHUP, SIGPIPE, SIGUSR1, SIGUSR2}) signal(sig, SIG_DFL);
+      sigset_t none;
+      sigemptyset(&none);
+      sigprocmask(SIG_SETMASK, &none, nullptr);
       dup2(out_pipe[1], 1);
       dup2(err_pipe[1], 2);
       execve(program_.c_str(), argv.data(), envp.data());
@@ -283,10 +289,15 @@ class Supervisor {
       if (w.running) kill(-w.pid, sig);
   }
 
+  // Escalates: `sig` now, SIGTERM after half the grace period (for workers that handle `sig` and go
+  // on), SIGKILL at its end.
   void begin_stop(int sig) {
     signal_all(sig);
-    if (!kill_deadline_)
-      kill_deadline_ = Clock::now() + std::chrono::milliseconds(static_cast<long>(o_.grace_period_s * 1000));
+    if (!kill_deadline_) {
+      const auto grace = std::chrono::milliseconds(static_cast<long>(o_.grace_period_s * 1000));
+      kill_deadline_ = Clock::now() + grace;
+      if (sig != SIGTERM) term_deadline_ = Clock::now() + grace / 2;
+    }
   }
 
   void reap() {
@@ -347,6 +358,10 @@ class Supervisor {
       for (size_t i = 1; i < fds.size(); ++i)
         if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) streams[i - 1]->pump();
       reap();
+      if (term_deadline_ && Clock::now() > *term_deadline_) {
+        signal_all(SIGTERM);
+        term_deadline_.reset();
+      }
       if (kill_deadline_ && Clock::now() > *kill_deadline_) signal_all(SIGKILL);
     }
   }
@@ -358,7 +373,7 @@ class Supervisor {
   std::vector<Worker> workers_;
   int first_failure_ = -1;
   int interrupted_by_ = 0;
-  std::optional<Clock::time_point> kill_deadline_;
+  std::optional<Clock::time_point> kill_deadline_, term_deadline_;
 };
 
 }  // namespace

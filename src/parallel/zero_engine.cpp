@@ -534,9 +534,17 @@ void ZeroEngine::visit_full_state(const std::function<void(size_t, const at::Ten
   }
 }
 
-void ZeroEngine::pieces_loaded() {
+void ZeroEngine::pieces_loaded(bool whole_parameters_written) {
   std::lock_guard<std::mutex> lock(mutex_);
-  refresh_whole_copies();
+  at::NoGradGuard no_grad;
+  for (auto& group : groups_) {
+    if (whole_parameters_written) {
+      if (group.mixed()) group.shard.copy_(group.master);
+      continue;
+    }
+    // One group at a time (unlike after a step, where they overlap): the transient stays one group's.
+    group.refresh_async(comm_).wait();
+  }
 }
 
 StateDict ZeroEngine::state_dict_shapes(StateDictKind kind) const {

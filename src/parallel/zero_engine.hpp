@@ -43,7 +43,7 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   std::vector<ParameterPiece> parameter_pieces() const;
   void visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn);
   StateDict state_dict_shapes(StateDictKind kind) const;
-  void pieces_loaded();
+  void pieces_loaded(bool whole_parameters_written);
   void gather_all();
   void release_all(bool writeback);
   nlohmann::json stats() const;

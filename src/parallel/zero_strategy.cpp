@@ -32,7 +32,9 @@ class ShardedDataParallel final : public ParallelStrategy {
   void visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn) const override {
     engine_->visit_full_state(fn);
   }
-  void parameter_pieces_loaded() override { engine_->pieces_loaded(); }
+  void parameter_pieces_loaded(bool whole_parameters_written) override {
+    engine_->pieces_loaded(whole_parameters_written);
+  }
   void gather_full_parameters() override { engine_->gather_all(); }
   void release_full_parameters(bool writeback) override { engine_->release_all(writeback); }
   nlohmann::json stats() const override {

@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include "checkpoint/hf_export.hpp"
+#include <fmt/ranges.h>
 #include "checkpoint/training_checkpoint.hpp"
 #include "core/log.hpp"
 #include "train/accelerator_impl.hpp"
@@ -249,4 +250,114 @@ void Accelerator::save_module(const torch::nn::Module& module, const std::string
       [&] { checkpoint::filesystem_guard(fmt::format("save_model({:?})", dir), [&] { writer->finish(); return 0; }); });
 }
 
+namespace {
+
+// What load_model copies: for each tensor name, where the part this rank holds goes.
+struct LoadTarget {
+  at::Tensor values;  // a parameter's piece (flat range from `start`) or a whole buffer
+  int64_t start = 0;
+  std::vector<int64_t> shape;
+  at::Tensor whole;  // the parameter itself when sharded and it holds memory now (written whole too)
+};
+
+// Rank 0's verdict on a model file against the model: the names to load, in order, with dtype and size;
+// or why not.
+nlohmann::json plan_load(const std::string& path, const std::map<std::string, LoadTarget>& targets,
+                         const std::vector<std::string>& order, bool strict,
+                         std::optional<checkpoint::HfModelReader>& reader) {
+  try {
+    reader.emplace(path);
+  } catch (const Error& e) {
+    return {{"problem", std::string("load_model: ") + e.what()}};
+  }
+  std::vector<std::string> missing, mismatched, unexpected;
+  nlohmann::json plan = nlohmann::json::array();
+  for (const auto& name : order) {
+    auto it = reader->tensors().find(name);
+    if (it == reader->tensors().end()) {
+      missing.push_back(name);
+      continue;
+    }
+    const auto& target = targets.at(name);
+    if (it->second.shape != target.shape) {
+      mismatched.push_back(fmt::format("{} ([{}] in the file, [{}] in the model)", name, fmt::join(it->second.shape, ", "),
+                                       fmt::join(target.shape, ", ")));
+      continue;
+    }
+    int64_t numel = 1;
+    for (auto d : target.shape) numel *= d;
+    plan.push_back({{"name", name}, {"dtype", safetensors_dtype_code(it->second.dtype)}, {"numel", numel}});
+  }
+  for (const auto& [name, entry] : reader->tensors())
+    if (!targets.count(name)) unexpected.push_back(name);
+  if (!mismatched.empty() || (strict && (!missing.empty() || !unexpected.empty())))
+    return {{"problem", fmt::format("load_model: {} does not match the model: missing [{}], mismatched [{}], "
+                                    "unexpected [{}]{}; nothing was loaded",
+                                    path, fmt::join(missing, ", "), fmt::join(mismatched, ", "),
+                                    fmt::join(unexpected, ", "),
+                                    mismatched.empty() ? " (strict = false loads the names both have)" : "")}};
+  return {{"plan", plan}};
+}
+
+}  // namespace
+
+void Accelerator::load_module(torch::nn::Module& module, const std::string& path, bool strict) {
+  auto& s = *impl_;
+  auto* strategy = s.strategy_for(&module);
+  auto world = s.world();
+  const bool collective = strategy && world.size() > 1;
+  const bool reads = !collective || world.rank() == 0;
+  std::map<std::string, LoadTarget> targets;
+  std::vector<std::string> order;
+  if (strategy) {
+    std::map<std::string, at::Tensor> params;
+    for (const auto& item : module.named_parameters()) params[item.key()] = item.value();
+    for (auto& piece : strategy->parameter_pieces()) {
+      order.push_back(piece.name);
+      const auto& p = params.at(piece.name);
+      const bool whole = !p.is_same(piece.values) && p.has_storage() && p.storage().nbytes() > 0;
+      targets[piece.name] = {piece.values, piece.start, piece.shape, whole ? p : at::Tensor()};
+    }
+  }
+  else
+    for (const auto& item : module.named_parameters()) {
+      order.push_back(item.key());
+      targets[item.key()] = {item.value(), 0, item.value().sizes().vec()};
+    }
+  for (const auto& item : module.named_buffers()) {
+    order.push_back(item.key());
+    targets[item.key()] = {item.value(), 0, item.value().sizes().vec()};
+  }
+  std::optional<checkpoint::HfModelReader> reader;
+  nlohmann::json verdict = reads ? plan_load(path, targets, order, strict, reader) : nlohmann::json();
+  if (collective) verdict = nlohmann::json::parse(world.broadcast_object(verdict.dump(), 0));
+  if (verdict.contains("problem")) throw Error(verdict["problem"].get<std::string>());
+  // One tensor at a time: read once (by rank 0 when collective), sent to all, each keeps its part. One
+  // buffer per dtype, as large as the largest tensor, serves them all.
+  std::map<at::ScalarType, at::Tensor> buffers;
+  for (const auto& item : verdict["plan"]) {
+    auto& b = buffers[*safetensors_dtype_from_code(item["dtype"])];
+    b = at::empty({std::max(b.defined() ? b.numel() : 0, item["numel"].get<int64_t>())},
+                  at::TensorOptions().dtype(*safetensors_dtype_from_code(item["dtype"])));
+  }
+  at::NoGradGuard no_grad;
+  for (const auto& item : verdict["plan"]) {
+    const auto name = item["name"].get<std::string>();
+    const auto& target = targets.at(name);
+    at::Tensor whole = buffers.at(*safetensors_dtype_from_code(item["dtype"])).narrow(0, 0, item["numel"].get<int64_t>());
+    if (reads) reader->read_into(name, whole);
+    if (collective) {
+      if (whole.device() != s.device) whole = whole.to(s.device);  // NCCL carries device tensors
+      world.broadcast(whole, 0);
+    }
+    const int64_t n = target.values.numel();
+    if (n > 0) target.values.detach().view(-1).copy_(whole.narrow(0, target.start, n));
+    // Every rank received the whole tensor: a whole copy the strategy keeps is written here, so no
+    // gather is needed afterwards.
+    if (target.whole.defined()) target.whole.detach().view(-1).copy_(whole);
+  }
+  if (strategy) strategy->parameter_pieces_loaded(/*whole_parameters_written=*/collective);
+}
+
 }  // namespace xlr8
+

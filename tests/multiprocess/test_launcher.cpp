@@ -228,6 +228,44 @@ TEST(Launcher, SigintIsForwardedToWorkers) {
   fs::remove_all(dir);
 }
 
+// `kill -INT` to a launcher that a script started in the background: a shell without job control
+// starts it with SIGINT ignored, which exec keeps; workers must still get the default disposition.
+// Returns the script's "rc=<launcher exit code> ms=<from kill to exit>".
+std::pair<int, int> interrupt_from_a_script(const std::string& mode, const std::string& dir) {
+  const std::string script = fmt::format(
+      "'{}' launch --num_processes 2 '{}' {} '{}' & pid=$!; "
+      "while [ $(ls '{}' | wc -l) -lt 2 ]; do sleep 0.05; done; "
+      "start=$(date +%s%N); kill -INT $pid; wait $pid; rc=$?; echo \"rc=$rc ms=$(( ($(date +%s%N) - start) / 1000000 ))\"",
+      kXlr8, kWorker, mode, dir, dir);
+  auto r = run({"bash", "-c", script}, 60);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  int rc = -1, ms = -1;
+  std::sscanf(r.out.substr(r.out.rfind("rc=")).c_str(), "rc=%d ms=%d", &rc, &ms);
+  return {rc, ms};
+}
+
+TEST(Launcher, SigintFromAScriptStopsWorkersWellUnderASecond) {
+  auto dir = temp_dir("int-script");
+  auto [rc, ms] = interrupt_from_a_script("hang", dir);
+  auto pids = read_pids(dir);
+  EXPECT_EQ(rc, 128 + SIGINT);
+  EXPECT_LT(ms, 1000) << "the workers outlived SIGINT until the SIGKILL grace";
+  expect_all_dead(pids);
+  fs::remove_all(dir);
+}
+
+TEST(Launcher, WorkersThatHandleSigintGetSigtermBeforeTheGraceEnds) {
+  // Grace 5 s: SIGINT, then SIGTERM at 2.5 s, which the workers do not handle.
+  auto dir = temp_dir("int-escalate");
+  auto [rc, ms] = interrupt_from_a_script("hang-handling-int", dir);
+  auto pids = read_pids(dir);
+  EXPECT_EQ(rc, 128 + SIGINT);
+  EXPECT_GT(ms, 2000);
+  EXPECT_LT(ms, 4500) << "no SIGTERM before the SIGKILL at the end of the grace";
+  expect_all_dead(pids);
+  fs::remove_all(dir);
+}
+
 TEST(Launcher, MaxRestartsRerunsTheGroupAfterAFailure) {
   auto once = run(launch({"--num_processes", "2", "--max_restarts", "1"}, {"fail-once", "5"}), 60);
   EXPECT_EQ(once.exit_code, 0) << once.err;

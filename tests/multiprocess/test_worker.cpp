@@ -2,6 +2,7 @@
 //   env DIR            write this rank's launch variables to DIR/rank<R>.env
 //   exit CODE RANK DIR rank RANK exits with CODE after 0.3 s; the others write their pid to DIR and sleep
 //   hang DIR           write pid to DIR/pid<R>, then sleep forever
+//   hang-handling-int DIR   the same with a SIGINT handler that ignores it
 //   fail-once CODE     rank 1 exits with CODE on the first attempt; everything succeeds on a restart
 //   allreduce          rendezvous through ProcessState, all-reduce rank+1, print "sum=<S> world=<W>"
 //   print N            print N lines on stdout and stderr
@@ -54,6 +55,11 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (mode == "hang") {
+    write_pid(argv[2]);
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+  }
+  if (mode == "hang-handling-int") {  // catches SIGINT and goes on, as a program with its own handler may
+    signal(SIGINT, [](int) {});
     write_pid(argv[2]);
     for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
   }

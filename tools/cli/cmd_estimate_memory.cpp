@@ -8,15 +8,13 @@
 //   checkpointing each layer keeps only its input (2·s·b·h bytes, or 4) and one layer is recomputed at a time.
 #include <fmt/format.h>
 
-#include <filesystem>
+#include <optional>
 #include <nlohmann/json.hpp>
 
-#include "checkpoint/files.hpp"
+#include "checkpoint/hf_export.hpp"
 #include "cli/commands.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/safetensors.hpp"
-
-namespace fs = std::filesystem;
 
 namespace xlr8::cli {
 namespace {
@@ -55,39 +53,18 @@ double per_rank(const std::string& strategy, const DtypeBytes& d, double psi, in
 
 // Parameters of a safetensors file, a model.safetensors.index.json, or a directory holding either.
 Model model_of_file(const std::string& path) {
-  fs::path p(path);
-  if (fs::is_directory(p)) p = fs::exists(p / "model.safetensors.index.json") ? p / "model.safetensors.index.json"
-                                                                              : p / "model.safetensors";
-  if (!fs::exists(p)) throw ConfigError(fmt::format("--model {:?}: no such file (give a .safetensors file, a "
-                                                    "model.safetensors.index.json or a directory with one)",
-                                                    path));
-  std::vector<fs::path> files{p};
-  if (p.extension() == ".json") {
-    files.clear();
-    std::set<std::string> names;
-    try {
-      auto index = nlohmann::json::parse(files::read_all(p.string()));
-      for (auto& [tensor, file] : index.at("weight_map").items()) names.insert(file.get<std::string>());
-    } catch (const nlohmann::json::exception& e) {
-      throw ConfigError(fmt::format("--model {:?} is not a safetensors index: {}", p.string(), e.what()));
-    }
-    for (const auto& n : names) files.push_back(p.parent_path() / n);
+  std::optional<checkpoint::HfModelReader> reader;
+  try {
+    reader.emplace(path);
+  } catch (const Error& e) {
+    throw ConfigError(fmt::format("--model {:?}: {}", path, e.what()));
   }
   Model m;
-  for (const auto& f : files) {
-    const auto size = fs::file_size(f);
-    std::string head(std::min<size_t>(size, 8), '\0');
-    files::read_range(f.string(), 0, head.size(), head.data());
-    uint64_t n = 0;
-    for (size_t i = 0; i < head.size(); ++i) n |= static_cast<uint64_t>(static_cast<unsigned char>(head[i])) << (8 * i);
-    head.resize(static_cast<size_t>(std::min<uint64_t>(8 + n, size)));
-    files::read_range(f.string(), 0, head.size(), head.data());
-    for (const auto& e : parse_safetensors_header(head, size, f.string()).entries) {
-      double count = 1;
-      for (auto d : e.shape) count *= static_cast<double>(d);
-      m.parameters += count;
-      if (count > m.largest_layer) m.largest_layer = count, m.largest_name = e.name;
-    }
+  for (const auto& [name, e] : reader->tensors()) {
+    double count = 1;
+    for (auto d : e.shape) count *= static_cast<double>(d);
+    m.parameters += count;
+    if (count > m.largest_layer) m.largest_layer = count, m.largest_name = name;
   }
   return m;
 }
