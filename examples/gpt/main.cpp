@@ -126,8 +126,11 @@ int run(const Args& args) {
     load_growth_mb = peak_rss_mb() - before;
     acc.print("initialised from {}", args.init_from);
   }
+  double load_seconds = 0, save_seconds = 0;
   if (!args.resume_from.empty()) {
+    const auto began = std::chrono::steady_clock::now();
     acc.load_state(args.resume_from == "latest" ? "" : args.resume_from);
+    load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
     acc.print("resumed from {} at step {}", args.resume_from, acc.step());
   }
   int64_t params = 0;
@@ -172,7 +175,12 @@ int run(const Args& args) {
         acc.print("step {}/{} loss {:.4f} tokens/s {:.0f} ETA {:02d}:{:02d}", global_step, args.max_steps, last_loss,
                   tokens / std::max(seconds, 1e-9), static_cast<int>(eta) / 60, static_cast<int>(eta) % 60);
       }
-      if (args.checkpoint_every > 0 && global_step % args.checkpoint_every == 0) acc.print("saved {}", acc.save_state());
+      if (args.checkpoint_every > 0 && global_step % args.checkpoint_every == 0) {
+        const auto began = std::chrono::steady_clock::now();
+        auto dir = acc.save_state();
+        save_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+        acc.print("saved {}", dir);
+      }
       if (global_step >= args.max_steps) {
         done = true;
         break;
@@ -198,7 +206,9 @@ int run(const Args& args) {
                           {"state_bytes_per_rank", static_cast<int64_t>(largest[0].item<double>())},
                           {"peak_state_bytes_per_rank", static_cast<int64_t>(largest[1].item<double>())},
                           {"peak_rss_mb", largest[2].item<double>()},
-                          {"parameters", params}};
+                          {"parameters", params},
+                          {"save_state_seconds", save_seconds},
+                          {"load_state_seconds", load_seconds}};
     if (!args.init_from.empty()) {
       std::vector<double> per_rank(growth.data_ptr<double>(), growth.data_ptr<double>() + growth.numel());
       result["load_peak_rss_growth_mb"] = per_rank;

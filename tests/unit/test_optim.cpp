@@ -5,7 +5,9 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <functional>
 
+#include "checkpoint/optimizer_state.hpp"
 #include "optim/fused_adam_testing.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/fused_adam.hpp"
@@ -212,3 +214,42 @@ TEST(FusedAdam, SparseGradientIsAClearError) {
         << e.what();
   }
 }
+
+// Every portable optimizer type: the state read from one optimizer, written into a fresh one over other
+// tensors with the same values, makes the next steps identical (moments, momentum buffers, step counts).
+TEST(PortableOptimizerState, EveryBuiltInTypeRoundTripsThroughNamedTensors) {
+  using Factory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+  const std::vector<std::pair<std::string, Factory>> kinds{
+      {"adamw", [](auto p) { return std::make_unique<torch::optim::AdamW>(p, torch::optim::AdamWOptions(0.1).amsgrad(true)); }},
+      {"adam", [](auto p) { return std::make_unique<xlr8::optim::FusedAdam>(p, torch::optim::AdamOptions(0.1)); }},
+      {"sgd", [](auto p) { return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1).momentum(0.9)); }},
+      {"rmsprop", [](auto p) {
+         return std::make_unique<torch::optim::RMSprop>(p, torch::optim::RMSpropOptions(0.01).momentum(0.5).centered(true));
+       }},
+      {"adagrad", [](auto p) { return std::make_unique<torch::optim::Adagrad>(p, torch::optim::AdagradOptions(0.1)); }},
+  };
+  auto step = [](torch::optim::Optimizer& opt, const std::vector<at::Tensor>& params, int k) {
+    for (size_t i = 0; i < params.size(); ++i)
+      params[i].mutable_grad() = at::sin(at::arange(params[i].numel(), at::kFloat).view(params[i].sizes()) * static_cast<double>(k + 1 + static_cast<int>(i)));
+    opt.step();
+  };
+  for (const auto& [kind, make] : kinds) {
+    SCOPED_TRACE(kind);
+    at::manual_seed(3);
+    std::vector<at::Tensor> a{at::randn({3, 2}).requires_grad_(), at::randn({4}).requires_grad_()};
+    auto opt_a = make(a);
+    EXPECT_EQ(xlr8::checkpoint::portable_optimizer_kind(*opt_a), kind);
+    for (int k = 0; k < 3; ++k) step(*opt_a, a, k);
+    std::vector<at::Tensor> b;
+    for (auto& t : a) b.push_back(t.detach().clone().requires_grad_());
+    auto opt_b = make(b);
+    for (size_t i = 0; i < a.size(); ++i) {
+      auto state = xlr8::checkpoint::read_parameter_state(*opt_a, a[i]);
+      ASSERT_TRUE(state.has_value());
+      xlr8::checkpoint::write_parameter_state(*opt_b, b[i], *state);
+    }
+    for (int k = 3; k < 5; ++k) step(*opt_a, a, k), step(*opt_b, b, k);
+    for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].equal(b[i])) << i;
+  }
+}
+
