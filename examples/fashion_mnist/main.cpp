@@ -56,6 +56,12 @@ int run(const Args& args) {
   options.total_limit = 2;
   xlr8::Accelerator acc(options);
   acc.set_seed(args.seed);
+  // Each run logs into its own directory: <output_dir>/fashion_mnist/<time>/ (metrics.jsonl, config.json).
+  acc.init_trackers("fashion_mnist", {{"lr", args.lr},
+                                      {"batch_size", args.batch_size},
+                                      {"epochs", args.epochs},
+                                      {"seed", args.seed},
+                                      {"resume_from", args.resume_from}});
 
   auto model = acc.prepare(fashion::Net());
   // FusedAdamW: LibTorch's AdamW (same options and state) with a one-pass step on CPU.
@@ -142,7 +148,7 @@ int main(int argc, char** argv) {
   app.add_option("--seed", a.seed, "Seed: same seed, same global data order for any number of processes");
   app.add_option("--gradient_accumulation_steps", a.gradient_accumulation_steps, "Micro-batches per optimizer step");
   app.add_option("--mixed_precision", a.mixed_precision, "no | fp16 | bf16 (default: from xlr8 launch / config)");
-  app.add_option("--output_dir", a.output_dir, "Checkpoints, metrics.jsonl and the final model go here");
+  app.add_option("--output_dir", a.output_dir, "Checkpoints, each run's metrics (fashion_mnist/<time>/) and the final model go here");
   app.add_option("--checkpoint_every", a.checkpoint_every, "Save a checkpoint every N optimizer steps");
   app.add_option("--resume_from", a.resume_from, "Checkpoint directory to resume from, or 'latest'");
   app.add_option("--data_dir", a.data_dir, "Directory with the Fashion-MNIST IDX .gz files");

@@ -20,6 +20,7 @@
 #include "xlr8/data_loader.hpp"
 #include "xlr8/parallel_strategy.hpp"
 #include "xlr8/process_state.hpp"
+#include "xlr8/trackers.hpp"
 
 namespace xlr8 {
 
@@ -31,7 +32,10 @@ struct AcceleratorOptions {
   bool split_batches = false;
   bool even_batches = true;
   bool sync_with_dataloader = true;  // an epoch's last batch always syncs
-  std::string project_dir = ".";     // metrics.jsonl and automatic checkpoints go here
+  std::string project_dir = ".";     // trackers' runs and automatic checkpoints go here
+  // Trackers log() writes to ("jsonl", "csv"); empty: XLR8_LOG_WITH (the launcher's --log_with / the config's
+  // log_with), else "jsonl".
+  std::vector<std::string> log_with;
   bool automatic_checkpoint_naming = false;  // save_state() -> <project_dir>/checkpoints/checkpoint_<N>
   std::optional<int> total_limit;            // keep at most this many automatic checkpoints
 };
@@ -152,6 +156,14 @@ class Accelerator {
     return loader;
   }
 
+  // Accelerate's skip_first_batches: the loader's next iteration starts after this rank's first `n` batches
+  // (resuming mid-epoch by hand). Returns the same loader.
+  template <class Loader>
+  std::shared_ptr<Loader> skip_first_batches(std::shared_ptr<Loader> loader, int64_t n) const {
+    loader->skip_first_batches(n);
+    return loader;
+  }
+
   // Collective: every rank opens it together (stage 3 gathers every unit).
   template <class Model>
   [[nodiscard]] FullParametersScope summon_full_params(const Model& model, bool writeback = true) {
@@ -169,7 +181,11 @@ class Accelerator {
     return make_step_scope({module_pointer(models).get()...}, /*decide_sync=*/false);
   }
   // loss / gradient_accumulation_steps (times the fp16 loss scale), then backward outside autocast.
-  void backward(const at::Tensor& loss);
+  // `retain_graph` keeps the graph for another backward through it (as torch's).
+  void backward(const at::Tensor& loss, bool retain_graph = false);
+  // Clamps the gradients to [-clip_value, clip_value] (after unscaling fp16 ones), on the shards when
+  // sharded: elementwise, so the result is the same. Off the sync boundary it does nothing.
+  void clip_grad_value(const std::vector<at::Tensor>& parameters, double clip_value);
   // Clips by the global norm across ranks; returns the norm. Off the sync boundary it does nothing and
   // returns 0 (the gradients are still partial sums).
   double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0);
@@ -184,6 +200,17 @@ class Accelerator {
   void wait_for_everyone() const;
   // Runs `fn` on the main process first, then on the others (e.g. downloading or preprocessing once).
   void main_process_first(const std::function<void()>& fn) const;
+  // The same per machine: the local main process of each machine first (Accelerate's local_main_process_first).
+  void local_main_process_first(const std::function<void()>& fn) const;
+  // Runs `fn` only on the main process / on each machine's local main process (Accelerate's decorators).
+  void on_main_process(const std::function<void()>& fn) const {
+    if (is_main_process()) fn();
+  }
+  void on_local_main_process(const std::function<void()>& fn) const {
+    if (is_local_main_process()) fn();
+  }
+  // Every rank's string (JSON text, for instance), in rank order: Accelerate's gather_object.
+  std::vector<std::string> gather_object(const std::string& payload) const;
   template <class T>
   std::vector<T> split_between_processes(const std::vector<T>& items, bool apply_padding = false) const {
     auto [begin, end] = split_range(static_cast<int64_t>(items.size()), num_processes(), process_index());
@@ -202,8 +229,16 @@ class Accelerator {
   Model unwrap_model(Model model) const {
     return model;  // xlr8 never wraps the module: hooks do the synchronisation
   }
-  // Appends {"step": step, ...values} to <project_dir>/metrics.jsonl on the main process.
+  // Accelerate's trackers. init_trackers starts a run in <project_dir>/<project_name>/<run_name>/ (run name
+  // from the time unless given; never an existing run's directory) with `config` stored as config.json,
+  // on the main process. log() sends {"step": step, ...values} to every tracker (starting a run of
+  // project "xlr8" if none was started); end_training() closes them.
+  void init_trackers(const std::string& project_name, const nlohmann::json& config = nlohmann::json::object(),
+                     const std::string& run_name = "");
   void log(const nlohmann::json& values, std::optional<int64_t> step = std::nullopt);
+  // The tracker of that name (null on processes other than the main one); Error if it is not logging.
+  Tracker* get_tracker(const std::string& name);
+  std::string run_dir() const;  // the current run's directory ("" before a run starts or off the main process)
   void end_training();
 
   // Checkpoints (crash-safe, checksummed). Without a directory: automatic naming under project_dir.

@@ -76,6 +76,9 @@ class ParallelStrategy {
   // hold identical synchronised gradients, so their local norm is the global one; sharded strategies
   // reduce partial norms over the groups that hold different parts.
   virtual double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
+  // The tensors whose .grad holds this rank's gradients of `parameters` (of this strategy's module): the
+  // parameters themselves for replicas, their shard leaves when sharded. For elementwise gradient work.
+  virtual std::vector<at::Tensor> gradient_holders(const std::vector<at::Tensor>& parameters) const { return parameters; }
   // Whether every rank holds the whole synchronised gradients (replicas), so that a gradient norm over
   // parameters of several such models is the local one.
   virtual bool replicated() const { return true; }

@@ -31,9 +31,9 @@ int64_t counter(const ParameterState& in) {
   return it == in.counters.end() ? 0 : it->second;
 }
 
-template <>
-struct Codec<torch::optim::AdamWParamState> {
-  using S = torch::optim::AdamWParamState;
+// Adam and AdamW keep the same state under two types.
+template <class S>
+struct AdamCodec {
   static void read(const S& s, ParameterState& out) {
     put(out, "exp_avg", s.exp_avg());
     put(out, "exp_avg_sq", s.exp_avg_sq());
@@ -46,19 +46,9 @@ struct Codec<torch::optim::AdamWParamState> {
   }
 };
 template <>
-struct Codec<torch::optim::AdamParamState> {
-  using S = torch::optim::AdamParamState;
-  static void read(const S& s, ParameterState& out) {
-    put(out, "exp_avg", s.exp_avg());
-    put(out, "exp_avg_sq", s.exp_avg_sq());
-    put(out, "max_exp_avg_sq", s.max_exp_avg_sq());
-    out.counters["step"] = s.step();
-  }
-  static void write(S& s, const ParameterState& in, const at::Tensor& leaf) {
-    s.exp_avg(take(in, "exp_avg", leaf)).exp_avg_sq(take(in, "exp_avg_sq", leaf));
-    s.max_exp_avg_sq(take(in, "max_exp_avg_sq", leaf)).step(counter(in));
-  }
-};
+struct Codec<torch::optim::AdamWParamState> : AdamCodec<torch::optim::AdamWParamState> {};
+template <>
+struct Codec<torch::optim::AdamParamState> : AdamCodec<torch::optim::AdamParamState> {};
 template <>
 struct Codec<torch::optim::SGDParamState> {
   using S = torch::optim::SGDParamState;

@@ -503,6 +503,15 @@ std::vector<ParameterPiece> ZeroEngine::parameter_pieces() const {
   return out;
 }
 
+std::vector<at::Tensor> ZeroEngine::gradient_holders(const std::vector<at::Tensor>& parameters) const {
+  std::vector<at::Tensor> out;
+  for (const auto& p : parameters) {
+    const auto* slot = slot_of(p);
+    out.push_back(slot ? groups_[slot->group].shard_params[slot->index] : p);
+  }
+  return out;
+}
+
 void ZeroEngine::visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn) {
   std::lock_guard<std::mutex> lock(mutex_);
   const bool receiver = comm_.rank() == 0 && (!replicate_.valid() || replicate_.rank() == 0);

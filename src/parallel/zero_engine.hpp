@@ -41,6 +41,7 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   StateDict state_dict(StateDictKind kind);
   void load_state_dict(const StateDict& state, StateDictKind kind);
   std::vector<ParameterPiece> parameter_pieces() const;
+  std::vector<at::Tensor> gradient_holders(const std::vector<at::Tensor>& parameters) const;
   void visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn);
   StateDict state_dict_shapes(StateDictKind kind) const;
   void pieces_loaded(bool whole_parameters_written);

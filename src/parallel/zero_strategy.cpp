@@ -25,6 +25,9 @@ class ShardedDataParallel final : public ParallelStrategy {
     return engine_->clip_grad_norm(parameters, max_norm, norm_type);
   }
   bool replicated() const override { return false; }
+  std::vector<at::Tensor> gradient_holders(const std::vector<at::Tensor>& parameters) const override {
+    return engine_->gradient_holders(parameters);
+  }
   StateDict state_dict(StateDictKind kind) const override { return engine_->state_dict(kind); }
   void load_state_dict(const StateDict& state, StateDictKind kind) override { engine_->load_state_dict(state, kind); }
   std::vector<ParameterPiece> parameter_pieces() const override { return engine_->parameter_pieces(); }

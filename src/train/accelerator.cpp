@@ -2,7 +2,9 @@
 
 #include <torch/nn/utils/clip_grad.h>
 
+#include <ctime>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 
 #include "compat/torch_compat.hpp"
@@ -306,7 +308,7 @@ AutocastScope Accelerator::autocast() const {
   return enabled ? AutocastScope(type, dtype) : AutocastScope();
 }
 
-void Accelerator::backward(const at::Tensor& loss) {
+void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
   auto& s = *impl_;
   if (!loss.defined()) throw Error("backward(): the loss tensor is undefined");
   at::Tensor scaled = loss / s.gradient_state->num_steps;
@@ -314,7 +316,20 @@ void Accelerator::backward(const at::Tensor& loss) {
   s.unscaled = false;
   s.overflow = false;
   AutocastPause outside_autocast;
-  scaled.backward();
+  scaled.backward({}, retain_graph);
+}
+
+void Accelerator::clip_grad_value(const std::vector<at::Tensor>& parameters, double clip_value) {
+  auto& s = *impl_;
+  if (!(clip_value >= 0)) throw ConfigError(fmt::format("clip_grad_value(): clip_value {} must be 0 or more", clip_value));
+  if (!s.gradient_state->sync_gradients) return;
+  s.unscale_gradients();
+  at::NoGradGuard no_grad;
+  for (const auto& p : parameters) {
+    auto* owner = s.owner_of(p);
+    for (const auto& holder : owner ? owner->gradient_holders({p}) : std::vector<at::Tensor>{p})
+      if (holder.grad().defined()) holder.grad().clamp_(-clip_value, clip_value);
+  }
 }
 
 double Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
@@ -398,6 +413,18 @@ void Accelerator::main_process_first(const std::function<void()>& fn) const {
   if (is_main_process()) wait_for_everyone();
 }
 
+void Accelerator::local_main_process_first(const std::function<void()>& fn) const {
+  // As Accelerate: a barrier over all processes, so every machine's local main process runs first.
+  if (!is_local_main_process()) wait_for_everyone();
+  fn();
+  if (is_local_main_process()) wait_for_everyone();
+}
+
+std::vector<std::string> Accelerator::gather_object(const std::string& payload) const {
+  if (num_processes() == 1) return {payload};
+  return impl_->world().all_gather_object(payload);
+}
+
 void Accelerator::set_seed(uint64_t seed, bool device_specific) {
   impl_->seed = seed;
   uint64_t s = seed + (device_specific ? static_cast<uint64_t>(process_index()) : 0);
@@ -413,22 +440,67 @@ void Accelerator::set_seed(uint64_t seed, bool device_specific) {
   std::srand(static_cast<unsigned>(s));
 }
 
+void Accelerator::init_trackers(const std::string& project_name, const nlohmann::json& config,
+                                const std::string& run_name) {
+  if (!is_main_process()) return;
+  auto& s = *impl_;
+  if (project_name.empty() || project_name.find('/') != std::string::npos)
+    throw ConfigError(fmt::format("init_trackers: project_name {:?} must be a non-empty name without '/'", project_name));
+  for (auto& t : s.trackers) t->finish();
+  s.trackers.clear();
+  auto names = s.options.log_with;
+  if (names.empty()) {
+    const char* env = std::getenv("XLR8_LOG_WITH");
+    names = env && *env ? parse_log_with(env) : std::vector<std::string>{"jsonl"};
+  }
+  const auto project = std::filesystem::path(s.options.project_dir) / project_name;
+  std::string run = run_name;
+  if (run.empty()) {  // the local time, made unique
+    const auto now = std::time(nullptr);
+    std::tm local{};
+    localtime_r(&now, &local);
+    char stamp[32];
+    std::strftime(stamp, sizeof(stamp), "%Y%m%d-%H%M%S", &local);
+    run = stamp;
+    for (int k = 2; std::filesystem::exists(project / run); ++k) run = fmt::format("{}-{}", stamp, k);
+  } else if (std::filesystem::exists(project / run)) {
+    throw ConfigError(fmt::format("init_trackers: run {:?} of project {:?} exists already ({}); give another run_name",
+                                  run, project_name, (project / run).string()));
+  }
+  const auto dir = project / run;
+  std::filesystem::create_directories(dir);
+  nlohmann::json stored{{"project_name", project_name},
+                        {"run_name", run},
+                        {"log_with", names},
+                        {"num_processes", num_processes()},
+                        {"mixed_precision", to_string(s.precision)},
+                        {"config", config}};
+  std::ofstream((dir / "config.json").string()) << stored.dump(2) << "\n";
+  for (const auto& name : names) s.trackers.push_back(make_tracker(name, dir.string()));
+  s.run_dir = dir.string();
+}
+
 void Accelerator::log(const nlohmann::json& values, std::optional<int64_t> step) {
   if (!is_main_process()) return;
   auto& s = *impl_;
-  if (!s.metrics.is_open()) {
-    std::filesystem::create_directories(s.options.project_dir);
-    s.metrics.open(std::filesystem::path(s.options.project_dir) / "metrics.jsonl", std::ios::app);
-    if (!s.metrics) throw Error(fmt::format("cannot write metrics to {}/metrics.jsonl", s.options.project_dir));
-  }
-  nlohmann::json line = nlohmann::json::object();
-  if (step) line["step"] = *step;
-  for (auto& [k, v] : values.items()) line[k] = v;
-  s.metrics << line.dump() << '\n' << std::flush;
+  if (s.run_dir.empty()) init_trackers("xlr8");
+  for (auto& t : s.trackers) t->log(values, step);
 }
 
+Tracker* Accelerator::get_tracker(const std::string& name) {
+  if (!is_main_process()) return nullptr;
+  for (auto& t : impl_->trackers)
+    if (t->name() == name) return t.get();
+  throw Error(fmt::format("get_tracker({:?}): no such tracker is logging{}", name,
+                          impl_->run_dir.empty() ? " (call init_trackers first)" : ""));
+}
+
+std::string Accelerator::run_dir() const { return impl_->run_dir; }
+
 void Accelerator::end_training() {
-  if (impl_->metrics.is_open()) impl_->metrics.close();
+  for (auto& t : impl_->trackers) t->finish();
+  impl_->trackers.clear();
+  impl_->run_dir.clear();
   wait_for_everyone();
 }
 

@@ -39,7 +39,8 @@ struct AcceleratorImpl {
   bool last_step_applied = false;           // the last sync step really updated the parameters
   uint64_t seed = 0;
   int64_t save_iteration = 0;               // next automatic checkpoint number
-  std::ofstream metrics;
+  std::vector<std::unique_ptr<Tracker>> trackers;  // main process, once a run started
+  std::string run_dir;
 
   Communicator& world() const { return state->world(); }
   std::vector<at::Tensor> optimized_parameters() const;

@@ -443,3 +443,19 @@ TEST(Cli, EnvReportsVersionsBlasAndConfig) {
   for (auto needle : {"xlr8 version", "LibTorch version: 1.", "BLAS in use", "Gloo: available", "CPU cores", "GPUs"})
     EXPECT_NE(r.out.find(needle), std::string::npos) << needle << "\n" << r.out;
 }
+
+TEST(Cli, MistypedCommandAndBadCountAreNamedInCommandLineWords) {
+  auto r = run({kXlr8, "lauch", "--num_processes", "2"}, 30);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("\"lauch\" is not a command (did you mean \"launch\"?)"), std::string::npos) << r.err;
+  r = run({kXlr8, "launch", "--help"}, 30);
+  EXPECT_EQ(r.exit_code, 0);
+  const auto usage = r.out.substr(r.out.find("Usage:"), r.out.find('\n', r.out.find("Usage:")) - r.out.find("Usage:"));
+  EXPECT_NE(usage.find("program"), std::string::npos) << usage;
+  EXPECT_NE(r.out.find("[--] program [args...]"), std::string::npos) << r.out;
+  r = run({kXlr8, "launch", "--num_processes", "0", kWorker}, 30);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("--num_processes: 0 is not a number of processes: give 1 or more"), std::string::npos) << r.err;
+  r = run({kXlr8, "env"}, 60);
+  EXPECT_NE(r.out.find("in this `xlr8 env` process; a worker started by `xlr8 launch` gets"), std::string::npos) << r.out;
+}

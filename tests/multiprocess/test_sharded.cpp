@@ -94,6 +94,18 @@ TEST(ShardedOracle, EveryStageOnTwoThreeAndFourRanksWithAccumulationClippingAndS
     }
 }
 
+TEST(ShardedOracle, ClipGradValueClipsTheShardsAsOneProcessClipsTheWholeGradients) {
+  auto one = worker_run(1, {}, 12, {"--steps", "4", "--clip_value", "0.002"});
+  auto unclipped = worker_run(1, {}, 12, {"--steps", "4"});
+  EXPECT_GT(std::abs(one.losses.back() - unclipped.losses.back()), 1e-4);  // the clip bites
+  for (const auto& s : worker_strategies()) {
+    SCOPED_TRACE(s.name);
+    auto got = worker_run(3, s.flags, 4, {"--steps", "4", "--clip_value", "0.002"});
+    expect_close(got.losses, one.losses, 1e-5);
+    expect_same_params(got.dir, one.dir, 1e-5);
+  }
+}
+
 TEST(ShardedOracle, Bf16UnderEveryStageStaysWithinTheBf16Tolerance) {
   // On CPU the parameters stay fp32 under autocast (as DDP); XLR8_SHARDED_PARAM_DTYPE=bf16 makes them bf16
   // with fp32 master shards, as on CUDA.
@@ -296,7 +308,7 @@ TEST(ShardedGpt, HybridShardOnTwoMachinesOfTwoRanksMatchesOneProcess) {
                "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"};
     auto a = launch(4, flags, kGpt);
     Args rest{"--n_layer", "2", "--d_model", "32", "--n_head", "2", "--seq_len", "32", "--batch_size", "2", "--lr",
-              "3e-3", "--val_windows", "24", "--output_dir", dir, "--max_steps", "8"};
+              "3e-3", "--val_windows", "24", "--output_dir", dir, "--max_steps", "8", "--checkpoint_every", "8"};
     a.insert(a.end(), rest.begin(), rest.end());
     return a;
   };
@@ -312,6 +324,13 @@ TEST(ShardedGpt, HybridShardOnTwoMachinesOfTwoRanksMatchesOneProcess) {
   // Sharded over 2 ranks, not 4: ZeRO-3's 16 bytes per parameter over 2.
   const double psi = one["parameters"].get<double>();
   EXPECT_NEAR(got["state_bytes_per_rank"].get<double>(), 8 * psi, 0.05 * 8 * psi);
+  // Its checkpoint (each shard written once, by the first replica) resumes on one process and continues
+  // as one process would have: equal to 10 uninterrupted steps on one process.
+  auto ten = gpt_run(1, {}, 8, temp_dir("gpt-hsdp-ten"), {"--max_steps", "10"});
+  auto resumed = gpt_run(1, {}, 8, dir, {"--max_steps", "10", "--resume_from", "latest"});
+  ASSERT_TRUE(resumed.contains("val_loss"));
+  EXPECT_NEAR(resumed["final_train_loss"].get<double>(), ten["final_train_loss"].get<double>(), 1e-5);
+  EXPECT_NEAR(resumed["val_loss"].get<double>(), ten["val_loss"].get<double>(), 1e-5);
 }
 
 TEST(EstimateMemory, CountsAModelFileOrShardedIndexAndNamesBadArguments) {

@@ -6,8 +6,11 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <set>
+#include <sstream>
 
 #include "oracle.hpp"
 #include "process_runner.hpp"
@@ -174,6 +177,13 @@ TEST(AcceleratorHelpers, PadSplitReduceAndMainFirstOnRealRanks) {
   EXPECT_EQ(ranks[0]["max"], 1.0);
   EXPECT_EQ(ranks[1]["max"], 1.0);
   EXPECT_EQ(ranks[1]["saw_marker"], (std::vector<int>{1}));  // rank 1 ran after rank 0
+  EXPECT_EQ(ranks[1]["local_first"], 1);                       // after the machine's local main process
+  EXPECT_EQ(ranks[0]["on_main"], 1);
+  EXPECT_EQ(ranks[1]["on_main"], 0);
+  EXPECT_EQ(ranks[0]["on_local_main"], 1);
+  EXPECT_EQ(ranks[1]["on_local_main"], 0);
+  EXPECT_EQ(ranks[1]["objects"], (nlohmann::json{"rank 0", "rank 1"}));
+  EXPECT_EQ(ranks[0]["twice_grad"], 6.0);  // two backwards of 3·w through one retained graph
 }
 
 TEST(TrainingErrors, MismatchedModelsAcrossRanksNameTheParameter) {
@@ -260,13 +270,32 @@ TEST(FashionMnist, TrainsCheckpointsAndResumesOnTwoProcesses) {
   EXPECT_GT(result["test_accuracy"].get<double>(), 0.5);
   EXPECT_TRUE(fs::exists(out + "/model/model.safetensors"));
   EXPECT_TRUE(fs::exists(out + "/checkpoints/checkpoint_1/MANIFEST.json"));
-  EXPECT_NE(read_file(out + "/metrics.jsonl").find("\"loss\""), std::string::npos);
+  auto runs = [&] {  // each run's metrics in its own directory
+    std::vector<std::string> dirs;
+    for (auto& e : fs::directory_iterator(out + "/fashion_mnist")) dirs.push_back(e.path().string());
+    std::sort(dirs.begin(), dirs.end());
+    return dirs;
+  };
+  ASSERT_EQ(runs().size(), 1u);
+  EXPECT_NE(read_file(runs()[0] + "/metrics.jsonl").find("\"loss\""), std::string::npos);
+  EXPECT_EQ(nlohmann::json::parse(read_file(runs()[0] + "/config.json"))["config"]["batch_size"], 64);
   Args resume = base;
   resume.insert(resume.end(), {"--epochs", "2", "--resume_from", "latest"});
   auto again = run(resume, 180);
   ASSERT_EQ(again.exit_code, 0) << again.err;
   EXPECT_NE(again.out.find("resumed from latest at step 16"), std::string::npos) << again.out;
   EXPECT_EQ(last_json(again.out)["global_step"], 32);
+  // The resumed run has a directory of its own: steps never repeat within a run's metrics.
+  ASSERT_EQ(runs().size(), 2u);
+  std::set<int64_t> steps;
+  std::istringstream lines(read_file(runs()[1] + "/metrics.jsonl"));
+  for (std::string line; std::getline(lines, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) {
+      EXPECT_TRUE(steps.insert(j["step"].get<int64_t>()).second) << line;
+    }
+  }
+  EXPECT_GT(*steps.begin(), 16);
 }
 
 TEST(FashionMnist, OneProcessOnTwiceTheBatchReportsTheSameLossAsTwoProcesses) {

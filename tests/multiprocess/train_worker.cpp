@@ -3,6 +3,7 @@
 // with the per-step losses (mean over ranks) and writes the final parameters with save_model.
 //   --batch B --accum K --steps S --precision no|bf16|fp16 --out DIR
 //   --checkpoint_at N (save_state after optimizer step N)   --resume DIR
+//   --clip_value V (clip_grad_value instead of clip_grad_norm to 5)
 //   --save_every N (save_state into DIR/checkpoint every N steps)   --die_at N --die_rank R
 //   --mode train|gather|mismatch|unused   --find_unused   --samples N   --optimizer adamw|fused_adamw
 #include <CLI/CLI.hpp>
@@ -58,6 +59,8 @@ int main(int argc, char** argv) {
   app.add_option("--out", out);
   app.add_option("--checkpoint_at", checkpoint_at);
   int64_t save_every = 0, die_at = 0;
+  double clip_value = 0;
+  app.add_option("--clip_value", clip_value);  // clip_grad_value instead of clip_grad_norm
   int die_rank = -1;
   app.add_option("--save_every", save_every);  // save_state(out/checkpoint) after every N steps, overwriting
   app.add_option("--die_at", die_at);          // with --die_rank: that rank SIGKILLs itself as the others save
@@ -113,7 +116,26 @@ int main(int argc, char** argv) {
         if (r != 0) order.push_back(std::filesystem::exists(marker) ? 1 : 0);
         else std::ofstream(marker) << "0";
       });
+      int local_first = 0, on_main = 0, on_local_main = 0;
+      auto local_marker = out + "/local_first";
+      acc.local_main_process_first([&] {
+        if (!acc.is_local_main_process()) local_first = std::filesystem::exists(local_marker) ? 1 : 0;
+        else std::ofstream(local_marker) << "0";
+      });
+      acc.on_main_process([&] { ++on_main; });
+      acc.on_local_main_process([&] { ++on_local_main; });
+      auto objects = acc.gather_object(fmt::format("rank {}", r));
+      // backward twice through one graph with retain_graph: gradients add up.
+      auto w = torch::ones({2}, torch::requires_grad());
+      auto y = (w * 3).sum();
+      acc.backward(y, /*retain_graph=*/true);
+      acc.backward(y);
       auto all = acc.state().world().all_gather_object(nlohmann::json{{"rank", r},
+                                                                {"local_first", local_first},
+                                                                {"on_main", on_main},
+                                                                {"on_local_main", on_local_main},
+                                                                {"objects", objects},
+                                                                {"twice_grad", w.grad()[0].item<double>()},
                                                                 {"padded_rows", padded.size(0)},
                                                                 {"pad_first_row0", first[0][0].item<double>()},
                                                                 {"items", items},
@@ -147,7 +169,8 @@ int main(int argc, char** argv) {
         auto scope = acc.accumulate(model);
         auto loss = torch::cross_entropy_loss(model->forward(b.data), b.target);
         acc.backward(loss);
-        acc.clip_grad_norm(model->parameters(), 5.0);
+        if (clip_value > 0) acc.clip_grad_value(model->parameters(), clip_value);
+        else acc.clip_grad_norm(model->parameters(), 5.0);
         opt.step();
         sched.step();
         opt.zero_grad(!zero_in_place);

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <sstream>
 #include <fstream>
 
 #include "xlr8/accelerator.hpp"
@@ -141,8 +142,10 @@ TEST(Accelerator, HelpersOnOneProcess) {
   EXPECT_TRUE(ran);
   acc.log({{"loss", 0.5}}, 3);
   acc.log({{"accuracy", 0.9}});
+  const auto run = acc.run_dir();  // without init_trackers: project "xlr8", a run named by the time
+  EXPECT_EQ(fs::path(run).parent_path(), fs::path(o.project_dir) / "xlr8");
   acc.end_training();
-  std::ifstream in(o.project_dir + "/metrics.jsonl");
+  std::ifstream in(run + "/metrics.jsonl");
   std::string first, second;
   std::getline(in, first);
   std::getline(in, second);
@@ -249,5 +252,44 @@ TEST(Accelerator, ACheckpointOfAnotherModelOrOptimizerIsRefusedNamingTheTensorAn
               [](Accelerator& acc, auto& model) { return acc.prepare(torch::optim::SGD(model->parameters(), 0.1)); });
   EXPECT_NE(m.find("holds adamw state, but the prepared optimizer is sgd"), std::string::npos) << m;
   fs::remove_all(dir);
+}
+
+TEST(Accelerator, TrackersWriteEachRunToItsOwnDirectoryWithItsConfig) {
+  AcceleratorOptions o;
+  o.project_dir = fresh_dir("trackers");
+  o.log_with = {"jsonl", "csv"};
+  Accelerator acc(o);
+  acc.init_trackers("proj", {{"lr", 0.1}}, "first");
+  acc.log({{"loss", 2.0}}, 0);
+  acc.log({{"loss", 1.5}, {"note", "a, \"quoted\" text"}}, 1);  // a new column widens the CSV once
+  EXPECT_EQ(acc.get_tracker("csv")->run_dir(), o.project_dir + "/proj/first");
+  EXPECT_THROW(acc.get_tracker("tensorboard"), Error);
+  acc.end_training();
+  const auto dir = o.project_dir + "/proj/first/";
+  std::ifstream csv(dir + "metrics.csv");
+  std::stringstream text;
+  text << csv.rdbuf();
+  EXPECT_EQ(text.str(), "step,loss,note\n0,2.0,\n1,1.5,\"a, \"\"quoted\"\" text\"\n");
+  std::ifstream config(dir + "config.json");
+  auto stored = nlohmann::json::parse(config);
+  EXPECT_EQ(stored["config"]["lr"], 0.1);
+  EXPECT_EQ(stored["log_with"], (nlohmann::json{"jsonl", "csv"}));
+  // A second run of the project never reuses a directory; a run name that exists is refused by name.
+  Accelerator again(o);
+  EXPECT_THROW(again.init_trackers("proj", {}, "first"), ConfigError);
+  again.init_trackers("proj");
+  EXPECT_NE(again.run_dir(), o.project_dir + "/proj/first");
+  again.end_training();
+  o.log_with = {"wandb"};
+  Accelerator unknown(o);
+  try {
+    unknown.init_trackers("proj");
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("log_with \"wandb\" is not a tracker xlr8 has; use jsonl, csv or all"),
+              std::string::npos)
+        << e.what();
+  }
+  fs::remove_all(o.project_dir);
 }
 

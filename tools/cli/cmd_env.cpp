@@ -43,7 +43,15 @@ Handler add_env(CLI::App& app) {
     fmt::print("- xlr8 version: {}\n", XLR8_VERSION);
     fmt::print("- LibTorch version: {}\n", compat::torch_version());
     fmt::print("- BLAS in use: {}\n", loaded_blas());
-    fmt::print("- intra-op threads: {}\n", at::get_num_threads());
+    // This process's count is not what a worker gets: the launcher sets OMP_NUM_THREADS per worker.
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    const char* omp = std::getenv("OMP_NUM_THREADS");
+    fmt::print("- intra-op threads: {} in this `xlr8 env` process; a worker started by `xlr8 launch` gets {}\n",
+               at::get_num_threads(),
+               omp && *omp ? fmt::format("OMP_NUM_THREADS={} (set in this environment)", omp)
+                           : fmt::format("cores / local workers ({} with 1 worker, {} with 2; OMP_NUM_THREADS or "
+                                         "--num_cpu_threads_per_process override it)",
+                                         cores, std::max(1u, cores / 2)));
     fmt::print("- Gloo: available\n");
     fmt::print("- NCCL: {}\n", compat::kHaveNccl ? "available (built with NCCL)" : "not built (CPU LibTorch)");
     fmt::print("- CPU cores: {}\n", std::thread::hardware_concurrency());

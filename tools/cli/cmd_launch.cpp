@@ -56,7 +56,7 @@ Handler add_launch(CLI::App& app) {
   auto req = std::make_shared<LaunchRequest>();
   // The program and its arguments: normalize_launch_args puts a `--` before them, so CLI11 never reads
   // them as options (`xlr8 launch prog --help` is prog's help).
-  cmd->add_option("program", req->command, "The program to start, and its arguments")->group("");
+  cmd->add_option("program", req->command, "The program to start, and its arguments: program [args...]");
   cmd->footer("Usage: xlr8 launch [options] [--] program [args...]\n"
               "Everything from the program's name on (or after --) is the program's, even --help.");
   auto opt = [&](const std::string& name, auto& target, const std::string& help) {
@@ -64,7 +64,16 @@ Handler add_launch(CLI::App& app) {
   };
   auto& r = *req;
   opt("--config_file", r.config_file, "Accelerate-format YAML config (default: ~/.cache/xlr8/default_config.yaml)");
-  opt("--num_processes", r.num_processes, "Total processes over all machines");
+  opt("--num_processes", r.num_processes, "Total processes over all machines")
+      ->check(CLI::Validator(
+          [](std::string& v) {
+            const bool count = !v.empty() && v.size() < 9 && v.find_first_not_of("0123456789") == std::string::npos;
+            return count && std::stoi(v) >= 1 ? std::string()
+                                               : fmt::format("{} is not a number of processes: give 1 or more (the "
+                                                             "total over all machines)",
+                                                             v);
+          },
+          "N>=1"));
   opt("--num_machines", r.num_machines, "Number of machines");
   opt("--machine_rank", r.machine_rank, "Rank of this machine, from 0");
   opt("--main_process_ip", r.main_process_ip, "Address of machine 0");

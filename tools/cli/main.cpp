@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "cli/commands.hpp"
+#include "core/text.hpp"
 #include "xlr8/error.hpp"
 
 int main(int argc, char** argv) {
@@ -27,6 +28,15 @@ int main(int argc, char** argv) {
   reg(xlr8::cli::add_selftest_worker);
   try {
     std::vector<std::string> args(argv + 1, argv + argc);
+    if (!args.empty() && !args[0].empty() && args[0][0] != '-') {  // a mistyped subcommand gets a suggestion
+      std::vector<std::string> names;
+      for (const auto* sub : app.get_subcommands(nullptr)) names.push_back(sub->get_name());
+      if (std::find(names.begin(), names.end(), args[0]) == names.end()) {
+        fmt::print(stderr, "xlr8: error: {:?} is not a command{}; the commands are {}\n", args[0],
+                   xlr8::text::suggestion(args[0], names), xlr8::text::join(names));
+        return 2;
+      }
+    }
     if (!args.empty() && args[0] == "launch") {
       auto rest = xlr8::cli::normalize_launch_args(*app.get_subcommand("launch"), {args.begin() + 1, args.end()});
       args.resize(1);
