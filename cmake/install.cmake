@@ -37,7 +37,7 @@ set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)
 string(REGEX MATCH "^[0-9]+\\.[0-9]+" XLR8_TORCH_MINOR "${Torch_VERSION}")
 math(EXPR XLR8_TORCH_NEXT_MINOR "${Torch_VERSION_MINOR} + 1")
 set(CPACK_DEBIAN_PACKAGE_DEPENDS
-    "libtorch-dev (>= ${XLR8_TORCH_MINOR}), libtorch-dev (<< ${Torch_VERSION_MAJOR}.${XLR8_TORCH_NEXT_MINOR}), libgloo-dev, libyaml-cpp-dev, nlohmann-json3-dev, libfmt-dev, zlib1g-dev, libgomp1")
+    "libtorch-dev (>= ${XLR8_TORCH_MINOR}), libtorch-dev (<< ${Torch_VERSION_MAJOR}.${XLR8_TORCH_NEXT_MINOR}), libgloo-dev, libyaml-cpp-dev, nlohmann-json3-dev, libfmt-dev, zlib1g-dev, libprotobuf-dev, libgomp1")
 set(CPACK_DEBIAN_PACKAGE_RECOMMENDS "cmake, g++, libopenblas0-openmp")
 set(CPACK_DEBIAN_PACKAGE_SUGGESTS "openmpi-bin, slurm-client")
 include(CPack)

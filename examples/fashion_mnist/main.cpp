@@ -62,6 +62,10 @@ int run(const Args& args) {
                                       {"epochs", args.epochs},
                                       {"seed", args.seed},
                                       {"resume_from", args.resume_from}});
+  acc.log({{"run", fmt::format("fashion_mnist: lr {}, batch {} per process on {} process(es){}", args.lr,
+                               args.batch_size, acc.num_processes(),
+                               args.resume_from.empty() ? "" : ", resumed from " + args.resume_from)}},
+          0);
 
   auto model = acc.prepare(fashion::Net());
   // FusedAdamW: LibTorch's AdamW (same options and state) with a one-pass step on CPU.

@@ -1,7 +1,8 @@
 #pragma once
 // Experiment trackers, as Accelerate's `log_with` / `init_trackers` / `log` / `get_tracker`: each run in
 // its own directory <project_dir>/<project_name>/<run_name>/, written by the main process only, with the
-// run's configuration stored beside the values. Built in: "jsonl" (metrics.jsonl) and "csv" (metrics.csv).
+// run's configuration stored beside the values. Built in: "jsonl" (metrics.jsonl), "csv" (metrics.csv) and
+// "tensorboard" (event files: numbers as scalars, strings as text).
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>

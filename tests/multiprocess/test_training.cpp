@@ -263,7 +263,7 @@ TEST(FashionMnist, TrainsCheckpointsAndResumesOnTwoProcesses) {
             "--output_dir", out};
   Args first = base;
   first.insert(first.end(), {"--epochs", "1"});
-  auto r = run(first, 180);
+  auto r = run(first, 180, {{"XLR8_LOG_WITH", "all"}});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto result = last_json(r.out);
   EXPECT_EQ(result["global_step"], 16);  // 2048 samples / (2 x 64)
@@ -279,6 +279,37 @@ TEST(FashionMnist, TrainsCheckpointsAndResumesOnTwoProcesses) {
   ASSERT_EQ(runs().size(), 1u);
   EXPECT_NE(read_file(runs()[0] + "/metrics.jsonl").find("\"loss\""), std::string::npos);
   EXPECT_EQ(nlohmann::json::parse(read_file(runs()[0] + "/config.json"))["config"]["batch_size"], 64);
+  {  // TensorBoard's event file, read by an independent reader, holds the losses metrics.jsonl holds
+    std::string events;
+    for (auto& e : fs::directory_iterator(runs()[0]))
+      if (e.path().filename().string().rfind("events.out.tfevents.", 0) == 0) events = e.path().string();
+    ASSERT_FALSE(events.empty());
+    // Debian's interpreter, which python3-protobuf serves (a pyenv on PATH may not have it).
+    auto generated = temp_dir("tb-proto");
+    auto g = run({"protoc", "--python_out=" + generated, "-I", std::string(XLR8_SOURCE_DIR) + "/proto",
+                  std::string(XLR8_SOURCE_DIR) + "/proto/xlr8/tensorboard.proto"},
+                 60);
+    ASSERT_EQ(g.exit_code, 0) << g.err;
+    auto read = run({"/usr/bin/python3", std::string(XLR8_SOURCE_DIR) + "/tests/multiprocess/read_tfevents.py", generated, events}, 60);
+    ASSERT_EQ(read.exit_code, 0) << read.err;
+    auto tb = last_json(read.out);
+    EXPECT_EQ(tb["file_version"], "brain.Event:2");
+    std::vector<std::pair<int64_t, double>> jsonl_losses, tb_losses;
+    std::istringstream lines(read_file(runs()[0] + "/metrics.jsonl"));
+    for (std::string line; std::getline(lines, line);) {
+      auto j = nlohmann::json::parse(line);
+      if (j.contains("loss")) jsonl_losses.emplace_back(j["step"].get<int64_t>(), j["loss"].get<double>());
+    }
+    for (auto& p : tb["scalars"]["loss"]) tb_losses.emplace_back(p[0].get<int64_t>(), p[1].get<double>());
+    ASSERT_EQ(tb_losses.size(), jsonl_losses.size());
+    ASSERT_FALSE(tb_losses.empty());
+    for (size_t i = 0; i < tb_losses.size(); ++i) {
+      EXPECT_EQ(tb_losses[i].first, jsonl_losses[i].first);
+      EXPECT_NEAR(tb_losses[i].second, jsonl_losses[i].second, 1e-6 * (1 + std::abs(jsonl_losses[i].second)));  // float32
+    }
+    EXPECT_NE(tb["texts"]["run"][0][1].get<std::string>().find("fashion_mnist: lr"), std::string::npos) << read.out;
+    EXPECT_TRUE(fs::exists(runs()[0] + "/metrics.csv"));
+  }
   Args resume = base;
   resume.insert(resume.end(), {"--epochs", "2", "--resume_from", "latest"});
   auto again = run(resume, 180);

@@ -286,7 +286,7 @@ TEST(Accelerator, TrackersWriteEachRunToItsOwnDirectoryWithItsConfig) {
     unknown.init_trackers("proj");
     ADD_FAILURE() << "no error";
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("log_with \"wandb\" is not a tracker xlr8 has; use jsonl, csv or all"),
+    EXPECT_NE(std::string(e.what()).find("log_with \"wandb\" is not a tracker xlr8 has; use jsonl, csv, tensorboard or all"),
               std::string::npos)
         << e.what();
   }

@@ -1,0 +1,119 @@
+#include "train/tensorboard.hpp"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+
+#include "tensorboard.pb.h"
+#include "xlr8/error.hpp"
+
+namespace xlr8::detail {
+namespace {
+
+namespace pb = xlr8::tensorboard;
+
+constexpr int kDtString = 7;  // TensorFlow's DT_STRING
+
+std::array<uint32_t, 256> crc32c_table() {
+  std::array<uint32_t, 256> table{};
+  for (uint32_t i = 0; i < 256; ++i) {
+    uint32_t c = i;
+    for (int k = 0; k < 8; ++k) c = (c & 1) ? (c >> 1) ^ 0x82F63B78u : c >> 1;  // reflected Castagnoli polynomial
+    table[i] = c;
+  }
+  return table;
+}
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+class TensorBoardTracker final : public Tracker {
+ public:
+  explicit TensorBoardTracker(const std::string& dir) : Tracker(dir) {
+    char host[256] = "localhost";
+    gethostname(host, sizeof(host) - 1);
+    path_ = (std::filesystem::path(dir) /
+             fmt::format("events.out.tfevents.{}.{}", static_cast<int64_t>(now_seconds()), host))
+                .string();
+    out_.open(path_, std::ios::binary | std::ios::app);
+    if (!out_) throw Error(fmt::format("cannot write {}", path_));
+    pb::Event first;
+    first.set_wall_time(now_seconds());
+    first.set_file_version("brain.Event:2");
+    write(first);
+  }
+  std::string name() const override { return "tensorboard"; }
+
+  // Numbers become scalars; strings become text (the text plugin's string tensors); anything else is
+  // logged as its JSON text.
+  void log(const nlohmann::json& values, std::optional<int64_t> step) override {
+    pb::Event event;
+    event.set_wall_time(now_seconds());
+    event.set_step(step.value_or(next_step_));
+    next_step_ = event.step() + 1;
+    auto* summary = event.mutable_summary();
+    for (const auto& [key, value] : values.items()) {
+      auto* v = summary->add_value();
+      v->set_tag(key);
+      if (value.is_number() || value.is_boolean()) {
+        v->set_simple_value(value.is_boolean() ? static_cast<float>(value.get<bool>()) : value.get<float>());
+        continue;
+      }
+      v->mutable_metadata()->mutable_plugin_data()->set_plugin_name("text");
+      auto* tensor = v->mutable_tensor();
+      tensor->set_dtype(kDtString);
+      tensor->mutable_tensor_shape();  // a scalar string
+      tensor->add_string_val(value.is_string() ? value.get<std::string>() : value.dump());
+    }
+    write(event);
+  }
+  void finish() override { out_.close(); }
+
+ private:
+  void write(const pb::Event& event) {
+    const std::string data = event.SerializeAsString();
+    char header[12];
+    const uint64_t length = data.size();
+    for (int i = 0; i < 8; ++i) header[i] = static_cast<char>((length >> (8 * i)) & 0xff);
+    const uint32_t length_crc = masked_crc32c(header, 8);
+    for (int i = 0; i < 4; ++i) header[8 + i] = static_cast<char>((length_crc >> (8 * i)) & 0xff);
+    const uint32_t data_crc = masked_crc32c(data.data(), data.size());
+    char footer[4];
+    for (int i = 0; i < 4; ++i) footer[i] = static_cast<char>((data_crc >> (8 * i)) & 0xff);
+    out_.write(header, sizeof(header));
+    out_.write(data.data(), static_cast<std::streamsize>(data.size()));
+    out_.write(footer, sizeof(footer));
+    out_.flush();  // TensorBoard reads while the run goes on
+    if (!out_) throw Error(fmt::format("cannot write {}", path_));
+  }
+
+  std::string path_;
+  std::ofstream out_;
+  int64_t next_step_ = 0;
+};
+
+}  // namespace
+
+uint32_t crc32c(const void* data, size_t size) {
+  static const auto table = crc32c_table();
+  uint32_t c = 0xFFFFFFFFu;
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  for (size_t i = 0; i < size; ++i) c = table[(c ^ bytes[i]) & 0xff] ^ (c >> 8);
+  return c ^ 0xFFFFFFFFu;
+}
+
+uint32_t masked_crc32c(const void* data, size_t size) {
+  const uint32_t c = crc32c(data, size);
+  return ((c >> 15) | (c << 17)) + 0xa282ead8u;
+}
+
+std::unique_ptr<Tracker> make_tensorboard_tracker(const std::string& run_dir) {
+  return std::make_unique<TensorBoardTracker>(run_dir);
+}
+
+}  // namespace xlr8::detail
