@@ -19,6 +19,7 @@ struct LaunchConfig {
   int num_machines = 1;
   int machine_rank = 0;
   std::string gpu_ids = "all";
+  std::string log_with;                   // trackers for the workers (XLR8_LOG_WITH): "all" or names
   std::string main_process_ip;            // empty: 127.0.0.1 on one machine
   std::optional<int> main_process_port;   // empty or 0: pick a free port
   std::string rdzv_backend = "static";

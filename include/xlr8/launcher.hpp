@@ -49,6 +49,7 @@ struct LaunchRequest {
   std::string log_dir;
   std::optional<int> rdzv_timeout_s;
   std::optional<int> num_cpu_threads_per_process;  // sets OMP_NUM_THREADS for every worker
+  std::optional<std::string> log_with;             // trackers: XLR8_LOG_WITH for the workers
   std::optional<std::string> gpu_ids;              // "all" or "0,1": sets CUDA_VISIBLE_DEVICES
   bool debug = false;                              // ACCELERATE_DEBUG_MODE
   bool enable_cpu_affinity = false;                // ACCELERATE_CPU_AFFINITY: each local rank on its own cores

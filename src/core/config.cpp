@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -20,11 +21,13 @@ namespace {
 
 using detail::Section;
 
+const std::vector<std::string> kTrackerNames = {"jsonl", "csv", "tensorboard", "all"};
+
 const std::vector<std::string> kTopKeys = {
     "compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug", "num_processes",
     "num_machines", "machine_rank", "gpu_ids", "main_process_ip", "main_process_port", "rdzv_backend",
     "same_network", "main_training_function", "enable_cpu_affinity", "downcast_bf16",
-    "gradient_accumulation_steps", "fsdp_config", "deepspeed_config", "parallelism_config"};
+    "gradient_accumulation_steps", "fsdp_config", "deepspeed_config", "parallelism_config", "log_with"};
 const std::vector<std::string> kFsdpKeys = {
     "fsdp_version", "fsdp_activation_checkpointing", "fsdp_auto_wrap_policy", "fsdp_backward_prefetch",
     "fsdp_backward_prefetch_policy", "fsdp_cpu_ram_efficient_loading", "fsdp_forward_prefetch",
@@ -165,6 +168,18 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
   if (auto v = top.integer("num_machines", 1, 1 << 16)) c.num_machines = static_cast<int>(*v);
   if (auto v = top.integer("machine_rank", 0, 1 << 16)) c.machine_rank = static_cast<int>(*v);
   if (auto v = top.str("gpu_ids")) c.gpu_ids = *v;
+  if (auto v = top.str("log_with")) {
+    // xlr8/trackers.hpp's builtin_trackers() and "all" (a test keeps the two lists equal); checked here
+    // so that a typo stops the launch, not the run.
+    std::string words = *v;
+    std::replace(words.begin(), words.end(), ',', ' ');
+    std::istringstream in(words);
+    for (std::string word; in >> word;)
+      if (std::find(kTrackerNames.begin(), kTrackerNames.end(), word) == kTrackerNames.end())
+        throw top.error("log_with", fmt::format("value {:?} is not a tracker; allowed: {}{}", word,
+                                                text::join(kTrackerNames), text::suggestion(word, kTrackerNames)));
+    c.log_with = *v;
+  }
   if (auto v = top.str("main_process_ip")) c.main_process_ip = *v;
   if (auto v = top.integer("main_process_port", 0, 65535)) c.main_process_port = static_cast<int>(*v);
   if (auto v = top.choice("rdzv_backend", {"static", "c10d"}, false)) c.rdzv_backend = *v;
@@ -267,6 +282,7 @@ std::string to_yaml(const LaunchConfig& c) {
     out << YAML::Key << "gradient_accumulation_steps" << YAML::Value << c.gradient_accumulation_steps;
   }
   out << YAML::Key << "gpu_ids" << YAML::Value << c.gpu_ids;
+  if (!c.log_with.empty()) out << YAML::Key << "log_with" << YAML::Value << c.log_with;
   out << YAML::Key << "machine_rank" << YAML::Value << c.machine_rank;
   if (!c.main_process_ip.empty()) out << YAML::Key << "main_process_ip" << YAML::Value << c.main_process_ip;
   if (c.main_process_port) out << YAML::Key << "main_process_port" << YAML::Value << *c.main_process_port;

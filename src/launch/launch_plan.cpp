@@ -41,6 +41,7 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   if (r.debug) root["debug"] = true;
   if (r.enable_cpu_affinity) root["enable_cpu_affinity"] = true;
   if (r.gpu_ids) root["gpu_ids"] = *r.gpu_ids;
+  if (r.log_with) root["log_with"] = *r.log_with;
   if (r.use_fsdp && r.use_deepspeed) throw ConfigError("--use_fsdp and --use_deepspeed were both given; choose one");
   if (r.use_fsdp) root["distributed_type"] = "FSDP";
   if (r.use_deepspeed) root["distributed_type"] = "DEEPSPEED";
@@ -77,6 +78,7 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
     o.extra_env["OMP_NUM_THREADS"] = std::to_string(*r.num_cpu_threads_per_process);
   }
   if (!cfg.gpu_ids.empty() && cfg.gpu_ids != "all") o.extra_env["CUDA_VISIBLE_DEVICES"] = cfg.gpu_ids;
+  if (!cfg.log_with.empty()) o.extra_env["XLR8_LOG_WITH"] = cfg.log_with;
   return o;
 }
 

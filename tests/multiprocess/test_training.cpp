@@ -263,7 +263,8 @@ TEST(FashionMnist, TrainsCheckpointsAndResumesOnTwoProcesses) {
             "--output_dir", out};
   Args first = base;
   first.insert(first.end(), {"--epochs", "1"});
-  auto r = run(first, 180, {{"XLR8_LOG_WITH", "all"}});
+  first.insert(first.begin() + 4, {"--log_with", "all"});  // a launcher flag: XLR8_LOG_WITH for the workers
+  auto r = run(first, 180);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   auto result = last_json(r.out);
   EXPECT_EQ(result["global_step"], 16);  // 2048 samples / (2 x 64)

@@ -7,6 +7,7 @@
 #include "xlr8/config.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/launcher.hpp"
+#include "xlr8/trackers.hpp"
 
 using namespace xlr8;
 
@@ -162,6 +163,13 @@ TEST(Config, WrongTypeOrValueNamesKeyValueAndAllowed) {
   EXPECT_NE(m.find("did you mean \"FULL_SHARD\""), std::string::npos) << m;
   m = error_of("num_processes: [1, 2]\n");
   EXPECT_NE(m.find("num_processes"), std::string::npos) << m;
+  m = error_of("log_with: csv, tensorbord\n");
+  EXPECT_NE(m.find("log_with: value \"tensorbord\" is not a tracker; allowed: jsonl, csv, tensorboard, all (did you "
+                   "mean \"tensorboard\"?)"),
+            std::string::npos)
+      << m;
+  // Every tracker xlr8 builds in is accepted.
+  for (const auto& name : builtin_trackers()) EXPECT_EQ(parse_config("log_with: " + name + "\n", "t.yaml").log_with, name);
   m = error_of("num_processes: 2\n  bad indent: 1\n");
   EXPECT_NE(m.find("not valid YAML"), std::string::npos) << m;
 }

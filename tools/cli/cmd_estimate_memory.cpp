@@ -102,6 +102,13 @@ Handler add_estimate_memory(CLI::App& app) {
     std::vector<std::string> dtypes{"float32", "bfloat16"};
     std::vector<std::string> strategies{"ddp", "zero1", "zero2", "zero3"};
   };
+  cmd->footer(
+      "Training bytes per rank with Adam (reference: the ZeRO paper's formulas), Ψ parameters on N ranks:\n"
+      "  float32: p = g = 4, K = 8 (moments); bfloat16/float16 (mixed): p = g = 2, K = 12 (fp32 master + moments)\n"
+      "  ddp (p+g+K)Ψ   zero1 (p+g)Ψ + KΨ/N   zero2 pΨ + (g+K)Ψ/N   zero3 (p+g+K)Ψ/N\n"
+      "Activations of L layers, hidden h, a heads, sequence s, batch b: L·s·b·h·(34 + 5·a·s/h) bytes with\n"
+      "2-byte activations (twice in float32); with full activation checkpointing each layer keeps its input\n"
+      "(s·b·h values) and one layer's activations are recomputed at a time.");
   auto a = std::make_shared<Args>();
   cmd->add_option("--params", a->params, "Number of parameters, such as 7e9");
   cmd->add_option("--model", a->model, "A safetensors file, a model.safetensors.index.json, or a directory with one");

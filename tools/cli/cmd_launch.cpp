@@ -88,6 +88,7 @@ Handler add_launch(CLI::App& app) {
   opt("--rdzv_timeout", r.rdzv_timeout_s, "Seconds the workers wait for all ranks to join (default 300)");
   opt("--num_cpu_threads_per_process", r.num_cpu_threads_per_process, "Intra-op threads per worker (OMP_NUM_THREADS)");
   opt("--gpu_ids", r.gpu_ids, "GPUs to use, e.g. 0,1 (CUDA_VISIBLE_DEVICES); default all");
+  opt("--log_with", r.log_with, "Trackers for Accelerator::log: jsonl, csv, tensorboard or all (XLR8_LOG_WITH)");
   cmd->add_flag("--debug", r.debug, "Set ACCELERATE_DEBUG_MODE for the workers");
   cmd->add_flag("--enable_cpu_affinity,--enable-cpu-affinity", r.enable_cpu_affinity,
                 "Bind each worker to its own share of this machine's cores (ACCELERATE_CPU_AFFINITY)");
