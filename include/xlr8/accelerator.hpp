@@ -42,6 +42,15 @@ struct AcceleratorOptions {
 
 struct AcceleratorImpl;
 
+namespace detail {
+// An object registered for checkpointing: how it becomes the bytes of one file, and back.
+struct Checkpointable {
+  std::string kind;                                                  // "json", "module" or "optimizer"
+  std::function<std::string()> save;
+  std::function<void(const std::string&, const std::string&)> load;  // (bytes, the file's path for errors)
+};
+}  // namespace detail
+
 // step() and zero_grad() act only on sync steps. With fp16 the step unscales the gradients, checks them
 // for inf/NaN on every rank, and is skipped (and reported) on overflow.
 class PreparedOptimizer {
@@ -241,6 +250,37 @@ class Accelerator {
   std::string run_dir() const;  // the current run's directory ("" before a run starts or off the main process)
   void end_training();
 
+  // Accelerate's register_for_checkpointing: save_state/load_state also save and restore `object`, in
+  // registration order (a checkpoint with other objects registered is refused). Anything with
+  // `nlohmann::json state() const` and `void load_state(const nlohmann::json&)`, a LibTorch module
+  // (its parameters and buffers, strictly by name) or optimizer (its archive). Kept by reference: it
+  // must outlive the Accelerator's use of it.
+  template <class T>
+  void register_for_checkpointing(T& object) {
+    if constexpr (requires { typename T::ContainedType; object.ptr(); }) {
+      register_for_checkpointing(*object.ptr());  // TORCH_MODULE's holder: its module
+    } else if constexpr (std::is_base_of_v<torch::nn::Module, T>) {
+      register_checkpointable({"module", [&object] { return module_bytes(object); },
+                               [&object](const std::string& bytes, const std::string& origin) {
+                                 load_module_bytes(object, bytes, origin);
+                               }});
+    } else if constexpr (std::is_base_of_v<torch::optim::Optimizer, T>) {
+      register_checkpointable({"optimizer", [&object] { return optimizer_archive(object); },
+                               [&object](const std::string& bytes, const std::string& origin) {
+                                 load_optimizer_archive(object, bytes, origin);
+                               }});
+    } else {
+      register_checkpointable({"json", [&object] { return object.state().dump(); },
+                               [&object](const std::string& bytes, const std::string& origin) {
+                                 object.load_state(nlohmann::json::parse(bytes));
+                               }});
+    }
+  }
+  template <class T>
+  void register_for_checkpointing(const std::shared_ptr<T>& object) {
+    register_for_checkpointing(*object);
+  }
+
   // Checkpoints (crash-safe, checksummed). Without a directory: automatic naming under project_dir.
   std::string save_state(const std::string& dir = "");
   void load_state(const std::string& dir = "");
@@ -270,6 +310,12 @@ class Accelerator {
   }
 
  private:
+  void register_checkpointable(detail::Checkpointable object);
+  static std::string module_bytes(const torch::nn::Module& module);
+  static void load_module_bytes(torch::nn::Module& module, const std::string& bytes, const std::string& origin);
+  static std::string optimizer_archive(const torch::optim::Optimizer& optimizer);
+  static void load_optimizer_archive(torch::optim::Optimizer& optimizer, const std::string& bytes,
+                                     const std::string& origin);
   template <class M>
   static std::shared_ptr<torch::nn::Module> module_pointer(const M& m) {
     if constexpr (std::is_convertible_v<M, std::shared_ptr<torch::nn::Module>>) return m;

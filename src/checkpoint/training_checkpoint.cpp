@@ -130,6 +130,10 @@ std::string save(const fs::path& final_dir, const Content& content, Communicator
       written.push_back(model_file(i));
       save_safetensors((tmp / written.back()).string(), content.models[i], {{"format", "pt"}});
     }
+    for (const auto& [name, bytes] : content.main_files) {
+      written.push_back(name);
+      files::write_durably((tmp / name).string(), bytes);
+    }
     for (const auto& [index, bytes] : content.optimizers) {
       written.push_back(optimizer_file(index));
       files::write_durably((tmp / written.back()).string(), bytes);

@@ -31,6 +31,7 @@ struct Content {
   // sharded model collectively) and returns their names (on the main process).
   std::function<std::vector<std::string>(const std::filesystem::path&)> write_models;
   std::map<size_t, std::string> optimizers;  // optimizer archives by index (optimizer_bytes); the main process writes them
+  std::map<std::string, std::string> main_files;  // other files by name (registered objects); the main process writes them
   // Archives of optimizers over sharded models: this rank's (each rank writes its own), by optimizer index.
   std::map<size_t, std::string> rank_optimizers;
   NamedTensors rng;                     // this rank's generator states

@@ -2,6 +2,7 @@
 // strategy's state dicts into a checkpoint::Content and back; the file format, its crash safety and
 // verification live in src/checkpoint/.
 #include <filesystem>
+#include <map>
 
 #include "checkpoint/hf_export.hpp"
 #include <fmt/ranges.h>
@@ -15,6 +16,8 @@ namespace fs = std::filesystem;
 
 namespace xlr8 {
 namespace {
+
+std::string custom_file(size_t i) { return fmt::format("custom_checkpoint_{}.bin", i); }
 
 // Streams a module's whole state (a prepared model's through its strategy: collective, one unit gathered
 // at a time) into a writer that exists on the main process only: `open` receives the names, dtypes and
@@ -109,6 +112,10 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
     else if (is_main_process()) content.optimizers[i] = checkpoint::optimizer_bytes(*s.optimizers[i]->optimizer);
   }
   if (is_main_process()) {
+    for (size_t i = 0; i < s.custom.size(); ++i) {  // registered objects, as Accelerate's custom_checkpoint_<i>
+      content.main_files[custom_file(i)] = s.custom[i].save();
+      content.state["custom_objects"].push_back(s.custom[i].kind);
+    }
     content.state["sharded_optimizers"] = sharded;
     content.state["models_sharded"] = sharded_models;
     for (const auto& m : s.models) {  // the order merge-weights writes them in
@@ -174,6 +181,14 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
       throw Error(fmt::format("load_state: {} holds {} optimizer(s) but {} were prepared; nothing was loaded",
                               source.string(), optimizer_steps.size(), s.optimizers.size()));
     portable = read_portable_state(s, saved, st);
+    auto custom = st.value("custom_objects", std::vector<std::string>{});
+    std::vector<std::string> registered;
+    for (const auto& c : s.custom) registered.push_back(c.kind);
+    if (custom != registered)
+      throw Error(fmt::format("load_state: {} holds {} registered object(s) [{}] but [{}] are registered now (same "
+                              "kinds, same order); nothing was loaded",
+                              source.string(), custom.size(), fmt::join(custom, ", "), fmt::join(registered, ", ")));
+    for (size_t i = 0; i < s.custom.size(); ++i) (void)saved.file(custom_file(i));  // present and intact
     auto sharded = st.value("sharded_optimizers", std::vector<bool>(s.optimizers.size(), false));
     for (size_t i = 0; i < s.optimizers.size(); ++i) {
       if (portable->optimizers[i].portable) continue;
@@ -214,6 +229,8 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
     s.optimizers[i]->steps = optimizer_steps[i].get<int64_t>();
   }
   apply_optimizer_state(s, *portable);
+  for (size_t i = 0; i < s.custom.size(); ++i)
+    s.custom[i].load(saved.file(custom_file(i)), (source / custom_file(i)).string());
   s.micro_step = st.value("micro_step", int64_t{0});
   s.save_iteration = st.value("save_iteration", int64_t{0});
   s.seed = st.value("seed", uint64_t{0});
@@ -234,6 +251,31 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
     log::warning("xlr8: {} has no RNG state for rank {} (saved with {} processes); RNG not restored", source.string(),
                  process_index(), saved.saved_world_size());
   }
+}
+
+void Accelerator::register_checkpointable(detail::Checkpointable object) { impl_->custom.push_back(std::move(object)); }
+
+std::string Accelerator::module_bytes(const torch::nn::Module& module) {
+  return safetensors_bytes(module_state_dict(module));
+}
+
+void Accelerator::load_module_bytes(torch::nn::Module& module, const std::string& bytes, const std::string& origin) {
+  auto saved = parse_safetensors(bytes, origin);
+  auto own = module_state_dict(module);
+  checkpoint::check_matches(own, saved, origin);
+  std::map<std::string, at::Tensor> by_name(own.begin(), own.end());
+  at::NoGradGuard no_grad;
+  for (const auto& [name, t] : saved.tensors) by_name.at(name).copy_(t);
+}
+
+std::string Accelerator::optimizer_archive(const torch::optim::Optimizer& optimizer) {
+  return checkpoint::optimizer_bytes(optimizer);
+}
+
+void Accelerator::load_optimizer_archive(torch::optim::Optimizer& optimizer, const std::string& bytes,
+                                         const std::string& origin) {
+  auto archive = checkpoint::read_optimizer_archive(bytes, origin);
+  checkpoint::load_optimizer(optimizer, archive, origin);
 }
 
 void Accelerator::save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const {

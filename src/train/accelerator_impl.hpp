@@ -33,6 +33,7 @@ struct AcceleratorImpl {
   std::vector<std::shared_ptr<PreparedOptimizer::State>> optimizers;
   std::vector<std::shared_ptr<PreparedScheduler::State>> schedulers;
   std::vector<std::weak_ptr<DataLoaderBase>> loaders;
+  std::vector<detail::Checkpointable> custom;  // register_for_checkpointing, in order
   std::optional<DynamicLossScaler> scaler;  // fp16 only
   bool unscaled = false;                    // gradients of this step already divided by the scale
   bool overflow = false;                    // ... and found inf/NaN on some rank

@@ -293,3 +293,52 @@ TEST(Accelerator, TrackersWriteEachRunToItsOwnDirectoryWithItsConfig) {
   fs::remove_all(o.project_dir);
 }
 
+
+namespace {
+struct Counter {
+  int n = 0;
+  nlohmann::json state() const { return {{"n", n}}; }
+  void load_state(const nlohmann::json& j) { n = j.at("n").get<int>(); }
+};
+}  // namespace
+
+TEST(Accelerator, RegisteredObjectsAreSavedAndRestoredInOrderAndCheckedOnLoad) {
+  auto dir = fresh_dir("registered");
+  Counter counter;
+  torch::nn::Linear extra(2, 3);
+  auto sgd = torch::optim::SGD(extra->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  extra->forward(at::ones({1, 2})).sum().backward();
+  sgd.step();
+  {
+    Accelerator acc;
+    acc.register_for_checkpointing(counter);
+    acc.register_for_checkpointing(extra);
+    acc.register_for_checkpointing(sgd);
+    counter.n = 7;
+    acc.save_state(dir);
+    const auto weight = extra->weight.clone();
+    counter.n = 0;
+    {
+      torch::NoGradGuard no_grad;
+      extra->weight.zero_();
+    }
+    sgd.state().clear();
+    acc.load_state(dir);
+    EXPECT_EQ(counter.n, 7);
+    EXPECT_TRUE(extra->weight.equal(weight));
+    EXPECT_EQ(sgd.state().size(), 2u);  // the momentum buffers came back
+  }
+  Accelerator other;  // a different registration is refused before anything changes
+  other.register_for_checkpointing(counter);
+  counter.n = 1;
+  try {
+    other.load_state(dir);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("holds 3 registered object(s) [json, module, optimizer] but [json] are registered"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(counter.n, 1);
+  fs::remove_all(dir);
+}
