@@ -10,7 +10,6 @@
 #include "os/memory.hpp"
 #include "parallel/replica_sync.hpp"
 #include "parallel/sharded_unit.hpp"
-#include "parallel/state_dict_check.hpp"
 #include "parallel/wrap_policy.hpp"
 #include "xlr8/error.hpp"
 
@@ -409,166 +408,12 @@ double ZeroEngine::clip_grad_norm(const std::vector<at::Tensor>& parameters, dou
 
 // ------------------------------------------------------------------------------------------ state dicts
 
-StateDict ZeroEngine::state_dict(StateDictKind kind) {
-  StateDict out;
-  if (kind == StateDictKind::SHARDED) {
-    for (const auto& item : module_->named_parameters()) {
-      const auto* slot = slot_of(item.value());
-      out.emplace_back(item.key(), slot ? groups_[slot->group].shard_params[slot->index].detach() : item.value());
-    }
-    for (const auto& item : module_->named_buffers()) out.emplace_back(item.key(), item.value());
-    return out;
-  }
-  // FULL: stages 1-2 hold whole parameters; stage 3 gathers one group at a time and copies it out.
-  // FULL_ON_MAIN: only the group's first rank (the first replica's, under hybrid sharding) copies.
-  if (kind == StateDictKind::FULL_ON_MAIN && (comm_.rank() != 0 || (replicate_.valid() && replicate_.rank() != 0))) {
-    for (size_t g = 0; g < groups_.size(); ++g) {  // the collectives still need every rank
-      if (groups_[g].mixed()) groups_[g].gather_master(comm_);
-      else if (stage_ == 3 && !groups_[g].gathered()) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        gather(g);
-        release(g);
-      }
-    }
-    return state_dict_shapes(StateDictKind::FULL);
-  }
-  std::map<const c10::TensorImpl*, at::Tensor> copies;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    for (size_t g = 0; g < groups_.size(); ++g) {
-      auto& group = groups_[g];
-      if (group.mixed()) {  // the fp32 master values, not their low-precision copies
-        auto whole = group.gather_master(comm_);
-        for (size_t i = 0; i < group.params.size(); ++i)
-          copies[group.params[i].unsafeGetTensorImpl()] =
-              whole.narrow(0, group.offsets[i], group.params[i].numel()).view(group.params[i].sizes()).clone();
-        continue;
-      }
-      if (stage_ != 3) continue;
-      const bool was = groups_[g].gathered();
-      gather(g);
-      for (const auto& p : groups_[g].params) copies[p.unsafeGetTensorImpl()] = p.detach().clone();
-      if (!was) release(g);  // only a guarded group is ever freed: it goes back to freed
-    }
-  }
-  for (const auto& item : module_->named_parameters()) {
-    auto it = copies.find(item.value().unsafeGetTensorImpl());
-    out.emplace_back(item.key(), it != copies.end() ? it->second : item.value());
-  }
-  for (const auto& item : module_->named_buffers()) out.emplace_back(item.key(), item.value());
-  return out;
-}
-
-void ZeroEngine::load_state_dict(const StateDict& state, StateDictKind kind) {
-  check_state_dict(state_dict_shapes(kind), state);
-  std::map<std::string, at::Tensor> own;
-  for (const auto& item : module_->named_parameters()) own[item.key()] = item.value();
-  for (const auto& item : module_->named_buffers()) own[item.key()] = item.value();
-  std::lock_guard<std::mutex> lock(mutex_);
-  at::NoGradGuard no_grad;
-  for (const auto& [name, tensor] : state) {
-    const auto& target = own.at(name);
-    const auto* slot = slot_of(target);
-    if (!slot) {
-      target.detach().copy_(tensor);
-      continue;
-    }
-    auto& group = groups_[slot->group];
-    if (kind == StateDictKind::SHARDED) {
-      group.shard_params[slot->index].detach().copy_(tensor);
-    } else {
-      auto part = group.owned_part(slot->index);
-      group.master.narrow(0, part.in_shard, part.count).copy_(tensor.reshape(-1).narrow(0, part.in_param, part.count));
-    }
-  }
-  // Whole copies that are alive (stages 1-2 always; stage 3 groups held whole) follow their shards.
-  refresh_whole_copies();
-}
-
-std::vector<ParameterPiece> ZeroEngine::parameter_pieces() const {
-  // Under hybrid sharding every replica holds the same shards: the first one writes them.
-  const bool writer = !replicate_.valid() || replicate_.rank() == 0;
-  std::vector<ParameterPiece> out;
-  for (const auto& item : module_->named_parameters()) {
-    const auto& p = item.value();
-    const auto* slot = slot_of(p);
-    if (!slot) {  // not sharded (frozen): whole everywhere
-      out.push_back({item.key(), p.sizes().vec(), p, 0, comm_.rank() == 0 && writer});
-      continue;
-    }
-    const auto& group = groups_[slot->group];
-    out.push_back({item.key(), p.sizes().vec(), group.shard_params[slot->index],
-                   group.owned_part(slot->index).in_param, writer});
-  }
-  return out;
-}
-
 std::vector<at::Tensor> ZeroEngine::gradient_holders(const std::vector<at::Tensor>& parameters) const {
   std::vector<at::Tensor> out;
   for (const auto& p : parameters) {
     const auto* slot = slot_of(p);
     out.push_back(slot ? groups_[slot->group].shard_params[slot->index] : p);
   }
-  return out;
-}
-
-void ZeroEngine::visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  const bool receiver = comm_.rank() == 0 && (!replicate_.valid() || replicate_.rank() == 0);
-  // A group is gathered when its first parameter comes up (in the master dtype) and dropped after its
-  // last: units are subtrees, so only the root's group stays open across others.
-  std::vector<size_t> left(groups_.size(), 0);
-  for (const auto& item : module_->named_parameters())
-    if (const auto* slot = slot_of(item.value())) ++left[slot->group];
-  std::vector<at::Tensor> whole(groups_.size());
-  size_t index = 0;
-  for (const auto& item : module_->named_parameters()) {
-    const auto* slot = slot_of(item.value());
-    if (!slot) {
-      if (receiver) fn(index, item.value().detach());
-      ++index;
-      continue;
-    }
-    auto& group = groups_[slot->group];
-    if (!whole[slot->group].defined()) whole[slot->group] = group.gather_master(comm_);
-    if (receiver)
-      fn(index, whole[slot->group].narrow(0, group.offsets[slot->index], group.params[slot->index].numel())
-                    .view(group.params[slot->index].sizes()));
-    ++index;
-    if (--left[slot->group] == 0) whole[slot->group] = at::Tensor();
-  }
-  for (const auto& item : module_->named_buffers()) {
-    if (receiver) fn(index, item.value().detach());
-    ++index;
-  }
-}
-
-void ZeroEngine::pieces_loaded(bool whole_parameters_written) {
-  std::lock_guard<std::mutex> lock(mutex_);
-  at::NoGradGuard no_grad;
-  for (auto& group : groups_) {
-    if (whole_parameters_written) {
-      if (group.mixed()) group.shard.copy_(group.master);
-      continue;
-    }
-    // One group at a time (unlike after a step, where they overlap): the transient stays one group's.
-    group.refresh_async(comm_).wait();
-  }
-}
-
-StateDict ZeroEngine::state_dict_shapes(StateDictKind kind) const {
-  // Names, dtypes and shapes only: stage 3's freed parameters keep their shapes.
-  StateDict out;
-  for (const auto& item : module_->named_parameters()) {
-    const auto* slot = slot_of(item.value());
-    const at::Tensor& t = kind == StateDictKind::SHARDED && slot ? groups_[slot->group].shard_params[slot->index]
-                                                                  : item.value();
-    auto options = t.options().device(at::kMeta);
-    if (slot) options = options.dtype(groups_[slot->group].master.scalar_type());  // fp32 under mixed precision
-    out.emplace_back(item.key(), at::empty(t.sizes(), options));
-  }
-  for (const auto& item : module_->named_buffers())
-    out.emplace_back(item.key(), at::empty(item.value().sizes(), item.value().options().device(at::kMeta)));
   return out;
 }
 
