@@ -86,9 +86,11 @@ int run(const Args& args) {
   acc.print("training on {} process(es), {} samples per global batch, {} steps", acc.num_processes(),
             args.batch_size * acc.num_processes() * args.gradient_accumulation_steps, total_steps);
   const auto start = std::chrono::steady_clock::now();
-  int64_t samples = 0, steps_at_start = acc.step();
+  int64_t samples = 0;
   double last_loss = 0, test_accuracy = 0;
   bool done = acc.step() >= total_steps;
+  // A bar on a terminal, a line every 50 steps otherwise (XLR8_PROGRESS=off: none).
+  auto bar = acc.progress(total_steps, {.description = "train", .unit = "step", .initial = acc.step(), .line_every = 50});
   while (!done && train->epoch() < args.epochs) {
     const int64_t epoch = train->epoch() + 1;
     for (auto& batch : *train) {
@@ -103,14 +105,12 @@ int run(const Args& args) {
       if (!acc.sync_gradients()) continue;
       last_loss = loss.item<double>();
       const int64_t global_step = acc.step();
-      if (global_step % 50 == 0 || global_step == total_steps) {
-        double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        double rate = samples / std::max(seconds, 1e-9);
-        double eta = (total_steps - global_step) * seconds / std::max<int64_t>(1, global_step - steps_at_start);
-        acc.print("epoch {} step {}/{} loss {:.4f} samples/s {:.0f} ETA {:02d}:{:02d}", epoch, global_step,
-                  total_steps, last_loss, rate, static_cast<int>(eta) / 60, static_cast<int>(eta) % 60);
-        acc.log({{"loss", last_loss}, {"samples_per_s", rate}}, global_step);
-      }
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const double rate = samples / std::max(seconds, 1e-9);
+      bar.set_postfix({{"epoch", epoch}, {"loss", last_loss}, {"samples/s", std::round(rate)}});
+      bar.update();
+      if (global_step % 50 == 0 || global_step == total_steps)
+        acc.log({{"loss", last_loss}, {"samples_per_s", rate}, {"lr", opt.optimizer().param_groups()[0].options().get_lr()}}, global_step);
       if (args.checkpoint_every > 0 && global_step % args.checkpoint_every == 0) {
         auto where = acc.save_state();
         acc.print("saved {}", where);
@@ -120,6 +120,7 @@ int run(const Args& args) {
         break;
       }
     }
+    if (done) bar.close();
     test_accuracy = evaluate(acc, model, *test);
     acc.print("epoch {} test accuracy {:.4f}", epoch, test_accuracy);
     acc.log({{"test_accuracy", test_accuracy}, {"epoch", epoch}}, acc.step());

@@ -145,6 +145,9 @@ int run(const Args& args) {
   int64_t held = 0, peak = 0;
   double last_loss = 0;
   bool done = acc.step() >= args.max_steps;
+  // A bar on a terminal, a line every --log_every steps otherwise (XLR8_PROGRESS=off: none).
+  auto bar = acc.progress(args.max_steps, {.description = "train", .unit = "step", .initial = acc.step(),
+                                           .line_every = args.log_every});
   while (!done) {
     for (auto& batch : *train) {
       auto step = acc.accumulate(model);
@@ -169,12 +172,9 @@ int run(const Args& args) {
       if (!acc.sync_gradients()) continue;
       last_loss = loss.item<double>();
       const int64_t global_step = acc.step();
-      if (global_step % args.log_every == 0 || global_step == args.max_steps) {
-        double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        double eta = (args.max_steps - global_step) * seconds / std::max<int64_t>(1, global_step - steps_at_start);
-        acc.print("step {}/{} loss {:.4f} tokens/s {:.0f} ETA {:02d}:{:02d}", global_step, args.max_steps, last_loss,
-                  tokens / std::max(seconds, 1e-9), static_cast<int>(eta) / 60, static_cast<int>(eta) % 60);
-      }
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      bar.set_postfix({{"loss", last_loss}, {"tokens/s", std::round(tokens / std::max(seconds, 1e-9))}});
+      bar.update();
       if (args.checkpoint_every > 0 && global_step % args.checkpoint_every == 0) {
         const auto began = std::chrono::steady_clock::now();
         auto dir = acc.save_state();
@@ -187,6 +187,7 @@ int run(const Args& args) {
       }
     }
   }
+  bar.close();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double val_loss = validation_loss(acc, model, *val);
   acc.print("validation loss {:.4f} over {} held-out windows", val_loss, (val_text.numel() - 1) / args.seq_len);

@@ -18,8 +18,11 @@
 
 #include "xlr8/autocast.hpp"
 #include "xlr8/data_loader.hpp"
+#include "xlr8/format.hpp"
 #include "xlr8/parallel_strategy.hpp"
 #include "xlr8/process_state.hpp"
+#include "xlr8/progress.hpp"
+#include "xlr8/tensor_tree.hpp"
 #include "xlr8/trackers.hpp"
 
 namespace xlr8 {
@@ -38,6 +41,7 @@ struct AcceleratorOptions {
   std::vector<std::string> log_with;
   bool automatic_checkpoint_naming = false;  // save_state() -> <project_dir>/checkpoints/checkpoint_<N>
   std::optional<int> total_limit;            // keep at most this many automatic checkpoints
+  std::optional<ProgressMode> progress;      // progress(): default XLR8_PROGRESS, else AUTO
 };
 
 struct AcceleratorImpl;
@@ -206,6 +210,30 @@ class Accelerator {
   at::Tensor reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::SUM) const;
   at::Tensor pad_across_processes(const at::Tensor& tensor, int64_t dim = 0, double pad_index = 0,
                                   bool pad_first = false) const;
+  // The same over nested values (tensor_tree.hpp: vectors, maps, pairs, tuples, torch::data::Example and
+  // structs with map_tensors), tensor by tensor, keeping the structure. gather needs the same structure,
+  // shapes and dtypes on every rank (checked: an Error names the first difference and the rank).
+  template <class Tree>
+    requires(!std::is_same_v<Tree, at::Tensor>)
+  Tree gather(const Tree& tree) const {
+    return replace_tensors(tree, gather_tensors(tensors_of(checked_tree(tree)), /*for_metrics=*/false));
+  }
+  template <class Tree>
+    requires(!std::is_same_v<Tree, at::Tensor>)
+  Tree gather_for_metrics(const Tree& tree) const {
+    return replace_tensors(tree, gather_tensors(tensors_of(checked_tree(tree)), /*for_metrics=*/true));
+  }
+  template <class Tree>
+    requires(!std::is_same_v<Tree, at::Tensor>)
+  Tree reduce(const Tree& tree, ReduceOp op = ReduceOp::SUM) const {
+    return map_tensors(checked_tree(tree), [&](const at::Tensor& t) { return reduce(t, op); });
+  }
+  template <class Tree>
+    requires(!std::is_same_v<Tree, at::Tensor>)
+  Tree pad_across_processes(const Tree& tree, int64_t dim = 0, double pad_index = 0, bool pad_first = false) const {
+    return map_tensors(checked_tree(tree),
+                       [&](const at::Tensor& t) { return pad_across_processes(t, dim, pad_index, pad_first); });
+  }
   void wait_for_everyone() const;
   // Runs `fn` on the main process first, then on the others (e.g. downloading or preprocessing once).
   void main_process_first(const std::function<void()>& fn) const;
@@ -232,6 +260,15 @@ class Accelerator {
   void print(fmt::format_string<Args...> format, Args&&... args) const {
     if (is_main_process()) fmt::print("{}\n", fmt::format(format, std::forward<Args>(args)...)), std::fflush(stdout);
   }
+  // A progress bar on the main process (nothing elsewhere): a bar on a terminal, plain lines otherwise,
+  // as AcceleratorOptions::progress / XLR8_PROGRESS say (progress.hpp).
+  ProgressBar progress(int64_t total, ProgressOptions options = {}) const;
+  // Accelerate's free_memory, between two trainings: every prepared model becomes a plain module again
+  // (sharded parameters gathered whole into the module's own tensors, hooks removed, gradients dropped),
+  // and the Accelerator lets go of its models, strategies with their buffers, optimizers, schedulers and
+  // data loaders; step() restarts at 0. Memory is returned to the system once the caller drops its own
+  // handles too. Optimizer and scheduler handles prepared before refuse to step afterwards. Collective.
+  void free_memory();
   // Seeds LibTorch's generators (and the default data-loader shuffle seed); device_specific adds the rank.
   void set_seed(uint64_t seed, bool device_specific = false);
   template <class Model>
@@ -310,6 +347,20 @@ class Accelerator {
   }
 
  private:
+  template <class Tree>
+  static const Tree& checked_tree(const Tree& tree) {
+    static_assert(is_tensor_tree_v<Tree>,
+                  "every leaf must be an at::Tensor, in vectors, maps, pairs, tuples or structs with map_tensors "
+                  "(tensor_tree.hpp); use gather_object for other values");
+    return tree;
+  }
+  template <class Tree>
+  static Tree replace_tensors(const Tree& tree, const std::vector<at::Tensor>& replacements) {
+    size_t next = 0;
+    return map_tensors(tree, [&](const at::Tensor&) { return replacements.at(next++); });
+  }
+  // Checks that every rank passes the same tensor shapes and dtypes, then gathers each.
+  std::vector<at::Tensor> gather_tensors(const std::vector<at::Tensor>& tensors, bool for_metrics) const;
   void register_checkpointable(detail::Checkpointable object);
   static std::string module_bytes(const torch::nn::Module& module);
   static void load_module_bytes(torch::nn::Module& module, const std::string& bytes, const std::string& origin);

@@ -1,6 +1,7 @@
 #pragma once
 // Moves a batch to a device: tensors, and tensors nested in vectors, maps, pairs, tuples, optionals,
-// torch::data::Example and any user struct that provides `T to(const at::Device&) const`.
+// torch::data::Example and any user struct that provides `T to(const at::Device&) const` or map_tensors
+// (tensor_tree.hpp).
 #include <ATen/core/Tensor.h>
 #include <torch/data/example.h>
 
@@ -10,6 +11,8 @@
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
+#include "xlr8/tensor_tree.hpp"
 
 namespace xlr8 {
 
@@ -77,10 +80,12 @@ template <class T>
 std::optional<T> to_device(const std::optional<T>& o, const at::Device& device) {
   return o ? std::optional<T>(to_device(*o, device)) : std::nullopt;
 }
-// User structs with `to(device)`; anything else (ints, strings) passes through unchanged.
+// User structs with `to(device)` or map_tensors(fn); anything else (ints, strings) passes through unchanged.
 template <class T>
 T to_device(const T& value, const at::Device& device) {
   if constexpr (detail::has_to<T>::value) return value.to(device);
+  else if constexpr (detail::maps_own_tensors<T>)
+    return value.map_tensors([&device](const at::Tensor& t) { return to_device(t, device); });
   else return value;
 }
 

@@ -2,7 +2,7 @@
 // Experiment trackers, as Accelerate's `log_with` / `init_trackers` / `log` / `get_tracker`: each run in
 // its own directory <project_dir>/<project_name>/<run_name>/, written by the main process only, with the
 // run's configuration stored beside the values. Built in: "jsonl" (metrics.jsonl), "csv" (metrics.csv) and
-// "tensorboard" (event files: numbers as scalars, strings as text).
+// "tensorboard" (event files: numbers as scalars, strings as text, the configuration as hyperparameters).
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -17,6 +17,9 @@ class Tracker {
   virtual std::string name() const = 0;
   // Numbers become scalars; strings are kept as text where the format has it.
   virtual void log(const nlohmann::json& values, std::optional<int64_t> step) = 0;
+  // The run's configuration, once, when the run starts (Accelerate's store_init_configuration): every
+  // tracker's run also has it as config.json; TensorBoard shows it as the run's hyperparameters.
+  virtual void store_init_configuration(const nlohmann::json& config) {}
   virtual void finish() {}
   const std::string& run_dir() const { return run_dir_; }
 

@@ -16,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef XLR8_WITH_NCCL
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
@@ -54,6 +55,13 @@ constexpr bool kHaveNccl = false;
 inline int cuda_device_count() { return static_cast<int>(at::detail::getCUDAHooks().getNumGPUs()); }
 
 inline std::string torch_version() { return TORCH_VERSION; }
+
+// Hands the CUDA caching allocator's unused blocks back to the driver (torch.cuda.empty_cache()).
+inline void empty_device_cache() {
+#ifdef XLR8_WITH_NCCL
+  if (cuda_device_count() > 0) c10::cuda::CUDACachingAllocator::emptyCache();
+#endif
+}
 
 // NCCL communicators bind to the current device when first used: select it before any collective.
 inline void set_cuda_device(int index) {

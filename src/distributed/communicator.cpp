@@ -29,29 +29,6 @@ std::shared_future<void> CommState::run_composite(std::function<void()> task) {
   return future;
 }
 
-std::string dtype_name(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return "float32";
-    case at::kDouble: return "float64";
-    case at::kHalf: return "float16";
-    case at::kBFloat16: return "bfloat16";
-    case at::kLong: return "int64";
-    case at::kInt: return "int32";
-    case at::kShort: return "int16";
-    case at::kChar: return "int8";
-    case at::kByte: return "uint8";
-    case at::kBool: return "bool";
-    default: return c10::toString(t);
-  }
-}
-
-std::string describe(const at::Tensor& t) {
-  if (!t.defined()) return "undefined";
-  std::vector<std::string> dims;
-  for (auto d : t.sizes()) dims.push_back(std::to_string(d));
-  return fmt::format("{}[{}]", dtype_name(t.scalar_type()), text::join(dims));
-}
-
 void rethrow_with_context(const std::string& what, std::chrono::milliseconds timeout, const std::exception& cause) {
   std::string message = cause.what();
   // c10::Error messages carry a C++ backtrace after the first line; keep the first line only.

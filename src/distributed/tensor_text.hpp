@@ -5,9 +5,11 @@
 
 #include <string>
 
+#include "xlr8/format.hpp"
+
 namespace xlr8::detail {
 
-std::string describe(const at::Tensor& t);  // "float32[4, 8]"
-std::string dtype_name(at::ScalarType t);   // "bfloat16"
+std::string describe(const at::Tensor& t);  // "float32[4, 8]" (src/core/tensor_format.cpp)
+using xlr8::dtype_name;                     // "bfloat16"
 
 }  // namespace xlr8::detail

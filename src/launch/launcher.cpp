@@ -7,6 +7,7 @@
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
+#include <sys/ioctl.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
@@ -98,6 +99,8 @@ std::string signal_name(int sig) {
 }
 
 // One output stream of one worker: split into lines, prefixed, copied to the console and a log file.
+// A line redrawn in place (a progress bar: "\r<frame>" again and again) is shown as it arrives, prefixed
+// after its last carriage return; the log file and the failure report get only its final text.
 struct Stream {
   int fd = -1;
   int console_fd = 1;
@@ -105,19 +108,44 @@ struct Stream {
   std::string partial;
   std::ofstream log;
   std::deque<std::string>* tail = nullptr;  // last lines kept for the failure report (stderr only)
+  const Stream** open_line = nullptr;       // the stream whose in-place line the console shows, shared
 
-  void emit(const std::string& line) {
-    std::string out = prefix + line + "\n";
-    for (size_t done = 0; done < out.size();) {
-      ssize_t n = write(console_fd, out.data() + done, out.size() - done);
+  void write_console(const std::string& text) const {
+    for (size_t done = 0; done < text.size();) {
+      ssize_t n = write(console_fd, text.data() + done, text.size() - done);
       if (n <= 0) break;
       done += static_cast<size_t>(n);
     }
-    if (log.is_open()) log << line << '\n' << std::flush;
+  }
+  // Another stream's in-place line stays where it is: this output starts below it.
+  void leave_open_line() const {
+    if (open_line && *open_line && *open_line != this) write_console("\n"), *open_line = nullptr;
+  }
+  static std::string final_text(const std::string& line) {
+    auto cr = line.rfind('\r');
+    std::string text = cr == std::string::npos ? line : line.substr(cr + 1);
+    for (size_t at; (at = text.find("\x1b[K")) != std::string::npos;) text.erase(at, 3);
+    return text;
+  }
+  void emit(const std::string& line) {
+    leave_open_line();
+    const bool in_place = line.find('\r') != std::string::npos;
+    const std::string text = final_text(line);
+    write_console((in_place ? "\r" + prefix + line.substr(line.rfind('\r') + 1) : prefix + line) + "\n");
+    if (open_line && *open_line == this) *open_line = nullptr;
+    if (log.is_open()) log << text << '\n' << std::flush;
     if (tail) {
-      tail->push_back(line);
+      tail->push_back(text);
       if (tail->size() > 20) tail->pop_front();
     }
+  }
+  // The unfinished line being redrawn: show its latest frame now.
+  void show_in_place() {
+    auto cr = partial.rfind('\r');
+    if (cr == std::string::npos) return;
+    leave_open_line();
+    write_console("\r" + prefix + partial.substr(cr + 1));
+    if (open_line) *open_line = this;
   }
   // Returns false at end of file.
   bool pump() {
@@ -137,6 +165,7 @@ struct Stream {
       start = nl + 1;
     }
     partial.erase(0, start);
+    show_in_place();
     return true;
   }
 };
@@ -176,6 +205,7 @@ class Supervisor {
   // One attempt: start every local worker and supervise until all have exited.
   int run_attempt(int attempt, int port) {
     workers_.clear();
+    open_line_ = nullptr;
     workers_.resize(o_.nproc_per_node);
     first_failure_ = -1;
     interrupted_by_ = 0;
@@ -226,6 +256,11 @@ class Supervisor {
     env["TORCHELASTIC_RUN_ID"] = o_.run_id;
     env["XLR8_LAUNCHED"] = "1";
     env["XLR8_SHM_JOB"] = std::to_string(::getpid());  // names the workers' shared memory, for clean-up below
+    // Workers write into pipes; a progress bar still belongs on the launcher's terminal (rank prefix aside).
+    if (winsize size{}; env["XLR8_TERMINAL_COLUMNS"].empty() && isatty(2)) {
+      const int columns = ioctl(2, TIOCGWINSZ, &size) == 0 && size.ws_col > 0 ? size.ws_col : 80;  // 0: an unsized pty
+      env["XLR8_TERMINAL_COLUMNS"] = std::to_string(std::max(20, columns - static_cast<int>(rank_tag(t.rank).size())));
+    }
     if (env["OMP_NUM_THREADS"].empty()) {  // unset or empty: cores / local workers, never oversubscribed
       unsigned cores = std::max(1u, std::thread::hardware_concurrency());
       env["OMP_NUM_THREADS"] = std::to_string(std::max(1u, cores / static_cast<unsigned>(o_.nproc_per_node)));
@@ -267,8 +302,7 @@ class Supervisor {
     close(err_pipe[1]);
     w.pid = pid;
     w.running = true;
-    bool prefix = o_.prefix_output && o_.world_size() > 1;
-    std::string tag = prefix ? fmt::format("[rank{}]: ", w.rank) : "";
+    std::string tag = rank_tag(w.rank);
     w.out.fd = out_pipe[0];
     w.out.console_fd = 1;
     w.out.prefix = tag;
@@ -276,12 +310,17 @@ class Supervisor {
     w.err.console_fd = 2;
     w.err.prefix = tag;
     w.err.tail = &w.err_tail;
+    w.out.open_line = w.err.open_line = &open_line_;
     if (!o_.log_dir.empty()) {
       fs::path dir = fs::path(o_.log_dir) / fmt::format("attempt_{}", attempt) / std::to_string(local_rank);
       fs::create_directories(dir);
       w.out.log.open(dir / "stdout.log");
       w.err.log.open(dir / "stderr.log");
     }
+  }
+
+  std::string rank_tag(int rank) const {
+    return o_.prefix_output && o_.world_size() > 1 ? fmt::format("[rank{}]: ", rank) : "";
   }
 
   void signal_all(int sig) {
@@ -371,6 +410,7 @@ class Supervisor {
   int signal_fd_ = -1;
   sigset_t saved_mask_{};
   std::vector<Worker> workers_;
+  const Stream* open_line_ = nullptr;  // the worker stream whose in-place line is on the console
   int first_failure_ = -1;
   int interrupted_by_ = 0;
   std::optional<Clock::time_point> kill_deadline_, term_deadline_;

@@ -9,6 +9,7 @@
 
 #include "compat/torch_compat.hpp"
 #include "core/log.hpp"
+#include "os/memory.hpp"
 #include "train/accelerator_impl.hpp"
 #include "xlr8/error.hpp"
 
@@ -71,8 +72,16 @@ ParallelStrategy* AcceleratorImpl::owner_of(const at::Tensor& parameter) const {
 
 // ------------------------------------------------------------------------------------------ optimizer, scheduler
 
+namespace {
+void check_not_freed(const AcceleratorImpl* impl, const char* what) {
+  if (!impl)
+    throw Error(fmt::format("{}.step(): Accelerator::free_memory() released it; prepare the {} again", what, what));
+}
+}  // namespace
+
 void PreparedOptimizer::step() {
   auto& s = *state_;
+  check_not_freed(s.impl, "optimizer");
   auto& impl = *s.impl;
   if (!impl.gradient_state->sync_gradients) return;
   impl.unscale_gradients();
@@ -114,6 +123,7 @@ bool PreparedOptimizer::step_was_skipped() const { return state_->skipped; }
 int64_t PreparedOptimizer::steps_taken() const { return state_->steps; }
 
 void PreparedScheduler::step() {
+  check_not_freed(state_->impl, "scheduler");
   auto& impl = *state_->impl;
   if (!impl.gradient_state->sync_gradients || !impl.last_step_applied) return;
   state_->scheduler->step();
@@ -268,6 +278,36 @@ PreparedScheduler Accelerator::prepare_scheduler(std::shared_ptr<torch::optim::L
 
 void Accelerator::register_loader(std::shared_ptr<DataLoaderBase> loader) { impl_->loaders.push_back(loader); }
 
+void Accelerator::free_memory() {
+  auto& s = *impl_;
+  at::NoGradGuard no_grad;
+  for (auto& strategy : s.models) {
+    // Whole fp32 values on every rank first (collective), then the module's own tensors take copies of
+    // them, so that nothing still points into the strategy's flat buffers when it goes.
+    auto whole = strategy->state_dict(StateDictKind::FULL);
+    std::unordered_map<std::string, at::Tensor> by_name(whole.begin(), whole.end());
+    for (auto& item : strategy->module()->named_parameters()) {
+      auto& parameter = item.value();
+      const auto& value = by_name.at(item.key());
+      if (value.unsafeGetTensorImpl() != parameter.unsafeGetTensorImpl() || !strategy->replicated())
+        parameter.set_data(value.detach().clone(at::MemoryFormat::Contiguous));
+      parameter.mutable_grad() = at::Tensor();
+    }
+  }
+  for (auto& o : s.optimizers) o->impl = nullptr;
+  for (auto& sc : s.schedulers) sc->impl = nullptr;
+  s.models.clear();  // the strategies: hooks detached, buckets and shards freed
+  s.owners.clear();
+  s.optimizers.clear();
+  s.schedulers.clear();
+  s.loaders.clear();
+  s.gradient_state = std::make_shared<GradientState>();
+  s.micro_step = 0;
+  s.unscaled = s.overflow = s.last_step_applied = false;
+  compat::empty_device_cache();
+  detail::return_free_memory_to_system();
+}
+
 ShardingOptions Accelerator::sharding() const {
   ShardingOptions o;
   // Ranks of one data-parallel index (tensor or context parallel peers) read the same batches.
@@ -356,75 +396,6 @@ double Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, do
   return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
 }
 
-namespace {
-
-at::Tensor gather_over(Communicator& group, const at::Tensor& tensor) {
-  auto input = tensor.contiguous();
-  const int P = group.size();
-  if (P == 1) return input;
-  auto flat = at::empty({input.numel() * P}, input.options());
-  group.all_gather(flat, input);
-  if (input.dim() == 0) return flat;
-  std::vector<int64_t> shape = input.sizes().vec();
-  shape[0] *= P;
-  return flat.view(shape);
-}
-
-}  // namespace
-
-at::Tensor Accelerator::gather(const at::Tensor& tensor) const { return gather_over(impl_->world(), tensor); }
-
-at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) const {
-  // Over the ranks that read different batches (dp: the loader shards over it); tensor- and
-  // context-parallel peers read the same batch and would repeat its samples.
-  auto gathered = gather_over(impl_->state->mesh().group("dp"), tensor);
-  const auto& gs = *impl_->gradient_state;
-  if (gs.end_of_dataloader() && gs.remainder() > 0 && gathered.dim() > 0)
-    return gathered.narrow(0, 0, std::min<int64_t>(gs.remainder(), gathered.size(0)));
-  return gathered;
-}
-
-at::Tensor Accelerator::reduce(const at::Tensor& tensor, ReduceOp op) const {
-  auto result = tensor.clone();
-  impl_->world().all_reduce(result, op);
-  return result;
-}
-
-at::Tensor Accelerator::pad_across_processes(const at::Tensor& tensor, int64_t dim, double pad_index, bool pad_first) const {
-  if (tensor.dim() == 0 || num_processes() == 1) return tensor;
-  if (dim < 0) dim += tensor.dim();
-  auto size = at::full({1}, tensor.size(dim), at::kLong);
-  impl_->world().all_reduce(size, ReduceOp::MAX);
-  int64_t longest = size.item<int64_t>();
-  if (longest == tensor.size(dim)) return tensor;
-  auto shape = tensor.sizes().vec();
-  shape[dim] = longest;
-  auto padded = at::full(shape, pad_index, tensor.options());
-  int64_t start = pad_first ? longest - tensor.size(dim) : 0;
-  padded.narrow(dim, start, tensor.size(dim)).copy_(tensor);
-  return padded;
-}
-
-void Accelerator::wait_for_everyone() const { impl_->world().barrier(); }
-
-void Accelerator::main_process_first(const std::function<void()>& fn) const {
-  if (!is_main_process()) wait_for_everyone();
-  fn();
-  if (is_main_process()) wait_for_everyone();
-}
-
-void Accelerator::local_main_process_first(const std::function<void()>& fn) const {
-  // As Accelerate: a barrier over all processes, so every machine's local main process runs first.
-  if (!is_local_main_process()) wait_for_everyone();
-  fn();
-  if (is_local_main_process()) wait_for_everyone();
-}
-
-std::vector<std::string> Accelerator::gather_object(const std::string& payload) const {
-  if (num_processes() == 1) return {payload};
-  return impl_->world().all_gather_object(payload);
-}
-
 void Accelerator::set_seed(uint64_t seed, bool device_specific) {
   impl_->seed = seed;
   uint64_t s = seed + (device_specific ? static_cast<uint64_t>(process_index()) : 0);
@@ -476,7 +447,10 @@ void Accelerator::init_trackers(const std::string& project_name, const nlohmann:
                         {"mixed_precision", to_string(s.precision)},
                         {"config", config}};
   std::ofstream((dir / "config.json").string()) << stored.dump(2) << "\n";
-  for (const auto& name : names) s.trackers.push_back(make_tracker(name, dir.string()));
+  for (const auto& name : names) {
+    s.trackers.push_back(make_tracker(name, dir.string()));
+    s.trackers.back()->store_init_configuration(config);
+  }
   s.run_dir = dir.string();
 }
 

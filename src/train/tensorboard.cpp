@@ -7,6 +7,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "tensorboard.pb.h"
 #include "xlr8/error.hpp"
@@ -72,9 +73,66 @@ class TensorBoardTracker final : public Tracker {
     }
     write(event);
   }
-  void finish() override { out_.close(); }
+  // The HParams dashboard's three records: the experiment (which hyperparameters exist, of which type),
+  // this run's session start with their values, and at finish() its end. Nested objects are flattened
+  // to "outer.inner"; arrays and nulls are kept as their JSON text.
+  void store_init_configuration(const nlohmann::json& config) override {
+    std::map<std::string, nlohmann::json> flat;
+    flatten(config, "", flat);
+    if (flat.empty()) return;
+    pb::HParamsPluginData experiment, start;
+    auto* info = experiment.mutable_experiment();
+    info->set_time_created_secs(now_seconds());
+    auto* session = start.mutable_session_start_info();
+    session->set_start_time_secs(now_seconds());
+    for (const auto& [name, value] : flat) {
+      auto* hparam = info->add_hparam_infos();
+      hparam->set_name(name);
+      google::protobuf::Value v;
+      if (value.is_boolean()) {
+        hparam->set_type(pb::DATA_TYPE_BOOL);
+        v.set_bool_value(value.get<bool>());
+      } else if (value.is_number()) {
+        hparam->set_type(pb::DATA_TYPE_FLOAT64);
+        v.set_number_value(value.get<double>());
+      } else {
+        hparam->set_type(pb::DATA_TYPE_STRING);
+        v.set_string_value(value.is_string() ? value.get<std::string>() : value.dump());
+      }
+      (*session->mutable_hparams())[name] = v;
+    }
+    write_hparams("_hparams_/experiment", experiment);
+    write_hparams("_hparams_/session_start_info", start);
+    session_started_ = true;
+  }
+  void finish() override {
+    if (session_started_ && out_.is_open()) {
+      pb::HParamsPluginData end;
+      end.mutable_session_end_info()->set_status(pb::STATUS_SUCCESS);
+      end.mutable_session_end_info()->set_end_time_secs(now_seconds());
+      write_hparams("_hparams_/session_end_info", end);
+    }
+    out_.close();
+  }
 
  private:
+  static void flatten(const nlohmann::json& value, const std::string& prefix, std::map<std::string, nlohmann::json>& out) {
+    if (value.is_object()) {
+      for (const auto& [key, inner] : value.items()) flatten(inner, prefix.empty() ? key : prefix + "." + key, out);
+    } else if (!prefix.empty()) {
+      out[prefix] = value;
+    }
+  }
+  void write_hparams(const std::string& tag, const pb::HParamsPluginData& data) {
+    pb::Event event;
+    event.set_wall_time(now_seconds());
+    auto* value = event.mutable_summary()->add_value();
+    value->set_tag(tag);
+    auto* plugin = value->mutable_metadata()->mutable_plugin_data();
+    plugin->set_plugin_name("hparams");
+    plugin->set_content(data.SerializeAsString());
+    write(event);
+  }
   void write(const pb::Event& event) {
     const std::string data = event.SerializeAsString();
     char header[12];
@@ -95,6 +153,7 @@ class TensorBoardTracker final : public Tracker {
   std::string path_;
   std::ofstream out_;
   int64_t next_step_ = 0;
+  bool session_started_ = false;
 };
 
 }  // namespace

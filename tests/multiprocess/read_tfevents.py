@@ -4,7 +4,8 @@ CRC32C checked with the standard library, Event messages decoded by python3-prot
 protoc generated for proto/xlr8/tensorboard.proto.
 
 read_tfevents.py GENERATED_DIR EVENT_FILE  ->  one JSON line: file_version, scalars {tag: [[step, value]]},
-texts {tag: [[step, text]]}, records.
+texts {tag: [[step, text]]}, hparams {experiment: {name: type}, session_start: {name: value}, session_end:
+status}, records.
 """
 import json
 import struct
@@ -30,7 +31,7 @@ def masked(data):
 
 def main():
     data = open(sys.argv[2], "rb").read()
-    pos, out = 0, {"file_version": None, "scalars": {}, "texts": {}, "records": 0}
+    pos, out = 0, {"file_version": None, "scalars": {}, "texts": {}, "hparams": {}, "records": 0}
     while pos < len(data):
         header = data[pos : pos + 8]
         (length,) = struct.unpack("<Q", header)
@@ -52,6 +53,19 @@ def main():
                 out["scalars"].setdefault(value.tag, []).append([event.step, value.simple_value])
             elif value.metadata.plugin_data.plugin_name == "text":
                 out["texts"].setdefault(value.tag, []).append([event.step, value.tensor.string_val[0].decode()])
+            elif value.metadata.plugin_data.plugin_name == "hparams":
+                hparams = tensorboard_pb2.HParamsPluginData()
+                hparams.ParseFromString(value.metadata.plugin_data.content)
+                kind = hparams.WhichOneof("data")
+                if kind == "experiment":
+                    out["hparams"]["experiment"] = {h.name: h.type for h in hparams.experiment.hparam_infos}
+                elif kind == "session_start_info":
+                    start = {}
+                    for name, v in hparams.session_start_info.hparams.items():
+                        start[name] = getattr(v, v.WhichOneof("kind"))
+                    out["hparams"]["session_start"] = start
+                elif kind == "session_end_info":
+                    out["hparams"]["session_end"] = hparams.session_end_info.status
     print(json.dumps(out))
 
 

@@ -6,6 +6,8 @@
 //   --clip_value V (clip_grad_value instead of clip_grad_norm to 5)
 //   --save_every N (save_state into DIR/checkpoint every N steps)   --die_at N --die_rank R
 //   --mode train|gather|mismatch|unused   --find_unused   --samples N   --optimizer adamw|fused_adamw
+//   --track (init_trackers("oracle") in --out; log loss and lr every step)
+//   --mode nested|nested-mismatch|free-memory|free-control (train_worker_api.cpp)
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
@@ -18,6 +20,7 @@
 #include "xlr8/accelerator.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/fused_adam.hpp"
+#include "train_worker_api.hpp"
 
 namespace {
 
@@ -51,7 +54,7 @@ int main(int argc, char** argv) {
   int64_t batch = 4, steps = 12, checkpoint_at = 0, samples = 96;
   int accum = 1;
   std::string precision = "no", out = ".", resume, mode = "train";
-  bool find_unused = false, compress = false, zero_in_place = false;
+  bool find_unused = false, compress = false, zero_in_place = false, track = false;
   app.add_option("--batch", batch);
   app.add_option("--accum", accum);
   app.add_option("--steps", steps);
@@ -71,6 +74,7 @@ int main(int argc, char** argv) {
   app.add_flag("--find_unused", find_unused);
   app.add_flag("--compress_bf16", compress);
   app.add_flag("--zero_in_place", zero_in_place);
+  app.add_flag("--track", track);
   std::string optimizer = "adamw";
   app.add_option("--optimizer", optimizer)->check(CLI::IsMember({"adamw", "fused_adamw"}));
   CLI11_PARSE(app, argc, argv);
@@ -82,9 +86,21 @@ int main(int argc, char** argv) {
     options.parallel.ddp.compress_bf16 = compress;
     options.parallel.ddp.first_bucket_mb = 0.0002;  // three buckets even for this small model
     options.parallel.ddp.bucket_cap_mb = 0.0005;
+    if (track) options.project_dir = out;
     xlr8::Accelerator acc(options);
     acc.set_seed(7);
+    if (track) acc.init_trackers("oracle", {{"batch", batch}, {"steps", steps}});
 
+    if (mode.rfind("nested", 0) == 0) {
+      int code = run_nested_mode(acc, mode);
+      acc.end_training();
+      return code;
+    }
+    if (mode.rfind("free-", 0) == 0) {
+      int code = run_free_memory_mode(acc, mode);
+      acc.end_training();
+      return code;
+    }
     if (mode == "gather") {  // gather_for_metrics must return exactly the dataset, padding dropped
       struct Ids {
         int64_t n;
@@ -176,6 +192,8 @@ int main(int argc, char** argv) {
         opt.zero_grad(!zero_in_place);
         if (!acc.sync_gradients()) continue;
         losses.push_back(acc.reduce(loss.detach().to(at::kDouble), xlr8::ReduceOp::AVG).item<double>());
+        if (track)
+          acc.log({{"loss", losses.back()}, {"lr", opt.optimizer().param_groups()[0].options().get_lr()}}, acc.step());
         if (die_rank == acc.process_index() && acc.step() == die_at) raise(SIGKILL);
         if ((checkpoint_at > 0 && acc.step() == checkpoint_at) || (save_every > 0 && acc.step() % save_every == 0))
           acc.save_state(out + "/checkpoint");

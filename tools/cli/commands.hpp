@@ -21,6 +21,7 @@ Handler add_env(CLI::App& app);
 Handler add_test(CLI::App& app);
 Handler add_merge_weights(CLI::App& app);
 Handler add_estimate_memory(CLI::App& app);
+Handler add_plot(CLI::App& app);
 // The worker side of `xlr8 test`.
 Handler add_selftest_worker(CLI::App& app);
 

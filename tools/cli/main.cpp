@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   reg(xlr8::cli::add_test);
   reg(xlr8::cli::add_merge_weights);
   reg(xlr8::cli::add_estimate_memory);
+  reg(xlr8::cli::add_plot);
   reg(xlr8::cli::add_selftest_worker);
   try {
     std::vector<std::string> args(argv + 1, argv + argc);

@@ -1,0 +1,127 @@
+// What the Accelerator does across processes: collectives on tensors and nested values, running code
+// in process order, and progress shown on the main process.
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "xlr8/env.hpp"
+#include "distributed/tensor_text.hpp"
+#include "train/accelerator_impl.hpp"
+#include "xlr8/accelerator.hpp"
+#include "xlr8/error.hpp"
+
+namespace xlr8 {
+
+namespace {
+
+at::Tensor gather_over(Communicator& group, const at::Tensor& tensor) {
+  auto input = tensor.contiguous();
+  const int P = group.size();
+  if (P == 1) return input;
+  auto flat = at::empty({input.numel() * P}, input.options());
+  group.all_gather(flat, input);
+  if (input.dim() == 0) return flat;
+  std::vector<int64_t> shape = input.sizes().vec();
+  shape[0] *= P;
+  return flat.view(shape);
+}
+
+// Every rank's tensor shapes and dtypes must agree, or all_gather would fail obscurely or hang: one
+// small exchange first, and the same Error on every rank naming the first difference.
+void check_same_layout(Communicator& group, const std::vector<at::Tensor>& tensors, const char* what) {
+  std::vector<std::string> mine;
+  for (const auto& t : tensors) {
+    if (!t.defined()) throw Error(fmt::format("{}(): tensor {} of {} is undefined", what, mine.size(), tensors.size()));
+    mine.push_back(detail::describe(t));
+  }
+  auto all = group.all_gather_object(nlohmann::json(mine).dump());
+  const auto first = nlohmann::json::parse(all[0]).get<std::vector<std::string>>();
+  for (size_t r = 1; r < all.size(); ++r) {
+    const auto other = nlohmann::json::parse(all[r]).get<std::vector<std::string>>();
+    if (other.size() != first.size())
+      throw Error(fmt::format("{}(): rank {} passed {} tensor(s) and rank 0 passed {}: every rank must pass the same "
+                              "structure",
+                              what, r, other.size(), first.size()));
+    for (size_t i = 0; i < first.size(); ++i)
+      if (other[i] != first[i])
+        throw Error(fmt::format("{}(): tensor {} is {} on rank {} but {} on rank 0: every rank must pass the same "
+                                "shapes and dtypes (pad_across_processes pads a dimension to the longest)",
+                                what, i, other[i], r, first[i]));
+  }
+}
+
+}  // namespace
+
+std::vector<at::Tensor> Accelerator::gather_tensors(const std::vector<at::Tensor>& tensors, bool for_metrics) const {
+  // gather_for_metrics: over the ranks that read different batches (dp: the loader shards over it);
+  // tensor- and context-parallel peers read the same batch and would repeat its samples.
+  auto& group = for_metrics ? impl_->state->mesh().group("dp") : impl_->world();
+  if (group.size() > 1) check_same_layout(group, tensors, for_metrics ? "gather_for_metrics" : "gather");
+  const auto& gs = *impl_->gradient_state;
+  const bool drop_padding = for_metrics && gs.end_of_dataloader() && gs.remainder() > 0;
+  std::vector<at::Tensor> out;
+  for (const auto& tensor : tensors) {
+    auto gathered = gather_over(group, tensor);
+    if (drop_padding && gathered.dim() > 0)
+      gathered = gathered.narrow(0, 0, std::min<int64_t>(gs.remainder(), gathered.size(0)));
+    out.push_back(gathered);
+  }
+  return out;
+}
+
+at::Tensor Accelerator::gather(const at::Tensor& tensor) const { return gather_tensors({tensor}, false).front(); }
+
+at::Tensor Accelerator::gather_for_metrics(const at::Tensor& tensor) const {
+  return gather_tensors({tensor}, true).front();
+}
+
+at::Tensor Accelerator::reduce(const at::Tensor& tensor, ReduceOp op) const {
+  auto result = tensor.clone();
+  impl_->world().all_reduce(result, op);
+  return result;
+}
+
+at::Tensor Accelerator::pad_across_processes(const at::Tensor& tensor, int64_t dim, double pad_index, bool pad_first) const {
+  if (tensor.dim() == 0 || num_processes() == 1) return tensor;
+  if (dim < 0) dim += tensor.dim();
+  auto size = at::full({1}, tensor.size(dim), at::kLong);
+  impl_->world().all_reduce(size, ReduceOp::MAX);
+  int64_t longest = size.item<int64_t>();
+  if (longest == tensor.size(dim)) return tensor;
+  auto shape = tensor.sizes().vec();
+  shape[dim] = longest;
+  auto padded = at::full(shape, pad_index, tensor.options());
+  int64_t start = pad_first ? longest - tensor.size(dim) : 0;
+  padded.narrow(dim, start, tensor.size(dim)).copy_(tensor);
+  return padded;
+}
+
+void Accelerator::wait_for_everyone() const { impl_->world().barrier(); }
+
+void Accelerator::main_process_first(const std::function<void()>& fn) const {
+  if (!is_main_process()) wait_for_everyone();
+  fn();
+  if (is_main_process()) wait_for_everyone();
+}
+
+void Accelerator::local_main_process_first(const std::function<void()>& fn) const {
+  // As Accelerate: a barrier over all processes, so every machine's local main process runs first.
+  if (!is_local_main_process()) wait_for_everyone();
+  fn();
+  if (is_local_main_process()) wait_for_everyone();
+}
+
+std::vector<std::string> Accelerator::gather_object(const std::string& payload) const {
+  if (num_processes() == 1) return {payload};
+  return impl_->world().all_gather_object(payload);
+}
+
+
+ProgressBar Accelerator::progress(int64_t total, ProgressOptions options) const {
+  if (!is_main_process()) return {};
+  auto mode = impl_->options.progress;
+  if (!mode) mode = parse_progress_mode(Env::current().get("XLR8_PROGRESS").value_or("auto"), "XLR8_PROGRESS");
+  return ProgressBar(total, std::move(options), *mode);
+}
+
+}  // namespace xlr8

@@ -1,0 +1,260 @@
+// `xlr8 plot RUN_DIR [-o curves.png]`: the scalars a run logged (its metrics.jsonl, else metrics.csv)
+// drawn as PNG curves, one panel per scalar against the step, for people without TensorBoard. Drawn by
+// gnuplot (Debian's gnuplot-nox), driven through a script written beside the data in a temporary folder.
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <thread>
+
+#include "cli/commands.hpp"
+#include "xlr8/error.hpp"
+
+extern char** environ;
+
+namespace fs = std::filesystem;
+
+namespace xlr8::cli {
+namespace {
+
+using Series = std::vector<std::pair<double, double>>;  // (step, value)
+
+struct Scalars {
+  std::string source;
+  std::map<std::string, Series> series;
+};
+
+void add_point(Scalars& s, const std::string& key, double step, const nlohmann::json& value) {
+  if (value.is_number() && std::isfinite(value.get<double>())) s.series[key].emplace_back(step, value.get<double>());
+}
+
+Scalars read_jsonl(const fs::path& file) {
+  Scalars s{file.string(), {}};
+  std::ifstream in(file);
+  std::string line;
+  for (int64_t row = 0; std::getline(in, line); ++row) {
+    if (line.empty()) continue;
+    auto parsed = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    if (!parsed.is_object()) throw ConfigError(fmt::format("{} line {} is not a JSON object", file.string(), row + 1));
+    double step = static_cast<double>(row);  // rows logged without a step count as steps 0, 1, ...
+    if (auto it = parsed.find("step"); it != parsed.end() && it->is_number()) step = it->get<double>();
+    for (const auto& [key, value] : parsed.items())
+      if (key != "step") add_point(s, key, step, value);
+  }
+  return s;
+}
+
+std::vector<std::string> split_csv_line(const std::string& line) {
+  std::vector<std::string> fields(1);
+  bool quoted = false;
+  for (char c : line) {
+    if (c == '"') quoted = !quoted;
+    else if (c == ',' && !quoted) fields.emplace_back();
+    else fields.back() += c;
+  }
+  return fields;
+}
+
+Scalars read_csv(const fs::path& file) {
+  Scalars s{file.string(), {}};
+  std::ifstream in(file);
+  std::string line;
+  if (!std::getline(in, line)) return s;
+  const auto header = split_csv_line(line);
+  for (int64_t row = 0; std::getline(in, line); ++row) {
+    const auto fields = split_csv_line(line);
+    double step = static_cast<double>(row);
+    std::map<std::string, nlohmann::json> values;
+    for (size_t i = 0; i < fields.size() && i < header.size(); ++i) {
+      char* end = nullptr;
+      const double v = std::strtod(fields[i].c_str(), &end);
+      if (fields[i].empty() || *end) continue;
+      if (header[i] == "step") step = v;
+      else values[header[i]] = v;
+    }
+    for (const auto& [key, value] : values) add_point(s, key, step, value);
+  }
+  return s;
+}
+
+Scalars read_run(const std::string& where) {
+  const fs::path path(where);
+  if (fs::is_regular_file(path)) return path.extension() == ".csv" ? read_csv(path) : read_jsonl(path);
+  if (!fs::is_directory(path))
+    throw ConfigError(fmt::format("xlr8 plot: {} is neither a run directory nor a metrics file", where));
+  if (fs::exists(path / "metrics.jsonl")) return read_jsonl(path / "metrics.jsonl");
+  if (fs::exists(path / "metrics.csv")) return read_csv(path / "metrics.csv");
+  throw ConfigError(fmt::format("xlr8 plot: {} has no metrics.jsonl or metrics.csv; a run logs them with log_with "
+                                "jsonl or csv (the TensorBoard tracker's files are read by TensorBoard)",
+                                where));
+}
+
+// Losses first, then the rest by name.
+std::vector<std::string> panel_order(const Scalars& s, const std::vector<std::string>& chosen) {
+  std::vector<std::string> keys;
+  if (!chosen.empty()) {
+    for (const auto& k : chosen) {
+      if (!s.series.count(k)) {
+        std::string known;
+        for (const auto& [name, _] : s.series) known += (known.empty() ? "" : ", ") + name;
+        throw ConfigError(fmt::format("--keys: {} logged no scalar {:?}; it has {}", s.source, k, known));
+      }
+      keys.push_back(k);
+    }
+    return keys;
+  }
+  for (const auto& [k, _] : s.series) keys.push_back(k);
+  std::stable_partition(keys.begin(), keys.end(), [](const std::string& k) { return k.find("loss") != std::string::npos; });
+  return keys;
+}
+
+std::string gnuplot_string(const std::string& text) {  // single-quoted: only ' needs doubling
+  std::string out = "'";
+  for (char c : text) out += c == '\'' ? std::string("''") : std::string(1, c);
+  return out + "'";
+}
+
+// Runs gnuplot on `script`; its stderr goes to `log`. Returns the exit status (127: not installed).
+int run_gnuplot(const fs::path& script, const fs::path& log) {
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 2, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
+  std::string program = "gnuplot", file = script.string();
+  char* argv[] = {program.data(), file.data(), nullptr};
+  pid_t pid = -1;
+  int spawned = posix_spawnp(&pid, "gnuplot", &actions, nullptr, argv, environ);
+  posix_spawn_file_actions_destroy(&actions);
+  if (spawned != 0) return 127;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  int status = 0;
+  while (waitpid(pid, &status, WNOHANG) == 0) {
+    if (std::chrono::steady_clock::now() > deadline) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &status, 0);
+      throw Error("xlr8 plot: gnuplot did not finish within 120 s");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// About four labelled tics on the value axis however short the panel (gnuplot's own choice crowds
+// short panels): a round step, 1, 2 or 5 times a power of ten.
+std::string tic_step(const Series& series) {
+  double low = series.front().second, high = low;
+  for (const auto& [step, value] : series) low = std::min(low, value), high = std::max(high, value);
+  if (!(high > low)) return fmt::format("({:g})", low);  // constant: one tic, at its value
+  const double raw = (high - low) / 4;
+  const double power = std::pow(10.0, std::floor(std::log10(raw)));
+  const double step = raw / power <= 1 ? power : raw / power <= 2 ? 2 * power : raw / power <= 5 ? 5 * power : 10 * power;
+  return fmt::format("{:g}", step);
+}
+
+std::string read_text(const fs::path& file) {
+  std::ifstream in(file);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
+Handler add_plot(CLI::App& app) {
+  auto* cmd = app.add_subcommand("plot", "Draw a run's logged scalars (loss, learning rate, throughput) to a PNG");
+  struct Args {
+    std::string run, output, size = "1200,800", keys;
+  };
+  auto a = std::make_shared<Args>();
+  cmd->add_option("run", a->run, "A run directory (<project_dir>/<project>/<run>) or its metrics.jsonl / metrics.csv")
+      ->required();
+  cmd->add_option("-o,--output", a->output, "The PNG to write (default: curves.png in the run directory)");
+  cmd->add_option("--size", a->size, "Width,height in pixels");
+  cmd->add_option("--keys", a->keys, "Comma-separated scalars to draw (default: all; losses first)");
+  return [a]() {
+    int width = 0, height = 0;
+    char comma = 0;
+    std::istringstream size(a->size);
+    if (!(size >> width >> comma >> height) || comma != ',' || width < 100 || height < 100 || width > 20000 ||
+        height > 20000)
+      throw ConfigError(fmt::format("--size {:?} is not WIDTH,HEIGHT in pixels (each 100 to 20000), e.g. 1200,800",
+                                    a->size));
+    const auto scalars = read_run(a->run);
+    std::vector<std::string> chosen;
+    {
+      std::istringstream keys(a->keys);
+      for (std::string key; std::getline(keys, key, ',');)
+        if (!key.empty()) chosen.push_back(key);
+    }
+    if (scalars.series.empty())
+      throw ConfigError(fmt::format("xlr8 plot: {} holds no numeric scalars to draw", scalars.source));
+    const auto keys = panel_order(scalars, chosen);
+    const fs::path run_dir = fs::is_directory(a->run) ? fs::path(a->run) : fs::path(a->run).parent_path();
+    const fs::path output = a->output.empty() ? run_dir / "curves.png" : fs::path(a->output);
+
+    char pattern[] = "/tmp/xlr8-plot-XXXXXX";
+    if (!mkdtemp(pattern)) throw Error(fmt::format("xlr8 plot: cannot create a temporary folder: {}", std::strerror(errno)));
+    const fs::path work(pattern);
+    struct Cleanup {
+      fs::path dir;
+      ~Cleanup() {
+        std::error_code ignored;
+        fs::remove_all(dir, ignored);
+      }
+    } cleanup{work};
+
+    const int columns = keys.size() > 1 ? 2 : 1;
+    const int rows = static_cast<int>((keys.size() + columns - 1) / columns);
+    std::string plots;
+    for (size_t i = 0; i < keys.size(); ++i) {
+      const auto data = work / fmt::format("series{}.dat", i);
+      std::ofstream out(data);
+      for (const auto& [step, value] : scalars.series.at(keys[i])) out << fmt::format("{} {}\n", step, value);
+      const auto& series = scalars.series.at(keys[i]);
+      const bool one_point = series.size() == 1;
+      plots += fmt::format("set title {}\nset ytics {}\nplot {} using 1:2 with {} lw 2 pt 7 lc rgb '#1f77b4'\n",
+                           gnuplot_string(keys[i]), tic_step(series), gnuplot_string(data.string()),
+                           one_point ? "points" : "lines");
+    }
+    const std::string run_name = fs::path(scalars.source).parent_path().filename().string();
+    auto script_for = [&](const std::string& terminal) {
+      return fmt::format(
+          "set terminal {} size {},{} noenhanced\nset output {}\nset multiplot layout {},{} title {}\nset grid\n"
+          "set key off\nset xlabel 'step'\nset format y '%g'\n{}unset multiplot\n",
+          terminal, width, height, gnuplot_string(fs::absolute(output).string()), rows, columns,
+          gnuplot_string(run_name), plots);
+    };
+    const auto script = work / "curves.gp", log = work / "gnuplot.log";
+    std::ofstream(script) << script_for("pngcairo");
+    int status = run_gnuplot(script, log);
+    if (status != 0 && read_text(log).find("unknown or ambiguous terminal") != std::string::npos) {
+      std::ofstream(script) << script_for("png");  // a gnuplot built without cairo: libgd's PNG
+      status = run_gnuplot(script, log);
+    }
+    if (status == 127)
+      throw Error("xlr8 plot needs gnuplot: install Debian's gnuplot-nox (apt-get install gnuplot-nox)");
+    if (status != 0)
+      throw Error(fmt::format("xlr8 plot: gnuplot failed (exit {}): {}", status, read_text(log)));
+    size_t points = 0;
+    for (const auto& k : keys) points = std::max(points, scalars.series.at(k).size());
+    std::string names;
+    for (const auto& k : keys) names += (names.empty() ? "" : ", ") + k;
+    fmt::print("xlr8 plot: wrote {} ({}x{}; {}; up to {} points each) from {}\n", output.string(), width, height, names,
+               points, scalars.source);
+    return 0;
+  };
+}
+
+}  // namespace xlr8::cli
