@@ -46,6 +46,23 @@ double evaluate(xlr8::Accelerator& acc, fashion::Net& model, xlr8::DataLoader<fa
   return seen ? static_cast<double>(correct) / static_cast<double>(seen) : 0.0;
 }
 
+// Statistics that must survive a resume: register_for_checkpointing saves them with every save_state and
+// load_state restores them (anything with state() and load_state() can be registered).
+struct RunningStats {
+  double smoothed_loss = 0;  // exponential moving average of the training loss
+  double best_accuracy = 0;
+  int64_t updates = 0;
+  void add_loss(double loss) { smoothed_loss = updates++ == 0 ? loss : 0.9 * smoothed_loss + 0.1 * loss; }
+  nlohmann::json state() const {
+    return {{"smoothed_loss", smoothed_loss}, {"best_accuracy", best_accuracy}, {"updates", updates}};
+  }
+  void load_state(const nlohmann::json& saved) {
+    smoothed_loss = saved.at("smoothed_loss");
+    best_accuracy = saved.at("best_accuracy");
+    updates = saved.at("updates");
+  }
+};
+
 int run(const Args& args) {
   xlr8::AcceleratorOptions options;
   if (!args.mixed_precision.empty())
@@ -77,10 +94,12 @@ int run(const Args& args) {
   const int64_t steps_per_epoch = (train->size() + args.gradient_accumulation_steps - 1) / args.gradient_accumulation_steps;
   // Halve the learning rate every epoch (the scheduler advances once per optimizer step).
   auto scheduler = acc.prepare(torch::optim::StepLR(opt.optimizer(), static_cast<unsigned>(steps_per_epoch), 0.5));
+  RunningStats stats;
+  acc.register_for_checkpointing(stats);  // before load_state, which restores it
   if (!args.resume_from.empty()) {
     acc.load_state(args.resume_from == "latest" ? "" : args.resume_from);
-    acc.print("resumed from {} at step {} (epoch {}, batch {})", args.resume_from, acc.step(), train->epoch(),
-              train->batches_yielded());
+    acc.print("resumed from {} at step {} (epoch {}, batch {}; smoothed loss {:.6f})", args.resume_from, acc.step(),
+              train->epoch(), train->batches_yielded(), stats.smoothed_loss);
   }
   const int64_t total_steps = args.max_steps > 0 ? args.max_steps : steps_per_epoch * args.epochs;
   acc.print("training on {} process(es), {} samples per global batch, {} steps", acc.num_processes(),
@@ -104,6 +123,7 @@ int run(const Args& args) {
       samples += batch.data.size(0) * acc.num_processes();
       if (!acc.sync_gradients()) continue;
       last_loss = loss.item<double>();
+      stats.add_loss(last_loss);
       const int64_t global_step = acc.step();
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       const double rate = samples / std::max(seconds, 1e-9);
@@ -122,6 +142,7 @@ int run(const Args& args) {
     }
     if (done) bar.close();
     test_accuracy = evaluate(acc, model, *test);
+    stats.best_accuracy = std::max(stats.best_accuracy, test_accuracy);
     acc.print("epoch {} test accuracy {:.4f}", epoch, test_accuracy);
     acc.log({{"test_accuracy", test_accuracy}, {"epoch", epoch}}, acc.step());
   }
@@ -133,6 +154,8 @@ int run(const Args& args) {
   if (acc.is_main_process()) {
     nlohmann::json result{{"final_train_loss", mean_loss},
                           {"test_accuracy", test_accuracy},
+                          {"best_test_accuracy", stats.best_accuracy},
+                          {"smoothed_loss", stats.smoothed_loss},
                           {"global_step", acc.step()},
                           {"samples_per_s", samples / std::max(seconds, 1e-9)},
                           {"num_processes", acc.num_processes()}};

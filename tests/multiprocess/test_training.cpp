@@ -319,7 +319,11 @@ TEST(FashionMnist, TrainsCheckpointsAndResumesOnTwoProcesses) {
   resume.insert(resume.end(), {"--epochs", "2", "--resume_from", "latest"});
   auto again = run(resume, 180);
   ASSERT_EQ(again.exit_code, 0) << again.err;
+  // The example's register_for_checkpointing statistics came back as the first run left them at step 16.
   EXPECT_NE(again.out.find("resumed from latest at step 16"), std::string::npos) << again.out;
+  EXPECT_NE(again.out.find(fmt::format("; smoothed loss {:.6f})", result["smoothed_loss"].get<double>())),
+            std::string::npos)
+      << again.out;
   EXPECT_EQ(last_json(again.out)["global_step"], 32);
   // The resumed run has a directory of its own: steps never repeat within a run's metrics.
   ASSERT_EQ(runs().size(), 2u);
