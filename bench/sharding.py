@@ -5,7 +5,8 @@ configuration of one (ranks, precision) pair is alternated REPS times in one inv
 medians and the ratio of each strategy's tokens/s to DDP's measured alongside it.
 
     REPS=3 STEPS=30 RANKS="2 4" PRECISIONS="no bf16" bench/sharding.py   (bench/run-sharding wraps it)
-Writes bench/sharding_results.json.
+Writes bench/sharding_results.json (OUT=path elsewhere). ONLY="ddp zero3_full_shard ..." runs a subset
+(DDP is always run: the ratios are to it).
 """
 import json
 import os
@@ -33,6 +34,14 @@ STRATEGIES = {
     "zero3_full_shard": ["--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD", "--fsdp_auto_wrap_policy",
                          "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"],
 }
+# FULL_SHARD with FSDP's prefetching: the next block's all-gather issued when a block's forward and
+# backward begin.
+STRATEGIES["zero3_full_shard_prefetch"] = STRATEGIES["zero3_full_shard"] + [
+    "--fsdp_forward_prefetch", "true", "--fsdp_backward_prefetch", "BACKWARD_PRE"]
+ONLY = os.environ.get("ONLY", "").split()
+if ONLY:
+    STRATEGIES = {name: flags for name, flags in STRATEGIES.items() if name in ONLY or name == "ddp"}
+OUT = os.environ.get("OUT", os.path.join(ROOT, "bench", "sharding_results.json"))
 
 
 def run_once(ranks, precision, flags):
@@ -76,7 +85,7 @@ def main():
               f"{r['peak_state_bytes_per_rank']:,} | {r['peak_rss_mb']:.0f} |")
     meta = {"date": time.strftime("%Y-%m-%d"), "machine": platform.platform(), "cores": os.cpu_count(),
             "reps": REPS, "steps": STEPS, "shape": SHAPE}
-    with open(os.path.join(ROOT, "bench", "sharding_results.json"), "w") as f:
+    with open(OUT, "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=1)
 
 

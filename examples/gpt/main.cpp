@@ -196,6 +196,7 @@ int run(const Args& args) {
                                           torch::kFloat64),
                             xlr8::ReduceOp::MAX);
   auto growth = acc.gather(torch::full({1}, load_growth_mb, torch::kFloat64));
+  const auto stats = acc.parallel_stats(model);
   acc.save_model(model, args.output_dir + "/model");
   acc.end_training();
   if (acc.is_main_process()) {
@@ -208,6 +209,7 @@ int run(const Args& args) {
                           {"peak_state_bytes_per_rank", static_cast<int64_t>(largest[1].item<double>())},
                           {"peak_rss_mb", largest[2].item<double>()},
                           {"parameters", params},
+                          {"prefetches", stats.value("prefetches", int64_t{0})},
                           {"save_state_seconds", save_seconds},
                           {"load_state_seconds", load_seconds}};
     if (!args.init_from.empty()) {

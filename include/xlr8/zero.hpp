@@ -41,6 +41,13 @@ struct ZeroOptions {
   // gradients reduced in `reduce_dtype` (default: the parameters' compute dtype; at::kFloat for fp32).
   std::optional<at::ScalarType> param_dtype;
   std::optional<at::ScalarType> reduce_dtype;
+  // Stage 3, FSDP's prefetching (from fsdp_forward_prefetch / fsdp_backward_prefetch): the next unit's
+  // all-gather is issued early, in the order the units ran in the previous step, so it overlaps the
+  // current unit's compute. forward_prefetch: when a unit's forward begins. backward_prefetch
+  // "BACKWARD_PRE": when a unit's backward begins; "BACKWARD_POST": when its gradients are done;
+  // "" or "NO_PREFETCH": never. At most two units' gathered parameters are alive (FSDP's limit).
+  bool forward_prefetch = false;
+  std::string backward_prefetch;
 };
 
 }  // namespace xlr8

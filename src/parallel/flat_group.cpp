@@ -17,15 +17,17 @@ FlatGroup::Overlap FlatGroup::owned_part(size_t i) const {
   return {a - lo, a - offsets[i], b - a};
 }
 
-void FlatGroup::gather(Communicator& comm) {
-  if (!owns_shard || gathered()) return;
+void FlatGroup::gather(Communicator& comm) { gather_async(comm).wait(); }
+
+Work FlatGroup::gather_async(Communicator& comm) {
+  if (!owns_shard || gathered()) return Work();
   // Same storage object, new memory: every parameter view (and every tensor autograd saved from them
   // during forward) sees the gathered values.
   auto storage = full.storage();
   const auto bytes = static_cast<size_t>(full_bytes());
   storage.set_data_ptr_noswap(storage.allocator()->allocate(bytes));
   storage.set_nbytes(bytes);
-  comm.all_gather(full, shard);
+  return comm.all_gather_async(full, shard);
 }
 
 void FlatGroup::release() {

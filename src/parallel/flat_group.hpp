@@ -47,6 +47,8 @@ struct FlatGroup {
 
   // Allocates `full` again and all-gathers the shards into it (owns_shard only; no-op when gathered).
   void gather(Communicator& comm);
+  // The same, asynchronously: `full` holds the values once the returned Work completes.
+  Work gather_async(Communicator& comm);
   // Frees `full`'s memory; the parameters keep their shapes but hold no data until the next gather.
   void release();
   // After the optimizer updated `master`: copies it into `shard` when they differ, then all-gathers every

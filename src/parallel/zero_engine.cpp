@@ -110,6 +110,10 @@ void ZeroEngine::attach() {
 ZeroEngine::~ZeroEngine() {
   std::lock_guard<std::mutex> lock(mutex_);
   detached_ = true;
+  try {
+    settle_prefetches();  // the communicator must not write into memory freed after this
+  } catch (const std::exception&) {
+  }
   for (const auto& g : groups_)
     if (g.unit) unregister_unit(*g.unit);
 }
@@ -117,6 +121,12 @@ ZeroEngine::~ZeroEngine() {
 // ------------------------------------------------------------------------------------------ gathers (stage 3)
 
 void ZeroEngine::gather(size_t g) {
+  if (auto it = prefetching_.find(g); it != prefetching_.end()) {  // issued early: now it must be there
+    Work work = it->second;
+    prefetching_.erase(it);
+    work.wait();
+    return;
+  }
   auto& group = groups_[g];
   if (group.gathered()) return;
   group.gather(comm_);
@@ -129,15 +139,50 @@ void ZeroEngine::gather(size_t g) {
 void ZeroEngine::release(size_t g) {
   auto& group = groups_[g];
   if (!managed_[g] || summoned_ > 0 || !group.gathered()) return;
+  if (auto it = prefetching_.find(g); it != prefetching_.end()) {  // never free memory a gather writes into
+    it->second.wait();
+    prefetching_.erase(it);
+  }
   group.release();
   ++releases_;
   gathered_bytes_ -= group.full_bytes();
+}
+
+void ZeroEngine::prefetch(size_t g) {
+  auto& group = groups_[g];
+  if (stage_ != 3 || !managed_[g] || group.gathered() || prefetching_.count(g)) return;
+  prefetching_.emplace(g, group.gather_async(comm_));
+  ++gathers_;
+  ++prefetches_;
+  gathered_bytes_ += group.full_bytes();
+  peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
+  step_peak_gathered_bytes_ = std::max(step_peak_gathered_bytes_, gathered_bytes_);
+}
+
+// The order is what every rank's model did in its last pass, so every rank prefetches the same unit
+// at the same moment and the collective sequences stay identical.
+void ZeroEngine::prefetch_after(const UnitOrder& order, size_t g) {
+  auto it = std::find(order.last.begin(), order.last.end(), g);
+  if (it != order.last.end() && it + 1 != order.last.end()) prefetch(*(it + 1));
+}
+
+void ZeroEngine::UnitOrder::record(size_t g) {
+  if (std::find(current.begin(), current.end(), g) != current.end()) last = std::exchange(current, {});
+  current.push_back(g);
+}
+
+void ZeroEngine::settle_prefetches() {
+  for (auto& [g, work] : prefetching_) work.wait();
+  prefetching_.clear();
 }
 
 void ZeroEngine::unit_forward_begins(size_t g) {
   std::lock_guard<std::mutex> lock(mutex_);
   managed_[g] = true;
   gather(g);
+  if (stage_ != 3) return;
+  forward_order_.record(g);
+  if (options_.forward_prefetch) prefetch_after(forward_order_, g);
 }
 
 at::Tensor ZeroEngine::unit_forward_ends(size_t g, const at::Tensor& output) {
@@ -165,6 +210,8 @@ void ZeroEngine::unit_backward_begins(size_t g) {
   if (detached_) return;
   arm_end_of_backward();
   gather(g);
+  backward_order_.record(g);
+  if (options_.backward_prefetch == "BACKWARD_PRE") prefetch_after(backward_order_, g);
 }
 
 void ZeroEngine::gather_all() {
@@ -240,7 +287,9 @@ void ZeroEngine::stash_gradient(size_t g, size_t i) {
 
 void ZeroEngine::group_complete(size_t g) {
   // Every gradient of the group is computed, so nothing in backward reads its parameters any more.
-  if (stage_ == 3) release(g);
+  if (stage_ != 3) return;
+  release(g);
+  if (options_.backward_prefetch == "BACKWARD_POST") prefetch_after(backward_order_, g);
 }
 
 void ZeroEngine::launch_ready() {
@@ -355,6 +404,10 @@ void ZeroEngine::bind_optimizer(torch::optim::Optimizer& optimizer) const {
 }
 
 void ZeroEngine::optimizer_step(torch::optim::Optimizer& optimizer) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    settle_prefetches();  // a prefetch reads the shards the step is about to change
+  }
   optimizer.step();
   std::lock_guard<std::mutex> lock(mutex_);
   // Stages 1-2: every rank updated its chunk of the whole parameters; gather the others' in place.
@@ -442,6 +495,7 @@ nlohmann::json ZeroEngine::stats() const {
           {"shard_elements", shard_elements},
           {"internal_state_bytes", internal},
           {"gathers", gathers_},
+          {"prefetches", prefetches_},
           {"releases", releases_},
           {"launches", launches_},
           {"overlapped_launches", overlapped_},

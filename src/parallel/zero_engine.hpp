@@ -70,6 +70,15 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   void retire_oldest();
   void gather(size_t group);
   void release(size_t group);
+  // Stage 3 prefetching: issue `group`'s all-gather without waiting (a no-op unless a guard manages it
+  // and it is not gathered); the next unit after `group` in `order`; waiting for every prefetch.
+  struct UnitOrder {
+    std::vector<size_t> last, current;  // the last complete pass; the one under way
+    void record(size_t group);          // a unit seen again in `current` starts a new pass
+  };
+  void prefetch(size_t group);
+  void prefetch_after(const UnitOrder& order, size_t group);
+  void settle_prefetches();
   void reset_backward_state();
   const Slot* slot_of(const at::Tensor& tensor) const;
   // Every whole copy that is alive (stages 1-2; stage-3 groups held whole) catches up with its shards.
@@ -100,9 +109,13 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   std::vector<Work> works_;
   std::deque<size_t> in_flight_;
   size_t next_launch_ = 0;
+  // Prefetching (stage 3): the units' order in forward and in backward as they last ran, and the
+  // all-gathers issued early that nobody waited for yet.
+  UnitOrder forward_order_, backward_order_;
+  std::unordered_map<size_t, Work> prefetching_;
 
   // Figures for stats().
-  int64_t gathers_ = 0, releases_ = 0, launches_ = 0, overlapped_ = 0;
+  int64_t gathers_ = 0, releases_ = 0, launches_ = 0, overlapped_ = 0, prefetches_ = 0;
   int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0, step_peak_gathered_bytes_ = 0;
 };
 

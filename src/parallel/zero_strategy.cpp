@@ -91,6 +91,8 @@ ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings, 
     options.auto_wrap_policy = f.auto_wrap_policy;
     options.layer_classes = f.transformer_layer_cls_to_wrap;
     options.min_num_params = f.min_num_params;
+    options.forward_prefetch = f.forward_prefetch;
+    options.backward_prefetch = f.backward_prefetch;
     if (options.stage < 0) {
       options.stage = stage_of(f);
       if (hybrid(f))

@@ -67,9 +67,9 @@ Run worker_run(int processes, const Args& flags, int batch, Args extra, const st
 
 // A small GPT (2 blocks) for `steps` steps; its parameters are saved under dir/model.
 nlohmann::json gpt_run(int processes, const Args& flags, int batch, const std::string& dir,
-                       Args extra = {"--max_steps", "8"}) {
+                       Args extra = {"--max_steps", "8"}, int n_layer = 2) {
   auto a = launch(processes, flags, kGpt);
-  Args rest{"--n_layer", "2", "--d_model", "32", "--n_head", "2", "--seq_len", "32", "--batch_size",
+  Args rest{"--n_layer", std::to_string(n_layer), "--d_model", "32", "--n_head", "2", "--seq_len", "32", "--batch_size",
             std::to_string(batch), "--lr", "3e-3", "--val_windows", "24", "--output_dir", dir};
   a.insert(a.end(), rest.begin(), rest.end());
   a.insert(a.end(), extra.begin(), extra.end());
@@ -259,6 +259,37 @@ TEST(ShardedGpt, EveryStageMatchesOneProcessAndHoldsTheFormulaBytes) {
         EXPECT_LT(transient, 0.75 * 4 * psi);
       }
     }
+  }
+}
+
+TEST(ShardedGpt, PrefetchingIssuesTheNextUnitsGatherEarlyAndChangesNoResult) {
+  // FULL_SHARD on 3 ranks (uneven shards) with FSDP's forward and backward prefetching equals 1 process;
+  // the engine reports the gathers it issued early, and none without prefetching. Four blocks, so that
+  // the root and two blocks (what prefetching keeps alive at most) are well short of the whole model.
+  const Args steps{"--max_steps", "8"};
+  auto one_dir = temp_dir("gpt-prefetch-one");
+  auto one = gpt_run(1, {}, 6, one_dir, steps, 4);
+  const auto& full_shard = strategies()[2].flags;
+  for (const char* backward : {"BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"}) {
+    SCOPED_TRACE(backward);
+    Args flags = full_shard;
+    flags.insert(flags.end(), {"--fsdp_backward_prefetch", backward, "--fsdp_forward_prefetch",
+                               std::string(backward) == "NO_PREFETCH" ? "false" : "true"});
+    auto dir = temp_dir("gpt-prefetch");
+    auto got = gpt_run(3, flags, 2, dir, steps, 4);
+    ASSERT_TRUE(got.contains("prefetches"));
+    EXPECT_NEAR(got["final_train_loss"].get<double>(), one["final_train_loss"].get<double>(), 1e-5);
+    EXPECT_NEAR(got["val_loss"].get<double>(), one["val_loss"].get<double>(), 1e-5);
+    expect_same_params(dir, one_dir, 1e-4);
+    if (std::string(backward) == "NO_PREFETCH") {
+      EXPECT_EQ(got["prefetches"], 0);
+    } else {
+      // From the second step on, each block's gather is issued early in forward and in backward.
+      EXPECT_GE(got["prefetches"].get<int64_t>(), 7 * 4) << got;
+    }
+    // The transient stays the root's parameters plus at most two blocks, never the whole model.
+    const double psi = one["parameters"].get<double>();
+    EXPECT_LT(got["peak_state_bytes_per_rank"].get<double>() - got["state_bytes_per_rank"].get<double>(), 0.75 * 4 * psi);
   }
 }
 
