@@ -265,9 +265,10 @@ class Accelerator {
   ProgressBar progress(int64_t total, ProgressOptions options = {}) const;
   // Accelerate's free_memory, between two trainings: every prepared model becomes a plain module again
   // (sharded parameters gathered whole into the module's own tensors, hooks removed, gradients dropped),
-  // and the Accelerator lets go of its models, strategies with their buffers, optimizers, schedulers and
-  // data loaders; step() restarts at 0. Memory is returned to the system once the caller drops its own
-  // handles too. Optimizer and scheduler handles prepared before refuse to step afterwards. Collective.
+  // and the Accelerator lets go of its models, strategies with their buffers, optimizers, schedulers,
+  // data loaders and objects registered for checkpointing; step() restarts at 0. Memory is returned to the
+  // system once the caller drops its own handles too. Optimizer and scheduler handles prepared before
+  // refuse to step afterwards. Collective; not inside accumulate() / no_sync().
   void free_memory();
   // Seeds LibTorch's generators (and the default data-loader shuffle seed); device_specific adds the rank.
   void set_seed(uint64_t seed, bool device_specific = false);

@@ -11,6 +11,7 @@
 #include <c10/core/ScalarType.h>
 #include <c10/util/ArrayRef.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <string>
@@ -27,11 +28,14 @@ nlohmann::json tensor_json(const at::Tensor& tensor);
 
 template <>
 struct fmt::formatter<at::Tensor> {
-  std::string spec;
+  char spec[32] = {};  // the element format ("" or e.g. ".3f"), kept as characters for a constexpr parse
   constexpr auto parse(format_parse_context& ctx) {
     auto it = ctx.begin();
-    while (it != ctx.end() && *it != '}') ++it;
-    spec.assign(ctx.begin(), it);
+    size_t n = 0;
+    for (; it != ctx.end() && *it != '}'; ++it) {
+      if (n + 1 >= sizeof(spec)) throw format_error("tensor format specification too long");
+      spec[n++] = *it;
+    }
     return it;
   }
   template <class Context>

@@ -36,12 +36,14 @@ T map_tensors(const T& value, const TensorFn& fn);
 inline at::Tensor map_tensors(const at::Tensor& t, const TensorFn& fn);
 template <class D, class L>
 torch::data::Example<D, L> map_tensors(const torch::data::Example<D, L>& e, const TensorFn& fn);
-template <class T>
-std::vector<T> map_tensors(const std::vector<T>& v, const TensorFn& fn);
-template <class K, class V>
-std::map<K, V> map_tensors(const std::map<K, V>& m, const TensorFn& fn);
-template <class K, class V>
-std::unordered_map<K, V> map_tensors(const std::unordered_map<K, V>& m, const TensorFn& fn);
+template <class D>
+torch::data::Example<D, void> map_tensors(const torch::data::Example<D, void>& e, const TensorFn& fn);
+template <class T, class A>
+std::vector<T, A> map_tensors(const std::vector<T, A>& v, const TensorFn& fn);
+template <class K, class V, class C, class A>
+std::map<K, V, C, A> map_tensors(const std::map<K, V, C, A>& m, const TensorFn& fn);
+template <class K, class V, class H, class E, class A>
+std::unordered_map<K, V, H, E, A> map_tensors(const std::unordered_map<K, V, H, E, A>& m, const TensorFn& fn);
 template <class A, class B>
 std::pair<A, B> map_tensors(const std::pair<A, B>& p, const TensorFn& fn);
 template <class... T>
@@ -55,27 +57,31 @@ torch::data::Example<D, L> map_tensors(const torch::data::Example<D, L>& e, cons
   auto data = map_tensors(e.data, fn);  // data before target, whatever the compiler's argument order
   return {std::move(data), map_tensors(e.target, fn)};
 }
-template <class T>
-std::vector<T> map_tensors(const std::vector<T>& v, const TensorFn& fn) {
-  std::vector<T> out;
+template <class D>  // torch::data::TensorExample: data only
+torch::data::Example<D, void> map_tensors(const torch::data::Example<D, void>& e, const TensorFn& fn) {
+  return torch::data::Example<D, void>(map_tensors(e.data, fn));
+}
+template <class T, class A>
+std::vector<T, A> map_tensors(const std::vector<T, A>& v, const TensorFn& fn) {
+  std::vector<T, A> out(v.get_allocator());
   out.reserve(v.size());
   for (const auto& x : v) out.push_back(map_tensors(x, fn));
   return out;
 }
-template <class K, class V>
-std::map<K, V> map_tensors(const std::map<K, V>& m, const TensorFn& fn) {
-  std::map<K, V> out;
+template <class K, class V, class C, class A>
+std::map<K, V, C, A> map_tensors(const std::map<K, V, C, A>& m, const TensorFn& fn) {
+  std::map<K, V, C, A> out(m.key_comp(), m.get_allocator());
   for (const auto& [k, v] : m) out.emplace(k, map_tensors(v, fn));
   return out;
 }
 // By sorted key when keys compare: an unordered_map's own order may differ between processes.
-template <class K, class V>
-std::unordered_map<K, V> map_tensors(const std::unordered_map<K, V>& m, const TensorFn& fn) {
+template <class K, class V, class H, class E, class A>
+std::unordered_map<K, V, H, E, A> map_tensors(const std::unordered_map<K, V, H, E, A>& m, const TensorFn& fn) {
   std::vector<const std::pair<const K, V>*> items;
   for (const auto& item : m) items.push_back(&item);
   if constexpr (std::totally_ordered<K>)
     std::sort(items.begin(), items.end(), [](const auto* a, const auto* b) { return a->first < b->first; });
-  std::unordered_map<K, V> out;
+  std::unordered_map<K, V, H, E, A> out(m.bucket_count(), m.hash_function(), m.key_eq(), m.get_allocator());
   for (const auto* item : items) out.emplace(item->first, map_tensors(item->second, fn));
   return out;
 }
@@ -117,6 +123,8 @@ template <>
 struct is_tensor_tree<at::Tensor> : std::true_type {};
 template <class D, class L>
 struct is_tensor_tree<torch::data::Example<D, L>> : std::bool_constant<is_tensor_tree<D>::value && is_tensor_tree<L>::value> {};
+template <class D>
+struct is_tensor_tree<torch::data::Example<D, void>> : is_tensor_tree<D> {};
 template <class T, class A>
 struct is_tensor_tree<std::vector<T, A>> : is_tensor_tree<T> {};
 template <class K, class V, class C, class A>

@@ -22,6 +22,8 @@ T to_device(const T& value, const at::Device& device);
 inline at::Tensor to_device(const at::Tensor& t, const at::Device& device);
 template <class D, class L>
 torch::data::Example<D, L> to_device(const torch::data::Example<D, L>& e, const at::Device& device);
+template <class D>
+torch::data::Example<D, void> to_device(const torch::data::Example<D, void>& e, const at::Device& device);
 template <class T>
 std::vector<T> to_device(const std::vector<T>& v, const at::Device& device);
 template <class K, class V>
@@ -48,6 +50,10 @@ inline at::Tensor to_device(const at::Tensor& t, const at::Device& device) {
 template <class D, class L>
 torch::data::Example<D, L> to_device(const torch::data::Example<D, L>& e, const at::Device& device) {
   return {to_device(e.data, device), to_device(e.target, device)};
+}
+template <class D>  // torch::data::TensorExample: data only
+torch::data::Example<D, void> to_device(const torch::data::Example<D, void>& e, const at::Device& device) {
+  return torch::data::Example<D, void>(to_device(e.data, device));
 }
 template <class T>
 std::vector<T> to_device(const std::vector<T>& v, const at::Device& device) {

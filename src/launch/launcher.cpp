@@ -119,7 +119,7 @@ struct Stream {
   }
   // Another stream's in-place line stays where it is: this output starts below it.
   void leave_open_line() const {
-    if (open_line && *open_line && *open_line != this) write_console("\n"), *open_line = nullptr;
+    if (open_line && *open_line && *open_line != this) (*open_line)->write_console("\n"), *open_line = nullptr;
   }
   static std::string final_text(const std::string& line) {
     auto cr = line.rfind('\r');
@@ -127,7 +127,8 @@ struct Stream {
     for (size_t at; (at = text.find("\x1b[K")) != std::string::npos;) text.erase(at, 3);
     return text;
   }
-  void emit(const std::string& line) {
+  void emit(std::string line) {
+    if (!line.empty() && line.back() == '\r') line.pop_back();  // CRLF: an ordinary line
     leave_open_line();
     const bool in_place = line.find('\r') != std::string::npos;
     const std::string text = final_text(line);
@@ -146,6 +147,7 @@ struct Stream {
     leave_open_line();
     write_console("\r" + prefix + partial.substr(cr + 1));
     if (open_line) *open_line = this;
+    partial.erase(0, cr);  // earlier frames are drawn over: keep only the latest
   }
   // Returns false at end of file.
   bool pump() {
@@ -257,7 +259,7 @@ class Supervisor {
     env["XLR8_LAUNCHED"] = "1";
     env["XLR8_SHM_JOB"] = std::to_string(::getpid());  // names the workers' shared memory, for clean-up below
     // Workers write into pipes; a progress bar still belongs on the launcher's terminal (rank prefix aside).
-    if (winsize size{}; env["XLR8_TERMINAL_COLUMNS"].empty() && isatty(2)) {
+    if (winsize size{}; !env.count("XLR8_TERMINAL_COLUMNS") && isatty(2)) {
       const int columns = ioctl(2, TIOCGWINSZ, &size) == 0 && size.ws_col > 0 ? size.ws_col : 80;  // 0: an unsized pty
       env["XLR8_TERMINAL_COLUMNS"] = std::to_string(std::max(20, columns - static_cast<int>(rank_tag(t.rank).size())));
     }

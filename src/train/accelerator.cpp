@@ -103,6 +103,7 @@ void PreparedOptimizer::step() {
 }
 
 void PreparedOptimizer::zero_grad(bool set_to_none) {
+  check_not_freed(state_->impl, "optimizer");
   if (!state_->impl->gradient_state->sync_gradients) return;
   // Setting to none (PyTorch 2.x's default) lets the next backward's AccumulateGrad keep the fresh gradient
   // instead of adding it to zeros: two fewer passes over every gradient. Under DDP the bucket then copies
@@ -139,6 +140,7 @@ StepScope::StepScope(AcceleratorImpl* impl, std::vector<ParallelStrategy*> model
                      AutocastScope autocast)
     : impl_(impl), models_(std::move(models)), suspend_sync_(suspend_sync), autocast_(std::move(autocast)) {
   for (auto* m : models_) m->begin_step(suspend_sync_);
+  ++impl_->open_scopes;
 }
 
 StepScope::StepScope(StepScope&& other) noexcept
@@ -152,6 +154,7 @@ StepScope::StepScope(StepScope&& other) noexcept
 StepScope::~StepScope() {
   if (!active_) return;
   for (auto* m : models_) m->end_step();
+  --impl_->open_scopes;
 }
 
 bool StepScope::sync_gradients() const { return !suspend_sync_ && impl_->gradient_state->sync_gradients; }
@@ -280,6 +283,8 @@ void Accelerator::register_loader(std::shared_ptr<DataLoaderBase> loader) { impl
 
 void Accelerator::free_memory() {
   auto& s = *impl_;
+  if (s.open_scopes > 0)
+    throw Error("free_memory() was called inside accumulate() or no_sync(): call it once the step's scope has ended");
   at::NoGradGuard no_grad;
   for (auto& strategy : s.models) {
     // Whole fp32 values on every rank first (collective), then the module's own tensors take copies of
@@ -288,7 +293,11 @@ void Accelerator::free_memory() {
     std::unordered_map<std::string, at::Tensor> by_name(whole.begin(), whole.end());
     for (auto& item : strategy->module()->named_parameters()) {
       auto& parameter = item.value();
-      const auto& value = by_name.at(item.key());
+      auto found = by_name.find(item.key());
+      if (found == by_name.end())
+        throw Error(fmt::format("free_memory(): the {} strategy gave no value for parameter {}", strategy->name(),
+                                item.key()));
+      const auto& value = found->second;
       if (value.unsafeGetTensorImpl() != parameter.unsafeGetTensorImpl() || !strategy->replicated())
         parameter.set_data(value.detach().clone(at::MemoryFormat::Contiguous));
       parameter.mutable_grad() = at::Tensor();
@@ -301,7 +310,8 @@ void Accelerator::free_memory() {
   s.optimizers.clear();
   s.schedulers.clear();
   s.loaders.clear();
-  s.gradient_state = std::make_shared<GradientState>();
+  s.custom.clear();  // registered by reference for the training that ends here
+  s.gradient_state->sync_gradients = true;  // the same object: loaders and the accumulation setting keep it
   s.micro_step = 0;
   s.unscaled = s.overflow = s.last_step_applied = false;
   compat::empty_device_cache();

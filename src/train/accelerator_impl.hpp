@@ -29,6 +29,7 @@ struct AcceleratorImpl {
   MixedPrecision precision = MixedPrecision::NO;
   std::shared_ptr<GradientState> gradient_state = std::make_shared<GradientState>();
   int64_t micro_step = 0;  // Accelerate's accelerator.step: micro-steps in the current window
+  int open_scopes = 0;      // StepScopes alive (accumulate / no_sync): free_memory must not run inside one
   std::vector<std::unique_ptr<ParallelStrategy>> models;  // one per prepared model, in prepare() order
   std::vector<std::shared_ptr<PreparedOptimizer::State>> optimizers;
   std::vector<std::shared_ptr<PreparedScheduler::State>> schedulers;

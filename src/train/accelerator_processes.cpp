@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <functional>
 
 #include "xlr8/env.hpp"
 #include "distributed/tensor_text.hpp"
@@ -26,15 +27,24 @@ at::Tensor gather_over(Communicator& group, const at::Tensor& tensor) {
   return flat.view(shape);
 }
 
-// Every rank's tensor shapes and dtypes must agree, or all_gather would fail obscurely or hang: one
-// small exchange first, and the same Error on every rank naming the first difference.
+// Every rank's tensor shapes and dtypes must agree, or all_gather would fail obscurely or hang. A hash of
+// the layout travels first (one small tensor collective); only when they differ does the text follow, so
+// that every rank throws the same Error naming the first difference. An undefined tensor is agreed on
+// the same way, so no rank throws alone and leaves the others waiting.
 void check_same_layout(Communicator& group, const std::vector<at::Tensor>& tensors, const char* what) {
   std::vector<std::string> mine;
-  for (const auto& t : tensors) {
-    if (!t.defined()) throw Error(fmt::format("{}(): tensor {} of {} is undefined", what, mine.size(), tensors.size()));
-    mine.push_back(detail::describe(t));
+  for (const auto& t : tensors) mine.push_back(detail::describe(t));  // "undefined" for an undefined one
+  const std::string text = nlohmann::json(mine).dump();
+  auto hashes = at::empty({group.size()}, at::kLong);
+  group.all_gather(hashes, at::full({1}, static_cast<int64_t>(std::hash<std::string>{}(text)), at::kLong));
+  const bool agree = (hashes == hashes[0]).all().item<bool>();
+  if (agree) {
+    for (size_t i = 0; i < mine.size(); ++i)
+      if (mine[i] == "undefined")
+        throw Error(fmt::format("{}(): tensor {} of {} is undefined on every rank", what, i, mine.size()));
+    return;
   }
-  auto all = group.all_gather_object(nlohmann::json(mine).dump());
+  auto all = group.all_gather_object(text);
   const auto first = nlohmann::json::parse(all[0]).get<std::vector<std::string>>();
   for (size_t r = 1; r < all.size(); ++r) {
     const auto other = nlohmann::json::parse(all[r]).get<std::vector<std::string>>();

@@ -102,7 +102,10 @@ ProgressBar::ProgressBar(ProgressBar&& other) noexcept { *this = std::move(other
 
 ProgressBar& ProgressBar::operator=(ProgressBar&& other) noexcept {
   if (this != &other) {
-    close();
+    try {
+      close();
+    } catch (...) {
+    }
     total_ = other.total_;
     count_ = other.count_;
     options_ = std::move(other.options_);
@@ -118,7 +121,12 @@ ProgressBar& ProgressBar::operator=(ProgressBar&& other) noexcept {
   return *this;
 }
 
-ProgressBar::~ProgressBar() { close(); }
+ProgressBar::~ProgressBar() {
+  try {
+    close();
+  } catch (...) {  // a failed write to the terminal must not end the program while unwinding
+  }
+}
 
 double ProgressBar::elapsed_seconds() const {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();

@@ -73,35 +73,24 @@ class TensorBoardTracker final : public Tracker {
     }
     write(event);
   }
-  // The HParams dashboard's three records: the experiment (which hyperparameters exist, of which type),
-  // this run's session start with their values, and at finish() its end. Nested objects are flattened
-  // to "outer.inner"; arrays and nulls are kept as their JSON text.
+  // The HParams dashboard's records: this run's session start with the hyperparameters' values, and at
+  // finish() its end. No experiment record: TensorBoard then infers the hyperparameters from the sessions
+  // and the metrics from the scalars logged (an experiment record fixes both, and we know no metrics
+  // yet). Nested objects are flattened to "outer.inner"; arrays and nulls are kept as their JSON text.
   void store_init_configuration(const nlohmann::json& config) override {
     std::map<std::string, nlohmann::json> flat;
     flatten(config, "", flat);
     if (flat.empty()) return;
-    pb::HParamsPluginData experiment, start;
-    auto* info = experiment.mutable_experiment();
-    info->set_time_created_secs(now_seconds());
+    pb::HParamsPluginData start;
     auto* session = start.mutable_session_start_info();
     session->set_start_time_secs(now_seconds());
     for (const auto& [name, value] : flat) {
-      auto* hparam = info->add_hparam_infos();
-      hparam->set_name(name);
       google::protobuf::Value v;
-      if (value.is_boolean()) {
-        hparam->set_type(pb::DATA_TYPE_BOOL);
-        v.set_bool_value(value.get<bool>());
-      } else if (value.is_number()) {
-        hparam->set_type(pb::DATA_TYPE_FLOAT64);
-        v.set_number_value(value.get<double>());
-      } else {
-        hparam->set_type(pb::DATA_TYPE_STRING);
-        v.set_string_value(value.is_string() ? value.get<std::string>() : value.dump());
-      }
+      if (value.is_boolean()) v.set_bool_value(value.get<bool>());
+      else if (value.is_number()) v.set_number_value(value.get<double>());
+      else v.set_string_value(value.is_string() ? value.get<std::string>() : value.dump());
       (*session->mutable_hparams())[name] = v;
     }
-    write_hparams("_hparams_/experiment", experiment);
     write_hparams("_hparams_/session_start_info", start);
     session_started_ = true;
   }

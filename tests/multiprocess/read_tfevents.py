@@ -4,8 +4,7 @@ CRC32C checked with the standard library, Event messages decoded by python3-prot
 protoc generated for proto/xlr8/tensorboard.proto.
 
 read_tfevents.py GENERATED_DIR EVENT_FILE  ->  one JSON line: file_version, scalars {tag: [[step, value]]},
-texts {tag: [[step, text]]}, hparams {experiment: {name: type}, session_start: {name: value}, session_end:
-status}, records.
+texts {tag: [[step, text]]}, hparams {session_start: {name: value}, session_end: status}, records.
 """
 import json
 import struct
@@ -57,9 +56,7 @@ def main():
                 hparams = tensorboard_pb2.HParamsPluginData()
                 hparams.ParseFromString(value.metadata.plugin_data.content)
                 kind = hparams.WhichOneof("data")
-                if kind == "experiment":
-                    out["hparams"]["experiment"] = {h.name: h.type for h in hparams.experiment.hparam_infos}
-                elif kind == "session_start_info":
+                if kind == "session_start_info":
                     start = {}
                     for name, v in hparams.session_start_info.hparams.items():
                         start[name] = getattr(v, v.WhichOneof("kind"))

@@ -77,6 +77,12 @@ TEST(NestedCollectives, AShapeThatDiffersOnOneRankIsNamedOnEveryRank) {
   EXPECT_NE(r.err.find("gather(): tensor 1 is float32[2, 3] on rank 2 but float32[1, 3] on rank 0"), std::string::npos)
       << r.err;
   EXPECT_NE(r.err.find("pad_across_processes"), std::string::npos) << r.err;
+  // An undefined tensor on one rank: every rank learns it (none throws alone and leaves the others waiting).
+  auto undefined = launch(3, {}, {"--mode", "nested-undefined"});
+  EXPECT_NE(undefined.exit_code, 0);
+  EXPECT_LT(undefined.seconds, 60);
+  EXPECT_NE(undefined.err.find("tensor 0 is undefined on rank 1 but float32[1] on rank 0"), std::string::npos)
+      << undefined.err;
 }
 
 // free_memory gives back what the Accelerator held (the optimizer's state, the strategy's buffers), leaves
@@ -86,8 +92,8 @@ class FreeMemory : public ::testing::TestWithParam<std::pair<std::string, Args>>
 
 TEST_P(FreeMemory, ReturnsTheOptimizerStateAndStrategyBuffersAndLeavesTheModelWhole) {
   const auto& [name, flags] = GetParam();
-  auto freed = launch(2, flags, {"--mode", "free-memory"});
-  auto control = launch(2, flags, {"--mode", "free-control"});
+  auto freed = launch(2, flags, {"--mode", "free-memory", "--accum", "2"});
+  auto control = launch(2, flags, {"--mode", "free-control", "--accum", "2"});
   ASSERT_EQ(freed.exit_code, 0) << freed.err;
   ASSERT_EQ(control.exit_code, 0) << control.err;
   // 4.2 M parameters: AdamW's two moments are 34 MB on one rank, 17 MB per rank when sharded over 2.
@@ -99,7 +105,10 @@ TEST_P(FreeMemory, ReturnsTheOptimizerStateAndStrategyBuffersAndLeavesTheModelWh
     EXPECT_TRUE(rank["grads_dropped"]);
     EXPECT_TRUE(rank["float32"]);
     EXPECT_NE(rank["refused"].get<std::string>().find("free_memory() released it"), std::string::npos);
-    EXPECT_EQ(rank["step_after"], 1);  // prepared again, one step: the count restarted
+    EXPECT_NE(rank["refused_zero_grad"].get<std::string>().find("free_memory() released it"), std::string::npos);
+    EXPECT_NE(rank["refused_in_scope"].get<std::string>().find("inside accumulate()"), std::string::npos);
+    EXPECT_EQ(rank["accumulation_after"], 2);  // the Accelerator's settings stay
+    EXPECT_EQ(rank["step_after"], 1);  // prepared again, one window of 2 micro-steps: the count restarted
   }
   for (const auto& rank : rank_reports(control)) {
     SCOPED_TRACE(rank.dump());

@@ -341,6 +341,21 @@ TEST(Launcher, OutputIsPrefixedAndLogDirKeepsPerRankFiles) {
   fs::remove_all(dir);
 }
 
+TEST(Launcher, InPlaceLinesAreShownAsTheyComeAndLoggedAsTheirLastFrame) {
+  // A progress bar's frames ("\r<frame>" without a newline) reach the console at once, each after the
+  // rank prefix; another rank's line starts below the open one (on its own stream); the log file and
+  // CRLF lines keep plain text.
+  auto dir = temp_dir("in-place");
+  auto r = run(launch({"--num_processes", "2", "--log_dir", dir}, {"in-place"}), 60);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("[rank0]: windows line\n"), std::string::npos) << r.err;  // CRLF: the text kept
+  EXPECT_NE(r.err.find("\r[rank0]: frame 1"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("\r[rank0]: frame 3\x1b[K\n[rank0]: after\n"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out, "[rank1]: between frames\n");  // stdout gets no stray newline from stderr's bar
+  EXPECT_EQ(read_file(dir + "/attempt_0/0/stderr.log"), "windows line\nframe 3\nafter\n");
+  fs::remove_all(dir);
+}
+
 TEST(LauncherErrors, MissingProgramIsOneClearLine) {
   auto r = run({kXlr8, "launch", "--num_processes", "2", "/nonexistent/train"});
   EXPECT_EQ(r.exit_code, 1);

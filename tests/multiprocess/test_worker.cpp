@@ -6,6 +6,8 @@
 //   fail-once CODE     rank 1 exits with CODE on the first attempt; everything succeeds on a restart
 //   allreduce          rendezvous through ProcessState, all-reduce rank+1, print "sum=<S> world=<W>"
 //   print N            print N lines on stdout and stderr
+//   in-place           on stderr: a CRLF line, then a line redrawn in place (frames after \r), then a
+//                      plain line; rank 1 writes one stdout line while rank 0's frames are drawn
 //   peer-dies          rank 1 exits (code 3) after joining; rank 0 all-reduces and prints the error it gets
 //   leak-segment DIR   create a shared segment, write its name to DIR/segment<R>, then SIGKILL itself
 //   affinity DIR       create the ProcessState, then write the CPUs this process may use and its intra-op
@@ -113,6 +115,23 @@ int main(int argc, char** argv) {
     for (const auto& c : xlr8::detail::allowed_cpus()) cpus.push_back(c.id);
     std::ofstream(fmt::format("{}/affinity{}", argv[2], rank())) << xlr8::detail::cpu_list_text(cpus) << " "
                                                                  << state.intra_op_threads() << std::flush;
+    return 0;
+  }
+  if (mode == "in-place") {
+    auto pause = [] { std::this_thread::sleep_for(std::chrono::milliseconds(150)); };
+    if (rank() == 1) {
+      pause();
+      fmt::print("between frames\n");
+      std::fflush(stdout);
+      return 0;
+    }
+    fmt::print(stderr, "windows line\r\n");
+    for (int frame = 1; frame <= 3; ++frame) {
+      fmt::print(stderr, "\rframe {}\x1b[K", frame);
+      std::fflush(stderr);
+      pause();
+    }
+    fmt::print(stderr, "\nafter\n");
     return 0;
   }
   if (mode == "print") {

@@ -1,6 +1,7 @@
 // train_worker's modes for the everyday API on real ranks:
 //   nested          gather / gather_for_metrics / reduce / pad_across_processes over nested values
 //   nested-mismatch rank 2 (or the last) passes another shape to gather
+//   nested-undefined rank 1 passes an undefined tensor to gather
 //   free-memory     train, free_memory(), measure the resident memory that came back, train again
 //   free-control    the same, but only the caller's handles are dropped (no free_memory)
 #include "train_worker_api.hpp"
@@ -49,6 +50,10 @@ double resident_mb() {
 int run_nested_mode(xlr8::Accelerator& acc, const std::string& mode) {
   const int r = acc.process_index();
   const double d = r;
+  if (mode == "nested-undefined") {  // an optional mask left undefined on rank 1 only
+    acc.gather(std::vector<at::Tensor>{r == 1 ? at::Tensor() : at::zeros({1})});
+    return 0;
+  }
   if (mode == "nested-mismatch") {
     const int64_t rows = r == acc.num_processes() - 1 ? 2 : 1;
     acc.gather(std::vector<at::Tensor>{at::zeros({1}), at::zeros({rows, 3})});
@@ -113,7 +118,7 @@ int run_free_memory_mode(xlr8::Accelerator& acc, const std::string& mode) {
     o.step();
     o.zero_grad();
   };
-  for (int i = 0; i < 3; ++i) train_step(opt);
+  for (int i = 0; i < 3 * acc.gradient_accumulation_steps(); ++i) train_step(opt);
   std::vector<at::Tensor> expected;  // the whole current parameters, as summon_full_params shows them
   {
     auto full = acc.summon_full_params(model, /*writeback=*/false);
@@ -132,21 +137,34 @@ int run_free_memory_mode(xlr8::Accelerator& acc, const std::string& mode) {
     grads_dropped = grads_dropped && !params[i].grad().defined();
     float32 = float32 && params[i].scalar_type() == at::kFloat;
   }
-  std::string refused;
+  std::string refused, refused_zero_grad, refused_in_scope;
   if (mode == "free-memory") {
     try {
       kept.step();
     } catch (const xlr8::Error& e) {
       refused = e.what();
     }
-    // Usable again: the same model prepared anew trains.
+    try {
+      kept.zero_grad();
+    } catch (const xlr8::Error& e) {
+      refused_zero_grad = e.what();
+    }
+    // Usable again: the same model prepared anew trains, with the same accumulation setting.
     model = acc.prepare(model);
     auto again = acc.prepare(torch::optim::AdamW(model->parameters(), torch::optim::AdamWOptions(1e-3)));
-    train_step(again);
+    for (int i = 0; i < acc.gradient_accumulation_steps(); ++i) train_step(again);
+    try {
+      auto scope = acc.accumulate(model);
+      acc.free_memory();
+    } catch (const xlr8::Error& e) {
+      refused_in_scope = e.what();
+    }
   }
   nlohmann::json report{{"rank", acc.process_index()}, {"rss_before_mb", before},  {"rss_after_mb", after},
                         {"max_difference", max_difference}, {"grads_dropped", grads_dropped}, {"float32", float32},
-                        {"refused", refused},               {"step_after", acc.step()}};
+                        {"refused", refused},               {"step_after", acc.step()},
+                        {"refused_zero_grad", refused_zero_grad}, {"refused_in_scope", refused_in_scope},
+                        {"accumulation_after", acc.gradient_accumulation_steps()}};
   auto all = acc.gather_object(report.dump());
   if (acc.is_main_process()) fmt::print("{}\n", nlohmann::json{{"ranks", all}}.dump());
   return 0;

@@ -71,6 +71,13 @@ TEST(TensorTree, MapsEveryTensorInAFixedOrderAndKeepsOtherValues) {
   EXPECT_EQ(std::get<2>(doubled), 42);
   auto moved = xlr8::to_device(batch, at::Device(at::kCPU));  // to_device reaches user structs the same way
   EXPECT_EQ(moved.at("z").label, 9);
+  // Containers with their own comparator or allocator, and data-only examples, are traversed too.
+  std::map<std::string, at::Tensor, std::less<>> transparent{{"b", at::full({1}, 2.0)}, {"a", at::full({1}, 1.0)}};
+  EXPECT_EQ(xlr8::tensors_of(transparent).front().item<double>(), 1.0);
+  auto example = xlr8::map_tensors(torch::data::TensorExample(at::ones({2})), [](const at::Tensor& t) { return t * 3; });
+  EXPECT_EQ(example.data.sum().item<double>(), 6.0);
+  EXPECT_EQ(xlr8::to_device(torch::data::TensorExample(at::ones({2})), at::Device(at::kCPU)).data.numel(), 2);
+  static_assert(xlr8::is_tensor_tree_v<torch::data::TensorExample>);
   static_assert(xlr8::is_tensor_tree_v<std::map<std::string, std::vector<Pair>>>);
   static_assert(!xlr8::is_tensor_tree_v<std::vector<int>>);
   static_assert(!xlr8::is_tensor_tree_v<std::tuple<at::Tensor, int>>);
@@ -91,7 +98,7 @@ TEST(ProgressBar, LinesModeWritesALineEveryNStepsAndAtTheEnd) {
   EXPECT_NE(text.find("train 2/5 (40%) "), std::string::npos) << text;
   EXPECT_NE(text.find("train 4/5 (80%) "), std::string::npos) << text;
   EXPECT_NE(text.find("train 5/5 (100%) "), std::string::npos) << text;
-  EXPECT_NE(text.find("step/s elapsed 00:00 ETA 00:00 loss=0.2, epoch=1\n"), std::string::npos) << text;
+  EXPECT_NE(text.find(" ETA 00:00 loss=0.2, epoch=1\n"), std::string::npos) << text;
   EXPECT_EQ(text.find("train 1/5"), std::string::npos) << text;
 }
 
@@ -114,7 +121,7 @@ TEST(ProgressBar, BarModeRedrawsInPlaceAndEndsWithANewline) {
 TEST(ProgressBar, AutoIsLinesOffATerminalAndOffIsSilent) {
   std::FILE* out = std::tmpfile();
   EXPECT_EQ(xlr8::ProgressBar(3, {}, xlr8::ProgressMode::AUTO, out).mode(), xlr8::ProgressMode::LINES);
-  read_all(out);  // its closing line
+  read_all(out);
   std::FILE* quiet = std::tmpfile();
   {
     xlr8::ProgressBar bar(3, {}, xlr8::ProgressMode::OFF, quiet);

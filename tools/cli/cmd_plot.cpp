@@ -43,11 +43,16 @@ void add_point(Scalars& s, const std::string& key, double step, const nlohmann::
 Scalars read_jsonl(const fs::path& file) {
   Scalars s{file.string(), {}};
   std::ifstream in(file);
-  std::string line;
-  for (int64_t row = 0; std::getline(in, line); ++row) {
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);) lines.push_back(line);
+  for (int64_t row = 0; row < static_cast<int64_t>(lines.size()); ++row) {
+    const auto& line = lines[row];
     if (line.empty()) continue;
     auto parsed = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-    if (!parsed.is_object()) throw ConfigError(fmt::format("{} line {} is not a JSON object", file.string(), row + 1));
+    if (!parsed.is_object()) {
+      if (row + 1 == static_cast<int64_t>(lines.size())) break;  // a running job's half-written last line
+      throw ConfigError(fmt::format("{} line {} is not a JSON object", file.string(), row + 1));
+    }
     double step = static_cast<double>(row);  // rows logged without a step count as steps 0, 1, ...
     if (auto it = parsed.find("step"); it != parsed.end() && it->is_number()) step = it->get<double>();
     for (const auto& [key, value] : parsed.items())
@@ -120,9 +125,13 @@ std::vector<std::string> panel_order(const Scalars& s, const std::vector<std::st
   return keys;
 }
 
-std::string gnuplot_string(const std::string& text) {  // single-quoted: only ' needs doubling
+// Single-quoted: ' is doubled; control characters (a newline would end the command) become spaces.
+std::string gnuplot_string(const std::string& text) {
   std::string out = "'";
-  for (char c : text) out += c == '\'' ? std::string("''") : std::string(1, c);
+  for (char c : text) {
+    if (c == '\'') out += "''";
+    else out += static_cast<unsigned char>(c) < 0x20 ? ' ' : c;
+  }
   return out + "'";
 }
 
