@@ -24,12 +24,12 @@ template <class D, class L>
 torch::data::Example<D, L> to_device(const torch::data::Example<D, L>& e, const at::Device& device);
 template <class D>
 torch::data::Example<D, void> to_device(const torch::data::Example<D, void>& e, const at::Device& device);
-template <class T>
-std::vector<T> to_device(const std::vector<T>& v, const at::Device& device);
-template <class K, class V>
-std::map<K, V> to_device(const std::map<K, V>& m, const at::Device& device);
-template <class K, class V>
-std::unordered_map<K, V> to_device(const std::unordered_map<K, V>& m, const at::Device& device);
+template <class T, class A>
+std::vector<T, A> to_device(const std::vector<T, A>& v, const at::Device& device);
+template <class K, class V, class C, class A>
+std::map<K, V, C, A> to_device(const std::map<K, V, C, A>& m, const at::Device& device);
+template <class K, class V, class H, class E, class A>
+std::unordered_map<K, V, H, E, A> to_device(const std::unordered_map<K, V, H, E, A>& m, const at::Device& device);
 template <class A, class B>
 std::pair<A, B> to_device(const std::pair<A, B>& p, const at::Device& device);
 template <class... T>
@@ -55,22 +55,22 @@ template <class D>  // torch::data::TensorExample: data only
 torch::data::Example<D, void> to_device(const torch::data::Example<D, void>& e, const at::Device& device) {
   return torch::data::Example<D, void>(to_device(e.data, device));
 }
-template <class T>
-std::vector<T> to_device(const std::vector<T>& v, const at::Device& device) {
-  std::vector<T> out;
+template <class T, class A>
+std::vector<T, A> to_device(const std::vector<T, A>& v, const at::Device& device) {
+  std::vector<T, A> out(v.get_allocator());
   out.reserve(v.size());
   for (const auto& x : v) out.push_back(to_device(x, device));
   return out;
 }
-template <class K, class V>
-std::map<K, V> to_device(const std::map<K, V>& m, const at::Device& device) {
-  std::map<K, V> out;
+template <class K, class V, class C, class A>
+std::map<K, V, C, A> to_device(const std::map<K, V, C, A>& m, const at::Device& device) {
+  std::map<K, V, C, A> out(m.key_comp(), m.get_allocator());
   for (const auto& [k, v] : m) out.emplace(k, to_device(v, device));
   return out;
 }
-template <class K, class V>
-std::unordered_map<K, V> to_device(const std::unordered_map<K, V>& m, const at::Device& device) {
-  std::unordered_map<K, V> out;
+template <class K, class V, class H, class E, class A>
+std::unordered_map<K, V, H, E, A> to_device(const std::unordered_map<K, V, H, E, A>& m, const at::Device& device) {
+  std::unordered_map<K, V, H, E, A> out(m.bucket_count(), m.hash_function(), m.key_eq(), m.get_allocator());
   for (const auto& [k, v] : m) out.emplace(k, to_device(v, device));
   return out;
 }
