@@ -209,7 +209,8 @@ int run(const Args& args) {
                           {"peak_state_bytes_per_rank", static_cast<int64_t>(largest[1].item<double>())},
                           {"peak_rss_mb", largest[2].item<double>()},
                           {"parameters", params},
-                          {"prefetches", stats.value("prefetches", int64_t{0})},
+                          {"forward_prefetches", stats.value("forward_prefetches", int64_t{0})},
+                          {"backward_prefetches", stats.value("backward_prefetches", int64_t{0})},
                           {"save_state_seconds", save_seconds},
                           {"load_state_seconds", load_seconds}};
     if (!args.init_from.empty()) {

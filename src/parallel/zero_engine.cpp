@@ -61,6 +61,11 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
       find_unused_(find_unused_parameters),
       gradient_state_(std::move(gradient_state)) {
   if (stage_ < 1 || stage_ > 3) throw Error(fmt::format("ZeRO stage {} does not exist; use 1, 2 or 3", stage_));
+  const auto& prefetch = options_.backward_prefetch;
+  if (!prefetch.empty() && prefetch != "NO_PREFETCH" && prefetch != "BACKWARD_PRE" && prefetch != "BACKWARD_POST")
+    throw ConfigError(fmt::format("ZeroOptions::backward_prefetch {:?} is not a prefetch mode; use BACKWARD_PRE, "
+                                  "BACKWARD_POST, NO_PREFETCH or empty",
+                                  prefetch));
   // fsdp_sync_module_states: every rank starts from rank 0's weights (and the same model is checked).
   make_replicas_equal(comm_, *module_);
   auto plans = stage_ == 3 ? plan_units(*module_, options_) : plan_buckets(*module_, options_);
@@ -122,9 +127,8 @@ ZeroEngine::~ZeroEngine() {
 
 void ZeroEngine::gather(size_t g) {
   if (auto it = prefetching_.find(g); it != prefetching_.end()) {  // issued early: now it must be there
-    Work work = it->second;
-    prefetching_.erase(it);
-    work.wait();
+    it->second.wait();
+    prefetching_.erase(g);
     return;
   }
   auto& group = groups_[g];
@@ -137,23 +141,29 @@ void ZeroEngine::gather(size_t g) {
 }
 
 void ZeroEngine::release(size_t g) {
-  auto& group = groups_[g];
-  if (!managed_[g] || summoned_ > 0 || !group.gathered()) return;
   if (auto it = prefetching_.find(g); it != prefetching_.end()) {  // never free memory a gather writes into
     it->second.wait();
-    prefetching_.erase(it);
+    prefetching_.erase(g);
   }
+  auto& group = groups_[g];
+  if (!managed_[g] || summoned_ > 0 || !group.gathered()) return;
   group.release();
   ++releases_;
   gathered_bytes_ -= group.full_bytes();
 }
 
-void ZeroEngine::prefetch(size_t g) {
+void ZeroEngine::prefetch(size_t g, bool in_backward) {
   auto& group = groups_[g];
   if (stage_ != 3 || !managed_[g] || group.gathered() || prefetching_.count(g)) return;
+  // FSDP's limit: besides the root, at most two units gathered (the running one and the next). The count
+  // is the same on every rank, so the decision is too.
+  int gathered_units = 0;
+  for (size_t other = 0; other < groups_.size(); ++other)
+    if (managed_[other] && groups_[other].unit != module_.get() && groups_[other].gathered()) ++gathered_units;
+  if (gathered_units >= 2) return;
   prefetching_.emplace(g, group.gather_async(comm_));
   ++gathers_;
-  ++prefetches_;
+  ++(in_backward ? backward_prefetches_ : forward_prefetches_);
   gathered_bytes_ += group.full_bytes();
   peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
   step_peak_gathered_bytes_ = std::max(step_peak_gathered_bytes_, gathered_bytes_);
@@ -161,9 +171,12 @@ void ZeroEngine::prefetch(size_t g) {
 
 // The order is what every rank's model did in its last pass, so every rank prefetches the same unit
 // at the same moment and the collective sequences stay identical.
-void ZeroEngine::prefetch_after(const UnitOrder& order, size_t g) {
+void ZeroEngine::prefetch_after(const UnitOrder& order, size_t g, bool in_backward) {
   auto it = std::find(order.last.begin(), order.last.end(), g);
-  if (it != order.last.end() && it + 1 != order.last.end()) prefetch(*(it + 1));
+  if (it == order.last.end() || it + 1 == order.last.end()) return;
+  // Not a unit that already ran in this pass (the root's gradients complete last, after every block's).
+  if (std::find(order.current.begin(), order.current.end(), *(it + 1)) != order.current.end()) return;
+  prefetch(*(it + 1), in_backward);
 }
 
 void ZeroEngine::UnitOrder::record(size_t g) {
@@ -176,13 +189,19 @@ void ZeroEngine::settle_prefetches() {
   prefetching_.clear();
 }
 
+void ZeroEngine::drop_prefetches() {
+  std::vector<size_t> issued;
+  for (const auto& [g, work] : prefetching_) issued.push_back(g);
+  for (size_t g : issued) release(g);  // waits for the gather, then frees the unit again
+}
+
 void ZeroEngine::unit_forward_begins(size_t g) {
   std::lock_guard<std::mutex> lock(mutex_);
   managed_[g] = true;
   gather(g);
   if (stage_ != 3) return;
   forward_order_.record(g);
-  if (options_.forward_prefetch) prefetch_after(forward_order_, g);
+  if (options_.forward_prefetch) prefetch_after(forward_order_, g, /*in_backward=*/false);
 }
 
 at::Tensor ZeroEngine::unit_forward_ends(size_t g, const at::Tensor& output) {
@@ -211,11 +230,12 @@ void ZeroEngine::unit_backward_begins(size_t g) {
   arm_end_of_backward();
   gather(g);
   backward_order_.record(g);
-  if (options_.backward_prefetch == "BACKWARD_PRE") prefetch_after(backward_order_, g);
+  if (options_.backward_prefetch == "BACKWARD_PRE") prefetch_after(backward_order_, g, /*in_backward=*/true);
 }
 
 void ZeroEngine::gather_all() {
   std::lock_guard<std::mutex> lock(mutex_);
+  drop_prefetches();
   ++summoned_;
   for (size_t g = 0; g < groups_.size(); ++g) gather(g);
 }
@@ -289,7 +309,7 @@ void ZeroEngine::group_complete(size_t g) {
   // Every gradient of the group is computed, so nothing in backward reads its parameters any more.
   if (stage_ != 3) return;
   release(g);
-  if (options_.backward_prefetch == "BACKWARD_POST") prefetch_after(backward_order_, g);
+  if (options_.backward_prefetch == "BACKWARD_POST") prefetch_after(backward_order_, g, /*in_backward=*/true);
 }
 
 void ZeroEngine::launch_ready() {
@@ -406,7 +426,7 @@ void ZeroEngine::bind_optimizer(torch::optim::Optimizer& optimizer) const {
 void ZeroEngine::optimizer_step(torch::optim::Optimizer& optimizer) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    settle_prefetches();  // a prefetch reads the shards the step is about to change
+    drop_prefetches();  // one the order mispredicted: it reads the shards the step is about to change
   }
   optimizer.step();
   std::lock_guard<std::mutex> lock(mutex_);
@@ -495,7 +515,9 @@ nlohmann::json ZeroEngine::stats() const {
           {"shard_elements", shard_elements},
           {"internal_state_bytes", internal},
           {"gathers", gathers_},
-          {"prefetches", prefetches_},
+          {"prefetches", forward_prefetches_ + backward_prefetches_},
+          {"forward_prefetches", forward_prefetches_},
+          {"backward_prefetches", backward_prefetches_},
           {"releases", releases_},
           {"launches", launches_},
           {"overlapped_launches", overlapped_},

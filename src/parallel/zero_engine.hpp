@@ -76,9 +76,12 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
     std::vector<size_t> last, current;  // the last complete pass; the one under way
     void record(size_t group);          // a unit seen again in `current` starts a new pass
   };
-  void prefetch(size_t group);
-  void prefetch_after(const UnitOrder& order, size_t group);
+  void prefetch(size_t group, bool in_backward);
+  void prefetch_after(const UnitOrder& order, size_t group, bool in_backward);
   void settle_prefetches();
+  // Prefetched units nobody used (the order mispredicted): waited for and freed, before anything reads
+  // `full` as current or changes the shards.
+  void drop_prefetches();
   void reset_backward_state();
   const Slot* slot_of(const at::Tensor& tensor) const;
   // Every whole copy that is alive (stages 1-2; stage-3 groups held whole) catches up with its shards.
@@ -115,7 +118,8 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   std::unordered_map<size_t, Work> prefetching_;
 
   // Figures for stats().
-  int64_t gathers_ = 0, releases_ = 0, launches_ = 0, overlapped_ = 0, prefetches_ = 0;
+  int64_t gathers_ = 0, releases_ = 0, launches_ = 0, overlapped_ = 0, forward_prefetches_ = 0,
+          backward_prefetches_ = 0;
   int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0, step_peak_gathered_bytes_ = 0;
 };
 

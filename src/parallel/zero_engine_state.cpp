@@ -17,6 +17,10 @@ StateDict ZeroEngine::state_dict(StateDictKind kind) {
     for (const auto& item : module_->named_buffers()) out.emplace_back(item.key(), item.value());
     return out;
   }
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    drop_prefetches();
+  }
   // FULL: stages 1-2 hold whole parameters; stage 3 gathers one group at a time and copies it out.
   // FULL_ON_MAIN: only the group's first rank (the first replica's, under hybrid sharding) copies.
   if (kind == StateDictKind::FULL_ON_MAIN && (comm_.rank() != 0 || (replicate_.valid() && replicate_.rank() != 0))) {
@@ -63,6 +67,7 @@ void ZeroEngine::load_state_dict(const StateDict& state, StateDictKind kind) {
   for (const auto& item : module_->named_parameters()) own[item.key()] = item.value();
   for (const auto& item : module_->named_buffers()) own[item.key()] = item.value();
   std::lock_guard<std::mutex> lock(mutex_);
+  drop_prefetches();
   at::NoGradGuard no_grad;
   for (const auto& [name, tensor] : state) {
     const auto& target = own.at(name);
@@ -103,6 +108,7 @@ std::vector<ParameterPiece> ZeroEngine::parameter_pieces() const {
 
 void ZeroEngine::visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn) {
   std::lock_guard<std::mutex> lock(mutex_);
+  drop_prefetches();
   const bool receiver = comm_.rank() == 0 && (!replicate_.valid() || replicate_.rank() == 0);
   // A group is gathered when its first parameter comes up (in the master dtype) and dropped after its
   // last: units are subtrees, so only the root's group stays open across others.
@@ -134,6 +140,7 @@ void ZeroEngine::visit_full_state(const std::function<void(size_t, const at::Ten
 
 void ZeroEngine::pieces_loaded(bool whole_parameters_written) {
   std::lock_guard<std::mutex> lock(mutex_);
+  drop_prefetches();
   at::NoGradGuard no_grad;
   for (auto& group : groups_) {
     if (whole_parameters_written) {

@@ -263,32 +263,38 @@ TEST(ShardedGpt, EveryStageMatchesOneProcessAndHoldsTheFormulaBytes) {
 }
 
 TEST(ShardedGpt, PrefetchingIssuesTheNextUnitsGatherEarlyAndChangesNoResult) {
-  // FULL_SHARD on 3 ranks (uneven shards) with FSDP's forward and backward prefetching equals 1 process;
-  // the engine reports the gathers it issued early, and none without prefetching. Four blocks, so that
-  // the root and two blocks (what prefetching keeps alive at most) are well short of the whole model.
+  // FULL_SHARD on 3 ranks (uneven shards) with FSDP's forward and backward prefetching equals 1 process,
+  // and each mode issues exactly the early gathers it should. Four blocks, so that the root and two
+  // blocks (what prefetching keeps alive at most) are well short of the whole model.
   const Args steps{"--max_steps", "8"};
   auto one_dir = temp_dir("gpt-prefetch-one");
   auto one = gpt_run(1, {}, 6, one_dir, steps, 4);
-  const auto& full_shard = strategies()[2].flags;
-  for (const char* backward : {"BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"}) {
-    SCOPED_TRACE(backward);
-    Args flags = full_shard;
-    flags.insert(flags.end(), {"--fsdp_backward_prefetch", backward, "--fsdp_forward_prefetch",
-                               std::string(backward) == "NO_PREFETCH" ? "false" : "true"});
+  const double psi = one["parameters"].get<double>();
+  struct Mode {
+    std::string forward, backward;
+  };
+  for (const auto& mode : {Mode{"true", "NO_PREFETCH"}, Mode{"false", "BACKWARD_PRE"}, Mode{"false", "BACKWARD_POST"},
+                           Mode{"true", "BACKWARD_PRE"}, Mode{"false", "NO_PREFETCH"}}) {
+    SCOPED_TRACE(fmt::format("forward {} backward {}", mode.forward, mode.backward));
+    Args flags = strategies()[2].flags;
+    flags.insert(flags.end(), {"--fsdp_backward_prefetch", mode.backward, "--fsdp_forward_prefetch", mode.forward});
     auto dir = temp_dir("gpt-prefetch");
     auto got = gpt_run(3, flags, 2, dir, steps, 4);
-    ASSERT_TRUE(got.contains("prefetches"));
+    ASSERT_TRUE(got.contains("forward_prefetches"));
     EXPECT_NEAR(got["final_train_loss"].get<double>(), one["final_train_loss"].get<double>(), 1e-5);
     EXPECT_NEAR(got["val_loss"].get<double>(), one["val_loss"].get<double>(), 1e-5);
     expect_same_params(dir, one_dir, 1e-4);
-    if (std::string(backward) == "NO_PREFETCH") {
-      EXPECT_EQ(got["prefetches"], 0);
-    } else {
-      // From the second step on, each block's gather is issued early in forward and in backward.
-      EXPECT_GE(got["prefetches"].get<int64_t>(), 7 * 4) << got;
-    }
+    const auto forward = got["forward_prefetches"].get<int64_t>(), backward = got["backward_prefetches"].get<int64_t>();
+    // Steps 2-8 know the order of step 1. Forward: root -> block 0 -> ... -> block 3, four early gathers
+    // a pass (validation passes add theirs). BACKWARD_PRE: root -> block 3 -> ... -> block 0, four a step.
+    // BACKWARD_POST: when a block's gradients are done, the next block, unless its backward began already;
+    // never a block that already ran (the root's gradients complete last).
+    if (mode.forward == "true") EXPECT_GE(forward, 7 * 4) << got;
+    else EXPECT_EQ(forward, 0) << got;
+    if (mode.backward == "BACKWARD_PRE") EXPECT_EQ(backward, 7 * 4) << got;
+    else if (mode.backward == "BACKWARD_POST") EXPECT_TRUE(backward > 0 && backward <= 7 * 3) << got;
+    else EXPECT_EQ(backward, 0) << got;
     // The transient stays the root's parameters plus at most two blocks, never the whole model.
-    const double psi = one["parameters"].get<double>();
     EXPECT_LT(got["peak_state_bytes_per_rank"].get<double>() - got["state_bytes_per_rank"].get<double>(), 0.75 * 4 * psi);
   }
 }
