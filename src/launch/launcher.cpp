@@ -121,19 +121,16 @@ struct Stream {
   void leave_open_line() const {
     if (open_line && *open_line && *open_line != this) (*open_line)->write_console("\n"), *open_line = nullptr;
   }
-  static std::string final_text(const std::string& line) {
-    auto cr = line.rfind('\r');
-    std::string text = cr == std::string::npos ? line : line.substr(cr + 1);
-    for (size_t at; (at = text.find("\x1b[K")) != std::string::npos;) text.erase(at, 3);
-    return text;
-  }
   void emit(std::string line) {
     if (!line.empty() && line.back() == '\r') line.pop_back();  // CRLF: an ordinary line
     leave_open_line();
-    const bool in_place = line.find('\r') != std::string::npos;
-    const std::string text = final_text(line);
-    write_console((in_place ? "\r" + prefix + line.substr(line.rfind('\r') + 1) : prefix + line) + "\n");
+    // A line redrawn in place shows (and keeps) only its last frame, without the erase-to-end code.
+    const auto cr = line.rfind('\r');
+    const std::string frame = cr == std::string::npos ? line : line.substr(cr + 1);
+    write_console((cr == std::string::npos ? "" : "\r") + prefix + frame + "\n");
     if (open_line && *open_line == this) *open_line = nullptr;
+    std::string text = frame;
+    for (size_t at; (at = text.find("\x1b[K")) != std::string::npos;) text.erase(at, 3);
     if (log.is_open()) log << text << '\n' << std::flush;
     if (tail) {
       tail->push_back(text);

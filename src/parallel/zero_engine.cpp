@@ -126,11 +126,7 @@ ZeroEngine::~ZeroEngine() {
 // ------------------------------------------------------------------------------------------ gathers (stage 3)
 
 void ZeroEngine::gather(size_t g) {
-  if (auto it = prefetching_.find(g); it != prefetching_.end()) {  // issued early: now it must be there
-    it->second.wait();
-    prefetching_.erase(g);
-    return;
-  }
+  if (await_prefetch(g)) return;  // issued early: now it is there
   auto& group = groups_[g];
   if (group.gathered()) return;
   group.gather(comm_);
@@ -141,10 +137,7 @@ void ZeroEngine::gather(size_t g) {
 }
 
 void ZeroEngine::release(size_t g) {
-  if (auto it = prefetching_.find(g); it != prefetching_.end()) {  // never free memory a gather writes into
-    it->second.wait();
-    prefetching_.erase(g);
-  }
+  await_prefetch(g);  // never free memory a gather writes into
   auto& group = groups_[g];
   if (!managed_[g] || summoned_ > 0 || !group.gathered()) return;
   group.release();
@@ -152,9 +145,17 @@ void ZeroEngine::release(size_t g) {
   gathered_bytes_ -= group.full_bytes();
 }
 
+bool ZeroEngine::await_prefetch(size_t g) {
+  auto it = prefetching_.find(g);
+  if (it == prefetching_.end()) return false;
+  it->second.wait();  // before forgetting it: a failed wait leaves it recorded
+  prefetching_.erase(it);
+  return true;
+}
+
 void ZeroEngine::prefetch(size_t g, bool in_backward) {
   auto& group = groups_[g];
-  if (stage_ != 3 || !managed_[g] || group.gathered() || prefetching_.count(g)) return;
+  if (stage_ != 3 || !managed_[g] || group.gathered()) return;  // gathered(): also while a prefetch runs
   // FSDP's limit: besides the root, at most two units gathered (the running one and the next). The count
   // is the same on every rank, so the decision is too.
   int gathered_units = 0;

@@ -77,6 +77,7 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
     void record(size_t group);          // a unit seen again in `current` starts a new pass
   };
   void prefetch(size_t group, bool in_backward);
+  bool await_prefetch(size_t group);  // waits for and forgets `group`'s prefetch; false if none was issued
   void prefetch_after(const UnitOrder& order, size_t group, bool in_backward);
   void settle_prefetches();
   // Prefetched units nobody used (the order mispredicted): waited for and freed, before anything reads

@@ -287,20 +287,19 @@ void Accelerator::free_memory() {
     throw Error("free_memory() was called inside accumulate() or no_sync(): call it once the step's scope has ended");
   at::NoGradGuard no_grad;
   for (auto& strategy : s.models) {
+    const auto named = strategy->module()->named_parameters();
+    for (auto& item : named) item.value().mutable_grad() = at::Tensor();
+    if (strategy->replicated()) continue;  // the parameters are the module's own, whole tensors already
     // Whole fp32 values on every rank first (collective), then the module's own tensors take copies of
     // them, so that nothing still points into the strategy's flat buffers when it goes.
     auto whole = strategy->state_dict(StateDictKind::FULL);
     std::unordered_map<std::string, at::Tensor> by_name(whole.begin(), whole.end());
-    for (auto& item : strategy->module()->named_parameters()) {
-      auto& parameter = item.value();
+    for (auto& item : named) {
       auto found = by_name.find(item.key());
       if (found == by_name.end())
         throw Error(fmt::format("free_memory(): the {} strategy gave no value for parameter {}", strategy->name(),
                                 item.key()));
-      const auto& value = found->second;
-      if (value.unsafeGetTensorImpl() != parameter.unsafeGetTensorImpl() || !strategy->replicated())
-        parameter.set_data(value.detach().clone(at::MemoryFormat::Contiguous));
-      parameter.mutable_grad() = at::Tensor();
+      item.value().set_data(found->second.detach().clone(at::MemoryFormat::Contiguous));
     }
   }
   for (auto& o : s.optimizers) o->impl = nullptr;
