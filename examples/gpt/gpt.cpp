@@ -85,6 +85,29 @@ torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
   return unit.done(head ? head(x) : F::linear(x, wte->weight));
 }
 
+int64_t freeze(torch::nn::Module& model, const std::string& paths) {
+  int64_t frozen = 0;
+  std::string rest = paths;
+  while (!rest.empty()) {
+    const auto comma = rest.find(',');
+    const std::string path = rest.substr(0, comma);
+    rest = comma == std::string::npos ? "" : rest.substr(comma + 1);
+    if (path.empty()) continue;
+    bool matched = false;
+    for (auto& item : model.named_parameters()) {
+      if (("." + item.key() + ".").find("." + path + ".") == std::string::npos) continue;
+      matched = true;
+      if (item.value().requires_grad()) frozen += item.value().numel();
+      item.value().set_requires_grad(false);
+    }
+    if (!matched)
+      throw xlr8::ConfigError(fmt::format("--freeze {:?}: no parameter lies under that module path (e.g. wpe, attn, "
+                                          "blocks.0, blocks.1.mlp.fc)",
+                                          path));
+  }
+  return frozen;
+}
+
 TextWindows::TextWindows(torch::Tensor bytes, int64_t seq_len) : bytes_(std::move(bytes)), seq_len_(seq_len) {
   if (bytes_.numel() < seq_len_ + 1)
     throw xlr8::Error(fmt::format("the text has {} bytes, fewer than one window of {}", bytes_.numel(), seq_len_ + 1));

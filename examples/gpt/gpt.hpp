@@ -57,6 +57,12 @@ struct GptImpl : torch::nn::Module {
 };
 TORCH_MODULE(Gpt);
 
+// Fine-tuning: stops gradients (requires_grad false) for every parameter under one of the
+// comma-separated module paths, matched on whole dotted segments ("attn" freezes blocks.*.attn.*,
+// "blocks.0" the first block, "wte" also the head tied to it). Throws xlr8::ConfigError naming a path
+// that matches nothing. Returns how many parameter elements it froze.
+int64_t freeze(torch::nn::Module& model, const std::string& paths);
+
 // Windows of seq_len + 1 bytes of one text, seq_len apart: input bytes and the next bytes as targets.
 class TextWindows : public torch::data::datasets::Dataset<TextWindows> {
  public:

@@ -35,6 +35,7 @@ struct Args {
   int64_t val_windows = 256;  // held-out windows scored at the end
   bool untied_head = false;
   int64_t log_every = 25;
+  std::string freeze;  // module paths to fine-tune around (gpt::freeze)
 };
 
 // Bytes of parameters, gradients and optimizer state this process holds, each storage counted once
@@ -107,7 +108,9 @@ int run(const Args& args) {
 
   gpt::Config config{.seq_len = args.seq_len, .n_layer = args.n_layer, .d_model = args.d_model,
                      .n_head = args.n_head, .tied_head = !args.untied_head};
-  auto model = acc.prepare(gpt::Gpt(config));
+  gpt::Gpt net(config);
+  const int64_t frozen = gpt::freeze(*net, args.freeze);
+  auto model = acc.prepare(net);
   auto opt = acc.prepare(xlr8::optim::FusedAdamW(model->parameters(), torch::optim::AdamWOptions(args.lr)));
 
   // 90% of the text for training, the rest held out.
@@ -135,6 +138,7 @@ int run(const Args& args) {
   }
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
+  if (frozen) acc.print("frozen: {} of the {} parameters ({})", frozen, params, args.freeze);
   acc.print("gpt: {} parameters, {} layers, d_model {}, {} heads; {} bytes of text, windows of {}; {} process(es), "
             "{} windows per global batch, {} batches per epoch per process",
             params, args.n_layer, args.d_model, args.n_head, text.numel(), args.seq_len, acc.num_processes(),
@@ -209,6 +213,8 @@ int run(const Args& args) {
                           {"peak_state_bytes_per_rank", static_cast<int64_t>(largest[1].item<double>())},
                           {"peak_rss_mb", largest[2].item<double>()},
                           {"parameters", params},
+                          {"trainable_parameters", params - frozen},
+                          {"frozen_released_in_backward", stats.value("frozen_released_in_backward", int64_t{0})},
                           {"forward_prefetches", stats.value("forward_prefetches", int64_t{0})},
                           {"backward_prefetches", stats.value("backward_prefetches", int64_t{0})},
                           {"save_state_seconds", save_seconds},
@@ -242,6 +248,7 @@ int main(int argc, char** argv) {
   app.add_option("--gradient_accumulation_steps", a.gradient_accumulation_steps, "Micro-batches per optimizer step");
   app.add_option("--data_dir", a.data_dir, "Directory of text files (default: Debian's fortunes)");
   app.add_option("--val_windows", a.val_windows, "Held-out windows scored at the end");
+  app.add_option("--freeze", a.freeze, "Comma-separated module paths whose parameters stay fixed (e.g. wpe,attn)");
   app.add_flag("--untied_head", a.untied_head, "An LM head of its own instead of the token embedding's weights");
   app.add_option("--log_every", a.log_every, "Print progress every N steps");
   CLI11_PARSE(app, argc, argv);

@@ -65,8 +65,11 @@ FlatGroup make_flat_group(std::string label, const torch::nn::Module* unit, std:
   g.ranks = comm.size();
   g.owns_shard = owns_shard;
   if (g.params.empty()) throw Error("internal: a sharding unit without parameters");
+  g.frozen = !g.params.front().requires_grad();
   const auto options = g.params.front().options().requires_grad(false);
   for (const auto& p : g.params) {
+    if (p.requires_grad() == g.frozen)
+      throw Error(fmt::format("internal: sharding unit {} mixes frozen and trainable parameters", g.label));
     if (p.scalar_type() != g.params.front().scalar_type() || p.device() != g.params.front().device())
       throw Error(fmt::format("sharding unit {}: its parameters mix dtypes or devices ({} and {}); keep a unit's "
                               "parameters in one dtype on one device",
@@ -98,7 +101,7 @@ FlatGroup make_flat_group(std::string label, const torch::nn::Module* unit, std:
   for (size_t i = 0; i < g.params.size(); ++i) {
     auto part = g.owned_part(i);
     auto leaf = g.master.narrow(0, part.in_shard, part.count).detach();
-    leaf.set_requires_grad(true);
+    leaf.set_requires_grad(!g.frozen);
     g.shard_params.push_back(leaf);
   }
   return g;

@@ -27,12 +27,14 @@ struct FlatGroup {
   int64_t shard_numel = 0;                   // elements per rank: padded size / ranks
   int rank = 0, ranks = 1;
   bool owns_shard = false;                   // stage 3: `shard` is its own tensor, `full` may be freed
+  bool frozen = false;                       // no parameter requires gradients: no hooks, no reduction
   at::Tensor full;                           // the gathered parameters, padded, in the compute dtype
   at::Tensor shard;                          // this rank's chunk of them (a view of `full` unless owns_shard)
   at::Tensor master;                         // the chunk the optimizer updates: `shard` itself, or its fp32
                                              // master copy when parameters compute in a lower precision
   at::Tensor grad_full;                      // gradients laid out like `full` (while reducing; stage 1 keeps it)
-  std::vector<at::Tensor> shard_params;      // per parameter: the leaf the optimizer updates (a view of `master`)
+  std::vector<at::Tensor> shard_params;      // per parameter: the leaf the optimizer updates (a view of `master`;
+                                             // frozen: a leaf that requires no gradient, which optimizers skip)
 
   bool mixed() const { return !master.is_same(shard); }
 
@@ -58,7 +60,7 @@ struct FlatGroup {
   at::Tensor gather_master(Communicator& comm) const;
 };
 
-// Lays `params` (all requiring gradients, same dtype and device) out in a new group. With a
+// Lays `params` (same dtype and device; all requiring gradients, or none: a frozen group) out in a new group. With a
 // `compute_dtype` other than theirs, the parameters become tensors of that dtype (views of `full`) and
 // the optimizer's leaves stay in theirs. Collective when `owns_shard` (the shard is allocated in memory
 // the group's peers can read directly).

@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 
@@ -24,5 +25,13 @@ std::shared_ptr<ShardedUnit> find_unit(const torch::nn::Module& module);
 // `output`, passed through an autograd function whose backward calls `before_backward` first: the
 // hook that gathers a unit's parameters again just before backward reaches the unit.
 at::Tensor with_backward_prehook(const at::Tensor& output, std::function<void()> before_backward);
+
+// Where the autograd graph stands now: a unit's forward created the nodes numbered from here on.
+uint64_t autograd_position();
+// Calls `done` once every node of `output`'s graph created since `forward_start` (the unit's own
+// operations, which are what saved its parameters) has run in backward: nothing reads the unit's
+// parameters after that. Returns how many nodes there are; with none, `done` is never called. A node
+// backward never reaches (an unused branch) keeps `done` from being called.
+size_t after_backward_of(const at::Tensor& output, uint64_t forward_start, std::function<void()> done);
 
 }  // namespace xlr8::detail

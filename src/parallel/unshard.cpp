@@ -2,10 +2,13 @@
 // that re-gathers a unit before its backward.
 #include "xlr8/unshard.hpp"
 
+#include <ATen/SequenceNumber.h>
 #include <torch/autograd.h>
 
+#include <atomic>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "parallel/sharded_unit.hpp"
 
@@ -43,7 +46,52 @@ struct BackwardPrehook : torch::autograd::Function<BackwardPrehook> {
   }
 };
 
+// Shared by the post-hooks on one forward's nodes: the last of them to run calls `done`. Run again
+// (retain_graph), the count goes below zero and nothing is called twice.
+struct Countdown {
+  std::atomic<int64_t> left;
+  std::function<void()> done;
+};
+
+struct CountdownHook : torch::autograd::FunctionPostHook {
+  explicit CountdownHook(std::shared_ptr<Countdown> countdown) : countdown(std::move(countdown)) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list&) override {
+    if (countdown->left.fetch_sub(1) == 1) countdown->done();
+    return outputs;
+  }
+  std::shared_ptr<Countdown> countdown;
+};
+
 }  // namespace
+
+uint64_t autograd_position() { return at::sequence_number::peek(); }
+
+size_t after_backward_of(const at::Tensor& output, uint64_t forward_start, std::function<void()> done) {
+  // Nodes are numbered as they are created, and a node's inputs come from older nodes: every node on a
+  // path from `output` down to one of the unit's nodes is the unit's too, so the walk stops at the
+  // first older node (or a leaf's accumulator, numbered past every other).
+  const uint64_t end = autograd_position();
+  std::vector<torch::autograd::Node*> nodes, stack;
+  std::unordered_set<torch::autograd::Node*> seen;
+  auto consider = [&](const std::shared_ptr<torch::autograd::Node>& node) {
+    if (node && node->sequence_nr() >= forward_start && node->sequence_nr() < end && seen.insert(node.get()).second)
+      stack.push_back(node.get());
+  };
+  consider(output.grad_fn());
+  while (!stack.empty()) {
+    auto* node = stack.back();
+    stack.pop_back();
+    nodes.push_back(node);
+    for (const auto& edge : node->next_edges()) consider(edge.function);
+  }
+  if (nodes.empty()) return 0;
+  auto countdown = std::make_shared<Countdown>();
+  countdown->left = static_cast<int64_t>(nodes.size());
+  countdown->done = std::move(done);
+  for (auto* node : nodes) node->add_post_hook(std::make_unique<CountdownHook>(countdown));
+  return nodes.size();
+}
 
 void register_unit(const torch::nn::Module& module, std::weak_ptr<ShardedUnit> unit) {
   std::lock_guard<std::mutex> lock(registry_mutex);

@@ -17,11 +17,11 @@ struct NamedParameter {
   at::Tensor tensor;
 };
 
-std::vector<NamedParameter> trainable_parameters(const torch::nn::Module& root) {
+std::vector<NamedParameter> distinct_parameters(const torch::nn::Module& root, bool trainable_only) {
   std::vector<NamedParameter> out;
   std::unordered_set<const c10::TensorImpl*> seen;
   for (const auto& item : root.named_parameters())
-    if (item.value().requires_grad() && seen.insert(item.value().unsafeGetTensorImpl()).second)
+    if ((item.value().requires_grad() || !trainable_only) && seen.insert(item.value().unsafeGetTensorImpl()).second)
       out.push_back({item.key(), item.value()});
   return out;
 }
@@ -49,7 +49,7 @@ bool layer_class_matches(const std::string& class_name, const std::string& repor
 }
 
 std::vector<ParameterGroupPlan> plan_units(const torch::nn::Module& root, const ZeroOptions& options) {
-  const auto params = trainable_parameters(root);
+  const auto params = distinct_parameters(root, /*trainable_only=*/false);
   const auto modules = root.named_modules("", /*include_self=*/false);
   std::vector<std::pair<std::string, const torch::nn::Module*>> units;  // path, module; in module order
   if (options.auto_wrap_policy == "TRANSFORMER_BASED_WRAP") {
@@ -93,28 +93,33 @@ std::vector<ParameterGroupPlan> plan_units(const torch::nn::Module& root, const 
                                   "SIZE_BASED_WRAP and NO_WRAP",
                                   options.auto_wrap_policy));
   }
-  // Each parameter goes to the deepest unit that contains it; the rest to the root.
-  std::vector<ParameterGroupPlan> plans(units.size());
-  for (size_t u = 0; u < units.size(); ++u) plans[u] = {units[u].first, units[u].second, {}, {}};
-  ParameterGroupPlan root_plan{"(root)", &root, {}, {}};
+  // Each parameter goes to the deepest unit that contains it; the rest to the root. Frozen parameters
+  // form a second group of the same unit: no gradient hooks, released when the unit's backward is done.
+  const size_t root_index = units.size();
+  units.emplace_back("(root)", &root);
+  std::vector<ParameterGroupPlan> trainable(units.size()), frozen(units.size());
+  for (size_t u = 0; u < units.size(); ++u) {
+    trainable[u] = {units[u].first, units[u].second, false, {}, {}};
+    frozen[u] = {units[u].first + " (frozen)", units[u].second, true, {}, {}};
+  }
   for (const auto& p : params) {
-    size_t best = units.size();
-    for (size_t u = 0; u < units.size(); ++u)
-      if (inside(p.name, units[u].first) && (best == units.size() || units[u].first.size() > units[best].first.size()))
+    size_t best = root_index;
+    for (size_t u = 0; u < root_index; ++u)
+      if (inside(p.name, units[u].first) && (best == root_index || units[u].first.size() > units[best].first.size()))
         best = u;
-    auto& plan = best == units.size() ? root_plan : plans[best];
+    auto& plan = p.tensor.requires_grad() ? trainable[best] : frozen[best];
     plan.names.push_back(p.name);
     plan.params.push_back(p.tensor);
   }
   std::vector<ParameterGroupPlan> out;
-  for (auto& plan : plans)
-    if (!plan.params.empty()) out.push_back(std::move(plan));
-  if (!root_plan.params.empty()) out.push_back(std::move(root_plan));
+  for (size_t u = 0; u < units.size(); ++u)
+    for (auto* plan : {&trainable[u], &frozen[u]})
+      if (!plan->params.empty()) out.push_back(std::move(*plan));
   return out;
 }
 
 std::vector<ParameterGroupPlan> plan_buckets(const torch::nn::Module& root, const ZeroOptions& options) {
-  const auto params = trainable_parameters(root);
+  const auto params = distinct_parameters(root, /*trainable_only=*/true);
   std::vector<ParameterGroupPlan> out;
   double used = 0;
   for (auto it = params.rbegin(); it != params.rend(); ++it) {
@@ -124,7 +129,7 @@ std::vector<ParameterGroupPlan> plan_buckets(const torch::nn::Module& root, cons
                 out.back().params.front().scalar_type() == it->tensor.scalar_type() &&
                 out.back().params.front().device() == it->tensor.device();
     if (!fits) {
-      out.push_back({fmt::format("bucket {}", out.size()), nullptr, {}, {}});
+      out.push_back({fmt::format("bucket {}", out.size()), nullptr, false, {}, {}});
       used = 0;
     }
     out.back().names.push_back(it->name);

@@ -31,21 +31,21 @@ struct GradientReadyHook : torch::autograd::FunctionPostHook {
 
 class UnitHandle final : public ShardedUnit {
  public:
-  UnitHandle(std::weak_ptr<ZeroEngine> engine, size_t group) : engine_(std::move(engine)), group_(group) {}
+  UnitHandle(std::weak_ptr<ZeroEngine> engine, size_t unit) : engine_(std::move(engine)), unit_(unit) {}
   void before_forward() override {
-    if (auto e = engine_.lock()) e->unit_forward_begins(group_);
+    if (auto e = engine_.lock()) e->unit_forward_begins(unit_);
   }
   at::Tensor after_forward(const at::Tensor& output) override {
     auto e = engine_.lock();
-    return e ? e->unit_forward_ends(group_, output) : output;
+    return e ? e->unit_forward_ends(unit_, output) : output;
   }
   void forward_abandoned() override {
-    if (auto e = engine_.lock()) e->unit_forward_abandoned(group_);
+    if (auto e = engine_.lock()) e->unit_forward_abandoned(unit_);
   }
 
  private:
   std::weak_ptr<ZeroEngine> engine_;
-  size_t group_;
+  size_t unit_;
 };
 
 }  // namespace
@@ -73,6 +73,11 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
     groups_.push_back(make_flat_group(plan.label, plan.unit, std::move(plan.names), std::move(plan.params), comm_,
                                       /*owns_shard=*/stage_ == 3, options_.param_dtype));
     const size_t g = groups_.size() - 1;
+    if (stage_ == 3) {
+      if (units_.empty() || units_.back().module != plan.unit) units_.push_back({plan.unit, {}});
+      units_.back().groups.push_back(g);
+      unit_of_group_.push_back(units_.size() - 1);
+    }
     for (size_t i = 0; i < groups_[g].params.size(); ++i) {
       user_slots_[groups_[g].params[i].unsafeGetTensorImpl()] = {g, i};
       shard_slots_[groups_[g].shard_params[i].unsafeGetTensorImpl()] = {g, i};
@@ -81,7 +86,8 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
     return_free_memory_to_system();  // the group's original parameter storage, now replaced
   }
   // Gradients become ready in reverse: buckets are already in that order; units (root last) reverse.
-  for (size_t g = 0; g < groups_.size(); ++g) launch_order_.push_back(g);
+  for (size_t g = 0; g < groups_.size(); ++g)
+    if (!groups_[g].frozen) launch_order_.push_back(g);
   if (stage_ == 3) {
     std::reverse(launch_order_.begin(), launch_order_.end());
     // The root's group (its embeddings finish last) goes last.
@@ -90,6 +96,7 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
     if (root != launch_order_.end()) std::rotate(root, root + 1, launch_order_.end());
   }
   managed_.assign(groups_.size(), false);
+  forward_start_.assign(units_.size(), 0);
   grad_shards_.resize(groups_.size());
   works_.resize(groups_.size());
   peak_gathered_bytes_ = step_peak_gathered_bytes_ = gathered_bytes_;
@@ -99,17 +106,24 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
 void ZeroEngine::attach() {
   std::weak_ptr<ZeroEngine> self = shared_from_this();
   for (size_t g = 0; g < groups_.size(); ++g) {
+    if (groups_[g].frozen) continue;
     for (size_t i = 0; i < groups_[g].params.size(); ++i) {
       auto acc = compat::grad_accumulator(groups_[g].params[i]);
       acc->add_post_hook(std::make_unique<GradientReadyHook>(self, g, i));
       accumulators_.push_back(acc);
     }
-    if (stage_ == 3 && groups_[g].unit) {
-      auto handle = std::make_shared<UnitHandle>(self, g);
-      register_unit(*groups_[g].unit, handle);
-      unit_handles_.push_back(handle);
-    }
   }
+  for (size_t u = 0; u < units_.size(); ++u) {
+    auto handle = std::make_shared<UnitHandle>(self, u);
+    register_unit(*units_[u].module, handle);
+    unit_handles_.push_back(handle);
+  }
+}
+
+bool ZeroEngine::has_frozen(size_t u) const {
+  for (size_t g : units_[u].groups)
+    if (groups_[g].frozen) return true;
+  return false;
 }
 
 ZeroEngine::~ZeroEngine() {
@@ -119,8 +133,7 @@ ZeroEngine::~ZeroEngine() {
     settle_prefetches();  // the communicator must not write into memory freed after this
   } catch (const std::exception&) {
   }
-  for (const auto& g : groups_)
-    if (g.unit) unregister_unit(*g.unit);
+  for (const auto& unit : units_) unregister_unit(*unit.module);
 }
 
 // ------------------------------------------------------------------------------------------ gathers (stage 3)
@@ -153,36 +166,45 @@ bool ZeroEngine::await_prefetch(size_t g) {
   return true;
 }
 
-void ZeroEngine::prefetch(size_t g, bool in_backward) {
-  auto& group = groups_[g];
-  if (stage_ != 3 || !managed_[g] || group.gathered()) return;  // gathered(): also while a prefetch runs
+void ZeroEngine::prefetch(size_t u, bool in_backward) {
+  // gathered(): also while a prefetch runs.
+  auto wanted = [&](size_t g) { return managed_[g] && !groups_[g].gathered(); };
+  const auto& mine = units_[u].groups;
+  if (std::none_of(mine.begin(), mine.end(), wanted)) return;
   // FSDP's limit: besides the root, at most two units gathered (the running one and the next). The count
   // is the same on every rank, so the decision is too.
   int gathered_units = 0;
-  for (size_t other = 0; other < groups_.size(); ++other)
-    if (managed_[other] && groups_[other].unit != module_.get() && groups_[other].gathered()) ++gathered_units;
+  for (size_t other = 0; other < units_.size(); ++other) {
+    const auto& groups = units_[other].groups;
+    if (!is_root(other) && std::any_of(groups.begin(), groups.end(),
+                                       [&](size_t g) { return managed_[g] && groups_[g].gathered(); }))
+      ++gathered_units;
+  }
   if (gathered_units >= 2) return;
-  prefetching_.emplace(g, group.gather_async(comm_));
-  ++gathers_;
+  for (size_t g : mine) {
+    if (!wanted(g)) continue;
+    prefetching_.emplace(g, groups_[g].gather_async(comm_));
+    ++gathers_;
+    gathered_bytes_ += groups_[g].full_bytes();
+  }
   ++(in_backward ? backward_prefetches_ : forward_prefetches_);
-  gathered_bytes_ += group.full_bytes();
   peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
   step_peak_gathered_bytes_ = std::max(step_peak_gathered_bytes_, gathered_bytes_);
 }
 
 // The order is what every rank's model did in its last pass, so every rank prefetches the same unit
 // at the same moment and the collective sequences stay identical.
-void ZeroEngine::prefetch_after(const UnitOrder& order, size_t g, bool in_backward) {
-  auto it = std::find(order.last.begin(), order.last.end(), g);
+void ZeroEngine::prefetch_after(const UnitOrder& order, size_t u, bool in_backward) {
+  auto it = std::find(order.last.begin(), order.last.end(), u);
   if (it == order.last.end() || it + 1 == order.last.end()) return;
   // Not a unit that already ran in this pass (the root's gradients complete last, after every block's).
   if (std::find(order.current.begin(), order.current.end(), *(it + 1)) != order.current.end()) return;
   prefetch(*(it + 1), in_backward);
 }
 
-void ZeroEngine::UnitOrder::record(size_t g) {
-  if (std::find(current.begin(), current.end(), g) != current.end()) last = std::exchange(current, {});
-  current.push_back(g);
+void ZeroEngine::UnitOrder::record(size_t u) {
+  if (std::find(current.begin(), current.end(), u) != current.end()) last = std::exchange(current, {});
+  current.push_back(u);
 }
 
 void ZeroEngine::settle_prefetches() {
@@ -196,42 +218,81 @@ void ZeroEngine::drop_prefetches() {
   for (size_t g : issued) release(g);  // waits for the gather, then frees the unit again
 }
 
-void ZeroEngine::unit_forward_begins(size_t g) {
+void ZeroEngine::unit_forward_begins(size_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
-  managed_[g] = true;
-  gather(g);
-  if (stage_ != 3) return;
-  forward_order_.record(g);
-  if (options_.forward_prefetch) prefetch_after(forward_order_, g, /*in_backward=*/false);
+  for (size_t g : units_[u].groups) {
+    managed_[g] = true;
+    gather(g);
+  }
+  forward_start_[u] = autograd_position();
+  forward_order_.record(u);
+  if (options_.forward_prefetch) prefetch_after(forward_order_, u, /*in_backward=*/false);
 }
 
-at::Tensor ZeroEngine::unit_forward_ends(size_t g, const at::Tensor& output) {
+at::Tensor ZeroEngine::unit_forward_ends(size_t u, const at::Tensor& output) {
   const bool backward_follows = at::GradMode::is_enabled() && output.defined() && output.requires_grad();
   at::Tensor out = output;
   if (backward_follows) {
     std::weak_ptr<ZeroEngine> self = shared_from_this();
-    out = with_backward_prehook(output, [self, g] {
-      if (auto e = self.lock()) e->unit_backward_begins(g);
+    // Frozen parameters have no gradient to say when backward is done with them: the unit's own
+    // autograd nodes do (the root's stay gathered through the whole backward anyway).
+    if (has_frozen(u) && !is_root(u)) {
+      uint64_t generation = 0;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        generation = backward_generation_;
+        ++awaiting_backward_[u];
+      }
+      if (after_backward_of(output, forward_start_[u], [self, u, generation] {
+            if (auto e = self.lock()) e->unit_backward_done(u, generation);
+          }) == 0) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        --awaiting_backward_[u];  // backward reads nothing of the unit's
+      }
+    }
+    out = with_backward_prehook(output, [self, u] {
+      if (auto e = self.lock()) e->unit_backward_begins(u);
     });
   }
   std::lock_guard<std::mutex> lock(mutex_);
   // The root's backward comes first, right after its forward ends: it stays gathered until then.
-  if (!backward_follows || groups_[g].unit != module_.get()) release(g);
+  if (!backward_follows || !is_root(u))
+    for (size_t g : units_[u].groups) release(g);
   return out;
 }
 
-void ZeroEngine::unit_forward_abandoned(size_t g) {
+void ZeroEngine::unit_forward_abandoned(size_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
-  release(g);
+  for (size_t g : units_[u].groups) release(g);
 }
 
-void ZeroEngine::unit_backward_begins(size_t g) {
+void ZeroEngine::unit_backward_begins(size_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (detached_) return;
   arm_end_of_backward();
-  gather(g);
-  backward_order_.record(g);
-  if (options_.backward_prefetch == "BACKWARD_PRE") prefetch_after(backward_order_, g, /*in_backward=*/true);
+  for (size_t g : units_[u].groups) gather(g);
+  backward_order_.record(u);
+  if (options_.backward_prefetch == "BACKWARD_PRE") prefetch_after(backward_order_, u, /*in_backward=*/true);
+}
+
+void ZeroEngine::unit_backward_done(size_t u, uint64_t generation) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // A forward recorded for an earlier backward (its graph was dropped, or this is a second run of a
+  // retained graph) says nothing about this one.
+  if (detached_ || generation != backward_generation_ || awaiting_backward_[u] == 0) return;
+  if (--awaiting_backward_[u] > 0) return;
+  bool trainable = false;
+  for (size_t g : units_[u].groups) {
+    if (!groups_[g].frozen) {
+      trainable = true;
+      continue;
+    }
+    if (groups_[g].gathered() && managed_[g] && summoned_ == 0) ++frozen_released_in_backward_;
+    release(g);
+  }
+  // A unit without gradients never completes a group: its backward ending is the BACKWARD_POST moment.
+  if (!trainable && options_.backward_prefetch == "BACKWARD_POST")
+    prefetch_after(backward_order_, u, /*in_backward=*/true);
 }
 
 void ZeroEngine::gather_all() {
@@ -310,7 +371,8 @@ void ZeroEngine::group_complete(size_t g) {
   // Every gradient of the group is computed, so nothing in backward reads its parameters any more.
   if (stage_ != 3) return;
   release(g);
-  if (options_.backward_prefetch == "BACKWARD_POST") prefetch_after(backward_order_, g, /*in_backward=*/true);
+  if (options_.backward_prefetch == "BACKWARD_POST")
+    prefetch_after(backward_order_, unit_of(g), /*in_backward=*/true);
 }
 
 void ZeroEngine::launch_ready() {
@@ -376,6 +438,7 @@ void ZeroEngine::finish_backward() {
     // The optimizer's leaves get their parts of the averaged chunks.
     for (size_t g = 0; g < groups_.size(); ++g) {
       auto& group = groups_[g];
+      if (group.frozen) continue;
       at::Tensor chunk = stage_ == 1 ? group.grad_full.narrow(0, static_cast<int64_t>(group.rank) * group.shard_numel,
                                                               group.shard_numel)
                                      : grad_shards_[g];
@@ -396,11 +459,14 @@ void ZeroEngine::reset_backward_state() {
   ready_.assign(groups_.size(), {});
   pending_.assign(groups_.size(), 0);
   for (size_t g = 0; g < groups_.size(); ++g) {
-    ready_[g].assign(groups_[g].params.size(), false);
-    pending_[g] = groups_[g].params.size();
+    // A frozen group has no gradient to wait for: ready from the start, never launched.
+    ready_[g].assign(groups_[g].params.size(), groups_[g].frozen);
+    pending_[g] = groups_[g].frozen ? 0 : groups_[g].params.size();
   }
   next_launch_ = 0;
   in_backward_ = false;
+  ++backward_generation_;
+  awaiting_backward_.assign(units_.size(), 0);
 }
 
 // ------------------------------------------------------------------------------------------ optimizer
@@ -433,12 +499,13 @@ void ZeroEngine::optimizer_step(torch::optim::Optimizer& optimizer) {
   std::lock_guard<std::mutex> lock(mutex_);
   // Stages 1-2: every rank updated its chunk of the whole parameters; gather the others' in place.
   // Stage 3: the shards are the parameters; only groups held whole (no guard, or gathered now) refresh.
-  refresh_whole_copies();
+  refresh_whole_copies(/*frozen_too=*/false);
 }
 
-void ZeroEngine::refresh_whole_copies() {
+void ZeroEngine::refresh_whole_copies(bool frozen_too) {
   std::vector<Work> works;
-  for (auto& group : groups_) works.push_back(group.refresh_async(comm_));
+  for (auto& group : groups_)
+    if (frozen_too || !group.frozen) works.push_back(group.refresh_async(comm_));
   for (auto& w : works) w.wait();
 }
 
@@ -455,6 +522,7 @@ double ZeroEngine::clip_grad_norm(const std::vector<at::Tensor>& parameters, dou
   std::map<std::pair<size_t, size_t>, bool> seen;
   for (const auto& p : parameters) {
     const auto* slot = slot_of(p);
+    if (!slot && !p.requires_grad()) continue;  // frozen and whole (stages 1-2): no gradient to clip
     if (!slot)
       throw Error("clip_grad_norm(): a parameter is not one this sharded model trains (pass model->parameters())");
     if (!seen.emplace(std::pair{slot->group, slot->index}, true).second) continue;
@@ -497,6 +565,7 @@ nlohmann::json ZeroEngine::stats() const {
   int64_t shard_elements = 0, elements = 0, internal = 0;
   for (size_t g = 0; g < groups_.size(); ++g) {
     units.push_back({{"name", groups_[g].label},
+                     {"frozen", groups_[g].frozen},
                      {"parameters", groups_[g].numel},
                      {"bytes", groups_[g].full_bytes()},
                      {"sharded_between_steps", stage_ == 3 && managed_[g]}});
@@ -519,6 +588,7 @@ nlohmann::json ZeroEngine::stats() const {
           {"prefetches", forward_prefetches_ + backward_prefetches_},
           {"forward_prefetches", forward_prefetches_},
           {"backward_prefetches", backward_prefetches_},
+          {"frozen_released_in_backward", frozen_released_in_backward_},
           {"releases", releases_},
           {"launches", launches_},
           {"overlapped_launches", overlapped_},

@@ -49,11 +49,14 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   void release_all(bool writeback);
   nlohmann::json stats() const;
 
-  // From the unit guards and the backward pre-hook (stage 3).
-  void unit_forward_begins(size_t group);
-  at::Tensor unit_forward_ends(size_t group, const at::Tensor& output);
-  void unit_forward_abandoned(size_t group);
-  void unit_backward_begins(size_t group);
+  // From the unit guards and the backward pre-hook (stage 3); `unit` indexes units_.
+  void unit_forward_begins(size_t unit);
+  at::Tensor unit_forward_ends(size_t unit, const at::Tensor& output);
+  void unit_forward_abandoned(size_t unit);
+  void unit_backward_begins(size_t unit);
+  // Every node one forward of the unit created has run in backward (`generation`: the backward it
+  // was recorded for): its frozen groups are released once no other forward of it awaits backward.
+  void unit_backward_done(size_t unit, uint64_t generation);
   // From the gradient accumulator hooks.
   void gradient_ready(size_t group, size_t index);
 
@@ -61,6 +64,14 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   struct Slot {
     size_t group = 0, index = 0;
   };
+  // Stage 3: a module whose guard gathers its groups (its trainable one, its frozen one, or both).
+  struct Unit {
+    const torch::nn::Module* module = nullptr;
+    std::vector<size_t> groups;
+  };
+  bool is_root(size_t unit) const { return units_[unit].module == module_.get(); }
+  bool has_frozen(size_t unit) const;
+  size_t unit_of(size_t group) const { return unit_of_group_[group]; }
   void arm_end_of_backward();
   void finish_backward();
   void stash_gradient(size_t group, size_t index);
@@ -70,15 +81,15 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   void retire_oldest();
   void gather(size_t group);
   void release(size_t group);
-  // Stage 3 prefetching: issue `group`'s all-gather without waiting (a no-op unless a guard manages it
-  // and it is not gathered); the next unit after `group` in `order`; waiting for every prefetch.
+  // Stage 3 prefetching: issue a unit's all-gathers without waiting (a no-op unless a guard manages it
+  // and it is not gathered); the next unit after `unit` in `order`; waiting for every prefetch.
   struct UnitOrder {
     std::vector<size_t> last, current;  // the last complete pass; the one under way
-    void record(size_t group);          // a unit seen again in `current` starts a new pass
+    void record(size_t unit);           // a unit seen again in `current` starts a new pass
   };
-  void prefetch(size_t group, bool in_backward);
+  void prefetch(size_t unit, bool in_backward);
   bool await_prefetch(size_t group);  // waits for and forgets `group`'s prefetch; false if none was issued
-  void prefetch_after(const UnitOrder& order, size_t group, bool in_backward);
+  void prefetch_after(const UnitOrder& order, size_t unit, bool in_backward);
   void settle_prefetches();
   // Prefetched units nobody used (the order mispredicted): waited for and freed, before anything reads
   // `full` as current or changes the shards.
@@ -86,7 +97,8 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   void reset_backward_state();
   const Slot* slot_of(const at::Tensor& tensor) const;
   // Every whole copy that is alive (stages 1-2; stage-3 groups held whole) catches up with its shards.
-  void refresh_whole_copies();
+  // After an optimizer step frozen groups are skipped: their shards did not change.
+  void refresh_whole_copies(bool frozen_too);
 
   std::shared_ptr<torch::nn::Module> module_;
   Communicator comm_;
@@ -96,7 +108,9 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   bool find_unused_;
   std::shared_ptr<const GradientState> gradient_state_;
   std::vector<FlatGroup> groups_;
-  std::vector<size_t> launch_order_;
+  std::vector<Unit> units_;            // stage 3
+  std::vector<size_t> unit_of_group_;  // stage 3: the unit each group belongs to
+  std::vector<size_t> launch_order_;   // groups with gradients, in the order they become ready
   std::vector<bool> managed_;  // stage 3: a guard gathers and frees it (seen in a forward)
   std::unordered_map<const c10::TensorImpl*, Slot> user_slots_, shard_slots_;
   std::vector<compat::GradAccumulatorPtr> accumulators_;
@@ -107,6 +121,11 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   bool detached_ = false;
   bool in_backward_ = false;
   int summoned_ = 0;
+  // Stage 3, per unit: where its last forward began in the autograd graph, and how many of its forwards
+  // with frozen groups still await their backward (counted for `backward_generation_`).
+  std::vector<uint64_t> forward_start_;
+  std::vector<int> awaiting_backward_;
+  uint64_t backward_generation_ = 0;
   std::vector<std::vector<bool>> ready_;
   std::vector<size_t> pending_;
   std::vector<at::Tensor> grad_shards_;
@@ -120,7 +139,7 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
 
   // Figures for stats().
   int64_t gathers_ = 0, releases_ = 0, launches_ = 0, overlapped_ = 0, forward_prefetches_ = 0,
-          backward_prefetches_ = 0;
+          backward_prefetches_ = 0, frozen_released_in_backward_ = 0;
   int64_t gathered_bytes_ = 0, peak_gathered_bytes_ = 0, step_peak_gathered_bytes_ = 0;
 };
 

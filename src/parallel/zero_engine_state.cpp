@@ -85,7 +85,7 @@ void ZeroEngine::load_state_dict(const StateDict& state, StateDictKind kind) {
     }
   }
   // Whole copies that are alive (stages 1-2 always; stage 3 groups held whole) follow their shards.
-  refresh_whole_copies();
+  refresh_whole_copies(/*frozen_too=*/true);
 }
 
 std::vector<ParameterPiece> ZeroEngine::parameter_pieces() const {

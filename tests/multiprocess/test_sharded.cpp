@@ -299,6 +299,58 @@ TEST(ShardedGpt, PrefetchingIssuesTheNextUnitsGatherEarlyAndChangesNoResult) {
   }
 }
 
+TEST(ShardedGpt, FrozenParametersAreShardedByFullShardAndEveryRunEqualsOneProcess) {
+  // Fine-tuning: the position embedding (the root's), the whole first block, and each block's first norm
+  // and attention stay fixed. FULL_SHARD shards them as it shards the rest (4 bytes each, over N ranks),
+  // and frees each block's when the block's own backward is over; SHARD_GRAD_OP keeps them whole.
+  const Args extra{"--max_steps", "8", "--freeze", "wpe,blocks.0,ln1,attn"};
+  auto one_dir = temp_dir("gpt-frozen-one");
+  auto one = gpt_run(1, {}, 12, one_dir, extra, 3);
+  ASSERT_TRUE(one.contains("trainable_parameters"));
+  const double psi = one["parameters"].get<double>(), trained = one["trainable_parameters"].get<double>(),
+               frozen = psi - trained;
+  ASSERT_GT(frozen, 0.3 * psi);
+  EXPECT_NEAR(one["state_bytes_per_rank"].get<double>(), 16 * trained + 4 * frozen, 0.01 * psi);
+  auto expect_like_one = [&](const nlohmann::json& got, const std::string& dir) {
+    ASSERT_TRUE(got.contains("final_train_loss"));
+    EXPECT_NEAR(got["final_train_loss"].get<double>(), one["final_train_loss"].get<double>(), 1e-5);
+    EXPECT_NEAR(got["val_loss"].get<double>(), one["val_loss"].get<double>(), 1e-5);
+    expect_same_params(dir, one_dir, 1e-4);
+  };
+  for (int n : {2, 3, 4}) {
+    SCOPED_TRACE(fmt::format("FULL_SHARD on {} ranks", n));
+    Args flags = strategies()[2].flags;
+    if (n == 3)
+      flags.insert(flags.end(), {"--fsdp_backward_prefetch", "BACKWARD_PRE", "--fsdp_forward_prefetch", "true"});
+    auto dir = temp_dir("gpt-frozen");
+    auto got = gpt_run(n, flags, 12 / n, dir, extra, 3);
+    expect_like_one(got, dir);
+    const double formula = (16 * trained + 4 * frozen) / n;
+    EXPECT_NEAR(got["state_bytes_per_rank"].get<double>(), formula, 0.05 * formula);
+    EXPECT_EQ(got["frozen_released_in_backward"], 3 * 8) << got;  // every block, every step
+    EXPECT_LT(got["peak_state_bytes_per_rank"].get<double>() - got["state_bytes_per_rank"].get<double>(),
+              0.75 * 4 * psi);
+  }
+  // SHARD_GRAD_OP: frozen parameters whole (they have no gradients or optimizer state to shard). A
+  // FULL_SHARD checkpoint of 3 ranks (frozen shards included) resumes there on 2.
+  auto zero2 = gpt_run(2, strategies()[1].flags, 6, temp_dir("gpt-frozen-zero2"), extra, 3);
+  const double zero2_formula = 4 * frozen + 4 * trained + 12 * trained / 2;
+  EXPECT_NEAR(zero2["state_bytes_per_rank"].get<double>(), zero2_formula, 0.05 * zero2_formula);
+  Args sharded_sd = strategies()[2].flags;
+  sharded_sd.insert(sharded_sd.end(), {"--fsdp_state_dict_type", "SHARDED_STATE_DICT"});
+  auto split_dir = temp_dir("gpt-frozen-resume");
+  gpt_run(3, sharded_sd, 4, split_dir, {"--max_steps", "4", "--checkpoint_every", "4", "--freeze", extra.back()}, 3);
+  ASSERT_TRUE(fs::exists(split_dir + "/checkpoints/checkpoint_0/shards_rank2.safetensors"));
+  Args resume = extra;
+  resume.insert(resume.end(), {"--resume_from", "latest"});
+  auto resumed = gpt_run(2, strategies()[1].flags, 6, split_dir, resume, 3);
+  EXPECT_GT(resumed.value("load_state_seconds", 0.0), 0) << resumed;  // it did resume (a fresh run would match too)
+  expect_like_one(resumed, split_dir);
+  auto bad = run({kGpt, "--max_steps", "1", "--freeze", "wpe,atn", "--output_dir", temp_dir("gpt-frozen-bad")}, 60);
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE((bad.out + bad.err).find("--freeze \"atn\""), std::string::npos) << bad.out << bad.err;
+}
+
 TEST(ShardedGpt, AFullShardRunSavedShardedOnFourRanksResumesOnThreeWithShardGradOp) {
   // A real transformer with one unit per block: saved as SHARDED_STATE_DICT (every rank writes only its
   // shards) by FULL_SHARD on 4 ranks x 3, resumed by SHARD_GRAD_OP on 3 ranks x 4 (same global batch).

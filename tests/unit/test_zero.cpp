@@ -58,11 +58,30 @@ struct TinyNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(TinyNet);
 
-std::shared_ptr<TinyNetImpl> make_model(bool guard_root = true) {
+// Fine-tuning: the input layer (the root's), the whole first block (so backward never reaches it) and
+// the front of the others (norm and fc: backward reaches them after the block's trainable gradients,
+// `out`'s, are complete) require no gradients.
+void freeze_front(TinyNetImpl& net) {
+  net.in->weight.set_requires_grad(false);
+  net.in->bias.set_requires_grad(false);
+  for (size_t b = 0; b < net.blocks->size(); ++b) {
+    auto* block = net.blocks[b]->as<TinyBlockImpl>();
+    for (auto& p : (b == 0 ? block->parameters() : [&] {
+           auto front = block->norm->parameters();
+           for (auto& q : block->fc->parameters()) front.push_back(q);
+           return front;
+         }()))
+      p.set_requires_grad(false);
+  }
+}
+
+std::shared_ptr<TinyNetImpl> make_model(bool guard_root = true, bool frozen = false) {
   static std::mutex mutex;  // ranks are threads sharing LibTorch's default generator
   std::lock_guard<std::mutex> lock(mutex);
   torch::manual_seed(11);
-  return TinyNet(guard_root).ptr();
+  auto net = TinyNet(guard_root).ptr();
+  if (frozen) freeze_front(*net);
+  return net;
 }
 
 struct Batch {
@@ -134,8 +153,8 @@ void expect_same_run(const TrainRun& got, const TrainRun& expected, double toler
   for (size_t i = 0; i < got.norms.size(); ++i) EXPECT_NEAR(got.norms[i], expected.norms[i], 1e-5) << what;
 }
 
-TrainRun single_run(int steps, int micro = 1, double max_norm = 0, bool bf16 = false) {
-  auto single = make_parallel_strategy(make_model(), Communicator::in_process(xlr8::testing::unique_key(), 0, 1), {});
+TrainRun single_run(int steps, int micro = 1, double max_norm = 0, bool bf16 = false, bool frozen = false) {
+  auto single = make_parallel_strategy(make_model(true, frozen), Communicator::in_process(xlr8::testing::unique_key(), 0, 1), {});
   return train(*single, 0, 1, steps, micro, max_norm, bf16);
 }
 
@@ -236,6 +255,40 @@ TEST(Zero, ARootWithoutGuardStaysWholeAndStillMatches) {
     for (const auto& g : strategy->stats()["groups"])
       EXPECT_EQ(g["sharded_between_steps"].get<bool>(), g["name"] != "(root)") << g.dump();
   });
+}
+
+TEST(Zero, FrozenParametersAreShardedByStageThreeAndEveryStageMatchesOneRank) {
+  // With accumulation and clipping; the optimizer is given every parameter, frozen ones included.
+  const auto expected = single_run(3, /*micro=*/2, /*max_norm=*/0.05, false, /*frozen=*/true);
+  auto initial = make_model(true, true);
+  for (const auto& name : {"in.weight", "blocks.0.out.weight", "blocks.2.fc.weight"}) {
+    auto it = std::find_if(expected.params.begin(), expected.params.end(), [&](auto& e) { return e.first == name; });
+    ASSERT_NE(it, expected.params.end());
+    EXPECT_TRUE(at::equal(it->second, initial->named_parameters()[name])) << name << " is frozen";
+  }
+  for (int stage : {1, 2, 3})
+    for (int ranks : {2, 3, 4})
+      run_ranks(ranks, [&](Communicator& comm) {
+        auto strategy = make_parallel_strategy(make_model(true, true), comm, stage_options(stage));
+        auto got = train(*strategy, comm.rank(), ranks, 3, 2, 0.05);
+        expect_same_run(got, expected, 2e-6, fmt::format("stage {} on {} ranks, rank {}", stage, ranks, comm.rank()));
+        if (stage != 3) return;
+        // Every unit's frozen parameters are a group of their own, sharded between steps like the rest.
+        auto stats = strategy->stats();
+        int frozen_groups = 0;
+        for (const auto& g : stats["groups"]) {
+          frozen_groups += g["frozen"].get<bool>();
+          EXPECT_TRUE(g["sharded_between_steps"].get<bool>()) << g.dump();
+        }
+        EXPECT_EQ(frozen_groups, 4) << stats.dump();  // the root's, block 0 (all of it), blocks 1 and 2
+        EXPECT_EQ(stats["gathered_bytes"], 0) << stats.dump();
+        auto& net = dynamic_cast<TinyNetImpl&>(*strategy->module());
+        EXPECT_EQ(net.blocks[1]->as<TinyBlockImpl>()->fc->weight.storage().nbytes(), 0u);
+        EXPECT_EQ(net.in->weight.storage().nbytes(), 0u);
+        // Blocks 1 and 2 free theirs when their own backward is over (3 steps x 2 micro-batches), not
+        // at the end of backward; block 0's output needs no backward, so it frees them after forward.
+        EXPECT_EQ(stats["frozen_released_in_backward"], 2 * 3 * 2) << stats.dump();
+      });
 }
 
 TEST(Zero, OptimizerStateExistsOnlyForTheShard) {
