@@ -18,6 +18,6 @@ log=$(build/bin/xlr8 launch --num_processes 4 --num_cpu_threads_per_process 1 "$
   --d_model "$d_model" --n_layer "$n_layer" --n_head $((d_model / 64)) --seq_len 32 --batch_size 1 --max_steps 3 \
   --val_windows 1 --log_every 1 --output_dir "$out" 2>&1)
 rc=$?
-json=$(grep -o '{"final_train_loss.*' <<<"$log" | tail -1)
+json=$(grep -o '{.*"final_train_loss".*' <<<"$log" | tail -1)
 echo "strategy=$strategy d_model=$d_model n_layer=$n_layer exit=$rc seconds=$(( $(date +%s) - start )) ${json:-$(tail -3 <<<"$log" | tr '\n' ' ')}"
 rm -rf "$out"

@@ -108,9 +108,15 @@ int run(const Args& args) {
 
   gpt::Config config{.seq_len = args.seq_len, .n_layer = args.n_layer, .d_model = args.d_model,
                      .n_head = args.n_head, .tied_head = !args.untied_head};
-  gpt::Gpt net(config);
-  const int64_t frozen = gpt::freeze(*net, args.freeze);
-  auto model = acc.prepare(net);
+  // Under FULL_SHARD only the main process computes the initial weights; the others receive their
+  // shards (fsdp_cpu_ram_efficient_loading). Elsewhere this just builds the model.
+  int64_t frozen = 0;
+  auto model = acc.prepare(acc.build_model([&] {
+    gpt::Gpt net(config);
+    frozen = gpt::freeze(*net, args.freeze);
+    return net;
+  }));
+  const double setup_peak_rss_mb = peak_rss_mb();  // building and preparing the model
   auto opt = acc.prepare(xlr8::optim::FusedAdamW(model->parameters(), torch::optim::AdamWOptions(args.lr)));
 
   // 90% of the text for training, the rest held out.
@@ -200,6 +206,7 @@ int run(const Args& args) {
                                           torch::kFloat64),
                             xlr8::ReduceOp::MAX);
   auto growth = acc.gather(torch::full({1}, load_growth_mb, torch::kFloat64));
+  auto setup_peaks = acc.gather(torch::full({1}, setup_peak_rss_mb, torch::kFloat64));
   const auto stats = acc.parallel_stats(model);
   acc.save_model(model, args.output_dir + "/model");
   acc.end_training();
@@ -215,10 +222,13 @@ int run(const Args& args) {
                           {"parameters", params},
                           {"trainable_parameters", params - frozen},
                           {"frozen_released_in_backward", stats.value("frozen_released_in_backward", int64_t{0})},
+                          {"rank0_loading", stats.value("values_from_rank0", false)},
                           {"forward_prefetches", stats.value("forward_prefetches", int64_t{0})},
                           {"backward_prefetches", stats.value("backward_prefetches", int64_t{0})},
                           {"save_state_seconds", save_seconds},
                           {"load_state_seconds", load_seconds}};
+    result["setup_peak_rss_mb_by_rank"] =
+        std::vector<double>(setup_peaks.data_ptr<double>(), setup_peaks.data_ptr<double>() + setup_peaks.numel());
     if (!args.init_from.empty()) {
       std::vector<double> per_rank(growth.data_ptr<double>(), growth.data_ptr<double>() + growth.numel());
       result["load_peak_rss_growth_mb"] = per_rank;

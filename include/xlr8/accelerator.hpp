@@ -18,6 +18,7 @@
 
 #include "xlr8/autocast.hpp"
 #include "xlr8/data_loader.hpp"
+#include "xlr8/empty_init.hpp"
 #include "xlr8/format.hpp"
 #include "xlr8/parallel_strategy.hpp"
 #include "xlr8/process_state.hpp"
@@ -148,6 +149,23 @@ class Accelerator {
                                           int> = 0>
   Model prepare(Model model) {
     register_model(module_pointer(model));
+    return model;
+  }
+  // Builds a model with `build()` (returning a module holder or shared_ptr) without every process
+  // materialising it, as FSDP's cpu_ram_efficient_loading: when this run shards parameters (FULL_SHARD /
+  // stage 3 over all processes, not hybrid; units by TRANSFORMER_BASED_WRAP or NO_WRAP, as SIZE_BASED_WRAP
+  // may pick LibTorch's own modules, which open no guard) and fsdp_cpu_ram_efficient_loading is on (the default), only
+  // the main process computes the initial values; the others build it in an EmptyInitScope (no values,
+  // no resident memory) and prepare() hands each rank its shards, one unit at a time. Every unit but the
+  // root then starts freed, so each unit's forward must open xlr8::unshard(*this). Otherwise `build()`
+  // runs as it is. Prepare the result before reading it.
+  template <class Build>
+  auto build_model(Build&& build) -> decltype(build()) {
+    std::optional<EmptyInitScope> scope;
+    if (builds_empty()) scope.emplace();
+    auto model = build();
+    scope.reset();
+    built_model(module_pointer(model));
     return model;
   }
   // Optimizers are taken by value (or shared_ptr) and owned by the returned handle.
@@ -374,6 +392,9 @@ class Accelerator {
     else return m.ptr();
   }
   void register_model(std::shared_ptr<torch::nn::Module> module);
+  bool rank0_loading() const;  // build_model's condition
+  bool builds_empty() const;   // ... and this is not the main process
+  void built_model(const std::shared_ptr<torch::nn::Module>& module);
   const ParallelStrategy& strategy_of(const torch::nn::Module& module) const;
   ParallelStrategy& strategy_for_scope(const torch::nn::Module& module);
   void register_loader(std::shared_ptr<DataLoaderBase> loader);

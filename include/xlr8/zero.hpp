@@ -48,6 +48,11 @@ struct ZeroOptions {
   // "" or "NO_PREFETCH": never. At most two units' gathered parameters are alive (FSDP's limit).
   bool forward_prefetch = false;
   std::string backward_prefetch;
+  // Stage 3, FSDP's cpu_ram_efficient_loading (set by Accelerator::build_model): the model may hold no
+  // values on ranks other than 0 (built in an EmptyInitScope). Each unit takes rank 0's values one at a
+  // time, every rank keeps only its shard, and every unit but the root starts freed: its forward must
+  // open xlr8::unshard(*this), as nothing gathers it otherwise.
+  bool values_from_rank0 = false;
 };
 
 }  // namespace xlr8

@@ -55,7 +55,7 @@ at::Tensor FlatGroup::gather_master(Communicator& comm) const {
 
 FlatGroup make_flat_group(std::string label, const torch::nn::Module* unit, std::vector<std::string> names,
                           std::vector<at::Tensor> params, Communicator& comm, bool owns_shard,
-                          std::optional<at::ScalarType> compute_dtype) {
+                          std::optional<at::ScalarType> compute_dtype, bool values_from_rank0) {
   FlatGroup g;
   g.label = std::move(label);
   g.unit = unit;
@@ -81,8 +81,10 @@ FlatGroup make_flat_group(std::string label, const torch::nn::Module* unit, std:
   at::NoGradGuard no_grad;
   const auto compute = compute_dtype.value_or(options.dtype().toScalarType());
   auto exact = at::zeros({g.padded()}, options);  // the parameters in their own dtype, end to end
-  for (size_t i = 0; i < g.params.size(); ++i)
-    exact.narrow(0, g.offsets[i], g.params[i].numel()).copy_(g.params[i].detach().reshape(-1));
+  if (!values_from_rank0 || g.rank == 0)
+    for (size_t i = 0; i < g.params.size(); ++i)
+      exact.narrow(0, g.offsets[i], g.params[i].numel()).copy_(g.params[i].detach().reshape(-1));
+  if (values_from_rank0) comm.broadcast(exact, 0);
   g.full = compute == exact.scalar_type() ? exact : exact.to(compute);
   for (size_t i = 0; i < g.params.size(); ++i) {
     // The same parameter object, now a view of the flat buffer: its autograd identity (and the hooks

@@ -63,9 +63,10 @@ struct FlatGroup {
 // Lays `params` (same dtype and device; all requiring gradients, or none: a frozen group) out in a new group. With a
 // `compute_dtype` other than theirs, the parameters become tensors of that dtype (views of `full`) and
 // the optimizer's leaves stay in theirs. Collective when `owns_shard` (the shard is allocated in memory
-// the group's peers can read directly).
+// the group's peers can read directly). `values_from_rank0`: only rank 0's parameters hold values (the
+// others' are never read); the group's are broadcast from it (collective).
 FlatGroup make_flat_group(std::string label, const torch::nn::Module* unit, std::vector<std::string> names,
                           std::vector<at::Tensor> params, Communicator& comm, bool owns_shard,
-                          std::optional<at::ScalarType> compute_dtype = std::nullopt);
+                          std::optional<at::ScalarType> compute_dtype = std::nullopt, bool values_from_rank0 = false);
 
 }  // namespace xlr8::detail

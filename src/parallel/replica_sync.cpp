@@ -32,12 +32,12 @@ void verify_same_model(Communicator& comm, const std::vector<std::string>& mine)
 
 }  // namespace
 
-void make_replicas_equal(Communicator& comm, const torch::nn::Module& module) {
+void make_replicas_equal(Communicator& comm, const torch::nn::Module& module, bool parameters) {
   std::vector<std::string> signatures;
   std::vector<at::Tensor> tensors;
   for (const auto& item : module.named_parameters()) {
     signatures.push_back(fmt::format("{} {}", item.key(), describe(item.value())));
-    tensors.push_back(item.value());
+    if (parameters) tensors.push_back(item.value());
   }
   for (const auto& item : module.named_buffers()) {
     signatures.push_back(fmt::format("buffer {} {}", item.key(), describe(item.value())));

@@ -13,8 +13,9 @@
 namespace xlr8::detail {
 
 // Collective: compares every rank's parameter and buffer names, dtypes and shapes (an Error names the
-// first difference and the rank), then broadcasts parameters and buffers from rank 0.
-void make_replicas_equal(Communicator& comm, const torch::nn::Module& module);
+// first difference and the rank), then broadcasts parameters (unless `parameters` is false: their values
+// come another way) and buffers from rank 0.
+void make_replicas_equal(Communicator& comm, const torch::nn::Module& module, bool parameters = true);
 // The error for parameters that got no gradient in a synchronised backward (`reduction`: the
 // collective that cannot complete without them).
 Error unused_parameters_error(int rank, const std::vector<std::string>& names, const std::string& reduction);

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <map>
 
+#include "core/log.hpp"
 #include "os/memory.hpp"
 #include "parallel/replica_sync.hpp"
 #include "parallel/sharded_unit.hpp"
@@ -67,12 +68,20 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
                                   "BACKWARD_POST, NO_PREFETCH or empty",
                                   prefetch));
   // fsdp_sync_module_states: every rank starts from rank 0's weights (and the same model is checked).
-  make_replicas_equal(comm_, *module_);
+  // Built for rank-0 loading, the other ranks hold no values: each unit's come from rank 0 below, one
+  // unit at a time, so no rank ever holds the whole model.
+  const bool from_rank0 = stage_ == 3 && options_.values_from_rank0;
+  make_replicas_equal(comm_, *module_, /*parameters=*/!from_rank0);
   auto plans = stage_ == 3 ? plan_units(*module_, options_) : plan_buckets(*module_, options_);
   for (auto& plan : plans) {
+    const bool root = plan.unit == module_.get();
     groups_.push_back(make_flat_group(plan.label, plan.unit, std::move(plan.names), std::move(plan.params), comm_,
-                                      /*owns_shard=*/stage_ == 3, options_.param_dtype));
+                                      /*owns_shard=*/stage_ == 3, options_.param_dtype, from_rank0));
     const size_t g = groups_.size() - 1;
+    // Units start freed (their guards gather them); the root stays whole until its guard runs, as
+    // without rank-0 loading.
+    managed_.push_back(from_rank0 && !root);
+    if (managed_.back()) groups_[g].release();
     if (stage_ == 3) {
       if (units_.empty() || units_.back().module != plan.unit) units_.push_back({plan.unit, {}});
       units_.back().groups.push_back(g);
@@ -82,7 +91,7 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
       user_slots_[groups_[g].params[i].unsafeGetTensorImpl()] = {g, i};
       shard_slots_[groups_[g].shard_params[i].unsafeGetTensorImpl()] = {g, i};
     }
-    if (stage_ == 3) gathered_bytes_ += groups_[g].full_bytes();
+    if (stage_ == 3 && groups_[g].gathered()) gathered_bytes_ += groups_[g].full_bytes();
     return_free_memory_to_system();  // the group's original parameter storage, now replaced
   }
   // Gradients become ready in reverse: buckets are already in that order; units (root last) reverse.
@@ -95,8 +104,8 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
                              [&](size_t g) { return groups_[g].unit == module_.get(); });
     if (root != launch_order_.end()) std::rotate(root, root + 1, launch_order_.end());
   }
-  managed_.assign(groups_.size(), false);
   forward_start_.assign(units_.size(), 0);
+  guarded_.assign(units_.size(), false);
   grad_shards_.resize(groups_.size());
   works_.resize(groups_.size());
   peak_gathered_bytes_ = step_peak_gathered_bytes_ = gathered_bytes_;
@@ -225,6 +234,7 @@ void ZeroEngine::unit_forward_begins(size_t u) {
     gather(g);
   }
   forward_start_[u] = autograd_position();
+  guarded_[u] = true;
   forward_order_.record(u);
   if (options_.forward_prefetch) prefetch_after(forward_order_, u, /*in_backward=*/false);
 }
@@ -264,6 +274,19 @@ at::Tensor ZeroEngine::unit_forward_ends(size_t u, const at::Tensor& output) {
 void ZeroEngine::unit_forward_abandoned(size_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
   for (size_t g : units_[u].groups) release(g);
+  // The model's forward failed. Units that start freed and were never gathered are the likely cause:
+  // reading them fails inside LibTorch with a message about "lazy allocation".
+  if (!is_root(u) || !options_.values_from_rank0 || warned_unguarded_) return;
+  std::vector<std::string> never;
+  for (size_t other = 0; other < units_.size(); ++other)
+    if (!guarded_[other] && !is_root(other)) never.push_back(groups_[units_[other].groups.front()].label);
+  if (never.empty()) return;
+  warned_unguarded_ = true;
+  log::warning("xlr8: the model's forward failed before unit(s) {} ever opened xlr8::unshard(*this). Built by "
+               "build_model for rank-0 loading (fsdp_cpu_ram_efficient_loading), units hold no parameters until "
+               "their guard gathers them: add the guard to their forward, or set fsdp_cpu_ram_efficient_loading: "
+               "false",
+               fmt::join(never, ", "));
 }
 
 void ZeroEngine::unit_backward_begins(size_t u) {
@@ -417,15 +440,26 @@ void ZeroEngine::retire_oldest() {
 
 void ZeroEngine::finish_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
+  try {
+    reduce_and_hand_over();
+  } catch (...) {
+    // A collective timed out or failed: the next backward must not find this one's half-counted state.
+    in_flight_.clear();
+    reset_backward_state();
+    throw;
+  }
+  if (stage_ == 3)
+    for (size_t g = 0; g < groups_.size(); ++g) release(g);
+  reset_backward_state();
+}
+
+void ZeroEngine::reduce_and_hand_over() {
   if (sync_) {
     std::vector<std::string> unused;
     for (size_t g = 0; g < groups_.size(); ++g)
       for (size_t i = 0; i < groups_[g].params.size(); ++i)
         if (!ready_[g][i]) unused.push_back(groups_[g].names[i]);
-    if (!unused.empty() && !find_unused_) {
-      reset_backward_state();
-      throw unused_parameters_error(comm_.rank(), unused, "reduction");
-    }
+    if (!unused.empty() && !find_unused_) throw unused_parameters_error(comm_.rank(), unused, "reduction");
     for (size_t g = 0; g < groups_.size(); ++g)
       for (size_t i = 0; i < groups_[g].params.size(); ++i)
         if (!ready_[g][i]) {
@@ -450,9 +484,6 @@ void ZeroEngine::finish_backward() {
       grad_shards_[g] = at::Tensor();  // owned by the leaves' gradients now: zero_grad(set_to_none) frees it
     }
   }
-  if (stage_ == 3)
-    for (size_t g = 0; g < groups_.size(); ++g) release(g);
-  reset_backward_state();
 }
 
 void ZeroEngine::reset_backward_state() {
@@ -589,6 +620,7 @@ nlohmann::json ZeroEngine::stats() const {
           {"forward_prefetches", forward_prefetches_},
           {"backward_prefetches", backward_prefetches_},
           {"frozen_released_in_backward", frozen_released_in_backward_},
+          {"values_from_rank0", stage_ == 3 && options_.values_from_rank0},
           {"releases", releases_},
           {"launches", launches_},
           {"overlapped_launches", overlapped_},

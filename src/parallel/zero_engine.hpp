@@ -40,7 +40,7 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
   StateDict state_dict(StateDictKind kind);
   void load_state_dict(const StateDict& state, StateDictKind kind);
-  std::vector<ParameterPiece> parameter_pieces() const;
+  std::vector<ParameterPiece> parameter_pieces();  // drops prefetches: loads write what they return
   std::vector<at::Tensor> gradient_holders(const std::vector<at::Tensor>& parameters) const;
   void visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn);
   StateDict state_dict_shapes(StateDictKind kind) const;
@@ -74,6 +74,9 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   size_t unit_of(size_t group) const { return unit_of_group_[group]; }
   void arm_end_of_backward();
   void finish_backward();
+  // At the end of a synchronised backward: the gradients no hook saw, the reductions still to launch
+  // and wait for, and each chunk handed to the optimizer's leaves.
+  void reduce_and_hand_over();
   void stash_gradient(size_t group, size_t index);
   void group_complete(size_t group);
   void launch_ready();
@@ -124,6 +127,8 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   // Stage 3, per unit: where its last forward began in the autograd graph, and how many of its forwards
   // with frozen groups still await their backward (counted for `backward_generation_`).
   std::vector<uint64_t> forward_start_;
+  std::vector<bool> guarded_;  // its guard has opened at least once
+  bool warned_unguarded_ = false;
   std::vector<int> awaiting_backward_;
   uint64_t backward_generation_ = 0;
   std::vector<std::vector<bool>> ready_;

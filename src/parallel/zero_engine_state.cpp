@@ -88,7 +88,11 @@ void ZeroEngine::load_state_dict(const StateDict& state, StateDictKind kind) {
   refresh_whole_copies(/*frozen_too=*/true);
 }
 
-std::vector<ParameterPiece> ZeroEngine::parameter_pieces() const {
+std::vector<ParameterPiece> ZeroEngine::parameter_pieces() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    drop_prefetches();  // a mispredicted one would all-gather the shards while a load writes them
+  }
   // Under hybrid sharding every replica holds the same shards: the first one writes them.
   const bool writer = !replicate_.valid() || replicate_.rank() == 0;
   std::vector<ParameterPiece> out;

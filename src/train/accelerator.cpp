@@ -10,6 +10,7 @@
 #include "compat/torch_compat.hpp"
 #include "core/log.hpp"
 #include "os/memory.hpp"
+#include "parallel/zero_strategy.hpp"
 #include "train/accelerator_impl.hpp"
 #include "xlr8/error.hpp"
 
@@ -241,6 +242,40 @@ std::optional<at::ScalarType> sharded_param_dtype(MixedPrecision precision, cons
 
 }  // namespace
 
+bool Accelerator::rank0_loading() const {
+  const auto& s = *impl_;
+  const auto& settings = s.state->settings();
+  if (s.state->world_size() == 1 || !settings.fsdp || !settings.fsdp->cpu_ram_efficient_loading) return false;
+  const auto zero = detail::resolve_zero_options(s.options.parallel.zero, settings, s.state->local_world_size());
+  const int dp = s.state->mesh().group("dp").size();
+  // Units chosen by size are often LibTorch's own modules, which open no guard: they must stay whole.
+  const bool guarded_units = zero.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" || zero.auto_wrap_policy == "NO_WRAP";
+  return zero.stage == 3 && guarded_units && (zero.hybrid_shard_size == 0 || zero.hybrid_shard_size == dp) &&
+         dp == num_processes();
+}
+
+bool Accelerator::builds_empty() const { return !is_main_process() && rank0_loading(); }
+
+void Accelerator::built_model(const std::shared_ptr<torch::nn::Module>& module) {
+  if (!module) throw Error("build_model(): the model is null");
+  if (!rank0_loading()) return;
+  if (builds_empty()) {
+    // Tensors computed from others while building (not made by a factory function) land on the meta
+    // device, which no strategy can fill in place.
+    auto check = [](const std::string& kind, const std::string& name, const at::Tensor& t) {
+      if (t.defined() && t.is_meta())
+        throw Error(fmt::format("build_model(): {} {} was computed from other tensors while the model was built, so "
+                                "with fsdp_cpu_ram_efficient_loading it has no storage on this process. Create it with "
+                                "a factory function (torch::empty/zeros/ones/randn) and fill it in place, or set "
+                                "fsdp_cpu_ram_efficient_loading: false",
+                                kind, name));
+    };
+    for (const auto& item : module->named_parameters()) check("parameter", item.key(), item.value());
+    for (const auto& item : module->named_buffers()) check("buffer", item.key(), item.value());
+  }
+  impl_->built_for_rank0_loading.push_back(module.get());
+}
+
 void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   auto& s = *impl_;
   if (!module) throw Error("prepare(): the model is null");
@@ -248,6 +283,11 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   module->to(s.device);
   auto parallel = s.options.parallel;
   if (!parallel.zero.param_dtype) parallel.zero.param_dtype = sharded_param_dtype(s.precision, s.device);
+  auto& built = s.built_for_rank0_loading;
+  if (auto it = std::find(built.begin(), built.end(), module.get()); it != built.end()) {
+    parallel.zero.values_from_rank0 = true;
+    built.erase(it);
+  }
   s.models.push_back(make_parallel_strategy(std::move(module), *s.state, parallel, s.gradient_state));
   // What users pass to optimizers and clip_grad_norm (the module's parameters) and what a sharded
   // strategy optimizes (its shards) both lead to the strategy.

@@ -251,6 +251,7 @@ TEST(ShardedGpt, EveryStageMatchesOneProcessAndHoldsTheFormulaBytes) {
       const double guess = predicted[s.name].get<double>();
       EXPECT_NEAR(guess, got["state_bytes_per_rank"].get<double>(), 0.1 * guess);
       EXPECT_LT(got["state_bytes_per_rank"].get<double>(), ddp["state_bytes_per_rank"].get<double>());
+      EXPECT_EQ(got["rank0_loading"].get<bool>(), s.name == "zero3");  // fsdp_cpu_ram_efficient_loading's default
       if (s.name == "zero3") {
         // Gathered units are freed after use: the transient is the root's parameters plus one block,
         // far from the whole model (4Ψ).
@@ -349,6 +350,36 @@ TEST(ShardedGpt, FrozenParametersAreShardedByFullShardAndEveryRunEqualsOneProces
   auto bad = run({kGpt, "--max_steps", "1", "--freeze", "wpe,atn", "--output_dir", temp_dir("gpt-frozen-bad")}, 60);
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE((bad.out + bad.err).find("--freeze \"atn\""), std::string::npos) << bad.out << bad.err;
+}
+
+TEST(ShardedGpt, RamEfficientLoadingBuildsTheModelOnRankZeroOnlyAndChangesNoResult) {
+  // fsdp_cpu_ram_efficient_loading (on by default): ranks 1-3 build the GPT without values and receive
+  // their shards unit by unit, so building and preparing it costs them far less resident memory.
+  // 14.3 M parameters (57 MB in fp32).
+  auto gpt = [&](const std::string& loading, const std::string& dir) {
+    Args flags = strategies()[2].flags;
+    flags.insert(flags.end(), {"--fsdp_cpu_ram_efficient_loading", loading});
+    auto a = launch(4, flags, kGpt);
+    a.insert(a.end(), {"--n_layer", "8", "--d_model", "384", "--n_head", "6", "--seq_len", "32", "--batch_size", "1",
+                       "--max_steps", "2", "--val_windows", "8", "--output_dir", dir});
+    auto r = run(a, 240);
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    return r.exit_code == 0 ? last_json(r.out) : nlohmann::json::object();
+  };
+  auto on_dir = temp_dir("gpt-rank0-on"), off_dir = temp_dir("gpt-rank0-off");
+  auto on = gpt("true", on_dir), off = gpt("false", off_dir);
+  ASSERT_TRUE(on.contains("setup_peak_rss_mb_by_rank") && off.contains("setup_peak_rss_mb_by_rank"));
+  EXPECT_TRUE(on["rank0_loading"].get<bool>());
+  EXPECT_FALSE(off["rank0_loading"].get<bool>());
+  EXPECT_NEAR(on["final_train_loss"].get<double>(), off["final_train_loss"].get<double>(), 1e-6);
+  EXPECT_NEAR(on["val_loss"].get<double>(), off["val_loss"].get<double>(), 1e-6);
+  expect_same_params(on_dir, off_dir, 1e-6);
+  const double model_mb = 4 * on["parameters"].get<double>() / (1 << 20);
+  const auto on_peaks = on["setup_peak_rss_mb_by_rank"].get<std::vector<double>>();
+  const auto off_peaks = off["setup_peak_rss_mb_by_rank"].get<std::vector<double>>();
+  ASSERT_EQ(on_peaks.size(), 4u);
+  for (size_t r = 1; r < 4; ++r) EXPECT_GT(off_peaks[r] - on_peaks[r], 0.8 * model_mb) << on << off;
+  EXPECT_LT(on_peaks[0], off_peaks[0] + 8) << on << off;  // rank 0 builds it whole either way
 }
 
 TEST(ShardedGpt, AFullShardRunSavedShardedOnFourRanksResumesOnThreeWithShardGradOp) {

@@ -4,11 +4,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <fstream>
 #include <mutex>
 
 #include "parallel/zero_strategy.hpp"
 #include "thread_ranks.hpp"
 #include "xlr8/autocast.hpp"
+#include "xlr8/empty_init.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/parallel_strategy.hpp"
 #include "xlr8/unshard.hpp"
@@ -289,6 +291,65 @@ TEST(Zero, FrozenParametersAreShardedByStageThreeAndEveryStageMatchesOneRank) {
         // at the end of backward; block 0's output needs no backward, so it frees them after forward.
         EXPECT_EQ(stats["frozen_released_in_backward"], 2 * 3 * 2) << stats.dump();
       });
+}
+
+TEST(Zero, EmptyInitBuildsWithoutTouchingMemoryAndLeavesLaterOperatorsAlone) {
+  auto resident_mb = [] {
+    std::ifstream status("/proc/self/status");
+    for (std::string line; std::getline(status, line);)
+      if (line.rfind("VmRSS:", 0) == 0) return std::stod(line.substr(6)) / 1024;
+    return 0.0;
+  };
+  const double before = resident_mb();
+  std::shared_ptr<torch::nn::LinearImpl> big;
+  {
+    EmptyInitScope empty;
+    big = torch::nn::Linear(8192, 8192).ptr();  // 256 MB of weights, initialised by kaiming_uniform_
+  }
+  EXPECT_EQ(big->weight.sizes(), (std::vector<int64_t>{8192, 8192}));
+  EXPECT_TRUE(big->weight.requires_grad());
+  EXPECT_LT(resident_mb() - before, 64) << "the weights' memory was written";
+  // The scope is gone: operators compute again (leaving the Meta key's backend bit behind would not).
+  EXPECT_TRUE(at::equal(torch::ones({3}) + 1, torch::full({3}, 2.0f)));
+  big.reset();
+}
+
+TEST(Zero, ModelsBuiltEmptyTakeRankZerosValuesAndTheirUnitsStartFreed) {
+  const auto expected = single_run(3, /*micro=*/2, /*max_norm=*/0.05);
+  for (int ranks : {2, 3, 4})
+    run_ranks(ranks, [&](Communicator& comm) {
+      std::shared_ptr<TinyNetImpl> net;
+      if (comm.rank() == 0) {
+        net = make_model();
+      } else {
+        EmptyInitScope empty;  // no values: whatever the memory held
+        net = TinyNet(true).ptr();
+      }
+      auto options = stage_options(3);
+      options.zero.values_from_rank0 = true;
+      auto strategy = make_parallel_strategy(net, comm, options);
+      EXPECT_TRUE(strategy->stats()["values_from_rank0"].get<bool>());
+      EXPECT_EQ(net->blocks[1]->as<TinyBlockImpl>()->fc->weight.storage().nbytes(), 0u);  // freed from the start
+      EXPECT_GT(net->head->weight.storage().nbytes(), 0u);  // the root: whole until its guard runs
+      auto got = train(*strategy, comm.rank(), ranks, 3, 2, 0.05);
+      expect_same_run(got, expected, 2e-6, fmt::format("{} ranks, rank {}", ranks, comm.rank()));
+    });
+}
+
+TEST(Zero, AUnitWithoutGuardThatStartsFreedFailsWithAHint) {
+  // SIZE_BASED_WRAP with a small threshold makes LibTorch's Linear modules units: they open no guard.
+  ::testing::internal::CaptureStderr();
+  run_ranks(2, [&](Communicator& comm) {
+    auto net = make_model();
+    auto options = stage_options(3, "SIZE_BASED_WRAP");
+    options.zero.min_num_params = 30;
+    options.zero.values_from_rank0 = true;
+    auto strategy = make_parallel_strategy(net, comm, options);
+    EXPECT_THROW(net->forward(global_batch(0).x), c10::Error);
+  });
+  const auto err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("ever opened xlr8::unshard(*this)"), std::string::npos) << err;
+  EXPECT_NE(err.find("blocks.0.fc"), std::string::npos) << err;
 }
 
 TEST(Zero, OptimizerStateExistsOnlyForTheShard) {
