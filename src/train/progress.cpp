@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 #include <sys/ioctl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -48,10 +49,14 @@ bool utf8_terminal() {
 }
 
 // Set by `xlr8 launch` for its workers when its own stderr is a terminal: the columns left after the rank
-// prefix. The workers' stderr is a pipe to the launcher, which shows in-place lines as they come.
+// prefix. The workers' stderr is a pipe to the launcher, which shows in-place lines as they come; a
+// program that inherited the variable but writes elsewhere (a worker's child redirected to a file) is
+// not on that terminal.
 int launcher_terminal_columns() {
   const char* columns = std::getenv("XLR8_TERMINAL_COLUMNS");
-  return columns ? std::atoi(columns) : 0;
+  struct stat info {};
+  if (!columns || fstat(fileno(stderr), &info) != 0 || !S_ISFIFO(info.st_mode)) return 0;
+  return std::atoi(columns);
 }
 
 bool is_terminal(std::FILE* out) {

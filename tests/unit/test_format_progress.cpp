@@ -1,6 +1,7 @@
 // Tensors in fmt and JSON (format.hpp), nested tensor values (tensor_tree.hpp) and the progress bar's
 // two renderings (progress.hpp).
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <torch/torch.h>
 
@@ -116,6 +117,29 @@ TEST(ProgressBar, BarModeRedrawsInPlaceAndEndsWithANewline) {
   EXPECT_NE(text.find("| 4/4 [00:00<00:00, "), std::string::npos) << text;
   EXPECT_EQ(text.substr(text.size() - 4), "\x1b[K\n");
   EXPECT_EQ(bar.count(), 4);
+}
+
+TEST(ProgressBar, TheLaunchersTerminalCountsOnlyWhileStderrIsItsPipe) {
+  // A worker's child inherits XLR8_TERMINAL_COLUMNS; with its stderr sent to a file it must not draw.
+  ::setenv("XLR8_TERMINAL_COLUMNS", "80", 1);
+  std::fflush(stderr);
+  const int saved = ::dup(2);
+  std::FILE* file = std::tmpfile();
+  ::dup2(::fileno(file), 2);
+  const auto to_file = xlr8::ProgressBar(3, {}, xlr8::ProgressMode::AUTO, stderr).mode();
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe(pipe_fds), 0);
+  ::dup2(pipe_fds[1], 2);
+  const auto to_pipe = xlr8::ProgressBar(3, {}, xlr8::ProgressMode::AUTO, stderr).mode();
+  std::fflush(stderr);
+  ::dup2(saved, 2);
+  ::close(saved);
+  ::close(pipe_fds[0]);
+  ::close(pipe_fds[1]);
+  std::fclose(file);
+  ::unsetenv("XLR8_TERMINAL_COLUMNS");
+  EXPECT_EQ(to_file, xlr8::ProgressMode::LINES);
+  EXPECT_EQ(to_pipe, xlr8::ProgressMode::BAR);
 }
 
 TEST(ProgressBar, AutoIsLinesOffATerminalAndOffIsSilent) {
