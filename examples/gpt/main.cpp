@@ -36,6 +36,7 @@ struct Args {
   bool untied_head = false;
   int64_t log_every = 25;
   std::string freeze;  // module paths to fine-tune around (gpt::freeze)
+  double dropout = 0.0;  // attention dropout; 0 keeps runs on any number of processes comparable
 };
 
 // Bytes of parameters, gradients and optimizer state this process holds, each storage counted once
@@ -107,7 +108,7 @@ int run(const Args& args) {
   acc.set_seed(args.seed);
 
   gpt::Config config{.seq_len = args.seq_len, .n_layer = args.n_layer, .d_model = args.d_model,
-                     .n_head = args.n_head, .tied_head = !args.untied_head};
+                     .n_head = args.n_head, .dropout = args.dropout, .tied_head = !args.untied_head};
   // Under FULL_SHARD only the main process computes the initial weights; the others receive their
   // shards (fsdp_cpu_ram_efficient_loading). Elsewhere this just builds the model.
   int64_t frozen = 0;
@@ -258,6 +259,7 @@ int main(int argc, char** argv) {
   app.add_option("--gradient_accumulation_steps", a.gradient_accumulation_steps, "Micro-batches per optimizer step");
   app.add_option("--data_dir", a.data_dir, "Directory of text files (default: Debian's fortunes)");
   app.add_option("--val_windows", a.val_windows, "Held-out windows scored at the end");
+  app.add_option("--dropout", a.dropout, "Attention dropout probability (random: runs then depend on the process count)");
   app.add_option("--freeze", a.freeze, "Comma-separated module paths whose parameters stay fixed (e.g. wpe,attn)");
   app.add_flag("--untied_head", a.untied_head, "An LM head of its own instead of the token embedding's weights");
   app.add_option("--log_every", a.log_every, "Print progress every N steps");

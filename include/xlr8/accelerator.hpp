@@ -155,10 +155,11 @@ class Accelerator {
   // materialising it, as FSDP's cpu_ram_efficient_loading: when this run shards parameters (FULL_SHARD /
   // stage 3 over all processes, not hybrid; units by TRANSFORMER_BASED_WRAP or NO_WRAP, as SIZE_BASED_WRAP
   // may pick LibTorch's own modules, which open no guard) and fsdp_cpu_ram_efficient_loading is on (the default), only
-  // the main process computes the initial values; the others build it in an EmptyInitScope (no values,
-  // no resident memory) and prepare() hands each rank its shards, one unit at a time. Every unit but the
-  // root then starts freed, so each unit's forward must open xlr8::unshard(*this). Otherwise `build()`
-  // runs as it is. Prepare the result before reading it.
+  // the main process computes the initial values; the others build it in an EmptyInitScope and to_empty
+  // (no values, no resident memory) and prepare() hands each rank its shards, one unit at a time; every
+  // rank's CPU generator continues from the main process's. Every unit but the root then starts freed,
+  // so each unit's forward must open xlr8::unshard(*this). Otherwise `build()` runs as it is. Collective
+  // in the first case. Prepare the result before reading it.
   template <class Build>
   auto build_model(Build&& build) -> decltype(build()) {
     std::optional<EmptyInitScope> scope;

@@ -36,7 +36,9 @@ void make_replicas_equal(Communicator& comm, const torch::nn::Module& module, bo
   std::vector<std::string> signatures;
   std::vector<at::Tensor> tensors;
   for (const auto& item : module.named_parameters()) {
-    signatures.push_back(fmt::format("{} {}", item.key(), describe(item.value())));
+    // Frozen or not decides how sharding groups a parameter: every rank must agree.
+    signatures.push_back(fmt::format("{} {}{}", item.key(), describe(item.value()),
+                                     item.value().requires_grad() ? "" : " (frozen)"));
     if (parameters) tensors.push_back(item.value());
   }
   for (const auto& item : module.named_buffers()) {

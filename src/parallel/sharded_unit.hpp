@@ -31,7 +31,9 @@ uint64_t autograd_position();
 // Calls `done` once every node of `output`'s graph created since `forward_start` (the unit's own
 // operations, which are what saved its parameters) has run in backward: nothing reads the unit's
 // parameters after that. Returns how many nodes there are; with none, `done` is never called. A node
-// backward never reaches (an unused branch) keeps `done` from being called.
-size_t after_backward_of(const at::Tensor& output, uint64_t forward_start, std::function<void()> done);
+// backward never reaches (an unused branch) keeps `done` from being called. `dropped` is called instead
+// when the graph is freed before all of them ran (its backward never came, or not all of it).
+size_t after_backward_of(const at::Tensor& output, uint64_t forward_start, std::function<void()> done,
+                         std::function<void()> dropped);
 
 }  // namespace xlr8::detail

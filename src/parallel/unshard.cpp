@@ -47,10 +47,14 @@ struct BackwardPrehook : torch::autograd::Function<BackwardPrehook> {
 };
 
 // Shared by the post-hooks on one forward's nodes: the last of them to run calls `done`. Run again
-// (retain_graph), the count goes below zero and nothing is called twice.
+// (retain_graph), the count goes below zero and nothing is called twice. Freed with the graph: if not
+// every node ran, `dropped`.
 struct Countdown {
   std::atomic<int64_t> left;
-  std::function<void()> done;
+  std::function<void()> done, dropped;
+  ~Countdown() {
+    if (left.load() > 0 && dropped) dropped();
+  }
 };
 
 struct CountdownHook : torch::autograd::FunctionPostHook {
@@ -67,7 +71,8 @@ struct CountdownHook : torch::autograd::FunctionPostHook {
 
 uint64_t autograd_position() { return at::sequence_number::peek(); }
 
-size_t after_backward_of(const at::Tensor& output, uint64_t forward_start, std::function<void()> done) {
+size_t after_backward_of(const at::Tensor& output, uint64_t forward_start, std::function<void()> done,
+                         std::function<void()> dropped) {
   // Nodes are numbered as they are created, and a node's inputs come from older nodes: every node on a
   // path from `output` down to one of the unit's nodes is the unit's too, so the walk stops at the
   // first older node (or a leaf's accumulator, numbered past every other).
@@ -89,6 +94,7 @@ size_t after_backward_of(const at::Tensor& output, uint64_t forward_start, std::
   auto countdown = std::make_shared<Countdown>();
   countdown->left = static_cast<int64_t>(nodes.size());
   countdown->done = std::move(done);
+  countdown->dropped = std::move(dropped);
   for (auto* node : nodes) node->add_post_hook(std::make_unique<CountdownHook>(countdown));
   return nodes.size();
 }

@@ -70,6 +70,8 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
   // fsdp_sync_module_states: every rank starts from rank 0's weights (and the same model is checked).
   // Built for rank-0 loading, the other ranks hold no values: each unit's come from rank 0 below, one
   // unit at a time, so no rank ever holds the whole model.
+  for (const auto& item : module_->named_parameters())
+    if (!item.value().requires_grad()) frozen_at_prepare_.emplace_back(item.key(), item.value());
   const bool from_rank0 = stage_ == 3 && options_.values_from_rank0;
   make_replicas_equal(comm_, *module_, /*parameters=*/!from_rank0);
   auto plans = stage_ == 3 ? plan_units(*module_, options_) : plan_buckets(*module_, options_);
@@ -106,6 +108,7 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
   }
   forward_start_.assign(units_.size(), 0);
   guarded_.assign(units_.size(), false);
+  in_forward_.assign(units_.size(), false);
   grad_shards_.resize(groups_.size());
   works_.resize(groups_.size());
   peak_gathered_bytes_ = step_peak_gathered_bytes_ = gathered_bytes_;
@@ -235,6 +238,7 @@ void ZeroEngine::unit_forward_begins(size_t u) {
   }
   forward_start_[u] = autograd_position();
   guarded_[u] = true;
+  in_forward_[u] = true;
   forward_order_.record(u);
   if (options_.forward_prefetch) prefetch_after(forward_order_, u, /*in_backward=*/false);
 }
@@ -253,9 +257,13 @@ at::Tensor ZeroEngine::unit_forward_ends(size_t u, const at::Tensor& output) {
         generation = backward_generation_;
         ++awaiting_backward_[u];
       }
-      if (after_backward_of(output, forward_start_[u], [self, u, generation] {
-            if (auto e = self.lock()) e->unit_backward_done(u, generation);
-          }) == 0) {
+      auto done = [self, u, generation] {
+        if (auto e = self.lock()) e->unit_backward_done(u, generation);
+      };
+      auto dropped = [self, u, generation] {
+        if (auto e = self.lock()) e->unit_graph_dropped(u, generation);
+      };
+      if (after_backward_of(output, forward_start_[u], done, dropped) == 0) {
         std::lock_guard<std::mutex> lock(mutex_);
         --awaiting_backward_[u];  // backward reads nothing of the unit's
       }
@@ -265,6 +273,7 @@ at::Tensor ZeroEngine::unit_forward_ends(size_t u, const at::Tensor& output) {
     });
   }
   std::lock_guard<std::mutex> lock(mutex_);
+  in_forward_[u] = false;
   // The root's backward comes first, right after its forward ends: it stays gathered until then.
   if (!backward_follows || !is_root(u))
     for (size_t g : units_[u].groups) release(g);
@@ -273,6 +282,7 @@ at::Tensor ZeroEngine::unit_forward_ends(size_t u, const at::Tensor& output) {
 
 void ZeroEngine::unit_forward_abandoned(size_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
+  in_forward_[u] = false;
   for (size_t g : units_[u].groups) release(g);
   // The model's forward failed. Units that start freed and were never gathered are the likely cause:
   // reading them fails inside LibTorch with a message about "lazy allocation".
@@ -303,7 +313,19 @@ void ZeroEngine::unit_backward_done(size_t u, uint64_t generation) {
   // A forward recorded for an earlier backward (its graph was dropped, or this is a second run of a
   // retained graph) says nothing about this one.
   if (detached_ || generation != backward_generation_ || awaiting_backward_[u] == 0) return;
-  if (--awaiting_backward_[u] > 0) return;
+  no_longer_awaited(u);
+}
+
+void ZeroEngine::unit_graph_dropped(size_t u, uint64_t generation) {
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock()) return;  // then the groups stay until the end of backward: memory, never values
+  if (detached_ || generation != backward_generation_ || awaiting_backward_[u] == 0) return;
+  no_longer_awaited(u);
+}
+
+void ZeroEngine::no_longer_awaited(size_t u) {
+  // Not while the unit's own forward runs (a graph of an earlier forward freed inside it).
+  if (--awaiting_backward_[u] > 0 || in_forward_[u]) return;
   bool trainable = false;
   for (size_t g : units_[u].groups) {
     if (!groups_[g].frozen) {
@@ -443,8 +465,20 @@ void ZeroEngine::finish_backward() {
   try {
     reduce_and_hand_over();
   } catch (...) {
-    // A collective timed out or failed: the next backward must not find this one's half-counted state.
+    // A collective timed out or failed (or parameters got no gradient): the next backward must not find
+    // this one's half-counted state, and what it gathered or filled is dropped.
     in_flight_.clear();
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      works_[g] = Work();
+      grad_shards_[g] = at::Tensor();
+      if (stage_ > 1) groups_[g].grad_full = at::Tensor();
+      if (stage_ == 3) {
+        try {
+          release(g);
+        } catch (const std::exception&) {  // its prefetch failed too: the error above is the one to report
+        }
+      }
+    }
     reset_backward_state();
     throw;
   }
@@ -522,6 +556,13 @@ void ZeroEngine::bind_optimizer(torch::optim::Optimizer& optimizer) const {
 }
 
 void ZeroEngine::optimizer_step(torch::optim::Optimizer& optimizer) {
+  // Which parameters train is fixed when the model is prepared (they decide the groups and hooks).
+  for (const auto& [name, p] : frozen_at_prepare_)
+    if (p.requires_grad())
+      throw Error(fmt::format("parameter {} was frozen (requires_grad false) when the model was prepared and is "
+                              "trainable now; sharding fixes which parameters train at prepare(): set requires_grad "
+                              "before prepare, or call free_memory() and prepare the model again",
+                              name));
   {
     std::lock_guard<std::mutex> lock(mutex_);
     drop_prefetches();  // one the order mispredicted: it reads the shards the step is about to change

@@ -57,6 +57,9 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   // Every node one forward of the unit created has run in backward (`generation`: the backward it
   // was recorded for): its frozen groups are released once no other forward of it awaits backward.
   void unit_backward_done(size_t unit, uint64_t generation);
+  // One forward's graph was freed before its backward finished with the unit: it awaits nothing more.
+  // (Called from a destructor, perhaps while this thread holds the lock: it gives up rather than wait.)
+  void unit_graph_dropped(size_t unit, uint64_t generation);
   // From the gradient accumulator hooks.
   void gradient_ready(size_t group, size_t index);
 
@@ -110,6 +113,7 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   ZeroOptions options_;
   bool find_unused_;
   std::shared_ptr<const GradientState> gradient_state_;
+  std::vector<std::pair<std::string, at::Tensor>> frozen_at_prepare_;  // must stay frozen
   std::vector<FlatGroup> groups_;
   std::vector<Unit> units_;            // stage 3
   std::vector<size_t> unit_of_group_;  // stage 3: the unit each group belongs to
@@ -128,6 +132,8 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   // with frozen groups still await their backward (counted for `backward_generation_`).
   std::vector<uint64_t> forward_start_;
   std::vector<bool> guarded_;  // its guard has opened at least once
+  std::vector<bool> in_forward_;  // its guard is open now
+  void no_longer_awaited(size_t unit);  // one forward fewer awaits backward: at none, frozen groups go
   bool warned_unguarded_ = false;
   std::vector<int> awaiting_backward_;
   uint64_t backward_generation_ = 0;

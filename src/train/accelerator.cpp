@@ -259,21 +259,16 @@ bool Accelerator::builds_empty() const { return !is_main_process() && rank0_load
 void Accelerator::built_model(const std::shared_ptr<torch::nn::Module>& module) {
   if (!module) throw Error("build_model(): the model is null");
   if (!rank0_loading()) return;
-  if (builds_empty()) {
-    // Tensors computed from others while building (not made by a factory function) land on the meta
-    // device, which no strategy can fill in place.
-    auto check = [](const std::string& kind, const std::string& name, const at::Tensor& t) {
-      if (t.defined() && t.is_meta())
-        throw Error(fmt::format("build_model(): {} {} was computed from other tensors while the model was built, so "
-                                "with fsdp_cpu_ram_efficient_loading it has no storage on this process. Create it with "
-                                "a factory function (torch::empty/zeros/ones/randn) and fill it in place, or set "
-                                "fsdp_cpu_ram_efficient_loading: false",
-                                kind, name));
-    };
-    for (const auto& item : module->named_parameters()) check("parameter", item.key(), item.value());
-    for (const auto& item : module->named_buffers()) check("buffer", item.key(), item.value());
-  }
-  impl_->built_for_rank0_loading.push_back(module.get());
+  auto& s = *impl_;
+  if (builds_empty()) to_empty(*module, s.device);  // untouched memory; prepare() fills this rank's shards
+  // The main process's initialisers drew random numbers, the others' did not: every rank continues
+  // from the main process's generator, as when every rank builds the model.
+  auto generator = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(generator.mutex());
+  auto state = generator.get_state();
+  s.world().broadcast(state, 0);
+  if (!is_main_process()) generator.set_state(state);
+  s.built_for_rank0_loading.push_back(module);
 }
 
 void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
@@ -284,7 +279,9 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   auto parallel = s.options.parallel;
   if (!parallel.zero.param_dtype) parallel.zero.param_dtype = sharded_param_dtype(s.precision, s.device);
   auto& built = s.built_for_rank0_loading;
-  if (auto it = std::find(built.begin(), built.end(), module.get()); it != built.end()) {
+  std::erase_if(built, [](const auto& weak) { return weak.expired(); });
+  auto it = std::find_if(built.begin(), built.end(), [&](const auto& weak) { return weak.lock() == module; });
+  if (it != built.end()) {
     parallel.zero.values_from_rank0 = true;
     built.erase(it);
   }

@@ -55,7 +55,7 @@ struct AcceleratorImpl {
   // The strategy whose module parameters or optimizer parameters include `parameter`, or null.
   ParallelStrategy* owner_of(const at::Tensor& parameter) const;
   std::unordered_map<const c10::TensorImpl*, ParallelStrategy*> owners;  // filled by prepare()
-  std::vector<const torch::nn::Module*> built_for_rank0_loading;  // by build_model, until prepared
+  std::vector<std::weak_ptr<torch::nn::Module>> built_for_rank0_loading;  // by build_model, until prepared
 };
 
 }  // namespace xlr8

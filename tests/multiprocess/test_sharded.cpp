@@ -355,13 +355,14 @@ TEST(ShardedGpt, FrozenParametersAreShardedByFullShardAndEveryRunEqualsOneProces
 TEST(ShardedGpt, RamEfficientLoadingBuildsTheModelOnRankZeroOnlyAndChangesNoResult) {
   // fsdp_cpu_ram_efficient_loading (on by default): ranks 1-3 build the GPT without values and receive
   // their shards unit by unit, so building and preparing it costs them far less resident memory.
-  // 14.3 M parameters (57 MB in fp32).
+  // 14.3 M parameters (57 MB in fp32). With dropout, so that the random numbers drawn after building
+  // must match too (the main process's initialisers drew some; the others continue from its state).
   auto gpt = [&](const std::string& loading, const std::string& dir) {
     Args flags = strategies()[2].flags;
     flags.insert(flags.end(), {"--fsdp_cpu_ram_efficient_loading", loading});
     auto a = launch(4, flags, kGpt);
     a.insert(a.end(), {"--n_layer", "8", "--d_model", "384", "--n_head", "6", "--seq_len", "32", "--batch_size", "1",
-                       "--max_steps", "2", "--val_windows", "8", "--output_dir", dir});
+                       "--max_steps", "2", "--val_windows", "8", "--dropout", "0.1", "--output_dir", dir});
     auto r = run(a, 240);
     EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
     return r.exit_code == 0 ? last_json(r.out) : nlohmann::json::object();

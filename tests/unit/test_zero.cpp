@@ -272,6 +272,9 @@ TEST(Zero, FrozenParametersAreShardedByStageThreeAndEveryStageMatchesOneRank) {
     for (int ranks : {2, 3, 4})
       run_ranks(ranks, [&](Communicator& comm) {
         auto strategy = make_parallel_strategy(make_model(true, true), comm, stage_options(stage));
+        // A forward whose graph is dropped without backward (an evaluation outside NoGradGuard) must not
+        // keep the frozen groups waiting for it.
+        dynamic_cast<TinyNetImpl&>(*strategy->module()).forward(global_batch(7).x.narrow(0, 0, 2));
         auto got = train(*strategy, comm.rank(), ranks, 3, 2, 0.05);
         expect_same_run(got, expected, 2e-6, fmt::format("stage {} on {} ranks, rank {}", stage, ranks, comm.rank()));
         if (stage != 3) return;
@@ -293,7 +296,7 @@ TEST(Zero, FrozenParametersAreShardedByStageThreeAndEveryStageMatchesOneRank) {
       });
 }
 
-TEST(Zero, EmptyInitBuildsWithoutTouchingMemoryAndLeavesLaterOperatorsAlone) {
+TEST(Zero, EmptyInitBuildsOnTheMetaDeviceAndToEmptyGivesUntouchedMemory) {
   auto resident_mb = [] {
     std::ifstream status("/proc/self/status");
     for (std::string line; std::getline(status, line);)
@@ -302,13 +305,29 @@ TEST(Zero, EmptyInitBuildsWithoutTouchingMemoryAndLeavesLaterOperatorsAlone) {
   };
   const double before = resident_mb();
   std::shared_ptr<torch::nn::LinearImpl> big;
+  at::Tensor unregistered;
   {
     EmptyInitScope empty;
     big = torch::nn::Linear(8192, 8192).ptr();  // 256 MB of weights, initialised by kaiming_uniform_
+    unregistered = torch::ones({4}).triu();
   }
+  EXPECT_TRUE(big->weight.is_meta());
+  EXPECT_TRUE(unregistered.is_meta());  // fails loudly when used, rather than holding garbage
+  auto* identity = big->weight.unsafeGetTensorImpl();
+  to_empty(*big, at::kCPU);
+  EXPECT_FALSE(big->weight.is_meta());
+  EXPECT_EQ(big->weight.unsafeGetTensorImpl(), identity);  // the same tensor: members and autograd see it
   EXPECT_EQ(big->weight.sizes(), (std::vector<int64_t>{8192, 8192}));
   EXPECT_TRUE(big->weight.requires_grad());
   EXPECT_LT(resident_mb() - before, 64) << "the weights' memory was written";
+  // It trains like any parameter once it has values.
+  {
+    torch::NoGradGuard no_grad;
+    big->weight.fill_(0.5);
+    big->bias.zero_();
+  }
+  big->forward(torch::ones({2, 8192})).sum().backward();
+  EXPECT_EQ(big->weight.grad().sum().item<double>(), 2.0 * 8192 * 8192);
   // The scope is gone: operators compute again (leaving the Meta key's backend bit behind would not).
   EXPECT_TRUE(at::equal(torch::ones({3}) + 1, torch::full({3}, 2.0f)));
   big.reset();
@@ -322,8 +341,11 @@ TEST(Zero, ModelsBuiltEmptyTakeRankZerosValuesAndTheirUnitsStartFreed) {
       if (comm.rank() == 0) {
         net = make_model();
       } else {
-        EmptyInitScope empty;  // no values: whatever the memory held
-        net = TinyNet(true).ptr();
+        {
+          EmptyInitScope empty;
+          net = TinyNet(true).ptr();
+        }
+        to_empty(*net, at::kCPU);  // no values: whatever the memory held
       }
       auto options = stage_options(3);
       options.zero.values_from_rank0 = true;
@@ -350,6 +372,31 @@ TEST(Zero, AUnitWithoutGuardThatStartsFreedFailsWithAHint) {
   const auto err = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(err.find("ever opened xlr8::unshard(*this)"), std::string::npos) << err;
   EXPECT_NE(err.find("blocks.0.fc"), std::string::npos) << err;
+}
+
+TEST(Zero, FrozenSetsMustAgreeAcrossRanksAndStayAsPrepared) {
+  run_ranks(2, [&](Communicator& comm) {
+    auto net = make_model(true, true);
+    if (comm.rank() == 1) net->in->weight.set_requires_grad(true);
+    try {
+      make_parallel_strategy(net, comm, stage_options(3));
+      ADD_FAILURE() << "different frozen parameters were accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("in.weight float32[10, 6] (frozen)"), std::string::npos) << e.what();
+    }
+  });
+  for (int stage : {2, 3})
+    run_ranks(2, [&](Communicator& comm) {
+      auto strategy = make_parallel_strategy(make_model(true, true), comm, stage_options(stage));
+      auto& net = dynamic_cast<TinyNetImpl&>(*strategy->module());
+      net.blocks[1]->as<TinyBlockImpl>()->fc->weight.set_requires_grad(true);  // unfrozen after prepare
+      try {
+        train(*strategy, comm.rank(), 2, 1);
+        ADD_FAILURE() << "stage " << stage << ": a parameter unfrozen after prepare trained silently";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("blocks.1.fc.weight was frozen"), std::string::npos) << e.what();
+      }
+    });
 }
 
 TEST(Zero, OptimizerStateExistsOnlyForTheShard) {
