@@ -375,13 +375,51 @@ void ZeroEngine::end_step() {
   sync_ = true;
 }
 
+// The callback travels with the backward's graph task. If an autograd node throws, the task ends without
+// running it and destroys it: the token then reports the backward as abandoned, so the next backward
+// arms its own callback instead of finding this one's state (and never handing gradients over).
+struct ZeroEngine::BackwardToken {
+  std::weak_ptr<ZeroEngine> engine;
+  uint64_t generation = 0;
+  bool ran = false;
+  ~BackwardToken() {
+    if (ran) return;
+    if (auto e = engine.lock()) e->backward_abandoned(generation);
+  }
+};
+
 void ZeroEngine::arm_end_of_backward() {
   if (in_backward_) return;
   in_backward_ = true;
-  std::weak_ptr<ZeroEngine> weak = shared_from_this();
-  compat::at_end_of_backward([weak] {
-    if (auto self = weak.lock()) self->finish_backward();
+  auto token = std::make_shared<BackwardToken>();
+  token->engine = shared_from_this();
+  token->generation = backward_generation_;
+  compat::at_end_of_backward([token] {
+    token->ran = true;
+    if (auto self = token->engine.lock()) self->finish_backward();
   });
+}
+
+void ZeroEngine::backward_abandoned(uint64_t generation) {
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock() || detached_ || generation != backward_generation_ || !in_backward_) return;
+  drop_backward_state();
+}
+
+void ZeroEngine::drop_backward_state() {
+  in_flight_.clear();
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    works_[g] = Work();  // in-flight collectives hold their own references to these buffers
+    grad_shards_[g] = at::Tensor();
+    if (stage_ > 1) groups_[g].grad_full = at::Tensor();
+    if (stage_ == 3) {
+      try {
+        release(g);
+      } catch (const std::exception&) {  // its prefetch failed too: the error already thrown is the one to report
+      }
+    }
+  }
+  reset_backward_state();
 }
 
 void ZeroEngine::gradient_ready(size_t g, size_t i) {
@@ -467,19 +505,7 @@ void ZeroEngine::finish_backward() {
   } catch (...) {
     // A collective timed out or failed (or parameters got no gradient): the next backward must not find
     // this one's half-counted state, and what it gathered or filled is dropped.
-    in_flight_.clear();
-    for (size_t g = 0; g < groups_.size(); ++g) {
-      works_[g] = Work();
-      grad_shards_[g] = at::Tensor();
-      if (stage_ > 1) groups_[g].grad_full = at::Tensor();
-      if (stage_ == 3) {
-        try {
-          release(g);
-        } catch (const std::exception&) {  // its prefetch failed too: the error above is the one to report
-        }
-      }
-    }
-    reset_backward_state();
+    drop_backward_state();
     throw;
   }
   if (stage_ == 3)

@@ -399,6 +399,34 @@ TEST(Zero, FrozenSetsMustAgreeAcrossRanksAndStayAsPrepared) {
     });
 }
 
+// An autograd node whose backward fails: PyTorch then ends the backward without its final callbacks.
+struct FailingBackward : torch::autograd::Function<FailingBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list) {
+    throw std::runtime_error("this node fails");
+  }
+};
+
+TEST(Zero, ABackwardThatFailsHalfwayLeavesTheNextStepsTraining) {
+  const auto expected = single_run(2);
+  for (int stage : {2, 3})
+    run_ranks(2, [&](Communicator& comm) {
+      auto strategy = make_parallel_strategy(make_model(), comm, stage_options(stage));
+      auto& net = dynamic_cast<TinyNetImpl&>(*strategy->module());
+      // Made before forward, the failing node runs after the main graph's gradients began arriving.
+      auto failing = FailingBackward::apply(net.in->weight).sum() * 0;
+      auto batch = global_batch(9);
+      strategy->begin_step(false);
+      auto loss = torch::nll_loss(torch::log_softmax(net.forward(batch.x.narrow(0, comm.rank() * 6, 6)), 1),
+                                  batch.y.narrow(0, comm.rank() * 6, 6));
+      EXPECT_THROW((loss + failing).backward(), std::exception);
+      strategy->end_step();
+      for (auto& p : net.parameters()) p.mutable_grad() = at::Tensor();  // as zero_grad after a failed step
+      auto got = train(*strategy, comm.rank(), 2, 2);
+      expect_same_run(got, expected, 2e-6, fmt::format("stage {} after a failed backward, rank {}", stage, comm.rank()));
+    });
+}
+
 TEST(Zero, OptimizerStateExistsOnlyForTheShard) {
   run_ranks(3, [&](Communicator& comm) {
     auto strategy = make_parallel_strategy(make_model(), comm, stage_options(2));
