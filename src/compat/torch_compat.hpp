@@ -105,9 +105,23 @@ inline GradAccumulatorPtr grad_accumulator(const at::Tensor& parameter) {
   return torch::autograd::impl::grad_accumulator(parameter);
 }
 
-// Runs `callback` when the current backward pass ends; only valid from inside a backward hook.
-inline void at_end_of_backward(std::function<void()> callback) {
-  torch::autograd::Engine::get_default_engine().queue_callback(std::move(callback));
+// Runs `callback` when the current backward pass ends; only valid from inside a backward hook. If the
+// pass fails instead (an autograd node throws), PyTorch discards its callbacks unrun: `abandoned` is then
+// called when the discarded callback is destroyed, so whoever armed it can forget that pass.
+inline void at_end_of_backward(std::function<void()> callback, std::function<void()> abandoned = {}) {
+  struct Token {
+    std::function<void()> abandoned;
+    bool ran = false;
+    ~Token() {
+      if (!ran && abandoned) abandoned();
+    }
+  };
+  auto token = std::make_shared<Token>();
+  token->abandoned = std::move(abandoned);
+  torch::autograd::Engine::get_default_engine().queue_callback([token, callback = std::move(callback)] {
+    token->ran = true;
+    callback();
+  });
 }
 
 // ------------------------------------------------------------------ autocast

@@ -78,6 +78,12 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
     }
   }
 
+  // From a destructor, perhaps while this thread holds the lock: gives up rather than wait.
+  void backward_abandoned() {
+    std::unique_lock<std::mutex> lock(mutex, std::try_to_lock);
+    if (lock.owns_lock() && in_backward) reset_backward_state();
+  }
+
   void reset_backward_state() {
     ready.assign(params.size(), false);
     for (auto& b : buckets) {
@@ -125,9 +131,15 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
     if (!in_backward) {
       in_backward = true;
       std::weak_ptr<Core> weak = shared_from_this();
-      compat::at_end_of_backward([weak] {
-        if (auto self = weak.lock()) self->finish_backward();
-      });
+      // A pass that fails (a node throws) ends without the callback: forget it, or every later backward
+      // would find this one armed and never average its gradients.
+      compat::at_end_of_backward(
+          [weak] {
+            if (auto self = weak.lock()) self->finish_backward();
+          },
+          [weak] {
+            if (auto self = weak.lock()) self->backward_abandoned();
+          });
     }
     if (ready[k]) return;  // already counted (reentrant backward)
     // After zero_grad(set_to_none = false), .grad is still a view into its bucket: AccumulateGrad wrote it

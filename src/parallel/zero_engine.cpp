@@ -375,29 +375,20 @@ void ZeroEngine::end_step() {
   sync_ = true;
 }
 
-// The callback travels with the backward's graph task. If an autograd node throws, the task ends without
-// running it and destroys it: the token then reports the backward as abandoned, so the next backward
-// arms its own callback instead of finding this one's state (and never handing gradients over).
-struct ZeroEngine::BackwardToken {
-  std::weak_ptr<ZeroEngine> engine;
-  uint64_t generation = 0;
-  bool ran = false;
-  ~BackwardToken() {
-    if (ran) return;
-    if (auto e = engine.lock()) e->backward_abandoned(generation);
-  }
-};
-
 void ZeroEngine::arm_end_of_backward() {
   if (in_backward_) return;
   in_backward_ = true;
-  auto token = std::make_shared<BackwardToken>();
-  token->engine = shared_from_this();
-  token->generation = backward_generation_;
-  compat::at_end_of_backward([token] {
-    token->ran = true;
-    if (auto self = token->engine.lock()) self->finish_backward();
-  });
+  std::weak_ptr<ZeroEngine> weak = shared_from_this();
+  const uint64_t generation = backward_generation_;
+  // If a node throws, the pass ends without the callback: forget its state, so that the next backward
+  // arms its own callback instead of finding this one armed (and never handing gradients over).
+  compat::at_end_of_backward(
+      [weak] {
+        if (auto self = weak.lock()) self->finish_backward();
+      },
+      [weak, generation] {
+        if (auto self = weak.lock()) self->backward_abandoned(generation);
+      });
 }
 
 void ZeroEngine::backward_abandoned(uint64_t generation) {

@@ -75,7 +75,6 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   bool is_root(size_t unit) const { return units_[unit].module == module_.get(); }
   bool has_frozen(size_t unit) const;
   size_t unit_of(size_t group) const { return unit_of_group_[group]; }
-  struct BackwardToken;
   void arm_end_of_backward();
   void backward_abandoned(uint64_t generation);  // its end-of-backward callback was discarded unrun
   void drop_backward_state();                    // a failed backward's buffers and counts, forgotten

@@ -408,8 +408,9 @@ struct FailingBackward : torch::autograd::Function<FailingBackward> {
 };
 
 TEST(Zero, ABackwardThatFailsHalfwayLeavesTheNextStepsTraining) {
+  // Stage 0 is DDP, which armed its end-of-backward callback the same way.
   const auto expected = single_run(2);
-  for (int stage : {2, 3})
+  for (int stage : {0, 2, 3})
     run_ranks(2, [&](Communicator& comm) {
       auto strategy = make_parallel_strategy(make_model(), comm, stage_options(stage));
       auto& net = dynamic_cast<TinyNetImpl&>(*strategy->module());
