@@ -88,7 +88,7 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   void launch(size_t group);
   void retire_oldest();
   void gather(size_t group);
-  void release(size_t group);
+  bool release(size_t group);  // whether it freed the gathered parameters
   // Stage 3 prefetching: issue a unit's all-gathers without waiting (a no-op unless a guard manages it
   // and it is not gathered); the next unit after `unit` in `order`; waiting for every prefetch.
   struct UnitOrder {
@@ -135,7 +135,8 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   std::vector<uint64_t> forward_start_;
   std::vector<bool> guarded_;  // its guard has opened at least once
   std::vector<bool> in_forward_;  // its guard is open now
-  void no_longer_awaited(size_t unit);  // one forward fewer awaits backward: at none, frozen groups go
+  // One forward of `generation`'s fewer awaits backward: at none, the unit's frozen groups go.
+  void no_longer_awaited(size_t unit, uint64_t generation);
   bool warned_unguarded_ = false;
   std::vector<int> awaiting_backward_;
   uint64_t backward_generation_ = 0;

@@ -260,7 +260,7 @@ void Accelerator::built_model(const std::shared_ptr<torch::nn::Module>& module) 
   if (!module) throw Error("build_model(): the model is null");
   if (!rank0_loading()) return;
   auto& s = *impl_;
-  if (builds_empty()) to_empty(*module, s.device);  // untouched memory; prepare() fills this rank's shards
+  if (!is_main_process()) to_empty(*module, s.device);  // untouched memory; prepare() fills its shards
   // The main process's initialisers drew random numbers, the others' did not: every rank continues
   // from the main process's generator, as when every rank builds the model.
   auto generator = at::detail::getDefaultCPUGenerator();
