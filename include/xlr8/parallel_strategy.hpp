@@ -14,7 +14,9 @@
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <mutex>
 #include <string>
+#include <unordered_set>
 #include <vector>
 
 #include "xlr8/ddp.hpp"
@@ -67,6 +69,9 @@ class ParallelStrategy {
   virtual void end_step() {}
   // The tensors the optimizer updates: the full parameters for replicas, this rank's shards when sharded.
   virtual std::vector<at::Tensor> optimizer_parameters() const { return module_->parameters(); }
+  // Whether `tensor` is one of this strategy's parameters: the module's, or one optimizer_parameters()
+  // returns (a sharded parameter has both identities). What the Accelerator asks to find a tensor's model.
+  virtual bool owns(const at::Tensor& tensor) const;
   // Points an optimizer built over the module's parameters at what optimizer_parameters() returns (in
   // place, group by group, keeping each group's options). Before the optimizer's first step.
   virtual void bind_optimizer(torch::optim::Optimizer& optimizer) const {}
@@ -114,6 +119,8 @@ class ParallelStrategy {
 
  private:
   std::shared_ptr<torch::nn::Module> module_;
+  mutable std::once_flag owned_once_;
+  mutable std::unordered_set<const c10::TensorImpl*> owned_;  // owns()'s, built on its first call
 };
 
 // A module's parameters, then its buffers, by name: the order PyTorch's state_dict uses.

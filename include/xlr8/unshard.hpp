@@ -10,24 +10,66 @@
 //
 // `done` marks the output so that the backward pass gathers the parameters again just before it reaches
 // this unit; they are freed once their gradients are reduced. Put the same two lines in the model's own
-// forward so that the parameters no unit owns (embeddings, final norm) are sharded too; a module that
-// never opens a guard keeps its parameters whole on every rank, which is always correct. Without
+// forward so that the parameters no unit owns (embeddings, final norm) are sharded too. Without
 // sharding, or for a module that is not a unit, both calls do nothing.
+//
+// A forward that returns more than one tensor (a tuple, a struct, a KV cache) wraps its body instead:
+//
+//   std::tuple<torch::Tensor, Cache> BlockImpl::forward(torch::Tensor x, Cache cache) {
+//     return xlr8::sharded(*this, [&] { ...; return std::tuple{y, new_cache}; });
+//   }
+//
+// Every returned tensor that requires gradients then gathers the unit before its backward. The value may
+// hold tensors in the containers xlr8/tensor_tree.hpp lists, and in structs that give themselves
+// `T map_tensors(const xlr8::TensorFn& fn) const`. A unit whose forward opens no guard keeps its
+// parameters whole on every rank: xlr8 names it, with its bytes, after the first backward.
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
 #include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "xlr8/tensor_tree.hpp"
 
 namespace xlr8 {
 
 namespace detail {
-class ShardedUnit;
-}
+class UnitHooks;
+
+// Whether map_tensors sees every tensor a T holds: tensors, the containers it walks, structs with
+// map_tensors(fn), and values that hold none (numbers, enums, strings).
+template <class T>
+struct sees_tensors
+    : std::bool_constant<std::is_arithmetic_v<T> || std::is_enum_v<T> || maps_own_tensors<T>> {};
+template <>
+struct sees_tensors<at::Tensor> : std::true_type {};
+template <class C, class Tr, class A>
+struct sees_tensors<std::basic_string<C, Tr, A>> : std::true_type {};
+template <class D, class L>
+struct sees_tensors<torch::data::Example<D, L>> : std::bool_constant<sees_tensors<D>::value && sees_tensors<L>::value> {};
+template <class D>
+struct sees_tensors<torch::data::Example<D, void>> : sees_tensors<D> {};
+template <class T, class A>
+struct sees_tensors<std::vector<T, A>> : sees_tensors<T> {};
+template <class K, class V, class C, class A>
+struct sees_tensors<std::map<K, V, C, A>> : sees_tensors<V> {};
+template <class K, class V, class H, class E, class A>
+struct sees_tensors<std::unordered_map<K, V, H, E, A>> : sees_tensors<V> {};
+template <class A, class B>
+struct sees_tensors<std::pair<A, B>> : std::bool_constant<sees_tensors<A>::value && sees_tensors<B>::value> {};
+template <class... T>
+struct sees_tensors<std::tuple<T...>> : std::bool_constant<(sees_tensors<T>::value && ...)> {};
+template <class T>
+struct sees_tensors<std::optional<T>> : sees_tensors<T> {};
+}  // namespace detail
 
 class [[nodiscard]] UnshardScope {
  public:
   UnshardScope() = default;
-  explicit UnshardScope(std::shared_ptr<detail::ShardedUnit> unit);
+  explicit UnshardScope(std::shared_ptr<detail::UnitHooks> unit);
   UnshardScope(UnshardScope&& other) noexcept;
   UnshardScope& operator=(UnshardScope&&) = delete;
   UnshardScope(const UnshardScope&) = delete;
@@ -37,12 +79,35 @@ class [[nodiscard]] UnshardScope {
   // The unit's output, returned through this: frees the gathered parameters (except the root's, whose
   // backward comes first) and arms their gathering for backward.
   at::Tensor done(const at::Tensor& output);
+  // The same for any value holding tensors (see above): every tensor in it that requires gradients
+  // gathers the unit before its backward.
+  template <class T>
+  T done(const T& output) {
+    static_assert(detail::sees_tensors<T>::value,
+                  "xlr8: a unit's output holds tensors xlr8 cannot see; give the type a member "
+                  "`T map_tensors(const xlr8::TensorFn& fn) const` (xlr8/tensor_tree.hpp)");
+    auto handed = done_with(tensors_of(output));
+    size_t next = 0;
+    return map_tensors(output, [&](const at::Tensor&) { return handed[next++]; });
+  }
 
  private:
-  std::shared_ptr<detail::ShardedUnit> unit_;
+  std::vector<at::Tensor> done_with(const std::vector<at::Tensor>& outputs);
+  std::shared_ptr<detail::UnitHooks> unit_;
 };
 
 // Gathers `unit`'s parameters when it is a stage-3 unit of a prepared model.
 UnshardScope unshard(const torch::nn::Module& unit);
+
+// Runs `body` (the unit's forward) with `unit`'s parameters gathered and returns what it returns, marked
+// as done() marks it. If `body` throws, the parameters are freed again.
+template <class Body>
+auto sharded(const torch::nn::Module& unit, Body&& body) {
+  using Result = std::decay_t<std::invoke_result_t<Body&&>>;
+  static_assert(!std::is_void_v<Result>, "xlr8::sharded: the unit's forward must return its output");
+  auto scope = unshard(unit);
+  Result output = std::forward<Body>(body)();
+  return scope.done(output);
+}
 
 }  // namespace xlr8

@@ -17,15 +17,26 @@
 
 namespace xlr8 {
 
+// FSDP's auto wrap policies (fsdp_auto_wrap_policy), parsed once where options are read.
+enum class AutoWrapPolicy { NO_WRAP, TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP };
+// FSDP's backward prefetch (fsdp_backward_prefetch); NO_PREFETCH and "" are NONE.
+enum class BackwardPrefetch { NONE, BACKWARD_PRE, BACKWARD_POST };
+// The config's spelling; ConfigError naming `key`, the value and the allowed ones otherwise.
+AutoWrapPolicy parse_auto_wrap_policy(const std::string& value, const std::string& key = "fsdp_auto_wrap_policy");
+BackwardPrefetch parse_backward_prefetch(const std::string& value, const std::string& key = "fsdp_backward_prefetch");
+const char* to_string(AutoWrapPolicy policy);
+const char* to_string(BackwardPrefetch prefetch);
+
 struct ZeroOptions {
   // -1: from the process's settings (FSDP / DeepSpeed keys of the config file or environment);
   // 0: replicas (DDP); 1, 2, 3: the ZeRO stage.
   int stage = -1;
-  // Stage 3's units, as FSDP's auto wrap policy: "TRANSFORMER_BASED_WRAP" (modules whose class is in
+  // Stage 3's units, as FSDP's auto wrap policy: TRANSFORMER_BASED_WRAP (modules whose class is in
   // `layer_classes`: "Block", "BlockImpl" or a namespace-qualified name all match TORCH_MODULE(Block)),
-  // "SIZE_BASED_WRAP" (the smallest modules holding at least `min_num_params` parameters not already in a
-  // unit) or "NO_WRAP" (the whole model is one unit). The parameters no unit takes form the root unit.
-  std::string auto_wrap_policy = "NO_WRAP";
+  // SIZE_BASED_WRAP (the smallest modules of the model's own classes, not LibTorch's, holding at least
+  // `min_num_params` parameters not already in a unit) or NO_WRAP (the whole model is one unit). The
+  // parameters no unit takes form the root unit.
+  AutoWrapPolicy auto_wrap_policy = AutoWrapPolicy::NO_WRAP;
   std::vector<std::string> layer_classes;
   int64_t min_num_params = 100'000'000;
   // Stages 1 and 2 reduce gradients in buckets of consecutive parameters (reverse order, as DDP), the
@@ -44,10 +55,12 @@ struct ZeroOptions {
   // Stage 3, FSDP's prefetching (from fsdp_forward_prefetch / fsdp_backward_prefetch): the next unit's
   // all-gather is issued early, in the order the units ran in the previous step, so it overlaps the
   // current unit's compute. forward_prefetch: when a unit's forward begins. backward_prefetch
-  // "BACKWARD_PRE": when a unit's backward begins; "BACKWARD_POST": when its gradients are done;
-  // "" or "NO_PREFETCH": never. At most two units' gathered parameters are alive (FSDP's limit).
+  // BACKWARD_PRE: when a unit's backward begins; BACKWARD_POST: when its gradients are done; NONE:
+  // never. At most two units' gathered parameters are alive (FSDP's limit). Prefetching starts once
+  // every rank is known to run the units in the same order (checked after the first forward and
+  // backward).
   bool forward_prefetch = false;
-  std::string backward_prefetch;
+  BackwardPrefetch backward_prefetch = BackwardPrefetch::NONE;
   // Stage 3, FSDP's cpu_ram_efficient_loading (set by Accelerator::build_model): the model may hold no
   // values on ranks other than 0 (built in an EmptyInitScope). Each unit takes rank 0's values one at a
   // time, every rank keeps only its shard, and every unit but the root starts freed: its forward must

@@ -1,5 +1,7 @@
 #include "core/text.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cctype>
 
@@ -74,5 +76,14 @@ std::string trim(const std::string& s) {
 }
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+std::string bytes(int64_t n) {
+  if (n < 1000) return fmt::format("{} B", n);
+  const char* units[] = {"KB", "MB", "GB", "TB"};
+  double v = static_cast<double>(n);
+  int u = -1;
+  while (v >= 1000 && u < 3) v /= 1000, ++u;
+  return fmt::format("{:.1f} {}", v, units[u]);
+}
 
 }  // namespace xlr8::text

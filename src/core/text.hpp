@@ -1,5 +1,6 @@
 #pragma once
 // Small string helpers shared by config validation and error messages.
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -16,5 +17,7 @@ std::string lower(std::string s);
 std::string trim(const std::string& s);
 // Up to the first newline: exception texts from LibTorch carry a stack trace after it.
 std::string first_line(const std::string& s);
+// A size for people: "168 B", "2.4 KB", "1.2 MB", "3.1 GB" (powers of 1000, as the memory figures).
+std::string bytes(int64_t n);
 
 }  // namespace xlr8::text

@@ -6,10 +6,14 @@
 
 #include <chrono>
 #include <mutex>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "compat/torch_compat.hpp"
 #include "distributed/comm_state.hpp"
+#include "parallel/gradient_ready.hpp"
 #include "parallel/replica_sync.hpp"
+#include "parallel/wrap_policy.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8 {
@@ -47,26 +51,20 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
   double exposed_comm_seconds = 0;
 
   void assign_buckets() {
-    const double first_cap = options.first_bucket_mb * 1024 * 1024, cap = options.bucket_cap_mb * 1024 * 1024;
-    // Reverse order: gradients of the last layers are ready first.
-    for (size_t k = params.size(); k-- > 0;) {
-      const auto& p = params[k];
-      double bytes = static_cast<double>(p.numel() * p.element_size());
-      bool fits = !buckets.empty();
-      if (fits) {
-        auto& b = buckets.back();
-        const auto& first = params[b.params.front()];
-        double used = static_cast<double>(b.offsets.back() + params[b.params.back()].numel()) * first.element_size();
-        double limit = buckets.size() == 1 ? first_cap : cap;
-        fits = first.scalar_type() == p.scalar_type() && first.device() == p.device() && used + bytes <= limit;
+    // ZeRO-1/2's buckets: consecutive parameters in reverse order (the last layers' gradients are ready first).
+    std::unordered_map<const c10::TensorImpl*, size_t> index;
+    for (size_t k = 0; k < params.size(); ++k) index[params[k].unsafeGetTensorImpl()] = k;
+    for (const auto& plan : detail::plan_buckets(*module, options.first_bucket_mb, options.bucket_cap_mb)) {
+      auto& b = buckets.emplace_back();
+      int64_t offset = 0;
+      for (const auto& p : plan.groups.front().params) {
+        const size_t k = index.at(p.unsafeGetTensorImpl());
+        bucket_of[k] = buckets.size() - 1;
+        slot_of[k] = b.params.size();
+        b.params.push_back(k);
+        b.offsets.push_back(offset);
+        offset += p.numel();
       }
-      if (!fits) buckets.emplace_back();
-      auto& b = buckets.back();
-      int64_t offset = b.params.empty() ? 0 : b.offsets.back() + params[b.params.back()].numel();
-      bucket_of[k] = buckets.size() - 1;
-      slot_of[k] = b.params.size();
-      b.params.push_back(k);
-      b.offsets.push_back(offset);
     }
     for (auto& b : buckets) {
       const auto& last = params[b.params.back()];
@@ -198,22 +196,6 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
   }
 };
 
-namespace {
-
-// A post-hook on a parameter's AccumulateGrad node: `.grad` already holds this backward's sum.
-struct ReadyHook : torch::autograd::FunctionPostHook {
-  ReadyHook(std::weak_ptr<DistributedDataParallel::Core> core, size_t index) : core_(std::move(core)), index_(index) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list&) override {
-    if (auto core = core_.lock()) core->mark_ready(index_);
-    return outputs;
-  }
-  std::weak_ptr<DistributedDataParallel::Core> core_;
-  size_t index_;
-};
-
-}  // namespace
-
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module, Communicator comm,
                                                  DDPOptions options)
     : core_(std::make_shared<Core>()) {
@@ -222,8 +204,9 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   c.module = std::move(module);
   c.comm = std::move(comm);
   c.options = options;
+  std::unordered_set<const c10::TensorImpl*> seen;  // a tied parameter once, under its first name
   for (const auto& item : c.module->named_parameters()) {
-    if (!item.value().requires_grad()) continue;
+    if (!item.value().requires_grad() || !seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
     c.names.push_back(item.key());
     c.params.push_back(item.value());
   }
@@ -232,11 +215,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   c.slot_of.resize(c.params.size());
   c.assign_buckets();
   c.reset_backward_state();
-  for (size_t k = 0; k < c.params.size(); ++k) {
-    auto acc = compat::grad_accumulator(c.params[k]);
-    acc->add_post_hook(std::make_unique<ReadyHook>(core_, k));
-    c.accumulators.push_back(acc);
-  }
+  std::weak_ptr<Core> weak = core_;
+  c.accumulators = detail::on_gradient_ready(c.params, [weak](size_t k) {
+    if (auto core = weak.lock()) core->mark_ready(k);
+  });
 }
 
 DistributedDataParallel::~DistributedDataParallel() {

@@ -53,12 +53,11 @@ at::Tensor FlatGroup::gather_master(Communicator& comm) const {
   return whole;
 }
 
-FlatGroup make_flat_group(std::string label, const torch::nn::Module* unit, std::vector<std::string> names,
+FlatGroup make_flat_group(std::string label, std::vector<std::string> names,
                           std::vector<at::Tensor> params, Communicator& comm, bool owns_shard,
                           std::optional<at::ScalarType> compute_dtype, bool values_from_rank0) {
   FlatGroup g;
   g.label = std::move(label);
-  g.unit = unit;
   g.names = std::move(names);
   g.params = std::move(params);
   g.rank = comm.rank();

@@ -1,6 +1,7 @@
 #pragma once
-// One unit of sharding (FSDP2's parameter group): its parameters laid end to end in one flat buffer,
-// padded to a multiple of the shard group's size, of which rank r owns the r-th contiguous chunk. The
+// Parameters laid end to end in one flat buffer (the design of FSDP1's FlatParameter; a ShardingUnit
+// holds one or two of them), padded to a multiple of the shard group's size, of which rank r owns the
+// r-th contiguous chunk. What each tensor is: [Note: a unit's tensors] in parallel/sharding_unit.hpp. The
 // user's parameter tensors become views of that buffer (same tensors, same autograd identity), so a
 // gather is one all-gather into it and freeing it keeps their shapes. The optimizer gets, per
 // parameter, a leaf over the part of it that lies in this rank's chunk (possibly empty): padding never
@@ -19,7 +20,6 @@ namespace xlr8::detail {
 
 struct FlatGroup {
   std::string label;                         // the unit's module path, "(root)", or "bucket k"
-  const torch::nn::Module* unit = nullptr;   // the module whose guard gathers it (stage 3), or null
   std::vector<std::string> names;
   std::vector<at::Tensor> params;            // the user's parameters: views of `full`
   std::vector<int64_t> offsets;              // element offset of each parameter in the flat buffer
@@ -65,7 +65,7 @@ struct FlatGroup {
 // the optimizer's leaves stay in theirs. Collective when `owns_shard` (the shard is allocated in memory
 // the group's peers can read directly). `values_from_rank0`: only rank 0's parameters hold values (the
 // others' are never read); the group's are broadcast from it (collective).
-FlatGroup make_flat_group(std::string label, const torch::nn::Module* unit, std::vector<std::string> names,
+FlatGroup make_flat_group(std::string label, std::vector<std::string> names,
                           std::vector<at::Tensor> params, Communicator& comm, bool owns_shard,
                           std::optional<at::ScalarType> compute_dtype = std::nullopt, bool values_from_rank0 = false);
 

@@ -23,6 +23,14 @@ StateDict module_state_dict(const torch::nn::Module& module) {
   return out;
 }
 
+bool ParallelStrategy::owns(const at::Tensor& tensor) const {
+  std::call_once(owned_once_, [&] {
+    for (const auto& p : module_->parameters()) owned_.insert(p.unsafeGetTensorImpl());
+    for (const auto& p : optimizer_parameters()) owned_.insert(p.unsafeGetTensorImpl());
+  });
+  return owned_.count(tensor.unsafeGetTensorImpl()) > 0;
+}
+
 StateDict ParallelStrategy::state_dict(StateDictKind) const { return module_state_dict(*module_); }
 
 void ParallelStrategy::load_state_dict(const StateDict& state, StateDictKind kind) {

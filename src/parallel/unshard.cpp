@@ -10,15 +10,15 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "parallel/sharded_unit.hpp"
+#include "parallel/unit_registry.hpp"
 
 namespace xlr8 {
 namespace detail {
 namespace {
 
 std::mutex registry_mutex;
-std::unordered_map<const torch::nn::Module*, std::weak_ptr<ShardedUnit>>& registry() {
-  static std::unordered_map<const torch::nn::Module*, std::weak_ptr<ShardedUnit>> units;
+std::unordered_map<const torch::nn::Module*, std::weak_ptr<UnitHooks>>& registry() {
+  static std::unordered_map<const torch::nn::Module*, std::weak_ptr<UnitHooks>> units;
   return units;
 }
 
@@ -71,7 +71,7 @@ struct CountdownHook : torch::autograd::FunctionPostHook {
 
 uint64_t autograd_position() { return at::sequence_number::peek(); }
 
-size_t after_backward_of(const at::Tensor& output, uint64_t forward_start, std::function<void()> done,
+size_t after_backward_of(const std::vector<at::Tensor>& outputs, uint64_t forward_start, std::function<void()> done,
                          std::function<void()> dropped) {
   // Nodes are numbered as they are created, and a node's inputs come from older nodes: every node on a
   // path from `output` down to one of the unit's nodes is the unit's too, so the walk stops at the
@@ -83,7 +83,7 @@ size_t after_backward_of(const at::Tensor& output, uint64_t forward_start, std::
     if (node && node->sequence_nr() >= forward_start && node->sequence_nr() < end && seen.insert(node.get()).second)
       stack.push_back(node.get());
   };
-  consider(output.grad_fn());
+  for (const auto& output : outputs) consider(output.grad_fn());
   while (!stack.empty()) {
     auto* node = stack.back();
     stack.pop_back();
@@ -99,7 +99,7 @@ size_t after_backward_of(const at::Tensor& output, uint64_t forward_start, std::
   return nodes.size();
 }
 
-void register_unit(const torch::nn::Module& module, std::weak_ptr<ShardedUnit> unit) {
+void register_unit(const torch::nn::Module& module, std::weak_ptr<UnitHooks> unit) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry()[&module] = std::move(unit);
 }
@@ -109,7 +109,7 @@ void unregister_unit(const torch::nn::Module& module) {
   registry().erase(&module);
 }
 
-std::shared_ptr<ShardedUnit> find_unit(const torch::nn::Module& module) {
+std::shared_ptr<UnitHooks> find_unit(const torch::nn::Module& module) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   auto it = registry().find(&module);
   return it == registry().end() ? nullptr : it->second.lock();
@@ -121,7 +121,7 @@ at::Tensor with_backward_prehook(const at::Tensor& output, std::function<void()>
 
 }  // namespace detail
 
-UnshardScope::UnshardScope(std::shared_ptr<detail::ShardedUnit> unit) : unit_(std::move(unit)) {
+UnshardScope::UnshardScope(std::shared_ptr<detail::UnitHooks> unit) : unit_(std::move(unit)) {
   if (unit_) unit_->before_forward();
 }
 
@@ -134,7 +134,13 @@ UnshardScope::~UnshardScope() {
 at::Tensor UnshardScope::done(const at::Tensor& output) {
   if (!unit_) return output;
   auto unit = std::move(unit_);
-  return unit->after_forward(output);
+  return unit->after_forward({output}).front();
+}
+
+std::vector<at::Tensor> UnshardScope::done_with(const std::vector<at::Tensor>& outputs) {
+  if (!unit_) return outputs;
+  auto unit = std::move(unit_);
+  return unit->after_forward(outputs);
 }
 
 UnshardScope unshard(const torch::nn::Module& unit) { return UnshardScope(detail::find_unit(unit)); }

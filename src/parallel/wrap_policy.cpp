@@ -4,12 +4,14 @@
 #include <fmt/ranges.h>
 
 #include <map>
+#include <optional>
+#include <utility>
 #include <set>
 #include <unordered_set>
 
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8 {
 namespace {
 
 struct NamedParameter {
@@ -38,6 +40,55 @@ std::string without_namespaces(const std::string& name) {
 
 }  // namespace
 
+namespace {
+
+// The config's spelling of each mode; a table serves both directions.
+constexpr std::pair<AutoWrapPolicy, const char*> kWrapPolicies[] = {
+    {AutoWrapPolicy::TRANSFORMER_BASED_WRAP, "TRANSFORMER_BASED_WRAP"},
+    {AutoWrapPolicy::SIZE_BASED_WRAP, "SIZE_BASED_WRAP"},
+    {AutoWrapPolicy::NO_WRAP, "NO_WRAP"}};
+constexpr std::pair<BackwardPrefetch, const char*> kPrefetchModes[] = {
+    {BackwardPrefetch::BACKWARD_PRE, "BACKWARD_PRE"},
+    {BackwardPrefetch::BACKWARD_POST, "BACKWARD_POST"},
+    {BackwardPrefetch::NONE, "NO_PREFETCH"}};
+
+template <class Mode, size_t N>
+std::optional<Mode> mode_named(const std::string& value, const std::pair<Mode, const char*> (&table)[N]) {
+  for (const auto& [mode, name] : table)
+    if (value == name) return mode;
+  return std::nullopt;
+}
+
+template <class Mode, size_t N>
+const char* name_of(Mode mode, const std::pair<Mode, const char*> (&table)[N]) {
+  for (const auto& [candidate, name] : table)
+    if (candidate == mode) return name;
+  return "?";
+}
+
+}  // namespace
+
+AutoWrapPolicy parse_auto_wrap_policy(const std::string& value, const std::string& key) {
+  if (auto mode = mode_named(value, kWrapPolicies)) return *mode;
+  throw ConfigError(fmt::format("{} {:?}: allowed values are TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP and NO_WRAP",
+                                key, value));
+}
+
+BackwardPrefetch parse_backward_prefetch(const std::string& value, const std::string& key) {
+  if (value.empty()) return BackwardPrefetch::NONE;
+  if (auto mode = mode_named(value, kPrefetchModes)) return *mode;
+  throw ConfigError(fmt::format("{} {:?} is not a prefetch mode; use BACKWARD_PRE, BACKWARD_POST, NO_PREFETCH or "
+                                "leave it empty",
+                                key, value));
+}
+
+const char* to_string(AutoWrapPolicy policy) { return name_of(policy, kWrapPolicies); }
+const char* to_string(BackwardPrefetch prefetch) { return name_of(prefetch, kPrefetchModes); }
+
+namespace detail {
+
+bool is_libtorch_module(const torch::nn::Module& module) { return module.name().rfind("torch::nn::", 0) == 0; }
+
 bool layer_class_matches(const std::string& class_name, const std::string& reported) {
   for (const auto& candidate : {reported, without_namespaces(reported)}) {
     if (class_name == candidate) return true;
@@ -48,11 +99,11 @@ bool layer_class_matches(const std::string& class_name, const std::string& repor
   return false;
 }
 
-std::vector<ParameterGroupPlan> plan_units(const torch::nn::Module& root, const ZeroOptions& options) {
+std::vector<UnitPlan> plan_units(const torch::nn::Module& root, const ZeroOptions& options) {
   const auto params = distinct_parameters(root, /*trainable_only=*/false);
   const auto modules = root.named_modules("", /*include_self=*/false);
-  std::vector<std::pair<std::string, const torch::nn::Module*>> units;  // path, module; in module order
-  if (options.auto_wrap_policy == "TRANSFORMER_BASED_WRAP") {
+  std::vector<UnitPlan> units;  // in module order
+  if (options.auto_wrap_policy == AutoWrapPolicy::TRANSFORMER_BASED_WRAP) {
     if (options.layer_classes.empty())
       throw ConfigError("fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP needs fsdp_transformer_layer_cls_to_wrap (the "
                         "class names of the model's layers, e.g. Block)");
@@ -62,7 +113,7 @@ std::vector<ParameterGroupPlan> plan_units(const torch::nn::Module& root, const 
       for (const auto& cls : options.layer_classes)
         if (layer_class_matches(cls, item.value()->name())) {
           matched.insert(cls);
-          units.emplace_back(item.key(), item.value().get());
+          units.push_back({item.key(), item.value().get(), /*named_by_user=*/true, {}});
           break;
         }
     }
@@ -71,11 +122,13 @@ std::vector<ParameterGroupPlan> plan_units(const torch::nn::Module& root, const 
         throw ConfigError(fmt::format("fsdp_transformer_layer_cls_to_wrap: the model has no module of class {:?}; its "
                                       "classes are {}",
                                       cls, fmt::join(present, ", ")));
-  } else if (options.auto_wrap_policy == "SIZE_BASED_WRAP") {
+  } else if (options.auto_wrap_policy == AutoWrapPolicy::SIZE_BASED_WRAP) {
     // Bottom-up (reverse module order puts every module after its descendants): a module becomes a unit
-    // when the parameters below it that no smaller unit took reach min_num_params.
+    // when the parameters below it that no smaller unit took reach min_num_params. LibTorch's own
+    // modules never do: they cannot open a guard, so they would stay whole on every rank.
     std::vector<std::pair<std::string, const torch::nn::Module*>> all;
-    for (const auto& item : modules) all.emplace_back(item.key(), item.value().get());
+    for (const auto& item : modules)
+      if (!is_libtorch_module(*item.value())) all.emplace_back(item.key(), item.value().get());
     std::vector<bool> taken(params.size(), false);
     for (auto it = all.rbegin(); it != all.rend(); ++it) {
       int64_t count = 0;
@@ -84,59 +137,54 @@ std::vector<ParameterGroupPlan> plan_units(const torch::nn::Module& root, const 
         if (!taken[k] && inside(params[k].name, it->first)) count += params[k].tensor.numel(), mine.push_back(k);
       if (count >= options.min_num_params && !mine.empty()) {
         for (auto k : mine) taken[k] = true;
-        units.push_back(*it);
+        units.push_back({it->first, it->second, false, {}});
       }
     }
     std::reverse(units.begin(), units.end());
-  } else if (options.auto_wrap_policy != "NO_WRAP") {
-    throw ConfigError(fmt::format("fsdp_auto_wrap_policy {:?}: allowed values are TRANSFORMER_BASED_WRAP, "
-                                  "SIZE_BASED_WRAP and NO_WRAP",
-                                  options.auto_wrap_policy));
   }
   // Each parameter goes to the deepest unit that contains it; the rest to the root. Frozen parameters
   // form a second group of the same unit: no gradient hooks, released when the unit's backward is done.
   const size_t root_index = units.size();
-  units.emplace_back("(root)", &root);
-  std::vector<ParameterGroupPlan> trainable(units.size()), frozen(units.size());
-  for (size_t u = 0; u < units.size(); ++u) {
-    trainable[u] = {units[u].first, units[u].second, false, {}, {}};
-    frozen[u] = {units[u].first + " (frozen)", units[u].second, true, {}, {}};
-  }
+  units.push_back({"(root)", &root, false, {}});
+  std::vector<UnitPlan::Group> trainable(units.size()), frozen(units.size());
   for (const auto& p : params) {
     size_t best = root_index;
     for (size_t u = 0; u < root_index; ++u)
-      if (inside(p.name, units[u].first) && (best == root_index || units[u].first.size() > units[best].first.size()))
+      if (inside(p.name, units[u].label) && (best == root_index || units[u].label.size() > units[best].label.size()))
         best = u;
-    auto& plan = p.tensor.requires_grad() ? trainable[best] : frozen[best];
-    plan.names.push_back(p.name);
-    plan.params.push_back(p.tensor);
+    auto& group = p.tensor.requires_grad() ? trainable[best] : frozen[best];
+    group.names.push_back(p.name);
+    group.params.push_back(p.tensor);
   }
-  std::vector<ParameterGroupPlan> out;
-  for (size_t u = 0; u < units.size(); ++u)
-    for (auto* plan : {&trainable[u], &frozen[u]})
-      if (!plan->params.empty()) out.push_back(std::move(*plan));
+  std::vector<UnitPlan> out;
+  for (size_t u = 0; u < units.size(); ++u) {
+    for (auto* group : {&trainable[u], &frozen[u]})
+      if (!group->params.empty()) units[u].groups.push_back(std::move(*group));
+    if (!units[u].groups.empty()) out.push_back(std::move(units[u]));
+  }
   return out;
 }
 
-std::vector<ParameterGroupPlan> plan_buckets(const torch::nn::Module& root, const ZeroOptions& options) {
+std::vector<UnitPlan> plan_buckets(const torch::nn::Module& root, double first_bucket_mb, double bucket_cap_mb) {
   const auto params = distinct_parameters(root, /*trainable_only=*/true);
-  std::vector<ParameterGroupPlan> out;
+  std::vector<UnitPlan> out;
   double used = 0;
   for (auto it = params.rbegin(); it != params.rend(); ++it) {
     const double bytes = static_cast<double>(it->tensor.numel() * it->tensor.element_size());
-    const double cap = (out.size() <= 1 ? options.first_bucket_mb : options.bucket_cap_mb) * 1024 * 1024;
+    const double cap = (out.size() <= 1 ? first_bucket_mb : bucket_cap_mb) * 1024 * 1024;
     bool fits = !out.empty() && used + bytes <= cap &&
-                out.back().params.front().scalar_type() == it->tensor.scalar_type() &&
-                out.back().params.front().device() == it->tensor.device();
+                out.back().groups[0].params.front().scalar_type() == it->tensor.scalar_type() &&
+                out.back().groups[0].params.front().device() == it->tensor.device();
     if (!fits) {
-      out.push_back({fmt::format("bucket {}", out.size()), nullptr, false, {}, {}});
+      out.push_back({fmt::format("bucket {}", out.size()), nullptr, false, {UnitPlan::Group{}}});
       used = 0;
     }
-    out.back().names.push_back(it->name);
-    out.back().params.push_back(it->tensor);
+    out.back().groups[0].names.push_back(it->name);
+    out.back().groups[0].params.push_back(it->tensor);
     used += bytes;
   }
   return out;
 }
 
-}  // namespace xlr8::detail
+}  // namespace detail
+}  // namespace xlr8

@@ -14,23 +14,29 @@
 
 namespace xlr8::detail {
 
-struct ParameterGroupPlan {
-  std::string label;
-  const torch::nn::Module* unit = nullptr;  // stage 3: the module whose guard gathers the group
-  bool frozen = false;                       // its parameters require no gradients
-  std::vector<std::string> names;
-  std::vector<at::Tensor> params;
+struct UnitPlan {
+  std::string label;                          // the module's path, "(root)", or "bucket k"
+  const torch::nn::Module* module = nullptr;  // stage 3: the module whose guard gathers the unit; buckets: null
+  bool named_by_user = false;                 // its class is one fsdp_transformer_layer_cls_to_wrap lists
+  struct Group {
+    std::vector<std::string> names;
+    std::vector<at::Tensor> params;  // all trainable, or all frozen
+  };
+  std::vector<Group> groups;  // none empty; a unit's trainable group before its frozen one
 };
 
-// Units in module order, then the root's own groups (the parameters no unit took), if any; a unit's
-// trainable group comes before its frozen one. An unknown
+// Units in module order, then the root (the parameters no unit took), if it holds any. An unknown
 // class in TRANSFORMER_BASED_WRAP is a ConfigError naming the classes the model has.
-std::vector<ParameterGroupPlan> plan_units(const torch::nn::Module& root, const ZeroOptions& options);
-// Buckets of consecutive parameters in reverse order (the order their gradients become ready).
-std::vector<ParameterGroupPlan> plan_buckets(const torch::nn::Module& root, const ZeroOptions& options);
+std::vector<UnitPlan> plan_units(const torch::nn::Module& root, const ZeroOptions& options);
+// Buckets of consecutive trainable parameters in reverse order (the order their gradients become ready):
+// the first up to `first_bucket_mb`, the others up to `bucket_cap_mb`, each of one dtype and device.
+// DDP's and ZeRO-1/2's.
+std::vector<UnitPlan> plan_buckets(const torch::nn::Module& root, double first_bucket_mb, double bucket_cap_mb);
 
 // Whether `class_name` (as the config names it) means the module class `reported` (Module::name(),
 // e.g. "gpt::BlockImpl"): the full name, the name without namespaces, or either without "Impl".
 bool layer_class_matches(const std::string& class_name, const std::string& reported);
+// LibTorch's own modules (torch::nn::Linear, Sequential, ...): their forward cannot open a guard.
+bool is_libtorch_module(const torch::nn::Module& module);
 
 }  // namespace xlr8::detail

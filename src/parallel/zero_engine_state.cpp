@@ -12,7 +12,7 @@ StateDict ZeroEngine::state_dict(StateDictKind kind) {
   if (kind == StateDictKind::SHARDED) {
     for (const auto& item : module_->named_parameters()) {
       const auto* slot = slot_of(item.value());
-      out.emplace_back(item.key(), slot ? groups_[slot->group].shard_params[slot->index].detach() : item.value());
+      out.emplace_back(item.key(), slot ? group(slot->group).shard_params[slot->index].detach() : item.value());
     }
     for (const auto& item : module_->named_buffers()) out.emplace_back(item.key(), item.value());
     return out;
@@ -24,34 +24,37 @@ StateDict ZeroEngine::state_dict(StateDictKind kind) {
   // FULL: stages 1-2 hold whole parameters; stage 3 gathers one group at a time and copies it out.
   // FULL_ON_MAIN: only the group's first rank (the first replica's, under hybrid sharding) copies.
   if (kind == StateDictKind::FULL_ON_MAIN && (comm_.rank() != 0 || (replicate_.valid() && replicate_.rank() != 0))) {
-    for (size_t g = 0; g < groups_.size(); ++g) {  // the collectives still need every rank
-      if (groups_[g].mixed()) groups_[g].gather_master(comm_);
-      else if (stage_ == 3 && !groups_[g].gathered()) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        gather(g);
-        release(g);
+    for (auto& unit : units_)  // the collectives still need every rank
+      for (size_t k = 0; k < unit->groups().size(); ++k) {
+        auto& flat = unit->groups()[k];
+        if (flat.mixed()) flat.gather_master(comm_);
+        else if (policy_.shards_parameters && !flat.gathered()) {
+          std::lock_guard<std::mutex> lock(mutex_);
+          unit->gather(k);
+          unit->release(k);
+        }
       }
-    }
-    return state_dict_shapes(StateDictKind::FULL);
+    return full_state_layout(StateDictKind::FULL);
   }
   std::map<const c10::TensorImpl*, at::Tensor> copies;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    for (size_t g = 0; g < groups_.size(); ++g) {
-      auto& group = groups_[g];
-      if (group.mixed()) {  // the fp32 master values, not their low-precision copies
-        auto whole = group.gather_master(comm_);
-        for (size_t i = 0; i < group.params.size(); ++i)
-          copies[group.params[i].unsafeGetTensorImpl()] =
-              whole.narrow(0, group.offsets[i], group.params[i].numel()).view(group.params[i].sizes()).clone();
-        continue;
+    for (auto& unit : units_)
+      for (size_t k = 0; k < unit->groups().size(); ++k) {
+        auto& flat = unit->groups()[k];
+        if (flat.mixed()) {  // the fp32 master values, not their low-precision copies
+          auto whole = flat.gather_master(comm_);
+          for (size_t i = 0; i < flat.params.size(); ++i)
+            copies[flat.params[i].unsafeGetTensorImpl()] =
+                whole.narrow(0, flat.offsets[i], flat.params[i].numel()).view(flat.params[i].sizes()).clone();
+          continue;
+        }
+        if (!policy_.shards_parameters) continue;
+        const bool was = flat.gathered();
+        unit->gather(k);
+        for (const auto& p : flat.params) copies[p.unsafeGetTensorImpl()] = p.detach().clone();
+        if (!was) unit->release(k);  // only a guarded group is ever freed: it goes back to freed
       }
-      if (stage_ != 3) continue;
-      const bool was = groups_[g].gathered();
-      gather(g);
-      for (const auto& p : groups_[g].params) copies[p.unsafeGetTensorImpl()] = p.detach().clone();
-      if (!was) release(g);  // only a guarded group is ever freed: it goes back to freed
-    }
   }
   for (const auto& item : module_->named_parameters()) {
     auto it = copies.find(item.value().unsafeGetTensorImpl());
@@ -62,7 +65,7 @@ StateDict ZeroEngine::state_dict(StateDictKind kind) {
 }
 
 void ZeroEngine::load_state_dict(const StateDict& state, StateDictKind kind) {
-  check_state_dict(state_dict_shapes(kind), state);
+  check_state_dict(full_state_layout(kind), state);
   std::map<std::string, at::Tensor> own;
   for (const auto& item : module_->named_parameters()) own[item.key()] = item.value();
   for (const auto& item : module_->named_buffers()) own[item.key()] = item.value();
@@ -76,12 +79,12 @@ void ZeroEngine::load_state_dict(const StateDict& state, StateDictKind kind) {
       target.detach().copy_(tensor);
       continue;
     }
-    auto& group = groups_[slot->group];
+    auto& flat = group(slot->group);
     if (kind == StateDictKind::SHARDED) {
-      group.shard_params[slot->index].detach().copy_(tensor);
+      flat.shard_params[slot->index].detach().copy_(tensor);
     } else {
-      auto part = group.owned_part(slot->index);
-      group.master.narrow(0, part.in_shard, part.count).copy_(tensor.reshape(-1).narrow(0, part.in_param, part.count));
+      auto part = flat.owned_part(slot->index);
+      flat.master.narrow(0, part.in_shard, part.count).copy_(tensor.reshape(-1).narrow(0, part.in_param, part.count));
     }
   }
   // Whole copies that are alive (stages 1-2 always; stage 3 groups held whole) follow their shards.
@@ -103,9 +106,9 @@ std::vector<ParameterPiece> ZeroEngine::parameter_pieces() {
       out.push_back({item.key(), p.sizes().vec(), p, 0, comm_.rank() == 0 && writer});
       continue;
     }
-    const auto& group = groups_[slot->group];
-    out.push_back({item.key(), p.sizes().vec(), group.shard_params[slot->index],
-                   group.owned_part(slot->index).in_param, writer});
+    const auto& flat = group(slot->group);
+    out.push_back({item.key(), p.sizes().vec(), flat.shard_params[slot->index], flat.owned_part(slot->index).in_param,
+                   writer});
   }
   return out;
 }
@@ -128,11 +131,11 @@ void ZeroEngine::visit_full_state(const std::function<void(size_t, const at::Ten
       ++index;
       continue;
     }
-    auto& group = groups_[slot->group];
-    if (!whole[slot->group].defined()) whole[slot->group] = group.gather_master(comm_);
+    auto& flat = group(slot->group);
+    if (!whole[slot->group].defined()) whole[slot->group] = flat.gather_master(comm_);
     if (receiver)
-      fn(index, whole[slot->group].narrow(0, group.offsets[slot->index], group.params[slot->index].numel())
-                    .view(group.params[slot->index].sizes()));
+      fn(index, whole[slot->group].narrow(0, flat.offsets[slot->index], flat.params[slot->index].numel())
+                    .view(flat.params[slot->index].sizes()));
     ++index;
     if (--left[slot->group] == 0) whole[slot->group] = at::Tensor();
   }
@@ -142,29 +145,29 @@ void ZeroEngine::visit_full_state(const std::function<void(size_t, const at::Ten
   }
 }
 
-void ZeroEngine::pieces_loaded(bool whole_parameters_written) {
+void ZeroEngine::parameter_pieces_loaded(bool whole_parameters_written) {
   std::lock_guard<std::mutex> lock(mutex_);
   drop_prefetches();
   at::NoGradGuard no_grad;
-  for (auto& group : groups_) {
+  for (auto* flat : groups_) {
     if (whole_parameters_written) {
-      if (group.mixed()) group.shard.copy_(group.master);
+      if (flat->mixed()) flat->shard.copy_(flat->master);
       continue;
     }
     // One group at a time (unlike after a step, where they overlap): the transient stays one group's.
-    group.refresh_async(comm_).wait();
+    flat->refresh_async(comm_).wait();
   }
 }
 
-StateDict ZeroEngine::state_dict_shapes(StateDictKind kind) const {
+StateDict ZeroEngine::full_state_layout(StateDictKind kind) const {
   // Names, dtypes and shapes only: stage 3's freed parameters keep their shapes.
   StateDict out;
   for (const auto& item : module_->named_parameters()) {
     const auto* slot = slot_of(item.value());
-    const at::Tensor& t = kind == StateDictKind::SHARDED && slot ? groups_[slot->group].shard_params[slot->index]
+    const at::Tensor& t = kind == StateDictKind::SHARDED && slot ? group(slot->group).shard_params[slot->index]
                                                                   : item.value();
     auto options = t.options().device(at::kMeta);
-    if (slot) options = options.dtype(groups_[slot->group].master.scalar_type());  // fp32 under mixed precision
+    if (slot) options = options.dtype(group(slot->group).master.scalar_type());  // fp32 under mixed precision
     out.emplace_back(item.key(), at::empty(t.sizes(), options));
   }
   for (const auto& item : module_->named_buffers())

@@ -1,75 +1,36 @@
-// ZeroEngine, stage 3: the units' gathers and releases, prefetching, the guards' calls around a unit's
-// forward and backward, when a unit's frozen parameters can go, and summon_full_params.
+// ZeroEngine, stage 3: the guards' calls around a unit's forward and backward, the order units run in
+// (prefetching, and the check that every rank runs them alike), when a unit's frozen parameters can go,
+// units that never opened their guard, and gather_full_parameters (FSDP's summon_full_params).
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
 #include "core/log.hpp"
-#include "parallel/sharded_unit.hpp"
+#include "core/text.hpp"
+#include "parallel/unit_registry.hpp"
 #include "parallel/zero_engine.hpp"
+#include "xlr8/error.hpp"
 
 namespace xlr8::detail {
 
-// ------------------------------------------------------------------------------------------ gathers (stage 3)
-
-void ZeroEngine::gather(size_t g) {
-  if (await_prefetch(g)) return;  // issued early: now it is there
-  auto& group = groups_[g];
-  if (group.gathered()) return;
-  group.gather(comm_);
-  ++gathers_;
-  gathered_bytes_ += group.full_bytes();
-  peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
-  step_peak_gathered_bytes_ = std::max(step_peak_gathered_bytes_, gathered_bytes_);
-}
-
-bool ZeroEngine::release(size_t g) {
-  await_prefetch(g);  // never free memory a gather writes into
-  auto& group = groups_[g];
-  if (!managed_[g] || summoned_ > 0 || !group.gathered()) return false;
-  group.release();
-  ++releases_;
-  gathered_bytes_ -= group.full_bytes();
-  return true;
-}
-
-bool ZeroEngine::await_prefetch(size_t g) {
-  auto it = prefetching_.find(g);
-  if (it == prefetching_.end()) return false;
-  it->second.wait();  // before forgetting it: a failed wait leaves it recorded
-  prefetching_.erase(it);
-  return true;
-}
+// ------------------------------------------------------------------------------------------ prefetching
 
 void ZeroEngine::prefetch(size_t u, bool in_backward) {
-  // gathered(): also while a prefetch runs.
-  auto wanted = [&](size_t g) { return managed_[g] && !groups_[g].gathered(); };
-  const auto& mine = units_[u].groups;
-  if (std::none_of(mine.begin(), mine.end(), wanted)) return;
+  auto& unit = *units_[u];
+  if (!unit.managed()) return;
   // FSDP's limit: besides the root, at most two units gathered (the running one and the next). The count
   // is the same on every rank, so the decision is too.
   int gathered_units = 0;
-  for (size_t other = 0; other < units_.size(); ++other) {
-    const auto& groups = units_[other].groups;
-    if (!is_root(other) && std::any_of(groups.begin(), groups.end(),
-                                       [&](size_t g) { return managed_[g] && groups_[g].gathered(); }))
-      ++gathered_units;
-  }
+  for (const auto& other : units_)
+    if (!other->is_root() && other->managed() && other->any_gathered()) ++gathered_units;
   if (gathered_units >= 2) return;
-  for (size_t g : mine) {
-    if (!wanted(g)) continue;
-    prefetching_.emplace(g, groups_[g].gather_async(comm_));
-    ++gathers_;
-    gathered_bytes_ += groups_[g].full_bytes();
-  }
-  ++(in_backward ? backward_prefetches_ : forward_prefetches_);
-  peak_gathered_bytes_ = std::max(peak_gathered_bytes_, gathered_bytes_);
-  step_peak_gathered_bytes_ = std::max(step_peak_gathered_bytes_, gathered_bytes_);
+  unit.prefetch(in_backward);
 }
 
-// The order is what every rank's model did in its last pass, so every rank prefetches the same unit
-// at the same moment and the collective sequences stay identical.
+// The order is what every rank's model did in its last pass (checked alike on every rank), so every
+// rank prefetches the same unit at the same moment and the collective sequences stay identical.
 void ZeroEngine::prefetch_after(const UnitOrder& order, size_t u, bool in_backward) {
+  if (!prefetch_allowed()) return;
   auto it = std::find(order.last.begin(), order.last.end(), u);
   if (it == order.last.end() || it + 1 == order.last.end()) return;
   // Not a unit that already ran in this pass (the root's gradients complete last, after every block's).
@@ -83,42 +44,72 @@ void ZeroEngine::UnitOrder::record(size_t u) {
 }
 
 void ZeroEngine::settle_prefetches() {
-  for (auto& [g, work] : prefetching_) work.wait();
-  prefetching_.clear();
+  for (auto& unit : units_) unit->wait_prefetch();
 }
 
 void ZeroEngine::drop_prefetches() {
-  std::vector<size_t> issued;
-  for (const auto& [g, work] : prefetching_) issued.push_back(g);
-  for (size_t g : issued) release(g);  // waits for the gather, then frees the unit again
+  for (auto& unit : units_)
+    if (unit->prefetching()) unit->release(ShardingUnit::Which::ALL);  // waits for the gather, then frees it again
 }
+
+// Every unit's all-gather pairs up by position with the other ranks': ranks that run units in another
+// order would hang or, units of the same size, exchange each other's shards silently. One hash per rank
+// settles it; only when they differ are the orders themselves exchanged, to name the first difference.
+void ZeroEngine::check_order_across_ranks(const std::vector<size_t>& order, const char* pass) {
+  if (comm_.size() == 1) return;
+  uint64_t hash = 1469598103934665603ull;  // FNV-1a over the unit indices
+  for (size_t u : order) hash = (hash ^ (u + 1)) * 1099511628211ull;
+  const int64_t mine = static_cast<int64_t>(hash >> 1);
+  auto bounds = at::tensor({mine, -mine, static_cast<int64_t>(order.size())}, at::kLong);
+  comm_.all_reduce(bounds, ReduceOp::MAX);
+  if (bounds[0].item<int64_t>() == mine && -bounds[1].item<int64_t>() == mine) return;
+  const int64_t longest = bounds[2].item<int64_t>();
+  auto mine_padded = at::full({longest}, -1, at::kLong);
+  for (size_t k = 0; k < order.size(); ++k) mine_padded[static_cast<int64_t>(k)] = static_cast<int64_t>(order[k]);
+  auto all = at::empty({longest * comm_.size()}, at::kLong);
+  comm_.all_gather(all, mine_padded);
+  auto rows = all.view({comm_.size(), longest});
+  auto name = [&](int64_t u) { return u < 0 ? std::string("nothing") : units_[static_cast<size_t>(u)]->label(); };
+  for (int64_t k = 0; k < longest; ++k)
+    for (int r = 1; r < comm_.size(); ++r) {
+      const int64_t first = rows[0][k].item<int64_t>(), other = rows[r][k].item<int64_t>();
+      if (first == other) continue;
+      throw Error(fmt::format(
+          "sharded units ran in different orders on different ranks in the {} pass: unit {} of it was {} on rank 0 "
+          "and {} on rank {}. Every unit's all-gather pairs up with the other ranks' by position, so each rank must "
+          "call the units' forwards in the same order (a rank-dependent branch around a unit, or a unit called only "
+          "on some ranks, breaks this)",
+          pass, k + 1, name(first), name(other), r));
+    }
+}
+
+// ------------------------------------------------------------------------------------------ the guards' calls
 
 void ZeroEngine::unit_forward_begins(size_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (size_t g : units_[u].groups) {
-    managed_[g] = true;
-    gather(g);
-  }
-  forward_start_[u] = autograd_position();
-  guarded_[u] = true;
-  in_forward_[u] = true;
+  auto& unit = *units_[u];
+  unit.forward_begins();
+  unit.forward_start = autograd_position();
   forward_order_.record(u);
   if (options_.forward_prefetch) prefetch_after(forward_order_, u, /*in_backward=*/false);
 }
 
-at::Tensor ZeroEngine::unit_forward_ends(size_t u, const at::Tensor& output) {
-  const bool backward_follows = at::GradMode::is_enabled() && output.defined() && output.requires_grad();
-  at::Tensor out = output;
+std::vector<at::Tensor> ZeroEngine::unit_forward_ends(size_t u, const std::vector<at::Tensor>& outputs) {
+  std::vector<at::Tensor> needing_backward;
+  for (const auto& out : outputs)
+    if (out.defined() && out.requires_grad()) needing_backward.push_back(out);
+  const bool backward_follows = at::GradMode::is_enabled() && !needing_backward.empty();
+  auto& unit = *units_[u];
+  std::vector<at::Tensor> handed = outputs;
   if (backward_follows) {
     std::weak_ptr<ZeroEngine> self = shared_from_this();
-    // Frozen parameters have no gradient to say when backward is done with them: the unit's own
-    // autograd nodes do (the root's stay gathered through the whole backward anyway).
-    if (has_frozen(u) && !is_root(u)) {
+    // The root's frozen groups stay gathered through the whole backward anyway.
+    if (unit.has_frozen() && !unit.is_root()) {
       uint64_t generation = 0;
       {
         std::lock_guard<std::mutex> lock(mutex_);
         generation = backward_generation_;
-        ++awaiting_backward_[u];
+        ++unit.awaiting;
       }
       auto done = [self, u, generation] {
         if (auto e = self.lock()) e->unit_backward_done(u, generation);
@@ -126,33 +117,37 @@ at::Tensor ZeroEngine::unit_forward_ends(size_t u, const at::Tensor& output) {
       auto dropped = [self, u, generation] {
         if (auto e = self.lock()) e->unit_graph_dropped(u, generation);
       };
-      if (after_backward_of(output, forward_start_[u], done, dropped) == 0) {
+      if (after_backward_of(needing_backward, unit.forward_start, done, dropped) == 0) {
         std::lock_guard<std::mutex> lock(mutex_);
-        --awaiting_backward_[u];  // backward reads nothing of the unit's
+        --unit.awaiting;  // backward reads nothing of the unit's
       }
     }
-    out = with_backward_prehook(output, [self, u] {
-      if (auto e = self.lock()) e->unit_backward_begins(u);
-    });
+    // FSDP2 hooks every output: whichever backward reaches first gathers the unit.
+    for (auto& out : handed)
+      if (out.defined() && out.requires_grad())
+        out = with_backward_prehook(out, [self, u] {
+          if (auto e = self.lock()) e->unit_backward_begins(u);
+        });
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  in_forward_[u] = false;
-  // The root's backward comes first, right after its forward ends: it stays gathered until then.
-  if (!backward_follows || !is_root(u))
-    for (size_t g : units_[u].groups) release(g);
-  return out;
+  unit.forward_ends(backward_follows);
+  // The model's forward is done: before its backward gathers anything, every rank ran the units alike.
+  if (unit.is_root() && backward_follows && !forward_order_checked_) {
+    check_order_across_ranks(forward_order_.current, "forward");
+    forward_order_checked_ = true;
+  }
+  return handed;
 }
 
 void ZeroEngine::unit_forward_abandoned(size_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
-  in_forward_[u] = false;
-  for (size_t g : units_[u].groups) release(g);
+  units_[u]->forward_abandoned();
   // The model's forward failed. Units that start freed and were never gathered are the likely cause:
   // reading them fails inside LibTorch with a message about "lazy allocation".
-  if (!is_root(u) || !options_.values_from_rank0 || warned_unguarded_) return;
+  if (!units_[u]->is_root() || !options_.values_from_rank0 || warned_unguarded_) return;
   std::vector<std::string> never;
-  for (size_t other = 0; other < units_.size(); ++other)
-    if (!guarded_[other] && !is_root(other)) never.push_back(groups_[units_[other].groups.front()].label);
+  for (const auto& other : units_)
+    if (!other->guard_opened() && !other->is_root()) never.push_back(other->label());
   if (never.empty()) return;
   warned_unguarded_ = true;
   log::warning("xlr8: the model's forward failed before unit(s) {} ever opened xlr8::unshard(*this). Built by "
@@ -166,9 +161,10 @@ void ZeroEngine::unit_backward_begins(size_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (detached_) return;
   arm_end_of_backward();
-  for (size_t g : units_[u].groups) gather(g);
+  if (!units_[u]->backward_begins()) return;  // another of its outputs got there first
   backward_order_.record(u);
-  if (options_.backward_prefetch == "BACKWARD_PRE") prefetch_after(backward_order_, u, /*in_backward=*/true);
+  if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_PRE)
+    prefetch_after(backward_order_, u, /*in_backward=*/true);
 }
 
 void ZeroEngine::unit_backward_done(size_t u, uint64_t generation) {
@@ -184,41 +180,83 @@ void ZeroEngine::unit_graph_dropped(size_t u, uint64_t generation) {
 void ZeroEngine::no_longer_awaited(size_t u, uint64_t generation) {
   // A forward recorded for an earlier backward (its graph was dropped, or this is a second run of a
   // retained graph) says nothing about this one.
-  if (detached_ || generation != backward_generation_ || awaiting_backward_[u] == 0) return;
-  // Not while the unit's own forward runs (a graph of an earlier forward freed inside it).
-  if (--awaiting_backward_[u] > 0 || in_forward_[u]) return;
-  bool trainable = false;
-  for (size_t g : units_[u].groups) {
-    if (!groups_[g].frozen) {
-      trainable = true;
-      continue;
-    }
-    if (release(g)) ++frozen_released_in_backward_;
-  }
+  if (detached_ || generation != backward_generation_) return;
+  auto& unit = *units_[u];
+  if (unit.awaiting == 0) return;
+  unit.forward_no_longer_awaited();
+  const bool trainable = std::any_of(unit.groups().begin(), unit.groups().end(), [](const FlatGroup& g) { return !g.frozen; });
   // A unit without gradients never completes a group: its backward ending is the BACKWARD_POST moment.
-  if (!trainable && options_.backward_prefetch == "BACKWARD_POST")
+  if (unit.awaiting == 0 && unit.state() != ShardingUnit::State::FORWARD && !trainable &&
+      options_.backward_prefetch == BackwardPrefetch::BACKWARD_POST)
     prefetch_after(backward_order_, u, /*in_backward=*/true);
 }
 
-void ZeroEngine::gather_all() {
-  std::lock_guard<std::mutex> lock(mutex_);
-  drop_prefetches();
-  ++summoned_;
-  for (size_t g = 0; g < groups_.size(); ++g) gather(g);
+// ------------------------------------------------------------------------------------------ after the first step
+
+void ZeroEngine::check_first_backward() {
+  if (!policy_.shards_parameters) return;
+  // A root without a guard has no end of forward to check at: its forward's order is checked here.
+  if (!forward_order_checked_) {
+    check_order_across_ranks(forward_order_.current, "forward");
+    forward_order_checked_ = true;
+  }
+  if (!backward_order_checked_) {
+    check_order_across_ranks(backward_order_.current, "backward");
+    backward_order_checked_ = true;
+  }
+  report_unguarded_units();
 }
 
-void ZeroEngine::release_all(bool writeback) {
+void ZeroEngine::report_unguarded_units() {
+  if (unguarded_checked_ || !policy_.shards_parameters) return;
+  unguarded_checked_ = true;
+  // A unit whose parameters got gradients from backward ran; if its guard never opened, it ran whole.
+  std::vector<std::string> listed;
+  const ShardingUnit* named = nullptr;
+  int64_t bytes = 0;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    const auto& unit = *units_[u];
+    if (unit.guard_opened()) continue;
+    bool ran = !std::any_of(unit.groups().begin(), unit.groups().end(), [](const FlatGroup& g) { return !g.frozen; });
+    for (size_t g = 0; g < groups_.size(); ++g)
+      if (unit_of_group_[g] == u && hooked_[g]) ran = true;
+    if (!ran) continue;
+    if (unit.named_by_user() && !named) named = &unit;
+    listed.push_back(fmt::format("{} ({}, {})", unit.label(), unit.module()->name(), text::bytes(unit.full_bytes())));
+    bytes += unit.full_bytes();
+  }
+  if (listed.empty()) return;
+  const std::string fix =
+      "add `auto unit = xlr8::unshard(*this);` as the first line of its forward and return `unit.done(output)` "
+      "(or wrap the body: `return xlr8::sharded(*this, [&] { ... });`)";
+  if (named)
+    throw ConfigError(fmt::format("fsdp_transformer_layer_cls_to_wrap lists the class of unit {} ({}), but its forward "
+                                  "never opened its guard, so its parameters would stay whole on every rank: {}",
+                                  named->label(), named->module()->name(), fix));
+  log::warning("xlr8: {} sharding unit(s) never opened their guard, so their parameters stay whole on every rank "
+               "(each rank holds {} of them instead of {}): {}. To shard a unit, {}",
+               listed.size(), text::bytes(bytes), text::bytes(bytes / comm_.size()), fmt::join(listed, ", "), fix);
+}
+
+void ZeroEngine::gather_full_parameters() {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (summoned_ > 0) --summoned_;
+  drop_prefetches();
+  ++context_.summoned;
+  for (auto& unit : units_) unit->gather_all();
+}
+
+void ZeroEngine::release_full_parameters(bool writeback) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (context_.summoned > 0) --context_.summoned;
   at::NoGradGuard no_grad;
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    auto& group = groups_[g];
-    if (writeback && group.gathered()) {
-      auto own = group.full.narrow(0, static_cast<int64_t>(group.rank) * group.shard_numel, group.shard_numel);
-      if (group.owns_shard) group.shard.copy_(own);
-      if (group.mixed()) group.master.copy_(own);
-    }
-    release(g);
+  for (auto& unit : units_) {
+    for (auto& group : unit->groups())
+      if (writeback && group.gathered()) {
+        auto own = group.full.narrow(0, static_cast<int64_t>(group.rank) * group.shard_numel, group.shard_numel);
+        if (group.owns_shard) group.shard.copy_(own);
+        if (group.mixed()) group.master.copy_(own);
+      }
+    unit->release(ShardingUnit::Which::ALL);
   }
 }
 

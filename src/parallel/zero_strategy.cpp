@@ -19,6 +19,7 @@ class ShardedDataParallel final : public ParallelStrategy {
   void begin_step(bool suspend_sync) override { engine_->begin_step(suspend_sync); }
   void end_step() override { engine_->end_step(); }
   std::vector<at::Tensor> optimizer_parameters() const override { return engine_->optimizer_parameters(); }
+  bool owns(const at::Tensor& tensor) const override { return engine_->owns(tensor); }
   void bind_optimizer(torch::optim::Optimizer& optimizer) const override { engine_->bind_optimizer(optimizer); }
   void optimizer_step(torch::optim::Optimizer& optimizer) override { engine_->optimizer_step(optimizer); }
   double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) override {
@@ -31,15 +32,15 @@ class ShardedDataParallel final : public ParallelStrategy {
   StateDict state_dict(StateDictKind kind) const override { return engine_->state_dict(kind); }
   void load_state_dict(const StateDict& state, StateDictKind kind) override { engine_->load_state_dict(state, kind); }
   std::vector<ParameterPiece> parameter_pieces() const override { return engine_->parameter_pieces(); }
-  StateDict full_state_layout() const override { return engine_->state_dict_shapes(StateDictKind::FULL); }
+  StateDict full_state_layout() const override { return engine_->full_state_layout(StateDictKind::FULL); }
   void visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn) const override {
     engine_->visit_full_state(fn);
   }
   void parameter_pieces_loaded(bool whole_parameters_written) override {
-    engine_->pieces_loaded(whole_parameters_written);
+    engine_->parameter_pieces_loaded(whole_parameters_written);
   }
-  void gather_full_parameters() override { engine_->gather_all(); }
-  void release_full_parameters(bool writeback) override { engine_->release_all(writeback); }
+  void gather_full_parameters() override { engine_->gather_full_parameters(); }
+  void release_full_parameters(bool writeback) override { engine_->release_full_parameters(writeback); }
   nlohmann::json stats() const override {
     auto out = engine_->stats();
     out["strategy"] = name();
@@ -88,11 +89,12 @@ std::pair<Communicator, Communicator> hybrid_groups(Communicator& dp, int shard_
 ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings, int node_size) {
   if (settings.fsdp) {
     const auto& f = *settings.fsdp;
-    options.auto_wrap_policy = f.auto_wrap_policy;
+    // Validated when the settings were read: parsed once, here.
+    options.auto_wrap_policy = parse_auto_wrap_policy(f.auto_wrap_policy);
     options.layer_classes = f.transformer_layer_cls_to_wrap;
     options.min_num_params = f.min_num_params;
     options.forward_prefetch = f.forward_prefetch;
-    options.backward_prefetch = f.backward_prefetch;
+    options.backward_prefetch = parse_backward_prefetch(f.backward_prefetch);
     if (options.stage < 0) {
       options.stage = stage_of(f);
       if (hybrid(f))

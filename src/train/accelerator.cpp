@@ -67,8 +67,9 @@ std::vector<ParallelStrategy*> AcceleratorImpl::strategies_of(const std::vector<
 }
 
 ParallelStrategy* AcceleratorImpl::owner_of(const at::Tensor& parameter) const {
-  auto it = owners.find(parameter.unsafeGetTensorImpl());
-  return it == owners.end() ? nullptr : it->second;
+  for (const auto& model : models)
+    if (model->owns(parameter)) return model.get();
+  return nullptr;
 }
 
 // ------------------------------------------------------------------------------------------ optimizer, scheduler
@@ -248,8 +249,9 @@ bool Accelerator::rank0_loading() const {
   if (s.state->world_size() == 1 || !settings.fsdp || !settings.fsdp->cpu_ram_efficient_loading) return false;
   const auto zero = detail::resolve_zero_options(s.options.parallel.zero, settings, s.state->local_world_size());
   const int dp = s.state->mesh().group("dp").size();
-  // Units chosen by size are often LibTorch's own modules, which open no guard: they must stay whole.
-  const bool guarded_units = zero.auto_wrap_policy == "TRANSFORMER_BASED_WRAP" || zero.auto_wrap_policy == "NO_WRAP";
+  // Units chosen by size may be modules whose forward opens no guard: they must stay whole.
+  const bool guarded_units =
+      zero.auto_wrap_policy == AutoWrapPolicy::TRANSFORMER_BASED_WRAP || zero.auto_wrap_policy == AutoWrapPolicy::NO_WRAP;
   return zero.stage == 3 && guarded_units && (zero.hybrid_shard_size == 0 || zero.hybrid_shard_size == dp) &&
          dp == num_processes();
 }
@@ -286,11 +288,7 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
     built.erase(it);
   }
   s.models.push_back(make_parallel_strategy(std::move(module), *s.state, parallel, s.gradient_state));
-  // What users pass to optimizers and clip_grad_norm (the module's parameters) and what a sharded
-  // strategy optimizes (its shards) both lead to the strategy.
   auto* strategy = s.models.back().get();
-  for (const auto& p : strategy->module()->parameters()) s.owners[p.unsafeGetTensorImpl()] = strategy;
-  for (const auto& p : strategy->optimizer_parameters()) s.owners[p.unsafeGetTensorImpl()] = strategy;
   for (const auto& o : s.optimizers) strategy->bind_optimizer(*o->optimizer);  // prepared before the model
 }
 
@@ -342,7 +340,6 @@ void Accelerator::free_memory() {
   for (auto& o : s.optimizers) o->impl = nullptr;
   for (auto& sc : s.schedulers) sc->impl = nullptr;
   s.models.clear();  // the strategies: hooks detached, buckets and shards freed
-  s.owners.clear();
   s.optimizers.clear();
   s.schedulers.clear();
   s.loaders.clear();

@@ -60,6 +60,116 @@ bool optimizer_is_sharded(const AcceleratorImpl& s, const torch::optim::Optimize
   return false;
 }
 
+// ------------------------------------------------------------------------------------------ save and load steps
+
+// The counters a resumed run continues from (main process; the state file's fields).
+void record_training_state(const AcceleratorImpl& s, nlohmann::json& st) {
+  st["micro_step"] = s.micro_step;
+  st["save_iteration"] = s.save_iteration + 1;
+  st["seed"] = s.seed;
+  st["mixed_precision"] = to_string(s.precision);
+  st["gradient_accumulation_steps"] = s.gradient_state->num_steps;
+  st["last_step_applied"] = s.last_step_applied;
+  if (s.scaler) st["scaler"] = s.scaler->state();
+  for (auto& o : s.optimizers) st["optimizer_steps"].push_back(o->steps);
+  for (auto& sc : s.schedulers) st["scheduler_steps"].push_back(sc->steps);
+  st["loaders"] = nlohmann::json::array();
+  for (auto& weak : s.loaders)
+    if (auto loader = weak.lock()) st["loaders"].push_back(loader->state());
+}
+
+// total_limit: the oldest automatic checkpoints go.
+void prune_automatic_checkpoints(const AcceleratorImpl& s) {
+  auto all = checkpoint::automatic_checkpoints(s.options.project_dir);
+  for (size_t i = 0; i + static_cast<size_t>(*s.options.total_limit) < all.size(); ++i) {
+    // Renamed first, so that a crash while deleting never leaves a half-deleted checkpoint_<N>.
+    const auto doomed = all[i].string() + ".removing";
+    fs::rename(all[i], doomed);
+    fs::remove_all(doomed);
+  }
+  for (auto& e : fs::directory_iterator(fs::path(s.options.project_dir) / "checkpoints"))  // a crash's leftovers
+    if (e.path().extension() == ".removing") fs::remove_all(e.path());
+}
+
+// Everything load_state reads, read and checked before anything changes.
+struct LoadPlan {
+  std::optional<PortableLoad> portable;
+  std::vector<torch::serialize::InputArchive> optimizer_archives;
+  std::vector<std::string> optimizer_paths;
+};
+
+LoadPlan read_and_check(const AcceleratorImpl& s, const checkpoint::Verified& saved, const fs::path& source, int rank) {
+  const auto st = saved.state();
+  const int ranks = s.state->world_size();
+  LoadPlan plan;
+  plan.optimizer_archives.resize(s.optimizers.size());
+  plan.optimizer_paths.resize(s.optimizers.size());
+  if (saved.models() != 0 && saved.models() != s.models.size())
+    throw Error(fmt::format("load_state: {} holds {} model(s) but {} were prepared; nothing was loaded",
+                            source.string(), saved.models(), s.models.size()));
+  auto optimizer_steps = st.value("optimizer_steps", nlohmann::json::array());
+  if (optimizer_steps.size() != s.optimizers.size())
+    throw Error(fmt::format("load_state: {} holds {} optimizer(s) but {} were prepared; nothing was loaded",
+                            source.string(), optimizer_steps.size(), s.optimizers.size()));
+  plan.portable = read_portable_state(s, saved, st);
+  auto custom = st.value("custom_objects", std::vector<std::string>{});
+  std::vector<std::string> registered;
+  for (const auto& c : s.custom) registered.push_back(c.kind);
+  if (custom != registered)
+    throw Error(fmt::format("load_state: {} holds {} registered object(s) [{}] but [{}] are registered now (same "
+                            "kinds, same order); nothing was loaded",
+                            source.string(), custom.size(), fmt::join(custom, ", "), fmt::join(registered, ", ")));
+  for (size_t i = 0; i < s.custom.size(); ++i) (void)saved.file(custom_file(i));  // present and intact
+  auto sharded = st.value("sharded_optimizers", std::vector<bool>(s.optimizers.size(), false));
+  for (size_t i = 0; i < s.optimizers.size(); ++i) {
+    if (plan.portable->optimizers[i].portable) continue;
+    const bool now_sharded = optimizer_is_sharded(s, *s.optimizers[i]->optimizer);
+    if (i < sharded.size() && (sharded[i] != now_sharded || (sharded[i] && saved.saved_world_size() != ranks)))
+      throw Error(fmt::format("load_state: optimizer {} of {} (a type without portable state, saved as an archive) "
+                              "was saved {} on {} process(es) and is loaded {} on {}; such state cannot be resharded, "
+                              "so resume with the same strategy and number of processes; nothing was loaded",
+                              i, source.string(), sharded[i] ? "sharded" : "whole", saved.saved_world_size(),
+                              now_sharded ? "sharded" : "whole", ranks));
+    const bool per_rank = i < sharded.size() && sharded[i];
+    plan.optimizer_paths[i] =
+        (source / (per_rank ? checkpoint::rank_optimizer_file(i, rank) : checkpoint::optimizer_file(i))).string();
+    plan.optimizer_archives[i] = checkpoint::read_optimizer_archive(
+        per_rank ? saved.rank_optimizer(i, rank) : saved.optimizer(i), plan.optimizer_paths[i]);
+  }
+  return plan;
+}
+
+// After the models: schedulers, optimizers, registered objects, counters and loaders.
+void apply_training_state(AcceleratorImpl& s, const checkpoint::Verified& saved, const fs::path& source,
+                          LoadPlan& plan) {
+  const auto st = saved.state();
+  auto optimizer_steps = st.value("optimizer_steps", nlohmann::json::array());
+  // Schedulers replay their steps before the optimizer state restores the exact learning rates.
+  auto scheduler_steps = st.value("scheduler_steps", nlohmann::json::array());
+  for (size_t i = 0; i < s.schedulers.size() && i < scheduler_steps.size(); ++i) {
+    int64_t n = scheduler_steps[i].get<int64_t>();
+    for (int64_t k = s.schedulers[i]->steps; k < n; ++k) s.schedulers[i]->scheduler->step();
+    s.schedulers[i]->steps = n;
+  }
+  for (size_t i = 0; i < s.optimizers.size(); ++i) {
+    if (!plan.portable->optimizers[i].portable)
+      checkpoint::load_optimizer(*s.optimizers[i]->optimizer, plan.optimizer_archives[i], plan.optimizer_paths[i]);
+    s.optimizers[i]->steps = optimizer_steps[i].get<int64_t>();
+  }
+  apply_optimizer_state(s, *plan.portable);
+  for (size_t i = 0; i < s.custom.size(); ++i)
+    s.custom[i].load(saved.file(custom_file(i)), (source / custom_file(i)).string());
+  s.micro_step = st.value("micro_step", int64_t{0});
+  s.save_iteration = st.value("save_iteration", int64_t{0});
+  s.seed = st.value("seed", uint64_t{0});
+  s.last_step_applied = st.value("last_step_applied", false);
+  if (s.scaler && st.contains("scaler")) s.scaler->load_state(st["scaler"]);
+  auto loaders = st.value("loaders", nlohmann::json::array());
+  size_t li = 0;
+  for (auto& weak : s.loaders)
+    if (auto loader = weak.lock(); loader && li < loaders.size()) loader->load_state(loaders[li++]);
+}
+
 }  // namespace
 
 std::string Accelerator::save_state(const std::string& dir) {
@@ -123,32 +233,10 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
       for (const auto& [name, t] : module_state_dict(*m->module())) names.push_back(name);
       content.state["model_tensors"].push_back(names);
     }
-    auto& st = content.state;
-    st["micro_step"] = s.micro_step;
-    st["save_iteration"] = s.save_iteration + 1;
-    st["seed"] = s.seed;
-    st["mixed_precision"] = to_string(s.precision);
-    st["gradient_accumulation_steps"] = s.gradient_state->num_steps;
-    st["last_step_applied"] = s.last_step_applied;
-    if (s.scaler) st["scaler"] = s.scaler->state();
-    for (auto& o : s.optimizers) st["optimizer_steps"].push_back(o->steps);
-    for (auto& sc : s.schedulers) st["scheduler_steps"].push_back(sc->steps);
-    st["loaders"] = nlohmann::json::array();
-    for (auto& weak : s.loaders)
-      if (auto loader = weak.lock()) st["loaders"].push_back(loader->state());
+    record_training_state(s, content.state);
   }
   auto written = checkpoint::save(checkpoint::directory_path(target), content, s.world());
-  if (is_main_process() && dir.empty() && s.options.total_limit) {
-    auto all = checkpoint::automatic_checkpoints(s.options.project_dir);
-    for (size_t i = 0; i + static_cast<size_t>(*s.options.total_limit) < all.size(); ++i) {
-      // Renamed first, so that a crash while deleting never leaves a half-deleted checkpoint_<N>.
-      const auto doomed = all[i].string() + ".removing";
-      fs::rename(all[i], doomed);
-      fs::remove_all(doomed);
-    }
-    for (auto& e : fs::directory_iterator(fs::path(s.options.project_dir) / "checkpoints"))  // a crash's leftovers
-      if (e.path().extension() == ".removing") fs::remove_all(e.path());
-  }
+  if (is_main_process() && dir.empty() && s.options.total_limit) prune_automatic_checkpoints(s);
   s.save_iteration += 1;
   wait_for_everyone();
   return written;
@@ -164,48 +252,13 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
     source = all.back();
   }
   const checkpoint::Verified saved(source);
-  auto st = saved.state();
 
   // Read and check everything before the first change, on every rank; then agree, so that a bad shard
   // one rank read stops them all.
-  std::optional<PortableLoad> portable;
-  std::vector<torch::serialize::InputArchive> optimizer_archives(s.optimizers.size());
-  std::vector<std::string> optimizer_paths(s.optimizers.size());
+  LoadPlan plan;
   std::string problem;
   try {
-    if (saved.models() != 0 && saved.models() != s.models.size())
-      throw Error(fmt::format("load_state: {} holds {} model(s) but {} were prepared; nothing was loaded",
-                              source.string(), saved.models(), s.models.size()));
-    auto optimizer_steps = st.value("optimizer_steps", nlohmann::json::array());
-    if (optimizer_steps.size() != s.optimizers.size())
-      throw Error(fmt::format("load_state: {} holds {} optimizer(s) but {} were prepared; nothing was loaded",
-                              source.string(), optimizer_steps.size(), s.optimizers.size()));
-    portable = read_portable_state(s, saved, st);
-    auto custom = st.value("custom_objects", std::vector<std::string>{});
-    std::vector<std::string> registered;
-    for (const auto& c : s.custom) registered.push_back(c.kind);
-    if (custom != registered)
-      throw Error(fmt::format("load_state: {} holds {} registered object(s) [{}] but [{}] are registered now (same "
-                              "kinds, same order); nothing was loaded",
-                              source.string(), custom.size(), fmt::join(custom, ", "), fmt::join(registered, ", ")));
-    for (size_t i = 0; i < s.custom.size(); ++i) (void)saved.file(custom_file(i));  // present and intact
-    auto sharded = st.value("sharded_optimizers", std::vector<bool>(s.optimizers.size(), false));
-    for (size_t i = 0; i < s.optimizers.size(); ++i) {
-      if (portable->optimizers[i].portable) continue;
-      const bool now_sharded = optimizer_is_sharded(s, *s.optimizers[i]->optimizer);
-      if (i < sharded.size() && (sharded[i] != now_sharded || (sharded[i] && saved.saved_world_size() != num_processes())))
-        throw Error(fmt::format("load_state: optimizer {} of {} (a type without portable state, saved as an archive) "
-                                "was saved {} on {} process(es) and is loaded {} on {}; such state cannot be resharded, "
-                                "so resume with the same strategy and number of processes; nothing was loaded",
-                                i, source.string(), sharded[i] ? "sharded" : "whole", saved.saved_world_size(),
-                                now_sharded ? "sharded" : "whole", num_processes()));
-      const bool per_rank = i < sharded.size() && sharded[i];
-      optimizer_paths[i] =
-          (source / (per_rank ? checkpoint::rank_optimizer_file(i, process_index()) : checkpoint::optimizer_file(i)))
-              .string();
-      optimizer_archives[i] = checkpoint::read_optimizer_archive(
-          per_rank ? saved.rank_optimizer(i, process_index()) : saved.optimizer(i), optimizer_paths[i]);
-    }
+    plan = read_and_check(s, saved, source, process_index());
   } catch (const Error& e) {
     problem = e.what();
   }
@@ -214,32 +267,8 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
     if (!problems[r].empty())
       throw Error(problems.size() == 1 ? problems[r] : fmt::format("rank {}: {}", r, problems[r]));
 
-  apply_model_state(s, *portable);
-  auto optimizer_steps = st.value("optimizer_steps", nlohmann::json::array());
-  // Schedulers replay their steps before the optimizer state restores the exact learning rates.
-  auto scheduler_steps = st.value("scheduler_steps", nlohmann::json::array());
-  for (size_t i = 0; i < s.schedulers.size() && i < scheduler_steps.size(); ++i) {
-    int64_t n = scheduler_steps[i].get<int64_t>();
-    for (int64_t k = s.schedulers[i]->steps; k < n; ++k) s.schedulers[i]->scheduler->step();
-    s.schedulers[i]->steps = n;
-  }
-  for (size_t i = 0; i < s.optimizers.size(); ++i) {
-    if (!portable->optimizers[i].portable)
-      checkpoint::load_optimizer(*s.optimizers[i]->optimizer, optimizer_archives[i], optimizer_paths[i]);
-    s.optimizers[i]->steps = optimizer_steps[i].get<int64_t>();
-  }
-  apply_optimizer_state(s, *portable);
-  for (size_t i = 0; i < s.custom.size(); ++i)
-    s.custom[i].load(saved.file(custom_file(i)), (source / custom_file(i)).string());
-  s.micro_step = st.value("micro_step", int64_t{0});
-  s.save_iteration = st.value("save_iteration", int64_t{0});
-  s.seed = st.value("seed", uint64_t{0});
-  s.last_step_applied = st.value("last_step_applied", false);
-  if (s.scaler && st.contains("scaler")) s.scaler->load_state(st["scaler"]);
-  auto loaders = st.value("loaders", nlohmann::json::array());
-  size_t li = 0;
-  for (auto& weak : s.loaders)
-    if (auto loader = weak.lock(); loader && li < loaders.size()) loader->load_state(loaders[li++]);
+  apply_model_state(s, *plan.portable);
+  apply_training_state(s, saved, source, plan);
   if (auto rng = saved.rng(process_index())) {
     for (auto& [name, t] : rng->tensors)
       if (name == "cpu") {

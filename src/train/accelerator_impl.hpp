@@ -52,9 +52,8 @@ struct AcceleratorImpl {
   ParallelStrategy* strategy_for(const torch::nn::Module* module) const;
   // The strategies of `modules` (all prepared models when empty); an unprepared module is an Error.
   std::vector<ParallelStrategy*> strategies_of(const std::vector<torch::nn::Module*>& modules) const;
-  // The strategy whose module parameters or optimizer parameters include `parameter`, or null.
+  // The strategy that owns `parameter` (ParallelStrategy::owns), or null.
   ParallelStrategy* owner_of(const at::Tensor& parameter) const;
-  std::unordered_map<const c10::TensorImpl*, ParallelStrategy*> owners;  // filled by prepare()
   std::vector<std::weak_ptr<torch::nn::Module>> built_for_rank0_loading;  // by build_model, until prepared
 };
 

@@ -1,26 +1,29 @@
 #pragma once
-// What xlr8::unshard() talks to: the stage-3 engine registers one ShardedUnit per unit module. The
-// registry maps a module to it; modules that are not units get none and their guards do nothing.
+// What a unit's guard (xlr8::unshard, xlr8::sharded) talks to: the stage-3 engine registers one
+// UnitHooks per unit module. The registry maps a module to it; modules that are not units get none and
+// their guards do nothing.
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <vector>
 
 namespace xlr8::detail {
 
-class ShardedUnit {
+class UnitHooks {
  public:
-  virtual ~ShardedUnit() = default;
+  virtual ~UnitHooks() = default;
   virtual void before_forward() = 0;
-  virtual at::Tensor after_forward(const at::Tensor& output) = 0;
+  // The forward's output tensors (in map_tensors' order), returned as the ones to hand back.
+  virtual std::vector<at::Tensor> after_forward(const std::vector<at::Tensor>& outputs) = 0;
   virtual void forward_abandoned() = 0;
 };
 
-void register_unit(const torch::nn::Module& module, std::weak_ptr<ShardedUnit> unit);
+void register_unit(const torch::nn::Module& module, std::weak_ptr<UnitHooks> unit);
 void unregister_unit(const torch::nn::Module& module);
-std::shared_ptr<ShardedUnit> find_unit(const torch::nn::Module& module);
+std::shared_ptr<UnitHooks> find_unit(const torch::nn::Module& module);
 
 // `output`, passed through an autograd function whose backward calls `before_backward` first: the
 // hook that gathers a unit's parameters again just before backward reaches the unit.
@@ -28,12 +31,12 @@ at::Tensor with_backward_prehook(const at::Tensor& output, std::function<void()>
 
 // Where the autograd graph stands now: a unit's forward created the nodes numbered from here on.
 uint64_t autograd_position();
-// Calls `done` once every node of `output`'s graph created since `forward_start` (the unit's own
+// Calls `done` once every node of the outputs' graph created since `forward_start` (the unit's own
 // operations, which are what saved its parameters) has run in backward: nothing reads the unit's
 // parameters after that. Returns how many nodes there are; with none, `done` is never called. A node
 // backward never reaches (an unused branch) keeps `done` from being called. `dropped` is called instead
 // when the graph is freed before all of them ran (its backward never came, or not all of it).
-size_t after_backward_of(const at::Tensor& output, uint64_t forward_start, std::function<void()> done,
+size_t after_backward_of(const std::vector<at::Tensor>& outputs, uint64_t forward_start, std::function<void()> done,
                          std::function<void()> dropped);
 
 }  // namespace xlr8::detail

@@ -1,0 +1,90 @@
+// What every collective shares: ReduceOp's names, the error context a failed or timed-out collective
+// carries, the reduction arithmetic of composite collectives, and Work, the handle of one in flight.
+#include <fmt/format.h>
+
+#include "core/text.hpp"
+#include "distributed/comm_state.hpp"
+#include "xlr8/error.hpp"
+
+namespace xlr8 {
+
+std::string to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM: return "SUM";
+    case ReduceOp::AVG: return "AVG";
+    case ReduceOp::MIN: return "MIN";
+    case ReduceOp::MAX: return "MAX";
+    case ReduceOp::PRODUCT: return "PRODUCT";
+  }
+  return "?";
+}
+
+namespace detail {
+
+std::shared_future<void> CommState::run_composite(std::function<void()> task) {
+  auto packaged = std::make_shared<std::packaged_task<void()>>(std::move(task));
+  auto future = packaged->get_future().share();
+  if (!executor) executor = std::make_unique<WorkerPool>(1);
+  executor->submit([packaged] { (*packaged)(); });
+  return future;
+}
+
+void rethrow_with_context(const std::string& what, std::chrono::milliseconds timeout, const std::exception& cause) {
+  std::string message = cause.what();
+  // c10::Error messages carry a C++ backtrace after the first line; keep the first line only.
+  if (auto nl = message.find('\n'); nl != std::string::npos) message = message.substr(0, nl);
+  bool timed_out = message.find("imed out") != std::string::npos || message.find("imeout") != std::string::npos;
+  if (timed_out)
+    throw TimeoutError(fmt::format("{} timed out after {} s: a peer rank did not reach this collective or died "
+                                   "(set XLR8_COLLECTIVE_TIMEOUT to wait longer). Cause: {}",
+                                   what, timeout.count() / 1000.0, message));
+  throw Error(fmt::format("{} failed: {}", what, message));
+}
+
+void divide_for_average(at::Tensor& t, int size) {
+  if (at::isFloatingType(t.scalar_type())) t.div_(size);
+  else t.div_(size, "trunc");
+}
+
+void combine(at::Tensor& acc, const at::Tensor& other, ReduceOp op) {
+  switch (op) {
+    case ReduceOp::SUM: case ReduceOp::AVG: acc.add_(other); break;
+    case ReduceOp::MIN: at::minimum_out(acc, acc, other); break;
+    case ReduceOp::MAX: at::maximum_out(acc, acc, other); break;
+    case ReduceOp::PRODUCT: acc.mul_(other); break;
+  }
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------- Work
+
+void Work::wait() {
+  if (!state_) return;
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.done) return;
+  if (s.work) {
+    try {
+      s.work->wait(s.timeout);
+    } catch (const std::exception& e) {
+      detail::rethrow_with_context(s.what, s.timeout, e);
+    }
+  } else if (s.future.valid()) {
+    // The composite op enforces the timeout on each of its steps; this is a backstop.
+    if (s.future.wait_for(s.timeout + std::chrono::seconds(5)) != std::future_status::ready)
+      throw TimeoutError(fmt::format("{} timed out after {} s", s.what, s.timeout.count() / 1000.0));
+    s.future.get();
+  }
+  if (s.finish) s.finish();
+  s.done = true;
+}
+
+bool Work::is_completed() const {
+  if (!state_) return true;
+  if (state_->work) return state_->work->isCompleted();
+  if (state_->future.valid()) return state_->future.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+  return true;
+}
+
+}  // namespace xlr8

@@ -1,0 +1,206 @@
+// Stage-3 units as a model author meets them: a forward that returns several tensors (xlr8::sharded), a
+// unit whose guard never opens, and ranks that run units in different orders. Ranks are threads.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <mutex>
+
+#include "parallel/zero_strategy.hpp"
+#include "thread_ranks.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/parallel_strategy.hpp"
+#include "xlr8/unshard.hpp"
+
+using namespace xlr8;
+using xlr8::testing::run_ranks;
+
+namespace {
+
+constexpr int64_t kWidth = 6;
+
+// Returns two tensors on independent branches: `side` is computed last, so its backward runs first and
+// would read freed parameters unless its own output gathers the unit.
+struct PairBlockImpl : torch::nn::Module {
+  PairBlockImpl() {
+    fc = register_module("fc", torch::nn::Linear(kWidth, 2 * kWidth + 1));
+    out = register_module("out", torch::nn::Linear(2 * kWidth + 1, kWidth));
+    side = register_module("side", torch::nn::Linear(kWidth, kWidth));
+  }
+  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x) {
+    return xlr8::sharded(*this, [&] { return std::tuple{x + out(torch::tanh(fc(x))), side(x)}; });
+  }
+  torch::nn::Linear fc{nullptr}, out{nullptr}, side{nullptr};
+};
+TORCH_MODULE(PairBlock);
+
+// A model author's block that forgot its guard.
+struct PlainBlockImpl : torch::nn::Module {
+  PlainBlockImpl() { fc = register_module("fc", torch::nn::Linear(kWidth, kWidth)); }
+  torch::Tensor forward(torch::Tensor x) { return x + torch::tanh(fc(x)); }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(PlainBlock);
+
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(bool with_plain) {
+    in = register_module("in", torch::nn::Linear(4, kWidth));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 3; ++i) blocks->push_back(PairBlock());
+    if (with_plain) plain = register_module("plain", PlainBlock());
+    head = register_module("head", torch::nn::Linear(kWidth, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return xlr8::sharded(*this, [&] {
+      x = in(x);
+      for (size_t k = 0; k < blocks->size(); ++k) {
+        const size_t b = reversed ? blocks->size() - 1 - k : k;
+        auto [y, side] = blocks[b]->as<PairBlockImpl>()->forward(x);
+        // The last block's first output unused: only its second one can gather it for backward.
+        x = k + 1 == blocks->size() ? torch::tanh(side) : y + 0.5 * torch::tanh(side);
+      }
+      if (plain) x = plain->forward(x);
+      return head(x);
+    });
+  }
+  bool reversed = false;
+  torch::nn::Linear in{nullptr}, head{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  PlainBlock plain{nullptr};
+};
+TORCH_MODULE(Net);
+
+std::shared_ptr<NetImpl> make_net(bool with_plain) {
+  static std::mutex mutex;  // ranks are threads sharing LibTorch's default generator
+  std::lock_guard<std::mutex> lock(mutex);
+  torch::manual_seed(5);
+  return Net(with_plain).ptr();
+}
+
+ParallelOptions full_shard(std::vector<std::string> classes = {"PairBlock"}) {
+  ParallelOptions o;
+  o.ddp.find_unused_parameters = true;  // the last block's `fc` and `out`
+  o.zero.stage = 3;
+  o.zero.auto_wrap_policy = AutoWrapPolicy::TRANSFORMER_BASED_WRAP;
+  o.zero.layer_classes = std::move(classes);
+  return o;
+}
+
+// AdamW steps on this rank's rows of a global batch of 12; the whole parameters afterwards.
+StateDict train(ParallelStrategy& strategy, int rank, int ranks, int steps) {
+  // Plain SGD: Adam turns the rounding noise of near-zero gradients into whole steps.
+  torch::optim::SGD opt(strategy.module()->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  strategy.bind_optimizer(opt);
+  auto& net = dynamic_cast<NetImpl&>(*strategy.module());
+  for (int s = 0; s < steps; ++s) {
+    auto gen = at::detail::createCPUGenerator(40 + s);
+    auto x = at::randn({12, 4}, gen), y = at::randint(0, 3, {12}, gen);
+    const int64_t rows = 12 / ranks;
+    strategy.begin_step(false);
+    torch::nll_loss(torch::log_softmax(net.forward(x.narrow(0, rank * rows, rows)), 1), y.narrow(0, rank * rows, rows))
+        .backward();
+    strategy.end_step();
+    strategy.optimizer_step(opt);
+    for (auto& group : opt.param_groups())
+      for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
+  }
+  StateDict out;
+  for (auto& [name, t] : strategy.state_dict(StateDictKind::FULL)) out.emplace_back(name, t.detach().clone());
+  return out;
+}
+
+StateDict single_run(bool with_plain, int steps) {
+  auto single = make_parallel_strategy(make_net(with_plain), Communicator::in_process(xlr8::testing::unique_key(), 0, 1), {});
+  return train(*single, 0, 1, steps);
+}
+
+void expect_same(const StateDict& got, const StateDict& expected, const std::string& what) {
+  ASSERT_EQ(got.size(), expected.size()) << what;
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_LE((got[i].second - expected[i].second).abs().max().item<double>(), 2e-6) << what << " " << got[i].first;
+}
+
+}  // namespace
+
+TEST(ShardingUnits, ATupleReturningUnitTrainsUnderFullShardAndMatchesOneRank) {
+  const auto expected = single_run(false, 3);
+  for (int ranks : {2, 3, 4})
+    run_ranks(ranks, [&](Communicator& comm) {
+      auto strategy = make_parallel_strategy(make_net(false), comm, full_shard());
+      auto got = train(*strategy, comm.rank(), ranks, 3);
+      expect_same(got, expected, fmt::format("{} ranks, rank {}", ranks, comm.rank()));
+      auto stats = strategy->stats();
+      EXPECT_EQ(stats["groups"].size(), 4u) << stats.dump();  // three blocks and the root
+      for (const auto& g : stats["groups"]) EXPECT_TRUE(g["sharded_between_steps"].get<bool>()) << g.dump();
+      EXPECT_EQ(stats["gathered_bytes"], 0) << stats.dump();
+    });
+}
+
+TEST(ShardingUnits, SizeBasedWrapPicksOnlyModulesThatCanOpenAGuardAndAnUnguardedUnitIsNamedWithItsBytes) {
+  const auto expected = single_run(true, 2);
+  ::testing::internal::CaptureStderr();
+  run_ranks(2, [&](Communicator& comm) {
+    auto options = full_shard();
+    options.zero.auto_wrap_policy = AutoWrapPolicy::SIZE_BASED_WRAP;
+    options.zero.min_num_params = 40;  // every block (and LibTorch's Linear inside them) holds more
+    auto strategy = make_parallel_strategy(make_net(true), comm, options);
+    std::vector<std::string> units;
+    const auto stats = strategy->stats();
+    for (const auto& g : stats["groups"]) units.push_back(g["name"]);
+    EXPECT_EQ(units, (std::vector<std::string>{"blocks.0", "blocks.1", "blocks.2", "plain", "(root)"}));
+    expect_same(train(*strategy, comm.rank(), 2, 2), expected, fmt::format("rank {}", comm.rank()));
+  });
+  const auto err = ::testing::internal::GetCapturedStderr();
+  // 6x6 weights and 6 biases in fp32: 168 bytes (already even over 2 ranks).
+  EXPECT_NE(err.find("plain ((anonymous namespace)::PlainBlockImpl, 168 B)"), std::string::npos) << err;
+  EXPECT_NE(err.find("auto unit = xlr8::unshard(*this);"), std::string::npos) << err;
+  EXPECT_EQ(err.find("blocks.0 ("), std::string::npos) << err;  // guarded units are not named
+}
+
+TEST(ShardingUnits, AnUnguardedUnitTheConfigListsIsRefusedAtTheFirstBackward) {
+  run_ranks(2, [&](Communicator& comm) {
+    auto strategy = make_parallel_strategy(make_net(true), comm, full_shard({"PairBlock", "PlainBlock"}));
+    try {
+      train(*strategy, comm.rank(), 2, 1);
+      ADD_FAILURE() << "a listed unit without a guard trained whole";
+    } catch (const ConfigError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("fsdp_transformer_layer_cls_to_wrap lists the class of unit plain"), std::string::npos) << what;
+      EXPECT_NE(what.find("xlr8::sharded(*this"), std::string::npos) << what;
+    }
+  });
+}
+
+TEST(ShardingUnits, AUnitWithoutGuardThatStartsFreedFailsWithAHint) {
+  ::testing::internal::CaptureStderr();
+  run_ranks(2, [&](Communicator& comm) {
+    auto net = make_net(true);
+    auto options = full_shard({"PairBlock", "PlainBlock"});
+    options.zero.values_from_rank0 = true;
+    auto strategy = make_parallel_strategy(net, comm, options);
+    EXPECT_THROW(net->forward(at::randn({6, 4})), c10::Error);
+  });
+  const auto err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("ever opened xlr8::unshard(*this)"), std::string::npos) << err;
+  EXPECT_NE(err.find("plain"), std::string::npos) << err;
+}
+
+TEST(ShardingUnits, RanksThatRunUnitsInDifferentOrdersGetAnErrorNamingTheUnitNotAHang) {
+  for (bool prefetch : {false, true})
+    run_ranks(2, [&](Communicator& comm) {
+      auto options = full_shard();
+      options.zero.forward_prefetch = prefetch;
+      options.zero.backward_prefetch = prefetch ? BackwardPrefetch::BACKWARD_PRE : BackwardPrefetch::NONE;
+      auto strategy = make_parallel_strategy(make_net(false), comm, options);
+      dynamic_cast<NetImpl&>(*strategy->module()).reversed = comm.rank() == 1;
+      try {
+        train(*strategy, comm.rank(), 2, 2);
+        ADD_FAILURE() << "ranks ran the units in different orders and nothing said so";
+      } catch (const Error& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("different orders on different ranks in the forward pass: unit 2 of it was blocks.0 on "
+                            "rank 0 and blocks.2 on rank 1"),
+                  std::string::npos)
+            << what;
+      }
+    }, std::chrono::seconds(20));
+}
