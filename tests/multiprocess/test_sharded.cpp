@@ -119,6 +119,22 @@ TEST(ShardedOracle, Bf16UnderEveryStageStaysWithinTheBf16Tolerance) {
     }
 }
 
+TEST(ShardedOracle, ALinearFeedingALayerNormTrainsInBf16UnderDdpAndFullShard) {
+  // LibTorch 1.13's CPU autocast left layer_norm out: a bf16 Linear output into fp32 norm weights failed
+  // on every strategy, one process included.
+  auto one = worker_run(1, {}, 8, {"--steps", "8", "--precision", "bf16", "--norm"});
+  auto fp32 = worker_run(1, {}, 8, {"--steps", "8", "--norm"});
+  EXPECT_NE(one.losses, fp32.losses);  // bf16 really ran
+  const Strategy ddp{"ddp", {}};
+  for (const auto& s : {ddp, worker_strategies()[2]}) {
+    SCOPED_TRACE(s.name);
+    auto got = worker_run(2, s.flags, 4, {"--steps", "8", "--precision", "bf16", "--norm"});
+    EXPECT_EQ(got.result["strategy"], s.name);
+    expect_close(got.losses, one.losses, 3e-2);
+    expect_same_params(got.dir, one.dir, 3e-2);
+  }
+}
+
 TEST(ShardedOracle, ResumedShardedRunEqualsTheUninterruptedOne) {
   const auto& zero2 = worker_strategies()[1];
   auto straight = worker_run(3, zero2.flags, 4, {"--steps", "10"});

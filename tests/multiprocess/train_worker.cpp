@@ -6,6 +6,7 @@
 //   --clip_value V (clip_grad_value instead of clip_grad_norm to 5)
 //   --save_every N (save_state into DIR/checkpoint every N steps)   --die_at N --die_rank R
 //   --mode train|gather|mismatch|unused   --find_unused   --samples N   --optimizer adamw|fused_adamw
+//   --norm (a LayerNorm fed by the first Linear; the model a sharded unit)
 //   --track (init_trackers("oracle") in --out; log loss and lr every step)
 //   --mode nested|nested-mismatch|free-memory|free-control (train_worker_api.cpp)
 #include <CLI/CLI.hpp>
@@ -20,6 +21,7 @@
 #include "xlr8/accelerator.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/fused_adam.hpp"
+#include "xlr8/unshard.hpp"
 #include "train_worker_api.hpp"
 
 namespace {
@@ -37,13 +39,19 @@ struct Synthetic {  // a fixed classification problem, identical on every rank
 };
 
 struct MlpImpl : torch::nn::Module {
-  MlpImpl(int64_t hidden, bool with_unused) {
+  MlpImpl(int64_t hidden, bool with_unused, bool with_norm) {
     fc1 = register_module("fc1", torch::nn::Linear(8, hidden));
     fc2 = register_module("fc2", torch::nn::Linear(hidden, 4));
     if (with_unused) spare = register_module("spare", torch::nn::Linear(4, 4));
+    if (with_norm) norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({hidden})));
   }
-  at::Tensor forward(const at::Tensor& x) { return fc2(torch::tanh(fc1(x))); }
+  at::Tensor forward(const at::Tensor& x) {
+    if (!norm) return fc2(torch::tanh(fc1(x)));
+    // A Linear's output straight into a LayerNorm (bf16 into fp32 weights under autocast), as a sharded unit.
+    return xlr8::sharded(*this, [&] { return fc2(torch::tanh(norm(fc1(x)))); });
+  }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, spare{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
 };
 TORCH_MODULE(Mlp);
 
@@ -54,7 +62,7 @@ int main(int argc, char** argv) {
   int64_t batch = 4, steps = 12, checkpoint_at = 0, samples = 96;
   int accum = 1;
   std::string precision = "no", out = ".", resume, mode = "train";
-  bool find_unused = false, compress = false, zero_in_place = false, track = false;
+  bool find_unused = false, compress = false, zero_in_place = false, track = false, with_norm = false;
   app.add_option("--batch", batch);
   app.add_option("--accum", accum);
   app.add_option("--steps", steps);
@@ -72,6 +80,7 @@ int main(int argc, char** argv) {
   app.add_option("--mode", mode);
   app.add_option("--samples", samples);
   app.add_flag("--find_unused", find_unused);
+  app.add_flag("--norm", with_norm, "a LayerNorm between the two Linear layers");
   app.add_flag("--compress_bf16", compress);
   app.add_flag("--zero_in_place", zero_in_place);
   app.add_flag("--track", track);
@@ -170,7 +179,7 @@ int main(int argc, char** argv) {
     }
 
     int64_t hidden = (mode == "mismatch" && acc.process_index() == 1) ? 12 : 16;
-    auto model = acc.prepare(Mlp(hidden, mode == "unused"));
+    auto model = acc.prepare(Mlp(hidden, mode == "unused", with_norm));
     const torch::optim::AdamWOptions adamw(1e-2);
     auto opt = optimizer == "fused_adamw" ? acc.prepare(xlr8::optim::FusedAdamW(model->parameters(), adamw))
                                           : acc.prepare(torch::optim::AdamW(model->parameters(), adamw));

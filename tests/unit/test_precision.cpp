@@ -1,5 +1,6 @@
 // DeepSpeed's loss-scaler state machine and the autocast scope.
 #include <gtest/gtest.h>
+#include <torch/torch.h>
 
 #include "xlr8/autocast.hpp"
 #include "xlr8/error.hpp"
@@ -82,4 +83,37 @@ TEST(Autocast, ScopeEnablesBf16OnCpuAndRestores) {
   EXPECT_EQ(at::mm(w, w).scalar_type(), at::kFloat);
   AutocastScope disabled;
   EXPECT_EQ(at::mm(w, w).scalar_type(), at::kFloat);
+}
+
+TEST(Autocast, NormsTakeALowerPrecisionInputWithFp32WeightsOnCpu) {
+  // LibTorch 1.13's CPU autocast leaves layer_norm, group_norm and batch_norm out, and their kernels
+  // refuse a bf16 input with fp32 weights: a Linear feeding a norm failed under mixed precision.
+  torch::manual_seed(3);
+  torch::nn::Linear fc(8, 8);
+  torch::nn::LayerNorm ln(torch::nn::LayerNormOptions({8}));
+  torch::nn::GroupNorm gn(torch::nn::GroupNormOptions(2, 8));
+  torch::nn::BatchNorm1d bn(8);
+  auto x = at::randn({6, 8});
+  auto run = [&](bool bf16) {
+    for (auto* m : std::initializer_list<torch::nn::Module*>{fc.get(), ln.get(), gn.get(), bn.get()}) m->zero_grad();
+    at::Tensor loss;
+    {
+      AutocastScope scope(c10::DeviceType::CPU, at::kBFloat16, bf16);
+      auto h = fc(x);
+      auto y = ln(h) + gn(h) + bn(h);
+      if (bf16) {
+        EXPECT_EQ(y.scalar_type(), at::kBFloat16);  // the input's dtype, as 2.x returns it
+      }
+      loss = y.to(at::kFloat).square().mean();
+    }
+    loss.backward();
+    return std::vector<at::Tensor>{ln->weight.grad().clone(), gn->weight.grad().clone(), bn->weight.grad().clone(),
+                                   fc->weight.grad().clone()};
+  };
+  const auto exact = run(false);
+  const auto mixed = run(true);
+  for (size_t i = 0; i < exact.size(); ++i) {
+    EXPECT_EQ(mixed[i].scalar_type(), at::kFloat);
+    EXPECT_LT((mixed[i] - exact[i]).abs().max().item<double>(), 0.05 * exact[i].abs().max().item<double>() + 1e-3) << i;
+  }
 }
