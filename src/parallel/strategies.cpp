@@ -59,30 +59,6 @@ std::vector<ParameterPiece> ParallelStrategy::parameter_pieces() const {
   return out;
 }
 
-namespace detail {
-
-void check_state_dict(const StateDict& expected, const StateDict& state) {
-  std::map<std::string, at::Tensor> own(expected.begin(), expected.end());
-  std::vector<std::string> problems;
-  std::map<std::string, bool> seen;
-  for (const auto& [name, tensor] : state) {
-    auto it = own.find(name);
-    seen[name] = true;
-    if (it == own.end()) problems.push_back(fmt::format("unexpected {:?}", name));
-    else if (!it->second.sizes().equals(tensor.sizes()) || it->second.scalar_type() != tensor.scalar_type())
-      problems.push_back(fmt::format("{:?} is {}{} in the model but {}{} in the state dict", name,
-                                     c10::toString(it->second.scalar_type()), c10::str(it->second.sizes()),
-                                     c10::toString(tensor.scalar_type()), c10::str(tensor.sizes())));
-  }
-  for (const auto& [name, tensor] : own)
-    if (!seen.count(name)) problems.push_back(fmt::format("missing {:?}", name));
-  if (!problems.empty())
-    throw ConfigError(fmt::format("load_state_dict: the state dict does not match the model ({}); nothing was loaded",
-                                  fmt::join(problems, "; ")));
-}
-
-}  // namespace detail
-
 namespace {
 
 // One process: nothing to synchronise; every default applies.

@@ -2,11 +2,14 @@
 
 #include <fmt/format.h>
 
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
+#include "train/accelerator_impl.hpp"
 #include "train/tensorboard.hpp"
+#include "xlr8/accelerator.hpp"
 #include "xlr8/error.hpp"
 
 namespace fs = std::filesystem;
@@ -112,6 +115,75 @@ std::vector<std::string> parse_log_with(const std::string& text) {
     }
   }
   return out;
+}
+
+// ------------------------------------------------------------------------------------------ the Accelerator's side
+
+void Accelerator::init_trackers(const std::string& project_name, const nlohmann::json& config,
+                                const std::string& run_name) {
+  if (!is_main_process()) return;
+  auto& s = *impl_;
+  if (project_name.empty() || project_name.find('/') != std::string::npos)
+    throw ConfigError(fmt::format("init_trackers: project_name {:?} must be a non-empty name without '/'", project_name));
+  for (auto& t : s.trackers) t->finish();
+  s.trackers.clear();
+  auto names = s.options.log_with;
+  if (names.empty()) {
+    const char* env = std::getenv("XLR8_LOG_WITH");
+    names = env && *env ? parse_log_with(env) : std::vector<std::string>{"jsonl"};
+  }
+  const auto project = std::filesystem::path(s.options.project_dir) / project_name;
+  std::string run = run_name;
+  if (run.empty()) {  // the local time, made unique
+    const auto now = std::time(nullptr);
+    std::tm local{};
+    localtime_r(&now, &local);
+    char stamp[32];
+    std::strftime(stamp, sizeof(stamp), "%Y%m%d-%H%M%S", &local);
+    run = stamp;
+    for (int k = 2; std::filesystem::exists(project / run); ++k) run = fmt::format("{}-{}", stamp, k);
+  } else if (std::filesystem::exists(project / run)) {
+    throw ConfigError(fmt::format("init_trackers: run {:?} of project {:?} exists already ({}); give another run_name",
+                                  run, project_name, (project / run).string()));
+  }
+  const auto dir = project / run;
+  std::filesystem::create_directories(dir);
+  nlohmann::json stored{{"project_name", project_name},
+                        {"run_name", run},
+                        {"log_with", names},
+                        {"num_processes", num_processes()},
+                        {"mixed_precision", to_string(s.precision)},
+                        {"config", config}};
+  std::ofstream((dir / "config.json").string()) << stored.dump(2) << "\n";
+  for (const auto& name : names) {
+    s.trackers.push_back(make_tracker(name, dir.string()));
+    s.trackers.back()->store_init_configuration(config);
+  }
+  s.run_dir = dir.string();
+}
+
+void Accelerator::log(const nlohmann::json& values, std::optional<int64_t> step) {
+  if (!is_main_process()) return;
+  auto& s = *impl_;
+  if (s.run_dir.empty()) init_trackers("xlr8");
+  for (auto& t : s.trackers) t->log(values, step);
+}
+
+Tracker* Accelerator::get_tracker(const std::string& name) {
+  if (!is_main_process()) return nullptr;
+  for (auto& t : impl_->trackers)
+    if (t->name() == name) return t.get();
+  throw Error(fmt::format("get_tracker({:?}): no such tracker is logging{}", name,
+                          impl_->run_dir.empty() ? " (call init_trackers first)" : ""));
+}
+
+std::string Accelerator::run_dir() const { return impl_->run_dir; }
+
+void Accelerator::end_training() {
+  for (auto& t : impl_->trackers) t->finish();
+  impl_->trackers.clear();
+  impl_->run_dir.clear();
+  wait_for_everyone();
 }
 
 }  // namespace xlr8
