@@ -270,7 +270,8 @@ std::string to_yaml(const LaunchConfig& c) {
     const auto& d = c.deepspeed;
     out << YAML::Key << "deepspeed_config" << YAML::Value << YAML::BeginMap;
     if (!d.config_file.empty()) out << YAML::Key << "deepspeed_config_file" << YAML::Value << d.config_file;
-    out << YAML::Key << "gradient_accumulation_steps" << YAML::Value << c.gradient_accumulation_steps;
+    if (c.gradient_accumulation_steps)
+      out << YAML::Key << "gradient_accumulation_steps" << YAML::Value << *c.gradient_accumulation_steps;
     if (d.gradient_clipping) out << YAML::Key << "gradient_clipping" << YAML::Value << *d.gradient_clipping;
     out << YAML::Key << "offload_optimizer_device" << YAML::Value << d.offload_optimizer_device;
     out << YAML::Key << "offload_param_device" << YAML::Value << d.offload_param_device;
@@ -278,8 +279,8 @@ std::string to_yaml(const LaunchConfig& c) {
     out << YAML::Key << "zero3_save_16bit_model" << YAML::Value << d.zero3_save_16bit_model;
     out << YAML::Key << "zero_stage" << YAML::Value << d.zero_stage;
     out << YAML::EndMap;
-  } else if (c.gradient_accumulation_steps != 1) {
-    out << YAML::Key << "gradient_accumulation_steps" << YAML::Value << c.gradient_accumulation_steps;
+  } else if (c.gradient_accumulation_steps) {
+    out << YAML::Key << "gradient_accumulation_steps" << YAML::Value << *c.gradient_accumulation_steps;
   }
   out << YAML::Key << "gpu_ids" << YAML::Value << c.gpu_ids;
   if (!c.log_with.empty()) out << YAML::Key << "log_with" << YAML::Value << c.log_with;

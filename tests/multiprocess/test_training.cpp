@@ -114,6 +114,24 @@ TEST(Oracle, GradientAccumulationIncludingTheForcedSyncAtEpochEnd) {
   EXPECT_EQ(one.result["exposed_comm_s"].get<double>(), 0.0);  // one process: no DDP, nothing to wait for
 }
 
+TEST(Oracle, TheLaunchersAccumulationFlagWinsOverTheProgramsOwn) {
+  // The worker sets AcceleratorOptions::gradient_accumulation_steps itself (--accum, 1 unless given), as
+  // both examples do; `xlr8 launch --gradient_accumulation_steps 2` still decides, as in Accelerate.
+  auto asked = oracle_run(2, 4, {"--steps", "6", "--accum", "2"});
+  auto flagged = run({kXlr8, "launch", "--num_processes", "2", "--gradient_accumulation_steps", "2", kTrain, "--batch",
+                      "4", "--steps", "6", "--out", temp_dir("oracle")},
+                     120);
+  ASSERT_EQ(flagged.exit_code, 0) << flagged.err;
+  expect_close(last_json(flagged.out)["losses"].get<std::vector<double>>(), asked.losses, 1e-5);
+  // Once, on the main process, the program's disagreeing value is named.
+  EXPECT_EQ(flagged.err.find("gradient_accumulation_steps is 2 as the launch asked"),
+            flagged.err.rfind("gradient_accumulation_steps is 2 as the launch asked"));
+  EXPECT_NE(flagged.err.find("not the program's 1"), std::string::npos) << flagged.err;
+  // The check can fail: the program's own value gives another trajectory.
+  auto own = oracle_run(2, 4, {"--steps", "6"});
+  EXPECT_GT(std::abs(own.losses.back() - asked.losses.back()), 1e-4);
+}
+
 TEST(Oracle, Bf16MatchesWithALooserTolerance) {
   auto one = oracle_run(1, 8, {"--steps", "10", "--precision", "bf16"});
   auto two = oracle_run(2, 4, {"--steps", "10", "--precision", "bf16"});
