@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "core/log.hpp"
 #include "core/text.hpp"
 #include "xlr8/error.hpp"
 
@@ -52,9 +53,14 @@ void refuse_foreign_environment(const Section& top) {
 }
 
 void refuse_unsupported_features(const Section& top) {
+  // `accelerate tpu-config` (set-up commands for a TPU pod) reads these; `accelerate launch` runs a file
+  // that has them anywhere, and so does xlr8 (a file that selects a TPU was refused above).
+  for (const char* key : {"tpu_name", "tpu_zone", "commands", "command_file"})
+    if (!top.is_off(key))
+      log::debug("{}: {}{} = {} is for `accelerate tpu-config`; ignored", top.origin(), top.prefix(), key, top.shown(key));
+  // These turn TPU launching or TPU precision on.
   const std::string tpu = "configures a TPU, and the TPU compute environment is not supported by xlr8";
-  for (const char* key : {"downcast_bf16", "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file",
-                          "commands", "tpu_vm", "tpu_env"})
+  for (const char* key : {"downcast_bf16", "tpu_use_cluster", "tpu_use_sudo", "tpu_vm", "tpu_env"})
     refuse_unless_off(top, key, tpu, "remove the key (or set it to false / empty)");
 
   // TorchDynamo: `dynamo_backend: NO` (or no dynamo_config) is off; the legacy top-level key too.
