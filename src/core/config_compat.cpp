@@ -13,7 +13,7 @@ const std::vector<std::string> kCompatTopKeys = {
     "downcast_bf16", "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm",
     "tpu_env",
     // other features and their legacy spellings
-    "dynamo_config", "dynamo_backend", "megatron_lm_config", "mpirun_config", "ipex_config", "fp8_config", "fp16",
+    "dynamo_config", "dynamo_backend", "megatron_lm_config", "ipex_config", "fp8_config", "fp16",
     "use_mps_device", "tp_config"};
 
 namespace {
@@ -73,17 +73,6 @@ void refuse_unsupported_features(const Section& top) {
                   "use_regional_compilation"},
                  {}, nullptr);
   for (const char* key : {"dynamo_backend", "backend"}) refuse_unless_off(dyn, key, dynamo, "remove dynamo_config");
-
-  // mpirun_config makes `accelerate launch` start mpirun with a host file; xlr8 programs are started by
-  // mpirun directly instead (they read OpenMPI's environment).
-  Section mpi(top.child("mpirun_config"), "mpirun_config.", top.origin());
-  mpi.check_keys({"mpirun_hostfile", "mpirun_ccl"}, {}, nullptr);
-  if (auto hostfile = mpi.str("mpirun_hostfile"); hostfile && !hostfile->empty())
-    throw mpi.error("mpirun_hostfile",
-                    fmt::format("value {:?} asks xlr8 launch to start mpirun, which it does not do; start the program "
-                                "with `mpirun --hostfile {} -np <N> <program>` instead (it reads OpenMPI's "
-                                "environment), or remove mpirun_config",
-                                *hostfile, *hostfile));
 
   // Intel Extension for PyTorch (Accelerate <= 1.12 wrote `ipex_config: {ipex: false}` for CPU jobs).
   Section ipex(top.child("ipex_config"), "ipex_config.", top.origin());

@@ -23,6 +23,7 @@
 #include <thread>
 
 #include "core/log.hpp"
+#include "launch/mpirun_launch.hpp"
 #include "launch/worker_output.hpp"
 #include "os/shm_segment.hpp"
 #include "xlr8/error.hpp"
@@ -361,6 +362,7 @@ class Supervisor {
 int launch(const LaunchOptions& o) {
   if (o.command.empty()) throw Error("no program to launch");
   if (o.nproc_per_node < 1) throw Error(fmt::format("{} processes per machine: need at least 1", o.nproc_per_node));
+  if (!o.mpirun_hostfile.empty()) return detail::launch_through_mpirun(o);
   std::string program = resolve_program(o.command[0]);
   const bool choose_port = o.master_port == 0;
   int port = choose_port ? pick_free_port() : o.master_port;
