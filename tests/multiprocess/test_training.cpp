@@ -275,6 +275,32 @@ TEST(TrainingErrors, CorruptPartialOrIncompleteCheckpointsAreRefusedWithTheFile)
   EXPECT_NE(r.err.find("does not exist"), std::string::npos) << r.err;
 }
 
+// The README's complete program (examples/minimal/main.cpp, shown there verbatim): it trains on one process
+// and under FULL_SHARD with its Blocks as units on two.
+TEST(MinimalExample, IsTheReadmesProgramAndTrainsOnOneProcessAndUnderFullShard) {
+  const auto program = read_file(std::string(XLR8_SOURCE_DIR) + "/examples/minimal/main.cpp");
+  ASSERT_FALSE(program.empty());
+  EXPECT_NE(read_file(std::string(XLR8_SOURCE_DIR) + "/README.md").find("```cpp\n" + program + "```"), std::string::npos)
+      << "README.md must show examples/minimal/main.cpp as it is";
+  for (Args flags : {Args{"--num_processes", "1"},
+                     Args{"--num_processes", "2", "--use_fsdp", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+                          "--fsdp_transformer_layer_cls_to_wrap", "Block"}}) {
+    Args a{kXlr8, "launch"};
+    a.insert(a.end(), flags.begin(), flags.end());
+    a.push_back(MINIMAL_BIN);
+    auto r = run(a, 120);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    auto loss_of = [&](int epoch) {
+      const std::string tag = fmt::format("epoch {} loss ", epoch);
+      const auto at = r.out.find(tag);
+      return at == std::string::npos ? -1.0 : std::stod(r.out.substr(at + tag.size()));
+    };
+    EXPECT_GT(loss_of(0), 0.0) << r.out;
+    EXPECT_GE(loss_of(7), 0.0) << r.out;
+    EXPECT_LT(loss_of(7), loss_of(0) / 10) << r.out;
+  }
+}
+
 TEST(FashionMnist, TrainsCheckpointsAndResumesOnTwoProcesses) {
   auto out = temp_dir("fashion");
   Args base{kXlr8, "launch", "--num_processes", "2", kFashion, "--train_limit", "2048", "--checkpoint_every", "8",
