@@ -30,7 +30,7 @@ namespace xlr8 {
 
 struct AcceleratorOptions {
   std::optional<MixedPrecision> mixed_precision;   // default: ACCELERATE_MIXED_PRECISION / config
-  std::optional<int> gradient_accumulation_steps;  // default: ACCELERATE_GRADIENT_ACCUMULATION_STEPS / config
+  std::optional<int> gradient_accumulation_steps;  // the launch's value wins when it names one (as in Accelerate)
   bool cpu = false;                                // stay on the CPU even with GPUs
   ParallelOptions parallel;                        // passed to the strategy each prepared model gets (DDP: .ddp)
   bool split_batches = false;

@@ -27,7 +27,8 @@ struct LaunchConfig {
   std::string main_training_function = "main";
   bool enable_cpu_affinity = false;
   std::string downcast_bf16 = "no";
-  int gradient_accumulation_steps = 1;
+  std::optional<int> gradient_accumulation_steps;  // empty: the program decides
+  std::string mpirun_hostfile;            // mpirun_config.mpirun_hostfile: mpirun starts the job over its hosts
   FsdpSettings fsdp;                      // used when distributed_type is FSDP
   DeepSpeedSettings deepspeed;            // used when distributed_type is DEEPSPEED
   std::optional<ParallelismSettings> parallelism;

@@ -26,6 +26,7 @@ struct LaunchOptions {
   bool prefix_output = true;    // "[rankN]: " before each worker line (when more than one worker)
   std::string run_id = "none";
   std::map<std::string, std::string> extra_env;
+  std::string mpirun_hostfile;  // set: one mpirun starts all ranks over the file's hosts (accelerate launch's way)
   int world_size() const { return nproc_per_node * num_machines; }
 };
 
@@ -53,6 +54,7 @@ struct LaunchRequest {
   std::optional<std::string> gpu_ids;              // "all" or "0,1": sets CUDA_VISIBLE_DEVICES
   bool debug = false;                              // ACCELERATE_DEBUG_MODE
   bool enable_cpu_affinity = false;                // ACCELERATE_CPU_AFFINITY: each local rank on its own cores
+  std::optional<std::string> mpirun_hostfile;      // as mpirun_config.mpirun_hostfile
   std::vector<std::string> command;
 };
 
@@ -60,7 +62,7 @@ struct LaunchRequest {
 // and validates everything before any process starts. Throws ConfigError.
 LaunchOptions plan_launch(const LaunchRequest& request);
 
-// Runs the workers to completion. Returns the exit code for the launcher: 0, the first failed worker's
+// Runs the workers to completion (with mpirun_hostfile: runs mpirun, which starts them). Returns the exit code for the launcher: 0, the first failed worker's
 // code, or 128 + signal. Throws xlr8::Error for problems found before any worker starts (missing or
 // non-executable program, port in use).
 int launch(const LaunchOptions& options);

@@ -76,7 +76,9 @@ struct ParallelismSettings {
 
 struct Settings {
   MixedPrecision mixed_precision = MixedPrecision::NO;
-  int gradient_accumulation_steps = 1;
+  // Set when the launch (flag, config key or ACCELERATE_GRADIENT_ACCUMULATION_STEPS) named it; it then wins
+  // over the program's own AcceleratorOptions value, as in Accelerate. Empty: the program decides (else 1).
+  std::optional<int> gradient_accumulation_steps;
   bool use_cpu = false;
   bool debug = false;
   bool cpu_affinity = false;  // ACCELERATE_CPU_AFFINITY: bind each local rank to its own cores
@@ -107,6 +109,11 @@ struct Topology {
 std::map<std::string, std::string> settings_to_env(const Settings& settings);
 std::map<std::string, std::string> topology_to_env(const Topology& topology);
 Settings settings_from_env(const Env& env);
+
+// The accumulation a program runs with: the launch's value when it named one (as Accelerate's
+// ACCELERATE_GRADIENT_ACCUMULATION_STEPS wins over the constructor's argument), else the program's, else 1.
+// When `report`, a program value the launch overrides is named in a warning: neither side is dropped silently.
+int gradient_accumulation_steps_for(const Settings& launch, std::optional<int> program, bool report);
 // torchrun / Accelerate variables first, then Slurm, OpenMPI, MVAPICH, PMI; no variables: a single
 // process. Without MASTER_PORT, a Slurm or MPI job rendezvouses on port_for_job(scheduler_job_id(...));
 // without MASTER_ADDR, on 127.0.0.1 when it runs on one node, on the first host of the Slurm step's

@@ -27,7 +27,8 @@ const std::vector<std::string> kTopKeys = {
     "compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug", "num_processes",
     "num_machines", "machine_rank", "gpu_ids", "main_process_ip", "main_process_port", "rdzv_backend",
     "same_network", "main_training_function", "enable_cpu_affinity", "downcast_bf16",
-    "gradient_accumulation_steps", "fsdp_config", "deepspeed_config", "parallelism_config", "log_with"};
+    "gradient_accumulation_steps", "fsdp_config", "deepspeed_config", "parallelism_config", "log_with",
+    "mpirun_config"};
 const std::vector<std::string> kFsdpKeys = {
     "fsdp_version", "fsdp_activation_checkpointing", "fsdp_auto_wrap_policy", "fsdp_backward_prefetch",
     "fsdp_backward_prefetch_policy", "fsdp_cpu_ram_efficient_loading", "fsdp_forward_prefetch",
@@ -190,6 +191,11 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
   if (auto v = top.integer("gradient_accumulation_steps", 1, 1L << 30)) c.gradient_accumulation_steps = static_cast<int>(*v);
   read_fsdp(Section(with_fsdp_prefix(top.child("fsdp_config")), "fsdp_config.", origin), c.fsdp);
   read_deepspeed(Section(top.child("deepspeed_config"), "deepspeed_config.", origin), c, &c.ignored_keys);
+  // As `accelerate launch` does with it: start the job through mpirun over the file's hosts (mpirun_ccl
+  // sizes Intel oneCCL's workers, which xlr8 does not use).
+  Section mpi(top.child("mpirun_config"), "mpirun_config.", origin);
+  mpi.check_keys({"mpirun_hostfile", "mpirun_ccl"}, {}, nullptr);
+  c.mpirun_hostfile = mpi.str("mpirun_hostfile").value_or("");
   if (top.has("parallelism_config")) read_parallelism(Section(top.child("parallelism_config"), "parallelism_config.", origin), c);
   c.validate();
   return c;
@@ -270,7 +276,8 @@ std::string to_yaml(const LaunchConfig& c) {
     const auto& d = c.deepspeed;
     out << YAML::Key << "deepspeed_config" << YAML::Value << YAML::BeginMap;
     if (!d.config_file.empty()) out << YAML::Key << "deepspeed_config_file" << YAML::Value << d.config_file;
-    out << YAML::Key << "gradient_accumulation_steps" << YAML::Value << c.gradient_accumulation_steps;
+    if (c.gradient_accumulation_steps)
+      out << YAML::Key << "gradient_accumulation_steps" << YAML::Value << *c.gradient_accumulation_steps;
     if (d.gradient_clipping) out << YAML::Key << "gradient_clipping" << YAML::Value << *d.gradient_clipping;
     out << YAML::Key << "offload_optimizer_device" << YAML::Value << d.offload_optimizer_device;
     out << YAML::Key << "offload_param_device" << YAML::Value << d.offload_param_device;
@@ -278,8 +285,8 @@ std::string to_yaml(const LaunchConfig& c) {
     out << YAML::Key << "zero3_save_16bit_model" << YAML::Value << d.zero3_save_16bit_model;
     out << YAML::Key << "zero_stage" << YAML::Value << d.zero_stage;
     out << YAML::EndMap;
-  } else if (c.gradient_accumulation_steps != 1) {
-    out << YAML::Key << "gradient_accumulation_steps" << YAML::Value << c.gradient_accumulation_steps;
+  } else if (c.gradient_accumulation_steps) {
+    out << YAML::Key << "gradient_accumulation_steps" << YAML::Value << *c.gradient_accumulation_steps;
   }
   out << YAML::Key << "gpu_ids" << YAML::Value << c.gpu_ids;
   if (!c.log_with.empty()) out << YAML::Key << "log_with" << YAML::Value << c.log_with;
@@ -288,6 +295,9 @@ std::string to_yaml(const LaunchConfig& c) {
   if (c.main_process_port) out << YAML::Key << "main_process_port" << YAML::Value << *c.main_process_port;
   out << YAML::Key << "main_training_function" << YAML::Value << c.main_training_function;
   out << YAML::Key << "mixed_precision" << YAML::Value << YAML::SingleQuoted << to_string(c.mixed_precision);
+  if (!c.mpirun_hostfile.empty())
+    out << YAML::Key << "mpirun_config" << YAML::Value << YAML::BeginMap << YAML::Key << "mpirun_hostfile"
+        << YAML::Value << c.mpirun_hostfile << YAML::EndMap;
   out << YAML::Key << "num_machines" << YAML::Value << c.num_machines;
   out << YAML::Key << "num_processes" << YAML::Value << c.num_processes;
   if (c.parallelism) {

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "core/log.hpp"
 #include "core/text.hpp"
 #include "xlr8/error.hpp"
 
@@ -12,7 +13,7 @@ const std::vector<std::string> kCompatTopKeys = {
     "downcast_bf16", "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm",
     "tpu_env",
     // other features and their legacy spellings
-    "dynamo_config", "dynamo_backend", "megatron_lm_config", "mpirun_config", "ipex_config", "fp8_config", "fp16",
+    "dynamo_config", "dynamo_backend", "megatron_lm_config", "ipex_config", "fp8_config", "fp16",
     "use_mps_device", "tp_config"};
 
 namespace {
@@ -52,9 +53,14 @@ void refuse_foreign_environment(const Section& top) {
 }
 
 void refuse_unsupported_features(const Section& top) {
+  // `accelerate tpu-config` (set-up commands for a TPU pod) reads these; `accelerate launch` runs a file
+  // that has them anywhere, and so does xlr8 (a file that selects a TPU was refused above).
+  for (const char* key : {"tpu_name", "tpu_zone", "commands", "command_file"})
+    if (!top.is_off(key))
+      log::debug("{}: {}{} = {} is for `accelerate tpu-config`; ignored", top.origin(), top.prefix(), key, top.shown(key));
+  // These turn TPU launching or TPU precision on.
   const std::string tpu = "configures a TPU, and the TPU compute environment is not supported by xlr8";
-  for (const char* key : {"downcast_bf16", "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file",
-                          "commands", "tpu_vm", "tpu_env"})
+  for (const char* key : {"downcast_bf16", "tpu_use_cluster", "tpu_use_sudo", "tpu_vm", "tpu_env"})
     refuse_unless_off(top, key, tpu, "remove the key (or set it to false / empty)");
 
   // TorchDynamo: `dynamo_backend: NO` (or no dynamo_config) is off; the legacy top-level key too.
@@ -67,17 +73,6 @@ void refuse_unsupported_features(const Section& top) {
                   "use_regional_compilation"},
                  {}, nullptr);
   for (const char* key : {"dynamo_backend", "backend"}) refuse_unless_off(dyn, key, dynamo, "remove dynamo_config");
-
-  // mpirun_config makes `accelerate launch` start mpirun with a host file; xlr8 programs are started by
-  // mpirun directly instead (they read OpenMPI's environment).
-  Section mpi(top.child("mpirun_config"), "mpirun_config.", top.origin());
-  mpi.check_keys({"mpirun_hostfile", "mpirun_ccl"}, {}, nullptr);
-  if (auto hostfile = mpi.str("mpirun_hostfile"); hostfile && !hostfile->empty())
-    throw mpi.error("mpirun_hostfile",
-                    fmt::format("value {:?} asks xlr8 launch to start mpirun, which it does not do; start the program "
-                                "with `mpirun --hostfile {} -np <N> <program>` instead (it reads OpenMPI's "
-                                "environment), or remove mpirun_config",
-                                *hostfile, *hostfile));
 
   // Intel Extension for PyTorch (Accelerate <= 1.12 wrote `ipex_config: {ipex: false}` for CPU jobs).
   Section ipex(top.child("ipex_config"), "ipex_config.", top.origin());

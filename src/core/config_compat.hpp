@@ -1,6 +1,6 @@
 #pragma once
 // The parts of Accelerate's config format that configure what xlr8 does not have: SageMaker, TPUs,
-// accelerators other than CUDA, TorchDynamo, Megatron-LM, IPEX, fp8, launching through mpirun, MPS.
+// accelerators other than CUDA, TorchDynamo, Megatron-LM, IPEX, fp8, MPS.
 // A file that leaves them off loads silently; one that turns one on is refused with one line naming
 // the key, the value and what xlr8 supports instead.
 #include <string>

@@ -17,6 +17,10 @@ void set_rank(int rank, int world_size);
 void write(Level level, std::string_view message);
 
 template <class... Args>
+void debug(fmt::format_string<Args...> format, Args&&... args) {
+  if (enabled(Level::kDebug)) write(Level::kDebug, fmt::format(format, std::forward<Args>(args)...));
+}
+template <class... Args>
 void info(fmt::format_string<Args...> format, Args&&... args) {
   if (enabled(Level::kInfo)) write(Level::kInfo, fmt::format(format, std::forward<Args>(args)...));
 }

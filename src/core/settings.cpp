@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "core/log.hpp"
 #include "core/text.hpp"
 #include "xlr8/error.hpp"
 
@@ -111,8 +112,8 @@ std::string Settings::strategy_name() const {
 std::map<std::string, std::string> settings_to_env(const Settings& s) {
   std::map<std::string, std::string> env;
   env["ACCELERATE_MIXED_PRECISION"] = to_string(s.mixed_precision);
-  if (s.gradient_accumulation_steps != 1)
-    env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = std::to_string(s.gradient_accumulation_steps);
+  if (s.gradient_accumulation_steps)
+    env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = std::to_string(*s.gradient_accumulation_steps);
   if (s.use_cpu) env["ACCELERATE_USE_CPU"] = "true";
   if (s.debug) env["ACCELERATE_DEBUG_MODE"] = "true";
   if (s.cpu_affinity) env["ACCELERATE_CPU_AFFINITY"] = "1";
@@ -132,7 +133,6 @@ std::map<std::string, std::string> settings_to_env(const Settings& s) {
   if (const auto& d = s.deepspeed) {
     env["ACCELERATE_USE_DEEPSPEED"] = "true";
     env["ACCELERATE_DEEPSPEED_ZERO_STAGE"] = std::to_string(d->zero_stage);
-    env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = std::to_string(s.gradient_accumulation_steps);
     if (d->gradient_clipping) env["ACCELERATE_GRADIENT_CLIPPING"] = fmt::format("{}", *d->gradient_clipping);
     env["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"] = d->offload_optimizer_device;
     env["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"] = d->offload_param_device;
@@ -235,7 +235,8 @@ DeepSpeedSettings deepspeed_from_env(const Env& env) {
 Settings settings_from_env(const Env& env) {
   Settings s;
   if (auto v = env.get("ACCELERATE_MIXED_PRECISION")) s.mixed_precision = parse_mixed_precision(*v, "ACCELERATE_MIXED_PRECISION");
-  s.gradient_accumulation_steps = static_cast<int>(env.get_positive("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", 1));
+  if (env.get_int("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"))
+    s.gradient_accumulation_steps = static_cast<int>(env.get_positive("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", 1));
   s.use_cpu = env.get_bool("ACCELERATE_USE_CPU").value_or(false);
   s.debug = env.get_bool("ACCELERATE_DEBUG_MODE").value_or(false);
   s.cpu_affinity = env.get_bool("ACCELERATE_CPU_AFFINITY").value_or(false);
@@ -258,6 +259,16 @@ Settings settings_from_env(const Env& env) {
     s.parallelism = p;
   }
   return s;
+}
+
+int gradient_accumulation_steps_for(const Settings& launch, std::optional<int> program, bool report) {
+  int steps = launch.gradient_accumulation_steps.value_or(program.value_or(1));
+  if (steps < 1) throw ConfigError(fmt::format("gradient_accumulation_steps {} must be at least 1", steps));
+  if (report && launch.gradient_accumulation_steps && program && *program != steps)
+    log::warning("xlr8: gradient_accumulation_steps is {} as the launch asked (ACCELERATE_GRADIENT_ACCUMULATION_STEPS, "
+                 "from `xlr8 launch --gradient_accumulation_steps` or the config file), not the program's {}",
+                 steps, *program);
+  return steps;
 }
 
 }  // namespace xlr8

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "launch/mpirun_launch.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/launcher.hpp"
 
@@ -48,6 +49,7 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   for (auto& [k, v] : r.fsdp) root["fsdp_config"][k] = v;
   for (auto& [k, v] : r.deepspeed) root["deepspeed_config"][k] = v;
   if (r.gradient_accumulation_steps) root["gradient_accumulation_steps"] = *r.gradient_accumulation_steps;
+  if (r.mpirun_hostfile) root["mpirun_config"]["mpirun_hostfile"] = *r.mpirun_hostfile;
 
   std::string origin = path.empty() ? "xlr8 launch options" : fmt::format("xlr8 launch options over {}", path);
   YAML::Emitter emitter;
@@ -79,6 +81,8 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   }
   if (!cfg.gpu_ids.empty() && cfg.gpu_ids != "all") o.extra_env["CUDA_VISIBLE_DEVICES"] = cfg.gpu_ids;
   if (!cfg.log_with.empty()) o.extra_env["XLR8_LOG_WITH"] = cfg.log_with;
+  o.mpirun_hostfile = cfg.mpirun_hostfile;
+  if (!o.mpirun_hostfile.empty()) detail::check_mpirun_launch(o);
   return o;
 }
 

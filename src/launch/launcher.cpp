@@ -18,13 +18,13 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
-#include <deque>
 #include <filesystem>
-#include <fstream>
 #include <random>
 #include <thread>
 
 #include "core/log.hpp"
+#include "launch/mpirun_launch.hpp"
+#include "launch/worker_output.hpp"
 #include "os/shm_segment.hpp"
 #include "xlr8/error.hpp"
 
@@ -98,84 +98,14 @@ std::string signal_name(int sig) {
   return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
 }
 
-// One output stream of one worker: split into lines, prefixed, copied to the console and a log file.
-// A line redrawn in place (a progress bar: "\r<frame>" again and again) is shown as it arrives, prefixed
-// after its last carriage return; the log file and the failure report get only its final text.
-struct Stream {
-  int fd = -1;
-  int console_fd = 1;
-  std::string prefix;
-  std::string partial;
-  std::ofstream log;
-  std::deque<std::string>* tail = nullptr;  // last lines kept for the failure report (stderr only)
-  const Stream** open_line = nullptr;       // the stream whose in-place line the console shows, shared
-
-  void write_console(const std::string& text) const {
-    for (size_t done = 0; done < text.size();) {
-      ssize_t n = write(console_fd, text.data() + done, text.size() - done);
-      if (n <= 0) break;
-      done += static_cast<size_t>(n);
-    }
-  }
-  // Another stream's in-place line stays where it is: this output starts below it.
-  void leave_open_line() const {
-    if (open_line && *open_line && *open_line != this) (*open_line)->write_console("\n"), *open_line = nullptr;
-  }
-  void emit(std::string line) {
-    if (!line.empty() && line.back() == '\r') line.pop_back();  // CRLF: an ordinary line
-    leave_open_line();
-    // A line redrawn in place shows (and keeps) only its last frame, without the erase-to-end code.
-    const auto cr = line.rfind('\r');
-    const std::string frame = cr == std::string::npos ? line : line.substr(cr + 1);
-    write_console((cr == std::string::npos ? "" : "\r") + prefix + frame + "\n");
-    if (open_line && *open_line == this) *open_line = nullptr;
-    std::string text = frame;
-    for (size_t at; (at = text.find("\x1b[K")) != std::string::npos;) text.erase(at, 3);
-    if (log.is_open()) log << text << '\n' << std::flush;
-    if (tail) {
-      tail->push_back(text);
-      if (tail->size() > 20) tail->pop_front();
-    }
-  }
-  // The unfinished line being redrawn: show its latest frame now.
-  void show_in_place() {
-    auto cr = partial.rfind('\r');
-    if (cr == std::string::npos) return;
-    leave_open_line();
-    write_console("\r" + prefix + partial.substr(cr + 1));
-    if (open_line) *open_line = this;
-    partial.erase(0, cr);  // earlier frames are drawn over: keep only the latest
-  }
-  // Returns false at end of file.
-  bool pump() {
-    char buffer[65536];
-    ssize_t n = read(fd, buffer, sizeof(buffer));
-    if (n < 0 && (errno == EINTR || errno == EAGAIN)) return true;
-    if (n <= 0) {
-      if (!partial.empty()) emit(partial), partial.clear();
-      close(fd);
-      fd = -1;
-      return false;
-    }
-    partial.append(buffer, static_cast<size_t>(n));
-    size_t start = 0, nl;
-    while ((nl = partial.find('\n', start)) != std::string::npos) {
-      emit(partial.substr(start, nl - start));
-      start = nl + 1;
-    }
-    partial.erase(0, start);
-    show_in_place();
-    return true;
-  }
-};
-
 struct Worker {
   int rank = 0, local_rank = 0;
   pid_t pid = -1;
   bool running = false;
   int status = 0;
-  Stream out, err;
-  std::deque<std::string> err_tail;
+  detail::WorkerStream out, err;
+  detail::FailureNotes notes;  // from stderr, for the failure report
+  std::string err_log_path;    // with --log_dir
 };
 
 std::string describe_status(int status) {
@@ -217,15 +147,26 @@ class Supervisor {
     return 0;
   }
 
+  // The first failure, each failed rank's error line (what its exception said, not the backtrace's last
+  // frames), then the first failure's last stderr lines without backtraces, which stay in the log.
   void report_failure() const {
     if (first_failure_ < 0) return;
     const auto& w = workers_[first_failure_];
     auto& err = stderr;
     fmt::print(err, "xlr8 launch: rank {} (local rank {}, pid {}) failed first: {}\n", w.rank, w.local_rank, w.pid,
                describe_status(w.status));
-    if (!w.err_tail.empty()) {
-      fmt::print(err, "xlr8 launch: last {} lines of rank {}'s stderr:\n", w.err_tail.size(), w.rank);
-      for (auto& line : w.err_tail) fmt::print(err, "    {}\n", line);
+    if (!w.notes.headline().empty()) fmt::print(err, "xlr8 launch: rank {}'s error: {}\n", w.rank, w.notes.headline());
+    for (const auto& other : workers_)
+      if (&other != &w && other.status != 0 && !other.notes.headline().empty())
+        fmt::print(err, "xlr8 launch: rank {} ({}) said: {}\n", other.rank, describe_status(other.status),
+                   other.notes.headline());
+    if (!w.notes.tail().empty()) {
+      std::string left_out;
+      if (size_t n = w.notes.backtrace_lines())
+        left_out = fmt::format(" ({} backtrace lines left out: they are above{})", n,
+                               o_.log_dir.empty() ? "" : fmt::format(" and in {}", w.err_log_path));
+      fmt::print(err, "xlr8 launch: last {} lines of rank {}'s stderr{}:\n", w.notes.tail().size(), w.rank, left_out);
+      for (auto& line : w.notes.tail()) fmt::print(err, "    {}\n", line);
     }
     int others = static_cast<int>(workers_.size()) - 1;
     if (others > 0) fmt::print(err, "xlr8 launch: stopped the other {} local worker(s)\n", others);
@@ -308,13 +249,14 @@ class Supervisor {
     w.err.fd = err_pipe[0];
     w.err.console_fd = 2;
     w.err.prefix = tag;
-    w.err.tail = &w.err_tail;
+    w.err.notes = &w.notes;
     w.out.open_line = w.err.open_line = &open_line_;
     if (!o_.log_dir.empty()) {
       fs::path dir = fs::path(o_.log_dir) / fmt::format("attempt_{}", attempt) / std::to_string(local_rank);
       fs::create_directories(dir);
       w.out.log.open(dir / "stdout.log");
-      w.err.log.open(dir / "stderr.log");
+      w.err_log_path = (dir / "stderr.log").string();
+      w.err.log.open(w.err_log_path);
     }
   }
 
@@ -368,16 +310,16 @@ class Supervisor {
     std::optional<Clock::time_point> drain_deadline;
     for (;;) {
       std::vector<pollfd> fds{{signal_fd_, POLLIN, 0}};
-      std::vector<Stream*> streams;
+      std::vector<detail::WorkerStream*> streams;
       for (auto& w : workers_)
-        for (Stream* s : {&w.out, &w.err})
+        for (detail::WorkerStream* s : {&w.out, &w.err})
           if (s->fd >= 0) fds.push_back({s->fd, POLLIN, 0}), streams.push_back(s);
       bool running = any_running();
       if (!running && streams.empty()) return;
       if (!running && !drain_deadline) drain_deadline = Clock::now() + std::chrono::seconds(2);
       if (drain_deadline && Clock::now() > *drain_deadline) {
         // A grandchild still holds a pipe open after every worker exited: stop reading.
-        for (Stream* s : streams) close(s->fd), s->fd = -1;
+        for (detail::WorkerStream* s : streams) close(s->fd), s->fd = -1;
         return;
       }
       poll(fds.data(), fds.size(), 100);
@@ -409,7 +351,7 @@ class Supervisor {
   int signal_fd_ = -1;
   sigset_t saved_mask_{};
   std::vector<Worker> workers_;
-  const Stream* open_line_ = nullptr;  // the worker stream whose in-place line is on the console
+  const detail::WorkerStream* open_line_ = nullptr;  // the worker stream whose in-place line is on the console
   int first_failure_ = -1;
   int interrupted_by_ = 0;
   std::optional<Clock::time_point> kill_deadline_, term_deadline_;
@@ -420,6 +362,7 @@ class Supervisor {
 int launch(const LaunchOptions& o) {
   if (o.command.empty()) throw Error("no program to launch");
   if (o.nproc_per_node < 1) throw Error(fmt::format("{} processes per machine: need at least 1", o.nproc_per_node));
+  if (!o.mpirun_hostfile.empty()) return detail::launch_through_mpirun(o);
   std::string program = resolve_program(o.command[0]);
   const bool choose_port = o.master_port == 0;
   int port = choose_port ? pick_free_port() : o.master_port;

@@ -47,9 +47,8 @@ Accelerator::Accelerator(AcceleratorOptions options) : impl_(std::make_unique<Ac
   s.options = std::move(options);
   s.device = s.options.cpu ? at::Device(at::kCPU) : at::Device(s.state->device());
   s.precision = s.options.mixed_precision.value_or(s.state->mixed_precision());
-  int steps = s.options.gradient_accumulation_steps.value_or(s.state->settings().gradient_accumulation_steps);
-  if (steps < 1) throw ConfigError(fmt::format("gradient_accumulation_steps {} must be at least 1", steps));
-  s.gradient_state->num_steps = steps;
+  s.gradient_state->num_steps = gradient_accumulation_steps_for(s.state->settings(), s.options.gradient_accumulation_steps,
+                                                                s.state->is_main_process());
   s.gradient_state->sync_with_dataloader = s.options.sync_with_dataloader;
   if (s.precision == MixedPrecision::FP16) s.scaler.emplace();
   // Offload moves shards to host memory on CUDA machines; this build keeps them on the training device.

@@ -164,4 +164,36 @@ std::unique_ptr<Tracker> make_tensorboard_tracker(const std::string& run_dir) {
   return std::make_unique<TensorBoardTracker>(run_dir);
 }
 
+std::map<std::string, std::vector<std::pair<int64_t, double>>> read_tensorboard_scalars(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(fmt::format("cannot read {}", path));
+  const uint64_t size = std::filesystem::file_size(path);
+  auto little_endian = [](const char* bytes, int count) {
+    uint64_t v = 0;
+    for (int i = count - 1; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(bytes[i]);
+    return v;
+  };
+  std::map<std::string, std::vector<std::pair<int64_t, double>>> scalars;
+  for (uint64_t offset = 0;;) {
+    char header[12], footer[4];
+    if (!in.read(header, sizeof(header))) break;
+    if (masked_crc32c(header, 8) != little_endian(header + 8, 4))
+      throw Error(fmt::format("{}: the record at byte {} has a corrupt length (checksum mismatch)", path, offset));
+    const uint64_t length = little_endian(header, 8);
+    if (length > size - offset - sizeof(header)) break;  // cut short: still being written
+    std::string data(length, '\0');
+    if (!in.read(data.data(), static_cast<std::streamsize>(length)) || !in.read(footer, sizeof(footer))) break;
+    if (masked_crc32c(data.data(), data.size()) != little_endian(footer, 4))
+      throw Error(fmt::format("{}: the record at byte {} fails its checksum", path, offset));
+    pb::Event event;
+    if (!event.ParseFromString(data))
+      throw Error(fmt::format("{}: the record at byte {} is not a TensorBoard Event", path, offset));
+    for (const auto& value : event.summary().value())
+      if (value.value_case() == pb::Summary::Value::kSimpleValue)
+        scalars[value.tag()].emplace_back(event.step(), value.simple_value());
+    offset += sizeof(header) + length + sizeof(footer);
+  }
+  return scalars;
+}
+
 }  // namespace xlr8::detail

@@ -208,3 +208,47 @@ TEST(Plot, DrawsEachLoggedScalarOfARunIntoAPngOfTheAskedSize) {
   EXPECT_NE(unknown.exit_code, 0);
   EXPECT_NE(unknown.err.find("logged no scalar \"accuracy\"; it has loss, lr"), std::string::npos) << unknown.err;
 }
+
+// Given a project_dir (or a project), `xlr8 plot` draws the newest run below it instead of refusing.
+TEST(Plot, AProjectDirDrawsItsNewestRun) {
+  const auto out = temp_dir("plot-project");
+  for (auto [log_with, steps] : {std::pair{"jsonl", "5"}, std::pair{"csv", "8"}}) {
+    auto trained = run({kXlr8, "launch", "--num_processes", "1", "--log_with", log_with, kTrain, "--steps", steps,
+                        "--track", "--out", out},
+                       120);
+    ASSERT_EQ(trained.exit_code, 0) << trained.err;
+  }
+  for (const std::string& where : {out, out + "/oracle"}) {
+    SCOPED_TRACE(where);
+    auto plotted = run({kXlr8, "plot", where, "-o", out + "/curves.png", "--size", "640,480"});
+    ASSERT_EQ(plotted.exit_code, 0) << plotted.err;
+    EXPECT_NE(plotted.out.find("up to 8 points each) from " + out + "/oracle/"), std::string::npos) << plotted.out;
+    EXPECT_NE(plotted.out.find("/metrics.csv"), std::string::npos) << plotted.out;
+  }
+}
+
+// A run that logged with TensorBoard only: `xlr8 plot` reads the event file the tracker wrote (TFRecord
+// framing, Event and Summary messages), drawn and read back as above.
+TEST(Plot, DrawsARunThatLoggedWithTensorBoardOnly) {
+  const auto out = temp_dir("plot-tensorboard");
+  auto trained = run({kXlr8, "launch", "--num_processes", "2", "--log_with", "tensorboard", kTrain, "--steps", "30",
+                      "--track", "--out", out},
+                     120);
+  ASSERT_EQ(trained.exit_code, 0) << trained.err;
+  std::vector<std::string> runs;
+  for (const auto& entry : std::filesystem::directory_iterator(out + "/oracle")) runs.push_back(entry.path().string());
+  ASSERT_EQ(runs.size(), 1u);
+  ASSERT_FALSE(std::filesystem::exists(runs[0] + "/metrics.jsonl"));
+  ASSERT_FALSE(std::filesystem::exists(runs[0] + "/metrics.csv"));
+  const auto png = out + "/curves.png";
+  auto plotted = run({kXlr8, "plot", runs[0], "-o", png, "--size", "640,480"});
+  ASSERT_EQ(plotted.exit_code, 0) << plotted.err;
+  EXPECT_NE(plotted.out.find("(640x480; loss, lr; up to 30 points each) from " + runs[0] + "/events.out.tfevents."),
+            std::string::npos)
+      << plotted.out;
+  auto read = run({"/usr/bin/python3", READ_PNG, png, "1f77b4", "1", "2"});
+  ASSERT_EQ(read.exit_code, 0) << read.err;
+  auto image = last_json(read.out);
+  EXPECT_GT(image["cells"][0][0].get<int>(), 300) << image;  // the loss curve
+  EXPECT_GT(image["cells"][0][1].get<int>(), 300) << image;  // the learning-rate steps
+}

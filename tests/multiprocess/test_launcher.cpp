@@ -201,6 +201,31 @@ TEST(Launcher, WorkerExitCodeStopsTheOthersPromptly) {
   fs::remove_all(dir);
 }
 
+TEST(Launcher, AFailuresSummaryShowsTheErrorNotTheBacktrace) {
+  // A shape mismatch deep inside LibTorch: c10::Error's what() carries a backtrace of many frames after
+  // the message, uncaught (the runtime's terminate report) or printed by the program. The summary names
+  // the message; the frames stay on the console and in the log.
+  for (std::string how : {"uncaught", "caught"}) {
+    SCOPED_TRACE(how);
+    auto dir = temp_dir("failure-summary");
+    auto r = run(launch({"--num_processes", "2", "--log_dir", dir}, {"matmul-mismatch", how}), 60);
+    EXPECT_NE(r.exit_code, 0);
+    const auto at = r.err.find("xlr8 launch: rank 1 (local rank 1");
+    ASSERT_NE(at, std::string::npos) << r.err;
+    const std::string summary = r.err.substr(at);
+    const std::string error = how == "uncaught" ? "rank 1's error: c10::Error: mat1 and mat2 shapes cannot be multiplied"
+                                                : "rank 1's error: worker: error: mat1 and mat2 shapes cannot be multiplied";
+    EXPECT_NE(summary.find(error + " (2x3 and 4x5)\n"), std::string::npos) << summary;
+    EXPECT_EQ(summary.find("frame #"), std::string::npos) << summary;
+    EXPECT_NE(summary.find("backtrace lines left out: they are above and in " + dir + "/attempt_0/1/stderr.log"),
+              std::string::npos)
+        << summary;
+    EXPECT_NE(r.err.substr(0, at).find("[rank1]: frame #0: c10::Error::Error"), std::string::npos) << r.err;
+    EXPECT_NE(read_file(dir + "/attempt_0/1/stderr.log").find("frame #0: c10::Error::Error"), std::string::npos);
+    fs::remove_all(dir);
+  }
+}
+
 TEST(Launcher, SigtermToTheLauncherStopsHangingWorkers) {
   auto dir = temp_dir("hang");
   Process launcher(launch({"--num_processes", "2"}, {"hang", dir}));

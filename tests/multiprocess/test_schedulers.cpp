@@ -155,6 +155,47 @@ TEST_F(OpenMpi, AJobAcrossNodesWithoutMasterAddrIsOneClearError) {
   EXPECT_NE(output.find("-x MASTER_ADDR"), std::string::npos) << output;
 }
 
+TEST_F(OpenMpi, AnAccelerateMpirunConfigStartsTheJobThroughMpirun) {
+  // `accelerate config`'s own mpirun file (MULTI_CPU, 8 processes on 2 machines, /root/hostfile), kept on
+  // this machine by flags over it: a host file naming localhost only, loopback, 2 processes.
+  auto dir = temp_dir("mpirun-config");
+  std::ofstream(dir + "/hostfile") << "localhost slots=2\n";
+  auto launch = [&](Args program) {
+    Args a{kXlr8, "launch", "--config_file", kSource + "/tests/data/accelerate_configs/multi_cpu_mpirun.yaml",
+           "--mpirun_hostfile", dir + "/hostfile", "--num_machines", "1", "--num_processes", "2",
+           "--main_process_ip", "127.0.0.1", "--main_process_port", "0"};
+    a.insert(a.end(), program.begin(), program.end());
+    return run(without_master(a), 180, kMpiEnv);
+  };
+  auto r = launch({kWorker, "allreduce"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("mpirun --hostfile " + dir + "/hostfile --npernode 2 -n 2 "), std::string::npos) << r.err;
+  auto lines = lines_with(r.out, "sum=3 world=2 node=0 ");
+  ASSERT_EQ(lines.size(), 2u) << r.out;
+  for (const auto& line : lines) {
+    EXPECT_EQ(field(line, "source"), "openmpi") << line;  // the ranks are mpirun's, not the launcher's
+    EXPECT_EQ(field(line, "at").rfind("127.0.0.1:", 0), 0u) << line;
+  }
+  // Training through it follows the oracle: the launch settings (here the accumulation) reach the ranks.
+  auto one = oracle_command({kXlr8, "launch", "--num_processes", "1", kTrain, "--batch", "8", "--steps", "6", "--accum",
+                             "2", "--out", temp_dir("mpirun-one")},
+                            "");
+  auto trained = launch({"--gradient_accumulation_steps", "2", kTrain, "--batch", "4", "--steps", "6", "--out", dir});
+  ASSERT_EQ(trained.exit_code, 0) << trained.err;
+  expect_close(last_json(trained.out)["losses"].get<std::vector<double>>(), one.losses, 1e-5);
+  // What mpirun cannot do is one line before anything starts.
+  auto restarts = launch({"--max_restarts", "1", kWorker, "allreduce"});
+  EXPECT_EQ(restarts.exit_code, 1);
+  EXPECT_NE(restarts.err.find("--max_restarts 1 cannot be used with mpirun_config.mpirun_hostfile"), std::string::npos)
+      << restarts.err;
+  auto missing = run({kXlr8, "launch", "--mpirun_hostfile", dir + "/no-such-hostfile", "--num_processes", "2", kWorker,
+                      "allreduce"});
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_NE(missing.err.find("mpirun_config.mpirun_hostfile \"" + dir + "/no-such-hostfile\" does not exist"),
+            std::string::npos)
+      << missing.err;
+}
+
 // --------------------------------------------------------------------------------- torchrun environment
 
 TEST(TorchrunEnvironment, HandSetVariablesTrainInLockstep) {

@@ -224,7 +224,13 @@ TEST(ShardedCheckpoint, MergeWeightsTurnsShardsIntoTheUnshardedModelBitForBit) {
   // Bad input names what is wrong.
   r = run({kXlr8, "merge-weights", first.dir, temp_dir("merged-bad")}, 60);
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.err.find("is not a complete checkpoint"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("merge-weights: " + first.dir + " is not a complete checkpoint"), std::string::npos) << r.err;
+  r = run({kXlr8, "merge-weights", first.dir + "/no-such-checkpoint", temp_dir("merged-bad")}, 60);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("merge-weights: checkpoint " + first.dir + "/no-such-checkpoint does not exist"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("load_state"), std::string::npos) << r.err;
   r = run({kXlr8, "merge-weights", checkpoint, temp_dir("merged-bad"), "--dtype", "int4"}, 60);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("--dtype \"int4\""), std::string::npos) << r.err;

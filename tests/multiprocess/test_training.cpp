@@ -114,6 +114,24 @@ TEST(Oracle, GradientAccumulationIncludingTheForcedSyncAtEpochEnd) {
   EXPECT_EQ(one.result["exposed_comm_s"].get<double>(), 0.0);  // one process: no DDP, nothing to wait for
 }
 
+TEST(Oracle, TheLaunchersAccumulationFlagWinsOverTheProgramsOwn) {
+  // The worker sets AcceleratorOptions::gradient_accumulation_steps itself (--accum, 1 unless given), as
+  // both examples do; `xlr8 launch --gradient_accumulation_steps 2` still decides, as in Accelerate.
+  auto asked = oracle_run(2, 4, {"--steps", "6", "--accum", "2"});
+  auto flagged = run({kXlr8, "launch", "--num_processes", "2", "--gradient_accumulation_steps", "2", kTrain, "--batch",
+                      "4", "--steps", "6", "--out", temp_dir("oracle")},
+                     120);
+  ASSERT_EQ(flagged.exit_code, 0) << flagged.err;
+  expect_close(last_json(flagged.out)["losses"].get<std::vector<double>>(), asked.losses, 1e-5);
+  // Once, on the main process, the program's disagreeing value is named.
+  EXPECT_EQ(flagged.err.find("gradient_accumulation_steps is 2 as the launch asked"),
+            flagged.err.rfind("gradient_accumulation_steps is 2 as the launch asked"));
+  EXPECT_NE(flagged.err.find("not the program's 1"), std::string::npos) << flagged.err;
+  // The check can fail: the program's own value gives another trajectory.
+  auto own = oracle_run(2, 4, {"--steps", "6"});
+  EXPECT_GT(std::abs(own.losses.back() - asked.losses.back()), 1e-4);
+}
+
 TEST(Oracle, Bf16MatchesWithALooserTolerance) {
   auto one = oracle_run(1, 8, {"--steps", "10", "--precision", "bf16"});
   auto two = oracle_run(2, 4, {"--steps", "10", "--precision", "bf16"});
@@ -255,6 +273,32 @@ TEST(TrainingErrors, CorruptPartialOrIncompleteCheckpointsAreRefusedWithTheFile)
   auto r = attempt(base.dir + "/nonexistent");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("does not exist"), std::string::npos) << r.err;
+}
+
+// The README's complete program (examples/minimal/main.cpp, shown there verbatim): it trains on one process
+// and under FULL_SHARD with its Blocks as units on two.
+TEST(MinimalExample, IsTheReadmesProgramAndTrainsOnOneProcessAndUnderFullShard) {
+  const auto program = read_file(std::string(XLR8_SOURCE_DIR) + "/examples/minimal/main.cpp");
+  ASSERT_FALSE(program.empty());
+  EXPECT_NE(read_file(std::string(XLR8_SOURCE_DIR) + "/README.md").find("```cpp\n" + program + "```"), std::string::npos)
+      << "README.md must show examples/minimal/main.cpp as it is";
+  for (Args flags : {Args{"--num_processes", "1"},
+                     Args{"--num_processes", "2", "--use_fsdp", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+                          "--fsdp_transformer_layer_cls_to_wrap", "Block"}}) {
+    Args a{kXlr8, "launch"};
+    a.insert(a.end(), flags.begin(), flags.end());
+    a.push_back(MINIMAL_BIN);
+    auto r = run(a, 120);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    auto loss_of = [&](int epoch) {
+      const std::string tag = fmt::format("epoch {} loss ", epoch);
+      const auto at = r.out.find(tag);
+      return at == std::string::npos ? -1.0 : std::stod(r.out.substr(at + tag.size()));
+    };
+    EXPECT_GT(loss_of(0), 0.0) << r.out;
+    EXPECT_GE(loss_of(7), 0.0) << r.out;
+    EXPECT_LT(loss_of(7), loss_of(0) / 10) << r.out;
+  }
 }
 
 TEST(FashionMnist, TrainsCheckpointsAndResumesOnTwoProcesses) {

@@ -10,9 +10,12 @@
 //                      plain line; rank 1 writes one stdout line while rank 0's frames are drawn
 //   peer-dies          rank 1 exits (code 3) after joining; rank 0 all-reduces and prints the error it gets
 //   leak-segment DIR   create a shared segment, write its name to DIR/segment<R>, then SIGKILL itself
+//   matmul-mismatch uncaught|caught   rank 1 multiplies mismatched shapes inside a Linear (a c10::Error with
+//                      its backtrace), uncaught or printed as "worker: error: <what()>"; the others sleep
 //   affinity DIR       create the ProcessState, then write the CPUs this process may use and its intra-op
 //                      thread count to DIR/affinity<R> ("0-1 2")
 #include <fmt/format.h>
+#include <torch/nn.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -108,6 +111,20 @@ int main(int argc, char** argv) {
     auto segment = xlr8::detail::SharedSegment::create(xlr8::detail::new_segment_name(), 4096);
     std::ofstream(fmt::format("{}/segment{}", argv[2], rank())) << segment->name() << std::flush;
     std::raise(SIGKILL);
+  }
+  if (mode == "matmul-mismatch") {
+    if (rank() != 1)
+      for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));
+    torch::nn::Sequential model(torch::nn::Linear(4, 5), torch::nn::ReLU());
+    auto forward = [&] { return model->forward(at::ones({2, 3})); };
+    if (std::string(argv[2]) == "uncaught") forward();
+    try {
+      forward();
+    } catch (const std::exception& e) {
+      fmt::print(stderr, "worker: error: {}\n", e.what());
+      return 1;
+    }
+    return 0;
   }
   if (mode == "affinity") {
     const auto& state = xlr8::ProcessState::instance();

@@ -117,6 +117,18 @@ TEST(Settings, DeepSpeedRoundTrip) {
   EXPECT_EQ(settings_from_env(Env(vars)), s);
 }
 
+TEST(Settings, TheLaunchsAccumulationWinsAndAnExplicitOneIsAChoiceToo) {
+  auto unset = settings_from_env(Env({}));
+  EXPECT_FALSE(unset.gradient_accumulation_steps);
+  EXPECT_FALSE(settings_to_env(unset).contains("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"));
+  EXPECT_EQ(gradient_accumulation_steps_for(unset, 3, false), 3);
+  EXPECT_EQ(gradient_accumulation_steps_for(unset, std::nullopt, false), 1);
+  auto one = settings_from_env(Env({{"ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "1"}}));
+  EXPECT_EQ(settings_to_env(one).at("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"), "1");
+  EXPECT_EQ(gradient_accumulation_steps_for(one, 4, false), 1);
+  EXPECT_THROW(gradient_accumulation_steps_for(unset, 0, false), ConfigError);
+}
+
 TEST(Settings, AccelerateSpellings) {
   // Accelerate writes the sharding strategy as a name or as the enum's integer.
   auto s = settings_from_env(Env({{"ACCELERATE_USE_FSDP", "true"}, {"FSDP_SHARDING_STRATEGY", "2"}}));

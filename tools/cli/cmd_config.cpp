@@ -80,7 +80,8 @@ LaunchConfig interview() {
     c.deepspeed.zero_stage = std::stoi(a.ask("ZeRO stage", "2", {"0", "1", "2", "3"}));
     c.deepspeed.offload_optimizer_device = a.ask("Offload optimizer states to", "none", kOffloadDevices);
     c.deepspeed.offload_param_device = a.ask("Offload parameters to", "none", kOffloadDevices);
-    c.gradient_accumulation_steps = a.ask_int("Gradient accumulation steps", 1, 1);
+    // The default answer leaves the choice to the program; any other answer overrides the program's.
+    if (int steps = a.ask_int("Gradient accumulation steps", 1, 1); steps != 1) c.gradient_accumulation_steps = steps;
   }
   c.use_cpu = gpus == 0 || a.ask_bool("Train on CPU only", false);
   c.mixed_precision = parse_mixed_precision(a.ask("Mixed precision", "no", {"no", "fp16", "bf16"}), "mixed_precision");

@@ -89,6 +89,8 @@ Handler add_launch(CLI::App& app) {
   opt("--num_cpu_threads_per_process", r.num_cpu_threads_per_process, "Intra-op threads per worker (OMP_NUM_THREADS)");
   opt("--gpu_ids", r.gpu_ids, "GPUs to use, e.g. 0,1 (CUDA_VISIBLE_DEVICES); default all");
   opt("--log_with", r.log_with, "Trackers for Accelerator::log: jsonl, csv, tensorboard or all (XLR8_LOG_WITH)");
+  opt("--mpirun_hostfile", r.mpirun_hostfile,
+      "Start the job through mpirun over this host file's machines, run once on machine 0 (mpirun_config)");
   cmd->add_flag("--debug", r.debug, "Set ACCELERATE_DEBUG_MODE for the workers");
   cmd->add_flag("--enable_cpu_affinity,--enable-cpu-affinity", r.enable_cpu_affinity,
                 "Bind each worker to its own share of this machine's cores (ACCELERATE_CPU_AFFINITY)");

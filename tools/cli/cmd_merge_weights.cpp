@@ -25,15 +25,59 @@ std::optional<at::ScalarType> parse_dtype(const std::string& text) {
   throw ConfigError(fmt::format("--dtype {:?} is not a dtype merge-weights writes; use fp32, bf16 or fp16", text));
 }
 
+struct Args {
+  std::string checkpoint, out, max_shard_size = "10GB", dtype;
+  size_t model = 0;
+};
+
+int merge(const Args& a) {
+  const auto dtype = parse_dtype(a.dtype);
+  const int64_t limit = checkpoint::parse_size(a.max_shard_size);
+  if (!fs::is_directory(checkpoint::directory_path(a.checkpoint)))
+    throw ConfigError(fmt::format("merge-weights: checkpoint {} does not exist; give a directory save_state wrote "
+                                  "(such as <project_dir>/checkpoints/checkpoint_0)",
+                                  a.checkpoint));
+  const checkpoint::Verified saved(checkpoint::directory_path(a.checkpoint));
+  const checkpoint::PieceReader reader(saved);
+  // The model's own order (parameters, then buffers) when the checkpoint records it; else by name.
+  const auto prefix = checkpoint::model_key(a.model, "");
+  std::vector<std::string> names;
+  auto state = saved.state();
+  if (state.contains("model_tensors") && a.model < state["model_tensors"].size())
+    names = state["model_tensors"][a.model].get<std::vector<std::string>>();
+  else
+    for (const auto& [key, entry] : reader.tensors())
+      if (key.rfind(prefix, 0) == 0) names.push_back(key.substr(prefix.size()));
+  if (names.empty())
+    throw ConfigError(fmt::format("{} holds no model {} (--model counts the prepared models from 0)", a.checkpoint,
+                                  a.model));
+  std::vector<SafetensorsSpec> specs;
+  int64_t bytes = 0;
+  for (const auto& name : names) {
+    const auto* entry = reader.find(prefix + name);
+    if (!entry) throw Error(fmt::format("{} lists {:?} but holds no data for it", a.checkpoint, name));
+    specs.push_back({name, dtype && at::isFloatingType(entry->dtype) ? *dtype : entry->dtype, entry->shape});
+    bytes += entry->numel() * static_cast<int64_t>(at::elementSize(specs.back().dtype));
+  }
+  checkpoint::export_hf_model(
+      specs,
+      [&](size_t i) {
+        const auto* entry = reader.find(prefix + names[i]);
+        return reader.read(prefix + names[i], 0, entry->numel()).view(entry->shape).to(specs[i].dtype);
+      },
+      a.out, limit);
+  const bool sharded = !saved.has(checkpoint::model_file(a.model));
+  fmt::print("merged {} tensors ({:.1f} MB) of {} ({}) into {}\n", specs.size(), bytes / 1e6, a.checkpoint,
+             sharded ? fmt::format("sharded over {} rank(s)", saved.saved_world_size()) : "a whole model file",
+             (fs::path(a.out) / (bytes > limit ? "model.safetensors.index.json" : "model.safetensors")).string());
+  return 0;
+}
+
 }  // namespace
 
 Handler add_merge_weights(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "merge-weights", "Merge a checkpoint's model (sharded over ranks or whole) into Hugging Face safetensors");
-  struct Args {
-    std::string checkpoint, out, max_shard_size = "10GB", dtype;
-    size_t model = 0;
-  };
   auto a = std::make_shared<Args>();
   cmd->add_option("checkpoint", a->checkpoint, "A directory save_state wrote")->required();
   cmd->add_option("output", a->out, "Directory to write model.safetensors (or shards and their index) into")->required();
@@ -42,42 +86,15 @@ Handler add_merge_weights(CLI::App& app) {
   cmd->add_option("--dtype", a->dtype, "fp32, bf16 or fp16 (default: as saved, fp32 for fp32 training)");
   cmd->add_option("--model", a->model, "Which prepared model, when the checkpoint holds several (default 0)");
   return [a]() {
-    const auto dtype = parse_dtype(a->dtype);
-    const int64_t limit = checkpoint::parse_size(a->max_shard_size);
-    const checkpoint::Verified saved(checkpoint::directory_path(a->checkpoint));
-    const checkpoint::PieceReader reader(saved);
-    // The model's own order (parameters, then buffers) when the checkpoint records it; else by name.
-    const auto prefix = checkpoint::model_key(a->model, "");
-    std::vector<std::string> names;
-    auto state = saved.state();
-    if (state.contains("model_tensors") && a->model < state["model_tensors"].size())
-      names = state["model_tensors"][a->model].get<std::vector<std::string>>();
-    else
-      for (const auto& [key, entry] : reader.tensors())
-        if (key.rfind(prefix, 0) == 0) names.push_back(key.substr(prefix.size()));
-    if (names.empty())
-      throw ConfigError(fmt::format("{} holds no model {} (--model counts the prepared models from 0)", a->checkpoint,
-                                    a->model));
-    std::vector<SafetensorsSpec> specs;
-    int64_t bytes = 0;
-    for (const auto& name : names) {
-      const auto* entry = reader.find(prefix + name);
-      if (!entry) throw Error(fmt::format("{} lists {:?} but holds no data for it", a->checkpoint, name));
-      specs.push_back({name, dtype && at::isFloatingType(entry->dtype) ? *dtype : entry->dtype, entry->shape});
-      bytes += entry->numel() * static_cast<int64_t>(at::elementSize(specs.back().dtype));
+    try {
+      return merge(*a);
+    } catch (const ConfigError&) {
+      throw;
+    } catch (const Error& e) {  // the checkpoint readers speak for load_state; here merge-weights was run
+      std::string message = e.what();
+      if (message.starts_with("load_state: ")) message.replace(0, 10, "merge-weights");
+      throw Error(message);
     }
-    checkpoint::export_hf_model(
-        specs,
-        [&](size_t i) {
-          const auto* entry = reader.find(prefix + names[i]);
-          return reader.read(prefix + names[i], 0, entry->numel()).view(entry->shape).to(specs[i].dtype);
-        },
-        a->out, limit);
-    const bool sharded = !saved.has(checkpoint::model_file(a->model));
-    fmt::print("merged {} tensors ({:.1f} MB) of {} ({}) into {}\n", specs.size(), bytes / 1e6, a->checkpoint,
-               sharded ? fmt::format("sharded over {} rank(s)", saved.saved_world_size()) : "a whole model file",
-               (fs::path(a->out) / (bytes > limit ? "model.safetensors.index.json" : "model.safetensors")).string());
-    return 0;
   };
 }
 

@@ -1,5 +1,5 @@
-// `xlr8 plot RUN_DIR [-o curves.png]`: the scalars a run logged (its metrics.jsonl, else metrics.csv)
-// drawn as PNG curves, one panel per scalar against the step, for people without TensorBoard. Drawn by
+// `xlr8 plot RUN_DIR [-o curves.png]`: the scalars a run logged (its metrics.jsonl, else metrics.csv,
+// else its TensorBoard event files) drawn as PNG curves, one panel per scalar against the step, for people without TensorBoard. Drawn by
 // gnuplot (Debian's gnuplot-nox), driven through a script written beside the data in a temporary folder.
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -16,10 +16,12 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <thread>
 
 #include "cli/commands.hpp"
+#include "train/tensorboard.hpp"
 #include "xlr8/error.hpp"
 
 extern char** environ;
@@ -94,16 +96,64 @@ Scalars read_csv(const fs::path& file) {
   return s;
 }
 
+bool is_event_file(const fs::path& file) { return file.filename().string().starts_with("events.out.tfevents."); }
+
+// In name order, which is the order they were started in (a resumed run adds a file).
+std::vector<fs::path> event_files(const fs::path& dir) {
+  std::vector<fs::path> files;
+  for (const auto& entry : fs::directory_iterator(dir))
+    if (entry.is_regular_file() && is_event_file(entry.path())) files.push_back(entry.path());
+  std::sort(files.begin(), files.end());
+  return files;
+}
+
+Scalars read_events(const std::vector<fs::path>& files) {
+  Scalars s{files.front().string(), {}};
+  for (const auto& file : files)
+    for (const auto& [tag, points] : detail::read_tensorboard_scalars(file.string()))
+      for (const auto& [step, value] : points) add_point(s, tag, static_cast<double>(step), value);
+  return s;
+}
+
+bool holds_a_run(const fs::path& dir) {
+  return fs::exists(dir / "metrics.jsonl") || fs::exists(dir / "metrics.csv") || !event_files(dir).empty();
+}
+
+// The most recently started run below `dir`: a project (<run>/) or a project_dir (<project>/<run>/).
+std::optional<fs::path> newest_run(const fs::path& dir) {
+  std::optional<fs::path> newest;
+  fs::file_time_type newest_time;
+  auto consider = [&](const fs::path& candidate) {
+    if (!holds_a_run(candidate)) return;
+    const auto started = fs::last_write_time(candidate);  // its files were created when it started
+    if (!newest || started > newest_time || (started == newest_time && candidate > *newest))
+      newest = candidate, newest_time = started;
+  };
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    if (!entry.is_directory()) continue;
+    consider(entry.path());
+    for (const auto& inner : fs::directory_iterator(entry.path()))
+      if (inner.is_directory()) consider(inner.path());
+  }
+  return newest;
+}
+
 Scalars read_run(const std::string& where) {
   const fs::path path(where);
-  if (fs::is_regular_file(path)) return path.extension() == ".csv" ? read_csv(path) : read_jsonl(path);
+  if (fs::is_regular_file(path)) {
+    if (is_event_file(path)) return read_events({path});
+    return path.extension() == ".csv" ? read_csv(path) : read_jsonl(path);
+  }
   if (!fs::is_directory(path))
     throw ConfigError(fmt::format("xlr8 plot: {} is neither a run directory nor a metrics file", where));
-  if (fs::exists(path / "metrics.jsonl")) return read_jsonl(path / "metrics.jsonl");
-  if (fs::exists(path / "metrics.csv")) return read_csv(path / "metrics.csv");
-  throw ConfigError(fmt::format("xlr8 plot: {} has no metrics.jsonl or metrics.csv; a run logs them with log_with "
-                                "jsonl or csv (the TensorBoard tracker's files are read by TensorBoard)",
-                                where));
+  std::optional<fs::path> run = holds_a_run(path) ? path : newest_run(path);
+  if (!run)
+    throw ConfigError(fmt::format("xlr8 plot: {} has no metrics.jsonl or metrics.csv, no TensorBoard event file and "
+                                  "no run below it; a run writes them with log_with jsonl, csv or tensorboard",
+                                  where));
+  if (fs::exists(*run / "metrics.jsonl")) return read_jsonl(*run / "metrics.jsonl");
+  if (fs::exists(*run / "metrics.csv")) return read_csv(*run / "metrics.csv");
+  return read_events(event_files(*run));
 }
 
 // Losses first, then the rest by name.
@@ -187,7 +237,9 @@ Handler add_plot(CLI::App& app) {
     std::string run, output, size = "1200,800", keys;
   };
   auto a = std::make_shared<Args>();
-  cmd->add_option("run", a->run, "A run directory (<project_dir>/<project>/<run>) or its metrics.jsonl / metrics.csv")
+  cmd->add_option("run", a->run,
+                  "A run directory (<project_dir>/<project>/<run>), its metrics.jsonl / metrics.csv / TensorBoard event "
+                  "file, or a project_dir or project (its newest run)")
       ->required();
   cmd->add_option("-o,--output", a->output, "The PNG to write (default: curves.png in the run directory)");
   cmd->add_option("--size", a->size, "Width,height in pixels");
@@ -210,7 +262,7 @@ Handler add_plot(CLI::App& app) {
     if (scalars.series.empty())
       throw ConfigError(fmt::format("xlr8 plot: {} holds no numeric scalars to draw", scalars.source));
     const auto keys = panel_order(scalars, chosen);
-    const fs::path run_dir = fs::is_directory(a->run) ? fs::path(a->run) : fs::path(a->run).parent_path();
+    const fs::path run_dir = fs::path(scalars.source).parent_path();  // the run drawn, also when a->run is a project
     const fs::path output = a->output.empty() ? run_dir / "curves.png" : fs::path(a->output);
 
     char pattern[] = "/tmp/xlr8-plot-XXXXXX";
