@@ -175,16 +175,37 @@ TEST(Progress, ThroughAPipeItPrintsPlainLinesAndOffPrintsNothing) {
   EXPECT_NE(bad.err.find("XLR8_PROGRESS=\"sometimes\" is not a progress mode"), std::string::npos) << bad.err;
 }
 
+namespace {
+
+// A real 30-step run on 2 ranks logging with `log_with`; the run directories its trackers made.
+std::vector<std::string> tracked_runs(const std::string& out, const std::string& log_with) {
+  auto trained = run({kXlr8, "launch", "--num_processes", "2", "--log_with", log_with, kTrain, "--steps", "30",
+                      "--track", "--out", out},
+                     120);
+  EXPECT_EQ(trained.exit_code, 0) << trained.err;
+  std::vector<std::string> runs;
+  for (const auto& entry : std::filesystem::directory_iterator(out + "/oracle")) runs.push_back(entry.path().string());
+  return runs;
+}
+
+// The PNG read back by an independent decoder: the curve colour fills both panels (loss left, lr right).
+void expect_both_curves(const std::string& png, int width, int height) {
+  auto read = run({"/usr/bin/python3", READ_PNG, png, "1f77b4", "1", "2"});
+  ASSERT_EQ(read.exit_code, 0) << read.err;
+  auto image = last_json(read.out);
+  EXPECT_EQ(image["width"], width);
+  EXPECT_EQ(image["height"], height);
+  EXPECT_GT(image["cells"][0][0].get<int>(), 300) << image;  // the loss curve
+  EXPECT_GT(image["cells"][0][1].get<int>(), 300) << image;  // the learning-rate steps
+}
+
+}  // namespace
+
 // `xlr8 plot` on what a real run's trackers wrote, read back by an independent PNG decoder: the image has
 // the asked size and the curve colour fills both panels (loss on the left, the learning rate on the right).
 TEST(Plot, DrawsEachLoggedScalarOfARunIntoAPngOfTheAskedSize) {
   const auto out = temp_dir("plot");
-  auto trained = run({kXlr8, "launch", "--num_processes", "2", "--log_with", "jsonl,csv", kTrain, "--steps", "30",
-                      "--track", "--out", out},
-                     120);
-  ASSERT_EQ(trained.exit_code, 0) << trained.err;
-  std::vector<std::string> runs;
-  for (const auto& entry : std::filesystem::directory_iterator(out + "/oracle")) runs.push_back(entry.path().string());
+  const auto runs = tracked_runs(out, "jsonl,csv");
   ASSERT_EQ(runs.size(), 1u);
   for (const std::string& source : {runs[0], runs[0] + "/metrics.csv"}) {
     SCOPED_TRACE(source);
@@ -193,13 +214,7 @@ TEST(Plot, DrawsEachLoggedScalarOfARunIntoAPngOfTheAskedSize) {
     auto plotted = run({kXlr8, "plot", source, "-o", png, "--size", "640,480"});
     ASSERT_EQ(plotted.exit_code, 0) << plotted.err;
     EXPECT_NE(plotted.out.find("(640x480; loss, lr; up to 30 points each)"), std::string::npos) << plotted.out;
-    auto read = run({"/usr/bin/python3", READ_PNG, png, "1f77b4", "1", "2"});
-    ASSERT_EQ(read.exit_code, 0) << read.err;
-    auto image = last_json(read.out);
-    EXPECT_EQ(image["width"], 640);
-    EXPECT_EQ(image["height"], 480);
-    EXPECT_GT(image["cells"][0][0].get<int>(), 300) << image;  // the loss curve
-    EXPECT_GT(image["cells"][0][1].get<int>(), 300) << image;  // the learning-rate steps
+    expect_both_curves(png, 640, 480);
   }
   auto empty = run({kXlr8, "plot", temp_dir("plot-empty")});
   EXPECT_NE(empty.exit_code, 0);
@@ -231,12 +246,7 @@ TEST(Plot, AProjectDirDrawsItsNewestRun) {
 // framing, Event and Summary messages), drawn and read back as above.
 TEST(Plot, DrawsARunThatLoggedWithTensorBoardOnly) {
   const auto out = temp_dir("plot-tensorboard");
-  auto trained = run({kXlr8, "launch", "--num_processes", "2", "--log_with", "tensorboard", kTrain, "--steps", "30",
-                      "--track", "--out", out},
-                     120);
-  ASSERT_EQ(trained.exit_code, 0) << trained.err;
-  std::vector<std::string> runs;
-  for (const auto& entry : std::filesystem::directory_iterator(out + "/oracle")) runs.push_back(entry.path().string());
+  const auto runs = tracked_runs(out, "tensorboard");
   ASSERT_EQ(runs.size(), 1u);
   ASSERT_FALSE(std::filesystem::exists(runs[0] + "/metrics.jsonl"));
   ASSERT_FALSE(std::filesystem::exists(runs[0] + "/metrics.csv"));
@@ -246,9 +256,5 @@ TEST(Plot, DrawsARunThatLoggedWithTensorBoardOnly) {
   EXPECT_NE(plotted.out.find("(640x480; loss, lr; up to 30 points each) from " + runs[0] + "/events.out.tfevents."),
             std::string::npos)
       << plotted.out;
-  auto read = run({"/usr/bin/python3", READ_PNG, png, "1f77b4", "1", "2"});
-  ASSERT_EQ(read.exit_code, 0) << read.err;
-  auto image = last_json(read.out);
-  EXPECT_GT(image["cells"][0][0].get<int>(), 300) << image;  // the loss curve
-  EXPECT_GT(image["cells"][0][1].get<int>(), 300) << image;  // the learning-rate steps
+  expect_both_curves(png, 640, 480);
 }
