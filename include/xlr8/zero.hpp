@@ -17,8 +17,9 @@
 
 namespace xlr8 {
 
-// FSDP's auto wrap policies (fsdp_auto_wrap_policy), parsed once where options are read.
-enum class AutoWrapPolicy { NO_WRAP, TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP };
+// FSDP's auto wrap policies (fsdp_auto_wrap_policy), parsed once where options are read, and
+// GUARDED_MODULES, the default under DeepSpeed ZeRO-3 settings (see ZeroOptions::auto_wrap_policy).
+enum class AutoWrapPolicy { NO_WRAP, TRANSFORMER_BASED_WRAP, SIZE_BASED_WRAP, GUARDED_MODULES };
 // FSDP's backward prefetch (fsdp_backward_prefetch); NO_PREFETCH and "" are NONE.
 enum class BackwardPrefetch { NONE, BACKWARD_PRE, BACKWARD_POST };
 // The config's spelling; ConfigError naming `key`, the value and the allowed ones otherwise.
@@ -35,7 +36,10 @@ struct ZeroOptions {
   // `layer_classes`: "Block", "BlockImpl" or a namespace-qualified name all match TORCH_MODULE(Block)),
   // SIZE_BASED_WRAP (the smallest modules of the model's own classes, not LibTorch's, holding at least
   // `min_num_params` parameters not already in a unit) or NO_WRAP (the whole model is one unit). The
-  // parameters no unit takes form the root unit.
+  // parameters no unit takes form the root unit. GUARDED_MODULES (DeepSpeed ZeRO-3's granularity, the
+  // default under DeepSpeed settings): every module whose forward opens a guard is a unit; a module of
+  // the model's own classes that never opens one is gathered and freed with its nearest ancestor that
+  // does (or with the root), decided after the first backward (until then every unit is whole).
   AutoWrapPolicy auto_wrap_policy = AutoWrapPolicy::NO_WRAP;
   std::vector<std::string> layer_classes;
   int64_t min_num_params = 100'000'000;

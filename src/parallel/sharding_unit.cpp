@@ -58,6 +58,27 @@ bool ShardingUnit::any_gathered() const {
   return std::any_of(groups_.begin(), groups_.end(), [](const FlatGroup& g) { return g.gathered(); });
 }
 
+bool ShardingUnit::carries_frozen() const {
+  return has_frozen() || std::any_of(riders_.begin(), riders_.end(), [](const ShardingUnit* r) { return r->has_frozen(); });
+}
+
+void ShardingUnit::carry(ShardingUnit& rider) {
+  if (rider.host_ || rider.is_root_ || &rider == this)
+    throw Error(fmt::format("internal: sharding unit {} cannot ride with {}", rider.label_, label_));
+  rider.host_ = this;
+  rider.managed_ = rider.reshards_;
+  riders_.push_back(&rider);
+  rider.release(Which::ALL);
+}
+
+void ShardingUnit::gather_riders() {
+  for (auto* rider : riders_) rider->gather_all();
+}
+
+void ShardingUnit::release_riders(Which which) {
+  for (auto* rider : riders_) rider->release(which);
+}
+
 int64_t ShardingUnit::full_bytes() const {
   int64_t bytes = 0;
   for (const auto& g : groups_) bytes += g.full_bytes();
@@ -72,6 +93,7 @@ void ShardingUnit::forward_begins() {
   managed_ = reshards_;
   guard_opened_ = true;
   gather_all();
+  gather_riders();
   state_ = State::FORWARD;
 }
 
@@ -79,13 +101,17 @@ void ShardingUnit::forward_ends(bool backward_follows) {
   expect({State::FORWARD}, "forward ends");
   state_ = State::IDLE;
   // The root's backward comes first, right after its forward ends: it stays gathered until then.
-  if (!backward_follows || !is_root_) release(Which::ALL);
+  if (!backward_follows || !is_root_) {
+    release(Which::ALL);
+    release_riders(Which::ALL);
+  }
 }
 
 void ShardingUnit::forward_abandoned() {
   expect({State::FORWARD}, "forward abandoned");
   state_ = State::IDLE;
   release(Which::ALL);
+  release_riders(Which::ALL);
 }
 
 bool ShardingUnit::backward_begins() {
@@ -94,6 +120,7 @@ bool ShardingUnit::backward_begins() {
   if (state_ == State::PRE_BACKWARD) return false;
   state_ = State::PRE_BACKWARD;
   gather_all();
+  gather_riders();  // a rider's trainable group goes once its gradients are reduced, as any unit's
   return true;
 }
 
@@ -113,11 +140,14 @@ bool ShardingUnit::forward_no_longer_awaited() {
   // Not while the unit's own forward runs (a graph of an earlier forward freed inside it).
   if (--awaiting > 0 || state_ == State::FORWARD) return false;
   bool freed = false;
-  for (size_t k = 0; k < groups_.size(); ++k)
-    if (groups_[k].frozen && release(k)) {
-      ++context_.frozen_released_in_backward;
-      freed = true;
-    }
+  std::vector<ShardingUnit*> carried{this};
+  carried.insert(carried.end(), riders_.begin(), riders_.end());
+  for (auto* unit : carried)
+    for (size_t k = 0; k < unit->groups_.size(); ++k)
+      if (unit->groups_[k].frozen && unit->release(k)) {
+        ++context_.frozen_released_in_backward;
+        freed = true;
+      }
   return freed;
 }
 
@@ -154,6 +184,14 @@ bool ShardingUnit::release(Which which) {
 
 bool ShardingUnit::prefetch(bool in_backward) {
   if (!managed_ || !prefetch_.empty()) return false;
+  bool issued = issue_prefetch();
+  for (auto* rider : riders_) issued |= rider->issue_prefetch();
+  if (issued) ++(in_backward ? context_.backward_prefetches : context_.forward_prefetches);
+  return issued;
+}
+
+bool ShardingUnit::issue_prefetch() {
+  if (!managed_ || !prefetch_.empty()) return false;
   bool issued = false;
   for (auto& group : groups_) {
     if (group.gathered()) continue;  // also true while a prefetch runs
@@ -161,7 +199,6 @@ bool ShardingUnit::prefetch(bool in_backward) {
     context_.gathered(group.full_bytes());
     issued = true;
   }
-  if (issued) ++(in_backward ? context_.backward_prefetches : context_.forward_prefetches);
   return issued;
 }
 

@@ -1,7 +1,9 @@
 #pragma once
 // One sharding unit: what FSDP2 calls an FSDPParamGroup and ZeRO-3 a submodule. Under stage 3 it is a
 // module whose forward opens a guard (xlr8::unshard / xlr8::sharded), or the root; under stages 1-2 a
-// gradient bucket that is never freed. It owns its flat groups, its state and its prefetch; the
+// gradient bucket that is never freed. Under GUARDED_MODULES a unit whose module never opened its guard
+// rides with its nearest ancestor unit that did (its host): gathered and freed with it, as DeepSpeed
+// gathers a submodule inside its parent's forward. It owns its flat groups, its state and its prefetch; the
 // ZeroEngine owns the order of reductions and the optimizer side. Every method is called under the
 // engine's lock.
 //
@@ -68,10 +70,16 @@ class ShardingUnit {
   // Freed between uses: stage 3, once its guard opened (or from the start under rank-0 loading).
   bool managed() const { return managed_; }
   bool has_frozen() const;
+  bool carries_frozen() const;  // its own groups or a rider's
   bool any_gathered() const;
   int64_t full_bytes() const;
 
-  // Transitions, each asserting the state it leaves (an internal error names the unit otherwise).
+  // From now on `rider` is gathered and freed with this unit (its own guard never opened); freed now.
+  void carry(ShardingUnit& rider);
+  bool rides() const { return host_ != nullptr; }
+
+  // Transitions, each asserting the state it leaves (an internal error names the unit otherwise). A
+  // host's riders are gathered and freed with it.
   void forward_begins();                      // -> FORWARD, gathered
   void forward_ends(bool backward_follows);   // -> IDLE; freed, except the root when backward follows
   void forward_abandoned();                   // -> IDLE, freed (the forward threw)
@@ -101,6 +109,9 @@ class ShardingUnit {
 
  private:
   void expect(std::initializer_list<State> allowed, const char* transition) const;
+  bool issue_prefetch();
+  void gather_riders();
+  void release_riders(Which which);
 
   std::string label_;
   const torch::nn::Module* module_;
@@ -112,6 +123,8 @@ class ShardingUnit {
   bool guard_opened_ = false;
   State state_ = State::IDLE;
   std::vector<Work> prefetch_;
+  ShardingUnit* host_ = nullptr;
+  std::vector<ShardingUnit*> riders_;
 };
 
 const char* to_string(ShardingUnit::State state);

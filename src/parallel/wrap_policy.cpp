@@ -46,7 +46,8 @@ namespace {
 constexpr std::pair<AutoWrapPolicy, const char*> kWrapPolicies[] = {
     {AutoWrapPolicy::TRANSFORMER_BASED_WRAP, "TRANSFORMER_BASED_WRAP"},
     {AutoWrapPolicy::SIZE_BASED_WRAP, "SIZE_BASED_WRAP"},
-    {AutoWrapPolicy::NO_WRAP, "NO_WRAP"}};
+    {AutoWrapPolicy::NO_WRAP, "NO_WRAP"},
+    {AutoWrapPolicy::GUARDED_MODULES, "GUARDED_MODULES"}};
 constexpr std::pair<BackwardPrefetch, const char*> kPrefetchModes[] = {
     {BackwardPrefetch::BACKWARD_PRE, "BACKWARD_PRE"},
     {BackwardPrefetch::BACKWARD_POST, "BACKWARD_POST"},
@@ -141,6 +142,11 @@ std::vector<UnitPlan> plan_units(const torch::nn::Module& root, const ZeroOption
       }
     }
     std::reverse(units.begin(), units.end());
+  } else if (options.auto_wrap_policy == AutoWrapPolicy::GUARDED_MODULES) {
+    // Every module that can open a guard; which do is seen when the model runs. Kept even without
+    // parameters of its own: a guarded block of unguarded children is their host.
+    for (const auto& item : modules)
+      if (!is_libtorch_module(*item.value())) units.push_back({item.key(), item.value().get(), false, {}});
   }
   // Each parameter goes to the deepest unit that contains it; the rest to the root. Frozen parameters
   // form a second group of the same unit: no gradient hooks, released when the unit's backward is done.
@@ -160,7 +166,8 @@ std::vector<UnitPlan> plan_units(const torch::nn::Module& root, const ZeroOption
   for (size_t u = 0; u < units.size(); ++u) {
     for (auto* group : {&trainable[u], &frozen[u]})
       if (!group->params.empty()) units[u].groups.push_back(std::move(*group));
-    if (!units[u].groups.empty()) out.push_back(std::move(units[u]));
+    const bool keep_empty = options.auto_wrap_policy == AutoWrapPolicy::GUARDED_MODULES && u < root_index;
+    if (!units[u].groups.empty() || keep_empty) out.push_back(std::move(units[u]));
   }
   return out;
 }

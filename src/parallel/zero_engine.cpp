@@ -61,6 +61,9 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
   for (const auto& item : module_->named_parameters())
     if (!item.value().requires_grad()) frozen_at_prepare_.emplace_back(item.key(), item.value());
   const bool from_rank0 = policy_.shards_parameters && options_.values_from_rank0;
+  if (from_rank0 && options_.auto_wrap_policy == AutoWrapPolicy::GUARDED_MODULES)
+    throw ConfigError("rank-0 loading (values_from_rank0, fsdp_cpu_ram_efficient_loading) needs units known before the "
+                      "first forward: use TRANSFORMER_BASED_WRAP or NO_WRAP, not GUARDED_MODULES");
   make_replicas_equal(comm_, *module_, /*parameters=*/!from_rank0);
   auto plans = policy_.shards_parameters ? plan_units(*module_, options_)
                                          : plan_buckets(*module_, options_.first_bucket_mb, options_.bucket_cap_mb);

@@ -115,7 +115,11 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   // Collective, once per pass kind: every rank ran the units in the same order (ConfigError naming the
   // first unit where two ranks differ otherwise). Prefetching waits for both checks.
   void check_order_across_ranks(const std::vector<size_t>& order, const char* pass);
-  // After the first backward: units whose forward never opened their guard stay whole on every rank.
+  // After the first backward (GUARDED_MODULES): each unit whose guard never opened rides with its
+  // nearest ancestor unit whose guard did.
+  void assign_riders();
+  // After the first backward: units whose forward never opened their guard (and ride with no unit)
+  // stay whole on every rank.
   void report_unguarded_units();
   // At the end of every backward until both orders are checked (collective; ConfigError on failure).
   void check_first_backward();
@@ -144,7 +148,7 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   bool detached_ = false;
   bool in_backward_ = false;
   bool warned_unguarded_ = false, unguarded_checked_ = false;
-  bool forward_order_checked_ = false, backward_order_checked_ = false;
+  bool forward_order_checked_ = false, backward_order_checked_ = false, riders_assigned_ = false;
   uint64_t backward_generation_ = 0;
   // One forward of `generation`'s fewer awaits backward: at none, the unit's frozen groups go.
   void no_longer_awaited(size_t unit, uint64_t generation);

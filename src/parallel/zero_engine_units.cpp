@@ -22,7 +22,7 @@ void ZeroEngine::prefetch(size_t u, bool in_backward) {
   // is the same on every rank, so the decision is too.
   int gathered_units = 0;
   for (const auto& other : units_)
-    if (!other->is_root() && other->managed() && other->any_gathered()) ++gathered_units;
+    if (!other->is_root() && !other->rides() && other->managed() && other->any_gathered()) ++gathered_units;
   if (gathered_units >= 2) return;
   unit.prefetch(in_backward);
 }
@@ -104,7 +104,7 @@ std::vector<at::Tensor> ZeroEngine::unit_forward_ends(size_t u, const std::vecto
   if (backward_follows) {
     std::weak_ptr<ZeroEngine> self = shared_from_this();
     // The root's frozen groups stay gathered through the whole backward anyway.
-    if (unit.has_frozen() && !unit.is_root()) {
+    if (unit.carries_frozen() && !unit.is_root()) {
       uint64_t generation = 0;
       {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -204,7 +204,29 @@ void ZeroEngine::check_first_backward() {
     check_order_across_ranks(backward_order_.current, "backward");
     backward_order_checked_ = true;
   }
+  assign_riders();
   report_unguarded_units();
+}
+
+// GUARDED_MODULES: which modules open a guard is known once the model ran. Every rank ran the same
+// units (the order checks above), so every rank assigns the same hosts.
+void ZeroEngine::assign_riders() {
+  if (riders_assigned_ || options_.auto_wrap_policy != AutoWrapPolicy::GUARDED_MODULES) return;
+  riders_assigned_ = true;
+  auto contains = [](const ShardingUnit& outer, const ShardingUnit& inner) {
+    return outer.is_root() || (inner.label().size() > outer.label().size() &&
+                               inner.label().compare(0, outer.label().size(), outer.label()) == 0 &&
+                               inner.label()[outer.label().size()] == '.');
+  };
+  for (auto& rider : units_) {
+    if (rider->is_root() || rider->guard_opened() || rider->groups().empty()) continue;
+    ShardingUnit* host = nullptr;
+    for (auto& candidate : units_)
+      if (candidate->guard_opened() && contains(*candidate, *rider) &&
+          (!host || host->is_root() || (!candidate->is_root() && candidate->label().size() > host->label().size())))
+        host = candidate.get();
+    if (host) host->carry(*rider);
+  }
 }
 
 void ZeroEngine::report_unguarded_units() {
@@ -216,7 +238,7 @@ void ZeroEngine::report_unguarded_units() {
   int64_t bytes = 0;
   for (size_t u = 0; u < units_.size(); ++u) {
     const auto& unit = *units_[u];
-    if (unit.guard_opened()) continue;
+    if (unit.guard_opened() || unit.rides() || unit.groups().empty()) continue;
     bool ran = !std::any_of(unit.groups().begin(), unit.groups().end(), [](const FlatGroup& g) { return !g.frozen; });
     for (size_t g = 0; g < groups_.size(); ++g)
       if (unit_of_group_[g] == u && hooked_[g]) ran = true;
@@ -226,6 +248,11 @@ void ZeroEngine::report_unguarded_units() {
     bytes += unit.full_bytes();
   }
   if (listed.empty()) return;
+  const size_t count = listed.size();
+  if (count > 8) {  // a model of many modules: the first ones say enough
+    listed.resize(8);
+    listed.push_back(fmt::format("and {} more", count - 8));
+  }
   const std::string fix =
       "add `auto unit = xlr8::unshard(*this);` as the first line of its forward and return `unit.done(output)` "
       "(or wrap the body: `return xlr8::sharded(*this, [&] { ... });`)";
@@ -235,7 +262,7 @@ void ZeroEngine::report_unguarded_units() {
                                   named->label(), named->module()->name(), fix));
   log::warning("xlr8: {} sharding unit(s) never opened their guard, so their parameters stay whole on every rank "
                "(each rank holds {} of them instead of {}): {}. To shard a unit, {}",
-               listed.size(), text::bytes(bytes), text::bytes(bytes / comm_.size()), fmt::join(listed, ", "), fix);
+               count, text::bytes(bytes), text::bytes(bytes / comm_.size()), fmt::join(listed, ", "), fix);
 }
 
 void ZeroEngine::gather_full_parameters() {

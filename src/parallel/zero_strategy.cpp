@@ -102,8 +102,10 @@ ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings, 
             settings.parallelism && settings.parallelism->dp_shard > 1 ? settings.parallelism->dp_shard : node_size;
     }
   }
-  if (settings.deepspeed && options.stage < 0) {
-    options.stage = settings.deepspeed->zero_stage;
+  if (settings.deepspeed) {
+    if (options.stage < 0) options.stage = settings.deepspeed->zero_stage;
+    // DeepSpeed gathers submodule by submodule, never the whole model at once.
+    if (options.auto_wrap_policy == AutoWrapPolicy::NO_WRAP) options.auto_wrap_policy = AutoWrapPolicy::GUARDED_MODULES;
   }
   if (options.stage < 0) options.stage = 0;
   return options;

@@ -322,6 +322,35 @@ TEST(ShardedGpt, PrefetchingIssuesTheNextUnitsGatherEarlyAndChangesNoResult) {
   }
 }
 
+TEST(ShardedGpt, UnderDeepSpeedZero3EachBlockIsGatheredOnItsOwnWithItsAttentionAndMlp) {
+  // DeepSpeed ZeRO-3 settings take DeepSpeed's granularity (GUARDED_MODULES), not the whole model at once:
+  // each block (its guard) is a unit; its attention and MLP, whose forwards open none, ride with it. On 3
+  // ranks (uneven shards), with and without a frozen rider (each block's attention), every run equals one
+  // process, holds 16Ψ/N between steps and gathers at most the root and two blocks at a time.
+  for (const Args& freeze : {Args{}, Args{"--freeze", "attn"}}) {
+    SCOPED_TRACE(freeze.empty() ? "all trainable" : "attention frozen");
+    Args extra{"--max_steps", "8"};
+    extra.insert(extra.end(), freeze.begin(), freeze.end());
+    auto one_dir = temp_dir("gpt-ds3-one");
+    auto one = gpt_run(1, {}, 6, one_dir, extra, 4);
+    ASSERT_TRUE(one.contains("parameters"));
+    const double psi = one["parameters"].get<double>(), trainable = one["trainable_parameters"].get<double>();
+    auto dir = temp_dir("gpt-ds3");
+    auto got = gpt_run(3, {"--use_deepspeed", "--zero_stage", "3"}, 2, dir, extra, 4);
+    ASSERT_TRUE(got.contains("state_bytes_per_rank"));
+    EXPECT_NEAR(got["final_train_loss"].get<double>(), one["final_train_loss"].get<double>(), 1e-5);
+    EXPECT_NEAR(got["val_loss"].get<double>(), one["val_loss"].get<double>(), 1e-5);
+    expect_same_params(dir, one_dir, 1e-4);
+    // fp32 AdamW: 16 bytes per trainable parameter, 4 per frozen one, over 3 ranks (plus padding).
+    const double formula = (16 * trainable + 4 * (psi - trainable)) / 3;
+    EXPECT_NEAR(got["state_bytes_per_rank"].get<double>(), formula, 0.05 * formula);
+    EXPECT_LT(got["peak_state_bytes_per_rank"].get<double>() - got["state_bytes_per_rank"].get<double>(), 0.75 * 4 * psi);
+    if (!freeze.empty()) {
+      EXPECT_GT(got["frozen_released_in_backward"].get<int64_t>(), 0) << got;
+    }
+  }
+}
+
 TEST(ShardedGpt, FrozenParametersAreShardedByFullShardAndEveryRunEqualsOneProcess) {
   // Fine-tuning: the position embedding (the root's), the whole first block, and each block's first norm
   // and attention stay fixed. FULL_SHARD shards them as it shards the rest (4 bytes each, over N ranks),

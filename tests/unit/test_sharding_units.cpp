@@ -204,3 +204,125 @@ TEST(ShardingUnits, RanksThatRunUnitsInDifferentOrdersGetAnErrorNamingTheUnitNot
       }
     }, std::chrono::seconds(20));
 }
+
+namespace {
+
+// GUARDED_MODULES (DeepSpeed ZeRO-3's granularity): a guarded block whose parameters all live in a child
+// of the model's own class that has no guard (with a frozen parameter too), and an unguarded module
+// directly under the guarded root.
+struct InnerImpl : torch::nn::Module {
+  InnerImpl() {
+    fc = register_module("fc", torch::nn::Linear(kWidth, kWidth));
+    shift = register_parameter("shift", torch::linspace(-0.3, 0.3, kWidth), /*requires_grad=*/false);
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc(x) + shift; }
+  torch::nn::Linear fc{nullptr};
+  torch::Tensor shift;
+};
+TORCH_MODULE(Inner);
+
+struct GuardedBlockImpl : torch::nn::Module {
+  GuardedBlockImpl() { inner = register_module("inner", Inner()); }
+  torch::Tensor forward(torch::Tensor x) {
+    return xlr8::sharded(*this, [&] { return x + torch::tanh(inner(x)); });
+  }
+  Inner inner{nullptr};
+};
+TORCH_MODULE(GuardedBlock);
+
+struct RiderNetImpl : torch::nn::Module {
+  RiderNetImpl() {
+    in = register_module("in", torch::nn::Linear(4, kWidth));
+    blocks = register_module("blocks", torch::nn::ModuleList());
+    for (int i = 0; i < 3; ++i) blocks->push_back(GuardedBlock());
+    plain = register_module("plain", PlainBlock());
+    head = register_module("head", torch::nn::Linear(kWidth, 3));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    return xlr8::sharded(*this, [&] {
+      x = in(x);
+      for (const auto& block : *blocks) x = block->as<GuardedBlockImpl>()->forward(x);
+      return head(plain(x));
+    });
+  }
+  torch::nn::Linear in{nullptr}, head{nullptr};
+  torch::nn::ModuleList blocks{nullptr};
+  PlainBlock plain{nullptr};
+};
+TORCH_MODULE(RiderNet);
+
+std::shared_ptr<RiderNetImpl> make_rider_net() {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  torch::manual_seed(6);
+  return RiderNet().ptr();
+}
+
+// SGD on this rank's rows of a global batch of 12; the whole parameters afterwards.
+StateDict train_rider_net(ParallelStrategy& strategy, int rank, int ranks, int steps) {
+  torch::optim::SGD opt(strategy.module()->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  strategy.bind_optimizer(opt);
+  auto& net = dynamic_cast<RiderNetImpl&>(*strategy.module());
+  for (int s = 0; s < steps; ++s) {
+    auto gen = at::detail::createCPUGenerator(70 + s);
+    auto x = at::randn({12, 4}, gen), y = at::randint(0, 3, {12}, gen);
+    const int64_t rows = 12 / ranks;
+    strategy.begin_step(false);
+    torch::nll_loss(torch::log_softmax(net.forward(x.narrow(0, rank * rows, rows)), 1), y.narrow(0, rank * rows, rows))
+        .backward();
+    strategy.end_step();
+    strategy.optimizer_step(opt);
+    for (auto& group : opt.param_groups())
+      for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
+  }
+  StateDict out;
+  for (auto& [name, t] : strategy.state_dict(StateDictKind::FULL)) out.emplace_back(name, t.detach().clone());
+  return out;
+}
+
+}  // namespace
+
+TEST(ShardingUnits, GuardedModulesMakesEveryGuardedModuleAUnitAndUnguardedOnesRideWithTheirHost) {
+  auto single = make_parallel_strategy(make_rider_net(), Communicator::in_process(xlr8::testing::unique_key(), 0, 1), {});
+  const auto expected = train_rider_net(*single, 0, 1, 3);
+  ::testing::internal::CaptureStderr();
+  for (int ranks : {2, 3, 4})
+    run_ranks(ranks, [&](Communicator& comm) {
+      ParallelOptions options;
+      options.zero.stage = 3;
+      options.zero.auto_wrap_policy = AutoWrapPolicy::GUARDED_MODULES;
+      auto strategy = make_parallel_strategy(make_rider_net(), comm, options);
+      expect_same(train_rider_net(*strategy, comm.rank(), ranks, 3), expected, fmt::format("{} ranks, rank {}", ranks, comm.rank()));
+      const auto stats = strategy->stats();
+      std::vector<std::string> groups;
+      int64_t whole = 0;
+      for (const auto& g : stats["groups"]) {
+        groups.push_back(g["name"]);
+        whole += g["bytes"].get<int64_t>();
+        EXPECT_TRUE(g["sharded_between_steps"].get<bool>()) << g.dump();  // riders too
+      }
+      EXPECT_EQ(groups, (std::vector<std::string>{"blocks.0.inner", "blocks.0.inner (frozen)", "blocks.1.inner",
+                                                  "blocks.1.inner (frozen)", "blocks.2.inner", "blocks.2.inner (frozen)",
+                                                  "plain", "(root)"}));
+      EXPECT_EQ(stats["gathered_bytes"], 0) << stats.dump();
+      // The third step gathered the root (with `plain`) and at most two blocks at a time, never the model.
+      EXPECT_LT(stats["step_peak_gathered_bytes"].get<int64_t>(), whole) << stats.dump();
+      // A rider's frozen parameter goes when its host's backward is done, not at the end of backward.
+      EXPECT_GT(stats["frozen_released_in_backward"].get<int64_t>(), 0) << stats.dump();
+    });
+  const auto err = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(err.find("never opened their guard"), std::string::npos) << err;
+}
+
+TEST(ShardingUnits, UnderDeepSpeedZero3SettingsUnitsDefaultToGuardedModules) {
+  Settings settings;
+  settings.deepspeed = DeepSpeedSettings{};
+  settings.deepspeed->zero_stage = 3;
+  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, settings, 1).auto_wrap_policy, AutoWrapPolicy::GUARDED_MODULES);
+  ZeroOptions chosen;
+  chosen.auto_wrap_policy = AutoWrapPolicy::TRANSFORMER_BASED_WRAP;  // a program's own choice stays
+  EXPECT_EQ(xlr8::detail::resolve_zero_options(chosen, settings, 1).auto_wrap_policy, AutoWrapPolicy::TRANSFORMER_BASED_WRAP);
+  Settings fsdp;
+  fsdp.fsdp = FsdpSettings{};  // FSDP's default stays NO_WRAP
+  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, fsdp, 1).auto_wrap_policy, AutoWrapPolicy::NO_WRAP);
+}
