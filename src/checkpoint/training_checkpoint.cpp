@@ -264,9 +264,10 @@ void check_matches(const NamedTensors& expected, const SafetensorsContent& conte
   if (!missing.empty() || !mismatched.empty() || !saved.empty()) {
     std::vector<std::string> unexpected;
     for (auto& [k, v] : saved) unexpected.push_back(k);
-    throw Error(fmt::format("load_state: {} does not match the model: missing [{}], mismatched [{}], unexpected [{}]; "
+    throw Error(fmt::format("load_state: {} does not match the model: missing {}, mismatched {}, unexpected {}{}; "
                             "nothing was loaded",
-                            path, fmt::join(missing, ", "), fmt::join(mismatched, ", "), fmt::join(unexpected, ", ")));
+                            path, text::listing(missing), text::listing(mismatched), text::listing(unexpected),
+                            text::prefix_hint(missing, unexpected)));
   }
 }
 

@@ -45,6 +45,33 @@ std::string join(const std::vector<std::string>& items, const std::string& sep) 
   return out;
 }
 
+std::string listing(const std::vector<std::string>& items, size_t shown) {
+  if (items.size() <= shown) return "[" + join(items) + "]";
+  std::vector<std::string> first(items.begin(), items.begin() + static_cast<std::ptrdiff_t>(shown));
+  return fmt::format("[{}, ... and {} more]", join(first), items.size() - shown);
+}
+
+std::string prefix_hint(const std::vector<std::string>& missing, const std::vector<std::string>& unexpected) {
+  if (missing.empty() || missing.size() != unexpected.size()) return "";
+  auto every = [](const std::vector<std::string>& shorter, const std::vector<std::string>& longer, std::string& prefix) {
+    const auto& first = shorter.front();
+    auto it = std::find_if(longer.begin(), longer.end(), [&](const std::string& l) {
+      return l.size() > first.size() && l.compare(l.size() - first.size(), first.size(), first) == 0;
+    });
+    if (it == longer.end()) return false;
+    prefix = it->substr(0, it->size() - first.size());
+    for (const auto& name : shorter)
+      if (std::find(longer.begin(), longer.end(), prefix + name) == longer.end()) return false;
+    return true;
+  };
+  std::string prefix;
+  if (every(missing, unexpected, prefix))
+    return fmt::format("; every missing name is there with \"{}\" in front", prefix);
+  if (every(unexpected, missing, prefix))
+    return fmt::format("; every missing name is there without its \"{}\" in front", prefix);
+  return "";
+}
+
 std::vector<std::string> split(const std::string& text, char sep) {
   std::vector<std::string> parts;
   size_t start = 0;

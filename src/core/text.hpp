@@ -17,6 +17,12 @@ std::string lower(std::string s);
 std::string trim(const std::string& s);
 // Up to the first newline: exception texts from LibTorch carry a stack trace after it.
 std::string first_line(const std::string& s);
+// "[a, b, c]", or the first `shown` items and "... and N more]": messages name what differs, briefly.
+std::string listing(const std::vector<std::string>& items, size_t shown = 10);
+// Names that match a model's but for a prefix (a wrapper's "module.", a model saved as a submodule):
+// when every missing name is an unexpected one with one prefix added or removed, a clause saying so
+// ("; every missing name is there with \"module.\" in front"), else "".
+std::string prefix_hint(const std::vector<std::string>& missing, const std::vector<std::string>& unexpected);
 // A size for people: "168 B", "2.4 KB", "1.2 MB", "3.1 GB" (powers of 1000, as the memory figures).
 std::string bytes(int64_t n);
 

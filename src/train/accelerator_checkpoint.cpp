@@ -10,6 +10,7 @@
 #include "core/log.hpp"
 #include "train/accelerator_impl.hpp"
 #include "train/portable_state.hpp"
+#include "core/text.hpp"
 #include "xlr8/error.hpp"
 
 namespace fs = std::filesystem;
@@ -362,10 +363,10 @@ nlohmann::json plan_load(const std::string& path, const std::map<std::string, Lo
   for (const auto& [name, entry] : reader->tensors())
     if (!targets.count(name)) unexpected.push_back(name);
   if (!mismatched.empty() || (strict && (!missing.empty() || !unexpected.empty())))
-    return {{"problem", fmt::format("load_model: {} does not match the model: missing [{}], mismatched [{}], "
-                                    "unexpected [{}]{}; nothing was loaded",
-                                    path, fmt::join(missing, ", "), fmt::join(mismatched, ", "),
-                                    fmt::join(unexpected, ", "),
+    return {{"problem", fmt::format("load_model: {} does not match the model: missing {}, mismatched {}, "
+                                    "unexpected {}{}{}; nothing was loaded",
+                                    path, text::listing(missing), text::listing(mismatched),
+                                    text::listing(unexpected), text::prefix_hint(missing, unexpected),
                                     mismatched.empty() ? " (strict = false loads the names both have)" : "")}};
   return {{"plan", plan}};
 }

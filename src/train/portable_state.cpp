@@ -8,6 +8,7 @@
 
 #include "checkpoint/sharded_pieces.hpp"
 #include "compat/torch_compat.hpp"
+#include "core/text.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8 {
@@ -143,9 +144,10 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoint::Ver
     for (const auto& [key, entry] : reader.tensors())
       if (key.rfind(prefix, 0) == 0 && !expected.count(key)) unexpected.push_back(key.substr(prefix.size()));
     if (!missing.empty() || !mismatched.empty() || !unexpected.empty())
-      throw Error(fmt::format("load_state: model {} of {} does not match the prepared model: missing [{}], mismatched "
-                              "[{}], unexpected [{}]; nothing was loaded",
-                              i, where, fmt::join(missing, ", "), fmt::join(mismatched, ", "), fmt::join(unexpected, ", ")));
+      throw Error(fmt::format("load_state: model {} of {} does not match the prepared model: missing {}, mismatched "
+                              "{}, unexpected {}{}; nothing was loaded",
+                              i, where, text::listing(missing), text::listing(mismatched), text::listing(unexpected),
+                              text::prefix_hint(missing, unexpected)));
     auto& copies = load.models.emplace_back();
     for (const auto& piece : layout.pieces[i])
       if (piece.values.numel() > 0)

@@ -326,3 +326,31 @@ TEST(ShardingUnits, UnderDeepSpeedZero3SettingsUnitsDefaultToGuardedModules) {
   fsdp.fsdp = FsdpSettings{};  // FSDP's default stays NO_WRAP
   EXPECT_EQ(xlr8::detail::resolve_zero_options({}, fsdp, 1).auto_wrap_policy, AutoWrapPolicy::NO_WRAP);
 }
+
+TEST(ShardingUnits, AStateDictThatDiffersIsRefusedNamingOnlyWhatDiffersBriefly) {
+  auto strategy = make_parallel_strategy(make_net(false), Communicator::in_process(xlr8::testing::unique_key(), 0, 1), {});
+  const auto own = strategy->state_dict(StateDictKind::FULL);
+  auto refusal = [&](const StateDict& state) {
+    try {
+      strategy->load_state_dict(state, StateDictKind::FULL);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("loaded");
+  };
+  // Saved from a wrapper: every name has "module." in front. The message says so and lists ten names.
+  StateDict prefixed;
+  for (const auto& [name, t] : own) prefixed.emplace_back("module." + name, t);
+  auto what = refusal(prefixed);
+  EXPECT_NE(what.find("every missing name is there with \"module.\" in front"), std::string::npos) << what;
+  EXPECT_NE(what.find(fmt::format("... and {} more]", own.size() - 10)), std::string::npos) << what;
+  // One tensor of another shape: only it is named, with both shapes.
+  StateDict reshaped = own;
+  reshaped[1].second = at::zeros({3});
+  what = refusal(reshaped);
+  EXPECT_NE(what.find(fmt::format("missing [], mismatched [{} (Float[3] in the state dict, Float[6] in the model)], "
+                                  "unexpected []",
+                                  own[1].first)),
+            std::string::npos)
+      << what;
+}
