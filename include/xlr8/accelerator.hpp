@@ -46,6 +46,9 @@ struct AcceleratorOptions {
 };
 
 struct AcceleratorImpl;
+namespace deepspeed {
+class Engine;
+}
 
 namespace detail {
 // An object registered for checkpointing: how it becomes the bytes of one file, and back.
@@ -122,6 +125,8 @@ class FullParametersScope {
 };
 
 class Accelerator {
+  friend class deepspeed::Engine;  // DeepSpeed's micro-step decides sync itself, and fp16 takes the JSON's scaler
+
  public:
   explicit Accelerator(AcceleratorOptions options = {});
   ~Accelerator();

@@ -1,7 +1,9 @@
 #pragma once
 // DeepSpeed's DynamicLossScaler state machine, exactly (deepspeed/runtime/fp16/loss_scaler.py): initial 2^16, window
 // 1000, hysteresis 2, min scale 1. An overflow skips the step; the scale halves once hysteresis is used
-// up (it is not refilled by a decrease); a full clean window doubles it and refills hysteresis.
+// up (it is not refilled by a decrease); a full clean window doubles it and refills hysteresis. With a
+// static scale every step is checked too (an overflow still skips it), and the scale stays.
+// deepspeed::loss_scaler_options builds the options from a DeepSpeed config's fp16 section.
 #include <nlohmann/json.hpp>
 
 namespace xlr8 {
@@ -13,6 +15,7 @@ struct LossScalerOptions {
   double min_scale = 1;
   bool consecutive_hysteresis = false;
   bool raise_error_at_min_scale = true;
+  double static_scale = 0;  // > 0: DeepSpeed's static LossScaler (fp16.loss_scale): the scale never changes
 };
 
 class DynamicLossScaler {

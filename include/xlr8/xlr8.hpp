@@ -3,6 +3,7 @@
 #include "xlr8/accelerator.hpp"
 #include "xlr8/communicator.hpp"
 #include "xlr8/config.hpp"
+#include "xlr8/deepspeed.hpp"
 #include "xlr8/device_mesh.hpp"
 #include "xlr8/env.hpp"
 #include "xlr8/error.hpp"

@@ -7,6 +7,7 @@
 #include <sstream>
 
 #include "launch/mpirun_launch.hpp"
+#include "xlr8/deepspeed_config.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/launcher.hpp"
 
@@ -67,6 +68,9 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   o.master_port = cfg.main_process_port.value_or(0);
   if (o.master_port == 0 && o.num_machines > 1) o.master_port = 29500;  // every machine must agree on it
   o.settings = cfg.settings();
+  // A DeepSpeed JSON that is missing, unreadable or wrong stops the launch before any worker starts.
+  if (o.settings.deepspeed && !o.settings.deepspeed->config_file.empty())
+    deepspeed::load_config(o.settings.deepspeed->config_file);
   o.max_restarts = r.max_restarts;
   if (o.max_restarts < 0) throw ConfigError(fmt::format("--max_restarts {} must be 0 or more", o.max_restarts));
   o.log_dir = r.log_dir;

@@ -9,9 +9,21 @@
 namespace xlr8 {
 
 DynamicLossScaler::DynamicLossScaler(LossScalerOptions options)
-    : options_(options), scale_(std::pow(2.0, options.initial_scale_power)), hysteresis_(options.hysteresis) {}
+    : options_(options),
+      scale_(options.static_scale > 0 ? options.static_scale : std::pow(2.0, options.initial_scale_power)),
+      hysteresis_(options.hysteresis) {
+  if (options.static_scale > 0) return;
+  if (options.scale_window <= 0 || options.min_scale <= 0 || options.hysteresis < 1)
+    throw ConfigError(fmt::format("fp16 dynamic loss scaling needs loss_scale_window > 0, min_loss_scale > 0 and "
+                                  "hysteresis >= 1 (got {}, {}, {})",
+                                  options.scale_window, options.min_scale, options.hysteresis));
+}
 
 void DynamicLossScaler::update(bool overflow) {
+  if (options_.static_scale > 0) {
+    iteration_ += 1;
+    return;
+  }
   if (overflow) {
     if (options_.hysteresis == 1 || hysteresis_ == 1) {
       if (scale_ == options_.min_scale && options_.raise_error_at_min_scale)

@@ -125,6 +125,25 @@ TEST_P(WorkerEnvironment, EachWorkerSeesTheTorchrunAndAccelerateVariables) {
 
 INSTANTIATE_TEST_SUITE_P(Launcher, WorkerEnvironment, ::testing::Values(2, 4));
 
+TEST(Launcher, ADeepSpeedConfigFileThatIsMissingOrWrongStopsTheLaunchBeforeAnyWorker) {
+  auto dir = temp_dir("ds-json");
+  std::ofstream(dir + "/typo.json") << R"({"train_batch_size": 8, "zero_optimization": {"stage": 2, "overlap_com": true}})";
+  std::ofstream(dir + "/good.json") << R"({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}})";
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {dir + "/missing.json", "does not exist or cannot be read"},
+      {dir + "/typo.json", "DeepSpeed has no key \"zero_optimization.overlap_com\" (did you mean"}};
+  for (const auto& [file, message] : refused) {
+    auto r = run(launch({"--num_processes", "2", "--use_deepspeed", "--deepspeed_config_file", file}, {"env", dir}), 60);
+    EXPECT_NE(r.exit_code, 0) << r.out;
+    EXPECT_NE(r.err.find(message), std::string::npos) << r.err;
+    EXPECT_FALSE(fs::exists(dir + "/rank0.env")) << "a worker started";
+  }
+  auto ok = run(launch({"--num_processes", "2", "--use_deepspeed", "--deepspeed_config_file", dir + "/good.json"}, {"env", dir}), 60);
+  EXPECT_EQ(ok.exit_code, 0) << ok.err;
+  EXPECT_EQ(read_env_file(dir + "/rank0.env")["ACCELERATE_DEEPSPEED_CONFIG_FILE"], dir + "/good.json");
+  fs::remove_all(dir);
+}
+
 TEST(Launcher, ThreadsDefaultToCoresOverLocalWorkers) {
   auto dir = temp_dir("threads");
   auto r = run(launch({"--num_processes", "2"}, {"env", dir}), 60, {{"OMP_NUM_THREADS", ""}});

@@ -44,7 +44,8 @@ int main(int argc, char** argv) {
     std::ofstream out(fmt::format("{}/rank{}.env", argv[2], rank()));
     for (auto name : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR",
                       "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS",
-                      "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_FSDP", "FSDP_SHARDING_STRATEGY", "XLR8_LAUNCHED"})
+                      "ACCELERATE_MIXED_PRECISION", "ACCELERATE_USE_FSDP", "FSDP_SHARDING_STRATEGY", "XLR8_LAUNCHED",
+                      "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_CONFIG_FILE"})
       out << name << "=" << env(name) << "\n";
     return 0;
   }

@@ -1,0 +1,178 @@
+#pragma once
+// DeepSpeed's engine API in C++ (reference/002, research/peers.md §1.1): for a training loop written
+// against DeepSpeed rather than Accelerate.
+//
+//   auto [engine, optimizer, scheduler] = xlr8::deepspeed::initialize(model, "ds_config.json");
+//   for (auto& batch : loader) {
+//     auto loss = loss_fn(engine->forward(batch.data), batch.target);
+//     engine->backward(loss);
+//     engine->step();
+//   }
+//
+// The engine is an Accelerator configured from the JSON (deepspeed_config.hpp): ZeRO stage 0 is DDP,
+// stages 1-3 the sharding engine (stage 3 by GUARDED_MODULES units, as DeepSpeed gathers submodule by
+// submodule), fp16 with the JSON's loss scaler, bf16, gradient accumulation and clipping. Micro-steps
+// count as DeepSpeed's do: step() after every backward; only the accumulation boundary updates.
+// Several engines in one process share the process state and count their steps independently.
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "xlr8/accelerator.hpp"
+#include "xlr8/deepspeed_config.hpp"
+
+namespace xlr8::deepspeed {
+
+class Engine {
+ public:
+  // Collective: prepares `module` (replicated or sharded by the config's stage), then the optimizer:
+  // `optimizer` when given (built over the module's parameters), else the config's "optimizer" section
+  // (Adam, AdamW, SGD). A config that still has "auto" values, batch sizes that disagree, or an
+  // optimizer given both ways is a ConfigError.
+  Engine(std::shared_ptr<torch::nn::Module> module, Config config,
+         std::shared_ptr<torch::optim::Optimizer> optimizer = nullptr,
+         std::shared_ptr<torch::optim::LRScheduler> scheduler = nullptr);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Opens the micro-step (its sync decision) and returns the autocast the forward runs under: the
+  // typed engine's forward() calls it. A loop that calls the module itself may call it too.
+  [[nodiscard]] AutocastScope begin_forward();
+  // The loss divided by the accumulation steps and multiplied by the fp16 scale, backpropagated (outside
+  // autocast). Returns loss / gradient_accumulation_steps, detached, for logging.
+  at::Tensor backward(const at::Tensor& loss, bool retain_graph = false);
+  // What backward() backpropagates, for a program that calls loss.backward() itself: the gradients are
+  // identical.
+  at::Tensor scale(const at::Tensor& loss);
+  // Counts a micro-step. On the accumulation boundary: unscale and check fp16 overflow on every rank,
+  // clip to gradient_clipping, step the optimizer (skipped on overflow), step the scheduler only when
+  // the optimizer stepped, zero the gradients, count the global step and samples.
+  void step();
+
+  bool is_gradient_accumulation_boundary() const;
+  // Overrides the boundary (DeepSpeed's set_gradient_accumulation_boundary) until set again.
+  void set_gradient_accumulation_boundary(bool is_boundary);
+  // Gradients accumulate locally while the guard lives (no reduction); step() inside it is an Error.
+  class NoSync {
+   public:
+    explicit NoSync(Engine& engine);
+    NoSync(NoSync&& other) noexcept;
+    NoSync(const NoSync&) = delete;
+    ~NoSync();
+
+   private:
+    Engine* engine_;
+  };
+  [[nodiscard]] NoSync no_sync() { return NoSync(*this); }
+
+  bool was_step_applied() const { return step_applied_; }
+  // The gradients' global norm (before clipping) at the last boundary; inf after an fp16 overflow.
+  double get_global_grad_norm() const { return grad_norm_; }
+  std::vector<double> get_lr() const;
+  int64_t train_batch_size() const { return sizes_.train_batch_size; }
+  int64_t train_micro_batch_size_per_gpu() const { return sizes_.micro_batch_per_gpu; }
+  int64_t gradient_accumulation_steps() const { return sizes_.gradient_accumulation_steps; }
+  int64_t global_steps() const { return global_steps_; }
+  int64_t global_samples() const { return global_samples_; }
+  int64_t skipped_steps() const { return skipped_steps_; }
+  int64_t micro_steps() const { return micro_steps_; }
+  int zero_optimization_stage() const { return config_.zero_optimization.stage; }
+  double loss_scale() const;  // 1 without fp16
+
+  const Config& config() const { return config_; }
+  Accelerator& accelerator() { return *accelerator_; }
+  torch::nn::Module& module() { return *module_; }
+  PreparedOptimizer& optimizer() { return optimizer_; }
+  std::optional<PreparedScheduler>& lr_scheduler() { return scheduler_; }
+
+ private:
+  void open_micro_step();
+
+  Config config_;
+  BatchSizes sizes_;
+  std::unique_ptr<Accelerator> accelerator_;
+  std::shared_ptr<torch::nn::Module> module_;
+  PreparedOptimizer optimizer_;
+  std::optional<PreparedScheduler> scheduler_;
+  std::optional<StepScope> micro_step_;
+  std::optional<bool> boundary_override_;
+  int no_sync_depth_ = 0;
+  int64_t micro_steps_ = 0, global_steps_ = 0, global_samples_ = 0, skipped_steps_ = 0;
+  bool step_applied_ = false;
+  double grad_norm_ = 0;
+};
+
+// The engine of a model of type Model (a module holder such as TORCH_MODULE(Net)'s Net, or a
+// shared_ptr): forward() runs the model's own forward inside begin_forward().
+template <class Model>
+class ModelEngine : public Engine {
+ public:
+  ModelEngine(Model model, Config config, std::shared_ptr<torch::optim::Optimizer> optimizer = nullptr,
+              std::shared_ptr<torch::optim::LRScheduler> scheduler = nullptr)
+      : Engine(pointer_of(model), std::move(config), std::move(optimizer), std::move(scheduler)), model_(model) {}
+
+  template <class... Args>
+  auto forward(Args&&... args) {
+    auto autocast = begin_forward();
+    return model_->forward(std::forward<Args>(args)...);
+  }
+  template <class... Args>
+  auto operator()(Args&&... args) {
+    return forward(std::forward<Args>(args)...);
+  }
+  Model& model() { return model_; }
+
+ private:
+  static std::shared_ptr<torch::nn::Module> pointer_of(const Model& model) {
+    if constexpr (requires { model.ptr(); }) return model.ptr();
+    else return model;
+  }
+  Model model_;
+};
+
+// deepspeed.initialize's tuple: the engine and handles to its optimizer and scheduler (the scheduler is
+// empty when neither the call nor the config gave one).
+template <class Model>
+struct Initialized {
+  std::shared_ptr<ModelEngine<Model>> engine;
+  PreparedOptimizer optimizer;
+  std::optional<PreparedScheduler> lr_scheduler;
+};
+
+// `config`: a path to a JSON file, JSON text, or a parsed Config. An optimizer or scheduler passed here
+// is used instead of the config's section (an optimizer given both ways is an Error, as DeepSpeed's is
+// ambiguous about it); a scheduler given both ways: the one passed here.
+template <class Model>
+Initialized<Model> initialize(Model model, const Config& config,
+                              std::shared_ptr<torch::optim::Optimizer> optimizer = nullptr,
+                              std::shared_ptr<torch::optim::LRScheduler> scheduler = nullptr) {
+  auto engine = std::make_shared<ModelEngine<Model>>(model, config, std::move(optimizer), std::move(scheduler));
+  return {engine, engine->optimizer(), engine->lr_scheduler()};
+}
+template <class Model>
+Initialized<Model> initialize(Model model, const std::string& config_path_or_json,
+                              std::shared_ptr<torch::optim::Optimizer> optimizer = nullptr,
+                              std::shared_ptr<torch::optim::LRScheduler> scheduler = nullptr) {
+  return initialize(std::move(model), load_config(config_path_or_json), std::move(optimizer), std::move(scheduler));
+}
+template <class Model>
+Initialized<Model> initialize(Model model, const char* config_path_or_json,
+                              std::shared_ptr<torch::optim::Optimizer> optimizer = nullptr,
+                              std::shared_ptr<torch::optim::LRScheduler> scheduler = nullptr) {
+  return initialize(std::move(model), load_config(config_path_or_json), std::move(optimizer), std::move(scheduler));
+}
+template <class Model>
+Initialized<Model> initialize(Model model, const nlohmann::json& config,
+                              std::shared_ptr<torch::optim::Optimizer> optimizer = nullptr,
+                              std::shared_ptr<torch::optim::LRScheduler> scheduler = nullptr) {
+  return initialize(std::move(model), parse_config(config), std::move(optimizer), std::move(scheduler));
+}
+
+// The optimizer a config's "optimizer" section describes, over `parameters` (Adam with adam_w_mode,
+// the default, and AdamW are decoupled-weight-decay AdamW; float32 CPU parameters take the fused step).
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(const TypedSection& section,
+                                                        const std::vector<at::Tensor>& parameters);
+
+}  // namespace xlr8::deepspeed

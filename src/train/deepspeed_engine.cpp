@@ -1,0 +1,240 @@
+// xlr8::deepspeed::Engine: DeepSpeed's training-loop API as an Accelerator configured from the JSON, with
+// DeepSpeed's micro-step counting, boundary, clipping, loss scaling and step counters.
+#include <fmt/format.h>
+#include <torch/optim/sgd.h>
+
+#include <cmath>
+#include <limits>
+
+#include "core/log.hpp"
+#include "core/text.hpp"
+#include "train/accelerator_impl.hpp"
+#include "xlr8/deepspeed.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/fused_adam.hpp"
+
+namespace xlr8::deepspeed {
+namespace {
+
+// DeepSpeed counts bucket sizes in elements; the strategies take megabytes (of float32 gradients).
+double megabytes_of(int64_t elements) { return static_cast<double>(elements) * 4.0 / (1024.0 * 1024.0); }
+
+AcceleratorOptions accelerator_options(const Config& config, const BatchSizes& sizes) {
+  AcceleratorOptions o;
+  o.mixed_precision = config.fp16.enabled ? MixedPrecision::FP16 : config.bf16 ? MixedPrecision::BF16 : MixedPrecision::NO;
+  o.gradient_accumulation_steps = static_cast<int>(sizes.gradient_accumulation_steps);
+  o.sync_with_dataloader = false;  // DeepSpeed's boundary is its micro-step count alone
+  const auto& z = config.zero_optimization;
+  o.parallel.zero.stage = z.stage;
+  o.parallel.zero.auto_wrap_policy = z.stage == 3 ? AutoWrapPolicy::GUARDED_MODULES : AutoWrapPolicy::NO_WRAP;
+  o.parallel.zero.bucket_cap_mb = o.parallel.zero.first_bucket_mb = megabytes_of(z.reduce_bucket_size);
+  o.parallel.ddp.bucket_cap_mb = o.parallel.ddp.first_bucket_mb = megabytes_of(z.reduce_bucket_size);
+  // DeepSpeed's ZeRO reduces every gradient, a missing one as zeros (ignore_unused_parameters).
+  o.parallel.ddp.find_unused_parameters = z.stage > 0 && z.ignore_unused_parameters;
+  return o;
+}
+
+// The launch must not say otherwise than the JSON: the engine takes its settings from the JSON only.
+void check_launch_agrees(const Settings& settings, const BatchSizes& sizes) {
+  if (settings.fsdp)
+    throw ConfigError("deepspeed::initialize: the launch selects FSDP (--use_fsdp / ACCELERATE_USE_FSDP), but the "
+                      "DeepSpeed engine takes its strategy from its JSON config; launch without --use_fsdp");
+  if (settings.gradient_accumulation_steps && *settings.gradient_accumulation_steps != sizes.gradient_accumulation_steps)
+    throw ConfigError(fmt::format("deepspeed::initialize: the launch says gradient_accumulation_steps {} but the "
+                                  "DeepSpeed config resolves to {}; drop the launch's value or change the config",
+                                  *settings.gradient_accumulation_steps, sizes.gradient_accumulation_steps));
+}
+
+template <class T>
+T param_or(const nlohmann::json& params, const char* key, T fallback, const std::string& type) {
+  if (!params.contains(key) || params.at(key).is_null()) return fallback;
+  try {
+    return params.at(key).get<T>();
+  } catch (const nlohmann::json::exception&) {
+    throw ConfigError(fmt::format("DeepSpeed config: optimizer.params.{} = {} is not valid for {}", key,
+                                  params.at(key).dump(), type));
+  }
+}
+
+void check_params(const nlohmann::json& params, const std::vector<std::string>& known, const std::string& type) {
+  for (const auto& [key, value] : params.items())
+    if (std::find(known.begin(), known.end(), key) == known.end())
+      throw ConfigError(fmt::format("DeepSpeed config: optimizer {} has no parameter {:?}{}; its parameters are {}", type,
+                                    key, text::suggestion(key, known), text::join(known)));
+}
+
+}  // namespace
+
+std::shared_ptr<torch::optim::Optimizer> make_optimizer(const TypedSection& section,
+                                                        const std::vector<at::Tensor>& parameters) {
+  const auto type = text::lower(section.type);
+  const auto& p = section.params;
+  if (type == "adam" || type == "adamw") {
+    check_params(p, {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam", "bias_correction"},
+                 section.type);
+    if (!param_or(p, "bias_correction", true, section.type))
+      throw ConfigError("DeepSpeed config: optimizer.params.bias_correction = false is not implemented; remove it");
+    const auto betas = param_or(p, "betas", std::vector<double>{0.9, 0.999}, section.type);
+    if (betas.size() != 2) throw ConfigError("DeepSpeed config: optimizer.params.betas must be a list of two numbers");
+    const double lr = param_or(p, "lr", 1e-3, section.type), eps = param_or(p, "eps", 1e-8, section.type),
+                 decay = param_or(p, "weight_decay", 0.0, section.type);
+    const bool amsgrad = param_or(p, "amsgrad", false, section.type);
+    // DeepSpeed's "Adam" is AdamW unless adam_w_mode is false; "AdamW" always is.
+    if (type == "adamw" || param_or(p, "adam_w_mode", true, section.type))
+      return std::make_shared<optim::FusedAdamW>(
+          parameters, torch::optim::AdamWOptions(lr).betas({betas[0], betas[1]}).eps(eps).weight_decay(decay).amsgrad(amsgrad));
+    return std::make_shared<optim::FusedAdam>(
+        parameters, torch::optim::AdamOptions(lr).betas({betas[0], betas[1]}).eps(eps).weight_decay(decay).amsgrad(amsgrad));
+  }
+  if (type == "sgd") {
+    check_params(p, {"lr", "momentum", "dampening", "weight_decay", "nesterov"}, section.type);
+    if (!p.contains("lr")) throw ConfigError("DeepSpeed config: optimizer SGD needs params.lr");
+    return std::make_shared<torch::optim::SGD>(parameters, torch::optim::SGDOptions(param_or(p, "lr", 0.0, section.type))
+                                                               .momentum(param_or(p, "momentum", 0.0, section.type))
+                                                               .dampening(param_or(p, "dampening", 0.0, section.type))
+                                                               .weight_decay(param_or(p, "weight_decay", 0.0, section.type))
+                                                               .nesterov(param_or(p, "nesterov", false, section.type)));
+  }
+  const std::vector<std::string> deepspeed_only = {"onebitadam", "zerooneadam", "onebitlamb", "lamb", "lion",
+                                                   "muadam", "muadamw", "musgd", "adagrad", "muon", "adam8bit"};
+  if (std::find(deepspeed_only.begin(), deepspeed_only.end(), type) != deepspeed_only.end())
+    throw ConfigError(fmt::format("DeepSpeed config: optimizer.type {:?} is not implemented in xlr8; use Adam, AdamW or "
+                                  "SGD, or pass your own optimizer to initialize()",
+                                  section.type));
+  throw ConfigError(fmt::format("DeepSpeed config: optimizer.type {:?} is not an optimizer DeepSpeed knows{}; use Adam, "
+                                "AdamW or SGD",
+                                section.type, text::suggestion(section.type, {"Adam", "AdamW", "SGD"})));
+}
+
+Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::shared_ptr<torch::optim::Optimizer> optimizer,
+               std::shared_ptr<torch::optim::LRScheduler> scheduler)
+    : config_(std::move(config)) {
+  if (!module) throw Error("deepspeed::initialize: the model is null");
+  require_resolved(config_);
+  const auto& state = ProcessState::instance();
+  sizes_ = resolve_batch_sizes(config_, state.mesh().group("dp").size());
+  check_launch_agrees(state.settings(), sizes_);
+  if (optimizer && config_.optimizer)
+    throw ConfigError(fmt::format("deepspeed::initialize: an optimizer was passed and {} has an \"optimizer\" section "
+                                  "({}); keep one of them",
+                                  config_.origin, config_.optimizer->type));
+  if (!optimizer && !config_.optimizer)
+    throw ConfigError(fmt::format("deepspeed::initialize: no optimizer: pass one, or give {} an \"optimizer\" section "
+                                  "(Adam, AdamW or SGD)",
+                                  config_.origin));
+  if (config_.scheduler && !scheduler)
+    throw ConfigError(fmt::format("deepspeed::initialize: {}'s scheduler {:?} is not built by xlr8 yet; pass a "
+                                  "torch::optim::LRScheduler to initialize() instead",
+                                  config_.origin, config_.scheduler->type));
+  accelerator_ = std::make_unique<Accelerator>(accelerator_options(config_, sizes_));
+  auto& impl = *accelerator_->impl_;
+  if (impl.scaler) impl.scaler.emplace(loss_scaler_options(config_.fp16, config_.zero_optimization.stage));
+  module_ = accelerator_->prepare(module);
+  if (!optimizer) optimizer = make_optimizer(*config_.optimizer, module_->parameters());
+  optimizer_ = accelerator_->prepare_optimizer(std::move(optimizer));
+  if (scheduler) scheduler_ = accelerator_->prepare_scheduler(std::move(scheduler));
+  if (state.is_main_process())
+    log::info("xlr8: DeepSpeed engine: ZeRO stage {}, train_batch_size {} = {} per rank x {} accumulation x {} ranks, "
+              "{}, gradient_clipping {}",
+              config_.zero_optimization.stage, sizes_.train_batch_size, sizes_.micro_batch_per_gpu,
+              sizes_.gradient_accumulation_steps, state.mesh().group("dp").size(),
+              config_.fp16.enabled ? "fp16" : config_.bf16 ? "bf16" : "fp32", config_.gradient_clipping);
+}
+
+Engine::~Engine() = default;
+
+bool Engine::is_gradient_accumulation_boundary() const {
+  if (boundary_override_) return *boundary_override_;
+  return (micro_steps_ + 1) % sizes_.gradient_accumulation_steps == 0;
+}
+
+void Engine::set_gradient_accumulation_boundary(bool is_boundary) { boundary_override_ = is_boundary; }
+
+// The micro-step's sync decision is made once, when its first forward (or backward) begins.
+void Engine::open_micro_step() {
+  if (micro_step_) return;
+  auto& impl = *accelerator_->impl_;
+  const bool sync = is_gradient_accumulation_boundary() && no_sync_depth_ == 0;
+  impl.gradient_state->sync_gradients = sync;
+  micro_step_.emplace(&impl, impl.strategies_of({module_.get()}), /*suspend_sync=*/!sync, AutocastScope());
+}
+
+AutocastScope Engine::begin_forward() {
+  open_micro_step();
+  return accelerator_->autocast();
+}
+
+at::Tensor Engine::backward(const at::Tensor& loss, bool retain_graph) {
+  open_micro_step();
+  accelerator_->backward(loss, retain_graph);
+  return loss.detach() / static_cast<double>(sizes_.gradient_accumulation_steps);
+}
+
+at::Tensor Engine::scale(const at::Tensor& loss) {
+  if (!loss.defined()) throw Error("scale(): the loss tensor is undefined");
+  open_micro_step();
+  auto& impl = *accelerator_->impl_;
+  impl.unscaled = false;  // what backward() resets before its own backward
+  impl.overflow = false;
+  at::Tensor scaled = loss / static_cast<double>(sizes_.gradient_accumulation_steps);
+  return impl.scaler ? scaled * impl.scaler->scale() : scaled;
+}
+
+void Engine::step() {
+  if (no_sync_depth_ > 0)
+    throw Error("step() inside no_sync(): gradients are not reduced there, so no step may be taken (DeepSpeed's rule)");
+  open_micro_step();
+  const bool boundary = is_gradient_accumulation_boundary();
+  if (boundary) {
+    const auto params = module_->parameters();
+    const double clip = config_.gradient_clipping > 0 ? config_.gradient_clipping : std::numeric_limits<double>::infinity();
+    grad_norm_ = accelerator_->clip_grad_norm(params, clip);
+    optimizer_.step();
+    step_applied_ = accelerator_->impl_->last_step_applied;
+    if (scheduler_) scheduler_->step();  // only after an applied step (PreparedScheduler)
+    optimizer_.zero_grad();
+    if (!step_applied_) ++skipped_steps_;
+    ++global_steps_;
+    global_samples_ += sizes_.train_batch_size;
+    if (config_.steps_per_print > 0 && global_steps_ % config_.steps_per_print == 0 && ProcessState::instance().is_main_process())
+      log::info("xlr8: [deepspeed] step={}, skipped={}, lr={}, grad_norm={:.4g}, loss_scale={}", global_steps_,
+                skipped_steps_, text::join([&] {
+                  std::vector<std::string> lrs;
+                  for (double lr : get_lr()) lrs.push_back(fmt::format("{:.6g}", lr));
+                  return lrs;
+                }()),
+                grad_norm_, loss_scale());
+  }
+  micro_step_.reset();  // the strategies end their step: a sharded model's reductions are done
+  ++micro_steps_;
+}
+
+std::vector<double> Engine::get_lr() const {
+  std::vector<double> lrs;
+  for (auto& group : const_cast<PreparedOptimizer&>(optimizer_).optimizer().param_groups())
+    lrs.push_back(group.options().get_lr());
+  return lrs;
+}
+
+double Engine::loss_scale() const {
+  const auto& impl = *accelerator_->impl_;
+  return impl.scaler ? impl.scaler->scale() : 1.0;
+}
+
+Engine::NoSync::NoSync(Engine& engine) : engine_(&engine) {
+  if (engine.micro_step_)
+    throw Error("no_sync(): a micro-step is already under way (a forward or backward ran since the last step()); "
+                "enter no_sync() before the micro-step's forward");
+  ++engine.no_sync_depth_;
+}
+
+Engine::NoSync::NoSync(NoSync&& other) noexcept : engine_(std::exchange(other.engine_, nullptr)) {}
+
+Engine::NoSync::~NoSync() {
+  if (!engine_) return;
+  --engine_->no_sync_depth_;
+  // The micro-steps it covered accumulated locally; the next one opens with the usual decision.
+  engine_->micro_step_.reset();
+}
+
+}  // namespace xlr8::deepspeed

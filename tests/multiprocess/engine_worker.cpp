@@ -1,0 +1,97 @@
+// The DeepSpeed-engine side of the correctness oracle: a small model with a guarded block (a stage-3
+// unit whose unguarded child rides with it) trained through xlr8::deepspeed::initialize from a JSON
+// config, on deterministic data split across ranks. Rank 0 prints one JSON line with the per-step losses
+// (mean over ranks and micro-steps) and writes the final parameters with save_model.
+//   engine_worker --config ds.json --steps S --out DIR
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "xlr8/deepspeed.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/unshard.hpp"
+
+namespace {
+
+struct InnerImpl : torch::nn::Module {  // the model's own class without a guard: rides with its block
+  InnerImpl() { fc = register_module("fc", torch::nn::Linear(16, 16)); }
+  at::Tensor forward(const at::Tensor& x) { return fc(x); }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(Inner);
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl() {
+    inner = register_module("inner", Inner());
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return xlr8::sharded(*this, [&] { return x + torch::tanh(inner(norm(x))); });
+  }
+  Inner inner{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+};
+TORCH_MODULE(Block);
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    in = register_module("in", torch::nn::Linear(8, 16));
+    b0 = register_module("b0", Block());
+    b1 = register_module("b1", Block());
+    out = register_module("out", torch::nn::Linear(16, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    return xlr8::sharded(*this, [&] { return out(b1(b0(in(x)))); });
+  }
+  torch::nn::Linear in{nullptr}, out{nullptr};
+  Block b0{nullptr}, b1{nullptr};
+};
+TORCH_MODULE(Net);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"xlr8 DeepSpeed engine oracle worker"};
+  std::string config, out = ".";
+  int64_t steps = 4;
+  app.add_option("--config", config)->required();
+  app.add_option("--steps", steps);
+  app.add_option("--out", out);
+  CLI11_PARSE(app, argc, argv);
+  try {
+    torch::manual_seed(5);
+    auto [engine, optimizer, scheduler] = xlr8::deepspeed::initialize(Net(), config);
+    auto& acc = engine->accelerator();
+    const int64_t world = acc.num_processes(), rank = acc.process_index();
+    const int64_t micro = engine->train_micro_batch_size_per_gpu(), gas = engine->gradient_accumulation_steps();
+    auto gen = at::detail::createCPUGenerator(99);
+    auto x = at::randn({steps * engine->train_batch_size(), 8}, gen);
+    auto y = at::randint(0, 4, {steps * engine->train_batch_size()}, gen);
+    std::vector<double> losses;
+    for (int64_t s = 0; s < steps; ++s) {
+      double total = 0;
+      for (int64_t k = 0; k < gas; ++k) {
+        // Micro-batch k of step s, this rank's rows of it.
+        const int64_t start = (s * gas + k) * micro * world + rank * micro;
+        auto loss = torch::cross_entropy_loss(engine->forward(x.narrow(0, start, micro)), y.narrow(0, start, micro));
+        total += engine->backward(loss).item<double>();
+        engine->step();
+      }
+      losses.push_back(acc.reduce(at::full({1}, total, at::kDouble), xlr8::ReduceOp::AVG).item<double>());
+    }
+    acc.save_model(engine->model(), out + "/model");
+    if (acc.is_main_process())
+      fmt::print("{}\n", nlohmann::json{{"losses", losses},
+                                         {"global_steps", engine->global_steps()},
+                                         {"global_samples", engine->global_samples()},
+                                         {"micro_batch", micro},
+                                         {"stage", engine->zero_optimization_stage()},
+                                         {"strategy", acc.parallel_stats(engine->model())["strategy"]}}
+                             .dump());
+    acc.end_training();
+    return 0;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "engine_worker: error: {}\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,208 @@
+// The DeepSpeed engine on one process: each of its rules against the loop it replaces, written by hand
+// in plain LibTorch on the same data (accumulation, clipping, manual backward with scale(), the JSON's
+// optimizer, fp16 overflow skips, the boundary override, several engines).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <limits>
+
+#include "xlr8/deepspeed.hpp"
+#include "xlr8/error.hpp"
+
+using namespace xlr8;
+
+namespace {
+
+struct NetImpl : torch::nn::Module {
+  NetImpl() {
+    fc1 = register_module("fc1", torch::nn::Linear(4, 8));
+    fc2 = register_module("fc2", torch::nn::Linear(8, 2));
+  }
+  torch::Tensor forward(torch::Tensor x) { return fc2(torch::tanh(fc1(x))); }
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(Net);
+
+Net make_net() {
+  torch::manual_seed(11);
+  return Net();
+}
+
+torch::Tensor batch(int i) { return torch::linspace(-1, 1, 16).reshape({4, 4}) * (1 + 0.1 * i); }
+torch::Tensor loss_of(const torch::Tensor& out) { return out.pow(2).mean(); }
+
+// The hand-written loop: losses divided by the accumulation steps, an optional clip, SGD, every `gas`.
+Net plain_loop(int micro_steps, int gas, double clip, double* norm = nullptr) {
+  auto net = make_net();
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int i = 0; i < micro_steps; ++i) {
+    (loss_of(net->forward(batch(i))) / gas).backward();
+    if ((i + 1) % gas == 0) {
+      double n = torch::nn::utils::clip_grad_norm_(net->parameters(), clip > 0 ? clip : std::numeric_limits<double>::infinity());
+      if (norm) *norm = n;
+      opt.step();
+      opt.zero_grad();
+    }
+  }
+  return net;
+}
+
+nlohmann::json sgd_config(int gas, double clip) {
+  return {{"train_micro_batch_size_per_gpu", 4},
+          {"gradient_accumulation_steps", gas},
+          {"gradient_clipping", clip},
+          {"optimizer", {{"type", "SGD"}, {"params", {{"lr", 0.1}, {"momentum", 0.9}}}}}};
+}
+
+void expect_same(Net& got, Net& want, double tolerance = 1e-6) {
+  auto a = got->parameters(), b = want->parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_LE((a[i] - b[i]).abs().max().item<double>(), tolerance) << i;
+}
+
+}  // namespace
+
+TEST(DeepSpeedEngine, AccumulationAndClippingEqualTheHandWrittenLoopAndTheCountersFollowDeepSpeed) {
+  for (double clip : {0.0, 0.05}) {
+    SCOPED_TRACE(clip);
+    double want_norm = 0;
+    auto want = plain_loop(6, 3, clip, &want_norm);
+    auto [engine, optimizer, scheduler] = deepspeed::initialize(make_net(), sgd_config(3, clip));
+    EXPECT_FALSE(scheduler.has_value());
+    std::vector<bool> boundaries;
+    for (int i = 0; i < 6; ++i) {
+      boundaries.push_back(engine->is_gradient_accumulation_boundary());
+      auto logged = engine->backward(loss_of(engine->forward(batch(i))));
+      EXPECT_NEAR(logged.item<double>(), loss_of(engine->model()->forward(batch(i))).item<double>() / 3, 1e-6);
+      engine->step();
+    }
+    EXPECT_EQ(boundaries, (std::vector<bool>{false, false, true, false, false, true}));
+    expect_same(engine->model(), want);
+    EXPECT_NEAR(engine->get_global_grad_norm(), want_norm, 1e-5);  // the norm before clipping
+    EXPECT_EQ(engine->micro_steps(), 6);
+    EXPECT_EQ(engine->global_steps(), 2);
+    EXPECT_EQ(engine->global_samples(), 2 * 12);  // train_batch_size = 4 x 3 x 1 rank
+    EXPECT_EQ(engine->train_batch_size(), 12);
+    EXPECT_EQ(engine->skipped_steps(), 0);
+    EXPECT_TRUE(engine->was_step_applied());
+    EXPECT_EQ(engine->get_lr(), std::vector<double>{0.1});
+  }
+}
+
+TEST(DeepSpeedEngine, ScaleThenLossBackwardGivesTheGradientsBackwardGives) {
+  auto want = plain_loop(4, 2, 0);
+  auto [engine, optimizer, scheduler] = deepspeed::initialize(make_net(), sgd_config(2, 0));
+  for (int i = 0; i < 4; ++i) {
+    engine->scale(loss_of(engine->forward(batch(i)))).backward();
+    engine->step();
+  }
+  expect_same(engine->model(), want);
+}
+
+TEST(DeepSpeedEngine, TheJsonOptimizerIsDeepSpeedsAdamWWhenAdamWModeIsOn) {
+  // DeepSpeed's "Adam" with adam_w_mode (its default) decays weights as AdamW does.
+  auto want = make_net();
+  torch::optim::AdamW adamw(want->parameters(), torch::optim::AdamWOptions(0.01).weight_decay(0.1));
+  for (int i = 0; i < 3; ++i) {
+    loss_of(want->forward(batch(i))).backward();
+    adamw.step();
+    adamw.zero_grad();
+  }
+  nlohmann::json config = {{"train_batch_size", 4},
+                           {"gradient_clipping", 0.0},
+                           {"optimizer", {{"type", "Adam"}, {"params", {{"lr", 0.01}, {"weight_decay", 0.1}, {"torch_adam", true}}}}}};
+  auto [engine, optimizer, scheduler] = deepspeed::initialize(make_net(), config);
+  for (int i = 0; i < 3; ++i) {
+    engine->backward(loss_of(engine->forward(batch(i))));
+    engine->step();
+  }
+  expect_same(engine->model(), want, 1e-5);
+  EXPECT_EQ(engine->gradient_accumulation_steps(), 1);
+  // adam_w_mode false: Adam's L2 decay, which moves the weights differently.
+  config["optimizer"]["params"]["adam_w_mode"] = false;
+  auto l2 = deepspeed::initialize(make_net(), config);
+  for (int i = 0; i < 3; ++i) {
+    l2.engine->backward(loss_of(l2.engine->forward(batch(i))));
+    l2.engine->step();
+  }
+  EXPECT_GT((l2.engine->model()->fc1->weight - want->fc1->weight).abs().max().item<double>(), 1e-4);
+}
+
+TEST(DeepSpeedEngine, Fp16OverflowsSkipTheStepAndMoveTheScaleByTheJsonsRules) {
+  nlohmann::json config = sgd_config(1, 0);
+  config["fp16"] = {{"enabled", true}, {"initial_scale_power", 8}, {"hysteresis", 1}, {"loss_scale_window", 2}};
+  auto [engine, optimizer, scheduler] = deepspeed::initialize(make_net(), config);
+  EXPECT_EQ(engine->loss_scale(), 256);
+  auto before = engine->model()->fc1->weight.clone();
+  engine->backward(loss_of(engine->forward(batch(0))) * std::numeric_limits<float>::infinity());
+  engine->step();
+  EXPECT_FALSE(engine->was_step_applied());
+  EXPECT_TRUE(engine->model()->fc1->weight.equal(before));
+  EXPECT_EQ(engine->skipped_steps(), 1);
+  EXPECT_EQ(engine->global_steps(), 1);  // counted in every case, as DeepSpeed does
+  EXPECT_EQ(engine->loss_scale(), 128);  // hysteresis 1: the first overflow halves
+  for (int i = 0; i < 3; ++i) {
+    engine->backward(loss_of(engine->forward(batch(i))));
+    engine->step();
+    EXPECT_TRUE(engine->was_step_applied());
+  }
+  EXPECT_EQ(engine->loss_scale(), 256);  // the window (2) counted from the step after the overflow: doubled
+}
+
+TEST(DeepSpeedEngine, TheBoundaryOverrideAndNoSyncFollowDeepSpeed) {
+  auto [engine, optimizer, scheduler] = deepspeed::initialize(make_net(), sgd_config(4, 0));
+  engine->set_gradient_accumulation_boundary(true);
+  EXPECT_TRUE(engine->is_gradient_accumulation_boundary());
+  auto before = engine->model()->fc1->weight.clone();
+  engine->backward(loss_of(engine->forward(batch(0))));
+  engine->step();
+  EXPECT_FALSE(engine->model()->fc1->weight.equal(before));  // stepped at micro-step 0
+  engine->set_gradient_accumulation_boundary(false);
+  {
+    auto guard = engine->no_sync();
+    engine->backward(loss_of(engine->forward(batch(1))));
+    EXPECT_THROW(engine->step(), Error);
+  }
+}
+
+TEST(DeepSpeedEngine, TwoEnginesInOneProcessCountTheirOwnSteps) {
+  auto a = deepspeed::initialize(make_net(), sgd_config(2, 0));
+  auto b = deepspeed::initialize(make_net(), sgd_config(1, 0));
+  for (int i = 0; i < 4; ++i) {
+    a.engine->backward(loss_of(a.engine->forward(batch(i))));
+    b.engine->backward(loss_of(b.engine->forward(batch(i))));
+    a.engine->step();
+    b.engine->step();
+  }
+  EXPECT_EQ(a.engine->global_steps(), 2);
+  EXPECT_EQ(b.engine->global_steps(), 4);
+  auto want_a = plain_loop(4, 2, 0), want_b = plain_loop(4, 1, 0);
+  expect_same(a.engine->model(), want_a);
+  expect_same(b.engine->model(), want_b);
+}
+
+TEST(DeepSpeedEngine, AnOptimizerGivenTwiceOrNeverAndUnfilledAutoAreRefused) {
+  auto net = make_net();
+  auto mine = std::make_shared<torch::optim::SGD>(net->parameters(), 0.1);
+  auto message = [&](auto&& fn) {
+    try {
+      fn();
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  EXPECT_NE(message([&] { deepspeed::initialize(net, sgd_config(1, 0), mine); }).find("keep one of them"), std::string::npos);
+  EXPECT_NE(message([&] { deepspeed::initialize(make_net(), nlohmann::json{{"train_batch_size", 4}}); }).find("no optimizer"),
+            std::string::npos);
+  auto with_auto = sgd_config(1, 0);
+  with_auto["gradient_clipping"] = "auto";
+  EXPECT_NE(message([&] { deepspeed::initialize(make_net(), with_auto); }).find("leaves gradient_clipping as \"auto\""),
+            std::string::npos);
+  auto lion = sgd_config(1, 0);
+  lion["optimizer"]["type"] = "Lion";
+  EXPECT_NE(message([&] { deepspeed::initialize(make_net(), lion); }).find("\"Lion\" is not implemented"), std::string::npos);
+  auto typo = sgd_config(1, 0);
+  typo["optimizer"]["params"]["momentun"] = 0.9;
+  EXPECT_NE(message([&] { deepspeed::initialize(make_net(), typo); }).find("(did you mean \"momentum\"?)"), std::string::npos);
+}
