@@ -21,6 +21,7 @@
 
 #include "xlr8/accelerator.hpp"
 #include "xlr8/deepspeed_config.hpp"
+#include "xlr8/deepspeed_schedulers.hpp"
 
 namespace xlr8::deepspeed {
 
@@ -143,7 +144,8 @@ struct Initialized {
 
 // `config`: a path to a JSON file, JSON text, or a parsed Config. An optimizer or scheduler passed here
 // is used instead of the config's section (an optimizer given both ways is an Error, as DeepSpeed's is
-// ambiguous about it); a scheduler given both ways: the one passed here.
+// ambiguous about it; a scheduler given both ways: the one passed here, with a warning). The config's
+// scheduler section builds WarmupLR, WarmupDecayLR or WarmupCosineLR (deepspeed_schedulers.hpp).
 template <class Model>
 Initialized<Model> initialize(Model model, const Config& config,
                               std::shared_ptr<torch::optim::Optimizer> optimizer = nullptr,

@@ -10,6 +10,7 @@
 #include "core/text.hpp"
 #include "train/accelerator_impl.hpp"
 #include "xlr8/deepspeed.hpp"
+#include "xlr8/deepspeed_schedulers.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/fused_adam.hpp"
 
@@ -122,16 +123,16 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
     throw ConfigError(fmt::format("deepspeed::initialize: no optimizer: pass one, or give {} an \"optimizer\" section "
                                   "(Adam, AdamW or SGD)",
                                   config_.origin));
-  if (config_.scheduler && !scheduler)
-    throw ConfigError(fmt::format("deepspeed::initialize: {}'s scheduler {:?} is not built by xlr8 yet; pass a "
-                                  "torch::optim::LRScheduler to initialize() instead",
-                                  config_.origin, config_.scheduler->type));
   accelerator_ = std::make_unique<Accelerator>(accelerator_options(config_, sizes_));
   auto& impl = *accelerator_->impl_;
   if (impl.scaler) impl.scaler.emplace(loss_scaler_options(config_.fp16, config_.zero_optimization.stage));
   module_ = accelerator_->prepare(module);
   if (!optimizer) optimizer = make_optimizer(*config_.optimizer, module_->parameters());
   optimizer_ = accelerator_->prepare_optimizer(std::move(optimizer));
+  if (scheduler && config_.scheduler && state.is_main_process())
+    log::warning("xlr8: deepspeed::initialize: a scheduler was passed, so {}'s \"scheduler\" section ({}) is not used",
+                 config_.origin, config_.scheduler->type);
+  if (!scheduler && config_.scheduler) scheduler = make_scheduler(*config_.scheduler, optimizer_.optimizer());
   if (scheduler) scheduler_ = accelerator_->prepare_scheduler(std::move(scheduler));
   if (state.is_main_process())
     log::info("xlr8: DeepSpeed engine: ZeRO stage {}, train_batch_size {} = {} per rank x {} accumulation x {} ranks, "

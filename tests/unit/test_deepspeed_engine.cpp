@@ -206,3 +206,90 @@ TEST(DeepSpeedEngine, AnOptimizerGivenTwiceOrNeverAndUnfilledAutoAreRefused) {
   typo["optimizer"]["params"]["momentun"] = 0.9;
   EXPECT_NE(message([&] { deepspeed::initialize(make_net(), typo); }).find("(did you mean \"momentum\"?)"), std::string::npos);
 }
+
+namespace {
+
+// The learning rate before any step, then after each of `steps` steps.
+std::vector<double> schedule(const nlohmann::json& scheduler, int steps, double optimizer_lr = 0.3) {
+  auto net = make_net();
+  torch::optim::SGD opt(net->parameters(), optimizer_lr);
+  auto sched = deepspeed::make_scheduler(deepspeed::TypedSection{scheduler["type"], scheduler["params"]}, opt);
+  std::vector<double> lrs{opt.param_groups()[0].options().get_lr()};
+  for (int i = 0; i < steps; ++i) {
+    sched->step();
+    lrs.push_back(opt.param_groups()[0].options().get_lr());
+  }
+  return lrs;
+}
+
+void expect_lrs(const std::vector<double>& got, const std::vector<double>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], want[i], 1e-7) << "after " << i << " steps";
+}
+
+}  // namespace
+
+TEST(DeepSpeedSchedulers, WarmupLRFollowsDeepSpeedsLogAndLinearWarmUp) {
+  // Iteration i of W = 4: log(i + 1) / log(4), so i = 1 is exactly half way; the first two steps run at the minimum.
+  expect_lrs(schedule({{"type", "WarmupLR"}, {"params", {{"warmup_max_lr", 0.1}, {"warmup_num_steps", 4}}}}, 5),
+             {0, 0, 0.05, 0.1 * std::log(3.0) / std::log(4.0), 0.1, 0.1});
+  expect_lrs(schedule({{"type", "WarmupLR"},
+                       {"params", {{"warmup_min_lr", 0.01}, {"warmup_max_lr", 0.09}, {"warmup_num_steps", 4}, {"warmup_type", "linear"}}}},
+                      5),
+             {0.01, 0.01, 0.03, 0.05, 0.07, 0.09});
+  // Without warmup_max_lr, the optimizer's own rate is the maximum.
+  expect_lrs(schedule({{"type", "WarmupLR"}, {"params", {{"warmup_num_steps", 2}}}}, 3), {0, 0, 0.3, 0.3});
+}
+
+TEST(DeepSpeedSchedulers, WarmupDecayLRDecaysLinearlyToZeroAtTheTotal) {
+  expect_lrs(schedule({{"type", "WarmupDecayLR"},
+                       {"params", {{"warmup_max_lr", 0.1}, {"warmup_num_steps", 4}, {"total_num_steps", 8}, {"warmup_type", "linear"}}}},
+                      10),
+             {0, 0, 0.025, 0.05, 0.075, 0.1, 0.075, 0.05, 0.025, 0, 0});
+  // Its maximum defaults to DeepSpeed's 0.001, not the optimizer's rate.
+  auto lrs = schedule({{"type", "WarmupDecayLR"}, {"params", {{"warmup_num_steps", 2}, {"total_num_steps", 10}}}}, 3);
+  EXPECT_NEAR(lrs.back(), 0.001, 1e-12);
+}
+
+TEST(DeepSpeedSchedulers, WarmupCosineLRScalesTheOptimizersRateByTheWarmUpThenACosine) {
+  const double quarter = (1 + std::cos(M_PI / 4)) / 2, three_quarters = (1 + std::cos(3 * M_PI / 4)) / 2;
+  expect_lrs(schedule({{"type", "WarmupCosineLR"},
+                       {"params", {{"total_num_steps", 6}, {"warmup_num_steps", 2}, {"cos_min_ratio", 0.0}, {"warmup_type", "linear"}}}},
+                      7, 0.1),
+             {0, 0, 0.05, 0.1 * quarter, 0.05, 0.1 * three_quarters, 0, 0});
+}
+
+TEST(DeepSpeedSchedulers, TheEnginesJsonSchedulerStepsOnlyAfterAnAppliedStep) {
+  nlohmann::json config = sgd_config(1, 0);
+  config["scheduler"] = {{"type", "WarmupLR"}, {"params", {{"warmup_max_lr", 0.1}, {"warmup_num_steps", 4}}}};
+  config["fp16"] = {{"enabled", true}, {"hysteresis", 1}};
+  auto [engine, optimizer, scheduler] = deepspeed::initialize(make_net(), config);
+  ASSERT_TRUE(scheduler.has_value());
+  EXPECT_EQ(engine->get_lr(), std::vector<double>{0.0});
+  for (int i = 0; i < 2; ++i) {
+    engine->backward(loss_of(engine->forward(batch(i))));
+    engine->step();
+  }
+  EXPECT_NEAR(engine->get_lr()[0], 0.05, 1e-9);  // two applied steps: iteration 1
+  engine->backward(loss_of(engine->forward(batch(2))) * std::numeric_limits<float>::infinity());
+  engine->step();
+  EXPECT_FALSE(engine->was_step_applied());
+  EXPECT_NEAR(engine->get_lr()[0], 0.05, 1e-9);  // the skipped step did not advance it
+}
+
+TEST(DeepSpeedSchedulers, AMissingOrUnknownParameterAndAnUnbuiltTypeAreNamed) {
+  auto refusal = [](const nlohmann::json& scheduler) {
+    try {
+      schedule(scheduler, 1);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("built");
+  };
+  EXPECT_NE(refusal({{"type", "WarmupDecayLR"}, {"params", nlohmann::json::object()}}).find("needs params.total_num_steps"),
+            std::string::npos);
+  EXPECT_NE(refusal({{"type", "WarmupLR"}, {"params", {{"warmup_num_step", 10}}}}).find("(did you mean \"warmup_num_steps\"?)"),
+            std::string::npos);
+  EXPECT_NE(refusal({{"type", "OneCycle"}, {"params", nlohmann::json::object()}}).find("not built by xlr8 yet"), std::string::npos);
+  EXPECT_NE(refusal({{"type", "WarmupLR"}, {"params", {{"warmup_type", "cubic"}}}}).find("use log or linear"), std::string::npos);
+}
