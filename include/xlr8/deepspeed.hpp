@@ -82,6 +82,21 @@ class Engine {
   int zero_optimization_stage() const { return config_.zero_optimization.stage; }
   double loss_scale() const;  // 1 without fp16
 
+  // DeepSpeed's checkpoints, over Accelerator::save_state (sharded, checksummed, resharded on load, read
+  // by `xlr8 merge-weights`): `dir/tag` (default "global_step<N>") holds the model, optimizer, scheduler,
+  // scaler, the engine's counters and `client_state`; `dir/latest` names the tag. Every rank must pass
+  // the same tag: checkpoint.tag_validation says what a difference does (Warn, Ignore, Fail). Collective.
+  std::string save_checkpoint(const std::string& dir, const std::string& tag = "",
+                              const nlohmann::json& client_state = nlohmann::json::object(), bool save_latest = true);
+  // Loads `dir/tag` (without a tag: the one `dir/latest` names) and returns {its path, client_state}; no
+  // `latest` file: a warning and nothing, as DeepSpeed does. Collective.
+  std::optional<std::pair<std::string, nlohmann::json>> load_checkpoint(const std::string& dir, const std::string& tag = "");
+  // The whole model in one safetensors file `dir/file`, in the training's 16-bit dtype (fp16 / bf16; the
+  // parameters' own dtype without mixed precision), written by rank 0. Under stage 3 only when
+  // zero_optimization.stage3_gather_16bit_weights_on_model_save is true; else a warning and false, as
+  // DeepSpeed does. Collective.
+  bool save_16bit_model(const std::string& dir, const std::string& file = "model.safetensors");
+
   const Config& config() const { return config_; }
   Accelerator& accelerator() { return *accelerator_; }
   torch::nn::Module& module() { return *module_; }
@@ -90,8 +105,18 @@ class Engine {
 
  private:
   void open_micro_step();
+  void check_tag(const std::string& tag) const;
+
+  // What save_checkpoint keeps besides the Accelerator's own state (registered for checkpointing).
+  struct Counters {
+    Engine* engine = nullptr;
+    nlohmann::json client_state = nlohmann::json::object();
+    nlohmann::json state() const;
+    void load_state(const nlohmann::json& state);
+  };
 
   Config config_;
+  Counters counters_{this};
   BatchSizes sizes_;
   std::unique_ptr<Accelerator> accelerator_;
   std::shared_ptr<torch::nn::Module> module_;

@@ -4,6 +4,8 @@
 #include <torch/optim/sgd.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 
 #include "core/log.hpp"
@@ -13,6 +15,7 @@
 #include "xlr8/deepspeed_schedulers.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/fused_adam.hpp"
+#include "xlr8/safetensors.hpp"
 
 namespace xlr8::deepspeed {
 namespace {
@@ -134,6 +137,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
                  config_.origin, config_.scheduler->type);
   if (!scheduler && config_.scheduler) scheduler = make_scheduler(*config_.scheduler, optimizer_.optimizer());
   if (scheduler) scheduler_ = accelerator_->prepare_scheduler(std::move(scheduler));
+  accelerator_->register_for_checkpointing(counters_);
   if (state.is_main_process())
     log::info("xlr8: DeepSpeed engine: ZeRO stage {}, train_batch_size {} = {} per rank x {} accumulation x {} ranks, "
               "{}, gradient_clipping {}",
@@ -220,6 +224,99 @@ std::vector<double> Engine::get_lr() const {
 double Engine::loss_scale() const {
   const auto& impl = *accelerator_->impl_;
   return impl.scaler ? impl.scaler->scale() : 1.0;
+}
+
+// ------------------------------------------------------------------------------------------ checkpoints
+
+nlohmann::json Engine::Counters::state() const {
+  return {{"global_steps", engine->global_steps_},
+          {"global_samples", engine->global_samples_},
+          {"skipped_steps", engine->skipped_steps_},
+          {"micro_steps", engine->micro_steps_},
+          {"client_state", client_state}};
+}
+
+void Engine::Counters::load_state(const nlohmann::json& state) {
+  engine->global_steps_ = state.at("global_steps").get<int64_t>();
+  engine->global_samples_ = state.at("global_samples").get<int64_t>();
+  engine->skipped_steps_ = state.at("skipped_steps").get<int64_t>();
+  engine->micro_steps_ = state.at("micro_steps").get<int64_t>();
+  client_state = state.at("client_state");
+}
+
+// DeepSpeed's tag check: one hash per rank, compared by MIN and MAX.
+void Engine::check_tag(const std::string& tag) const {
+  auto& world = accelerator_->state().world();
+  if (config_.tag_validation == "Ignore" || world.size() == 1) return;
+  const auto hash = static_cast<int64_t>(std::hash<std::string>{}(tag) >> 1);
+  auto bounds = at::tensor({hash, -hash}, at::kLong);
+  world.all_reduce(bounds, ReduceOp::MAX);
+  if (bounds[0].item<int64_t>() == hash && -bounds[1].item<int64_t>() == hash) return;
+  const auto message = fmt::format("checkpoint tag {:?} is not the same on every rank (rank {}'s); every rank must "
+                                   "save under one tag (checkpoint.tag_validation is {})",
+                                   tag, world.rank(), config_.tag_validation);
+  if (config_.tag_validation == "Fail") throw Error(message);
+  log::warning("xlr8: {}", message);
+}
+
+std::string Engine::save_checkpoint(const std::string& dir, const std::string& tag, const nlohmann::json& client_state,
+                                    bool save_latest) {
+  if (micro_step_)
+    throw Error("save_checkpoint(): a micro-step is under way (a forward or backward since the last step()); save "
+                "after step()");
+  const std::string name = tag.empty() ? fmt::format("global_step{}", global_steps_) : tag;
+  check_tag(name);
+  counters_.client_state = client_state;
+  const auto path = (std::filesystem::path(dir) / name).string();
+  accelerator_->save_state(path);
+  if (save_latest && accelerator_->is_main_process()) {
+    const auto latest = std::filesystem::path(dir) / "latest", partial = std::filesystem::path(dir) / "latest.partial";
+    std::ofstream(partial) << name;
+    std::filesystem::rename(partial, latest);  // readers see the old tag or the new one, never half of it
+  }
+  accelerator_->wait_for_everyone();
+  return path;
+}
+
+std::optional<std::pair<std::string, nlohmann::json>> Engine::load_checkpoint(const std::string& dir,
+                                                                               const std::string& tag) {
+  std::string name = tag;
+  if (name.empty()) {
+    std::ifstream latest(std::filesystem::path(dir) / "latest");
+    if (!latest || !std::getline(latest, name) || name.empty()) {
+      if (accelerator_->is_main_process())
+        log::warning("xlr8: load_checkpoint: {} has no 'latest' file naming a tag; nothing was loaded (pass the tag "
+                     "to load one)",
+                     dir);
+      return std::nullopt;
+    }
+  }
+  const auto path = (std::filesystem::path(dir) / name).string();
+  micro_step_.reset();
+  accelerator_->load_state(path);
+  return std::make_pair(path, counters_.client_state);
+}
+
+bool Engine::save_16bit_model(const std::string& dir, const std::string& file) {
+  const bool main = accelerator_->is_main_process();
+  if (config_.zero_optimization.stage == 3 && !config_.zero_optimization.stage3_gather_16bit_weights_on_model_save) {
+    if (main)
+      log::warning("xlr8: save_16bit_model: under ZeRO-3 the weights are gathered for it only with "
+                   "zero_optimization.stage3_gather_16bit_weights_on_model_save: true; nothing was saved");
+    return false;
+  }
+  auto* strategy = accelerator_->impl_->strategy_for(module_.get());
+  auto state = strategy->state_dict(StateDictKind::FULL_ON_MAIN);  // collective: whole on rank 0 only
+  if (main) {
+    const auto dtype = config_.fp16.enabled ? std::optional(at::kHalf) : config_.bf16 ? std::optional(at::kBFloat16) : std::nullopt;
+    NamedTensors tensors;
+    for (auto& [name, tensor] : state)
+      tensors.emplace_back(name, dtype && tensor.is_floating_point() ? tensor.to(*dtype) : tensor);
+    std::filesystem::create_directories(dir);
+    save_safetensors((std::filesystem::path(dir) / file).string(), tensors, {{"format", "pt"}});
+  }
+  accelerator_->wait_for_everyone();
+  return true;
 }
 
 Engine::NoSync::NoSync(Engine& engine) : engine_(&engine) {

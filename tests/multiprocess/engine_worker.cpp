@@ -2,7 +2,8 @@
 // unit whose unguarded child rides with it) trained through xlr8::deepspeed::initialize from a JSON
 // config, on deterministic data split across ranks. Rank 0 prints one JSON line with the per-step losses
 // (mean over ranks and micro-steps) and writes the final parameters with save_model.
-//   engine_worker --config ds.json --steps S --out DIR
+//   engine_worker --config ds.json --steps S --out DIR [--save_at N] [--resume CHECKPOINT_DIR]
+// --save_at: save_checkpoint(DIR/ckpt) after step N; --resume: load_checkpoint and go on from its step.
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <torch/torch.h>
@@ -57,6 +58,10 @@ int main(int argc, char** argv) {
   app.add_option("--config", config)->required();
   app.add_option("--steps", steps);
   app.add_option("--out", out);
+  int64_t save_at = 0;
+  std::string resume;
+  app.add_option("--save_at", save_at);
+  app.add_option("--resume", resume);
   CLI11_PARSE(app, argc, argv);
   try {
     torch::manual_seed(5);
@@ -65,10 +70,19 @@ int main(int argc, char** argv) {
     const int64_t world = acc.num_processes(), rank = acc.process_index();
     const int64_t micro = engine->train_micro_batch_size_per_gpu(), gas = engine->gradient_accumulation_steps();
     auto gen = at::detail::createCPUGenerator(99);
-    auto x = at::randn({steps * engine->train_batch_size(), 8}, gen);
-    auto y = at::randint(0, 4, {steps * engine->train_batch_size()}, gen);
+    // The same data whatever --steps says (a run resumed later reads the rows the uninterrupted one did).
+    if (steps > 16) throw xlr8::Error("engine_worker: at most 16 steps");
+    auto x = at::randn({16 * engine->train_batch_size(), 8}, gen);
+    auto y = at::randint(0, 4, {16 * engine->train_batch_size()}, gen);
+    int64_t first = 0;
+    if (!resume.empty()) {
+      auto loaded = engine->load_checkpoint(resume);
+      if (!loaded) throw xlr8::Error("engine_worker: nothing to resume in " + resume);
+      first = loaded->second.at("step").get<int64_t>();
+      if (first != engine->global_steps()) throw xlr8::Error("engine_worker: the client state disagrees with global_steps");
+    }
     std::vector<double> losses;
-    for (int64_t s = 0; s < steps; ++s) {
+    for (int64_t s = first; s < steps; ++s) {
       double total = 0;
       for (int64_t k = 0; k < gas; ++k) {
         // Micro-batch k of step s, this rank's rows of it.
@@ -78,6 +92,7 @@ int main(int argc, char** argv) {
         engine->step();
       }
       losses.push_back(acc.reduce(at::full({1}, total, at::kDouble), xlr8::ReduceOp::AVG).item<double>());
+      if (s + 1 == save_at) engine->save_checkpoint(out + "/ckpt", "", {{"step", s + 1}});
     }
     acc.save_model(engine->model(), out + "/model");
     if (acc.is_main_process())

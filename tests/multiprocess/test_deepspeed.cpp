@@ -31,10 +31,11 @@ std::string write_config(const std::string& dir, int stage) {
   return path;
 }
 
-Run engine_run(int processes, int stage) {
+Run engine_run(int processes, int stage, Args extra = {}, int steps = 4) {
   auto dir = temp_dir("ds-engine");
   Args a{kXlr8, "launch", "--num_processes", std::to_string(processes), kEngine, "--config", write_config(dir, stage),
-         "--steps", "4", "--out", dir};
+         "--steps", std::to_string(steps), "--out", dir};
+  a.insert(a.end(), extra.begin(), extra.end());
   return oracle_command(a, dir, 120);
 }
 
@@ -56,4 +57,23 @@ TEST(DeepSpeedEngineOracle, EveryZeroStageOnTwoThreeAndFourRanksEqualsOneProcess
       expect_close(got.losses, one.losses, 1e-5);
       expect_same_params(got.dir, one.dir, 1e-5);
     }
+}
+
+TEST(DeepSpeedEngineOracle, ACheckpointSavedOnThreeRanksAtStage3ResumesOnTwoAtStage2AsIfUninterrupted) {
+  auto one = engine_run(1, 0);
+  auto first = engine_run(3, 3, {"--save_at", "2"}, 2);
+  ASSERT_EQ(first.losses.size(), 2u);
+  std::ifstream latest(first.dir + "/ckpt/latest");
+  std::string tag;
+  std::getline(latest, tag);
+  EXPECT_EQ(tag, "global_step2");
+  // `xlr8 merge-weights` (our zero_to_fp32) turns the stage-3 shards into the model save_model wrote.
+  auto merged = run({kXlr8, "merge-weights", first.dir + "/ckpt/global_step2", first.dir + "/merged/model"}, 60);
+  ASSERT_EQ(merged.exit_code, 0) << merged.err;
+  expect_same_params(first.dir + "/merged", first.dir, 0);
+  auto resumed = engine_run(2, 2, {"--resume", first.dir + "/ckpt"});
+  ASSERT_EQ(resumed.losses.size(), 2u);  // steps 3 and 4
+  expect_close({first.losses[0], first.losses[1], resumed.losses[0], resumed.losses[1]}, one.losses, 1e-5);
+  EXPECT_EQ(resumed.result["global_steps"], 4);
+  expect_same_params(resumed.dir, one.dir, 1e-5);
 }

@@ -4,10 +4,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
 #include <limits>
 
 #include "xlr8/deepspeed.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/safetensors.hpp"
 
 using namespace xlr8;
 
@@ -292,4 +297,65 @@ TEST(DeepSpeedSchedulers, AMissingOrUnknownParameterAndAnUnbuiltTypeAreNamed) {
             std::string::npos);
   EXPECT_NE(refusal({{"type", "OneCycle"}, {"params", nlohmann::json::object()}}).find("not built by xlr8 yet"), std::string::npos);
   EXPECT_NE(refusal({{"type", "WarmupLR"}, {"params", {{"warmup_type", "cubic"}}}}).find("use log or linear"), std::string::npos);
+}
+
+TEST(DeepSpeedEngine, ACheckpointRestoresModelOptimizerSchedulerCountersAndClientStateAndLatestNamesIt) {
+  const auto dir = (std::filesystem::temp_directory_path() / fmt::format("xlr8_ds_ckpt_{}", getpid())).string();
+  std::filesystem::remove_all(dir);
+  nlohmann::json config = sgd_config(1, 0);
+  config["scheduler"] = {{"type", "WarmupLR"}, {"params", {{"warmup_max_lr", 0.1}, {"warmup_num_steps", 10}}}};
+  auto train = [](auto& engine, int from, int to) {
+    for (int i = from; i < to; ++i) {
+      engine->backward(loss_of(engine->forward(batch(i))));
+      engine->step();
+    }
+  };
+  auto a = deepspeed::initialize(make_net(), config);
+  train(a.engine, 0, 3);
+  const auto path = a.engine->save_checkpoint(dir, "", {{"epoch", 2}});
+  EXPECT_EQ(path, dir + "/global_step3");
+  std::ifstream latest(dir + "/latest");
+  std::string tag;
+  std::getline(latest, tag);
+  EXPECT_EQ(tag, "global_step3");
+  train(a.engine, 3, 5);
+
+  torch::manual_seed(99);  // another start: everything must come from the checkpoint
+  auto b = deepspeed::initialize(Net(), config);
+  auto loaded = b.engine->load_checkpoint(dir);
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_EQ(loaded->first, dir + "/global_step3");
+  EXPECT_EQ(loaded->second, (nlohmann::json{{"epoch", 2}}));
+  EXPECT_EQ(b.engine->global_steps(), 3);
+  EXPECT_EQ(b.engine->global_samples(), 12);
+  train(b.engine, 3, 5);
+  expect_same(b.engine->model(), a.engine->model());  // momentum and the schedule's position came back too
+  EXPECT_EQ(b.engine->get_lr(), a.engine->get_lr());
+  // No `latest`: DeepSpeed warns and loads nothing.
+  EXPECT_FALSE(b.engine->load_checkpoint(dir + "/nowhere").has_value());
+  std::filesystem::remove_all(dir);
+}
+
+TEST(DeepSpeedEngine, Save16BitModelWritesTheTrainingDtypeAndUnderZero3OnlyWhenAskedTo) {
+  const auto dir = (std::filesystem::temp_directory_path() / fmt::format("xlr8_ds_16bit_{}", getpid())).string();
+  std::filesystem::remove_all(dir);
+  nlohmann::json config = sgd_config(1, 0);
+  config["fp16"] = {{"enabled", true}};
+  auto [engine, optimizer, scheduler] = deepspeed::initialize(make_net(), config);
+  ASSERT_TRUE(engine->save_16bit_model(dir));
+  auto saved = load_safetensors(dir + "/model.safetensors");
+  ASSERT_EQ(saved.tensors.size(), 4u);
+  for (const auto& [name, tensor] : saved.tensors) {
+    EXPECT_EQ(tensor.scalar_type(), at::kHalf) << name;
+    EXPECT_TRUE(tensor.equal(engine->model()->named_parameters()[name].to(at::kHalf))) << name;
+  }
+  config["zero_optimization"] = {{"stage", 3}};
+  auto z3 = deepspeed::initialize(make_net(), config);
+  EXPECT_FALSE(z3.engine->save_16bit_model(dir, "z3.safetensors"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/z3.safetensors"));
+  config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = true;
+  auto gathered = deepspeed::initialize(make_net(), config);
+  EXPECT_TRUE(gathered.engine->save_16bit_model(dir, "z3.safetensors"));
+  EXPECT_TRUE(std::filesystem::exists(dir + "/z3.safetensors"));
+  std::filesystem::remove_all(dir);
 }
