@@ -16,6 +16,7 @@ namespace {
 
 const std::string kXlr8 = XLR8_BIN;
 const std::string kEngine = ENGINE_BIN;
+const std::string kGptDeepSpeed = GPT_DEEPSPEED_BIN;
 
 // train_batch_size 24 with accumulation 2: the micro-batch is 24 / ranks / 2 (12, 6, 4, 3 on 1-4 ranks).
 std::string write_config(const std::string& dir, int stage) {
@@ -76,4 +77,26 @@ TEST(DeepSpeedEngineOracle, ACheckpointSavedOnThreeRanksAtStage3ResumesOnTwoAtSt
   expect_close({first.losses[0], first.losses[1], resumed.losses[0], resumed.losses[1]}, one.losses, 1e-5);
   EXPECT_EQ(resumed.result["global_steps"], 4);
   expect_same_params(resumed.dir, one.dir, 1e-5);
+}
+
+TEST(DeepSpeedEngineExample, TheGptTrainsThroughTheEngineFromTheShippedJsonAndItsStage3Variant) {
+  const std::string shipped = std::string(XLR8_SOURCE_DIR) + "/examples/gpt_deepspeed/zero2.json";
+  auto dir = temp_dir("gpt-ds");
+  std::ifstream in(shipped);
+  auto stage3 = nlohmann::json::parse(in);
+  stage3["zero_optimization"]["stage"] = 3;
+  std::ofstream(dir + "/zero3.json") << stage3.dump();
+  for (const auto& [config, stage] : std::vector<std::pair<std::string, int>>{{shipped, 2}, {dir + "/zero3.json", 3}}) {
+    SCOPED_TRACE(config);
+    auto r = run({kXlr8, "launch", "--num_processes", "2", kGptDeepSpeed, "--deepspeed_config", config, "--max_steps",
+                  "12", "--n_layer", "2", "--d_model", "32", "--n_head", "2", "--seq_len", "32", "--log_every", "4"},
+                 180);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    auto got = last_json(r.out);
+    EXPECT_EQ(got["global_steps"], 12);
+    EXPECT_EQ(got["stage"], stage);
+    const auto losses = got["losses"].get<std::vector<double>>();
+    ASSERT_EQ(losses.size(), 12u);
+    EXPECT_LT(losses.back(), losses.front() - 0.1) << got;  // it learns (the schedule warms up from 0)
+  }
 }

@@ -1,0 +1,85 @@
+// The GPT example through DeepSpeed's engine API: the model and text of examples/gpt, trained by the
+// loop a DeepSpeed user writes (initialize from a JSON file, forward, backward, step). The strategy,
+// batch sizes, precision, optimizer and scheduler all come from the JSON:
+//   xlr8 launch --num_processes 2 build/bin/gpt_deepspeed --deepspeed_config examples/gpt_deepspeed/zero2.json
+// Prints progress and one JSON line last (losses, tokens/s).
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include <chrono>
+
+#include "../gpt/gpt.hpp"
+#include "xlr8/deepspeed.hpp"
+#include "xlr8/error.hpp"
+
+namespace F = torch::nn::functional;
+
+int main(int argc, char** argv) {
+  CLI::App app{"GPT through xlr8::deepspeed::initialize"};
+  std::string ds_config, data_dir = "/usr/share/games/fortunes", save_dir;
+  int64_t max_steps = 300, seq_len = 128, n_layer = 4, d_model = 128, n_head = 4, log_every = 25;
+  uint64_t seed = 1234;
+  app.add_option("--deepspeed_config", ds_config, "DeepSpeed JSON config (a path or the JSON itself)")->required();
+  app.add_option("--max_steps", max_steps, "optimizer steps (global_steps)");
+  app.add_option("--seq_len", seq_len);
+  app.add_option("--n_layer", n_layer);
+  app.add_option("--d_model", d_model);
+  app.add_option("--n_head", n_head);
+  app.add_option("--seed", seed);
+  app.add_option("--data_dir", data_dir);
+  app.add_option("--log_every", log_every);
+  app.add_option("--save_dir", save_dir, "save_checkpoint here at the end");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    torch::manual_seed(seed);
+    gpt::Config config{.seq_len = seq_len, .n_layer = n_layer, .d_model = d_model, .n_head = n_head};
+    auto [engine, optimizer, scheduler] = xlr8::deepspeed::initialize(gpt::Gpt(config), ds_config);
+    auto& acc = engine->accelerator();
+    auto text = gpt::load_text(data_dir);
+    auto train = acc.prepare_data_loader(gpt::TextWindows(text.narrow(0, 0, text.numel() * 9 / 10), seq_len),
+                                         {.batch_size = engine->train_micro_batch_size_per_gpu(), .shuffle = true,
+                                          .seed = seed});
+    acc.print("gpt_deepspeed: ZeRO stage {}, {} windows per step ({} per rank x {} accumulation x {} ranks)",
+              engine->zero_optimization_stage(), engine->train_batch_size(), engine->train_micro_batch_size_per_gpu(),
+              engine->gradient_accumulation_steps(), acc.num_processes());
+    const auto start = std::chrono::steady_clock::now();
+    int64_t tokens = 0;
+    double step_loss = 0;
+    std::vector<double> losses;
+    while (engine->global_steps() < max_steps) {
+      for (auto& batch : *train) {
+        auto logits = engine->forward(batch.data);
+        auto loss = F::cross_entropy(logits.flatten(0, 1), batch.target.flatten());
+        step_loss += engine->backward(loss).item<double>();
+        const bool boundary = engine->is_gradient_accumulation_boundary();
+        engine->step();
+        tokens += batch.data.numel() * acc.num_processes();
+        if (!boundary) continue;
+        losses.push_back(acc.reduce(at::full({1}, step_loss, at::kDouble), xlr8::ReduceOp::AVG).item<double>());
+        step_loss = 0;
+        if (engine->global_steps() % log_every == 0)
+          acc.print("step {}: loss {:.4f}, lr {:.3g}", engine->global_steps(), losses.back(), engine->get_lr()[0]);
+        if (engine->global_steps() >= max_steps) break;
+      }
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (!save_dir.empty()) engine->save_checkpoint(save_dir, "", {{"seed", seed}});
+    double tail = 0;  // the mean of the last (up to) ten steps' losses
+    const size_t n = std::min<size_t>(10, losses.size());
+    for (size_t i = losses.size() - n; i < losses.size(); ++i) tail += losses[i] / static_cast<double>(n);
+    if (acc.is_main_process())
+      fmt::print("{}\n", nlohmann::json{{"final_train_loss", tail},
+                                         {"losses", losses},
+                                         {"global_steps", engine->global_steps()},
+                                         {"skipped_steps", engine->skipped_steps()},
+                                         {"num_processes", acc.num_processes()},
+                                         {"stage", engine->zero_optimization_stage()},
+                                         {"tokens_per_s", static_cast<double>(tokens) / std::max(seconds, 1e-9)}}
+                             .dump());
+    acc.end_training();
+    return 0;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "gpt_deepspeed: error: {}\n", e.what());
+    return 1;
+  }
+}
