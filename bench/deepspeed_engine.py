@@ -5,8 +5,9 @@ with --use_deepspeed --zero_stage S), alternated REPS times in one invocation; m
 
     REPS=5 STEPS=40 STAGES="2 3" RANKS=2 bench/deepspeed_engine.py
 The JSON matches what the Accelerator run does: micro-batch 16, no accumulation, no clipping (the
-example does not clip), LibTorch's AdamW defaults at lr 3e-4 (weight decay 0.01), no scheduler, and the
-Accelerator's 25 MB gradient buckets (6,553,600 float32 elements). examples/gpt also measures its own
+example does not clip), LibTorch's AdamW defaults at lr 3e-4 (weight decay 0.01), no scheduler, the
+Accelerator's 25 MB gradient buckets (6,553,600 float32 elements) and no persistence threshold (DeepSpeed's
+default of 100,000 elements would keep every tensor of this small model whole). examples/gpt also measures its own
 memory every step (two walks over parameters and optimizer state), which the engine example does not.
 Writes bench/deepspeed_engine_results.json (OUT=path elsewhere).
 """
@@ -31,7 +32,8 @@ def config(stage):
     return {"train_micro_batch_size_per_gpu": 16, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
             "steps_per_print": 100000,
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}},
-            "zero_optimization": {"stage": stage, "reduce_bucket_size": 6553600}}
+            "zero_optimization": {"stage": stage, "reduce_bucket_size": 6553600,
+                                  "stage3_param_persistence_threshold": 0}}
 
 
 def run(cmd):

@@ -197,6 +197,17 @@ Initialized<Model> initialize(Model model, const nlohmann::json& config,
   return initialize(std::move(model), parse_config(config), std::move(optimizer), std::move(scheduler));
 }
 
+// DeepSpeed's set_z3_leaf_modules: under ZeRO-3 each module of `model` that matches becomes one unit
+// gathered whole, with no unit below it (for modules whose submodules run differently on different ranks,
+// as MoE experts: every rank then gathers the same thing). Classes match as fsdp_transformer_layer_cls_to_wrap's
+// names do ("Experts", "ExpertsImpl", "ns::ExpertsImpl"); names exactly as named_modules() gives them;
+// suffixes the end of those names after a dot. Returns how many modules were marked; a ConfigError when
+// none matched. Call before initialize() or Accelerator::prepare(). The config's
+// zero_optimization.leaf_module does the same.
+int set_z3_leaf_modules(torch::nn::Module& model, const std::vector<std::string>& classes);
+int set_z3_leaf_modules_by_name(torch::nn::Module& model, const std::vector<std::string>& names);
+int set_z3_leaf_modules_by_suffix(torch::nn::Module& model, const std::vector<std::string>& suffixes);
+
 // The optimizer a config's "optimizer" section describes, over `parameters` (Adam with adam_w_mode,
 // the default, and AdamW are decoupled-weight-decay AdamW; float32 CPU parameters take the fused step).
 std::shared_ptr<torch::optim::Optimizer> make_optimizer(const TypedSection& section,

@@ -70,6 +70,11 @@ struct ZeroOptions {
   // time, every rank keeps only its shard, and every unit but the root starts freed: its forward must
   // open xlr8::unshard(*this), as nothing gathers it otherwise.
   bool values_from_rank0 = false;
+  // Stage 3, DeepSpeed's stage3_param_persistence_threshold: parameters of fewer elements stay whole on
+  // every rank (their gradients and optimizer state are still sharded), in one unit that is never freed,
+  // saving a gather for each small bias or norm. 0: none (FSDP's behaviour and the Accelerator's default;
+  // the DeepSpeed engine takes the JSON's value, DeepSpeed's default 100,000 when absent).
+  int64_t param_persistence_threshold = 0;
 };
 
 }  // namespace xlr8

@@ -22,6 +22,10 @@ class UnitHooks {
 };
 
 void register_unit(const torch::nn::Module& module, std::weak_ptr<UnitHooks> unit);
+// DeepSpeed's ZeRO-3 leaf modules (deepspeed::set_z3_leaf_modules): each is one unit gathered whole, with
+// no unit below it. Marked for as long as the module lives.
+void mark_leaf_module(torch::nn::Module& module);
+bool is_leaf_module(const torch::nn::Module& module);
 void unregister_unit(const torch::nn::Module& module);
 std::shared_ptr<UnitHooks> find_unit(const torch::nn::Module& module);
 

@@ -104,6 +104,27 @@ void register_unit(const torch::nn::Module& module, std::weak_ptr<UnitHooks> uni
   registry()[&module] = std::move(unit);
 }
 
+namespace {
+// Weak, so that a module freed and another built at its address is not taken for it.
+std::unordered_map<const torch::nn::Module*, std::weak_ptr<torch::nn::Module>>& leaves() {
+  static std::unordered_map<const torch::nn::Module*, std::weak_ptr<torch::nn::Module>> marked;
+  return marked;
+}
+}  // namespace
+
+void mark_leaf_module(torch::nn::Module& module) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  leaves()[&module] = module.shared_from_this();
+}
+
+bool is_leaf_module(const torch::nn::Module& module) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  auto it = leaves().find(&module);
+  if (it == leaves().end()) return false;
+  auto alive = it->second.lock();
+  return alive && alive.get() == &module;
+}
+
 void unregister_unit(const torch::nn::Module& module) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   registry().erase(&module);

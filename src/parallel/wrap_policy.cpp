@@ -9,6 +9,7 @@
 #include <set>
 #include <unordered_set>
 
+#include "parallel/unit_registry.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8 {
@@ -102,7 +103,18 @@ bool layer_class_matches(const std::string& class_name, const std::string& repor
 
 std::vector<UnitPlan> plan_units(const torch::nn::Module& root, const ZeroOptions& options) {
   const auto params = distinct_parameters(root, /*trainable_only=*/false);
-  const auto modules = root.named_modules("", /*include_self=*/false);
+  auto modules = root.named_modules("", /*include_self=*/false);
+  // Nothing below a leaf module is a unit of its own: the leaf's unit (or its parent's) holds it whole.
+  std::vector<std::string> leaves;
+  for (const auto& item : modules)
+    if (is_leaf_module(*item.value())) leaves.push_back(item.key());
+  if (!leaves.empty()) {
+    torch::OrderedDict<std::string, std::shared_ptr<torch::nn::Module>> kept;
+    for (const auto& item : modules)
+      if (std::none_of(leaves.begin(), leaves.end(), [&](const std::string& leaf) { return inside(item.key(), leaf); }))
+        kept.insert(item.key(), item.value());
+    modules = std::move(kept);
+  }
   std::vector<UnitPlan> units;  // in module order
   if (options.auto_wrap_policy == AutoWrapPolicy::TRANSFORMER_BASED_WRAP) {
     if (options.layer_classes.empty())
@@ -150,14 +162,17 @@ std::vector<UnitPlan> plan_units(const torch::nn::Module& root, const ZeroOption
   }
   // Each parameter goes to the deepest unit that contains it; the rest to the root. Frozen parameters
   // form a second group of the same unit: no gradient hooks, released when the unit's backward is done.
-  const size_t root_index = units.size();
+  // Parameters below the persistence threshold go to a unit of no module, never freed.
+  const size_t persistent_index = units.size(), root_index = persistent_index + 1;
+  units.push_back({"(persistent)", nullptr, false, {}});
   units.push_back({"(root)", &root, false, {}});
   std::vector<UnitPlan::Group> trainable(units.size()), frozen(units.size());
   for (const auto& p : params) {
     size_t best = root_index;
-    for (size_t u = 0; u < root_index; ++u)
+    for (size_t u = 0; u < persistent_index; ++u)
       if (inside(p.name, units[u].label) && (best == root_index || units[u].label.size() > units[best].label.size()))
         best = u;
+    if (p.tensor.numel() < options.param_persistence_threshold) best = persistent_index;
     auto& group = p.tensor.requires_grad() ? trainable[best] : frozen[best];
     group.names.push_back(p.name);
     group.params.push_back(p.tensor);
@@ -166,7 +181,7 @@ std::vector<UnitPlan> plan_units(const torch::nn::Module& root, const ZeroOption
   for (size_t u = 0; u < units.size(); ++u) {
     for (auto* group : {&trainable[u], &frozen[u]})
       if (!group->params.empty()) units[u].groups.push_back(std::move(*group));
-    const bool keep_empty = options.auto_wrap_policy == AutoWrapPolicy::GUARDED_MODULES && u < root_index;
+    const bool keep_empty = options.auto_wrap_policy == AutoWrapPolicy::GUARDED_MODULES && u < persistent_index;
     if (!units[u].groups.empty() || keep_empty) out.push_back(std::move(units[u]));
   }
   return out;

@@ -25,8 +25,10 @@ struct UnitPlan {
   std::vector<Group> groups;  // none empty; a unit's trainable group before its frozen one
 };
 
-// Units in module order, then the root (the parameters no unit took), if it holds any. An unknown
-// class in TRANSFORMER_BASED_WRAP is a ConfigError naming the classes the model has.
+// Units in module order (none below a leaf module), then "(persistent)" (parameters under
+// param_persistence_threshold; no module: never freed) and the root (the parameters no unit took), each
+// if it holds any. An unknown class in TRANSFORMER_BASED_WRAP is a ConfigError naming the classes the
+// model has.
 std::vector<UnitPlan> plan_units(const torch::nn::Module& root, const ZeroOptions& options);
 // Buckets of consecutive trainable parameters in reverse order (the order their gradients become ready):
 // the first up to `first_bucket_mb`, the others up to `bucket_cap_mb`, each of one dtype and device.

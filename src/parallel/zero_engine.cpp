@@ -61,6 +61,9 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
   for (const auto& item : module_->named_parameters())
     if (!item.value().requires_grad()) frozen_at_prepare_.emplace_back(item.key(), item.value());
   const bool from_rank0 = policy_.shards_parameters && options_.values_from_rank0;
+  if (from_rank0 && options_.param_persistence_threshold > 0)
+    throw ConfigError("rank-0 loading (values_from_rank0, fsdp_cpu_ram_efficient_loading) and a parameter persistence "
+                      "threshold do not combine: set one of them to off");
   if (from_rank0 && options_.auto_wrap_policy == AutoWrapPolicy::GUARDED_MODULES)
     throw ConfigError("rank-0 loading (values_from_rank0, fsdp_cpu_ram_efficient_loading) needs units known before the "
                       "first forward: use TRANSFORMER_BASED_WRAP or NO_WRAP, not GUARDED_MODULES");
@@ -100,6 +103,10 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
     // The root's group (its embeddings finish last) goes last.
     auto root = std::find_if(launch_order_.begin(), launch_order_.end(), [&](size_t g) { return unit_of(g).is_root(); });
     if (root != launch_order_.end()) std::rotate(root, root + 1, launch_order_.end());
+    // The persistent parameters (small ones of every layer) complete late too: just before the root's.
+    std::stable_partition(launch_order_.begin(), launch_order_.end(),
+                          [&](size_t g) { return unit_of(g).module() != nullptr; });
+    std::stable_partition(launch_order_.begin(), launch_order_.end(), [&](size_t g) { return !unit_of(g).is_root(); });
   }
   grad_shards_.resize(groups_.size());
   works_.resize(groups_.size());

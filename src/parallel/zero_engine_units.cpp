@@ -147,7 +147,7 @@ void ZeroEngine::unit_forward_abandoned(size_t u) {
   if (!units_[u]->is_root() || !options_.values_from_rank0 || warned_unguarded_) return;
   std::vector<std::string> never;
   for (const auto& other : units_)
-    if (!other->guard_opened() && !other->is_root()) never.push_back(other->label());
+    if (!other->guard_opened() && !other->is_root() && other->module()) never.push_back(other->label());
   if (never.empty()) return;
   warned_unguarded_ = true;
   log::warning("xlr8: the model's forward failed before unit(s) {} ever opened xlr8::unshard(*this). Built by "
@@ -219,10 +219,10 @@ void ZeroEngine::assign_riders() {
                                inner.label()[outer.label().size()] == '.');
   };
   for (auto& rider : units_) {
-    if (rider->is_root() || rider->guard_opened() || rider->groups().empty()) continue;
+    if (rider->is_root() || !rider->module() || rider->guard_opened() || rider->groups().empty()) continue;
     ShardingUnit* host = nullptr;
     for (auto& candidate : units_)
-      if (candidate->guard_opened() && contains(*candidate, *rider) &&
+      if (candidate->module() && candidate->guard_opened() && contains(*candidate, *rider) &&
           (!host || host->is_root() || (!candidate->is_root() && candidate->label().size() > host->label().size())))
         host = candidate.get();
     if (host) host->carry(*rider);
@@ -238,7 +238,7 @@ void ZeroEngine::report_unguarded_units() {
   int64_t bytes = 0;
   for (size_t u = 0; u < units_.size(); ++u) {
     const auto& unit = *units_[u];
-    if (unit.guard_opened() || unit.rides() || unit.groups().empty()) continue;
+    if (!unit.module() || unit.guard_opened() || unit.rides() || unit.groups().empty()) continue;
     bool ran = !std::any_of(unit.groups().begin(), unit.groups().end(), [](const FlatGroup& g) { return !g.frozen; });
     for (size_t g = 0; g < groups_.size(); ++g)
       if (unit_of_group_[g] == u && hooked_[g]) ran = true;

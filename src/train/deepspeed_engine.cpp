@@ -4,12 +4,15 @@
 #include <torch/optim/sgd.h>
 
 #include <cmath>
+#include <functional>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 
 #include "core/log.hpp"
 #include "core/text.hpp"
+#include "parallel/unit_registry.hpp"
+#include "parallel/wrap_policy.hpp"
 #include "train/accelerator_impl.hpp"
 #include "xlr8/deepspeed.hpp"
 #include "xlr8/deepspeed_schedulers.hpp"
@@ -32,6 +35,7 @@ AcceleratorOptions accelerator_options(const Config& config, const BatchSizes& s
   o.parallel.zero.stage = z.stage;
   o.parallel.zero.auto_wrap_policy = z.stage == 3 ? AutoWrapPolicy::GUARDED_MODULES : AutoWrapPolicy::NO_WRAP;
   o.parallel.zero.bucket_cap_mb = o.parallel.zero.first_bucket_mb = megabytes_of(z.reduce_bucket_size);
+  if (z.stage == 3) o.parallel.zero.param_persistence_threshold = z.stage3_param_persistence_threshold;
   o.parallel.ddp.bucket_cap_mb = o.parallel.ddp.first_bucket_mb = megabytes_of(z.reduce_bucket_size);
   // DeepSpeed's ZeRO reduces every gradient, a missing one as zeros (ignore_unused_parameters).
   o.parallel.ddp.find_unused_parameters = z.stage > 0 && z.ignore_unused_parameters;
@@ -67,7 +71,44 @@ void check_params(const nlohmann::json& params, const std::vector<std::string>& 
                                     key, text::suggestion(key, known), text::join(known)));
 }
 
+// Marks every module of `model` that `matches` (by its class name and path); ConfigError naming `what`
+// when none does.
+int mark_leaves(torch::nn::Module& model, const std::vector<std::string>& wanted, const char* what,
+                const std::function<bool(const std::string&, const std::string&, const std::string&)>& matches) {
+  int marked = 0;
+  for (const auto& want : wanted)
+    for (const auto& item : model.named_modules("", /*include_self=*/false))
+      if (matches(want, item.value()->name(), item.key())) {
+        detail::mark_leaf_module(*item.value());
+        ++marked;
+      }
+  if (marked == 0)
+    throw ConfigError(fmt::format("{}: no module of the model matches {}", what, text::join(wanted)));
+  return marked;
+}
+
 }  // namespace
+
+int set_z3_leaf_modules(torch::nn::Module& model, const std::vector<std::string>& classes) {
+  return mark_leaves(model, classes, "set_z3_leaf_modules (zero_optimization.leaf_module.classes)",
+                     [](const std::string& want, const std::string& cls, const std::string&) {
+                       return detail::layer_class_matches(want, cls);
+                     });
+}
+
+int set_z3_leaf_modules_by_name(torch::nn::Module& model, const std::vector<std::string>& names) {
+  return mark_leaves(model, names, "set_z3_leaf_modules_by_name (zero_optimization.leaf_module.names)",
+                     [](const std::string& want, const std::string&, const std::string& path) { return want == path; });
+}
+
+int set_z3_leaf_modules_by_suffix(torch::nn::Module& model, const std::vector<std::string>& suffixes) {
+  return mark_leaves(model, suffixes, "set_z3_leaf_modules_by_suffix (zero_optimization.leaf_module.name_suffixes)",
+                     [](const std::string& want, const std::string&, const std::string& path) {
+                       return path == want || (path.size() > want.size() + 1 &&
+                                               path.compare(path.size() - want.size(), want.size(), want) == 0 &&
+                                               path[path.size() - want.size() - 1] == '.');
+                     });
+}
 
 std::shared_ptr<torch::optim::Optimizer> make_optimizer(const TypedSection& section,
                                                         const std::vector<at::Tensor>& parameters) {
@@ -126,6 +167,10 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
     throw ConfigError(fmt::format("deepspeed::initialize: no optimizer: pass one, or give {} an \"optimizer\" section "
                                   "(Adam, AdamW or SGD)",
                                   config_.origin));
+  const auto& leaf = config_.zero_optimization.leaf_module;
+  if (!leaf.classes.empty()) set_z3_leaf_modules(*module, leaf.classes);
+  if (!leaf.names.empty()) set_z3_leaf_modules_by_name(*module, leaf.names);
+  if (!leaf.name_suffixes.empty()) set_z3_leaf_modules_by_suffix(*module, leaf.name_suffixes);
   accelerator_ = std::make_unique<Accelerator>(accelerator_options(config_, sizes_));
   auto& impl = *accelerator_->impl_;
   if (impl.scaler) impl.scaler.emplace(loss_scaler_options(config_.fp16, config_.zero_optimization.stage));

@@ -26,7 +26,8 @@ std::string write_config(const std::string& dir, int stage) {
       {"gradient_clipping", 0.5},
       {"steps_per_print", 1000},
       {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.01}}}}},
-      {"zero_optimization", {{"stage", stage}, {"reduce_bucket_size", 300}}}};  // several buckets
+      // Several buckets; at stage 3 the biases and norms (16 elements) stay whole, the weights are sharded.
+      {"zero_optimization", {{"stage", stage}, {"reduce_bucket_size", 300}, {"stage3_param_persistence_threshold", 20}}}};
   const auto path = dir + "/ds_config.json";
   std::ofstream(path) << config.dump(2);
   return path;

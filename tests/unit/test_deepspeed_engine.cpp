@@ -359,3 +359,16 @@ TEST(DeepSpeedEngine, Save16BitModelWritesTheTrainingDtypeAndUnderZero3OnlyWhenA
   EXPECT_TRUE(std::filesystem::exists(dir + "/z3.safetensors"));
   std::filesystem::remove_all(dir);
 }
+
+TEST(DeepSpeedEngine, LeafModulesAreMatchedByClassNameOrSuffixAndAMatchOfNothingIsNamed) {
+  auto net = make_net();
+  EXPECT_EQ(deepspeed::set_z3_leaf_modules(*net, {"Linear"}), 2);  // torch::nn::Linear, as the config names classes
+  EXPECT_EQ(deepspeed::set_z3_leaf_modules_by_name(*net, {"fc1"}), 1);
+  EXPECT_EQ(deepspeed::set_z3_leaf_modules_by_suffix(*net, {"fc2"}), 1);
+  try {
+    deepspeed::set_z3_leaf_modules(*net, {"Experts"});
+    ADD_FAILURE() << "a class the model does not have was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("no module of the model matches Experts"), std::string::npos) << e.what();
+  }
+}

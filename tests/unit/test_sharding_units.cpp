@@ -5,6 +5,7 @@
 
 #include <mutex>
 
+#include "parallel/unit_registry.hpp"
 #include "parallel/zero_strategy.hpp"
 #include "thread_ranks.hpp"
 #include "xlr8/error.hpp"
@@ -353,4 +354,30 @@ TEST(ShardingUnits, AStateDictThatDiffersIsRefusedNamingOnlyWhatDiffersBriefly) 
                                   own[1].first)),
             std::string::npos)
       << what;
+}
+
+TEST(ShardingUnits, APersistenceThresholdKeepsSmallParametersWholeAndALeafModuleIsOneUnitGatheredWhole) {
+  auto single = make_parallel_strategy(make_rider_net(), Communicator::in_process(xlr8::testing::unique_key(), 0, 1), {});
+  const auto expected = train_rider_net(*single, 0, 1, 3);
+  for (int ranks : {2, 3})
+    run_ranks(ranks, [&](Communicator& comm) {
+      ParallelOptions options;
+      options.zero.stage = 3;
+      options.zero.auto_wrap_policy = AutoWrapPolicy::GUARDED_MODULES;
+      options.zero.param_persistence_threshold = 7;  // the biases (6 and 3 elements) and `shift` (6)
+      auto net = make_rider_net();
+      xlr8::detail::mark_leaf_module(*net->blocks[1]);  // its `inner` is no unit: blocks.1 holds it whole
+      auto strategy = make_parallel_strategy(net, comm, options);
+      expect_same(train_rider_net(*strategy, comm.rank(), ranks, 3), expected, fmt::format("{} ranks", ranks));
+      std::map<std::string, bool> sharded;
+      const auto stats = strategy->stats();
+      for (const auto& g : stats["groups"]) sharded[g["name"]] = g["sharded_between_steps"];
+      EXPECT_EQ(sharded, (std::map<std::string, bool>{{"blocks.0.inner", true},
+                                                       {"blocks.1", true},
+                                                       {"blocks.2.inner", true},
+                                                       {"plain", true},
+                                                       {"(persistent)", false},
+                                                       {"(persistent) (frozen)", false},
+                                                       {"(root)", true}}));
+    });
 }
