@@ -86,14 +86,16 @@ ParallelOptions full_shard(std::vector<std::string> classes = {"PairBlock"}) {
   return o;
 }
 
-// AdamW steps on this rank's rows of a global batch of 12; the whole parameters afterwards.
-StateDict train(ParallelStrategy& strategy, int rank, int ranks, int steps) {
+// SGD steps of a `Net` (NetImpl or RiderNetImpl) on this rank's rows of a global batch of 12 drawn from
+// generators seeded `seed + step`; the whole parameters afterwards.
+template <class Net>
+StateDict train_steps(ParallelStrategy& strategy, int rank, int ranks, int steps, uint64_t seed) {
   // Plain SGD: Adam turns the rounding noise of near-zero gradients into whole steps.
   torch::optim::SGD opt(strategy.module()->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
   strategy.bind_optimizer(opt);
-  auto& net = dynamic_cast<NetImpl&>(*strategy.module());
+  auto& net = dynamic_cast<Net&>(*strategy.module());
   for (int s = 0; s < steps; ++s) {
-    auto gen = at::detail::createCPUGenerator(40 + s);
+    auto gen = at::detail::createCPUGenerator(seed + static_cast<uint64_t>(s));
     auto x = at::randn({12, 4}, gen), y = at::randint(0, 3, {12}, gen);
     const int64_t rows = 12 / ranks;
     strategy.begin_step(false);
@@ -107,6 +109,10 @@ StateDict train(ParallelStrategy& strategy, int rank, int ranks, int steps) {
   StateDict out;
   for (auto& [name, t] : strategy.state_dict(StateDictKind::FULL)) out.emplace_back(name, t.detach().clone());
   return out;
+}
+
+StateDict train(ParallelStrategy& strategy, int rank, int ranks, int steps) {
+  return train_steps<NetImpl>(strategy, rank, ranks, steps, 40);
 }
 
 StateDict single_run(bool with_plain, int steps) {
@@ -259,26 +265,8 @@ std::shared_ptr<RiderNetImpl> make_rider_net() {
   return RiderNet().ptr();
 }
 
-// SGD on this rank's rows of a global batch of 12; the whole parameters afterwards.
 StateDict train_rider_net(ParallelStrategy& strategy, int rank, int ranks, int steps) {
-  torch::optim::SGD opt(strategy.module()->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  strategy.bind_optimizer(opt);
-  auto& net = dynamic_cast<RiderNetImpl&>(*strategy.module());
-  for (int s = 0; s < steps; ++s) {
-    auto gen = at::detail::createCPUGenerator(70 + s);
-    auto x = at::randn({12, 4}, gen), y = at::randint(0, 3, {12}, gen);
-    const int64_t rows = 12 / ranks;
-    strategy.begin_step(false);
-    torch::nll_loss(torch::log_softmax(net.forward(x.narrow(0, rank * rows, rows)), 1), y.narrow(0, rank * rows, rows))
-        .backward();
-    strategy.end_step();
-    strategy.optimizer_step(opt);
-    for (auto& group : opt.param_groups())
-      for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
-  }
-  StateDict out;
-  for (auto& [name, t] : strategy.state_dict(StateDictKind::FULL)) out.emplace_back(name, t.detach().clone());
-  return out;
+  return train_steps<RiderNetImpl>(strategy, rank, ranks, steps, 70);
 }
 
 }  // namespace
