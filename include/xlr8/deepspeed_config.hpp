@@ -89,6 +89,10 @@ Config parse_config(const nlohmann::json& document, const std::string& origin = 
 // A path to a JSON file, or JSON text (starting with '{'): as DeepSpeed's `config` argument.
 Config load_config(const std::string& path_or_json);
 
+// ConfigError naming `section`'s first parameter that is not one of `known` (with the closest one);
+// `kind` is "optimizer" or "scheduler".
+void check_section_params(const TypedSection& section, const char* kind, const std::vector<std::string>& known);
+
 // Replaces "auto" at the given dotted paths and reads the result again; paths that are not "auto" in
 // the document are left alone (the file's own value wins, as in Accelerate).
 Config fill_auto(const Config& config, const std::map<std::string, nlohmann::json>& values);

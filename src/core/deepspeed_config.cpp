@@ -292,6 +292,13 @@ Config load_config(const std::string& path_or_json) {
   return parse_config(document, origin);
 }
 
+void check_section_params(const TypedSection& section, const char* kind, const std::vector<std::string>& known) {
+  for (const auto& [key, value] : section.params.items())
+    if (std::find(known.begin(), known.end(), key) == known.end())
+      throw ConfigError(fmt::format("DeepSpeed config: {} {} has no parameter {:?}{}; its parameters are {}", kind,
+                                    section.type, key, text::suggestion(key, known), text::join(known)));
+}
+
 Config fill_auto(const Config& config, const std::map<std::string, nlohmann::json>& values) {
   nlohmann::json doc = config.document;
   for (const auto& [path, value] : values) {

@@ -45,11 +45,13 @@ std::string join(const std::vector<std::string>& items, const std::string& sep) 
   return out;
 }
 
-std::string listing(const std::vector<std::string>& items, size_t shown) {
-  if (items.size() <= shown) return "[" + join(items) + "]";
+std::string capped(const std::vector<std::string>& items, size_t shown) {
+  if (items.size() <= shown) return join(items);
   std::vector<std::string> first(items.begin(), items.begin() + static_cast<std::ptrdiff_t>(shown));
-  return fmt::format("[{}, ... and {} more]", join(first), items.size() - shown);
+  return fmt::format("{}, ... and {} more", join(first), items.size() - shown);
 }
+
+std::string listing(const std::vector<std::string>& items, size_t shown) { return "[" + capped(items, shown) + "]"; }
 
 std::string prefix_hint(const std::vector<std::string>& missing, const std::vector<std::string>& unexpected) {
   if (missing.empty() || missing.size() != unexpected.size()) return "";

@@ -17,7 +17,9 @@ std::string lower(std::string s);
 std::string trim(const std::string& s);
 // Up to the first newline: exception texts from LibTorch carry a stack trace after it.
 std::string first_line(const std::string& s);
-// "[a, b, c]", or the first `shown` items and "... and N more]": messages name what differs, briefly.
+// "a, b, c", or the first `shown` items and "... and N more": messages name what differs, briefly.
+std::string capped(const std::vector<std::string>& items, size_t shown = 10);
+// The same in brackets: "[a, b, c]".
 std::string listing(const std::vector<std::string>& items, size_t shown = 10);
 // Names that match a model's but for a prefix (a wrapper's "module.", a model saved as a submodule):
 // when every missing name is an unexpected one with one prefix added or removed, a clause saying so

@@ -35,9 +35,8 @@ void check_state_dict(const StateDict& expected, const StateDict& state) {
     }
   if (problems.empty()) return;
   // Only what differs, at most ten entries, and the likely cause when names differ by a prefix.
-  auto listed = text::listing(problems);
   throw ConfigError(fmt::format("load_state_dict: the state dict does not match the model ({}{}); nothing was loaded",
-                                listed.substr(1, listed.size() - 2), text::prefix_hint(missing, unexpected)));
+                                text::capped(problems), text::prefix_hint(missing, unexpected)));
 }
 
 }  // namespace detail

@@ -100,10 +100,8 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
     if (!group(g).frozen) launch_order_.push_back(g);
   if (policy_.shards_parameters) {
     std::reverse(launch_order_.begin(), launch_order_.end());
-    // The root's group (its embeddings finish last) goes last.
-    auto root = std::find_if(launch_order_.begin(), launch_order_.end(), [&](size_t g) { return unit_of(g).is_root(); });
-    if (root != launch_order_.end()) std::rotate(root, root + 1, launch_order_.end());
-    // The persistent parameters (small ones of every layer) complete late too: just before the root's.
+    // The persistent parameters (small ones of every layer) complete late: just before the root's, which
+    // go last (its embeddings finish last).
     std::stable_partition(launch_order_.begin(), launch_order_.end(),
                           [&](size_t g) { return unit_of(g).module() != nullptr; });
     std::stable_partition(launch_order_.begin(), launch_order_.end(), [&](size_t g) { return !unit_of(g).is_root(); });

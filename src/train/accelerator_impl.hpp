@@ -48,6 +48,9 @@ struct AcceleratorImpl {
   std::vector<at::Tensor> optimized_parameters() const;
   // fp16: divide this step's gradients by the scale once, and agree across ranks whether any overflowed.
   void unscale_gradients();
+  // What a backward propagates: loss / accumulation steps, times the fp16 scale. Starts a new gradient
+  // check (what unscale_gradients found for the last one no longer holds).
+  at::Tensor loss_for_backward(const at::Tensor& loss);
   // The strategy of a prepared module, or null.
   ParallelStrategy* strategy_for(const torch::nn::Module* module) const;
   // The strategies of `modules` (all prepared models when empty); an unprepared module is an Error.

@@ -156,13 +156,17 @@ AutocastScope Accelerator::autocast() const {
   return enabled ? AutocastScope(type, dtype) : AutocastScope();
 }
 
-void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
-  auto& s = *impl_;
+at::Tensor AcceleratorImpl::loss_for_backward(const at::Tensor& loss) {
   if (!loss.defined()) throw Error("backward(): the loss tensor is undefined");
-  at::Tensor scaled = loss / s.gradient_state->num_steps;
-  if (s.scaler) scaled = scaled * s.scaler->scale();
-  s.unscaled = false;
-  s.overflow = false;
+  at::Tensor scaled = loss / gradient_state->num_steps;
+  if (scaler) scaled = scaled * scaler->scale();
+  unscaled = false;
+  overflow = false;
+  return scaled;
+}
+
+void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
+  auto scaled = impl_->loss_for_backward(loss);
   AutocastPause outside_autocast;
   scaled.backward({}, retain_graph);
 }

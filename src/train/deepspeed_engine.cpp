@@ -64,13 +64,6 @@ T param_or(const nlohmann::json& params, const char* key, T fallback, const std:
   }
 }
 
-void check_params(const nlohmann::json& params, const std::vector<std::string>& known, const std::string& type) {
-  for (const auto& [key, value] : params.items())
-    if (std::find(known.begin(), known.end(), key) == known.end())
-      throw ConfigError(fmt::format("DeepSpeed config: optimizer {} has no parameter {:?}{}; its parameters are {}", type,
-                                    key, text::suggestion(key, known), text::join(known)));
-}
-
 // Marks every module of `model` that `matches` (by its class name and path); ConfigError naming `what`
 // when none does.
 int mark_leaves(torch::nn::Module& model, const std::vector<std::string>& wanted, const char* what,
@@ -115,8 +108,8 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const TypedSection& sect
   const auto type = text::lower(section.type);
   const auto& p = section.params;
   if (type == "adam" || type == "adamw") {
-    check_params(p, {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam", "bias_correction"},
-                 section.type);
+    check_section_params(section, "optimizer",
+                         {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam", "bias_correction"});
     if (!param_or(p, "bias_correction", true, section.type))
       throw ConfigError("DeepSpeed config: optimizer.params.bias_correction = false is not implemented; remove it");
     const auto betas = param_or(p, "betas", std::vector<double>{0.9, 0.999}, section.type);
@@ -132,7 +125,7 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const TypedSection& sect
         parameters, torch::optim::AdamOptions(lr).betas({betas[0], betas[1]}).eps(eps).weight_decay(decay).amsgrad(amsgrad));
   }
   if (type == "sgd") {
-    check_params(p, {"lr", "momentum", "dampening", "weight_decay", "nesterov"}, section.type);
+    check_section_params(section, "optimizer", {"lr", "momentum", "dampening", "weight_decay", "nesterov"});
     if (!p.contains("lr")) throw ConfigError("DeepSpeed config: optimizer SGD needs params.lr");
     return std::make_shared<torch::optim::SGD>(parameters, torch::optim::SGDOptions(param_or(p, "lr", 0.0, section.type))
                                                                .momentum(param_or(p, "momentum", 0.0, section.type))
@@ -221,13 +214,8 @@ at::Tensor Engine::backward(const at::Tensor& loss, bool retain_graph) {
 }
 
 at::Tensor Engine::scale(const at::Tensor& loss) {
-  if (!loss.defined()) throw Error("scale(): the loss tensor is undefined");
   open_micro_step();
-  auto& impl = *accelerator_->impl_;
-  impl.unscaled = false;  // what backward() resets before its own backward
-  impl.overflow = false;
-  at::Tensor scaled = loss / static_cast<double>(sizes_.gradient_accumulation_steps);
-  return impl.scaler ? scaled * impl.scaler->scale() : scaled;
+  return accelerator_->impl_->loss_for_backward(loss);  // exactly what backward() propagates
 }
 
 void Engine::step() {
@@ -261,15 +249,13 @@ void Engine::step() {
 
 std::vector<double> Engine::get_lr() const {
   std::vector<double> lrs;
-  for (auto& group : const_cast<PreparedOptimizer&>(optimizer_).optimizer().param_groups())
+  auto handle = optimizer_;  // a handle: the same optimizer, reachable without casting const away
+  for (auto& group : handle.optimizer().param_groups())
     lrs.push_back(group.options().get_lr());
   return lrs;
 }
 
-double Engine::loss_scale() const {
-  const auto& impl = *accelerator_->impl_;
-  return impl.scaler ? impl.scaler->scale() : 1.0;
-}
+double Engine::loss_scale() const { return accelerator_->loss_scale(); }
 
 // ------------------------------------------------------------------------------------------ checkpoints
 

@@ -123,11 +123,8 @@ std::shared_ptr<torch::optim::LRScheduler> make_scheduler(const TypedSection& se
       throw ConfigError(fmt::format("DeepSpeed config: scheduler.params.{} = {} must be a whole number", key, v));
     return static_cast<int64_t>(v);
   };
-  auto check = [&](std::vector<std::string> known) {
-    for (const auto& [key, value] : p.items())
-      if (std::find(known.begin(), known.end(), key) == known.end())
-        throw ConfigError(fmt::format("DeepSpeed config: scheduler {} has no parameter {:?}{}; its parameters are {}",
-                                      section.type, key, text::suggestion(key, known), text::join(known)));
+  auto check = [&](const std::vector<std::string>& known) {
+    check_section_params(section, "scheduler", known);
     if (whole("last_batch_iteration", -1) != -1)
       throw ConfigError("DeepSpeed config: scheduler.params.last_batch_iteration other than -1 is not implemented; "
                         "resume with load_state instead");
