@@ -67,7 +67,60 @@ class WarmupCosineLR : public torch::optim::LRScheduler {
   std::vector<double> initial_lrs_;
 };
 
-// The scheduler a config's "scheduler" section describes (WarmupLR, WarmupDecayLR, WarmupCosineLR), over
+// DeepSpeed's 1Cycle: the lr rises from cycle_min_lr to cycle_max_lr over cycle_first_step_size steps and
+// falls back over cycle_second_step_size (default: the first), in stairs when a stair count is given; after
+// the cycle it decays as cycle_min_lr / (1 + decay_lr_rate * steps_since / decay_step_size) (no decay when
+// either is 0). With cycle_momentum, Adam's beta1 moves the opposite way between cycle_min_mom and
+// cycle_max_mom and beta2 becomes 0.99 (DeepSpeed's quirk); optimizers without betas (SGD) keep theirs,
+// with a warning.
+struct OneCycleOptions {
+  double cycle_min_lr = 0, cycle_max_lr = 0;
+  double decay_lr_rate = 0;
+  int64_t cycle_first_step_size = 2000;
+  std::optional<int64_t> cycle_second_step_size;
+  int64_t cycle_first_stair_count = 0;
+  std::optional<int64_t> cycle_second_stair_count;
+  int64_t decay_step_size = 0;
+  bool cycle_momentum = true;
+  double cycle_min_mom = 0.8, cycle_max_mom = 0.9, decay_mom_rate = 0;
+};
+
+class OneCycle : public torch::optim::LRScheduler {
+ public:
+  OneCycle(torch::optim::Optimizer& optimizer, OneCycleOptions options);
+
+ protected:
+  std::vector<double> get_lrs() override;  // also sets beta1 when momentum cycles
+
+ private:
+  double scale_factor(int64_t iteration) const;
+  void set_beta1(double beta1);
+  torch::optim::Optimizer& optimizer_;
+  OneCycleOptions o_;
+  double first_, second_, total_, ratio_;
+  int64_t first_stairs_, second_stairs_;
+  bool cycle_momentum_;
+};
+
+// DeepSpeed's LR range test: lr = min_lr * (1 + step_rate * interval), interval = (i + 1) / step_size
+// (floored with staircase).
+class LRRangeTest : public torch::optim::LRScheduler {
+ public:
+  LRRangeTest(torch::optim::Optimizer& optimizer, double min_lr = 1e-3, int64_t step_size = 2000, double step_rate = 1.0,
+              bool staircase = false);
+
+ protected:
+  std::vector<double> get_lrs() override;
+
+ private:
+  double min_lr_, step_rate_;
+  int64_t step_size_;
+  bool staircase_;
+  size_t groups_;
+};
+
+// The scheduler a config's "scheduler" section describes (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle,
+// LRRangeTest), over
 // `optimizer`; a ConfigError names a missing or unknown parameter, or a type xlr8 does not build.
 std::shared_ptr<torch::optim::LRScheduler> make_scheduler(const TypedSection& section, torch::optim::Optimizer& optimizer);
 

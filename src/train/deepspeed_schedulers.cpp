@@ -1,11 +1,16 @@
-// DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR, and building them from a config's section.
+// DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle and LRRangeTest, and building them from a
+// config's section.
 #include "xlr8/deepspeed_schedulers.hpp"
 
 #include <fmt/format.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
+#include "core/log.hpp"
 #include "core/text.hpp"
 #include "xlr8/error.hpp"
 
@@ -109,6 +114,96 @@ std::vector<double> WarmupCosineLR::get_lrs() {
   return lrs;
 }
 
+// ------------------------------------------------------------------------------------------ OneCycle
+
+namespace {
+// The group's Adam betas, or null for optimizers without them ("betas" not in DeepSpeed's defaults).
+std::tuple<double, double>* betas_of(torch::optim::OptimizerOptions& options) {
+  if (auto* adamw = dynamic_cast<torch::optim::AdamWOptions*>(&options)) return &adamw->betas();
+  if (auto* adam = dynamic_cast<torch::optim::AdamOptions*>(&options)) return &adam->betas();
+  return nullptr;
+}
+}  // namespace
+
+OneCycle::OneCycle(torch::optim::Optimizer& optimizer, OneCycleOptions options)
+    : LRScheduler(optimizer), optimizer_(optimizer), o_(options) {
+  first_ = static_cast<double>(o_.cycle_first_step_size);
+  second_ = o_.cycle_second_step_size ? static_cast<double>(*o_.cycle_second_step_size) : first_;
+  if (first_ <= 0) throw ConfigError(fmt::format("OneCycle: cycle_first_step_size must be positive, got {}", first_));
+  if (second_ < 0) throw ConfigError(fmt::format("OneCycle: cycle_second_step_size must be non-negative, got {}", second_));
+  total_ = first_ + second_;
+  ratio_ = first_ / total_;
+  first_stairs_ = o_.cycle_first_stair_count;
+  second_stairs_ = o_.cycle_second_stair_count.value_or(first_stairs_);
+  set_lrs(optimizer, std::vector<double>(optimizer.param_groups().size(), o_.cycle_min_lr));
+  cycle_momentum_ = o_.cycle_momentum;
+  if (cycle_momentum_) {
+    for (auto& group : optimizer.param_groups())
+      if (!betas_of(group.options())) cycle_momentum_ = false;
+    if (!cycle_momentum_) log::warning("xlr8: OneCycle: cycle_momentum is disabled: the optimizer has no betas");
+    else set_beta1(o_.cycle_min_mom);
+  }
+}
+
+void OneCycle::set_beta1(double beta1) {
+  for (auto& group : optimizer_.param_groups()) *betas_of(group.options()) = {beta1, 0.99};
+}
+
+double OneCycle::scale_factor(int64_t iteration) const {
+  const double batch = static_cast<double>(iteration + 1);
+  const double cycle = std::floor(1 + batch / total_);
+  const double x = 1.0 + batch / total_ - cycle;
+  double factor = x <= ratio_ ? x / ratio_ : (x - 1) / (ratio_ - 1);
+  const int64_t stairs = x <= ratio_ ? first_stairs_ : second_stairs_;
+  if (stairs > 0) {
+    const double within = std::fmod(batch, total_);
+    const double position = within <= first_ ? within * static_cast<double>(stairs) / first_
+                                              : (total_ - within) * static_cast<double>(stairs) / second_;
+    factor = std::floor(position) / static_cast<double>(stairs);
+  }
+  return factor;
+}
+
+std::vector<double> OneCycle::get_lrs() {
+  const auto iteration = static_cast<int64_t>(step_count_);
+  const size_t groups = optimizer_.param_groups().size();
+  double lr = o_.cycle_min_lr, beta1 = o_.cycle_max_mom;
+  if (static_cast<double>(iteration) < total_) {
+    const double f = scale_factor(iteration);
+    lr = o_.cycle_min_lr + (o_.cycle_max_lr - o_.cycle_min_lr) * f;
+    beta1 = o_.cycle_max_mom - (o_.cycle_max_mom - o_.cycle_min_mom) * f;
+  } else {
+    const double interval = o_.decay_step_size == 0 ? 0.0
+                                                    : (static_cast<double>(iteration) - total_ + 1) /
+                                                          static_cast<double>(o_.decay_step_size);
+    if (o_.decay_step_size != 0 && o_.decay_lr_rate != 0) lr = o_.cycle_min_lr / (1 + o_.decay_lr_rate * interval);
+    if (o_.decay_step_size != 0 && o_.decay_mom_rate != 0) beta1 = o_.cycle_max_mom * (1 + o_.decay_mom_rate * interval);
+  }
+  if (cycle_momentum_) set_beta1(beta1);
+  return std::vector<double>(groups, lr);
+}
+
+LRRangeTest::LRRangeTest(torch::optim::Optimizer& optimizer, double min_lr, int64_t step_size, double step_rate,
+                         bool staircase)
+    : LRScheduler(optimizer),
+      min_lr_(min_lr),
+      step_rate_(step_rate),
+      step_size_(step_size),
+      staircase_(staircase),
+      groups_(optimizer.param_groups().size()) {
+  if (step_size <= 0)
+    throw ConfigError(fmt::format("LRRangeTest: lr_range_test_step_size must be a positive integer, got {}", step_size));
+  set_lrs(optimizer, std::vector<double>(groups_, min_lr_));
+}
+
+std::vector<double> LRRangeTest::get_lrs() {
+  double interval = static_cast<double>(step_count_ + 1) / static_cast<double>(step_size_);
+  if (staircase_) interval = std::floor(interval);
+  return std::vector<double>(groups_, min_lr_ * (1 + step_rate_ * interval));
+}
+
+// ------------------------------------------------------------------------------------------ from a config
+
 std::shared_ptr<torch::optim::LRScheduler> make_scheduler(const TypedSection& section, torch::optim::Optimizer& optimizer) {
   const auto& p = section.params;
   auto number = [&](const char* key, double fallback) {
@@ -161,14 +256,41 @@ std::shared_ptr<torch::optim::LRScheduler> make_scheduler(const TypedSection& se
                                             whole("warmup_num_steps", 1000), number("cos_min_ratio", 0.0001),
                                             p.value("warmup_type", std::string("log")));
   }
-  if (section.type == "OneCycle" || section.type == "LRRangeTest")
-    throw ConfigError(fmt::format("DeepSpeed config: scheduler.type {:?} is not built by xlr8 yet; use WarmupLR, "
-                                  "WarmupDecayLR or WarmupCosineLR, or pass a torch::optim::LRScheduler to initialize()",
-                                  section.type));
+  if (section.type == "OneCycle") {
+    check({"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size",
+           "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size", "cycle_momentum", "cycle_min_mom",
+           "cycle_max_mom", "decay_mom_rate", "last_batch_iteration"});
+    for (const char* required : {"cycle_min_lr", "cycle_max_lr"})
+      if (!p.contains(required)) throw ConfigError(fmt::format("DeepSpeed config: scheduler OneCycle needs params.{}", required));
+    OneCycleOptions o;
+    o.cycle_min_lr = number("cycle_min_lr", 0.0);
+    o.cycle_max_lr = number("cycle_max_lr", 0.0);
+    o.decay_lr_rate = number("decay_lr_rate", 0.0);
+    o.cycle_first_step_size = whole("cycle_first_step_size", 2000);
+    if (p.contains("cycle_second_step_size") && !p.at("cycle_second_step_size").is_null())
+      o.cycle_second_step_size = whole("cycle_second_step_size", 0);
+    o.cycle_first_stair_count = whole("cycle_first_stair_count", 0);
+    if (p.contains("cycle_second_stair_count") && !p.at("cycle_second_stair_count").is_null())
+      o.cycle_second_stair_count = whole("cycle_second_stair_count", 0);
+    o.decay_step_size = whole("decay_step_size", 0);
+    o.cycle_momentum = p.value("cycle_momentum", true);
+    o.cycle_min_mom = number("cycle_min_mom", 0.8);
+    o.cycle_max_mom = number("cycle_max_mom", 0.9);
+    o.decay_mom_rate = number("decay_mom_rate", 0.0);
+    return std::make_shared<OneCycle>(optimizer, o);
+  }
+  if (section.type == "LRRangeTest") {
+    check({"lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate", "lr_range_test_staircase",
+           "last_batch_iteration"});
+    return std::make_shared<LRRangeTest>(optimizer, number("lr_range_test_min_lr", 1e-3),
+                                         whole("lr_range_test_step_size", 2000), number("lr_range_test_step_rate", 1.0),
+                                         p.value("lr_range_test_staircase", false));
+  }
   throw ConfigError(fmt::format("DeepSpeed config: scheduler.type {:?} is not a DeepSpeed scheduler{}; use WarmupLR, "
-                                "WarmupDecayLR or WarmupCosineLR",
+                                "WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest",
                                 section.type,
-                                text::suggestion(section.type, {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle"})));
+                                text::suggestion(section.type, {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle",
+                                                                "LRRangeTest"})));
 }
 
 }  // namespace xlr8::deepspeed
