@@ -10,6 +10,7 @@
 
 #include "gpt.hpp"
 #include "xlr8/accelerator.hpp"
+#include "xlr8/deepspeed_dummy.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/fused_adam.hpp"
 
@@ -26,6 +27,8 @@ struct Args {
   int64_t n_head = 4;
   uint64_t seed = 1234;
   double lr = 3e-4;  // 1e-3 stalls at the unigram loss (~3.3) for hundreds of steps
+  double weight_decay = 0.01;  // AdamW's default
+  int64_t warmup_steps = 0;    // a DeepSpeed config's scheduler warms up over these (DummyScheduler)
   std::string output_dir = "gpt_output";
   int64_t checkpoint_every = 0;
   std::string resume_from;
@@ -118,7 +121,16 @@ int run(const Args& args) {
     return net;
   }));
   const double setup_peak_rss_mb = peak_rss_mb();  // building and preparing the model
-  auto opt = acc.prepare(xlr8::optim::FusedAdamW(model->parameters(), torch::optim::AdamWOptions(args.lr)));
+  // Under a DeepSpeed JSON that defines the optimizer or scheduler (`--deepspeed_config_file`), placeholders
+  // stand for them and supply the values its "auto" entries take, as Accelerate's examples do.
+  const auto* ds = acc.deepspeed_config();
+  auto opt = ds && ds->contains("optimizer")
+                 ? acc.prepare(xlr8::DummyOptim(model->parameters(), args.lr, args.weight_decay))
+                 : acc.prepare(xlr8::optim::FusedAdamW(
+                       model->parameters(), torch::optim::AdamWOptions(args.lr).weight_decay(args.weight_decay)));
+  std::optional<xlr8::PreparedScheduler> scheduler;
+  if (ds && ds->contains("scheduler"))
+    scheduler = acc.prepare(xlr8::DummyScheduler(opt.optimizer(), args.max_steps, args.warmup_steps));
 
   // 90% of the text for training, the rest held out.
   auto text = gpt::load_text(args.data_dir);
@@ -149,7 +161,7 @@ int run(const Args& args) {
   acc.print("gpt: {} parameters, {} layers, d_model {}, {} heads; {} bytes of text, windows of {}; {} process(es), "
             "{} windows per global batch, {} batches per epoch per process",
             params, args.n_layer, args.d_model, args.n_head, text.numel(), args.seq_len, acc.num_processes(),
-            args.batch_size * acc.num_processes() * args.gradient_accumulation_steps, train->size());
+            args.batch_size * acc.num_processes() * acc.gradient_accumulation_steps(), train->size());
 
   const auto start = std::chrono::steady_clock::now();
   int64_t tokens = 0, steps_at_start = acc.step();
@@ -167,6 +179,7 @@ int run(const Args& args) {
       acc.backward(loss);
       peak = std::max(peak, state_bytes(*model, opt.optimizer()));
       opt.step();
+      if (scheduler) scheduler->step();
       if (acc.sync_gradients()) {
         // What stays between steps; sharding under mixed precision also keeps low-precision copies that
         // neither the parameters nor the optimizer reach.
@@ -252,6 +265,8 @@ int main(int argc, char** argv) {
   app.add_option("--n_head", a.n_head, "Attention heads");
   app.add_option("--seed", a.seed, "Seed: same seed, same initialisation and data order on any number of processes");
   app.add_option("--lr", a.lr, "AdamW learning rate");
+  app.add_option("--weight_decay", a.weight_decay, "AdamW weight decay");
+  app.add_option("--warmup_steps", a.warmup_steps, "Warm-up steps of a DeepSpeed config's scheduler");
   app.add_option("--output_dir", a.output_dir, "Checkpoints and the final model go here");
   app.add_option("--init_from", a.init_from, "Start from weights save_model wrote (a directory or safetensors file)");
   app.add_option("--checkpoint_every", a.checkpoint_every, "Save a checkpoint every N optimizer steps");

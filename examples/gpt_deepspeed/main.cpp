@@ -45,14 +45,18 @@ int main(int argc, char** argv) {
     const auto start = std::chrono::steady_clock::now();
     int64_t tokens = 0;
     double step_loss = 0;
+    double step_ms = 0;  // forward to step(), each micro-step: what wall_clock_breakdown divides up
     std::vector<double> losses;
     while (engine->global_steps() < max_steps) {
       for (auto& batch : *train) {
+        const auto began = std::chrono::steady_clock::now();
         auto logits = engine->forward(batch.data);
         auto loss = F::cross_entropy(logits.flatten(0, 1), batch.target.flatten());
-        step_loss += engine->backward(loss).item<double>();
+        auto reported = engine->backward(loss);
         const bool boundary = engine->is_gradient_accumulation_boundary();
         engine->step();
+        step_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count();
+        step_loss += reported.item<double>();
         tokens += batch.data.numel() * acc.num_processes();
         if (!boundary) continue;
         losses.push_back(acc.reduce(at::full({1}, step_loss, at::kDouble), xlr8::ReduceOp::AVG).item<double>());
@@ -74,7 +78,13 @@ int main(int argc, char** argv) {
                                          {"skipped_steps", engine->skipped_steps()},
                                          {"num_processes", acc.num_processes()},
                                          {"stage", engine->zero_optimization_stage()},
-                                         {"tokens_per_s", static_cast<double>(tokens) / std::max(seconds, 1e-9)}}
+                                         {"tokens_per_s", static_cast<double>(tokens) / std::max(seconds, 1e-9)},
+                                         {"measured_step_ms", step_ms},
+                                         {"wall_clock_ms", {{"forward", engine->wall_clock().forward_ms},
+                                                            {"backward", engine->wall_clock().backward_ms},
+                                                            {"backward_inner", engine->wall_clock().backward_inner_ms},
+                                                            {"backward_allreduce", engine->wall_clock().backward_allreduce_ms},
+                                                            {"step", engine->wall_clock().step_ms}}}}
                              .dump());
     acc.end_training();
     return 0;

@@ -43,6 +43,10 @@ struct AcceleratorOptions {
   bool automatic_checkpoint_naming = false;  // save_state() -> <project_dir>/checkpoints/checkpoint_<N>
   std::optional<int> total_limit;            // keep at most this many automatic checkpoints
   std::optional<ProgressMode> progress;      // progress(): default XLR8_PROGRESS, else AUTO
+  // The model's width, for a DeepSpeed config's "auto" bucket sizes (Accelerate reads model.config.hidden_size:
+  // reduce_bucket_size h*h, stage3_prefetch_bucket_size 0.9*h*h, stage3_param_persistence_threshold 10*h).
+  // 0: the width of the model's first Embedding.
+  int64_t model_hidden_size = 0;
 };
 
 struct AcceleratorImpl;
@@ -126,8 +130,14 @@ class FullParametersScope {
 
 class Accelerator {
   friend class deepspeed::Engine;  // DeepSpeed's micro-step decides sync itself, and fp16 takes the JSON's scaler
+  struct ForEngine {};             // the engine's own Accelerator: its JSON configures it, not the launch's file
+  Accelerator(AcceleratorOptions options, ForEngine);
 
  public:
+  // Under `--use_deepspeed --deepspeed_config_file ds.json` the JSON configures the run as DeepSpeed's engine
+  // would under Accelerate: its ZeRO stage and keys, fp16 (with its loss scaler) or bf16, accumulation and
+  // gradient_clipping (applied at each optimizer step); "auto" values are filled from these options, the
+  // launch, the prepared model, data loaders and DummyOptim / DummyScheduler (deepspeed_dummy.hpp).
   explicit Accelerator(AcceleratorOptions options = {});
   ~Accelerator();
   Accelerator(const Accelerator&) = delete;
@@ -144,6 +154,9 @@ class Accelerator {
   int gradient_accumulation_steps() const;
   bool sync_gradients() const;
   bool end_of_dataloader() const;
+  // The DeepSpeed JSON this run follows (`--deepspeed_config_file`), with the "auto" values filled so far;
+  // null without one. A program asks it whether the JSON defines an "optimizer" or "scheduler".
+  const nlohmann::json* deepspeed_config() const;
 
   // Models: any torch::nn::ModuleHolder (Net, torch::nn::Linear ...) or std::shared_ptr<Module>. The
   // module is moved to the device and gets its parallel strategy (make_parallel_strategy): with several

@@ -39,8 +39,10 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // Opens the micro-step (its sync decision) and returns the autocast the forward runs under: the
-  // typed engine's forward() calls it. A loop that calls the module itself may call it too.
+  // typed engine's forward() calls it. A loop that calls the module itself may call it too (and
+  // end_forward() after it, else the forward's time runs until backward()).
   [[nodiscard]] AutocastScope begin_forward();
+  void end_forward();
   // The loss divided by the accumulation steps and multiplied by the fp16 scale, backpropagated (outside
   // autocast). Returns loss / gradient_accumulation_steps, detached, for logging.
   at::Tensor backward(const at::Tensor& loss, bool retain_graph = false);
@@ -82,6 +84,15 @@ class Engine {
   int zero_optimization_stage() const { return config_.zero_optimization.stage; }
   double loss_scale() const;  // 1 without fp16
 
+  // wall_clock_breakdown: milliseconds spent in each phase since the engine was built (zeros unless the
+  // config turns it on). backward = backward_inner + backward_allreduce, the time blocked waiting for
+  // gradient reductions (in backward and when the micro-step ends); step = clipping, the optimizer (with
+  // ZeRO's gathers), the scheduler and zeroing. With steps_per_print, each interval's sums are printed.
+  struct WallClock {
+    double forward_ms = 0, backward_ms = 0, backward_inner_ms = 0, backward_allreduce_ms = 0, step_ms = 0;
+  };
+  const WallClock& wall_clock() const { return wall_clock_total_; }
+
   // DeepSpeed's checkpoints, over Accelerator::save_state (sharded, checksummed, resharded on load, read
   // by `xlr8 merge-weights`): `dir/tag` (default "global_step<N>") holds the model, optimizer, scheduler,
   // scaler, the engine's counters and `client_state`; `dir/latest` names the tag. Every rank must pass
@@ -97,6 +108,18 @@ class Engine {
   // DeepSpeed does. Collective.
   bool save_16bit_model(const std::string& dir, const std::string& file = "model.safetensors");
 
+  // DeepSpeed's deepspeed_io: a loader over `dataset` giving each data-parallel rank its share in
+  // micro-batches of train_micro_batch_size_per_gpu (or `batch_size`), shuffled as DeepSpeed's training
+  // sampler does (reseeded per epoch), the last partial batch dropped when dataloader_drop_last.
+  template <class Dataset>
+  std::shared_ptr<DataLoader<Dataset>> deepspeed_io(Dataset dataset, std::optional<int64_t> batch_size = std::nullopt) {
+    DataLoaderOptions options;
+    options.batch_size = batch_size.value_or(sizes_.micro_batch_per_gpu);
+    options.shuffle = true;
+    options.drop_last = config_.dataloader_drop_last;
+    return accelerator_->prepare_data_loader(std::move(dataset), options);
+  }
+
   const Config& config() const { return config_; }
   Accelerator& accelerator() { return *accelerator_; }
   torch::nn::Module& module() { return *module_; }
@@ -106,6 +129,10 @@ class Engine {
  private:
   void open_micro_step();
   void check_tag(const std::string& tag) const;
+  // wall_clock_breakdown: a phase's clock (synchronising the device first, as DeepSpeed's timers do).
+  double now_ms() const;
+  void add_time(double WallClock::*phase, double ms);
+  void print_wall_clock();
 
   // What save_checkpoint keeps besides the Accelerator's own state (registered for checkpointing).
   struct Counters {
@@ -128,6 +155,8 @@ class Engine {
   int64_t micro_steps_ = 0, global_steps_ = 0, global_samples_ = 0, skipped_steps_ = 0;
   bool step_applied_ = false;
   double grad_norm_ = 0;
+  WallClock wall_clock_total_, wall_clock_interval_;
+  std::optional<double> forward_began_ms_;
 };
 
 // The engine of a model of type Model (a module holder such as TORCH_MODULE(Net)'s Net, or a
@@ -142,7 +171,9 @@ class ModelEngine : public Engine {
   template <class... Args>
   auto forward(Args&&... args) {
     auto autocast = begin_forward();
-    return model_->forward(std::forward<Args>(args)...);
+    auto output = model_->forward(std::forward<Args>(args)...);
+    end_forward();
+    return output;
   }
   template <class... Args>
   auto operator()(Args&&... args) {
@@ -195,6 +226,35 @@ Initialized<Model> initialize(Model model, const nlohmann::json& config,
                               std::shared_ptr<torch::optim::Optimizer> optimizer = nullptr,
                               std::shared_ptr<torch::optim::LRScheduler> scheduler = nullptr) {
   return initialize(std::move(model), parse_config(config), std::move(optimizer), std::move(scheduler));
+}
+
+// deepspeed.initialize with training_data: the tuple gains the engine's loader over it (deepspeed_io), in
+// DeepSpeed's order:
+//   auto [engine, optimizer, loader, scheduler] = xlr8::deepspeed::initialize(model, "ds.json", dataset);
+template <class Model, class Dataset>
+struct InitializedWithData {
+  std::shared_ptr<ModelEngine<Model>> engine;
+  PreparedOptimizer optimizer;
+  std::shared_ptr<DataLoader<Dataset>> training_dataloader;
+  std::optional<PreparedScheduler> lr_scheduler;
+};
+
+inline Config config_of(const Config& config) { return config; }
+inline Config config_of(const std::string& path_or_json) { return load_config(path_or_json); }
+inline Config config_of(const char* path_or_json) { return load_config(path_or_json); }
+inline Config config_of(const nlohmann::json& config) { return parse_config(config); }
+
+template <class Model, class ConfigSource, class Dataset>
+  requires requires(const Dataset& d) {
+    d.size();
+    d.get(size_t{0});
+  }
+InitializedWithData<Model, Dataset> initialize(Model model, const ConfigSource& config, Dataset training_data,
+                                               std::shared_ptr<torch::optim::Optimizer> optimizer = nullptr,
+                                               std::shared_ptr<torch::optim::LRScheduler> scheduler = nullptr) {
+  auto made = initialize(std::move(model), config_of(config), std::move(optimizer), std::move(scheduler));
+  auto loader = made.engine->deepspeed_io(std::move(training_data));
+  return {made.engine, made.optimizer, loader, made.lr_scheduler};
 }
 
 // DeepSpeed's set_z3_leaf_modules: under ZeRO-3 each module of `model` that matches becomes one unit

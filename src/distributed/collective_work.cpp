@@ -2,7 +2,11 @@
 // carries, the reduction arithmetic of composite collectives, and Work, the handle of one in flight.
 #include <fmt/format.h>
 
+#include <atomic>
+#include <chrono>
+
 #include "core/text.hpp"
+#include "distributed/collective_timing.hpp"
 #include "distributed/comm_state.hpp"
 #include "xlr8/error.hpp"
 
@@ -59,11 +63,26 @@ void combine(at::Tensor& acc, const at::Tensor& other, ReduceOp op) {
 
 // ---------------------------------------------------------------------------------------------- Work
 
+namespace {
+std::atomic<int64_t> waited_ns{0};
+
+struct WaitClock {
+  std::chrono::steady_clock::time_point began = std::chrono::steady_clock::now();
+  ~WaitClock() {
+    waited_ns.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - began).count(),
+                        std::memory_order_relaxed);
+  }
+};
+}  // namespace
+
+int64_t detail::collective_wait_ns() { return waited_ns.load(std::memory_order_relaxed); }
+
 void Work::wait() {
   if (!state_) return;
   auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
   if (s.done) return;
+  WaitClock clock;
   if (s.work) {
     try {
       s.work->wait(s.timeout);

@@ -41,7 +41,27 @@ ParallelStrategy* AcceleratorImpl::owner_of(const at::Tensor& parameter) const {
 
 // ------------------------------------------------------------------------------------------ accelerator
 
-Accelerator::Accelerator(AcceleratorOptions options) : impl_(std::make_unique<AcceleratorImpl>()) {
+Accelerator::Accelerator(AcceleratorOptions options) : Accelerator(std::move(options), ForEngine{}) {
+  auto& s = *impl_;
+  const auto& launch = s.state->settings().deepspeed;
+  if (launch && !launch->config_file.empty()) {
+    // The JSON decides precision and accumulation (Accelerate: DeepSpeed's value wins), its scaler and clipping.
+    auto& plugin = s.deepspeed.emplace(*launch, s.precision, s.gradient_state->num_steps, s.state->is_main_process());
+    s.precision = plugin.precision();
+    if (plugin.gradient_accumulation_steps() > 0) s.gradient_state->num_steps = plugin.gradient_accumulation_steps();
+    s.scaler.reset();
+    if (s.precision == MixedPrecision::FP16)
+      s.scaler.emplace(deepspeed::loss_scaler_options(plugin.config().fp16, plugin.config().zero_optimization.stage));
+    s.clip_at_step = plugin.config().gradient_clipping;
+    const auto& z = plugin.config().zero_optimization;
+    const bool launch_offloads = launch->offload_optimizer_device != "none" || launch->offload_param_device != "none";
+    if (!launch_offloads && (z.offload_optimizer.device != "none" || z.offload_param.device != "none")) s.report_offload();
+  } else if (launch && launch->gradient_clipping) {
+    s.clip_at_step = *launch->gradient_clipping;  // --gradient_clipping: DeepSpeed clips every step
+  }
+}
+
+Accelerator::Accelerator(AcceleratorOptions options, ForEngine) : impl_(std::make_unique<AcceleratorImpl>()) {
   auto& s = *impl_;
   s.state = &ProcessState::instance();
   s.options = std::move(options);
@@ -56,10 +76,18 @@ Accelerator::Accelerator(AcceleratorOptions options) : impl_(std::make_unique<Ac
   bool offload = (settings.fsdp && settings.fsdp->offload_params) ||
                  (settings.deepspeed && (settings.deepspeed->offload_optimizer_device != "none" ||
                                          settings.deepspeed->offload_param_device != "none"));
-  if (offload && s.state->is_main_process())
-    log::info("xlr8: offload requested: shards, gradients and optimizer state stay on the training device ({}); on a "
-              "CPU-only machine that is host memory already, so nothing moves",
-              s.device.str());
+  if (offload) s.report_offload();
+}
+
+void AcceleratorImpl::report_offload() const {
+  if (!state->is_main_process()) return;
+  if (device.is_cpu())
+    log::info("xlr8: offload requested: shards, gradients and optimizer state stay on the training device, which on a "
+              "CPU-only run is host memory already, so nothing moves");
+  else
+    log::warning("xlr8: offload requested, but this build does not offload yet: shards, gradients and optimizer state "
+                 "stay in {} memory",
+                 device.str());
 }
 
 Accelerator::~Accelerator() = default;
@@ -75,6 +103,9 @@ MixedPrecision Accelerator::mixed_precision() const { return impl_->precision; }
 int Accelerator::gradient_accumulation_steps() const { return impl_->gradient_state->num_steps; }
 bool Accelerator::sync_gradients() const { return impl_->gradient_state->sync_gradients; }
 bool Accelerator::end_of_dataloader() const { return impl_->gradient_state->end_of_dataloader(); }
+const nlohmann::json* Accelerator::deepspeed_config() const {
+  return impl_->deepspeed ? &impl_->deepspeed->config().document : nullptr;
+}
 const ParallelStrategy& Accelerator::strategy_of(const torch::nn::Module& module) const {
   if (auto* strategy = impl_->strategy_for(&module)) return *strategy;
   throw Error("parallel_stats(): this model was not passed to Accelerator::prepare(); prepare it first");
@@ -157,6 +188,7 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   module->to(s.device);
   auto parallel = s.options.parallel;
   if (!parallel.zero.param_dtype) parallel.zero.param_dtype = sharded_param_dtype(s.precision, s.device);
+  if (s.deepspeed) s.deepspeed->configure_model(*module, parallel, s.options.model_hidden_size);
   auto& built = s.built_for_rank0_loading;
   std::erase_if(built, [](const auto& weak) { return weak.expired(); });
   auto it = std::find_if(built.begin(), built.end(), [&](const auto& weak) { return weak.lock() == module; });
@@ -174,6 +206,7 @@ PreparedOptimizer Accelerator::prepare_optimizer(std::shared_ptr<torch::optim::O
   if (!optimizer) throw Error("prepare(): the optimizer is null");
   for (const auto& o : s.optimizers)
     if (o->optimizer == optimizer) throw Error("prepare(): this optimizer was already prepared; prepare it once");
+  if (s.deepspeed) optimizer = s.deepspeed->optimizer_for(std::move(optimizer));  // a DummyOptim: the JSON's
   // A sharded model's optimizer works on this rank's shards of the parameters it was given.
   for (const auto& model : s.models) model->bind_optimizer(*optimizer);
   auto state = std::make_shared<PreparedOptimizer::State>();
@@ -184,6 +217,8 @@ PreparedOptimizer Accelerator::prepare_optimizer(std::shared_ptr<torch::optim::O
 }
 
 PreparedScheduler Accelerator::prepare_scheduler(std::shared_ptr<torch::optim::LRScheduler> scheduler) {
+  if (!scheduler) throw Error("prepare(): the scheduler is null");
+  if (impl_->deepspeed) scheduler = impl_->deepspeed->scheduler_for(std::move(scheduler));  // a DummyScheduler: the JSON's
   auto state = std::make_shared<PreparedScheduler::State>();
   state->scheduler = std::move(scheduler);
   state->impl = impl_.get();
@@ -191,7 +226,15 @@ PreparedScheduler Accelerator::prepare_scheduler(std::shared_ptr<torch::optim::L
   return PreparedScheduler(state);
 }
 
-void Accelerator::register_loader(std::shared_ptr<DataLoaderBase> loader) { impl_->loaders.push_back(loader); }
+void Accelerator::register_loader(std::shared_ptr<DataLoaderBase> loader) {
+  auto& s = *impl_;
+  if (s.deepspeed) {
+    const auto& o = loader->options();
+    s.deepspeed->loader_prepared(s.options.split_batches ? o.batch_size / std::max(1, loader->sharding().num_processes)
+                                                         : o.batch_size);
+  }
+  s.loaders.push_back(loader);
+}
 
 void Accelerator::free_memory() {
   auto& s = *impl_;

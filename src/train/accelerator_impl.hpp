@@ -4,6 +4,7 @@
 #include <optional>
 #include <unordered_map>
 
+#include "train/deepspeed_plugin.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/loss_scaler.hpp"
 
@@ -43,6 +44,8 @@ struct AcceleratorImpl {
   int64_t save_iteration = 0;               // next automatic checkpoint number
   std::vector<std::unique_ptr<Tracker>> trackers;  // main process, once a run started
   std::string run_dir;
+  std::optional<detail::DeepSpeedPlugin> deepspeed;  // the launch's DeepSpeed JSON, when it names one
+  double clip_at_step = 0;  // DeepSpeed's gradient_clipping: every optimizer step clips to it (0: no)
 
   Communicator& world() const { return state->world(); }
   std::vector<at::Tensor> optimized_parameters() const;
@@ -51,6 +54,10 @@ struct AcceleratorImpl {
   // What a backward propagates: loss / accumulation steps, times the fp16 scale. Starts a new gradient
   // check (what unscale_gradients found for the last one no longer holds).
   at::Tensor loss_for_backward(const at::Tensor& loss);
+  // Accelerator::clip_grad_norm: the global norm of `parameters`' gradients, clipped to max_norm (collective).
+  double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
+  // Offload (FSDP's offload_params, DeepSpeed's offload_*) was asked for: says what this build does.
+  void report_offload() const;
   // The strategy of a prepared module, or null.
   ParallelStrategy* strategy_for(const torch::nn::Module* module) const;
   // The strategies of `modules` (all prepared models when empty); an unprepared module is an Error.

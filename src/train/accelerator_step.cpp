@@ -64,6 +64,8 @@ void PreparedOptimizer::step() {
   // The strategy of the model it optimizes steps it (sharded strategies step their shards, then gather).
   const auto& groups = s.optimizer->param_groups();
   auto* owner = groups.empty() || groups.front().params().empty() ? nullptr : impl.owner_of(groups.front().params().front());
+  if (impl.clip_at_step > 0)  // DeepSpeed's gradient_clipping, over the whole model's gradients
+    impl.clip_grad_norm(owner ? owner->module()->parameters() : impl.optimized_parameters(), impl.clip_at_step, 2.0);
   if (owner) owner->optimizer_step(*s.optimizer);
   else s.optimizer->step();
   s.skipped = false;
@@ -166,6 +168,8 @@ at::Tensor AcceleratorImpl::loss_for_backward(const at::Tensor& loss) {
 }
 
 void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
+  if (impl_->deepspeed)  // everything the JSON needs is prepared by now: no "auto" may be left
+    impl_->deepspeed->finish(impl_->state->mesh().group("dp").size(), impl_->gradient_state->num_steps);
   auto scaled = impl_->loss_for_backward(loss);
   AutocastPause outside_autocast;
   scaled.backward({}, retain_graph);
@@ -185,7 +189,11 @@ void Accelerator::clip_grad_value(const std::vector<at::Tensor>& parameters, dou
 }
 
 double Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
-  auto& s = *impl_;
+  return impl_->clip_grad_norm(parameters, max_norm, norm_type);
+}
+
+double AcceleratorImpl::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
+  auto& s = *this;
   if (!s.gradient_state->sync_gradients) return 0.0;
   s.unscale_gradients();
   if (s.scaler && s.overflow) return std::numeric_limits<double>::infinity();

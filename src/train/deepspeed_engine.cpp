@@ -3,6 +3,9 @@
 #include <fmt/format.h>
 #include <torch/optim/sgd.h>
 
+#include <torch/cuda.h>
+
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <filesystem>
@@ -11,9 +14,11 @@
 
 #include "core/log.hpp"
 #include "core/text.hpp"
+#include "distributed/collective_timing.hpp"
 #include "parallel/unit_registry.hpp"
 #include "parallel/wrap_policy.hpp"
 #include "train/accelerator_impl.hpp"
+#include "train/deepspeed_plugin.hpp"
 #include "xlr8/deepspeed.hpp"
 #include "xlr8/deepspeed_schedulers.hpp"
 #include "xlr8/error.hpp"
@@ -23,22 +28,12 @@
 namespace xlr8::deepspeed {
 namespace {
 
-// DeepSpeed counts bucket sizes in elements; the strategies take megabytes (of float32 gradients).
-double megabytes_of(int64_t elements) { return static_cast<double>(elements) * 4.0 / (1024.0 * 1024.0); }
-
 AcceleratorOptions accelerator_options(const Config& config, const BatchSizes& sizes) {
   AcceleratorOptions o;
   o.mixed_precision = config.fp16.enabled ? MixedPrecision::FP16 : config.bf16 ? MixedPrecision::BF16 : MixedPrecision::NO;
   o.gradient_accumulation_steps = static_cast<int>(sizes.gradient_accumulation_steps);
   o.sync_with_dataloader = false;  // DeepSpeed's boundary is its micro-step count alone
-  const auto& z = config.zero_optimization;
-  o.parallel.zero.stage = z.stage;
-  o.parallel.zero.auto_wrap_policy = z.stage == 3 ? AutoWrapPolicy::GUARDED_MODULES : AutoWrapPolicy::NO_WRAP;
-  o.parallel.zero.bucket_cap_mb = o.parallel.zero.first_bucket_mb = megabytes_of(z.reduce_bucket_size);
-  if (z.stage == 3) o.parallel.zero.param_persistence_threshold = z.stage3_param_persistence_threshold;
-  o.parallel.ddp.bucket_cap_mb = o.parallel.ddp.first_bucket_mb = megabytes_of(z.reduce_bucket_size);
-  // DeepSpeed's ZeRO reduces every gradient, a missing one as zeros (ignore_unused_parameters).
-  o.parallel.ddp.find_unused_parameters = z.stage > 0 && z.ignore_unused_parameters;
+  detail::apply_zero_config(config.zero_optimization, o.parallel);
   return o;
 }
 
@@ -160,12 +155,11 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
     throw ConfigError(fmt::format("deepspeed::initialize: no optimizer: pass one, or give {} an \"optimizer\" section "
                                   "(Adam, AdamW or SGD)",
                                   config_.origin));
-  const auto& leaf = config_.zero_optimization.leaf_module;
-  if (!leaf.classes.empty()) set_z3_leaf_modules(*module, leaf.classes);
-  if (!leaf.names.empty()) set_z3_leaf_modules_by_name(*module, leaf.names);
-  if (!leaf.name_suffixes.empty()) set_z3_leaf_modules_by_suffix(*module, leaf.name_suffixes);
-  accelerator_ = std::make_unique<Accelerator>(accelerator_options(config_, sizes_));
+  detail::mark_leaf_modules(*module, config_.zero_optimization.leaf_module);
+  accelerator_.reset(new Accelerator(accelerator_options(config_, sizes_), Accelerator::ForEngine{}));
   auto& impl = *accelerator_->impl_;
+  const auto& z = config_.zero_optimization;
+  if (z.offload_optimizer.device != "none" || z.offload_param.device != "none") impl.report_offload();
   if (impl.scaler) impl.scaler.emplace(loss_scaler_options(config_.fp16, config_.zero_optimization.stage));
   module_ = accelerator_->prepare(module);
   if (!optimizer) optimizer = make_optimizer(*config_.optimizer, module_->parameters());
@@ -202,14 +196,56 @@ void Engine::open_micro_step() {
   micro_step_.emplace(&impl, impl.strategies_of({module_.get()}), /*suspend_sync=*/!sync, AutocastScope());
 }
 
+// ------------------------------------------------------------------------------------------ wall clock
+
+double Engine::now_ms() const {
+  if (accelerator_->device().is_cuda()) torch::cuda::synchronize();
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+void Engine::add_time(double WallClock::*phase, double ms) {
+  wall_clock_total_.*phase += ms;
+  wall_clock_interval_.*phase += ms;
+}
+
+void Engine::print_wall_clock() {
+  const auto& w = wall_clock_interval_;
+  if (ProcessState::instance().is_main_process())
+    log::info("xlr8: [deepspeed] time (ms) over steps {}-{} | fwd: {:.2f} | bwd: {:.2f} | bwd_inner: {:.2f} | "
+              "bwd_allreduce: {:.2f} | step: {:.2f}",
+              global_steps_ - config_.steps_per_print + 1, global_steps_, w.forward_ms, w.backward_ms, w.backward_inner_ms,
+              w.backward_allreduce_ms, w.step_ms);
+  wall_clock_interval_ = {};
+}
+
+// ------------------------------------------------------------------------------------------ micro-steps
+
 AutocastScope Engine::begin_forward() {
   open_micro_step();
+  if (config_.wall_clock_breakdown) forward_began_ms_ = now_ms();
   return accelerator_->autocast();
+}
+
+void Engine::end_forward() {
+  if (!forward_began_ms_) return;
+  add_time(&WallClock::forward_ms, now_ms() - *forward_began_ms_);
+  forward_began_ms_.reset();
 }
 
 at::Tensor Engine::backward(const at::Tensor& loss, bool retain_graph) {
   open_micro_step();
-  accelerator_->backward(loss, retain_graph);
+  if (!config_.wall_clock_breakdown) {
+    accelerator_->backward(loss, retain_graph);
+  } else {
+    end_forward();  // a loop that called begin_forward() itself
+    const double began = now_ms();
+    const int64_t waited = detail::collective_wait_ns();
+    accelerator_->backward(loss, retain_graph);
+    const double total = now_ms() - began, reducing = static_cast<double>(detail::collective_wait_ns() - waited) / 1e6;
+    add_time(&WallClock::backward_ms, total);
+    add_time(&WallClock::backward_allreduce_ms, reducing);
+    add_time(&WallClock::backward_inner_ms, total - reducing);
+  }
   return loss.detach() / static_cast<double>(sizes_.gradient_accumulation_steps);
 }
 
@@ -222,6 +258,8 @@ void Engine::step() {
   if (no_sync_depth_ > 0)
     throw Error("step() inside no_sync(): gradients are not reduced there, so no step may be taken (DeepSpeed's rule)");
   open_micro_step();
+  const bool timed = config_.wall_clock_breakdown;
+  const double began = timed ? now_ms() : 0;
   const bool boundary = is_gradient_accumulation_boundary();
   if (boundary) {
     const auto params = module_->parameters();
@@ -243,8 +281,18 @@ void Engine::step() {
                 }()),
                 grad_norm_, loss_scale());
   }
+  const double stepped = timed ? now_ms() : 0;
+  const int64_t waited = timed ? detail::collective_wait_ns() : 0;
   micro_step_.reset();  // the strategies end their step: a sharded model's reductions are done
   ++micro_steps_;
+  if (!timed) return;
+  // What ending the micro-step waited for is the backward's reductions.
+  const double ended = now_ms(), reducing = static_cast<double>(detail::collective_wait_ns() - waited) / 1e6;
+  add_time(&WallClock::step_ms, stepped - began);
+  add_time(&WallClock::backward_ms, ended - stepped);
+  add_time(&WallClock::backward_allreduce_ms, reducing);
+  add_time(&WallClock::backward_inner_ms, ended - stepped - reducing);
+  if (boundary && config_.steps_per_print > 0 && global_steps_ % config_.steps_per_print == 0) print_wall_clock();
 }
 
 std::vector<double> Engine::get_lr() const {

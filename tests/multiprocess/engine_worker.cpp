@@ -3,12 +3,16 @@
 // config, on deterministic data split across ranks. Rank 0 prints one JSON line with the per-step losses
 // (mean over ranks and micro-steps) and writes the final parameters with save_model.
 //   engine_worker --config ds.json --steps S --out DIR [--save_at N] [--resume CHECKPOINT_DIR]
+//   engine_worker --accelerate --steps S --out DIR  (under xlr8 launch --use_deepspeed --deepspeed_config_file)
 // --save_at: save_checkpoint(DIR/ckpt) after step N; --resume: load_checkpoint and go on from its step.
+// --accelerate: the same model, rows and optimizer through Accelerator, as Accelerate drives DeepSpeed: the
+// launch's JSON may leave batch sizes, accumulation, clipping, optimizer and scheduler values "auto".
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <torch/torch.h>
 
 #include "xlr8/deepspeed.hpp"
+#include "xlr8/deepspeed_dummy.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/unshard.hpp"
 
@@ -49,21 +53,80 @@ struct NetImpl : torch::nn::Module {
 };
 TORCH_MODULE(Net);
 
+struct Rows {
+  at::Tensor x, y;
+  size_t size() const { return static_cast<size_t>(x.size(0)); }
+  torch::data::Example<> get(size_t i) const { return {x[i], y[i]}; }
+};
+
+// Accelerate's loop over a DeepSpeed JSON: DummyOptim / DummyScheduler stand for the JSON's sections, the
+// data loader's batch size fills train_micro_batch_size_per_gpu. The loader hands rank r the global
+// batches r, r + world, ...: the rows the engine's loop takes.
+int accelerate_path(int64_t steps, const std::string& out) {
+  xlr8::AcceleratorOptions options;
+  options.model_hidden_size = 16;  // the width "auto" bucket sizes derive from (the model has no Embedding)
+  xlr8::Accelerator acc(options);
+  torch::manual_seed(5);
+  auto model = acc.prepare(Net());
+  const auto* ds = acc.deepspeed_config();
+  if (!ds) throw xlr8::Error("engine_worker --accelerate: launch with --use_deepspeed --deepspeed_config_file");
+  auto optimizer = ds->contains("optimizer")
+                       ? acc.prepare(xlr8::DummyOptim(model->parameters(), 1e-2, 0.01))
+                       : acc.prepare(torch::optim::AdamW(model->parameters(), torch::optim::AdamWOptions(1e-2)));
+  std::optional<xlr8::PreparedScheduler> scheduler;
+  if (ds->contains("scheduler"))
+    scheduler = acc.prepare(xlr8::DummyScheduler(optimizer.optimizer(), steps, /*warmup_num_steps=*/3));
+  const int64_t world = acc.num_processes(), gas = acc.gradient_accumulation_steps();
+  const int64_t micro = 24 / world / gas;  // the engine's train_batch_size 24
+  auto gen = at::detail::createCPUGenerator(99);
+  auto x = at::randn({16 * 24, 8}, gen);
+  auto y = at::randint(0, 4, {16 * 24}, gen);
+  auto loader = acc.prepare_data_loader(Rows{x.narrow(0, 0, steps * 24), y.narrow(0, 0, steps * 24)},
+                                        {.batch_size = micro});
+  std::vector<double> losses;
+  double total = 0;
+  for (auto& batch : *loader) {
+    auto scope = acc.accumulate(model);
+    auto loss = torch::cross_entropy_loss(model->forward(batch.data), batch.target);
+    acc.backward(loss);
+    optimizer.step();
+    if (scheduler) scheduler->step();
+    optimizer.zero_grad();
+    total += loss.item<double>() / static_cast<double>(gas);
+    if (!acc.sync_gradients()) continue;
+    losses.push_back(acc.reduce(at::full({1}, total, at::kDouble), xlr8::ReduceOp::AVG).item<double>());
+    total = 0;
+  }
+  acc.save_model(model, out + "/model");
+  if (acc.is_main_process())
+    fmt::print("{}\n", nlohmann::json{{"losses", losses},
+                                      {"micro_batch", (*acc.deepspeed_config())["train_micro_batch_size_per_gpu"]},
+                                      {"resolved", *acc.deepspeed_config()},
+                                      {"strategy", acc.parallel_stats(model)["strategy"]}}
+                           .dump());
+  acc.end_training();
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"xlr8 DeepSpeed engine oracle worker"};
   std::string config, out = ".";
   int64_t steps = 4;
-  app.add_option("--config", config)->required();
+  app.add_option("--config", config);
   app.add_option("--steps", steps);
   app.add_option("--out", out);
   int64_t save_at = 0;
   std::string resume;
+  bool accelerate = false;
+  app.add_flag("--accelerate", accelerate);
   app.add_option("--save_at", save_at);
   app.add_option("--resume", resume);
   CLI11_PARSE(app, argc, argv);
   try {
+    if (accelerate) return accelerate_path(steps, out);
+    if (config.empty()) throw xlr8::Error("engine_worker: --config is required");
     torch::manual_seed(5);
     auto [engine, optimizer, scheduler] = xlr8::deepspeed::initialize(Net(), config);
     auto& acc = engine->accelerator();

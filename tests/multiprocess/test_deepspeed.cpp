@@ -41,7 +41,96 @@ Run engine_run(int processes, int stage, Args extra = {}, int steps = 4) {
   return oracle_command(a, dir, 120);
 }
 
+// The Accelerate way: the JSON leaves every value Accelerate fills "auto"; the launch gives accumulation 2 and
+// clipping 0.5, the worker DummyOptim(lr 1e-2, weight decay 0.01), DummyScheduler(warm-up 3), hidden size 16
+// and a loader whose batch fills the micro-batch. `engine_twin` writes the values this resolves to.
+std::string write_auto_config(const std::string& dir, int stage) {
+  const nlohmann::json config = {
+      {"train_batch_size", "auto"},
+      {"train_micro_batch_size_per_gpu", "auto"},
+      {"gradient_accumulation_steps", "auto"},
+      {"gradient_clipping", "auto"},
+      {"fp16", {{"enabled", "auto"}}},
+      {"bf16", {{"enabled", "auto"}}},
+      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", "auto"}, {"weight_decay", "auto"}, {"torch_adam", true}}}}},
+      {"scheduler",
+       {{"type", "WarmupLR"},
+        {"params", {{"warmup_min_lr", "auto"}, {"warmup_max_lr", "auto"}, {"warmup_num_steps", "auto"}}}}},
+      {"zero_optimization",
+       {{"stage", stage},
+        {"reduce_bucket_size", "auto"},
+        {"stage3_prefetch_bucket_size", "auto"},
+        {"stage3_param_persistence_threshold", "auto"}}}};
+  const auto path = dir + "/ds_auto.json";
+  std::ofstream(path) << config.dump(2);
+  return path;
+}
+
+std::string write_engine_twin(const std::string& dir) {
+  const nlohmann::json config = {
+      {"train_batch_size", 24},
+      {"gradient_accumulation_steps", 2},
+      {"gradient_clipping", 0.5},
+      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.01}}}}},
+      {"scheduler", {{"type", "WarmupLR"}, {"params", {{"warmup_min_lr", 0}, {"warmup_max_lr", 1e-2}, {"warmup_num_steps", 3}}}}},
+      {"zero_optimization", {{"stage", 0}, {"reduce_bucket_size", 256}}}};
+  const auto path = dir + "/ds_twin.json";
+  std::ofstream(path) << config.dump(2);
+  return path;
+}
+
+Run accelerate_run(int processes, int stage, const std::string& clipping = "0.5") {
+  auto dir = temp_dir("ds-accelerate");
+  return oracle_command({kXlr8, "launch", "--num_processes", std::to_string(processes), "--use_deepspeed",
+                         "--deepspeed_config_file", write_auto_config(dir, stage), "--gradient_accumulation_steps", "2",
+                         "--gradient_clipping", clipping, kEngine, "--accelerate", "--steps", "4", "--out", dir},
+                        dir, 120);
+}
+
+bool has_auto(const nlohmann::json& j) {
+  if (j.is_string()) return j.get<std::string>() == "auto";
+  if (!j.is_structured()) return false;  // iterating a number yields the number itself
+  for (const auto& item : j)
+    if (has_auto(item)) return true;
+  return false;
+}
+
 }  // namespace
+
+TEST(DeepSpeedAccelerateOracle, AnAllAutoJsonUnderTheAcceleratorEqualsTheEngineOnWhatItResolvesToAtEveryStage) {
+  auto twin_dir = temp_dir("ds-twin");
+  auto engine = oracle_command({kXlr8, "launch", "--num_processes", "1", kEngine, "--config", write_engine_twin(twin_dir),
+                                "--steps", "4", "--out", twin_dir},
+                               twin_dir, 120);
+  ASSERT_EQ(engine.losses.size(), 4u);
+  auto one = accelerate_run(1, 0);
+  expect_close(one.losses, engine.losses, 1e-6);
+  expect_same_params(one.dir, engine.dir, 1e-6);
+  const auto& resolved = one.result["resolved"];
+  EXPECT_FALSE(has_auto(resolved)) << resolved;
+  EXPECT_EQ(resolved["train_batch_size"], 24);
+  EXPECT_EQ(resolved["train_micro_batch_size_per_gpu"], 12);
+  EXPECT_EQ(resolved["gradient_accumulation_steps"], 2);
+  EXPECT_EQ(resolved["gradient_clipping"], 0.5);
+  EXPECT_EQ(resolved["fp16"]["enabled"], false);
+  EXPECT_EQ(resolved["optimizer"]["params"]["lr"], 1e-2);
+  EXPECT_EQ(resolved["scheduler"]["params"]["warmup_max_lr"], 1e-2);
+  EXPECT_EQ(resolved["scheduler"]["params"]["warmup_num_steps"], 3);
+  EXPECT_EQ(resolved["zero_optimization"]["reduce_bucket_size"], 256);  // hidden size 16, squared
+  EXPECT_EQ(resolved["zero_optimization"]["stage3_param_persistence_threshold"], 160);
+  // The JSON's clipping is applied at every step: without it the run is another one.
+  auto unclipped = accelerate_run(1, 0, "1000");
+  EXPECT_GT(std::abs(unclipped.losses.back() - engine.losses.back()), 1e-4);
+  for (int stage : {0, 1, 2, 3})
+    for (int n : {2, 3, 4}) {
+      SCOPED_TRACE(fmt::format("stage {} on {} ranks", stage, n));
+      auto got = accelerate_run(n, stage);
+      EXPECT_EQ(got.result["strategy"], stage == 0 ? "ddp" : fmt::format("zero{}", stage));
+      EXPECT_EQ(got.result["micro_batch"], 24 / n / 2);
+      expect_close(got.losses, engine.losses, 1e-5);
+      expect_same_params(got.dir, engine.dir, 1e-5);
+    }
+}
 
 TEST(DeepSpeedEngineOracle, EveryZeroStageOnTwoThreeAndFourRanksEqualsOneProcess) {
   auto one = engine_run(1, 0);
@@ -100,4 +189,49 @@ TEST(DeepSpeedEngineExample, TheGptTrainsThroughTheEngineFromTheShippedJsonAndIt
     ASSERT_EQ(losses.size(), 12u);
     EXPECT_LT(losses.back(), losses.front() - 0.1) << got;  // it learns (the schedule warms up from 0)
   }
+}
+
+// The JSON files users copy from Accelerate's templates and tests (tests/data/deepspeed_configs) train the
+// GPT through the Accelerate path: the example supplies lr, weight decay, total and warm-up steps (its
+// DummyOptim / DummyScheduler), the launch the precision, and nothing is left "auto".
+TEST(DeepSpeedAccelerateExample, EveryCopiedJsonTrainsTheGptThroughTheAcceleratePath) {
+  const std::string kGpt = GPT_BIN;
+  const auto configs = fs::path(XLR8_SOURCE_DIR) / "tests/data/deepspeed_configs";
+  int trained = 0;
+  for (const auto& entry : fs::directory_iterator(configs)) {
+    if (entry.path().extension() != ".json") continue;
+    SCOPED_TRACE(entry.path().filename().string());
+    auto dir = temp_dir("gpt-ds-json");
+    auto r = run({kXlr8, "launch", "--num_processes", "2", "--use_deepspeed", "--deepspeed_config_file",
+                  entry.path().string(), kGpt, "--max_steps", "4", "--warmup_steps", "2", "--n_layer", "1", "--d_model",
+                  "32", "--n_head", "2", "--seq_len", "32", "--val_windows", "8", "--log_every", "2", "--output_dir", dir},
+                 180);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    auto got = last_json(r.out);
+    EXPECT_EQ(got["global_step"], 4);
+    EXPECT_TRUE(std::isfinite(got["final_train_loss"].get<double>())) << got;
+    const auto logged = r.out + r.err;
+    const auto at = logged.find("resolved to ");
+    ASSERT_NE(at, std::string::npos) << logged;
+    const auto line = logged.substr(at + 12, logged.find('\n', at) - at - 12);
+    const auto resolved = nlohmann::json::parse(line);
+    EXPECT_FALSE(has_auto(resolved)) << line;
+    std::ifstream file(entry.path());
+    const auto given = nlohmann::json::parse(file);
+    if (given["train_micro_batch_size_per_gpu"] == "auto") {
+      EXPECT_EQ(resolved["train_micro_batch_size_per_gpu"], 16);  // the example's --batch_size
+      EXPECT_EQ(resolved["train_batch_size"], 32);                 // on 2 ranks
+    } else {  // the file's own value stays (and a warning says the loaders differ)
+      EXPECT_EQ(resolved["train_micro_batch_size_per_gpu"], given["train_micro_batch_size_per_gpu"]);
+      EXPECT_NE(logged.find("but the data loaders give 16 per process"), std::string::npos);
+    }
+    if (resolved.contains("optimizer")) {
+      EXPECT_EQ(resolved["optimizer"]["params"]["lr"], 3e-4);
+    }
+    if (resolved.contains("scheduler")) {
+      EXPECT_EQ(resolved["scheduler"]["params"]["warmup_num_steps"], 2);
+    }
+    ++trained;
+  }
+  EXPECT_EQ(trained, 9);
 }

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <set>
 
 #include "xlr8/deepspeed.hpp"
 #include "xlr8/error.hpp"
@@ -264,6 +265,44 @@ TEST(DeepSpeedSchedulers, WarmupCosineLRScalesTheOptimizersRateByTheWarmUpThenAC
              {0, 0, 0.05, 0.1 * quarter, 0.05, 0.1 * three_quarters, 0, 0});
 }
 
+// Expected values: DeepSpeed's own deepspeed/runtime/lr_schedules.py (OneCycle, LRRangeTest, at the
+// deepspeedai/DeepSpeed snapshot of 2026-11) run on a stand-in optimizer with one group, printed with repr().
+TEST(DeepSpeedSchedulers, OneCycleCyclesTheRateAndAdamsBeta1AndDecaysAfterTheCycleAsDeepSpeedsDoes) {
+  auto net = make_net();
+  torch::optim::AdamW opt(net->parameters(), torch::optim::AdamWOptions(0.5));
+  auto sched = deepspeed::make_scheduler(
+      {"OneCycle",
+       {{"cycle_min_lr", 0.1}, {"cycle_max_lr", 1.0}, {"decay_lr_rate", 0.5}, {"cycle_first_step_size", 4},
+        {"cycle_second_step_size", 2}, {"decay_step_size", 2}, {"cycle_min_mom", 0.8}, {"cycle_max_mom", 0.9},
+        {"decay_mom_rate", 0.1}}},
+      opt);
+  auto& options = static_cast<torch::optim::AdamWOptions&>(opt.param_groups()[0].options());
+  const std::vector<double> lr = {0.1, 0.3250000000000001, 0.5499999999999999, 0.775, 0.9999999999999998, 0.5499999999999996,
+                                  0.1, 0.08, 0.06666666666666667, 0.05714285714285715, 0.05};
+  const std::vector<double> beta1 = {0.8, 0.875, 0.8500000000000001, 0.8250000000000001, 0.8, 0.8500000000000001,
+                                     0.9, 0.9450000000000001, 0.9900000000000001, 1.035, 1.08};
+  for (size_t i = 0; i < lr.size(); ++i) {
+    if (i > 0) sched->step();
+    EXPECT_NEAR(options.lr(), lr[i], 1e-12) << "after " << i << " steps";
+    EXPECT_NEAR(std::get<0>(options.betas()), beta1[i], 1e-12) << "after " << i << " steps";
+    EXPECT_EQ(std::get<1>(options.betas()), 0.99);  // DeepSpeed replaces beta2 with 0.99
+  }
+}
+
+TEST(DeepSpeedSchedulers, OneCycleClimbsInStairsAndLRRangeTestGrowsByItsRateAsDeepSpeedsDo) {
+  // SGD has no betas: the momentum does not cycle, the rate does.
+  expect_lrs(schedule({{"type", "OneCycle"},
+                       {"params", {{"cycle_min_lr", 0.1}, {"cycle_max_lr", 1.0}, {"cycle_first_step_size", 6},
+                                   {"cycle_first_stair_count", 3}}}},
+                      14),
+             {0.1, 0.1, 0.4, 0.4, 0.7, 0.7, 1.0, 0.7, 0.7, 0.4, 0.4, 0.1, 0.1, 0.1, 0.1});
+  expect_lrs(schedule({{"type", "LRRangeTest"},
+                       {"params", {{"lr_range_test_min_lr", 0.01}, {"lr_range_test_step_size", 3},
+                                   {"lr_range_test_step_rate", 2.0}, {"lr_range_test_staircase", true}}}},
+                      5),
+             {0.01, 0.01, 0.01, 0.03, 0.03, 0.03});
+}
+
 TEST(DeepSpeedSchedulers, TheEnginesJsonSchedulerStepsOnlyAfterAnAppliedStep) {
   nlohmann::json config = sgd_config(1, 0);
   config["scheduler"] = {{"type", "WarmupLR"}, {"params", {{"warmup_max_lr", 0.1}, {"warmup_num_steps", 4}}}};
@@ -295,7 +334,10 @@ TEST(DeepSpeedSchedulers, AMissingOrUnknownParameterAndAnUnbuiltTypeAreNamed) {
             std::string::npos);
   EXPECT_NE(refusal({{"type", "WarmupLR"}, {"params", {{"warmup_num_step", 10}}}}).find("(did you mean \"warmup_num_steps\"?)"),
             std::string::npos);
-  EXPECT_NE(refusal({{"type", "OneCycle"}, {"params", nlohmann::json::object()}}).find("not built by xlr8 yet"), std::string::npos);
+  EXPECT_NE(refusal({{"type", "OneCycle"}, {"params", nlohmann::json::object()}}).find("needs params.cycle_min_lr"),
+            std::string::npos);
+  EXPECT_NE(refusal({{"type", "OneCycel"}, {"params", nlohmann::json::object()}}).find("(did you mean \"OneCycle\"?)"),
+            std::string::npos);
   EXPECT_NE(refusal({{"type", "WarmupLR"}, {"params", {{"warmup_type", "cubic"}}}}).find("use log or linear"), std::string::npos);
 }
 
@@ -371,4 +413,64 @@ TEST(DeepSpeedEngine, LeafModulesAreMatchedByClassNameOrSuffixAndAMatchOfNothing
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("no module of the model matches Experts"), std::string::npos) << e.what();
   }
+}
+
+namespace {
+struct NineRows {
+  size_t size() const { return 9; }
+  torch::data::Example<> get(size_t i) const {
+    return {torch::full({4}, static_cast<float>(i)), torch::zeros({2})};
+  }
+};
+}  // namespace
+
+TEST(DeepSpeedEngine, InitializeWithTrainingDataGivesALoaderOfShuffledMicroBatchesInDeepSpeedsTupleOrder) {
+  auto config = sgd_config(2, 0);
+  config["train_micro_batch_size_per_gpu"] = 2;
+  config["dataloader_drop_last"] = true;
+  auto [engine, optimizer, loader, scheduler] = deepspeed::initialize(make_net(), config, NineRows{});
+  EXPECT_FALSE(scheduler.has_value());
+  EXPECT_EQ(loader->size(), 4);  // 9 rows in micro-batches of 2, the partial one dropped
+  std::vector<int> order;
+  for (auto& batch : *loader) {
+    ASSERT_EQ(batch.data.size(0), 2);
+    for (int64_t r = 0; r < 2; ++r) order.push_back(static_cast<int>(batch.data[r][0].item<float>()));
+    engine->backward(loss_of(engine->forward(batch.data)));
+    engine->step();
+  }
+  EXPECT_EQ(engine->global_steps(), 2);  // 4 micro-steps, accumulation 2
+  EXPECT_EQ(std::set<int>(order.begin(), order.end()).size(), 8u);
+  EXPECT_FALSE(std::is_sorted(order.begin(), order.end()));  // DeepSpeed's training sampler shuffles
+  // A path, JSON text or parsed JSON work the same; without drop_last the partial batch stays.
+  config["dataloader_drop_last"] = false;
+  auto with_text = deepspeed::initialize(make_net(), config.dump(), NineRows{});
+  EXPECT_EQ(with_text.training_dataloader->size(), 5);
+}
+
+TEST(DeepSpeedEngine, WallClockBreakdownTimesEachPhaseAndPrintsEachIntervalOnlyWhenTheConfigAsks) {
+  auto config = sgd_config(2, 1.0);
+  config["wall_clock_breakdown"] = true;
+  config["steps_per_print"] = 2;
+  auto [engine, optimizer, scheduler] = deepspeed::initialize(make_net(), config);
+  testing::internal::CaptureStderr();
+  testing::internal::CaptureStdout();
+  for (int i = 0; i < 8; ++i) {
+    engine->backward(loss_of(engine->forward(batch(i))));
+    engine->step();
+  }
+  const auto printed = testing::internal::GetCapturedStdout() + testing::internal::GetCapturedStderr();
+  const auto& w = engine->wall_clock();
+  EXPECT_GT(w.forward_ms, 0);
+  EXPECT_GT(w.backward_ms, 0);
+  EXPECT_GT(w.step_ms, 0);
+  EXPECT_NEAR(w.backward_ms, w.backward_inner_ms + w.backward_allreduce_ms, 1e-9);
+  // Four optimizer steps, printed every two: "over steps 1-2" and "over steps 3-4".
+  EXPECT_NE(printed.find("time (ms) over steps 1-2 | fwd: "), std::string::npos) << printed;
+  EXPECT_NE(printed.find("time (ms) over steps 3-4 | fwd: "), std::string::npos) << printed;
+
+  auto [quiet, o, s] = deepspeed::initialize(make_net(), sgd_config(1, 1.0));
+  quiet->backward(loss_of(quiet->forward(batch(0))));
+  quiet->step();
+  EXPECT_EQ(quiet->wall_clock().forward_ms, 0);
+  EXPECT_EQ(quiet->wall_clock().step_ms, 0);
 }
