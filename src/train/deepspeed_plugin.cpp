@@ -213,6 +213,9 @@ std::shared_ptr<torch::optim::LRScheduler> DeepSpeedPlugin::scheduler_for(std::s
   torch::optim::Optimizer* optimizer = &dummy->optimizer();
   for (const auto& [placeholder, built] : built_)
     if (placeholder.get() == optimizer) optimizer = built.get();
+  if (dynamic_cast<DummyOptim*>(optimizer))
+    throw ConfigError("a DummyScheduler was prepared before its DummyOptim: prepare the DummyOptim first (the "
+                      "scheduler drives the optimizer built for it)");
   const auto& groups = optimizer->param_groups();
   if (groups.empty()) throw ConfigError("DummyScheduler: its optimizer has no parameter groups");
   // xlr8's prepared schedulers step once per optimizer step, so totals count optimizer steps (Accelerate

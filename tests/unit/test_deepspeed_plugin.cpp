@@ -133,6 +133,8 @@ TEST(DeepSpeedPlugin, DummyOptimAndDummySchedulerStandForTheJsonsSectionsAndReal
   EXPECT_NE(message.find("DummyOptim"), std::string::npos) << message;
 
   auto dummy = std::make_shared<DummyOptim>(net->parameters(), 0.02, 0.1);
+  message = error_of([&] { plugin.scheduler_for(std::make_shared<DummyScheduler>(*dummy, 10, 4)); });
+  EXPECT_NE(message.find("prepare the DummyOptim first"), std::string::npos) << message;
   auto built = plugin.optimizer_for(dummy);
   ASSERT_NE(dynamic_cast<optim::FusedAdamW*>(built.get()), nullptr);
   EXPECT_DOUBLE_EQ(built->param_groups()[0].options().get_lr(), 0.02);
