@@ -15,17 +15,15 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUILD = os.environ.get("XLR8_BUILD_DIR", os.path.join(ROOT, "build"))
+from bench_common import BUILD, ROOT, XLR8, run_json
+
 REPS = int(os.environ.get("REPS", "5"))
 STEPS = os.environ.get("STEPS", "40")
 STAGES = [int(s) for s in os.environ.get("STAGES", "2 3").split()]
 RANKS = int(os.environ.get("RANKS", "2"))
 OUT = os.environ.get("OUT", os.path.join(ROOT, "bench", "deepspeed_engine_results.json"))
-XLR8 = os.path.join(BUILD, "bin", "xlr8")
 
 
 def config(stage):
@@ -37,11 +35,7 @@ def config(stage):
 
 
 def run(cmd):
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if out.returncode != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{out.stdout}\n{out.stderr}")
-    line = [l for l in out.stdout.splitlines() if "{" in l][-1]
-    return json.loads(line[line.index("{"):])["tokens_per_s"]
+    return run_json(cmd)["tokens_per_s"]
 
 
 def main():

@@ -12,17 +12,15 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BUILD = os.environ.get("XLR8_BUILD_DIR", os.path.join(ROOT, "build"))
+from bench_common import BUILD, ROOT, XLR8, run_json
+
 REPS = int(os.environ.get("REPS", "3"))
 STEPS = os.environ.get("STEPS", "40")
 STAGES = [int(s) for s in os.environ.get("STAGES", "0 2 3").split()]
 RANKS = int(os.environ.get("RANKS", "2"))
 OUT = os.environ.get("OUT", os.path.join(ROOT, "bench", "wall_clock_breakdown_results.json"))
-XLR8 = os.path.join(BUILD, "bin", "xlr8")
 
 
 def config(stage, breakdown):
@@ -31,14 +29,6 @@ def config(stage, breakdown):
             "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}},
             "zero_optimization": {"stage": stage, "reduce_bucket_size": 6553600,
                                   "stage3_param_persistence_threshold": 0}}
-
-
-def run(cmd):
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if out.returncode != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{out.stdout}\n{out.stderr}")
-    line = [l for l in out.stdout.splitlines() if "{" in l][-1]
-    return json.loads(line[line.index("{"):])
 
 
 def main():
@@ -55,13 +45,13 @@ def main():
                                      "--max_steps", STEPS, "--log_every", "100000"]
             sums, on_tps, off_tps, phases = [], [], [], []
             for rep in range(REPS):
-                timed = run(cmds[True])
+                timed = run_json(cmds[True])
                 w = timed["wall_clock_ms"]
                 total = w["forward"] + w["backward"] + w["step"]
                 sums.append(total / timed["measured_step_ms"])
                 phases.append(w)
                 on_tps.append(timed["tokens_per_s"])
-                off_tps.append(run(cmds[False])["tokens_per_s"])
+                off_tps.append(run_json(cmds[False])["tokens_per_s"])
                 print(f"zero{stage} rep {rep + 1}: phases {total:.0f} ms of {timed['measured_step_ms']:.0f} ms measured "
                       f"({sums[-1]:.3f}); {w}; tokens/s on {on_tps[-1]:.0f} off {off_tps[-1]:.0f}", flush=True)
             rows.append({"stage": stage, "ranks": RANKS, "phases_over_measured": sums, "phases_ms": phases,
