@@ -65,6 +65,12 @@ struct ZeroOptions {
   // backward).
   bool forward_prefetch = false;
   BackwardPrefetch backward_prefetch = BackwardPrefetch::NONE;
+  // Stage 3, DeepSpeed's bounds instead of FSDP's limit, in elements (stage3_max_live_parameters,
+  // stage3_prefetch_bucket_size): when max_live_elements is set, a prefetch issues the next units of the
+  // recorded order until prefetch_bucket_elements are in flight (the unit that crosses it still goes, as in
+  // DeepSpeed's coordinator), never beyond max_live_elements gathered (besides the root); 0 buckets: none.
+  int64_t max_live_elements = 0;
+  int64_t prefetch_bucket_elements = 0;
   // Stage 3, FSDP's cpu_ram_efficient_loading (set by Accelerator::build_model): the model may hold no
   // values on ranks other than 0 (built in an EmptyInitScope). Each unit takes rank 0's values one at a
   // time, every rank keeps only its shard, and every unit but the root starts freed: its forward must

@@ -85,6 +85,13 @@ int64_t ShardingUnit::full_bytes() const {
   return bytes;
 }
 
+int64_t ShardingUnit::full_numel() const {
+  int64_t elements = 0;
+  for (const auto& g : groups_) elements += g.numel;
+  for (const auto* rider : riders_) elements += rider->full_numel();
+  return elements;
+}
+
 // ------------------------------------------------------------------------------------------ transitions
 
 void ShardingUnit::forward_begins() {

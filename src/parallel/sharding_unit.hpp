@@ -73,6 +73,7 @@ class ShardingUnit {
   bool carries_frozen() const;  // its own groups or a rider's
   bool any_gathered() const;
   int64_t full_bytes() const;
+  int64_t full_numel() const;  // its parameters' elements and its riders', as gathered together
 
   // From now on `rider` is gathered and freed with this unit (its own guard never opened); freed now.
   void carry(ShardingUnit& rider);

@@ -108,6 +108,8 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   };
   void prefetch(size_t unit, bool in_backward);  // within FSDP's limit of gathered units
   void prefetch_after(const UnitOrder& order, size_t unit, bool in_backward);
+  // DeepSpeed's bounds (ZeroOptions::max_live_elements): the units after `next`'s place, within the bucket.
+  void prefetch_within_bounds(const UnitOrder& order, std::vector<size_t>::const_iterator next, bool in_backward);
   void settle_prefetches();
   // Prefetched units nobody used (the order mispredicted): waited for and freed, before anything reads
   // `full` as current or changes the shards.

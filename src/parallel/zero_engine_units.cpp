@@ -33,9 +33,27 @@ void ZeroEngine::prefetch_after(const UnitOrder& order, size_t u, bool in_backwa
   if (!prefetch_allowed()) return;
   auto it = std::find(order.last.begin(), order.last.end(), u);
   if (it == order.last.end() || it + 1 == order.last.end()) return;
+  if (options_.max_live_elements > 0) return prefetch_within_bounds(order, it + 1, in_backward);
   // Not a unit that already ran in this pass (the root's gradients complete last, after every block's).
   if (std::find(order.current.begin(), order.current.end(), *(it + 1)) != order.current.end()) return;
   prefetch(*(it + 1), in_backward);
+}
+
+// DeepSpeed's partitioned-parameter coordinator: prefetch at most min(bucket, max live - live) elements,
+// counted in whole units. Live and issued counts are the same on every rank, so the decisions are too.
+void ZeroEngine::prefetch_within_bounds(const UnitOrder& order, std::vector<size_t>::const_iterator next,
+                                        bool in_backward) {
+  int64_t live = 0;
+  for (const auto& other : units_)
+    if (!other->is_root() && !other->rides() && other->managed() && other->any_gathered()) live += other->full_numel();
+  const int64_t budget = std::min(options_.prefetch_bucket_elements, options_.max_live_elements - live);
+  int64_t issued = 0;
+  for (; next != order.last.end() && issued < budget; ++next) {
+    if (std::find(order.current.begin(), order.current.end(), *next) != order.current.end()) return;  // ran already
+    auto& unit = *units_[*next];
+    if (unit.is_root() || unit.rides() || !unit.managed() || unit.any_gathered() || unit.prefetching()) continue;
+    if (unit.prefetch(in_backward)) issued += unit.full_numel();
+  }
 }
 
 void ZeroEngine::UnitOrder::record(size_t u) {

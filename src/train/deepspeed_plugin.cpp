@@ -81,7 +81,16 @@ void apply_zero_config(const deepspeed::ZeroConfig& z, ParallelOptions& parallel
     parallel.zero.auto_wrap_policy = AutoWrapPolicy::GUARDED_MODULES;  // DeepSpeed gathers submodule by submodule
   parallel.zero.bucket_cap_mb = parallel.zero.first_bucket_mb = megabytes_of(z.reduce_bucket_size);
   parallel.ddp.bucket_cap_mb = parallel.ddp.first_bucket_mb = megabytes_of(z.reduce_bucket_size);
-  if (parallel.zero.stage == 3) parallel.zero.param_persistence_threshold = z.stage3_param_persistence_threshold;
+  if (parallel.zero.stage == 3) {
+    parallel.zero.param_persistence_threshold = z.stage3_param_persistence_threshold;
+    // DeepSpeed prefetches the next submodules' parameters up to the bucket, within the live bound (a
+    // bound of at least 1 marks them as set: an empty bucket or bound prefetches nothing).
+    parallel.zero.max_live_elements = std::max<int64_t>(1, z.stage3_max_live_parameters);
+    parallel.zero.prefetch_bucket_elements = z.stage3_max_live_parameters > 0 ? z.stage3_prefetch_bucket_size : 0;
+    parallel.zero.forward_prefetch = parallel.zero.prefetch_bucket_elements > 0;
+    parallel.zero.backward_prefetch =
+        parallel.zero.forward_prefetch ? BackwardPrefetch::BACKWARD_PRE : BackwardPrefetch::NONE;
+  }
   // DeepSpeed's ZeRO reduces every gradient, a missing one as zeros (ignore_unused_parameters).
   parallel.ddp.find_unused_parameters = parallel.zero.stage > 0 && z.ignore_unused_parameters;
 }

@@ -303,17 +303,28 @@ TEST(ShardingUnits, GuardedModulesMakesEveryGuardedModuleAUnitAndUnguardedOnesRi
   EXPECT_EQ(err.find("never opened their guard"), std::string::npos) << err;
 }
 
-TEST(ShardingUnits, UnderDeepSpeedZero3SettingsUnitsDefaultToGuardedModules) {
+TEST(ShardingUnits, UnderDeepSpeedZero3SettingsUnitsDefaultToGuardedModulesPrefetchedWithinDeepSpeedsBounds) {
   Settings settings;
   settings.deepspeed = DeepSpeedSettings{};
   settings.deepspeed->zero_stage = 3;
-  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, settings, 1).auto_wrap_policy, AutoWrapPolicy::GUARDED_MODULES);
+  const auto resolved = xlr8::detail::resolve_zero_options({}, settings, 1);
+  EXPECT_EQ(resolved.auto_wrap_policy, AutoWrapPolicy::GUARDED_MODULES);
+  // DeepSpeed's defaults: stage3_max_live_parameters 1e9, stage3_prefetch_bucket_size 5e7, prefetching on.
+  EXPECT_EQ(resolved.max_live_elements, 1'000'000'000);
+  EXPECT_EQ(resolved.prefetch_bucket_elements, 50'000'000);
+  EXPECT_TRUE(resolved.forward_prefetch);
+  EXPECT_EQ(resolved.backward_prefetch, BackwardPrefetch::BACKWARD_PRE);
+  ZeroOptions from_json;  // a JSON's empty bucket stays: nothing is prefetched
+  from_json.max_live_elements = 1;
+  EXPECT_EQ(xlr8::detail::resolve_zero_options(from_json, settings, 1).prefetch_bucket_elements, 0);
+  EXPECT_FALSE(xlr8::detail::resolve_zero_options(from_json, settings, 1).forward_prefetch);
   ZeroOptions chosen;
   chosen.auto_wrap_policy = AutoWrapPolicy::TRANSFORMER_BASED_WRAP;  // a program's own choice stays
   EXPECT_EQ(xlr8::detail::resolve_zero_options(chosen, settings, 1).auto_wrap_policy, AutoWrapPolicy::TRANSFORMER_BASED_WRAP);
   Settings fsdp;
   fsdp.fsdp = FsdpSettings{};  // FSDP's default stays NO_WRAP
   EXPECT_EQ(xlr8::detail::resolve_zero_options({}, fsdp, 1).auto_wrap_policy, AutoWrapPolicy::NO_WRAP);
+  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, fsdp, 1).max_live_elements, 0);  // FSDP's two-unit limit
 }
 
 TEST(ShardingUnits, AStateDictThatDiffersIsRefusedNamingOnlyWhatDiffersBriefly) {
@@ -368,4 +379,49 @@ TEST(ShardingUnits, APersistenceThresholdKeepsSmallParametersWholeAndALeafModule
                                                        {"(persistent) (frozen)", false},
                                                        {"(root)", true}}));
     });
+}
+
+// DeepSpeed's stage3_prefetch_bucket_size / stage3_max_live_parameters instead of FSDP's two-unit limit:
+// a bucket of three blocks prefetches all of them at the first block's forward (more than FSDP allows); a
+// live bound of two blocks keeps the gathered parameters to two blocks besides the root; an empty bucket
+// prefetches nothing. Every run equals one rank.
+TEST(ShardingUnits, DeepSpeedsPrefetchBucketAndLiveBoundDecideHowManyUnitsAreGatheredAheadAndNeverChangeResults) {
+  const auto expected = single_run(false, 3);
+  int64_t block = 0;  // elements of one PairBlock
+  for (const auto& p : make_net(false)->blocks[0]->parameters()) block += p.numel();
+  enum class Expect { MORE_THAN_FSDP, TWO_BLOCKS, NO_PREFETCH };
+  struct Case {
+    int64_t max_live, bucket;
+    Expect expect;
+  };
+  for (const auto& c : {Case{1'000'000'000, 1'000'000'000, Expect::MORE_THAN_FSDP},
+                        Case{2 * block, 1'000'000'000, Expect::TWO_BLOCKS}, Case{1'000'000'000, 0, Expect::NO_PREFETCH}})
+    for (int ranks : {2, 3})
+      run_ranks(ranks, [&](Communicator& comm) {
+        auto options = full_shard();
+        options.zero.forward_prefetch = true;
+        options.zero.backward_prefetch = BackwardPrefetch::BACKWARD_PRE;
+        options.zero.max_live_elements = c.max_live;
+        options.zero.prefetch_bucket_elements = c.bucket;
+        auto strategy = make_parallel_strategy(make_net(false), comm, options);
+        const auto what = fmt::format("max live {}, bucket {}, {} ranks", c.max_live, c.bucket, ranks);
+        expect_same(train(*strategy, comm.rank(), ranks, 3), expected, what);
+        const auto stats = strategy->stats();
+        int64_t root = 0, one_block = 0;
+        for (const auto& g : stats["groups"]) {
+          if (g["name"] == "(root)") root += g["bytes"].get<int64_t>();
+          if (g["name"] == "blocks.0") one_block += g["bytes"].get<int64_t>();
+        }
+        ASSERT_GT(one_block, 0) << stats.dump();
+        const int64_t peak = stats["step_peak_gathered_bytes"].get<int64_t>();
+        const int64_t prefetches = stats["forward_prefetches"].get<int64_t>() + stats["backward_prefetches"].get<int64_t>();
+        switch (c.expect) {
+          case Expect::MORE_THAN_FSDP: EXPECT_GE(peak, root + 3 * one_block) << what << stats.dump(); break;
+          case Expect::TWO_BLOCKS:
+            EXPECT_GT(prefetches, 0) << what << stats.dump();
+            EXPECT_LE(peak, root + 2 * one_block) << what << stats.dump();
+            break;
+          case Expect::NO_PREFETCH: EXPECT_EQ(prefetches, 0) << what << stats.dump(); break;
+        }
+      });
 }
