@@ -106,13 +106,6 @@ ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings, 
     if (options.stage < 0) options.stage = settings.deepspeed->zero_stage;
     // DeepSpeed gathers submodule by submodule, never the whole model at once.
     if (options.auto_wrap_policy == AutoWrapPolicy::NO_WRAP) options.auto_wrap_policy = AutoWrapPolicy::GUARDED_MODULES;
-    // ... and prefetches the next ones within its default bounds (a DeepSpeed JSON has set its own already).
-    if (options.max_live_elements == 0) {
-      options.max_live_elements = 1'000'000'000;
-      options.prefetch_bucket_elements = 50'000'000;
-      options.forward_prefetch = true;
-      if (options.backward_prefetch == BackwardPrefetch::NONE) options.backward_prefetch = BackwardPrefetch::BACKWARD_PRE;
-    }
   }
   if (options.stage < 0) options.stage = 0;
   return options;

@@ -202,3 +202,25 @@ TEST(DeepSpeedPlugin, AtTheFirstBackwardBatchSizesComeFromTheLoadersAndWhatIsSti
   message = error_of([&] { unused.finish(1, 1); });
   EXPECT_NE(message.find("prepare an xlr8::DummyOptim"), std::string::npos) << message;
 }
+
+TEST(DeepSpeedPlugin, Stage3PrefetchesWithinTheJsonsBucketAndLiveBoundAndAnEmptyBucketPrefetchesNothing) {
+  ParallelOptions parallel;
+  DeepSpeedPlugin plugin(launch_with({{"train_micro_batch_size_per_gpu", 1},
+                                      {"zero_optimization", {{"stage", 3}, {"stage3_prefetch_bucket_size", 1000},
+                                                             {"stage3_max_live_parameters", 5000}}}}),
+                         MixedPrecision::NO, 1, false);
+  plugin.configure_model(*std::make_shared<EmbedNetImpl>(), parallel, 0);
+  EXPECT_EQ(parallel.zero.prefetch_bucket_elements, 1000);
+  EXPECT_EQ(parallel.zero.max_live_elements, 5000);
+  EXPECT_TRUE(parallel.zero.forward_prefetch);
+  EXPECT_EQ(parallel.zero.backward_prefetch, BackwardPrefetch::BACKWARD_PRE);
+
+  ParallelOptions none;
+  DeepSpeedPlugin empty(launch_with({{"train_micro_batch_size_per_gpu", 1},
+                                     {"zero_optimization", {{"stage", 3}, {"stage3_prefetch_bucket_size", 0}}}}),
+                        MixedPrecision::NO, 1, false);
+  empty.configure_model(*std::make_shared<EmbedNetImpl>(), none, 0);
+  EXPECT_EQ(none.zero.prefetch_bucket_elements, 0);
+  EXPECT_GT(none.zero.max_live_elements, 0);  // DeepSpeed's bounds, not FSDP's rule
+  EXPECT_FALSE(none.zero.forward_prefetch);
+}

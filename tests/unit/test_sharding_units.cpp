@@ -303,28 +303,17 @@ TEST(ShardingUnits, GuardedModulesMakesEveryGuardedModuleAUnitAndUnguardedOnesRi
   EXPECT_EQ(err.find("never opened their guard"), std::string::npos) << err;
 }
 
-TEST(ShardingUnits, UnderDeepSpeedZero3SettingsUnitsDefaultToGuardedModulesPrefetchedWithinDeepSpeedsBounds) {
+TEST(ShardingUnits, UnderDeepSpeedZero3SettingsUnitsDefaultToGuardedModules) {
   Settings settings;
   settings.deepspeed = DeepSpeedSettings{};
   settings.deepspeed->zero_stage = 3;
-  const auto resolved = xlr8::detail::resolve_zero_options({}, settings, 1);
-  EXPECT_EQ(resolved.auto_wrap_policy, AutoWrapPolicy::GUARDED_MODULES);
-  // DeepSpeed's defaults: stage3_max_live_parameters 1e9, stage3_prefetch_bucket_size 5e7, prefetching on.
-  EXPECT_EQ(resolved.max_live_elements, 1'000'000'000);
-  EXPECT_EQ(resolved.prefetch_bucket_elements, 50'000'000);
-  EXPECT_TRUE(resolved.forward_prefetch);
-  EXPECT_EQ(resolved.backward_prefetch, BackwardPrefetch::BACKWARD_PRE);
-  ZeroOptions from_json;  // a JSON's empty bucket stays: nothing is prefetched
-  from_json.max_live_elements = 1;
-  EXPECT_EQ(xlr8::detail::resolve_zero_options(from_json, settings, 1).prefetch_bucket_elements, 0);
-  EXPECT_FALSE(xlr8::detail::resolve_zero_options(from_json, settings, 1).forward_prefetch);
+  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, settings, 1).auto_wrap_policy, AutoWrapPolicy::GUARDED_MODULES);
   ZeroOptions chosen;
   chosen.auto_wrap_policy = AutoWrapPolicy::TRANSFORMER_BASED_WRAP;  // a program's own choice stays
   EXPECT_EQ(xlr8::detail::resolve_zero_options(chosen, settings, 1).auto_wrap_policy, AutoWrapPolicy::TRANSFORMER_BASED_WRAP);
   Settings fsdp;
   fsdp.fsdp = FsdpSettings{};  // FSDP's default stays NO_WRAP
   EXPECT_EQ(xlr8::detail::resolve_zero_options({}, fsdp, 1).auto_wrap_policy, AutoWrapPolicy::NO_WRAP);
-  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, fsdp, 1).max_live_elements, 0);  // FSDP's two-unit limit
 }
 
 TEST(ShardingUnits, AStateDictThatDiffersIsRefusedNamingOnlyWhatDiffersBriefly) {
