@@ -132,6 +132,7 @@ class Engine {
   // wall_clock_breakdown: a phase's clock (synchronising the device first, as DeepSpeed's timers do).
   double now_ms() const;
   void add_time(double WallClock::*phase, double ms);
+  void add_backward_time(double began_ms, int64_t waited_before_ns);
   void print_wall_clock();
 
   // What save_checkpoint keeps besides the Accelerator's own state (registered for checkpointing).

@@ -58,6 +58,7 @@ struct ZeroConfig {
   bool ignore_unused_parameters = true;
   OffloadConfig offload_optimizer, offload_param;
   LeafModuleConfig leaf_module;
+  bool offloads() const { return offload_optimizer.device != "none" || offload_param.device != "none"; }
 };
 
 // "optimizer" / "scheduler": a type and its params, as given (params may still hold "auto").

@@ -46,16 +46,12 @@ Accelerator::Accelerator(AcceleratorOptions options) : Accelerator(std::move(opt
   const auto& launch = s.state->settings().deepspeed;
   if (launch && !launch->config_file.empty()) {
     // The JSON decides precision and accumulation (Accelerate: DeepSpeed's value wins), its scaler and clipping.
-    auto& plugin = s.deepspeed.emplace(*launch, s.precision, s.gradient_state->num_steps, s.state->is_main_process());
+    auto& plugin = s.deepspeed.emplace(*launch, s.precision, s.gradient_state->num_steps,
+                                       s.state->mesh().group("dp").size(), s.state->is_main_process());
     s.precision = plugin.precision();
     if (plugin.gradient_accumulation_steps() > 0) s.gradient_state->num_steps = plugin.gradient_accumulation_steps();
-    s.scaler.reset();
-    if (s.precision == MixedPrecision::FP16)
-      s.scaler.emplace(deepspeed::loss_scaler_options(plugin.config().fp16, plugin.config().zero_optimization.stage));
+    s.follow_deepspeed(plugin.config());
     s.clip_at_step = plugin.config().gradient_clipping;
-    const auto& z = plugin.config().zero_optimization;
-    const bool launch_offloads = launch->offload_optimizer_device != "none" || launch->offload_param_device != "none";
-    if (!launch_offloads && (z.offload_optimizer.device != "none" || z.offload_param.device != "none")) s.report_offload();
   } else if (launch && launch->gradient_clipping) {
     s.clip_at_step = *launch->gradient_clipping;  // --gradient_clipping: DeepSpeed clips every step
   }
@@ -79,8 +75,15 @@ Accelerator::Accelerator(AcceleratorOptions options, ForEngine) : impl_(std::mak
   if (offload) s.report_offload();
 }
 
-void AcceleratorImpl::report_offload() const {
-  if (!state->is_main_process()) return;
+void AcceleratorImpl::follow_deepspeed(const deepspeed::Config& config) {
+  scaler.reset();
+  if (precision == MixedPrecision::FP16) scaler.emplace(deepspeed::loss_scaler_options(config.fp16, config.zero_optimization.stage));
+  if (config.zero_optimization.offloads()) report_offload();
+}
+
+void AcceleratorImpl::report_offload() {
+  if (offload_reported || !state->is_main_process()) return;
+  offload_reported = true;
   if (device.is_cpu())
     log::info("xlr8: offload requested: shards, gradients and optimizer state stay on the training device, which on a "
               "CPU-only run is host memory already, so nothing moves");

@@ -56,8 +56,11 @@ struct AcceleratorImpl {
   at::Tensor loss_for_backward(const at::Tensor& loss);
   // Accelerator::clip_grad_norm: the global norm of `parameters`' gradients, clipped to max_norm (collective).
   double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
-  // Offload (FSDP's offload_params, DeepSpeed's offload_*) was asked for: says what this build does.
-  void report_offload() const;
+  // Offload (FSDP's offload_params, DeepSpeed's offload_*) was asked for: says, once, what this build does.
+  void report_offload();
+  bool offload_reported = false;
+  // A DeepSpeed JSON's fp16 loss scaler (when the precision is fp16) and its offload request.
+  void follow_deepspeed(const deepspeed::Config& config);
   // The strategy of a prepared module, or null.
   ParallelStrategy* strategy_for(const torch::nn::Module* module) const;
   // The strategies of `modules` (all prepared models when empty); an unprepared module is an Error.

@@ -169,7 +169,7 @@ at::Tensor AcceleratorImpl::loss_for_backward(const at::Tensor& loss) {
 
 void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
   if (impl_->deepspeed)  // everything the JSON needs is prepared by now: no "auto" may be left
-    impl_->deepspeed->finish(impl_->state->mesh().group("dp").size(), impl_->gradient_state->num_steps);
+    impl_->deepspeed->finish(impl_->gradient_state->num_steps);
   auto scaled = impl_->loss_for_backward(loss);
   AutocastPause outside_autocast;
   scaled.backward({}, retain_graph);

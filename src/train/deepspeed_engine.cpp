@@ -30,7 +30,7 @@ namespace {
 
 AcceleratorOptions accelerator_options(const Config& config, const BatchSizes& sizes) {
   AcceleratorOptions o;
-  o.mixed_precision = config.fp16.enabled ? MixedPrecision::FP16 : config.bf16 ? MixedPrecision::BF16 : MixedPrecision::NO;
+  o.mixed_precision = detail::mixed_precision_of(config);
   o.gradient_accumulation_steps = static_cast<int>(sizes.gradient_accumulation_steps);
   o.sync_with_dataloader = false;  // DeepSpeed's boundary is its micro-step count alone
   detail::apply_zero_config(config.zero_optimization, o.parallel);
@@ -157,10 +157,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
                                   config_.origin));
   detail::mark_leaf_modules(*module, config_.zero_optimization.leaf_module);
   accelerator_.reset(new Accelerator(accelerator_options(config_, sizes_), Accelerator::ForEngine{}));
-  auto& impl = *accelerator_->impl_;
-  const auto& z = config_.zero_optimization;
-  if (z.offload_optimizer.device != "none" || z.offload_param.device != "none") impl.report_offload();
-  if (impl.scaler) impl.scaler.emplace(loss_scaler_options(config_.fp16, config_.zero_optimization.stage));
+  accelerator_->impl_->follow_deepspeed(config_);
   module_ = accelerator_->prepare(module);
   if (!optimizer) optimizer = make_optimizer(*config_.optimizer, module_->parameters());
   optimizer_ = accelerator_->prepare_optimizer(std::move(optimizer));
@@ -208,6 +205,16 @@ void Engine::add_time(double WallClock::*phase, double ms) {
   wall_clock_interval_.*phase += ms;
 }
 
+// Backward time since `began_ms`: the part spent blocked in collectives (since `waited_before`) is the
+// wait for gradient reductions, the rest the backward's own.
+void Engine::add_backward_time(double began_ms, int64_t waited_before) {
+  const double total = now_ms() - began_ms;
+  const double reducing = static_cast<double>(detail::collective_wait_ns() - waited_before) / 1e6;
+  add_time(&WallClock::backward_ms, total);
+  add_time(&WallClock::backward_allreduce_ms, reducing);
+  add_time(&WallClock::backward_inner_ms, total - reducing);
+}
+
 void Engine::print_wall_clock() {
   const auto& w = wall_clock_interval_;
   if (ProcessState::instance().is_main_process())
@@ -241,10 +248,7 @@ at::Tensor Engine::backward(const at::Tensor& loss, bool retain_graph) {
     const double began = now_ms();
     const int64_t waited = detail::collective_wait_ns();
     accelerator_->backward(loss, retain_graph);
-    const double total = now_ms() - began, reducing = static_cast<double>(detail::collective_wait_ns() - waited) / 1e6;
-    add_time(&WallClock::backward_ms, total);
-    add_time(&WallClock::backward_allreduce_ms, reducing);
-    add_time(&WallClock::backward_inner_ms, total - reducing);
+    add_backward_time(began, waited);
   }
   return loss.detach() / static_cast<double>(sizes_.gradient_accumulation_steps);
 }
@@ -286,12 +290,8 @@ void Engine::step() {
   micro_step_.reset();  // the strategies end their step: a sharded model's reductions are done
   ++micro_steps_;
   if (!timed) return;
-  // What ending the micro-step waited for is the backward's reductions.
-  const double ended = now_ms(), reducing = static_cast<double>(detail::collective_wait_ns() - waited) / 1e6;
   add_time(&WallClock::step_ms, stepped - began);
-  add_time(&WallClock::backward_ms, ended - stepped);
-  add_time(&WallClock::backward_allreduce_ms, reducing);
-  add_time(&WallClock::backward_inner_ms, ended - stepped - reducing);
+  add_backward_time(stepped, waited);  // what ending the micro-step waited for is the backward's reductions
   if (boundary && config_.steps_per_print > 0 && global_steps_ % config_.steps_per_print == 0) print_wall_clock();
 }
 

@@ -46,19 +46,6 @@ namespace {
 // DeepSpeed counts bucket sizes in elements; the strategies take megabytes (of float32 gradients).
 double megabytes_of(int64_t elements) { return static_cast<double>(elements) * 4.0 / (1024.0 * 1024.0); }
 
-std::string precision_name(MixedPrecision p) {
-  return p == MixedPrecision::FP16 ? "fp16" : p == MixedPrecision::BF16 ? "bf16" : "no";
-}
-
-bool is_auto_at(const nlohmann::json& document, const std::string& dotted) {
-  const nlohmann::json* node = &document;
-  for (const auto& part : text::split(dotted, '.')) {
-    if (!node->is_object() || !node->contains(part)) return false;
-    node = &node->at(part);
-  }
-  return node->is_string() && node->get<std::string>() == "auto";
-}
-
 bool explicitly_enabled(const nlohmann::json& document, const char* section) {
   if (!document.contains(section) || !document.at(section).is_object()) return false;
   const auto& enabled = document.at(section).value("enabled", nlohmann::json(false));
@@ -102,8 +89,10 @@ void mark_leaf_modules(torch::nn::Module& model, const deepspeed::LeafModuleConf
 }
 
 DeepSpeedPlugin::DeepSpeedPlugin(const DeepSpeedSettings& launch, MixedPrecision precision, int accumulation,
-                                 bool main_process)
-    : config_(deepspeed::load_config(launch.config_file)), main_process_(main_process) {
+                                 int data_parallel_size, bool main_process)
+    : config_(deepspeed::load_config(launch.config_file)),
+      data_parallel_size_(data_parallel_size),
+      main_process_(main_process) {
   const auto& doc = config_.document;
   // Accelerate's set_mixed_precision: the launch's precision may not contradict the JSON's other dtype.
   if (precision != MixedPrecision::NO) {
@@ -111,7 +100,7 @@ DeepSpeedPlugin::DeepSpeedPlugin(const DeepSpeedSettings& launch, MixedPrecision
     if (explicitly_enabled(doc, other))
       throw ConfigError(fmt::format("mixed_precision {} was asked for, but {} enables {}; drop --mixed_precision or set "
                                     "{}.enabled to \"auto\" or false",
-                                    precision_name(precision), config_.origin, other, other));
+                                    to_string(precision), config_.origin, other, other));
   }
   // ... and a precision the JSON does not mention is added to it, as Accelerate adds the section.
   auto added = doc;
@@ -131,7 +120,7 @@ DeepSpeedPlugin::DeepSpeedPlugin(const DeepSpeedSettings& launch, MixedPrecision
   fill(values);
   if (main_process_ && this->precision() != precision)
     log::warning("xlr8: {} sets mixed precision {} while the launch asks for {}; DeepSpeed's config wins",
-                 config_.origin, precision_name(this->precision()), precision_name(precision));
+                 config_.origin, to_string(this->precision()), to_string(precision));
   if (main_process_ && config_.gradient_accumulation_steps && *config_.gradient_accumulation_steps != accumulation)
     log::warning("xlr8: gradient accumulation steps mismatch: the Accelerator has {}, {} has {}; using DeepSpeed's value",
                  accumulation, config_.origin, *config_.gradient_accumulation_steps);
@@ -141,9 +130,11 @@ void DeepSpeedPlugin::fill(const std::map<std::string, nlohmann::json>& values) 
   config_ = deepspeed::fill_auto(config_, values);
 }
 
-MixedPrecision DeepSpeedPlugin::precision() const {
-  return config_.fp16.enabled ? MixedPrecision::FP16 : config_.bf16 ? MixedPrecision::BF16 : MixedPrecision::NO;
+MixedPrecision mixed_precision_of(const deepspeed::Config& config) {
+  return config.fp16.enabled ? MixedPrecision::FP16 : config.bf16 ? MixedPrecision::BF16 : MixedPrecision::NO;
 }
+
+MixedPrecision DeepSpeedPlugin::precision() const { return mixed_precision_of(config_); }
 
 int DeepSpeedPlugin::gradient_accumulation_steps() const {
   return static_cast<int>(config_.gradient_accumulation_steps.value_or(0));
@@ -155,7 +146,7 @@ void DeepSpeedPlugin::configure_model(torch::nn::Module& model, ParallelOptions&
                                                 "zero_optimization.stage3_param_persistence_threshold"};
   std::vector<std::string> wanted;
   for (const auto& key : hidden_keys)
-    if (is_auto_at(config_.document, key)) wanted.push_back(key);
+    if (std::find(config_.auto_keys.begin(), config_.auto_keys.end(), key) != config_.auto_keys.end()) wanted.push_back(key);
   if (!wanted.empty()) {
     const auto width = hidden_size > 0 ? std::optional(hidden_size) : embedding_width(model);
     if (!width)
@@ -242,8 +233,9 @@ void DeepSpeedPlugin::loader_prepared(int64_t batch_size_per_process) {
   smallest_batch_ = std::min(smallest_batch_.value_or(batch_size_per_process), batch_size_per_process);
 }
 
-void DeepSpeedPlugin::finish(int data_parallel_size, int accumulation) {
+void DeepSpeedPlugin::finish(int accumulation) {
   if (finished_) return;
+  const int data_parallel_size = data_parallel_size_;
   finished_ = true;
   if (smallest_batch_) {
     const int64_t micro = *smallest_batch_, steps = config_.gradient_accumulation_steps.value_or(accumulation);

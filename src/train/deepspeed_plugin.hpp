@@ -25,12 +25,17 @@ void apply_zero_config(const deepspeed::ZeroConfig& zero, ParallelOptions& paral
 // zero_optimization.leaf_module: marks the modules it names (ConfigError when a list matches none).
 void mark_leaf_modules(torch::nn::Module& model, const deepspeed::LeafModuleConfig& leaf);
 
+// The JSON's precision: fp16, else bf16, else none.
+MixedPrecision mixed_precision_of(const deepspeed::Config& config);
+
 class DeepSpeedPlugin {
  public:
   // Reads launch.config_file and fills what the launch and the program's options decide:
   // gradient_accumulation_steps, gradient_clipping, fp16/bf16 "enabled", the ZeRO stage, offload devices,
-  // stage3_gather_16bit_weights_on_model_save. `precision` and `accumulation` are the Accelerator's own.
-  DeepSpeedPlugin(const DeepSpeedSettings& launch, MixedPrecision precision, int accumulation, bool main_process);
+  // stage3_gather_16bit_weights_on_model_save. `precision` and `accumulation` are the Accelerator's own;
+  // `data_parallel_size` makes train_batch_size.
+  DeepSpeedPlugin(const DeepSpeedSettings& launch, MixedPrecision precision, int accumulation, int data_parallel_size,
+                  bool main_process);
 
   const deepspeed::Config& config() const { return config_; }
   // What the JSON makes of the launch's precision and accumulation (the JSON's value wins, as in Accelerate).
@@ -50,13 +55,14 @@ class DeepSpeedPlugin {
   void loader_prepared(int64_t batch_size_per_process);
   // At the first backward, once: fills the batch sizes, refuses what is still "auto" (naming who fills
   // it), checks DeepSpeed's batch-size relation and logs the resolved JSON. Collective-free.
-  void finish(int data_parallel_size, int accumulation);
+  void finish(int accumulation);
 
  private:
   void fill(const std::map<std::string, nlohmann::json>& values);
   void refuse_auto_in(const std::string& prefix, const std::string& filled_by) const;
 
   deepspeed::Config config_;
+  int data_parallel_size_;
   bool main_process_;
   bool finished_ = false;
   std::optional<int64_t> smallest_batch_;

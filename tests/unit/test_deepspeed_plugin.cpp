@@ -67,31 +67,31 @@ TEST(DeepSpeedPlugin, TheLaunchAndTheAcceleratorFillTheirAutoValuesAndTheJsonsOw
   launch.gradient_clipping = 0.3;
   launch.zero_stage = 3;
   launch.zero3_save_16bit_model = true;
-  DeepSpeedPlugin plugin(launch, MixedPrecision::BF16, 4, false);
+  DeepSpeedPlugin plugin(launch, MixedPrecision::BF16, 4, 1, false);
   EXPECT_EQ(plugin.precision(), MixedPrecision::BF16);
   EXPECT_EQ(plugin.gradient_accumulation_steps(), 4);
   EXPECT_DOUBLE_EQ(plugin.config().gradient_clipping, 0.3);
   EXPECT_EQ(plugin.config().zero_optimization.stage, 3);
   EXPECT_TRUE(plugin.config().zero_optimization.stage3_gather_16bit_weights_on_model_save);
   // Without --gradient_clipping, Accelerate's 1.0.
-  DeepSpeedPlugin defaults(launch_with(kAllAuto), MixedPrecision::NO, 1, false);
+  DeepSpeedPlugin defaults(launch_with(kAllAuto), MixedPrecision::NO, 1, 1, false);
   EXPECT_DOUBLE_EQ(defaults.config().gradient_clipping, 1.0);
   EXPECT_EQ(defaults.precision(), MixedPrecision::NO);
   // The JSON's own accumulation and precision win over the Accelerator's.
   DeepSpeedPlugin own(launch_with({{"train_micro_batch_size_per_gpu", 2}, {"gradient_accumulation_steps", 3},
                                    {"fp16", {{"enabled", true}}}}),
-                      MixedPrecision::NO, 1, false);
+                      MixedPrecision::NO, 1, 1, false);
   EXPECT_EQ(own.gradient_accumulation_steps(), 3);
   EXPECT_EQ(own.precision(), MixedPrecision::FP16);
   // A precision the JSON does not mention is added, as Accelerate adds the section.
-  DeepSpeedPlugin added(launch_with({{"train_micro_batch_size_per_gpu", 2}}), MixedPrecision::FP16, 1, false);
+  DeepSpeedPlugin added(launch_with({{"train_micro_batch_size_per_gpu", 2}}), MixedPrecision::FP16, 1, 1, false);
   EXPECT_EQ(added.precision(), MixedPrecision::FP16);
   EXPECT_EQ(added.config().document["fp16"]["enabled"], true);
 }
 
 TEST(DeepSpeedPlugin, ALaunchPrecisionThatContradictsTheJsonIsRefusedNamingTheKey) {
   const auto message = error_of([] {
-    DeepSpeedPlugin(launch_with({{"bf16", {{"enabled", true}}}}), MixedPrecision::FP16, 1, false);
+    DeepSpeedPlugin(launch_with({{"bf16", {{"enabled", true}}}}), MixedPrecision::FP16, 1, 1, false);
   });
   EXPECT_NE(message.find("enables bf16"), std::string::npos) << message;
   EXPECT_NE(message.find("bf16.enabled"), std::string::npos) << message;
@@ -99,7 +99,7 @@ TEST(DeepSpeedPlugin, ALaunchPrecisionThatContradictsTheJsonIsRefusedNamingTheKe
 
 TEST(DeepSpeedPlugin, HiddenSizeKeysComeFromTheOptionOrTheModelsEmbeddingAndAreRefusedWithoutEither) {
   ParallelOptions parallel;
-  DeepSpeedPlugin from_embedding(launch_with(kAllAuto), MixedPrecision::NO, 1, false);
+  DeepSpeedPlugin from_embedding(launch_with(kAllAuto), MixedPrecision::NO, 1, 1, false);
   auto net = std::make_shared<EmbedNetImpl>();
   from_embedding.configure_model(*net, parallel, 0);
   const auto& z = from_embedding.config().zero_optimization;
@@ -108,11 +108,11 @@ TEST(DeepSpeedPlugin, HiddenSizeKeysComeFromTheOptionOrTheModelsEmbeddingAndAreR
   EXPECT_EQ(z.stage3_param_persistence_threshold, 80);
   EXPECT_DOUBLE_EQ(parallel.zero.bucket_cap_mb, 64 * 4.0 / (1024 * 1024));
 
-  DeepSpeedPlugin from_option(launch_with(kAllAuto), MixedPrecision::NO, 1, false);
+  DeepSpeedPlugin from_option(launch_with(kAllAuto), MixedPrecision::NO, 1, 1, false);
   from_option.configure_model(*torch::nn::Linear(3, 3).ptr(), parallel, 4);
   EXPECT_EQ(from_option.config().zero_optimization.reduce_bucket_size, 16);
 
-  DeepSpeedPlugin neither(launch_with(kAllAuto), MixedPrecision::NO, 1, false);
+  DeepSpeedPlugin neither(launch_with(kAllAuto), MixedPrecision::NO, 1, 1, false);
   const auto message = error_of([&] { neither.configure_model(*torch::nn::Linear(3, 3).ptr(), parallel, 0); });
   EXPECT_NE(message.find("zero_optimization.reduce_bucket_size"), std::string::npos) << message;
   EXPECT_NE(message.find("model_hidden_size"), std::string::npos) << message;
@@ -126,7 +126,7 @@ TEST(DeepSpeedPlugin, DummyOptimAndDummySchedulerStandForTheJsonsSectionsAndReal
        {{"type", "WarmupDecayLR"},
         {"params", {{"warmup_min_lr", "auto"}, {"warmup_max_lr", "auto"}, {"warmup_num_steps", "auto"},
                     {"total_num_steps", "auto"}, {"warmup_type", "linear"}}}}}};
-  DeepSpeedPlugin plugin(launch_with(sections), MixedPrecision::NO, 1, false);
+  DeepSpeedPlugin plugin(launch_with(sections), MixedPrecision::NO, 1, 1, false);
   auto net = torch::nn::Linear(3, 3);
   auto real = std::make_shared<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.1));
   auto message = error_of([&] { plugin.optimizer_for(real); });
@@ -158,7 +158,7 @@ TEST(DeepSpeedPlugin, DummyOptimAndDummySchedulerStandForTheJsonsSectionsAndReal
   }
   EXPECT_GT(built->param_groups()[0].options().get_lr(), 0.0);
 
-  DeepSpeedPlugin without(launch_with({{"train_micro_batch_size_per_gpu", 2}}), MixedPrecision::NO, 1, false);
+  DeepSpeedPlugin without(launch_with({{"train_micro_batch_size_per_gpu", 2}}), MixedPrecision::NO, 1, 1, false);
   message = error_of([&] { without.optimizer_for(std::make_shared<DummyOptim>(net->parameters())); });
   EXPECT_NE(message.find("no \"optimizer\" section"), std::string::npos) << message;
   EXPECT_EQ(without.optimizer_for(real), real);  // no section: the program's own
@@ -167,7 +167,7 @@ TEST(DeepSpeedPlugin, DummyOptimAndDummySchedulerStandForTheJsonsSectionsAndReal
 TEST(DeepSpeedPlugin, AnAutoADummyCannotFillIsRefusedNamingIt) {
   DeepSpeedPlugin plugin(launch_with({{"train_micro_batch_size_per_gpu", 2},
                                       {"optimizer", {{"type", "Adam"}, {"params", {{"lr", "auto"}, {"betas", "auto"}}}}}}),
-                         MixedPrecision::NO, 1, false);
+                         MixedPrecision::NO, 1, 1, false);
   auto net = torch::nn::Linear(3, 3);
   const auto message = error_of([&] { plugin.optimizer_for(std::make_shared<DummyOptim>(net->parameters())); });
   EXPECT_NE(message.find("optimizer.params.betas"), std::string::npos) << message;
@@ -175,31 +175,31 @@ TEST(DeepSpeedPlugin, AnAutoADummyCannotFillIsRefusedNamingIt) {
 }
 
 TEST(DeepSpeedPlugin, AtTheFirstBackwardBatchSizesComeFromTheLoadersAndWhatIsStillAutoIsRefusedWithWhoFillsIt) {
-  DeepSpeedPlugin plugin(launch_with(kAllAuto), MixedPrecision::NO, 2, false);
+  DeepSpeedPlugin plugin(launch_with(kAllAuto), MixedPrecision::NO, 2, 3, false);
   plugin.configure_model(*std::make_shared<EmbedNetImpl>(), *std::make_unique<ParallelOptions>(), 0);
   plugin.loader_prepared(8);
   plugin.loader_prepared(16);  // the smallest, as Accelerate's is_train_batch_min
-  plugin.finish(3, 2);
+  plugin.finish(2);
   EXPECT_EQ(plugin.config().train_micro_batch_size_per_gpu, 8);
   EXPECT_EQ(plugin.config().train_batch_size, 48);
 
-  DeepSpeedPlugin no_loader(launch_with(kAllAuto), MixedPrecision::NO, 1, false);
-  auto message = error_of([&] { no_loader.finish(2, 1); });
+  DeepSpeedPlugin no_loader(launch_with(kAllAuto), MixedPrecision::NO, 1, 2, false);
+  auto message = error_of([&] { no_loader.finish(1); });
   EXPECT_NE(message.find("train_micro_batch_size_per_gpu (filled from the batch size of a data loader"), std::string::npos)
       << message;
   EXPECT_NE(message.find("zero_optimization.reduce_bucket_size"), std::string::npos) << message;
 
   // A fixed train_batch_size that the loader's batch contradicts: DeepSpeed's own error.
   DeepSpeedPlugin fixed(launch_with({{"train_batch_size", 30}, {"train_micro_batch_size_per_gpu", "auto"}}),
-                        MixedPrecision::NO, 1, false);
+                        MixedPrecision::NO, 1, 2, false);
   fixed.loader_prepared(8);
-  message = error_of([&] { fixed.finish(2, 1); });
+  message = error_of([&] { fixed.finish(1); });
   EXPECT_NE(message.find("30 != 8 * 1 * 2"), std::string::npos) << message;
 
   DeepSpeedPlugin unused(launch_with({{"train_micro_batch_size_per_gpu", 2},
                                       {"optimizer", {{"type", "SGD"}, {"params", {{"lr", 0.1}}}}}}),
-                         MixedPrecision::NO, 1, false);
-  message = error_of([&] { unused.finish(1, 1); });
+                         MixedPrecision::NO, 1, 1, false);
+  message = error_of([&] { unused.finish(1); });
   EXPECT_NE(message.find("prepare an xlr8::DummyOptim"), std::string::npos) << message;
 }
 
@@ -208,7 +208,7 @@ TEST(DeepSpeedPlugin, Stage3PrefetchesWithinTheJsonsBucketAndLiveBoundAndAnEmpty
   DeepSpeedPlugin plugin(launch_with({{"train_micro_batch_size_per_gpu", 1},
                                       {"zero_optimization", {{"stage", 3}, {"stage3_prefetch_bucket_size", 1000},
                                                              {"stage3_max_live_parameters", 5000}}}}),
-                         MixedPrecision::NO, 1, false);
+                         MixedPrecision::NO, 1, 1, false);
   plugin.configure_model(*std::make_shared<EmbedNetImpl>(), parallel, 0);
   EXPECT_EQ(parallel.zero.prefetch_bucket_elements, 1000);
   EXPECT_EQ(parallel.zero.max_live_elements, 5000);
@@ -218,7 +218,7 @@ TEST(DeepSpeedPlugin, Stage3PrefetchesWithinTheJsonsBucketAndLiveBoundAndAnEmpty
   ParallelOptions none;
   DeepSpeedPlugin empty(launch_with({{"train_micro_batch_size_per_gpu", 1},
                                      {"zero_optimization", {{"stage", 3}, {"stage3_prefetch_bucket_size", 0}}}}),
-                        MixedPrecision::NO, 1, false);
+                        MixedPrecision::NO, 1, 1, false);
   empty.configure_model(*std::make_shared<EmbedNetImpl>(), none, 0);
   EXPECT_EQ(none.zero.prefetch_bucket_elements, 0);
   EXPECT_GT(none.zero.max_live_elements, 0);  // DeepSpeed's bounds, not FSDP's rule
