@@ -142,9 +142,21 @@ class Supervisor {
     term_deadline_.reset();
     for (int i = 0; i < o_.nproc_per_node; ++i) start(workers_[i], i, attempt, port);
     supervise();
-    if (interrupted_by_) return 128 + interrupted_by_;
+    if (interrupted_by_) {
+      report_interrupted();
+      return 128 + interrupted_by_;
+    }
     if (first_failure_ >= 0) return exit_code_of(workers_[first_failure_].status);
     return 0;
+  }
+
+  // How each worker ended after an interruption: a worker that needed the SIGTERM or SIGKILL escalation
+  // ignored or handled the forwarded signal, which the user should know.
+  void report_interrupted() const {
+    std::string ends;
+    for (const auto& w : workers_)
+      ends += fmt::format("{}rank {} {}", ends.empty() ? "" : ", ", w.rank, describe_status(w.status));
+    log::warning("xlr8 launch: workers stopped: {}", ends);
   }
 
   // The first failure, each failed rank's error line (what its exception said, not the backtrace's last

@@ -274,8 +274,11 @@ TEST(Launcher, SigintIsForwardedToWorkers) {
 
 // `kill -INT` to a launcher that a script started in the background: a shell without job control
 // starts it with SIGINT ignored, which exec keeps; workers must still get the default disposition.
-// Returns the script's "rc=<launcher exit code> ms=<from kill to exit>".
-std::pair<int, int> interrupt_from_a_script(const std::string& mode, const std::string& dir) {
+struct ScriptInterrupt {
+  int rc = -1, ms = -1;  // the launcher's exit code, milliseconds from kill to its exit
+  std::string launcher_err;
+};
+ScriptInterrupt interrupt_from_a_script(const std::string& mode, const std::string& dir) {
   const std::string script = fmt::format(
       "'{}' launch --num_processes 2 '{}' {} '{}' & pid=$!; "
       "while [ $(ls '{}' | wc -l) -lt 2 ]; do sleep 0.05; done; "
@@ -283,17 +286,22 @@ std::pair<int, int> interrupt_from_a_script(const std::string& mode, const std::
       kXlr8, kWorker, mode, dir, dir);
   auto r = run({"bash", "-c", script}, 60);
   EXPECT_EQ(r.exit_code, 0) << r.err;
-  int rc = -1, ms = -1;
-  std::sscanf(r.out.substr(r.out.rfind("rc=")).c_str(), "rc=%d ms=%d", &rc, &ms);
-  return {rc, ms};
+  ScriptInterrupt result;
+  result.launcher_err = r.err;
+  std::sscanf(r.out.substr(r.out.rfind("rc=")).c_str(), "rc=%d ms=%d", &result.rc, &result.ms);
+  return result;
 }
 
-TEST(Launcher, SigintFromAScriptStopsWorkersWellUnderASecond) {
+TEST(Launcher, SigintFromAScriptStopsWorkersWithoutEscalating) {
   auto dir = temp_dir("int-script");
-  auto [rc, ms] = interrupt_from_a_script("hang", dir);
+  auto r = interrupt_from_a_script("hang", dir);
   auto pids = read_pids(dir);
-  EXPECT_EQ(rc, 128 + SIGINT);
-  EXPECT_LT(ms, 1000) << "the workers outlived SIGINT until the SIGKILL grace";
+  EXPECT_EQ(r.rc, 128 + SIGINT);
+  // The mechanism, not a stopwatch (CI runs other tests beside this one): SIGINT itself ended both workers.
+  EXPECT_NE(r.launcher_err.find("workers stopped: rank 0 killed by SIGINT (signal 2), rank 1 killed by SIGINT"),
+            std::string::npos)
+      << r.launcher_err;
+  EXPECT_LT(r.ms, 2500) << "the workers outlived SIGINT until the SIGTERM at half the 5 s grace";
   expect_all_dead(pids);
   fs::remove_all(dir);
 }
@@ -301,11 +309,14 @@ TEST(Launcher, SigintFromAScriptStopsWorkersWellUnderASecond) {
 TEST(Launcher, WorkersThatHandleSigintGetSigtermBeforeTheGraceEnds) {
   // Grace 5 s: SIGINT, then SIGTERM at 2.5 s, which the workers do not handle.
   auto dir = temp_dir("int-escalate");
-  auto [rc, ms] = interrupt_from_a_script("hang-handling-int", dir);
+  auto r = interrupt_from_a_script("hang-handling-int", dir);
   auto pids = read_pids(dir);
-  EXPECT_EQ(rc, 128 + SIGINT);
-  EXPECT_GT(ms, 2000);
-  EXPECT_LT(ms, 4500) << "no SIGTERM before the SIGKILL at the end of the grace";
+  EXPECT_EQ(r.rc, 128 + SIGINT);
+  EXPECT_NE(r.launcher_err.find("workers stopped: rank 0 killed by SIGTERM (signal 15), rank 1 killed by SIGTERM"),
+            std::string::npos)
+      << r.launcher_err;
+  EXPECT_GT(r.ms, 2000);
+  EXPECT_LT(r.ms, 4500) << "no SIGTERM before the SIGKILL at the end of the grace";
   expect_all_dead(pids);
   fs::remove_all(dir);
 }
