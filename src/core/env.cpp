@@ -7,7 +7,7 @@
 
 #include "xlr8/error.hpp"
 
-extern char** environ;
+extern "C" char** environ;  // as unistd.h declares it (C linkage), whichever comes first
 
 namespace xlr8 {
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <map>
 
+#include "compat/torch_compat.hpp"
 #include "parallel/zero_engine.hpp"
 #include "xlr8/error.hpp"
 
@@ -24,7 +25,7 @@ void ZeroEngine::bind_optimizer(torch::optim::Optimizer& optimizer) const {
     for (auto& p : param_group.params()) {
       auto it = slots_.find(p.unsafeGetTensorImpl());
       if (it == slots_.end() || it->second.is_leaf) continue;
-      if (optimizer.state().count(c10::guts::to_string(p.unsafeGetTensorImpl())))
+      if (optimizer.state().count(compat::optimizer_state_key(p)))
         throw Error(fmt::format("prepare(): the optimizer already holds state for parameter {}; prepare the "
                                 "optimizer before its first step so that it can work on this rank's shards",
                                 group(it->second.group).names[it->second.index]));

@@ -1,6 +1,5 @@
 #include "train/tensorboard.hpp"
 
-#include <fmt/format.h>
 #include <unistd.h>
 
 #include <array>
@@ -8,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <string>
 
 #include "tensorboard.pb.h"
 #include "xlr8/error.hpp"
@@ -38,11 +38,11 @@ class TensorBoardTracker final : public Tracker {
   explicit TensorBoardTracker(const std::string& dir) : Tracker(dir) {
     char host[256] = "localhost";
     gethostname(host, sizeof(host) - 1);
-    path_ = (std::filesystem::path(dir) /
-             fmt::format("events.out.tfevents.{}.{}", static_cast<int64_t>(now_seconds()), host))
-                .string();
+    const std::string name =
+        "events.out.tfevents." + std::to_string(static_cast<int64_t>(now_seconds())) + "." + host;
+    path_ = (std::filesystem::path(dir) / name).string();
     out_.open(path_, std::ios::binary | std::ios::app);
-    if (!out_) throw Error(fmt::format("cannot write {}", path_));
+    if (!out_) throw Error("cannot write " + path_);
     pb::Event first;
     first.set_wall_time(now_seconds());
     first.set_file_version("brain.Event:2");
@@ -136,7 +136,7 @@ class TensorBoardTracker final : public Tracker {
     out_.write(data.data(), static_cast<std::streamsize>(data.size()));
     out_.write(footer, sizeof(footer));
     out_.flush();  // TensorBoard reads while the run goes on
-    if (!out_) throw Error(fmt::format("cannot write {}", path_));
+    if (!out_) throw Error("cannot write " + path_);
   }
 
   std::string path_;
@@ -164,9 +164,15 @@ std::unique_ptr<Tracker> make_tensorboard_tracker(const std::string& run_dir) {
   return std::make_unique<TensorBoardTracker>(run_dir);
 }
 
+namespace {
+std::string record_error(const std::string& path, uint64_t offset, const std::string& what) {
+  return path + ": the record at byte " + std::to_string(offset) + " " + what;
+}
+}  // namespace
+
 std::map<std::string, std::vector<std::pair<int64_t, double>>> read_tensorboard_scalars(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error(fmt::format("cannot read {}", path));
+  if (!in) throw Error("cannot read " + path);
   const uint64_t size = std::filesystem::file_size(path);
   auto little_endian = [](const char* bytes, int count) {
     uint64_t v = 0;
@@ -178,16 +184,16 @@ std::map<std::string, std::vector<std::pair<int64_t, double>>> read_tensorboard_
     char header[12], footer[4];
     if (!in.read(header, sizeof(header))) break;
     if (masked_crc32c(header, 8) != little_endian(header + 8, 4))
-      throw Error(fmt::format("{}: the record at byte {} has a corrupt length (checksum mismatch)", path, offset));
+      throw Error(record_error(path, offset, "has a corrupt length (checksum mismatch)"));
     const uint64_t length = little_endian(header, 8);
     if (length > size - offset - sizeof(header)) break;  // cut short: still being written
     std::string data(length, '\0');
     if (!in.read(data.data(), static_cast<std::streamsize>(length)) || !in.read(footer, sizeof(footer))) break;
     if (masked_crc32c(data.data(), data.size()) != little_endian(footer, 4))
-      throw Error(fmt::format("{}: the record at byte {} fails its checksum", path, offset));
+      throw Error(record_error(path, offset, "fails its checksum"));
     pb::Event event;
     if (!event.ParseFromString(data))
-      throw Error(fmt::format("{}: the record at byte {} is not a TensorBoard Event", path, offset));
+      throw Error(record_error(path, offset, "is not a TensorBoard Event"));
     for (const auto& value : event.summary().value())
       if (value.value_case() == pb::Summary::Value::kSimpleValue)
         scalars[value.tag()].emplace_back(event.step(), value.simple_value());

@@ -24,7 +24,7 @@
 #include "train/tensorboard.hpp"
 #include "xlr8/error.hpp"
 
-extern char** environ;
+extern "C" char** environ;  // as unistd.h declares it (C linkage), whichever comes first
 
 namespace fs = std::filesystem;
 
