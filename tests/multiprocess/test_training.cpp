@@ -420,6 +420,28 @@ TEST(Mesh, DpReplicateTimesDpShardShardsDataAsTheWorldDoes) {
   expect_same_params(meshed.dir, one.dir, 1e-5);
 }
 
+TEST(TensorParallelOracle, TpAloneAndDdpTimesTpEqualOneProcessOnTheGlobalBatch) {
+  // fc1 column-wise and fc2 row-wise over the mesh's tp group (16 hidden features: 8 per tp rank), with
+  // clipping and a scheduler. tp 2 on 2 processes reads the whole batch on both; dp_replicate 2 x tp 2
+  // on 4 processes splits it over the 2-rank dp groups, which DDP averages over.
+  auto one = oracle_run(1, 8, {"--steps", "8", "--tensor_parallel"});
+  ASSERT_EQ(one.losses.size(), 8u);
+  auto plain = oracle_run(1, 8, {"--steps", "8"});  // the drop-in layers are LibTorch's at tp 1
+  expect_close(plain.losses, one.losses, 0);
+  const std::map<std::string, std::string> tp2{{"ACCELERATE_USE_PARALLELISM_CONFIG", "true"},
+                                               {"PARALLELISM_CONFIG_TP_SIZE", "2"}};
+  auto tp = oracle_run(2, 8, {"--steps", "8", "--tensor_parallel"}, tp2);
+  expect_close(tp.losses, one.losses, 1e-5);
+  EXPECT_EQ(tp.result.value("tp_size", 0), 2);
+  EXPECT_EQ(tp.result.value("local_hidden", 0), 8);
+  auto dp_tp_env = tp2;
+  dp_tp_env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"] = "2";
+  auto dp_tp = oracle_run(4, 4, {"--steps", "8", "--tensor_parallel"}, dp_tp_env);
+  expect_close(dp_tp.losses, one.losses, 1e-5);
+  EXPECT_EQ(dp_tp.result.value("tp_size", 0), 2);
+  EXPECT_EQ(dp_tp.result.value("strategy", ""), "ddp");
+}
+
 TEST(Mesh, TensorParallelPeersReadTheSameBatchesAndDdpSpansOnlyDp) {
   // dp != world: 4 processes as dp_replicate 2 x tp 2. Both ranks of a tp pair read the same batches (the
   // loader shards over dp, not the world) and DDP averages over the 2-rank dp group, so the run equals 2

@@ -21,6 +21,8 @@
 #include "xlr8/accelerator.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/fused_adam.hpp"
+#include "xlr8/nn.hpp"
+#include "xlr8/tensor_parallel.hpp"
 #include "xlr8/unshard.hpp"
 #include "train_worker_api.hpp"
 
@@ -55,6 +57,17 @@ struct MlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
+// Mlp with xlr8's drop-in layers, for tensor parallelism (the same parameters and draws at tp 1).
+struct TpMlpImpl : torch::nn::Module {
+  explicit TpMlpImpl(int64_t hidden) {
+    fc1 = register_module("fc1", xlr8::nn::Linear(8, hidden));
+    fc2 = register_module("fc2", xlr8::nn::Linear(hidden, 4));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc2(torch::tanh(fc1(x))); }
+  xlr8::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(TpMlp);
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -84,6 +97,8 @@ int main(int argc, char** argv) {
   app.add_flag("--compress_bf16", compress);
   app.add_flag("--zero_in_place", zero_in_place);
   app.add_flag("--track", track);
+  bool tensor_parallel = false;
+  app.add_flag("--tensor_parallel", tensor_parallel, "TpMlp, fc1 column-wise and fc2 row-wise over the mesh's tp group");
   std::string optimizer = "adamw";
   app.add_option("--optimizer", optimizer)->check(CLI::IsMember({"adamw", "fused_adamw"}));
   CLI11_PARSE(app, argc, argv);
@@ -179,54 +194,68 @@ int main(int argc, char** argv) {
     }
 
     int64_t hidden = (mode == "mismatch" && acc.process_index() == 1) ? 12 : 16;
-    auto model = acc.prepare(Mlp(hidden, mode == "unused", with_norm));
-    const torch::optim::AdamWOptions adamw(1e-2);
-    auto opt = optimizer == "fused_adamw" ? acc.prepare(xlr8::optim::FusedAdamW(model->parameters(), adamw))
-                                          : acc.prepare(torch::optim::AdamW(model->parameters(), adamw));
-    auto sched = acc.prepare(torch::optim::StepLR(opt.optimizer(), 5, 0.5));
-    auto loader = acc.prepare_data_loader(Synthetic(samples), {.batch_size = batch, .shuffle = true, .seed = 11});
-    if (!resume.empty()) acc.load_state(resume);
-    const int64_t resumed_step = acc.step();
+    int64_t tp_size = 1, local_hidden = hidden;  // reported: what the tp group really split
+    // The training loop, for either model.
+    auto train = [&](auto model) -> int {
+      const torch::optim::AdamWOptions adamw(1e-2);
+      auto opt = optimizer == "fused_adamw" ? acc.prepare(xlr8::optim::FusedAdamW(model->parameters(), adamw))
+                                            : acc.prepare(torch::optim::AdamW(model->parameters(), adamw));
+      auto sched = acc.prepare(torch::optim::StepLR(opt.optimizer(), 5, 0.5));
+      auto loader = acc.prepare_data_loader(Synthetic(samples), {.batch_size = batch, .shuffle = true, .seed = 11});
+      if (!resume.empty()) acc.load_state(resume);
+      const int64_t resumed_step = acc.step();
 
-    std::vector<double> losses;
-    while (acc.step() < steps) {
-      for (auto& b : *loader) {
-        auto scope = acc.accumulate(model);
-        auto loss = torch::cross_entropy_loss(model->forward(b.data), b.target);
-        acc.backward(loss);
-        if (clip_value > 0) acc.clip_grad_value(model->parameters(), clip_value);
-        else acc.clip_grad_norm(model->parameters(), 5.0);
-        opt.step();
-        sched.step();
-        opt.zero_grad(!zero_in_place);
-        if (!acc.sync_gradients()) continue;
-        losses.push_back(acc.reduce(loss.detach().to(at::kDouble), xlr8::ReduceOp::AVG).item<double>());
-        if (track)
-          acc.log({{"loss", losses.back()}, {"lr", opt.optimizer().param_groups()[0].options().get_lr()}}, acc.step());
-        if (die_rank == acc.process_index() && acc.step() == die_at) raise(SIGKILL);
-        if ((checkpoint_at > 0 && acc.step() == checkpoint_at) || (save_every > 0 && acc.step() % save_every == 0))
-          acc.save_state(out + "/checkpoint");
-        if (acc.step() >= steps) break;
+      std::vector<double> losses;
+      while (acc.step() < steps) {
+        for (auto& b : *loader) {
+          auto scope = acc.accumulate(model);
+          at::Tensor loss = torch::cross_entropy_loss(model->forward(b.data), b.target);
+          acc.backward(loss);
+          if (clip_value > 0) acc.clip_grad_value(model->parameters(), clip_value);
+          else acc.clip_grad_norm(model->parameters(), 5.0);
+          opt.step();
+          sched.step();
+          opt.zero_grad(!zero_in_place);
+          if (!acc.sync_gradients()) continue;
+          losses.push_back(acc.reduce(loss.detach().to(at::kDouble), xlr8::ReduceOp::AVG).item<double>());
+          if (track)
+            acc.log({{"loss", losses.back()}, {"lr", opt.optimizer().param_groups()[0].options().get_lr()}}, acc.step());
+          if (die_rank == acc.process_index() && acc.step() == die_at) raise(SIGKILL);
+          if ((checkpoint_at > 0 && acc.step() == checkpoint_at) || (save_every > 0 && acc.step() % save_every == 0))
+            acc.save_state(out + "/checkpoint");
+          if (acc.step() >= steps) break;
+        }
       }
-    }
-    acc.save_model(model, out + "/model");
-    auto stats = acc.parallel_stats(model);
-    auto figure = [&](const char* key) { return stats.value(key, nlohmann::json(0)); };
-    if (acc.is_main_process())
-      fmt::print("{}\n", nlohmann::json{{"losses", losses},
-                                         {"resumed_step", resumed_step},
-                                         {"num_processes", acc.num_processes()},
-                                         {"step", acc.step()},
-                                         {"lr", opt.optimizer().param_groups()[0].options().get_lr()},
-                                         {"strategy", stats["strategy"]},
-                                         {"buckets", figure("buckets")},
-                                         {"launches", figure("launches")},
-                                         {"overlapped", figure("overlapped_launches")},
-                                         {"exposed_comm_s", figure("exposed_comm_seconds")},
-                                         {"shared_memory", acc.state().world().uses_shared_memory()}}
-                             .dump());
-    acc.end_training();
-    return 0;
+      // A tensor-parallel model's ranks hold slices, which save_model does not gather yet.
+      if (!tensor_parallel) acc.save_model(model, out + "/model");
+      auto stats = acc.parallel_stats(model);
+      auto figure = [&](const char* key) { return stats.value(key, nlohmann::json(0)); };
+      if (acc.is_main_process())
+        fmt::print("{}\n", nlohmann::json{{"losses", losses},
+                                           {"resumed_step", resumed_step},
+                                           {"num_processes", acc.num_processes()},
+                                           {"step", acc.step()},
+                                           {"lr", opt.optimizer().param_groups()[0].options().get_lr()},
+                                           {"strategy", stats["strategy"]},
+                                           {"buckets", figure("buckets")},
+                                           {"launches", figure("launches")},
+                                           {"overlapped", figure("overlapped_launches")},
+                                           {"exposed_comm_s", figure("exposed_comm_seconds")},
+                                           {"shared_memory", acc.state().world().uses_shared_memory()},
+                                           {"tp_size", tp_size},
+                                           {"local_hidden", local_hidden}}
+                               .dump());
+      acc.end_training();
+      return 0;
+    };
+    if (!tensor_parallel) return train(acc.prepare(Mlp(hidden, mode == "unused", with_norm)));
+    // fc1 column-wise, fc2 row-wise over the mesh's tp group, before the Accelerator sees the model.
+    TpMlp model(hidden);
+    xlr8::tp::parallelize(*model, acc.state().mesh().group("tp"),
+                          {{"fc1", xlr8::tp::Style::Colwise}, {"fc2", xlr8::tp::Style::Rowwise}}, /*strict=*/true);
+    tp_size = acc.state().mesh().group("tp").size();
+    local_hidden = model->fc1->weight.size(0);
+    return train(acc.prepare(model));
   } catch (const std::exception& e) {
     fmt::print(stderr, "train_worker: error: {}\n", e.what());
     return 1;

@@ -1,0 +1,75 @@
+#pragma once
+// Drop-in layers for tensor parallelism. LibTorch's forward is not virtual and has no hooks, so a
+// row-wise layer's all-reduce cannot be put into torch::nn::Linear from outside: a model that may run
+// under tensor parallelism builds these instead. Until xlr8::tp::parallelize() assigns them a style they
+// are LibTorch's layers (same parameter names, shapes, initialisation and arithmetic), so checkpoints
+// and single-process runs do not change.
+#include <torch/nn/cloneable.h>
+#include <torch/nn/module.h>
+#include <torch/nn/options/embedding.h>
+#include <torch/nn/options/linear.h>
+#include <torch/nn/pimpl.h>
+
+#include <optional>
+
+#include "xlr8/communicator.hpp"
+#include "xlr8/tensor_parallel.hpp"
+
+namespace xlr8::nn {
+
+// What parallelize() gives a layer: its style, its group, and where its slice starts in the whole.
+struct TensorParallelSlot {
+  tp::Style style;
+  Communicator group;
+  bool gather_output = false;
+  int64_t offset = 0;  // first output feature (Colwise), input feature (Rowwise) or vocabulary row held here
+  int64_t whole = 0;   // that dimension's size in the whole layer
+};
+
+class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
+ public:
+  LinearImpl(int64_t in_features, int64_t out_features) : LinearImpl(torch::nn::LinearOptions(in_features, out_features)) {}
+  explicit LinearImpl(const torch::nn::LinearOptions& options);
+
+  void reset() override;
+  void reset_parameters();
+  void pretty_print(std::ostream& stream) const override;
+  at::Tensor forward(const at::Tensor& input);
+
+  // Called by tp::parallelize: keeps this rank's slice of weight and bias (the same tensors, resized).
+  void parallelize(tp::Style style, const Communicator& group, bool gather_output);
+  const std::optional<TensorParallelSlot>& tensor_parallel() const { return slot_; }
+
+  torch::nn::LinearOptions options;
+  at::Tensor weight;
+  at::Tensor bias;
+
+ private:
+  std::optional<TensorParallelSlot> slot_;
+};
+TORCH_MODULE(Linear);
+
+class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl> {
+ public:
+  EmbeddingImpl(int64_t num_embeddings, int64_t embedding_dim)
+      : EmbeddingImpl(torch::nn::EmbeddingOptions(num_embeddings, embedding_dim)) {}
+  explicit EmbeddingImpl(const torch::nn::EmbeddingOptions& options);
+
+  void reset() override;
+  void reset_parameters();
+  void pretty_print(std::ostream& stream) const override;
+  at::Tensor forward(const at::Tensor& input);
+
+  // Called by tp::parallelize (VocabParallel): keeps this rank's rows of the weight.
+  void parallelize(tp::Style style, const Communicator& group);
+  const std::optional<TensorParallelSlot>& tensor_parallel() const { return slot_; }
+
+  torch::nn::EmbeddingOptions options;
+  at::Tensor weight;
+
+ private:
+  std::optional<TensorParallelSlot> slot_;
+};
+TORCH_MODULE(Embedding);
+
+}  // namespace xlr8::nn

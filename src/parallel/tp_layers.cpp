@@ -1,0 +1,146 @@
+// xlr8::nn::Linear and Embedding: LibTorch's layers (same parameters, initialisation and arithmetic)
+// until a tensor-parallel plan gives them a style and a slice.
+#include <fmt/format.h>
+#include <torch/nn/functional/embedding.h>
+#include <torch/nn/functional/linear.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+
+#include "xlr8/error.hpp"
+#include "xlr8/nn.hpp"
+
+namespace xlr8::nn {
+namespace {
+
+// This rank's [offset, offset + whole / size) of a dimension the group size must divide.
+std::pair<int64_t, int64_t> slice_of(int64_t whole, const Communicator& group, const std::string& what) {
+  if (whole % group.size() != 0)
+    throw ConfigError(fmt::format("tensor parallelism: {} is {}, which the tp size {} does not divide; choose a tp size "
+                                  "that divides it",
+                                  what, whole, group.size()));
+  const int64_t local = whole / group.size();
+  return {group.rank() * local, local};
+}
+
+// Keeps rows [offset, offset + length) of `dim` in the same tensor (set_data: the module's member, its
+// parameter dictionary and anything else holding the tensor all see the slice).
+void keep_slice(at::Tensor& parameter, int64_t dim, int64_t offset, int64_t length) {
+  torch::NoGradGuard no_grad;
+  parameter.set_data(parameter.narrow(dim, offset, length).clone());
+}
+
+}  // namespace
+
+LinearImpl::LinearImpl(const torch::nn::LinearOptions& options_) : options(options_) { reset(); }
+
+void LinearImpl::reset() {
+  weight = register_parameter("weight", torch::empty({options.out_features(), options.in_features()}));
+  if (options.bias())
+    bias = register_parameter("bias", torch::empty(options.out_features()));
+  else
+    bias = register_parameter("bias", {}, /*requires_grad=*/false);
+  reset_parameters();
+}
+
+void LinearImpl::reset_parameters() {
+  // LibTorch's Linear initialisation, draw for draw.
+  torch::nn::init::kaiming_uniform_(weight, std::sqrt(5));
+  if (bias.defined()) {
+    auto [fan_in, fan_out] = torch::nn::init::_calculate_fan_in_and_fan_out(weight);
+    const double bound = 1 / std::sqrt(static_cast<double>(fan_in));
+    torch::nn::init::uniform_(bias, -bound, bound);
+  }
+}
+
+void LinearImpl::pretty_print(std::ostream& stream) const {
+  stream << "xlr8::nn::Linear(in_features=" << options.in_features() << ", out_features=" << options.out_features()
+         << ", bias=" << (options.bias() ? "true" : "false");
+  if (slot_) stream << ", tp=" << tp::to_string(slot_->style) << " " << slot_->group.rank() << "/" << slot_->group.size();
+  stream << ")";
+}
+
+at::Tensor LinearImpl::forward(const at::Tensor& input) {
+  if (!slot_) return torch::nn::functional::linear(input, weight, bias);
+  const auto& s = *slot_;
+  if (s.style == tp::Style::Colwise) {
+    auto out = torch::nn::functional::linear(tp::copy_to_tp_region(input, s.group), weight, bias);
+    return s.gather_output ? tp::gather_from_tp_region(out, s.group, -1) : out;
+  }
+  // Rowwise: the bias once, after the partial products are summed.
+  auto out = tp::reduce_from_tp_region(torch::nn::functional::linear(input, weight), s.group);
+  return bias.defined() ? out + bias : out;
+}
+
+void LinearImpl::parallelize(tp::Style style, const Communicator& group, bool gather_output) {
+  if (slot_) throw ConfigError("tensor parallelism: this Linear is parallelised already");
+  if (style == tp::Style::Colwise) {
+    auto [offset, local] = slice_of(options.out_features(), group, "the layer's out_features");
+    keep_slice(weight, 0, offset, local);
+    if (bias.defined()) keep_slice(bias, 0, offset, local);
+    slot_ = TensorParallelSlot{style, group, gather_output, offset, options.out_features()};
+  } else if (style == tp::Style::Rowwise) {
+    auto [offset, local] = slice_of(options.in_features(), group, "the layer's in_features");
+    keep_slice(weight, 1, offset, local);
+    slot_ = TensorParallelSlot{style, group, false, offset, options.in_features()};
+  } else {
+    throw ConfigError(fmt::format("tensor parallelism: a Linear takes Colwise or Rowwise, not {}", tp::to_string(style)));
+  }
+}
+
+EmbeddingImpl::EmbeddingImpl(const torch::nn::EmbeddingOptions& options_) : options(options_) { reset(); }
+
+void EmbeddingImpl::reset() {
+  if (options.padding_idx() && *options.padding_idx() < 0) options.padding_idx(*options.padding_idx() + options.num_embeddings());
+  if (options._weight().defined()) {
+    weight = register_parameter("weight", options._weight());
+    return;
+  }
+  weight = register_parameter("weight", torch::empty({options.num_embeddings(), options.embedding_dim()}));
+  reset_parameters();
+}
+
+void EmbeddingImpl::reset_parameters() {
+  // LibTorch's Embedding initialisation.
+  torch::nn::init::normal_(weight);
+  if (options.padding_idx()) {
+    torch::NoGradGuard no_grad;
+    weight[*options.padding_idx()].fill_(0);
+  }
+}
+
+void EmbeddingImpl::pretty_print(std::ostream& stream) const {
+  stream << "xlr8::nn::Embedding(num_embeddings=" << options.num_embeddings()
+         << ", embedding_dim=" << options.embedding_dim();
+  if (slot_) stream << ", tp=" << tp::to_string(slot_->style) << " " << slot_->group.rank() << "/" << slot_->group.size();
+  stream << ")";
+}
+
+at::Tensor EmbeddingImpl::forward(const at::Tensor& input) {
+  if (!slot_)
+    return torch::nn::functional::detail::embedding(input, weight, options.padding_idx(), options.max_norm(),
+                                                    options.norm_type(), options.scale_grad_by_freq(), options.sparse());
+  // Ids outside this rank's rows look up row 0 and are zeroed; the sum over ranks has every id once.
+  const auto& s = *slot_;
+  const int64_t rows = weight.size(0);
+  auto local = input - s.offset;
+  auto outside = (local < 0).logical_or(local >= rows);
+  auto looked_up = at::embedding(weight, local.masked_fill(outside, 0));
+  looked_up = looked_up.masked_fill(outside.unsqueeze(-1), 0);
+  return tp::reduce_from_tp_region(looked_up, s.group);
+}
+
+void EmbeddingImpl::parallelize(tp::Style style, const Communicator& group) {
+  if (slot_) throw ConfigError("tensor parallelism: this Embedding is parallelised already");
+  if (style != tp::Style::VocabParallel)
+    throw ConfigError(fmt::format("tensor parallelism: an Embedding takes VocabParallel, not {}", tp::to_string(style)));
+  if (options.padding_idx() || options.max_norm() || options.scale_grad_by_freq() || options.sparse())
+    throw ConfigError(
+        "tensor parallelism: a vocabulary-parallel Embedding supports none of padding_idx, max_norm, "
+        "scale_grad_by_freq and sparse; leave it unplanned (replicated) or drop those options");
+  auto [offset, local] = slice_of(options.num_embeddings(), group, "the embedding's num_embeddings");
+  keep_slice(weight, 0, offset, local);
+  slot_ = TensorParallelSlot{style, group, false, offset, options.num_embeddings()};
+}
+
+}  // namespace xlr8::nn

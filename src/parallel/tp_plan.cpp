@@ -1,0 +1,115 @@
+// Applying a tensor-parallel plan: module path patterns -> styles, checked against the model.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include <algorithm>
+
+#include "xlr8/error.hpp"
+#include "xlr8/nn.hpp"
+#include "xlr8/tensor_parallel.hpp"
+
+namespace xlr8::tp {
+
+std::string to_string(Style style) {
+  switch (style) {
+    case Style::Colwise: return "Colwise";
+    case Style::Rowwise: return "Rowwise";
+    case Style::VocabParallel: return "VocabParallel";
+  }
+  return "?";
+}
+
+bool path_matches(const std::string& pattern, const std::string& path) {
+  // Glob with `*` confined to one path component: backtracking over the last star is enough.
+  size_t p = 0, s = 0, star = std::string::npos, resume = 0;
+  while (s < path.size()) {
+    if (p < pattern.size() && pattern[p] == '*') {
+      star = p++;
+      resume = s;
+    } else if (p < pattern.size() && pattern[p] == path[s]) {
+      ++p, ++s;
+    } else if (star != std::string::npos && path[resume] != '.') {
+      p = star + 1;
+      s = ++resume;
+    } else {
+      return false;
+    }
+  }
+  while (p < pattern.size() && pattern[p] == '*') ++p;
+  return p == pattern.size();
+}
+
+namespace {
+
+std::string listed(const std::vector<std::string>& paths) {
+  constexpr size_t kShown = 24;
+  std::vector<std::string> shown(paths.begin(), paths.begin() + static_cast<std::ptrdiff_t>(std::min(paths.size(), kShown)));
+  auto text = fmt::format("{}", fmt::join(shown, ", "));
+  if (paths.size() > kShown) text += fmt::format(", ... ({} in all)", paths.size());
+  return text;
+}
+
+bool is_plain_torch_layer(const torch::nn::Module& m) {
+  return dynamic_cast<const torch::nn::LinearImpl*>(&m) || dynamic_cast<const torch::nn::EmbeddingImpl*>(&m);
+}
+
+}  // namespace
+
+void parallelize(torch::nn::Module& model, const Communicator& tp_group, const Plan& plan, bool strict) {
+  if (!tp_group.valid()) throw ConfigError("tp::parallelize: the tp group is not a valid communicator");
+  std::vector<std::string> paths, layers;
+  std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    paths.push_back(item.key());
+    modules.push_back(item.value());
+    if (dynamic_cast<nn::LinearImpl*>(item.value().get()) || dynamic_cast<nn::EmbeddingImpl*>(item.value().get()) ||
+        is_plain_torch_layer(*item.value()))
+      layers.push_back(item.key());
+  }
+  // Every pattern must match, and a module gets at most one style.
+  std::vector<int> entry_of(paths.size(), -1);
+  for (size_t e = 0; e < plan.size(); ++e) {
+    bool matched = false;
+    for (size_t i = 0; i < paths.size(); ++i) {
+      if (!path_matches(plan[e].pattern, paths[i])) continue;
+      matched = true;
+      if (entry_of[i] >= 0)
+        throw ConfigError(fmt::format("tp plan: module '{}' is matched by both '{}' and '{}'; make the patterns disjoint",
+                                      paths[i], plan[static_cast<size_t>(entry_of[i])].pattern, plan[e].pattern));
+      entry_of[i] = static_cast<int>(e);
+    }
+    if (!matched)
+      throw ConfigError(fmt::format("tp plan: pattern '{}' matches no module; the model's layers are: {}", plan[e].pattern,
+                                    listed(layers.empty() ? paths : layers)));
+  }
+  std::vector<std::string> unplanned;
+  for (size_t i = 0; i < paths.size(); ++i) {
+    auto* m = modules[i].get();
+    if (entry_of[i] < 0) {
+      if (std::find(layers.begin(), layers.end(), paths[i]) != layers.end()) unplanned.push_back(paths[i]);
+      continue;
+    }
+    const auto& entry = plan[static_cast<size_t>(entry_of[i])];
+    if (auto* linear = dynamic_cast<nn::LinearImpl*>(m)) {
+      linear->parallelize(entry.style, tp_group, entry.gather_output);
+    } else if (auto* embedding = dynamic_cast<nn::EmbeddingImpl*>(m)) {
+      embedding->parallelize(entry.style, tp_group);
+    } else if (is_plain_torch_layer(*m)) {
+      throw ConfigError(fmt::format(
+          "tp plan: '{}' ({}) is LibTorch's own layer, whose forward cannot take tensor parallelism's collectives; "
+          "build it as xlr8::nn::{} (same parameters, same results at tp 1)",
+          paths[i], m->name(), dynamic_cast<torch::nn::LinearImpl*>(m) ? "Linear" : "Embedding"));
+    } else {
+      throw ConfigError(fmt::format("tp plan: pattern '{}' matches '{}' ({}), which is not a Linear or Embedding; the "
+                                    "model's layers are: {}",
+                                    entry.pattern, paths[i], m->name(), listed(layers)));
+    }
+  }
+  if (strict && !unplanned.empty())
+    throw ConfigError(fmt::format("tp plan (strict): no pattern covers {}; add them to the plan or turn strict off",
+                                  listed(unplanned)));
+}
+
+}  // namespace xlr8::tp

@@ -1,0 +1,98 @@
+// Tensor parallelism's collectives as autograd functions: each one's backward is the other's forward.
+#include <torch/autograd.h>
+#include <torch/custom_class.h>
+
+#include "xlr8/tensor_parallel.hpp"
+
+namespace xlr8::tp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The group travels in the autograd node's context, so backward has it for as long as the graph lives.
+struct GroupHolder : torch::CustomClassHolder {
+  explicit GroupHolder(Communicator group) : group(std::move(group)) {}
+  Communicator group;
+};
+
+void keep_group(AutogradContext* ctx, const Communicator& group) {
+  ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupHolder>(group));
+}
+
+Communicator& group_of(AutogradContext* ctx) {
+  return c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule())->group;
+}
+
+at::Tensor all_reduced(const at::Tensor& x, Communicator& group) {
+  auto sum = x.contiguous().clone();
+  group.all_reduce(sum);
+  return sum;
+}
+
+at::Tensor all_gathered(const at::Tensor& x, Communicator& group, int64_t dim) {
+  // Rank-major along dimension 0 of a flat buffer, then moved to `dim`.
+  auto moved = x.movedim(dim, 0).contiguous();
+  auto sizes = moved.sizes().vec();
+  auto out = at::empty({group.size() * moved.numel()}, moved.options());
+  group.all_gather(out, moved);
+  sizes[0] *= group.size();
+  return out.view(sizes).movedim(0, dim).contiguous();
+}
+
+at::Tensor own_chunk(const at::Tensor& x, const Communicator& group, int64_t dim) {
+  return x.chunk(group.size(), dim)[static_cast<size_t>(group.rank())].contiguous();
+}
+
+struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Communicator& group) {
+    keep_group(ctx, group);
+    return x.view_as(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {all_reduced(grads[0], group_of(ctx)), at::Tensor()};
+  }
+};
+
+struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x, const Communicator& group) {
+    auto copy = group;
+    return all_reduced(x, copy);
+  }
+  static variable_list backward(AutogradContext*, variable_list grads) { return {grads[0], at::Tensor()}; }
+};
+
+struct GatherFromRegion : torch::autograd::Function<GatherFromRegion> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Communicator& group, int64_t dim) {
+    keep_group(ctx, group);
+    ctx->saved_data["dim"] = dim;
+    auto copy = group;
+    return all_gathered(x, copy, dim);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {own_chunk(grads[0], group_of(ctx), ctx->saved_data["dim"].toInt()), at::Tensor(), at::Tensor()};
+  }
+};
+
+int64_t checked_dim(const at::Tensor& x, int64_t dim) {
+  return dim < 0 ? dim + x.dim() : dim;
+}
+
+}  // namespace
+
+at::Tensor copy_to_tp_region(const at::Tensor& x, const Communicator& group) {
+  if (group.size() == 1) return x;
+  return CopyToRegion::apply(x, group);
+}
+
+at::Tensor reduce_from_tp_region(const at::Tensor& x, const Communicator& group) {
+  if (group.size() == 1) return x;
+  return ReduceFromRegion::apply(x, group);
+}
+
+at::Tensor gather_from_tp_region(const at::Tensor& x, const Communicator& group, int64_t dim) {
+  if (group.size() == 1) return x;
+  return GatherFromRegion::apply(x, group, checked_dim(x, dim));
+}
+
+}  // namespace xlr8::tp
