@@ -11,6 +11,7 @@
 #include <torch/nn/pimpl.h>
 
 #include <optional>
+#include <string>
 
 #include "xlr8/communicator.hpp"
 #include "xlr8/tensor_parallel.hpp"
@@ -36,7 +37,10 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   void pretty_print(std::ostream& stream) const override;
   at::Tensor forward(const at::Tensor& input);
 
-  // Called by tp::parallelize: keeps this rank's slice of weight and bias (the same tensors, resized).
+  // Why this layer cannot take `style` on a tp group of `tp_size` ranks, or "" when it can.
+  std::string tensor_parallel_problem(tp::Style style, int tp_size, bool gather_output) const;
+  // Called by tp::parallelize (after tensor_parallel_problem found none): keeps this rank's slice of
+  // weight and bias (the same tensors, resized).
   void parallelize(tp::Style style, const Communicator& group, bool gather_output);
   const std::optional<TensorParallelSlot>& tensor_parallel() const { return slot_; }
 
@@ -60,6 +64,7 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl> {
   void pretty_print(std::ostream& stream) const override;
   at::Tensor forward(const at::Tensor& input);
 
+  std::string tensor_parallel_problem(tp::Style style, int tp_size, bool gather_output) const;
   // Called by tp::parallelize (VocabParallel): keeps this rank's rows of the weight.
   void parallelize(tp::Style style, const Communicator& group);
   const std::optional<TensorParallelSlot>& tensor_parallel() const { return slot_; }

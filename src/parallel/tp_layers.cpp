@@ -13,14 +13,16 @@
 namespace xlr8::nn {
 namespace {
 
-// This rank's [offset, offset + whole / size) of a dimension the group size must divide.
-std::pair<int64_t, int64_t> slice_of(int64_t whole, const Communicator& group, const std::string& what) {
-  if (whole % group.size() != 0)
-    throw ConfigError(fmt::format("tensor parallelism: {} is {}, which the tp size {} does not divide; choose a tp size "
-                                  "that divides it",
-                                  what, whole, group.size()));
+// This rank's first index and length of a dimension that tensor_parallel_problem found divisible.
+std::pair<int64_t, int64_t> slice_of(int64_t whole, const Communicator& group) {
   const int64_t local = whole / group.size();
   return {group.rank() * local, local};
+}
+
+std::string indivisible(const char* what, int64_t size, int tp_size) {
+  if (size % tp_size == 0) return "";
+  return fmt::format("its {} is {}, which the tp size {} does not divide; choose a tp size that divides it", what, size,
+                     tp_size);
 }
 
 // Keeps rows [offset, offset + length) of `dim` in the same tensor (set_data: the module's member, its
@@ -61,7 +63,8 @@ void LinearImpl::pretty_print(std::ostream& stream) const {
 }
 
 at::Tensor LinearImpl::forward(const at::Tensor& input) {
-  if (!slot_) return torch::nn::functional::linear(input, weight, bias);
+  // A one-rank group keeps LibTorch's arithmetic (bias inside the product), bit for bit.
+  if (!slot_ || slot_->group.size() == 1) return torch::nn::functional::linear(input, weight, bias);
   const auto& s = *slot_;
   if (s.style == tp::Style::Colwise) {
     auto out = torch::nn::functional::linear(tp::copy_to_tp_region(input, s.group), weight, bias);
@@ -72,26 +75,42 @@ at::Tensor LinearImpl::forward(const at::Tensor& input) {
   return bias.defined() ? out + bias : out;
 }
 
+std::string LinearImpl::tensor_parallel_problem(tp::Style style, int tp_size, bool gather_output) const {
+  if (slot_) return "it is parallelised already";
+  switch (style) {
+    case tp::Style::Colwise: return indivisible("out_features", options.out_features(), tp_size);
+    case tp::Style::Rowwise:
+      if (gather_output) return "gather_output applies to Colwise only (a row-wise output is whole already)";
+      return indivisible("in_features", options.in_features(), tp_size);
+    case tp::Style::VocabParallel: break;
+  }
+  return fmt::format("a Linear takes Colwise or Rowwise, not {}", tp::to_string(style));
+}
+
 void LinearImpl::parallelize(tp::Style style, const Communicator& group, bool gather_output) {
-  if (slot_) throw ConfigError("tensor parallelism: this Linear is parallelised already");
+  if (auto problem = tensor_parallel_problem(style, group.size(), gather_output); !problem.empty())
+    throw ConfigError("tensor parallelism: this Linear cannot be parallelised: " + problem);
   if (style == tp::Style::Colwise) {
-    auto [offset, local] = slice_of(options.out_features(), group, "the layer's out_features");
+    auto [offset, local] = slice_of(options.out_features(), group);
     keep_slice(weight, 0, offset, local);
     if (bias.defined()) keep_slice(bias, 0, offset, local);
     slot_ = TensorParallelSlot{style, group, gather_output, offset, options.out_features()};
-  } else if (style == tp::Style::Rowwise) {
-    auto [offset, local] = slice_of(options.in_features(), group, "the layer's in_features");
+  } else {
+    auto [offset, local] = slice_of(options.in_features(), group);
     keep_slice(weight, 1, offset, local);
     slot_ = TensorParallelSlot{style, group, false, offset, options.in_features()};
-  } else {
-    throw ConfigError(fmt::format("tensor parallelism: a Linear takes Colwise or Rowwise, not {}", tp::to_string(style)));
   }
 }
 
 EmbeddingImpl::EmbeddingImpl(const torch::nn::EmbeddingOptions& options_) : options(options_) { reset(); }
 
 void EmbeddingImpl::reset() {
-  if (options.padding_idx() && *options.padding_idx() < 0) options.padding_idx(*options.padding_idx() + options.num_embeddings());
+  if (auto p = options.padding_idx()) {
+    if (*p >= options.num_embeddings() || *p < -options.num_embeddings())
+      throw ConfigError(fmt::format("xlr8::nn::Embedding: padding_idx {} is outside the {} embeddings", *p,
+                                    options.num_embeddings()));
+    if (*p < 0) options.padding_idx(*p + options.num_embeddings());
+  }
   if (options._weight().defined()) {
     weight = register_parameter("weight", options._weight());
     return;
@@ -117,7 +136,7 @@ void EmbeddingImpl::pretty_print(std::ostream& stream) const {
 }
 
 at::Tensor EmbeddingImpl::forward(const at::Tensor& input) {
-  if (!slot_)
+  if (!slot_ || slot_->group.size() == 1)
     return torch::nn::functional::detail::embedding(input, weight, options.padding_idx(), options.max_norm(),
                                                     options.norm_type(), options.scale_grad_by_freq(), options.sparse());
   // Ids outside this rank's rows look up row 0 and are zeroed; the sum over ranks has every id once.
@@ -130,15 +149,21 @@ at::Tensor EmbeddingImpl::forward(const at::Tensor& input) {
   return tp::reduce_from_tp_region(looked_up, s.group);
 }
 
-void EmbeddingImpl::parallelize(tp::Style style, const Communicator& group) {
-  if (slot_) throw ConfigError("tensor parallelism: this Embedding is parallelised already");
+std::string EmbeddingImpl::tensor_parallel_problem(tp::Style style, int tp_size, bool gather_output) const {
+  if (slot_) return "it is parallelised already";
   if (style != tp::Style::VocabParallel)
-    throw ConfigError(fmt::format("tensor parallelism: an Embedding takes VocabParallel, not {}", tp::to_string(style)));
+    return fmt::format("an Embedding takes VocabParallel, not {}", tp::to_string(style));
+  if (gather_output) return "gather_output applies to Colwise only";
   if (options.padding_idx() || options.max_norm() || options.scale_grad_by_freq() || options.sparse())
-    throw ConfigError(
-        "tensor parallelism: a vocabulary-parallel Embedding supports none of padding_idx, max_norm, "
-        "scale_grad_by_freq and sparse; leave it unplanned (replicated) or drop those options");
-  auto [offset, local] = slice_of(options.num_embeddings(), group, "the embedding's num_embeddings");
+    return "a vocabulary-parallel Embedding supports none of padding_idx, max_norm, scale_grad_by_freq and sparse; "
+           "leave it unplanned (replicated) or drop those options";
+  return indivisible("num_embeddings", options.num_embeddings(), tp_size);
+}
+
+void EmbeddingImpl::parallelize(tp::Style style, const Communicator& group) {
+  if (auto problem = tensor_parallel_problem(style, group.size(), false); !problem.empty())
+    throw ConfigError("tensor parallelism: this Embedding cannot be parallelised: " + problem);
+  auto [offset, local] = slice_of(options.num_embeddings(), group);
   keep_slice(weight, 0, offset, local);
   slot_ = TensorParallelSlot{style, group, false, offset, options.num_embeddings()};
 }

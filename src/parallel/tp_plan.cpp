@@ -5,6 +5,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include <algorithm>
+#include <map>
 
 #include "xlr8/error.hpp"
 #include "xlr8/nn.hpp"
@@ -84,7 +85,10 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
       throw ConfigError(fmt::format("tp plan: pattern '{}' matches no module; the model's layers are: {}", plan[e].pattern,
                                     listed(layers.empty() ? paths : layers)));
   }
-  std::vector<std::string> unplanned;
+  // Everything is checked before anything is sliced: an error leaves the model as it was.
+  std::map<const c10::TensorImpl*, std::vector<std::string>> holders;  // parameter -> the names it has
+  for (const auto& p : model.named_parameters(/*recurse=*/true)) holders[p.value().unsafeGetTensorImpl()].push_back(p.key());
+  std::vector<std::string> unplanned, problems;
   for (size_t i = 0; i < paths.size(); ++i) {
     auto* m = modules[i].get();
     if (entry_of[i] < 0) {
@@ -92,10 +96,11 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
       continue;
     }
     const auto& entry = plan[static_cast<size_t>(entry_of[i])];
+    std::string problem;
     if (auto* linear = dynamic_cast<nn::LinearImpl*>(m)) {
-      linear->parallelize(entry.style, tp_group, entry.gather_output);
+      problem = linear->tensor_parallel_problem(entry.style, tp_group.size(), entry.gather_output);
     } else if (auto* embedding = dynamic_cast<nn::EmbeddingImpl*>(m)) {
-      embedding->parallelize(entry.style, tp_group);
+      problem = embedding->tensor_parallel_problem(entry.style, tp_group.size(), entry.gather_output);
     } else if (is_plain_torch_layer(*m)) {
       throw ConfigError(fmt::format(
           "tp plan: '{}' ({}) is LibTorch's own layer, whose forward cannot take tensor parallelism's collectives; "
@@ -106,10 +111,29 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
                                     "model's layers are: {}",
                                     entry.pattern, paths[i], m->name(), listed(layers)));
     }
+    if (!problem.empty()) problems.push_back(fmt::format("'{}' ({}): {}", paths[i], to_string(entry.style), problem));
+    // A tied weight (one tensor under two names) would be sliced for one layer and silently for the other.
+    for (const auto& p : m->named_parameters(/*recurse=*/false)) {
+      const auto& names = holders[p.value().unsafeGetTensorImpl()];
+      if (names.size() > 1)
+        problems.push_back(fmt::format("'{}': its {} is tied ({}); tied weights under tensor parallelism are not "
+                                       "supported yet: untie them or leave the layers unplanned",
+                                       paths[i], p.key(), fmt::join(names, ", ")));
+    }
   }
+  if (!problems.empty())
+    throw ConfigError(fmt::format("tp plan on {} ranks: {}", tp_group.size(), fmt::join(problems, "; ")));
   if (strict && !unplanned.empty())
     throw ConfigError(fmt::format("tp plan (strict): no pattern covers {}; add them to the plan or turn strict off",
                                   listed(unplanned)));
+  for (size_t i = 0; i < paths.size(); ++i) {
+    if (entry_of[i] < 0) continue;
+    const auto& entry = plan[static_cast<size_t>(entry_of[i])];
+    if (auto* linear = dynamic_cast<nn::LinearImpl*>(modules[i].get()))
+      linear->parallelize(entry.style, tp_group, entry.gather_output);
+    else
+      dynamic_cast<nn::EmbeddingImpl&>(*modules[i]).parallelize(entry.style, tp_group);
+  }
 }
 
 }  // namespace xlr8::tp

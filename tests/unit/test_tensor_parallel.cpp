@@ -211,6 +211,26 @@ TEST(TensorParallel, BadPlansAreRefusedNamingWhatExists) {
       EXPECT_NE(m.find("an Embedding takes VocabParallel, not Rowwise"), std::string::npos) << m;
     }
     {
+      // Checked before anything is sliced: the plan's good entries leave the model untouched too.
+      TinyLm model;
+      auto m = message([&] {
+        tp::parallelize(*model, comm, {{"fc_in", tp::Style::Colwise}, {"fc_out", tp::Style::Rowwise, true}});
+      });
+      EXPECT_NE(m.find("'fc_out' (Rowwise): gather_output applies to Colwise only"), std::string::npos) << m;
+      EXPECT_EQ(model->fc_in->weight.size(0), 36);
+      EXPECT_FALSE(model->fc_in->tensor_parallel().has_value());
+    }
+    {
+      // A head tied to the embedding would be sliced twice over one tensor.
+      struct Tied : torch::nn::Module {
+        xlr8::nn::Linear head{register_module("head", xlr8::nn::Linear(12, 24))};
+        xlr8::nn::Embedding wte{
+            register_module("wte", xlr8::nn::Embedding(torch::nn::EmbeddingOptions(24, 12)._weight(head->weight)))};
+      } tied;
+      auto m = message([&] { tp::parallelize(tied, comm, {{"wte", tp::Style::VocabParallel}}); });
+      EXPECT_NE(m.find("'wte': its weight is tied (head.weight, wte.weight)"), std::string::npos) << m;
+    }
+    {
       struct Plain : torch::nn::Module {
         torch::nn::Linear proj{register_module("proj", torch::nn::Linear(4, 4))};
       } plain;
@@ -224,6 +244,7 @@ TEST(TensorParallel, BadPlansAreRefusedNamingWhatExists) {
       xlr8::nn::Linear proj{register_module("proj", xlr8::nn::Linear(4, 8))};
     } odd;
     auto m = message([&] { tp::parallelize(odd, comm, {{"proj", tp::Style::Colwise}}); });
-    EXPECT_NE(m.find("out_features is 8, which the tp size 3 does not divide"), std::string::npos) << m;
+    EXPECT_NE(m.find("'proj' (Colwise): its out_features is 8, which the tp size 3 does not divide"), std::string::npos)
+        << m;
   });
 }
