@@ -24,7 +24,6 @@ struct TensorParallelSlot {
   Communicator group;
   bool gather_output = false;
   int64_t offset = 0;  // first output feature (Colwise), input feature (Rowwise) or vocabulary row held here
-  int64_t whole = 0;   // that dimension's size in the whole layer
 };
 
 class LinearImpl : public torch::nn::Cloneable<LinearImpl> {

@@ -94,11 +94,11 @@ void LinearImpl::parallelize(tp::Style style, const Communicator& group, bool ga
     auto [offset, local] = slice_of(options.out_features(), group);
     keep_slice(weight, 0, offset, local);
     if (bias.defined()) keep_slice(bias, 0, offset, local);
-    slot_ = TensorParallelSlot{style, group, gather_output, offset, options.out_features()};
+    slot_ = TensorParallelSlot{style, group, gather_output, offset};
   } else {
     auto [offset, local] = slice_of(options.in_features(), group);
     keep_slice(weight, 1, offset, local);
-    slot_ = TensorParallelSlot{style, group, false, offset, options.in_features()};
+    slot_ = TensorParallelSlot{style, group, false, offset};
   }
 }
 
@@ -165,7 +165,7 @@ void EmbeddingImpl::parallelize(tp::Style style, const Communicator& group) {
     throw ConfigError("tensor parallelism: this Embedding cannot be parallelised: " + problem);
   auto [offset, local] = slice_of(options.num_embeddings(), group);
   keep_slice(weight, 0, offset, local);
-  slot_ = TensorParallelSlot{style, group, false, offset, options.num_embeddings()};
+  slot_ = TensorParallelSlot{style, group, false, offset};
 }
 
 }  // namespace xlr8::nn

@@ -56,6 +56,11 @@ bool is_plain_torch_layer(const torch::nn::Module& m) {
   return dynamic_cast<const torch::nn::LinearImpl*>(&m) || dynamic_cast<const torch::nn::EmbeddingImpl*>(&m);
 }
 
+// A layer a plan may name: ours, or LibTorch's (which it then refuses by name).
+bool is_layer(const torch::nn::Module& m) {
+  return dynamic_cast<const nn::LinearImpl*>(&m) || dynamic_cast<const nn::EmbeddingImpl*>(&m) || is_plain_torch_layer(m);
+}
+
 }  // namespace
 
 void parallelize(torch::nn::Module& model, const Communicator& tp_group, const Plan& plan, bool strict) {
@@ -65,9 +70,7 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     paths.push_back(item.key());
     modules.push_back(item.value());
-    if (dynamic_cast<nn::LinearImpl*>(item.value().get()) || dynamic_cast<nn::EmbeddingImpl*>(item.value().get()) ||
-        is_plain_torch_layer(*item.value()))
-      layers.push_back(item.key());
+    if (is_layer(*item.value())) layers.push_back(item.key());
   }
   // Every pattern must match, and a module gets at most one style.
   std::vector<int> entry_of(paths.size(), -1);
@@ -92,7 +95,7 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
   for (size_t i = 0; i < paths.size(); ++i) {
     auto* m = modules[i].get();
     if (entry_of[i] < 0) {
-      if (std::find(layers.begin(), layers.end(), paths[i]) != layers.end()) unplanned.push_back(paths[i]);
+      if (is_layer(*m)) unplanned.push_back(paths[i]);
       continue;
     }
     const auto& entry = plan[static_cast<size_t>(entry_of[i])];

@@ -20,17 +20,18 @@ void keep_group(AutogradContext* ctx, const Communicator& group) {
   ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupHolder>(group));
 }
 
-Communicator& group_of(AutogradContext* ctx) {
+const Communicator& group_of(AutogradContext* ctx) {
   return c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule())->group;
 }
 
-at::Tensor all_reduced(const at::Tensor& x, Communicator& group) {
+// The group by value: a Communicator is a shared handle, and its collectives are non-const.
+at::Tensor all_reduced(const at::Tensor& x, Communicator group) {
   auto sum = x.contiguous().clone();
   group.all_reduce(sum);
   return sum;
 }
 
-at::Tensor all_gathered(const at::Tensor& x, Communicator& group, int64_t dim) {
+at::Tensor all_gathered(const at::Tensor& x, Communicator group, int64_t dim) {
   // Rank-major along dimension 0 of a flat buffer, then moved to `dim`.
   auto moved = x.movedim(dim, 0).contiguous();
   auto sizes = moved.sizes().vec();
@@ -56,8 +57,7 @@ struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
 
 struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
   static at::Tensor forward(AutogradContext*, const at::Tensor& x, const Communicator& group) {
-    auto copy = group;
-    return all_reduced(x, copy);
+    return all_reduced(x, group);
   }
   static variable_list backward(AutogradContext*, variable_list grads) { return {grads[0], at::Tensor()}; }
 };
@@ -66,8 +66,7 @@ struct GatherFromRegion : torch::autograd::Function<GatherFromRegion> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Communicator& group, int64_t dim) {
     keep_group(ctx, group);
     ctx->saved_data["dim"] = dim;
-    auto copy = group;
-    return all_gathered(x, copy, dim);
+    return all_gathered(x, group, dim);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     return {own_chunk(grads[0], group_of(ctx), ctx->saved_data["dim"].toInt()), at::Tensor(), at::Tensor()};
