@@ -17,18 +17,21 @@ namespace F = torch::nn::functional;
 
 namespace gpt {
 
-CausalSelfAttentionImpl::CausalSelfAttentionImpl(const Config& c) : n_head(c.n_head) {
+CausalSelfAttentionImpl::CausalSelfAttentionImpl(const Config& c) {
   if (c.d_model % c.n_head != 0)
     throw xlr8::ConfigError(fmt::format("--d_model {} must be a multiple of --n_head {}", c.d_model, c.n_head));
-  qkv = register_module("qkv", torch::nn::Linear(c.d_model, 3 * c.d_model));
-  proj = register_module("proj", torch::nn::Linear(c.d_model, c.d_model));
+  head_dim = c.d_model / c.n_head;
+  qkv = register_module("qkv", xlr8::nn::Linear(c.d_model, 3 * c.d_model));
+  proj = register_module("proj", xlr8::nn::Linear(c.d_model, c.d_model));
   dropout = register_module("dropout", torch::nn::Dropout(c.dropout));
 }
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
-  const auto B = x.size(0), T = x.size(1), C = x.size(2), hd = C / n_head;
-  auto parts = qkv(x).split(C, 2);
-  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, n_head, hd}).transpose(1, 2); };  // [B, h, T, hd]
+  const auto B = x.size(0), T = x.size(1), hd = head_dim;
+  auto projected = qkv(x);
+  const auto C = projected.size(2) / 3;  // this process's share of the heads, times head_dim
+  auto parts = projected.split(C, 2);
+  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, C / hd, hd}).transpose(1, 2); };  // [B, h, T, hd]
   auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
   auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
   auto future = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
@@ -37,8 +40,8 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
 }
 
 MlpImpl::MlpImpl(const Config& c) {
-  fc = register_module("fc", torch::nn::Linear(c.d_model, 4 * c.d_model));
-  proj = register_module("proj", torch::nn::Linear(4 * c.d_model, c.d_model));
+  fc = register_module("fc", xlr8::nn::Linear(c.d_model, 4 * c.d_model));
+  proj = register_module("proj", xlr8::nn::Linear(4 * c.d_model, c.d_model));
 }
 
 torch::Tensor MlpImpl::forward(const torch::Tensor& x) { return proj(F::gelu(fc(x))); }
@@ -57,12 +60,12 @@ torch::Tensor BlockImpl::forward(torch::Tensor x) {
 }
 
 GptImpl::GptImpl(const Config& c) : config(c) {
-  wte = register_module("wte", torch::nn::Embedding(c.vocab_size, c.d_model));
-  wpe = register_module("wpe", torch::nn::Embedding(c.seq_len, c.d_model));
+  wte = register_module("wte", xlr8::nn::Embedding(c.vocab_size, c.d_model));
+  wpe = register_module("wpe", xlr8::nn::Embedding(c.seq_len, c.d_model));
   blocks = register_module("blocks", torch::nn::ModuleList());
   for (int64_t i = 0; i < c.n_layer; ++i) blocks->push_back(Block(c));
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
-  if (!c.tied_head) head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
+  if (!c.tied_head) head = register_module("head", xlr8::nn::Linear(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
   // GPT-2's initialisation: N(0, 0.02) weights, zero biases (LayerNorms keep ones and zeros).
   torch::NoGradGuard no_grad;
   for (auto& item : named_parameters()) {
@@ -82,7 +85,7 @@ torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
   auto x = wte(tokens) + wpe(positions);
   for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x);
   x = ln_f(x);
-  return unit.done(head ? head(x) : F::linear(x, wte->weight));
+  return unit.done(head ? head(x) : wte->attend(x));
 }
 
 int64_t freeze(torch::nn::Module& model, const std::string& paths) {

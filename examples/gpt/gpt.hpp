@@ -1,9 +1,13 @@
 #pragma once
-// A GPT-2-style decoder written with plain LibTorch modules, as a user would write it: token + position
+// A GPT-2-style decoder written with LibTorch modules, as a user would write it: token + position
 // embedding, N pre-norm blocks (causal self-attention + MLP), a final norm and an LM head tied to the
 // token embedding (or not). Byte-level: the vocabulary is the 256 byte values. What xlr8 adds is two
-// lines in each of BlockImpl::forward and GptImpl::forward (xlr8::unshard), for stage-3 sharding.
+// lines in each of BlockImpl::forward and GptImpl::forward (xlr8::unshard), for stage-3 sharding, and
+// xlr8::nn's Linear and Embedding in place of LibTorch's (the same layers until a tensor-parallel plan,
+// tp_plan.cpp, splits them): the model holds no tensor-parallel logic.
 #include <torch/torch.h>
+
+#include "xlr8/nn.hpp"
 
 #include <string>
 #include <vector>
@@ -23,16 +27,17 @@ struct Config {
 struct CausalSelfAttentionImpl : torch::nn::Module {
   explicit CausalSelfAttentionImpl(const Config& c);
   torch::Tensor forward(const torch::Tensor& x);  // [B, T, C] -> [B, T, C]
-  torch::nn::Linear qkv{nullptr}, proj{nullptr};
+  xlr8::nn::Linear qkv{nullptr}, proj{nullptr};
   torch::nn::Dropout dropout{nullptr};
-  int64_t n_head;
+  // The heads this process computes follow from qkv's (possibly tensor-parallel) width.
+  int64_t head_dim;
 };
 TORCH_MODULE(CausalSelfAttention);
 
 struct MlpImpl : torch::nn::Module {
   explicit MlpImpl(const Config& c);
   torch::Tensor forward(const torch::Tensor& x);
-  torch::nn::Linear fc{nullptr}, proj{nullptr};
+  xlr8::nn::Linear fc{nullptr}, proj{nullptr};
 };
 TORCH_MODULE(Mlp);
 
@@ -50,12 +55,19 @@ struct GptImpl : torch::nn::Module {
   explicit GptImpl(const Config& c);
   torch::Tensor forward(const torch::Tensor& tokens);  // int64 [B, T] -> logits [B, T, vocab]
   Config config;
-  torch::nn::Embedding wte{nullptr}, wpe{nullptr};
+  xlr8::nn::Embedding wte{nullptr}, wpe{nullptr};
   torch::nn::ModuleList blocks{nullptr};
   torch::nn::LayerNorm ln_f{nullptr};
-  torch::nn::Linear head{nullptr};  // null when tied to wte
+  xlr8::nn::Linear head{nullptr};  // null when tied to wte
 };
 TORCH_MODULE(Gpt);
+
+// The tensor-parallel plan for this model (kept apart from it, as torchtitan's parallelize.py): qkv
+// column-wise in 3 fused parts and the attention's proj row-wise, fc column-wise and the MLP's proj
+// row-wise, both embeddings vocabulary-parallel, an untied head column-wise with its logits gathered (a
+// tied head follows wte through Embedding::attend). Throws xlr8::ConfigError when tp_size does not
+// divide the heads, with both numbers.
+xlr8::tp::Plan tp_plan(const Config& c, int tp_size);
 
 // Fine-tuning: stops gradients (requires_grad false) for every parameter under one of the
 // comma-separated module paths, matched on whole dotted segments ("attn" freezes blocks.*.attn.*,

@@ -13,6 +13,7 @@
 #include "xlr8/deepspeed_dummy.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/fused_adam.hpp"
+#include "xlr8/tensor_parallel.hpp"
 
 namespace {
 
@@ -40,6 +41,7 @@ struct Args {
   int64_t log_every = 25;
   std::string freeze;  // module paths to fine-tune around (gpt::freeze)
   double dropout = 0.0;  // attention dropout; 0 keeps runs on any number of processes comparable
+  bool autotp = false;   // under parallelism_config_tp_size: let prepare()'s AutoTP split the model
 };
 
 // Bytes of parameters, gradients and optimizer state this process holds, each storage counted once
@@ -114,10 +116,16 @@ int run(const Args& args) {
                      .n_head = args.n_head, .dropout = args.dropout, .tied_head = !args.untied_head};
   // Under FULL_SHARD only the main process computes the initial weights; the others receive their
   // shards (fsdp_cpu_ram_efficient_loading). Elsewhere this just builds the model.
-  int64_t frozen = 0;
+  int64_t frozen = 0, params = 0;
+  // Tensor parallelism (parallelism_config_tp_size): the plan beside the model splits it, or AutoTP at
+  // prepare() finds the same one from the layer names.
+  auto& tp_group = acc.state().mesh().group("tp");
+  const auto plan = gpt::tp_plan(config, tp_group.size());  // checks the heads divide first
   auto model = acc.prepare(acc.build_model([&] {
     gpt::Gpt net(config);
     frozen = gpt::freeze(*net, args.freeze);
+    for (const auto& p : net->parameters()) params += p.numel();  // the whole model, before any split
+    if (tp_group.size() > 1 && !args.autotp) xlr8::tp::parallelize(*net, tp_group, plan, /*strict=*/true);
     return net;
   }));
   const double setup_peak_rss_mb = peak_rss_mb();  // building and preparing the model
@@ -155,13 +163,11 @@ int run(const Args& args) {
     load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
     acc.print("resumed from {} at step {}", args.resume_from, acc.step());
   }
-  int64_t params = 0;
-  for (const auto& p : model->parameters()) params += p.numel();
   if (frozen) acc.print("frozen: {} of the {} parameters ({})", frozen, params, args.freeze);
   acc.print("gpt: {} parameters, {} layers, d_model {}, {} heads; {} bytes of text, windows of {}; {} process(es), "
             "{} windows per global batch, {} batches per epoch per process",
             params, args.n_layer, args.d_model, args.n_head, text.numel(), args.seq_len, acc.num_processes(),
-            args.batch_size * acc.num_processes() * acc.gradient_accumulation_steps(), train->size());
+            args.batch_size * acc.state().mesh().size("dp") * acc.gradient_accumulation_steps(), train->size());
 
   const auto start = std::chrono::steady_clock::now();
   int64_t tokens = 0, steps_at_start = acc.step();
@@ -192,7 +198,7 @@ int run(const Args& args) {
       }
       peak = std::max(peak, held);
       opt.zero_grad();
-      tokens += batch.data.numel() * acc.num_processes();
+      tokens += batch.data.numel() * acc.state().mesh().size("dp");  // tp peers read the same batch
       if (!acc.sync_gradients()) continue;
       last_loss = loss.item<double>();
       const int64_t global_step = acc.step();
@@ -229,6 +235,7 @@ int run(const Args& args) {
                           {"val_loss", val_loss},
                           {"global_step", acc.step()},
                           {"num_processes", acc.num_processes()},
+                          {"tp_size", tp_group.size()},
                           {"tokens_per_s", tokens / std::max(seconds, 1e-9)},
                           {"state_bytes_per_rank", static_cast<int64_t>(largest[0].item<double>())},
                           {"peak_state_bytes_per_rank", static_cast<int64_t>(largest[1].item<double>())},
@@ -277,6 +284,7 @@ int main(int argc, char** argv) {
   app.add_option("--dropout", a.dropout, "Attention dropout probability (random: runs then depend on the process count)");
   app.add_option("--freeze", a.freeze, "Comma-separated module paths whose parameters stay fixed (e.g. wpe,attn)");
   app.add_flag("--untied_head", a.untied_head, "An LM head of its own instead of the token embedding's weights");
+  app.add_flag("--autotp", a.autotp, "Under parallelism_config_tp_size, let AutoTP split the model instead of gpt::tp_plan");
   app.add_option("--log_every", a.log_every, "Print progress every N steps");
   CLI11_PARSE(app, argc, argv);
   try {

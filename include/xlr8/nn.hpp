@@ -23,7 +23,8 @@ struct TensorParallelSlot {
   tp::Style style;
   Communicator group;
   bool gather_output = false;
-  int64_t offset = 0;  // first output feature (Colwise), input feature (Rowwise) or vocabulary row held here
+  int64_t offset = 0;  // first output feature (Colwise; within each fused part), input feature (Rowwise) or row
+  int fused = 1;       // Colwise: equal parts of the output, each split on its own
 };
 
 class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
@@ -37,10 +38,10 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   at::Tensor forward(const at::Tensor& input);
 
   // Why this layer cannot take `style` on a tp group of `tp_size` ranks, or "" when it can.
-  std::string tensor_parallel_problem(tp::Style style, int tp_size, bool gather_output) const;
+  std::string tensor_parallel_problem(const tp::PlanEntry& entry, int tp_size) const;
   // Called by tp::parallelize (after tensor_parallel_problem found none): keeps this rank's slice of
   // weight and bias (the same tensors, resized).
-  void parallelize(tp::Style style, const Communicator& group, bool gather_output);
+  void parallelize(const tp::PlanEntry& entry, const Communicator& group);
   const std::optional<TensorParallelSlot>& tensor_parallel() const { return slot_; }
 
   torch::nn::LinearOptions options;
@@ -63,9 +64,14 @@ class EmbeddingImpl : public torch::nn::Cloneable<EmbeddingImpl> {
   void pretty_print(std::ostream& stream) const override;
   at::Tensor forward(const at::Tensor& input);
 
-  std::string tensor_parallel_problem(tp::Style style, int tp_size, bool gather_output) const;
+  // The embedding as an output layer: input @ weight^T, logits over the whole vocabulary (a head tied to
+  // this embedding). Vocabulary-parallel: each rank scores its rows and the logits are gathered, so the
+  // tied head stays consistent with its sliced embedding.
+  at::Tensor attend(const at::Tensor& input);
+
+  std::string tensor_parallel_problem(const tp::PlanEntry& entry, int tp_size) const;
   // Called by tp::parallelize (VocabParallel): keeps this rank's rows of the weight.
-  void parallelize(tp::Style style, const Communicator& group);
+  void parallelize(const tp::PlanEntry& entry, const Communicator& group);
   const std::optional<TensorParallelSlot>& tensor_parallel() const { return slot_; }
 
   torch::nn::EmbeddingOptions options;

@@ -3,8 +3,11 @@
 // good across a tp group whose ranks all read the same batch. A plan says, by module path, which style
 // each layer gets; parallelize() gives the planned layers (xlr8::nn::Linear / Embedding, which are
 // LibTorch's own at tp 1) their local slices in place.
+#include <nlohmann/json_fwd.hpp>
 #include <torch/nn/module.h>
 
+#include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,6 +25,8 @@ enum class Style {
   // Embedding rows (the vocabulary) split; ids outside this rank's rows give zeros, then the outputs
   // are all-reduced.
   VocabParallel,
+  // Kept whole on every rank (DeepSpeed's partition_type "skip"): planned, so `strict` accepts it.
+  Replicate,
 };
 std::string to_string(Style style);
 
@@ -31,6 +36,9 @@ struct PlanEntry {
   std::string pattern;
   Style style;
   bool gather_output = false;  // Colwise only: all-gather the output's last dimension (a column-wise head)
+  // Colwise only: the output is `fused` equal parts stacked (a fused q/k/v projection: 3), each split on
+  // its own, so every rank holds its share of q, of k and of v rather than all of q.
+  int fused = 1;
 };
 using Plan = std::vector<PlanEntry>;
 
@@ -40,6 +48,51 @@ using Plan = std::vector<PlanEntry>;
 // nothing, a planned plain LibTorch layer (with the xlr8 type to use), a dimension the tp size does not
 // divide, and under `strict` a Linear or Embedding no pattern matched.
 void parallelize(torch::nn::Module& model, const Communicator& tp_group, const Plan& plan, bool strict = false);
+
+// AutoTP: a plan inferred from the model's layer names (DeepSpeed's and Megatron's conventions). By the
+// last path component: q/k/v projections, fused qkv (fused 3 when out = 3 x in), fc/fc1/fc_in/c_fc,
+// gate/up (w1/w3) are column-wise; attention outputs (o/o_proj/out_proj/proj/c_proj) and fc2/fc_out/
+// down/w2 row-wise; head/lm_head/embed_out column-wise with the output gathered; every xlr8::nn::Embedding
+// vocabulary-parallel (replicated when it has options that cannot be split). A Linear it cannot place is
+// a ConfigError naming it, never left whole in silence. With head_dim > 0, attention projections must
+// hold a whole number of heads per rank (heads = features / head_dim, divisible by tp_size).
+Plan auto_plan(const torch::nn::Module& model, int tp_size, int64_t head_dim = 0);
+
+// DeepSpeed's `tensor_parallel` JSON section (its `partition_config.layer_specs`: `patterns` as regular
+// expressions searched from the start of parameter names, `partition_type` column/row/skip, `shape`
+// [k, -1] for k fused equal parts, `gather_output`; the first matching spec wins) turned into a plan for
+// this model's layers. With `use_default_specs` (or no partition_config) AutoTP places what no spec
+// matched. Unknown keys and shapes xlr8 cannot split are ConfigErrors naming them.
+Plan plan_from_deepspeed(const nlohmann::json& tensor_parallel, const torch::nn::Module& model, int tp_size);
+
+// The parameters a plan sliced (their gradients are partial norms over the tp group), with that group;
+// nullopt group when nothing in the model is sliced.
+struct SlicedParameters {
+  std::optional<Communicator> group;
+  std::vector<at::Tensor> parameters;
+  bool contains(const at::Tensor& p) const;
+};
+SlicedParameters sliced_parameters(const torch::nn::Module& model);
+
+// How one sliced parameter lies in its whole (for checkpoints): split on `dim` over the group, in
+// `fused` equal parts each split on its own (dim 0 only).
+struct SliceLayout {
+  Communicator group;
+  int64_t dim = 0;
+  int fused = 1;
+  std::vector<int64_t> whole_sizes;
+};
+// By parameter name (model.named_parameters()'s), the sliced ones only.
+std::map<std::string, SliceLayout> slice_layouts(const torch::nn::Module& model);
+// The whole tensor from every rank's slice: collective over the layout's group.
+at::Tensor gather_whole(const at::Tensor& local, const SliceLayout& layout);
+// This rank's slice of a whole tensor (no communication).
+at::Tensor local_slice(const at::Tensor& whole, const SliceLayout& layout);
+
+// clip_grad_norm_ where some gradients are tp slices: the norm of the whole model (slices summed over
+// the tp group, replicated parameters counted once), every gradient scaled by the same coefficient.
+double clip_grad_norm(const std::vector<at::Tensor>& parameters, const SlicedParameters& sliced, double max_norm,
+                      double norm_type);
 
 // True when `pattern` (the PlanEntry syntax) matches the whole of `path`.
 bool path_matches(const std::string& pattern, const std::string& path);

@@ -121,13 +121,13 @@ void read_parallelism(const Section& s, LaunchConfig& c) {
   p.dp_shard = static_cast<int>(s.integer("parallelism_config_dp_shard_size", 1, kMax).value_or(1));
   p.tp = static_cast<int>(s.integer("parallelism_config_tp_size", 1, kMax).value_or(1));
   p.cp = static_cast<int>(s.integer("parallelism_config_cp_size", 1, kMax).value_or(1));
-  // Tensor, context and sequence parallelism are later work: a size above 1 would silently train as data
-  // parallel, so it is refused.
-  for (auto [key, what] : {std::pair{"parallelism_config_tp_size", "tensor"}, std::pair{"parallelism_config_cp_size", "context"},
-                           std::pair{"parallelism_config_sp_size", "sequence"}})
+  // Context and sequence parallelism are later work: a size above 1 would silently train as data
+  // parallel, so it is refused. (Tensor parallelism splits the model's xlr8::nn layers at prepare().)
+  for (auto [key, what] : {std::pair{"parallelism_config_cp_size", "context"}, std::pair{"parallelism_config_sp_size", "sequence"}})
     if (auto v = s.integer(key, 1, kMax); v && *v > 1)
       throw s.error(key, fmt::format("value {} asks for {} parallelism, which xlr8 does not have yet; supported: "
-                                     "parallelism_config_dp_replicate_size and parallelism_config_dp_shard_size",
+                                     "parallelism_config_dp_replicate_size, parallelism_config_dp_shard_size and "
+                                     "parallelism_config_tp_size",
                                      *v, what));
   c.parallelism = p;
 }

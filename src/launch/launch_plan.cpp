@@ -49,6 +49,7 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   if (r.use_deepspeed) root["distributed_type"] = "DEEPSPEED";
   for (auto& [k, v] : r.fsdp) root["fsdp_config"][k] = v;
   for (auto& [k, v] : r.deepspeed) root["deepspeed_config"][k] = v;
+  for (auto& [k, v] : r.parallelism) root["parallelism_config"][k] = v;
   if (r.gradient_accumulation_steps) root["gradient_accumulation_steps"] = *r.gradient_accumulation_steps;
   if (r.mpirun_hostfile) root["mpirun_config"]["mpirun_hostfile"] = *r.mpirun_hostfile;
 

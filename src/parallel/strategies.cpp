@@ -9,10 +9,14 @@
 #include "parallel/zero_strategy.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/parallel_strategy.hpp"
+#include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8 {
 
 double ParallelStrategy::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
+  // Tensor-parallel slices are parts of one norm over the tp group; replicas' gradients are whole.
+  auto sliced = tp::sliced_parameters(*module_);
+  if (sliced.group) return tp::clip_grad_norm(parameters, sliced, max_norm, norm_type);
   return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
 }
 

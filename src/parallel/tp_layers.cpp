@@ -66,6 +66,7 @@ at::Tensor LinearImpl::forward(const at::Tensor& input) {
   // A one-rank group keeps LibTorch's arithmetic (bias inside the product), bit for bit.
   if (!slot_ || slot_->group.size() == 1) return torch::nn::functional::linear(input, weight, bias);
   const auto& s = *slot_;
+  if (s.style == tp::Style::Replicate) return torch::nn::functional::linear(input, weight, bias);
   if (s.style == tp::Style::Colwise) {
     auto out = torch::nn::functional::linear(tp::copy_to_tp_region(input, s.group), weight, bias);
     return s.gather_output ? tp::gather_from_tp_region(out, s.group, -1) : out;
@@ -75,30 +76,49 @@ at::Tensor LinearImpl::forward(const at::Tensor& input) {
   return bias.defined() ? out + bias : out;
 }
 
-std::string LinearImpl::tensor_parallel_problem(tp::Style style, int tp_size, bool gather_output) const {
+std::string LinearImpl::tensor_parallel_problem(const tp::PlanEntry& entry, int tp_size) const {
   if (slot_) return "it is parallelised already";
-  switch (style) {
-    case tp::Style::Colwise: return indivisible("out_features", options.out_features(), tp_size);
-    case tp::Style::Rowwise:
-      if (gather_output) return "gather_output applies to Colwise only (a row-wise output is whole already)";
-      return indivisible("in_features", options.in_features(), tp_size);
+  if (entry.fused < 1) return fmt::format("fused {} must be 1 or more", entry.fused);
+  if (entry.fused > 1 && entry.style != tp::Style::Colwise) return "fused parts apply to Colwise only";
+  if (entry.gather_output && entry.style != tp::Style::Colwise)
+    return "gather_output applies to Colwise only (a row-wise output is whole already)";
+  switch (entry.style) {
+    case tp::Style::Colwise:
+      if (options.out_features() % entry.fused != 0)
+        return fmt::format("its out_features {} is not {} equal fused parts", options.out_features(), entry.fused);
+      if (entry.fused > 1 && entry.gather_output) return "gather_output of a fused output is not supported";
+      return entry.fused > 1 ? indivisible("out_features per fused part", options.out_features() / entry.fused, tp_size)
+                             : indivisible("out_features", options.out_features(), tp_size);
+    case tp::Style::Rowwise: return indivisible("in_features", options.in_features(), tp_size);
+    case tp::Style::Replicate: return "";
     case tp::Style::VocabParallel: break;
   }
-  return fmt::format("a Linear takes Colwise or Rowwise, not {}", tp::to_string(style));
+  return fmt::format("a Linear takes Colwise, Rowwise or Replicate, not {}", tp::to_string(entry.style));
 }
 
-void LinearImpl::parallelize(tp::Style style, const Communicator& group, bool gather_output) {
-  if (auto problem = tensor_parallel_problem(style, group.size(), gather_output); !problem.empty())
+void LinearImpl::parallelize(const tp::PlanEntry& entry, const Communicator& group) {
+  if (auto problem = tensor_parallel_problem(entry, group.size()); !problem.empty())
     throw ConfigError("tensor parallelism: this Linear cannot be parallelised: " + problem);
-  if (style == tp::Style::Colwise) {
-    auto [offset, local] = slice_of(options.out_features(), group);
-    keep_slice(weight, 0, offset, local);
-    if (bias.defined()) keep_slice(bias, 0, offset, local);
-    slot_ = TensorParallelSlot{style, group, gather_output, offset};
+  if (entry.style == tp::Style::Replicate) {
+    slot_ = TensorParallelSlot{entry.style, group, false, 0};
+  } else if (entry.style == tp::Style::Colwise) {
+    // Each fused part [k, out / k, ...] keeps its own slice, then the parts stack again.
+    const int64_t part = options.out_features() / entry.fused;
+    auto [offset, local] = slice_of(part, group);
+    auto keep_parts = [&](at::Tensor& t) {
+      torch::NoGradGuard no_grad;
+      auto parts = t.reshape({entry.fused, part, -1}).narrow(1, offset, local);
+      auto sizes = t.sizes().vec();
+      sizes[0] = entry.fused * local;
+      t.set_data(parts.reshape(sizes).clone());
+    };
+    keep_parts(weight);
+    if (bias.defined()) keep_parts(bias);
+    slot_ = TensorParallelSlot{entry.style, group, entry.gather_output, offset, entry.fused};
   } else {
     auto [offset, local] = slice_of(options.in_features(), group);
     keep_slice(weight, 1, offset, local);
-    slot_ = TensorParallelSlot{style, group, false, offset};
+    slot_ = TensorParallelSlot{entry.style, group, false, offset};
   }
 }
 
@@ -136,7 +156,7 @@ void EmbeddingImpl::pretty_print(std::ostream& stream) const {
 }
 
 at::Tensor EmbeddingImpl::forward(const at::Tensor& input) {
-  if (!slot_ || slot_->group.size() == 1)
+  if (!slot_ || slot_->group.size() == 1 || slot_->style == tp::Style::Replicate)
     return torch::nn::functional::detail::embedding(input, weight, options.padding_idx(), options.max_norm(),
                                                     options.norm_type(), options.scale_grad_by_freq(), options.sparse());
   // Ids outside this rank's rows look up row 0 and are zeroed; the sum over ranks has every id once.
@@ -149,23 +169,37 @@ at::Tensor EmbeddingImpl::forward(const at::Tensor& input) {
   return tp::reduce_from_tp_region(looked_up, s.group);
 }
 
-std::string EmbeddingImpl::tensor_parallel_problem(tp::Style style, int tp_size, bool gather_output) const {
+at::Tensor EmbeddingImpl::attend(const at::Tensor& input) {
+  if (!slot_ || slot_->group.size() == 1 || slot_->style == tp::Style::Replicate)
+    return torch::nn::functional::linear(input, weight);
+  // This rank's rows score its share of the vocabulary: a column-wise layer over the vocabulary.
+  return tp::gather_from_tp_region(torch::nn::functional::linear(tp::copy_to_tp_region(input, slot_->group), weight),
+                                   slot_->group, -1);
+}
+
+std::string EmbeddingImpl::tensor_parallel_problem(const tp::PlanEntry& entry, int tp_size) const {
   if (slot_) return "it is parallelised already";
-  if (style != tp::Style::VocabParallel)
-    return fmt::format("an Embedding takes VocabParallel, not {}", tp::to_string(style));
-  if (gather_output) return "gather_output applies to Colwise only";
+  if (entry.gather_output) return "gather_output applies to Colwise only";
+  if (entry.fused != 1) return "fused parts apply to Colwise only";
+  if (entry.style == tp::Style::Replicate) return "";
+  if (entry.style != tp::Style::VocabParallel)
+    return fmt::format("an Embedding takes VocabParallel or Replicate, not {}", tp::to_string(entry.style));
   if (options.padding_idx() || options.max_norm() || options.scale_grad_by_freq() || options.sparse())
     return "a vocabulary-parallel Embedding supports none of padding_idx, max_norm, scale_grad_by_freq and sparse; "
            "leave it unplanned (replicated) or drop those options";
   return indivisible("num_embeddings", options.num_embeddings(), tp_size);
 }
 
-void EmbeddingImpl::parallelize(tp::Style style, const Communicator& group) {
-  if (auto problem = tensor_parallel_problem(style, group.size(), false); !problem.empty())
+void EmbeddingImpl::parallelize(const tp::PlanEntry& entry, const Communicator& group) {
+  if (auto problem = tensor_parallel_problem(entry, group.size()); !problem.empty())
     throw ConfigError("tensor parallelism: this Embedding cannot be parallelised: " + problem);
+  if (entry.style == tp::Style::Replicate) {
+    slot_ = TensorParallelSlot{entry.style, group, false, 0};
+    return;
+  }
   auto [offset, local] = slice_of(options.num_embeddings(), group);
   keep_slice(weight, 0, offset, local);
-  slot_ = TensorParallelSlot{style, group, false, offset};
+  slot_ = TensorParallelSlot{entry.style, group, false, offset};
 }
 
 }  // namespace xlr8::nn

@@ -18,6 +18,7 @@ std::string to_string(Style style) {
     case Style::Colwise: return "Colwise";
     case Style::Rowwise: return "Rowwise";
     case Style::VocabParallel: return "VocabParallel";
+    case Style::Replicate: return "Replicate";
   }
   return "?";
 }
@@ -101,10 +102,11 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
     const auto& entry = plan[static_cast<size_t>(entry_of[i])];
     std::string problem;
     if (auto* linear = dynamic_cast<nn::LinearImpl*>(m)) {
-      problem = linear->tensor_parallel_problem(entry.style, tp_group.size(), entry.gather_output);
+      problem = linear->tensor_parallel_problem(entry, tp_group.size());
     } else if (auto* embedding = dynamic_cast<nn::EmbeddingImpl*>(m)) {
-      problem = embedding->tensor_parallel_problem(entry.style, tp_group.size(), entry.gather_output);
+      problem = embedding->tensor_parallel_problem(entry, tp_group.size());
     } else if (is_plain_torch_layer(*m)) {
+      if (entry.style == Style::Replicate) continue;  // kept whole: LibTorch's own layer does that already
       throw ConfigError(fmt::format(
           "tp plan: '{}' ({}) is LibTorch's own layer, whose forward cannot take tensor parallelism's collectives; "
           "build it as xlr8::nn::{} (same parameters, same results at tp 1)",
@@ -116,7 +118,8 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
     }
     if (!problem.empty()) problems.push_back(fmt::format("'{}' ({}): {}", paths[i], to_string(entry.style), problem));
     // A tied weight (one tensor under two names) would be sliced for one layer and silently for the other.
-    for (const auto& p : m->named_parameters(/*recurse=*/false)) {
+    if (entry.style != Style::Replicate)
+      for (const auto& p : m->named_parameters(/*recurse=*/false)) {
       const auto& names = holders[p.value().unsafeGetTensorImpl()];
       if (names.size() > 1)
         problems.push_back(fmt::format("'{}': its {} is tied ({}); tied weights under tensor parallelism are not "
@@ -133,9 +136,9 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
     if (entry_of[i] < 0) continue;
     const auto& entry = plan[static_cast<size_t>(entry_of[i])];
     if (auto* linear = dynamic_cast<nn::LinearImpl*>(modules[i].get()))
-      linear->parallelize(entry.style, tp_group, entry.gather_output);
-    else
-      dynamic_cast<nn::EmbeddingImpl&>(*modules[i]).parallelize(entry.style, tp_group);
+      linear->parallelize(entry, tp_group);
+    else if (auto* embedding = dynamic_cast<nn::EmbeddingImpl*>(modules[i].get()))
+      embedding->parallelize(entry, tp_group);
   }
 }
 

@@ -9,6 +9,7 @@
 #include "compat/torch_compat.hpp"
 #include "parallel/zero_engine.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8::detail {
 
@@ -73,7 +74,9 @@ const ZeroEngine::Slot* ZeroEngine::slot_of(const at::Tensor& tensor) const {
 
 double ZeroEngine::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
   // Each rank holds the averaged gradients of its own chunks: partial norms, reduced over the group.
-  std::vector<at::Tensor> grads;
+  // Tensor-parallel slices are partial over the tp group as well; replicated parameters are not.
+  const auto sliced = tp::sliced_parameters(*module_);
+  std::vector<at::Tensor> grads, sliced_grads;
   std::map<std::pair<size_t, size_t>, bool> seen;
   for (const auto& p : parameters) {
     const auto* slot = slot_of(p);
@@ -82,23 +85,36 @@ double ZeroEngine::clip_grad_norm(const std::vector<at::Tensor>& parameters, dou
       throw Error("clip_grad_norm(): a parameter is not one this sharded model trains (pass model->parameters())");
     if (!seen.emplace(std::pair{slot->group, slot->index}, true).second) continue;
     const auto& grad = group(slot->group).shard_params[slot->index].grad();
-    if (grad.defined() && grad.numel() > 0) grads.push_back(grad);
+    if (grad.defined() && grad.numel() > 0) (sliced.group && sliced.contains(p) ? sliced_grads : grads).push_back(grad);
   }
   const bool infinity = std::isinf(norm_type);
-  // One read-back for all the partial norms, not one per gradient.
-  auto total = at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
-  if (!grads.empty()) {
+  // One read-back for all the partial norms, not one per gradient: [replicated, tp-sliced].
+  auto partial = [&](const std::vector<at::Tensor>& list) {
+    if (list.empty()) return at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
     std::vector<at::Tensor> norms;
-    for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble).reshape({1}));
+    for (const auto& g : list) norms.push_back(g.norm(norm_type).to(at::kDouble).reshape({1}));
     auto all = at::cat(norms);
-    total = infinity ? all.max().reshape({1}) : all.pow(norm_type).sum().reshape({1});
+    return infinity ? all.max().reshape({1}) : all.pow(norm_type).sum().reshape({1});
+  };
+  const auto device = !grads.empty()          ? grads.front().device()
+                      : !sliced_grads.empty() ? sliced_grads.front().device()
+                                              : at::Device(at::kCPU);
+  auto totals = at::cat({partial(grads).to(device), partial(sliced_grads).to(device)});
+  const auto op = infinity ? ReduceOp::MAX : ReduceOp::SUM;
+  comm_.all_reduce(totals, op);
+  if (sliced.group) {
+    auto part = totals.narrow(0, 1, 1).contiguous();
+    Communicator tp_group = *sliced.group;
+    tp_group.all_reduce(part, op);
+    totals.narrow(0, 1, 1).copy_(part);
   }
-  comm_.all_reduce(total, infinity ? ReduceOp::MAX : ReduceOp::SUM);
-  const double norm = infinity ? total.item<double>() : std::pow(total.item<double>(), 1.0 / norm_type);
+  const double total = infinity ? totals.max().item<double>() : totals.sum().item<double>();
+  const double norm = infinity ? total : std::pow(total, 1.0 / norm_type);
   const double coef = max_norm / (norm + 1e-6);
   if (coef < 1) {
     at::NoGradGuard no_grad;
-    for (auto& g : grads) g.mul_(coef);
+    for (auto* list : {&grads, &sliced_grads})
+      for (auto& g : *list) g.mul_(coef);
   }
   return norm;
 }

@@ -8,6 +8,7 @@
 #include "parallel/zero_strategy.hpp"
 #include "train/accelerator_impl.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8 {
 
@@ -152,6 +153,26 @@ std::optional<at::ScalarType> sharded_param_dtype(MixedPrecision precision, cons
   return precision == MixedPrecision::FP16 ? at::kHalf : at::kBFloat16;
 }
 
+// parallelism_config_tp_size: a model the program split already (tp::parallelize) keeps its plan; any
+// other is split by AutoTP here, or refused by name. Never trains whole while the mesh says tp.
+void split_for_tensor_parallel(torch::nn::Module& module, DeviceMesh& mesh) {
+  const int tp = mesh.size("tp");
+  const auto sliced = tp::sliced_parameters(module);
+  if (sliced.group && sliced.group->size() != tp)
+    throw ConfigError(fmt::format("prepare(): the model was split over a tp group of {} ranks but "
+                                  "parallelism_config_tp_size is {}; make them equal",
+                                  sliced.group->size(), tp));
+  if (tp == 1 || sliced.group) return;
+  try {
+    tp::parallelize(module, mesh.group("tp"), tp::auto_plan(module, tp), /*strict=*/true);
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("prepare(): parallelism_config_tp_size is {} and the program applied no plan "
+                                  "(xlr8::tp::parallelize), so AutoTP tried: {}",
+                                  tp, e.what()));
+  }
+  log::info("prepare(): parallelism_config_tp_size {}: AutoTP split the model's layers (no plan was applied)", tp);
+}
+
 }  // namespace
 
 bool Accelerator::rank0_loading() const {
@@ -188,6 +209,7 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   auto& s = *impl_;
   if (!module) throw Error("prepare(): the model is null");
   if (s.strategy_for(module.get())) throw Error("prepare(): this model was already prepared; prepare each model once");
+  split_for_tensor_parallel(*module, s.state->mesh());
   module->to(s.device);
   auto parallel = s.options.parallel;
   if (!parallel.zero.param_dtype) parallel.zero.param_dtype = sharded_param_dtype(s.precision, s.device);

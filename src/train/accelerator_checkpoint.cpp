@@ -12,6 +12,7 @@
 #include "train/portable_state.hpp"
 #include "core/text.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/tensor_parallel.hpp"
 
 namespace fs = std::filesystem;
 
@@ -30,6 +31,10 @@ void stream_full_state(const AcceleratorImpl& s, const torch::nn::Module& module
   const bool main = s.world().rank() == 0;
   const auto* strategy = s.strategy_for(&module);
   auto layout = strategy ? strategy->full_state_layout() : module_state_dict(module);
+  // Tensor-parallel slices are written whole: gathered over their tp group as they come.
+  const auto slices = tp::slice_layouts(module);
+  for (auto& [name, t] : layout)
+    if (auto it = slices.find(name); it != slices.end()) t = at::empty(it->second.whole_sizes, t.options().device(at::kMeta));
   std::string problem;
   auto guarded = [&](auto&& fn) {
     if (!main || !problem.empty()) return;
@@ -44,7 +49,11 @@ void stream_full_state(const AcceleratorImpl& s, const torch::nn::Module& module
     for (const auto& [name, t] : layout) specs.push_back({name, t.scalar_type(), t.sizes().vec()});
     open(std::move(specs));
   });
-  auto deliver = [&](size_t, const at::Tensor& t) { guarded([&] { write(t); }); };
+  auto deliver = [&](size_t i, const at::Tensor& t) {
+    auto it = slices.find(layout[i].first);
+    const auto whole = it == slices.end() ? t : tp::gather_whole(t, it->second);  // collective: outside guarded
+    guarded([&] { write(whole); });
+  };
   if (strategy) strategy->visit_full_state(deliver);
   else
     for (size_t i = 0; i < layout.size(); ++i) deliver(i, layout[i].second);
@@ -171,13 +180,26 @@ void apply_training_state(AcceleratorImpl& s, const checkpoint::Verified& saved,
     if (auto loader = weak.lock(); loader && li < loaders.size()) loader->load_state(loaders[li++]);
 }
 
+// Training checkpoints describe pieces as flat element ranges; a tensor-parallel slice is a range per
+// dimension, which they cannot say yet. Refused before anything is written or read.
+void refuse_tensor_parallel_state(const AcceleratorImpl& s, const char* what) {
+  for (const auto& model : s.models)
+    if (!tp::slice_layouts(*model->module()).empty())
+      throw Error(fmt::format("{}: training checkpoints of tensor-parallel models are not supported yet (their slices "
+                              "need per-dimension offsets); save_model and load_model work (whole weights), "
+                              "optimizer state is not kept",
+                              what));
+}
+
 }  // namespace
 
 std::string Accelerator::save_state(const std::string& dir) {
+  refuse_tensor_parallel_state(*impl_, "save_state()");
   return checkpoint::filesystem_guard(fmt::format("save_state({:?})", dir), [&] { return save_state_unguarded(dir); });
 }
 
 void Accelerator::load_state(const std::string& dir) {
+  refuse_tensor_parallel_state(*impl_, "load_state()");
   checkpoint::filesystem_guard(fmt::format("load_state({:?})", dir), [&] {
     load_state_unguarded(dir);
     return 0;
@@ -330,6 +352,7 @@ struct LoadTarget {
   int64_t start = 0;
   std::vector<int64_t> shape;
   at::Tensor whole;  // the parameter itself when sharded and it holds memory now (written whole too)
+  std::optional<tp::SliceLayout> slice;  // a tensor-parallel slice: the file holds the whole
 };
 
 // Rank 0's verdict on a model file against the model: the names to load, in order, with dtype and size;
@@ -390,6 +413,10 @@ void Accelerator::load_module(torch::nn::Module& module, const std::string& path
       const bool whole = !p.is_same(piece.values) && p.has_storage() && p.storage().nbytes() > 0;
       targets[piece.name] = {piece.values, piece.start, piece.shape, whole ? p : at::Tensor()};
     }
+    for (auto& [name, layout] : tp::slice_layouts(module)) {
+      targets.at(name).shape = layout.whole_sizes;
+      targets.at(name).slice = layout;
+    }
   }
   else
     for (const auto& item : module.named_parameters()) {
@@ -422,6 +449,8 @@ void Accelerator::load_module(torch::nn::Module& module, const std::string& path
       if (whole.device() != s.device) whole = whole.to(s.device);  // NCCL carries device tensors
       world.broadcast(whole, 0);
     }
+    // This rank's tensor-parallel slice of the whole (every rank received it).
+    if (target.slice) whole = tp::local_slice(whole.view(target.slice->whole_sizes), *target.slice).view(-1);
     const int64_t n = target.values.numel();
     if (n > 0) target.values.detach().view(-1).copy_(whole.narrow(0, target.start, n));
     // Every rank received the whole tensor: a whole copy the strategy keeps is written here, so no

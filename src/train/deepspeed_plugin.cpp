@@ -10,6 +10,7 @@
 
 #include "core/log.hpp"
 #include "core/text.hpp"
+#include "xlr8/nn.hpp"
 #include "xlr8/deepspeed.hpp"
 #include "xlr8/deepspeed_dummy.hpp"
 #include "xlr8/error.hpp"
@@ -57,6 +58,8 @@ std::optional<int64_t> embedding_width(torch::nn::Module& model) {
   for (const auto& module : model.modules())
     if (const auto* embedding = dynamic_cast<const torch::nn::EmbeddingImpl*>(module.get()))
       return embedding->options.embedding_dim();
+    else if (const auto* ours = dynamic_cast<const nn::EmbeddingImpl*>(module.get()))
+      return ours->options.embedding_dim();
   return std::nullopt;
 }
 

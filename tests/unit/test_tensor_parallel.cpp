@@ -77,6 +77,7 @@ at::Tensor expected_slice(const at::Tensor& whole, const std::optional<xlr8::nn:
     case tp::Style::Colwise:
     case tp::Style::VocabParallel: return whole.narrow(0, slot->offset, local);
     case tp::Style::Rowwise: return is_weight ? whole.narrow(1, slot->offset, local) : whole;
+    case tp::Style::Replicate: return whole;
   }
   return whole;
 }
@@ -208,7 +209,7 @@ TEST(TensorParallel, BadPlansAreRefusedNamingWhatExists) {
     {
       TinyLm model;
       auto m = message([&] { tp::parallelize(*model, comm, {{"wte", tp::Style::Rowwise}}); });
-      EXPECT_NE(m.find("an Embedding takes VocabParallel, not Rowwise"), std::string::npos) << m;
+      EXPECT_NE(m.find("an Embedding takes VocabParallel or Replicate, not Rowwise"), std::string::npos) << m;
     }
     {
       // Checked before anything is sliced: the plan's good entries leave the model untouched too.

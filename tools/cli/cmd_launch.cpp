@@ -126,6 +126,14 @@ Handler add_launch(CLI::App& app) {
                                           "DeepSpeed: as deepspeed_config." + k)
         ->group("DeepSpeed");
   }
+  // Accelerate's ParallelismConfig flags: the device mesh (dp_replicate x dp_shard x cp x tp).
+  for (auto key : {"parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size",
+                   "parallelism_config_tp_size", "parallelism_config_cp_size"}) {
+    std::string k = key;
+    cmd->add_option_function<std::string>(spellings("--" + k), [req, k](const std::string& v) { req->parallelism[k] = v; },
+                                          "Device mesh: as parallelism_config." + k)
+        ->group("Parallelism");
+  }
   return [req, compat_flags, compat_switch]() {
     LaunchOptions options = plan_launch(*req);
     return launch(options);

@@ -1,0 +1,26 @@
+// How the GPT splits over a tensor-parallel group (torchtitan keeps this apart from the model, and so
+// does this example): Megatron's layout, one all-reduce after each attention and each MLP.
+#include <fmt/format.h>
+
+#include "gpt.hpp"
+#include "xlr8/error.hpp"
+
+namespace gpt {
+
+xlr8::tp::Plan tp_plan(const Config& c, int tp_size) {
+  if (tp_size < 1 || c.n_head % tp_size != 0)
+    throw xlr8::ConfigError(fmt::format("tensor parallelism: --n_head {} is not divisible by the tp size {}; every rank "
+                                        "computes whole heads",
+                                        c.n_head, tp_size));
+  using xlr8::tp::Style;
+  xlr8::tp::Plan plan{{"wte", Style::VocabParallel},
+                      {"wpe", Style::VocabParallel},
+                      {"blocks.*.attn.qkv", Style::Colwise, /*gather_output=*/false, /*fused=*/3},
+                      {"blocks.*.attn.proj", Style::Rowwise},
+                      {"blocks.*.mlp.fc", Style::Colwise},
+                      {"blocks.*.mlp.proj", Style::Rowwise}};
+  if (!c.tied_head) plan.push_back({"head", Style::Colwise, /*gather_output=*/true});
+  return plan;
+}
+
+}  // namespace gpt

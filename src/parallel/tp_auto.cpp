@@ -1,0 +1,262 @@
+// Plans nobody wrote by hand: AutoTP (from layer names) and DeepSpeed's partition_config rules.
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+
+#include <algorithm>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
+
+#include "xlr8/error.hpp"
+#include "xlr8/nn.hpp"
+#include "xlr8/tensor_parallel.hpp"
+
+namespace xlr8::tp {
+namespace {
+
+// Layer-name conventions of GPT-2, Llama, Mistral, Falcon, GPT-NeoX and Megatron.
+const std::set<std::string> kColumn{"q",  "k",   "v",     "q_proj", "k_proj", "v_proj",    "query",   "key",
+                                    "value", "wq", "wk", "wv", "fc", "fc1", "fc_in", "c_fc", "gate", "gate_proj",
+                                    "up", "up_proj", "w1", "w3", "dense_h_to_4h"};
+const std::set<std::string> kFusedQkv{"qkv", "qkv_proj", "c_attn", "query_key_value", "wqkv"};
+const std::set<std::string> kFusedGateUp{"gate_up", "gate_up_proj", "w13"};
+const std::set<std::string> kRow{"o",  "o_proj", "out_proj", "proj", "c_proj",       "wo",   "w2",
+                                 "fc2", "fc_out", "down",     "down_proj", "dense_4h_to_h", "dense"};
+const std::set<std::string> kHead{"head", "lm_head", "embed_out", "output"};
+// Projections that carry attention heads (checked against head_dim).
+const std::set<std::string> kAttention{"q",     "k",  "v",  "q_proj", "k_proj", "v_proj", "query", "key", "value",
+                                       "wq",    "wk", "wv", "qkv",    "qkv_proj", "c_attn", "query_key_value",
+                                       "wqkv",  "o",  "o_proj", "out_proj", "wo"};
+
+std::string last_component(const std::string& path) {
+  auto dot = path.rfind('.');
+  std::string name = dot == std::string::npos ? path : path.substr(dot + 1);
+  std::transform(name.begin(), name.end(), name.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return name;
+}
+
+struct Layer {
+  std::string path;
+  torch::nn::Module* module;
+};
+
+// The model's Linear and Embedding layers (ours and LibTorch's), in registration order.
+std::vector<Layer> layers_of(const torch::nn::Module& model) {
+  std::vector<Layer> out;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    auto* m = item.value().get();
+    if (dynamic_cast<nn::LinearImpl*>(m) || dynamic_cast<nn::EmbeddingImpl*>(m) || dynamic_cast<torch::nn::LinearImpl*>(m) ||
+        dynamic_cast<torch::nn::EmbeddingImpl*>(m))
+      out.push_back({item.key(), m});
+  }
+  return out;
+}
+
+bool is_embedding(const torch::nn::Module* m) {
+  return dynamic_cast<const nn::EmbeddingImpl*>(m) || dynamic_cast<const torch::nn::EmbeddingImpl*>(m);
+}
+
+std::pair<int64_t, int64_t> linear_features(const torch::nn::Module* m) {
+  if (auto* ours = dynamic_cast<const nn::LinearImpl*>(m)) return {ours->options.in_features(), ours->options.out_features()};
+  auto& theirs = dynamic_cast<const torch::nn::LinearImpl&>(*m);
+  return {theirs.options.in_features(), theirs.options.out_features()};
+}
+
+// Parameters held under more than one name (a head tied to an embedding): such layers stay whole.
+std::set<const torch::nn::Module*> tied_layers(const torch::nn::Module& model, const std::vector<Layer>& layers) {
+  std::map<const c10::TensorImpl*, int> uses;
+  for (const auto& p : model.named_parameters(/*recurse=*/true)) ++uses[p.value().unsafeGetTensorImpl()];
+  std::set<const torch::nn::Module*> out;
+  for (const auto& layer : layers)
+    for (const auto& p : layer.module->named_parameters(/*recurse=*/false))
+      if (uses[p.value().unsafeGetTensorImpl()] > 1) out.insert(layer.module);
+  return out;
+}
+
+void check_heads(const Layer& layer, const PlanEntry& entry, int tp_size, int64_t head_dim) {
+  if (head_dim <= 0 || !kAttention.count(last_component(layer.path))) return;
+  auto [in, out] = linear_features(layer.module);
+  const int64_t features = entry.style == Style::Rowwise ? in : out / entry.fused;
+  if (features % head_dim != 0 || (features / head_dim) % tp_size != 0)
+    throw ConfigError(fmt::format("AutoTP: attention projection '{}' has {} features = {} heads of {}, which {} tp ranks "
+                                  "cannot share whole; choose a tp size that divides the number of heads",
+                                  layer.path, features, static_cast<double>(features) / static_cast<double>(head_dim),
+                                  head_dim, tp_size));
+}
+
+// AutoTP's entry for one layer, or nullopt when its name says nothing.
+std::optional<PlanEntry> auto_entry(const Layer& layer, bool tied) {
+  if (tied) return PlanEntry{layer.path, Style::Replicate};
+  if (is_embedding(layer.module)) {
+    auto* ours = dynamic_cast<nn::EmbeddingImpl*>(layer.module);
+    // Options a vocabulary-parallel lookup cannot honour keep the embedding whole rather than failing.
+    if (ours && !ours->tensor_parallel_problem({layer.path, Style::VocabParallel}, 1).empty())
+      return PlanEntry{layer.path, Style::Replicate};
+    return PlanEntry{layer.path, Style::VocabParallel};
+  }
+  const auto name = last_component(layer.path);
+  auto [in, out] = linear_features(layer.module);
+  if (kColumn.count(name)) return PlanEntry{layer.path, Style::Colwise};
+  if (kRow.count(name)) return PlanEntry{layer.path, Style::Rowwise};
+  if (kHead.count(name)) return PlanEntry{layer.path, Style::Colwise, /*gather_output=*/true};
+  if (kFusedQkv.count(name)) {
+    if (out != 3 * in)
+      throw ConfigError(fmt::format("AutoTP: '{}' looks like a fused q/k/v projection but has out_features {} for "
+                                    "in_features {} (not 3 equal parts: grouped-query attention?); give it a plan "
+                                    "entry with the right fused parts or split it into q, k and v",
+                                    layer.path, out, in));
+    return PlanEntry{layer.path, Style::Colwise, false, 3};
+  }
+  if (kFusedGateUp.count(name)) return PlanEntry{layer.path, Style::Colwise, false, 2};
+  return std::nullopt;
+}
+
+}  // namespace
+
+Plan auto_plan(const torch::nn::Module& model, int tp_size, int64_t head_dim) {
+  if (tp_size < 1) throw ConfigError(fmt::format("AutoTP: tp size {} must be 1 or more", tp_size));
+  const auto layers = layers_of(model);
+  const auto tied = tied_layers(model, layers);
+  Plan plan;
+  std::vector<std::string> unknown;
+  for (const auto& layer : layers) {
+    auto entry = auto_entry(layer, tied.count(layer.module) > 0);
+    if (!entry) {
+      unknown.push_back(layer.path);
+      continue;
+    }
+    check_heads(layer, *entry, tp_size, head_dim);
+    plan.push_back(*entry);
+  }
+  if (!unknown.empty())
+    throw ConfigError(fmt::format(
+        "AutoTP: cannot tell how to split {} from their names (column-wise: q/k/v/qkv, fc/fc1/fc_in, gate/up; "
+        "row-wise: o/out_proj/proj, fc2/fc_out/down); rename them or give a plan",
+        fmt::join(unknown, ", ")));
+  if (plan.empty()) throw ConfigError("AutoTP: the model has no Linear or Embedding layer to split");
+  return plan;
+}
+
+namespace {
+
+// DeepSpeed's `tensor_parallel` keys (the config reader already refused any other).
+const std::set<std::string> kTensorParallelKeys{"autotp_size",   "partition_config", "preset_model",
+                                                "tp_overlap_comm", "tp_grain_size",  "keep_module_on_host",
+                                                "injection_policy_tuple", "dtype"};
+const std::set<std::string> kPartitionKeys{"use_default_specs", "layer_specs"};
+const std::set<std::string> kSpecKeys{"patterns", "partition_type", "shape", "partition_dim", "model_types",
+                                      "gather_output", "grad_allreduce"};
+
+void check_keys(const nlohmann::json& object, const std::set<std::string>& known, const std::string& where) {
+  if (!object.is_object()) throw ConfigError(fmt::format("{} must be a JSON object", where));
+  for (const auto& [key, value] : object.items())
+    if (!known.count(key))
+      throw ConfigError(fmt::format("{}: unknown key '{}'; known: {}", where, key, fmt::join(known, ", ")));
+}
+
+// DeepSpeed's `shape`: [k, -1] (k equal fused parts along the output) is what xlr8 splits; anything
+// else (nested unequal parts of grouped-query attention) is refused by name.
+int fused_parts(const nlohmann::json& spec, const std::string& where) {
+  if (!spec.contains("shape") || spec["shape"].is_null()) return 1;
+  const auto& shape = spec["shape"];
+  if (shape.is_array() && shape.size() == 2 && shape[0].is_number_integer() && shape[0].get<int64_t>() >= 1 &&
+      shape[1] == -1)
+    return static_cast<int>(shape[0].get<int64_t>());
+  throw ConfigError(fmt::format("{}.shape = {}: xlr8 splits [k, -1] (k equal fused parts) only; unequal parts "
+                                "(grouped-query q/kv) are not supported yet",
+                                where, shape.dump()));
+}
+
+}  // namespace
+
+Plan plan_from_deepspeed(const nlohmann::json& tensor_parallel, const torch::nn::Module& model, int tp_size) {
+  check_keys(tensor_parallel, kTensorParallelKeys, "tensor_parallel");
+  if (auto size = tensor_parallel.value("autotp_size", 0); size > 1 && size != tp_size)
+    throw ConfigError(fmt::format("tensor_parallel.autotp_size = {} but the tp group has {} ranks; make them equal",
+                                  size, tp_size));
+  if (tensor_parallel.contains("preset_model") && !tensor_parallel["preset_model"].is_null())
+    throw ConfigError(fmt::format("tensor_parallel.preset_model = {}: xlr8 has no presets; give layer_specs or leave "
+                                  "it out for AutoTP",
+                                  tensor_parallel["preset_model"].dump()));
+  const nlohmann::json none = nlohmann::json::object();
+  const auto& partition = tensor_parallel.contains("partition_config") && !tensor_parallel["partition_config"].is_null()
+                              ? tensor_parallel["partition_config"]
+                              : none;
+  check_keys(partition, kPartitionKeys, "tensor_parallel.partition_config");
+  const auto specs = partition.value("layer_specs", nlohmann::json::array());
+  const bool defaults = partition.value("use_default_specs", specs.empty());
+  // Every rule is checked before any is used: a bad one is an error even where it would match nothing.
+  struct Rule {
+    std::vector<std::regex> patterns;
+    PlanEntry entry;  // pattern filled per layer
+  };
+  std::vector<Rule> rules;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const auto where = fmt::format("tensor_parallel.partition_config.layer_specs[{}]", i);
+    const auto& spec = specs[i];
+    check_keys(spec, kSpecKeys, where);
+    Rule rule;
+    const auto type = spec.value("partition_type", std::string("column"));
+    if (type == "column")
+      rule.entry = PlanEntry{"", Style::Colwise, spec.value("gather_output", false), fused_parts(spec, where)};
+    else if (type == "row")
+      rule.entry = PlanEntry{"", Style::Rowwise};
+    else if (type == "skip")
+      rule.entry = PlanEntry{"", Style::Replicate};
+    else
+      throw ConfigError(fmt::format("{}.partition_type = \"{}\": one of column, row, skip", where, type));
+    const int default_dim = rule.entry.style == Style::Rowwise ? 1 : 0;
+    if (spec.contains("partition_dim") && !spec["partition_dim"].is_null() && spec["partition_dim"] != default_dim)
+      throw ConfigError(fmt::format("{}.partition_dim = {}: xlr8 splits {} layers on dimension {} only", where,
+                                    spec["partition_dim"].dump(), type, default_dim));
+    if (spec.contains("model_types") && !spec["model_types"].is_null())
+      throw ConfigError(fmt::format("{}.model_types: a LibTorch model has no model_type to filter on; remove the key",
+                                    where));
+    if (spec.value("grad_allreduce", false))
+      throw ConfigError(fmt::format("{}.grad_allreduce = true: summing a kept-whole parameter's gradient over tp is "
+                                    "not supported yet; leave it out",
+                                    where));
+    for (const auto& pattern : spec.value("patterns", nlohmann::json::array())) {
+      try {
+        rule.patterns.emplace_back(pattern.get<std::string>(), std::regex::ECMAScript);
+      } catch (const std::exception& e) {
+        throw ConfigError(fmt::format("{}.patterns: {} is not a regular expression: {}", where, pattern.dump(), e.what()));
+      }
+    }
+    rules.push_back(std::move(rule));
+  }
+  const auto layers = layers_of(model);
+  const auto tied = tied_layers(model, layers);
+  Plan plan;
+  std::vector<std::string> unmatched;
+  for (const auto& layer : layers) {
+    // Rules match parameter names (Python's re.match: anchored at the start), tried on the layer's weight.
+    const std::string weight = layer.path + ".weight";
+    std::optional<PlanEntry> entry;
+    for (const auto& rule : rules) {
+      const bool hit = std::any_of(rule.patterns.begin(), rule.patterns.end(), [&](const std::regex& re) {
+        return std::regex_search(weight, re, std::regex_constants::match_continuous);
+      });
+      if (!hit) continue;
+      entry = rule.entry;
+      entry->pattern = layer.path;
+      if (is_embedding(layer.module) && entry->style == Style::Colwise) entry->style = Style::VocabParallel;
+      break;
+    }
+    if (!entry && defaults) entry = auto_entry(layer, tied.count(layer.module) > 0);
+    // Custom specs alone: DeepSpeed (strict_mode off) keeps an unmatched layer whole, and so does this plan.
+    if (!entry && !defaults) entry = PlanEntry{layer.path, Style::Replicate};
+    if (entry) plan.push_back(*entry);
+    else unmatched.push_back(layer.path);
+  }
+  if (!unmatched.empty())
+    throw ConfigError(fmt::format("tensor_parallel: no layer_spec matches {} and AutoTP cannot place them by name; add "
+                                  "a spec (partition_type column, row or skip)",
+                                  fmt::join(unmatched, ", ")));
+  return plan;
+}
+
+}  // namespace xlr8::tp
