@@ -42,6 +42,7 @@ struct Args {
   std::string freeze;  // module paths to fine-tune around (gpt::freeze)
   double dropout = 0.0;  // attention dropout; 0 keeps runs on any number of processes comparable
   bool autotp = false;   // under parallelism_config_tp_size: let prepare()'s AutoTP split the model
+  double max_grad_norm = 0;  // > 0: clip the global gradient norm to this before each optimizer step
 };
 
 // Bytes of parameters, gradients and optimizer state this process holds, each storage counted once
@@ -172,7 +173,7 @@ int run(const Args& args) {
   const auto start = std::chrono::steady_clock::now();
   int64_t tokens = 0, steps_at_start = acc.step();
   int64_t held = 0, peak = 0;
-  double last_loss = 0;
+  double last_loss = 0, grad_norm = 0;
   bool done = acc.step() >= args.max_steps;
   // A bar on a terminal, a line every --log_every steps otherwise (XLR8_PROGRESS=off: none).
   auto bar = acc.progress(args.max_steps, {.description = "train", .unit = "step", .initial = acc.step(),
@@ -183,6 +184,8 @@ int run(const Args& args) {
       auto logits = model->forward(batch.data);
       auto loss = F::cross_entropy(logits.flatten(0, 1), batch.target.flatten());
       acc.backward(loss);
+      if (args.max_grad_norm > 0 && acc.sync_gradients())
+        grad_norm = acc.clip_grad_norm(model->parameters(), args.max_grad_norm);
       peak = std::max(peak, state_bytes(*model, opt.optimizer()));
       opt.step();
       if (scheduler) scheduler->step();
@@ -236,6 +239,7 @@ int run(const Args& args) {
                           {"global_step", acc.step()},
                           {"num_processes", acc.num_processes()},
                           {"tp_size", tp_group.size()},
+                          {"last_grad_norm", grad_norm},
                           {"tokens_per_s", tokens / std::max(seconds, 1e-9)},
                           {"state_bytes_per_rank", static_cast<int64_t>(largest[0].item<double>())},
                           {"peak_state_bytes_per_rank", static_cast<int64_t>(largest[1].item<double>())},
@@ -284,6 +288,7 @@ int main(int argc, char** argv) {
   app.add_option("--dropout", a.dropout, "Attention dropout probability (random: runs then depend on the process count)");
   app.add_option("--freeze", a.freeze, "Comma-separated module paths whose parameters stay fixed (e.g. wpe,attn)");
   app.add_flag("--untied_head", a.untied_head, "An LM head of its own instead of the token embedding's weights");
+  app.add_option("--max_grad_norm", a.max_grad_norm, "Clip the gradients' global norm to this (0: no clipping)");
   app.add_flag("--autotp", a.autotp, "Under parallelism_config_tp_size, let AutoTP split the model instead of gpt::tp_plan");
   app.add_option("--log_every", a.log_every, "Print progress every N steps");
   CLI11_PARSE(app, argc, argv);

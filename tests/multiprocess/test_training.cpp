@@ -450,11 +450,18 @@ TEST(Mesh, TensorParallelPeersReadTheSameBatchesAndDdpSpansOnlyDp) {
   const std::map<std::string, std::string> mesh{{"ACCELERATE_USE_PARALLELISM_CONFIG", "true"},
                                                 {"PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "2"},
                                                 {"PARALLELISM_CONFIG_TP_SIZE", "2"}};
-  auto two = oracle_run(2, 4, {"--steps", "8"});
-  auto four = oracle_run(4, 4, {"--steps", "8"}, mesh);
+  auto two = oracle_run(2, 4, {"--steps", "8", "--tensor_parallel"});
+  auto four = oracle_run(4, 4, {"--steps", "8", "--tensor_parallel"}, mesh);
   ASSERT_EQ(two.losses.size(), 8u);
   expect_close(four.losses, two.losses, 1e-6);
-  expect_same_params(four.dir, two.dir, 1e-6);
-  auto plain = oracle_run(4, 4, {"--steps", "8"});  // the oracle can fail: 4 data-parallel ranks differ
+  auto plain = oracle_run(4, 4, {"--steps", "8", "--tensor_parallel"});  // the oracle can fail: 4 data-parallel ranks differ
   EXPECT_GT(std::abs(plain.losses.back() - two.losses.back()), 1e-4);
+  // A model of LibTorch's own layers under a tp mesh is refused by name, never trained whole.
+  auto dir = temp_dir("oracle");
+  Args args{kXlr8, "launch", "--num_processes", "4", kTrain, "--batch", "4", "--out", dir, "--steps", "2"};
+  auto refused = run(args, 120, mesh);
+  const auto output = refused.out + refused.err;
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(output.find("parallelism_config_tp_size is 2 and the program applied no plan"), std::string::npos) << output;
+  EXPECT_NE(output.find("'fc1' (torch::nn::LinearImpl) is LibTorch's own layer"), std::string::npos) << output;
 }
