@@ -8,6 +8,7 @@
 
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -69,8 +70,8 @@ Plan plan_from_deepspeed(const nlohmann::json& tensor_parallel, const torch::nn:
 // nullopt group when nothing in the model is sliced.
 struct SlicedParameters {
   std::optional<Communicator> group;
-  std::vector<at::Tensor> parameters;
-  bool contains(const at::Tensor& p) const;
+  std::set<const c10::TensorImpl*> members;  // looked up once per parameter on every clip
+  bool contains(const at::Tensor& p) const { return members.count(p.unsafeGetTensorImpl()) > 0; }
 };
 SlicedParameters sliced_parameters(const torch::nn::Module& model);
 

@@ -10,6 +10,7 @@
 #include <regex>
 #include <set>
 
+#include "parallel/tp_layer_kinds.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/nn.hpp"
 #include "xlr8/tensor_parallel.hpp"
@@ -47,10 +48,7 @@ struct Layer {
 std::vector<Layer> layers_of(const torch::nn::Module& model) {
   std::vector<Layer> out;
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
-    auto* m = item.value().get();
-    if (dynamic_cast<nn::LinearImpl*>(m) || dynamic_cast<nn::EmbeddingImpl*>(m) || dynamic_cast<torch::nn::LinearImpl*>(m) ||
-        dynamic_cast<torch::nn::EmbeddingImpl*>(m))
-      out.push_back({item.key(), m});
+    if (detail::is_layer(*item.value())) out.push_back({item.key(), item.value().get()});
   }
   return out;
 }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <map>
 
+#include "parallel/tp_layer_kinds.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/nn.hpp"
 #include "xlr8/tensor_parallel.hpp"
@@ -53,16 +54,19 @@ std::string listed(const std::vector<std::string>& paths) {
   return text;
 }
 
+}  // namespace
+
+namespace detail {
+
 bool is_plain_torch_layer(const torch::nn::Module& m) {
   return dynamic_cast<const torch::nn::LinearImpl*>(&m) || dynamic_cast<const torch::nn::EmbeddingImpl*>(&m);
 }
 
-// A layer a plan may name: ours, or LibTorch's (which it then refuses by name).
 bool is_layer(const torch::nn::Module& m) {
   return dynamic_cast<const nn::LinearImpl*>(&m) || dynamic_cast<const nn::EmbeddingImpl*>(&m) || is_plain_torch_layer(m);
 }
 
-}  // namespace
+}  // namespace detail
 
 void parallelize(torch::nn::Module& model, const Communicator& tp_group, const Plan& plan, bool strict) {
   if (!tp_group.valid()) throw ConfigError("tp::parallelize: the tp group is not a valid communicator");
@@ -71,7 +75,7 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
     paths.push_back(item.key());
     modules.push_back(item.value());
-    if (is_layer(*item.value())) layers.push_back(item.key());
+    if (detail::is_layer(*item.value())) layers.push_back(item.key());
   }
   // Every pattern must match, and a module gets at most one style.
   std::vector<int> entry_of(paths.size(), -1);
@@ -96,7 +100,7 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
   for (size_t i = 0; i < paths.size(); ++i) {
     auto* m = modules[i].get();
     if (entry_of[i] < 0) {
-      if (is_layer(*m)) unplanned.push_back(paths[i]);
+      if (detail::is_layer(*m)) unplanned.push_back(paths[i]);
       continue;
     }
     const auto& entry = plan[static_cast<size_t>(entry_of[i])];
@@ -105,7 +109,7 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
       problem = linear->tensor_parallel_problem(entry, tp_group.size());
     } else if (auto* embedding = dynamic_cast<nn::EmbeddingImpl*>(m)) {
       problem = embedding->tensor_parallel_problem(entry, tp_group.size());
-    } else if (is_plain_torch_layer(*m)) {
+    } else if (detail::is_plain_torch_layer(*m)) {
       if (entry.style == Style::Replicate) continue;  // kept whole: LibTorch's own layer does that already
       throw ConfigError(fmt::format(
           "tp plan: '{}' ({}) is LibTorch's own layer, whose forward cannot take tensor parallelism's collectives; "

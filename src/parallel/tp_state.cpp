@@ -6,69 +6,73 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
+#include "parallel/grad_norm.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/nn.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8::tp {
 
-bool SlicedParameters::contains(const at::Tensor& p) const {
-  for (const auto& s : parameters)
-    if (s.is_same(p)) return true;
-  return false;
+namespace {
+
+// One sliced parameter of a layer: where it lies in its whole.
+struct LayerSlice {
+  const char* name;
+  at::Tensor tensor;
+  const nn::TensorParallelSlot* slot;
+  int64_t dim;
+  int fused;
+  std::vector<int64_t> whole_sizes;
+};
+
+// The parameters of one module that a plan sliced (none for a kept-whole or one-rank layer). A row-wise
+// bias stays whole on every rank (added after the all-reduce).
+std::vector<LayerSlice> layer_slices(const torch::nn::Module& module) {
+  auto split = [](const std::optional<nn::TensorParallelSlot>& slot) {
+    return slot && slot->style != Style::Replicate && slot->group.size() > 1;
+  };
+  if (auto* linear = dynamic_cast<const nn::LinearImpl*>(&module)) {
+    const auto& slot = linear->tensor_parallel();
+    if (!split(slot)) return {};
+    const int64_t in = linear->options.in_features(), out = linear->options.out_features();
+    if (slot->style == Style::Rowwise) return {{"weight", linear->weight, &*slot, 1, 1, {out, in}}};
+    std::vector<LayerSlice> slices{{"weight", linear->weight, &*slot, 0, slot->fused, {out, in}}};
+    if (linear->bias.defined()) slices.push_back({"bias", linear->bias, &*slot, 0, slot->fused, {out}});
+    return slices;
+  }
+  if (auto* embedding = dynamic_cast<const nn::EmbeddingImpl*>(&module)) {
+    const auto& slot = embedding->tensor_parallel();
+    if (!split(slot)) return {};
+    return {{"weight", embedding->weight, &*slot, 0, 1,
+             {embedding->options.num_embeddings(), embedding->options.embedding_dim()}}};
+  }
+  return {};
 }
+
+}  // namespace
 
 SlicedParameters sliced_parameters(const torch::nn::Module& model) {
   SlicedParameters out;
-  auto take = [&](const std::optional<nn::TensorParallelSlot>& slot, std::initializer_list<at::Tensor> sliced) {
-    if (!slot || slot->style == Style::Replicate || slot->group.size() == 1) return;
-    if (out.group && out.group->size() != slot->group.size())
-      throw Error(fmt::format("tensor parallelism: the model's layers use tp groups of {} and {} ranks; one model "
-                              "takes one tp group",
-                              out.group->size(), slot->group.size()));
-    if (!out.group) out.group = slot->group;
-    for (const auto& t : sliced)
-      if (t.defined()) out.parameters.push_back(t);
-  };
-  for (const auto& m : model.modules(/*include_self=*/true)) {
-    if (auto* linear = dynamic_cast<nn::LinearImpl*>(m.get())) {
-      const auto& slot = linear->tensor_parallel();
-      // A row-wise bias is whole on every rank (added after the all-reduce).
-      const bool bias_sliced = slot && slot->style == Style::Colwise;
-      take(slot, {linear->weight, bias_sliced ? linear->bias : at::Tensor()});
-    } else if (auto* embedding = dynamic_cast<nn::EmbeddingImpl*>(m.get())) {
-      take(embedding->tensor_parallel(), {embedding->weight});
+  for (const auto& m : model.modules(/*include_self=*/true))
+    for (const auto& slice : layer_slices(*m)) {
+      const auto& group = slice.slot->group;
+      if (out.group && out.group->size() != group.size())
+        throw Error(fmt::format("tensor parallelism: the model's layers use tp groups of {} and {} ranks; one model "
+                                "takes one tp group",
+                                out.group->size(), group.size()));
+      if (!out.group) out.group = group;
+      out.members.insert(slice.tensor.unsafeGetTensorImpl());
     }
-  }
   return out;
 }
 
 std::map<std::string, SliceLayout> slice_layouts(const torch::nn::Module& model) {
   std::map<std::string, SliceLayout> out;
-  auto add = [&](const std::string& path, const char* name, const nn::TensorParallelSlot& slot, int64_t dim, int fused,
-                 std::vector<int64_t> whole) {
-    out[path.empty() ? name : path + "." + name] = SliceLayout{slot.group, dim, fused, std::move(whole)};
-  };
-  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
-    const auto& path = item.key();
-    if (auto* linear = dynamic_cast<nn::LinearImpl*>(item.value().get())) {
-      const auto& slot = linear->tensor_parallel();
-      if (!slot || slot->style == Style::Replicate || slot->group.size() == 1) continue;
-      const int64_t in = linear->options.in_features(), out_features = linear->options.out_features();
-      if (slot->style == Style::Colwise) {
-        add(path, "weight", *slot, 0, slot->fused, {out_features, in});
-        if (linear->bias.defined()) add(path, "bias", *slot, 0, slot->fused, {out_features});
-      } else {
-        add(path, "weight", *slot, 1, 1, {out_features, in});
-      }
-    } else if (auto* embedding = dynamic_cast<nn::EmbeddingImpl*>(item.value().get())) {
-      const auto& slot = embedding->tensor_parallel();
-      if (!slot || slot->style == Style::Replicate || slot->group.size() == 1) continue;
-      add(path, "weight", *slot, 0, 1, {embedding->options.num_embeddings(), embedding->options.embedding_dim()});
-    }
-  }
+  for (const auto& item : model.named_modules("", /*include_self=*/true))
+    for (auto& slice : layer_slices(*item.value()))
+      out[item.key().empty() ? slice.name : item.key() + "." + slice.name] =
+          SliceLayout{slice.slot->group, slice.dim, slice.fused, std::move(slice.whole_sizes)};
   return out;
 }
 
@@ -110,31 +114,15 @@ double clip_grad_norm(const std::vector<at::Tensor>& parameters, const SlicedPar
   for (const auto& p : parameters)
     if (p.grad().defined()) (sliced.contains(p) ? parts : whole).push_back(p.grad());
   if (whole.empty() && parts.empty()) return 0.0;
-  const bool infinity = std::isinf(norm_type);
   const auto device = (whole.empty() ? parts : whole).front().device();
-  auto reduced = [&](const std::vector<at::Tensor>& grads) {
-    if (grads.empty()) return at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
-    std::vector<at::Tensor> norms;
-    for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble).reshape({1}));
-    auto all = at::cat(norms);
-    return infinity ? all.max().reshape({1}) : all.pow(norm_type).sum().reshape({1});
-  };
-  auto part_total = reduced(parts);
+  auto part_total = xlr8::detail::partial_norm(parts, norm_type, device);
   // Every tp rank takes part, sliced gradients or not: the collective pairs by position.
   if (sliced.group) {
     Communicator group = *sliced.group;
-    group.all_reduce(part_total, infinity ? ReduceOp::MAX : ReduceOp::SUM);
+    group.all_reduce(part_total, std::isinf(norm_type) ? ReduceOp::MAX : ReduceOp::SUM);
   }
-  auto total = infinity ? at::maximum(part_total, reduced(whole)) : part_total + reduced(whole);
-  const double value = total.item<double>();
-  const double norm = infinity ? value : std::pow(value, 1.0 / norm_type);
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1) {
-    at::NoGradGuard no_grad;
-    for (auto* list : {&whole, &parts})
-      for (auto& g : *list) g.mul_(coef);
-  }
-  return norm;
+  return xlr8::detail::scale_to_norm(at::cat({part_total, xlr8::detail::partial_norm(whole, norm_type, device)}), {&whole, &parts},
+                               max_norm, norm_type);
 }
 
 }  // namespace xlr8::tp

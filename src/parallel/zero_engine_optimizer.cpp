@@ -7,6 +7,7 @@
 #include <map>
 
 #include "compat/torch_compat.hpp"
+#include "parallel/grad_norm.hpp"
 #include "parallel/zero_engine.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
@@ -85,22 +86,14 @@ double ZeroEngine::clip_grad_norm(const std::vector<at::Tensor>& parameters, dou
       throw Error("clip_grad_norm(): a parameter is not one this sharded model trains (pass model->parameters())");
     if (!seen.emplace(std::pair{slot->group, slot->index}, true).second) continue;
     const auto& grad = group(slot->group).shard_params[slot->index].grad();
-    if (grad.defined() && grad.numel() > 0) (sliced.group && sliced.contains(p) ? sliced_grads : grads).push_back(grad);
+    if (grad.defined() && grad.numel() > 0) (sliced.contains(p) ? sliced_grads : grads).push_back(grad);
   }
-  const bool infinity = std::isinf(norm_type);
-  // One read-back for all the partial norms, not one per gradient: [replicated, tp-sliced].
-  auto partial = [&](const std::vector<at::Tensor>& list) {
-    if (list.empty()) return at::zeros({1}, at::TensorOptions().dtype(at::kDouble));
-    std::vector<at::Tensor> norms;
-    for (const auto& g : list) norms.push_back(g.norm(norm_type).to(at::kDouble).reshape({1}));
-    auto all = at::cat(norms);
-    return infinity ? all.max().reshape({1}) : all.pow(norm_type).sum().reshape({1});
-  };
+  // One all-reduce and one read-back for all the partial norms: [replicated, tp-sliced].
   const auto device = !grads.empty()          ? grads.front().device()
                       : !sliced_grads.empty() ? sliced_grads.front().device()
                                               : at::Device(at::kCPU);
-  auto totals = at::cat({partial(grads).to(device), partial(sliced_grads).to(device)});
-  const auto op = infinity ? ReduceOp::MAX : ReduceOp::SUM;
+  auto totals = at::cat({detail::partial_norm(grads, norm_type, device), detail::partial_norm(sliced_grads, norm_type, device)});
+  const auto op = std::isinf(norm_type) ? ReduceOp::MAX : ReduceOp::SUM;
   comm_.all_reduce(totals, op);
   if (sliced.group) {
     auto part = totals.narrow(0, 1, 1).contiguous();
@@ -108,15 +101,7 @@ double ZeroEngine::clip_grad_norm(const std::vector<at::Tensor>& parameters, dou
     tp_group.all_reduce(part, op);
     totals.narrow(0, 1, 1).copy_(part);
   }
-  const double total = infinity ? totals.max().item<double>() : totals.sum().item<double>();
-  const double norm = infinity ? total : std::pow(total, 1.0 / norm_type);
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1) {
-    at::NoGradGuard no_grad;
-    for (auto* list : {&grads, &sliced_grads})
-      for (auto& g : *list) g.mul_(coef);
-  }
-  return norm;
+  return detail::scale_to_norm(totals, {&grads, &sliced_grads}, max_norm, norm_type);
 }
 
 std::vector<at::Tensor> ZeroEngine::gradient_holders(const std::vector<at::Tensor>& parameters) const {

@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <mutex>
 
 #include "thread_ranks.hpp"
 #include "xlr8/error.hpp"
@@ -13,14 +12,9 @@
 namespace {
 
 using xlr8::Communicator;
+using xlr8::testing::generator_lock;
 using xlr8::testing::run_ranks;
 namespace tp = xlr8::tp;
-
-// Ranks are threads sharing LibTorch's global generator: seeding and drawing happen under this lock.
-std::mutex& generator_lock() {
-  static std::mutex lock;
-  return lock;
-}
 
 // A little language model whose sizes 2, 3 and 4 all divide: every style and a column-wise head.
 struct TinyLmImpl : torch::nn::Module {

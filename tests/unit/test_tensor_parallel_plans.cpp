@@ -3,7 +3,6 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <mutex>
 #include <nlohmann/json.hpp>
 
 #include "thread_ranks.hpp"
@@ -14,13 +13,9 @@
 namespace {
 
 using xlr8::Communicator;
+using xlr8::testing::generator_lock;
 using xlr8::testing::run_ranks;
 namespace tp = xlr8::tp;
-
-std::mutex& generator_lock() {
-  static std::mutex lock;
-  return lock;
-}
 
 constexpr int64_t kVocab = 24, kWidth = 12;
 

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <exception>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -20,6 +21,12 @@ using namespace std::chrono_literals;
 inline std::string unique_key() {
   static std::atomic<int> counter{0};
   return fmt::format("{}-{}", ::testing::UnitTest::GetInstance()->current_test_info()->name(), counter++);
+}
+
+// Rank threads share LibTorch's global generator: seeding and drawing happen under this lock.
+inline std::mutex& generator_lock() {
+  static std::mutex lock;
+  return lock;
 }
 
 // Runs fn(comm) on P ranks, one thread each; rethrows the first failure.

@@ -1,0 +1,36 @@
+#pragma once
+// The arithmetic of a gradient norm assembled from parts (ranks' shards, tensor-parallel slices): each
+// part reduced to one number, the numbers combined after their collectives, one coefficient for all.
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <vector>
+
+namespace xlr8::detail {
+
+// Σ|g|^p over `grads` (max |g| for p = inf) as a 1-element double tensor on `device`; 0 for none.
+inline at::Tensor partial_norm(const std::vector<at::Tensor>& grads, double norm_type, at::Device device) {
+  if (grads.empty()) return at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
+  std::vector<at::Tensor> norms;
+  for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble).reshape({1}));
+  auto all = at::cat(norms);
+  return (std::isinf(norm_type) ? all.max() : all.pow(norm_type).sum()).reshape({1}).to(device);
+}
+
+// The norm from already reduced partial totals (combined by sum, or max for p = inf), and every
+// gradient in `lists` scaled as clip_grad_norm_ does when it exceeds `max_norm`. One read-back.
+inline double scale_to_norm(const at::Tensor& totals, std::initializer_list<std::vector<at::Tensor>*> lists,
+                            double max_norm, double norm_type) {
+  const bool infinity = std::isinf(norm_type);
+  const double total = (infinity ? totals.max() : totals.sum()).item<double>();
+  const double norm = infinity ? total : std::pow(total, 1.0 / norm_type);
+  const double coef = max_norm / (norm + 1e-6);
+  if (coef < 1) {
+    at::NoGradGuard no_grad;
+    for (auto* list : lists)
+      for (auto& g : *list) g.mul_(coef);
+  }
+  return norm;
+}
+
+}  // namespace xlr8::detail
