@@ -54,9 +54,12 @@ BlockImpl::BlockImpl(const Config& c) {
 }
 
 torch::Tensor BlockImpl::forward(torch::Tensor x) {
-  auto unit = xlr8::unshard(*this);  // sharding: gathers this block's parameters (a no-op otherwise)
-  x = x + attn(ln1(x));
-  return unit.done(x + mlp(ln2(x)));  // ... frees them, and gathers them again for backward
+  // Sharding gathers this block's parameters around the body (a no-op otherwise); the body takes the
+  // block's input, so that fsdp_activation_checkpointing can run it again in backward.
+  return xlr8::sharded(*this, [this](torch::Tensor x) {
+    x = x + attn(ln1(x));
+    return x + mlp(ln2(x));
+  }, x);
 }
 
 GptImpl::GptImpl(const Config& c) : config(c) {

@@ -250,6 +250,7 @@ int run(const Args& args) {
                           {"rank0_loading", stats.value("values_from_rank0", false)},
                           {"forward_prefetches", stats.value("forward_prefetches", int64_t{0})},
                           {"backward_prefetches", stats.value("backward_prefetches", int64_t{0})},
+                          {"gathers", stats.value("gathers", int64_t{0})},
                           {"save_state_seconds", save_seconds},
                           {"load_state_seconds", load_seconds}};
     result["setup_peak_rss_mb_by_rank"] =

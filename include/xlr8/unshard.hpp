@@ -32,38 +32,13 @@
 #include <utility>
 #include <vector>
 
+#include "xlr8/activation_checkpoint.hpp"
 #include "xlr8/tensor_tree.hpp"
 
 namespace xlr8 {
 
 namespace detail {
 class UnitHooks;
-
-// Whether map_tensors sees every tensor a T holds: tensors, the containers it walks, structs with
-// map_tensors(fn), and values that hold none (numbers, enums, strings).
-template <class T>
-struct sees_tensors
-    : std::bool_constant<std::is_arithmetic_v<T> || std::is_enum_v<T> || maps_own_tensors<T>> {};
-template <>
-struct sees_tensors<at::Tensor> : std::true_type {};
-template <class C, class Tr, class A>
-struct sees_tensors<std::basic_string<C, Tr, A>> : std::true_type {};
-template <class D, class L>
-struct sees_tensors<torch::data::Example<D, L>> : std::bool_constant<sees_tensors<D>::value && sees_tensors<L>::value> {};
-template <class D>
-struct sees_tensors<torch::data::Example<D, void>> : sees_tensors<D> {};
-template <class T, class A>
-struct sees_tensors<std::vector<T, A>> : sees_tensors<T> {};
-template <class K, class V, class C, class A>
-struct sees_tensors<std::map<K, V, C, A>> : sees_tensors<V> {};
-template <class K, class V, class H, class E, class A>
-struct sees_tensors<std::unordered_map<K, V, H, E, A>> : sees_tensors<V> {};
-template <class A, class B>
-struct sees_tensors<std::pair<A, B>> : std::bool_constant<sees_tensors<A>::value && sees_tensors<B>::value> {};
-template <class... T>
-struct sees_tensors<std::tuple<T...>> : std::bool_constant<(sees_tensors<T>::value && ...)> {};
-template <class T>
-struct sees_tensors<std::optional<T>> : sees_tensors<T> {};
 }  // namespace detail
 
 class [[nodiscard]] UnshardScope {
@@ -108,6 +83,35 @@ auto sharded(const torch::nn::Module& unit, Body&& body) {
   auto scope = unshard(unit);
   Result output = std::forward<Body>(body)();
   return scope.done(output);
+}
+
+namespace detail {
+// The guard without the activation-checkpointing check: for sharded(unit, body, inputs...).
+UnshardScope open_unit(const torch::nn::Module& unit);
+// Whether fsdp_activation_checkpointing checkpoints `unit` (recording that its forward came this way).
+bool checkpoints_unit(const torch::nn::Module& unit);
+}  // namespace detail
+
+// The same, for a body that takes the unit's inputs: the form activation checkpointing can recompute.
+// When fsdp_activation_checkpointing covers the unit, `body` runs under xlr8::checkpoint (so it must not
+// capture locals by reference), and backward gathers the parameters once for the recomputation and its
+// gradients:
+//
+//   torch::Tensor BlockImpl::forward(torch::Tensor x) {
+//     return xlr8::sharded(*this, [this](torch::Tensor x) { x = x + attn(ln1(x)); return x + mlp(ln2(x)); }, x);
+//   }
+template <class Body, class Input, class... Inputs>
+auto sharded(const torch::nn::Module& unit, Body body, Input&& input, Inputs&&... inputs) {
+  const torch::nn::Module* module = &unit;
+  auto guarded = [module, body](auto&... args) {
+    auto scope = detail::open_unit(*module);
+    return scope.done(body(args...));
+  };
+  if (detail::checkpoints_unit(unit))
+    return checkpoint(std::move(guarded), std::forward<Input>(input), std::forward<Inputs>(inputs)...);
+  std::tuple<std::decay_t<Input>, std::decay_t<Inputs>...> args(std::forward<Input>(input),
+                                                                std::forward<Inputs>(inputs)...);
+  return std::apply(guarded, args);
 }
 
 }  // namespace xlr8

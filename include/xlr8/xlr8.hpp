@@ -1,6 +1,7 @@
 #pragma once
 // Everything public in xlr8.
 #include "xlr8/accelerator.hpp"
+#include "xlr8/activation_checkpoint.hpp"
 #include "xlr8/communicator.hpp"
 #include "xlr8/config.hpp"
 #include "xlr8/deepspeed.hpp"

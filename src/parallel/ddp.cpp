@@ -11,6 +11,7 @@
 
 #include "compat/torch_compat.hpp"
 #include "distributed/comm_state.hpp"
+#include "parallel/activation_checkpoint.hpp"
 #include "parallel/gradient_ready.hpp"
 #include "parallel/replica_sync.hpp"
 #include "parallel/wrap_policy.hpp"
@@ -131,7 +132,7 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
       std::weak_ptr<Core> weak = shared_from_this();
       // A pass that fails (a node throws) ends without the callback: forget it, or every later backward
       // would find this one armed and never average its gradients.
-      compat::at_end_of_backward(
+      detail::at_end_of_backward(
           [weak] {
             if (auto self = weak.lock()) self->finish_backward();
           },

@@ -104,11 +104,11 @@ void ShardingUnit::forward_begins() {
   state_ = State::FORWARD;
 }
 
-void ShardingUnit::forward_ends(bool backward_follows) {
+void ShardingUnit::forward_ends(bool backward_follows, bool keep_gathered) {
   expect({State::FORWARD}, "forward ends");
   state_ = State::IDLE;
   // The root's backward comes first, right after its forward ends: it stays gathered until then.
-  if (!backward_follows || !is_root_) {
+  if (!keep_gathered && (!backward_follows || !is_root_)) {
     release(Which::ALL);
     release_riders(Which::ALL);
   }

@@ -82,7 +82,9 @@ class ShardingUnit {
   // Transitions, each asserting the state it leaves (an internal error names the unit otherwise). A
   // host's riders are gathered and freed with it.
   void forward_begins();                      // -> FORWARD, gathered
-  void forward_ends(bool backward_follows);   // -> IDLE; freed, except the root when backward follows
+  // -> IDLE; freed, except the root when backward follows, and a recomputed unit (activation
+  // checkpointing) whose backward comes next
+  void forward_ends(bool backward_follows, bool keep_gathered = false);
   void forward_abandoned();                   // -> IDLE, freed (the forward threw)
   bool backward_begins();                     // -> PRE_BACKWARD, gathered; false when already there
   void gradients_reduced();                   // -> POST_BACKWARD; the trainable group freed

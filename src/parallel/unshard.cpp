@@ -3,6 +3,7 @@
 #include "xlr8/unshard.hpp"
 
 #include <ATen/SequenceNumber.h>
+#include <fmt/format.h>
 #include <torch/autograd.h>
 
 #include <atomic>
@@ -10,7 +11,9 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "parallel/activation_checkpoint.hpp"
 #include "parallel/unit_registry.hpp"
+#include "xlr8/error.hpp"
 
 namespace xlr8 {
 namespace detail {
@@ -164,6 +167,19 @@ std::vector<at::Tensor> UnshardScope::done_with(const std::vector<at::Tensor>& o
   return unit->after_forward(outputs);
 }
 
-UnshardScope unshard(const torch::nn::Module& unit) { return UnshardScope(detail::find_unit(unit)); }
+UnshardScope unshard(const torch::nn::Module& unit) {
+  if (auto label = detail::checkpointed_unit_label(unit); !label.empty())
+    throw ConfigError(fmt::format(
+        "fsdp_activation_checkpointing: unit {} ({}) opens its guard with xlr8::unshard(*this) or "
+        "xlr8::sharded(*this, body), which cannot run its forward again in backward; write its forward as "
+        "`return xlr8::sharded(*this, [this](torch::Tensor x) {{ ... }}, x);` (the body takes the unit's inputs), "
+        "or set fsdp_activation_checkpointing: false",
+        label, unit.name()));
+  return detail::open_unit(unit);
+}
+
+namespace detail {
+UnshardScope open_unit(const torch::nn::Module& unit) { return UnshardScope(find_unit(unit)); }
+}  // namespace detail
 
 }  // namespace xlr8

@@ -9,6 +9,7 @@
 #include <map>
 
 #include "os/memory.hpp"
+#include "parallel/activation_checkpoint.hpp"
 #include "parallel/gradient_ready.hpp"
 #include "parallel/replica_sync.hpp"
 #include "parallel/unit_registry.hpp"
@@ -160,7 +161,7 @@ void ZeroEngine::arm_end_of_backward() {
   const uint64_t generation = backward_generation_;
   // If a node throws, the pass ends without the callback: forget its state, so that the next backward
   // arms its own callback instead of finding this one armed (and never handing gradients over).
-  compat::at_end_of_backward(
+  detail::at_end_of_backward(
       [weak] {
         if (auto self = weak.lock()) self->finish_backward();
       },

@@ -7,6 +7,7 @@
 
 #include "core/log.hpp"
 #include "core/text.hpp"
+#include "parallel/activation_checkpoint.hpp"
 #include "parallel/unit_registry.hpp"
 #include "parallel/zero_engine.hpp"
 #include "xlr8/error.hpp"
@@ -108,6 +109,7 @@ void ZeroEngine::unit_forward_begins(size_t u) {
   auto& unit = *units_[u];
   unit.forward_begins();
   unit.forward_start = autograd_position();
+  if (recomputing()) return;  // activation checkpointing, in backward: not a forward of the step
   forward_order_.record(u);
   if (options_.forward_prefetch) prefetch_after(forward_order_, u, /*in_backward=*/false);
 }
@@ -148,7 +150,8 @@ std::vector<at::Tensor> ZeroEngine::unit_forward_ends(size_t u, const std::vecto
         });
   }
   std::lock_guard<std::mutex> lock(mutex_);
-  unit.forward_ends(backward_follows);
+  // Recomputed for its backward, which starts right after: gathered once for both.
+  unit.forward_ends(backward_follows, /*keep_gathered=*/backward_follows && recomputing());
   // The model's forward is done: before its backward gathers anything, every rank ran the units alike.
   if (unit.is_root() && backward_follows && !forward_order_checked_) {
     check_order_across_ranks(forward_order_.current, "forward");

@@ -5,6 +5,8 @@
 #include "compat/torch_compat.hpp"
 #include "core/log.hpp"
 #include "os/memory.hpp"
+#include "parallel/activation_checkpoint.hpp"
+#include "parallel/wrap_policy.hpp"
 #include "parallel/zero_strategy.hpp"
 #include "train/accelerator_impl.hpp"
 #include "xlr8/error.hpp"
@@ -173,6 +175,24 @@ void split_for_tensor_parallel(torch::nn::Module& module, DeviceMesh& mesh) {
   log::info("prepare(): parallelism_config_tp_size {}: AutoTP split the model's layers (no plan was applied)", tp);
 }
 
+// fsdp_activation_checkpointing: every unit of the wrap policy is recomputed in backward (after TP
+// split its layers, before the sharding engine takes its parameters: torchtitan's order).
+void mark_units_for_checkpointing(const torch::nn::Module& module, const ZeroOptions& zero, const FsdpSettings& fsdp) {
+  int marked = 0;
+  for (const auto& unit : detail::plan_units(module, zero))
+    if (unit.module && unit.module != &module) {
+      detail::mark_checkpointed_unit(*unit.module, unit.label);
+      ++marked;
+    }
+  if (marked == 0)
+    throw ConfigError(fmt::format(
+        "fsdp_activation_checkpointing: true checkpoints the units of the wrap policy, and fsdp_auto_wrap_policy {} "
+        "makes none in this model; set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP with "
+        "fsdp_transformer_layer_cls_to_wrap naming its block class, or fsdp_activation_checkpointing: false",
+        fsdp.auto_wrap_policy));
+  log::info("prepare(): fsdp_activation_checkpointing: {} unit(s) recompute their forward in backward", marked);
+}
+
 }  // namespace
 
 bool Accelerator::rank0_loading() const {
@@ -212,6 +232,10 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   split_for_tensor_parallel(*module, s.state->mesh());
   module->to(s.device);
   auto parallel = s.options.parallel;
+  const auto& settings = s.state->settings();
+  if (settings.fsdp && settings.fsdp->activation_checkpointing)
+    mark_units_for_checkpointing(
+        *module, detail::resolve_zero_options(parallel.zero, settings, s.state->local_world_size()), *settings.fsdp);
   if (!parallel.zero.param_dtype) parallel.zero.param_dtype = sharded_param_dtype(s.precision, s.device);
   if (s.deepspeed) s.deepspeed->configure_model(*module, parallel, s.options.model_hidden_size);
   auto& built = s.built_for_rank0_loading;

@@ -2,6 +2,8 @@
 // (the oracle), the JSON line carries what the sharding work will compare, and the loss falls.
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "oracle.hpp"
 #include "process_runner.hpp"
 
@@ -115,6 +117,68 @@ TEST(GptTensorParallel, TpAloneWithFsdpWithHsdpAndWithDdpEqualsOneProcess) {
       // (no tp) of the untied run differs from 1 process by 1.6e-4 in one of 4096 elements of
       // blocks.1.mlp.proj.weight, every other element within 1e-5.
       expect_same_params(dir, one_dir, 5e-4);
+    }
+  }
+}
+
+// fsdp_activation_checkpointing (issue 24 §3) on the GPT: every block recomputes its forward in backward.
+// Under FULL_SHARD on 2 and 3 ranks and under FSDP + TP on 4, training equals 1 process on the global batch
+// with accumulation and clipping, and the recomputation gathers nothing more than the run without it.
+TEST(GptActivationCheckpointing, FullShardOnTwoAndThreeRanksAndFsdpTimesTpEqualOneProcessWithNoExtraGather) {
+  const Args common{"--max_steps", "6", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5"};
+  const Args full_shard{"--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD", "--fsdp_auto_wrap_policy",
+                        "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"};
+  const Args checkpointing{"--fsdp_activation_checkpointing", "true"};
+  auto launch = [&](int processes, int batch, Args launcher, const std::string& dir, bool recomputes = true) {
+    Args command{kXlr8, "launch", "--num_processes", std::to_string(processes)};
+    command.insert(command.end(), launcher.begin(), launcher.end());
+    for (auto a : Args{kGpt, "--n_layer", "2", "--d_model", "32", "--n_head", "2", "--seq_len", "32", "--batch_size",
+                       std::to_string(batch), "--lr", "3e-3", "--val_windows", "48", "--output_dir", dir})
+      command.push_back(a);
+    command.insert(command.end(), common.begin(), common.end());
+    auto r = run(command, 300);
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    if (r.exit_code != 0) return nlohmann::json::object();
+    EXPECT_EQ(r.err.find("2 unit(s) recompute their forward in backward") != std::string::npos, recomputes) << r.err;
+    return last_json(r.out);
+  };
+  auto concat = [](Args a, const Args& b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  struct Layout {
+    std::string name;
+    int processes, batch, global_batch;
+    Args flags;
+  };
+  const std::vector<Layout> layouts{
+      {"FULL_SHARD on 2 ranks", 2, 4, 8, full_shard},
+      {"FULL_SHARD on 3 ranks", 3, 4, 12, full_shard},
+      {"dp_shard 2 x tp 2 (FSDP + TP)", 4, 4, 8,
+       concat(full_shard, {"--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "2"})}};
+  std::map<int, std::pair<std::string, nlohmann::json>> one_process;
+  for (int global : {8, 12}) {
+    auto dir = temp_dir("gpt-ac-one");
+    one_process[global] = {dir, gpt_run(1, global, dir, common)};
+  }
+  for (const auto& layout : layouts) {
+    SCOPED_TRACE(layout.name);
+    const auto& [one_dir, one] = one_process[layout.global_batch];
+    ASSERT_TRUE(one.contains("last_grad_norm"));
+    EXPECT_GT(one["last_grad_norm"].get<double>(), 0.5) << "the bound must act for clipping to be tested";
+    const auto dir = temp_dir("gpt-ac");
+    auto got = launch(layout.processes, layout.batch, concat(layout.flags, checkpointing), dir);
+    ASSERT_TRUE(got.contains("final_train_loss"));
+    EXPECT_NEAR(got["final_train_loss"].get<double>(), one["final_train_loss"].get<double>(), 1e-5);
+    EXPECT_NEAR(got["val_loss"].get<double>(), one["val_loss"].get<double>(), 1e-5);
+    EXPECT_NEAR(got["last_grad_norm"].get<double>(), one["last_grad_norm"].get<double>(),
+                1e-4 * one["last_grad_norm"].get<double>());
+    expect_same_params(dir, one_dir, layout.processes == 4 ? 5e-4 : 1e-4);  // tolerances as in the tests without it
+    if (layout.processes == 2) {
+      // Each block: gathered for forward, and once more for the recomputation and its gradients.
+      auto without = launch(2, 4, full_shard, temp_dir("gpt-no-ac"), /*recomputes=*/false);
+      EXPECT_GT(got["gathers"].get<int64_t>(), 0);
+      EXPECT_EQ(got["gathers"], without["gathers"]);
     }
   }
 }

@@ -1,0 +1,31 @@
+#pragma once
+// The library's side of activation checkpointing: which units fsdp_activation_checkpointing covers, the
+// recomputation the sharding engine must tell from a forward, and end-of-backward callbacks armed from
+// inside a recomputation's nested backward.
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace xlr8::detail {
+
+// fsdp_activation_checkpointing: `module` (at `label`) is checkpointed through its sharded(...) guard
+// for as long as it lives.
+void mark_checkpointed_unit(const torch::nn::Module& module, std::string label);
+// The label of a marked unit, or empty.
+std::string checkpointed_unit_label(const torch::nn::Module& module);
+// Marked units whose forward has not come through sharded(unit, body, inputs...) since they were
+// marked, each reported once: a unit left whole by mistake is named after the first backward.
+std::vector<std::string> checkpointed_units_never_run();
+
+// True while a checkpointed region is run again in backward, on this thread: a unit's guard then
+// gathers for the gradients that follow and does not free or record a forward.
+bool recomputing();
+
+// Runs `callback` when the outermost backward pass ends (compat::at_end_of_backward's contract). Armed
+// inside a recomputation's nested backward, it is handed to the enclosing pass instead, which would
+// otherwise end first.
+void at_end_of_backward(std::function<void()> callback, std::function<void()> abandoned = {});
+
+}  // namespace xlr8::detail
