@@ -238,6 +238,15 @@ std::vector<at::Tensor> run_checkpointed(const std::vector<at::Tensor>& inputs, 
 
 bool recomputing() { return recompute_depth > 0; }
 
+std::string accumulated_twice(const std::string& parameter) {
+  return fmt::format("parameter {} received its gradient twice in one backward pass, the second time after its "
+                     "reduction had started: it is read both inside and outside an activation-checkpointed region "
+                     "(xlr8::checkpoint or fsdp_activation_checkpointing), whose gradients come from a backward of "
+                     "their own. Keep each parameter on one side of the region (untie the weights, or widen the "
+                     "region to take in every use)",
+                     parameter);
+}
+
 void at_end_of_backward(std::function<void()> callback, std::function<void()> abandoned) {
   if (deferred_callbacks) {
     deferred_callbacks->push_back({std::move(callback), std::move(abandoned)});

@@ -28,4 +28,8 @@ bool recomputing();
 // otherwise end first.
 void at_end_of_backward(std::function<void()> callback, std::function<void()> abandoned = {});
 
+// DDP's and ZeRO's error for a parameter whose gradient arrives twice in one backward pass: after the
+// first arrival its reduction is under way, so the second would be lost.
+std::string accumulated_twice(const std::string& parameter);
+
 }  // namespace xlr8::detail

@@ -140,7 +140,7 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
             if (auto self = weak.lock()) self->backward_abandoned();
           });
     }
-    if (ready[k]) return;  // already counted (reentrant backward)
+    if (ready[k]) throw Error(detail::accumulated_twice(names[k]));
     // After zero_grad(set_to_none = false), .grad is still a view into its bucket: AccumulateGrad wrote it
     // in place and nothing needs copying. Otherwise it is a fresh tensor: over shared memory the bucket's
     // all_reduce_into reads it directly (this rank's shard) on the communication thread; elsewhere it is

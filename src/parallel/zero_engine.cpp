@@ -196,7 +196,7 @@ void ZeroEngine::gradient_ready(size_t g, size_t i) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (detached_) return;
   arm_end_of_backward();
-  if (ready_[g][i]) return;  // counted already (reentrant backward)
+  if (ready_[g][i]) throw Error(accumulated_twice(group(g).names[i]));
   ready_[g][i] = true;
   hooked_[g] = true;
   if (sync_) stash_gradient(g, i);

@@ -304,3 +304,39 @@ TEST(ActivationCheckpoint, AMarkedUnitThatNeverCameThroughItsGuardIsNamedOnce) {
   EXPECT_EQ(xlr8::detail::checkpointed_units_never_run(), std::vector<std::string>{"in"});
   EXPECT_TRUE(xlr8::detail::checkpointed_units_never_run().empty());  // reported once
 }
+
+namespace {
+// One Linear read outside a checkpointed region and inside it: its gradient arrives twice in one backward.
+struct TiedImpl : torch::nn::Module {
+  TiedImpl() { lin = register_module("lin", torch::nn::Linear(4, 4)); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return xlr8::checkpoint([this](const torch::Tensor& h) { return lin(torch::tanh(h)); }, lin(x));
+  }
+  torch::nn::Linear lin{nullptr};
+};
+TORCH_MODULE(Tied);
+}  // namespace
+
+TEST(ActivationCheckpoint, AParameterUsedInsideAndOutsideARegionIsRefusedByDdpAndZeroNotSilentlyHalved) {
+  for (int stage : {0, 2})
+    run_ranks(2, [&](Communicator& comm) {
+      std::shared_ptr<TiedImpl> net;
+      {
+        std::lock_guard<std::mutex> lock(generator_lock());
+        torch::manual_seed(1);
+        net = Tied().ptr();
+      }
+      ParallelOptions options;
+      options.zero.stage = stage;
+      auto strategy = make_parallel_strategy(net, comm, options);
+      strategy->begin_step(false);
+      try {
+        net->forward(torch::randn({3, 4})).sum().backward();
+        ADD_FAILURE() << "stage " << stage << ": a gradient arriving twice was taken";
+      } catch (const std::exception& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("parameter lin."), std::string::npos) << what;
+        EXPECT_NE(what.find("received its gradient twice in one backward pass"), std::string::npos) << what;
+      }
+    });
+}
