@@ -1,6 +1,7 @@
 #!/bin/sh
-# Tensor parallelism on the GPT example: per-rank state bytes and tokens/s at tp 1, 2, 4 against DDP on 2
-# processes, same global batch (8 windows of 128 bytes), alternated REPS times in one invocation.
+# Tensor parallelism on the GPT example: per-rank state bytes, tokens/s and peak RSS at tp 1, 2, 4 (with and
+# without sequence parallelism) against DDP on 2 processes, same global batch (8 windows of 128 bytes),
+# alternated REPS times in one invocation.
 # Usage: bench/tensor_parallel.sh [build dir]   (REPS=2 STEPS=20 by default)
 set -eu
 BUILD=${1:-build}
@@ -12,11 +13,15 @@ A="--n_layer 4 --d_model 128 --n_head 4 --seq_len 128 --max_steps ${STEPS:-20} -
 field() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
 rep=1
 while [ "$rep" -le "${REPS:-2}" ]; do
-  for layout in "1proc:1::8" "ddp2:2::4" "tp2:2:--parallelism_config_tp_size 2:8" "tp4:4:--parallelism_config_tp_size 4:8"; do
-    name=${layout%%:*}; rest=${layout#*:}; n=${rest%%:*}; rest=${rest#*:}; flags=${rest%%:*}; batch=${rest#*:}
+  # name:processes:launcher flags:batch per rank:program flags
+  for layout in "1proc:1::8:" "ddp2:2::4:" "tp2:2:--parallelism_config_tp_size 2:8:" \
+                "tp2sp:2:--parallelism_config_tp_size 2:8:--sequence_parallel" "tp4:4:--parallelism_config_tp_size 4:8:" \
+                "tp4sp:4:--parallelism_config_tp_size 4:8:--sequence_parallel"; do
+    name=${layout%%:*}; rest=${layout#*:}; n=${rest%%:*}; rest=${rest#*:}; flags=${rest%%:*}; rest=${rest#*:}
+    batch=${rest%%:*}; program=${rest#*:}
     # shellcheck disable=SC2086
-    line=$($X launch --num_processes "$n" $flags "$G" $A --batch_size "$batch" --output_dir "$OUT/$name" 2>&1 | tail -1)
-    echo "rep $rep $name state_bytes_per_rank $(echo "$line" | field state_bytes_per_rank) tokens_per_s $(echo "$line" | field tokens_per_s) val_loss $(echo "$line" | field val_loss)"
+    line=$($X launch --num_processes "$n" $flags "$G" $A --batch_size "$batch" $program --output_dir "$OUT/$name" 2>&1 | tail -1)
+    echo "rep $rep $name state_bytes_per_rank $(echo "$line" | field state_bytes_per_rank) tokens_per_s $(echo "$line" | field tokens_per_s) peak_rss_mb $(echo "$line" | field peak_rss_mb) val_loss $(echo "$line" | field val_loss)"
   done
   rep=$((rep + 1))
 done

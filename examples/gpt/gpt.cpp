@@ -27,9 +27,9 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const Config& c) {
 }
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
-  const auto B = x.size(0), T = x.size(1), hd = head_dim;
   auto projected = qkv(x);
-  const auto C = projected.size(2) / 3;  // this process's share of the heads, times head_dim
+  // This process's share of the heads (times head_dim) and the whole sequence, as qkv hands them over.
+  const auto B = projected.size(0), T = projected.size(1), C = projected.size(2) / 3, hd = head_dim;
   auto parts = projected.split(C, 2);
   auto heads = [&](const torch::Tensor& t) { return t.view({B, T, C / hd, hd}).transpose(1, 2); };  // [B, h, T, hd]
   auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);

@@ -67,7 +67,7 @@ TORCH_MODULE(Gpt);
 // row-wise, both embeddings vocabulary-parallel, an untied head column-wise with its logits gathered (a
 // tied head follows wte through Embedding::attend). Throws xlr8::ConfigError when tp_size does not
 // divide the heads, with both numbers.
-xlr8::tp::Plan tp_plan(const Config& c, int tp_size);
+xlr8::tp::Plan tp_plan(const Config& c, int tp_size, bool sequence_parallel = false);
 
 // Fine-tuning: stops gradients (requires_grad false) for every parameter under one of the
 // comma-separated module paths, matched on whole dotted segments ("attn" freezes blocks.*.attn.*,

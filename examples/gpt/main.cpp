@@ -42,6 +42,7 @@ struct Args {
   std::string freeze;  // module paths to fine-tune around (gpt::freeze)
   double dropout = 0.0;  // attention dropout; 0 keeps runs on any number of processes comparable
   bool autotp = false;   // under parallelism_config_tp_size: let prepare()'s AutoTP split the model
+  bool sequence_parallel = false;  // under parallelism_config_tp_size: split activations on the sequence too
   double max_grad_norm = 0;  // > 0: clip the global gradient norm to this before each optimizer step
 };
 
@@ -121,7 +122,11 @@ int run(const Args& args) {
   // Tensor parallelism (parallelism_config_tp_size): the plan beside the model splits it, or AutoTP at
   // prepare() finds the same one from the layer names.
   auto& tp_group = acc.state().mesh().group("tp");
-  const auto plan = gpt::tp_plan(config, tp_group.size());  // checks the heads divide first
+  if (args.sequence_parallel && args.autotp)
+    throw xlr8::ConfigError("--sequence_parallel needs the example's own plan (gpt::tp_plan); AutoTP (--autotp) "
+                            "does not place sequence parallelism; drop one of the two flags");
+  // Checks the heads (and under sequence parallelism the sequence) divide first.
+  const auto plan = gpt::tp_plan(config, tp_group.size(), args.sequence_parallel);
   auto model = acc.prepare(acc.build_model([&] {
     gpt::Gpt net(config);
     frozen = gpt::freeze(*net, args.freeze);
@@ -239,6 +244,7 @@ int run(const Args& args) {
                           {"global_step", acc.step()},
                           {"num_processes", acc.num_processes()},
                           {"tp_size", tp_group.size()},
+                          {"sequence_parallel", args.sequence_parallel && tp_group.size() > 1},
                           {"last_grad_norm", grad_norm},
                           {"tokens_per_s", tokens / std::max(seconds, 1e-9)},
                           {"state_bytes_per_rank", static_cast<int64_t>(largest[0].item<double>())},
@@ -290,6 +296,8 @@ int main(int argc, char** argv) {
   app.add_option("--freeze", a.freeze, "Comma-separated module paths whose parameters stay fixed (e.g. wpe,attn)");
   app.add_flag("--untied_head", a.untied_head, "An LM head of its own instead of the token embedding's weights");
   app.add_option("--max_grad_norm", a.max_grad_norm, "Clip the gradients' global norm to this (0: no clipping)");
+  app.add_flag("--sequence_parallel", a.sequence_parallel,
+               "Under parallelism_config_tp_size, also split the activations between layers on the sequence");
   app.add_flag("--autotp", a.autotp, "Under parallelism_config_tp_size, let AutoTP split the model instead of gpt::tp_plan");
   app.add_option("--log_every", a.log_every, "Print progress every N steps");
   CLI11_PARSE(app, argc, argv);

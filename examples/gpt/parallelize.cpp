@@ -1,5 +1,6 @@
 // How the GPT splits over a tensor-parallel group (torchtitan keeps this apart from the model, and so
-// does this example): Megatron's layout, one all-reduce after each attention and each MLP.
+// does this example): Megatron's layout, one all-reduce after each attention and each MLP, or with
+// sequence parallelism a reduce-scatter there and an all-gather before each attention and MLP.
 #include <fmt/format.h>
 
 #include "gpt.hpp"
@@ -7,7 +8,7 @@
 
 namespace gpt {
 
-xlr8::tp::Plan tp_plan(const Config& c, int tp_size) {
+xlr8::tp::Plan tp_plan(const Config& c, int tp_size, bool sequence_parallel) {
   if (tp_size < 1 || c.n_head % tp_size != 0)
     throw xlr8::ConfigError(fmt::format("tensor parallelism: --n_head {} is not divisible by the tp size {}; every rank "
                                         "computes whole heads",
@@ -20,6 +21,14 @@ xlr8::tp::Plan tp_plan(const Config& c, int tp_size) {
                       {"blocks.*.mlp.fc", Style::Colwise},
                       {"blocks.*.mlp.proj", Style::Rowwise}};
   if (!c.tied_head) plan.push_back({"head", Style::Colwise, /*gather_output=*/true});
+  if (!sequence_parallel) return plan;
+  // Sequence parallelism: the residual stream between layers holds this rank's share of the sequence; the
+  // norms run on it (their gradients summed over tp) and the split layers gather or reduce-scatter it.
+  if (c.seq_len % tp_size != 0)
+    throw xlr8::ConfigError(fmt::format("sequence parallelism: --seq_len {} is not divisible by the tp size {}",
+                                        c.seq_len, tp_size));
+  for (auto& entry : plan) entry.sequence_parallel = true;
+  for (auto norm : {"blocks.*.ln1", "blocks.*.ln2", "ln_f"}) plan.push_back({norm, Style::SequenceParallel});
   return plan;
 }
 

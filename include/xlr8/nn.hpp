@@ -25,6 +25,7 @@ struct TensorParallelSlot {
   bool gather_output = false;
   int64_t offset = 0;  // first output feature (Colwise; within each fused part), input feature (Rowwise) or row
   int fused = 1;       // Colwise: equal parts of the output, each split on its own
+  bool sequence_parallel = false;  // activations around the layer split on the sequence (PlanEntry)
 };
 
 class LinearImpl : public torch::nn::Cloneable<LinearImpl> {

@@ -28,6 +28,10 @@ enum class Style {
   VocabParallel,
   // Kept whole on every rank (DeepSpeed's partition_type "skip"): planned, so `strict` accepts it.
   Replicate,
+  // Sequence parallelism's norms and dropouts (any module, LibTorch's own included): kept whole, run on
+  // this rank's share of the sequence, so their parameters' gradients are partial and summed over the tp
+  // group as backward produces them.
+  SequenceParallel,
 };
 std::string to_string(Style style);
 
@@ -40,6 +44,12 @@ struct PlanEntry {
   // Colwise only: the output is `fused` equal parts stacked (a fused q/k/v projection: 3), each split on
   // its own, so every rank holds its share of q, of k and of v rather than all of q.
   int fused = 1;
+  // Sequence parallelism (Megatron's, torchtitan's): between layers, activations are split on the
+  // sequence dimension (the second to last: [..., T, C]) over the tp group. Colwise then all-gathers its
+  // input's sequence (reduce-scatter in backward) instead of copying it; Rowwise and VocabParallel
+  // reduce-scatter their output on the sequence instead of all-reducing it (all-gather in backward). The
+  // sequence length must be divisible by the tp size.
+  bool sequence_parallel = false;
 };
 using Plan = std::vector<PlanEntry>;
 
@@ -105,5 +115,11 @@ at::Tensor copy_to_tp_region(const at::Tensor& x, const Communicator& group);
 at::Tensor reduce_from_tp_region(const at::Tensor& x, const Communicator& group);
 // All-gather along `dim` forward, this rank's chunk of the gradient backward.
 at::Tensor gather_from_tp_region(const at::Tensor& x, const Communicator& group, int64_t dim);
+// Sequence parallelism's pair, on the sequence dimension (second to last). All-gather forward and
+// reduce-scatter backward: a split sequence entering a column-wise layer.
+at::Tensor gather_from_sequence_region(const at::Tensor& x, const Communicator& group);
+// Reduce-scatter forward and all-gather backward: partial outputs leaving a row-wise layer split on the
+// sequence. A sequence length the group does not divide is a ConfigError naming both.
+at::Tensor reduce_scatter_to_sequence_region(const at::Tensor& x, const Communicator& group);
 
 }  // namespace xlr8::tp

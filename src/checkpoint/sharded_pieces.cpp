@@ -2,7 +2,9 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "checkpoint/files.hpp"
@@ -20,9 +22,14 @@ std::string model_key(size_t model, const std::string& name) { return fmt::forma
 
 namespace {
 
+// Version 2 adds boxes (tensor-parallel slices); a checkpoint without them is still written as version 1.
 constexpr const char* kIndexFormat = "xlr8-sharded-1";
+constexpr const char* kIndexFormatBoxes = "xlr8-sharded-2";
 
-std::string piece_name(const std::string& key, int64_t start) { return fmt::format("{}@{}", key, start); }
+std::string piece_name(const std::string& key, int64_t start, const std::vector<int64_t>& box_offsets) {
+  if (box_offsets.empty()) return fmt::format("{}@{}", key, start);
+  return fmt::format("{}@[{}]@{}", key, fmt::join(box_offsets, ","), start);
+}
 
 int64_t numel_of(const std::vector<int64_t>& shape) {
   int64_t n = 1;
@@ -33,18 +40,82 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
 // What one rank wrote, as the index lists it.
 nlohmann::json describe_pieces(const RankPieces& mine, int rank) {
   nlohmann::json out{{"rank", rank}, {"pieces", nlohmann::json::array()}, {"counters", mine.counters}};
-  for (const auto& p : mine.pieces)
-    out["pieces"].push_back({{"key", p.key},
-                             {"shape", p.shape},
-                             {"dtype", safetensors_dtype_code(p.data.scalar_type())},
-                             {"start", p.start},
-                             {"count", p.data.numel()}});
+  for (const auto& p : mine.pieces) {
+    nlohmann::json piece{{"key", p.key},
+                         {"shape", p.shape},
+                         {"dtype", safetensors_dtype_code(p.data.scalar_type())},
+                         {"start", p.start},
+                         {"count", p.data.numel()}};
+    if (!p.box_offsets.empty()) {
+      piece["box_offsets"] = p.box_offsets;
+      piece["box_sizes"] = p.box_sizes;
+    }
+    out["pieces"].push_back(std::move(piece));
+  }
   return out;
+}
+
+std::vector<int64_t> box_offsets_of(const nlohmann::json& range) {
+  return range.contains("box_offsets") ? range["box_offsets"].get<std::vector<int64_t>>() : std::vector<int64_t>{};
+}
+
+// The ranges of a tensor (sorted here by box, then start) cover each of their boxes once, and the boxes
+// cover the tensor once: every element is saved exactly once.
+void check_coverage(const std::string& key, nlohmann::json& t) {
+  const auto shape = t["shape"].get<std::vector<int64_t>>();
+  auto& ranges = t["ranges"];
+  std::sort(ranges.begin(), ranges.end(), [](auto& a, auto& b) {
+    return std::pair(box_offsets_of(a), a["start"].template get<int64_t>()) <
+           std::pair(box_offsets_of(b), b["start"].template get<int64_t>());
+  });
+  auto fail = [&](const std::string& what) {
+    throw Error(fmt::format("save_state: the ranks' pieces of {:?} {} (an engine bug); nothing was saved", key, what));
+  };
+  struct Box {
+    std::vector<int64_t> offsets, sizes;
+  };
+  std::vector<Box> boxes;
+  int64_t next = 0;
+  for (size_t k = 0; k < ranges.size(); ++k) {
+    auto& r = ranges[k];
+    Box box{box_offsets_of(r), r.contains("box_sizes") ? r["box_sizes"].get<std::vector<int64_t>>() : shape};
+    if (box.offsets.empty()) box.offsets.assign(shape.size(), 0);
+    if (boxes.empty() || boxes.back().offsets != box.offsets) {
+      if (!boxes.empty() && next != numel_of(boxes.back().sizes))
+        fail(fmt::format("end at element {} of {} in a box", next, numel_of(boxes.back().sizes)));
+      if (box.offsets.size() != shape.size() || box.sizes.size() != shape.size()) fail("give a box of another rank");
+      for (size_t d = 0; d < shape.size(); ++d)
+        if (box.offsets[d] < 0 || box.sizes[d] < 0 || box.offsets[d] + box.sizes[d] > shape[d]) fail("lie outside it");
+      boxes.push_back(box);
+      next = 0;
+    } else if (box.sizes != boxes.back().sizes) {
+      fail("disagree on a box's size");
+    }
+    if (r["start"].get<int64_t>() != next)
+      fail(fmt::format("{} at element {}", r["start"].get<int64_t>() < next ? "overlap" : "leave a gap", next));
+    next += r["count"].get<int64_t>();
+  }
+  if (boxes.empty()) fail("are missing");
+  if (next != numel_of(boxes.back().sizes))
+    fail(fmt::format("end at element {} of {}", next, numel_of(boxes.back().sizes)));
+  int64_t covered = 0;
+  for (size_t a = 0; a < boxes.size(); ++a) {
+    covered += numel_of(boxes[a].sizes);
+    for (size_t b = a + 1; b < boxes.size(); ++b) {
+      bool apart = false;
+      for (size_t d = 0; d < shape.size() && !apart; ++d)
+        apart = boxes[a].offsets[d] + boxes[a].sizes[d] <= boxes[b].offsets[d] ||
+                boxes[b].offsets[d] + boxes[b].sizes[d] <= boxes[a].offsets[d];
+      if (!apart) fail("overlap in two boxes");
+    }
+  }
+  if (covered != numel_of(shape)) fail(fmt::format("cover {} of its {} elements", covered, numel_of(shape)));
 }
 
 // Merges every rank's list into the index and checks it covers each tensor once, with one shape and dtype.
 nlohmann::json merge_index(const std::vector<std::string>& per_rank) {
   nlohmann::json tensors = nlohmann::json::object(), counters = nlohmann::json::object();
+  bool boxes = false;
   for (const auto& text : per_rank) {
     auto rank_list = nlohmann::json::parse(text);
     int rank = rank_list.at("rank");
@@ -55,35 +126,34 @@ nlohmann::json merge_index(const std::vector<std::string>& per_rank) {
         throw Error(fmt::format("save_state: ranks disagree on the shape or dtype of {} ({} {} against {} {})",
                                 p.at("key").dump(), t.at("dtype").dump(), t.at("shape").dump(), p.at("dtype").dump(),
                                 p.at("shape").dump()));
-      t["ranges"].push_back({{"rank", rank}, {"start", p.at("start")}, {"count", p.at("count")}});
+      nlohmann::json range{{"rank", rank}, {"start", p.at("start")}, {"count", p.at("count")}};
+      if (p.contains("box_offsets")) {
+        range["box_offsets"] = p.at("box_offsets");
+        range["box_sizes"] = p.at("box_sizes");
+        boxes = true;
+      }
+      t["ranges"].push_back(std::move(range));
     }
     for (auto& [k, v] : rank_list.at("counters").items()) counters[k] = v;
   }
-  for (auto& [key, t] : tensors.items()) {
-    auto& ranges = t["ranges"];
-    std::sort(ranges.begin(), ranges.end(), [](auto& a, auto& b) { return a["start"] < b["start"]; });
-    int64_t next = 0;
-    for (auto& r : ranges) {
-      if (r["start"].get<int64_t>() != next)
-        throw Error(fmt::format("save_state: the ranks' pieces of {:?} {} at element {} (an engine bug); nothing was "
-                                "saved",
-                                key, r["start"].get<int64_t>() < next ? "overlap" : "leave a gap", next));
-      next += r["count"].get<int64_t>();
-    }
-    if (next != numel_of(t["shape"].get<std::vector<int64_t>>()))
-      throw Error(fmt::format("save_state: the ranks' pieces of {:?} end at element {} of {}; nothing was saved", key,
-                              next, numel_of(t["shape"].get<std::vector<int64_t>>())));
-  }
-  return {{"format", kIndexFormat}, {"tensors", tensors}, {"counters", counters}};
+  for (auto& [key, t] : tensors.items()) check_coverage(key, t);
+  return {{"format", boxes ? kIndexFormatBoxes : kIndexFormat}, {"tensors", tensors}, {"counters", counters}};
 }
 
 }  // namespace
 
 int64_t IndexedTensor::numel() const { return numel_of(shape); }
 
+bool IndexedTensor::boxed() const {
+  return std::any_of(ranges.begin(), ranges.end(), [&](const Range& r) {
+    if (r.box_offsets.empty()) return false;
+    return r.box_sizes != shape;
+  });
+}
+
 void write_pieces(const fs::path& dir, const RankPieces& mine, Communicator& world) {
   NamedTensors named;
-  for (const auto& p : mine.pieces) named.emplace_back(piece_name(p.key, p.start), p.data.reshape(-1));
+  for (const auto& p : mine.pieces) named.emplace_back(piece_name(p.key, p.start, p.box_offsets), p.data.reshape(-1));
   save_safetensors((dir / pieces_file(world.rank())).string(), named, {{"rank", std::to_string(world.rank())}});
   auto all = world.all_gather_object(describe_pieces(mine, world.rank()).dump());
   auto index = merge_index(all);  // every rank: a bad layout fails everywhere
@@ -112,16 +182,22 @@ PieceReader::PieceReader(const Verified& checkpoint) : checkpoint_(checkpoint) {
   const auto path = (checkpoint.dir() / kPiecesIndex).string();
   try {
     auto index = nlohmann::json::parse(checkpoint.file(kPiecesIndex));
-    if (index.at("format") != kIndexFormat) throw std::runtime_error("unknown format " + index.at("format").dump());
+    if (index.at("format") != kIndexFormat && index.at("format") != kIndexFormatBoxes)
+      throw std::runtime_error("unknown format " + index.at("format").dump());
     for (auto& [key, t] : index.at("tensors").items()) {
       IndexedTensor entry;
       entry.shape = t.at("shape").get<std::vector<int64_t>>();
       auto dtype = safetensors_dtype_from_code(t.at("dtype").get<std::string>());
       if (!dtype) throw std::runtime_error("unknown dtype " + t.at("dtype").dump());
       entry.dtype = *dtype;
-      for (auto& r : t.at("ranges"))
-        entry.ranges.push_back({pieces_file(r.at("rank").get<int>()), piece_name(key, r.at("start").get<int64_t>()),
-                                r.at("start").get<int64_t>(), r.at("count").get<int64_t>()});
+      for (auto& r : t.at("ranges")) {
+        auto offsets = box_offsets_of(r);
+        entry.ranges.push_back({pieces_file(r.at("rank").get<int>()), piece_name(key, r.at("start").get<int64_t>(), offsets),
+                                r.at("start").get<int64_t>(), r.at("count").get<int64_t>(), offsets,
+                                offsets.empty() ? std::vector<int64_t>{} : r.at("box_sizes").get<std::vector<int64_t>>()});
+        if (entry.ranges.back().box_sizes.size() != entry.ranges.back().box_offsets.size())
+          throw std::runtime_error("a box of " + key + " has offsets and sizes of different lengths");
+      }
       tensors_.emplace(key, std::move(entry));
     }
     for (auto& [k, v] : index.at("counters").items()) counters_[k] = v.get<int64_t>();
@@ -147,26 +223,86 @@ std::string PieceReader::describe(const std::string& key) const {
   return fmt::format("tensor {:?} of {}", key, checkpoint_.dir().string());
 }
 
+void PieceReader::read_range(const std::string& key, const IndexedTensor::Range& r, int64_t a, int64_t b,
+                             void* out) const {
+  const auto* entry = find(key);
+  const size_t element = at::elementSize(entry->dtype);
+  const auto& entries = entries_of(r.file);
+  auto found = entries.find(r.entry);
+  const SafetensorsEntry* piece = found == entries.end() ? nullptr : &found->second;
+  if (!piece || piece->dtype != entry->dtype || piece->bytes != static_cast<size_t>(r.count) * element)
+    throw Error(fmt::format("load_state: {} does not hold the piece of {:?} at element {} that {} lists; the "
+                            "checkpoint is corrupt, nothing was loaded",
+                            (checkpoint_.dir() / r.file).string(), key, r.start, kPiecesIndex));
+  checkpoint_.read_into(r.file, piece->begin + (a - r.start) * element, static_cast<size_t>(b - a) * element, out);
+}
+
 at::Tensor PieceReader::read(const std::string& key, int64_t start, int64_t count) const {
   const auto* entry = find(key);
   if (!entry) throw Error(fmt::format("load_state: {} is missing; nothing was loaded", describe(key)));
+  if (entry->boxed()) return whole(key).view(-1).narrow(0, start, count);
   auto out = at::empty({count}, at::TensorOptions().dtype(entry->dtype));
   const size_t element = at::elementSize(entry->dtype);
   for (const auto& r : entry->ranges) {
     const int64_t a = std::max(start, r.start), b = std::min(start + count, r.start + r.count);
-    if (a >= b) continue;
-    const auto& name = r.file;
-    const auto& entries = entries_of(name);
-    auto found = entries.find(r.entry);
-    const SafetensorsEntry* piece = found == entries.end() ? nullptr : &found->second;
-    if (!piece || piece->dtype != entry->dtype || piece->bytes != static_cast<size_t>(r.count) * element)
-      throw Error(fmt::format("load_state: {} does not hold the piece of {:?} at element {} that {} lists; the "
-                              "checkpoint is corrupt, nothing was loaded",
-                              (checkpoint_.dir() / name).string(), key, r.start, kPiecesIndex));
-    checkpoint_.read_into(name, piece->begin + (a - r.start) * element, static_cast<size_t>(b - a) * element,
-                          static_cast<char*>(out.data_ptr()) + (a - start) * element);
+    if (a < b) read_range(key, r, a, b, static_cast<char*>(out.data_ptr()) + (a - start) * element);
   }
   return out;
+}
+
+at::Tensor PieceReader::read_box(const std::string& key, const std::vector<int64_t>& offsets,
+                                 const std::vector<int64_t>& sizes, int64_t start, int64_t count) const {
+  const auto* entry = find(key);
+  if (!entry) throw Error(fmt::format("load_state: {} is missing; nothing was loaded", describe(key)));
+  bool inside = offsets.size() == entry->shape.size() && sizes.size() == entry->shape.size();
+  for (size_t d = 0; inside && d < offsets.size(); ++d)
+    inside = offsets[d] >= 0 && offsets[d] + sizes[d] <= entry->shape[d];
+  if (!inside)
+    throw Error(fmt::format("load_state: the slice at [{}] of size [{}] lies outside {} ([{}]); nothing was loaded",
+                            fmt::join(offsets, ", "), fmt::join(sizes, ", "), describe(key), fmt::join(entry->shape, ", ")));
+  // Saved in the same box (a resume with the same tp layout): read just that box's ranges.
+  const bool whole_box = std::all_of(offsets.begin(), offsets.end(), [](int64_t o) { return o == 0; }) &&
+                         sizes == entry->shape;
+  if (whole_box && !entry->boxed()) return read(key, start, count);
+  bool saved_alike = false;
+  for (const auto& r : entry->ranges) saved_alike = saved_alike || (r.box_offsets == offsets && r.box_sizes == sizes);
+  if (saved_alike) {
+    auto out = at::empty({count}, at::TensorOptions().dtype(entry->dtype));
+    const size_t element = at::elementSize(entry->dtype);
+    for (const auto& r : entry->ranges) {
+      if (r.box_offsets != offsets || r.box_sizes != sizes) continue;
+      const int64_t a = std::max(start, r.start), b = std::min(start + count, r.start + r.count);
+      if (a < b) read_range(key, r, a, b, static_cast<char*>(out.data_ptr()) + (a - start) * element);
+    }
+    return out;
+  }
+  // Another layout: cut the box out of the whole tensor.
+  at::Tensor box = whole(key);
+  for (size_t d = 0; d < offsets.size(); ++d) box = box.narrow(static_cast<int64_t>(d), offsets[d], sizes[d]);
+  return box.contiguous().view(-1).narrow(0, start, count);
+}
+
+const at::Tensor& PieceReader::whole(const std::string& key) const {
+  if (last_whole_.first == key && last_whole_.second.defined()) return last_whole_.second;
+  const auto* entry = find(key);
+  auto out = at::empty(entry->shape, at::TensorOptions().dtype(entry->dtype));
+  const size_t element = at::elementSize(entry->dtype);
+  // Ranges come sorted by box: fill each box's buffer, then put it in place.
+  for (size_t k = 0; k < entry->ranges.size();) {
+    const auto& first = entry->ranges[k];
+    const auto sizes = first.box_offsets.empty() ? entry->shape : first.box_sizes;
+    auto buffer = at::empty({numel_of(sizes)}, out.options());
+    for (; k < entry->ranges.size() && entry->ranges[k].box_offsets == first.box_offsets; ++k) {
+      const auto& r = entry->ranges[k];
+      read_range(key, r, r.start, r.start + r.count, static_cast<char*>(buffer.data_ptr()) + r.start * element);
+    }
+    at::Tensor place = out;
+    for (size_t d = 0; d < first.box_offsets.size(); ++d)
+      place = place.narrow(static_cast<int64_t>(d), first.box_offsets[d], sizes[d]);
+    place.copy_(buffer.view(sizes));
+  }
+  last_whole_ = {key, out};
+  return last_whole_.second;
 }
 
 }  // namespace xlr8::checkpoint

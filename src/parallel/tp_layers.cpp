@@ -7,6 +7,7 @@
 
 #include <cmath>
 
+#include "parallel/tp_layer_kinds.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/nn.hpp"
 
@@ -68,11 +69,14 @@ at::Tensor LinearImpl::forward(const at::Tensor& input) {
   const auto& s = *slot_;
   if (s.style == tp::Style::Replicate) return torch::nn::functional::linear(input, weight, bias);
   if (s.style == tp::Style::Colwise) {
-    auto out = torch::nn::functional::linear(tp::copy_to_tp_region(input, s.group), weight, bias);
+    auto whole = s.sequence_parallel ? tp::gather_from_sequence_region(input, s.group) : tp::copy_to_tp_region(input, s.group);
+    auto out = torch::nn::functional::linear(whole, weight, bias);
     return s.gather_output ? tp::gather_from_tp_region(out, s.group, -1) : out;
   }
-  // Rowwise: the bias once, after the partial products are summed.
-  auto out = tp::reduce_from_tp_region(torch::nn::functional::linear(input, weight), s.group);
+  // Rowwise: the bias once, after the partial products are summed (or summed and split on the sequence).
+  auto partial = torch::nn::functional::linear(input, weight);
+  auto out = s.sequence_parallel ? tp::reduce_scatter_to_sequence_region(partial, s.group)
+                                 : tp::reduce_from_tp_region(partial, s.group);
   return bias.defined() ? out + bias : out;
 }
 
@@ -82,6 +86,8 @@ std::string LinearImpl::tensor_parallel_problem(const tp::PlanEntry& entry, int 
   if (entry.fused > 1 && entry.style != tp::Style::Colwise) return "fused parts apply to Colwise only";
   if (entry.gather_output && entry.style != tp::Style::Colwise)
     return "gather_output applies to Colwise only (a row-wise output is whole already)";
+  if (entry.sequence_parallel && entry.style != tp::Style::Colwise && entry.style != tp::Style::Rowwise)
+    return "sequence_parallel applies to Colwise and Rowwise Linears";
   switch (entry.style) {
     case tp::Style::Colwise:
       if (options.out_features() % entry.fused != 0)
@@ -91,7 +97,8 @@ std::string LinearImpl::tensor_parallel_problem(const tp::PlanEntry& entry, int 
                              : indivisible("out_features", options.out_features(), tp_size);
     case tp::Style::Rowwise: return indivisible("in_features", options.in_features(), tp_size);
     case tp::Style::Replicate: return "";
-    case tp::Style::VocabParallel: break;
+    case tp::Style::VocabParallel:
+    case tp::Style::SequenceParallel: break;
   }
   return fmt::format("a Linear takes Colwise, Rowwise or Replicate, not {}", tp::to_string(entry.style));
 }
@@ -114,11 +121,13 @@ void LinearImpl::parallelize(const tp::PlanEntry& entry, const Communicator& gro
     };
     keep_parts(weight);
     if (bias.defined()) keep_parts(bias);
-    slot_ = TensorParallelSlot{entry.style, group, entry.gather_output, offset, entry.fused};
+    slot_ = TensorParallelSlot{entry.style, group, entry.gather_output, offset, entry.fused, entry.sequence_parallel};
   } else {
     auto [offset, local] = slice_of(options.in_features(), group);
     keep_slice(weight, 1, offset, local);
-    slot_ = TensorParallelSlot{entry.style, group, false, offset};
+    slot_ = TensorParallelSlot{entry.style, group, false, offset, 1, entry.sequence_parallel};
+    // Added to this rank's share of the sequence only: its gradient is partial.
+    if (entry.sequence_parallel && bias.defined()) tp::detail::sum_gradient_over(bias, group);
   }
 }
 
@@ -166,21 +175,26 @@ at::Tensor EmbeddingImpl::forward(const at::Tensor& input) {
   auto outside = (local < 0).logical_or(local >= rows);
   auto looked_up = at::embedding(weight, local.masked_fill(outside, 0));
   looked_up = looked_up.masked_fill(outside.unsqueeze(-1), 0);
-  return tp::reduce_from_tp_region(looked_up, s.group);
+  return s.sequence_parallel ? tp::reduce_scatter_to_sequence_region(looked_up, s.group)
+                             : tp::reduce_from_tp_region(looked_up, s.group);
 }
 
 at::Tensor EmbeddingImpl::attend(const at::Tensor& input) {
   if (!slot_ || slot_->group.size() == 1 || slot_->style == tp::Style::Replicate)
     return torch::nn::functional::linear(input, weight);
-  // This rank's rows score its share of the vocabulary: a column-wise layer over the vocabulary.
-  return tp::gather_from_tp_region(torch::nn::functional::linear(tp::copy_to_tp_region(input, slot_->group), weight),
-                                   slot_->group, -1);
+  // This rank's rows score its share of the vocabulary: a column-wise layer over the vocabulary (whose
+  // input, under sequence parallelism, is this rank's share of the sequence).
+  const auto& s = *slot_;
+  auto whole = s.sequence_parallel ? tp::gather_from_sequence_region(input, s.group) : tp::copy_to_tp_region(input, s.group);
+  return tp::gather_from_tp_region(torch::nn::functional::linear(whole, weight), s.group, -1);
 }
 
 std::string EmbeddingImpl::tensor_parallel_problem(const tp::PlanEntry& entry, int tp_size) const {
   if (slot_) return "it is parallelised already";
   if (entry.gather_output) return "gather_output applies to Colwise only";
   if (entry.fused != 1) return "fused parts apply to Colwise only";
+  if (entry.sequence_parallel && entry.style != tp::Style::VocabParallel)
+    return "sequence_parallel applies to a VocabParallel Embedding";
   if (entry.style == tp::Style::Replicate) return "";
   if (entry.style != tp::Style::VocabParallel)
     return fmt::format("an Embedding takes VocabParallel or Replicate, not {}", tp::to_string(entry.style));
@@ -199,7 +213,7 @@ void EmbeddingImpl::parallelize(const tp::PlanEntry& entry, const Communicator& 
   }
   auto [offset, local] = slice_of(options.num_embeddings(), group);
   keep_slice(weight, 0, offset, local);
-  slot_ = TensorParallelSlot{entry.style, group, false, offset};
+  slot_ = TensorParallelSlot{entry.style, group, false, offset, 1, entry.sequence_parallel};
 }
 
 }  // namespace xlr8::nn

@@ -20,6 +20,7 @@ std::string to_string(Style style) {
     case Style::Rowwise: return "Rowwise";
     case Style::VocabParallel: return "VocabParallel";
     case Style::Replicate: return "Replicate";
+    case Style::SequenceParallel: return "SequenceParallel";
   }
   return "?";
 }
@@ -54,12 +55,26 @@ std::string listed(const std::vector<std::string>& paths) {
   return text;
 }
 
+// A SequenceParallel module saw only this rank's share of the sequence.
+void sum_gradients_over(torch::nn::Module& module, const Communicator& group) {
+  for (auto& p : module.parameters(/*recurse=*/true)) detail::sum_gradient_over(p, group);
+}
+
 }  // namespace
 
 namespace detail {
 
 bool is_plain_torch_layer(const torch::nn::Module& m) {
   return dynamic_cast<const torch::nn::LinearImpl*>(&m) || dynamic_cast<const torch::nn::EmbeddingImpl*>(&m);
+}
+
+void sum_gradient_over(at::Tensor& parameter, const Communicator& group) {
+  if (group.size() == 1 || !parameter.requires_grad()) return;
+  parameter.register_hook([group](const at::Tensor& grad) {
+    auto sum = grad.contiguous().clone();
+    Communicator(group).all_reduce(sum);
+    return sum;
+  });
 }
 
 bool is_layer(const torch::nn::Module& m) {
@@ -105,7 +120,11 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
     }
     const auto& entry = plan[static_cast<size_t>(entry_of[i])];
     std::string problem;
-    if (auto* linear = dynamic_cast<nn::LinearImpl*>(m)) {
+    if (entry.style == Style::SequenceParallel && !detail::is_layer(*m)) {
+      continue;  // a norm or dropout: whole, its gradients summed over tp (below)
+    } else if (entry.sequence_parallel && entry.style == Style::SequenceParallel) {
+      problem = "sequence_parallel is a flag of Colwise, Rowwise and VocabParallel entries";
+    } else if (auto* linear = dynamic_cast<nn::LinearImpl*>(m)) {
       problem = linear->tensor_parallel_problem(entry, tp_group.size());
     } else if (auto* embedding = dynamic_cast<nn::EmbeddingImpl*>(m)) {
       problem = embedding->tensor_parallel_problem(entry, tp_group.size());
@@ -122,7 +141,7 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
     }
     if (!problem.empty()) problems.push_back(fmt::format("'{}' ({}): {}", paths[i], to_string(entry.style), problem));
     // A tied weight (one tensor under two names) would be sliced for one layer and silently for the other.
-    if (entry.style != Style::Replicate)
+    if (entry.style != Style::Replicate && entry.style != Style::SequenceParallel)
       for (const auto& p : m->named_parameters(/*recurse=*/false)) {
       const auto& names = holders[p.value().unsafeGetTensorImpl()];
       if (names.size() > 1)
@@ -139,7 +158,9 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
   for (size_t i = 0; i < paths.size(); ++i) {
     if (entry_of[i] < 0) continue;
     const auto& entry = plan[static_cast<size_t>(entry_of[i])];
-    if (auto* linear = dynamic_cast<nn::LinearImpl*>(modules[i].get()))
+    if (entry.style == Style::SequenceParallel)
+      sum_gradients_over(*modules[i], tp_group);
+    else if (auto* linear = dynamic_cast<nn::LinearImpl*>(modules[i].get()))
       linear->parallelize(entry, tp_group);
     else if (auto* embedding = dynamic_cast<nn::EmbeddingImpl*>(modules[i].get()))
       embedding->parallelize(entry, tp_group);

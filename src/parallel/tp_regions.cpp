@@ -2,6 +2,9 @@
 #include <torch/autograd.h>
 #include <torch/custom_class.h>
 
+#include <fmt/format.h>
+
+#include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8::tp {
@@ -73,11 +76,65 @@ struct GatherFromRegion : torch::autograd::Function<GatherFromRegion> {
   }
 };
 
+// The sequence dimension ([..., T, C]) split over the group: rank r's chunk of the sum over ranks.
+at::Tensor reduce_scattered(const at::Tensor& x, Communicator group) {
+  const int64_t dim = x.dim() - 2;
+  auto moved = x.movedim(dim, 0).contiguous();
+  auto sizes = moved.sizes().vec();
+  auto out = at::empty({moved.numel() / group.size()}, moved.options());
+  group.reduce_scatter(out, moved.reshape(-1), ReduceOp::SUM);
+  sizes[0] /= group.size();
+  return out.view(sizes).movedim(0, dim).contiguous();
+}
+
+void check_sequence(const at::Tensor& x, const Communicator& group) {
+  if (x.dim() < 2)
+    throw ConfigError(fmt::format("sequence parallelism: an activation of {} dimension(s) has no sequence dimension "
+                                  "(expected [..., sequence, features])",
+                                  x.dim()));
+  if (x.size(-2) % group.size() != 0)
+    throw ConfigError(fmt::format("sequence parallelism: the sequence length {} is not divisible by the tp size {}; "
+                                  "choose a sequence length that is a multiple of it",
+                                  x.size(-2), group.size()));
+}
+
+struct GatherFromSequence : torch::autograd::Function<GatherFromSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Communicator& group) {
+    keep_group(ctx, group);
+    return all_gathered(x, group, x.dim() - 2);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {reduce_scattered(grads[0], group_of(ctx)), at::Tensor()};
+  }
+};
+
+struct ReduceScatterToSequence : torch::autograd::Function<ReduceScatterToSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Communicator& group) {
+    keep_group(ctx, group);
+    return reduce_scattered(x, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {all_gathered(grads[0], group_of(ctx), grads[0].dim() - 2), at::Tensor()};
+  }
+};
+
 int64_t checked_dim(const at::Tensor& x, int64_t dim) {
   return dim < 0 ? dim + x.dim() : dim;
 }
 
 }  // namespace
+
+at::Tensor gather_from_sequence_region(const at::Tensor& x, const Communicator& group) {
+  if (group.size() == 1) return x;
+  if (x.dim() < 2) check_sequence(x, group);
+  return GatherFromSequence::apply(x, group);
+}
+
+at::Tensor reduce_scatter_to_sequence_region(const at::Tensor& x, const Communicator& group) {
+  if (group.size() == 1) return x;
+  check_sequence(x, group);
+  return ReduceScatterToSequence::apply(x, group);
+}
 
 at::Tensor copy_to_tp_region(const at::Tensor& x, const Communicator& group) {
   if (group.size() == 1) return x;

@@ -180,26 +180,13 @@ void apply_training_state(AcceleratorImpl& s, const checkpoint::Verified& saved,
     if (auto loader = weak.lock(); loader && li < loaders.size()) loader->load_state(loaders[li++]);
 }
 
-// Training checkpoints describe pieces as flat element ranges; a tensor-parallel slice is a range per
-// dimension, which they cannot say yet. Refused before anything is written or read.
-void refuse_tensor_parallel_state(const AcceleratorImpl& s, const char* what) {
-  for (const auto& model : s.models)
-    if (!tp::slice_layouts(*model->module()).empty())
-      throw Error(fmt::format("{}: training checkpoints of tensor-parallel models are not supported yet (their slices "
-                              "need per-dimension offsets); save_model and load_model work (whole weights), "
-                              "optimizer state is not kept",
-                              what));
-}
-
 }  // namespace
 
 std::string Accelerator::save_state(const std::string& dir) {
-  refuse_tensor_parallel_state(*impl_, "save_state()");
   return checkpoint::filesystem_guard(fmt::format("save_state({:?})", dir), [&] { return save_state_unguarded(dir); });
 }
 
 void Accelerator::load_state(const std::string& dir) {
-  refuse_tensor_parallel_state(*impl_, "load_state()");
   checkpoint::filesystem_guard(fmt::format("load_state({:?})", dir), [&] {
     load_state_unguarded(dir);
     return 0;

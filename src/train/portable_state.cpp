@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <ATen/ATen.h>
 
 #include <map>
 #include <set>
@@ -10,6 +11,7 @@
 #include "compat/torch_compat.hpp"
 #include "core/text.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8 {
 namespace {
@@ -42,14 +44,53 @@ std::string optimizer_key(size_t optimizer, size_t model, const std::string& nam
 
 // Which elements of a piece's `values` this rank writes: all of them when sharded (and it is the
 // writer); an even share of each whole parameter when every rank holds it, so replicas write in parallel.
+// Under tensor parallelism a slice is held by the ranks of one tp coordinate (they share its writing), and
+// a parameter the plan left whole is held alike by every tp peer (sharded, the first of them writes).
 std::pair<int64_t, int64_t> written_range(const ParallelStrategy& strategy, const ParameterPiece& piece,
-                                          const Communicator& world) {
+                                          const Communicator& world, const DeviceMesh& mesh, bool sliced) {
   const int64_t n = piece.values.numel();
   if (!piece.writes || n == 0) return {0, 0};
-  if (!strategy.replicated()) return {0, n};
-  const int64_t share = (n + world.size() - 1) / world.size();
-  const int64_t a = std::min(n, share * world.rank());
+  if (!strategy.replicated()) return !sliced && mesh.size("tp") > 1 && mesh.rank("tp") != 0 ? std::pair<int64_t, int64_t>{0, 0}
+                                                                                            : std::pair<int64_t, int64_t>{0, n};
+  const int writers = sliced ? mesh.size("dp_cp") : world.size(), me = sliced ? mesh.rank("dp_cp") : world.rank();
+  const int64_t share = (n + writers - 1) / writers;
+  const int64_t a = std::min(n, share * me);
   return {a, std::min(n, a + share)};
+}
+
+// Where a tensor-parallel slice lies in the whole: one box per fused part (the slice stacks them on dim 0),
+// each `numel` elements of the slice flattened from `local_begin`.
+struct SliceBox {
+  std::vector<int64_t> offsets, sizes;
+  int64_t local_begin = 0, numel = 0;
+};
+
+std::vector<SliceBox> slice_boxes(const tp::SliceLayout& layout, const std::vector<int64_t>& local_sizes) {
+  const auto dim = static_cast<size_t>(layout.dim);
+  const int64_t local = local_sizes[dim] / layout.fused, part = layout.whole_sizes[dim] / layout.fused;
+  std::vector<SliceBox> boxes;
+  for (int j = 0; j < layout.fused; ++j) {
+    SliceBox box{std::vector<int64_t>(local_sizes.size(), 0), local_sizes};
+    box.sizes[dim] = local;
+    box.offsets[dim] = j * part + layout.group.rank() * local;
+    box.numel = 1;
+    for (auto d : box.sizes) box.numel *= d;
+    box.local_begin = j * box.numel;
+    boxes.push_back(std::move(box));
+  }
+  return boxes;
+}
+
+// Elements [start, start + count) of a slice flattened, read from whatever layout saved the whole.
+at::Tensor read_slice(const checkpoint::PieceReader& reader, const std::string& key, const std::vector<SliceBox>& boxes,
+                      int64_t start, int64_t count) {
+  std::vector<at::Tensor> parts;
+  for (const auto& box : boxes) {
+    const int64_t a = std::max(start, box.local_begin), b = std::min(start + count, box.local_begin + box.numel);
+    if (a < b) parts.push_back(reader.read_box(key, box.offsets, box.sizes, a - box.local_begin, b - a));
+  }
+  if (parts.empty()) return at::empty({0}, at::TensorOptions().dtype(reader.find(key)->dtype));  // a rank's empty shard
+  return parts.size() == 1 ? parts.front() : at::cat(parts);
 }
 
 bool optimizer_portable(const torch::optim::Optimizer& optimizer, const Layout& layout) {
@@ -83,15 +124,38 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
                                          nlohmann::json& state) {
   const Layout layout(s);
   auto& world = s.world();
-  auto add = [&](std::string key, const ParameterPiece& piece, const at::Tensor& values, std::pair<int64_t, int64_t> r) {
-    if (r.first < r.second)
-      out.pieces.push_back({std::move(key), piece.shape, values.detach().reshape(-1).narrow(0, r.first, r.second - r.first),
-                            piece.start + r.first});
+  const auto& mesh = s.state->mesh();
+  std::vector<std::map<std::string, tp::SliceLayout>> slices;
+  for (const auto& m : s.models) slices.push_back(tp::slice_layouts(*m->module()));
+  const tp::SliceLayout* no_slice = nullptr;
+  auto slice_of = [&](size_t model, const std::string& name) {
+    auto it = slices[model].find(name);
+    return it == slices[model].end() ? no_slice : &it->second;
+  };
+  // A slice's elements go out box by box, in the whole tensor's coordinates.
+  auto add = [&](std::string key, const ParameterPiece& piece, const at::Tensor& values, std::pair<int64_t, int64_t> r,
+                 const tp::SliceLayout* slice) {
+    if (r.first >= r.second) return;
+    auto flat = values.detach().reshape(-1);
+    if (!slice) {
+      out.pieces.push_back({std::move(key), piece.shape, flat.narrow(0, r.first, r.second - r.first), piece.start + r.first});
+      return;
+    }
+    const int64_t begin = piece.start + r.first, end = piece.start + r.second;
+    for (const auto& box : slice_boxes(*slice, piece.shape)) {
+      const int64_t a = std::max(begin, box.local_begin), b = std::min(end, box.local_begin + box.numel);
+      if (a < b)
+        out.pieces.push_back({key, slice->whole_sizes, flat.narrow(0, a - piece.start, b - a), a - box.local_begin,
+                              box.offsets, box.sizes});
+    }
   };
   if (models_as_pieces)
     for (size_t i = 0; i < s.models.size(); ++i) {
-      for (const auto& piece : layout.pieces[i])
-        add(model_key(i, piece.name), piece, piece.values, written_range(*s.models[i], piece, world));
+      for (const auto& piece : layout.pieces[i]) {
+        const auto* slice = slice_of(i, piece.name);
+        add(model_key(i, piece.name), piece, piece.values,
+            written_range(*s.models[i], piece, world, mesh, slice != nullptr), slice);
+      }
       if (world.rank() == 0)  // buffers are the same everywhere: the main process writes them whole
         for (const auto& item : s.models[i]->module()->named_buffers()) {
           const auto& b = item.value();
@@ -111,9 +175,10 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
         const auto* piece = layout.find(leaf, &model);
         auto param_state = checkpoint::read_parameter_state(optimizer, leaf);
         if (!param_state) continue;
-        const auto range = written_range(*s.models[model], *piece, world);
+        const auto* slice = slice_of(model, piece->name);
+        const auto range = written_range(*s.models[model], *piece, world, mesh, slice != nullptr);
         for (const auto& [name, tensor] : param_state->tensors)
-          add(optimizer_key(j, model, piece->name, name), *piece, tensor, range);
+          add(optimizer_key(j, model, piece->name, name), *piece, tensor, range, slice);
         for (const auto& [name, value] : param_state->counters)
           out.counters[optimizer_key(j, model, piece->name, name)] = value;
       }
@@ -125,6 +190,14 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoint::Ver
   const Layout layout(s);
   const checkpoint::PieceReader reader(saved);
   const auto where = saved.dir().string();
+  std::vector<std::map<std::string, tp::SliceLayout>> slices;
+  for (const auto& m : s.models) slices.push_back(tp::slice_layouts(*m->module()));
+  // A piece of a tensor-parallel slice is read from its boxes; any other from the whole's flat range.
+  auto read_piece = [&](size_t model, const std::string& key, const ParameterPiece& piece, int64_t count) {
+    auto it = slices[model].find(piece.name);
+    if (it == slices[model].end()) return reader.read(key, piece.start, count);
+    return read_slice(reader, key, slice_boxes(it->second, piece.shape), piece.start, count);
+  };
   PortableLoad load;
   for (size_t i = 0; i < s.models.size(); ++i) {
     // Exactly the model's tensors, by name and shape, before anything is read.
@@ -137,7 +210,10 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoint::Ver
       else if (entry->shape != shape)
         mismatched.push_back(fmt::format("{} ({} saved, {} in the model)", name, shape_text(entry->shape), shape_text(shape)));
     };
-    for (const auto& piece : layout.pieces[i]) check(piece.name, piece.shape);
+    for (const auto& piece : layout.pieces[i]) {
+      auto it = slices[i].find(piece.name);
+      check(piece.name, it == slices[i].end() ? piece.shape : it->second.whole_sizes);  // a slice: the whole's
+    }
     for (const auto& item : s.models[i]->module()->named_buffers()) check(item.key(), item.value().sizes().vec());
     std::vector<std::string> unexpected;
     const auto prefix = model_key(i, "");
@@ -151,7 +227,7 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoint::Ver
     auto& copies = load.models.emplace_back();
     for (const auto& piece : layout.pieces[i])
       if (piece.values.numel() > 0)
-        copies.push_back({piece.values, reader.read(model_key(i, piece.name), piece.start, piece.values.numel())});
+        copies.push_back({piece.values, read_piece(i, model_key(i, piece.name), piece, piece.values.numel())});
     for (const auto& item : s.models[i]->module()->named_buffers())
       copies.push_back({item.value(), reader.read(model_key(i, item.key()), 0, item.value().numel())});
   }
@@ -181,7 +257,7 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoint::Ver
         for (const auto& name : checkpoint::state_tensor_names(*kind)) {
           const auto key = optimizer_key(j, model, piece->name, name);
           if (!reader.find(key)) continue;
-          state.tensors[name] = reader.read(key, piece->start, leaf.numel());
+          state.tensors[name] = read_piece(model, key, *piece, leaf.numel());
         }
         if (auto step = reader.counter(optimizer_key(j, model, piece->name, "step"))) state.counters["step"] = *step;
         const bool any = !state.tensors.empty() || !state.counters.empty();

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <map>
+#include <set>
 
 #include "oracle.hpp"
 #include "process_runner.hpp"
@@ -180,5 +181,128 @@ TEST(GptActivationCheckpointing, FullShardOnTwoAndThreeRanksAndFsdpTimesTpEqualO
       EXPECT_GT(got["gathers"].get<int64_t>(), 0);
       EXPECT_EQ(got["gathers"], without["gathers"]);
     }
+  }
+}
+
+// Sequence parallelism on the GPT (issue 24 §1): tp 2 and tp 4 alone, and FSDP + TP with activation
+// checkpointing, each with the residual stream split on the sequence, equal 1 process on the global batch
+// (accumulation 2, clipping that acts, whole saved parameters). 4 heads, so that tp 4 holds one each.
+TEST(GptSequenceParallel, TpTwoAndFourAndFsdpTimesTpWithCheckpointingEqualOneProcess) {
+  const Args model{"--n_layer", "2", "--d_model", "32", "--n_head", "4", "--seq_len", "32", "--lr", "3e-3",
+                   "--val_windows", "48", "--max_steps", "6", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5"};
+  auto run_gpt = [&](int processes, int batch, const Args& launcher, const Args& program, const std::string& dir) {
+    Args command{kXlr8, "launch", "--num_processes", std::to_string(processes)};
+    command.insert(command.end(), launcher.begin(), launcher.end());
+    command.push_back(kGpt);
+    command.insert(command.end(), model.begin(), model.end());
+    for (auto a : Args{"--batch_size", std::to_string(batch), "--output_dir", dir}) command.push_back(a);
+    command.insert(command.end(), program.begin(), program.end());
+    auto r = run(command, 300);
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    return r.exit_code == 0 ? last_json(r.out) : nlohmann::json::object();
+  };
+  const auto one_dir = temp_dir("gpt-sp-one");
+  const auto one = run_gpt(1, 8, {}, {}, one_dir);
+  ASSERT_TRUE(one.contains("last_grad_norm"));
+  EXPECT_GT(one["last_grad_norm"].get<double>(), 0.5) << "the bound must act for clipping to be tested";
+  struct Layout {
+    std::string name;
+    int processes, batch;
+    Args launcher;
+  };
+  const std::vector<Layout> layouts{
+      {"tp 2", 2, 8, {"--parallelism_config_tp_size", "2"}},
+      {"tp 4", 4, 8, {"--parallelism_config_tp_size", "4"}},
+      {"dp_shard 2 x tp 2 (FSDP + TP), activation checkpointing", 4, 4,
+       {"--use_fsdp", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block",
+        "--fsdp_activation_checkpointing", "true", "--parallelism_config_dp_shard_size", "2",
+        "--parallelism_config_tp_size", "2"}}};
+  for (const auto& layout : layouts) {
+    SCOPED_TRACE(layout.name);
+    const auto dir = temp_dir("gpt-sp");
+    auto got = run_gpt(layout.processes, layout.batch, layout.launcher, {"--sequence_parallel"}, dir);
+    ASSERT_TRUE(got.contains("final_train_loss"));
+    EXPECT_EQ(got["sequence_parallel"], true);
+    EXPECT_NEAR(got["final_train_loss"].get<double>(), one["final_train_loss"].get<double>(), 1e-5);
+    EXPECT_NEAR(got["val_loss"].get<double>(), one["val_loss"].get<double>(), 1e-5);
+    EXPECT_NEAR(got["last_grad_norm"].get<double>(), one["last_grad_norm"].get<double>(),
+                1e-4 * one["last_grad_norm"].get<double>());
+    expect_same_params(dir, one_dir, 5e-4);  // as GptTensorParallel's, for the same reason
+  }
+  // A sequence the tp size cannot split is refused before training, naming both.
+  auto r = run({kXlr8, "launch", "--num_processes", "4", "--parallelism_config_tp_size", "4", kGpt, "--n_layer", "1",
+                "--d_model", "32", "--n_head", "4", "--seq_len", "30", "--max_steps", "1", "--sequence_parallel",
+                "--output_dir", temp_dir("gpt-sp-bad")},
+               120);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE((r.out + r.err).find("--seq_len 30 is not divisible by the tp size 4"), std::string::npos) << r.out << r.err;
+}
+
+// Training checkpoints of tensor-parallel models (issue 24 §4): slices are saved as boxes (offsets per
+// dimension) and any layout resumes any other. FSDP + TP (4 ranks, sharded state) resumes as DDP on 2
+// ranks, DDP resumes as FSDP + TP, tp 2 resumes as 1 process: each equals the uninterrupted run (AdamW's
+// moments included), and merge-weights turns the FSDP + TP checkpoint into the whole model.
+TEST(GptTensorParallelCheckpoint, EveryLayoutResumesEveryOtherAsIfUninterrupted) {
+  const Args common{"--n_layer", "2", "--d_model", "32", "--n_head", "2", "--seq_len", "32", "--lr", "3e-3",
+                    "--val_windows", "48", "--max_grad_norm", "0.5"};
+  const Args fsdp_tp{"--use_fsdp", "--fsdp_state_dict_type", "SHARDED_STATE_DICT", "--parallelism_config_dp_shard_size",
+                     "2", "--parallelism_config_tp_size", "2"};
+  auto run_gpt = [&](int processes, int batch, const Args& launcher, const std::string& dir, Args program) {
+    Args command{kXlr8, "launch", "--num_processes", std::to_string(processes)};
+    command.insert(command.end(), launcher.begin(), launcher.end());
+    command.push_back(kGpt);
+    command.insert(command.end(), common.begin(), common.end());
+    for (auto a : Args{"--batch_size", std::to_string(batch), "--output_dir", dir}) command.push_back(a);
+    command.insert(command.end(), program.begin(), program.end());
+    auto r = run(command, 300);
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    return r.exit_code == 0 ? last_json(r.out) : nlohmann::json::object();
+  };
+  const Args first_half{"--max_steps", "4", "--checkpoint_every", "4"}, second_half{"--max_steps", "8", "--resume_from", "latest"};
+  const auto whole_dir = temp_dir("gpt-tpck-whole"), half_dir = temp_dir("gpt-tpck-half");
+  const auto whole = run_gpt(1, 8, {}, whole_dir, {"--max_steps", "8"});
+  run_gpt(1, 8, {}, half_dir, {"--max_steps", "4"});
+  ASSERT_TRUE(whole.contains("final_train_loss"));
+  struct Pair {
+    std::string name;
+    int processes_before, batch_before;
+    Args before;
+    int processes_after, batch_after;
+    Args after;
+  };
+  const std::vector<Pair> pairs{{"FSDP + TP (4 ranks) -> DDP (2 ranks)", 4, 4, fsdp_tp, 2, 4, {}},
+                                {"DDP (2 ranks) -> FSDP + TP (4 ranks)", 2, 4, {}, 4, 4, fsdp_tp},
+                                {"tp 2 -> 1 process", 2, 8, {"--parallelism_config_tp_size", "2"}, 1, 8, {}}};
+  for (const auto& pair : pairs) {
+    SCOPED_TRACE(pair.name);
+    const auto dir = temp_dir("gpt-tpck");
+    auto first = run_gpt(pair.processes_before, pair.batch_before, pair.before, dir, first_half);
+    ASSERT_EQ(first["global_step"], 4);
+    const auto checkpoint = dir + "/checkpoints/checkpoint_0";
+    if (pair.before == fsdp_tp) {
+      // Slices are boxes in the index, and merge-weights assembles the whole model from them.
+      auto index = nlohmann::json::parse(read_file(checkpoint + "/sharded_index.json"));
+      EXPECT_EQ(index["format"], "xlr8-sharded-2");
+      const auto& qkv = index["tensors"]["model0/blocks.0.attn.qkv.weight"];
+      EXPECT_EQ(qkv["shape"], nlohmann::json::array({96, 32}));
+      // 3 fused parts (q, k, v) on each of 2 tp ranks: 6 boxes of 16 rows, their pieces as dp_shard cut them.
+      EXPECT_GE(qkv["ranges"].size(), 6u) << qkv.dump();
+      std::set<std::vector<int64_t>> boxes;
+      for (const auto& range : qkv["ranges"]) {
+        EXPECT_EQ(range["box_sizes"], nlohmann::json::array({16, 32})) << qkv.dump();
+        boxes.insert(range["box_offsets"].get<std::vector<int64_t>>());
+      }
+      EXPECT_EQ(boxes.size(), 6u) << qkv.dump();
+      const auto merged = temp_dir("gpt-tpck-merged");
+      auto r = run({kXlr8, "merge-weights", checkpoint, merged + "/model"}, 60);
+      ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+      expect_same_params(merged, half_dir, 1e-4);
+    }
+    auto resumed = run_gpt(pair.processes_after, pair.batch_after, pair.after, dir, second_half);
+    ASSERT_TRUE(resumed.contains("final_train_loss"));
+    EXPECT_EQ(resumed["global_step"], 8);
+    EXPECT_NEAR(resumed["final_train_loss"].get<double>(), whole["final_train_loss"].get<double>(), 1e-5);
+    EXPECT_NEAR(resumed["val_loss"].get<double>(), whole["val_loss"].get<double>(), 1e-5);
+    expect_same_params(dir, whole_dir, 5e-4);
   }
 }

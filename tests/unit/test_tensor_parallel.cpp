@@ -71,7 +71,8 @@ at::Tensor expected_slice(const at::Tensor& whole, const std::optional<xlr8::nn:
     case tp::Style::Colwise:
     case tp::Style::VocabParallel: return whole.narrow(0, slot->offset, local);
     case tp::Style::Rowwise: return is_weight ? whole.narrow(1, slot->offset, local) : whole;
-    case tp::Style::Replicate: return whole;
+    case tp::Style::Replicate:
+    case tp::Style::SequenceParallel: return whole;
   }
   return whole;
 }
