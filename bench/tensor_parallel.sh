@@ -21,7 +21,7 @@ while [ "$rep" -le "${REPS:-2}" ]; do
     batch=${rest%%:*}; program=${rest#*:}
     # shellcheck disable=SC2086
     line=$($X launch --num_processes "$n" $flags "$G" $A --batch_size "$batch" $program --output_dir "$OUT/$name" 2>&1 | tail -1)
-    echo "rep $rep $name state_bytes_per_rank $(echo "$line" | field state_bytes_per_rank) tokens_per_s $(echo "$line" | field tokens_per_s) peak_rss_mb $(echo "$line" | field peak_rss_mb) val_loss $(echo "$line" | field val_loss)"
+    echo "rep $rep $name state_bytes_per_rank $(echo "$line" | field state_bytes_per_rank) tokens_per_s $(echo "$line" | field tokens_per_s) peak_rss_mb $(echo "$line" | field peak_rss_mb) tp_wire_bytes_per_micro_step $(echo "$line" | field tp_wire_bytes_per_micro_step) val_loss $(echo "$line" | field val_loss)"
   done
   rep=$((rep + 1))
 done

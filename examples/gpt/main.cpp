@@ -176,6 +176,8 @@ int run(const Args& args) {
             args.batch_size * acc.state().mesh().size("dp") * acc.gradient_accumulation_steps(), train->size());
 
   const auto start = std::chrono::steady_clock::now();
+  const int64_t tp_bytes_before = xlr8::tp::region_wire_bytes();  // tensor-parallel traffic of training alone
+  int64_t micro_steps = 0;
   int64_t tokens = 0, steps_at_start = acc.step();
   int64_t held = 0, peak = 0;
   double last_loss = 0, grad_norm = 0;
@@ -186,6 +188,7 @@ int run(const Args& args) {
   while (!done) {
     for (auto& batch : *train) {
       auto step = acc.accumulate(model);
+      ++micro_steps;
       auto logits = model->forward(batch.data);
       auto loss = F::cross_entropy(logits.flatten(0, 1), batch.target.flatten());
       acc.backward(loss);
@@ -227,6 +230,7 @@ int run(const Args& args) {
   }
   bar.close();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const int64_t tp_bytes = xlr8::tp::region_wire_bytes() - tp_bytes_before;
   const double val_loss = validation_loss(acc, model, *val);
   acc.print("validation loss {:.4f} over {} held-out windows", val_loss, (val_text.numel() - 1) / args.seq_len);
   auto mean_loss = acc.reduce(torch::full({1}, last_loss, torch::kFloat64), xlr8::ReduceOp::AVG).item<double>();
@@ -245,6 +249,7 @@ int run(const Args& args) {
                           {"num_processes", acc.num_processes()},
                           {"tp_size", tp_group.size()},
                           {"sequence_parallel", args.sequence_parallel && tp_group.size() > 1},
+                          {"tp_wire_bytes_per_micro_step", micro_steps > 0 ? tp_bytes / micro_steps : 0},
                           {"last_grad_norm", grad_norm},
                           {"tokens_per_s", tokens / std::max(seconds, 1e-9)},
                           {"state_bytes_per_rank", static_cast<int64_t>(largest[0].item<double>())},

@@ -121,5 +121,9 @@ at::Tensor gather_from_sequence_region(const at::Tensor& x, const Communicator& 
 // Reduce-scatter forward and all-gather backward: partial outputs leaving a row-wise layer split on the
 // sequence. A sequence length the group does not divide is a ConfigError naming both.
 at::Tensor reduce_scatter_to_sequence_region(const at::Tensor& x, const Communicator& group);
+// Bytes this process has sent for the functions above, counted as a ring sends them (an all-reduce of
+// S bytes over n ranks 2(n-1)/n S; an all-gather or reduce-scatter of a whole of S bytes (n-1)/n S): the
+// tensor-parallel communication volume, read as a difference around a phase.
+int64_t region_wire_bytes();
 
 }  // namespace xlr8::tp

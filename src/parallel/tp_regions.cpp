@@ -2,6 +2,8 @@
 #include <torch/autograd.h>
 #include <torch/custom_class.h>
 
+#include <atomic>
+
 #include <fmt/format.h>
 
 #include "xlr8/error.hpp"
@@ -27,9 +29,18 @@ const Communicator& group_of(AutogradContext* ctx) {
   return c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule())->group;
 }
 
+// Bytes each rank sends for the regions' collectives, as a ring moves them: an all-reduce of S bytes
+// 2(n-1)/n S, an all-gather or reduce-scatter whose whole is S bytes (n-1)/n S.
+std::atomic<int64_t> wire_bytes{0};
+
+void count_wire(int64_t whole_bytes, const Communicator& group, int passes) {
+  wire_bytes += passes * whole_bytes * (group.size() - 1) / group.size();
+}
+
 // The group by value: a Communicator is a shared handle, and its collectives are non-const.
 at::Tensor all_reduced(const at::Tensor& x, Communicator group) {
   auto sum = x.contiguous().clone();
+  count_wire(sum.nbytes(), group, 2);
   group.all_reduce(sum);
   return sum;
 }
@@ -39,6 +50,7 @@ at::Tensor all_gathered(const at::Tensor& x, Communicator group, int64_t dim) {
   auto moved = x.movedim(dim, 0).contiguous();
   auto sizes = moved.sizes().vec();
   auto out = at::empty({group.size() * moved.numel()}, moved.options());
+  count_wire(out.nbytes(), group, 1);
   group.all_gather(out, moved);
   sizes[0] *= group.size();
   return out.view(sizes).movedim(0, dim).contiguous();
@@ -82,6 +94,7 @@ at::Tensor reduce_scattered(const at::Tensor& x, Communicator group) {
   auto moved = x.movedim(dim, 0).contiguous();
   auto sizes = moved.sizes().vec();
   auto out = at::empty({moved.numel() / group.size()}, moved.options());
+  count_wire(moved.nbytes(), group, 1);
   group.reduce_scatter(out, moved.reshape(-1), ReduceOp::SUM);
   sizes[0] /= group.size();
   return out.view(sizes).movedim(0, dim).contiguous();
@@ -123,6 +136,8 @@ int64_t checked_dim(const at::Tensor& x, int64_t dim) {
 }
 
 }  // namespace
+
+int64_t region_wire_bytes() { return wire_bytes.load(); }
 
 at::Tensor gather_from_sequence_region(const at::Tensor& x, const Communicator& group) {
   if (group.size() == 1) return x;
