@@ -12,7 +12,7 @@
 
 namespace fs = std::filesystem;
 
-namespace xlr8::checkpoint {
+namespace xlr8::checkpoints {
 
 int64_t parse_size(const std::string& text) {
   std::smatch m;
@@ -141,4 +141,4 @@ void export_hf_model(const NamedTensors& tensors, const std::string& dir, int64_
   export_hf_model(specs, [&](size_t i) { return tensors[i].second; }, dir, limit);
 }
 
-}  // namespace xlr8::checkpoint
+}  // namespace xlr8::checkpoints

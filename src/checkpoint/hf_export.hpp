@@ -10,7 +10,7 @@
 
 #include "xlr8/safetensors.hpp"
 
-namespace xlr8::checkpoint {
+namespace xlr8::checkpoints {
 
 // Writes `tensors` (in their order) into `dir`, shards of at most `max_shard_bytes` (a single tensor may
 // exceed it), replacing an earlier export there. No communication: the caller picks the process that writes.
@@ -58,4 +58,4 @@ class HfModelReader {
 // "10GB", "500MB", "2GiB", "1000": bytes. ConfigError for anything else.
 int64_t parse_size(const std::string& text);
 
-}  // namespace xlr8::checkpoint
+}  // namespace xlr8::checkpoints

@@ -10,7 +10,7 @@
 #include "compat/torch_compat.hpp"
 #include "xlr8/error.hpp"
 
-namespace xlr8::checkpoint {
+namespace xlr8::checkpoints {
 namespace {
 
 // Each kind: how its state object reads into and out of ParameterState. Optional tensors (AMSGrad's
@@ -142,4 +142,4 @@ void write_parameter_state(torch::optim::Optimizer& optimizer, const at::Tensor&
   throw Error("write_parameter_state: the optimizer's type has no portable state");
 }
 
-}  // namespace xlr8::checkpoint
+}  // namespace xlr8::checkpoints

@@ -9,7 +9,7 @@
 #include <optional>
 #include <string>
 
-namespace xlr8::checkpoint {
+namespace xlr8::checkpoints {
 
 struct ParameterState {
   std::map<std::string, at::Tensor> tensors;  // shaped like the parameter (leaf) they belong to
@@ -26,4 +26,4 @@ void write_parameter_state(torch::optim::Optimizer& optimizer, const at::Tensor&
 // The names of the tensors and counters `kind` keeps per parameter (for checking a checkpoint).
 std::vector<std::string> state_tensor_names(const std::string& kind);
 
-}  // namespace xlr8::checkpoint
+}  // namespace xlr8::checkpoints

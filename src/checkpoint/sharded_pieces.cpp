@@ -14,7 +14,7 @@
 
 namespace fs = std::filesystem;
 
-namespace xlr8::checkpoint {
+namespace xlr8::checkpoints {
 
 const char* const kPiecesIndex = "sharded_index.json";
 std::string pieces_file(int rank) { return fmt::format("shards_rank{}.safetensors", rank); }
@@ -240,7 +240,7 @@ void PieceReader::read_range(const std::string& key, const IndexedTensor::Range&
 at::Tensor PieceReader::read(const std::string& key, int64_t start, int64_t count) const {
   const auto* entry = find(key);
   if (!entry) throw Error(fmt::format("load_state: {} is missing; nothing was loaded", describe(key)));
-  if (entry->boxed()) return whole(key).view(-1).narrow(0, start, count);
+  if (entry->boxed()) return whole(key).view(-1).narrow(0, start, count).clone();  // not a view keeping it alive
   auto out = at::empty({count}, at::TensorOptions().dtype(entry->dtype));
   const size_t element = at::elementSize(entry->dtype);
   for (const auto& r : entry->ranges) {
@@ -279,7 +279,7 @@ at::Tensor PieceReader::read_box(const std::string& key, const std::vector<int64
   // Another layout: cut the box out of the whole tensor.
   at::Tensor box = whole(key);
   for (size_t d = 0; d < offsets.size(); ++d) box = box.narrow(static_cast<int64_t>(d), offsets[d], sizes[d]);
-  return box.contiguous().view(-1).narrow(0, start, count);
+  return box.contiguous().view(-1).narrow(0, start, count).clone();  // not a view keeping the whole alive
 }
 
 const at::Tensor& PieceReader::whole(const std::string& key) const {
@@ -305,4 +305,4 @@ const at::Tensor& PieceReader::whole(const std::string& key) const {
   return last_whole_.second;
 }
 
-}  // namespace xlr8::checkpoint
+}  // namespace xlr8::checkpoints

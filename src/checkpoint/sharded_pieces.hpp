@@ -16,7 +16,7 @@
 #include "xlr8/communicator.hpp"
 #include "xlr8/safetensors.hpp"
 
-namespace xlr8::checkpoint {
+namespace xlr8::checkpoints {
 
 class Verified;
 
@@ -86,4 +86,4 @@ class PieceReader {
   mutable std::map<std::string, std::map<std::string, SafetensorsEntry>> headers_;  // by rank file
 };
 
-}  // namespace xlr8::checkpoint
+}  // namespace xlr8::checkpoints

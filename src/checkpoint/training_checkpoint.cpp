@@ -17,7 +17,7 @@
 
 namespace fs = std::filesystem;
 
-namespace xlr8::checkpoint {
+namespace xlr8::checkpoints {
 namespace {
 
 constexpr const char* kFormat = "xlr8-checkpoint-1";
@@ -271,4 +271,4 @@ void check_matches(const NamedTensors& expected, const SafetensorsContent& conte
   }
 }
 
-}  // namespace xlr8::checkpoint
+}  // namespace xlr8::checkpoints

@@ -22,7 +22,7 @@
 #include "checkpoint/sharded_pieces.hpp"
 #include "xlr8/safetensors.hpp"
 
-namespace xlr8::checkpoint {
+namespace xlr8::checkpoints {
 
 struct Content {
   nlohmann::json state;                 // counters, loss scaler, data loaders (accelerator_state.json)
@@ -99,4 +99,4 @@ auto filesystem_guard(const std::string& what, Fn&& fn) {
   }
 }
 
-}  // namespace xlr8::checkpoint
+}  // namespace xlr8::checkpoints

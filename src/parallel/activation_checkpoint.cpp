@@ -142,9 +142,12 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     region->rng = RngSnapshot::of(inputs);
     region->autocast = AutocastState::now();
     auto outputs = region->body(inputs);  // gradients are off inside a Function's forward
+    torch::autograd::variable_list integral;
     for (const auto& out : outputs)
       if (out.defined() && !at::isFloatingType(out.scalar_type()) && !at::isComplexType(out.scalar_type()))
-        ctx->mark_non_differentiable({out});
+        integral.push_back(out);
+    ctx->mark_non_differentiable(integral);
+    ctx->set_materialize_grads(false);  // outputs the loss never used get no gradient, and no nested backward
     ctx->saved_data["region"] = c10::IValue::make_capsule(std::move(region));
     return outputs;
   }
@@ -203,6 +206,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 struct Marked {
   std::weak_ptr<const torch::nn::Module> alive;
   std::string label;
+  const torch::nn::Module* root = nullptr;
   bool ran = false, reported = false;
 };
 std::mutex marked_mutex;
@@ -240,10 +244,11 @@ bool recomputing() { return recompute_depth > 0; }
 
 std::string accumulated_twice(const std::string& parameter) {
   return fmt::format("parameter {} received its gradient twice in one backward pass, the second time after its "
-                     "reduction had started: it is read both inside and outside an activation-checkpointed region "
-                     "(xlr8::checkpoint or fsdp_activation_checkpointing), whose gradients come from a backward of "
-                     "their own. Keep each parameter on one side of the region (untie the weights, or widen the "
-                     "region to take in every use)",
+                     "reduction had started: it is read in two places of which at least one is an "
+                     "activation-checkpointed region (xlr8::checkpoint or fsdp_activation_checkpointing), whose "
+                     "gradients come from a backward of its own: inside and outside a region, or one module "
+                     "checkpointed at two calls. Keep each parameter's uses in one region (untie the weights, or "
+                     "widen the region to take in every use)",
                      parameter);
 }
 
@@ -255,9 +260,9 @@ void at_end_of_backward(std::function<void()> callback, std::function<void()> ab
   compat::at_end_of_backward(std::move(callback), std::move(abandoned));
 }
 
-void mark_checkpointed_unit(const torch::nn::Module& module, std::string label) {
+void mark_checkpointed_unit(const torch::nn::Module& module, std::string label, const torch::nn::Module& root) {
   std::lock_guard<std::mutex> lock(marked_mutex);
-  marked_units()[&module] = Marked{module.shared_from_this(), std::move(label)};
+  marked_units()[&module] = Marked{module.shared_from_this(), std::move(label), &root};
 }
 
 std::string checkpointed_unit_label(const torch::nn::Module& module) {
@@ -274,13 +279,17 @@ bool checkpoints_unit(const torch::nn::Module& unit) {
   return true;
 }
 
-std::vector<std::string> checkpointed_units_never_run() {
+std::vector<std::string> checkpointed_units_never_run(const torch::nn::Module& root) {
   std::lock_guard<std::mutex> lock(marked_mutex);
   std::vector<std::string> never;
   for (auto it = marked_units().begin(); it != marked_units().end();) {
     auto& entry = it->second;
     if (entry.alive.expired()) {
       it = marked_units().erase(it);
+      continue;
+    }
+    if (entry.root != &root) {
+      ++it;
       continue;
     }
     if (!entry.ran && !entry.reported) never.push_back(entry.label);

@@ -10,14 +10,15 @@
 
 namespace xlr8::detail {
 
-// fsdp_activation_checkpointing: `module` (at `label`) is checkpointed through its sharded(...) guard
-// for as long as it lives.
-void mark_checkpointed_unit(const torch::nn::Module& module, std::string label);
+// fsdp_activation_checkpointing: `module` (at `label` in the model `root`) is checkpointed through its
+// sharded(...) guard for as long as it lives.
+void mark_checkpointed_unit(const torch::nn::Module& module, std::string label, const torch::nn::Module& root);
 // The label of a marked unit, or empty.
 std::string checkpointed_unit_label(const torch::nn::Module& module);
-// Marked units whose forward has not come through sharded(unit, body, inputs...) since they were
-// marked, each reported once: a unit left whole by mistake is named after the first backward.
-std::vector<std::string> checkpointed_units_never_run();
+// The units of `root` whose forward has not come through sharded(unit, body, inputs...) since they were
+// marked, each reported once: a unit left whole by mistake is named after the first backward. (By model,
+// so that ranks run as threads, each with its own model, each see their own.)
+std::vector<std::string> checkpointed_units_never_run(const torch::nn::Module& root);
 
 // True while a checkpointed region is run again in backward, on this thread: a unit's guard then
 // gathers for the gradients that follow and does not free or record a forward.
@@ -28,8 +29,9 @@ bool recomputing();
 // otherwise end first.
 void at_end_of_backward(std::function<void()> callback, std::function<void()> abandoned = {});
 
-// DDP's and ZeRO's error for a parameter whose gradient arrives twice in one backward pass: after the
-// first arrival its reduction is under way, so the second would be lost.
+// DDP's and ZeRO's error for a parameter whose gradient arrives twice in one backward pass (a checkpointed
+// region's nested backward accumulates it on its own): after the first arrival its reduction is under
+// way, so the second would be lost.
 std::string accumulated_twice(const std::string& parameter);
 
 }  // namespace xlr8::detail

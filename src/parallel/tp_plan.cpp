@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 
 #include "parallel/tp_layer_kinds.hpp"
 #include "xlr8/error.hpp"
@@ -55,9 +56,11 @@ std::string listed(const std::vector<std::string>& paths) {
   return text;
 }
 
-// A SequenceParallel module saw only this rank's share of the sequence.
-void sum_gradients_over(torch::nn::Module& module, const Communicator& group) {
-  for (auto& p : module.parameters(/*recurse=*/true)) detail::sum_gradient_over(p, group);
+// A SequenceParallel module saw only this rank's share of the sequence. Each parameter is hooked once,
+// even when entries nest.
+void sum_gradients_over(torch::nn::Module& module, const Communicator& group, std::set<const c10::TensorImpl*>& hooked) {
+  for (auto& p : module.parameters(/*recurse=*/true))
+    if (hooked.insert(p.unsafeGetTensorImpl()).second) detail::sum_gradient_over(p, group);
 }
 
 }  // namespace
@@ -121,7 +124,21 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
     const auto& entry = plan[static_cast<size_t>(entry_of[i])];
     std::string problem;
     if (entry.style == Style::SequenceParallel && !detail::is_layer(*m)) {
-      continue;  // a norm or dropout: whole, its gradients summed over tp (below)
+      // A norm or dropout: whole, its gradients summed over tp (below). Not a module holding layers (their
+      // slices would be summed too), nor a weight tied to a use outside the split sequence.
+      std::vector<std::string> inner;
+      for (const auto& sub : m->named_modules(paths[i], /*include_self=*/false))
+        if (detail::is_layer(*sub.value())) inner.push_back(sub.key());
+      if (!inner.empty())
+        problems.push_back(fmt::format("'{}' (SequenceParallel) holds layers ({}); SequenceParallel is for norms and "
+                                       "dropouts: plan it on those modules alone",
+                                       paths[i], fmt::join(inner, ", ")));
+      for (const auto& p : m->named_parameters(/*recurse=*/true))
+        if (const auto& names = holders[p.value().unsafeGetTensorImpl()]; names.size() > 1)
+          problems.push_back(fmt::format("'{}' (SequenceParallel): its {} is tied ({}); a tied weight would have its "
+                                         "gradient summed over tp where it is whole",
+                                         paths[i], p.key(), fmt::join(names, ", ")));
+      continue;
     } else if (entry.sequence_parallel && entry.style == Style::SequenceParallel) {
       problem = "sequence_parallel is a flag of Colwise, Rowwise and VocabParallel entries";
     } else if (auto* linear = dynamic_cast<nn::LinearImpl*>(m)) {
@@ -155,11 +172,12 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
   if (strict && !unplanned.empty())
     throw ConfigError(fmt::format("tp plan (strict): no pattern covers {}; add them to the plan or turn strict off",
                                   listed(unplanned)));
+  std::set<const c10::TensorImpl*> hooked;
   for (size_t i = 0; i < paths.size(); ++i) {
     if (entry_of[i] < 0) continue;
     const auto& entry = plan[static_cast<size_t>(entry_of[i])];
     if (entry.style == Style::SequenceParallel)
-      sum_gradients_over(*modules[i], tp_group);
+      sum_gradients_over(*modules[i], tp_group, hooked);
     else if (auto* linear = dynamic_cast<nn::LinearImpl*>(modules[i].get()))
       linear->parallelize(entry, tp_group);
     else if (auto* embedding = dynamic_cast<nn::EmbeddingImpl*>(modules[i].get()))

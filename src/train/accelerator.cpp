@@ -181,7 +181,7 @@ void mark_units_for_checkpointing(const torch::nn::Module& module, const ZeroOpt
   int marked = 0;
   for (const auto& unit : detail::plan_units(module, zero))
     if (unit.module && unit.module != &module) {
-      detail::mark_checkpointed_unit(*unit.module, unit.label);
+      detail::mark_checkpointed_unit(*unit.module, unit.label, module);
       ++marked;
     }
   if (marked == 0)

@@ -1,5 +1,5 @@
 // Accelerator::save_state / load_state / save_model: gathers the Accelerator's counters and each
-// strategy's state dicts into a checkpoint::Content and back; the file format, its crash safety and
+// strategy's state dicts into a checkpoints::Content and back; the file format, its crash safety and
 // verification live in src/checkpoint/.
 #include <filesystem>
 #include <map>
@@ -90,7 +90,7 @@ void record_training_state(const AcceleratorImpl& s, nlohmann::json& st) {
 
 // total_limit: the oldest automatic checkpoints go.
 void prune_automatic_checkpoints(const AcceleratorImpl& s) {
-  auto all = checkpoint::automatic_checkpoints(s.options.project_dir);
+  auto all = checkpoints::automatic_checkpoints(s.options.project_dir);
   for (size_t i = 0; i + static_cast<size_t>(*s.options.total_limit) < all.size(); ++i) {
     // Renamed first, so that a crash while deleting never leaves a half-deleted checkpoint_<N>.
     const auto doomed = all[i].string() + ".removing";
@@ -108,7 +108,7 @@ struct LoadPlan {
   std::vector<std::string> optimizer_paths;
 };
 
-LoadPlan read_and_check(const AcceleratorImpl& s, const checkpoint::Verified& saved, const fs::path& source, int rank) {
+LoadPlan read_and_check(const AcceleratorImpl& s, const checkpoints::Verified& saved, const fs::path& source, int rank) {
   const auto st = saved.state();
   const int ranks = s.state->world_size();
   LoadPlan plan;
@@ -142,15 +142,15 @@ LoadPlan read_and_check(const AcceleratorImpl& s, const checkpoint::Verified& sa
                               now_sharded ? "sharded" : "whole", ranks));
     const bool per_rank = i < sharded.size() && sharded[i];
     plan.optimizer_paths[i] =
-        (source / (per_rank ? checkpoint::rank_optimizer_file(i, rank) : checkpoint::optimizer_file(i))).string();
-    plan.optimizer_archives[i] = checkpoint::read_optimizer_archive(
+        (source / (per_rank ? checkpoints::rank_optimizer_file(i, rank) : checkpoints::optimizer_file(i))).string();
+    plan.optimizer_archives[i] = checkpoints::read_optimizer_archive(
         per_rank ? saved.rank_optimizer(i, rank) : saved.optimizer(i), plan.optimizer_paths[i]);
   }
   return plan;
 }
 
 // After the models: schedulers, optimizers, registered objects, counters and loaders.
-void apply_training_state(AcceleratorImpl& s, const checkpoint::Verified& saved, const fs::path& source,
+void apply_training_state(AcceleratorImpl& s, const checkpoints::Verified& saved, const fs::path& source,
                           LoadPlan& plan) {
   const auto st = saved.state();
   auto optimizer_steps = st.value("optimizer_steps", nlohmann::json::array());
@@ -163,7 +163,7 @@ void apply_training_state(AcceleratorImpl& s, const checkpoint::Verified& saved,
   }
   for (size_t i = 0; i < s.optimizers.size(); ++i) {
     if (!plan.portable->optimizers[i].portable)
-      checkpoint::load_optimizer(*s.optimizers[i]->optimizer, plan.optimizer_archives[i], plan.optimizer_paths[i]);
+      checkpoints::load_optimizer(*s.optimizers[i]->optimizer, plan.optimizer_archives[i], plan.optimizer_paths[i]);
     s.optimizers[i]->steps = optimizer_steps[i].get<int64_t>();
   }
   apply_optimizer_state(s, *plan.portable);
@@ -183,11 +183,11 @@ void apply_training_state(AcceleratorImpl& s, const checkpoint::Verified& saved,
 }  // namespace
 
 std::string Accelerator::save_state(const std::string& dir) {
-  return checkpoint::filesystem_guard(fmt::format("save_state({:?})", dir), [&] { return save_state_unguarded(dir); });
+  return checkpoints::filesystem_guard(fmt::format("save_state({:?})", dir), [&] { return save_state_unguarded(dir); });
 }
 
 void Accelerator::load_state(const std::string& dir) {
-  checkpoint::filesystem_guard(fmt::format("load_state({:?})", dir), [&] {
+  checkpoints::filesystem_guard(fmt::format("load_state({:?})", dir), [&] {
     load_state_unguarded(dir);
     return 0;
   });
@@ -201,7 +201,7 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
       throw Error("save_state(): give a directory, or set AcceleratorOptions::automatic_checkpoint_naming");
     target = (fs::path(s.options.project_dir) / "checkpoints" / fmt::format("checkpoint_{}", s.save_iteration)).string();
   }
-  checkpoint::Content content;
+  checkpoints::Content content;
   content.rng = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
   // Models: whole on the main process (FULL_STATE_DICT; gathered one unit at a time when sharded), or
   // each rank's pieces. Optimizers of LibTorch's types: each rank's pieces, by parameter name, so any
@@ -211,7 +211,7 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
     content.write_models = [&](const fs::path& tmp) {
       std::vector<std::string> names;
       for (size_t i = 0; i < s.models.size(); ++i) {
-        names.push_back(checkpoint::model_file(i));
+        names.push_back(checkpoints::model_file(i));
         std::unique_ptr<SafetensorsWriter> writer;
         stream_full_state(
             s, *s.models[i]->module(), "save_state",
@@ -228,8 +228,8 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
   for (size_t i = 0; i < s.optimizers.size(); ++i) {
     sharded.push_back(optimizer_is_sharded(s, *s.optimizers[i]->optimizer));
     if (portable[i]) continue;
-    if (sharded[i]) content.rank_optimizers[i] = checkpoint::optimizer_bytes(*s.optimizers[i]->optimizer);
-    else if (is_main_process()) content.optimizers[i] = checkpoint::optimizer_bytes(*s.optimizers[i]->optimizer);
+    if (sharded[i]) content.rank_optimizers[i] = checkpoints::optimizer_bytes(*s.optimizers[i]->optimizer);
+    else if (is_main_process()) content.optimizers[i] = checkpoints::optimizer_bytes(*s.optimizers[i]->optimizer);
   }
   if (is_main_process()) {
     for (size_t i = 0; i < s.custom.size(); ++i) {  // registered objects, as Accelerate's custom_checkpoint_<i>
@@ -245,7 +245,7 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
     }
     record_training_state(s, content.state);
   }
-  auto written = checkpoint::save(checkpoint::directory_path(target), content, s.world());
+  auto written = checkpoints::save(checkpoints::directory_path(target), content, s.world());
   if (is_main_process() && dir.empty() && s.options.total_limit) prune_automatic_checkpoints(s);
   s.save_iteration += 1;
   wait_for_everyone();
@@ -254,14 +254,14 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
 
 void Accelerator::load_state_unguarded(const std::string& dir) {
   auto& s = *impl_;
-  fs::path source = checkpoint::directory_path(dir);
+  fs::path source = checkpoints::directory_path(dir);
   if (dir.empty()) {
-    auto all = checkpoint::automatic_checkpoints(s.options.project_dir);
+    auto all = checkpoints::automatic_checkpoints(s.options.project_dir);
     if (all.empty())
       throw Error(fmt::format("load_state(): no checkpoints under {}/checkpoints", s.options.project_dir));
     source = all.back();
   }
-  const checkpoint::Verified saved(source);
+  const checkpoints::Verified saved(source);
 
   // Read and check everything before the first change, on every rank; then agree, so that a bad shard
   // one rank read stops them all.
@@ -301,34 +301,34 @@ std::string Accelerator::module_bytes(const torch::nn::Module& module) {
 void Accelerator::load_module_bytes(torch::nn::Module& module, const std::string& bytes, const std::string& origin) {
   auto saved = parse_safetensors(bytes, origin);
   auto own = module_state_dict(module);
-  checkpoint::check_matches(own, saved, origin);
+  checkpoints::check_matches(own, saved, origin);
   std::map<std::string, at::Tensor> by_name(own.begin(), own.end());
   at::NoGradGuard no_grad;
   for (const auto& [name, t] : saved.tensors) by_name.at(name).copy_(t);
 }
 
 std::string Accelerator::optimizer_archive(const torch::optim::Optimizer& optimizer) {
-  return checkpoint::optimizer_bytes(optimizer);
+  return checkpoints::optimizer_bytes(optimizer);
 }
 
 void Accelerator::load_optimizer_archive(torch::optim::Optimizer& optimizer, const std::string& bytes,
                                          const std::string& origin) {
-  auto archive = checkpoint::read_optimizer_archive(bytes, origin);
-  checkpoint::load_optimizer(optimizer, archive, origin);
+  auto archive = checkpoints::read_optimizer_archive(bytes, origin);
+  checkpoints::load_optimizer(optimizer, archive, origin);
 }
 
 void Accelerator::save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const {
-  const int64_t limit = checkpoint::parse_size(max_shard_size);  // on every rank: a bad size fails them all
-  std::unique_ptr<checkpoint::HfModelWriter> writer;
+  const int64_t limit = checkpoints::parse_size(max_shard_size);  // on every rank: a bad size fails them all
+  std::unique_ptr<checkpoints::HfModelWriter> writer;
   stream_full_state(
       *impl_, module, fmt::format("save_model({:?})", dir),
       [&](std::vector<SafetensorsSpec> specs) {
-        writer = checkpoint::filesystem_guard(fmt::format("save_model({:?})", dir), [&] {
-          return std::make_unique<checkpoint::HfModelWriter>(dir, std::move(specs), limit);
+        writer = checkpoints::filesystem_guard(fmt::format("save_model({:?})", dir), [&] {
+          return std::make_unique<checkpoints::HfModelWriter>(dir, std::move(specs), limit);
         });
       },
       [&](const at::Tensor& t) { writer->write(t); },
-      [&] { checkpoint::filesystem_guard(fmt::format("save_model({:?})", dir), [&] { writer->finish(); return 0; }); });
+      [&] { checkpoints::filesystem_guard(fmt::format("save_model({:?})", dir), [&] { writer->finish(); return 0; }); });
 }
 
 namespace {
@@ -346,7 +346,7 @@ struct LoadTarget {
 // or why not.
 nlohmann::json plan_load(const std::string& path, const std::map<std::string, LoadTarget>& targets,
                          const std::vector<std::string>& order, bool strict,
-                         std::optional<checkpoint::HfModelReader>& reader) {
+                         std::optional<checkpoints::HfModelReader>& reader) {
   try {
     reader.emplace(path);
   } catch (const Error& e) {
@@ -414,7 +414,7 @@ void Accelerator::load_module(torch::nn::Module& module, const std::string& path
     order.push_back(item.key());
     targets[item.key()] = {item.value(), 0, item.value().sizes().vec()};
   }
-  std::optional<checkpoint::HfModelReader> reader;
+  std::optional<checkpoints::HfModelReader> reader;
   nlohmann::json verdict = reads ? plan_load(path, targets, order, strict, reader) : nlohmann::json();
   if (collective) verdict = nlohmann::json::parse(world.broadcast_object(verdict.dump(), 0));
   if (verdict.contains("problem")) throw Error(verdict["problem"].get<std::string>());

@@ -176,11 +176,12 @@ void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
   auto scaled = impl_->loss_for_backward(loss);
   AutocastPause outside_autocast;
   scaled.backward({}, retain_graph);
-  if (auto never = detail::checkpointed_units_never_run(); !never.empty())
-    throw ConfigError(fmt::format("fsdp_activation_checkpointing: unit(s) {} ran no forward through "
-                                  "xlr8::sharded(*this, body, inputs...), so they were not checkpointed; write "
-                                  "their forward in that form (xlr8/unshard.hpp)",
-                                  fmt::join(never, ", ")));
+  for (const auto& model : impl_->models)
+    if (auto never = detail::checkpointed_units_never_run(*model->module()); !never.empty())
+      throw ConfigError(fmt::format("fsdp_activation_checkpointing: unit(s) {} ran no forward through "
+                                    "xlr8::sharded(*this, body, inputs...), so they were not checkpointed; write "
+                                    "their forward in that form (xlr8/unshard.hpp)",
+                                    fmt::join(never, ", ")));
 }
 
 void Accelerator::clip_grad_value(const std::vector<at::Tensor>& parameters, double clip_value) {

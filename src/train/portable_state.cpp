@@ -16,7 +16,7 @@
 namespace xlr8 {
 namespace {
 
-using checkpoint::model_key;
+using checkpoints::model_key;
 
 // Every prepared model's parameter pieces on this rank, and where each optimizer leaf is among them.
 struct Layout {
@@ -82,7 +82,7 @@ std::vector<SliceBox> slice_boxes(const tp::SliceLayout& layout, const std::vect
 }
 
 // Elements [start, start + count) of a slice flattened, read from whatever layout saved the whole.
-at::Tensor read_slice(const checkpoint::PieceReader& reader, const std::string& key, const std::vector<SliceBox>& boxes,
+at::Tensor read_slice(const checkpoints::PieceReader& reader, const std::string& key, const std::vector<SliceBox>& boxes,
                       int64_t start, int64_t count) {
   std::vector<at::Tensor> parts;
   for (const auto& box : boxes) {
@@ -94,7 +94,7 @@ at::Tensor read_slice(const checkpoint::PieceReader& reader, const std::string& 
 }
 
 bool optimizer_portable(const torch::optim::Optimizer& optimizer, const Layout& layout) {
-  if (!checkpoint::portable_optimizer_kind(optimizer)) return false;
+  if (!checkpoints::portable_optimizer_kind(optimizer)) return false;
   for (const auto& group : optimizer.param_groups())
     for (const auto& p : group.params())
       if (!layout.find(p)) return false;  // it updates a tensor no prepared model has
@@ -120,7 +120,7 @@ bool models_saved_sharded(const AcceleratorImpl& s) {
   return true;  // DeepSpeed writes each rank's partition
 }
 
-std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_as_pieces, checkpoint::RankPieces& out,
+std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_as_pieces, checkpoints::RankPieces& out,
                                          nlohmann::json& state) {
   const Layout layout(s);
   auto& world = s.world();
@@ -166,14 +166,14 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
   for (size_t j = 0; j < s.optimizers.size(); ++j) {
     const auto& optimizer = *s.optimizers[j]->optimizer;
     portable.push_back(optimizer_portable(optimizer, layout));
-    state["optimizer_formats"].push_back(portable.back() ? *checkpoint::portable_optimizer_kind(optimizer) : "archive");
+    state["optimizer_formats"].push_back(portable.back() ? *checkpoints::portable_optimizer_kind(optimizer) : "archive");
     state["optimizer_lrs"].push_back(learning_rates(optimizer));
     if (!portable.back()) continue;
     for (const auto& group : optimizer.param_groups())
       for (const auto& leaf : group.params()) {
         size_t model = 0;
         const auto* piece = layout.find(leaf, &model);
-        auto param_state = checkpoint::read_parameter_state(optimizer, leaf);
+        auto param_state = checkpoints::read_parameter_state(optimizer, leaf);
         if (!param_state) continue;
         const auto* slice = slice_of(model, piece->name);
         const auto range = written_range(*s.models[model], *piece, world, mesh, slice != nullptr);
@@ -186,9 +186,9 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
   return portable;
 }
 
-PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoint::Verified& saved, const nlohmann::json& st) {
+PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Verified& saved, const nlohmann::json& st) {
   const Layout layout(s);
-  const checkpoint::PieceReader reader(saved);
+  const checkpoints::PieceReader reader(saved);
   const auto where = saved.dir().string();
   std::vector<std::map<std::string, tp::SliceLayout>> slices;
   for (const auto& m : s.models) slices.push_back(tp::slice_layouts(*m->module()));
@@ -238,7 +238,7 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoint::Ver
     const auto& optimizer = *s.optimizers[j]->optimizer;
     const std::string saved_format = j < formats.size() ? formats[j].get<std::string>() : "archive";
     if (saved_format == "archive") continue;
-    const auto kind = checkpoint::portable_optimizer_kind(optimizer);
+    const auto kind = checkpoints::portable_optimizer_kind(optimizer);
     if (kind != saved_format || !optimizer_portable(optimizer, layout))
       throw Error(fmt::format("load_state: optimizer {} of {} holds {} state, but the prepared optimizer is {}; "
                               "prepare the same optimizer type; nothing was loaded",
@@ -253,8 +253,8 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoint::Ver
       for (const auto& leaf : group.params()) {
         size_t model = 0;
         const auto* piece = layout.find(leaf, &model);
-        checkpoint::ParameterState state;
-        for (const auto& name : checkpoint::state_tensor_names(*kind)) {
+        checkpoints::ParameterState state;
+        for (const auto& name : checkpoints::state_tensor_names(*kind)) {
           const auto key = optimizer_key(j, model, piece->name, name);
           if (!reader.find(key)) continue;
           state.tensors[name] = read_piece(model, key, *piece, leaf.numel());
@@ -282,7 +282,7 @@ void apply_optimizer_state(AcceleratorImpl& s, const PortableLoad& load) {
     if (!target.portable) continue;
     auto& optimizer = *s.optimizers[j]->optimizer;
     for (const auto& [leaf, state] : target.leaves) {
-      if (state) checkpoint::write_parameter_state(optimizer, leaf, *state);
+      if (state) checkpoints::write_parameter_state(optimizer, leaf, *state);
       else optimizer.state().erase(compat::optimizer_state_key(leaf));
     }
     for (size_t g = 0; g < target.lrs.size(); ++g) optimizer.param_groups()[g].options().set_lr(target.lrs[g]);

@@ -21,7 +21,7 @@ bool models_saved_sharded(const AcceleratorImpl& s);
 // optimizer whose type is portable, and `state` with "optimizer_formats" (kind or "archive") and
 // "optimizer_lrs". Returns, per optimizer, whether it is written as pieces (else the caller archives it).
 std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_as_pieces,
-                                         checkpoint::RankPieces& pieces, nlohmann::json& state);
+                                         checkpoints::RankPieces& pieces, nlohmann::json& state);
 
 // What load_state will copy in, read and checked in full first.
 struct PortableLoad {
@@ -31,14 +31,14 @@ struct PortableLoad {
   std::vector<std::vector<Copy>> models;  // per model
   struct OptimizerStates {
     bool portable = false;  // else the optimizer comes from its archive
-    std::vector<std::pair<at::Tensor, std::optional<checkpoint::ParameterState>>> leaves;
+    std::vector<std::pair<at::Tensor, std::optional<checkpoints::ParameterState>>> leaves;
     std::vector<double> lrs;
   };
   std::vector<OptimizerStates> optimizers;
 };
 
 // Throws (naming the tensor, both shapes, or the file) when the checkpoint does not fit what is prepared.
-PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoint::Verified& saved, const nlohmann::json& state);
+PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Verified& saved, const nlohmann::json& state);
 // Copies the models in (collective: sharded strategies refresh their whole copies).
 void apply_model_state(AcceleratorImpl& s, const PortableLoad& load);
 // Optimizer states and learning rates, after the schedulers replayed their steps.

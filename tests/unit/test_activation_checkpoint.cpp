@@ -200,8 +200,9 @@ std::shared_ptr<NetImpl> make_net(bool closure_block = false, bool head_checkpoi
 }
 
 void mark_blocks(NetImpl& net) {
-  for (size_t b = 0; b < net.blocks->size(); ++b) xlr8::detail::mark_checkpointed_unit(*net.blocks[b], fmt::format("blocks.{}", b));
-  if (net.closure) xlr8::detail::mark_checkpointed_unit(*net.closure, "closure");
+  for (size_t b = 0; b < net.blocks->size(); ++b)
+    xlr8::detail::mark_checkpointed_unit(*net.blocks[b], fmt::format("blocks.{}", b), net);
+  if (net.closure) xlr8::detail::mark_checkpointed_unit(*net.closure, "closure", net);
 }
 
 // SGD steps on this rank's rows of a global batch of 12 drawn from generators seeded per step; the whole
@@ -262,11 +263,13 @@ TEST(ActivationCheckpoint, FullShardUnitsRecomputeWithoutAnExtraGatherAndMatchOn
         const auto stats = strategy->stats();
         gathers[static_cast<size_t>(checkpointed) * ranks + comm.rank()] = stats["gathers"].get<int64_t>();
         EXPECT_EQ(stats["gathered_bytes"], 0) << stats.dump();  // everything freed after the step
+        if (checkpointed) {
+          EXPECT_TRUE(xlr8::detail::checkpointed_units_never_run(*net).empty());
+        }
       });
     // Forward (under no-grad) gathers each block once and the recomputation once more, for its backward
     // too: as many gathers as without checkpointing.
     for (int r = 0; r < ranks; ++r) EXPECT_EQ(gathers[ranks + r], gathers[r]) << ranks << " ranks, rank " << r;
-    EXPECT_TRUE(xlr8::detail::checkpointed_units_never_run().empty());
   }
 }
 
@@ -298,11 +301,14 @@ TEST(ActivationCheckpoint, AUnitWhoseGuardCannotRecomputeIsRefusedByName) {
 
 TEST(ActivationCheckpoint, AMarkedUnitThatNeverCameThroughItsGuardIsNamedOnce) {
   auto net = make_net();
-  xlr8::detail::mark_checkpointed_unit(*net->in, "in");  // a LibTorch Linear: its forward opens no guard
+  xlr8::detail::mark_checkpointed_unit(*net->in, "in", *net);  // a LibTorch Linear: its forward opens no guard
   mark_blocks(*net);
   net->forward(torch::randn({2, 4})).sum().backward();
-  EXPECT_EQ(xlr8::detail::checkpointed_units_never_run(), std::vector<std::string>{"in"});
-  EXPECT_TRUE(xlr8::detail::checkpointed_units_never_run().empty());  // reported once
+  auto other = make_net();  // another model's units are its own
+  xlr8::detail::mark_checkpointed_unit(*other->in, "in", *other);
+  EXPECT_EQ(xlr8::detail::checkpointed_units_never_run(*net), std::vector<std::string>{"in"});
+  EXPECT_TRUE(xlr8::detail::checkpointed_units_never_run(*net).empty());  // reported once
+  EXPECT_EQ(xlr8::detail::checkpointed_units_never_run(*other), std::vector<std::string>{"in"});
 }
 
 namespace {

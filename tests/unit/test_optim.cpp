@@ -238,15 +238,15 @@ TEST(PortableOptimizerState, EveryBuiltInTypeRoundTripsThroughNamedTensors) {
     at::manual_seed(3);
     std::vector<at::Tensor> a{at::randn({3, 2}).requires_grad_(), at::randn({4}).requires_grad_()};
     auto opt_a = make(a);
-    EXPECT_EQ(xlr8::checkpoint::portable_optimizer_kind(*opt_a), kind);
+    EXPECT_EQ(xlr8::checkpoints::portable_optimizer_kind(*opt_a), kind);
     for (int k = 0; k < 3; ++k) step(*opt_a, a, k);
     std::vector<at::Tensor> b;
     for (auto& t : a) b.push_back(t.detach().clone().requires_grad_());
     auto opt_b = make(b);
     for (size_t i = 0; i < a.size(); ++i) {
-      auto state = xlr8::checkpoint::read_parameter_state(*opt_a, a[i]);
+      auto state = xlr8::checkpoints::read_parameter_state(*opt_a, a[i]);
       ASSERT_TRUE(state.has_value());
-      xlr8::checkpoint::write_parameter_state(*opt_b, b[i], *state);
+      xlr8::checkpoints::write_parameter_state(*opt_b, b[i], *state);
     }
     for (int k = 3; k < 5; ++k) step(*opt_a, a, k), step(*opt_b, b, k);
     for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(a[i].equal(b[i])) << i;

@@ -124,6 +124,17 @@ TEST(SequenceParallel, ASequenceTheGroupCannotSplitAndMisplacedFlagsAreRefused) 
       EXPECT_NE(std::string(e.what()).find("sequence_parallel applies to Colwise and Rowwise Linears"), std::string::npos)
           << e.what();
     }
+    // SequenceParallel on a module that holds layers would sum their slices' gradients too.
+    auto holder = std::make_shared<torch::nn::Module>();
+    holder->register_module("inner", torch::nn::Sequential(torch::nn::LayerNorm(torch::nn::LayerNormOptions({4})),
+                                                           xlr8::nn::Linear(4, 4)));
+    try {
+      tp::parallelize(*holder, comm, {{"inner", tp::Style::SequenceParallel}});
+      ADD_FAILURE() << "SequenceParallel on a module holding a Linear was accepted";
+    } catch (const xlr8::ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("'inner' (SequenceParallel) holds layers (inner.1)"), std::string::npos)
+          << e.what();
+    }
     try {
       tp::parallelize(*other, comm, {{"head", tp::Style::SequenceParallel}});
       ADD_FAILURE() << "a Linear planned SequenceParallel was accepted";

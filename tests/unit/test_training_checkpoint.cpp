@@ -22,12 +22,12 @@ fs::path fresh_dir(const std::string& tag) {
   return dir;
 }
 
-checkpoint::Content sample_content() {
-  checkpoint::Content c;
+checkpoints::Content sample_content() {
+  checkpoints::Content c;
   c.state = {{"micro_step", 3}};
   c.models.push_back({{"w", at::arange(6, at::kFloat).reshape({2, 3})}, {"b", at::ones({2})}});
   torch::optim::SGD sgd(std::vector<at::Tensor>{at::ones({2}, at::requires_grad())}, 0.1);
-  c.optimizers[0] = checkpoint::optimizer_bytes(sgd);
+  c.optimizers[0] = checkpoints::optimizer_bytes(sgd);
   c.rng = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
   return c;
 }
@@ -46,10 +46,10 @@ std::string error_of(const std::function<void()>& fn) {
 TEST(TrainingCheckpoint, SavedContentReadsBackVerified) {
   auto dir = fresh_dir("roundtrip");
   auto world = Communicator::in_process("ckpt-roundtrip", 0, 1);
-  auto written = checkpoint::save(dir, sample_content(), world);
+  auto written = checkpoints::save(dir, sample_content(), world);
   EXPECT_EQ(written, dir.string());
   EXPECT_FALSE(fs::exists(dir.string() + ".partial"));
-  checkpoint::Verified saved(dir);
+  checkpoints::Verified saved(dir);
   EXPECT_EQ(saved.models(), 1u);
   EXPECT_EQ(saved.saved_world_size(), 1);
   EXPECT_EQ(saved.state()["micro_step"], 3);
@@ -57,7 +57,7 @@ TEST(TrainingCheckpoint, SavedContentReadsBackVerified) {
   ASSERT_EQ(model.tensors.size(), 2u);
   EXPECT_EQ(model.tensors[0].first, "w");  // module order kept
   EXPECT_TRUE(at::equal(model.tensors[0].second, at::arange(6, at::kFloat).reshape({2, 3})));
-  (void)checkpoint::read_optimizer_archive(saved.optimizer(0), "optimizer.bin");
+  (void)checkpoints::read_optimizer_archive(saved.optimizer(0), "optimizer.bin");
   EXPECT_TRUE(saved.rng(0).has_value());
   EXPECT_FALSE(saved.rng(1).has_value());
   fs::remove_all(dir);
@@ -66,28 +66,28 @@ TEST(TrainingCheckpoint, SavedContentReadsBackVerified) {
 TEST(TrainingCheckpoint, MismatchesAndCorruptionAreNamed) {
   auto dir = fresh_dir("bad");
   auto world = Communicator::in_process("ckpt-bad", 0, 1);
-  checkpoint::save(dir, sample_content(), world);
-  checkpoint::Verified saved(dir);
+  checkpoints::save(dir, sample_content(), world);
+  checkpoints::Verified saved(dir);
   NamedTensors other{{"w", at::zeros({3, 2})}, {"extra", at::zeros({1})}};
-  auto m = error_of([&] { checkpoint::check_matches(other, saved.model(0), "model.safetensors"); });
+  auto m = error_of([&] { checkpoints::check_matches(other, saved.model(0), "model.safetensors"); });
   EXPECT_NE(m.find("missing [extra]"), std::string::npos) << m;
   EXPECT_NE(m.find("mismatched [w (float32[2, 3] saved, float32[3, 2] in the model)]"), std::string::npos) << m;
   EXPECT_NE(m.find("unexpected [b]"), std::string::npos) << m;
-  m = error_of([&] { (void)checkpoint::read_optimizer_archive("not an archive", "optimizer.bin"); });
+  m = error_of([&] { (void)checkpoints::read_optimizer_archive("not an archive", "optimizer.bin"); });
   EXPECT_NE(m.find("optimizer.bin is not a readable optimizer state"), std::string::npos) << m;
   {  // one flipped byte in the model file
     std::fstream f(dir / "model.safetensors", std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(-1, std::ios::end);
     f.put('\x7f');
   }
-  checkpoint::Verified again(dir);  // sizes match: the CRC32 is checked when the file is read
+  checkpoints::Verified again(dir);  // sizes match: the CRC32 is checked when the file is read
   m = error_of([&] { (void)again.model(0); });
   EXPECT_NE(m.find("model.safetensors fails its CRC32 check"), std::string::npos) << m;
   fs::resize_file(dir / "model.safetensors", fs::file_size(dir / "model.safetensors") - 1);
-  m = error_of([&] { checkpoint::Verified truncated(dir); });
+  m = error_of([&] { checkpoints::Verified truncated(dir); });
   EXPECT_NE(m.find("model.safetensors has"), std::string::npos) << m;
   fs::remove(dir / "MANIFEST.json");
-  m = error_of([&] { checkpoint::Verified again(dir); });
+  m = error_of([&] { checkpoints::Verified again(dir); });
   EXPECT_NE(m.find("MANIFEST.json is missing"), std::string::npos) << m;
   fs::remove_all(dir);
 }
@@ -95,15 +95,15 @@ TEST(TrainingCheckpoint, MismatchesAndCorruptionAreNamed) {
 TEST(HfExport, ShardsWithAnIndexAboveTheLimitAndOneFileBelow) {
   auto dir = fresh_dir("hf");
   NamedTensors tensors{{"a", at::zeros({256})}, {"b", at::zeros({256})}, {"c", at::zeros({256})}};  // 1 KB each
-  checkpoint::export_hf_model(tensors, dir.string(), 2100);  // a and b fit one shard, c the next
+  checkpoints::export_hf_model(tensors, dir.string(), 2100);  // a and b fit one shard, c the next
   EXPECT_TRUE(fs::exists(dir / "model.safetensors.index.json"));
   EXPECT_TRUE(fs::exists(dir / "model-00001-of-00002.safetensors"));
   EXPECT_FALSE(fs::exists(dir / "model.safetensors"));
-  checkpoint::export_hf_model(tensors, dir.string(), checkpoint::parse_size("10GB"));  // replaces the shards
+  checkpoints::export_hf_model(tensors, dir.string(), checkpoints::parse_size("10GB"));  // replaces the shards
   EXPECT_TRUE(fs::exists(dir / "model.safetensors"));
   EXPECT_FALSE(fs::exists(dir / "model.safetensors.index.json"));
   EXPECT_FALSE(fs::exists(dir / "model-00001-of-00002.safetensors"));
-  EXPECT_EQ(checkpoint::parse_size("2GiB"), int64_t{2} << 30);
-  EXPECT_THROW(checkpoint::parse_size("lots"), ConfigError);
+  EXPECT_EQ(checkpoints::parse_size("2GiB"), int64_t{2} << 30);
+  EXPECT_THROW(checkpoints::parse_size("lots"), ConfigError);
   fs::remove_all(dir);
 }

@@ -53,7 +53,7 @@ double per_rank(const std::string& strategy, const DtypeBytes& d, double psi, in
 
 // Parameters of a safetensors file, a model.safetensors.index.json, or a directory holding either.
 Model model_of_file(const std::string& path) {
-  std::optional<checkpoint::HfModelReader> reader;
+  std::optional<checkpoints::HfModelReader> reader;
   try {
     reader.emplace(path);
   } catch (const Error& e) {

@@ -32,15 +32,15 @@ struct Args {
 
 int merge(const Args& a) {
   const auto dtype = parse_dtype(a.dtype);
-  const int64_t limit = checkpoint::parse_size(a.max_shard_size);
-  if (!fs::is_directory(checkpoint::directory_path(a.checkpoint)))
+  const int64_t limit = checkpoints::parse_size(a.max_shard_size);
+  if (!fs::is_directory(checkpoints::directory_path(a.checkpoint)))
     throw ConfigError(fmt::format("merge-weights: checkpoint {} does not exist; give a directory save_state wrote "
                                   "(such as <project_dir>/checkpoints/checkpoint_0)",
                                   a.checkpoint));
-  const checkpoint::Verified saved(checkpoint::directory_path(a.checkpoint));
-  const checkpoint::PieceReader reader(saved);
+  const checkpoints::Verified saved(checkpoints::directory_path(a.checkpoint));
+  const checkpoints::PieceReader reader(saved);
   // The model's own order (parameters, then buffers) when the checkpoint records it; else by name.
-  const auto prefix = checkpoint::model_key(a.model, "");
+  const auto prefix = checkpoints::model_key(a.model, "");
   std::vector<std::string> names;
   auto state = saved.state();
   if (state.contains("model_tensors") && a.model < state["model_tensors"].size())
@@ -59,14 +59,14 @@ int merge(const Args& a) {
     specs.push_back({name, dtype && at::isFloatingType(entry->dtype) ? *dtype : entry->dtype, entry->shape});
     bytes += entry->numel() * static_cast<int64_t>(at::elementSize(specs.back().dtype));
   }
-  checkpoint::export_hf_model(
+  checkpoints::export_hf_model(
       specs,
       [&](size_t i) {
         const auto* entry = reader.find(prefix + names[i]);
         return reader.read(prefix + names[i], 0, entry->numel()).view(entry->shape).to(specs[i].dtype);
       },
       a.out, limit);
-  const bool sharded = !saved.has(checkpoint::model_file(a.model));
+  const bool sharded = !saved.has(checkpoints::model_file(a.model));
   fmt::print("merged {} tensors ({:.1f} MB) of {} ({}) into {}\n", specs.size(), bytes / 1e6, a.checkpoint,
              sharded ? fmt::format("sharded over {} rank(s)", saved.saved_world_size()) : "a whole model file",
              (fs::path(a.out) / (bytes > limit ? "model.safetensors.index.json" : "model.safetensors")).string());
