@@ -311,5 +311,8 @@ int main(int argc, char** argv) {
   } catch (const xlr8::Error& e) {
     fmt::print(stderr, "gpt: error: {}\n", e.what());
     return 2;
+  } catch (const c10::Error& e) {  // LibTorch's own (a shape, a dtype): the message without its backtrace
+    fmt::print(stderr, "gpt: error: {}\n", e.what_without_backtrace());
+    return 1;
   }
 }

@@ -17,6 +17,8 @@
 // one, so use `accelerator.backward(loss)` or `loss.backward()`, not torch::autograd::grad, through a
 // checkpointed region; and a parameter read both inside and outside a region (weights tied across it)
 // is refused by DDP and ZeRO with its name, as PyTorch's DDP refuses it under reentrant checkpointing.
+// The recomputation sets the process's generators to the forward's state for its duration: another thread
+// drawing random numbers at that moment draws from that state.
 //
 // fsdp_activation_checkpointing checkpoints every unit of the wrap policy, with no call here: write the
 // unit's forward as `return xlr8::sharded(*this, [this](torch::Tensor x) { ... }, x);` (xlr8/unshard.hpp).

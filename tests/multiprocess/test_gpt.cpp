@@ -15,14 +15,29 @@ namespace {
 const std::string kXlr8 = XLR8_BIN;
 const std::string kGpt = GPT_BIN;
 
-nlohmann::json gpt_run(int processes, int batch, const std::string& dir, Args extra = {"--max_steps", "12"}) {
-  Args command{kXlr8, "launch", "--num_processes", std::to_string(processes), kGpt, "--n_layer", "2", "--d_model",
-               "32", "--n_head", "2", "--seq_len", "32", "--batch_size", std::to_string(batch),
-               "--lr", "3e-3", "--val_windows", "48", "--output_dir", dir};
-  command.insert(command.end(), extra.begin(), extra.end());
-  auto r = run(command, 180);
+Args concat(Args a, const Args& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// The small GPT the tests here train (2 layers, d_model 32, sequence 32), with its batch and output directory.
+Args small_gpt(int batch, const std::string& dir, int heads = 2) {
+  return {"--n_layer", "2", "--d_model", "32", "--n_head", std::to_string(heads), "--seq_len", "32", "--batch_size",
+          std::to_string(batch), "--lr", "3e-3", "--val_windows", "48", "--output_dir", dir};
+}
+
+// xlr8 launch --num_processes N <launcher flags> gpt <program flags>; a failure is reported.
+ProcessResult launch_gpt(int processes, const Args& launcher, const Args& program) {
+  auto command = concat(concat({kXlr8, "launch", "--num_processes", std::to_string(processes)}, launcher), {kGpt});
+  auto r = run(concat(command, program), 300);
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
-  return r.exit_code == 0 ? last_json(r.out) : nlohmann::json::object();
+  return r;
+}
+
+nlohmann::json json_of(const ProcessResult& r) { return r.exit_code == 0 ? last_json(r.out) : nlohmann::json::object(); }
+
+nlohmann::json gpt_run(int processes, int batch, const std::string& dir, Args extra = {"--max_steps", "12"}) {
+  return json_of(launch_gpt(processes, {}, concat(small_gpt(batch, dir), extra)));
 }
 
 // Bytes a tp rank sends per micro-step, as a ring sends them, for the tied-head GPT: per block two
@@ -105,14 +120,8 @@ TEST(GptTensorParallel, TpAloneWithFsdpWithHsdpAndWithDdpEqualsOneProcess) {
       auto dash = std::find(layout.flags.begin(), layout.flags.end(), "--");
       launcher.assign(layout.flags.begin(), dash);
       if (dash != layout.flags.end()) program.insert(program.end(), dash + 1, layout.flags.end());
-      Args command{kXlr8, "launch", "--num_processes", std::to_string(layout.processes)};
-      command.insert(command.end(), launcher.begin(), launcher.end());
-      for (auto a : Args{kGpt, "--n_layer", "2", "--d_model", "32", "--n_head", "2", "--seq_len", "32", "--batch_size",
-                         std::to_string(layout.batch), "--lr", "3e-3", "--val_windows", "48", "--output_dir", dir})
-        command.push_back(a);
-      command.insert(command.end(), program.begin(), program.end());
-      auto r = run(command, 300);
-      ASSERT_EQ(r.exit_code, 0) << layout.name << "\n" << r.out << r.err;
+      auto r = launch_gpt(layout.processes, launcher, concat(small_gpt(layout.batch, dir), program));
+      ASSERT_EQ(r.exit_code, 0) << layout.name;
       auto got = last_json(r.out);
       EXPECT_EQ(got["tp_size"], 2) << layout.name;
       if (layout.processes == 2) {  // tp 2 alone, batch 8
@@ -143,21 +152,10 @@ TEST(GptActivationCheckpointing, FullShardOnTwoAndThreeRanksAndFsdpTimesTpEqualO
                         "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"};
   const Args checkpointing{"--fsdp_activation_checkpointing", "true"};
   auto launch = [&](int processes, int batch, Args launcher, const std::string& dir, bool recomputes = true) {
-    Args command{kXlr8, "launch", "--num_processes", std::to_string(processes)};
-    command.insert(command.end(), launcher.begin(), launcher.end());
-    for (auto a : Args{kGpt, "--n_layer", "2", "--d_model", "32", "--n_head", "2", "--seq_len", "32", "--batch_size",
-                       std::to_string(batch), "--lr", "3e-3", "--val_windows", "48", "--output_dir", dir})
-      command.push_back(a);
-    command.insert(command.end(), common.begin(), common.end());
-    auto r = run(command, 300);
-    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    auto r = launch_gpt(processes, launcher, concat(small_gpt(batch, dir), common));
     if (r.exit_code != 0) return nlohmann::json::object();
     EXPECT_EQ(r.err.find("2 unit(s) recompute their forward in backward") != std::string::npos, recomputes) << r.err;
     return last_json(r.out);
-  };
-  auto concat = [](Args a, const Args& b) {
-    a.insert(a.end(), b.begin(), b.end());
-    return a;
   };
   struct Layout {
     std::string name;
@@ -200,18 +198,9 @@ TEST(GptActivationCheckpointing, FullShardOnTwoAndThreeRanksAndFsdpTimesTpEqualO
 // checkpointing, each with the residual stream split on the sequence, equal 1 process on the global batch
 // (accumulation 2, clipping that acts, whole saved parameters). 4 heads, so that tp 4 holds one each.
 TEST(GptSequenceParallel, TpTwoAndFourAndFsdpTimesTpWithCheckpointingEqualOneProcess) {
-  const Args model{"--n_layer", "2", "--d_model", "32", "--n_head", "4", "--seq_len", "32", "--lr", "3e-3",
-                   "--val_windows", "48", "--max_steps", "6", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5"};
+  const Args common{"--max_steps", "6", "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5"};
   auto run_gpt = [&](int processes, int batch, const Args& launcher, const Args& program, const std::string& dir) {
-    Args command{kXlr8, "launch", "--num_processes", std::to_string(processes)};
-    command.insert(command.end(), launcher.begin(), launcher.end());
-    command.push_back(kGpt);
-    command.insert(command.end(), model.begin(), model.end());
-    for (auto a : Args{"--batch_size", std::to_string(batch), "--output_dir", dir}) command.push_back(a);
-    command.insert(command.end(), program.begin(), program.end());
-    auto r = run(command, 300);
-    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
-    return r.exit_code == 0 ? last_json(r.out) : nlohmann::json::object();
+    return json_of(launch_gpt(processes, launcher, concat(concat(small_gpt(batch, dir, /*heads=*/4), common), program)));
   };
   const auto one_dir = temp_dir("gpt-sp-one");
   const auto one = run_gpt(1, 8, {}, {}, one_dir);
@@ -258,20 +247,10 @@ TEST(GptSequenceParallel, TpTwoAndFourAndFsdpTimesTpWithCheckpointingEqualOnePro
 // ranks, DDP resumes as FSDP + TP, tp 2 resumes as 1 process: each equals the uninterrupted run (AdamW's
 // moments included), and merge-weights turns the FSDP + TP checkpoint into the whole model.
 TEST(GptTensorParallelCheckpoint, EveryLayoutResumesEveryOtherAsIfUninterrupted) {
-  const Args common{"--n_layer", "2", "--d_model", "32", "--n_head", "2", "--seq_len", "32", "--lr", "3e-3",
-                    "--val_windows", "48", "--max_grad_norm", "0.5"};
   const Args fsdp_tp{"--use_fsdp", "--fsdp_state_dict_type", "SHARDED_STATE_DICT", "--parallelism_config_dp_shard_size",
                      "2", "--parallelism_config_tp_size", "2"};
-  auto run_gpt = [&](int processes, int batch, const Args& launcher, const std::string& dir, Args program) {
-    Args command{kXlr8, "launch", "--num_processes", std::to_string(processes)};
-    command.insert(command.end(), launcher.begin(), launcher.end());
-    command.push_back(kGpt);
-    command.insert(command.end(), common.begin(), common.end());
-    for (auto a : Args{"--batch_size", std::to_string(batch), "--output_dir", dir}) command.push_back(a);
-    command.insert(command.end(), program.begin(), program.end());
-    auto r = run(command, 300);
-    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
-    return r.exit_code == 0 ? last_json(r.out) : nlohmann::json::object();
+  auto run_gpt = [&](int processes, int batch, const Args& launcher, const std::string& dir, const Args& program) {
+    return json_of(launch_gpt(processes, launcher, concat(concat(small_gpt(batch, dir), {"--max_grad_norm", "0.5"}), program)));
   };
   const Args first_half{"--max_steps", "4", "--checkpoint_every", "4"}, second_half{"--max_steps", "8", "--resume_from", "latest"};
   const auto whole_dir = temp_dir("gpt-tpck-whole"), half_dir = temp_dir("gpt-tpck-half");
@@ -327,16 +306,7 @@ TEST(GptTensorParallelCheckpoint, EveryLayoutResumesEveryOtherAsIfUninterrupted)
 // of one bf16 process, which itself differs from fp32 (bf16 really ran).
 TEST(GptTensorParallel, Bf16WithAndWithoutSequenceParallelStaysWithinTheBf16Tolerance) {
   auto run_gpt = [&](int processes, int batch, Args launcher, const std::string& dir, Args program = {}) {
-    Args command{kXlr8, "launch", "--num_processes", std::to_string(processes)};
-    command.insert(command.end(), launcher.begin(), launcher.end());
-    for (auto a : Args{kGpt, "--n_layer", "2", "--d_model", "32", "--n_head", "2", "--seq_len", "32", "--batch_size",
-                       std::to_string(batch), "--lr", "3e-3", "--val_windows", "48", "--max_steps", "6",
-                       "--output_dir", dir})
-      command.push_back(a);
-    command.insert(command.end(), program.begin(), program.end());
-    auto r = run(command, 300);
-    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
-    return r.exit_code == 0 ? last_json(r.out) : nlohmann::json::object();
+    return json_of(launch_gpt(processes, launcher, concat(concat(small_gpt(batch, dir), {"--max_steps", "6"}), program)));
   };
   const auto one_dir = temp_dir("gpt-tp-bf16-one");
   const auto one = run_gpt(1, 8, {"--mixed_precision", "bf16"}, one_dir);

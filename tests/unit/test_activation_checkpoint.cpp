@@ -8,6 +8,7 @@
 #include <set>
 
 #include "parallel/activation_checkpoint.hpp"
+#include "strategy_steps.hpp"
 #include "thread_ranks.hpp"
 #include "xlr8/activation_checkpoint.hpp"
 #include "xlr8/autocast.hpp"
@@ -17,6 +18,7 @@
 
 using namespace xlr8;
 using xlr8::testing::generator_lock;
+using xlr8::testing::expect_same;
 using xlr8::testing::run_ranks;
 
 namespace {
@@ -205,33 +207,8 @@ void mark_blocks(NetImpl& net) {
   if (net.closure) xlr8::detail::mark_checkpointed_unit(*net.closure, "closure", net);
 }
 
-// SGD steps on this rank's rows of a global batch of 12 drawn from generators seeded per step; the whole
-// parameters afterwards.
 StateDict train(ParallelStrategy& strategy, int rank, int ranks, int steps) {
-  torch::optim::SGD opt(strategy.module()->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  strategy.bind_optimizer(opt);
-  auto& net = dynamic_cast<NetImpl&>(*strategy.module());
-  for (int s = 0; s < steps; ++s) {
-    auto gen = at::detail::createCPUGenerator(40 + static_cast<uint64_t>(s));
-    auto x = at::randn({12, 4}, gen), y = at::randint(0, 3, {12}, gen);
-    const int64_t rows = 12 / ranks;
-    strategy.begin_step(false);
-    torch::nll_loss(torch::log_softmax(net.forward(x.narrow(0, rank * rows, rows)), 1), y.narrow(0, rank * rows, rows))
-        .backward();
-    strategy.end_step();
-    strategy.optimizer_step(opt);
-    for (auto& group : opt.param_groups())
-      for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
-  }
-  StateDict out;
-  for (auto& [name, t] : strategy.state_dict(StateDictKind::FULL)) out.emplace_back(name, t.detach().clone());
-  return out;
-}
-
-void expect_same(const StateDict& got, const StateDict& expected, const std::string& what) {
-  ASSERT_EQ(got.size(), expected.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i)
-    EXPECT_LE((got[i].second - expected[i].second).abs().max().item<double>(), 2e-6) << what << " " << got[i].first;
+  return xlr8::testing::train_steps<NetImpl>(strategy, rank, ranks, steps, 40);
 }
 
 ParallelOptions full_shard(std::vector<std::string> classes = {"UnitBlock"}) {

@@ -7,13 +7,16 @@
 
 #include "parallel/unit_registry.hpp"
 #include "parallel/zero_strategy.hpp"
+#include "strategy_steps.hpp"
 #include "thread_ranks.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/parallel_strategy.hpp"
 #include "xlr8/unshard.hpp"
 
 using namespace xlr8;
+using xlr8::testing::expect_same;
 using xlr8::testing::run_ranks;
+using xlr8::testing::train_steps;
 
 namespace {
 
@@ -86,31 +89,6 @@ ParallelOptions full_shard(std::vector<std::string> classes = {"PairBlock"}) {
   return o;
 }
 
-// SGD steps of a `Net` (NetImpl or RiderNetImpl) on this rank's rows of a global batch of 12 drawn from
-// generators seeded `seed + step`; the whole parameters afterwards.
-template <class Net>
-StateDict train_steps(ParallelStrategy& strategy, int rank, int ranks, int steps, uint64_t seed) {
-  // Plain SGD: Adam turns the rounding noise of near-zero gradients into whole steps.
-  torch::optim::SGD opt(strategy.module()->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-  strategy.bind_optimizer(opt);
-  auto& net = dynamic_cast<Net&>(*strategy.module());
-  for (int s = 0; s < steps; ++s) {
-    auto gen = at::detail::createCPUGenerator(seed + static_cast<uint64_t>(s));
-    auto x = at::randn({12, 4}, gen), y = at::randint(0, 3, {12}, gen);
-    const int64_t rows = 12 / ranks;
-    strategy.begin_step(false);
-    torch::nll_loss(torch::log_softmax(net.forward(x.narrow(0, rank * rows, rows)), 1), y.narrow(0, rank * rows, rows))
-        .backward();
-    strategy.end_step();
-    strategy.optimizer_step(opt);
-    for (auto& group : opt.param_groups())
-      for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
-  }
-  StateDict out;
-  for (auto& [name, t] : strategy.state_dict(StateDictKind::FULL)) out.emplace_back(name, t.detach().clone());
-  return out;
-}
-
 StateDict train(ParallelStrategy& strategy, int rank, int ranks, int steps) {
   return train_steps<NetImpl>(strategy, rank, ranks, steps, 40);
 }
@@ -120,11 +98,6 @@ StateDict single_run(bool with_plain, int steps) {
   return train(*single, 0, 1, steps);
 }
 
-void expect_same(const StateDict& got, const StateDict& expected, const std::string& what) {
-  ASSERT_EQ(got.size(), expected.size()) << what;
-  for (size_t i = 0; i < got.size(); ++i)
-    EXPECT_LE((got[i].second - expected[i].second).abs().max().item<double>(), 2e-6) << what << " " << got[i].first;
-}
 
 }  // namespace
 
