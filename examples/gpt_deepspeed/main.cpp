@@ -9,6 +9,7 @@
 #include <chrono>
 
 #include "../gpt/gpt.hpp"
+#include "xlr8/tensor_parallel.hpp"
 #include "xlr8/deepspeed.hpp"
 #include "xlr8/error.hpp"
 
@@ -41,7 +42,7 @@ int main(int argc, char** argv) {
                                           .seed = seed});
     acc.print("gpt_deepspeed: ZeRO stage {}, {} windows per step ({} per rank x {} accumulation x {} ranks)",
               engine->zero_optimization_stage(), engine->train_batch_size(), engine->train_micro_batch_size_per_gpu(),
-              engine->gradient_accumulation_steps(), acc.num_processes());
+              engine->gradient_accumulation_steps(), acc.state().mesh().size("dp"));
     const auto start = std::chrono::steady_clock::now();
     int64_t tokens = 0;
     double step_loss = 0;
@@ -57,7 +58,7 @@ int main(int argc, char** argv) {
         engine->step();
         step_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count();
         step_loss += reported.item<double>();
-        tokens += batch.data.numel() * acc.num_processes();
+        tokens += batch.data.numel() * acc.state().mesh().size("dp");  // tp peers read the same batch
         if (!boundary) continue;
         losses.push_back(acc.reduce(at::full({1}, step_loss, at::kDouble), xlr8::ReduceOp::AVG).item<double>());
         step_loss = 0;
@@ -78,6 +79,8 @@ int main(int argc, char** argv) {
                                          {"skipped_steps", engine->skipped_steps()},
                                          {"num_processes", acc.num_processes()},
                                          {"stage", engine->zero_optimization_stage()},
+                                         {"tp_size", acc.state().mesh().size("tp")},
+                                         {"sliced_parameters", xlr8::tp::slice_layouts(engine->module()).size()},
                                          {"tokens_per_s", static_cast<double>(tokens) / std::max(seconds, 1e-9)},
                                          {"measured_step_ms", step_ms},
                                          {"wall_clock_ms", {{"forward", engine->wall_clock().forward_ms},

@@ -159,9 +159,9 @@ const std::vector<Key> kCheckpoint = {
 };
 
 const std::vector<Key> kTensorParallel = {
-    {"autotp_size", Use::DEFAULT, "0", "AutoTP tensor parallelism, which xlr8 does not have yet"},
-    {"partition_config", Use::DEFAULT, "null", "AutoTP partition rules, which xlr8 does not have yet"},
-    {"preset_model", Use::DEFAULT, "null", "an AutoTP preset, which xlr8 does not have yet"},
+    {"autotp_size", Use::READ},       // the engine splits the model over the launch's tp dimension
+    {"partition_config", Use::READ},  // tp::plan_from_deepspeed
+    {"preset_model", Use::DEFAULT, "null", "an AutoTP model preset (give partition_config rules instead)"},
     {"tp_overlap_comm", Use::HINT},
     {"tp_grain_size", Use::HINT},
     {"keep_module_on_host", Use::HINT},

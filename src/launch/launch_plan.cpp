@@ -69,9 +69,29 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   o.master_port = cfg.main_process_port.value_or(0);
   if (o.master_port == 0 && o.num_machines > 1) o.master_port = 29500;  // every machine must agree on it
   o.settings = cfg.settings();
-  // A DeepSpeed JSON that is missing, unreadable or wrong stops the launch before any worker starts.
-  if (o.settings.deepspeed && !o.settings.deepspeed->config_file.empty())
-    deepspeed::load_config(o.settings.deepspeed->config_file);
+  // A DeepSpeed JSON that is missing, unreadable or wrong stops the launch before any worker starts. Its
+  // tensor_parallel.autotp_size makes the mesh's tp dimension (the rest data parallel), as DeepSpeed's
+  // engine makes its tp groups from it.
+  if (o.settings.deepspeed && !o.settings.deepspeed->config_file.empty()) {
+    const auto ds = deepspeed::load_config(o.settings.deepspeed->config_file);
+    const auto size = ds.document.value("tensor_parallel", nlohmann::json::object()).value("autotp_size", nlohmann::json(0));
+    const int autotp = size.is_number_integer() ? size.get<int>() : 0;
+    if (autotp > 1) {
+      auto& p = o.settings.parallelism;
+      if (p && p->tp != autotp)
+        throw ConfigError(fmt::format("{} sets tensor_parallel.autotp_size {} but the launch says "
+                                      "parallelism_config_tp_size {}; make them equal",
+                                      o.settings.deepspeed->config_file, autotp, p->tp));
+      if (!p) {
+        if (cfg.num_processes % autotp != 0)
+          throw ConfigError(fmt::format("{} sets tensor_parallel.autotp_size {}, which does not divide the {} processes",
+                                        o.settings.deepspeed->config_file, autotp, cfg.num_processes));
+        p = ParallelismSettings{};
+        p->dp_shard = cfg.num_processes / autotp;
+        p->tp = autotp;
+      }
+    }
+  }
   o.max_restarts = r.max_restarts;
   if (o.max_restarts < 0) throw ConfigError(fmt::format("--max_restarts {} must be 0 or more", o.max_restarts));
   o.log_dir = r.log_dir;

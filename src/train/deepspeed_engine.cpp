@@ -22,6 +22,7 @@
 #include "xlr8/deepspeed.hpp"
 #include "xlr8/deepspeed_schedulers.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/tensor_parallel.hpp"
 #include "xlr8/fused_adam.hpp"
 #include "xlr8/safetensors.hpp"
 
@@ -139,6 +140,27 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const TypedSection& sect
                                 section.type, text::suggestion(section.type, {"Adam", "AdamW", "SGD"})));
 }
 
+// The JSON's tensor_parallel section: the model splits over the mesh's tp dimension, which the launch made
+// (xlr8 launch sets it from a JSON it is given, or --parallelism_config_tp_size). The partition_config
+// rules place the layers; without them, prepare()'s AutoTP does.
+namespace {
+void split_for_tensor_parallel(const Config& config, torch::nn::Module& module, const ProcessState& state) {
+  const auto section = config.document.value("tensor_parallel", nlohmann::json::object());
+  const auto size = section.value("autotp_size", nlohmann::json(0));
+  if (!size.is_number_integer() || size.get<int64_t>() < 0)
+    throw ConfigError(fmt::format("DeepSpeed config {}: tensor_parallel.autotp_size = {} must be a whole number",
+                                  config.origin, size.dump()));
+  const int autotp = static_cast<int>(size.get<int64_t>()), tp = state.mesh().size("tp");
+  if (autotp > 1 && autotp != tp)
+    throw ConfigError(fmt::format("deepspeed::initialize: {} sets tensor_parallel.autotp_size {} but this job's mesh "
+                                  "has tp {}; launch it with --parallelism_config_tp_size {} (xlr8 launch sets it "
+                                  "itself from a JSON given as --deepspeed_config_file)",
+                                  config.origin, autotp, tp, autotp));
+  if (tp > 1 && section.contains("partition_config"))
+    tp::parallelize(module, state.mesh().group("tp"), tp::plan_from_deepspeed(section, module, tp), /*strict=*/false);
+}
+}  // namespace
+
 Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::shared_ptr<torch::optim::Optimizer> optimizer,
                std::shared_ptr<torch::optim::LRScheduler> scheduler)
     : config_(std::move(config)) {
@@ -156,6 +178,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
                                   "(Adam, AdamW or SGD)",
                                   config_.origin));
   detail::mark_leaf_modules(*module, config_.zero_optimization.leaf_module);
+  split_for_tensor_parallel(config_, *module, state);
   accelerator_.reset(new Accelerator(accelerator_options(config_, sizes_), Accelerator::ForEngine{}));
   accelerator_->impl_->follow_deepspeed(config_);
   module_ = accelerator_->prepare(module);

@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 
 #include "oracle.hpp"
 #include "process_runner.hpp"
@@ -234,4 +235,60 @@ TEST(DeepSpeedAccelerateExample, EveryCopiedJsonTrainsTheGptThroughTheAccelerate
     ++trained;
   }
   EXPECT_EQ(trained, 9);
+}
+
+// DeepSpeed's AutoTP training config (issue 24): a JSON's tensor_parallel section splits the GPT through the
+// engine. autotp_size alone (AutoTP), given to the launcher, which makes the mesh's tp dimension from it;
+// partition_config rules (fused q/k/v with shape [3, -1], the rest by AutoTP) under the launch flag. Each
+// trains as one process does on the same batch; a JSON asking for tp the launch did not make is refused
+// with the flag to use.
+TEST(DeepSpeedTensorParallel, TheJsonsAutotpSizeAndPartitionRulesSplitTheGptAndTrainAsOneProcess) {
+  const auto dir = temp_dir("ds-tp");
+  std::ifstream in(std::string(XLR8_SOURCE_DIR) + "/examples/gpt_deepspeed/zero2.json");
+  auto base = nlohmann::json::parse(in);
+  auto autotp = base, rules = base;
+  autotp["tensor_parallel"] = {{"autotp_size", 2}};
+  rules["tensor_parallel"] = {
+      {"autotp_size", 2},
+      {"partition_config",
+       {{"use_default_specs", true},
+        {"layer_specs",
+         {{{"patterns", {"blocks\\..*\\.attn\\.qkv"}}, {"partition_type", "column"}, {"shape", {3, -1}}},
+          {{"patterns", {"blocks\\..*\\.attn\\.proj"}}, {"partition_type", "row"}}}}}}};
+  std::map<std::string, std::string> files{{"base", dir + "/base.json"}, {"autotp", dir + "/autotp.json"},
+                                           {"rules", dir + "/rules.json"}};
+  std::ofstream(files["base"]) << base.dump();
+  std::ofstream(files["autotp"]) << autotp.dump();
+  std::ofstream(files["rules"]) << rules.dump();
+  auto train = [&](int processes, const Args& launcher, const std::string& json) {
+    Args command{kXlr8, "launch", "--num_processes", std::to_string(processes)};
+    command.insert(command.end(), launcher.begin(), launcher.end());
+    for (auto a : Args{kGptDeepSpeed, "--deepspeed_config", json, "--max_steps", "6", "--n_layer", "2", "--d_model",
+                       "32", "--n_head", "2", "--seq_len", "32", "--log_every", "3"})
+      command.push_back(a);
+    return run(command, 180);
+  };
+  auto one = train(1, {}, files["base"]);
+  ASSERT_EQ(one.exit_code, 0) << one.out << one.err;
+  const auto expected = last_json(one.out)["losses"].get<std::vector<double>>();
+  for (const auto& [name, launcher, json] :
+       std::vector<std::tuple<std::string, Args, std::string>>{
+           {"autotp_size via the launcher", {"--use_deepspeed", "--deepspeed_config_file", files["autotp"]}, files["autotp"]},
+           {"partition_config rules", {"--parallelism_config_tp_size", "2"}, files["rules"]}}) {
+    SCOPED_TRACE(name);
+    auto r = train(2, launcher, json);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    const auto got = last_json(r.out);
+    EXPECT_EQ(got["tp_size"], 2);
+    // Split, not replicated (which would train the same losses with one data-parallel rank): per block the
+    // qkv and fc weights and biases (column-wise) and both proj weights (row-wise), and the two embeddings.
+    EXPECT_EQ(got["sliced_parameters"], 2 * 6 + 2) << got;
+    expect_close(got["losses"].get<std::vector<double>>(), expected, 1e-5);
+  }
+  auto refused = train(2, {}, files["autotp"]);
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.err.find("sets tensor_parallel.autotp_size 2 but this job's mesh has tp 1; launch it with "
+                             "--parallelism_config_tp_size 2"),
+            std::string::npos)
+      << refused.err;
 }
