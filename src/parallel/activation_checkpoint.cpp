@@ -26,6 +26,14 @@ namespace {
 struct RngSnapshot {
   std::vector<std::pair<at::Generator, at::Tensor>> states;
 
+  static RngSnapshot of(std::vector<at::Generator> generators) {
+    RngSnapshot snapshot;
+    for (auto& g : generators) {
+      std::lock_guard<std::mutex> lock(g.mutex());
+      snapshot.states.emplace_back(g, g.get_state());
+    }
+    return snapshot;
+  }
   static RngSnapshot of(const std::vector<at::Tensor>& inputs) {
     std::vector<at::Generator> generators{at::detail::getDefaultCPUGenerator()};
     std::vector<c10::Device> devices;
@@ -34,12 +42,12 @@ struct RngSnapshot {
         devices.push_back(t.device());
         generators.push_back(at::globalContext().defaultGenerator(t.device()));
       }
-    RngSnapshot snapshot;
-    for (auto& g : generators) {
-      std::lock_guard<std::mutex> lock(g.mutex());
-      snapshot.states.emplace_back(g, g.get_state());
-    }
-    return snapshot;
+    return of(std::move(generators));
+  }
+  std::vector<at::Generator> generators() const {
+    std::vector<at::Generator> out;
+    for (const auto& [generator, state] : states) out.push_back(generator);
+    return out;
   }
   void restore() const {
     for (const auto& [generator, state] : states) {
@@ -53,14 +61,7 @@ struct RngSnapshot {
 // Sets the generators to the forward's state for the recomputation and back to where backward had them.
 class RngFork {
  public:
-  explicit RngFork(const RngSnapshot& forward) : backward_(RngSnapshot::of({})) {
-    for (size_t k = 1; k < forward.states.size(); ++k) {  // the devices' too
-      auto g = forward.states[k].first;
-      std::lock_guard<std::mutex> lock(g.mutex());
-      backward_.states.emplace_back(g, g.get_state());
-    }
-    forward.restore();
-  }
+  explicit RngFork(const RngSnapshot& forward) : backward_(RngSnapshot::of(forward.generators())) { forward.restore(); }
   ~RngFork() { backward_.restore(); }
   RngFork(const RngFork&) = delete;
   RngFork& operator=(const RngFork&) = delete;

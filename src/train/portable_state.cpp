@@ -18,13 +18,16 @@ namespace {
 
 using checkpoints::model_key;
 
-// Every prepared model's parameter pieces on this rank, and where each optimizer leaf is among them.
+// Every prepared model's parameter pieces on this rank, where each optimizer leaf is among them, and which
+// parameters are tensor-parallel slices.
 struct Layout {
   std::vector<std::vector<ParameterPiece>> pieces;  // per model
   std::map<const c10::TensorImpl*, std::pair<size_t, size_t>> leaves;  // leaf -> (model, piece)
+  std::vector<std::map<std::string, tp::SliceLayout>> slices;  // per model, by parameter name
 
   explicit Layout(const AcceleratorImpl& s) {
     for (size_t i = 0; i < s.models.size(); ++i) {
+      slices.push_back(tp::slice_layouts(*s.models[i]->module()));
       pieces.push_back(s.models[i]->parameter_pieces());
       for (size_t k = 0; k < pieces.back().size(); ++k)
         leaves[pieces.back()[k].values.unsafeGetTensorImpl()] = {i, k};
@@ -35,6 +38,11 @@ struct Layout {
     if (it == leaves.end()) return nullptr;
     if (model) *model = it->second.first;
     return &pieces[it->second.first][it->second.second];
+  }
+  // The layout of a sliced parameter, or null.
+  const tp::SliceLayout* slice_of(size_t model, const std::string& name) const {
+    auto it = slices[model].find(name);
+    return it == slices[model].end() ? nullptr : &it->second;
   }
 };
 
@@ -125,13 +133,6 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
   const Layout layout(s);
   auto& world = s.world();
   const auto& mesh = s.state->mesh();
-  std::vector<std::map<std::string, tp::SliceLayout>> slices;
-  for (const auto& m : s.models) slices.push_back(tp::slice_layouts(*m->module()));
-  const tp::SliceLayout* no_slice = nullptr;
-  auto slice_of = [&](size_t model, const std::string& name) {
-    auto it = slices[model].find(name);
-    return it == slices[model].end() ? no_slice : &it->second;
-  };
   // A slice's elements go out box by box, in the whole tensor's coordinates.
   auto add = [&](std::string key, const ParameterPiece& piece, const at::Tensor& values, std::pair<int64_t, int64_t> r,
                  const tp::SliceLayout* slice) {
@@ -152,7 +153,7 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
   if (models_as_pieces)
     for (size_t i = 0; i < s.models.size(); ++i) {
       for (const auto& piece : layout.pieces[i]) {
-        const auto* slice = slice_of(i, piece.name);
+        const auto* slice = layout.slice_of(i, piece.name);
         add(model_key(i, piece.name), piece, piece.values,
             written_range(*s.models[i], piece, world, mesh, slice != nullptr), slice);
       }
@@ -175,7 +176,7 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
         const auto* piece = layout.find(leaf, &model);
         auto param_state = checkpoints::read_parameter_state(optimizer, leaf);
         if (!param_state) continue;
-        const auto* slice = slice_of(model, piece->name);
+        const auto* slice = layout.slice_of(model, piece->name);
         const auto range = written_range(*s.models[model], *piece, world, mesh, slice != nullptr);
         for (const auto& [name, tensor] : param_state->tensors)
           add(optimizer_key(j, model, piece->name, name), *piece, tensor, range, slice);
@@ -190,13 +191,11 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Ve
   const Layout layout(s);
   const checkpoints::PieceReader reader(saved);
   const auto where = saved.dir().string();
-  std::vector<std::map<std::string, tp::SliceLayout>> slices;
-  for (const auto& m : s.models) slices.push_back(tp::slice_layouts(*m->module()));
   // A piece of a tensor-parallel slice is read from its boxes; any other from the whole's flat range.
   auto read_piece = [&](size_t model, const std::string& key, const ParameterPiece& piece, int64_t count) {
-    auto it = slices[model].find(piece.name);
-    if (it == slices[model].end()) return reader.read(key, piece.start, count);
-    return read_slice(reader, key, slice_boxes(it->second, piece.shape), piece.start, count);
+    const auto* slice = layout.slice_of(model, piece.name);
+    if (!slice) return reader.read(key, piece.start, count);
+    return read_slice(reader, key, slice_boxes(*slice, piece.shape), piece.start, count);
   };
   PortableLoad load;
   for (size_t i = 0; i < s.models.size(); ++i) {
@@ -211,8 +210,8 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Ve
         mismatched.push_back(fmt::format("{} ({} saved, {} in the model)", name, shape_text(entry->shape), shape_text(shape)));
     };
     for (const auto& piece : layout.pieces[i]) {
-      auto it = slices[i].find(piece.name);
-      check(piece.name, it == slices[i].end() ? piece.shape : it->second.whole_sizes);  // a slice: the whole's
+      const auto* slice = layout.slice_of(i, piece.name);
+      check(piece.name, slice ? slice->whole_sizes : piece.shape);  // a slice: the whole's
     }
     for (const auto& item : s.models[i]->module()->named_buffers()) check(item.key(), item.value().sizes().vec());
     std::vector<std::string> unexpected;
