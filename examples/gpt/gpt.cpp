@@ -9,6 +9,7 @@
 #include <fstream>
 #include <iterator>
 
+#include "xlr8/context_parallel.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/unshard.hpp"
 
@@ -23,7 +24,7 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const Config& c) {
   head_dim = c.d_model / c.n_head;
   qkv = register_module("qkv", xlr8::nn::Linear(c.d_model, 3 * c.d_model));
   proj = register_module("proj", xlr8::nn::Linear(c.d_model, c.d_model));
-  dropout = register_module("dropout", torch::nn::Dropout(c.dropout));
+  dropout = c.dropout;
 }
 
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
@@ -33,10 +34,10 @@ torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   auto parts = projected.split(C, 2);
   auto heads = [&](const torch::Tensor& t) { return t.view({B, T, C / hd, hd}).transpose(1, 2); };  // [B, h, T, hd]
   auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
-  auto scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
-  auto future = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
-  auto weights = dropout(torch::softmax(scores.masked_fill(future, -INFINITY), -1));
-  return proj(torch::matmul(weights, v).transpose(1, 2).contiguous().view({B, T, C}));
+  // Causal scaled-dot-product attention; under context parallelism T is this rank's share of the
+  // sequence and the keys and values of the others' come to it.
+  auto y = xlr8::attention(q, k, v, {.causal = true, .dropout = is_training() ? dropout : 0.0});
+  return proj(y.transpose(1, 2).contiguous().view({B, T, C}));
 }
 
 MlpImpl::MlpImpl(const Config& c) {
@@ -84,7 +85,7 @@ torch::Tensor GptImpl::forward(const torch::Tensor& tokens) {
   const auto T = tokens.size(1);
   if (T > config.seq_len)
     throw xlr8::Error(fmt::format("sequence of {} tokens is longer than the model's {}", T, config.seq_len));
-  auto positions = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(tokens.device()));
+  auto positions = xlr8::cp::local_positions(T, tokens.device());  // arange(T) without context parallelism
   auto x = wte(tokens) + wpe(positions);
   for (const auto& block : *blocks) x = block->as<BlockImpl>()->forward(x);
   x = ln_f(x);

@@ -4,7 +4,8 @@
 // token embedding (or not). Byte-level: the vocabulary is the 256 byte values. What xlr8 adds is two
 // lines in each of BlockImpl::forward and GptImpl::forward (xlr8::unshard), for stage-3 sharding, and
 // xlr8::nn's Linear and Embedding in place of LibTorch's (the same layers until a tensor-parallel plan,
-// tp_plan.cpp, splits them): the model holds no tensor-parallel logic.
+// tp_plan.cpp, splits them), and xlr8::attention with xlr8::cp::local_positions (plain attention and
+// arange until context parallelism splits the sequence): the model holds no parallel logic.
 #include <torch/torch.h>
 
 #include "xlr8/nn.hpp"
@@ -28,7 +29,7 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
   explicit CausalSelfAttentionImpl(const Config& c);
   torch::Tensor forward(const torch::Tensor& x);  // [B, T, C] -> [B, T, C]
   xlr8::nn::Linear qkv{nullptr}, proj{nullptr};
-  torch::nn::Dropout dropout{nullptr};
+  double dropout;  // on the attention weights, while training
   // The heads this process computes follow from qkv's (possibly tensor-parallel) width.
   int64_t head_dim;
 };

@@ -10,6 +10,7 @@
 
 #include "gpt.hpp"
 #include "xlr8/accelerator.hpp"
+#include "xlr8/context_parallel.hpp"
 #include "xlr8/deepspeed_dummy.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/fused_adam.hpp"
@@ -91,12 +92,14 @@ double validation_loss(xlr8::Accelerator& acc, gpt::Gpt& model, xlr8::DataLoader
   int64_t windows = 0;
   for (auto& batch : val) {
     auto autocast = acc.autocast();
-    auto logits = model->forward(batch.data);
+    // Under context parallelism each rank holds a share of every window's tokens (shard_sequence is the
+    // identity otherwise): the per-token losses come back whole before the mean.
+    auto logits = model->forward(acc.shard_sequence(batch.data));
+    auto per_token = F::cross_entropy(logits.flatten(0, 1), acc.shard_sequence(batch.target).flatten(),
+                                      F::CrossEntropyFuncOptions().reduction(torch::kNone))
+                         .view({batch.data.size(0), -1});
     // One loss per window, gathered without even_batches' padding: exactly the held-out windows count.
-    auto per_window = F::cross_entropy(logits.flatten(0, 1), batch.target.flatten(),
-                                       F::CrossEntropyFuncOptions().reduction(torch::kNone))
-                          .view({batch.data.size(0), -1})
-                          .mean(1);
+    auto per_window = acc.unshard_sequence(per_token).mean(1);
     auto all = acc.gather_for_metrics(per_window.to(torch::kDouble));
     sum += all.sum().item<double>();
     windows += all.size(0);
@@ -177,6 +180,7 @@ int run(const Args& args) {
 
   const auto start = std::chrono::steady_clock::now();
   const int64_t tp_bytes_before = xlr8::tp::region_wire_bytes();  // tensor-parallel traffic of training alone
+  const int64_t cp_bytes_before = xlr8::cp::wire_bytes(), cp_blocks_before = xlr8::cp::attention_blocks();
   int64_t micro_steps = 0;
   int64_t tokens = 0, steps_at_start = acc.step();
   int64_t held = 0, peak = 0;
@@ -189,8 +193,10 @@ int run(const Args& args) {
     for (auto& batch : *train) {
       auto step = acc.accumulate(model);
       ++micro_steps;
-      auto logits = model->forward(batch.data);
-      auto loss = F::cross_entropy(logits.flatten(0, 1), batch.target.flatten());
+      // parallelism_config_cp_size: this rank's share of each window's tokens. Every share has as many
+      // tokens, and the strategy averages gradients over dp x cp, so the mean is the global batch's.
+      auto logits = model->forward(acc.shard_sequence(batch.data));
+      auto loss = F::cross_entropy(logits.flatten(0, 1), acc.shard_sequence(batch.target).flatten());
       acc.backward(loss);
       if (args.max_grad_norm > 0 && acc.sync_gradients())
         grad_norm = acc.clip_grad_norm(model->parameters(), args.max_grad_norm);
@@ -231,6 +237,11 @@ int run(const Args& args) {
   bar.close();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const int64_t tp_bytes = xlr8::tp::region_wire_bytes() - tp_bytes_before;
+  const int64_t cp_bytes = xlr8::cp::wire_bytes() - cp_bytes_before;
+  // Each rank's attention work per micro-step (query-key chunk pairs computed): the load balance.
+  auto cp_blocks = acc.gather(torch::full(
+      {1}, static_cast<double>(xlr8::cp::attention_blocks() - cp_blocks_before) / std::max<int64_t>(micro_steps, 1),
+      torch::kFloat64));
   const double val_loss = validation_loss(acc, model, *val);
   acc.print("validation loss {:.4f} over {} held-out windows", val_loss, (val_text.numel() - 1) / args.seq_len);
   auto mean_loss = acc.reduce(torch::full({1}, last_loss, torch::kFloat64), xlr8::ReduceOp::AVG).item<double>();
@@ -250,6 +261,8 @@ int run(const Args& args) {
                           {"tp_size", tp_group.size()},
                           {"sequence_parallel", args.sequence_parallel && tp_group.size() > 1},
                           {"tp_wire_bytes_per_micro_step", micro_steps > 0 ? tp_bytes / micro_steps : 0},
+                          {"cp_size", acc.state().mesh().size("cp")},
+                          {"cp_wire_bytes_per_micro_step", micro_steps > 0 ? cp_bytes / micro_steps : 0},
                           {"last_grad_norm", grad_norm},
                           {"tokens_per_s", tokens / std::max(seconds, 1e-9)},
                           {"state_bytes_per_rank", static_cast<int64_t>(largest[0].item<double>())},
@@ -264,6 +277,8 @@ int run(const Args& args) {
                           {"gathers", stats.value("gathers", int64_t{0})},
                           {"save_state_seconds", save_seconds},
                           {"load_state_seconds", load_seconds}};
+    result["cp_attention_blocks_per_micro_step_by_rank"] =
+        std::vector<double>(cp_blocks.data_ptr<double>(), cp_blocks.data_ptr<double>() + cp_blocks.numel());
     result["setup_peak_rss_mb_by_rank"] =
         std::vector<double>(setup_peaks.data_ptr<double>(), setup_peaks.data_ptr<double>() + setup_peaks.numel());
     if (!args.init_from.empty()) {

@@ -170,21 +170,23 @@ class Accelerator {
     return model;
   }
   // Builds a model with `build()` (returning a module holder or shared_ptr) without every process
-  // materialising it, as FSDP's cpu_ram_efficient_loading: when this run shards parameters (FULL_SHARD /
-  // stage 3 over all processes, not hybrid; units by TRANSFORMER_BASED_WRAP or NO_WRAP, as SIZE_BASED_WRAP
-  // may pick LibTorch's own modules, which open no guard) and fsdp_cpu_ram_efficient_loading is on (the default), only
-  // the main process computes the initial values; the others build it in an EmptyInitScope and to_empty
-  // (no values, no resident memory) and prepare() hands each rank its shards, one unit at a time; every
-  // rank's CPU generator continues from the main process's. Every unit but the root then starts freed,
-  // so each unit's forward must open xlr8::unshard(*this). Otherwise `build()` runs as it is. Collective
-  // in the first case. Prepare the result before reading it.
+  // materialising it. Only the main process computes the initial values; the others build it in an
+  // EmptyInitScope (no values, no memory) and prepare() gives them theirs; every rank's CPU generator
+  // continues from the main process's. Two cases:
+  // - tensor parallelism (parallelism_config_tp_size > 1; under FSDP unless fsdp_cpu_ram_efficient_loading
+  //   is false): a plan applied inside `build()` or at prepare() slices the empty model, the other ranks
+  //   get memory for their slices only, and the main process sends one whole tensor at a time;
+  // - FSDP's cpu_ram_efficient_loading: when this run shards parameters (FULL_SHARD / stage 3 over all
+  //   processes, not hybrid; units by TRANSFORMER_BASED_WRAP or NO_WRAP, as SIZE_BASED_WRAP may pick
+  //   LibTorch's own modules, which open no guard) and fsdp_cpu_ram_efficient_loading is on (the default),
+  //   prepare() hands each rank its shards, one unit at a time. Every unit but the root then starts
+  //   freed, so each unit's forward must open xlr8::unshard(*this).
+  // Otherwise `build()` runs as it is. Collective in both cases. Prepare the result before reading it.
   template <class Build>
   auto build_model(Build&& build) -> decltype(build()) {
-    std::optional<EmptyInitScope> scope;
-    if (builds_empty()) scope.emplace();
+    auto building = begin_model_build();
     auto model = build();
-    scope.reset();
-    built_model(module_pointer(model));
+    built_model(module_pointer(model), *building);
     return model;
   }
   // Optimizers are taken by value (or shared_ptr) and owned by the returned handle.
@@ -245,6 +247,12 @@ class Accelerator {
   at::Tensor gather(const at::Tensor& tensor) const;              // concatenated on dim 0 in rank order
   at::Tensor gather_for_metrics(const at::Tensor& tensor) const;  // drops even_batches padding at the end
   at::Tensor reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::SUM) const;
+  // Context parallelism (parallelism_config_cp_size): this rank's head-tail share of a batch tensor's
+  // sequence dimension (inputs, labels), as Accelerate's maybe_context_parallel shards its buffers; the
+  // tensor itself at cp 1. A length 2 x cp does not divide is a ConfigError naming both.
+  at::Tensor shard_sequence(const at::Tensor& tensor, int64_t dim = 1) const;
+  // The inverse: the whole sequence from the cp group's shares (collective over it).
+  at::Tensor unshard_sequence(const at::Tensor& local, int64_t dim = 1) const;
   at::Tensor pad_across_processes(const at::Tensor& tensor, int64_t dim = 0, double pad_index = 0,
                                   bool pad_first = false) const;
   // The same over nested values (tensor_tree.hpp: vectors, maps, pairs, tuples, torch::data::Example and
@@ -411,9 +419,11 @@ class Accelerator {
     else return m.ptr();
   }
   void register_model(std::shared_ptr<torch::nn::Module> module);
-  bool rank0_loading() const;  // build_model's condition
-  bool builds_empty() const;   // ... and this is not the main process
-  void built_model(const std::shared_ptr<torch::nn::Module>& module);
+  bool rank0_loading() const;  // build_model's conditions: FSDP's ...
+  bool tp_loading() const;     // ... or tensor parallelism's
+  struct ModelBuild;           // what build_model holds while `build()` runs (accelerator.cpp)
+  std::shared_ptr<ModelBuild> begin_model_build();
+  void built_model(const std::shared_ptr<torch::nn::Module>& module, ModelBuild& building);
   const ParallelStrategy& strategy_of(const torch::nn::Module& module) const;
   ParallelStrategy& strategy_for_scope(const torch::nn::Module& module);
   void register_loader(std::shared_ptr<DataLoaderBase> loader);

@@ -70,6 +70,7 @@ struct DeepSpeedSettings {
 // Accelerate's ParallelismConfig sizes, in mesh order dp_replicate, dp_shard, cp, tp.
 struct ParallelismSettings {
   int dp_replicate = 1, dp_shard = 1, cp = 1, tp = 1;
+  std::string cp_comm_strategy = "allgather";  // allgather | alltoall (context-parallel attention)
   int total() const { return dp_replicate * dp_shard * cp * tp; }
   bool operator==(const ParallelismSettings&) const = default;
 };

@@ -121,14 +121,15 @@ void read_parallelism(const Section& s, LaunchConfig& c) {
   p.dp_shard = static_cast<int>(s.integer("parallelism_config_dp_shard_size", 1, kMax).value_or(1));
   p.tp = static_cast<int>(s.integer("parallelism_config_tp_size", 1, kMax).value_or(1));
   p.cp = static_cast<int>(s.integer("parallelism_config_cp_size", 1, kMax).value_or(1));
-  // Context and sequence parallelism are later work: a size above 1 would silently train as data
-  // parallel, so it is refused. (Tensor parallelism splits the model's xlr8::nn layers at prepare().)
-  for (auto [key, what] : {std::pair{"parallelism_config_cp_size", "context"}, std::pair{"parallelism_config_sp_size", "sequence"}})
-    if (auto v = s.integer(key, 1, kMax); v && *v > 1)
-      throw s.error(key, fmt::format("value {} asks for {} parallelism, which xlr8 does not have yet; supported: "
-                                     "parallelism_config_dp_replicate_size, parallelism_config_dp_shard_size and "
-                                     "parallelism_config_tp_size",
-                                     *v, what));
+  if (auto strategy = s.choice("parallelism_config_cp_comm_strategy", {"allgather", "alltoall"}, /*upper=*/false))
+    p.cp_comm_strategy = *strategy;
+  // Ulysses sequence parallelism is later work: a size above 1 would silently train as data parallel,
+  // so it is refused.
+  if (auto v = s.integer("parallelism_config_sp_size", 1, kMax); v && *v > 1)
+    throw s.error("parallelism_config_sp_size",
+                  fmt::format("value {} asks for Ulysses sequence parallelism, which xlr8 does not have yet; "
+                              "parallelism_config_cp_size splits the sequence by context parallelism",
+                              *v));
   c.parallelism = p;
 }
 
@@ -306,6 +307,8 @@ std::string to_yaml(const LaunchConfig& c) {
     out << YAML::Key << "parallelism_config_dp_shard_size" << YAML::Value << c.parallelism->dp_shard;
     out << YAML::Key << "parallelism_config_cp_size" << YAML::Value << c.parallelism->cp;
     out << YAML::Key << "parallelism_config_tp_size" << YAML::Value << c.parallelism->tp;
+    if (c.parallelism->cp > 1)
+      out << YAML::Key << "parallelism_config_cp_comm_strategy" << YAML::Value << c.parallelism->cp_comm_strategy;
     out << YAML::EndMap;
   }
   out << YAML::Key << "rdzv_backend" << YAML::Value << c.rdzv_backend;

@@ -59,9 +59,10 @@ Error unused_parameters_error(int rank, const std::vector<std::string>& names, c
 
 void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& tensors) {
   at::NoGradGuard no_grad;
-  // Small tensors travel packed, one broadcast per ~64 MB of one dtype; a large contiguous tensor is
-  // broadcast in place. Never a copy of the whole model: at start-up every rank already holds one.
-  constexpr int64_t kChunkBytes = 64 << 20;
+  // Small tensors travel packed, one broadcast per ~4 MB of one dtype; a contiguous tensor of 1 MB or more
+  // is broadcast in place. The packing copy is the only transient, and it stays small: at start-up every
+  // rank already holds the model (a 64 MB packing cost as much as the slices of a tensor-parallel model).
+  constexpr int64_t kChunkBytes = 4 << 20, kInPlaceBytes = 1 << 20;
   std::map<at::ScalarType, std::vector<at::Tensor>> pending;
   std::map<at::ScalarType, int64_t> pending_bytes;
   auto flush = [&](at::ScalarType type) {
@@ -81,7 +82,7 @@ void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& ten
   };
   for (const auto& t : tensors) {
     const int64_t bytes = t.numel() * static_cast<int64_t>(t.element_size());
-    if (bytes >= kChunkBytes && t.is_contiguous()) {
+    if (bytes >= kInPlaceBytes && t.is_contiguous()) {
       auto in_place = t.detach();
       comm.broadcast(in_place, 0);
       continue;

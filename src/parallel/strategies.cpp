@@ -117,7 +117,11 @@ std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::
                                                          std::shared_ptr<const GradientState> gradient_state) {
   auto resolved = options;
   resolved.zero = detail::resolve_zero_options(options.zero, state.settings(), state.local_world_size());
-  return make_parallel_strategy(std::move(module), state.mesh().group("dp"), resolved, std::move(gradient_state));
+  // Context-parallel peers share the weights and see different tokens: gradients are averaged, and FSDP
+  // shards, over dp x cp (torchtitan's rule).
+  auto& mesh = state.mesh();
+  return make_parallel_strategy(std::move(module), mesh.group(mesh.size("cp") > 1 ? "dp_cp" : "dp"), resolved,
+                                std::move(gradient_state));
 }
 
 }  // namespace xlr8

@@ -3,6 +3,10 @@
 // gradient sum sequence parallelism needs for what it keeps whole.
 #include <torch/nn/module.h>
 
+#include <map>
+#include <string>
+#include <unordered_map>
+
 #include "xlr8/communicator.hpp"
 
 namespace xlr8::tp::detail {
@@ -16,5 +20,32 @@ bool is_layer(const torch::nn::Module& m);
 // share of the sequence: its gradient is completed over `group` as backward produces it (before DDP or
 // FSDP reduce it over dp).
 void sum_gradient_over(at::Tensor& parameter, const Communicator& group);
+
+// While one is alive on this thread, slicing a layer keeps the whole tensor it slices: the main process
+// building a model (Accelerator::build_model) whose plan is applied inside the build, and whose whole
+// values the other ranks receive at prepare().
+class KeepWholeValues {
+ public:
+  KeepWholeValues();
+  ~KeepWholeValues();
+  KeepWholeValues(const KeepWholeValues&) = delete;
+  KeepWholeValues& operator=(const KeepWholeValues&) = delete;
+  // The whole value `tensor` held before it was sliced, or `tensor` itself when it was not.
+  at::Tensor whole_of(const at::Tensor& tensor) const;
+  // Called by the slicing code just before `tensor` becomes a slice of itself.
+  static void record(const at::Tensor& tensor);
+
+ private:
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> wholes_;
+  KeepWholeValues* outer_;
+};
+
+// Collective over `world`: every rank's parameters and buffers (sliced by a plan or not) take their
+// values from the main process's (rank 0's) whole ones, `wholes` by name (read on rank 0 only). The other
+// ranks built `model` in an EmptyInitScope (meta): it gets memory on `device` for its slices only, and
+// one whole tensor at a time is sent. A model whose names, whole shapes or dtypes differ on some rank is a
+// ConfigError on every rank, before anything is sent.
+void take_whole_values_from_main(torch::nn::Module& model, const Communicator& world,
+                                 const std::map<std::string, at::Tensor>& wholes, const at::Device& device);
 
 }  // namespace xlr8::tp::detail

@@ -30,10 +30,35 @@ std::string indivisible(const char* what, int64_t size, int tp_size) {
 // parameter dictionary and anything else holding the tensor all see the slice).
 void keep_slice(at::Tensor& parameter, int64_t dim, int64_t offset, int64_t length) {
   torch::NoGradGuard no_grad;
+  tp::detail::KeepWholeValues::record(parameter);
   parameter.set_data(parameter.narrow(dim, offset, length).clone());
 }
 
 }  // namespace
+
+}  // namespace xlr8::nn
+
+namespace xlr8::tp::detail {
+namespace {
+thread_local KeepWholeValues* keeping_whole_values = nullptr;
+}  // namespace
+
+KeepWholeValues::KeepWholeValues() : outer_(keeping_whole_values) { keeping_whole_values = this; }
+KeepWholeValues::~KeepWholeValues() { keeping_whole_values = outer_; }
+
+at::Tensor KeepWholeValues::whole_of(const at::Tensor& tensor) const {
+  auto it = wholes_.find(tensor.unsafeGetTensorImpl());
+  return it == wholes_.end() ? tensor.detach() : it->second;
+}
+
+void KeepWholeValues::record(const at::Tensor& tensor) {
+  // A detached alias keeps the storage alive after set_data gives the tensor its slice.
+  if (keeping_whole_values) keeping_whole_values->wholes_.emplace(tensor.unsafeGetTensorImpl(), tensor.detach());
+}
+
+}  // namespace xlr8::tp::detail
+
+namespace xlr8::nn {
 
 LinearImpl::LinearImpl(const torch::nn::LinearOptions& options_) : options(options_) { reset(); }
 
@@ -117,6 +142,7 @@ void LinearImpl::parallelize(const tp::PlanEntry& entry, const Communicator& gro
       auto parts = t.reshape({entry.fused, part, -1}).narrow(1, offset, local);
       auto sizes = t.sizes().vec();
       sizes[0] = entry.fused * local;
+      tp::detail::KeepWholeValues::record(t);
       t.set_data(parts.reshape(sizes).clone());
     };
     keep_parts(weight);

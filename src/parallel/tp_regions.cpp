@@ -1,11 +1,10 @@
 // Tensor parallelism's collectives as autograd functions: each one's backward is the other's forward.
-#include <torch/autograd.h>
-#include <torch/custom_class.h>
 
 #include <atomic>
 
 #include <fmt/format.h>
 
+#include "parallel/autograd_group.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
@@ -15,19 +14,8 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The group travels in the autograd node's context, so backward has it for as long as the graph lives.
-struct GroupHolder : torch::CustomClassHolder {
-  explicit GroupHolder(Communicator group) : group(std::move(group)) {}
-  Communicator group;
-};
-
-void keep_group(AutogradContext* ctx, const Communicator& group) {
-  ctx->saved_data["group"] = c10::IValue::make_capsule(c10::make_intrusive<GroupHolder>(group));
-}
-
-const Communicator& group_of(AutogradContext* ctx) {
-  return c10::static_intrusive_pointer_cast<GroupHolder>(ctx->saved_data["group"].toCapsule())->group;
-}
+using xlr8::detail::group_of;
+using xlr8::detail::keep_group;
 
 // Bytes each rank sends for the regions' collectives, as a ring moves them: an all-reduce of S bytes
 // 2(n-1)/n S, an all-gather or reduce-scatter whose whole is S bytes (n-1)/n S.

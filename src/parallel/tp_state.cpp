@@ -2,12 +2,16 @@
 // checkpoints), and its gradient norm (slices are partial norms over the tp group, replicated
 // parameters count once).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/nn/module.h>
 
 #include <algorithm>
 #include <cmath>
 
 #include "parallel/grad_norm.hpp"
+#include "core/text.hpp"
+#include "parallel/tp_layer_kinds.hpp"
+#include "xlr8/empty_init.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/nn.hpp"
 #include "xlr8/tensor_parallel.hpp"
@@ -124,5 +128,87 @@ double clip_grad_norm(const std::vector<at::Tensor>& parameters, const SlicedPar
   return xlr8::detail::scale_to_norm(at::cat({part_total, xlr8::detail::partial_norm(whole, norm_type, device)}), {&whole, &parts},
                                max_norm, norm_type);
 }
+
+namespace detail {
+
+namespace {
+
+// One parameter or buffer as every rank must agree on it: its name, whole shape and dtype.
+struct WholeEntry {
+  std::string name;
+  at::Tensor tensor;  // this rank's (a slice when `layout` is set)
+  const SliceLayout* layout;
+  std::vector<int64_t> whole_sizes;
+};
+
+std::string describe(const WholeEntry& e) {
+  return fmt::format("{} {} {}", e.name, fmt::join(e.whole_sizes, "x"), c10::toString(e.tensor.scalar_type()));
+}
+
+}  // namespace
+
+void take_whole_values_from_main(torch::nn::Module& model, const Communicator& world_group,
+                                 const std::map<std::string, at::Tensor>& wholes, const at::Device& device) {
+  Communicator world = world_group;
+  const bool main = world.rank() == 0;
+  if (!main) to_empty(model, device);  // meta until now: memory for this rank's slices only
+  const auto layouts = slice_layouts(model);
+  std::vector<WholeEntry> entries;
+  auto add = [&](const std::string& name, const at::Tensor& t) {
+    if (!t.defined()) return;
+    auto it = layouts.find(name);
+    const SliceLayout* layout = it == layouts.end() ? nullptr : &it->second;
+    entries.push_back({name, t, layout, layout ? layout->whole_sizes : t.sizes().vec()});
+  };
+  for (const auto& item : model.named_parameters()) add(item.key(), item.value());
+  for (const auto& item : model.named_buffers()) add(item.key(), item.value());
+  // A model built differently on some rank would pair the broadcasts below wrongly: refuse it first.
+  std::string signature;
+  for (const auto& e : entries) signature += describe(e) + "\n";
+  const auto all = world.all_gather_object(signature);
+  for (size_t r = 1; r < all.size(); ++r)
+    if (all[r] != all[0]) {
+      const auto a = text::split(all[0], '\n'), b = text::split(all[r], '\n');
+      size_t i = 0;
+      while (i < a.size() && i < b.size() && a[i] == b[i]) ++i;
+      throw ConfigError(fmt::format(
+          "prepare(): the model built on rank {} differs from the main process's (parameter/buffer {}: {:?} on rank 0, "
+          "{:?} on rank {}); build the same model, with the same plan, on every rank",
+          r, i, i < a.size() ? a[i] : "nothing", i < b.size() ? b[i] : "nothing", r));
+    }
+  torch::NoGradGuard no_grad;
+  // One receiving buffer per dtype, as large as the largest whole tensor, reused for every tensor: no
+  // allocator churn that would keep freed memory resident.
+  std::map<at::ScalarType, at::Tensor> receiving;
+  if (!main) {
+    std::map<at::ScalarType, int64_t> largest;
+    for (const auto& e : entries)
+      largest[e.tensor.scalar_type()] =
+          std::max(largest[e.tensor.scalar_type()], c10::multiply_integers(e.whole_sizes));
+    for (const auto& [dtype, n] : largest)
+      receiving[dtype] = at::empty({n}, at::TensorOptions().dtype(dtype).device(device));
+  }
+  for (const auto& e : entries) {
+    at::Tensor whole;
+    if (main) {
+      auto it = wholes.find(e.name);
+      if (it == wholes.end())
+        throw Error(fmt::format("prepare(): the main process kept no whole value of {} while building the model; "
+                                "add parameters and buffers inside build_model()",
+                                e.name));
+      whole = it->second.to(device, e.tensor.scalar_type()).contiguous();
+    } else {
+      whole = receiving.at(e.tensor.scalar_type()).narrow(0, 0, c10::multiply_integers(e.whole_sizes)).view(e.whole_sizes);
+    }
+    world.broadcast(whole, 0);  // one whole tensor alive at a time
+    if (!main) {
+      auto local = e.layout ? local_slice(whole, *e.layout) : whole;
+      at::Tensor target = e.tensor;
+      target.copy_(local);
+    }
+  }
+}
+
+}  // namespace detail
 
 }  // namespace xlr8::tp

@@ -6,9 +6,11 @@
 #include "core/log.hpp"
 #include "os/memory.hpp"
 #include "parallel/activation_checkpoint.hpp"
+#include "parallel/tp_layer_kinds.hpp"
 #include "parallel/wrap_policy.hpp"
 #include "parallel/zero_strategy.hpp"
 #include "train/accelerator_impl.hpp"
+#include "xlr8/context_parallel.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
@@ -76,6 +78,11 @@ Accelerator::Accelerator(AcceleratorOptions options, ForEngine) : impl_(std::mak
                  (settings.deepspeed && (settings.deepspeed->offload_optimizer_device != "none" ||
                                          settings.deepspeed->offload_param_device != "none"));
   if (offload) s.report_offload();
+  // parallelism_config_cp_size: a model's xlr8::attention and cp::local_positions follow the cp group.
+  if (auto& mesh = s.state->mesh(); mesh.size("cp") > 1) {
+    cp::set_process_context(cp::Context{mesh.group("cp"), cp::parse_comm_strategy(settings.parallelism->cp_comm_strategy)});
+    s.installed_cp_context = true;
+  }
 }
 
 void AcceleratorImpl::follow_deepspeed(const deepspeed::Config& config) {
@@ -96,7 +103,9 @@ void AcceleratorImpl::report_offload() {
                  device.str());
 }
 
-Accelerator::~Accelerator() = default;
+Accelerator::~Accelerator() {
+  if (impl_ && impl_->installed_cp_context) cp::set_process_context(std::nullopt);
+}
 
 const ProcessState& Accelerator::state() const { return *impl_->state; }
 int Accelerator::num_processes() const { return impl_->state->world_size(); }
@@ -200,7 +209,7 @@ bool Accelerator::rank0_loading() const {
   const auto& settings = s.state->settings();
   if (s.state->world_size() == 1 || !settings.fsdp || !settings.fsdp->cpu_ram_efficient_loading) return false;
   const auto zero = detail::resolve_zero_options(s.options.parallel.zero, settings, s.state->local_world_size());
-  const int dp = s.state->mesh().group("dp").size();
+  const int dp = s.state->mesh().size("dp_cp");  // what the strategy shards over
   // Units chosen by size may be modules whose forward opens no guard: they must stay whole.
   const bool guarded_units =
       zero.auto_wrap_policy == AutoWrapPolicy::TRANSFORMER_BASED_WRAP || zero.auto_wrap_policy == AutoWrapPolicy::NO_WRAP;
@@ -208,13 +217,45 @@ bool Accelerator::rank0_loading() const {
          dp == num_processes();
 }
 
-bool Accelerator::builds_empty() const { return !is_main_process() && rank0_loading(); }
+bool Accelerator::tp_loading() const {
+  const auto& s = *impl_;
+  const auto& fsdp = s.state->settings().fsdp;
+  return s.state->world_size() > 1 && s.state->mesh().size("tp") > 1 && (!fsdp || fsdp->cpu_ram_efficient_loading);
+}
 
-void Accelerator::built_model(const std::shared_ptr<torch::nn::Module>& module) {
+struct Accelerator::ModelBuild {
+  std::optional<EmptyInitScope> empty;                 // every rank but the main process
+  std::optional<tp::detail::KeepWholeValues> wholes;   // the main process, under tensor parallelism
+};
+
+std::shared_ptr<Accelerator::ModelBuild> Accelerator::begin_model_build() {
+  auto building = std::make_shared<ModelBuild>();
+  const bool from_main = rank0_loading() || tp_loading();
+  if (from_main && !is_main_process()) building->empty.emplace();
+  if (from_main && is_main_process() && tp_loading()) building->wholes.emplace();
+  return building;
+}
+
+void Accelerator::built_model(const std::shared_ptr<torch::nn::Module>& module, ModelBuild& building) {
+  building.empty.reset();
   if (!module) throw Error("build_model(): the model is null");
-  if (!rank0_loading()) return;
   auto& s = *impl_;
-  if (!is_main_process()) to_empty(*module, s.device);  // untouched memory; prepare() fills its shards
+  if (tp_loading()) {
+    // The main process keeps every whole value (those a plan sliced inside build() included) until
+    // prepare() has sent them; the others stay on the meta device until the plan has sliced them.
+    AcceleratorImpl::BuiltForTp built{module, {}};
+    if (building.wholes) {
+      for (const auto& item : module->named_parameters()) built.wholes[item.key()] = building.wholes->whole_of(item.value());
+      for (const auto& item : module->named_buffers()) built.wholes[item.key()] = building.wholes->whole_of(item.value());
+    }
+    building.wholes.reset();
+    s.built_for_tp_loading.push_back(std::move(built));
+  } else if (rank0_loading()) {
+    if (!is_main_process()) to_empty(*module, s.device);  // untouched memory; prepare() fills its shards
+    s.built_for_rank0_loading.push_back(module);
+  } else {
+    return;
+  }
   // The main process's initialisers drew random numbers, the others' did not: every rank continues
   // from the main process's generator, as when every rank builds the model.
   auto generator = at::detail::getDefaultCPUGenerator();
@@ -222,7 +263,6 @@ void Accelerator::built_model(const std::shared_ptr<torch::nn::Module>& module) 
   auto state = generator.get_state();
   s.world().broadcast(state, 0);
   if (!is_main_process()) generator.set_state(state);
-  s.built_for_rank0_loading.push_back(module);
 }
 
 void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
@@ -230,6 +270,14 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   if (!module) throw Error("prepare(): the model is null");
   if (s.strategy_for(module.get())) throw Error("prepare(): this model was already prepared; prepare each model once");
   split_for_tensor_parallel(*module, s.state->mesh());
+  auto& tp_built = s.built_for_tp_loading;
+  std::erase_if(tp_built, [](const auto& b) { return b.module.expired(); });
+  auto tp_it = std::find_if(tp_built.begin(), tp_built.end(), [&](const auto& b) { return b.module.lock() == module; });
+  if (tp_it != tp_built.end()) {
+    auto wholes = std::move(tp_it->wholes);
+    tp_built.erase(tp_it);
+    tp::detail::take_whole_values_from_main(*module, s.world(), wholes, s.device);
+  }
   module->to(s.device);
   auto parallel = s.options.parallel;
   const auto& settings = s.state->settings();

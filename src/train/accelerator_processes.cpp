@@ -9,6 +9,7 @@
 #include "distributed/tensor_text.hpp"
 #include "train/accelerator_impl.hpp"
 #include "xlr8/accelerator.hpp"
+#include "xlr8/context_parallel.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8 {
@@ -89,6 +90,14 @@ at::Tensor Accelerator::reduce(const at::Tensor& tensor, ReduceOp op) const {
   auto result = tensor.clone();
   impl_->world().all_reduce(result, op);
   return result;
+}
+
+at::Tensor Accelerator::shard_sequence(const at::Tensor& tensor, int64_t dim) const {
+  return cp::shard_sequence(tensor, impl_->state->mesh().group("cp"), dim);
+}
+
+at::Tensor Accelerator::unshard_sequence(const at::Tensor& local, int64_t dim) const {
+  return cp::unshard_sequence(local, impl_->state->mesh().group("cp"), dim);
 }
 
 at::Tensor Accelerator::pad_across_processes(const at::Tensor& tensor, int64_t dim, double pad_index, bool pad_first) const {

@@ -7,7 +7,9 @@
 #include <fmt/ranges.h>
 
 #include "core/log.hpp"
+#include "core/text.hpp"
 #include "parallel/activation_checkpoint.hpp"
+#include "parallel/cp_ring.hpp"
 #include "train/accelerator_impl.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/error.hpp"
@@ -20,6 +22,27 @@ std::vector<at::Tensor> AcceleratorImpl::optimized_parameters() const {
     for (const auto& group : o->optimizer->param_groups())
       for (const auto& p : group.params()) params.push_back(p);
   return params;
+}
+
+void AcceleratorImpl::check_attention_went_through_cp() {
+  const int64_t calls = cp::detail::attention_calls();
+  if (calls > attention_calls_seen) {
+    attention_calls_seen = calls;
+    return;
+  }
+  std::vector<std::string> suspects;
+  for (const auto& model : models)
+    for (const auto& item : model->module()->named_modules()) {
+      const auto type = item.value()->name();
+      if (text::lower(type).find("attention") != std::string::npos)
+        suspects.push_back(fmt::format("{} ({})", item.key(), type));
+    }
+  throw ConfigError(fmt::format(
+      "parallelism_config_cp_size is {}, but the forward before this backward never called xlr8::attention(): attention "
+      "written by hand sees only this rank's share of the sequence. Compute it with xlr8::attention(q, k, v, ...) "
+      "(xlr8/context_parallel.hpp) in {}",
+      state->mesh().size("cp"),
+      suspects.empty() ? std::string("the model's attention module") : text::capped(suspects)));
 }
 
 void AcceleratorImpl::unscale_gradients() {
@@ -182,6 +205,7 @@ void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
                                     "xlr8::sharded(*this, body, inputs...), so they were not checkpointed; write "
                                     "their forward in that form (xlr8/unshard.hpp)",
                                     fmt::join(never, ", ")));
+  if (impl_->state->mesh().size("cp") > 1) impl_->check_attention_went_through_cp();
 }
 
 void Accelerator::clip_grad_value(const std::vector<at::Tensor>& parameters, double clip_value) {

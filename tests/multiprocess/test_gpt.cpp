@@ -5,36 +5,17 @@
 #include <map>
 #include <set>
 
-#include "oracle.hpp"
-#include "process_runner.hpp"
-
-using Args = std::vector<std::string>;
+#include "gpt_runs.hpp"
 
 namespace {
 
-const std::string kXlr8 = XLR8_BIN;
-const std::string kGpt = GPT_BIN;
-
-Args concat(Args a, const Args& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
+using namespace gpt_runs;
 
 // The small GPT the tests here train (2 layers, d_model 32, sequence 32), with its batch and output directory.
 Args small_gpt(int batch, const std::string& dir, int heads = 2) {
   return {"--n_layer", "2", "--d_model", "32", "--n_head", std::to_string(heads), "--seq_len", "32", "--batch_size",
           std::to_string(batch), "--lr", "3e-3", "--val_windows", "48", "--output_dir", dir};
 }
-
-// xlr8 launch --num_processes N <launcher flags> gpt <program flags>; a failure is reported.
-ProcessResult launch_gpt(int processes, const Args& launcher, const Args& program) {
-  auto command = concat(concat({kXlr8, "launch", "--num_processes", std::to_string(processes)}, launcher), {kGpt});
-  auto r = run(concat(command, program), 300);
-  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
-  return r;
-}
-
-nlohmann::json json_of(const ProcessResult& r) { return r.exit_code == 0 ? last_json(r.out) : nlohmann::json::object(); }
 
 nlohmann::json gpt_run(int processes, int batch, const std::string& dir, Args extra = {"--max_steps", "12"}) {
   return json_of(launch_gpt(processes, {}, concat(small_gpt(batch, dir), extra)));
@@ -141,6 +122,53 @@ TEST(GptTensorParallel, TpAloneWithFsdpWithHsdpAndWithDdpEqualsOneProcess) {
       expect_same_params(dir, one_dir, 5e-4);
     }
   }
+}
+
+// A sharding strategy that cannot compose with the mesh is one line before training: HSDP shards over
+// dp_shard, and a mesh of dp_replicate x tp has none (the machine's ranks would cut across tp peers).
+TEST(GptTensorParallel, HybridShardOnAMeshWithoutDpShardIsRefusedInOneLineBeforeTraining) {
+  auto r = launch_gpt(4,
+                      {"--use_fsdp", "--fsdp_sharding_strategy", "HYBRID_SHARD", "--parallelism_config_dp_replicate_size",
+                       "2", "--parallelism_config_tp_size", "2"},
+                      concat(small_gpt(2, temp_dir("gpt-tp-hybrid")), {"--max_steps", "2"}), /*expect_success=*/false);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("fsdp_sharding_strategy HYBRID_SHARD shards over parallelism_config_dp_shard_size, which is 1 "
+                       "on this mesh (dp_replicate 2 x dp_shard 1 x cp 1 x tp 2)"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.out.find("train "), std::string::npos) << "no step ran";
+}
+
+// Under tensor parallelism build_model has the ranks other than the main process build the GPT empty and
+// receive only their slices (fsdp_cpu_ram_efficient_loading: false turns it off under FSDP: every rank
+// builds the whole model and slices it). The same training either way; building and preparing costs each
+// other rank about half the model (what it no longer builds) less resident memory on dp_shard 2 x tp 2,
+// and the main process, which holds the whole values and its slices until they are sent, at most half the
+// model more. 14.3 M parameters (57 MB in fp32); dropout, so the random numbers drawn after building must
+// match too.
+TEST(GptTensorParallel, RanksOtherThanTheMainProcessBuildOnlyTheirSlicesAndTrainTheSame) {
+  auto gpt = [&](const std::string& loading, const std::string& dir) {
+    return json_of(launch_gpt(4,
+                              {"--use_fsdp", "--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size",
+                               "2", "--fsdp_cpu_ram_efficient_loading", loading},
+                              {"--n_layer", "8", "--d_model", "384", "--n_head", "6", "--seq_len", "32", "--batch_size",
+                               "1", "--max_steps", "2", "--val_windows", "8", "--dropout", "0.1", "--output_dir", dir}));
+  };
+  auto on_dir = temp_dir("gpt-tp-load-on"), off_dir = temp_dir("gpt-tp-load-off");
+  auto on = gpt("true", on_dir), off = gpt("false", off_dir);
+  ASSERT_TRUE(on.contains("setup_peak_rss_mb_by_rank") && off.contains("setup_peak_rss_mb_by_rank"));
+  EXPECT_NEAR(on["final_train_loss"].get<double>(), off["final_train_loss"].get<double>(), 1e-6);
+  EXPECT_NEAR(on["val_loss"].get<double>(), off["val_loss"].get<double>(), 1e-6);
+  expect_same_params(on_dir, off_dir, 1e-6);
+  const double model_mb = 4 * on["parameters"].get<double>() / (1 << 20);
+  const auto on_peaks = on["setup_peak_rss_mb_by_rank"].get<std::vector<double>>();
+  const auto off_peaks = off["setup_peak_rss_mb_by_rank"].get<std::vector<double>>();
+  ASSERT_EQ(on_peaks.size(), 4u);
+  for (size_t r = 1; r < 4; ++r) {
+    EXPECT_GT(off_peaks[r] - on_peaks[r], 0.3 * model_mb) << on << off;
+    EXPECT_LT(on_peaks[r], on_peaks[0] - 0.6 * model_mb) << on << off;  // never the whole model
+  }
+  EXPECT_LT(on_peaks[0], off_peaks[0] + 0.5 * model_mb + 16) << on << off;  // + the allocator's slack
 }
 
 // fsdp_activation_checkpointing (issue 24 §3) on the GPT: every block recomputes its forward in backward.

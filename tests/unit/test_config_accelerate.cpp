@@ -59,8 +59,8 @@ const std::map<std::string, std::vector<std::string>> kExpected = {
     {"fsdp_v1_nowrap.yaml", {}},
     {"fsdp_v1_size.yaml", {}},
     {"fsdp_v2.yaml", {}},
-    {"fsdp_v2_pc.yaml", {"parallelism_config.parallelism_config_cp_size", "value 2", "context parallelism",
-                         "tp_size"}},
+    // Accelerate's own test file: a 2x2x2x2 mesh (cp 2 with the ring) on 8 processes, which it refuses too.
+    {"fsdp_v2_pc.yaml", {"parallelism_config sizes multiply to 16", "cp 2", "num_processes is 8"}},
     {"megatron.yaml", {"distributed_type", "\"MEGATRON_LM\"", "MULTI_GPU"}},
     {"megatron_min.yaml", {"distributed_type", "\"MEGATRON_LM\"", "MULTI_GPU"}},
     {"multi_cpu.yaml", {}},
@@ -186,6 +186,20 @@ parallelism_config:
 )");
   ASSERT_TRUE(p.parallelism);
   EXPECT_EQ(p.parallelism->dp_replicate, 2);
+  // A 4-D mesh with context parallelism on the ring.
+  auto four = parse_config(R"(distributed_type: FSDP
+num_processes: 16
+parallelism_config:
+  parallelism_config_dp_replicate_size: 2
+  parallelism_config_dp_shard_size: 2
+  parallelism_config_tp_size: 2
+  parallelism_config_cp_size: 2
+  parallelism_config_cp_comm_strategy: alltoall
+)").settings();
+  ASSERT_TRUE(four.parallelism);
+  EXPECT_EQ(four.parallelism->cp, 2);
+  EXPECT_EQ(four.parallelism->cp_comm_strategy, "alltoall");
+  EXPECT_EQ(four.parallelism->total(), 16);
 }
 
 TEST(AccelerateConfigs, KeysThatTurnOnMissingFeaturesAreRefusedByName) {
@@ -202,7 +216,9 @@ TEST(AccelerateConfigs, KeysThatTurnOnMissingFeaturesAreRefusedByName) {
       {"distributed_type: MPS\n", {"distributed_type", "MPS"}},
       {"fsdp_config:\n  fsdp_ignored_modules: [head]\n", {"fsdp_config.fsdp_ignored_modules", "head"}},
       {"deepspeed_config:\n  deepspeed_moe_layer_cls_names: MoEBlock\n", {"deepspeed_moe_layer_cls_names", "MoEBlock"}},
-      {"parallelism_config:\n  parallelism_config_cp_size: 2\n", {"parallelism_config_cp_size", "context parallelism"}},
+      {"parallelism_config:\n  parallelism_config_sp_size: 2\n", {"parallelism_config_sp_size", "Ulysses"}},
+      {"parallelism_config:\n  parallelism_config_cp_comm_strategy: ring\n",
+       {"parallelism_config_cp_comm_strategy", "\"ring\"", "allgather, alltoall"}},
       {"dynamo_config:\n  dynamo_bakend: NO\n", {"dynamo_config.dynamo_bakend", "did you mean"}},
   };
   for (const auto& [yaml, pieces] : cases) {

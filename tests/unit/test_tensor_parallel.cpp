@@ -4,7 +4,12 @@
 #include <torch/torch.h>
 
 
+#include <map>
+#include <optional>
+
+#include "parallel/tp_layer_kinds.hpp"
 #include "thread_ranks.hpp"
+#include "xlr8/empty_init.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/nn.hpp"
 #include "xlr8/tensor_parallel.hpp"
@@ -178,6 +183,55 @@ TEST(TensorParallel, PatternsMatchWithinOnePathComponent) {
   EXPECT_TRUE(tp::path_matches("*", "wte"));
   EXPECT_FALSE(tp::path_matches("*", "blocks.0"));
   EXPECT_TRUE(tp::path_matches("head", "head"));
+}
+
+TEST(TensorParallel, OnlyRankZeroBuildsTheWholeModelAndTheOthersReceiveJustTheirSlices) {
+  // What Accelerator::build_model does under tensor parallelism: ranks but 0 build in an EmptyInitScope
+  // (meta: no values, no memory), the plan slices that inside the build, and at prepare() they get memory
+  // for their slices only and rank 0's values, one whole tensor at a time.
+  for (int P : {2, 3, 4})
+    run_ranks(P, [&](Communicator& comm) {
+      std::optional<xlr8::EmptyInitScope> empty;
+      std::optional<tp::detail::KeepWholeValues> keep;
+      if (comm.rank() == 0) keep.emplace();
+      else empty.emplace();
+      TinyLm model;
+      tp::parallelize(*model, comm, kPlan);
+      empty.reset();
+      std::map<std::string, at::Tensor> wholes;
+      for (const auto& item : model->named_parameters()) {
+        if (comm.rank() == 0) {
+          wholes[item.key()] = keep->whole_of(item.value());
+        } else {
+          EXPECT_TRUE(item.value().is_meta()) << item.key();
+        }
+      }
+      keep.reset();
+      if (comm.rank() == 0) {
+        EXPECT_EQ(wholes.at("fc_in.weight").sizes(), (std::vector<int64_t>{36, 12}));
+      }
+      tp::detail::take_whole_values_from_main(*model, comm, wholes, at::kCPU);
+      TinyLm whole;  // what this rank would have built itself: the same seed
+      expect_same_parameters(model, whole, fmt::format("rank {} of {}", comm.rank(), P));
+    });
+  // A rank whose model differs is named on every rank, before anything is sent.
+  run_ranks(2, [&](Communicator& comm) {
+    struct Net : torch::nn::Module {
+      xlr8::nn::Linear proj;
+      explicit Net(int64_t out) : proj(register_module("proj", xlr8::nn::Linear(4, out))) {}
+    };
+    auto net = std::make_shared<Net>(comm.rank() == 0 ? 8 : 6);
+    std::map<std::string, at::Tensor> wholes;
+    for (const auto& item : net->named_parameters()) wholes[item.key()] = item.value().detach();
+    try {
+      tp::detail::take_whole_values_from_main(*net, comm, wholes, at::kCPU);
+      ADD_FAILURE() << "rank " << comm.rank() << ": no error";
+    } catch (const xlr8::ConfigError& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("the model built on rank 1 differs from the main process's"), std::string::npos) << m;
+      EXPECT_NE(m.find("\"proj.weight 8x4 Float\" on rank 0, \"proj.weight 6x4 Float\" on rank 1"), std::string::npos) << m;
+    }
+  });
 }
 
 TEST(TensorParallel, BadPlansAreRefusedNamingWhatExists) {

@@ -483,6 +483,29 @@ TEST(Zero, HybridShardingOverTwoGroupsOfTwoMatchesOneRank) {
   });
 }
 
+TEST(Zero, OnAMeshHybridShardingShardsOverDpShardTimesCpAndWithoutThemIsRefused) {
+  Settings settings;
+  settings.fsdp = FsdpSettings{};
+  settings.fsdp->sharding_strategy = ShardingStrategy::HYBRID_SHARD;
+  settings.parallelism = ParallelismSettings{.dp_replicate = 2, .dp_shard = 2, .cp = 2, .tp = 2};
+  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, settings, /*node_size=*/16).hybrid_shard_size, 4);  // dp_shard x cp
+  settings.parallelism->cp = 1;
+  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, settings, 8).hybrid_shard_size, 2);
+  // dp_replicate x tp only: the machine's 4 ranks would cut across the tp peers.
+  settings.parallelism->dp_shard = 1;
+  try {
+    xlr8::detail::resolve_zero_options({}, settings, 4);
+    ADD_FAILURE() << "no error";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(std::string(e.what()),
+              "fsdp_sharding_strategy HYBRID_SHARD shards over parallelism_config_dp_shard_size, which is 1 on this mesh "
+              "(dp_replicate 2 x dp_shard 1 x cp 1 x tp 2); set parallelism_config_dp_shard_size above 1, or use "
+              "FULL_SHARD to shard over every data-parallel rank");
+  }
+  settings.parallelism.reset();  // no mesh: HSDP within each machine, as before
+  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, settings, 4).hybrid_shard_size, 4);
+}
+
 TEST(Zero, Bf16ParametersWithFp32MasterShardsStayCloseToOneRankUnderAutocast) {
   // FSDP's MixedPrecision: parameters gathered and computed in bf16, the optimizer on fp32 shards,
   // gradients reduced in bf16 (default) or fp32. The reference is the same precision policy on one

@@ -128,7 +128,7 @@ Handler add_launch(CLI::App& app) {
   }
   // Accelerate's ParallelismConfig flags: the device mesh (dp_replicate x dp_shard x cp x tp).
   for (auto key : {"parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size",
-                   "parallelism_config_tp_size", "parallelism_config_cp_size"}) {
+                   "parallelism_config_tp_size", "parallelism_config_cp_size", "parallelism_config_cp_comm_strategy"}) {
     std::string k = key;
     cmd->add_option_function<std::string>(spellings("--" + k), [req, k](const std::string& v) { req->parallelism[k] = v; },
                                           "Device mesh: as parallelism_config." + k)

@@ -1,0 +1,189 @@
+// Context parallelism's sequence sharding (head-tail), the context a model's attention follows, and the
+// attention entry point: plain at cp 1, keys and values all-gathered under "allgather", the ring
+// (cp_ring.cpp) under "alltoall".
+#include "xlr8/context_parallel.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <atomic>
+#include <cmath>
+#include <mutex>
+
+#include "parallel/autograd_group.hpp"
+#include "parallel/cp_ring.hpp"
+#include "xlr8/error.hpp"
+
+namespace xlr8::cp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+thread_local std::optional<Context> thread_context;
+std::mutex process_context_lock;
+std::optional<Context> process_context;
+std::atomic<int64_t> context_attention_calls{0};
+
+int64_t positive_dim(const at::Tensor& x, int64_t dim) { return dim < 0 ? dim + x.dim() : dim; }
+
+void check_divisible(int64_t length, int cp_size, const char* what) {
+  if (length % (2 * cp_size) != 0)
+    throw ConfigError(fmt::format("context parallelism: the {} is {}, which 2 x parallelism_config_cp_size = {} does "
+                                  "not divide (each rank holds two chunks: head-tail load balancing for causal "
+                                  "attention); choose a multiple of {}",
+                                  what, length, 2 * cp_size, 2 * cp_size));
+}
+
+// All-gathers keys and values (one tensor, [..., T_local, 2·head_dim]) on the sequence dimension in
+// forward; backward sums every rank's gradient for this rank's share (reduce-scatter).
+struct GatherKeysValues : torch::autograd::Function<GatherKeysValues> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& kv, const Communicator& group) {
+    xlr8::detail::keep_group(ctx, group);
+    return detail::gather_sequence(kv, group);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {detail::reduce_scatter_sequence(grads[0], xlr8::detail::group_of(ctx)), at::Tensor()};
+  }
+};
+
+at::Tensor plain_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionOptions& o,
+                           const at::Tensor& future) {
+  auto scores = at::matmul(q, k.transpose(-2, -1));
+  scores = o.scale ? scores * *o.scale : scores / std::sqrt(static_cast<double>(q.size(-1)));
+  if (future.defined()) scores = scores.masked_fill(future, -INFINITY);
+  auto weights = at::softmax(scores, -1);
+  if (o.dropout > 0) weights = at::dropout(weights, o.dropout, /*train=*/true);
+  return at::matmul(weights, v);
+}
+
+at::Tensor allgather_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const AttentionOptions& o, const Communicator& group) {
+  const int64_t local = q.size(-2), head_dim = k.size(-1);
+  auto gathered = GatherKeysValues::apply(at::cat({k, v}, -1), group);
+  auto keys = gathered.narrow(-1, 0, head_dim), values = gathered.narrow(-1, head_dim, v.size(-1));
+  at::Tensor future;
+  if (o.causal) {
+    auto mine = positions(local, group.size(), group.rank(), q.device());
+    std::vector<at::Tensor> all;
+    for (int r = 0; r < group.size(); ++r) all.push_back(positions(local, group.size(), r, q.device()));
+    future = mine.unsqueeze(1) < at::cat(all).unsqueeze(0);
+    // The work: chunk pairs of [2 query chunks] x [2n key chunks] with any score left unmasked.
+    const int64_t c = local / 2;
+    auto open = future.logical_not().view({2, c, 2 * group.size(), c}).any(3).any(1);
+    detail::count_blocks(open.sum().item<int64_t>());
+  } else {
+    detail::count_blocks(4 * group.size());
+  }
+  return plain_attention(q, keys, values, o, future);
+}
+
+}  // namespace
+
+std::string to_string(CommStrategy strategy) {
+  return strategy == CommStrategy::AllGather ? "allgather" : "alltoall";
+}
+
+CommStrategy parse_comm_strategy(const std::string& value) {
+  if (value == "allgather") return CommStrategy::AllGather;
+  if (value == "alltoall") return CommStrategy::AllToAll;
+  throw ConfigError(fmt::format("parallelism_config_cp_comm_strategy: {:?} is not a strategy; allowed values are "
+                                "allgather (all-gather keys and values) and alltoall (the ring)",
+                                value));
+}
+
+Scope::Scope(Context context) : previous_(std::move(thread_context)) { thread_context = std::move(context); }
+Scope::~Scope() { thread_context = std::move(previous_); }
+
+std::optional<Context> current() {
+  if (thread_context) return thread_context;
+  std::lock_guard<std::mutex> lock(process_context_lock);
+  return process_context;
+}
+
+void set_process_context(std::optional<Context> context) {
+  std::lock_guard<std::mutex> lock(process_context_lock);
+  process_context = std::move(context);
+}
+
+at::Tensor positions(int64_t local_length, int cp_size, int cp_rank, const at::Device& device) {
+  const auto options = at::TensorOptions().dtype(at::kLong).device(device);
+  if (cp_size == 1) return at::arange(local_length, options);
+  if (local_length % 2 != 0)
+    throw ConfigError(fmt::format("context parallelism: a rank holds {} tokens, not two equal chunks (head-tail)",
+                                  local_length));
+  const int64_t chunk = local_length / 2;
+  return at::cat({at::arange(cp_rank * chunk, (cp_rank + 1) * chunk, options),
+                  at::arange((2 * cp_size - 1 - cp_rank) * chunk, (2 * cp_size - cp_rank) * chunk, options)});
+}
+
+at::Tensor local_positions(int64_t local_length, const at::Device& device) {
+  const auto context = current();
+  return context ? positions(local_length, context->group.size(), context->group.rank(), device)
+                 : positions(local_length, 1, 0, device);
+}
+
+at::Tensor shard_sequence(const at::Tensor& x, const Communicator& group, int64_t dim) {
+  if (group.size() == 1) return x;
+  dim = positive_dim(x, dim);
+  check_divisible(x.size(dim), group.size(), "sequence length");
+  const int64_t chunk = x.size(dim) / (2 * group.size());
+  const int r = group.rank();
+  return at::cat({x.narrow(dim, r * chunk, chunk), x.narrow(dim, (2 * group.size() - 1 - r) * chunk, chunk)}, dim);
+}
+
+at::Tensor unshard_sequence(const at::Tensor& local, const Communicator& group_handle, int64_t dim) {
+  if (group_handle.size() == 1) return local;
+  Communicator group = group_handle;
+  dim = positive_dim(local, dim);
+  const int n = group.size();
+  std::vector<at::Tensor> shares;
+  group.all_gather(shares, local.contiguous());
+  const int64_t chunk = local.size(dim) / 2;
+  std::vector<at::Tensor> chunks(2 * static_cast<size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    chunks[static_cast<size_t>(r)] = shares[static_cast<size_t>(r)].narrow(dim, 0, chunk);
+    chunks[static_cast<size_t>(2 * n - 1 - r)] = shares[static_cast<size_t>(r)].narrow(dim, chunk, chunk);
+  }
+  return at::cat(chunks, dim);
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionOptions& options) {
+  if (q.dim() < 2 || k.dim() != q.dim() || v.dim() != q.dim() || k.size(-1) != q.size(-1) || k.size(-2) != v.size(-2))
+    throw Error(fmt::format("attention(): q {}, k {} and v {} must be [..., T, head_dim] with matching key and value "
+                            "lengths and q, k head_dim",
+                            q.sizes(), k.sizes(), v.sizes()));
+  const auto context = current();
+  if (!context || context->group.size() == 1) {
+    at::Tensor future;
+    if (options.causal) {
+      const int64_t T = q.size(-2);
+      future = at::ones({T, k.size(-2)}, q.options().dtype(at::kBool)).triu(1);
+    }
+    return plain_attention(q, k, v, options, future);
+  }
+  if (q.size(-2) != k.size(-2))
+    throw Error(fmt::format("attention() under context parallelism: queries ({} tokens) and keys ({}) must be the same "
+                            "sequence's shares",
+                            q.size(-2), k.size(-2)));
+  check_divisible(q.size(-2) * context->group.size(), context->group.size(), "sequence length");
+  ++context_attention_calls;
+  if (context->strategy == CommStrategy::AllGather) return allgather_attention(q, k, v, options, context->group);
+  if (options.dropout > 0)
+    throw ConfigError(fmt::format("attention(): dropout {} on the attention weights is not available with "
+                                  "parallelism_config_cp_comm_strategy alltoall (the ring never forms the whole "
+                                  "weights); use allgather, or dropout 0",
+                                  options.dropout));
+  return detail::ring_attention(q, k, v, options.causal,
+                                options.scale ? *options.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1))),
+                                context->group);
+}
+
+int64_t wire_bytes() { return detail::cp_wire_bytes(); }
+int64_t attention_blocks() { return detail::blocks_counted(); }
+
+namespace detail {
+int64_t attention_calls() { return context_attention_calls.load(); }
+}  // namespace detail
+
+}  // namespace xlr8::cp

@@ -1,0 +1,191 @@
+// Context parallelism's collectives and ring attention (PyTorch's "alltoall" rotate method, Ring
+// Attention's blockwise log-sum-exp merge). Each rank holds two chunks of the sequence (head-tail:
+// chunks r and 2n-1-r of 2n), so every block is computed as four chunk pairs, and under the causal mask
+// a pair whose key chunk comes after its query chunk is skipped, one on the diagonal masked.
+#include "parallel/cp_ring.hpp"
+
+#include <ATen/ATen.h>
+
+#include <atomic>
+#include <cmath>
+
+#include "parallel/autograd_group.hpp"
+
+namespace xlr8::cp::detail {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::atomic<int64_t> wire{0};
+std::atomic<int64_t> blocks{0};
+
+// One chunk of this rank's queries and one of a block's keys, with their places among the 2n chunks.
+struct ChunkPair {
+  int64_t q_index, k_index;
+  int64_t q_chunk, k_chunk;  // 0 or 1: which half of the local / block tensor
+};
+
+// The chunk pairs of queries held by `rank` against keys held by `source` that the mask leaves work in.
+std::vector<ChunkPair> pairs(int rank, int source, int n, bool causal) {
+  const int64_t mine[2] = {rank, 2 * n - 1 - rank}, theirs[2] = {source, 2 * n - 1 - source};
+  std::vector<ChunkPair> out;
+  for (int a = 0; a < 2; ++a)
+    for (int b = 0; b < 2; ++b)
+      if (!causal || theirs[b] <= mine[a]) out.push_back({mine[a], theirs[b], a, b});
+  return out;
+}
+
+// Scores of one chunk pair in fp32, the diagonal pair masked above it.
+at::Tensor pair_scores(const at::Tensor& q, const at::Tensor& k, double scale, bool diagonal) {
+  auto s = at::matmul(q, k.transpose(-2, -1)).to(at::kFloat) * scale;
+  if (diagonal) {
+    const int64_t c = q.size(-2);
+    s = s.masked_fill(at::ones({c, c}, q.options().dtype(at::kBool)).triu(1), -INFINITY);
+  }
+  return s;
+}
+
+// One step of the ring: sends `tensors` to the next rank and receives the previous rank's into `into`.
+struct RingStep {
+  std::vector<Work> works;
+  void start(Communicator& group, const std::vector<at::Tensor>& tensors, std::vector<at::Tensor>& into, int tag) {
+    const int n = group.size(), r = group.rank();
+    into.reserve(tensors.size());  // recv_async writes into these: no reallocation under it
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      into.push_back(at::empty_like(tensors[i]));
+      works.push_back(group.send_async(tensors[i], (r + 1) % n, tag + static_cast<int>(i)));
+      works.push_back(group.recv_async(into.back(), (r + n - 1) % n, tag + static_cast<int>(i)));
+      wire += static_cast<int64_t>(tensors[i].nbytes());
+    }
+  }
+  void finish() {
+    for (auto& w : works) w.wait();
+    works.clear();
+  }
+};
+
+struct RingAttention : torch::autograd::Function<RingAttention> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            bool causal, double scale, const Communicator& group_handle) {
+    Communicator group = group_handle;
+    const int n = group.size(), r = group.rank();
+    const int64_t c = q.size(-2) / 2, dk = k.size(-1), dv = v.size(-1);
+    auto out_sizes = q.sizes().vec();
+    out_sizes.back() = dv;
+    auto out = at::zeros(out_sizes, q.options().dtype(at::kFloat));
+    auto lse = at::full(q.sizes().slice(0, q.dim() - 1), -INFINITY, q.options().dtype(at::kFloat));
+    auto kv = at::cat({k, v}, -1).contiguous();
+    for (int s = 0; s < n; ++s) {
+      RingStep step;
+      std::vector<at::Tensor> next;
+      if (s + 1 < n) step.start(group, {kv}, next, s);  // the next block travels while this one is computed
+      const int source = (r - s + n) % n;
+      const auto work = pairs(r, source, n, causal);
+      blocks += static_cast<int64_t>(work.size());
+      for (const auto& p : work) {
+        auto qa = q.narrow(-2, p.q_chunk * c, c);
+        auto kb = kv.narrow(-2, p.k_chunk * c, c);
+        auto scores = pair_scores(qa, kb.narrow(-1, 0, dk), scale, causal && p.k_index == p.q_index);
+        auto block_lse = at::logsumexp(scores, -1);
+        auto block_out = at::matmul(at::exp(scores - block_lse.unsqueeze(-1)), kb.narrow(-1, dk, dv).to(at::kFloat));
+        auto out_a = out.narrow(-2, p.q_chunk * c, c);
+        auto lse_a = lse.narrow(-1, p.q_chunk * c, c);
+        auto merged = at::logaddexp(lse_a, block_lse);
+        out_a.mul_(at::exp(lse_a - merged).unsqueeze(-1)).add_(block_out * at::exp(block_lse - merged).unsqueeze(-1));
+        lse_a.copy_(merged);
+      }
+      step.finish();
+      if (!next.empty()) kv = next[0];
+    }
+    xlr8::detail::keep_group(ctx, group);
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["scale"] = scale;
+    ctx->save_for_backward({q, k, v, out, lse});
+    return out.to(q.scalar_type());
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
+    const bool causal = ctx->saved_data["causal"].toBool();
+    const double scale = ctx->saved_data["scale"].toDouble();
+    Communicator group = xlr8::detail::group_of(ctx);
+    const int n = group.size(), r = group.rank();
+    const int64_t c = q.size(-2) / 2, dk = k.size(-1), dv = v.size(-1);
+    auto dout = grads[0].to(at::kFloat);
+    auto delta = (dout * out).sum(-1);  // rowsum(dO ∘ O): the softmax's backward term
+    auto dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+    auto kv = at::cat({k, v}, -1).contiguous();
+    auto dkv = at::zeros(kv.sizes(), kv.options().dtype(at::kFloat));  // travels with its block
+    for (int s = 0; s < n; ++s) {
+      const int source = (r - s + n) % n;
+      for (const auto& p : pairs(r, source, n, causal)) {
+        auto qa = q.narrow(-2, p.q_chunk * c, c);
+        auto kb = kv.narrow(-2, p.k_chunk * c, c);
+        auto key = kb.narrow(-1, 0, dk), value = kb.narrow(-1, dk, dv).to(at::kFloat);
+        auto weights = at::exp(pair_scores(qa, key, scale, causal && p.k_index == p.q_index) -
+                               lse.narrow(-1, p.q_chunk * c, c).unsqueeze(-1));
+        auto dout_a = dout.narrow(-2, p.q_chunk * c, c);
+        auto dkv_b = dkv.narrow(-2, p.k_chunk * c, c);
+        dkv_b.narrow(-1, dk, dv).add_(at::matmul(weights.transpose(-2, -1), dout_a));
+        auto dscores = weights * (at::matmul(dout_a, value.transpose(-2, -1)) -
+                                  delta.narrow(-1, p.q_chunk * c, c).unsqueeze(-1));
+        dq.narrow(-2, p.q_chunk * c, c).add_(at::matmul(dscores, key.to(at::kFloat)) * scale);
+        dkv_b.narrow(-1, 0, dk).add_(at::matmul(dscores.transpose(-2, -1), qa.to(at::kFloat)) * scale);
+      }
+      // The block and its gradient so far go on to the next rank; after the last step only the
+      // gradient does, which brings it home to the block's owner.
+      RingStep step;
+      std::vector<at::Tensor> next;
+      if (s + 1 < n) step.start(group, {kv, dkv}, next, 1000 + 2 * s);
+      else step.start(group, {dkv}, next, 1000 + 2 * s);
+      step.finish();
+      if (s + 1 < n) {
+        kv = next[0];
+        dkv = next[1];
+      } else {
+        dkv = next[0];
+      }
+    }
+    return {dq.to(q.scalar_type()), dkv.narrow(-1, 0, dk).to(k.scalar_type()),
+            dkv.narrow(-1, dk, dv).to(v.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor sequence_first(const at::Tensor& x) { return x.movedim(x.dim() - 2, 0).contiguous(); }
+
+}  // namespace
+
+at::Tensor gather_sequence(const at::Tensor& x, const Communicator& group_handle) {
+  Communicator group = group_handle;
+  auto moved = sequence_first(x);
+  auto sizes = moved.sizes().vec();
+  auto out = at::empty({group.size() * moved.numel()}, moved.options());
+  wire += static_cast<int64_t>(out.nbytes()) * (group.size() - 1) / group.size();
+  group.all_gather(out, moved);
+  sizes[0] *= group.size();
+  return out.view(sizes).movedim(0, x.dim() - 2).contiguous();
+}
+
+at::Tensor reduce_scatter_sequence(const at::Tensor& x, const Communicator& group_handle) {
+  Communicator group = group_handle;
+  auto moved = sequence_first(x);
+  auto sizes = moved.sizes().vec();
+  auto out = at::empty({moved.numel() / group.size()}, moved.options());
+  wire += static_cast<int64_t>(moved.nbytes()) * (group.size() - 1) / group.size();
+  group.reduce_scatter(out, moved.reshape(-1), ReduceOp::SUM);
+  sizes[0] /= group.size();
+  return out.view(sizes).movedim(0, x.dim() - 2).contiguous();
+}
+
+at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
+                          const Communicator& group) {
+  return RingAttention::apply(q, k, v, causal, scale, group);
+}
+
+int64_t cp_wire_bytes() { return wire.load(); }
+void count_blocks(int64_t n) { blocks += n; }
+int64_t blocks_counted() { return blocks.load(); }
+
+}  // namespace xlr8::cp::detail

@@ -1,0 +1,28 @@
+#pragma once
+// Context parallelism's communication: the sequence all-gather and its reduce-scatter dual, and ring
+// attention (keys and values passed round the cp group while each block is computed).
+#include <ATen/core/Tensor.h>
+
+#include "xlr8/communicator.hpp"
+
+namespace xlr8::cp::detail {
+
+// [..., T_local, C] from every rank, in rank order on the sequence dimension (the second to last).
+at::Tensor gather_sequence(const at::Tensor& x, const Communicator& group);
+// The sum over ranks of [..., n·T_local, C], this rank's T_local rows of it.
+at::Tensor reduce_scatter_sequence(const at::Tensor& x, const Communicator& group);
+// Causal or full attention of this rank's head-tail share of the queries against every rank's keys and
+// values, passed round the ring; partial results merge by log-sum-exp; chunk pairs wholly above the
+// diagonal are skipped. Backward is written out (the saved log-sum-exp gives the weights again) and
+// sends each rank's key/value gradients back round the ring.
+at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
+                          const Communicator& group);
+int64_t cp_wire_bytes();
+// Chunk pairs computed (see cp::attention_blocks), counted where the work is done.
+void count_blocks(int64_t n);
+int64_t blocks_counted();
+// How many times attention() ran under a context of more than one rank (the Accelerator checks that a
+// model's forward went through it at all).
+int64_t attention_calls();
+
+}  // namespace xlr8::cp::detail

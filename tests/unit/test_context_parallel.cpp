@@ -1,0 +1,135 @@
+// Context parallelism on 2, 3 and 4 ranks (threads): the head-tail split and its inverse, and attention
+// under both communication strategies equal to whole-sequence attention, forward and backward.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "thread_ranks.hpp"
+#include "xlr8/context_parallel.hpp"
+#include "xlr8/error.hpp"
+
+namespace {
+
+using xlr8::Communicator;
+using xlr8::testing::generator_lock;
+using xlr8::testing::run_ranks;
+namespace cp = xlr8::cp;
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const xlr8::ConfigError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+struct Qkv {
+  at::Tensor q, k, v, upstream;
+};
+
+// The whole sequence's q, k, v and an upstream gradient, the same on every rank.
+Qkv whole_inputs(int64_t T, at::ScalarType dtype = at::kFloat) {
+  std::lock_guard<std::mutex> lock(generator_lock());
+  torch::manual_seed(7);
+  auto make = [&](int64_t d) { return torch::randn({2, 3, T, d}).to(dtype); };
+  return {make(4), make(4), make(5), make(5)};
+}
+
+// Attention of the whole sequence on one rank, and its gradients.
+std::vector<at::Tensor> whole_attention(const Qkv& in, bool causal) {
+  auto q = in.q.clone().requires_grad_(), k = in.k.clone().requires_grad_(), v = in.v.clone().requires_grad_();
+  auto out = xlr8::attention(q, k, v, {.causal = causal});
+  out.backward(in.upstream);
+  return {out.detach(), q.grad(), k.grad(), v.grad()};
+}
+
+}  // namespace
+
+TEST(ContextParallel, HeadTailSplitKeepsChunksRAndMirrorAndUnshardingRestoresTheSequence) {
+  for (int P : {2, 3, 4})
+    run_ranks(P, [&](Communicator& comm) {
+      const int64_t T = 4 * P;  // two chunks of 2 per rank
+      auto x = torch::arange(2 * T).view({2, T});
+      auto mine = cp::shard_sequence(x, comm, 1);
+      const int r = comm.rank();
+      auto expected = torch::tensor({2 * r, 2 * r + 1, 2 * (2 * P - 1 - r), 2 * (2 * P - 1 - r) + 1});
+      EXPECT_TRUE(torch::equal(mine[0], expected)) << mine;
+      EXPECT_TRUE(torch::equal(mine[1], expected + T)) << mine;
+      EXPECT_TRUE(torch::equal(cp::positions(4, P, r, at::kCPU), expected));
+      EXPECT_TRUE(torch::equal(cp::unshard_sequence(mine, comm, 1), x));
+      {
+        cp::Scope scope({comm, cp::CommStrategy::AllGather});
+        EXPECT_TRUE(torch::equal(cp::local_positions(4, at::kCPU), expected));
+      }
+      EXPECT_TRUE(torch::equal(cp::local_positions(4, at::kCPU), torch::arange(4)));  // no context: arange
+      auto m = error_of([&] { cp::shard_sequence(torch::zeros({1, 2 * P + 1}), comm, 1); });
+      EXPECT_NE(m.find(fmt::format("the sequence length is {}, which 2 x parallelism_config_cp_size = {} does not divide",
+                                   2 * P + 1, 2 * P)),
+                std::string::npos)
+          << m;
+    });
+}
+
+TEST(ContextParallel, AttentionUnderBothStrategiesEqualsWholeSequenceAttentionWithItsGradients) {
+  for (int P : {2, 3, 4})
+    for (auto strategy : {cp::CommStrategy::AllGather, cp::CommStrategy::AllToAll})
+      for (bool causal : {true, false}) {
+        const int64_t T = 6 * P;
+        const auto in = whole_inputs(T);
+        const auto want = whole_attention(in, causal);
+        const int64_t before = cp::wire_bytes();
+        run_ranks(P, [&](Communicator& comm) {
+          const auto where = fmt::format("cp {} {} causal {} rank {}", P, cp::to_string(strategy), causal, comm.rank());
+          auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, comm, 2); };
+          auto q = shard(in.q).requires_grad_(), k = shard(in.k).requires_grad_(), v = shard(in.v).requires_grad_();
+          cp::Scope scope({comm, strategy});
+          auto out = xlr8::attention(q, k, v, {.causal = causal});
+          out.backward(shard(in.upstream));
+          EXPECT_TRUE(torch::allclose(out, shard(want[0]), 1e-5, 1e-6)) << where;
+          EXPECT_TRUE(torch::allclose(q.grad(), shard(want[1]), 1e-5, 1e-6)) << where;
+          EXPECT_TRUE(torch::allclose(k.grad(), shard(want[2]), 1e-5, 1e-6)) << where;
+          EXPECT_TRUE(torch::allclose(v.grad(), shard(want[3]), 1e-5, 1e-6)) << where;
+        });
+        // Keys and values (head dims 4 + 5) of the T / P local tokens, fp32. allgather: all-gathered forward
+        // and their gradients reduce-scattered backward, P - 1 shares each way per rank as a ring sends
+        // them; alltoall: each block passed on P - 1 times forward, then with its gradient P - 1 times
+        // backward and the gradient once more home, 3P - 2 shares. (The counter is the process's: all ranks.)
+        const int64_t local_kv = 2 * 3 * (T / P) * 9 * 4;
+        const int64_t per_rank = local_kv * (strategy == cp::CommStrategy::AllGather ? 2 * (P - 1) : 3 * P - 2);
+        EXPECT_EQ(cp::wire_bytes() - before, P * per_rank) << P << " " << cp::to_string(strategy);
+      }
+}
+
+TEST(ContextParallel, TheRingSkipsWorkAboveTheDiagonalAndRefusesDropout) {
+  run_ranks(2, [&](Communicator& comm) {
+    const auto in = whole_inputs(8);
+    cp::Scope scope({comm, cp::CommStrategy::AllToAll});
+    auto q = cp::shard_sequence(in.q, comm, 2);
+    auto m = error_of([&] { xlr8::attention(q, q, q, {.causal = true, .dropout = 0.1}); });
+    EXPECT_NE(m.find("dropout 0.1"), std::string::npos) << m;
+    EXPECT_NE(m.find("alltoall"), std::string::npos) << m;
+    // Dropout is fine when all-gathering, and without a context.
+    cp::Scope allgather({comm, cp::CommStrategy::AllGather});
+    EXPECT_EQ(xlr8::attention(q, q, q, {.causal = true, .dropout = 0.1}).sizes(), q.sizes());
+  });
+  EXPECT_EQ(error_of([] { cp::parse_comm_strategy("ring"); }),
+            "parallelism_config_cp_comm_strategy: \"ring\" is not a strategy; allowed values are allgather (all-gather "
+            "keys and values) and alltoall (the ring)");
+}
+
+TEST(ContextParallel, Bf16RingStaysWithinBf16OfTheFp32Whole) {
+  run_ranks(4, [&](Communicator& comm) {
+    const auto in = whole_inputs(32);
+    const auto want = whole_attention(in, true);
+    auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, comm, 2); };
+    auto q = shard(in.q).to(at::kBFloat16).requires_grad_(), k = shard(in.k).to(at::kBFloat16).requires_grad_(),
+         v = shard(in.v).to(at::kBFloat16).requires_grad_();
+    cp::Scope scope({comm, cp::CommStrategy::AllToAll});
+    auto out = xlr8::attention(q, k, v, {.causal = true});
+    out.backward(shard(in.upstream).to(at::kBFloat16));
+    EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(torch::allclose(out.to(at::kFloat), shard(want[0]), 3e-2, 3e-2));
+    EXPECT_TRUE(torch::allclose(q.grad().to(at::kFloat), shard(want[1]), 5e-2, 5e-2));
+    EXPECT_TRUE(torch::allclose(k.grad().to(at::kFloat), shard(want[2]), 5e-2, 5e-2));
+  });
+}
