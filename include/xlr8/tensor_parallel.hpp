@@ -75,6 +75,11 @@ Plan auto_plan(const torch::nn::Module& model, int tp_size, int64_t head_dim = 0
 // this model's layers. With `use_default_specs` (or no partition_config) AutoTP places what no spec
 // matched. Unknown keys and shapes xlr8 cannot split are ConfigErrors naming them.
 Plan plan_from_deepspeed(const nlohmann::json& tensor_parallel, const torch::nn::Module& model, int tp_size);
+// The same rules from a plan file: a JSON file holding that section (autotp_size, partition_config, ...),
+// or a whole DeepSpeed JSON whose "tensor_parallel" section it reads. Under parallelism_config_tp_size,
+// prepare() splits an unsplit model by the file XLR8_TP_PLAN_FILE names instead of by AutoTP. A missing
+// file or bad JSON is a ConfigError naming the file.
+Plan plan_from_file(const std::string& path, const torch::nn::Module& model, int tp_size);
 
 // The parameters a plan sliced (their gradients are partial norms over the tp group), with that group;
 // nullopt group when nothing in the model is sliced.

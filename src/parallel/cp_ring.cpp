@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 
@@ -36,13 +37,15 @@ std::vector<ChunkPair> pairs(int rank, int source, int n, bool causal) {
   return out;
 }
 
-// Scores of one chunk pair in fp32, the diagonal pair masked above it.
-at::Tensor pair_scores(const at::Tensor& q, const at::Tensor& k, double scale, bool diagonal) {
+// Queries are taken `kTileRows` at a time against a whole key chunk, so that what one step holds is
+// O(rows x chunk), never a chunk x chunk block per head (blockwise, as Ring Attention computes it).
+constexpr int64_t kTileRows = 256;
+
+// Scores of a tile of query rows [first, first + rows) of a chunk against a key chunk, in fp32; on the
+// diagonal pair, keys after each query are masked.
+at::Tensor tile_scores(const at::Tensor& q, const at::Tensor& k, double scale, bool diagonal, int64_t first) {
   auto s = at::matmul(q, k.transpose(-2, -1)).to(at::kFloat) * scale;
-  if (diagonal) {
-    const int64_t c = q.size(-2);
-    s = s.masked_fill(at::ones({c, c}, q.options().dtype(at::kBool)).triu(1), -INFINITY);
-  }
+  if (diagonal) s = s.masked_fill(at::ones({q.size(-2), k.size(-2)}, q.options().dtype(at::kBool)).triu(1 + first), -INFINITY);
   return s;
 }
 
@@ -84,16 +87,19 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       const auto work = pairs(r, source, n, causal);
       blocks += static_cast<int64_t>(work.size());
       for (const auto& p : work) {
-        auto qa = q.narrow(-2, p.q_chunk * c, c);
         auto kb = kv.narrow(-2, p.k_chunk * c, c);
-        auto scores = pair_scores(qa, kb.narrow(-1, 0, dk), scale, causal && p.k_index == p.q_index);
-        auto block_lse = at::logsumexp(scores, -1);
-        auto block_out = at::matmul(at::exp(scores - block_lse.unsqueeze(-1)), kb.narrow(-1, dk, dv).to(at::kFloat));
-        auto out_a = out.narrow(-2, p.q_chunk * c, c);
-        auto lse_a = lse.narrow(-1, p.q_chunk * c, c);
-        auto merged = at::logaddexp(lse_a, block_lse);
-        out_a.mul_(at::exp(lse_a - merged).unsqueeze(-1)).add_(block_out * at::exp(block_lse - merged).unsqueeze(-1));
-        lse_a.copy_(merged);
+        auto key = kb.narrow(-1, 0, dk), value = kb.narrow(-1, dk, dv).to(at::kFloat);
+        for (int64_t first = 0; first < c; first += kTileRows) {
+          const int64_t rows = std::min(kTileRows, c - first), at_row = p.q_chunk * c + first;
+          auto scores = tile_scores(q.narrow(-2, at_row, rows), key, scale, causal && p.k_index == p.q_index, first);
+          auto block_lse = at::logsumexp(scores, -1);
+          auto block_out = at::matmul(at::exp(scores - block_lse.unsqueeze(-1)), value);
+          auto out_a = out.narrow(-2, at_row, rows);
+          auto lse_a = lse.narrow(-1, at_row, rows);
+          auto merged = at::logaddexp(lse_a, block_lse);
+          out_a.mul_(at::exp(lse_a - merged).unsqueeze(-1)).add_(block_out * at::exp(block_lse - merged).unsqueeze(-1));
+          lse_a.copy_(merged);
+        }
       }
       step.finish();
       if (!next.empty()) kv = next[0];
@@ -121,18 +127,22 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     for (int s = 0; s < n; ++s) {
       const int source = (r - s + n) % n;
       for (const auto& p : pairs(r, source, n, causal)) {
-        auto qa = q.narrow(-2, p.q_chunk * c, c);
         auto kb = kv.narrow(-2, p.k_chunk * c, c);
         auto key = kb.narrow(-1, 0, dk), value = kb.narrow(-1, dk, dv).to(at::kFloat);
-        auto weights = at::exp(pair_scores(qa, key, scale, causal && p.k_index == p.q_index) -
-                               lse.narrow(-1, p.q_chunk * c, c).unsqueeze(-1));
-        auto dout_a = dout.narrow(-2, p.q_chunk * c, c);
+        auto key_fp32 = key.to(at::kFloat);
         auto dkv_b = dkv.narrow(-2, p.k_chunk * c, c);
-        dkv_b.narrow(-1, dk, dv).add_(at::matmul(weights.transpose(-2, -1), dout_a));
-        auto dscores = weights * (at::matmul(dout_a, value.transpose(-2, -1)) -
-                                  delta.narrow(-1, p.q_chunk * c, c).unsqueeze(-1));
-        dq.narrow(-2, p.q_chunk * c, c).add_(at::matmul(dscores, key.to(at::kFloat)) * scale);
-        dkv_b.narrow(-1, 0, dk).add_(at::matmul(dscores.transpose(-2, -1), qa.to(at::kFloat)) * scale);
+        for (int64_t first = 0; first < c; first += kTileRows) {
+          const int64_t rows = std::min(kTileRows, c - first), at_row = p.q_chunk * c + first;
+          auto qa = q.narrow(-2, at_row, rows);
+          // The weights again from the saved log-sum-exp: exp(scores - lse), zero where masked.
+          auto weights = at::exp(tile_scores(qa, key, scale, causal && p.k_index == p.q_index, first) -
+                                 lse.narrow(-1, at_row, rows).unsqueeze(-1));
+          auto dout_a = dout.narrow(-2, at_row, rows);
+          dkv_b.narrow(-1, dk, dv).add_(at::matmul(weights.transpose(-2, -1), dout_a));
+          auto dscores = weights * (at::matmul(dout_a, value.transpose(-2, -1)) - delta.narrow(-1, at_row, rows).unsqueeze(-1));
+          dq.narrow(-2, at_row, rows).add_(at::matmul(dscores, key_fp32) * scale);
+          dkv_b.narrow(-1, 0, dk).add_(at::matmul(dscores.transpose(-2, -1), qa.to(at::kFloat)) * scale);
+        }
       }
       // The block and its gradient so far go on to the next rank; after the last step only the
       // gradient does, which brings it home to the block's owner.

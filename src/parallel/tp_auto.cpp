@@ -5,6 +5,7 @@
 #include <torch/nn/modules/linear.h>
 
 #include <algorithm>
+#include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
@@ -169,6 +170,26 @@ int fused_parts(const nlohmann::json& spec, const std::string& where) {
 }
 
 }  // namespace
+
+Plan plan_from_file(const std::string& path, const torch::nn::Module& model, int tp_size) {
+  std::ifstream in(path);
+  if (!in) throw ConfigError(fmt::format("tensor-parallel plan file {}: cannot be read; give a JSON file", path));
+  nlohmann::json rules;
+  try {
+    rules = nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw ConfigError(fmt::format("tensor-parallel plan file {}: not valid JSON: {}", path, e.what()));
+  }
+  if (!rules.is_object())
+    throw ConfigError(fmt::format("tensor-parallel plan file {}: must hold a JSON object (DeepSpeed's tensor_parallel "
+                                  "section, or a DeepSpeed config with one)",
+                                  path));
+  try {
+    return plan_from_deepspeed(rules.contains("tensor_parallel") ? rules["tensor_parallel"] : rules, model, tp_size);
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("tensor-parallel plan file {}: {}", path, e.what()));
+  }
+}
 
 Plan plan_from_deepspeed(const nlohmann::json& tensor_parallel, const torch::nn::Module& model, int tp_size) {
   check_keys(tensor_parallel, kTensorParallelKeys, "tensor_parallel");

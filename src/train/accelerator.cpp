@@ -174,6 +174,11 @@ void split_for_tensor_parallel(torch::nn::Module& module, DeviceMesh& mesh) {
                                   "parallelism_config_tp_size is {}; make them equal",
                                   sliced.group->size(), tp));
   if (tp == 1 || sliced.group) return;
+  if (auto file = Env::current().get("XLR8_TP_PLAN_FILE"); file && !file->empty()) {
+    tp::parallelize(module, mesh.group("tp"), tp::plan_from_file(*file, module, tp), /*strict=*/false);
+    log::info("prepare(): parallelism_config_tp_size {}: the model split by the plan file {}", tp, *file);
+    return;
+  }
   try {
     tp::parallelize(module, mesh.group("tp"), tp::auto_plan(module, tp), /*strict=*/true);
   } catch (const ConfigError& e) {

@@ -2,6 +2,7 @@
 // (the oracle), the JSON line carries what the sharding work will compare, and the loss falls.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <map>
 #include <set>
 
@@ -124,6 +125,32 @@ TEST(GptTensorParallel, TpAloneWithFsdpWithHsdpAndWithDdpEqualsOneProcess) {
   }
 }
 
+// A plan file (DeepSpeed's tensor_parallel rules; XLR8_TP_PLAN_FILE) splits a model the program left unsplit
+// instead of AutoTP: the GPT by rules for its attention (fused q/k/v, row-wise output) and AutoTP for the
+// rest trains exactly as with the program's own plan. A bad file is one line naming it.
+TEST(GptTensorParallel, APlanFileSplitsTheModelAsTheProgramsOwnPlanDoes) {
+  const auto dir = temp_dir("gpt-tp-plan-file");
+  const std::string file = dir + "/plan.json";
+  std::ofstream(file) << R"({"tensor_parallel": {"autotp_size": 2, "partition_config": {"use_default_specs": true,
+    "layer_specs": [{"patterns": ["blocks\\..*\\.attn\\.qkv"], "partition_type": "column", "shape": [3, -1]},
+                    {"patterns": ["blocks\\..*\\.attn\\.proj"], "partition_type": "row"}]}}})";
+  const Args tp{"--parallelism_config_tp_size", "2"}, steps{"--max_steps", "4"};
+  auto own = json_of(launch_gpt(2, tp, concat(small_gpt(8, dir + "/own"), steps)));
+  auto command = concat(concat({kXlr8, "launch", "--num_processes", "2"}, tp), {kGpt, "--autotp"});
+  auto by_file = run(concat(command, concat(small_gpt(8, dir + "/file"), steps)), 300, {{"XLR8_TP_PLAN_FILE", file}});
+  ASSERT_EQ(by_file.exit_code, 0) << by_file.err;
+  EXPECT_NE(by_file.err.find("the model split by the plan file " + file), std::string::npos) << by_file.err;
+  auto got = last_json(by_file.out);
+  EXPECT_EQ(got["tp_size"], 2);
+  EXPECT_NEAR(got["final_train_loss"].get<double>(), own["final_train_loss"].get<double>(), 1e-7);
+  expect_same_params(dir + "/file", dir + "/own", 1e-7);
+  std::ofstream(dir + "/bad.json") << R"({"tensor_parallel": {"partition_config": {"layer_specs": [{"patterns": ["x"], "partition_type": "diagonal"}]}}})";
+  auto bad = run(concat(command, concat(small_gpt(8, dir + "/bad"), steps)), 300, {{"XLR8_TP_PLAN_FILE", dir + "/bad.json"}});
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("tensor-parallel plan file " + dir + "/bad.json: "), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("diagonal"), std::string::npos) << bad.err;
+}
+
 // A sharding strategy that cannot compose with the mesh is one line before training: HSDP shards over
 // dp_shard, and a mesh of dp_replicate x tp has none (the machine's ranks would cut across tp peers).
 TEST(GptTensorParallel, HybridShardOnAMeshWithoutDpShardIsRefusedInOneLineBeforeTraining) {
@@ -156,19 +183,12 @@ TEST(GptTensorParallel, RanksOtherThanTheMainProcessBuildOnlyTheirSlicesAndTrain
   };
   auto on_dir = temp_dir("gpt-tp-load-on"), off_dir = temp_dir("gpt-tp-load-off");
   auto on = gpt("true", on_dir), off = gpt("false", off_dir);
-  ASSERT_TRUE(on.contains("setup_peak_rss_mb_by_rank") && off.contains("setup_peak_rss_mb_by_rank"));
-  EXPECT_NEAR(on["final_train_loss"].get<double>(), off["final_train_loss"].get<double>(), 1e-6);
-  EXPECT_NEAR(on["val_loss"].get<double>(), off["val_loss"].get<double>(), 1e-6);
-  expect_same_params(on_dir, off_dir, 1e-6);
-  const double model_mb = 4 * on["parameters"].get<double>() / (1 << 20);
-  const auto on_peaks = on["setup_peak_rss_mb_by_rank"].get<std::vector<double>>();
-  const auto off_peaks = off["setup_peak_rss_mb_by_rank"].get<std::vector<double>>();
-  ASSERT_EQ(on_peaks.size(), 4u);
+  const auto peaks = same_training_and_setup_peaks(on, off, on_dir, off_dir, 4);
   for (size_t r = 1; r < 4; ++r) {
-    EXPECT_GT(off_peaks[r] - on_peaks[r], 0.3 * model_mb) << on << off;
-    EXPECT_LT(on_peaks[r], on_peaks[0] - 0.6 * model_mb) << on << off;  // never the whole model
+    EXPECT_GT(peaks.off[r] - peaks.on[r], 0.3 * peaks.model_mb) << on << off;
+    EXPECT_LT(peaks.on[r], peaks.on[0] - 0.6 * peaks.model_mb) << on << off;  // never the whole model
   }
-  EXPECT_LT(on_peaks[0], off_peaks[0] + 0.5 * model_mb + 16) << on << off;  // + the allocator's slack
+  EXPECT_LT(peaks.on[0], peaks.off[0] + 0.5 * peaks.model_mb + 16) << on << off;  // + the allocator's slack
 }
 
 // fsdp_activation_checkpointing (issue 24 §3) on the GPT: every block recomputes its forward in backward.

@@ -212,6 +212,20 @@ TEST(TrainingErrors, MismatchedModelsAcrossRanksNameTheParameter) {
       << r.err;
 }
 
+TEST(TrainingErrors, ContextParallelismWithAModelThatNeverCallsXlr8AttentionIsRefusedAtTheFirstBackward) {
+  // An MLP under parallelism_config_cp_size 2: its forward computes no attention through the entry point,
+  // so a cp split would silently leave each rank attending to its share only.
+  auto r = run({kXlr8, "launch", "--num_processes", "2", "--parallelism_config_cp_size", "2", kTrain, "--batch", "4",
+                "--steps", "2", "--out", temp_dir("cp-no-attention")},
+               120);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("parallelism_config_cp_size is 2, but the forward before this backward never called "
+                       "xlr8::attention()"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("in the model's attention module"), std::string::npos) << r.err;
+}
+
 TEST(TrainingErrors, UnusedParameterIsNamedUnlessFindUnusedIsSet) {
   auto r = train(2, {"--mode", "unused", "--steps", "2"});
   EXPECT_NE(r.exit_code, 0);

@@ -133,3 +133,22 @@ TEST(ContextParallel, Bf16RingStaysWithinBf16OfTheFp32Whole) {
     EXPECT_TRUE(torch::allclose(k.grad().to(at::kFloat), shard(want[2]), 5e-2, 5e-2));
   });
 }
+
+TEST(ContextParallel, TheRingTakesLongChunksInTilesOfQueriesAndStaysExact) {
+  // Chunks of 300 tokens: the ring takes queries 256 rows at a time (and the last 44), the causal mask
+  // of a diagonal pair shifted to each tile.
+  const int64_t T = 4 * 300;
+  const auto in = whole_inputs(T);
+  const auto want = whole_attention(in, true);
+  run_ranks(2, [&](Communicator& comm) {
+    auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, comm, 2); };
+    auto q = shard(in.q).requires_grad_(), k = shard(in.k).requires_grad_(), v = shard(in.v).requires_grad_();
+    cp::Scope scope({comm, cp::CommStrategy::AllToAll});
+    auto out = xlr8::attention(q, k, v, {.causal = true});
+    out.backward(shard(in.upstream));
+    EXPECT_TRUE(torch::allclose(out, shard(want[0]), 1e-5, 1e-6));
+    EXPECT_TRUE(torch::allclose(q.grad(), shard(want[1]), 1e-5, 1e-6));
+    EXPECT_TRUE(torch::allclose(k.grad(), shard(want[2]), 1e-5, 1e-6));
+    EXPECT_TRUE(torch::allclose(v.grad(), shard(want[3]), 1e-5, 1e-6));
+  });
+}
