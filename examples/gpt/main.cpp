@@ -181,6 +181,7 @@ int run(const Args& args) {
   const auto start = std::chrono::steady_clock::now();
   const int64_t tp_bytes_before = xlr8::tp::region_wire_bytes();  // tensor-parallel traffic of training alone
   const int64_t cp_bytes_before = xlr8::cp::wire_bytes(), cp_blocks_before = xlr8::cp::attention_blocks();
+  const auto ring_before = xlr8::cp::ring_time();
   int64_t micro_steps = 0;
   int64_t tokens = 0, steps_at_start = acc.step();
   int64_t held = 0, peak = 0;
@@ -238,6 +239,11 @@ int run(const Args& args) {
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const int64_t tp_bytes = xlr8::tp::region_wire_bytes() - tp_bytes_before;
   const int64_t cp_bytes = xlr8::cp::wire_bytes() - cp_bytes_before;
+  // The ring's compute and its waits for blocks, the largest rank's (what overlap left exposed).
+  const auto ring_after = xlr8::cp::ring_time();
+  auto ring = acc.reduce(torch::tensor({ring_after.compute_s - ring_before.compute_s, ring_after.wait_s - ring_before.wait_s},
+                                       torch::kFloat64),
+                         xlr8::ReduceOp::MAX);
   // Each rank's attention work per micro-step (query-key chunk pairs computed): the load balance.
   auto cp_blocks = acc.gather(torch::full(
       {1}, static_cast<double>(xlr8::cp::attention_blocks() - cp_blocks_before) / std::max<int64_t>(micro_steps, 1),
@@ -263,6 +269,8 @@ int run(const Args& args) {
                           {"tp_wire_bytes_per_micro_step", micro_steps > 0 ? tp_bytes / micro_steps : 0},
                           {"cp_size", acc.state().mesh().size("cp")},
                           {"cp_wire_bytes_per_micro_step", micro_steps > 0 ? cp_bytes / micro_steps : 0},
+                          {"cp_ring_compute_s", ring[0].item<double>()},
+                          {"cp_ring_wait_s", ring[1].item<double>()},
                           {"last_grad_norm", grad_norm},
                           {"tokens_per_s", tokens / std::max(seconds, 1e-9)},
                           {"state_bytes_per_rank", static_cast<int64_t>(largest[0].item<double>())},

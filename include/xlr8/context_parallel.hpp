@@ -80,6 +80,12 @@ int64_t wire_bytes();
 // with any unmasked score: its share of the attention work, equal on every rank under head-tail
 // balancing (2·cp+1 per call when causal). Read as a difference around a phase.
 int64_t attention_blocks();
+// The ring's time (alltoall), summed over its steps, forward and backward: computing blocks, and waiting
+// for the next block after its own were computed (what the overlap did not hide). Seconds, as differences.
+struct RingTime {
+  double compute_s = 0, wait_s = 0;
+};
+RingTime ring_time();
 
 }  // namespace xlr8::cp
 

@@ -181,6 +181,10 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 int64_t wire_bytes() { return detail::cp_wire_bytes(); }
 int64_t attention_blocks() { return detail::blocks_counted(); }
+RingTime ring_time() {
+  auto [compute, wait] = detail::ring_seconds();
+  return {compute, wait};
+}
 
 namespace detail {
 int64_t attention_calls() { return context_attention_calls.load(); }

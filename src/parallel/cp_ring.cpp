@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 
 #include "parallel/autograd_group.hpp"
@@ -20,6 +21,11 @@ using torch::autograd::variable_list;
 
 std::atomic<int64_t> wire{0};
 std::atomic<int64_t> blocks{0};
+std::atomic<int64_t> compute_ns{0}, wait_ns{0};
+
+int64_t since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+}
 
 // One chunk of this rank's queries and one of a block's keys, with their places among the 2n chunks.
 struct ChunkPair {
@@ -84,6 +90,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       std::vector<at::Tensor> next;
       if (s + 1 < n) step.start(group, {kv}, next, s);  // the next block travels while this one is computed
       const int source = (r - s + n) % n;
+      const auto computing = std::chrono::steady_clock::now();
       const auto work = pairs(r, source, n, causal);
       blocks += static_cast<int64_t>(work.size());
       for (const auto& p : work) {
@@ -101,7 +108,10 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
           lse_a.copy_(merged);
         }
       }
+      compute_ns += since(computing);
+      const auto waiting = std::chrono::steady_clock::now();
       step.finish();
+      wait_ns += since(waiting);
       if (!next.empty()) kv = next[0];
     }
     xlr8::detail::keep_group(ctx, group);
@@ -126,6 +136,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     auto dkv = at::zeros(kv.sizes(), kv.options().dtype(at::kFloat));  // travels with its block
     for (int s = 0; s < n; ++s) {
       const int source = (r - s + n) % n;
+      const auto computing = std::chrono::steady_clock::now();
       for (const auto& p : pairs(r, source, n, causal)) {
         auto kb = kv.narrow(-2, p.k_chunk * c, c);
         auto key = kb.narrow(-1, 0, dk), value = kb.narrow(-1, dk, dv).to(at::kFloat);
@@ -144,13 +155,17 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
           dkv_b.narrow(-1, 0, dk).add_(at::matmul(dscores.transpose(-2, -1), qa.to(at::kFloat)) * scale);
         }
       }
+      compute_ns += since(computing);
       // The block and its gradient so far go on to the next rank; after the last step only the
-      // gradient does, which brings it home to the block's owner.
+      // gradient does, which brings it home to the block's owner. (It needs this step's gradient, so
+      // nothing overlaps it here.)
+      const auto waiting = std::chrono::steady_clock::now();
       RingStep step;
       std::vector<at::Tensor> next;
       if (s + 1 < n) step.start(group, {kv, dkv}, next, 1000 + 2 * s);
       else step.start(group, {dkv}, next, 1000 + 2 * s);
       step.finish();
+      wait_ns += since(waiting);
       if (s + 1 < n) {
         kv = next[0];
         dkv = next[1];
@@ -197,5 +212,6 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 int64_t cp_wire_bytes() { return wire.load(); }
 void count_blocks(int64_t n) { blocks += n; }
 int64_t blocks_counted() { return blocks.load(); }
+std::pair<double, double> ring_seconds() { return {compute_ns.load() * 1e-9, wait_ns.load() * 1e-9}; }
 
 }  // namespace xlr8::cp::detail

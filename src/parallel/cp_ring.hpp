@@ -3,6 +3,8 @@
 // attention (keys and values passed round the cp group while each block is computed).
 #include <ATen/core/Tensor.h>
 
+#include <utility>
+
 #include "xlr8/communicator.hpp"
 
 namespace xlr8::cp::detail {
@@ -21,6 +23,7 @@ int64_t cp_wire_bytes();
 // Chunk pairs computed (see cp::attention_blocks), counted where the work is done.
 void count_blocks(int64_t n);
 int64_t blocks_counted();
+std::pair<double, double> ring_seconds();  // computing, waiting
 // How many times attention() ran under a context of more than one rank (the Accelerator checks that a
 // model's forward went through it at all).
 int64_t attention_calls();

@@ -73,6 +73,9 @@ TEST(GptContextParallel, CpOnTwoThreeAndFourRanksAndWithFsdpDdpTpAndHsdpEqualsOn
                 1e-4 * one["last_grad_norm"].get<double>());
     EXPECT_EQ(got["cp_wire_bytes_per_micro_step"],
               cp_wire_bytes(2, layout.batch, 48, layout.attention_width, layout.cp, layout.ring));
+    // The ring's own clock runs only on the ring.
+    EXPECT_EQ(got["cp_ring_compute_s"].get<double>() > 0, layout.ring);
+    EXPECT_GE(got["cp_ring_wait_s"].get<double>(), 0);
     // Head-tail balance: every rank computes the same 2cp+1 causal chunk pairs per layer (with contiguous
     // chunks rank r would compute r+1 of cp).
     for (double blocks : got["cp_attention_blocks_per_micro_step_by_rank"].get<std::vector<double>>())
