@@ -162,6 +162,28 @@ void take_whole_values_from_main(torch::nn::Module& model, const Communicator& w
   };
   for (const auto& item : model.named_parameters()) add(item.key(), item.value());
   for (const auto& item : model.named_buffers()) add(item.key(), item.value());
+  // What only the main process can see, said to every rank before anything is sent (else the others would
+  // wait in a broadcast): a tensor added after the build, or a slice changed after the plan cut it out of
+  // the whole value kept (the other ranks' slices of that change exist nowhere).
+  std::string problem;
+  if (main)
+    for (const auto& e : entries) {
+      auto it = wholes.find(e.name);
+      if (it == wholes.end()) {
+        problem = fmt::format("prepare(): {} was added to the model after build_model() (the main process kept no "
+                              "whole value of it to send); add parameters and buffers inside build_model()",
+                              e.name);
+        break;
+      }
+      if (e.layout && !at::equal(local_slice(it->second, *e.layout), e.tensor.detach().to(it->second.device()))) {
+        problem = fmt::format("prepare(): {} changed after the tensor-parallel plan sliced it inside build_model(), "
+                              "so only the main process has the new values of its slice; initialise parameters "
+                              "before xlr8::tp::parallelize (or parallelize after build_model())",
+                              e.name);
+        break;
+      }
+    }
+  if (const auto said = world.broadcast_object(problem, 0); !said.empty()) throw ConfigError(said);
   // A model built differently on some rank would pair the broadcasts below wrongly: refuse it first.
   std::string signature;
   for (const auto& e : entries) signature += describe(e) + "\n";
@@ -191,12 +213,7 @@ void take_whole_values_from_main(torch::nn::Module& model, const Communicator& w
   for (const auto& e : entries) {
     at::Tensor whole;
     if (main) {
-      auto it = wholes.find(e.name);
-      if (it == wholes.end())
-        throw Error(fmt::format("prepare(): the main process kept no whole value of {} while building the model; "
-                                "add parameters and buffers inside build_model()",
-                                e.name));
-      whole = it->second.to(device, e.tensor.scalar_type()).contiguous();
+      whole = wholes.at(e.name).to(device, e.tensor.scalar_type()).contiguous();
     } else {
       whole = receiving.at(e.tensor.scalar_type()).narrow(0, 0, c10::multiply_integers(e.whole_sizes)).view(e.whole_sizes);
     }

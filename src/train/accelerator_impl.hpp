@@ -59,10 +59,10 @@ struct AcceleratorImpl {
   double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
   // Offload (FSDP's offload_params, DeepSpeed's offload_*) was asked for: says, once, what this build does.
   void report_offload();
-  // parallelism_config_cp_size > 1: the forward before this backward called xlr8::attention (else its
-  // attention saw only this rank's share of the sequence): a ConfigError naming the likely modules.
+  // parallelism_config_cp_size > 1: the first forward called xlr8::attention (else its attention saw only
+  // this rank's share of the sequence): a ConfigError naming the likely modules. Checked at the first backward.
   void check_attention_went_through_cp();
-  int64_t attention_calls_seen = 0;
+  bool attention_checked = false;
   bool offload_reported = false;
   // A DeepSpeed JSON's fp16 loss scaler (when the precision is fp16) and its offload request.
   void follow_deepspeed(const deepspeed::Config& config);
@@ -77,8 +77,8 @@ struct AcceleratorImpl {
     std::weak_ptr<torch::nn::Module> module;
     std::map<std::string, at::Tensor> wholes;  // the main process's whole values by name (empty elsewhere)
   };
-  std::vector<BuiltForTp> built_for_tp_loading;
-  bool installed_cp_context = false;  // this Accelerator set cp's process context (and clears it when it goes)  // by build_model under tensor parallelism, until prepared
+  std::vector<BuiltForTp> built_for_tp_loading;  // by build_model under tensor parallelism, until prepared
+  bool installed_cp_context = false;  // this Accelerator set cp's process context (and clears it when it goes)
 };
 
 }  // namespace xlr8

@@ -25,11 +25,11 @@ std::vector<at::Tensor> AcceleratorImpl::optimized_parameters() const {
 }
 
 void AcceleratorImpl::check_attention_went_through_cp() {
-  const int64_t calls = cp::detail::attention_calls();
-  if (calls > attention_calls_seen) {
-    attention_calls_seen = calls;
-    return;
-  }
+  // Once, after the first backward: a later backward may reuse a graph (retain_graph, a second loss)
+  // without a new forward.
+  if (attention_checked) return;
+  attention_checked = true;
+  if (cp::detail::attention_calls() > 0) return;
   std::vector<std::string> suspects;
   for (const auto& model : models)
     for (const auto& item : model->module()->named_modules()) {

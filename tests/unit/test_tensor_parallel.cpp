@@ -100,6 +100,24 @@ void expect_same_parameters(TinyLm& got, TinyLm& whole, const std::string& where
   }
 }
 
+// TinyLm built as Accelerator::build_model builds under tp: rank 0 keeping the whole values, the others on
+// the meta device, the plan applied inside the build, then `inside`. The model, and rank 0's whole values.
+std::pair<TinyLm, std::map<std::string, at::Tensor>> build_split(Communicator& comm,
+                                                                 const std::function<void(TinyLm&)>& inside = {}) {
+  std::optional<xlr8::EmptyInitScope> empty;
+  std::optional<tp::detail::KeepWholeValues> keep;
+  if (comm.rank() == 0) keep.emplace();
+  else empty.emplace();
+  TinyLm model;
+  tp::parallelize(*model, comm, kPlan);
+  if (inside) inside(model);
+  empty.reset();
+  std::map<std::string, at::Tensor> wholes;
+  if (comm.rank() == 0)
+    for (const auto& item : model->named_parameters()) wholes[item.key()] = keep->whole_of(item.value());
+  return {model, wholes};
+}
+
 }  // namespace
 
 TEST(TensorParallel, DropInLayersAreLibTorchsAtTpOne) {
@@ -191,28 +209,38 @@ TEST(TensorParallel, OnlyRankZeroBuildsTheWholeModelAndTheOthersReceiveJustTheir
   // for their slices only and rank 0's values, one whole tensor at a time.
   for (int P : {2, 3, 4})
     run_ranks(P, [&](Communicator& comm) {
-      std::optional<xlr8::EmptyInitScope> empty;
-      std::optional<tp::detail::KeepWholeValues> keep;
-      if (comm.rank() == 0) keep.emplace();
-      else empty.emplace();
-      TinyLm model;
-      tp::parallelize(*model, comm, kPlan);
-      empty.reset();
-      std::map<std::string, at::Tensor> wholes;
+      auto [model, wholes] = build_split(comm);
       for (const auto& item : model->named_parameters()) {
-        if (comm.rank() == 0) {
-          wholes[item.key()] = keep->whole_of(item.value());
-        } else {
+        if (comm.rank() != 0) {
           EXPECT_TRUE(item.value().is_meta()) << item.key();
         }
       }
-      keep.reset();
       if (comm.rank() == 0) {
         EXPECT_EQ(wholes.at("fc_in.weight").sizes(), (std::vector<int64_t>{36, 12}));
       }
       tp::detail::take_whole_values_from_main(*model, comm, wholes, at::kCPU);
       TinyLm whole;  // what this rank would have built itself: the same seed
       expect_same_parameters(model, whole, fmt::format("rank {} of {}", comm.rank(), P));
+    });
+  // What only rank 0 can see is said on every rank before anything is sent: a slice changed after the plan
+  // cut it (its other slices' new values exist nowhere), and a tensor rank 0 kept no whole value of.
+  for (const std::string change : {"changed", "added"})
+    run_ranks(2, [&](Communicator& comm) {
+      auto [model, wholes] = build_split(comm, [&](TinyLm& m) {
+        torch::NoGradGuard no_grad;
+        if (change == "changed") m->fc_in->weight.add_(1.0);  // initialising after parallelize, inside the build
+      });
+      if (change == "added") wholes.erase("head.bias");
+      try {
+        tp::detail::take_whole_values_from_main(*model, comm, wholes, at::kCPU);
+        ADD_FAILURE() << change << ": no error on rank " << comm.rank();
+      } catch (const xlr8::ConfigError& e) {
+        const std::string m = e.what();
+        EXPECT_NE(m.find(change == "changed" ? "fc_in.weight changed after the tensor-parallel plan sliced it"
+                                             : "head.bias was added to the model after build_model()"),
+                  std::string::npos)
+            << m;
+      }
     });
   // A rank whose model differs is named on every rank, before anything is sent.
   run_ranks(2, [&](Communicator& comm) {
