@@ -68,13 +68,9 @@ at::Tensor allgather_attention(const at::Tensor& q, const at::Tensor& k, const a
     std::vector<at::Tensor> all;
     for (int r = 0; r < group.size(); ++r) all.push_back(positions(local, group.size(), r, q.device()));
     future = mine.unsqueeze(1) < at::cat(all).unsqueeze(0);
-    // The work: chunk pairs of [2 query chunks] x [2n key chunks] with any score left unmasked.
-    const int64_t c = local / 2;
-    auto open = future.logical_not().view({2, c, 2 * group.size(), c}).any(3).any(1);
-    detail::count_blocks(open.sum().item<int64_t>());
-  } else {
-    detail::count_blocks(4 * group.size());
   }
+  // The chunk pairs the mask leaves open (no device sync: the ring's own rule).
+  detail::count_blocks(detail::chunk_pairs(group.rank(), group.size(), o.causal));
   return plain_attention(q, keys, values, o, future);
 }
 

@@ -178,30 +178,20 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
   }
 };
 
-at::Tensor sequence_first(const at::Tensor& x) { return x.movedim(x.dim() - 2, 0).contiguous(); }
-
 }  // namespace
 
-at::Tensor gather_sequence(const at::Tensor& x, const Communicator& group_handle) {
-  Communicator group = group_handle;
-  auto moved = sequence_first(x);
-  auto sizes = moved.sizes().vec();
-  auto out = at::empty({group.size() * moved.numel()}, moved.options());
-  wire += static_cast<int64_t>(out.nbytes()) * (group.size() - 1) / group.size();
-  group.all_gather(out, moved);
-  sizes[0] *= group.size();
-  return out.view(sizes).movedim(0, x.dim() - 2).contiguous();
+at::Tensor gather_sequence(const at::Tensor& x, const Communicator& group) {
+  return xlr8::detail::all_gather_on(x, group, x.dim() - 2, wire);
 }
 
-at::Tensor reduce_scatter_sequence(const at::Tensor& x, const Communicator& group_handle) {
-  Communicator group = group_handle;
-  auto moved = sequence_first(x);
-  auto sizes = moved.sizes().vec();
-  auto out = at::empty({moved.numel() / group.size()}, moved.options());
-  wire += static_cast<int64_t>(moved.nbytes()) * (group.size() - 1) / group.size();
-  group.reduce_scatter(out, moved.reshape(-1), ReduceOp::SUM);
-  sizes[0] /= group.size();
-  return out.view(sizes).movedim(0, x.dim() - 2).contiguous();
+at::Tensor reduce_scatter_sequence(const at::Tensor& x, const Communicator& group) {
+  return xlr8::detail::reduce_scatter_on(x, group, x.dim() - 2, wire);
+}
+
+int64_t chunk_pairs(int rank, int n, bool causal) {
+  int64_t total = 0;
+  for (int source = 0; source < n; ++source) total += static_cast<int64_t>(pairs(rank, source, n, causal).size());
+  return total;
 }
 
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,

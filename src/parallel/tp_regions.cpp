@@ -33,15 +33,8 @@ at::Tensor all_reduced(const at::Tensor& x, Communicator group) {
   return sum;
 }
 
-at::Tensor all_gathered(const at::Tensor& x, Communicator group, int64_t dim) {
-  // Rank-major along dimension 0 of a flat buffer, then moved to `dim`.
-  auto moved = x.movedim(dim, 0).contiguous();
-  auto sizes = moved.sizes().vec();
-  auto out = at::empty({group.size() * moved.numel()}, moved.options());
-  count_wire(out.nbytes(), group, 1);
-  group.all_gather(out, moved);
-  sizes[0] *= group.size();
-  return out.view(sizes).movedim(0, dim).contiguous();
+at::Tensor all_gathered(const at::Tensor& x, const Communicator& group, int64_t dim) {
+  return xlr8::detail::all_gather_on(x, group, dim, wire_bytes);
 }
 
 at::Tensor own_chunk(const at::Tensor& x, const Communicator& group, int64_t dim) {
@@ -77,15 +70,8 @@ struct GatherFromRegion : torch::autograd::Function<GatherFromRegion> {
 };
 
 // The sequence dimension ([..., T, C]) split over the group: rank r's chunk of the sum over ranks.
-at::Tensor reduce_scattered(const at::Tensor& x, Communicator group) {
-  const int64_t dim = x.dim() - 2;
-  auto moved = x.movedim(dim, 0).contiguous();
-  auto sizes = moved.sizes().vec();
-  auto out = at::empty({moved.numel() / group.size()}, moved.options());
-  count_wire(moved.nbytes(), group, 1);
-  group.reduce_scatter(out, moved.reshape(-1), ReduceOp::SUM);
-  sizes[0] /= group.size();
-  return out.view(sizes).movedim(0, dim).contiguous();
+at::Tensor reduce_scattered(const at::Tensor& x, const Communicator& group) {
+  return xlr8::detail::reduce_scatter_on(x, group, x.dim() - 2, wire_bytes);
 }
 
 void check_sequence(const at::Tensor& x, const Communicator& group) {
