@@ -268,6 +268,7 @@ int run(const Args& args) {
                           {"sequence_parallel", args.sequence_parallel && tp_group.size() > 1},
                           {"tp_wire_bytes_per_micro_step", micro_steps > 0 ? tp_bytes / micro_steps : 0},
                           {"cp_size", acc.state().mesh().size("cp")},
+                          {"sp_size", acc.state().mesh().size("sp")},
                           {"cp_wire_bytes_per_micro_step", micro_steps > 0 ? cp_bytes / micro_steps : 0},
                           {"cp_ring_compute_s", ring[0].item<double>()},
                           {"cp_ring_wait_s", ring[1].item<double>()},

@@ -248,8 +248,10 @@ class Accelerator {
   at::Tensor gather_for_metrics(const at::Tensor& tensor) const;  // drops even_batches padding at the end
   at::Tensor reduce(const at::Tensor& tensor, ReduceOp op = ReduceOp::SUM) const;
   // Context parallelism (parallelism_config_cp_size): this rank's head-tail share of a batch tensor's
-  // sequence dimension (inputs, labels), as Accelerate's maybe_context_parallel shards its buffers; the
-  // tensor itself at cp 1. A length 2 x cp does not divide is a ConfigError naming both.
+  // sequence dimension (inputs, labels), as Accelerate's maybe_context_parallel shards its buffers; under
+  // Ulysses (parallelism_config_sp_size) its contiguous share, as DeepSpeed's UlyssesSPDataLoaderAdapter
+  // does; the tensor itself when neither is above 1. A length 2 x cp (or sp) does not divide is a
+  // ConfigError naming both, and so is one other than a fixed parallelism_config_sp_seq_length.
   at::Tensor shard_sequence(const at::Tensor& tensor, int64_t dim = 1) const;
   // The inverse: the whole sequence from the cp group's shares (collective over it).
   at::Tensor unshard_sequence(const at::Tensor& local, int64_t dim = 1) const;

@@ -67,13 +67,19 @@ struct DeepSpeedSettings {
   bool operator==(const DeepSpeedSettings&) const = default;
 };
 
-// Accelerate's ParallelismConfig sizes, in mesh order dp_replicate, dp_shard, cp, tp.
+// Accelerate's ParallelismConfig sizes, in mesh order dp_replicate, dp_shard, cp, sp, tp. cp (context
+// parallelism) and sp (Ulysses sequence parallelism) both split the sequence; at most one is above 1.
 struct ParallelismSettings {
-  int dp_replicate = 1, dp_shard = 1, cp = 1, tp = 1;
+  int dp_replicate = 1, dp_shard = 1, cp = 1, sp = 1, tp = 1;
   std::string cp_comm_strategy = "allgather";  // allgather | alltoall (context-parallel attention)
-  int total() const { return dp_replicate * dp_shard * cp * tp; }
+  // parallelism_config_sp_seq_length / _is_variable: with a fixed length, every sharded batch must have it.
+  std::optional<long> sp_seq_length;
+  bool sp_seq_length_is_variable = true;
+  int total() const { return dp_replicate * dp_shard * cp * sp * tp; }
   bool operator==(const ParallelismSettings&) const = default;
 };
+// ConfigError when cp and sp are both above 1: both split the sequence (Accelerate refuses it too).
+void check_sequence_split(const ParallelismSettings& p);
 
 struct Settings {
   MixedPrecision mixed_precision = MixedPrecision::NO;

@@ -123,13 +123,14 @@ void read_parallelism(const Section& s, LaunchConfig& c) {
   p.cp = static_cast<int>(s.integer("parallelism_config_cp_size", 1, kMax).value_or(1));
   if (auto strategy = s.choice("parallelism_config_cp_comm_strategy", {"allgather", "alltoall"}, /*upper=*/false))
     p.cp_comm_strategy = *strategy;
-  // Ulysses sequence parallelism is later work: a size above 1 would silently train as data parallel,
-  // so it is refused.
-  if (auto v = s.integer("parallelism_config_sp_size", 1, kMax); v && *v > 1)
-    throw s.error("parallelism_config_sp_size",
-                  fmt::format("value {} asks for Ulysses sequence parallelism, which xlr8 does not have yet; "
-                              "parallelism_config_cp_size splits the sequence by context parallelism",
-                              *v));
+  // Ulysses (DeepSpeed's ALST, Accelerate's sp_backend deepspeed: the only backend).
+  p.sp = static_cast<int>(s.integer("parallelism_config_sp_size", 1, kMax).value_or(1));
+  s.choice("parallelism_config_sp_backend", {"deepspeed"}, /*upper=*/false);
+  p.sp_seq_length = s.integer("parallelism_config_sp_seq_length", 1, kMax);
+  p.sp_seq_length_is_variable = s.boolean("parallelism_config_sp_seq_length_is_variable").value_or(true);
+  // xlr8::attention is scaled-dot-product attention: sdpa is what it computes.
+  s.choice("parallelism_config_sp_attn_implementation", {"sdpa"}, /*upper=*/false);
+  check_sequence_split(p);
   c.parallelism = p;
 }
 
@@ -227,10 +228,10 @@ void LaunchConfig::validate() const {
     throw fail(fmt::format("main_process_ip is required when num_machines is {}; set it to the host of machine 0",
                            num_machines));
   if (parallelism && num_processes > 0 && parallelism->total() != num_processes)
-    throw fail(fmt::format("parallelism_config sizes multiply to {} (dp_replicate {} x dp_shard {} x cp {} x tp {}) but "
-                           "num_processes is {}",
+    throw fail(fmt::format("parallelism_config sizes multiply to {} (dp_replicate {} x dp_shard {} x cp {} x sp {} x tp "
+                           "{}) but num_processes is {}",
                            parallelism->total(), parallelism->dp_replicate, parallelism->dp_shard, parallelism->cp,
-                           parallelism->tp, num_processes));
+                           parallelism->sp, parallelism->tp, num_processes));
   if (distributed_type == DistributedType::DEEPSPEED && deepspeed.offload_optimizer_device == "nvme" &&
       deepspeed.offload_optimizer_nvme_path.empty())
     throw fail("deepspeed_config.offload_optimizer_device is nvme but offload_optimizer_nvme_path is empty");
@@ -309,6 +310,15 @@ std::string to_yaml(const LaunchConfig& c) {
     out << YAML::Key << "parallelism_config_tp_size" << YAML::Value << c.parallelism->tp;
     if (c.parallelism->cp > 1)
       out << YAML::Key << "parallelism_config_cp_comm_strategy" << YAML::Value << c.parallelism->cp_comm_strategy;
+    if (c.parallelism->sp > 1) {
+      out << YAML::Key << "parallelism_config_sp_size" << YAML::Value << c.parallelism->sp;
+      out << YAML::Key << "parallelism_config_sp_backend" << YAML::Value << "deepspeed";
+      if (c.parallelism->sp_seq_length)
+        out << YAML::Key << "parallelism_config_sp_seq_length" << YAML::Value << *c.parallelism->sp_seq_length;
+      out << YAML::Key << "parallelism_config_sp_seq_length_is_variable" << YAML::Value
+          << c.parallelism->sp_seq_length_is_variable;
+      out << YAML::Key << "parallelism_config_sp_attn_implementation" << YAML::Value << "sdpa";
+    }
     out << YAML::EndMap;
   }
   out << YAML::Key << "rdzv_backend" << YAML::Value << c.rdzv_backend;

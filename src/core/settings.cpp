@@ -151,6 +151,13 @@ std::map<std::string, std::string> settings_to_env(const Settings& s) {
     env["PARALLELISM_CONFIG_CP_SIZE"] = std::to_string(p->cp);
     env["PARALLELISM_CONFIG_TP_SIZE"] = std::to_string(p->tp);
     if (p->cp > 1) env["PARALLELISM_CONFIG_CP_COMM_STRATEGY"] = p->cp_comm_strategy;
+    if (p->sp > 1) {
+      env["PARALLELISM_CONFIG_SP_SIZE"] = std::to_string(p->sp);
+      env["PARALLELISM_CONFIG_SP_BACKEND"] = "deepspeed";
+      if (p->sp_seq_length) env["PARALLELISM_CONFIG_SP_SEQ_LENGTH"] = std::to_string(*p->sp_seq_length);
+      env["PARALLELISM_CONFIG_SP_SEQ_LENGTH_IS_VARIABLE"] = bool_text(p->sp_seq_length_is_variable);
+      env["PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION"] = "sdpa";
+    }
   }
   return env;
 }
@@ -249,7 +256,7 @@ Settings settings_from_env(const Env& env) {
   if (use_deepspeed) s.deepspeed = deepspeed_from_env(env);
   bool any_parallelism = env.get_bool("ACCELERATE_USE_PARALLELISM_CONFIG").value_or(false);
   for (auto n : {"PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "PARALLELISM_CONFIG_DP_SHARD_SIZE", "PARALLELISM_CONFIG_CP_SIZE",
-                 "PARALLELISM_CONFIG_TP_SIZE"})
+                 "PARALLELISM_CONFIG_SP_SIZE", "PARALLELISM_CONFIG_TP_SIZE"})
     any_parallelism = any_parallelism || env.has(n);
   if (any_parallelism) {
     ParallelismSettings p;
@@ -263,9 +270,26 @@ Settings settings_from_env(const Env& env) {
                                       *strategy));
       p.cp_comm_strategy = *strategy;
     }
+    p.sp = static_cast<int>(env.get_positive("PARALLELISM_CONFIG_SP_SIZE", 1));
+    if (auto backend = env.get("PARALLELISM_CONFIG_SP_BACKEND"); backend && *backend != "deepspeed")
+      throw ConfigError(fmt::format("PARALLELISM_CONFIG_SP_BACKEND={:?}: the allowed value is deepspeed (Ulysses)", *backend));
+    if (env.has("PARALLELISM_CONFIG_SP_SEQ_LENGTH")) p.sp_seq_length = env.get_positive("PARALLELISM_CONFIG_SP_SEQ_LENGTH", 1);
+    p.sp_seq_length_is_variable = env.get_bool("PARALLELISM_CONFIG_SP_SEQ_LENGTH_IS_VARIABLE").value_or(true);
+    if (auto attn = env.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION"); attn && *attn != "sdpa")
+      throw ConfigError(fmt::format("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION={:?}: the allowed value is sdpa (what "
+                                    "xlr8::attention computes)",
+                                    *attn));
+    check_sequence_split(p);
     s.parallelism = p;
   }
   return s;
+}
+
+void check_sequence_split(const ParallelismSettings& p) {
+  if (p.cp > 1 && p.sp > 1)
+    throw ConfigError(fmt::format("parallelism_config_cp_size {} and parallelism_config_sp_size {} both split the sequence "
+                                  "(context parallelism and Ulysses); set one of them to 1",
+                                  p.cp, p.sp));
 }
 
 int gradient_accumulation_steps_for(const Settings& launch, std::optional<int> program, bool report) {

@@ -23,7 +23,9 @@ MeshLayout::MeshLayout(std::vector<Dim> dims, int world_size) : dims_(std::move(
 }
 
 MeshLayout MeshLayout::from(const ParallelismSettings& p, int world_size) {
-  return MeshLayout({{"dp_replicate", p.dp_replicate}, {"dp_shard", p.dp_shard}, {"cp", p.cp}, {"tp", p.tp}}, world_size);
+  check_sequence_split(p);
+  return MeshLayout({{"dp_replicate", p.dp_replicate}, {"dp_shard", p.dp_shard}, {"cp", p.cp}, {"sp", p.sp}, {"tp", p.tp}},
+                    world_size);
 }
 
 const std::vector<std::string>& MeshLayout::flattened_names() {
@@ -41,8 +43,10 @@ std::vector<std::string> MeshLayout::resolve(const std::string& name) const {
   if (index_of(name) >= 0) return {name};
   std::vector<std::string> parts;
   if (name == "dp") parts = {"dp_replicate", "dp_shard"};
-  else if (name == "dp_shard_cp") parts = {"dp_shard", "cp"};
-  else if (name == "dp_cp") parts = {"dp_replicate", "dp_shard", "cp"};
+  // Ulysses peers, like context-parallel ones, share the weights and split the sequence: sp joins cp here
+  // (DeepSpeed's sequence-data-parallel group; the two are never both above 1).
+  else if (name == "dp_shard_cp") parts = {"dp_shard", "cp", "sp"};
+  else if (name == "dp_cp") parts = {"dp_replicate", "dp_shard", "cp", "sp"};
   std::vector<std::string> present;
   for (auto& p : parts)
     if (index_of(p) >= 0) present.push_back(p);

@@ -94,7 +94,7 @@ std::unique_ptr<ProcessState> ProcessState::create(const Env& env, const Process
   s->world_ = detail::make_communicator(world_store, t.rank, t.world_size, "world", t.master_addr, coll_timeout, gpu,
                                         shared_memory);
   // Without parallelism_config every rank is a data-parallel replica.
-  ParallelismSettings sizes = s->settings_.parallelism.value_or(ParallelismSettings{t.world_size, 1, 1, 1});
+  ParallelismSettings sizes = s->settings_.parallelism.value_or(ParallelismSettings{.dp_replicate = t.world_size});
   try {
     s->mesh_ = std::make_unique<DeviceMesh>(s->world_, MeshLayout::from(sizes, t.world_size));
   } catch (const ConfigError& e) {

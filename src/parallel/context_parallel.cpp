@@ -1,6 +1,6 @@
-// Context parallelism's sequence sharding (head-tail), the context a model's attention follows, and the
-// attention entry point: plain at cp 1, keys and values all-gathered under "allgather", the ring
-// (cp_ring.cpp) under "alltoall".
+// Context parallelism's sequence sharding (head-tail, or contiguous for Ulysses), the context a model's
+// attention follows, and the attention entry point: plain at cp 1, keys and values all-gathered under
+// "allgather", the ring (cp_ring.cpp) under "alltoall", heads all-to-all (sp_ulysses.cpp) under Ulysses.
 #include "xlr8/context_parallel.hpp"
 
 #include <ATen/ATen.h>
@@ -12,6 +12,7 @@
 
 #include "parallel/autograd_group.hpp"
 #include "parallel/cp_ring.hpp"
+#include "parallel/sp_ulysses.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8::cp {
@@ -27,12 +28,16 @@ std::atomic<int64_t> context_attention_calls{0};
 
 int64_t positive_dim(const at::Tensor& x, int64_t dim) { return dim < 0 ? dim + x.dim() : dim; }
 
-void check_divisible(int64_t length, int cp_size, const char* what) {
-  if (length % (2 * cp_size) != 0)
+void check_divisible(int64_t length, int size, Split split, const char* what) {
+  if (split == Split::Contiguous && length % size != 0)
+    throw ConfigError(fmt::format("Ulysses: the {} is {}, which parallelism_config_sp_size {} does not divide; choose a "
+                                  "multiple of {}",
+                                  what, length, size, size));
+  if (split == Split::HeadTail && length % (2 * size) != 0)
     throw ConfigError(fmt::format("context parallelism: the {} is {}, which 2 x parallelism_config_cp_size = {} does "
                                   "not divide (each rank holds two chunks: head-tail load balancing for causal "
                                   "attention); choose a multiple of {}",
-                                  what, length, 2 * cp_size, 2 * cp_size));
+                                  what, length, 2 * size, 2 * size));
 }
 
 // All-gathers keys and values (one tensor, [..., T_local, 2·head_dim]) on the sequence dimension in
@@ -74,11 +79,35 @@ at::Tensor allgather_attention(const at::Tensor& q, const at::Tensor& k, const a
   return plain_attention(q, keys, values, o, future);
 }
 
+// Heads traded for the sequence, whole attention over this rank's heads, traded back.
+at::Tensor ulysses_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionOptions& o,
+                             const Communicator& group) {
+  for (const auto* x : {&q, &k})
+    if (x->dim() >= 3 && x->size(-3) % group.size() != 0)
+      throw ConfigError(fmt::format("Ulysses: attention's {} has {} heads ({}), which parallelism_config_sp_size {} does "
+                                    "not divide; choose an sp size that divides the number of heads",
+                                    x == &q ? "query" : "key/value", x->size(-3), x->sizes(), group.size()));
+  auto heads = detail::sequence_to_heads({q, k, v}, group);
+  at::Tensor future;
+  if (o.causal) {
+    const int64_t T = heads[0].size(-2);
+    future = at::ones({T, T}, q.options().dtype(at::kBool)).triu(1);
+  }
+  return detail::heads_to_sequence(plain_attention(heads[0], heads[1], heads[2], o, future), group);
+}
+
 }  // namespace
 
 std::string to_string(CommStrategy strategy) {
-  return strategy == CommStrategy::AllGather ? "allgather" : "alltoall";
+  switch (strategy) {
+    case CommStrategy::AllGather: return "allgather";
+    case CommStrategy::AllToAll: return "alltoall";
+    case CommStrategy::Ulysses: return "ulysses";
+  }
+  return "?";
 }
+
+Split split_of(CommStrategy strategy) { return strategy == CommStrategy::Ulysses ? Split::Contiguous : Split::HeadTail; }
 
 CommStrategy parse_comm_strategy(const std::string& value) {
   if (value == "allgather") return CommStrategy::AllGather;
@@ -102,9 +131,10 @@ void set_process_context(std::optional<Context> context) {
   process_context = std::move(context);
 }
 
-at::Tensor positions(int64_t local_length, int cp_size, int cp_rank, const at::Device& device) {
+at::Tensor positions(int64_t local_length, int cp_size, int cp_rank, const at::Device& device, Split split) {
   const auto options = at::TensorOptions().dtype(at::kLong).device(device);
   if (cp_size == 1) return at::arange(local_length, options);
+  if (split == Split::Contiguous) return at::arange(cp_rank * local_length, (cp_rank + 1) * local_length, options);
   if (local_length % 2 != 0)
     throw ConfigError(fmt::format("context parallelism: a rank holds {} tokens, not two equal chunks (head-tail)",
                                   local_length));
@@ -115,26 +145,29 @@ at::Tensor positions(int64_t local_length, int cp_size, int cp_rank, const at::D
 
 at::Tensor local_positions(int64_t local_length, const at::Device& device) {
   const auto context = current();
-  return context ? positions(local_length, context->group.size(), context->group.rank(), device)
+  return context ? positions(local_length, context->group.size(), context->group.rank(), device,
+                           split_of(context->strategy))
                  : positions(local_length, 1, 0, device);
 }
 
-at::Tensor shard_sequence(const at::Tensor& x, const Communicator& group, int64_t dim) {
+at::Tensor shard_sequence(const at::Tensor& x, const Communicator& group, int64_t dim, Split split) {
   if (group.size() == 1) return x;
   dim = positive_dim(x, dim);
-  check_divisible(x.size(dim), group.size(), "sequence length");
-  const int64_t chunk = x.size(dim) / (2 * group.size());
+  check_divisible(x.size(dim), group.size(), split, "sequence length");
   const int r = group.rank();
+  if (split == Split::Contiguous) return x.narrow(dim, r * (x.size(dim) / group.size()), x.size(dim) / group.size());
+  const int64_t chunk = x.size(dim) / (2 * group.size());
   return at::cat({x.narrow(dim, r * chunk, chunk), x.narrow(dim, (2 * group.size() - 1 - r) * chunk, chunk)}, dim);
 }
 
-at::Tensor unshard_sequence(const at::Tensor& local, const Communicator& group_handle, int64_t dim) {
+at::Tensor unshard_sequence(const at::Tensor& local, const Communicator& group_handle, int64_t dim, Split split) {
   if (group_handle.size() == 1) return local;
   Communicator group = group_handle;
   dim = positive_dim(local, dim);
   const int n = group.size();
   std::vector<at::Tensor> shares;
   group.all_gather(shares, local.contiguous());
+  if (split == Split::Contiguous) return at::cat(shares, dim);
   const int64_t chunk = local.size(dim) / 2;
   std::vector<at::Tensor> chunks(2 * static_cast<size_t>(n));
   for (int r = 0; r < n; ++r) {
@@ -162,8 +195,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     throw Error(fmt::format("attention() under context parallelism: queries ({} tokens) and keys ({}) must be the same "
                             "sequence's shares",
                             q.size(-2), k.size(-2)));
-  check_divisible(q.size(-2) * context->group.size(), context->group.size(), "sequence length");
   ++context_attention_calls;
+  if (context->strategy == CommStrategy::Ulysses) return ulysses_attention(q, k, v, options, context->group);
+  check_divisible(q.size(-2) * context->group.size(), context->group.size(), Split::HeadTail, "sequence length");
   if (context->strategy == CommStrategy::AllGather) return allgather_attention(q, k, v, options, context->group);
   if (options.dropout > 0)
     throw ConfigError(fmt::format("attention(): dropout {} on the attention weights is not available with "

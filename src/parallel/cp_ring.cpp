@@ -63,8 +63,13 @@ struct RingStep {
     into.reserve(tensors.size());  // recv_async writes into these: no reallocation under it
     for (size_t i = 0; i < tensors.size(); ++i) {
       into.push_back(at::empty_like(tensors[i]));
-      works.push_back(group.send_async(tensors[i], (r + 1) % n, tag + static_cast<int>(i)));
-      works.push_back(group.recv_async(into.back(), (r + n - 1) % n, tag + static_cast<int>(i)));
+      const int t = tag + static_cast<int>(i);
+      // Odd ranks receive first: at 2 ranks the next and the previous rank are one peer, and a backend that
+      // runs one peer's sends and receives in issue order (NCCL's per-pair stream) would otherwise have
+      // both ranks sending, neither receiving.
+      if (r % 2 == 1) works.push_back(group.recv_async(into.back(), (r + n - 1) % n, t));
+      works.push_back(group.send_async(tensors[i], (r + 1) % n, t));
+      if (r % 2 == 0) works.push_back(group.recv_async(into.back(), (r + n - 1) % n, t));
       wire += static_cast<int64_t>(tensors[i].nbytes());
     }
   }
@@ -200,6 +205,7 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
 }
 
 int64_t cp_wire_bytes() { return wire.load(); }
+void count_wire(int64_t bytes) { wire += bytes; }
 void count_blocks(int64_t n) { blocks += n; }
 int64_t blocks_counted() { return blocks.load(); }
 std::pair<double, double> ring_seconds() { return {compute_ns.load() * 1e-9, wait_ns.load() * 1e-9}; }

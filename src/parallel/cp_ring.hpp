@@ -20,6 +20,7 @@ at::Tensor reduce_scatter_sequence(const at::Tensor& x, const Communicator& grou
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
                           const Communicator& group);
 int64_t cp_wire_bytes();
+void count_wire(int64_t bytes);  // bytes sent by this process's sequence communication elsewhere (Ulysses)
 // The chunk pairs (of 2n chunks, head-tail) whose scores `rank` computes against every rank's keys: the
 // ring's skipping rule, which allgather's mask leaves open alike.
 int64_t chunk_pairs(int rank, int n, bool causal);

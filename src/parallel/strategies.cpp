@@ -117,10 +117,10 @@ std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::
                                                          std::shared_ptr<const GradientState> gradient_state) {
   auto resolved = options;
   resolved.zero = detail::resolve_zero_options(options.zero, state.settings(), state.local_world_size());
-  // Context-parallel peers share the weights and see different tokens: gradients are averaged, and FSDP
-  // shards, over dp x cp (torchtitan's rule).
+  // Context-parallel (and Ulysses) peers share the weights and see different tokens: gradients are
+  // averaged, and FSDP shards, over dp x cp (torchtitan's rule; DeepSpeed's sequence-data-parallel group).
   auto& mesh = state.mesh();
-  return make_parallel_strategy(std::move(module), mesh.group(mesh.size("cp") > 1 ? "dp_cp" : "dp"), resolved,
+  return make_parallel_strategy(std::move(module), mesh.group(mesh.size("dp_cp") > mesh.size("dp") ? "dp_cp" : "dp"), resolved,
                                 std::move(gradient_state));
 }
 

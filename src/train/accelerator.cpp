@@ -78,11 +78,28 @@ Accelerator::Accelerator(AcceleratorOptions options, ForEngine) : impl_(std::mak
                  (settings.deepspeed && (settings.deepspeed->offload_optimizer_device != "none" ||
                                          settings.deepspeed->offload_param_device != "none"));
   if (offload) s.report_offload();
-  // parallelism_config_cp_size: a model's xlr8::attention and cp::local_positions follow the cp group.
-  if (auto& mesh = s.state->mesh(); mesh.size("cp") > 1) {
-    cp::set_process_context(cp::Context{mesh.group("cp"), cp::parse_comm_strategy(settings.parallelism->cp_comm_strategy)});
+  // parallelism_config_cp_size / _sp_size: a model's xlr8::attention and cp::local_positions follow the group.
+  if (auto context = s.sequence_context()) {
+    cp::set_process_context(*context);
     s.installed_cp_context = true;
   }
+}
+
+std::optional<cp::Context> AcceleratorImpl::sequence_context() const {
+  auto& mesh = state->mesh();
+  if (mesh.size("sp") > 1) return cp::Context{mesh.group("sp"), cp::CommStrategy::Ulysses};
+  if (mesh.size("cp") > 1)
+    return cp::Context{mesh.group("cp"), cp::parse_comm_strategy(state->settings().parallelism->cp_comm_strategy)};
+  return std::nullopt;
+}
+
+void AcceleratorImpl::check_sequence_length(int64_t length) const {
+  const auto& p = state->settings().parallelism;
+  if (!p || p->sp == 1 || p->sp_seq_length_is_variable || !p->sp_seq_length || *p->sp_seq_length == length) return;
+  throw ConfigError(fmt::format("this batch's sequence is {} tokens, but parallelism_config_sp_seq_length is {} with "
+                                "parallelism_config_sp_seq_length_is_variable false; pad every batch to {} tokens, or "
+                                "set parallelism_config_sp_seq_length_is_variable true",
+                                length, *p->sp_seq_length, *p->sp_seq_length));
 }
 
 void AcceleratorImpl::follow_deepspeed(const deepspeed::Config& config) {

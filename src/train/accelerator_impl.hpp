@@ -7,6 +7,7 @@
 
 #include "train/deepspeed_plugin.hpp"
 #include "xlr8/accelerator.hpp"
+#include "xlr8/context_parallel.hpp"
 #include "xlr8/loss_scaler.hpp"
 
 namespace xlr8 {
@@ -59,8 +60,13 @@ struct AcceleratorImpl {
   double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
   // Offload (FSDP's offload_params, DeepSpeed's offload_*) was asked for: says, once, what this build does.
   void report_offload();
-  // parallelism_config_cp_size > 1: the first forward called xlr8::attention (else its attention saw only
-  // this rank's share of the sequence): a ConfigError naming the likely modules. Checked at the first backward.
+  // The group and strategy that split the sequence (parallelism_config_cp_size or _sp_size above 1), or
+  // nullopt.
+  std::optional<cp::Context> sequence_context() const;
+  // parallelism_config_sp_seq_length with _is_variable false: `length` must be it (ConfigError otherwise).
+  void check_sequence_length(int64_t length) const;
+  // A sequence split: the first forward called xlr8::attention (else its attention saw only this rank's
+  // share of the sequence): a ConfigError naming the likely modules. Checked at the first backward.
   void check_attention_went_through_cp();
   bool attention_checked = false;
   bool offload_reported = false;

@@ -93,11 +93,15 @@ at::Tensor Accelerator::reduce(const at::Tensor& tensor, ReduceOp op) const {
 }
 
 at::Tensor Accelerator::shard_sequence(const at::Tensor& tensor, int64_t dim) const {
-  return cp::shard_sequence(tensor, impl_->state->mesh().group("cp"), dim);
+  const auto context = impl_->sequence_context();
+  if (!context) return tensor;
+  impl_->check_sequence_length(tensor.size(dim));
+  return cp::shard_sequence(tensor, context->group, dim, cp::split_of(context->strategy));
 }
 
 at::Tensor Accelerator::unshard_sequence(const at::Tensor& local, int64_t dim) const {
-  return cp::unshard_sequence(local, impl_->state->mesh().group("cp"), dim);
+  const auto context = impl_->sequence_context();
+  return context ? cp::unshard_sequence(local, context->group, dim, cp::split_of(context->strategy)) : local;
 }
 
 at::Tensor Accelerator::pad_across_processes(const at::Tensor& tensor, int64_t dim, double pad_index, bool pad_first) const {

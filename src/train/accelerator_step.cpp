@@ -38,10 +38,11 @@ void AcceleratorImpl::check_attention_went_through_cp() {
         suspects.push_back(fmt::format("{} ({})", item.key(), type));
     }
   throw ConfigError(fmt::format(
-      "parallelism_config_cp_size is {}, but the forward before this backward never called xlr8::attention(): attention "
+      "{} is {}, but the forward before this backward never called xlr8::attention(): attention "
       "written by hand sees only this rank's share of the sequence. Compute it with xlr8::attention(q, k, v, ...) "
       "(xlr8/context_parallel.hpp) in {}",
-      state->mesh().size("cp"),
+      state->mesh().size("sp") > 1 ? "parallelism_config_sp_size" : "parallelism_config_cp_size",
+      state->mesh().size("cp") * state->mesh().size("sp"),
       suspects.empty() ? std::string("the model's attention module") : text::capped(suspects)));
 }
 
@@ -205,7 +206,7 @@ void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
                                     "xlr8::sharded(*this, body, inputs...), so they were not checkpointed; write "
                                     "their forward in that form (xlr8/unshard.hpp)",
                                     fmt::join(never, ", ")));
-  if (impl_->state->mesh().size("cp") > 1) impl_->check_attention_went_through_cp();
+  if (impl_->state->mesh().size("cp") * impl_->state->mesh().size("sp") > 1) impl_->check_attention_went_through_cp();
 }
 
 void Accelerator::clip_grad_value(const std::vector<at::Tensor>& parameters, double clip_value) {

@@ -9,6 +9,7 @@
 
 #include "xlr8/config.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/settings.hpp"
 
 using namespace xlr8;
 namespace fs = std::filesystem;
@@ -200,6 +201,30 @@ parallelism_config:
   EXPECT_EQ(four.parallelism->cp, 2);
   EXPECT_EQ(four.parallelism->cp_comm_strategy, "alltoall");
   EXPECT_EQ(four.parallelism->total(), 16);
+  // Ulysses as Accelerate's sequence-parallelism guide writes it (dp_shard 2 x sp 2 on 4 processes).
+  auto ulysses = parse_config(R"(distributed_type: DEEPSPEED
+deepspeed_config:
+  zero_stage: 3
+mixed_precision: bf16
+num_processes: 4
+parallelism_config:
+  parallelism_config_sp_size: 2
+  parallelism_config_sp_backend: deepspeed
+  parallelism_config_dp_shard_size: 2
+  parallelism_config_sp_seq_length_is_variable: true
+  parallelism_config_sp_attn_implementation: sdpa
+)").settings();
+  ASSERT_TRUE(ulysses.parallelism);
+  EXPECT_EQ(ulysses.parallelism->sp, 2);
+  EXPECT_EQ(ulysses.parallelism->cp, 1);
+  EXPECT_TRUE(ulysses.parallelism->sp_seq_length_is_variable);
+  EXPECT_EQ(ulysses.parallelism->total(), 4);
+  auto fixed = parse_config("num_processes: 2\nparallelism_config:\n  parallelism_config_sp_size: 2\n  parallelism_config_sp_seq_length: "
+                            "256\n  parallelism_config_sp_seq_length_is_variable: false\n")
+                   .settings();
+  EXPECT_EQ(fixed.parallelism->sp_seq_length, 256);
+  EXPECT_FALSE(fixed.parallelism->sp_seq_length_is_variable);
+  EXPECT_EQ(settings_from_env(Env(settings_to_env(fixed))), fixed);
 }
 
 TEST(AccelerateConfigs, KeysThatTurnOnMissingFeaturesAreRefusedByName) {
@@ -216,7 +241,11 @@ TEST(AccelerateConfigs, KeysThatTurnOnMissingFeaturesAreRefusedByName) {
       {"distributed_type: MPS\n", {"distributed_type", "MPS"}},
       {"fsdp_config:\n  fsdp_ignored_modules: [head]\n", {"fsdp_config.fsdp_ignored_modules", "head"}},
       {"deepspeed_config:\n  deepspeed_moe_layer_cls_names: MoEBlock\n", {"deepspeed_moe_layer_cls_names", "MoEBlock"}},
-      {"parallelism_config:\n  parallelism_config_sp_size: 2\n", {"parallelism_config_sp_size", "Ulysses"}},
+      {"parallelism_config:\n  parallelism_config_sp_attn_implementation: flash_attention_2\n",
+       {"parallelism_config_sp_attn_implementation", "flash_attention_2", "sdpa"}},
+      {"parallelism_config:\n  parallelism_config_sp_backend: torch\n", {"parallelism_config_sp_backend", "deepspeed"}},
+      {"parallelism_config:\n  parallelism_config_sp_size: 2\n  parallelism_config_cp_size: 2\n",
+       {"parallelism_config_sp_size 2", "parallelism_config_cp_size 2", "set one of them to 1"}},
       {"parallelism_config:\n  parallelism_config_cp_comm_strategy: ring\n",
        {"parallelism_config_cp_comm_strategy", "\"ring\"", "allgather, alltoall"}},
       {"dynamo_config:\n  dynamo_bakend: NO\n", {"dynamo_config.dynamo_bakend", "did you mean"}},

@@ -1,5 +1,6 @@
 // Context parallelism on 2, 3 and 4 ranks (threads): the head-tail split and its inverse, and attention
-// under both communication strategies equal to whole-sequence attention, forward and backward.
+// under both communication strategies equal to whole-sequence attention, forward and backward; the same
+// for Ulysses (contiguous split, heads all-to-all).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -28,11 +29,11 @@ struct Qkv {
 };
 
 // The whole sequence's q, k, v and an upstream gradient, the same on every rank.
-Qkv whole_inputs(int64_t T, at::ScalarType dtype = at::kFloat) {
+Qkv whole_inputs(int64_t T, at::ScalarType dtype = at::kFloat, int64_t heads = 3, int64_t v_dim = 5) {
   std::lock_guard<std::mutex> lock(generator_lock());
   torch::manual_seed(7);
-  auto make = [&](int64_t d) { return torch::randn({2, 3, T, d}).to(dtype); };
-  return {make(4), make(4), make(5), make(5)};
+  auto make = [&](int64_t d) { return torch::randn({2, heads, T, d}).to(dtype); };
+  return {make(4), make(4), make(v_dim), make(v_dim)};
 }
 
 // Attention of the whole sequence on one rank, and its gradients.
@@ -150,5 +151,84 @@ TEST(ContextParallel, TheRingTakesLongChunksInTilesOfQueriesAndStaysExact) {
     EXPECT_TRUE(torch::allclose(q.grad(), shard(want[1]), 1e-5, 1e-6));
     EXPECT_TRUE(torch::allclose(k.grad(), shard(want[2]), 1e-5, 1e-6));
     EXPECT_TRUE(torch::allclose(v.grad(), shard(want[3]), 1e-5, 1e-6));
+  });
+}
+
+TEST(Ulysses, ContiguousSplitKeepsRankOrderAndUnshardingRestoresTheSequence) {
+  for (int P : {2, 3, 4})
+    run_ranks(P, [&](Communicator& comm) {
+      const int64_t T = 3 * P;
+      const int r = comm.rank();
+      auto x = torch::arange(2 * T).view({2, T});
+      auto mine = cp::shard_sequence(x, comm, 1, cp::Split::Contiguous);
+      EXPECT_TRUE(torch::equal(mine, x.narrow(1, 3 * r, 3))) << mine;
+      EXPECT_TRUE(torch::equal(cp::positions(3, P, r, at::kCPU, cp::Split::Contiguous), torch::arange(3 * r, 3 * r + 3)));
+      EXPECT_TRUE(torch::equal(cp::unshard_sequence(mine, comm, 1, cp::Split::Contiguous), x));
+      {
+        cp::Scope scope({comm, cp::CommStrategy::Ulysses});
+        EXPECT_TRUE(torch::equal(cp::local_positions(3, at::kCPU), torch::arange(3 * r, 3 * r + 3)));
+      }
+      auto m = error_of([&] { cp::shard_sequence(torch::zeros({1, P + 1}), comm, 1, cp::Split::Contiguous); });
+      EXPECT_NE(m.find(fmt::format("the sequence length is {}, which parallelism_config_sp_size {} does not divide",
+                                   P + 1, P)),
+                std::string::npos)
+          << m;
+    });
+}
+
+TEST(Ulysses, AttentionEqualsWholeSequenceAttentionWithItsGradients) {
+  for (int P : {2, 3, 4})
+    for (int64_t v_dim : {4, 5})  // q, k, v of one shape share one all-to-all; otherwise one each
+      for (bool causal : {true, false}) {
+        const int64_t T = 3 * P;
+        const auto in = whole_inputs(T, at::kFloat, 12, v_dim);
+        const auto want = whole_attention(in, causal);
+        const int64_t before = cp::wire_bytes(), blocks_before = cp::attention_blocks();
+        run_ranks(P, [&](Communicator& comm) {
+          const auto where = fmt::format("sp {} v_dim {} causal {} rank {}", P, v_dim, causal, comm.rank());
+          auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, comm, 2, cp::Split::Contiguous); };
+          auto q = shard(in.q).requires_grad_(), k = shard(in.k).requires_grad_(), v = shard(in.v).requires_grad_();
+          cp::Scope scope({comm, cp::CommStrategy::Ulysses});
+          auto out = xlr8::attention(q, k, v, {.causal = causal});
+          out.backward(shard(in.upstream));
+          EXPECT_EQ(out.sizes(), shard(want[0]).sizes()) << where;
+          EXPECT_TRUE(torch::allclose(out, shard(want[0]), 1e-5, 1e-6)) << where;
+          EXPECT_TRUE(torch::allclose(q.grad(), shard(want[1]), 1e-5, 1e-6)) << where;
+          EXPECT_TRUE(torch::allclose(k.grad(), shard(want[2]), 1e-5, 1e-6)) << where;
+          EXPECT_TRUE(torch::allclose(v.grad(), shard(want[3]), 1e-5, 1e-6)) << where;
+        });
+        // q, k, v in and the output back forward, their gradients the other way backward: each local
+        // tensor crosses once each way, (P - 1) / P of it leaving the rank (the counter is the process's).
+        const int64_t local_values = 2 * 12 * (T / P) * (4 + 4 + v_dim + v_dim);
+        EXPECT_EQ(cp::wire_bytes() - before, P * 2 * local_values * 4 * (P - 1) / P) << P;
+        EXPECT_EQ(cp::attention_blocks(), blocks_before);  // no chunk pairs: every rank attends over all of T
+      }
+}
+
+TEST(Ulysses, HeadsThatSpDoesNotDivideAreOneErrorNamingBoth) {
+  const auto in = whole_inputs(8, at::kFloat, 6, 4);
+  run_ranks(4, [&](Communicator& comm) {
+    auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, comm, 2, cp::Split::Contiguous); };
+    cp::Scope scope({comm, cp::CommStrategy::Ulysses});
+    auto m = error_of([&] { xlr8::attention(shard(in.q), shard(in.k), shard(in.v)); });
+    EXPECT_NE(m.find("query has 6 heads"), std::string::npos) << m;
+    EXPECT_NE(m.find("parallelism_config_sp_size 4 does not divide"), std::string::npos) << m;
+  });
+}
+
+TEST(Ulysses, Bf16StaysWithinBf16OfTheFp32Whole) {
+  const auto in = whole_inputs(16, at::kFloat, 4, 4);
+  const auto want = whole_attention(in, true);
+  run_ranks(2, [&](Communicator& comm) {
+    auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, comm, 2, cp::Split::Contiguous); };
+    auto q = shard(in.q).to(at::kBFloat16).requires_grad_(), k = shard(in.k).to(at::kBFloat16).requires_grad_(),
+         v = shard(in.v).to(at::kBFloat16).requires_grad_();
+    cp::Scope scope({comm, cp::CommStrategy::Ulysses});
+    auto out = xlr8::attention(q, k, v, {.causal = true});
+    out.backward(shard(in.upstream).to(at::kBFloat16));
+    EXPECT_EQ(out.scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(torch::allclose(out.to(at::kFloat), shard(want[0]), 3e-2, 3e-2));
+    EXPECT_TRUE(torch::allclose(q.grad().to(at::kFloat), shard(want[1]), 5e-2, 5e-2));
+    EXPECT_TRUE(torch::allclose(v.grad().to(at::kFloat), shard(want[3]), 5e-2, 5e-2));
   });
 }

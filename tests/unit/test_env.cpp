@@ -93,7 +93,7 @@ TEST(Settings, RoundTripThroughEnvironment) {
   f.offload_params = true;
   f.backward_prefetch = "BACKWARD_PRE";
   s.fsdp = f;
-  s.parallelism = ParallelismSettings{2, 2, 1, 1};
+  s.parallelism = ParallelismSettings{.dp_replicate = 2, .dp_shard = 2};
   auto vars = settings_to_env(s);
   EXPECT_EQ(vars.at("ACCELERATE_USE_FSDP"), "true");
   EXPECT_EQ(vars.at("FSDP_SHARDING_STRATEGY"), "SHARD_GRAD_OP");

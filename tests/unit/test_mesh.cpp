@@ -8,7 +8,7 @@ using namespace xlr8;
 
 TEST(MeshLayout, ProductMustEqualWorldSize) {
   try {
-    MeshLayout::from({2, 2, 1, 1}, 8);
+    MeshLayout::from({.dp_replicate = 2, .dp_shard = 2}, 8);
     FAIL();
   } catch (const ConfigError& e) {
     std::string m = e.what();
@@ -19,7 +19,7 @@ TEST(MeshLayout, ProductMustEqualWorldSize) {
 }
 
 TEST(MeshLayout, CoordinatesAreRowMajorWithTpFastest) {
-  auto m = MeshLayout::from({2, 2, 1, 2}, 8);  // dp_replicate 2, dp_shard 2, cp 1, tp 2
+  auto m = MeshLayout::from({.dp_replicate = 2, .dp_shard = 2, .tp = 2}, 8);
   EXPECT_EQ(m.coordinate(5, "dp_replicate"), 1);
   EXPECT_EQ(m.coordinate(5, "dp_shard"), 0);
   EXPECT_EQ(m.coordinate(5, "tp"), 1);
@@ -35,7 +35,7 @@ TEST(MeshLayout, CoordinatesAreRowMajorWithTpFastest) {
 }
 
 TEST(MeshLayout, GroupsPartitionTheWorld) {
-  auto m = MeshLayout::from({1, 2, 2, 3}, 12);
+  auto m = MeshLayout::from({.dp_shard = 2, .cp = 2, .tp = 3}, 12);
   for (const std::string name : {"dp_replicate", "dp_shard", "cp", "tp", "dp", "dp_shard_cp", "dp_cp"}) {
     std::vector<int> seen(12, 0);
     for (int r = 0; r < 12; ++r) {
@@ -50,11 +50,33 @@ TEST(MeshLayout, GroupsPartitionTheWorld) {
 }
 
 TEST(MeshLayout, UnknownNameListsKnownOnes) {
-  auto m = MeshLayout::from({1, 2, 1, 1}, 2);
+  auto m = MeshLayout::from({.dp_shard = 2}, 2);
   try {
     m.size("pp");
     FAIL();
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("dp_shard"), std::string::npos);
+  }
+}
+
+TEST(MeshLayout, UlyssesSitsBetweenCpAndTpAndJoinsTheFlattenedSequenceGroups) {
+  auto m = MeshLayout::from({.dp_shard = 2, .sp = 2, .tp = 2}, 8);
+  EXPECT_EQ(m.group_ranks(5, "sp"), (std::vector<int>{5, 7}));
+  EXPECT_EQ(m.group_ranks(5, "tp"), (std::vector<int>{4, 5}));
+  EXPECT_EQ(m.group_ranks(5, "dp"), (std::vector<int>{1, 5}));
+  EXPECT_EQ(m.group_ranks(5, "dp_shard_cp"), (std::vector<int>{1, 3, 5, 7}));
+  EXPECT_EQ(m.group_ranks(5, "dp_cp"), (std::vector<int>{1, 3, 5, 7}));
+  EXPECT_EQ(m.size("cp"), 1);
+}
+
+TEST(MeshLayout, CpAndSpTogetherAreOneErrorNamingBoth) {
+  try {
+    MeshLayout::from({.cp = 2, .sp = 2}, 4);
+    FAIL();
+  } catch (const ConfigError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("parallelism_config_cp_size 2"), std::string::npos) << m;
+    EXPECT_NE(m.find("parallelism_config_sp_size 2"), std::string::npos) << m;
+    EXPECT_NE(m.find("set one of them to 1"), std::string::npos) << m;
   }
 }

@@ -17,7 +17,7 @@ using namespace std::chrono_literals;
 
 TEST(DeviceMesh, GroupsReduceOverTheRightRanks) {
   run_ranks(4, [](Communicator& world) {
-    DeviceMesh mesh(world, MeshLayout::from({2, 2, 1, 1}, 4));
+    DeviceMesh mesh(world, MeshLayout::from({.dp_replicate = 2, .dp_shard = 2}, 4));
     for (const std::string name : {"dp_replicate", "dp_shard", "dp", "cp", "tp", "dp_shard_cp"}) {
       auto x = at::full({2}, world.rank(), at::kLong);
       auto& g = mesh.group(name);
