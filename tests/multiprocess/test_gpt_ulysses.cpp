@@ -80,7 +80,7 @@ TEST(GptUlysses, SpWithFsdpDdpDeepSpeedZeroThreeAndTpEqualsOneProcess) {
   });
 }
 
-TEST(GptUlysses, HeadsOrASequenceSpDoesNotDivideAreOneLineBeforeTheFirstStep) {
+TEST(GptUlysses, HeadsOrALengthSpDoesNotDivideAFixedLengthMissedOrCpWithSpAreOneLineBeforeTheFirstStep) {
   const Args small{"--n_layer", "1", "--batch_size", "2", "--max_steps", "2", "--seq_len", "32"};
   auto heads = launch_gpt(4, {"--parallelism_config_sp_size", "4"},
                           concat(small, {"--d_model", "16", "--n_head", "2", "--output_dir", temp_dir("gpt-sp-heads")}),
@@ -96,9 +96,32 @@ TEST(GptUlysses, HeadsOrASequenceSpDoesNotDivideAreOneLineBeforeTheFirstStep) {
   EXPECT_NE(length.err.find("the sequence length is 32, which parallelism_config_sp_size 3 does not divide"),
             std::string::npos)
       << length.err;
+  auto fixed = launch_gpt(2,
+                          {"--parallelism_config_sp_size", "2", "--parallelism_config_sp_seq_length", "64",
+                           "--parallelism_config_sp_seq_length_is_variable", "false"},
+                          concat(small, {"--d_model", "16", "--n_head", "2", "--output_dir", temp_dir("gpt-sp-fixed")}),
+                          /*expect_success=*/false);
+  EXPECT_NE(fixed.exit_code, 0);
+  EXPECT_NE(fixed.err.find("this batch's sequence is 32 tokens, but parallelism_config_sp_seq_length is 64"),
+            std::string::npos)
+      << fixed.err;
   auto both = launch_gpt(4, {"--parallelism_config_sp_size", "2", "--parallelism_config_cp_size", "2"},
                          concat(small, {"--d_model", "16", "--n_head", "2", "--output_dir", temp_dir("gpt-sp-cp")}),
                          /*expect_success=*/false);
   EXPECT_NE(both.exit_code, 0);
   EXPECT_NE(both.err.find("set one of them to 1"), std::string::npos) << both.err;
+}
+
+TEST(GptUlysses, Bf16StaysWithinTheBf16ToleranceOfOneProcess) {
+  // Under bf16 autocast q, k, v and the output cross the all-to-all in bf16 (Gloo carries them as bytes);
+  // stated tolerance 3e-2 on losses and parameters (as for TP and CP), after 6 steps.
+  const auto one_dir = temp_dir("gpt-sp-bf16-one"), dir = temp_dir("gpt-sp-bf16");
+  const auto one = json_of(launch_gpt(1, {"--mixed_precision", "bf16"}, sp_gpt(8, one_dir)));
+  auto got = json_of(launch_gpt(2, {"--mixed_precision", "bf16", "--parallelism_config_sp_size", "2"}, sp_gpt(8, dir)));
+  ASSERT_TRUE(got.contains("final_train_loss") && one.contains("final_train_loss"));
+  // Half the bytes of fp32: the all-to-alls carry bf16.
+  EXPECT_EQ(got["cp_wire_bytes_per_micro_step"], sp_wire_bytes(2, 8, 48, 48, 2) / 2);
+  EXPECT_NEAR(got["final_train_loss"].get<double>(), one["final_train_loss"].get<double>(), 3e-2);
+  EXPECT_NEAR(got["val_loss"].get<double>(), one["val_loss"].get<double>(), 3e-2);
+  expect_same_params(dir, one_dir, 3e-2);
 }
