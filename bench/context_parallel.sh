@@ -3,8 +3,10 @@
 # a memory cgroup of its own, bench/cp_rank_cgroup.sh, as each GPU has its own memory): 1 process against
 # cp 2 (allgather: each rank scores its half of the queries against every key) and cp 2 / cp 4 on the ring
 # (alltoall: blocks of T/(2cp) tokens, nothing of size T x T kept). 2 layers, d_model 128, 4 heads, one
-# window per step, 2 steps; SEQS swept. Also tokens/s and the attention traffic per micro-step.
-# Usage: bench/context_parallel.sh [build dir]   (LIMIT_MB=1024 SEQS="1024 2048 4096 8192")
+# window per step, 2 steps; SEQS swept. Also tokens/s and the attention traffic per micro-step. Ulysses
+# (sp 2, sp 4: each rank attends over the whole sequence for its share of the heads) in the same sweep.
+# Usage: bench/context_parallel.sh [build dir]   (LIMIT_MB=1024 SEQS="1024 2048 4096 8192"
+#        LAYOUTS="1:1:allgather 2:2:allgather 2:2:alltoall 4:4:alltoall 2:2:ulysses 4:4:ulysses")
 set -eu
 BUILD=${1:-build}
 X=$BUILD/bin/xlr8; G=$BUILD/bin/gpt
@@ -19,11 +21,12 @@ fi
 rmdir /sys/fs/cgroup/memory/xlr8-rank-probe
 WRAP=$(cd "$(dirname "$0")" && pwd)/cp_rank_cgroup.sh
 field() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
-for layout in "1:1:allgather" "2:2:allgather" "2:2:alltoall" "4:4:alltoall"; do
+for layout in ${LAYOUTS:-1:1:allgather 2:2:allgather 2:2:alltoall 4:4:alltoall 2:2:ulysses 4:4:ulysses}; do
   n=${layout%%:*}; rest=${layout#*:}; cp=${rest%%:*}; strategy=${rest#*:}
   flags=""
   [ "$cp" -gt 1 ] && flags="--parallelism_config_cp_size $cp --parallelism_config_cp_comm_strategy $strategy"
   name="cp$cp-$strategy"; [ "$cp" -eq 1 ] && name="one-process"
+  if [ "$strategy" = ulysses ]; then flags="--parallelism_config_sp_size $cp"; name="sp$cp-ulysses"; fi
   longest=none
   for seq in ${SEQS:-1024 2048 4096 8192}; do
     # shellcheck disable=SC2086

@@ -51,14 +51,16 @@ int main(int argc, char** argv) {
     while (engine->global_steps() < max_steps) {
       for (auto& batch : *train) {
         const auto began = std::chrono::steady_clock::now();
-        auto logits = engine->forward(batch.data);
-        auto loss = F::cross_entropy(logits.flatten(0, 1), batch.target.flatten());
+        // sequence_parallel_size (Ulysses): this rank's share of each window's tokens (the windows
+        // themselves at sp 1), as DeepSpeed's UlyssesSPDataLoaderAdapter cuts them.
+        auto logits = engine->forward(acc.shard_sequence(batch.data));
+        auto loss = F::cross_entropy(logits.flatten(0, 1), acc.shard_sequence(batch.target).flatten());
         auto reported = engine->backward(loss);
         const bool boundary = engine->is_gradient_accumulation_boundary();
         engine->step();
         step_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count();
         step_loss += reported.item<double>();
-        tokens += batch.data.numel() * acc.state().mesh().size("dp");  // tp peers read the same batch
+        tokens += batch.data.numel() * acc.state().mesh().size("dp");  // tp and sp peers read the same batch
         if (!boundary) continue;
         losses.push_back(acc.reduce(at::full({1}, step_loss, at::kDouble), xlr8::ReduceOp::AVG).item<double>());
         step_loss = 0;
@@ -80,6 +82,7 @@ int main(int argc, char** argv) {
                                          {"num_processes", acc.num_processes()},
                                          {"stage", engine->zero_optimization_stage()},
                                          {"tp_size", acc.state().mesh().size("tp")},
+                                         {"sp_size", acc.state().mesh().size("sp")},
                                          {"sliced_parameters", xlr8::tp::slice_layouts(engine->module()).size()},
                                          {"tokens_per_s", static_cast<double>(tokens) / std::max(seconds, 1e-9)},
                                          {"measured_step_ms", step_ms},

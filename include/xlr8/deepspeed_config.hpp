@@ -71,6 +71,9 @@ struct Config {
   // Any two of the three derive the third (resolve_batch_sizes); unset when absent.
   std::optional<int64_t> train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps;
   double gradient_clipping = 1.0;  // 0 disables
+  // The mesh deepspeed.initialize builds when both are given (Ulysses: sequence_parallel_size ranks split
+  // each sample's sequence; data_parallel_size ranks read different samples). Unset when absent.
+  std::optional<int64_t> sequence_parallel_size, data_parallel_size;
   Fp16Config fp16;
   bool bf16 = false;  // "bf16.enabled" (or its older name "bfloat16")
   ZeroConfig zero_optimization;

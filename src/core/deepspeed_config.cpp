@@ -212,6 +212,11 @@ void read_top_level(const Reader& r, Config& c) {
   c.train_micro_batch_size_per_gpu = r.get<int64_t>("train_micro_batch_size_per_gpu");
   c.gradient_accumulation_steps = r.get<int64_t>("gradient_accumulation_steps");
   r.read("gradient_clipping", c.gradient_clipping);
+  c.sequence_parallel_size = r.get<int64_t>("sequence_parallel_size");
+  c.data_parallel_size = r.get<int64_t>("data_parallel_size");
+  for (const auto& [key, size] : {std::pair{"sequence_parallel_size", c.sequence_parallel_size},
+                                  std::pair{"data_parallel_size", c.data_parallel_size}})
+    if (size && *size < 1) throw r.error(r.key(key), "must be at least 1");
   if (c.gradient_clipping < 0) throw r.error("gradient_clipping", "must be >= 0 (0 disables clipping)");
   if (r.has("fp16")) read_fp16(r.child("fp16"), c.fp16);
   for (const char* name : {"bf16", "bfloat16"})

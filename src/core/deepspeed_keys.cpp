@@ -19,6 +19,8 @@ const std::vector<Key> kTopLevel = {
     {"checkpoint", Use::READ},
     {"dataloader_drop_last", Use::READ},
     {"tensor_parallel", Use::READ},
+    {"sequence_parallel_size", Use::READ},
+    {"data_parallel_size", Use::READ},
     {"zero_allow_untested_optimizer", Use::HINT},
     {"zero_force_ds_cpu_optimizer", Use::HINT},
     {"memory_breakdown", Use::HINT},

@@ -12,6 +12,43 @@
 #include "xlr8/launcher.hpp"
 
 namespace xlr8 {
+namespace {
+
+// A DeepSpeed JSON's tensor_parallel.autotp_size and sequence_parallel_size as the mesh's tp and sp (the
+// other ranks data parallel), and its data_parallel_size checked against what is left; a launch that
+// already names a mesh must agree with the JSON.
+void mesh_from_deepspeed(const deepspeed::Config& ds, int num_processes, std::optional<ParallelismSettings>& p) {
+  const auto size = ds.document.value("tensor_parallel", nlohmann::json::object()).value("autotp_size", nlohmann::json(0));
+  const int autotp = size.is_number_integer() ? size.get<int>() : 0;
+  const int sp = static_cast<int>(ds.sequence_parallel_size.value_or(1));
+  if (p && autotp > 1 && p->tp != autotp)
+    throw ConfigError(fmt::format("{} sets tensor_parallel.autotp_size {} but the launch says "
+                                  "parallelism_config_tp_size {}; make them equal",
+                                  ds.origin, autotp, p->tp));
+  if (p && sp > 1 && p->sp != sp)
+    throw ConfigError(fmt::format("{} sets sequence_parallel_size {} but the launch says parallelism_config_sp_size "
+                                  "{}; make them equal",
+                                  ds.origin, sp, p->sp));
+  if (!p && (autotp > 1 || sp > 1)) {
+    const int split = std::max(autotp, 1) * sp;
+    if (num_processes % split != 0)
+      throw ConfigError(fmt::format("{} sets {}, which does not divide the {} processes", ds.origin,
+                                    autotp > 1 && sp > 1 ? fmt::format("tensor_parallel.autotp_size {} x "
+                                                                       "sequence_parallel_size {}", autotp, sp)
+                                    : autotp > 1     ? fmt::format("tensor_parallel.autotp_size {}", autotp)
+                                                     : fmt::format("sequence_parallel_size {}", sp),
+                                    num_processes));
+    p = ParallelismSettings{.dp_shard = num_processes / split, .sp = sp, .tp = std::max(autotp, 1)};
+  }
+  const int dp = p ? p->dp_replicate * p->dp_shard : num_processes;
+  if (ds.data_parallel_size && *ds.data_parallel_size != dp)
+    throw ConfigError(fmt::format("{} sets data_parallel_size {} but this launch has {} data-parallel ranks ({} "
+                                  "processes{}); make them agree",
+                                  ds.origin, *ds.data_parallel_size, dp, num_processes,
+                                  p ? fmt::format(" over tp {} x sp {} x cp {}", p->tp, p->sp, p->cp) : ""));
+}
+
+}  // namespace
 
 LaunchOptions plan_launch(const LaunchRequest& r) {
   if (r.command.empty()) throw ConfigError("no program given: usage `xlr8 launch [options] program [args...]`");
@@ -70,28 +107,11 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   if (o.master_port == 0 && o.num_machines > 1) o.master_port = 29500;  // every machine must agree on it
   o.settings = cfg.settings();
   // A DeepSpeed JSON that is missing, unreadable or wrong stops the launch before any worker starts. Its
-  // tensor_parallel.autotp_size makes the mesh's tp dimension (the rest data parallel), as DeepSpeed's
-  // engine makes its tp groups from it.
-  if (o.settings.deepspeed && !o.settings.deepspeed->config_file.empty()) {
-    const auto ds = deepspeed::load_config(o.settings.deepspeed->config_file);
-    const auto size = ds.document.value("tensor_parallel", nlohmann::json::object()).value("autotp_size", nlohmann::json(0));
-    const int autotp = size.is_number_integer() ? size.get<int>() : 0;
-    if (autotp > 1) {
-      auto& p = o.settings.parallelism;
-      if (p && p->tp != autotp)
-        throw ConfigError(fmt::format("{} sets tensor_parallel.autotp_size {} but the launch says "
-                                      "parallelism_config_tp_size {}; make them equal",
-                                      o.settings.deepspeed->config_file, autotp, p->tp));
-      if (!p) {
-        if (cfg.num_processes % autotp != 0)
-          throw ConfigError(fmt::format("{} sets tensor_parallel.autotp_size {}, which does not divide the {} processes",
-                                        o.settings.deepspeed->config_file, autotp, cfg.num_processes));
-        p = ParallelismSettings{};
-        p->dp_shard = cfg.num_processes / autotp;
-        p->tp = autotp;
-      }
-    }
-  }
+  // tensor_parallel.autotp_size and sequence_parallel_size make the mesh's tp and sp dimensions (the rest
+  // data parallel), as DeepSpeed's engine makes its groups from them.
+  if (o.settings.deepspeed && !o.settings.deepspeed->config_file.empty())
+    mesh_from_deepspeed(deepspeed::load_config(o.settings.deepspeed->config_file), cfg.num_processes,
+                        o.settings.parallelism);
   o.max_restarts = r.max_restarts;
   if (o.max_restarts < 0) throw ConfigError(fmt::format("--max_restarts {} must be 0 or more", o.max_restarts));
   o.log_dir = r.log_dir;

@@ -140,6 +140,23 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const TypedSection& sect
                                 section.type, text::suggestion(section.type, {"Adam", "AdamW", "SGD"})));
 }
 
+// The JSON's sequence_parallel_size and data_parallel_size name the mesh the launch must have made (xlr8
+// launch makes it from a JSON given as --deepspeed_config_file).
+namespace {
+void check_sequence_mesh(const Config& config, const ProcessState& state) {
+  const int sp = state.mesh().size("sp"), dp = state.mesh().size("dp");
+  if (config.sequence_parallel_size && *config.sequence_parallel_size != sp)
+    throw ConfigError(fmt::format("deepspeed::initialize: {} sets sequence_parallel_size {} but this job's mesh has sp "
+                                  "{}; launch it with --parallelism_config_sp_size {} (xlr8 launch sets it itself from "
+                                  "a JSON given as --deepspeed_config_file)",
+                                  config.origin, *config.sequence_parallel_size, sp, *config.sequence_parallel_size));
+  if (config.data_parallel_size && *config.data_parallel_size != dp)
+    throw ConfigError(fmt::format("deepspeed::initialize: {} sets data_parallel_size {} but this job's mesh has {} "
+                                  "data-parallel ranks; make them agree",
+                                  config.origin, *config.data_parallel_size, dp));
+}
+}  // namespace
+
 // The JSON's tensor_parallel section: the model splits over the mesh's tp dimension, which the launch made
 // (xlr8 launch sets it from a JSON it is given, or --parallelism_config_tp_size). The partition_config
 // rules place the layers; without them, prepare()'s AutoTP does.
@@ -178,6 +195,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
                                   "(Adam, AdamW or SGD)",
                                   config_.origin));
   detail::mark_leaf_modules(*module, config_.zero_optimization.leaf_module);
+  check_sequence_mesh(config_, state);
   split_for_tensor_parallel(config_, *module, state);
   accelerator_.reset(new Accelerator(accelerator_options(config_, sizes_), Accelerator::ForEngine{}));
   accelerator_->impl_->follow_deepspeed(config_);

@@ -292,3 +292,55 @@ TEST(DeepSpeedTensorParallel, TheJsonsAutotpSizeAndPartitionRulesSplitTheGptAndT
             std::string::npos)
       << refused.err;
 }
+
+// DeepSpeed's Ulysses settings (issue 25): a JSON's sequence_parallel_size, given to the launcher, makes the
+// mesh's sp dimension (data_parallel_size, when given, must be what is left), and the GPT trained through the
+// engine with each window split over the sp ranks equals one process on the same global batch; a JSON
+// asking for sp the launch did not make is refused with the flag to use.
+TEST(DeepSpeedSequenceParallel, TheJsonsSequenceParallelSizeSplitsTheSequenceAndTrainsAsOneProcess) {
+  const auto dir = temp_dir("ds-sp");
+  std::ifstream in(std::string(XLR8_SOURCE_DIR) + "/examples/gpt_deepspeed/zero2.json");
+  auto base = nlohmann::json::parse(in);
+  auto sp = base, sp_dp = base, wrong_dp = base;
+  sp["sequence_parallel_size"] = 2;
+  sp_dp["sequence_parallel_size"] = 2;
+  sp_dp["data_parallel_size"] = 2;
+  sp_dp["train_micro_batch_size_per_gpu"] = 8;  // 2 data-parallel ranks x 8 = one process's 16
+  wrong_dp["sequence_parallel_size"] = 2;
+  wrong_dp["data_parallel_size"] = 3;
+  std::map<std::string, std::string> files{{"base", dir + "/base.json"}, {"sp", dir + "/sp.json"},
+                                           {"sp_dp", dir + "/sp_dp.json"}, {"wrong_dp", dir + "/wrong_dp.json"}};
+  for (const auto& [name, json] : std::map<std::string, nlohmann::json>{
+           {"base", base}, {"sp", sp}, {"sp_dp", sp_dp}, {"wrong_dp", wrong_dp}})
+    std::ofstream(files[name]) << json.dump();
+  auto train = [&](int processes, const std::string& json, bool through_launcher) {
+    Args command{kXlr8, "launch", "--num_processes", std::to_string(processes)};
+    if (through_launcher)
+      for (auto a : Args{"--use_deepspeed", "--deepspeed_config_file", json}) command.push_back(a);
+    for (auto a : Args{kGptDeepSpeed, "--deepspeed_config", json, "--max_steps", "6", "--n_layer", "2", "--d_model",
+                       "32", "--n_head", "2", "--seq_len", "32", "--log_every", "3"})
+      command.push_back(a);
+    return run(command, 180);
+  };
+  auto one = train(1, files["base"], false);
+  ASSERT_EQ(one.exit_code, 0) << one.out << one.err;
+  const auto expected = last_json(one.out)["losses"].get<std::vector<double>>();
+  for (const auto& [name, processes] : std::vector<std::pair<std::string, int>>{{"sp", 2}, {"sp_dp", 4}}) {
+    SCOPED_TRACE(name);
+    auto r = train(processes, files[name], true);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    const auto got = last_json(r.out);
+    EXPECT_EQ(got["sp_size"], 2);
+    expect_close(got["losses"].get<std::vector<double>>(), expected, 1e-5);
+  }
+  auto refused = train(2, files["sp"], false);
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.err.find("sets sequence_parallel_size 2 but this job's mesh has sp 1; launch it with "
+                             "--parallelism_config_sp_size 2"),
+            std::string::npos)
+      << refused.err;
+  auto wrong = train(4, files["wrong_dp"], true);
+  EXPECT_NE(wrong.exit_code, 0);
+  EXPECT_NE(wrong.err.find("sets data_parallel_size 3 but this launch has 2 data-parallel ranks"), std::string::npos)
+      << wrong.err;
+}

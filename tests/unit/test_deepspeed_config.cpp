@@ -150,6 +150,9 @@ TEST(DeepSpeedConfig, AFeatureXlr8LacksIsRefusedOnlyWhenItIsTurnedOn) {
        "activation_checkpointing.partition_activations = true"},
       {R"({"train_batch_size": 8, "prescale_gradients": true})", "prescale_gradients = true turns on gradient prescaling"},
       {R"({"train_batch_size": 8, "checkpoint": {"load_universal": true}})", "checkpoint.load_universal = true"},
+      {R"({"train_batch_size": 8, "sequence_parallel_size": 0})", "sequence_parallel_size must be at least 1"},
+      {R"({"train_batch_size": 8, "seq_parallel_communication_data_type": "bf16"})",
+       "seq_parallel_communication_data_type = \"bf16\" turns on a sequence-parallel communication dtype"},
   };
   for (const auto& [json, message] : refused) {
     const auto what = error_of(json);
@@ -162,7 +165,10 @@ TEST(DeepSpeedConfig, AFeatureXlr8LacksIsRefusedOnlyWhenItIsTurnedOn) {
         R"({"train_batch_size": 8, "tensor_parallel": {"autotp_size": 0}})",
         R"({"train_batch_size": 8, "tensor_parallel": {"autotp_size": 4}})",  // read: the engine splits the model
         R"({"train_batch_size": 8, "activation_checkpointing": {"partition_activations": false, "profile": false}})",
-        R"({"train_batch_size": 8, "prescale_gradients": false, "zero_allow_untested_optimizer": true})"})
+        R"({"train_batch_size": 8, "prescale_gradients": false, "zero_allow_untested_optimizer": true})",
+        // Ulysses: the mesh's sp and dp (xlr8 launch makes them); gradients are reduced in fp32 as given.
+        R"({"train_batch_size": 8, "sequence_parallel_size": 2, "data_parallel_size": 1,
+            "seq_parallel_communication_data_type": "fp32"})"})
     EXPECT_EQ(error_of(json), "") << json;
 }
 
