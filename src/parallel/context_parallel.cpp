@@ -52,6 +52,10 @@ struct GatherKeysValues : torch::autograd::Function<GatherKeysValues> {
   }
 };
 
+double scale_of(const AttentionOptions& o, const at::Tensor& q) {
+  return o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+}
+
 at::Tensor plain_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionOptions& o,
                            const at::Tensor& future) {
   auto scores = at::matmul(q, k.transpose(-2, -1));
@@ -88,11 +92,14 @@ at::Tensor ulysses_attention(const at::Tensor& q, const at::Tensor& k, const at:
                                     "not divide; choose an sp size that divides the number of heads",
                                     x == &q ? "query" : "key/value", x->size(-3), x->sizes(), group.size()));
   auto heads = detail::sequence_to_heads({q, k, v}, group);
+  const int64_t T = heads[0].size(-2);
+  // The whole sequence in order on each rank: blockwise, holding nothing T x T (as DeepSpeed runs a flash
+  // kernel there). Dropout on the weights needs them whole: then plain attention.
+  if (o.dropout == 0 && T % 2 == 0)
+    return detail::heads_to_sequence(
+        detail::blockwise_attention(heads[0], heads[1], heads[2], o.causal, scale_of(o, q)), group);
   at::Tensor future;
-  if (o.causal) {
-    const int64_t T = heads[0].size(-2);
-    future = at::ones({T, T}, q.options().dtype(at::kBool)).triu(1);
-  }
+  if (o.causal) future = at::ones({T, T}, q.options().dtype(at::kBool)).triu(1);
   return detail::heads_to_sequence(plain_attention(heads[0], heads[1], heads[2], o, future), group);
 }
 
@@ -205,7 +212,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                                   "weights); use allgather, or dropout 0",
                                   options.dropout));
   return detail::ring_attention(q, k, v, options.causal,
-                                options.scale ? *options.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1))),
+                                scale_of(options, q),
                                 context->group);
 }
 

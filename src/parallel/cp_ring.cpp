@@ -81,9 +81,10 @@ struct RingStep {
 
 struct RingAttention : torch::autograd::Function<RingAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            bool causal, double scale, const Communicator& group_handle) {
-    Communicator group = group_handle;
-    const int n = group.size(), r = group.rank();
+                            bool causal, double scale, const std::optional<Communicator>& ring) {
+    // No group: this process's own whole sequence, blockwise (Ulysses' attention over its heads).
+    std::optional<Communicator> group = ring;
+    const int n = group ? group->size() : 1, r = group ? group->rank() : 0;
     const int64_t c = q.size(-2) / 2, dk = k.size(-1), dv = v.size(-1);
     auto out_sizes = q.sizes().vec();
     out_sizes.back() = dv;
@@ -93,11 +94,11 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     for (int s = 0; s < n; ++s) {
       RingStep step;
       std::vector<at::Tensor> next;
-      if (s + 1 < n) step.start(group, {kv}, next, s);  // the next block travels while this one is computed
+      if (s + 1 < n) step.start(*group, {kv}, next, s);  // the next block travels while this one is computed
       const int source = (r - s + n) % n;
       const auto computing = std::chrono::steady_clock::now();
       const auto work = pairs(r, source, n, causal);
-      blocks += static_cast<int64_t>(work.size());
+      if (group) blocks += static_cast<int64_t>(work.size());
       for (const auto& p : work) {
         auto kb = kv.narrow(-2, p.k_chunk * c, c);
         auto key = kb.narrow(-1, 0, dk), value = kb.narrow(-1, dk, dv).to(at::kFloat);
@@ -113,13 +114,14 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
           lse_a.copy_(merged);
         }
       }
+      if (!group) break;
       compute_ns += since(computing);
       const auto waiting = std::chrono::steady_clock::now();
       step.finish();
       wait_ns += since(waiting);
       if (!next.empty()) kv = next[0];
     }
-    xlr8::detail::keep_group(ctx, group);
+    if (group) xlr8::detail::keep_group(ctx, *group);
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
     ctx->save_for_backward({q, k, v, out, lse});
@@ -131,8 +133,9 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
     const bool causal = ctx->saved_data["causal"].toBool();
     const double scale = ctx->saved_data["scale"].toDouble();
-    Communicator group = xlr8::detail::group_of(ctx);
-    const int n = group.size(), r = group.rank();
+    std::optional<Communicator> group;
+    if (ctx->saved_data.count("group")) group = xlr8::detail::group_of(ctx);
+    const int n = group ? group->size() : 1, r = group ? group->rank() : 0;
     const int64_t c = q.size(-2) / 2, dk = k.size(-1), dv = v.size(-1);
     auto dout = grads[0].to(at::kFloat);
     auto delta = (dout * out).sum(-1);  // rowsum(dO ∘ O): the softmax's backward term
@@ -160,6 +163,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
           dkv_b.narrow(-1, 0, dk).add_(at::matmul(dscores.transpose(-2, -1), qa.to(at::kFloat)) * scale);
         }
       }
+      if (!group) break;  // the gradient is home already
       compute_ns += since(computing);
       // The block and its gradient so far go on to the next rank; after the last step only the
       // gradient does, which brings it home to the block's owner. (It needs this step's gradient, so
@@ -167,8 +171,8 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       const auto waiting = std::chrono::steady_clock::now();
       RingStep step;
       std::vector<at::Tensor> next;
-      if (s + 1 < n) step.start(group, {kv, dkv}, next, 1000 + 2 * s);
-      else step.start(group, {dkv}, next, 1000 + 2 * s);
+      if (s + 1 < n) step.start(*group, {kv, dkv}, next, 1000 + 2 * s);
+      else step.start(*group, {dkv}, next, 1000 + 2 * s);
       step.finish();
       wait_ns += since(waiting);
       if (s + 1 < n) {
@@ -201,7 +205,12 @@ int64_t chunk_pairs(int rank, int n, bool causal) {
 
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
                           const Communicator& group) {
-  return RingAttention::apply(q, k, v, causal, scale, group);
+  return RingAttention::apply(q, k, v, causal, scale, std::optional<Communicator>(group));
+}
+
+at::Tensor blockwise_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                               double scale) {
+  return RingAttention::apply(q, k, v, causal, scale, std::optional<Communicator>());
 }
 
 int64_t cp_wire_bytes() { return wire.load(); }

@@ -232,3 +232,26 @@ TEST(Ulysses, Bf16StaysWithinBf16OfTheFp32Whole) {
     EXPECT_TRUE(torch::allclose(v.grad().to(at::kFloat), shard(want[3]), 5e-2, 5e-2));
   });
 }
+
+TEST(Ulysses, EachRanksWholeSequenceGoesBlockwiseInTilesAndDropoutTakesThePlainPath) {
+  // 1,200 tokens: after the all-to-all each rank attends over all of them for its heads, two halves of
+  // 600 keys with queries 256 rows at a time (and the last 88): exact against the whole.
+  const int64_t T = 1200;
+  const auto in = whole_inputs(T, at::kFloat, 2, 4);
+  const auto want = whole_attention(in, true);
+  run_ranks(2, [&](Communicator& comm) {
+    auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, comm, 2, cp::Split::Contiguous); };
+    auto q = shard(in.q).requires_grad_(), k = shard(in.k).requires_grad_(), v = shard(in.v).requires_grad_();
+    cp::Scope scope({comm, cp::CommStrategy::Ulysses});
+    auto out = xlr8::attention(q, k, v, {.causal = true});
+    out.backward(shard(in.upstream));
+    EXPECT_TRUE(torch::allclose(out, shard(want[0]), 1e-5, 1e-6));
+    EXPECT_TRUE(torch::allclose(q.grad(), shard(want[1]), 1e-5, 1e-6));
+    EXPECT_TRUE(torch::allclose(k.grad(), shard(want[2]), 1e-5, 1e-6));
+    EXPECT_TRUE(torch::allclose(v.grad(), shard(want[3]), 1e-5, 1e-6));
+    // Dropout needs the weights whole: the plain path, which drops some of them.
+    auto dropped = xlr8::attention(q.detach(), k.detach(), v.detach(), {.causal = true, .dropout = 0.5});
+    EXPECT_EQ(dropped.sizes(), out.sizes());
+    EXPECT_FALSE(torch::allclose(dropped, out.detach(), 1e-3, 1e-3));
+  });
+}
