@@ -74,6 +74,7 @@ struct Config {
   // The mesh deepspeed.initialize builds when both are given (Ulysses: sequence_parallel_size ranks split
   // each sample's sequence; data_parallel_size ranks read different samples). Unset when absent.
   std::optional<int64_t> sequence_parallel_size, data_parallel_size;
+  int64_t autotp_size = 0;  // tensor_parallel.autotp_size: the mesh's tp (0 or 1: none)
   Fp16Config fp16;
   bool bf16 = false;  // "bf16.enabled" (or its older name "bfloat16")
   ZeroConfig zero_optimization;

@@ -247,7 +247,12 @@ void read_top_level(const Reader& r, Config& c) {
                              fmt::format("{:?} is not a mode; use Warn, Ignore or Fail", c.tag_validation));
     c.tag_validation = lowered == "warn" ? "Warn" : lowered == "ignore" ? "Ignore" : "Fail";
   }
-  if (r.has("tensor_parallel")) r.child("tensor_parallel").check(kTensorParallel);
+  if (r.has("tensor_parallel")) {
+    auto tp = r.child("tensor_parallel");
+    tp.check(kTensorParallel);
+    c.autotp_size = tp.get<int64_t>("autotp_size").value_or(0);
+    if (c.autotp_size < 0) throw tp.error(tp.key("autotp_size"), "must be 0 or more");
+  }
 }
 
 // The dotted path's parent object and last key inside `doc`, or null when the path does not exist.

@@ -18,8 +18,7 @@ namespace {
 // other ranks data parallel), and its data_parallel_size checked against what is left; a launch that
 // already names a mesh must agree with the JSON.
 void mesh_from_deepspeed(const deepspeed::Config& ds, int num_processes, std::optional<ParallelismSettings>& p) {
-  const auto size = ds.document.value("tensor_parallel", nlohmann::json::object()).value("autotp_size", nlohmann::json(0));
-  const int autotp = size.is_number_integer() ? size.get<int>() : 0;
+  const int autotp = static_cast<int>(ds.autotp_size);
   const int sp = static_cast<int>(ds.sequence_parallel_size.value_or(1));
   if (p && autotp > 1 && p->tp != autotp)
     throw ConfigError(fmt::format("{} sets tensor_parallel.autotp_size {} but the launch says "

@@ -163,11 +163,7 @@ void check_sequence_mesh(const Config& config, const ProcessState& state) {
 namespace {
 void split_for_tensor_parallel(const Config& config, torch::nn::Module& module, const ProcessState& state) {
   const auto section = config.document.value("tensor_parallel", nlohmann::json::object());
-  const auto size = section.value("autotp_size", nlohmann::json(0));
-  if (!size.is_number_integer() || size.get<int64_t>() < 0)
-    throw ConfigError(fmt::format("DeepSpeed config {}: tensor_parallel.autotp_size = {} must be a whole number",
-                                  config.origin, size.dump()));
-  const int autotp = static_cast<int>(size.get<int64_t>()), tp = state.mesh().size("tp");
+  const int autotp = static_cast<int>(config.autotp_size), tp = state.mesh().size("tp");
   if (autotp > 1 && autotp != tp)
     throw ConfigError(fmt::format("deepspeed::initialize: {} sets tensor_parallel.autotp_size {} but this job's mesh "
                                   "has tp {}; launch it with --parallelism_config_tp_size {} (xlr8 launch sets it "

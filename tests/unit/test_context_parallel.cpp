@@ -44,6 +44,33 @@ std::vector<at::Tensor> whole_attention(const Qkv& in, bool causal) {
   return {out.detach(), q.grad(), k.grad(), v.grad()};
 }
 
+struct Tolerance {
+  double rtol, atol;
+};
+constexpr Tolerance kFp32{1e-5, 1e-6};
+
+// On one rank: its share of attention under `strategy` (inputs cast to `dtype`) and of the gradients of
+// q, k and v, each checked against the same share of the whole run (`whole`: output, dq, dk, dv). Returns
+// the output's dtype.
+at::ScalarType expect_shares_of_whole(Communicator& comm, cp::CommStrategy strategy, const Qkv& in,
+                                      const std::vector<at::Tensor>& whole, bool causal, Tolerance out_tol,
+                                      Tolerance grad_tol, const std::string& where,
+                                      at::ScalarType dtype = at::kFloat) {
+  auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, comm, 2, cp::split_of(strategy)); };
+  auto q = shard(in.q).to(dtype).requires_grad_(), k = shard(in.k).to(dtype).requires_grad_(),
+       v = shard(in.v).to(dtype).requires_grad_();
+  cp::Scope scope({comm, strategy});
+  auto out = xlr8::attention(q, k, v, {.causal = causal});
+  out.backward(shard(in.upstream).to(dtype));
+  const std::vector<at::Tensor> got{out.detach(), q.grad(), k.grad(), v.grad()};
+  for (size_t i = 0; i < got.size(); ++i) {
+    const auto tol = i == 0 ? out_tol : grad_tol;
+    EXPECT_EQ(got[i].sizes(), shard(whole[i]).sizes()) << where << " tensor " << i;
+    EXPECT_TRUE(torch::allclose(got[i].to(at::kFloat), shard(whole[i]), tol.rtol, tol.atol)) << where << " tensor " << i;
+  }
+  return out.scalar_type();
+}
+
 }  // namespace
 
 TEST(ContextParallel, HeadTailSplitKeepsChunksRAndMirrorAndUnshardingRestoresTheSequence) {
@@ -80,16 +107,8 @@ TEST(ContextParallel, AttentionUnderBothStrategiesEqualsWholeSequenceAttentionWi
         const auto want = whole_attention(in, causal);
         const int64_t before = cp::wire_bytes();
         run_ranks(P, [&](Communicator& comm) {
-          const auto where = fmt::format("cp {} {} causal {} rank {}", P, cp::to_string(strategy), causal, comm.rank());
-          auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, comm, 2); };
-          auto q = shard(in.q).requires_grad_(), k = shard(in.k).requires_grad_(), v = shard(in.v).requires_grad_();
-          cp::Scope scope({comm, strategy});
-          auto out = xlr8::attention(q, k, v, {.causal = causal});
-          out.backward(shard(in.upstream));
-          EXPECT_TRUE(torch::allclose(out, shard(want[0]), 1e-5, 1e-6)) << where;
-          EXPECT_TRUE(torch::allclose(q.grad(), shard(want[1]), 1e-5, 1e-6)) << where;
-          EXPECT_TRUE(torch::allclose(k.grad(), shard(want[2]), 1e-5, 1e-6)) << where;
-          EXPECT_TRUE(torch::allclose(v.grad(), shard(want[3]), 1e-5, 1e-6)) << where;
+          expect_shares_of_whole(comm, strategy, in, want, causal, kFp32, kFp32,
+                                 fmt::format("cp {} {} causal {} rank {}", P, cp::to_string(strategy), causal, comm.rank()));
         });
         // Keys and values (head dims 4 + 5) of the T / P local tokens, fp32. allgather: all-gathered forward
         // and their gradients reduce-scattered backward, P - 1 shares each way per rank as a ring sends
@@ -119,19 +138,12 @@ TEST(ContextParallel, TheRingSkipsWorkAboveTheDiagonalAndRefusesDropout) {
 }
 
 TEST(ContextParallel, Bf16RingStaysWithinBf16OfTheFp32Whole) {
+  const auto in = whole_inputs(32);
+  const auto want = whole_attention(in, true);
   run_ranks(4, [&](Communicator& comm) {
-    const auto in = whole_inputs(32);
-    const auto want = whole_attention(in, true);
-    auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, comm, 2); };
-    auto q = shard(in.q).to(at::kBFloat16).requires_grad_(), k = shard(in.k).to(at::kBFloat16).requires_grad_(),
-         v = shard(in.v).to(at::kBFloat16).requires_grad_();
-    cp::Scope scope({comm, cp::CommStrategy::AllToAll});
-    auto out = xlr8::attention(q, k, v, {.causal = true});
-    out.backward(shard(in.upstream).to(at::kBFloat16));
-    EXPECT_EQ(out.scalar_type(), at::kBFloat16);
-    EXPECT_TRUE(torch::allclose(out.to(at::kFloat), shard(want[0]), 3e-2, 3e-2));
-    EXPECT_TRUE(torch::allclose(q.grad().to(at::kFloat), shard(want[1]), 5e-2, 5e-2));
-    EXPECT_TRUE(torch::allclose(k.grad().to(at::kFloat), shard(want[2]), 5e-2, 5e-2));
+    EXPECT_EQ(expect_shares_of_whole(comm, cp::CommStrategy::AllToAll, in, want, true, {3e-2, 3e-2}, {5e-2, 5e-2},
+                                     "bf16 ring", at::kBFloat16),
+              at::kBFloat16);
   });
 }
 
@@ -142,15 +154,7 @@ TEST(ContextParallel, TheRingTakesLongChunksInTilesOfQueriesAndStaysExact) {
   const auto in = whole_inputs(T);
   const auto want = whole_attention(in, true);
   run_ranks(2, [&](Communicator& comm) {
-    auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, comm, 2); };
-    auto q = shard(in.q).requires_grad_(), k = shard(in.k).requires_grad_(), v = shard(in.v).requires_grad_();
-    cp::Scope scope({comm, cp::CommStrategy::AllToAll});
-    auto out = xlr8::attention(q, k, v, {.causal = true});
-    out.backward(shard(in.upstream));
-    EXPECT_TRUE(torch::allclose(out, shard(want[0]), 1e-5, 1e-6));
-    EXPECT_TRUE(torch::allclose(q.grad(), shard(want[1]), 1e-5, 1e-6));
-    EXPECT_TRUE(torch::allclose(k.grad(), shard(want[2]), 1e-5, 1e-6));
-    EXPECT_TRUE(torch::allclose(v.grad(), shard(want[3]), 1e-5, 1e-6));
+    expect_shares_of_whole(comm, cp::CommStrategy::AllToAll, in, want, true, kFp32, kFp32, "ring tiles");
   });
 }
 
@@ -185,17 +189,8 @@ TEST(Ulysses, AttentionEqualsWholeSequenceAttentionWithItsGradients) {
         const auto want = whole_attention(in, causal);
         const int64_t before = cp::wire_bytes(), blocks_before = cp::attention_blocks();
         run_ranks(P, [&](Communicator& comm) {
-          const auto where = fmt::format("sp {} v_dim {} causal {} rank {}", P, v_dim, causal, comm.rank());
-          auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, comm, 2, cp::Split::Contiguous); };
-          auto q = shard(in.q).requires_grad_(), k = shard(in.k).requires_grad_(), v = shard(in.v).requires_grad_();
-          cp::Scope scope({comm, cp::CommStrategy::Ulysses});
-          auto out = xlr8::attention(q, k, v, {.causal = causal});
-          out.backward(shard(in.upstream));
-          EXPECT_EQ(out.sizes(), shard(want[0]).sizes()) << where;
-          EXPECT_TRUE(torch::allclose(out, shard(want[0]), 1e-5, 1e-6)) << where;
-          EXPECT_TRUE(torch::allclose(q.grad(), shard(want[1]), 1e-5, 1e-6)) << where;
-          EXPECT_TRUE(torch::allclose(k.grad(), shard(want[2]), 1e-5, 1e-6)) << where;
-          EXPECT_TRUE(torch::allclose(v.grad(), shard(want[3]), 1e-5, 1e-6)) << where;
+          expect_shares_of_whole(comm, cp::CommStrategy::Ulysses, in, want, causal, kFp32, kFp32,
+                                 fmt::format("sp {} v_dim {} causal {} rank {}", P, v_dim, causal, comm.rank()));
         });
         // q, k, v in and the output back forward, their gradients the other way backward: each local
         // tensor crosses once each way, (P - 1) / P of it leaving the rank (the counter is the process's).
@@ -220,16 +215,9 @@ TEST(Ulysses, Bf16StaysWithinBf16OfTheFp32Whole) {
   const auto in = whole_inputs(16, at::kFloat, 4, 4);
   const auto want = whole_attention(in, true);
   run_ranks(2, [&](Communicator& comm) {
-    auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, comm, 2, cp::Split::Contiguous); };
-    auto q = shard(in.q).to(at::kBFloat16).requires_grad_(), k = shard(in.k).to(at::kBFloat16).requires_grad_(),
-         v = shard(in.v).to(at::kBFloat16).requires_grad_();
-    cp::Scope scope({comm, cp::CommStrategy::Ulysses});
-    auto out = xlr8::attention(q, k, v, {.causal = true});
-    out.backward(shard(in.upstream).to(at::kBFloat16));
-    EXPECT_EQ(out.scalar_type(), at::kBFloat16);
-    EXPECT_TRUE(torch::allclose(out.to(at::kFloat), shard(want[0]), 3e-2, 3e-2));
-    EXPECT_TRUE(torch::allclose(q.grad().to(at::kFloat), shard(want[1]), 5e-2, 5e-2));
-    EXPECT_TRUE(torch::allclose(v.grad().to(at::kFloat), shard(want[3]), 5e-2, 5e-2));
+    EXPECT_EQ(expect_shares_of_whole(comm, cp::CommStrategy::Ulysses, in, want, true, {3e-2, 3e-2}, {5e-2, 5e-2},
+                                     "bf16 Ulysses", at::kBFloat16),
+              at::kBFloat16);
   });
 }
 
@@ -240,18 +228,12 @@ TEST(Ulysses, EachRanksWholeSequenceGoesBlockwiseInTilesAndDropoutTakesThePlainP
   const auto in = whole_inputs(T, at::kFloat, 2, 4);
   const auto want = whole_attention(in, true);
   run_ranks(2, [&](Communicator& comm) {
-    auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, comm, 2, cp::Split::Contiguous); };
-    auto q = shard(in.q).requires_grad_(), k = shard(in.k).requires_grad_(), v = shard(in.v).requires_grad_();
-    cp::Scope scope({comm, cp::CommStrategy::Ulysses});
-    auto out = xlr8::attention(q, k, v, {.causal = true});
-    out.backward(shard(in.upstream));
-    EXPECT_TRUE(torch::allclose(out, shard(want[0]), 1e-5, 1e-6));
-    EXPECT_TRUE(torch::allclose(q.grad(), shard(want[1]), 1e-5, 1e-6));
-    EXPECT_TRUE(torch::allclose(k.grad(), shard(want[2]), 1e-5, 1e-6));
-    EXPECT_TRUE(torch::allclose(v.grad(), shard(want[3]), 1e-5, 1e-6));
+    expect_shares_of_whole(comm, cp::CommStrategy::Ulysses, in, want, true, kFp32, kFp32, "Ulysses blockwise");
     // Dropout needs the weights whole: the plain path, which drops some of them.
-    auto dropped = xlr8::attention(q.detach(), k.detach(), v.detach(), {.causal = true, .dropout = 0.5});
-    EXPECT_EQ(dropped.sizes(), out.sizes());
-    EXPECT_FALSE(torch::allclose(dropped, out.detach(), 1e-3, 1e-3));
+    auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, comm, 2, cp::Split::Contiguous); };
+    cp::Scope scope({comm, cp::CommStrategy::Ulysses});
+    auto dropped = xlr8::attention(shard(in.q), shard(in.k), shard(in.v), {.causal = true, .dropout = 0.5});
+    EXPECT_EQ(dropped.sizes(), shard(want[0]).sizes());
+    EXPECT_FALSE(torch::allclose(dropped, shard(want[0]), 1e-3, 1e-3));
   });
 }
