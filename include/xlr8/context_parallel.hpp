@@ -84,8 +84,10 @@ struct AttentionOptions {
 // causally) · v. Without a context that is all; under one, q, k and v hold this rank's share of the
 // sequence, keys and values are exchanged over the group by the context's strategy, the causal mask
 // follows global positions, and the result is this rank's share of the whole attention's output
-// (gradients exact). Ulysses needs [..., heads, T, head_dim] with heads (of q, and of k and v) divisible
-// by sp: otherwise a ConfigError naming both.
+// (gradients exact). Grouped-query attention: k and v ([..., kv_heads, T, head_dim]) may have fewer heads
+// than q when kv_heads divides q's, each serving consecutive query heads (Llama's repeat_kv); context
+// parallelism exchanges them repeated to q's heads, Ulysses as they are when sp divides kv_heads. Ulysses
+// needs q's heads divisible by sp: otherwise a ConfigError naming both.
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionOptions& options = {});
 
 // Bytes this process has sent for context-parallel or Ulysses attention (forward and backward), as a ring

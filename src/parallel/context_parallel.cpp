@@ -83,15 +83,27 @@ at::Tensor allgather_attention(const at::Tensor& q, const at::Tensor& k, const a
   return plain_attention(q, keys, values, o, future);
 }
 
+// Grouped-query attention: k or v with fewer heads than q, each serving q's heads / its heads consecutive
+// query heads (as Llama's repeat_kv), repeated to `query_heads`.
+at::Tensor with_query_heads(const at::Tensor& x, int64_t query_heads) {
+  return x.dim() < 3 || x.size(-3) == query_heads ? x : x.repeat_interleave(query_heads / x.size(-3), x.dim() - 3);
+}
+
 // Heads traded for the sequence, whole attention over this rank's heads, traded back.
 at::Tensor ulysses_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionOptions& o,
                              const Communicator& group) {
-  for (const auto* x : {&q, &k})
-    if (x->dim() >= 3 && x->size(-3) % group.size() != 0)
-      throw ConfigError(fmt::format("Ulysses: attention's {} has {} heads ({}), which parallelism_config_sp_size {} does "
-                                    "not divide; choose an sp size that divides the number of heads",
-                                    x == &q ? "query" : "key/value", x->size(-3), x->sizes(), group.size()));
-  auto heads = detail::sequence_to_heads({q, k, v}, group);
+  if (q.dim() < 3 || q.size(-3) % group.size() != 0)
+    throw ConfigError(fmt::format("Ulysses: attention's query has {} heads ({}), which parallelism_config_sp_size {} does "
+                                  "not divide; choose an sp size that divides the number of heads",
+                                  q.dim() < 3 ? 1 : q.size(-3), q.sizes(), group.size()));
+  // Grouped-query keys and values cross as they are when sp divides their heads (rank j's query heads use
+  // exactly its share of them), else repeated to the query's heads first.
+  const bool split_as_they_are = k.size(-3) % group.size() == 0;
+  auto heads = detail::sequence_to_heads(
+      {q, split_as_they_are ? k : with_query_heads(k, q.size(-3)), split_as_they_are ? v : with_query_heads(v, q.size(-3))},
+      group);
+  heads[1] = with_query_heads(heads[1], heads[0].size(-3));
+  heads[2] = with_query_heads(heads[2], heads[0].size(-3));
   const int64_t T = heads[0].size(-2);
   // The whole sequence in order on each rank: blockwise, holding nothing T x T (as DeepSpeed runs a flash
   // kernel there). Dropout on the weights needs them whole: then plain attention.
@@ -189,6 +201,11 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     throw Error(fmt::format("attention(): q {}, k {} and v {} must be [..., T, head_dim] with matching key and value "
                             "lengths and q, k head_dim",
                             q.sizes(), k.sizes(), v.sizes()));
+  const int64_t heads = q.dim() >= 3 ? q.size(-3) : 1;
+  if (q.dim() >= 3 && (k.size(-3) != v.size(-3) || heads % k.size(-3) != 0))
+    throw Error(fmt::format("attention(): q {}, k {} and v {}: grouped-query attention needs k and v with one number of "
+                            "heads that divides q's",
+                            q.sizes(), k.sizes(), v.sizes()));
   const auto context = current();
   if (!context || context->group.size() == 1) {
     at::Tensor future;
@@ -196,7 +213,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
       const int64_t T = q.size(-2);
       future = at::ones({T, k.size(-2)}, q.options().dtype(at::kBool)).triu(1);
     }
-    return plain_attention(q, k, v, options, future);
+    return plain_attention(q, with_query_heads(k, heads), with_query_heads(v, heads), options, future);
   }
   if (q.size(-2) != k.size(-2))
     throw Error(fmt::format("attention() under context parallelism: queries ({} tokens) and keys ({}) must be the same "
@@ -205,15 +222,15 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   ++context_attention_calls;
   if (context->strategy == CommStrategy::Ulysses) return ulysses_attention(q, k, v, options, context->group);
   check_divisible(q.size(-2) * context->group.size(), context->group.size(), Split::HeadTail, "sequence length");
-  if (context->strategy == CommStrategy::AllGather) return allgather_attention(q, k, v, options, context->group);
+  // Grouped-query: the exchanges carry whole heads.
+  const auto keys = with_query_heads(k, heads), values = with_query_heads(v, heads);
+  if (context->strategy == CommStrategy::AllGather) return allgather_attention(q, keys, values, options, context->group);
   if (options.dropout > 0)
     throw ConfigError(fmt::format("attention(): dropout {} on the attention weights is not available with "
                                   "parallelism_config_cp_comm_strategy alltoall (the ring never forms the whole "
                                   "weights); use allgather, or dropout 0",
                                   options.dropout));
-  return detail::ring_attention(q, k, v, options.causal,
-                                scale_of(options, q),
-                                context->group);
+  return detail::ring_attention(q, keys, values, options.causal, scale_of(options, q), context->group);
 }
 
 int64_t wire_bytes() { return detail::cp_wire_bytes(); }

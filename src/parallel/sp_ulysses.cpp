@@ -80,11 +80,21 @@ std::vector<at::Tensor> sequence_to_heads(const std::vector<at::Tensor>& xs, con
   for (const auto& x : xs)
     if (x.dim() < 3)
       throw Error(fmt::format("attention() under Ulysses: {} must be [..., heads, T, head_dim]", x.sizes()));
-  bool same = true;
-  for (const auto& x : xs) same = same && x.sizes() == xs.front().sizes() && x.scalar_type() == xs.front().scalar_type();
-  if (same && xs.size() > 1) return SequenceToHeads::apply(at::stack(xs), group).unbind(0);
+  // Neighbours of one shape and dtype share an all-to-all (q, k, v; or k, v beside a grouped-query q).
   std::vector<at::Tensor> out;
-  for (const auto& x : xs) out.push_back(SequenceToHeads::apply(x, group));
+  for (size_t first = 0, end = 0; first < xs.size(); first = end) {
+    for (end = first + 1; end < xs.size() && xs[end].sizes() == xs[first].sizes() &&
+                          xs[end].scalar_type() == xs[first].scalar_type();
+         ++end) {
+    }
+    if (end - first == 1) {
+      out.push_back(SequenceToHeads::apply(xs[first], group));
+      continue;
+    }
+    const std::vector<at::Tensor> run(xs.begin() + static_cast<std::ptrdiff_t>(first),
+                                      xs.begin() + static_cast<std::ptrdiff_t>(end));
+    for (auto& part : SequenceToHeads::apply(at::stack(run), group).unbind(0)) out.push_back(part);
+  }
   return out;
 }
 

@@ -11,8 +11,8 @@
 namespace xlr8::cp::detail {
 
 // Tensors shaped [..., H, T/n, D] holding this rank's contiguous share of the sequence, to
-// [..., H/n, T, D]: this rank's share of the heads over the whole sequence (H divisible by n). Tensors
-// of one shape go in one all-to-all.
+// [..., H/n, T, D]: this rank's share of the heads over the whole sequence (H divisible by n). Neighbouring
+// tensors of one shape go in one all-to-all.
 std::vector<at::Tensor> sequence_to_heads(const std::vector<at::Tensor>& xs, const Communicator& group);
 // [..., H/n, T, D] back to [..., H, T/n, D].
 at::Tensor heads_to_sequence(const at::Tensor& x, const Communicator& group);

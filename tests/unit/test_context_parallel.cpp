@@ -237,3 +237,38 @@ TEST(Ulysses, EachRanksWholeSequenceGoesBlockwiseInTilesAndDropoutTakesThePlainP
     EXPECT_FALSE(torch::allclose(dropped, shard(want[0]), 1e-3, 1e-3));
   });
 }
+
+TEST(GroupedQueryAttention, KeysAndValuesWithFewerHeadsServeConsecutiveQueryHeadsUnderEveryStrategy) {
+  // 12 query heads over 4 or 1 key/value heads (Llama's repeat_kv): the whole run repeats them by hand.
+  for (int64_t kv_heads : {4, 1})
+    for (int P : {2, 3, 4}) {
+      const int64_t T = 6 * P, group = 12 / kv_heads;
+      Qkv in;
+      {
+        std::lock_guard<std::mutex> lock(generator_lock());
+        torch::manual_seed(11);
+        in = {torch::randn({2, 12, T, 4}), torch::randn({2, kv_heads, T, 4}), torch::randn({2, kv_heads, T, 4}),
+              torch::randn({2, 12, T, 4})};
+      }
+      auto q = in.q.clone().requires_grad_(), k = in.k.clone().requires_grad_(), v = in.v.clone().requires_grad_();
+      auto whole = xlr8::attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), {.causal = true});
+      whole.backward(in.upstream);
+      const std::vector<at::Tensor> want{whole.detach(), q.grad(), k.grad(), v.grad()};
+      for (auto strategy : {cp::CommStrategy::AllGather, cp::CommStrategy::AllToAll, cp::CommStrategy::Ulysses})
+        run_ranks(P, [&](Communicator& comm) {
+          expect_shares_of_whole(comm, strategy, in, want, true, kFp32, kFp32,
+                                 fmt::format("{} kv heads {} on {} rank {}", cp::to_string(strategy), kv_heads, P,
+                                             comm.rank()));
+        });
+    }
+  const auto five = torch::zeros({1, 5, 4, 4}), twelve = torch::zeros({1, 12, 4, 4});
+  try {
+    xlr8::attention(twelve, five, five);
+    ADD_FAILURE() << "no error";
+  } catch (const xlr8::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("grouped-query attention needs k and v with one number of heads that divides "
+                                         "q's"),
+              std::string::npos)
+        << e.what();
+  }
+}
