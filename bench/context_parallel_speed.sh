@@ -4,7 +4,7 @@
 # against the time they then waited for the next block (forward: the send started before the compute;
 # backward: the gradient can only leave after its step), the largest rank's. GPT 2 layers, d_model 128,
 # 4 heads, one window per step, STEPS steps. Usage: bench/context_parallel_speed.sh [build dir]
-# (REPS=2 STEPS=3 SEQS="2048 8192")
+# (REPS=2 STEPS=3 SEQS="2048 8192" STRATEGIES="allgather alltoall ulysses")
 set -eu
 BUILD=${1:-build}
 X=$BUILD/bin/xlr8; G=$BUILD/bin/gpt
@@ -15,7 +15,7 @@ field() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
 rep=1
 while [ "$rep" -le "${REPS:-2}" ]; do
   for seq in ${SEQS:-2048 8192}; do
-    for strategy in allgather alltoall ulysses; do
+    for strategy in ${STRATEGIES:-allgather alltoall ulysses}; do
       case $strategy in
         ulysses) split="--parallelism_config_sp_size 2" ;;
         *) split="--parallelism_config_cp_size 2 --parallelism_config_cp_comm_strategy $strategy" ;;

@@ -144,6 +144,11 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     auto dkv = at::zeros(kv.sizes(), kv.options().dtype(at::kFloat));  // travels with its block
     for (int s = 0; s < n; ++s) {
       const int source = (r - s + n) % n;
+      // The block itself does not change in this step: it leaves for the next rank while its gradient is
+      // computed, which can only follow after.
+      RingStep block_step;
+      std::vector<at::Tensor> next_block;
+      if (group && s + 1 < n) block_step.start(*group, {kv}, next_block, 1000 + 2 * s);
       const auto computing = std::chrono::steady_clock::now();
       for (const auto& p : pairs(r, source, n, causal)) {
         auto kb = kv.narrow(-2, p.k_chunk * c, c);
@@ -165,22 +170,17 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       }
       if (!group) break;  // the gradient is home already
       compute_ns += since(computing);
-      // The block and its gradient so far go on to the next rank; after the last step only the
-      // gradient does, which brings it home to the block's owner. (It needs this step's gradient, so
-      // nothing overlaps it here.)
+      // The block's gradient so far follows it; after the last step it alone goes on, which brings it home
+      // to the block's owner. (It needs this step's work, so nothing overlaps it.)
       const auto waiting = std::chrono::steady_clock::now();
-      RingStep step;
-      std::vector<at::Tensor> next;
-      if (s + 1 < n) step.start(*group, {kv, dkv}, next, 1000 + 2 * s);
-      else step.start(*group, {dkv}, next, 1000 + 2 * s);
-      step.finish();
+      RingStep gradient_step;
+      std::vector<at::Tensor> next_gradient;
+      gradient_step.start(*group, {dkv}, next_gradient, 1000 + 2 * s + 1);
+      block_step.finish();
+      gradient_step.finish();
       wait_ns += since(waiting);
-      if (s + 1 < n) {
-        kv = next[0];
-        dkv = next[1];
-      } else {
-        dkv = next[0];
-      }
+      if (s + 1 < n) kv = next_block[0];
+      dkv = next_gradient[0];
     }
     return {dq.to(q.scalar_type()), dkv.narrow(-1, 0, dk).to(k.scalar_type()),
             dkv.narrow(-1, dk, dv).to(v.scalar_type()), at::Tensor(), at::Tensor(), at::Tensor()};
