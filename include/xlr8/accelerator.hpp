@@ -253,7 +253,7 @@ class Accelerator {
   // does; the tensor itself when neither is above 1. A length 2 x cp (or sp) does not divide is a
   // ConfigError naming both, and so is one other than a fixed parallelism_config_sp_seq_length.
   at::Tensor shard_sequence(const at::Tensor& tensor, int64_t dim = 1) const;
-  // The inverse: the whole sequence from the cp group's shares (collective over it).
+  // The inverse: the whole sequence from the cp (or sp) group's shares (collective over it).
   at::Tensor unshard_sequence(const at::Tensor& local, int64_t dim = 1) const;
   at::Tensor pad_across_processes(const at::Tensor& tensor, int64_t dim = 0, double pad_index = 0,
                                   bool pad_first = false) const;

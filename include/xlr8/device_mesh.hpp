@@ -1,9 +1,8 @@
 #pragma once
 // DeviceMesh: named dimensions in Accelerate's order (dp_replicate, dp_shard, cp, sp, tp), ranks laid out
 // row-major (tp fastest), one communicator per dimension plus the flattened ones Accelerate uses:
-// dp (dp_replicate x dp_shard), dp_shard_cp (dp_shard x cp) and dp_cp (dp_replicate x dp_shard x cp).
-// sp (Ulysses) splits the sequence as cp does and is never above 1 together with it: the flattened
-// names that hold cp hold sp too.
+// dp (dp_replicate x dp_shard), dp_shard_cp (dp_shard x cp x sp) and dp_cp (dp_replicate x dp_shard x cp
+// x sp). sp (Ulysses) splits the sequence as cp does and is never above 1 together with it.
 #include <map>
 #include <string>
 #include <vector>

@@ -46,7 +46,7 @@ class ProcessState {
   bool allocator_tuned() const { return allocator_tuned_; }
   Communicator& world() const { return world_; }
   // Groups by mesh dimension: "dp" (data parallel: the data loader shards over it, metrics gather over it), "dp_cp",
-  // "dp_shard", "dp_replicate", "cp", "tp". Groups that span the world are the world communicator.
+  // "dp_shard", "dp_replicate", "cp", "sp", "tp". Groups that span the world are the world communicator.
   DeviceMesh& mesh() const { return *mesh_; }
 
   ~ProcessState();

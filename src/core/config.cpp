@@ -130,6 +130,14 @@ void read_parallelism(const Section& s, LaunchConfig& c) {
   p.sp_seq_length_is_variable = s.boolean("parallelism_config_sp_seq_length_is_variable").value_or(true);
   // xlr8::attention is scaled-dot-product attention: sdpa is what it computes.
   s.choice("parallelism_config_sp_attn_implementation", {"sdpa"}, /*upper=*/false);
+  if (!p.sp_seq_length_is_variable && !p.sp_seq_length)
+    throw s.error("parallelism_config_sp_seq_length_is_variable",
+                  "is false, but parallelism_config_sp_seq_length is not set; set the length every batch has, or "
+                  "make it true");
+  if (p.sp_seq_length && *p.sp_seq_length % p.sp != 0)
+    throw s.error("parallelism_config_sp_seq_length",
+                  fmt::format("value {} is not divisible by parallelism_config_sp_size {}; choose a multiple of it",
+                              *p.sp_seq_length, p.sp));
   check_sequence_split(p);
   c.parallelism = p;
 }

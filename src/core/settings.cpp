@@ -279,6 +279,12 @@ Settings settings_from_env(const Env& env) {
       throw ConfigError(fmt::format("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION={:?}: the allowed value is sdpa (what "
                                     "xlr8::attention computes)",
                                     *attn));
+    if (!p.sp_seq_length_is_variable && !p.sp_seq_length)
+      throw ConfigError("PARALLELISM_CONFIG_SP_SEQ_LENGTH_IS_VARIABLE is false but PARALLELISM_CONFIG_SP_SEQ_LENGTH is "
+                        "not set; set the length every batch has, or make it true");
+    if (p.sp_seq_length && *p.sp_seq_length % p.sp != 0)
+      throw ConfigError(fmt::format("PARALLELISM_CONFIG_SP_SEQ_LENGTH={} is not divisible by PARALLELISM_CONFIG_SP_SIZE={}",
+                                    *p.sp_seq_length, p.sp));
     check_sequence_split(p);
     s.parallelism = p;
   }

@@ -24,7 +24,7 @@ void mesh_from_deepspeed(const deepspeed::Config& ds, int num_processes, std::op
     throw ConfigError(fmt::format("{} sets tensor_parallel.autotp_size {} but the launch says "
                                   "parallelism_config_tp_size {}; make them equal",
                                   ds.origin, autotp, p->tp));
-  if (p && sp > 1 && p->sp != sp)
+  if (p && ds.sequence_parallel_size && p->sp != sp)
     throw ConfigError(fmt::format("{} sets sequence_parallel_size {} but the launch says parallelism_config_sp_size "
                                   "{}; make them equal",
                                   ds.origin, sp, p->sp));

@@ -104,7 +104,7 @@ ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings, 
         if (mesh && mesh->total() > 1 && mesh->dp_shard * mesh->cp * mesh->sp == 1)
           throw ConfigError(fmt::format(
               "fsdp_sharding_strategy {} shards over parallelism_config_dp_shard_size, which is 1 on this mesh "
-              "(dp_replicate {} x dp_shard 1 x cp 1 x tp {}); set parallelism_config_dp_shard_size above 1, or use "
+              "(dp_replicate {} x dp_shard 1 x cp 1 x sp 1 x tp {}); set parallelism_config_dp_shard_size above 1, or use "
               "FULL_SHARD to shard over every data-parallel rank",
               to_string(f.sharding_strategy), mesh->dp_replicate, mesh->tp));
         options.hybrid_shard_size = mesh && mesh->total() > 1 ? mesh->dp_shard * mesh->cp * mesh->sp : node_size;

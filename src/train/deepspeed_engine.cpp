@@ -180,6 +180,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
   if (!module) throw Error("deepspeed::initialize: the model is null");
   require_resolved(config_);
   const auto& state = ProcessState::instance();
+  check_sequence_mesh(config_, state);  // before the batch sizes, which a missing sp dimension would upset
   sizes_ = resolve_batch_sizes(config_, state.mesh().group("dp").size());
   check_launch_agrees(state.settings(), sizes_);
   if (optimizer && config_.optimizer)
@@ -191,7 +192,6 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
                                   "(Adam, AdamW or SGD)",
                                   config_.origin));
   detail::mark_leaf_modules(*module, config_.zero_optimization.leaf_module);
-  check_sequence_mesh(config_, state);
   split_for_tensor_parallel(config_, *module, state);
   accelerator_.reset(new Accelerator(accelerator_options(config_, sizes_), Accelerator::ForEngine{}));
   accelerator_->impl_->follow_deepspeed(config_);

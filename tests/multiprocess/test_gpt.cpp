@@ -160,7 +160,7 @@ TEST(GptTensorParallel, HybridShardOnAMeshWithoutDpShardIsRefusedInOneLineBefore
                       concat(small_gpt(2, temp_dir("gpt-tp-hybrid")), {"--max_steps", "2"}), /*expect_success=*/false);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("fsdp_sharding_strategy HYBRID_SHARD shards over parallelism_config_dp_shard_size, which is 1 "
-                       "on this mesh (dp_replicate 2 x dp_shard 1 x cp 1 x tp 2)"),
+                       "on this mesh (dp_replicate 2 x dp_shard 1 x cp 1 x sp 1 x tp 2)"),
             std::string::npos)
       << r.err;
   EXPECT_EQ(r.out.find("train "), std::string::npos) << "no step ran";

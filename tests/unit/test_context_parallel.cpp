@@ -254,12 +254,21 @@ TEST(GroupedQueryAttention, KeysAndValuesWithFewerHeadsServeConsecutiveQueryHead
       auto whole = xlr8::attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), {.causal = true});
       whole.backward(in.upstream);
       const std::vector<at::Tensor> want{whole.detach(), q.grad(), k.grad(), v.grad()};
-      for (auto strategy : {cp::CommStrategy::AllGather, cp::CommStrategy::AllToAll, cp::CommStrategy::Ulysses})
+      for (auto strategy : {cp::CommStrategy::AllGather, cp::CommStrategy::AllToAll, cp::CommStrategy::Ulysses}) {
+        const int64_t before = cp::wire_bytes();
         run_ranks(P, [&](Communicator& comm) {
           expect_shares_of_whole(comm, strategy, in, want, true, kFp32, kFp32,
                                  fmt::format("{} kv heads {} on {} rank {}", cp::to_string(strategy), kv_heads, P,
                                              comm.rank()));
         });
+        if (strategy != cp::CommStrategy::Ulysses) continue;
+        // Ulysses sends k and v with their own heads when sp divides them, else repeated to q's 12: q, k, v
+        // and the output (2 windows x T/P tokens x head_dim 4, fp32, per head) cross once each way, (P - 1) / P
+        // of each leaving a rank.
+        const int64_t crossing_kv_heads = kv_heads % P == 0 ? kv_heads : 12;
+        const int64_t per_rank = 2 * (2 * 4 * (T / P) * 4 * (12 + 2 * crossing_kv_heads + 12)) * (P - 1) / P;
+        EXPECT_EQ(cp::wire_bytes() - before, P * per_rank) << kv_heads << " kv heads on " << P;
+      }
     }
   const auto five = torch::zeros({1, 5, 4, 4}), twelve = torch::zeros({1, 12, 4, 4});
   try {

@@ -499,7 +499,7 @@ TEST(Zero, OnAMeshHybridShardingShardsOverDpShardTimesCpAndWithoutThemIsRefused)
   } catch (const ConfigError& e) {
     EXPECT_EQ(std::string(e.what()),
               "fsdp_sharding_strategy HYBRID_SHARD shards over parallelism_config_dp_shard_size, which is 1 on this mesh "
-              "(dp_replicate 2 x dp_shard 1 x cp 1 x tp 2); set parallelism_config_dp_shard_size above 1, or use "
+              "(dp_replicate 2 x dp_shard 1 x cp 1 x sp 1 x tp 2); set parallelism_config_dp_shard_size above 1, or use "
               "FULL_SHARD to shard over every data-parallel rank");
   }
   settings.parallelism.reset();  // no mesh: HSDP within each machine, as before
