@@ -4,13 +4,9 @@
 # process under FSDP (FULL_SHARD over 1 rank: the parameters stay whole), every Block a unit.
 # Usage: bench/activation_checkpointing.sh [build dir]   (REPS=2 STEPS=4 SEQS="256 512 1024" by default)
 set -eu
-BUILD=${1:-build}
-X=$BUILD/bin/xlr8; G=$BUILD/bin/gpt
-OUT=$(mktemp -d)
-trap 'rm -rf "$OUT"' EXIT
-export XLR8_PROGRESS=off
+# shellcheck source=bench/common.sh
+. "$(dirname "$0")/common.sh"
 FSDP="--use_fsdp --fsdp_sharding_strategy FULL_SHARD --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap Block"
-field() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
 rep=1
 while [ "$rep" -le "${REPS:-2}" ]; do
   for seq in ${SEQS:-256 512 1024}; do

@@ -8,11 +8,9 @@
 # Usage: bench/context_parallel.sh [build dir]   (LIMIT_MB=1024 SEQS="1024 2048 4096 8192"
 #        LAYOUTS="1:1:allgather 2:2:allgather 2:2:alltoall 4:4:alltoall 2:2:ulysses 4:4:ulysses")
 set -eu
-BUILD=${1:-build}
-X=$BUILD/bin/xlr8; G=$BUILD/bin/gpt
-OUT=$(mktemp -d)
+# shellcheck source=bench/common.sh
+. "$(dirname "$0")/common.sh"
 trap 'rm -rf "$OUT"; for d in /sys/fs/cgroup/memory/xlr8-rank-*; do [ -d "$d" ] && rmdir "$d" 2>/dev/null; done; true' EXIT
-export XLR8_PROGRESS=off
 export LIMIT_MB=${LIMIT_MB:-1024}
 if ! mkdir /sys/fs/cgroup/memory/xlr8-rank-probe 2>/dev/null; then
   echo "skipped: cannot create a memory cgroup (needs root and cgroup v1's memory controller)"
@@ -20,7 +18,6 @@ if ! mkdir /sys/fs/cgroup/memory/xlr8-rank-probe 2>/dev/null; then
 fi
 rmdir /sys/fs/cgroup/memory/xlr8-rank-probe
 WRAP=$(cd "$(dirname "$0")" && pwd)/cp_rank_cgroup.sh
-field() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
 for layout in ${LAYOUTS:-1:1:allgather 2:2:allgather 2:2:alltoall 4:4:alltoall 2:2:ulysses 4:4:ulysses}; do
   n=${layout%%:*}; rest=${layout#*:}; cp=${rest%%:*}; strategy=${rest#*:}
   flags=""

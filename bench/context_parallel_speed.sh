@@ -6,12 +6,8 @@
 # 4 heads, one window per step, STEPS steps. Usage: bench/context_parallel_speed.sh [build dir]
 # (REPS=2 STEPS=3 SEQS="2048 8192" STRATEGIES="allgather alltoall ulysses")
 set -eu
-BUILD=${1:-build}
-X=$BUILD/bin/xlr8; G=$BUILD/bin/gpt
-OUT=$(mktemp -d)
-trap 'rm -rf "$OUT"' EXIT
-export XLR8_PROGRESS=off
-field() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
+# shellcheck source=bench/common.sh
+. "$(dirname "$0")/common.sh"
 rep=1
 while [ "$rep" -le "${REPS:-2}" ]; do
   for seq in ${SEQS:-2048 8192}; do

@@ -4,13 +4,9 @@
 # alternated REPS times in one invocation.
 # Usage: bench/tensor_parallel.sh [build dir]   (REPS=2 STEPS=20 by default)
 set -eu
-BUILD=${1:-build}
-X=$BUILD/bin/xlr8; G=$BUILD/bin/gpt
-OUT=$(mktemp -d)
-trap 'rm -rf "$OUT"' EXIT
-export XLR8_PROGRESS=off
+# shellcheck source=bench/common.sh
+. "$(dirname "$0")/common.sh"
 A="--n_layer 4 --d_model 128 --n_head 4 --seq_len 128 --max_steps ${STEPS:-20} --val_windows 8 --log_every 1000"
-field() { sed -n "s/.*\"$1\":\([0-9.e+-]*\).*/\1/p"; }
 rep=1
 while [ "$rep" -le "${REPS:-2}" ]; do
   # name:processes:launcher flags:batch per rank:program flags
