@@ -1,5 +1,7 @@
 #include "checkpoint/hf_export.hpp"
 
+#include <ATen/ops/empty.h>
+
 #include <fmt/format.h>
 
 #include <filesystem>

@@ -14,6 +14,7 @@
 #include "parallel/cp_ring.hpp"
 #include "parallel/sp_ulysses.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/format.hpp"
 
 namespace xlr8::cp {
 namespace {

@@ -1,6 +1,7 @@
 #include "parallel/flat_group.hpp"
 
 #include <ATen/ATen.h>
+#include <fmt/format.h>
 
 #include "xlr8/error.hpp"
 

@@ -7,6 +7,7 @@
 #include "parallel/autograd_group.hpp"
 #include "parallel/cp_ring.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/format.hpp"
 
 namespace xlr8::cp::detail {
 namespace {
