@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 #include <set>
 
@@ -108,6 +109,14 @@ double validation_loss(xlr8::Accelerator& acc, gpt::Gpt& model, xlr8::DataLoader
   return windows ? sum / static_cast<double>(windows) : 0.0;
 }
 
+bool has_automatic_checkpoint(const std::string& project_dir) {
+  const auto dir = std::filesystem::path(project_dir) / "checkpoints";
+  if (!std::filesystem::is_directory(dir)) return false;
+  for (const auto& entry : std::filesystem::directory_iterator(dir))
+    if (entry.path().filename().string().rfind("checkpoint_", 0) == 0) return true;
+  return false;
+}
+
 int run(const Args& args) {
   xlr8::AcceleratorOptions options;
   options.gradient_accumulation_steps = args.gradient_accumulation_steps;
@@ -166,7 +175,10 @@ int run(const Args& args) {
     acc.print("initialised from {}", args.init_from);
   }
   double load_seconds = 0, save_seconds = 0;
-  if (!args.resume_from.empty()) {
+  // "latest" on a first start (no automatic checkpoint yet) starts fresh and says so.
+  const bool nothing_to_resume = args.resume_from == "latest" && !has_automatic_checkpoint(args.output_dir);
+  if (nothing_to_resume) acc.print("--resume_from latest: no checkpoint under {}/checkpoints yet; starting fresh", args.output_dir);
+  if (!args.resume_from.empty() && !nothing_to_resume) {
     const auto began = std::chrono::steady_clock::now();
     acc.load_state(args.resume_from == "latest" ? "" : args.resume_from);
     load_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();

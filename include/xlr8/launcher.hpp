@@ -68,6 +68,27 @@ LaunchOptions plan_launch(const LaunchRequest& request);
 // non-executable program, port in use).
 int launch(const LaunchOptions& options);
 
+// The worker that failed first in a launch's last attempt, for a caller that reports it itself (the Trainer).
+struct WorkerFailure {
+  int rank = 0, local_rank = 0, pid = 0;
+  int exit_code = 0;          // as launch() returns it: the exit code, or 128 + signal
+  std::string how;            // "exit code 3", "killed by SIGKILL (signal 9)"
+  std::string error_message;  // what it wrote to its TORCHELASTIC_ERROR_FILE ("<type>: <what>"), if anything
+  std::string error_file;     // that file's path
+  std::string headline;       // the error line its stderr showed
+  std::vector<std::string> stderr_tail;  // its last stderr lines, backtraces left out
+};
+
+struct LaunchOutcome {
+  int exit_code = 0;  // what launch() returns
+  int restarts = 0;   // group restarts done
+  std::optional<WorkerFailure> failure;  // the last attempt's first failure (none with mpirun)
+};
+
+// launch(), also saying which worker failed and why. Each worker gets TORCHELASTIC_ERROR_FILE
+// (<log_dir>/attempt_<n>/<local_rank>/error.json, or the same under a scratch folder removed afterwards).
+LaunchOutcome launch_with_outcome(const LaunchOptions& options);
+
 // Full path of `program` (searching PATH when it has no '/'); throws Error naming what is wrong.
 std::string resolve_program(const std::string& program);
 // A TCP port that is free on this machine now.

@@ -13,5 +13,6 @@
 #include "xlr8/process_state.hpp"
 #include "xlr8/safetensors.hpp"
 #include "xlr8/settings.hpp"
+#include "xlr8/train.hpp"
 #include "xlr8/unshard.hpp"
 #include "xlr8/zero.hpp"

@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 
+#include "core/flight_recorder.hpp"
 #include "core/text.hpp"
 #include "distributed/collective_timing.hpp"
 #include "distributed/comm_state.hpp"
@@ -77,11 +78,8 @@ struct WaitClock {
 
 int64_t detail::collective_wait_ns() { return waited_ns.load(std::memory_order_relaxed); }
 
-void Work::wait() {
-  if (!state_) return;
-  auto& s = *state_;
-  std::lock_guard<std::mutex> lock(s.mutex);
-  if (s.done) return;
+namespace {
+void wait_for_work(detail::WorkState& s) {
   WaitClock clock;
   if (s.work) {
     try {
@@ -97,6 +95,26 @@ void Work::wait() {
   }
   if (s.finish) s.finish();
   s.done = true;
+}
+}  // namespace
+
+void Work::wait() {
+  if (!state_) return;
+  auto& s = *state_;
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (s.done) return;
+  auto& recorder = detail::FlightRecorder::instance();
+  try {
+    wait_for_work(s);
+  } catch (const TimeoutError&) {
+    recorder.completed(s.trace_id, false);
+    recorder.dump("timed out in " + s.what);  // this rank's part of the picture the launcher puts together
+    throw;
+  } catch (...) {
+    recorder.completed(s.trace_id, false);
+    throw;
+  }
+  recorder.completed(s.trace_id, true);
 }
 
 bool Work::is_completed() const {

@@ -31,6 +31,7 @@ struct CommState {
   compat::Backend& backend_for(const at::Tensor& t, const std::string& what) const;
   bool uses_nccl(const at::Tensor& t) const { return t.is_cuda() && nccl; }
   std::uint64_t object_sequence = 0;
+  std::uint64_t collective_sequence = 0;  // this group's collectives issued so far (the flight recorder's numbering)
   std::uint64_t ring_sequence = 0;
   std::map<std::string, int> subgroups_made;
   // Shared memory between the group's ranks when they all run on this host (null otherwise, or
@@ -53,6 +54,7 @@ struct WorkState {
   std::function<void()> finish;       // runs once after a successful wait (AVG division, copy back)
   std::mutex mutex;
   bool done = false;
+  uint64_t trace_id = 0;  // its flight-recorder entry
 };
 
 // The world communicator over an established store (rendezvous.cpp makes the store).

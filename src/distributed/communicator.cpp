@@ -3,6 +3,7 @@
 #include <fmt/ranges.h>
 
 #include "core/text.hpp"
+#include "core/flight_recorder.hpp"
 #include "distributed/comm_state.hpp"
 #include "xlr8/error.hpp"
 
@@ -64,8 +65,16 @@ std::string what(const CommState& s, const std::string& op, const at::Tensor& t,
   return fmt::format("{}({}{}) on group '{}' (rank {} of {})", op, detail::describe(t), extra, s.name, s.rank, s.size);
 }
 
+// The flight recorder numbers a group's collectives in issue order, which every rank of the group shares;
+// point-to-point operations are recorded unnumbered (0): ranks issue different ones by design.
+uint64_t record_in_flight_recorder(CommState& s, const std::string& description) {
+  const bool point_to_point = description.rfind("send(", 0) == 0 || description.rfind("recv(", 0) == 0;
+  return detail::FlightRecorder::instance().enqueued(s.name, point_to_point ? 0 : ++s.collective_sequence, description);
+}
+
 Work native(CommState& s, std::string description, compat::WorkPtr work, std::function<void()> finish = {}) {
   auto st = std::make_shared<WorkState>();
+  st->trace_id = record_in_flight_recorder(s, description);
   st->what = std::move(description);
   st->timeout = s.timeout;
   st->work = std::move(work);
@@ -75,6 +84,7 @@ Work native(CommState& s, std::string description, compat::WorkPtr work, std::fu
 
 Work composite(CommState& s, std::string description, std::function<void()> body, std::function<void()> finish = {}) {
   auto st = std::make_shared<WorkState>();
+  st->trace_id = record_in_flight_recorder(s, description);
   st->what = description;
   st->timeout = s.timeout;
   st->future = s.run_composite([body = std::move(body), description, timeout = s.timeout] {

@@ -9,6 +9,8 @@
 #endif
 #include <thread>
 
+#include "core/error_file.hpp"
+#include "core/flight_recorder.hpp"
 #include "core/log.hpp"
 #include "distributed/comm_state.hpp"
 #include "distributed/rendezvous.hpp"
@@ -107,7 +109,12 @@ ProcessState::~ProcessState() = default;
 
 const ProcessState& ProcessState::instance() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (!g_state) g_state = create(Env::current());
+  if (!g_state) {
+    // A launched worker's uncaught exception reaches its launcher through the error file.
+    detail::install_error_file_handler();
+    detail::FlightRecorder::instance().install_signal_trigger();  // the launcher can ask for the trace
+    g_state = create(Env::current());
+  }
   return *g_state;
 }
 

@@ -19,11 +19,14 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <random>
 #include <thread>
 
+#include "core/error_file.hpp"
 #include "core/log.hpp"
 #include "launch/mpirun_launch.hpp"
+#include "launch/trace_diagnosis.hpp"
 #include "launch/worker_output.hpp"
 #include "os/shm_segment.hpp"
 #include "xlr8/error.hpp"
@@ -106,6 +109,7 @@ struct Worker {
   detail::WorkerStream out, err;
   detail::FailureNotes notes;  // from stderr, for the failure report
   std::string err_log_path;    // with --log_dir
+  std::string error_file;      // its TORCHELASTIC_ERROR_FILE
 };
 
 std::string describe_status(int status) {
@@ -125,10 +129,18 @@ class Supervisor {
     sigprocmask(SIG_BLOCK, &mask, &saved_mask_);
     signal_fd_ = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
     if (signal_fd_ < 0) throw Error(fmt::format("signalfd failed: {}", std::strerror(errno)));
+    if (o_.log_dir.empty()) {  // error files and traces still need a place
+      std::random_device random;
+      scratch_dir_ = fs::temp_directory_path() / fmt::format("xlr8-launch-{}-{:08x}", ::getpid(), random());
+    }
   }
   ~Supervisor() {
     close(signal_fd_);
     sigprocmask(SIG_SETMASK, &saved_mask_, nullptr);
+    if (!scratch_dir_.empty()) {
+      std::error_code ignored;
+      fs::remove_all(scratch_dir_, ignored);
+    }
   }
 
   // One attempt: start every local worker and supervise until all have exited.
@@ -140,6 +152,9 @@ class Supervisor {
     interrupted_by_ = 0;
     kill_deadline_.reset();
     term_deadline_.reset();
+    trace_deadline_.reset();
+    attempt_ = attempt;
+    fs::remove_all(trace_dir(attempt));  // an earlier launch into the same log_dir left its own
     for (int i = 0; i < o_.nproc_per_node; ++i) start(workers_[i], i, attempt, port);
     supervise();
     if (interrupted_by_) {
@@ -167,7 +182,11 @@ class Supervisor {
     auto& err = stderr;
     fmt::print(err, "xlr8 launch: rank {} (local rank {}, pid {}) failed first: {}\n", w.rank, w.local_rank, w.pid,
                describe_status(w.status));
-    if (!w.notes.headline().empty()) fmt::print(err, "xlr8 launch: rank {}'s error: {}\n", w.rank, w.notes.headline());
+    if (auto recorded = detail::read_error_file(w.error_file))
+      fmt::print(err, "xlr8 launch: rank {}'s error: {}\nxlr8 launch: (recorded in its error file {})\n", w.rank,
+                 recorded->message, w.error_file);
+    else if (!w.notes.headline().empty())
+      fmt::print(err, "xlr8 launch: rank {}'s error: {}\n", w.rank, w.notes.headline());
     for (const auto& other : workers_)
       if (&other != &w && other.status != 0 && !other.notes.headline().empty())
         fmt::print(err, "xlr8 launch: rank {} ({}) said: {}\n", other.rank, describe_status(other.status),
@@ -182,9 +201,27 @@ class Supervisor {
     }
     int others = static_cast<int>(workers_.size()) - 1;
     if (others > 0) fmt::print(err, "xlr8 launch: stopped the other {} local worker(s)\n", others);
+    // Only this machine's ranks leave their trace here: name the missing ones only when that is all of them.
+    const auto diagnosis =
+        detail::diagnose_traces(trace_dir(attempt_).string(), o_.num_machines == 1 ? o_.world_size() : 0);
+    if (!diagnosis.empty()) fmt::print(err, "xlr8 launch: {}\n", diagnosis);
     std::fflush(err);
   }
   bool failed() const { return first_failure_ >= 0; }
+
+  WorkerFailure first_failure() const {
+    const auto& w = workers_.at(static_cast<size_t>(first_failure_));
+    WorkerFailure f{.rank = w.rank,
+                    .local_rank = w.local_rank,
+                    .pid = w.pid,
+                    .exit_code = exit_code_of(w.status),
+                    .how = describe_status(w.status),
+                    .error_file = w.error_file,
+                    .headline = w.notes.headline(),
+                    .stderr_tail = {w.notes.tail().begin(), w.notes.tail().end()}};
+    if (auto recorded = detail::read_error_file(w.error_file)) f.error_message = recorded->message;
+    return f;
+  }
 
  private:
   void start(Worker& w, int local_rank, int attempt, int port) {
@@ -207,6 +244,10 @@ class Supervisor {
     env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(o_.max_restarts);
     env["TORCHELASTIC_RUN_ID"] = o_.run_id;
     env["XLR8_LAUNCHED"] = "1";
+    w.error_file = (error_file_dir(attempt, local_rank) / "error.json").string();
+    fs::remove(w.error_file);  // a file left by an earlier launch into the same log_dir is not this worker's
+    env["TORCHELASTIC_ERROR_FILE"] = w.error_file;
+    env["XLR8_TRACE_DIR"] = trace_dir(attempt).string();
     env["XLR8_SHM_JOB"] = std::to_string(::getpid());  // names the workers' shared memory, for clean-up below
     // Workers write into pipes; a progress bar still belongs on the launcher's terminal (rank prefix aside).
     if (winsize size{}; !env.count("XLR8_TERMINAL_COLUMNS") && isatty(2)) {
@@ -272,8 +313,42 @@ class Supervisor {
     }
   }
 
+  // torchrun's layout: <log_dir>/attempt_<n>/<local_rank>/; without a log_dir, a scratch folder of this launch.
+  fs::path attempt_dir(int attempt) const {
+    return (o_.log_dir.empty() ? scratch_dir_ : fs::path(o_.log_dir)) / fmt::format("attempt_{}", attempt);
+  }
+  fs::path error_file_dir(int attempt, int local_rank) {
+    fs::path dir = attempt_dir(attempt) / std::to_string(local_rank);
+    fs::create_directories(dir);
+    return dir;
+  }
+  // The workers' flight-recorder dumps (core/flight_recorder.hpp).
+  fs::path trace_dir(int attempt) const { return attempt_dir(attempt) / "trace"; }
+
   std::string rank_tag(int rank) const {
     return o_.prefix_output && o_.world_size() > 1 ? fmt::format("[rank{}]: ", rank) : "";
+  }
+
+  // A worker failed: the ones still running that record collectives (they said so with an .armed file)
+  // dump their flight recorder on SIGUSR1 before they are stopped; at most 2 s is spent waiting for it.
+  void request_traces() {
+    const fs::path dir = trace_dir(attempt_);
+    bool asked = false;
+    for (auto& w : workers_)
+      if (w.running && fs::exists(dir / fmt::format(".armed.{}", w.pid))) {
+        kill(w.pid, SIGUSR1);
+        asked = true;
+      }
+    if (asked) trace_deadline_ = Clock::now() + std::chrono::seconds(2);
+    else begin_stop(SIGTERM);
+  }
+  bool traces_written() const {
+    const fs::path dir = trace_dir(attempt_);
+    for (const auto& w : workers_)
+      if (w.running && fs::exists(dir / fmt::format(".armed.{}", w.pid)) &&
+          !fs::exists(dir / fmt::format("rank{}.json", w.rank)))
+        return false;
+    return true;
   }
 
   void signal_all(int sig) {
@@ -305,7 +380,7 @@ class Supervisor {
         bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
         if (!ok && first_failure_ < 0 && !interrupted_by_) {
           first_failure_ = static_cast<int>(i);
-          begin_stop(SIGTERM);
+          request_traces();
         }
         // Anything the worker left in its process group goes with it.
         kill(-pid, SIGKILL);
@@ -350,6 +425,10 @@ class Supervisor {
       for (size_t i = 1; i < fds.size(); ++i)
         if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) streams[i - 1]->pump();
       reap();
+      if (trace_deadline_ && (Clock::now() > *trace_deadline_ || traces_written())) {
+        trace_deadline_.reset();
+        begin_stop(SIGTERM);
+      }
       if (term_deadline_ && Clock::now() > *term_deadline_) {
         signal_all(SIGTERM);
         term_deadline_.reset();
@@ -366,15 +445,20 @@ class Supervisor {
   const detail::WorkerStream* open_line_ = nullptr;  // the worker stream whose in-place line is on the console
   int first_failure_ = -1;
   int interrupted_by_ = 0;
+  fs::path scratch_dir_;  // error files and traces when there is no log_dir
+  int attempt_ = 0;
+  std::optional<Clock::time_point> trace_deadline_;  // stop the workers then, or once their traces are written
   std::optional<Clock::time_point> kill_deadline_, term_deadline_;
 };
 
 }  // namespace
 
-int launch(const LaunchOptions& o) {
+int launch(const LaunchOptions& o) { return launch_with_outcome(o).exit_code; }
+
+LaunchOutcome launch_with_outcome(const LaunchOptions& o) {
   if (o.command.empty()) throw Error("no program to launch");
   if (o.nproc_per_node < 1) throw Error(fmt::format("{} processes per machine: need at least 1", o.nproc_per_node));
-  if (!o.mpirun_hostfile.empty()) return detail::launch_through_mpirun(o);
+  if (!o.mpirun_hostfile.empty()) return {.exit_code = detail::launch_through_mpirun(o)};
   std::string program = resolve_program(o.command[0]);
   const bool choose_port = o.master_port == 0;
   int port = choose_port ? pick_free_port() : o.master_port;
@@ -387,11 +471,11 @@ int launch(const LaunchOptions& o) {
     int code = supervisor.run_attempt(attempt, port);
     // Workers unlink their segments once mapped; only one killed mid-setup can leave one behind.
     detail::remove_job_segments(std::to_string(::getpid()));
-    if (code == 0 || !supervisor.failed()) return code;
+    if (code == 0 || !supervisor.failed()) return {.exit_code = code, .restarts = attempt};
     supervisor.report_failure();
-    if (attempt >= o.max_restarts) return code;
+    if (attempt >= o.max_restarts) return {.exit_code = code, .restarts = attempt, .failure = supervisor.first_failure()};
     log::warning("xlr8 launch: restarting all {} local worker(s) (restart {} of {})", o.nproc_per_node, attempt + 1,
-                 o.max_restarts);
+                 o.max_restarts == std::numeric_limits<int>::max() ? "no limit" : std::to_string(o.max_restarts));
     if (choose_port) port = pick_free_port();
   }
 }

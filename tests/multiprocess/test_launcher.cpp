@@ -14,6 +14,8 @@
 #include <sstream>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "os/cpu_affinity.hpp"
 #include "process_runner.hpp"
 #include "xlr8/config.hpp"
@@ -241,6 +243,62 @@ TEST(Launcher, AFailuresSummaryShowsTheErrorNotTheBacktrace) {
         << summary;
     EXPECT_NE(r.err.substr(0, at).find("[rank1]: frame #0: c10::Error::Error"), std::string::npos) << r.err;
     EXPECT_NE(read_file(dir + "/attempt_0/1/stderr.log").find("frame #0: c10::Error::Error"), std::string::npos);
+    fs::remove_all(dir);
+  }
+}
+
+TEST(Launcher, AnUncaughtExceptionReachesTheLauncherThroughTheWorkersErrorFile) {
+  // torchelastic's protocol: each worker gets TORCHELASTIC_ERROR_FILE; an exception nobody catches is written
+  // there in torch's format, and the launcher names it as the root cause.
+  auto dir = temp_dir("error-file");
+  auto r = run(launch({"--num_processes", "2", "--log_dir", dir}, {"throw-uncaught", "1"}), 60);
+  EXPECT_EQ(r.exit_code, 128 + SIGABRT) << r.err;
+  const std::string file = dir + "/attempt_0/1/error.json";
+  EXPECT_NE(r.err.find("xlr8 launch: rank 1's error: xlr8::ConfigError: bad value 7 for key 'lr_warmup': give 0 or "
+                       "more\nxlr8 launch: (recorded in its error file " + file + ")"),
+            std::string::npos)
+      << r.err;
+  auto record = nlohmann::json::parse(read_file(file));
+  EXPECT_EQ(record["message"]["message"], "xlr8::ConfigError: bad value 7 for key 'lr_warmup': give 0 or more");
+  EXPECT_GT(std::stoll(record["message"]["extraInfo"]["timestamp"].get<std::string>()), 1700000000);
+  EXPECT_FALSE(fs::exists(dir + "/attempt_0/0/error.json"));  // rank 0 was stopped, it did not fail
+  fs::remove_all(dir);
+  // Without a log_dir the files live in a scratch folder of the launch, gone when it ends.
+  auto scratch = run(launch({"--num_processes", "2"}, {"throw-uncaught", "0"}), 60);
+  const auto at = scratch.err.find("(recorded in its error file ");
+  ASSERT_NE(at, std::string::npos) << scratch.err;
+  const auto path = scratch.err.substr(at + 28, scratch.err.find(')', at) - at - 28);
+  EXPECT_NE(path.find("xlr8-launch-"), std::string::npos) << path;
+  EXPECT_FALSE(fs::exists(path)) << path;
+}
+
+TEST(Launcher, AHangIsDiagnosedFromEveryRanksFlightRecorder) {
+  // Rank 1 sleeps before the third all_reduce, or issues a broadcast there, or skips it: rank 0 times out
+  // (3 s), its recorder is written, the launcher asks rank 1 for its own (SIGUSR1) and names who was where.
+  const std::map<std::string, std::vector<std::string>> expected{
+      {"sleep",
+       {"rank 0 reached world #", " all_reduce(float32[4], SUM) (failed or timed out waiting for the others)",
+        "rank 1 never arrived at world #", "(completed), so it was outside any collective"}},
+      {"different",
+       {"the ranks issued different collectives at world #", "rank 0 issued all_reduce(float32[4], SUM); rank 1 issued broadcast(float32[4]"}},
+      {"skip", {"the ranks issued different collectives at world #", "rank 0 issued all_reduce(float32[4], SUM); rank 1 issued barrier"}}};
+  for (const auto& [how, lines] : expected) {
+    SCOPED_TRACE(how);
+    auto dir = temp_dir("trace");
+    const auto began = std::chrono::steady_clock::now();
+    auto r = run(launch({"--num_processes", "2", "--log_dir", dir}, {"trace", how}), 90,
+                 {{"XLR8_COLLECTIVE_TIMEOUT", "3"}});
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_LT(seconds, 30) << "the timeout is 3 s";
+    const auto at = r.err.find("xlr8 launch: collective trace (2 of 2 ranks, " + dir + "/attempt_0/trace): ");
+    ASSERT_NE(at, std::string::npos) << r.err;
+    const auto paragraph = r.err.substr(at, r.err.find('\n', at) - at);
+    for (const auto& line : lines) EXPECT_NE(paragraph.find(line), std::string::npos) << line << "\n" << paragraph;
+    // The same from the dumps on disk.
+    auto offline = run({kXlr8, "trace", dir + "/attempt_0/trace"}, 30);
+    EXPECT_EQ(offline.exit_code, 0) << offline.err;
+    EXPECT_NE(offline.out.find(paragraph.substr(std::string("xlr8 launch: ").size())), std::string::npos) << offline.out;
     fs::remove_all(dir);
   }
 }

@@ -90,6 +90,27 @@ int main(int argc, char** argv) {
     }
     return 0;
   }
+  if (mode == "throw-uncaught") {  // an exception nobody catches, once the process state exists
+    const auto& state = xlr8::ProcessState::instance();
+    if (state.rank() == std::atoi(argv[2])) throw xlr8::ConfigError("bad value 7 for key 'lr_warmup': give 0 or more");
+    std::this_thread::sleep_for(std::chrono::seconds(120));
+    return 0;
+  }
+  if (mode == "trace") {  // argv[2]: sleep | different | skip — what rank 1 does at the third all_reduce
+    const auto& state = xlr8::ProcessState::instance();
+    auto& world = state.world();
+    const std::string how = argv[2];
+    for (int i = 0; i < 2; ++i) {
+      auto x = at::ones({4});
+      world.all_reduce(x);
+    }
+    auto x = at::ones({4});
+    if (state.rank() == 1 && how == "sleep") std::this_thread::sleep_for(std::chrono::seconds(120));
+    if (state.rank() == 1 && how == "different") world.broadcast(x, 0);
+    else if (state.rank() != 1 || how != "skip") world.all_reduce(x);
+    world.barrier();
+    return 0;
+  }
   if (mode == "peer-dies") {
     const auto& state = xlr8::ProcessState::instance();
     if (state.rank() == 1) {

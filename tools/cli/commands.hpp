@@ -22,6 +22,7 @@ Handler add_test(CLI::App& app);
 Handler add_merge_weights(CLI::App& app);
 Handler add_estimate_memory(CLI::App& app);
 Handler add_plot(CLI::App& app);
+Handler add_trace(CLI::App& app);
 // The worker side of `xlr8 test`.
 Handler add_selftest_worker(CLI::App& app);
 

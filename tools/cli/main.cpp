@@ -1,4 +1,4 @@
-// xlr8: launch, config, env, test, merge-weights, estimate-memory.
+// xlr8: launch, config, env, test, merge-weights, estimate-memory, plot, trace.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   reg(xlr8::cli::add_merge_weights);
   reg(xlr8::cli::add_estimate_memory);
   reg(xlr8::cli::add_plot);
+  reg(xlr8::cli::add_trace);
   reg(xlr8::cli::add_selftest_worker);
   try {
     std::vector<std::string> args(argv + 1, argv + argc);

@@ -1,0 +1,135 @@
+// The merged picture of every rank's flight recorder: per group, compare the ranks' sequence numbers and
+// operations; the group where a rank lags or differs is the hang's cause.
+#include "launch/trace_diagnosis.hpp"
+
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <regex>
+#include <set>
+#include <vector>
+
+namespace fs = std::filesystem;
+
+namespace xlr8::detail {
+
+namespace {
+
+struct Entry {
+  uint64_t sequence = 0;
+  std::string op, state;
+};
+
+struct RankTrace {
+  std::string reason;
+  std::map<std::string, std::vector<Entry>> by_group;  // numbered collectives only, in issue order
+};
+
+std::string describe(const std::string& group, const Entry& e) {
+  return fmt::format("{} #{} {}", group, e.sequence, e.op);
+}
+
+std::string ranks_text(const std::vector<int>& ranks) {
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) text += (i ? ", " : "") + std::to_string(ranks[i]);
+  return text;
+}
+
+}  // namespace
+
+std::string diagnose_traces(const std::string& dir, int world_size) {
+  std::map<int, RankTrace> traces;
+  std::error_code error;
+  const std::regex name("rank([0-9]+)\\.json");
+  for (const auto& file : fs::directory_iterator(dir, error)) {
+    std::smatch match;
+    const std::string filename = file.path().filename().string();
+    if (!std::regex_match(filename, match, name)) continue;
+    try {
+      std::ifstream in(file.path());
+      const auto dump = nlohmann::json::parse(in);
+      RankTrace& t = traces[std::stoi(match[1])];
+      t.reason = dump.value("reason", "");
+      for (const auto& e : dump.at("entries"))
+        if (e.at("sequence").get<uint64_t>() > 0)
+          t.by_group[e.at("group").get<std::string>()].push_back(
+              {e.at("sequence").get<uint64_t>(), e.at("op").get<std::string>(), e.at("state").get<std::string>()});
+    } catch (const std::exception&) {  // half a picture beats none: skip a file that cannot be read
+    }
+  }
+  if (traces.empty()) return "";
+
+  std::vector<std::string> findings;
+  std::set<std::string> groups;
+  for (const auto& [rank, t] : traces)
+    for (const auto& [group, entries] : t.by_group) groups.insert(group);
+  for (const auto& group : groups) {
+    // The furthest position any rank reached in this group, and where each rank is.
+    uint64_t furthest = 0;
+    std::map<int, const Entry*> last;
+    for (const auto& [rank, t] : traces) {
+      auto it = t.by_group.find(group);
+      if (it == t.by_group.end() || it->second.empty()) continue;
+      last[rank] = &it->second.back();
+      furthest = std::max(furthest, it->second.back().sequence);
+    }
+    // Different operations at the same position: the ranks' programs diverged there.
+    std::map<uint64_t, std::map<std::string, std::vector<int>>> ops_at;
+    for (const auto& [rank, t] : traces) {
+      auto it = t.by_group.find(group);
+      if (it == t.by_group.end()) continue;
+      for (const auto& e : it->second) ops_at[e.sequence][e.op].push_back(rank);
+    }
+    bool diverged = false;
+    for (const auto& [sequence, ops] : ops_at) {
+      if (ops.size() < 2) continue;
+      std::string parts;
+      for (const auto& [op, ranks] : ops) parts += fmt::format("{}{} issued {}", parts.empty() ? "" : "; ", ranks_text(ranks), op);
+      findings.push_back(fmt::format("the ranks issued different collectives at {} #{}: {}", group, sequence, parts));
+      diverged = true;
+      break;  // the first divergence explains what follows it
+    }
+    if (diverged) continue;
+    std::vector<int> waiting, behind;
+    for (const auto& [rank, e] : last) (e->sequence == furthest ? waiting : behind).push_back(rank);
+    if (behind.empty()) {
+      std::vector<int> stuck;
+      for (const auto& [rank, e] : last)
+        if (e->state != "completed") stuck.push_back(rank);
+      if (!stuck.empty())
+        findings.push_back(fmt::format("{} waited in {} ({})", ranks_text(stuck), describe(group, *last[stuck.front()]),
+                                       last[stuck.front()]->state == "failed" ? "it failed or timed out" : "still in it"));
+      continue;
+    }
+    const Entry& ahead = *last[waiting.front()];
+    findings.push_back(fmt::format("{} reached {} ({})", ranks_text(waiting), describe(group, ahead),
+                                   ahead.state == "completed" ? "completed"
+                                   : ahead.state == "failed"  ? "failed or timed out waiting for the others"
+                                                              : "waiting for the others"));
+    for (int rank : behind) {
+      const Entry& e = *last[rank];
+      findings.push_back(fmt::format(
+          "rank {} never arrived at {} #{}: its last {} collective was {} ({}){}", rank, group, furthest, group,
+          describe(group, e), e.state,
+          e.state == "completed" ? ", so it was outside any collective: computing, or stuck in the program's own code"
+                                 : ""));
+    }
+  }
+  std::vector<int> silent;
+  for (int rank = 0; rank < world_size; ++rank)
+    if (!traces.count(rank)) silent.push_back(rank);
+  if (!silent.empty())
+    findings.push_back(fmt::format("{} left no trace (died first, or never issued a collective through xlr8)",
+                                   ranks_text(silent)));
+  if (findings.empty()) findings.push_back("every rank's collectives match and completed");
+  std::string text = fmt::format("collective trace ({} of {} ranks, {}): ", traces.size(),
+                                 world_size > 0 ? world_size : static_cast<int>(traces.size()), dir);
+  for (size_t i = 0; i < findings.size(); ++i) text += (i ? "; " : "") + findings[i];
+  return text + ".";
+}
+
+}  // namespace xlr8::detail

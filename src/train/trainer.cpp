@@ -1,0 +1,213 @@
+// Trainer::fit: the driver starts this executable again as its worker group through the launcher (same
+// supervision, restarts and failure report as `xlr8 launch`), and the same fit() in a worker runs the loop.
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <ctime>
+#include <fstream>
+#include <limits>
+
+#include "compat/torch_compat.hpp"
+#include "core/error_file.hpp"
+#include "core/log.hpp"
+#include "train/run_storage.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/launcher.hpp"
+#include "xlr8/train.hpp"
+
+namespace fs = std::filesystem;
+
+namespace xlr8::train {
+
+namespace {
+
+// Variables the driver gives its workers.
+constexpr const char* kWorkerVar = "XLR8_TRAIN_WORKER";
+constexpr const char* kRunDirVar = "XLR8_TRAIN_RUN_DIR";
+constexpr const char* kNameVar = "XLR8_TRAIN_NAME";
+constexpr const char* kStorageVar = "XLR8_TRAIN_STORAGE_PATH";
+constexpr const char* kLoopConfigVar = "XLR8_TRAIN_LOOP_CONFIG";
+constexpr const char* kCheckpointConfigVar = "XLR8_TRAIN_CHECKPOINT_CONFIG";
+
+bool in_worker() {
+  const char* v = std::getenv(kWorkerVar);
+  return v && std::string(v) == "1";
+}
+
+std::string default_run_name() {
+  const std::time_t now = std::time(nullptr);
+  std::tm utc{};
+  gmtime_r(&now, &utc);
+  char text[32];
+  std::strftime(text, sizeof(text), "%Y-%m-%d_%H-%M-%S", &utc);
+  return fmt::format("xlr8_train_run-{}", text);
+}
+
+// This program's own command line, to start it again as a worker (argv[0] as the executable's real path,
+// so a relative path or a PATH lookup cannot pick another program).
+std::vector<std::string> own_command() {
+  std::ifstream in("/proc/self/cmdline", std::ios::binary);
+  std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::string> args;
+  for (size_t start = 0; start < all.size();) {
+    size_t end = all.find('\0', start);
+    if (end == std::string::npos) end = all.size();
+    args.push_back(all.substr(start, end - start));
+    start = end + 1;
+  }
+  if (args.empty()) throw Error("Trainer: cannot read this program's command line from /proc/self/cmdline");
+  args[0] = fs::read_symlink("/proc/self/exe").string();
+  return args;
+}
+
+nlohmann::json to_json(const TrainingFailedError& e) {
+  return {{"failures", e.failures}, {"rank", e.rank}, {"how", e.how}, {"error_message", e.error_message},
+          {"error_file", e.error_file}, {"stderr_tail", e.stderr_tail}};
+}
+
+TrainingFailedError failure_from_json(const nlohmann::json& j) {
+  return {.failures = j.value("failures", 0),
+          .rank = j.value("rank", -1),
+          .how = j.value("how", ""),
+          .error_message = j.value("error_message", ""),
+          .error_file = j.value("error_file", ""),
+          .stderr_tail = j.value("stderr_tail", std::vector<std::string>{})};
+}
+
+void check(const ScalingConfig& s) {
+  if (s.num_workers < 1)
+    throw ConfigError(fmt::format("ScalingConfig.num_workers {} must be at least 1", s.num_workers));
+  if (s.resources_per_worker.cpus < 0)
+    throw ConfigError(fmt::format("ScalingConfig.resources_per_worker.cpus {} must be 0 (cores / workers) or more",
+                                  s.resources_per_worker.cpus));
+  if (s.resources_per_worker.gpus < 0 || s.resources_per_worker.gpus > 1)
+    throw ConfigError(fmt::format("ScalingConfig.resources_per_worker.gpus {} must be 0 or 1: each worker drives one "
+                                  "GPU (its local rank's)",
+                                  s.resources_per_worker.gpus));
+  if ((s.use_gpu || s.resources_per_worker.gpus > 0) && compat::cuda_device_count() == 0)
+    throw ConfigError("ScalingConfig.use_gpu is set but this LibTorch sees no CUDA device; set use_gpu = false to "
+                      "train on the CPU");
+  if (s.use_gpu && compat::cuda_device_count() < s.num_workers)
+    throw ConfigError(fmt::format("ScalingConfig.num_workers {} with use_gpu needs {} GPUs; this machine has {}",
+                                  s.num_workers, s.num_workers, compat::cuda_device_count()));
+}
+
+}  // namespace
+
+std::string TrainingFailedError::message() const {
+  std::string text = fmt::format("training failed {} time(s); the last time rank {} failed first ({})", failures, rank, how);
+  if (!error_message.empty()) text += fmt::format(": {} (from {})", error_message, error_file);
+  if (!stderr_tail.empty()) text += fmt::format("; its stderr ended with: {}", stderr_tail.back());
+  return text;
+}
+
+Result Result::from_path(const std::string& path) {
+  if (!fs::is_directory(path)) throw Error(fmt::format("Result::from_path: {:?} is not a run directory", path));
+  auto snapshot = detail::RunSnapshot::load(path);
+  Result result;
+  result.path = path;
+  result.metrics = snapshot.latest_metrics;
+  if (!snapshot.kept.empty()) result.checkpoint = Checkpoint{(fs::path(path) / snapshot.kept.back().dir_name).string()};
+  for (auto& c : snapshot.best_first())
+    result.best_checkpoints.emplace_back(Checkpoint{(fs::path(path) / c.dir_name).string()}, c.metrics);
+  if (std::ifstream in(fs::path(path) / detail::kFitErrorFile); in) {
+    try {
+      result.error = failure_from_json(nlohmann::json::parse(in));
+    } catch (const std::exception& e) {
+      throw Error(fmt::format("{}/{} cannot be read: {}", path, detail::kFitErrorFile, e.what()));
+    }
+  }
+  return result;
+}
+
+Trainer::Trainer(TrainLoop train_loop_per_worker, nlohmann::json loop_config, ScalingConfig scaling, RunConfig run)
+    : loop_(std::move(train_loop_per_worker)),
+      loop_config_(std::move(loop_config)),
+      scaling_(scaling),
+      run_(std::move(run)) {
+  if (!loop_) throw ConfigError("Trainer: train_loop_per_worker is empty");
+}
+
+Result Trainer::fit() {
+  if (!in_worker()) return drive();
+  // A worker: the driver's loop configuration (not this process's, which may differ: a time, a random name).
+  xlr8::detail::install_error_file_handler();
+  const char* config_text = std::getenv(kLoopConfigVar);
+  try {
+    loop_(config_text ? nlohmann::json::parse(config_text) : loop_config_);
+  } catch (const std::exception& e) {
+    xlr8::detail::write_error_file(xlr8::detail::describe_exception(e));
+    throw;
+  }
+  Result result;
+  result.worker = true;
+  if (const char* dir = std::getenv(kRunDirVar)) result.path = dir;
+  return result;
+}
+
+Result Trainer::drive() {
+  // Under a launcher every rank would start a group of its own.
+  if (const char* launched = std::getenv("XLR8_LAUNCHED"); launched && std::string(launched) == "1")
+    throw ConfigError("Trainer::fit() starts its own workers: run this program directly, not under xlr8 launch "
+                      "(ScalingConfig.num_workers sets how many)");
+  check(scaling_);
+  detail::validate(run_.checkpoint_config);
+  if (run_.failure_config.max_failures < -1)
+    throw ConfigError(fmt::format("FailureConfig.max_failures {} must be -1 (without limit), 0 or more",
+                                  run_.failure_config.max_failures));
+  const std::string name = run_.name.empty() ? default_run_name() : run_.name;
+  std::string storage = run_.storage_path;
+  if (storage.empty()) {
+    const char* home = std::getenv("HOME");
+    storage = (fs::path(home ? home : ".") / "xlr8_results").string();
+  }
+  const fs::path run_dir = fs::absolute(fs::path(storage) / name);
+  fs::create_directories(run_dir);
+  if (auto snapshot = detail::RunSnapshot::load(run_dir); !snapshot.kept.empty())
+    log::info("xlr8 train: run {:?} exists: its workers resume from {}", name, snapshot.kept.back().dir_name);
+
+  LaunchRequest request;
+  if (!run_.launch_config_file.empty()) request.config_file = run_.launch_config_file;
+  request.num_processes = scaling_.num_workers;
+  request.cpu = !scaling_.use_gpu;
+  request.max_restarts = run_.failure_config.max_failures < 0 ? std::numeric_limits<int>::max()
+                                                              : run_.failure_config.max_failures;
+  if (scaling_.resources_per_worker.cpus > 0) request.num_cpu_threads_per_process = scaling_.resources_per_worker.cpus;
+  // Each fit() logs into its own folder: a driver that resumes a run keeps the logs of the one before.
+  int fits = 0;
+  while (fs::exists(run_dir / "logs" / fmt::format("fit_{}", fits))) ++fits;
+  request.log_dir = (run_dir / "logs" / fmt::format("fit_{}", fits)).string();
+  request.command = own_command();
+  LaunchOptions options = plan_launch(request);
+  options.extra_env[kWorkerVar] = "1";
+  options.extra_env[kRunDirVar] = run_dir.string();
+  options.extra_env[kNameVar] = name;
+  options.extra_env[kStorageVar] = fs::absolute(storage).string();
+  options.extra_env[kLoopConfigVar] = loop_config_.dump();
+  options.extra_env[kCheckpointConfigVar] = detail::to_json(run_.checkpoint_config).dump();
+
+  const LaunchOutcome outcome = launch_with_outcome(options);
+  const fs::path error_path = run_dir / detail::kFitErrorFile;
+  fs::remove(error_path);
+  Result result = Result::from_path(run_dir.string());
+  if (outcome.exit_code != 0) {
+    TrainingFailedError error{.failures = outcome.restarts + 1, .how = fmt::format("exit code {}", outcome.exit_code)};
+    if (outcome.failure) {
+      const auto& f = *outcome.failure;
+      error.rank = f.rank;
+      error.how = f.how;
+      error.error_message = f.error_message.empty() ? f.headline : f.error_message;
+      if (!f.error_message.empty()) error.error_file = f.error_file;
+      error.stderr_tail = f.stderr_tail;
+    } else {
+      error.how = fmt::format("stopped by a signal (exit code {})", outcome.exit_code);
+    }
+    std::ofstream(error_path) << to_json(error).dump(2) << "\n";
+    result.error = error;
+  }
+  return result;
+}
+
+}  // namespace xlr8::train
