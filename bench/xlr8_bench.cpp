@@ -16,6 +16,7 @@
 #include <set>
 
 #include "compat/torch_compat.hpp"
+#include "core/flight_recorder.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/fused_adam.hpp"
 
@@ -287,6 +288,19 @@ int collectives(double max_mb) {
   return 0;
 }
 
+// What the flight recorder adds to one collective: an entry recorded and marked completed, as the
+// communicator does, timed over many (no process group needed). XLR8_TRACE_BUFFER_SIZE=0 gives the floor.
+int flight_recorder_cost(int64_t operations) {
+  auto& recorder = xlr8::detail::FlightRecorder::instance();
+  const std::string description = "all_reduce(float32[1048576], SUM) on group 'world' (rank 0 of 2)";
+  const auto began = std::chrono::steady_clock::now();
+  for (int64_t i = 0; i < operations; ++i) recorder.completed(recorder.enqueued("world", static_cast<uint64_t>(i + 1), description), true);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+  fmt::print("{}\n", nlohmann::json{{"flight_recorder_ns_per_collective", seconds * 1e9 / static_cast<double>(operations)},
+                                     {"capacity", recorder.capacity()}}.dump());
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -308,8 +322,11 @@ int main(int argc, char** argv) {
                "Diagnostic: no gradient all-reduce, only a barrier per step (what running in lockstep costs)");
   app.add_flag("--collectives", coll, "Collective bandwidth instead of training");
   app.add_option("--max_mb", max_mb, "Largest collective size in MB");
+  int64_t recorder_ops = 0;
+  app.add_option("--flight_recorder_ops", recorder_ops, "Time this many flight-recorder entries instead of training");
   CLI11_PARSE(app, argc, argv);
   try {
+    if (recorder_ops > 0) return flight_recorder_cost(recorder_ops);
     if (coll) return collectives(max_mb);
     return s.impl == "handwritten" ? handwritten(s) : with_xlr8(s);
   } catch (const std::exception& e) {
