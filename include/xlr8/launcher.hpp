@@ -82,7 +82,8 @@ struct WorkerFailure {
 struct LaunchOutcome {
   int exit_code = 0;  // what launch() returns
   int restarts = 0;   // group restarts done
-  std::optional<WorkerFailure> failure;  // the last attempt's first failure (none with mpirun)
+  std::optional<WorkerFailure> failure;  // the last attempt's first failure (none with mpirun, or after a stall)
+  std::string stalled;  // set when the launcher stopped a job that made no progress (XLR8_HEARTBEAT_TIMEOUT)
 };
 
 // launch(), also saying which worker failed and why. Each worker gets TORCHELASTIC_ERROR_FILE

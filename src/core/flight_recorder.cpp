@@ -4,10 +4,12 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -27,7 +29,8 @@ size_t capacity_from_env() {
   if (!text || !*text) return 64;
   char* end = nullptr;
   const long n = std::strtol(text, &end, 10);
-  return (end && *end == '\0' && n >= 0) ? static_cast<size_t>(n) : 64;
+  // Bounded: the buffer is allocated whole when the process state starts.
+  return (end && *end == '\0' && n >= 0) ? static_cast<size_t>(std::min(n, 1L << 20)) : 64;
 }
 
 // "all_reduce(float32[4], SUM) on group 'world' (rank 1 of 2)" -> "all_reduce(float32[4], SUM)": the part
@@ -39,15 +42,18 @@ std::string operation_of(const std::string& description) {
 
 int trigger_pipe[2] = {-1, -1};
 void on_sigusr1(int) {
+  const int saved_errno = errno;
   const char byte = 1;
-  [[maybe_unused]] auto ignored = ::write(trigger_pipe[1], &byte, 1);  // async-signal-safe; the thread dumps
+  [[maybe_unused]] auto ignored = ::write(trigger_pipe[1], &byte, 1);  // async-signal-safe, non-blocking
+  errno = saved_errno;
 }
 
 }  // namespace
 
 FlightRecorder& FlightRecorder::instance() {
-  static FlightRecorder recorder;
-  return recorder;
+  // Never destroyed: the dump thread and a late SIGUSR1 may use it while the process exits.
+  static FlightRecorder* recorder = new FlightRecorder();
+  return *recorder;
 }
 
 FlightRecorder::FlightRecorder() : capacity_(capacity_from_env()) { ring_.reserve(capacity_); }
@@ -65,11 +71,32 @@ uint64_t FlightRecorder::enqueued(const std::string& group, uint64_t sequence, c
 
 void FlightRecorder::completed(uint64_t id, bool ok) {
   if (id == 0) return;
-  std::lock_guard<std::mutex> lock(mutex_);
-  auto& e = ring_[(id - 1) % capacity_];
-  if (e.id != id || e.state != "enqueued") return;  // overwritten since, or already finished
-  e.state = ok ? "completed" : "failed";
-  e.finished_at = now_s();
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto& e = ring_[(id - 1) % capacity_];
+    if (e.id != id || e.state != "enqueued") return;  // overwritten since, or already finished
+    e.state = ok ? "completed" : "failed";
+    e.finished_at = now_s();
+  }
+  if (ok) beat();
+}
+
+std::string FlightRecorder::heartbeat_file(const std::string& trace_dir, int pid) {
+  return (std::filesystem::path(trace_dir) / fmt::format(".heartbeat.{}", pid)).string();
+}
+
+void FlightRecorder::beat() {
+  const double now = now_s();
+  if (now - last_beat_.load(std::memory_order_relaxed) < 1.0) return;
+  last_beat_.store(now, std::memory_order_relaxed);
+  const char* dir = std::getenv("XLR8_TRACE_DIR");
+  if (!dir || !*dir) return;
+  // The file's modification time is the beat: created once, then its times set to now.
+  const auto path = heartbeat_file(dir, ::getpid());
+  if (::utimensat(AT_FDCWD, path.c_str(), nullptr, 0) != 0) {
+    const int fd = ::open(path.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0644);
+    if (fd >= 0) ::close(fd);
+  }
 }
 
 nlohmann::json FlightRecorder::to_json() const {
@@ -92,6 +119,8 @@ nlohmann::json FlightRecorder::to_json() const {
 void FlightRecorder::dump(const std::string& reason) const {
   const char* dir = std::getenv("XLR8_TRACE_DIR");
   if (!dir || !*dir || capacity_ == 0) return;
+  static std::mutex one_at_a_time;  // a timeout's dump and SIGUSR1's would share the partial file
+  std::lock_guard<std::mutex> lock(one_at_a_time);
   try {
     const char* rank_text = std::getenv("RANK");
     const int rank = rank_text ? std::atoi(rank_text) : 0;
@@ -111,11 +140,20 @@ void FlightRecorder::install_signal_trigger() {
   static std::atomic<bool> installed{false};
   const char* dir = std::getenv("XLR8_TRACE_DIR");
   if (!dir || !*dir || capacity_ == 0 || installed.exchange(true)) return;
+  // A program that handles SIGUSR1 itself (Slurm's --signal=USR1 before preemption, say) keeps it: no trigger,
+  // and no .armed file, so the launcher never sends it.
+  struct sigaction current {};
+  if (sigaction(SIGUSR1, nullptr, &current) != 0 || current.sa_handler != SIG_DFL) return;
   if (::pipe2(trigger_pipe, O_CLOEXEC) != 0) return;
-  std::thread([this] {
-    char byte = 0;
-    while (::read(trigger_pipe[0], &byte, 1) == 1) dump("SIGUSR1 from the launcher");
-  }).detach();
+  ::fcntl(trigger_pipe[1], F_SETFL, O_NONBLOCK);  // the handler never blocks; a full pipe already asks for a dump
+  try {
+    std::thread([this] {
+      char byte = 0;
+      while (::read(trigger_pipe[0], &byte, 1) == 1) dump("SIGUSR1 from the launcher");
+    }).detach();
+  } catch (const std::exception&) {  // no thread, no trigger: the recorder still dumps on timeouts
+    return;
+  }
   struct sigaction action {};
   action.sa_handler = on_sigusr1;
   sigemptyset(&action.sa_mask);

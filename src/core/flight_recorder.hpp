@@ -4,7 +4,10 @@
 // operation with dtype and shape, state and times — in a ring buffer. It is written to
 // $XLR8_TRACE_DIR/rank<R>.json (the launcher sets the variable) when a collective times out, and when the
 // process receives SIGUSR1 (the launcher sends it to the ranks still running when one fails), so the
-// launcher can say who was where (trace_diagnosis.hpp).
+// launcher can say who was where (trace_diagnosis.hpp). It is also the heartbeat the launcher watches under
+// XLR8_HEARTBEAT_TIMEOUT: $XLR8_TRACE_DIR/.heartbeat.<pid>, touched at most once a second when a collective
+// completes (from the first one on, so a long start-up is not a stall).
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -27,6 +30,7 @@ class FlightRecorder {
   // launcher so. Only when XLR8_TRACE_DIR is set.
   void install_signal_trigger();
   size_t capacity() const { return capacity_; }
+  static std::string heartbeat_file(const std::string& trace_dir, int pid);
 
  private:
   FlightRecorder();
@@ -40,6 +44,8 @@ class FlightRecorder {
   mutable std::mutex mutex_;
   std::vector<Entry> ring_;
   uint64_t next_id_ = 1;
+  std::atomic<double> last_beat_{0};
+  void beat();
 };
 
 }  // namespace xlr8::detail

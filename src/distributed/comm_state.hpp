@@ -25,6 +25,9 @@ struct CommState {
   int rank = 0;
   int size = 1;
   std::string name = "world";
+  // Unique among the job's groups, for the flight recorder: disjoint mesh groups share a name ("world/tp" is
+  // ranks {0,1} on some ranks and {2,3} on others); this adds the members, and the generation when re-made.
+  std::string identity = "world";
   std::string master_addr = "127.0.0.1";
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   // The backend for `t`, and whether it is NCCL (which reduces every dtype, AVG included).

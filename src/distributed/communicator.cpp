@@ -69,7 +69,7 @@ std::string what(const CommState& s, const std::string& op, const at::Tensor& t,
 // point-to-point operations are recorded unnumbered (0): ranks issue different ones by design.
 uint64_t record_in_flight_recorder(CommState& s, const std::string& description) {
   const bool point_to_point = description.rfind("send(", 0) == 0 || description.rfind("recv(", 0) == 0;
-  return detail::FlightRecorder::instance().enqueued(s.name, point_to_point ? 0 : ++s.collective_sequence, description);
+  return detail::FlightRecorder::instance().enqueued(s.identity, point_to_point ? 0 : ++s.collective_sequence, description);
 }
 
 Work native(CommState& s, std::string description, compat::WorkPtr work, std::function<void()> finish = {}) {

@@ -82,8 +82,11 @@ Communicator Communicator::new_group(const std::vector<int>& ranks, const std::s
   std::string key = fmt::format("{}/{}", name, fmt::join(ranks, ","));
   int generation = state_->subgroups_made[key]++;
   auto store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("xlr8/group/{}/{}", key, generation), s.store);
-  return detail::make_communicator(store, my_index, static_cast<int>(ranks.size()), s.name + "/" + name, s.master_addr,
-                                   s.timeout, s.nccl != nullptr, s.shared_memory_wanted);
+  auto group = detail::make_communicator(store, my_index, static_cast<int>(ranks.size()), s.name + "/" + name,
+                                         s.master_addr, s.timeout, s.nccl != nullptr, s.shared_memory_wanted);
+  group.state_->identity = fmt::format("{}/{}[{}]{}", s.identity, name, fmt::join(ranks, ","),
+                                       generation ? fmt::format("#{}", generation) : "");
+  return group;
 }
 
 Communicator detail::make_communicator(compat::StorePtr store, int rank, int size, const std::string& name,
@@ -94,6 +97,7 @@ Communicator detail::make_communicator(compat::StorePtr store, int rank, int siz
   s->rank = rank;
   s->size = size;
   s->name = name;
+  s->identity = name;
   s->master_addr = master_addr;
   s->timeout = timeout;
   auto desc = fmt::format("creating process group '{}' (rank {} of {})", name, rank, size);

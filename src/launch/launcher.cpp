@@ -24,6 +24,7 @@
 #include <thread>
 
 #include "core/error_file.hpp"
+#include "core/flight_recorder.hpp"
 #include "core/log.hpp"
 #include "launch/mpirun_launch.hpp"
 #include "launch/trace_diagnosis.hpp"
@@ -123,15 +124,30 @@ int exit_code_of(int status) { return WIFSIGNALED(status) ? 128 + WTERMSIG(statu
 class Supervisor {
  public:
   Supervisor(const LaunchOptions& o, std::string program) : o_(o), program_(std::move(program)) {
+    if (const char* text = std::getenv("XLR8_HEARTBEAT_TIMEOUT"); text && *text) {
+      char* end = nullptr;
+      const double seconds = std::strtod(text, &end);
+      if (!end || *end != '\0' || !(seconds > 0))
+        throw ConfigError(fmt::format("XLR8_HEARTBEAT_TIMEOUT={:?} must be a positive number of seconds (how long the "
+                                      "job may go without any rank completing a collective)",
+                                      text));
+      heartbeat_timeout_s_ = seconds;
+    }
+    if (o_.log_dir.empty()) {  // error files and traces still need a place (before any signal is blocked)
+      std::error_code no_tmp;
+      const fs::path tmp = fs::temp_directory_path(no_tmp);
+      std::random_device random;
+      scratch_dir_ = (no_tmp ? fs::path("/tmp") : tmp) / fmt::format("xlr8-launch-{}-{:08x}", ::getpid(), random());
+    }
     sigset_t mask;
     sigemptyset(&mask);
     for (int s : {SIGCHLD, SIGINT, SIGTERM, SIGHUP, SIGQUIT}) sigaddset(&mask, s);
     sigprocmask(SIG_BLOCK, &mask, &saved_mask_);
     signal_fd_ = signalfd(-1, &mask, SFD_CLOEXEC | SFD_NONBLOCK);
-    if (signal_fd_ < 0) throw Error(fmt::format("signalfd failed: {}", std::strerror(errno)));
-    if (o_.log_dir.empty()) {  // error files and traces still need a place
-      std::random_device random;
-      scratch_dir_ = fs::temp_directory_path() / fmt::format("xlr8-launch-{}-{:08x}", ::getpid(), random());
+    if (signal_fd_ < 0) {
+      const int why = errno;
+      sigprocmask(SIG_SETMASK, &saved_mask_, nullptr);  // no destructor will run to restore it
+      throw Error(fmt::format("signalfd failed: {}", std::strerror(why)));
     }
   }
   ~Supervisor() {
@@ -153,14 +169,17 @@ class Supervisor {
     kill_deadline_.reset();
     term_deadline_.reset();
     trace_deadline_.reset();
+    stalled_.clear();
     attempt_ = attempt;
-    fs::remove_all(trace_dir(attempt));  // an earlier launch into the same log_dir left its own
+    std::error_code ignored;
+    fs::remove_all(trace_dir(attempt), ignored);  // an earlier launch into the same log_dir left its own
     for (int i = 0; i < o_.nproc_per_node; ++i) start(workers_[i], i, attempt, port);
     supervise();
     if (interrupted_by_) {
       report_interrupted();
       return 128 + interrupted_by_;
     }
+    if (!stalled_.empty()) return 124;  // as timeout(1) reports a command it had to stop
     if (first_failure_ >= 0) return exit_code_of(workers_[first_failure_].status);
     return 0;
   }
@@ -177,14 +196,19 @@ class Supervisor {
   // The first failure, each failed rank's error line (what its exception said, not the backtrace's last
   // frames), then the first failure's last stderr lines without backtraces, which stay in the log.
   void report_failure() const {
+    if (!stalled_.empty()) {
+      fmt::print(stderr, "xlr8 launch: {}\n", stalled_);
+      print_diagnosis();
+      return;
+    }
     if (first_failure_ < 0) return;
     const auto& w = workers_[first_failure_];
     auto& err = stderr;
     fmt::print(err, "xlr8 launch: rank {} (local rank {}, pid {}) failed first: {}\n", w.rank, w.local_rank, w.pid,
                describe_status(w.status));
     if (auto recorded = detail::read_error_file(w.error_file))
-      fmt::print(err, "xlr8 launch: rank {}'s error: {}\nxlr8 launch: (recorded in its error file {})\n", w.rank,
-                 recorded->message, w.error_file);
+      fmt::print(err, "xlr8 launch: rank {}'s error: {}\nxlr8 launch: (recorded in its error file{})\n", w.rank,
+                 recorded->message, o_.log_dir.empty() ? "; pass --log_dir to keep it" : " " + w.error_file);
     else if (!w.notes.headline().empty())
       fmt::print(err, "xlr8 launch: rank {}'s error: {}\n", w.rank, w.notes.headline());
     for (const auto& other : workers_)
@@ -201,15 +225,25 @@ class Supervisor {
     }
     int others = static_cast<int>(workers_.size()) - 1;
     if (others > 0) fmt::print(err, "xlr8 launch: stopped the other {} local worker(s)\n", others);
-    // Only this machine's ranks leave their trace here: name the missing ones only when that is all of them.
-    const auto diagnosis =
-        detail::diagnose_traces(trace_dir(attempt_).string(), o_.num_machines == 1 ? o_.world_size() : 0);
-    if (!diagnosis.empty()) fmt::print(err, "xlr8 launch: {}\n", diagnosis);
-    std::fflush(err);
+    print_diagnosis();
   }
-  bool failed() const { return first_failure_ >= 0; }
+  // A hang's picture: after a collective timed out, or a stall. A rank that failed on its own (an exception, a
+  // signal) is the cause already named; where the others happened to be then would only blame them.
+  void print_diagnosis() const {
+    if (stalled_.empty() && !detail::traces_show_a_timeout(trace_dir(attempt_).string())) return;
+    // Only this machine's ranks leave their trace here: name the missing ones only when that is all of them.
+    const std::string dir = trace_dir(attempt_).string();
+    auto diagnosis = detail::diagnose_traces(dir, o_.num_machines == 1 ? o_.world_size() : 0);
+    if (o_.log_dir.empty())  // the scratch folder goes with the launch: do not name it
+      if (auto at = diagnosis.find(dir); at != std::string::npos) diagnosis.replace(at, dir.size(), "pass --log_dir to keep them");
+    if (!diagnosis.empty()) fmt::print(stderr, "xlr8 launch: {}\n", diagnosis);
+    std::fflush(stderr);
+  }
+  bool failed() const { return (first_failure_ >= 0 || !stalled_.empty()) && !interrupted_by_; }
+  const std::string& stalled() const { return stalled_; }
 
-  WorkerFailure first_failure() const {
+  std::optional<WorkerFailure> first_failure() const {
+    if (first_failure_ < 0) return std::nullopt;  // a stall: no worker failed, the launcher stopped them all
     const auto& w = workers_.at(static_cast<size_t>(first_failure_));
     WorkerFailure f{.rank = w.rank,
                     .local_rank = w.local_rank,
@@ -244,10 +278,16 @@ class Supervisor {
     env["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(o_.max_restarts);
     env["TORCHELASTIC_RUN_ID"] = o_.run_id;
     env["XLR8_LAUNCHED"] = "1";
-    w.error_file = (error_file_dir(attempt, local_rank) / "error.json").string();
-    fs::remove(w.error_file);  // a file left by an earlier launch into the same log_dir is not this worker's
-    env["TORCHELASTIC_ERROR_FILE"] = w.error_file;
-    env["XLR8_TRACE_DIR"] = trace_dir(attempt).string();
+    // Best effort: a folder that cannot be made costs the report its error file and traces, not the launch.
+    std::error_code unusable;
+    const fs::path error_dir = attempt_dir(attempt) / std::to_string(local_rank);
+    fs::create_directories(error_dir, unusable);
+    w.error_file = unusable ? "" : (error_dir / "error.json").string();
+    if (!w.error_file.empty()) {
+      fs::remove(w.error_file, unusable);  // a file left by an earlier launch into the same log_dir is not this worker's
+      env["TORCHELASTIC_ERROR_FILE"] = w.error_file;
+      env["XLR8_TRACE_DIR"] = trace_dir(attempt).string();
+    }
     env["XLR8_SHM_JOB"] = std::to_string(::getpid());  // names the workers' shared memory, for clean-up below
     // Workers write into pipes; a progress bar still belongs on the launcher's terminal (rank prefix aside).
     if (winsize size{}; !env.count("XLR8_TERMINAL_COLUMNS") && isatty(2)) {
@@ -317,16 +357,33 @@ class Supervisor {
   fs::path attempt_dir(int attempt) const {
     return (o_.log_dir.empty() ? scratch_dir_ : fs::path(o_.log_dir)) / fmt::format("attempt_{}", attempt);
   }
-  fs::path error_file_dir(int attempt, int local_rank) {
-    fs::path dir = attempt_dir(attempt) / std::to_string(local_rank);
-    fs::create_directories(dir);
-    return dir;
-  }
   // The workers' flight-recorder dumps (core/flight_recorder.hpp).
   fs::path trace_dir(int attempt) const { return attempt_dir(attempt) / "trace"; }
 
   std::string rank_tag(int rank) const {
     return o_.prefix_output && o_.world_size() > 1 ? fmt::format("[rank{}]: ", rank) : "";
+  }
+
+  // XLR8_HEARTBEAT_TIMEOUT: when no rank has completed a collective for that long (each beats at most once a
+  // second, from its first collective on), the job is stalled: every rank is asked for its trace, then stopped.
+  void check_heartbeats() {
+    if (!heartbeat_timeout_s_ || first_failure_ >= 0 || interrupted_by_ || !stalled_.empty()) return;
+    if (Clock::now() < next_heartbeat_check_) return;
+    next_heartbeat_check_ = Clock::now() + std::chrono::milliseconds(500);
+    double newest = 0;
+    for (const auto& w : workers_) {
+      struct stat st {};
+      if (w.running && ::stat(detail::FlightRecorder::heartbeat_file(trace_dir(attempt_).string(), w.pid).c_str(), &st) == 0)
+        newest = std::max(newest, static_cast<double>(st.st_mtim.tv_sec) + st.st_mtim.tv_nsec * 1e-9);
+    }
+    if (newest == 0) return;  // no collective completed yet: nothing to measure progress by
+    const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    if (now - newest <= *heartbeat_timeout_s_) return;
+    stalled_ = fmt::format("no rank completed a collective for {:.0f} s (XLR8_HEARTBEAT_TIMEOUT={}): the job is "
+                           "stalled; stopping it",
+                           now - newest, *heartbeat_timeout_s_);
+    log::warning("xlr8 launch: {}", stalled_);
+    request_traces();
   }
 
   // A worker failed: the ones still running that record collectives (they said so with an .armed file)
@@ -378,7 +435,7 @@ class Supervisor {
         w.running = false;
         w.status = status;
         bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
-        if (!ok && first_failure_ < 0 && !interrupted_by_) {
+        if (!ok && first_failure_ < 0 && !interrupted_by_ && stalled_.empty()) {
           first_failure_ = static_cast<int>(i);
           request_traces();
         }
@@ -415,7 +472,7 @@ class Supervisor {
         while (read(signal_fd_, &info, sizeof(info)) == sizeof(info)) {
           int sig = static_cast<int>(info.ssi_signo);
           if (sig == SIGCHLD) continue;  // reaped below
-          if (!interrupted_by_ && first_failure_ < 0) {
+          if (!interrupted_by_) {  // also after a failure: the user's Ctrl-C means no restart
             interrupted_by_ = sig;
             log::warning("xlr8 launch: received {}, stopping {} worker(s)", signal_name(sig), workers_.size());
           }
@@ -425,6 +482,7 @@ class Supervisor {
       for (size_t i = 1; i < fds.size(); ++i)
         if (fds[i].revents & (POLLIN | POLLHUP | POLLERR)) streams[i - 1]->pump();
       reap();
+      check_heartbeats();
       if (trace_deadline_ && (Clock::now() > *trace_deadline_ || traces_written())) {
         trace_deadline_.reset();
         begin_stop(SIGTERM);
@@ -447,6 +505,9 @@ class Supervisor {
   int interrupted_by_ = 0;
   fs::path scratch_dir_;  // error files and traces when there is no log_dir
   int attempt_ = 0;
+  std::optional<double> heartbeat_timeout_s_;  // XLR8_HEARTBEAT_TIMEOUT
+  Clock::time_point next_heartbeat_check_{};
+  std::string stalled_;  // why the launcher stopped a job that made no progress
   std::optional<Clock::time_point> trace_deadline_;  // stop the workers then, or once their traces are written
   std::optional<Clock::time_point> kill_deadline_, term_deadline_;
 };
@@ -473,7 +534,8 @@ LaunchOutcome launch_with_outcome(const LaunchOptions& o) {
     detail::remove_job_segments(std::to_string(::getpid()));
     if (code == 0 || !supervisor.failed()) return {.exit_code = code, .restarts = attempt};
     supervisor.report_failure();
-    if (attempt >= o.max_restarts) return {.exit_code = code, .restarts = attempt, .failure = supervisor.first_failure()};
+    if (attempt >= o.max_restarts)
+      return {.exit_code = code, .restarts = attempt, .failure = supervisor.first_failure(), .stalled = supervisor.stalled()};
     log::warning("xlr8 launch: restarting all {} local worker(s) (restart {} of {})", o.nproc_per_node, attempt + 1,
                  o.max_restarts == std::numeric_limits<int>::max() ? "no limit" : std::to_string(o.max_restarts));
     if (choose_port) port = pick_free_port();

@@ -41,6 +41,20 @@ std::string ranks_text(const std::vector<int>& ranks) {
 
 }  // namespace
 
+bool traces_show_a_timeout(const std::string& dir) {
+  std::error_code error;
+  for (const auto& file : fs::directory_iterator(dir, error)) {
+    const std::string filename = file.path().filename().string();
+    if (filename.rfind("rank", 0) != 0 || file.path().extension() != ".json") continue;
+    try {
+      std::ifstream in(file.path());
+      if (nlohmann::json::parse(in).value("reason", "").rfind("timed out", 0) == 0) return true;
+    } catch (const std::exception&) {
+    }
+  }
+  return false;
+}
+
 std::string diagnose_traces(const std::string& dir, int world_size) {
   std::map<int, RankTrace> traces;
   std::error_code error;

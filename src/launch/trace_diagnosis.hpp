@@ -9,5 +9,8 @@ namespace xlr8::detail {
 
 // Empty when `dir` holds no dump. `world_size` names the ranks that should have left one (0: those seen).
 std::string diagnose_traces(const std::string& dir, int world_size);
+// Whether some rank's dump was written because one of its collectives timed out (a hang, as opposed to a rank
+// that failed on its own while the others were wherever they were).
+bool traces_show_a_timeout(const std::string& dir);
 
 }  // namespace xlr8::detail

@@ -5,6 +5,8 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
+#include <optional>
 #include <fstream>
 
 #include "xlr8/error.hpp"
@@ -78,17 +80,27 @@ void RunSnapshot::save(const fs::path& run_dir) const {
 }
 
 namespace {
-double score_of(const RegisteredCheckpoint& c, const std::string& attribute) {
+// The added checkpoint must report the score attribute (a number: NaN from a diverged run counts, as the
+// worst); a ConfigError names the metrics there are.
+void require_score(const RegisteredCheckpoint& c, const std::string& attribute) {
   auto found = c.metrics.find(attribute);
-  if (found == c.metrics.end() || !found->is_number()) {
-    std::vector<std::string> names;
-    if (c.metrics.is_object())
-      for (auto it = c.metrics.begin(); it != c.metrics.end(); ++it) names.push_back(it.key());
-    throw ConfigError(fmt::format("CheckpointConfig.checkpoint_score_attribute {:?} is not a number in the metrics "
-                                  "reported with {} (they have: {}); report it with every checkpoint",
-                                  attribute, c.dir_name, names.empty() ? "nothing" : fmt::format("{}", fmt::join(names, ", "))));
-  }
-  return found->get<double>();
+  if (found != c.metrics.end() && found->is_number()) return;
+  std::vector<std::string> names;
+  if (c.metrics.is_object())
+    for (auto it = c.metrics.begin(); it != c.metrics.end(); ++it) names.push_back(it.key());
+  throw ConfigError(fmt::format("CheckpointConfig.checkpoint_score_attribute {:?} is not a number in the metrics "
+                                "reported with {} (they have: {}); report it with every checkpoint",
+                                attribute, c.dir_name, names.empty() ? "nothing" : fmt::format("{}", fmt::join(names, ", "))));
+}
+
+// A score to rank by, larger is better; none (missing, null: NaN once written as JSON, or a checkpoint of a run
+// that scored by another attribute) ranks below every number, so the order stays total.
+std::optional<double> rank_score(const RegisteredCheckpoint& c, const std::string& attribute, bool larger_is_better) {
+  auto found = c.metrics.find(attribute);
+  if (found == c.metrics.end() || !found->is_number()) return std::nullopt;
+  const double value = found->get<double>();
+  if (!std::isfinite(value)) return std::nullopt;
+  return larger_is_better ? value : -value;
 }
 }  // namespace
 
@@ -98,14 +110,13 @@ std::vector<RegisteredCheckpoint> RunSnapshot::best_first() const {
   if (attribute.empty()) return order;
   const bool larger_is_better = config.checkpoint_score_order == "max";
   std::stable_sort(order.begin(), order.end(), [&](const auto& a, const auto& b) {
-    const double sa = score_of(a, attribute), sb = score_of(b, attribute);
-    return larger_is_better ? sa > sb : sa < sb;
+    return rank_score(a, attribute, larger_is_better) > rank_score(b, attribute, larger_is_better);  // nullopt lowest
   });
   return order;
 }
 
 std::vector<RegisteredCheckpoint> RunSnapshot::add(RegisteredCheckpoint added) {
-  if (!config.checkpoint_score_attribute.empty()) score_of(added, config.checkpoint_score_attribute);  // names it now
+  if (!config.checkpoint_score_attribute.empty()) require_score(added, config.checkpoint_score_attribute);
   kept.push_back(std::move(added));
   next_index = std::max(next_index, kept.back().index + 1);
   std::vector<RegisteredCheckpoint> dropped;

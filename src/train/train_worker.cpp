@@ -92,16 +92,29 @@ void report(const nlohmann::json& metrics, const std::string& checkpoint_dir) {
   const bool with_checkpoint =
       std::any_of(offers.begin(), offers.end(), [](const Offer& o) { return !o.files.empty() || !o.dir.empty(); });
 
-  // Rank 0 names the new checkpoint; each copying rank fills the staging folder; rank 0 registers it.
-  auto snapshot = rank == 0 ? detail::RunSnapshot::load(dir) : detail::RunSnapshot{};
-  std::string staging_name;
+  // Rank 0 names the new checkpoint (an empty staging folder: a report killed mid-copy may have left files in
+  // one of that name); each copying rank fills it; rank 0 registers it. Whatever fails on rank 0 reaches every
+  // rank through the broadcasts, so no rank throws while the others wait.
+  detail::RunSnapshot snapshot;
+  std::string staging_name, rank0_problem;
+  if (rank == 0) {
+    try {
+      snapshot = detail::RunSnapshot::load(dir);
+      if (with_checkpoint) {
+        staging_name = ".staging_" + detail::checkpoint_dir_name(snapshot.next_index);
+        fs::remove_all(dir / staging_name);
+        fs::create_directories(dir / staging_name);
+      }
+    } catch (const std::exception& e) {
+      rank0_problem = e.what();
+    }
+  }
+  if (const auto said = world.broadcast_object(rank0_problem, 0); !said.empty()) throw Error(said);
   if (with_checkpoint) {
-    staging_name = world.broadcast_object(
-        rank == 0 ? ".staging_" + detail::checkpoint_dir_name(snapshot.next_index) : std::string(), 0);
+    staging_name = world.broadcast_object(staging_name, 0);
     std::string copy_error;
     if (copies) {
       try {
-        fs::create_directories(dir / staging_name);
         fs::copy(mine, dir / staging_name, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
       } catch (const std::exception& e) {
         copy_error = fmt::format("rank {} could not copy {} into {}: {}", rank, mine, (dir / staging_name).string(), e.what());
@@ -128,7 +141,8 @@ void report(const nlohmann::json& metrics, const std::string& checkpoint_dir) {
       // After the snapshot no longer names them: a crash in between leaves a folder, never a dangling entry.
       for (const auto& old : dropped) fs::remove_all(dir / old.dir_name);
     } catch (const std::exception& e) {
-      if (!staging_name.empty()) fs::remove_all(dir / staging_name);
+      std::error_code ignored;  // the cleanup must not throw past the broadcast the others wait in
+      if (!staging_name.empty()) fs::remove_all(dir / staging_name, ignored);
       outcome = e.what();
     }
   }

@@ -1,9 +1,13 @@
 // Trainer::fit: the driver starts this executable again as its worker group through the launcher (same
 // supervision, restarts and failure report as `xlr8 launch`), and the same fit() in a worker runs the loop.
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/file.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <cstdlib>
 #include <ctime>
 #include <fstream>
@@ -28,7 +32,7 @@ constexpr const char* kWorkerVar = "XLR8_TRAIN_WORKER";
 constexpr const char* kRunDirVar = "XLR8_TRAIN_RUN_DIR";
 constexpr const char* kNameVar = "XLR8_TRAIN_NAME";
 constexpr const char* kStorageVar = "XLR8_TRAIN_STORAGE_PATH";
-constexpr const char* kLoopConfigVar = "XLR8_TRAIN_LOOP_CONFIG";
+constexpr const char* kLoopConfigVar = "XLR8_TRAIN_LOOP_CONFIG_FILE";  // a file: a variable is limited to 128 KiB
 constexpr const char* kCheckpointConfigVar = "XLR8_TRAIN_CHECKPOINT_CONFIG";
 
 bool in_worker() {
@@ -58,9 +62,33 @@ std::vector<std::string> own_command() {
     start = end + 1;
   }
   if (args.empty()) throw Error("Trainer: cannot read this program's command line from /proc/self/cmdline");
-  args[0] = fs::read_symlink("/proc/self/exe").string();
+  // The running image itself, even when its file is rebuilt or removed during the run (a restarted group
+  // must run the same program). The launcher forks before exec, so the worker's /proc/self/exe is this one.
+  args[0] = "/proc/self/exe";
   return args;
 }
+
+// One driver per run: a second fit() on the same (storage_path, name) while one runs would interleave two
+// worker groups' reports. Held until fit() returns (the kernel drops it if the driver dies).
+class RunLock {
+ public:
+  explicit RunLock(const fs::path& run_dir) {
+    fd_ = ::open((run_dir / ".driver.lock").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0644);
+    if (fd_ < 0) throw Error(fmt::format("Trainer: cannot open {}: {}", (run_dir / ".driver.lock").string(), std::strerror(errno)));
+    if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+      ::close(fd_);
+      throw ConfigError(fmt::format("Trainer: run {} is being driven by another fit() now (it holds {}); wait for it, "
+                                    "or give this one another RunConfig.name",
+                                    run_dir.string(), (run_dir / ".driver.lock").string()));
+    }
+  }
+  ~RunLock() { ::close(fd_); }
+  RunLock(const RunLock&) = delete;
+  RunLock& operator=(const RunLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
 
 nlohmann::json to_json(const TrainingFailedError& e) {
   return {{"failures", e.failures}, {"rank", e.rank}, {"how", e.how}, {"error_message", e.error_message},
@@ -86,7 +114,10 @@ void check(const ScalingConfig& s) {
     throw ConfigError(fmt::format("ScalingConfig.resources_per_worker.gpus {} must be 0 or 1: each worker drives one "
                                   "GPU (its local rank's)",
                                   s.resources_per_worker.gpus));
-  if ((s.use_gpu || s.resources_per_worker.gpus > 0) && compat::cuda_device_count() == 0)
+  if (s.resources_per_worker.gpus > 0 && !s.use_gpu)
+    throw ConfigError("ScalingConfig.resources_per_worker.gpus is 1 but use_gpu is false; set use_gpu = true to train "
+                      "on GPUs");
+  if (s.use_gpu && compat::cuda_device_count() == 0)
     throw ConfigError("ScalingConfig.use_gpu is set but this LibTorch sees no CUDA device; set use_gpu = false to "
                       "train on the CPU");
   if (s.use_gpu && compat::cuda_device_count() < s.num_workers)
@@ -134,9 +165,15 @@ Result Trainer::fit() {
   if (!in_worker()) return drive();
   // A worker: the driver's loop configuration (not this process's, which may differ: a time, a random name).
   xlr8::detail::install_error_file_handler();
-  const char* config_text = std::getenv(kLoopConfigVar);
+  const char* config_file = std::getenv(kLoopConfigVar);
   try {
-    loop_(config_text ? nlohmann::json::parse(config_text) : loop_config_);
+    nlohmann::json config = loop_config_;
+    if (config_file) {
+      std::ifstream in(config_file);
+      if (!in) throw Error(fmt::format("Trainer: the driver's loop configuration {} cannot be read", config_file));
+      config = nlohmann::json::parse(in);
+    }
+    loop_(config);
   } catch (const std::exception& e) {
     xlr8::detail::write_error_file(xlr8::detail::describe_exception(e));
     throw;
@@ -165,6 +202,12 @@ Result Trainer::drive() {
   }
   const fs::path run_dir = fs::absolute(fs::path(storage) / name);
   fs::create_directories(run_dir);
+  RunLock lock(run_dir);
+  const fs::path error_path = run_dir / detail::kFitErrorFile;
+  fs::remove(error_path);  // the error of an earlier fit() is not this one's
+  // Left by a report() that died mid-copy (it starts from an empty one anyway).
+  for (const auto& entry : fs::directory_iterator(run_dir))
+    if (entry.path().filename().string().rfind(".staging_", 0) == 0) fs::remove_all(entry.path());
   if (auto snapshot = detail::RunSnapshot::load(run_dir); !snapshot.kept.empty())
     log::info("xlr8 train: run {:?} exists: its workers resume from {}", name, snapshot.kept.back().dir_name);
 
@@ -185,12 +228,12 @@ Result Trainer::drive() {
   options.extra_env[kRunDirVar] = run_dir.string();
   options.extra_env[kNameVar] = name;
   options.extra_env[kStorageVar] = fs::absolute(storage).string();
-  options.extra_env[kLoopConfigVar] = loop_config_.dump();
+  const fs::path loop_config_file = run_dir / "loop_config.json";
+  std::ofstream(loop_config_file) << loop_config_.dump(2) << "\n";
+  options.extra_env[kLoopConfigVar] = loop_config_file.string();
   options.extra_env[kCheckpointConfigVar] = detail::to_json(run_.checkpoint_config).dump();
 
   const LaunchOutcome outcome = launch_with_outcome(options);
-  const fs::path error_path = run_dir / detail::kFitErrorFile;
-  fs::remove(error_path);
   Result result = Result::from_path(run_dir.string());
   if (outcome.exit_code != 0) {
     TrainingFailedError error{.failures = outcome.restarts + 1, .how = fmt::format("exit code {}", outcome.exit_code)};
@@ -201,6 +244,8 @@ Result Trainer::drive() {
       error.error_message = f.error_message.empty() ? f.headline : f.error_message;
       if (!f.error_message.empty()) error.error_file = f.error_file;
       error.stderr_tail = f.stderr_tail;
+    } else if (!outcome.stalled.empty()) {
+      error.how = outcome.stalled;
     } else {
       error.how = fmt::format("stopped by a signal (exit code {})", outcome.exit_code);
     }

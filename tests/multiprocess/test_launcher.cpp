@@ -263,13 +263,14 @@ TEST(Launcher, AnUncaughtExceptionReachesTheLauncherThroughTheWorkersErrorFile) 
   EXPECT_GT(std::stoll(record["message"]["extraInfo"]["timestamp"].get<std::string>()), 1700000000);
   EXPECT_FALSE(fs::exists(dir + "/attempt_0/0/error.json"));  // rank 0 was stopped, it did not fail
   fs::remove_all(dir);
-  // Without a log_dir the files live in a scratch folder of the launch, gone when it ends.
+  // Without a log_dir the files live in a scratch folder of the launch, gone when it ends: not named.
   auto scratch = run(launch({"--num_processes", "2"}, {"throw-uncaught", "0"}), 60);
-  const auto at = scratch.err.find("(recorded in its error file ");
-  ASSERT_NE(at, std::string::npos) << scratch.err;
-  const auto path = scratch.err.substr(at + 28, scratch.err.find(')', at) - at - 28);
-  EXPECT_NE(path.find("xlr8-launch-"), std::string::npos) << path;
-  EXPECT_FALSE(fs::exists(path)) << path;
+  EXPECT_NE(scratch.err.find("xlr8 launch: rank 0's error: xlr8::ConfigError: bad value 7 for key 'lr_warmup': give 0 "
+                             "or more\nxlr8 launch: (recorded in its error file; pass --log_dir to keep it)"),
+            std::string::npos)
+      << scratch.err;
+  // An ordinary failure is its own cause: no collective-trace paragraph blaming where the others were.
+  EXPECT_EQ(scratch.err.find("collective trace"), std::string::npos) << scratch.err;
 }
 
 TEST(Launcher, AHangIsDiagnosedFromEveryRanksFlightRecorder) {
@@ -301,6 +302,30 @@ TEST(Launcher, AHangIsDiagnosedFromEveryRanksFlightRecorder) {
     EXPECT_NE(offline.out.find(paragraph.substr(std::string("xlr8 launch: ").size())), std::string::npos) << offline.out;
     fs::remove_all(dir);
   }
+}
+
+TEST(Launcher, AJobWithNoProgressForTheHeartbeatTimeoutIsStoppedAndDiagnosed) {
+  // The collective timeout is 10 minutes: without the heartbeat nothing would end this hang for that long.
+  auto dir = temp_dir("heartbeat");
+  const auto began = std::chrono::steady_clock::now();
+  auto r = run(launch({"--num_processes", "2", "--log_dir", dir}, {"trace", "sleep"}), 90,
+               {{"XLR8_COLLECTIVE_TIMEOUT", "600"}, {"XLR8_HEARTBEAT_TIMEOUT", "3"}});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+  EXPECT_EQ(r.exit_code, 124) << r.err;
+  EXPECT_LT(seconds, 30);
+  EXPECT_NE(r.err.find("xlr8 launch: no rank completed a collective for "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("(XLR8_HEARTBEAT_TIMEOUT=3): the job is stalled; stopping it"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("rank 0 reached world #3 all_reduce(float32[4], SUM) (waiting for the others); rank 1 never "
+                       "arrived at world #3: its last world collective was world #2 all_reduce(float32[4], SUM) "
+                       "(completed), so it was outside any collective"),
+            std::string::npos)
+      << r.err;
+  fs::remove_all(dir);
+  // A bad value is refused before any worker starts.
+  auto bad = run(launch({"--num_processes", "2"}, {"trace", "sleep"}), 30, {{"XLR8_HEARTBEAT_TIMEOUT", "soon"}});
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("XLR8_HEARTBEAT_TIMEOUT=\"soon\" must be a positive number of seconds"), std::string::npos)
+      << bad.err;
 }
 
 TEST(Launcher, SigtermToTheLauncherStopsHangingWorkers) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <stdlib.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 
@@ -56,6 +57,24 @@ TEST(TrainStorage, RetentionKeepsTheBestByScoreAndAlwaysTheLatest) {
   EXPECT_EQ(keep_after(highest, {3, 1, 2, 5}), (std::vector<int>{3}));
   EXPECT_EQ(keep_after(highest, {4}), (std::vector<int>{3, 4}));
   EXPECT_EQ(highest.best_first().front().index, 3);
+}
+
+TEST(TrainStorage, ANanScoreRanksLastAndSurvivesTheSnapshotsRoundTrip) {
+  // A diverged run reports NaN; JSON keeps it as null. Neither may wedge later reports or the ordering.
+  const auto dir = fresh_dir("snapshot-nan");
+  RunSnapshot s;
+  s.config = {.num_to_keep = 1, .checkpoint_score_attribute = "loss", .checkpoint_score_order = "min"};
+  keep_after(s, {2, std::nan("")});
+  EXPECT_EQ(s.best_first().front().index, 0);  // NaN (the latest, so kept) ranks below 2
+  s.save(dir);
+  auto back = RunSnapshot::load(dir);
+  EXPECT_TRUE(back.kept.back().metrics["loss"].is_null());
+  std::vector<RegisteredCheckpoint> dropped;
+  EXPECT_NO_THROW(dropped = back.add({2, "checkpoint_000002", {{"loss", 3.0}}}));
+  ASSERT_EQ(dropped.size(), 1u);
+  EXPECT_EQ(dropped[0].index, 1);  // the NaN one goes once it is not the latest
+  EXPECT_EQ(back.best_first().front().index, 0);
+  fs::remove_all(dir);
 }
 
 TEST(TrainStorage, AScoreAttributeMissingFromTheMetricsIsNamedWithWhatThereIs) {
