@@ -81,6 +81,11 @@ void FlightRecorder::completed(uint64_t id, bool ok) {
   if (ok) beat();
 }
 
+void FlightRecorder::failed(uint64_t id, bool timed_out, const std::string& what) {
+  completed(id, false);
+  if (timed_out) dump("timed out in " + what);
+}
+
 std::string FlightRecorder::heartbeat_file(const std::string& trace_dir, int pid) {
   return (std::filesystem::path(trace_dir) / fmt::format(".heartbeat.{}", pid)).string();
 }

@@ -107,11 +107,10 @@ void Work::wait() {
   try {
     wait_for_work(s);
   } catch (const TimeoutError&) {
-    recorder.completed(s.trace_id, false);
-    recorder.dump("timed out in " + s.what);  // this rank's part of the picture the launcher puts together
+    recorder.failed(s.trace_id, true, s.what);
     throw;
   } catch (...) {
-    recorder.completed(s.trace_id, false);
+    recorder.failed(s.trace_id, false, s.what);
     throw;
   }
   recorder.completed(s.trace_id, true);

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/flight_recorder.hpp"
 #include "distributed/comm_state.hpp"
 #include "xlr8/error.hpp"
 
@@ -40,6 +41,25 @@ void release(const CommState& s, const std::string& base, const std::vector<std:
   });
 }
 
+// Object collectives go through the store, not a backend: the flight recorder numbers them with the group's
+// other collectives, by kind and root only (each rank's payload size differs).
+template <class Fn>
+auto record_object_collective(CommState& s, const std::string& op, const std::string& desc, Fn&& fn) {
+  auto& recorder = detail::FlightRecorder::instance();
+  const uint64_t id = recorder.enqueued(s.identity, ++s.collective_sequence, op);
+  try {
+    auto result = fn();
+    recorder.completed(id, true);
+    return result;
+  } catch (const TimeoutError&) {
+    recorder.failed(id, true, desc);
+    throw;
+  } catch (...) {
+    recorder.failed(id, false, desc);
+    throw;
+  }
+}
+
 }  // namespace
 
 std::string Communicator::broadcast_object(const std::string& payload, int root) {
@@ -47,25 +67,29 @@ std::string Communicator::broadcast_object(const std::string& payload, int root)
   auto desc = fmt::format("broadcast_object({} bytes, root {}) on group '{}' (rank {} of {})", payload.size(), root,
                           s.name, s.rank, s.size);
   require(root >= 0 && root < s.size, desc, fmt::format("root must be in [0, {})", s.size));
-  std::string base = fmt::format("xlr8/obj/{}", s.object_sequence++);
-  if (s.rank == root) store_set(s, base, payload, desc);
-  std::string value = s.rank == root ? payload : store_get(s, base, desc);
-  release(s, base, {base}, desc);
-  return value;
+  return record_object_collective(s, fmt::format("broadcast_object(root {})", root), desc, [&] {
+    std::string base = fmt::format("xlr8/obj/{}", s.object_sequence++);
+    if (s.rank == root) store_set(s, base, payload, desc);
+    std::string value = s.rank == root ? payload : store_get(s, base, desc);
+    release(s, base, {base}, desc);
+    return value;
+  });
 }
 
 std::vector<std::string> Communicator::all_gather_object(const std::string& payload) {
   auto& s = *state_;
   auto desc = fmt::format("all_gather_object({} bytes) on group '{}' (rank {} of {})", payload.size(), s.name, s.rank, s.size);
-  std::string base = fmt::format("xlr8/obj/{}", s.object_sequence++);
-  store_set(s, fmt::format("{}/{}", base, s.rank), payload, desc);
-  std::vector<std::string> values, keys;
-  for (int i = 0; i < s.size; ++i) {
-    keys.push_back(fmt::format("{}/{}", base, i));
-    values.push_back(i == s.rank ? payload : store_get(s, keys.back(), desc));
-  }
-  release(s, base, keys, desc);
-  return values;
+  return record_object_collective(s, "all_gather_object", desc, [&] {
+    std::string base = fmt::format("xlr8/obj/{}", s.object_sequence++);
+    store_set(s, fmt::format("{}/{}", base, s.rank), payload, desc);
+    std::vector<std::string> values, keys;
+    for (int i = 0; i < s.size; ++i) {
+      keys.push_back(fmt::format("{}/{}", base, i));
+      values.push_back(i == s.rank ? payload : store_get(s, keys.back(), desc));
+    }
+    release(s, base, keys, desc);
+    return values;
+  });
 }
 
 Communicator Communicator::new_group(const std::vector<int>& ranks, const std::string& name) const {

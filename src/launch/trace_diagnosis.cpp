@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -101,8 +102,11 @@ std::string diagnose_traces(const std::string& dir, int world_size) {
     bool diverged = false;
     for (const auto& [sequence, ops] : ops_at) {
       if (ops.size() < 2) continue;
+      std::vector<std::pair<std::vector<int>, std::string>> by_rank;  // told in rank order, lowest rank first
+      for (const auto& [op, ranks] : ops) by_rank.emplace_back(ranks, op);
+      std::sort(by_rank.begin(), by_rank.end());
       std::string parts;
-      for (const auto& [op, ranks] : ops) parts += fmt::format("{}{} issued {}", parts.empty() ? "" : "; ", ranks_text(ranks), op);
+      for (const auto& [ranks, op] : by_rank) parts += fmt::format("{}{} issued {}", parts.empty() ? "" : "; ", ranks_text(ranks), op);
       findings.push_back(fmt::format("the ranks issued different collectives at {} #{}: {}", group, sequence, parts));
       diverged = true;
       break;  // the first divergence explains what follows it

@@ -282,7 +282,9 @@ TEST(Launcher, AHangIsDiagnosedFromEveryRanksFlightRecorder) {
         "rank 1 never arrived at world #", "(completed), so it was outside any collective"}},
       {"different",
        {"the ranks issued different collectives at world #", "rank 0 issued all_reduce(float32[4], SUM); rank 1 issued broadcast(float32[4]"}},
-      {"skip", {"the ranks issued different collectives at world #", "rank 0 issued all_reduce(float32[4], SUM); rank 1 issued barrier"}}};
+      {"skip", {"the ranks issued different collectives at world #", "rank 0 issued all_reduce(float32[4], SUM); rank 1 issued barrier"}},
+      {"skip-object",
+       {"the ranks issued different collectives at world #", "rank 0 issued broadcast_object(root 1); rank 1 issued all_reduce(float32[4], SUM)"}}};
   for (const auto& [how, lines] : expected) {
     SCOPED_TRACE(how);
     auto dir = temp_dir("trace");

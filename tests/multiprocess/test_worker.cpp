@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
     std::this_thread::sleep_for(std::chrono::seconds(120));
     return 0;
   }
-  if (mode == "trace") {  // argv[2]: sleep | different | skip — what rank 1 does at the third all_reduce
+  if (mode == "trace") {  // argv[2]: sleep | different | skip | skip-object — what rank 1 does at the third collective
     const auto& state = xlr8::ProcessState::instance();
     auto& world = state.world();
     const std::string how = argv[2];
@@ -106,8 +106,14 @@ int main(int argc, char** argv) {
     }
     auto x = at::ones({4});
     if (state.rank() == 1 && how == "sleep") std::this_thread::sleep_for(std::chrono::seconds(120));
-    if (state.rank() == 1 && how == "different") world.broadcast(x, 0);
-    else if (state.rank() != 1 || how != "skip") world.all_reduce(x);
+    if (how == "skip-object") {  // rank 1 skips a broadcast_object rooted on it (report() is made of these)
+      if (state.rank() == 0) world.broadcast_object("", 1);
+      world.all_reduce(x);
+    } else if (state.rank() == 1 && how == "different") {
+      world.broadcast(x, 0);
+    } else if (state.rank() != 1 || how != "skip") {
+      world.all_reduce(x);
+    }
     world.barrier();
     return 0;
   }
