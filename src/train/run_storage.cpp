@@ -9,6 +9,7 @@
 #include <optional>
 #include <fstream>
 
+#include "checkpoint/files.hpp"
 #include "xlr8/error.hpp"
 
 namespace fs = std::filesystem;
@@ -69,14 +70,9 @@ void RunSnapshot::save(const fs::path& run_dir) const {
                    {"checkpoint_config", to_json(config)},
                    {"checkpoints", nlohmann::json::array()}};
   for (const auto& c : kept) j["checkpoints"].push_back({{"index", c.index}, {"path", c.dir_name}, {"metrics", c.metrics}});
-  const fs::path path = run_dir / kSnapshotFile, partial = run_dir / (std::string(kSnapshotFile) + ".partial");
-  {
-    std::ofstream out(partial);
-    out << j.dump(2) << "\n";
-    out.flush();
-    if (!out) throw Error(fmt::format("cannot write {}", partial.string()));
-  }
-  fs::rename(partial, path);  // a reader sees the old snapshot or the new one, never half of one
+  // Through a synced temporary and a rename, then the folder synced: a reader (or a machine that lost power)
+  // sees the old snapshot or the new one, never half of one, and the checkpoint renamed before it is on disk.
+  files::write_durably((run_dir / kSnapshotFile).string(), j.dump(2) + "\n");
 }
 
 namespace {

@@ -1,6 +1,8 @@
 // The worker's side of a Trainer run: report() (a barrier that registers rank 0's metrics and the workers'
 // checkpoint directories merged into one), get_checkpoint() and get_context().
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -116,6 +118,11 @@ void report(const nlohmann::json& metrics, const std::string& checkpoint_dir) {
     if (copies) {
       try {
         fs::copy(mine, dir / staging_name, fs::copy_options::recursive | fs::copy_options::overwrite_existing);
+        for (const auto& file : offers[static_cast<size_t>(rank)].files)  // on disk before it is registered
+          if (const int fd = ::open((dir / staging_name / file).c_str(), O_RDONLY | O_CLOEXEC); fd >= 0) {
+            ::fsync(fd);
+            ::close(fd);
+          }
       } catch (const std::exception& e) {
         copy_error = fmt::format("rank {} could not copy {} into {}: {}", rank, mine, (dir / staging_name).string(), e.what());
       }
