@@ -1,13 +1,16 @@
 // xlr8::train::Trainer with real processes (examples/trainer: Fashion-MNIST, the program is its own driver):
 // checkpoints registered by report() and kept by score, a worker killed mid-run that the group survives with
 // the straight run's result, failures past max_failures ending the fit with the root cause, a new driver
-// resuming a run, and a group of another size resharding an FSDP checkpoint.
+// resuming a run, a group of another size resharding an FSDP checkpoint, and one driver per run.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "oracle.hpp"
 #include "process_runner.hpp"
@@ -184,6 +187,25 @@ TEST(Trainer, ANewDriverWithTheSameNameResumesTheRunAndAnotherGroupSizeReshardsI
   ASSERT_EQ(three.process.exit_code, 0) << three.process.err;
   EXPECT_NE(three.process.out.find("checkpoint_000001 at step 20"), std::string::npos) << three.process.out;
   expect_same_end(three.summary["metrics"], whole.summary["metrics"], 1e-4);
+  fs::remove_all(storage);
+}
+
+TEST(Trainer, ASecondDriverOfARunThatIsBeingDrivenIsRefused) {
+  const auto storage = temp_dir("trainer-lock");
+  Process first({kTrainer, "--storage_path", storage, "--name", "busy", "--num_workers", "2", "--steps", "400",
+                 "--checkpoint_every", "100"});
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (!fs::exists(storage + "/busy/logs/fit_0") && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_TRUE(fs::exists(storage + "/busy/logs/fit_0"));
+  auto second = fit(storage, "busy", {"--num_workers", "2"});
+  EXPECT_EQ(second.process.exit_code, 1);
+  EXPECT_NE(second.process.err.find("run " + storage + "/busy is being driven by another fit() now"), std::string::npos)
+      << second.process.err;
+  EXPECT_FALSE(fs::exists(storage + "/busy/logs/fit_1"));  // it launched nothing
+  first.signal(SIGINT);  // the first driver's launcher stops its workers
+  auto ended = first.wait(60);
+  EXPECT_FALSE(ended.timed_out);
   fs::remove_all(storage);
 }
 
