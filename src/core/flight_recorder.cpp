@@ -89,6 +89,12 @@ void FlightRecorder::failed(uint64_t id, bool timed_out, const std::string& what
 std::string FlightRecorder::heartbeat_file(const std::string& trace_dir, int pid) {
   return (std::filesystem::path(trace_dir) / fmt::format(".heartbeat.{}", pid)).string();
 }
+std::string FlightRecorder::armed_file(const std::string& trace_dir, int pid) {
+  return (std::filesystem::path(trace_dir) / fmt::format(".armed.{}", pid)).string();
+}
+std::string FlightRecorder::dump_file(const std::string& trace_dir, int rank) {
+  return (std::filesystem::path(trace_dir) / fmt::format("rank{}.json", rank)).string();
+}
 
 void FlightRecorder::beat() {
   const double now = now_s();
@@ -133,7 +139,7 @@ void FlightRecorder::dump(const std::string& reason) const {
                           {"capacity", capacity_}, {"entries", to_json()}};
     namespace fs = std::filesystem;
     fs::create_directories(dir);
-    const fs::path path = fs::path(dir) / fmt::format("rank{}.json", rank);
+    const fs::path path = dump_file(dir, rank);
     const fs::path partial = fs::path(dir) / fmt::format(".rank{}.json.{}", rank, ::getpid());
     std::ofstream(partial) << record.dump(1) << "\n";
     fs::rename(partial, path);  // whole or absent: the launcher may read it any time
@@ -167,7 +173,7 @@ void FlightRecorder::install_signal_trigger() {
   // Tells the launcher this process handles SIGUSR1 (to a program that does not, it would be fatal).
   try {
     std::filesystem::create_directories(dir);
-    std::ofstream(std::filesystem::path(dir) / fmt::format(".armed.{}", ::getpid()));
+    std::ofstream{armed_file(dir, ::getpid())};
   } catch (...) {
   }
 }

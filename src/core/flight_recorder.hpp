@@ -33,7 +33,10 @@ class FlightRecorder {
   // launcher so. Only when XLR8_TRACE_DIR is set.
   void install_signal_trigger();
   size_t capacity() const { return capacity_; }
+  // The files under XLR8_TRACE_DIR, named here once for the recorder and the launcher.
   static std::string heartbeat_file(const std::string& trace_dir, int pid);
+  static std::string armed_file(const std::string& trace_dir, int pid);
+  static std::string dump_file(const std::string& trace_dir, int rank);
 
  private:
   FlightRecorder();

@@ -230,12 +230,13 @@ class Supervisor {
   // A hang's picture: after a collective timed out, or a stall. A rank that failed on its own (an exception, a
   // signal) is the cause already named; where the others happened to be then would only blame them.
   void print_diagnosis() const {
-    if (stalled_.empty() && !detail::traces_show_a_timeout(trace_dir(attempt_).string())) return;
-    // Only this machine's ranks leave their trace here: name the missing ones only when that is all of them.
-    const std::string dir = trace_dir(attempt_).string();
-    auto diagnosis = detail::diagnose_traces(dir, o_.num_machines == 1 ? o_.world_size() : 0);
-    if (o_.log_dir.empty())  // the scratch folder goes with the launch: do not name it
-      if (auto at = diagnosis.find(dir); at != std::string::npos) diagnosis.replace(at, dir.size(), "pass --log_dir to keep them");
+    const auto diagnosis = detail::diagnose_traces(
+        trace_dir(attempt_).string(),
+        {// Only this machine's ranks leave their trace here: name the missing ones only when that is all of them.
+         .world_size = o_.num_machines == 1 ? o_.world_size() : 0,
+         .only_after_timeout = stalled_.empty(),
+         // The scratch folder goes with the launch: do not name it.
+         .shown_as = o_.log_dir.empty() ? "pass --log_dir to keep them" : ""});
     if (!diagnosis.empty()) fmt::print(stderr, "xlr8 launch: {}\n", diagnosis);
     std::fflush(stderr);
   }
@@ -389,22 +390,21 @@ class Supervisor {
   // A worker failed: the ones still running that record collectives (they said so with an .armed file)
   // dump their flight recorder on SIGUSR1 before they are stopped; at most 2 s is spent waiting for it.
   void request_traces() {
-    const fs::path dir = trace_dir(attempt_);
     bool asked = false;
     for (auto& w : workers_)
-      if (w.running && fs::exists(dir / fmt::format(".armed.{}", w.pid))) {
+      if (armed(w)) {
         kill(w.pid, SIGUSR1);
         asked = true;
       }
     if (asked) trace_deadline_ = Clock::now() + std::chrono::seconds(2);
     else begin_stop(SIGTERM);
   }
+  bool armed(const Worker& w) const {
+    return w.running && fs::exists(detail::FlightRecorder::armed_file(trace_dir(attempt_).string(), w.pid));
+  }
   bool traces_written() const {
-    const fs::path dir = trace_dir(attempt_);
     for (const auto& w : workers_)
-      if (w.running && fs::exists(dir / fmt::format(".armed.{}", w.pid)) &&
-          !fs::exists(dir / fmt::format("rank{}.json", w.rank)))
-        return false;
+      if (armed(w) && !fs::exists(detail::FlightRecorder::dump_file(trace_dir(attempt_).string(), w.rank))) return false;
     return true;
   }
 

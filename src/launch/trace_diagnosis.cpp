@@ -42,21 +42,8 @@ std::string ranks_text(const std::vector<int>& ranks) {
 
 }  // namespace
 
-bool traces_show_a_timeout(const std::string& dir) {
-  std::error_code error;
-  for (const auto& file : fs::directory_iterator(dir, error)) {
-    const std::string filename = file.path().filename().string();
-    if (filename.rfind("rank", 0) != 0 || file.path().extension() != ".json") continue;
-    try {
-      std::ifstream in(file.path());
-      if (nlohmann::json::parse(in).value("reason", "").rfind("timed out", 0) == 0) return true;
-    } catch (const std::exception&) {
-    }
-  }
-  return false;
-}
-
-std::string diagnose_traces(const std::string& dir, int world_size) {
+std::string diagnose_traces(const std::string& dir, const TraceDiagnosisOptions& options) {
+  const int world_size = options.world_size;
   std::map<int, RankTrace> traces;
   std::error_code error;
   const std::regex name("rank([0-9]+)\\.json");
@@ -77,6 +64,9 @@ std::string diagnose_traces(const std::string& dir, int world_size) {
     }
   }
   if (traces.empty()) return "";
+  if (options.only_after_timeout &&
+      std::none_of(traces.begin(), traces.end(), [](const auto& t) { return t.second.reason.rfind("timed out", 0) == 0; }))
+    return "";
 
   std::vector<std::string> findings;
   std::set<std::string> groups;
@@ -145,7 +135,8 @@ std::string diagnose_traces(const std::string& dir, int world_size) {
                                    ranks_text(silent)));
   if (findings.empty()) findings.push_back("every rank's collectives match and completed");
   std::string text = fmt::format("collective trace ({} of {} ranks, {}): ", traces.size(),
-                                 world_size > 0 ? world_size : static_cast<int>(traces.size()), dir);
+                                 world_size > 0 ? world_size : static_cast<int>(traces.size()),
+                                 options.shown_as.empty() ? dir : options.shown_as);
   for (size_t i = 0; i < findings.size(); ++i) text += (i ? "; " : "") + findings[i];
   return text + ".";
 }

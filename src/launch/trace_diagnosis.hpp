@@ -7,10 +7,14 @@
 
 namespace xlr8::detail {
 
-// Empty when `dir` holds no dump. `world_size` names the ranks that should have left one (0: those seen).
-std::string diagnose_traces(const std::string& dir, int world_size);
-// Whether some rank's dump was written because one of its collectives timed out (a hang, as opposed to a rank
-// that failed on its own while the others were wherever they were).
-bool traces_show_a_timeout(const std::string& dir);
+struct TraceDiagnosisOptions {
+  int world_size = 0;               // names the ranks that should have left a dump (0: those seen)
+  bool only_after_timeout = false;  // empty unless some rank dumped because a collective timed out (a hang,
+                                    // not a rank that failed on its own while the others were wherever they were)
+  std::string shown_as;             // how the paragraph names `dir` (empty: the path itself)
+};
+
+// Empty when `dir` holds no dump (or, with only_after_timeout, no timeout's).
+std::string diagnose_traces(const std::string& dir, const TraceDiagnosisOptions& options = {});
 
 }  // namespace xlr8::detail

@@ -91,8 +91,7 @@ void report(const nlohmann::json& metrics, const std::string& checkpoint_dir) {
   }
   if (problem.empty()) problem = first_conflict(offers);
   if (!problem.empty()) throw Error(problem);  // the same on every rank: nobody waits for the others
-  const bool with_checkpoint =
-      std::any_of(offers.begin(), offers.end(), [](const Offer& o) { return !o.files.empty() || !o.dir.empty(); });
+  const bool with_checkpoint = std::any_of(dirs.begin(), dirs.end(), [](const std::string& d) { return !d.empty(); });
 
   // Rank 0 names the new checkpoint (an empty staging folder: a report killed mid-copy may have left files in
   // one of that name); each copying rank fills it; rank 0 registers it. Whatever fails on rank 0 reaches every

@@ -117,12 +117,13 @@ void check(const ScalingConfig& s) {
   if (s.resources_per_worker.gpus > 0 && !s.use_gpu)
     throw ConfigError("ScalingConfig.resources_per_worker.gpus is 1 but use_gpu is false; set use_gpu = true to train "
                       "on GPUs");
-  if (s.use_gpu && compat::cuda_device_count() == 0)
+  const int gpus = s.use_gpu ? compat::cuda_device_count() : 0;
+  if (s.use_gpu && gpus == 0)
     throw ConfigError("ScalingConfig.use_gpu is set but this LibTorch sees no CUDA device; set use_gpu = false to "
                       "train on the CPU");
-  if (s.use_gpu && compat::cuda_device_count() < s.num_workers)
+  if (s.use_gpu && gpus < s.num_workers)
     throw ConfigError(fmt::format("ScalingConfig.num_workers {} with use_gpu needs {} GPUs; this machine has {}",
-                                  s.num_workers, s.num_workers, compat::cuda_device_count()));
+                                  s.num_workers, s.num_workers, gpus));
 }
 
 }  // namespace
