@@ -273,6 +273,29 @@ TEST(Launcher, AnUncaughtExceptionReachesTheLauncherThroughTheWorkersErrorFile) 
   EXPECT_EQ(scratch.err.find("collective trace"), std::string::npos) << scratch.err;
 }
 
+TEST(Launcher, ErrorFilesAreTorchelasticsOwnBothWays) {
+  // The real torch (Debian's python3-torch): a Python worker under @record writes the file xlr8 launch reads,
+  // and torchelastic's own ProcessFailure reads the file an xlr8 worker writes.
+  auto dir = temp_dir("torch-error-file");
+  std::ofstream(dir + "/worker.py") << "from torch.distributed.elastic.multiprocessing.errors import record\n"
+                                       "@record\ndef main():\n    raise ValueError(\"bad key 'lr': give a number\")\nmain()\n";
+  auto from_torch = run({kXlr8, "launch", "--num_processes", "1", "--log_dir", dir + "/py", "/usr/bin/python3", dir + "/worker.py"}, 120);
+  EXPECT_NE(from_torch.err.find("xlr8 launch: rank 0's error: ValueError: bad key 'lr': give a number\nxlr8 launch: "
+                                "(recorded in its error file " + dir + "/py/attempt_0/0/error.json)"),
+            std::string::npos)
+      << from_torch.err;
+  run(launch({"--num_processes", "2", "--log_dir", dir + "/ours"}, {"throw-uncaught", "1"}), 60);
+  auto by_torch = run({"/usr/bin/python3", "-c",
+                       "from torch.distributed.elastic.multiprocessing.errors import ProcessFailure\n"
+                       "f = ProcessFailure(local_rank=1, pid=1, exitcode=134, error_file='" + dir +
+                           "/ours/attempt_0/1/error.json')\n"
+                       "print(f.message['message']); print(f.timestamp > 1700000000)"},
+                      120);
+  EXPECT_EQ(by_torch.exit_code, 0) << by_torch.err;
+  EXPECT_EQ(by_torch.out, "xlr8::ConfigError: bad value 7 for key 'lr_warmup': give 0 or more\nTrue\n") << by_torch.err;
+  fs::remove_all(dir);
+}
+
 TEST(Launcher, AHangIsDiagnosedFromEveryRanksFlightRecorder) {
   // Rank 1 sleeps before the third all_reduce, or issues a broadcast there, or skips it: rank 0 times out
   // (3 s), its recorder is written, the launcher asks rank 1 for its own (SIGUSR1) and names who was where.
