@@ -12,6 +12,21 @@
 
 namespace xlr8 {
 
+// A c10d-style dynamic rendezvous (`--rdzv_backend c10d`, torchrun's): every machine's `xlr8 launch` joins
+// it, and each start of the worker group asks it for this machine's place; machines may leave (the others
+// restart with fewer) and join (admitted at the next restart, which their arrival triggers).
+struct ElasticOptions {
+  int min_nodes = 1, max_nodes = 1;
+  std::string endpoint_host = "127.0.0.1";  // the machine that hosts the rendezvous (--rdzv_endpoint)
+  int endpoint_port = 29400;
+  std::string run_id = "none";           // --rdzv_id: agents of other jobs are refused
+  double join_timeout_s = 600;           // longest wait for a group of at least min_nodes machines
+  double last_call_timeout_s = 30;       // a first group: how long more machines may join once min_nodes did
+  double keep_alive_interval_s = 5;      // agents and the rendezvous ping each other this often...
+  int keep_alive_max_attempt = 3;        // ...and one silent for this many intervals is gone
+  double close_timeout_s = 300;          // the hosting machine, done, waits this long for the others to finish
+};
+
 struct LaunchOptions {
   std::vector<std::string> command;  // program and its arguments
   int nproc_per_node = 1;
@@ -27,6 +42,7 @@ struct LaunchOptions {
   std::string run_id = "none";
   std::map<std::string, std::string> extra_env;
   std::string mpirun_hostfile;  // set: one mpirun starts all ranks over the file's hosts (accelerate launch's way)
+  std::optional<ElasticOptions> elastic;  // set: machines and ranks come from the rendezvous, not the fields above
   int world_size() const { return nproc_per_node * num_machines; }
 };
 
@@ -56,6 +72,9 @@ struct LaunchRequest {
   bool debug = false;                              // ACCELERATE_DEBUG_MODE
   bool enable_cpu_affinity = false;                // ACCELERATE_CPU_AFFINITY: each local rank on its own cores
   std::optional<std::string> mpirun_hostfile;      // as mpirun_config.mpirun_hostfile
+  // torchrun's rendezvous: --nnodes N or MIN:MAX, --rdzv_backend static|c10d, --rdzv_endpoint host[:port],
+  // --rdzv_id, --rdzv_conf key=value,...
+  std::optional<std::string> nnodes, rdzv_backend, rdzv_endpoint, rdzv_id, rdzv_conf;
   std::vector<std::string> command;
 };
 

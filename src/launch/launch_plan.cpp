@@ -3,10 +3,12 @@
 #include <yaml-cpp/yaml.h>
 
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <sstream>
 
 #include "launch/mpirun_launch.hpp"
+#include "launch/net.hpp"
 #include "xlr8/deepspeed_config.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/launcher.hpp"
@@ -47,6 +49,99 @@ void mesh_from_deepspeed(const deepspeed::Config& ds, int num_processes, std::op
                                   p ? fmt::format(" over tp {} x sp {} x cp {}", p->tp, p->sp, p->cp) : ""));
 }
 
+// --nnodes "N" or "MIN:MAX".
+std::pair<int, int> parse_nnodes(const std::string& text) {
+  auto number = [&](const std::string& part) {
+    const bool digits = !part.empty() && part.size() < 7 && part.find_first_not_of("0123456789") == std::string::npos;
+    if (!digits || std::stoi(part) < 1)
+      throw ConfigError(fmt::format("--nnodes {:?}: give a number of machines N, or MIN:MAX for an elastic job (1 or "
+                                    "more each)",
+                                    text));
+    return std::stoi(part);
+  };
+  const size_t colon = text.find(':');
+  if (colon == std::string::npos) return {number(text), number(text)};
+  const int lo = number(text.substr(0, colon)), hi = number(text.substr(colon + 1));
+  if (lo > hi) throw ConfigError(fmt::format("--nnodes {:?}: the minimum {} is above the maximum {}", text, lo, hi));
+  return {lo, hi};
+}
+
+// --rdzv_conf "key=value,...", torchrun's keys.
+void apply_rdzv_conf(const std::string& text, ElasticOptions& e) {
+  std::map<std::string, double*> seconds{{"join_timeout", &e.join_timeout_s},
+                                         {"last_call_timeout", &e.last_call_timeout_s},
+                                         {"close_timeout", &e.close_timeout_s},
+                                         {"keep_alive_interval", &e.keep_alive_interval_s}};
+  std::stringstream items(text);
+  for (std::string item; std::getline(items, item, ',');) {
+    if (item.empty()) continue;
+    const size_t eq = item.find('=');
+    const std::string key = item.substr(0, eq), value = eq == std::string::npos ? "" : item.substr(eq + 1);
+    char* end = nullptr;
+    const double number = std::strtod(value.c_str(), &end);
+    const bool positive = !value.empty() && end && *end == '\0' && number > 0;
+    if (key == "keep_alive_max_attempt") {
+      if (!positive || number != static_cast<int>(number))
+        throw ConfigError(fmt::format("--rdzv_conf {}={:?}: give a whole number of 1 or more", key, value));
+      e.keep_alive_max_attempt = static_cast<int>(number);
+    } else if (auto it = seconds.find(key); it != seconds.end()) {
+      if (!positive) throw ConfigError(fmt::format("--rdzv_conf {}={:?}: give a positive number of seconds", key, value));
+      *it->second = number;
+    } else {
+      throw ConfigError(fmt::format("--rdzv_conf: unknown key {:?}; known: join_timeout, last_call_timeout, "
+                                    "close_timeout, keep_alive_interval, keep_alive_max_attempt",
+                                    key));
+    }
+  }
+}
+
+// torchrun's rendezvous flags: nullopt for a static launch (machine ranks given), else the elastic options.
+// An elastic launch describes this machine alone: `yaml` gets num_machines 1 and its processes.
+std::optional<ElasticOptions> plan_rendezvous(const LaunchRequest& r, YAML::Node& yaml) {
+  const auto [min_nodes, max_nodes] = r.nnodes ? parse_nnodes(*r.nnodes) : std::pair<int, int>{0, 0};
+  const std::string backend = r.rdzv_backend.value_or("static");
+  if (backend != "static" && backend != "c10d")
+    throw ConfigError(fmt::format("--rdzv_backend {:?} is not supported: use c10d (elastic) or static", backend));
+  if (backend == "static") {
+    if (min_nodes != max_nodes)
+      throw ConfigError(fmt::format("--nnodes {} is a range, which needs the elastic rendezvous: add --rdzv_backend "
+                                    "c10d --rdzv_endpoint host:port",
+                                    *r.nnodes));
+    for (const auto& [flag, given] : {std::pair{"--rdzv_endpoint", r.rdzv_endpoint.has_value()},
+                                      std::pair{"--rdzv_conf", r.rdzv_conf.has_value()}})
+      if (given)
+        throw ConfigError(fmt::format("{} needs --rdzv_backend c10d (a static launch takes --master_addr and "
+                                      "--master_port)",
+                                      flag));
+    if (max_nodes > 0) yaml["num_machines"] = max_nodes;
+    return std::nullopt;
+  }
+  if (r.machine_rank)
+    throw ConfigError("--node_rank/--machine_rank: with --rdzv_backend c10d the rendezvous assigns machine ranks; remove it");
+  if (!r.nproc_per_node)
+    throw ConfigError("--rdzv_backend c10d places machines at run time: give --nproc_per_node (the processes on this "
+                      "machine) instead of a total --num_processes");
+  ElasticOptions e;
+  e.min_nodes = std::max(min_nodes, 1);
+  e.max_nodes = std::max(max_nodes, 1);
+  if (r.rdzv_endpoint) {
+    const auto endpoint = detail::parse_host_port(*r.rdzv_endpoint, 29400, "--rdzv_endpoint");
+    e.endpoint_host = endpoint.host;
+    e.endpoint_port = endpoint.port;
+  } else if (e.max_nodes == 1) {
+    e.endpoint_port = pick_free_port();  // one machine: its own rendezvous
+  } else {
+    throw ConfigError("--rdzv_backend c10d with several machines needs --rdzv_endpoint host[:port]: the address of the "
+                      "machine that serves the rendezvous (its `xlr8 launch` does; port 29400 by default)");
+  }
+  if (r.rdzv_id) e.run_id = *r.rdzv_id;
+  if (r.rdzv_conf) apply_rdzv_conf(*r.rdzv_conf, e);
+  yaml["num_machines"] = 1;
+  yaml["machine_rank"] = 0;
+  yaml["num_processes"] = *r.nproc_per_node;
+  return e;
+}
+
 }  // namespace
 
 LaunchOptions plan_launch(const LaunchRequest& r) {
@@ -70,7 +165,8 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   }
   if (r.num_processes) root["num_processes"] = *r.num_processes;
   if (r.num_machines) root["num_machines"] = *r.num_machines;
-  if (r.nproc_per_node) root["num_processes"] = *r.nproc_per_node * root["num_machines"].as<int>(1);
+  auto elastic = plan_rendezvous(r, root);
+  if (r.nproc_per_node && !elastic) root["num_processes"] = *r.nproc_per_node * root["num_machines"].as<int>(1);
   if (r.machine_rank) root["machine_rank"] = *r.machine_rank;
   if (r.main_process_ip) root["main_process_ip"] = *r.main_process_ip;
   if (r.main_process_port) root["main_process_port"] = *r.main_process_port;
@@ -111,6 +207,8 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   if (o.settings.deepspeed && !o.settings.deepspeed->config_file.empty())
     mesh_from_deepspeed(deepspeed::load_config(o.settings.deepspeed->config_file), cfg.num_processes,
                         o.settings.parallelism);
+  o.elastic = elastic;
+  if (elastic) o.run_id = elastic->run_id;
   o.max_restarts = r.max_restarts;
   if (o.max_restarts < 0) throw ConfigError(fmt::format("--max_restarts {} must be 0 or more", o.max_restarts));
   o.log_dir = r.log_dir;

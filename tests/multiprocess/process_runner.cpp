@@ -62,6 +62,8 @@ Process::~Process() {
 }
 
 void Process::signal(int sig) { kill(pid_, sig); }
+std::string Process::out_so_far() const { return read_file(out_path_); }
+std::string Process::err_so_far() const { return read_file(err_path_); }
 
 ProcessResult Process::wait(double timeout_s) {
   ProcessResult r;

@@ -19,6 +19,8 @@ class Process {
   ~Process();
   pid_t pid() const { return pid_; }
   void signal(int sig);
+  std::string out_so_far() const;  // what it has written so far
+  std::string err_so_far() const;
   // Waits up to `timeout_s`; on expiry kills the child's process group and sets timed_out.
   ProcessResult wait(double timeout_s);
 

@@ -7,6 +7,9 @@
 //   --save_every N (save_state into DIR/checkpoint every N steps)   --die_at N --die_rank R
 //   --mode train|gather|mismatch|unused   --find_unused   --samples N   --optimizer adamw|fused_adamw
 //   --norm (a LayerNorm fed by the first Linear; the model a sharded unit)
+//   --split_batches (--batch is the global batch, the same on any number of processes)
+//   --resume_latest (resume from DIR/checkpoint when it exists: a restarted elastic job)
+//   --step_sleep_ms N (each step takes at least this long)   --print_steps (rank 0: "step N" after each step)
 //   --track (init_trackers("oracle") in --out; log loss and lr every step)
 //   --mode nested|nested-mismatch|free-memory|free-control (train_worker_api.cpp)
 #include <CLI/CLI.hpp>
@@ -15,8 +18,10 @@
 #include <csignal>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "xlr8/accelerator.hpp"
 #include "xlr8/error.hpp"
@@ -99,6 +104,12 @@ int main(int argc, char** argv) {
   app.add_flag("--track", track);
   bool tensor_parallel = false;
   app.add_flag("--tensor_parallel", tensor_parallel, "TpMlp, fc1 column-wise and fc2 row-wise over the mesh's tp group");
+  bool split_batches = false, resume_latest = false, print_steps = false;
+  int step_sleep_ms = 0;
+  app.add_flag("--split_batches", split_batches);
+  app.add_flag("--resume_latest", resume_latest);
+  app.add_flag("--print_steps", print_steps);
+  app.add_option("--step_sleep_ms", step_sleep_ms);
   std::string optimizer = "adamw";
   app.add_option("--optimizer", optimizer)->check(CLI::IsMember({"adamw", "fused_adamw"}));
   CLI11_PARSE(app, argc, argv);
@@ -106,6 +117,7 @@ int main(int argc, char** argv) {
     xlr8::AcceleratorOptions options;
     options.mixed_precision = xlr8::parse_mixed_precision(precision, "--precision");
     options.gradient_accumulation_steps = accum;
+    options.split_batches = split_batches;
     options.parallel.ddp.find_unused_parameters = find_unused;
     options.parallel.ddp.compress_bf16 = compress;
     options.parallel.ddp.first_bucket_mb = 0.0002;  // three buckets even for this small model
@@ -202,7 +214,10 @@ int main(int argc, char** argv) {
                                             : acc.prepare(torch::optim::AdamW(model->parameters(), adamw));
       auto sched = acc.prepare(torch::optim::StepLR(opt.optimizer(), 5, 0.5));
       auto loader = acc.prepare_data_loader(Synthetic(samples), {.batch_size = batch, .shuffle = true, .seed = 11});
+      if (resume_latest && std::filesystem::exists(out + "/checkpoint")) resume = out + "/checkpoint";
       if (!resume.empty()) acc.load_state(resume);
+      if (print_steps && acc.is_main_process())
+        fmt::print("start at step {} on {} processes\n", acc.step(), acc.num_processes()), std::fflush(stdout);
       const int64_t resumed_step = acc.step();
 
       std::vector<double> losses;
@@ -221,8 +236,10 @@ int main(int argc, char** argv) {
           if (track)
             acc.log({{"loss", losses.back()}, {"lr", opt.optimizer().param_groups()[0].options().get_lr()}}, acc.step());
           if (die_rank == acc.process_index() && acc.step() == die_at) raise(SIGKILL);
+          if (step_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(step_sleep_ms));
           if ((checkpoint_at > 0 && acc.step() == checkpoint_at) || (save_every > 0 && acc.step() % save_every == 0))
             acc.save_state(out + "/checkpoint");
+          if (print_steps && acc.is_main_process()) fmt::print("step {}\n", acc.step()), std::fflush(stdout);
           if (acc.step() >= steps) break;
         }
       }

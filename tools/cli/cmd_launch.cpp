@@ -96,16 +96,22 @@ Handler add_launch(CLI::App& app) {
                 "Bind each worker to its own share of this machine's cores (ACCELERATE_CPU_AFFINITY)");
   // torchrun spellings.
   cmd->add_option("--nproc-per-node,--nproc_per_node", r.nproc_per_node, "Processes on this machine (torchrun)");
-  cmd->add_option("--nnodes", r.num_machines, "Number of machines (torchrun)");
+  cmd->add_option("--nnodes", r.nnodes, "Number of machines, N or MIN:MAX (torchrun; a range needs --rdzv_backend c10d)");
   cmd->add_option("--node-rank,--node_rank", r.machine_rank, "Rank of this machine (torchrun)");
   cmd->add_option("--master-addr,--master_addr", r.main_process_ip, "Address of machine 0 (torchrun)");
   cmd->add_option("--master-port,--master_port", r.main_process_port, "Rendezvous port (torchrun)");
+  opt("--rdzv_backend", r.rdzv_backend, "static (machine ranks given) or c10d (elastic: machines join and leave)");
+  opt("--rdzv_endpoint", r.rdzv_endpoint, "host[:port] of the c10d rendezvous, served by that machine's xlr8 launch (port 29400)");
+  opt("--rdzv_id", r.rdzv_id, "Job id: every machine of one job gives the same");
+  opt("--rdzv_conf", r.rdzv_conf,
+      "key=value,...: join_timeout (600), last_call_timeout (30), close_timeout (300), keep_alive_interval (5), "
+      "keep_alive_max_attempt (3)");
   // Accepted for compatibility with `accelerate launch`; xlr8 needs nothing from them.
   auto compat_flags = std::make_shared<std::vector<std::string>>();
   auto compat_switch = std::make_shared<bool>(false);
   for (auto name : {"--multi_gpu", "--quiet", "--same_network", "--standalone", "--no_python"})
     cmd->add_flag(spellings(name), *compat_switch, "Accepted for compatibility")->group("Compatibility");
-  for (auto name : {"--monitor_interval", "--rdzv_backend", "--role", "--tee"})
+  for (auto name : {"--monitor_interval", "--role", "--tee"})
     cmd->add_option(spellings(name), *compat_flags, "Accepted for compatibility")->group("Compatibility")->expected(1);
   // FSDP and DeepSpeed options, stored under their config-file keys.
   for (auto key : {"fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_auto_wrap_policy",

@@ -1,0 +1,164 @@
+// Elastic `xlr8 launch --rdzv_backend c10d` on real (simulated) hosts: every host a network namespace with
+// its own address and its own `xlr8 launch` (tests/multiprocess/netns_hosts.hpp). The oracle: a job whose
+// hosts come and go ends with the parameters of one process trained on the same global batch
+// (--split_batches: the batch is global, whatever the number of ranks).
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <regex>
+#include <thread>
+
+#include "netns_hosts.hpp"
+#include "oracle.hpp"
+#include "process_runner.hpp"
+
+using Args = std::vector<std::string>;
+
+namespace {
+
+const std::string kXlr8 = XLR8_BIN;
+const std::string kTrain = TRAIN_BIN;
+
+#define SKIP_WITHOUT_HOSTS()                                                      \
+  if (const std::string why = NetnsHosts::unavailable(); !why.empty()) GTEST_SKIP() << why
+
+Args worker(const std::string& out, int steps, Args extra = {}) {
+  Args a{kTrain, "--split_batches", "--batch", "12", "--steps", std::to_string(steps), "--out", out};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+// One host's agent: 2 ranks, the rendezvous served by host 0.
+Args agent(const NetnsHosts& hosts, int host, const std::string& nnodes, const Args& program, Args extra = {}) {
+  Args a{kXlr8, "launch", "--nnodes", nnodes, "--nproc_per_node", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+         hosts.address(0) + ":29400", "--rdzv_id", "elastic-test", "--rdzv_conf",
+         "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=60", "--max_restarts", "3"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  a.insert(a.end(), program.begin(), program.end());
+  return hosts.on(host, a);
+}
+
+// Waits until `p`'s output matches `pattern`; the last match's first group as a number, or -1 at the deadline.
+int wait_for(const Process& p, const std::string& pattern, double timeout_s, bool stderr_too = false) {
+  const std::regex re(pattern);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
+  while (std::chrono::steady_clock::now() < deadline) {
+    const std::string text = p.out_so_far() + (stderr_too ? p.err_so_far() : "");
+    int last = -1;
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), re); it != std::sregex_iterator(); ++it)
+      last = it->size() > 1 && (*it)[1].matched ? std::stoi((*it)[1]) : 0;
+    if (last >= 0) return last;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return -1;
+}
+
+// Every "start at step S on N processes" line of a job's rank 0, in order.
+std::vector<std::pair<int, int>> starts(const std::string& out) {
+  static const std::regex re(R"(start at step (\d+) on (\d+) processes)");
+  std::vector<std::pair<int, int>> found;
+  for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
+    found.emplace_back(std::stoi((*it)[1]), std::stoi((*it)[2]));
+  return found;
+}
+
+// The highest "step N" a job's rank 0 printed before `marker` (the whole output without one).
+int last_step_before(const std::string& out, const std::string& marker) {
+  const std::string head = out.substr(0, out.find(marker));
+  static const std::regex re(R"(\bstep (\d+)\n)");
+  int last = 0;
+  for (auto it = std::sregex_iterator(head.begin(), head.end(), re); it != std::sregex_iterator(); ++it)
+    last = std::max(last, std::stoi((*it)[1]));
+  return last;
+}
+
+::Run one_process(int steps) {
+  const auto dir = temp_dir("elastic-oracle");
+  Args command{kXlr8, "launch", "--num_processes", "1"};
+  const Args w = worker(dir, steps);
+  command.insert(command.end(), w.begin(), w.end());
+  return oracle_command(command, dir);
+}
+
+}  // namespace
+
+TEST(Elastic, TwoHostsOfTwoRanksTrainToTheOracle) {
+  SKIP_WITHOUT_HOSTS();
+  NetnsHosts hosts(2);
+  const auto out = temp_dir("elastic-2x2");
+  Process first(agent(hosts, 0, "2", worker(out, 12)));
+  ASSERT_GE(wait_for(first, "serving the rendezvous", 30, true), 0) << first.err_so_far();
+  Process second(agent(hosts, 1, "2", worker(out, 12)));
+  auto r0 = first.wait(120), r1 = second.wait(120);
+  ASSERT_EQ(r0.exit_code, 0) << r0.out << r0.err;
+  ASSERT_EQ(r1.exit_code, 0) << r1.out << r1.err;
+  // The ranks really spanned both hosts: host 1's agent ran ranks 2 and 3 of 4, reaching the master on host 0.
+  EXPECT_NE(r1.err.find(fmt::format("node 1 of 2 (ranks 2-3 of 4), master {}:", hosts.address(0))), std::string::npos) << r1.err;
+  const auto result = last_json(r0.out);
+  EXPECT_EQ(result["num_processes"], 4);
+  const ::Run oracle = one_process(12);
+  expect_close(result["losses"].get<std::vector<double>>(), oracle.losses, 1e-5);
+  expect_same_params(out, oracle.dir, 1e-5);
+}
+
+// The second host dies mid-run (its link down first, so the first host sees silence, not a closed
+// connection; or its processes killed with the link up); the first host restarts alone from the last
+// checkpoint, losing less than one checkpoint interval. With `comes_back`, the host then returns and is
+// admitted at a new round, and the job ends on both hosts. Every way, the parameters are the oracle's.
+void host_dies(bool link_down, bool comes_back) {
+  NetnsHosts hosts(2);
+  const int steps = 60, every = 5;
+  const auto out = temp_dir("elastic-dies");
+  const Args program = worker(out, steps, {"--save_every", std::to_string(every), "--resume_latest", "--print_steps",
+                                           "--step_sleep_ms", "100"});
+  Process first(agent(hosts, 0, "1:2", program));
+  ASSERT_GE(wait_for(first, "serving the rendezvous", 30, true), 0) << first.err_so_far();
+  auto second = std::make_unique<Process>(agent(hosts, 1, "1:2", program));
+  ASSERT_GE(wait_for(first, R"(step (1[2-9]|[2-9]\d)\n)", 60), 0) << first.out_so_far() << first.err_so_far();
+  if (link_down) hosts.link(1, false);
+  hosts.kill_all(1);
+  const auto killed = std::chrono::steady_clock::now();
+  second->wait(10);
+  // Host 0 goes on alone from the checkpoint.
+  ASSERT_GE(wait_for(first, R"(start at step \d+ on 2 processes)", 60), 0) << first.out_so_far() << first.err_so_far();
+  const double restart_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed).count();
+  std::printf("host 1 %s: host 0 training again after %.1f s\n", link_down ? "link down, then killed" : "killed", restart_s);
+  if (comes_back) {
+    hosts.link(1, true);
+    second = std::make_unique<Process>(agent(hosts, 1, "1:2", program));
+    ASSERT_GE(wait_for(first, R"(start at step \d+ on 4 processes[\s\S]*start at step \d+ on 4 processes)", 60), 0)
+        << first.out_so_far() << first.err_so_far();
+  }
+  auto r0 = first.wait(120);
+  ASSERT_EQ(r0.exit_code, 0) << r0.out << r0.err;
+  if (comes_back) {
+    auto r1 = second->wait(60);
+    EXPECT_EQ(r1.exit_code, 0) << r1.out << r1.err;
+  }
+  const auto begun = starts(r0.out);
+  ASSERT_GE(begun.size(), comes_back ? 3u : 2u) << r0.out;
+  EXPECT_EQ(begun[0], std::make_pair(0, 4));
+  EXPECT_EQ(begun[1].second, 2);
+  // At most one checkpoint interval lost: the restart resumed from the last checkpoint before the kill.
+  const int reached = last_step_before(r0.out, fmt::format("start at step {} on 2", begun[1].first));
+  EXPECT_GT(begun[1].first, 0);
+  EXPECT_LT(reached - begun[1].first, every) << r0.out;
+  if (comes_back) {
+    EXPECT_EQ(begun.back().second, 4);
+  }
+  // The reason the survivors restarted is named.
+  EXPECT_NE(r0.err.find(link_down ? "sent nothing for" : "xlr8 launch: rendezvous: machine"), std::string::npos) << r0.err;
+  const ::Run oracle = one_process(steps);
+  expect_same_params(out, oracle.dir, 1e-5);
+}
+
+TEST(Elastic, AHostWhoseLinkGoesDownAndDiesLeavesTheJobToTheOtherWhichFinishesAndAdmitsItWhenItReturns) {
+  SKIP_WITHOUT_HOSTS();
+  host_dies(/*link_down=*/true, /*comes_back=*/true);
+}
+
+TEST(Elastic, AHostKilledWithItsLinkUpLeavesTheJobToTheOtherWhichFinishes) {
+  SKIP_WITHOUT_HOSTS();
+  host_dies(/*link_down=*/false, /*comes_back=*/false);
+}
