@@ -12,6 +12,7 @@
 #include "netns_hosts.hpp"
 #include "oracle.hpp"
 #include "process_runner.hpp"
+#include "xlr8/launcher.hpp"
 
 using Args = std::vector<std::string>;
 
@@ -161,4 +162,63 @@ TEST(Elastic, AHostWhoseLinkGoesDownAndDiesLeavesTheJobToTheOtherWhichFinishesAn
 TEST(Elastic, AHostKilledWithItsLinkUpLeavesTheJobToTheOtherWhichFinishes) {
   SKIP_WITHOUT_HOSTS();
   host_dies(/*link_down=*/false, /*comes_back=*/false);
+}
+
+// Two agents on this machine's loopback (no namespaces needed): the rendezvous, failures and refusals.
+namespace {
+
+Args local_agent(int port, const std::string& nnodes, const Args& program, Args extra = {}) {
+  Args a{kXlr8, "launch", "--nnodes", nnodes, "--nproc_per_node", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+         fmt::format("127.0.0.1:{}", port), "--rdzv_id", "local-test", "--rdzv_conf",
+         "last_call_timeout=1,keep_alive_interval=1,join_timeout=30"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  a.insert(a.end(), program.begin(), program.end());
+  return a;
+}
+
+}  // namespace
+
+TEST(Elastic, AWorkerThatDiesOnOneMachineRestartsEveryMachinesWorkersFromTheCheckpoint) {
+  const int port = xlr8::pick_free_port();
+  const auto out = temp_dir("elastic-worker-dies");
+  const Args program = worker(out, 30, {"--save_every", "5", "--resume_latest", "--print_steps", "--die_at", "12",
+                                        "--die_rank", "3"});
+  Process first(local_agent(port, "2", program, {"--max_restarts", "1"}));
+  ASSERT_GE(wait_for(first, "serving the rendezvous", 30, true), 0) << first.err_so_far();
+  Process second(local_agent(port, "2", program, {"--max_restarts", "1"}));
+  auto r0 = first.wait(120), r1 = second.wait(120);
+  ASSERT_EQ(r0.exit_code, 0) << r0.out << r0.err;
+  ASSERT_EQ(r1.exit_code, 0) << r1.out << r1.err;
+  // Rank 3 (the second machine's) died at step 12: both machines' workers restarted from step 10.
+  EXPECT_NE(r1.err.find("rank 3 (local rank 1"), std::string::npos) << r1.err;
+  EXPECT_EQ(starts(r0.out), (std::vector<std::pair<int, int>>{{0, 4}, {10, 4}})) << r0.out;
+  expect_same_params(out, one_process(30).dir, 1e-5);
+}
+
+TEST(Elastic, AMachineThatDisagreesOnTheJobIsRefusedNamingTheFlag) {
+  const int port = xlr8::pick_free_port();
+  Process first(local_agent(port, "1:2", {"sleep", "4"}));
+  ASSERT_GE(wait_for(first, "serving the rendezvous", 30, true), 0) << first.err_so_far();
+  auto other_size = run(local_agent(port, "2:2", {"true"}), 30);
+  EXPECT_NE(other_size.exit_code, 0);
+  EXPECT_NE(other_size.err.find("--nnodes 2:2 on this machine, but the rendezvous at 127.0.0.1:" + std::to_string(port) +
+                                " was started with --nnodes 1:2"),
+            std::string::npos)
+      << other_size.err;
+  Args other_job = local_agent(port, "1:2", {"true"});
+  other_job[std::find(other_job.begin(), other_job.end(), "local-test") - other_job.begin()] = "another-job";
+  auto refused = run(other_job, 30);
+  EXPECT_NE(refused.exit_code, 0);
+  EXPECT_NE(refused.err.find("belongs to --rdzv_id \"local-test\", not \"another-job\""), std::string::npos) << refused.err;
+  EXPECT_EQ(first.wait(30).exit_code, 0);
+}
+
+TEST(Elastic, TooFewMachinesWithinTheJoinTimeoutIsAnErrorNamingTheMinimum) {
+  const int port = xlr8::pick_free_port();
+  auto r = run({kXlr8, "launch", "--nnodes", "2:3", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+                fmt::format("127.0.0.1:{}", port), "--rdzv_conf", "join_timeout=2", "true"},
+               30);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("no group of at least 2 machine(s) (--nnodes 2:3)"), std::string::npos) << r.err;
+  EXPECT_LT(r.seconds, 10);
 }

@@ -235,7 +235,10 @@ int main(int argc, char** argv) {
           losses.push_back(acc.reduce(loss.detach().to(at::kDouble), xlr8::ReduceOp::AVG).item<double>());
           if (track)
             acc.log({{"loss", losses.back()}, {"lr", opt.optimizer().param_groups()[0].options().get_lr()}}, acc.step());
-          if (die_rank == acc.process_index() && acc.step() == die_at) raise(SIGKILL);
+          // Only in a first attempt: a group restarted after the death must get past that step.
+          const char* restarted = std::getenv("TORCHELASTIC_RESTART_COUNT");
+          if (die_rank == acc.process_index() && acc.step() == die_at && (!restarted || std::string(restarted) == "0"))
+            raise(SIGKILL);
           if (step_sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(step_sleep_ms));
           if ((checkpoint_at > 0 && acc.step() == checkpoint_at) || (save_every > 0 && acc.step() % save_every == 0))
             acc.save_state(out + "/checkpoint");

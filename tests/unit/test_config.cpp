@@ -240,6 +240,83 @@ TEST(LaunchPlan, FlagsOverrideConfigFile) {
   std::filesystem::remove_all(dir);
 }
 
+// The message of the ConfigError plan_launch throws for `r`, or "" when it throws none.
+std::string plan_error(const LaunchRequest& r) {
+  try {
+    plan_launch(r);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(LaunchPlan, ElasticRendezvousFlagsAsTorchrunHasThemAndTheirErrors) {
+  LaunchRequest r;
+  r.config_file = "";
+  r.command = {"prog"};
+  r.nproc_per_node = 2;
+  r.nnodes = "1:4";
+  EXPECT_NE(plan_error(r).find("--nnodes 1:4 is a range, which needs the elastic rendezvous: add --rdzv_backend c10d"),
+            std::string::npos);
+  r.rdzv_backend = "c10d";
+  EXPECT_NE(plan_error(r).find("needs --rdzv_endpoint host[:port]"), std::string::npos);
+  r.rdzv_endpoint = "node7";
+  r.rdzv_id = "job42";
+  r.rdzv_conf = "join_timeout=20,last_call_timeout=0.5,keep_alive_interval=2,keep_alive_max_attempt=4,close_timeout=9";
+  auto o = plan_launch(r);
+  ASSERT_TRUE(o.elastic);
+  EXPECT_EQ(o.elastic->min_nodes, 1);
+  EXPECT_EQ(o.elastic->max_nodes, 4);
+  EXPECT_EQ(o.elastic->endpoint_host, "node7");
+  EXPECT_EQ(o.elastic->endpoint_port, 29400);  // torchrun's default c10d port
+  EXPECT_EQ(o.elastic->run_id, "job42");
+  EXPECT_EQ(o.run_id, "job42");  // TORCHELASTIC_RUN_ID
+  EXPECT_EQ(o.elastic->join_timeout_s, 20);
+  EXPECT_EQ(o.elastic->last_call_timeout_s, 0.5);
+  EXPECT_EQ(o.elastic->keep_alive_interval_s, 2);
+  EXPECT_EQ(o.elastic->keep_alive_max_attempt, 4);
+  EXPECT_EQ(o.elastic->close_timeout_s, 9);
+  EXPECT_EQ(o.nproc_per_node, 2);
+  r.rdzv_endpoint = "node7:29999";
+  EXPECT_EQ(plan_launch(r).elastic->endpoint_port, 29999);
+  r.rdzv_endpoint = "node7:http";
+  EXPECT_NE(plan_error(r).find("--rdzv_endpoint \"node7:http\": \"http\" is not a TCP port"), std::string::npos);
+  r.rdzv_endpoint = "node7";
+  r.rdzv_conf = "join_timeout=soon";
+  EXPECT_NE(plan_error(r).find("--rdzv_conf join_timeout=\"soon\": give a positive number of seconds"), std::string::npos);
+  r.rdzv_conf = "timeout=3";
+  EXPECT_NE(plan_error(r).find("unknown key \"timeout\"; known: join_timeout"), std::string::npos);
+  r.rdzv_conf.reset();
+  r.nnodes = "4:2";
+  EXPECT_NE(plan_error(r).find("the minimum 4 is above the maximum 2"), std::string::npos);
+  r.nnodes = "two";
+  EXPECT_NE(plan_error(r).find("--nnodes \"two\": give a number of machines N, or MIN:MAX"), std::string::npos);
+  r.nnodes = "1:2";
+  r.machine_rank = 1;
+  EXPECT_NE(plan_error(r).find("the rendezvous assigns machine ranks; remove it"), std::string::npos);
+  r.machine_rank.reset();
+  r.nproc_per_node.reset();
+  r.num_processes = 4;
+  EXPECT_NE(plan_error(r).find("give --nproc_per_node"), std::string::npos);
+  r.nproc_per_node = 2;
+  r.rdzv_backend = "etcd";
+  EXPECT_NE(plan_error(r).find("--rdzv_backend \"etcd\" is not supported: use c10d"), std::string::npos);
+  // A fixed --nnodes N with the static backend is torchrun's plain multi-machine launch.
+  r = LaunchRequest{};
+  r.config_file = "";
+  r.command = {"prog"};
+  r.nproc_per_node = 2;
+  r.nnodes = "3";
+  r.machine_rank = 2;
+  r.main_process_ip = "10.0.0.1";
+  o = plan_launch(r);
+  EXPECT_FALSE(o.elastic);
+  EXPECT_EQ(o.num_machines, 3);
+  EXPECT_EQ(o.world_size(), 6);
+  r.rdzv_endpoint = "a:1";
+  EXPECT_NE(plan_error(r).find("--rdzv_endpoint needs --rdzv_backend c10d"), std::string::npos);
+}
+
 TEST(LaunchPlan, TorchrunSpellingsAndDefaults) {
   LaunchRequest r;
   r.config_file = "";
