@@ -80,7 +80,8 @@ void train_loop(const nlohmann::json& config) {
         acc.save_state(dir.string());
         double norm = 0;
         for (const auto& p : model->parameters()) norm += p.detach().to(torch::kFloat64).pow(2).sum().item<double>();
-        xlr8::train::report({{"step", global_step}, {"loss", last_loss}, {"param_sq_norm", norm}}, dir.string());
+        xlr8::train::report({{"step", global_step}, {"loss", last_loss}, {"param_sq_norm", norm}, {"world_size", acc.num_processes()}},
+                            dir.string());
         if (acc.is_main_process()) fs::remove_all(dir);  // after report(), which is a barrier
       }
       if (global_step >= total) break;

@@ -7,9 +7,11 @@
 #include <fstream>
 #include <sstream>
 
+#include "core/log.hpp"
 #include "launch/mpirun_launch.hpp"
 #include "launch/net.hpp"
 #include "xlr8/deepspeed_config.hpp"
+#include "xlr8/env.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/launcher.hpp"
 
@@ -142,6 +144,27 @@ std::optional<ElasticOptions> plan_rendezvous(const LaunchRequest& r, YAML::Node
   return e;
 }
 
+// Inside a Slurm job step of several tasks (`srun -N 2 --ntasks-per-node 1 xlr8 launch ...`) each task is one
+// machine's launcher: the machine count and rank and machine 0's address come from Slurm's variables, as
+// the workers' own would (core/topology.cpp), unless the flags or the config file name machines.
+void machines_from_slurm(const LaunchRequest& r, YAML::Node& root) {
+  if (r.num_machines || r.nnodes || r.machine_rank || r.main_process_ip || r.mpirun_hostfile || r.rdzv_backend) return;
+  if (root["num_machines"] && root["num_machines"].as<int>(1) != 1) return;
+  Topology t;
+  try {
+    t = topology_from_env(Env::current());
+  } catch (const Error&) {
+    return;  // inconsistent variables: the workers will say what is wrong
+  }
+  if (t.source != "slurm" || t.world_size < 2) return;
+  root["num_machines"] = t.world_size;
+  root["machine_rank"] = t.rank;
+  root["main_process_ip"] = t.master_addr;
+  if (!r.main_process_port) root["main_process_port"] = t.master_port;
+  log::info("xlr8 launch: machine {} of {} from Slurm's job step (machine 0: {}:{})", t.rank, t.world_size,
+            t.master_addr, t.master_port);
+}
+
 }  // namespace
 
 LaunchOptions plan_launch(const LaunchRequest& r) {
@@ -166,6 +189,7 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   if (r.num_processes) root["num_processes"] = *r.num_processes;
   if (r.num_machines) root["num_machines"] = *r.num_machines;
   auto elastic = plan_rendezvous(r, root);
+  if (!elastic) machines_from_slurm(r, root);
   if (r.nproc_per_node && !elastic) root["num_processes"] = *r.nproc_per_node * root["num_machines"].as<int>(1);
   if (r.machine_rank) root["machine_rank"] = *r.machine_rank;
   if (r.main_process_ip) root["main_process_ip"] = *r.main_process_ip;

@@ -25,6 +25,7 @@ const std::string kXlr8 = XLR8_BIN;
 const std::string kTrain = TRAIN_BIN;
 const std::string kWorker = WORKER_BIN;
 const std::string kFashion = FASHION_BIN;
+const std::string kTrainer = TRAINER_BIN;
 const std::string kSource = XLR8_SOURCE_DIR;
 
 bool on_path(const std::string& program) { return run({"sh", "-c", "command -v " + program}, 10).exit_code == 0; }
@@ -339,6 +340,30 @@ TEST_F(Slurm, TheShippedSbatchExampleTrainsFashionMnist) {
   auto result = last_json(out);
   EXPECT_EQ(result["num_processes"], 2) << out;
   EXPECT_EQ(result["global_step"], 20) << out;  // both ranks stepped together to --max_steps
+}
+
+TEST_F(Slurm, XlrLaunchInsideSrunTakesItsMachinesFromSlurm) {
+  // Two tasks of one step, each a "machine" whose launcher starts 2 workers: 4 ranks in lockstep.
+  auto one = one_process(16, 8);
+  auto dir = temp_dir("srun-launch");
+  Args command{"srun", "-n", "2", kXlr8, "launch", "--nproc_per_node", "2"};
+  auto program = train_args(4, 8, dir);
+  command.insert(command.end(), program.begin(), program.end());
+  auto many = oracle_command(without_master(command), dir, 180, env());
+  EXPECT_EQ(many.result["num_processes"], 4);
+  expect_close(many.losses, one.losses, 1e-5);
+  expect_same_params(many.dir, one.dir, 1e-5);
+}
+
+TEST_F(Slurm, TheTrainerRunsInsideAnAllocation) {
+  auto storage = temp_dir("srun-trainer");
+  auto r = run(without_master({"srun", "-n", "1", kTrainer, "--storage_path", storage, "--name", "in-slurm",
+                               "--num_workers", "2", "--steps", "20", "--checkpoint_every", "10", "--train_limit", "640"}),
+               180, env());
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  auto result = last_json(r.out);
+  EXPECT_EQ(result["metrics"]["step"], 20) << r.out;
+  EXPECT_EQ(result["metrics"]["world_size"], 2) << r.out;
 }
 
 TEST(TorchrunEnvironment, ARankOfAnotherJobIsRefusedAtTheRendezvous) {

@@ -224,7 +224,7 @@ TEST(Trainer, ConfigurationErrorsAreOneLineBeforeAnyWorkerStarts) {
   EXPECT_EQ(bad_score.process.exit_code, 1);
   EXPECT_NE(bad_score.summary.value("error", "").find("checkpoint_score_attribute \"accuracy\" is not a number in the "
                                                      "metrics reported with checkpoint_000000 (they have: loss, "
-                                                     "param_sq_norm, step)"),
+                                                     "param_sq_norm, step, world_size)"),
             std::string::npos)
       << bad_score.summary.dump();
   EXPECT_TRUE(checkpoint_dirs(storage + "/score").empty());  // nothing half-registered
