@@ -101,7 +101,14 @@ int main(int argc, char** argv) {
   int64_t steps = 40, every = 10, batch = 32, limit = 4096;
   std::string crash, data_dir = config["data_dir"], score;
   int keep = 0;
-  app.add_option("--num_workers", scaling.num_workers, "Worker processes");
+  std::string workers = "1";
+  app.add_option("--num_workers", workers, "Worker processes, N or MIN:MAX (elastic)");
+  app.add_option("--rdzv_endpoint", scaling.rendezvous_endpoint,
+                 "Several machines: host:port of the rendezvous (each machine runs this program)");
+  app.add_option("--workers_per_machine", scaling.workers_per_machine, "Several machines: workers on each");
+  app.add_option("--cpus_per_worker", scaling.resources_per_worker.cpus, "Cores per worker (a range of workers: "
+                 "as many as the cores allow)");
+  app.add_option("--rdzv_conf", scaling.rendezvous_conf, "Several machines: torchrun's --rdzv_conf");
   app.add_option("--max_failures", run.failure_config.max_failures, "Group restarts after a failure (-1: no limit)");
   app.add_option("--storage_path", run.storage_path, "Runs are kept under this folder");
   app.add_option("--name", run.name, "The run's name (its folder under --storage_path); an existing run resumes");
@@ -115,6 +122,15 @@ int main(int argc, char** argv) {
   app.add_option("--data_dir", data_dir, "Directory with the Fashion-MNIST IDX .gz files");
   app.add_option("--crash", crash, "RANK:STEP:kill|throw|exit: fail once, in the first group");
   CLI11_PARSE(app, argc, argv);
+  try {
+    const size_t colon = workers.find(':');
+    scaling.num_workers = colon == std::string::npos
+                              ? xlr8::train::NumWorkers(std::stoi(workers))
+                              : xlr8::train::NumWorkers(std::stoi(workers.substr(0, colon)), std::stoi(workers.substr(colon + 1)));
+  } catch (const std::logic_error&) {
+    fmt::print(stderr, "trainer: --num_workers {:?}: give N or MIN:MAX\n", workers);
+    return 2;
+  }
   config["steps"] = steps;
   config["checkpoint_every"] = every;
   config["batch_size"] = batch;

@@ -22,13 +22,32 @@
 
 namespace xlr8::train {
 
+// A number of workers, or Ray's elastic range: ScalingConfig{.num_workers = 4} or {.num_workers = {2, 4}}.
+struct NumWorkers {
+  int min = 1, max = 1;
+  NumWorkers(int n = 1) : min(n), max(n) {}  // NOLINT: implicit, so that `.num_workers = 4` reads as in Ray
+  NumWorkers(int lo, int hi) : min(lo), max(hi) {}
+  bool elastic() const { return min != max; }
+};
+
 struct ScalingConfig {
-  int num_workers = 1;  // processes on this machine
+  // Workers over all machines. A range {min, max}: each start of the group takes what is there, at least
+  // min: on one machine, as many as its cores (resources_per_worker.cpus each) or GPUs allow, up to max;
+  // across machines, whichever machines are up (a lost machine's workers are dropped, a returning one's
+  // admitted at a new start).
+  NumWorkers num_workers = 1;
   bool use_gpu = false;  // false: the workers stay on the CPU (ACCELERATE_USE_CPU)
   struct Resources {
     int cpus = 0;  // intra-op threads per worker (OMP_NUM_THREADS); 0: cores / workers
     int gpus = 0;  // 0 or 1: one GPU per worker is what the launcher gives (local rank -> device)
   } resources_per_worker;
+  // Several machines: each runs this same program, whose fit() drives that machine's workers_per_machine
+  // workers; they meet at the c10d rendezvous on `rendezvous_endpoint` (host[:port], served by the machine
+  // owning that address, as `xlr8 launch --rdzv_backend c10d` does) under the run's name. storage_path must
+  // be shared by every machine. `rendezvous_conf`: torchrun's --rdzv_conf (keep_alive_interval=1,...).
+  std::string rendezvous_endpoint;
+  int workers_per_machine = 0;
+  std::string rendezvous_conf;
 };
 
 struct CheckpointConfig {

@@ -12,6 +12,8 @@
 #include <ctime>
 #include <fstream>
 #include <limits>
+#include <optional>
+#include <thread>
 
 #include "compat/torch_compat.hpp"
 #include "core/error_file.hpp"
@@ -104,9 +106,19 @@ TrainingFailedError failure_from_json(const nlohmann::json& j) {
           .stderr_tail = j.value("stderr_tail", std::vector<std::string>{})};
 }
 
+std::string describe(const NumWorkers& n) { return n.elastic() ? fmt::format("{{{}, {}}}", n.min, n.max) : std::to_string(n.min); }
+
 void check(const ScalingConfig& s) {
-  if (s.num_workers < 1)
-    throw ConfigError(fmt::format("ScalingConfig.num_workers {} must be at least 1", s.num_workers));
+  if (s.num_workers.min < 1 || s.num_workers.max < s.num_workers.min)
+    throw ConfigError(fmt::format("ScalingConfig.num_workers {} must be at least 1 (a range: min <= max)",
+                                  describe(s.num_workers)));
+  if (!s.rendezvous_endpoint.empty() && (s.workers_per_machine < 1 || s.workers_per_machine > s.num_workers.max))
+    throw ConfigError(fmt::format("ScalingConfig.rendezvous_endpoint is set (several machines): workers_per_machine {} "
+                                  "must be 1 to num_workers' maximum {}",
+                                  s.workers_per_machine, s.num_workers.max));
+  if (s.rendezvous_endpoint.empty() && s.workers_per_machine != 0)
+    throw ConfigError("ScalingConfig.workers_per_machine is for several machines: set rendezvous_endpoint too, or use "
+                      "num_workers alone on one machine");
   if (s.resources_per_worker.cpus < 0)
     throw ConfigError(fmt::format("ScalingConfig.resources_per_worker.cpus {} must be 0 (cores / workers) or more",
                                   s.resources_per_worker.cpus));
@@ -121,9 +133,28 @@ void check(const ScalingConfig& s) {
   if (s.use_gpu && gpus == 0)
     throw ConfigError("ScalingConfig.use_gpu is set but this LibTorch sees no CUDA device; set use_gpu = false to "
                       "train on the CPU");
-  if (s.use_gpu && gpus < s.num_workers)
-    throw ConfigError(fmt::format("ScalingConfig.num_workers {} with use_gpu needs {} GPUs; this machine has {}",
-                                  s.num_workers, s.num_workers, gpus));
+  const int here = s.rendezvous_endpoint.empty() ? s.num_workers.min : s.workers_per_machine;
+  if (s.use_gpu && gpus < here)
+    throw ConfigError(fmt::format("ScalingConfig.num_workers {} with use_gpu needs {} GPUs on this machine; it has {}",
+                                  describe(s.num_workers), here, gpus));
+}
+
+// One machine, a range: as many workers as this machine offers (a GPU each, or resources_per_worker.cpus
+// cores each), at least min, at most max.
+int workers_here(const ScalingConfig& s) {
+  if (!s.num_workers.elastic()) return s.num_workers.min;
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int offered = s.use_gpu ? compat::cuda_device_count()
+                      : s.resources_per_worker.cpus > 0 ? cores / s.resources_per_worker.cpus
+                                                        : s.num_workers.max;
+  if (offered < s.num_workers.min)
+    throw ConfigError(fmt::format("ScalingConfig.num_workers {}: this machine offers {} worker(s) ({}), fewer than the "
+                                  "minimum",
+                                  describe(s.num_workers), offered,
+                                  s.use_gpu ? "its GPUs"
+                                            : fmt::format("{} cores, resources_per_worker.cpus {}", cores,
+                                                          s.resources_per_worker.cpus)));
+  return std::min(offered, s.num_workers.max);
 }
 
 }  // namespace
@@ -203,26 +234,48 @@ Result Trainer::drive() {
   }
   const fs::path run_dir = fs::absolute(fs::path(storage) / name);
   fs::create_directories(run_dir);
-  RunLock lock(run_dir);
+  // Several machines: one driver on each, by design; and one that joins late must not touch a report in
+  // progress.
+  const bool machines = !scaling_.rendezvous_endpoint.empty();
+  std::optional<RunLock> lock;
+  if (!machines) lock.emplace(run_dir);
   const fs::path error_path = run_dir / detail::kFitErrorFile;
   fs::remove(error_path);  // the error of an earlier fit() is not this one's
   // Left by a report() that died mid-copy (it starts from an empty one anyway).
-  for (const auto& entry : fs::directory_iterator(run_dir))
-    if (entry.path().filename().string().rfind(".staging_", 0) == 0) fs::remove_all(entry.path());
+  if (!machines)
+    for (const auto& entry : fs::directory_iterator(run_dir))
+      if (entry.path().filename().string().rfind(".staging_", 0) == 0) fs::remove_all(entry.path());
   if (auto snapshot = detail::RunSnapshot::load(run_dir); !snapshot.kept.empty())
     log::info("xlr8 train: run {:?} exists: its workers resume from {}", name, snapshot.kept.back().dir_name);
 
   LaunchRequest request;
   if (!run_.launch_config_file.empty()) request.config_file = run_.launch_config_file;
-  request.num_processes = scaling_.num_workers;
+  if (machines) {
+    const int per = scaling_.workers_per_machine;
+    request.nproc_per_node = per;
+    request.nnodes = fmt::format("{}:{}", (scaling_.num_workers.min + per - 1) / per, scaling_.num_workers.max / per);
+    request.rdzv_backend = "c10d";
+    request.rdzv_endpoint = scaling_.rendezvous_endpoint;
+    request.rdzv_id = name;
+    if (!scaling_.rendezvous_conf.empty()) request.rdzv_conf = scaling_.rendezvous_conf;
+  } else {
+    request.num_processes = workers_here(scaling_);
+  }
   request.cpu = !scaling_.use_gpu;
   request.max_restarts = run_.failure_config.max_failures < 0 ? std::numeric_limits<int>::max()
                                                               : run_.failure_config.max_failures;
   if (scaling_.resources_per_worker.cpus > 0) request.num_cpu_threads_per_process = scaling_.resources_per_worker.cpus;
   // Each fit() logs into its own folder: a driver that resumes a run keeps the logs of the one before.
+  // Several machines: each its own logs (the workers' folders are named by local rank).
+  fs::path logs = run_dir / "logs";
+  if (machines) {
+    char host[256] = "?";
+    gethostname(host, sizeof(host) - 1);
+    logs /= fmt::format("{}-{}", host, ::getpid());
+  }
   int fits = 0;
-  while (fs::exists(run_dir / "logs" / fmt::format("fit_{}", fits))) ++fits;
-  request.log_dir = (run_dir / "logs" / fmt::format("fit_{}", fits)).string();
+  while (fs::exists(logs / fmt::format("fit_{}", fits))) ++fits;
+  request.log_dir = (logs / fmt::format("fit_{}", fits)).string();
   request.command = own_command();
   LaunchOptions options = plan_launch(request);
   options.extra_env[kWorkerVar] = "1";

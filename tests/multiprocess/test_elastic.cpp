@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
 #include <regex>
 #include <thread>
 
@@ -20,6 +21,7 @@ namespace {
 
 const std::string kXlr8 = XLR8_BIN;
 const std::string kTrain = TRAIN_BIN;
+const std::string kTrainer = TRAINER_BIN;
 
 #define SKIP_WITHOUT_HOSTS()                                                      \
   if (const std::string why = NetnsHosts::unavailable(); !why.empty()) GTEST_SKIP() << why
@@ -221,4 +223,40 @@ TEST(Elastic, TooFewMachinesWithinTheJoinTimeoutIsAnErrorNamingTheMinimum) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("no group of at least 2 machine(s) (--nnodes 2:3)"), std::string::npos) << r.err;
   EXPECT_LT(r.seconds, 10);
+}
+
+// xlr8::train::Trainer across machines: each host runs the trainer example (its own driver), the workers of
+// both meet at the rendezvous, the run's storage is shared. Host 1 dies (link down, then its processes);
+// host 0's fit() goes on alone from the last registered checkpoint and returns the finished run's result.
+TEST(Elastic, TheTrainerOnTwoHostsLosesOneAndItsFitFinishesOnTheOther) {
+  SKIP_WITHOUT_HOSTS();
+  NetnsHosts hosts(2);
+  const auto storage = temp_dir("elastic-trainer");
+  auto driver = [&](int host) {
+    return hosts.on(host, {kTrainer, "--storage_path", storage, "--name", "two_hosts", "--num_workers", "2:4",
+                           "--workers_per_machine", "2", "--rdzv_endpoint", hosts.address(0) + ":29400", "--rdzv_conf",
+                           "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3", "--max_failures", "2",
+                           "--steps", "80", "--checkpoint_every", "10", "--train_limit", "2560"});
+  };
+  Process first(driver(0));
+  ASSERT_GE(wait_for(first, "serving the rendezvous", 30, true), 0) << first.err_so_far();
+  Process second(driver(1));
+  const auto checkpoint = storage + "/two_hosts/checkpoint_000001";
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
+  while (!std::filesystem::exists(checkpoint) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(std::filesystem::exists(checkpoint)) << first.out_so_far() << first.err_so_far();
+  hosts.link(1, false);
+  hosts.kill_all(1);
+  second.wait(10);
+  auto r = first.wait(150);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const auto result = last_json(r.out);
+  EXPECT_FALSE(result.contains("error")) << r.out;
+  EXPECT_EQ(result["metrics"]["step"], 80) << r.out;
+  EXPECT_EQ(result["metrics"]["world_size"], 2) << r.out;  // the last group: host 0's two workers
+  // The first group had both hosts' four workers, and the second resumed from a registered checkpoint.
+  EXPECT_NE(r.err.find("rendezvous round 1: 2 machine(s), 4 ranks"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("rendezvous round 2: 1 machine(s), 2 ranks"), std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("resumed from " + storage + "/two_hosts/checkpoint_"), std::string::npos) << r.out;
 }

@@ -236,3 +236,18 @@ TEST(Trainer, ConfigurationErrorsAreOneLineBeforeAnyWorkerStarts) {
       << launched.err;
   fs::remove_all(storage);
 }
+
+TEST(Trainer, AnElasticRangeOnOneMachineTakesTheWorkersItsCoresOfferAndRefusesTooFew) {
+  auto storage = temp_dir("trainer-range");
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  auto ranged = fit(storage, "ranged", {"--num_workers", "1:4", "--cpus_per_worker", "1", "--steps", "10"});
+  ASSERT_EQ(ranged.process.exit_code, 0) << ranged.process.err;
+  EXPECT_EQ(ranged.summary["metrics"]["world_size"], std::min(cores, 4)) << ranged.process.out;
+  auto few = fit(storage, "few", {"--num_workers", fmt::format("{}:{}", cores + 1, cores + 2), "--cpus_per_worker", "1"});
+  EXPECT_NE(few.process.exit_code, 0);
+  EXPECT_NE(few.process.err.find(fmt::format("ScalingConfig.num_workers {{{}, {}}}: this machine offers {} worker(s) ({} "
+                                             "cores, resources_per_worker.cpus 1), fewer than the minimum",
+                                             cores + 1, cores + 2, cores, cores)),
+            std::string::npos)
+      << few.process.err;
+}
