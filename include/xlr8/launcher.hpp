@@ -2,6 +2,7 @@
 // `xlr8 launch`: starts this machine's workers with the torchrun/Accelerate environment, prefixes their
 // output with the rank, fails fast like torchrun (first failure stops the rest: SIGTERM, then SIGKILL
 // after a grace period), forwards SIGINT/SIGTERM, and restarts the whole group up to max_restarts times.
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -43,6 +44,10 @@ struct LaunchOptions {
   std::map<std::string, std::string> extra_env;
   std::string mpirun_hostfile;  // set: one mpirun starts all ranks over the file's hosts (accelerate launch's way)
   std::optional<ElasticOptions> elastic;  // set: machines and ranks come from the rendezvous, not the fields above
+  // Asked about ten times a second while the workers run (static launch): a non-empty answer stops them all
+  // (SIGTERM), which is then no failure: the launch returns 0. `xlr8 verify` stops a job that has recorded
+  // its steps this way.
+  std::function<std::string()> stop_check;
   int world_size() const { return nproc_per_node * num_machines; }
 };
 

@@ -101,10 +101,11 @@ LaunchOutcome launch_with_outcome(const LaunchOptions& o) {
                                                 .world_size = o.world_size(),
                                                 .rank_offset = o.machine_rank * o.nproc_per_node,
                                                 .master_addr = o.master_addr,
-                                                .master_port = port});
+                                                .master_port = port},
+                                     o.stop_check);
     // Workers unlink their segments once mapped; only one killed mid-setup can leave one behind.
     detail::remove_job_segments(std::to_string(::getpid()));
-    if (code == 0 || !supervisor.failed()) return {.exit_code = code, .restarts = attempt};
+    if (code == 0 || !supervisor.failed()) return {.exit_code = code, .restarts = attempt};  // also stopped by stop_check
     supervisor.report_failure();
     if (attempt >= o.max_restarts)
       return {.exit_code = code, .restarts = attempt, .failure = supervisor.first_failure(), .stalled = supervisor.stalled()};

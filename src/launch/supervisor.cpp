@@ -354,7 +354,7 @@ class Supervisor final : public detail::WorkerGroup {
     std::string why = stop_check_();
     if (why.empty()) return;
     stopped_for_ = std::move(why);
-    log::warning("xlr8 launch: {}: stopping the {} local worker(s) for a new rendezvous", stopped_for_, workers_.size());
+    log::warning("xlr8 launch: {}: stopping the {} local worker(s)", stopped_for_, workers_.size());
     begin_stop(SIGTERM);
   }
 

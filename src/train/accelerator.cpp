@@ -78,6 +78,9 @@ Accelerator::Accelerator(AcceleratorOptions options, ForEngine) : impl_(std::mak
                  (settings.deepspeed && (settings.deepspeed->offload_optimizer_device != "none" ||
                                          settings.deepspeed->offload_param_device != "none"));
   if (offload) s.report_offload();
+  // `xlr8 verify`: the same global batch on any number of processes, and the record of each step.
+  if (const char* split = std::getenv("XLR8_SPLIT_BATCHES"); split && std::string(split) == "1") s.options.split_batches = true;
+  s.verify = detail::VerifyRecorder::from_env();
   // parallelism_config_cp_size / _sp_size: a model's xlr8::attention and cp::local_positions follow the group.
   if (auto context = s.sequence_context()) {
     cp::set_process_context(*context);
@@ -301,6 +304,7 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
     tp::detail::take_whole_values_from_main(*module, s.world(), wholes, s.device);
   }
   module->to(s.device);
+  if (s.verify) s.verify->on_prepare(s, *module);
   auto parallel = s.options.parallel;
   const auto& settings = s.state->settings();
   if (settings.fsdp && settings.fsdp->activation_checkpointing)

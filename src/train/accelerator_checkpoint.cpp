@@ -318,10 +318,15 @@ void Accelerator::load_optimizer_archive(torch::optim::Optimizer& optimizer, con
 }
 
 void Accelerator::save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const {
-  const int64_t limit = checkpoints::parse_size(max_shard_size);  // on every rank: a bad size fails them all
+  // The size is parsed on every rank: a bad one fails them all.
+  write_full_model(*impl_, module, dir, checkpoints::parse_size(max_shard_size));
+}
+
+void write_full_model(const AcceleratorImpl& impl, const torch::nn::Module& module, const std::string& dir,
+                      int64_t limit) {
   std::unique_ptr<checkpoints::HfModelWriter> writer;
   stream_full_state(
-      *impl_, module, fmt::format("save_model({:?})", dir),
+      impl, module, fmt::format("save_model({:?})", dir),
       [&](std::vector<SafetensorsSpec> specs) {
         writer = checkpoints::filesystem_guard(fmt::format("save_model({:?})", dir), [&] {
           return std::make_unique<checkpoints::HfModelWriter>(dir, std::move(specs), limit);

@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "train/deepspeed_plugin.hpp"
+#include "train/verify_recorder.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/context_parallel.hpp"
 #include "xlr8/loss_scaler.hpp"
@@ -48,6 +49,7 @@ struct AcceleratorImpl {
   std::string run_dir;
   std::optional<detail::DeepSpeedPlugin> deepspeed;  // the launch's DeepSpeed JSON, when it names one
   double clip_at_step = 0;  // DeepSpeed's gradient_clipping: every optimizer step clips to it (0: no)
+  std::unique_ptr<detail::VerifyRecorder> verify;  // under `xlr8 verify` (XLR8_VERIFY_DIR)
 
   Communicator& world() const { return state->world(); }
   std::vector<at::Tensor> optimized_parameters() const;
@@ -86,5 +88,10 @@ struct AcceleratorImpl {
   std::vector<BuiltForTp> built_for_tp_loading;  // by build_model under tensor parallelism, until prepared
   bool installed_cp_context = false;  // this Accelerator set cp's process context (and clears it when it goes)
 };
+
+// The whole model (gathered from shards, on rank 0) as Hugging Face safetensors in `dir` (collective): what
+// save_model writes.
+void write_full_model(const AcceleratorImpl& impl, const torch::nn::Module& module, const std::string& dir,
+                      int64_t shard_limit = 0);
 
 }  // namespace xlr8

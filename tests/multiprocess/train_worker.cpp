@@ -10,6 +10,7 @@
 //   --split_batches (--batch is the global batch, the same on any number of processes)
 //   --resume_latest (resume from DIR/checkpoint when it exists: a restarted elastic job)
 //   --step_sleep_ms N (each step takes at least this long)   --print_steps (rank 0: "step N" after each step)
+//   --dropout P (a Dropout after the first layer)   --init_by_rank (each rank seeds its model's draws differently)
 //   --track (init_trackers("oracle") in --out; log loss and lr every step)
 //   --mode nested|nested-mismatch|free-memory|free-control (train_worker_api.cpp)
 #include <CLI/CLI.hpp>
@@ -46,19 +47,22 @@ struct Synthetic {  // a fixed classification problem, identical on every rank
 };
 
 struct MlpImpl : torch::nn::Module {
-  MlpImpl(int64_t hidden, bool with_unused, bool with_norm) {
+  MlpImpl(int64_t hidden, bool with_unused, bool with_norm, double dropout = 0) {
     fc1 = register_module("fc1", torch::nn::Linear(8, hidden));
     fc2 = register_module("fc2", torch::nn::Linear(hidden, 4));
+    if (dropout > 0) drop = register_module("drop", torch::nn::Dropout(dropout));
     if (with_unused) spare = register_module("spare", torch::nn::Linear(4, 4));
     if (with_norm) norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({hidden})));
   }
   at::Tensor forward(const at::Tensor& x) {
+    if (drop) return fc2(drop(torch::tanh(fc1(x))));
     if (!norm) return fc2(torch::tanh(fc1(x)));
     // A Linear's output straight into a LayerNorm (bf16 into fp32 weights under autocast), as a sharded unit.
     return xlr8::sharded(*this, [&] { return fc2(torch::tanh(norm(fc1(x)))); });
   }
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, spare{nullptr};
   torch::nn::LayerNorm norm{nullptr};
+  torch::nn::Dropout drop{nullptr};
 };
 TORCH_MODULE(Mlp);
 
@@ -106,6 +110,10 @@ int main(int argc, char** argv) {
   app.add_flag("--tensor_parallel", tensor_parallel, "TpMlp, fc1 column-wise and fc2 row-wise over the mesh's tp group");
   bool split_batches = false, resume_latest = false, print_steps = false;
   int step_sleep_ms = 0;
+  double dropout = 0;
+  bool init_by_rank = false;
+  app.add_option("--dropout", dropout);
+  app.add_flag("--init_by_rank", init_by_rank);
   app.add_flag("--split_batches", split_batches);
   app.add_flag("--resume_latest", resume_latest);
   app.add_flag("--print_steps", print_steps);
@@ -268,7 +276,8 @@ int main(int argc, char** argv) {
       acc.end_training();
       return 0;
     };
-    if (!tensor_parallel) return train(acc.prepare(Mlp(hidden, mode == "unused", with_norm)));
+    if (init_by_rank) torch::manual_seed(1000 + acc.process_index());  // a bug verify must name
+    if (!tensor_parallel) return train(acc.prepare(Mlp(hidden, mode == "unused", with_norm, dropout)));
     // fc1 column-wise, fc2 row-wise over the mesh's tp group, before the Accelerator sees the model.
     TpMlp model(hidden);
     xlr8::tp::parallelize(*model, acc.state().mesh().group("tp"),

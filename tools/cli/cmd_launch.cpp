@@ -54,11 +54,19 @@ std::vector<std::string> normalize_launch_args(const CLI::App& launch, const std
 Handler add_launch(CLI::App& app) {
   auto* cmd = app.add_subcommand("launch", "Start the worker processes of a distributed job on this machine");
   auto req = std::make_shared<LaunchRequest>();
+  add_launch_options(cmd, req);
+  cmd->footer("Usage: xlr8 launch [options] [--] program [args...]\n"
+              "Everything from the program's name on (or after --) is the program's, even --help.");
+  return [req]() {
+    LaunchOptions options = plan_launch(*req);
+    return launch(options);
+  };
+}
+
+void add_launch_options(CLI::App* cmd, const std::shared_ptr<LaunchRequest>& req) {
   // The program and its arguments: normalize_launch_args puts a `--` before them, so CLI11 never reads
   // them as options (`xlr8 launch prog --help` is prog's help).
   cmd->add_option("program", req->command, "The program to start, and its arguments: program [args...]");
-  cmd->footer("Usage: xlr8 launch [options] [--] program [args...]\n"
-              "Everything from the program's name on (or after --) is the program's, even --help.");
   auto opt = [&](const std::string& name, auto& target, const std::string& help) {
     return cmd->add_option(spellings(name), target, help);
   };
@@ -142,10 +150,8 @@ Handler add_launch(CLI::App& app) {
                                           "Device mesh: as parallelism_config." + k)
         ->group("Parallelism");
   }
-  return [req, compat_flags, compat_switch]() {
-    LaunchOptions options = plan_launch(*req);
-    return launch(options);
-  };
+  // Kept alive with the command: CLI11 writes into them while parsing.
+  cmd->callback([compat_flags, compat_switch] {});
 }
 
 }  // namespace xlr8::cli

@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
     handlers.emplace_back(app.get_subcommands(nullptr)[before], handler);
   };
   reg(xlr8::cli::add_launch);
+  reg(xlr8::cli::add_verify);
   reg(xlr8::cli::add_config);
   reg(xlr8::cli::add_env);
   reg(xlr8::cli::add_test);
@@ -39,8 +40,8 @@ int main(int argc, char** argv) {
         return 2;
       }
     }
-    if (!args.empty() && args[0] == "launch") {
-      auto rest = xlr8::cli::normalize_launch_args(*app.get_subcommand("launch"), {args.begin() + 1, args.end()});
+    if (!args.empty() && (args[0] == "launch" || args[0] == "verify")) {
+      auto rest = xlr8::cli::normalize_launch_args(*app.get_subcommand(args[0]), {args.begin() + 1, args.end()});
       args.resize(1);
       args.insert(args.end(), rest.begin(), rest.end());
     }

@@ -1,0 +1,91 @@
+#include "train/verify_recorder.hpp"
+
+#include <fmt/format.h>
+#include <torch/nn/module.h>
+#include <torch/nn/utils/clip_grad.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+
+#include "checkpoint/files.hpp"
+#include "train/accelerator_impl.hpp"
+#include "xlr8/error.hpp"
+
+namespace xlr8::detail {
+
+std::unique_ptr<VerifyRecorder> VerifyRecorder::from_env() {
+  const char* dir = std::getenv("XLR8_VERIFY_DIR");
+  if (!dir || !*dir) return nullptr;
+  auto r = std::make_unique<VerifyRecorder>();
+  r->dir_ = dir;
+  if (const char* k = std::getenv("XLR8_VERIFY_STEPS"); k && *k) r->steps_ = std::max(1L, std::strtol(k, nullptr, 10));
+  r->record_ = {{"steps", nlohmann::json::array()},
+                {"differs_at_start", nlohmann::json::array()},
+                {"dropout", nlohmann::json::array()},
+                {"batchnorm", nlohmann::json::array()}};
+  std::filesystem::create_directories(r->dir_);
+  return r;
+}
+
+void VerifyRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module) {
+  const std::string prefix = models_ == 0 ? "" : fmt::format("model {}: ", models_);
+  ++models_;
+  for (const auto& item : module.named_modules()) {
+    const std::string type = item.value()->name();
+    const std::string name = prefix + (item.key().empty() ? "(the model)" : item.key());
+    if (type.find("Dropout") != std::string::npos && item.value()->is_training())
+      record_["dropout"].push_back(fmt::format("{} ({})", name, type));
+    if (type.find("BatchNorm") != std::string::npos) record_["batchnorm"].push_back(fmt::format("{} ({})", name, type));
+  }
+  // Two sums per parameter, compared by MIN and MAX over the ranks: equal everywhere, or not.
+  auto params = module.named_parameters();
+  if (params.size() == 0) return;
+  std::vector<at::Tensor> sums;
+  for (const auto& p : params) {
+    auto values = p.value().detach().to(at::kCPU, at::kDouble);
+    sums.push_back(at::stack({values.sum(), values.pow(2).sum()}));
+  }
+  auto low = at::stack(sums).to(impl.device), high = low.clone();
+  impl.world().all_reduce(low, ReduceOp::MIN);
+  impl.world().all_reduce(high, ReduceOp::MAX);
+  auto differs = low.ne(high).any(1).cpu();
+  for (size_t i = 0; i < params.size(); ++i)
+    if (differs[static_cast<int64_t>(i)].item<bool>()) record_["differs_at_start"].push_back(prefix + params[i].key());
+}
+
+void VerifyRecorder::on_backward(const at::Tensor& loss) {
+  pending_loss_ += loss.detach().to(at::kDouble).sum().item<double>();
+  pending_micro_ += 1;
+}
+
+void VerifyRecorder::before_step(AcceleratorImpl& impl, const std::vector<at::Tensor>& parameters,
+                                 ParallelStrategy* owner) {
+  auto mean = at::full({1}, pending_micro_ ? pending_loss_ / pending_micro_ : 0.0, at::kDouble).to(impl.device);
+  pending_loss_ = 0;
+  pending_micro_ = 0;
+  impl.world().all_reduce(mean, ReduceOp::SUM);
+  loss_ = mean.item<double>() / impl.world().size();
+  // An infinite max_norm measures without clipping.
+  const double inf = std::numeric_limits<double>::infinity();
+  grad_norm_ = owner ? owner->clip_grad_norm(parameters, inf, 2.0) : torch::nn::utils::clip_grad_norm_(parameters, inf, 2.0);
+}
+
+void VerifyRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
+  if (step > steps_) return;
+  record_["steps"].push_back({{"step", step}, {"loss", loss_}, {"grad_norm", grad_norm_}});
+  const bool last = step == steps_;
+  if (last)
+    for (size_t i = 0; i < impl.models.size(); ++i)
+      write_full_model(impl, *impl.models[i]->module(), fmt::format("{}/model_{}", dir_, i));
+  const int rank = impl.state->rank();
+  if (rank == 0) {
+    record_["world_size"] = impl.world().size();
+    record_["complete"] = last;
+    files::write_durably(dir_ + "/record.json", record_.dump(1));
+  }
+  if (last) std::ofstream(fmt::format("{}/done.{}", dir_, rank)) << "done\n";
+}
+
+}  // namespace xlr8::detail

@@ -1,0 +1,49 @@
+#pragma once
+// `xlr8 verify`'s recorder in the workers. tools/cli/cmd_verify.cpp runs the program with XLR8_VERIFY_DIR and
+// XLR8_VERIFY_STEPS=K; then, per optimizer step, the loss given to backward() (the mean of the accumulated
+// micro-steps, averaged over the ranks as over the global batch) and the global gradient norm, and after step
+// K the whole parameters (gathered from shards); at prepare, what could make N ranks differ from one process
+// (parameters that differ across ranks before the strategy syncs them, dropout, BatchNorm). Rank 0 writes
+// <dir>/record.json after every step and <dir>/model_<i>/ at step K; every rank then writes <dir>/done.<rank>,
+// and the tool stops the job.
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace torch::nn {
+class Module;
+}
+
+namespace xlr8 {
+struct AcceleratorImpl;
+class ParallelStrategy;
+
+namespace detail {
+
+class VerifyRecorder {
+ public:
+  // nullptr unless XLR8_VERIFY_DIR is set.
+  static std::unique_ptr<VerifyRecorder> from_env();
+  // A model as prepare() receives it, before its strategy syncs or shards it (collective).
+  void on_prepare(AcceleratorImpl& impl, torch::nn::Module& module);
+  void on_backward(const at::Tensor& loss);
+  // A step that updates: gradients synchronised and unscaled, not yet applied (collective).
+  void before_step(AcceleratorImpl& impl, const std::vector<at::Tensor>& parameters, ParallelStrategy* owner);
+  // After optimizer step `step` (1-based): the record, and at K the parameters (collective).
+  void after_step(AcceleratorImpl& impl, int64_t step);
+
+ private:
+  std::string dir_;
+  int64_t steps_ = 5;
+  double pending_loss_ = 0;
+  int pending_micro_ = 0;
+  double grad_norm_ = 0, loss_ = 0;
+  int models_ = 0;
+  nlohmann::json record_;
+};
+
+}  // namespace detail
+}  // namespace xlr8

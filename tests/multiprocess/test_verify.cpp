@@ -1,0 +1,93 @@
+// `xlr8 verify`: the user's program on N processes against one process, for real (real launches of the
+// oracle worker and the Fashion-MNIST example), passing for every strategy and failing, with the cause
+// named, on programs that cannot pass.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include "process_runner.hpp"
+
+using Args = std::vector<std::string>;
+
+namespace {
+
+const std::string kXlr8 = XLR8_BIN;
+const std::string kTrain = TRAIN_BIN;
+const std::string kFashion = FASHION_BIN;
+
+ProcessResult verify(int n, const Args& flags, const Args& program) {
+  Args a{kXlr8, "verify", "--num_processes", std::to_string(n)};
+  a.insert(a.end(), flags.begin(), flags.end());
+  a.insert(a.end(), program.begin(), program.end());
+  return run(a, 170);
+}
+
+Args oracle_worker(Args extra = {}) {
+  Args a{kTrain, "--batch", "12", "--steps", "100", "--out", temp_dir("verify-out")};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+bool passed(const ProcessResult& r) { return r.exit_code == 0 && r.out.find("xlr8 verify: PASS") != std::string::npos; }
+
+}  // namespace
+
+TEST(Verify, DdpAndFullShardPassOnTwoThreeAndFourRanks) {
+  for (int n : {2, 3, 4})
+    for (const Args& strategy : {Args{}, Args{"--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD"}}) {
+      SCOPED_TRACE(fmt::format("{} ranks{}", n, strategy.empty() ? "" : ", FULL_SHARD"));
+      auto r = verify(n, strategy, oracle_worker());
+      EXPECT_TRUE(passed(r)) << r.out << r.err;
+      EXPECT_NE(r.out.find(fmt::format("loss ({} processes)", n)), std::string::npos) << r.out;
+    }
+}
+
+TEST(Verify, EveryOtherStrategyAndGradientAccumulationPassOnThreeRanks) {
+  for (const Args& strategy : {Args{"--use_deepspeed", "--zero_stage", "1"}, Args{"--use_deepspeed", "--zero_stage", "2"},
+                               Args{"--use_deepspeed", "--zero_stage", "3"},
+                               Args{"--use_fsdp", "--fsdp_sharding_strategy", "SHARD_GRAD_OP"},
+                               Args{"--gradient_accumulation_steps", "2"}}) {
+    SCOPED_TRACE(fmt::format("{}", fmt::join(strategy, " ")));
+    auto r = verify(3, strategy, oracle_worker());
+    EXPECT_TRUE(passed(r)) << r.out << r.err;
+  }
+}
+
+TEST(Verify, TheFashionMnistExamplePasses) {
+  auto r = verify(2, {"--steps", "3"},
+                  {kFashion, "--train_limit", "1280", "--batch_size", "32", "--output_dir", temp_dir("verify-fashion")});
+  EXPECT_TRUE(passed(r)) << r.out << r.err;
+}
+
+TEST(Verify, DropoutFailsWithTheModuleNamedAfterAThirdRunShowsTheProgramIsDeterministic) {
+  auto r = verify(2, {}, oracle_worker({"--dropout", "0.3"}));
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_NE(r.out.find("xlr8 verify: FAIL: step 1 is the first"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("run 3 (one process again"), std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("likely cause: dropout draws its masks from each rank's generator"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("drop (torch::nn::DropoutImpl)"), std::string::npos) << r.out;
+}
+
+TEST(Verify, AModelInitialisedByRankIsNamedAndPassesBecauseEveryStrategySyncsItFromRankZero) {
+  // Each rank draws its own initial weights; prepare() gives every rank rank 0's (DDP broadcasts them, the
+  // sharded strategies shard rank 0's), so the job trains rank 0's model, which is the one process's.
+  for (const Args& strategy : {Args{}, Args{"--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD"}}) {
+    SCOPED_TRACE(strategy.empty() ? "DDP" : "FULL_SHARD");
+    auto r = verify(2, strategy, oracle_worker({"--init_by_rank"}));
+    EXPECT_TRUE(passed(r)) << r.out << r.err;
+    EXPECT_NE(r.out.find("note: parameters differed across ranks before prepare() (fc1.weight, fc1.bias, fc2.weight, "
+                         "fc2.bias)"),
+              std::string::npos)
+        << r.out;
+  }
+}
+
+TEST(Verify, AJobOfOneProcessOrABatchTheRanksCannotSplitIsRefused) {
+  auto one = verify(1, {}, oracle_worker());
+  EXPECT_NE(one.exit_code, 0);
+  EXPECT_NE(one.err.find("compares N processes with one; this launch has 1: give --num_processes 2 or more"),
+            std::string::npos)
+      << one.err;
+  auto uneven = verify(5, {}, oracle_worker());  // a global batch of 12 over 5 ranks
+  EXPECT_NE(uneven.exit_code, 0);
+  EXPECT_NE((uneven.out + uneven.err).find("12"), std::string::npos) << uneven.out << uneven.err;
+}

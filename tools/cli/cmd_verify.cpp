@@ -1,0 +1,250 @@
+// `xlr8 verify [launch options] program [args]`: the program on N processes as configured and on one process,
+// both for K optimizer steps on the same global batch (split_batches) and seed; compares the loss each
+// step gave backward(), the global gradient norm and, after step K, every parameter (gathered from shards).
+// The workers record through the Accelerator (src/train/verify_recorder.hpp).
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+#include <thread>
+
+#include "cli/commands.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/launcher.hpp"
+#include "xlr8/safetensors.hpp"
+
+namespace fs = std::filesystem;
+
+namespace xlr8::cli {
+
+namespace {
+
+struct VerifyOptions {
+  int steps = 5;
+  std::optional<double> rtol;
+  std::string keep;  // the runs' records stay here
+};
+
+// The relative tolerance for the precision: float32 sums in another order drift by about 1e-6 per step;
+// bf16/fp16 round every product.
+double default_rtol(MixedPrecision p) { return p == MixedPrecision::NO ? 1e-4 : p == MixedPrecision::BF16 ? 5e-2 : 2e-2; }
+
+struct Recorded {
+  nlohmann::json record;
+  std::map<std::string, at::Tensor> params;  // "<model>.<name>"
+  int exit_code = 0;
+};
+
+double relative(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-12); }
+
+Recorded run_recording(LaunchOptions o, const fs::path& dir, int steps, const std::string& what) {
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  o.extra_env["XLR8_VERIFY_DIR"] = dir.string();
+  o.extra_env["XLR8_VERIFY_STEPS"] = std::to_string(steps);
+  o.extra_env["XLR8_SPLIT_BATCHES"] = "1";
+  const int ranks = o.world_size();
+  o.stop_check = [dir, ranks]() -> std::string {
+    for (int r = 0; r < ranks; ++r)
+      if (!fs::exists(dir / fmt::format("done.{}", r))) return "";
+    return "every rank recorded its steps";
+  };
+  fmt::print(stderr, "xlr8 verify: {}: {} process(es), {} step(s)\n", what, ranks, steps);
+  Recorded r;
+  r.exit_code = launch_with_outcome(o).exit_code;
+  std::ifstream in(dir / "record.json");
+  if (!in)
+    throw Error(fmt::format("{} recorded nothing (exit code {}): does the program train through xlr8::Accelerator "
+                            "(prepare, backward, a prepared optimizer's step)?",
+                            what, r.exit_code));
+  r.record = nlohmann::json::parse(in);
+  for (int i = 0; fs::exists(dir / fmt::format("model_{}", i)); ++i)
+    for (const auto& entry : fs::directory_iterator(dir / fmt::format("model_{}", i)))
+      if (entry.path().extension() == ".safetensors")
+        for (auto& [name, t] : load_safetensors(entry.path().string()).tensors)
+          r.params[fmt::format("{}{}", i == 0 ? "" : fmt::format("model {}: ", i), name)] = t.to(at::kDouble);
+  return r;
+}
+
+// Steps whose loss or gradient norm differ beyond rtol; the first such step, or -1.
+int first_divergence(const Recorded& a, const Recorded& b, double rtol) {
+  const auto& x = a.record["steps"];
+  const auto& y = b.record["steps"];
+  for (size_t i = 0; i < std::min(x.size(), y.size()); ++i)
+    if (relative(x[i]["loss"], y[i]["loss"]) > rtol || relative(x[i]["grad_norm"], y[i]["grad_norm"]) > rtol)
+      return x[i]["step"];
+  return -1;
+}
+
+struct ParamDiff {
+  std::string name;
+  double diff = 0;  // ||a - b|| / ||b|| (L2): one element an AdamW step flipped does not dominate it
+};
+
+std::vector<ParamDiff> param_diffs(const Recorded& a, const Recorded& b) {
+  std::vector<ParamDiff> out;
+  for (const auto& [name, t] : b.params) {
+    auto it = a.params.find(name);
+    if (it == a.params.end() || !it->second.sizes().equals(t.sizes())) {
+      out.push_back({name, std::numeric_limits<double>::infinity()});
+      continue;
+    }
+    const double scale = std::max(t.norm().item<double>(), 1e-12);
+    out.push_back({name, (it->second - t).norm().item<double>() / scale});
+  }
+  std::sort(out.begin(), out.end(), [](auto& x, auto& y) { return x.diff > y.diff; });
+  return out;
+}
+
+std::string listed(const nlohmann::json& names) {
+  std::string out;
+  for (size_t i = 0; i < names.size() && i < 5; ++i) out += (i ? ", " : "") + names[i].get<std::string>();
+  if (names.size() > 5) out += fmt::format(" and {} more", names.size() - 5);
+  return out;
+}
+
+int verify(const LaunchRequest& request, const VerifyOptions& v) {
+  if (v.steps < 1) throw ConfigError(fmt::format("--steps {} must be 1 or more", v.steps));
+  LaunchOptions many = plan_launch(request);
+  if (many.elastic || !many.mpirun_hostfile.empty() || many.num_machines > 1)
+    throw ConfigError("xlr8 verify runs both programs on this machine: give --num_processes N alone (no machines, "
+                      "rendezvous or mpirun host file)");
+  if (many.world_size() < 2)
+    throw ConfigError(fmt::format("xlr8 verify compares N processes with one; this launch has {}: give "
+                                  "--num_processes 2 or more",
+                                  many.world_size()));
+  // The reference: one process, nothing split; the same precision, accumulation and program.
+  LaunchRequest single = request;
+  single.num_processes = 1;
+  single.nproc_per_node.reset();
+  single.nnodes.reset();
+  single.num_machines = 1;
+  single.machine_rank.reset();
+  single.parallelism.clear();
+  single.max_restarts = 0;
+  LaunchOptions one = plan_launch(single);
+  many.max_restarts = 0;
+  // The same intra-op threads in every process of both runs: float sums over another number of threads
+  // differ in the last bits, which AdamW's first steps amplify.
+  if (!many.extra_env.count("OMP_NUM_THREADS")) {
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    many.extra_env["OMP_NUM_THREADS"] = std::to_string(std::max(1u, cores / static_cast<unsigned>(many.world_size())));
+  }
+  one.extra_env["OMP_NUM_THREADS"] = many.extra_env["OMP_NUM_THREADS"];
+
+  const double rtol = v.rtol.value_or(default_rtol(many.settings.mixed_precision));
+  std::random_device random;
+  const fs::path base = v.keep.empty() ? fs::temp_directory_path() / fmt::format("xlr8-verify-{}-{:08x}", ::getpid(), random())
+                                       : fs::path(v.keep);
+  struct Cleanup {
+    fs::path dir;
+    ~Cleanup() {
+      std::error_code ignored;
+      if (!dir.empty()) fs::remove_all(dir, ignored);
+    }
+  } cleanup{v.keep.empty() ? base : fs::path()};
+
+  const auto a = run_recording(many, base / "n", v.steps, fmt::format("run 1 (as configured)"));
+  const auto b = run_recording(one, base / "one", v.steps, "run 2 (one process, the same global batch)");
+  const auto& sa = a.record["steps"];
+  const auto& sb = b.record["steps"];
+
+  fmt::print("step  loss (1 process)  loss ({} processes)  rel. diff   grad norm (1)  grad norm ({})  rel. diff\n",
+             many.world_size(), many.world_size());
+  for (size_t i = 0; i < std::max(sa.size(), sb.size()); ++i) {
+    if (i >= sa.size() || i >= sb.size()) {
+      fmt::print("{:>4}  {}\n", i + 1, i >= sa.size() ? "(no step on N processes)" : "(no step on 1 process)");
+      continue;
+    }
+    const double la = sa[i]["loss"], lb = sb[i]["loss"], ga = sa[i]["grad_norm"], gb = sb[i]["grad_norm"];
+    fmt::print("{:>4}  {:>16.8g}  {:>19.8g}  {:>9.2e}   {:>13.8g}  {:>14.8g}  {:>9.2e}\n", sb[i]["step"].get<int>(), lb,
+               la, relative(la, lb), gb, ga, relative(ga, gb));
+  }
+  const auto diffs = param_diffs(a, b);
+  if (!diffs.empty()) {
+    fmt::print("largest parameter differences after step {} (||N - 1|| / ||1||):\n", v.steps);
+    for (size_t i = 0; i < diffs.size() && i < 5; ++i) fmt::print("  {:<40} {:.2e}\n", diffs[i].name, diffs[i].diff);
+  }
+
+  std::vector<std::string> problems;
+  const int diverged = first_divergence(a, b, rtol);
+  if (diverged >= 0) problems.push_back(fmt::format("step {} is the first whose loss or gradient norm differ by more "
+                                                    "than {:.0e}",
+                                                    diverged, rtol));
+  if (sa.size() != sb.size() || static_cast<int>(sb.size()) < v.steps)
+    problems.push_back(fmt::format("the runs recorded {} and {} of {} steps", sa.size(), sb.size(), v.steps));
+  if (!diffs.empty() && diffs.front().diff > rtol)
+    problems.push_back(fmt::format("parameter {} differs by {:.2e} after step {}", diffs.front().name, diffs.front().diff,
+                                   v.steps));
+  if (diffs.empty() && static_cast<int>(sb.size()) >= v.steps)
+    problems.push_back("no parameters were recorded");
+  if (problems.empty()) {
+    fmt::print("xlr8 verify: PASS: {} processes train as one process for {} steps (relative tolerance {:.0e}; "
+               "--rtol to change)\n",
+               many.world_size(), v.steps, rtol);
+    if (!a.record["differs_at_start"].empty())
+      fmt::print("xlr8 verify: note: parameters differed across ranks before prepare() ({}); the strategy made them "
+                 "equal, but a program that uses them before prepare() would not\n",
+                 listed(a.record["differs_at_start"]));
+    return 0;
+  }
+  // Why: the usual causes, most certain first.
+  std::vector<std::string> causes;
+  if (!a.record["differs_at_start"].empty())
+    causes.push_back(fmt::format("the model differs across ranks at start: {} (initialise it from one seed on every "
+                                 "rank: Accelerator::set_seed before building it)",
+                                 listed(a.record["differs_at_start"])));
+  if (!a.record["batchnorm"].empty())
+    causes.push_back(fmt::format("BatchNorm normalises each rank's share of the batch by that share's statistics, and "
+                                 "keeps running statistics per rank: {} (SyncBatchNorm, or GroupNorm/LayerNorm)",
+                                 listed(a.record["batchnorm"])));
+  if (!a.record["dropout"].empty()) {
+    // Tell randomness that differs by rank from a program that is not deterministic at all.
+    const auto again = run_recording(one, base / "one-again", v.steps, "run 3 (one process again, to tell randomness "
+                                                                        "from divergence)");
+    const bool deterministic = first_divergence(again, b, 1e-12) < 0;
+    causes.push_back(deterministic
+                         ? fmt::format("dropout draws its masks from each rank's generator, so N ranks drop other "
+                                       "elements than one process does: {} (verify with dropout off, p = 0)",
+                                       listed(a.record["dropout"]))
+                         : fmt::format("the program is not deterministic on one process (two runs differ), so no "
+                                       "comparison can pass: seed every generator (Accelerator::set_seed) or turn off "
+                                       "dropout ({})",
+                                       listed(a.record["dropout"])));
+  }
+  fmt::print("xlr8 verify: FAIL: {}\n", fmt::join(problems, "; "));
+  for (const auto& c : causes) fmt::print("xlr8 verify: likely cause: {}\n", c);
+  if (causes.empty())
+    fmt::print("xlr8 verify: no usual cause found (dropout, BatchNorm, a model that differs across ranks): a loss "
+               "averaged per rank over uneven batches, or a strategy bug; rerun with --keep DIR to keep the records\n");
+  return 1;
+}
+
+}  // namespace
+
+Handler add_verify(CLI::App& app) {
+  auto* cmd = app.add_subcommand("verify", "Check that the program trains on N processes as on one (same global batch)");
+  auto req = std::make_shared<LaunchRequest>();
+  auto v = std::make_shared<VerifyOptions>();
+  add_launch_options(cmd, req);
+  cmd->add_option("--steps", v->steps, "Optimizer steps to compare (default 5)");
+  cmd->add_option("--rtol", v->rtol,
+                  "Relative tolerance for losses, gradient norms and parameters (default 1e-4; bf16 5e-2; fp16 2e-2)");
+  cmd->add_option("--keep", v->keep, "Keep the runs' records (record.json, model_<i>/) in this folder");
+  cmd->footer("Usage: xlr8 verify [launch options] [--steps K] program [args...]\n"
+              "Runs the program as configured and on one process, each for K optimizer steps, with the batch split\n"
+              "between the processes (the program's batch size is the global batch: it must divide by N) and the\n"
+              "same intra-op threads per process, and compares them step by step: the loss given to backward()\n"
+              "(averaged as over the global batch), the global gradient norm, and after step K every parameter\n"
+              "(||N - 1|| / ||1|| per tensor). Exit code 0 when all agree within --rtol, 1 otherwise, naming the\n"
+              "first step that differs and the usual causes it finds (dropout, BatchNorm, a model that differs\n"
+              "across ranks at start).");
+  return [req, v]() { return verify(*req, *v); };
+}
+
+}  // namespace xlr8::cli
