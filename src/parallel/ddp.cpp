@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <cstdlib>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
@@ -29,7 +30,15 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
     std::vector<at::Tensor> sources;  // then: each parameter's gradient (or its own view of `flat`)
     size_t pending = 0;
     Work work;
+    at::Tensor scratch;  // XLR8_TEST_ONLY_SKIP_GRAD_BUCKET: what is reduced instead of the gradients
   };
+
+  // Tests only: a strategy with a bug xlr8 verify must catch. This bucket's gradients stay each rank's own
+  // (a one-element all-reduce keeps the collective sequence of every rank the same).
+  const int skip_bucket = [] {
+    const char* k = std::getenv("XLR8_TEST_ONLY_SKIP_GRAD_BUCKET");
+    return k && *k ? std::atoi(k) : -1;
+  }();
 
   std::shared_ptr<torch::nn::Module> module;
   Communicator comm;
@@ -72,7 +81,8 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
       // In shared memory when the ranks share a host, so its all-reduce needs no copy in or out.
       b.flat = comm.symmetric_empty({b.offsets.back() + last.numel()}, last.options().requires_grad(false)).zero_();
       b.reduce_from_grads = comm.uses_shared_memory() && b.flat.device().is_cpu() &&
-                            !(options.compress_bf16 && b.flat.scalar_type() == at::kFloat);
+                            !(options.compress_bf16 && b.flat.scalar_type() == at::kFloat) &&
+                            &b - buckets.data() != skip_bucket;
       b.sources.resize(b.params.size());
     }
   }
@@ -105,6 +115,12 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
   void launch_ready() {
     while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
       auto& b = buckets[next_launch++];
+      if (static_cast<int>(next_launch) - 1 == skip_bucket) {
+        b.scratch = at::zeros({1}, b.flat.options());
+        b.work = comm.all_reduce_async(b.scratch, ReduceOp::SUM);
+        ++launched;
+        continue;
+      }
       const bool compress = options.compress_bf16 && b.flat.scalar_type() == at::kFloat;
       if (b.reduce_from_grads) {
         // Shared memory averages each block of this rank's shard while it is in cache, reading that

@@ -89,5 +89,22 @@ TEST(Verify, AJobOfOneProcessOrABatchTheRanksCannotSplitIsRefused) {
       << one.err;
   auto uneven = verify(5, {}, oracle_worker());  // a global batch of 12 over 5 ranks
   EXPECT_NE(uneven.exit_code, 0);
-  EXPECT_NE((uneven.out + uneven.err).find("12"), std::string::npos) << uneven.out << uneven.err;
+  EXPECT_NE(uneven.err.find("split_batches needs the batch size (12) to be a multiple of the number of processes (5)"),
+            std::string::npos)
+      << uneven.err;
+  EXPECT_NE(uneven.err.find("run 1 (as configured) failed (exit code 1) before its first optimizer step"),
+            std::string::npos)
+      << uneven.err;
+}
+
+TEST(Verify, AStrategyThatSkipsOneGradientBucketFailsWithTheFirstStepNamed) {
+  // A test-only switch: DDP leaves bucket 1's gradients unreduced (each rank steps on its own half).
+  Args a{kXlr8, "verify", "--num_processes", "2"};
+  const Args w = oracle_worker();
+  a.insert(a.end(), w.begin(), w.end());
+  auto r = run(a, 170, {{"XLR8_TEST_ONLY_SKIP_GRAD_BUCKET", "1"}});
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_NE(r.out.find("xlr8 verify: FAIL: step 1 is the first whose loss or gradient norm differ"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("no usual cause found"), std::string::npos) << r.out;
 }

@@ -58,10 +58,14 @@ Recorded run_recording(LaunchOptions o, const fs::path& dir, int steps, const st
   Recorded r;
   r.exit_code = launch_with_outcome(o).exit_code;
   std::ifstream in(dir / "record.json");
-  if (!in)
-    throw Error(fmt::format("{} recorded nothing (exit code {}): does the program train through xlr8::Accelerator "
-                            "(prepare, backward, a prepared optimizer's step)?",
+  if (!in && r.exit_code != 0)
+    throw Error(fmt::format("{} failed (exit code {}) before its first optimizer step; the launcher's report above "
+                            "names the rank and its error",
                             what, r.exit_code));
+  if (!in)
+    throw Error(fmt::format("{} ended without recording a step: does the program train through xlr8::Accelerator "
+                            "(prepare, backward, a prepared optimizer's step)?",
+                            what));
   r.record = nlohmann::json::parse(in);
   for (int i = 0; fs::exists(dir / fmt::format("model_{}", i)); ++i)
     for (const auto& entry : fs::directory_iterator(dir / fmt::format("model_{}", i)))
