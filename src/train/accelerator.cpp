@@ -81,6 +81,7 @@ Accelerator::Accelerator(AcceleratorOptions options, ForEngine) : impl_(std::mak
   // `xlr8 verify`: the same global batch on any number of processes, and the record of each step.
   if (const char* split = std::getenv("XLR8_SPLIT_BATCHES"); split && std::string(split) == "1") s.options.split_batches = true;
   s.verify = detail::VerifyRecorder::from_env();
+  s.advise = detail::AdviseRecorder::from_env();
   // parallelism_config_cp_size / _sp_size: a model's xlr8::attention and cp::local_positions follow the group.
   if (auto context = s.sequence_context()) {
     cp::set_process_context(*context);
@@ -305,6 +306,7 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   }
   module->to(s.device);
   if (s.verify) s.verify->on_prepare(s, *module);
+  if (s.advise) s.advise->on_prepare(s, *module);
   auto parallel = s.options.parallel;
   const auto& settings = s.state->settings();
   if (settings.fsdp && settings.fsdp->activation_checkpointing)

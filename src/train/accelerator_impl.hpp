@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "train/deepspeed_plugin.hpp"
+#include "train/advise_recorder.hpp"
 #include "train/verify_recorder.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/context_parallel.hpp"
@@ -50,6 +51,7 @@ struct AcceleratorImpl {
   std::optional<detail::DeepSpeedPlugin> deepspeed;  // the launch's DeepSpeed JSON, when it names one
   double clip_at_step = 0;  // DeepSpeed's gradient_clipping: every optimizer step clips to it (0: no)
   std::unique_ptr<detail::VerifyRecorder> verify;  // under `xlr8 verify` (XLR8_VERIFY_DIR)
+  std::unique_ptr<detail::AdviseRecorder> advise;  // under `xlr8 advise` (XLR8_ADVISE_DIR)
 
   Communicator& world() const { return state->world(); }
   std::vector<at::Tensor> optimized_parameters() const;

@@ -91,8 +91,8 @@ void PreparedOptimizer::step() {
   // The strategy of the model it optimizes steps it (sharded strategies step their shards, then gather).
   const auto& groups = s.optimizer->param_groups();
   auto* owner = groups.empty() || groups.front().params().empty() ? nullptr : impl.owner_of(groups.front().params().front());
-  const bool first = impl.verify && !impl.optimizers.empty() && impl.optimizers.front().get() == &s;
-  if (first) impl.verify->before_step(impl, owner ? owner->module()->parameters() : impl.optimized_parameters(), owner);
+  const bool first = !impl.optimizers.empty() && impl.optimizers.front().get() == &s;
+  if (first && impl.verify) impl.verify->before_step(impl, owner ? owner->module()->parameters() : impl.optimized_parameters(), owner);
   if (impl.clip_at_step > 0)  // DeepSpeed's gradient_clipping, over the whole model's gradients
     impl.clip_grad_norm(owner ? owner->module()->parameters() : impl.optimized_parameters(), impl.clip_at_step, 2.0);
   if (owner) owner->optimizer_step(*s.optimizer);
@@ -100,7 +100,8 @@ void PreparedOptimizer::step() {
   s.skipped = false;
   s.steps += 1;
   impl.last_step_applied = true;
-  if (first) impl.verify->after_step(impl, s.steps);
+  if (first && impl.verify) impl.verify->after_step(impl, s.steps);
+  if (first && impl.advise) impl.advise->after_step(impl, s.steps);
 }
 
 void PreparedOptimizer::zero_grad(bool set_to_none) {

@@ -13,6 +13,7 @@ namespace {
 const std::string kXlr8 = XLR8_BIN;
 const std::string kTrain = TRAIN_BIN;
 const std::string kFashion = FASHION_BIN;
+const std::string kGpt = GPT_BIN;
 
 ProcessResult verify(int n, const Args& flags, const Args& program) {
   Args a{kXlr8, "verify", "--num_processes", std::to_string(n)};
@@ -107,4 +108,41 @@ TEST(Verify, AStrategyThatSkipsOneGradientBucketFailsWithTheFirstStepNamed) {
   EXPECT_NE(r.out.find("xlr8 verify: FAIL: step 1 is the first whose loss or gradient norm differ"), std::string::npos)
       << r.out;
   EXPECT_NE(r.out.find("no usual cause found"), std::string::npos) << r.out;
+}
+
+// ------------------------------------------------------------------------------------------------ xlr8 advise
+
+TEST(Advise, OnTheGptWhereOnlyFullShardFitsItRefusesTheRestPicksTheSameWinnerTwiceAndItsConfigLaunches) {
+  // 3.2 M parameters: 16 bytes each is 51.9 MB per rank for DDP, 25.9 MB for FULL_SHARD on 2 ranks; 30 MB
+  // leaves the FULL_SHARD variants only.
+  const Args gpt{kGpt, "--max_steps", "100000", "--n_layer", "4", "--d_model", "256", "--n_head", "4", "--seq_len", "64",
+                 "--batch_size", "8", "--output_dir", temp_dir("advise-gpt")};
+  std::vector<std::string> winners;
+  std::string yaml;
+  for (int rep = 0; rep < 2; ++rep) {
+    yaml = temp_dir("advise") + "/advised.yaml";
+    Args a{kXlr8, "advise", "--num_processes", "2", "--max_memory_per_rank", "30MB", "--budget_s", "80",
+           "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "BlockImpl",
+           "--output", yaml};
+    a.insert(a.end(), gpt.begin(), gpt.end());
+    auto r = run(a, 85);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    for (const char* pruned : {"DDP ", "ZeRO-1 ", "SHARD_GRAD_OP (ZeRO-2) "}) {
+      const auto row = r.out.substr(r.out.find(std::string("\n") + pruned) + 1);
+      EXPECT_NE(row.substr(0, row.find('\n')).find("cannot fit: needs "), std::string::npos) << pruned << "\n" << r.out;
+    }
+    EXPECT_NE(r.out.find("cannot fit: needs 51.86 MB per rank"), std::string::npos) << r.out;  // DDP: 16 x 3.24 M
+    const auto line = r.out.substr(r.out.find("xlr8 advise: FULL_SHARD"));
+    winners.push_back(line.substr(0, line.find(" on 2 processes")));
+  }
+  EXPECT_EQ(winners[0], winners[1]);
+  // The winner's config launches the program unchanged.
+  Args launch{kXlr8, "launch", "--config_file", yaml};
+  Args short_run = gpt;
+  short_run[2] = "3";  // --max_steps
+  launch.insert(launch.end(), short_run.begin(), short_run.end());
+  auto r = run(launch, 120);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("\"num_processes\":2"), std::string::npos) << r.out;
+  EXPECT_NE(read_file(yaml).find("distributed_type: FSDP"), std::string::npos) << read_file(yaml);
 }

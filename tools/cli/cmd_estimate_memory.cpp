@@ -13,6 +13,7 @@
 
 #include "checkpoint/hf_export.hpp"
 #include "cli/commands.hpp"
+#include "cli/memory_formulas.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/safetensors.hpp"
 
@@ -26,30 +27,6 @@ struct Model {
   bool has_shape = false;    // layers, hidden size and heads known: activations can be estimated
   int64_t n_layer = 0, d_model = 0, n_head = 0;
 };
-
-struct DtypeBytes {
-  std::string name;
-  double param, grad, optimizer, activation;
-};
-
-DtypeBytes dtype_bytes(const std::string& text) {
-  if (text == "float32" || text == "fp32") return {"float32", 4, 4, 8, 4};
-  if (text == "bfloat16" || text == "bf16") return {"bfloat16", 2, 2, 12, 2};
-  if (text == "float16" || text == "fp16") return {"float16", 2, 2, 12, 2};
-  throw ConfigError(fmt::format("--dtypes {:?} is not a training dtype; use float32, bfloat16 or float16 "
-                                "(or fp32, bf16, fp16)",
-                                text));
-}
-
-double per_rank(const std::string& strategy, const DtypeBytes& d, double psi, int n) {
-  if (strategy == "ddp") return (d.param + d.grad + d.optimizer) * psi;
-  if (strategy == "zero1") return (d.param + d.grad) * psi + d.optimizer * psi / n;
-  if (strategy == "zero2") return d.param * psi + (d.grad + d.optimizer) * psi / n;
-  if (strategy == "zero3") return (d.param + d.grad + d.optimizer) * psi / n;
-  throw ConfigError(fmt::format("--strategies {:?} is not a strategy; use ddp, zero1, zero2 or zero3 (FSDP's "
-                                "NO_SHARD, SHARD_GRAD_OP and FULL_SHARD are ddp, zero2 and zero3)",
-                                strategy));
-}
 
 // Parameters of a safetensors file, a model.safetensors.index.json, or a directory holding either.
 Model model_of_file(const std::string& path) {
@@ -79,13 +56,6 @@ Model model_of_gpt(int64_t layers, int64_t d, int64_t heads, int64_t vocab, int6
   m.has_shape = true;
   m.n_layer = layers, m.d_model = d, m.n_head = heads;
   return m;
-}
-
-std::string human(double bytes) {
-  const char* units[] = {"B", "KB", "MB", "GB", "TB"};
-  int u = 0;
-  while (bytes >= 1000 && u < 4) bytes /= 1000, ++u;
-  return fmt::format("{:.2f} {}", bytes, units[u]);
 }
 
 }  // namespace

@@ -19,6 +19,7 @@ Handler add_launch(CLI::App& app);
 // Every `xlr8 launch` option, registered on `cmd` (launch, verify), filling `req`.
 void add_launch_options(CLI::App* cmd, const std::shared_ptr<LaunchRequest>& req);
 Handler add_verify(CLI::App& app);
+Handler add_advise(CLI::App& app);
 // `xlr8 launch` arguments (after "launch") with a `--` placed where the program starts: at the first
 // word that is neither a launcher option nor an option's value, or after the user's own `--`. What
 // follows is the program's, even words that look like launcher options. An unknown option before the

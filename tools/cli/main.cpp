@@ -21,6 +21,7 @@ int main(int argc, char** argv) {
   };
   reg(xlr8::cli::add_launch);
   reg(xlr8::cli::add_verify);
+  reg(xlr8::cli::add_advise);
   reg(xlr8::cli::add_config);
   reg(xlr8::cli::add_env);
   reg(xlr8::cli::add_test);
@@ -40,7 +41,7 @@ int main(int argc, char** argv) {
         return 2;
       }
     }
-    if (!args.empty() && (args[0] == "launch" || args[0] == "verify")) {
+    if (!args.empty() && (args[0] == "launch" || args[0] == "verify" || args[0] == "advise")) {
       auto rest = xlr8::cli::normalize_launch_args(*app.get_subcommand(args[0]), {args.begin() + 1, args.end()});
       args.resize(1);
       args.insert(args.end(), rest.begin(), rest.end());
