@@ -9,12 +9,12 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
-#include <random>
 #include <thread>
 
 #include "checkpoint/hf_export.hpp"
 #include "cli/commands.hpp"
 #include "cli/memory_formulas.hpp"
+#include "cli/scratch_dir.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/launcher.hpp"
 
@@ -145,15 +145,8 @@ int advise(const LaunchRequest& request, const AdviseOptions& a) {
   const int n = base.world_size();
   const double limit = a.max_memory.empty() ? available_memory_bytes() / n
                                             : static_cast<double>(checkpoints::parse_size(a.max_memory));
-  std::random_device random;
-  const fs::path work = fs::temp_directory_path() / fmt::format("xlr8-advise-{}-{:08x}", ::getpid(), random());
-  struct Cleanup {
-    fs::path dir;
-    ~Cleanup() {
-      std::error_code ignored;
-      fs::remove_all(dir, ignored);
-    }
-  } cleanup{work};
+  const ScratchDir scratch("advise");
+  const fs::path& work = scratch.path();
 
   const auto all = candidates();
   // The model's size, from the least memory-hungry candidate's prepare().

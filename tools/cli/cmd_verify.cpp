@@ -10,10 +10,11 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <random>
+#include <memory>
 #include <thread>
 
 #include "cli/commands.hpp"
+#include "cli/scratch_dir.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/launcher.hpp"
 #include "xlr8/safetensors.hpp"
@@ -142,16 +143,8 @@ int verify(const LaunchRequest& request, const VerifyOptions& v) {
   one.extra_env["OMP_NUM_THREADS"] = many.extra_env["OMP_NUM_THREADS"];
 
   const double rtol = v.rtol.value_or(default_rtol(many.settings.mixed_precision));
-  std::random_device random;
-  const fs::path base = v.keep.empty() ? fs::temp_directory_path() / fmt::format("xlr8-verify-{}-{:08x}", ::getpid(), random())
-                                       : fs::path(v.keep);
-  struct Cleanup {
-    fs::path dir;
-    ~Cleanup() {
-      std::error_code ignored;
-      if (!dir.empty()) fs::remove_all(dir, ignored);
-    }
-  } cleanup{v.keep.empty() ? base : fs::path()};
+  const auto scratch = v.keep.empty() ? std::make_unique<ScratchDir>("verify") : std::make_unique<ScratchDir>();
+  const fs::path base = v.keep.empty() ? scratch->path() : fs::path(v.keep);
 
   const auto a = run_recording(many, base / "n", v.steps, fmt::format("run 1 (as configured)"));
   const auto b = run_recording(one, base / "one", v.steps, "run 2 (one process, the same global batch)");
