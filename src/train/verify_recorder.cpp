@@ -67,6 +67,17 @@ void VerifyRecorder::before_step(AcceleratorImpl& impl, const std::vector<at::Te
   pending_micro_ = 0;
   impl.world().all_reduce(mean, ReduceOp::SUM);
   loss_ = mean.item<double>() / impl.world().size();
+  // The epoch's last global batch, when the ranks cannot share it evenly: a loss averaged per rank weighs its
+  // samples unequally there (even_batches pads with repeated samples).
+  short_batch_ = 0;
+  for (const auto& weak : impl.loaders)
+    if (auto loader = weak.lock()) {
+      const int64_t ranks = loader->sharding().num_processes;
+      const int64_t global = loader->options().batch_size * (impl.options.split_batches ? 1 : ranks);
+      const int64_t rest = global > 0 ? loader->dataset_size() % global : 0;
+      if (loader->batches_yielded() == loader->size() && rest != 0 && rest % ranks != 0) short_batch_ = rest;
+      break;
+    }
   // An infinite max_norm measures without clipping.
   const double inf = std::numeric_limits<double>::infinity();
   grad_norm_ = owner ? owner->clip_grad_norm(parameters, inf, 2.0) : torch::nn::utils::clip_grad_norm_(parameters, inf, 2.0);
@@ -74,7 +85,7 @@ void VerifyRecorder::before_step(AcceleratorImpl& impl, const std::vector<at::Te
 
 void VerifyRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
   if (step > steps_) return;
-  record_["steps"].push_back({{"step", step}, {"loss", loss_}, {"grad_norm", grad_norm_}});
+  record_["steps"].push_back({{"step", step}, {"loss", loss_}, {"grad_norm", grad_norm_}, {"short_batch", short_batch_}});
   const bool last = step == steps_;
   if (last)
     for (size_t i = 0; i < impl.models.size(); ++i)

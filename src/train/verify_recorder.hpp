@@ -41,6 +41,7 @@ class VerifyRecorder {
   double pending_loss_ = 0;
   int pending_micro_ = 0;
   double grad_norm_ = 0, loss_ = 0;
+  int64_t short_batch_ = 0;  // the step ended an epoch whose last global batch (this many samples) the ranks share unevenly
   int models_ = 0;
   nlohmann::json record_;
 };

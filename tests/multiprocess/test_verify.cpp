@@ -68,6 +68,18 @@ TEST(Verify, DropoutFailsWithTheModuleNamedAfterAThirdRunShowsTheProgramIsDeterm
   EXPECT_NE(r.out.find("drop (torch::nn::DropoutImpl)"), std::string::npos) << r.out;
 }
 
+TEST(Verify, ALossAveragedPerRankOverAnUnevenLastBatchIsNamedAtTheStepThatEndsTheEpoch) {
+  // 100 samples in global batches of 12: the 9th ends the epoch with 4, which 3 ranks share 2, 1, 1 (even_batches
+  // off), and the worker's loss is each rank's mean.
+  auto r = verify(3, {"--steps", "10"}, oracle_worker({"--samples", "100", "--uneven_batches"}));
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_NE(r.out.find("xlr8 verify: FAIL: step 9 is the first"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("likely cause: step 9 ends an epoch whose last global batch has 4 samples, which 3 ranks cannot "
+                       "share evenly"),
+            std::string::npos)
+      << r.out;
+}
+
 TEST(Verify, AModelInitialisedByRankIsNamedAndPassesBecauseEveryStrategySyncsItFromRankZero) {
   // Each rank draws its own initial weights; prepare() gives every rank rank 0's (DDP broadcasts them, the
   // sharded strategies shard rank 0's), so the job trains rank 0's model, which is the one process's.

@@ -11,6 +11,7 @@
 //   --resume_latest (resume from DIR/checkpoint when it exists: a restarted elastic job)
 //   --step_sleep_ms N (each step takes at least this long)   --print_steps (rank 0: "step N" after each step)
 //   --dropout P (a Dropout after the first layer)   --init_by_rank (each rank seeds its model's draws differently)
+//   --uneven_batches (AcceleratorOptions::even_batches off)
 //   --track (init_trackers("oracle") in --out; log loss and lr every step)
 //   --mode nested|nested-mismatch|free-memory|free-control (train_worker_api.cpp)
 #include <CLI/CLI.hpp>
@@ -111,7 +112,8 @@ int main(int argc, char** argv) {
   bool split_batches = false, resume_latest = false, print_steps = false;
   int step_sleep_ms = 0;
   double dropout = 0;
-  bool init_by_rank = false;
+  bool init_by_rank = false, uneven = false;
+  app.add_flag("--uneven_batches", uneven, "even_batches off: a short last batch is shared unevenly, not padded");
   app.add_option("--dropout", dropout);
   app.add_flag("--init_by_rank", init_by_rank);
   app.add_flag("--split_batches", split_batches);
@@ -126,6 +128,7 @@ int main(int argc, char** argv) {
     options.mixed_precision = xlr8::parse_mixed_precision(precision, "--precision");
     options.gradient_accumulation_steps = accum;
     options.split_batches = split_batches;
+    options.even_batches = !uneven;
     options.parallel.ddp.find_unused_parameters = find_unused;
     options.parallel.ddp.compress_bf16 = compress;
     options.parallel.ddp.first_bucket_mb = 0.0002;  // three buckets even for this small model

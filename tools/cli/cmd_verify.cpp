@@ -192,6 +192,13 @@ int verify(const LaunchRequest& request, const VerifyOptions& v) {
   }
   // Why: the usual causes, most certain first.
   std::vector<std::string> causes;
+  if (diverged >= 0 && diverged <= static_cast<int>(sa.size()))
+    if (const int64_t rest = sa[static_cast<size_t>(diverged - 1)].value("short_batch", int64_t{0}); rest > 0)
+      causes.push_back(fmt::format("step {} ends an epoch whose last global batch has {} samples, which {} ranks cannot "
+                                   "share evenly: a loss averaged per rank weighs their samples unequally (and "
+                                   "even_batches repeats samples to fill the shares); average the loss over the global "
+                                   "batch, or drop the last batch (drop_last)",
+                                   diverged, rest, many.world_size()));
   if (!a.record["differs_at_start"].empty())
     causes.push_back(fmt::format("the model differs across ranks at start: {} (initialise it from one seed on every "
                                  "rank: Accelerator::set_seed before building it)",
@@ -217,8 +224,9 @@ int verify(const LaunchRequest& request, const VerifyOptions& v) {
   fmt::print("xlr8 verify: FAIL: {}\n", fmt::join(problems, "; "));
   for (const auto& c : causes) fmt::print("xlr8 verify: likely cause: {}\n", c);
   if (causes.empty())
-    fmt::print("xlr8 verify: no usual cause found (dropout, BatchNorm, a model that differs across ranks): a loss "
-               "averaged per rank over uneven batches, or a strategy bug; rerun with --keep DIR to keep the records\n");
+    fmt::print("xlr8 verify: no usual cause found (dropout, BatchNorm, a model that differs across ranks, an uneven "
+               "last batch): a strategy bug, or randomness of the program's own; rerun with --keep DIR to keep the "
+               "records\n");
   return 1;
 }
 
