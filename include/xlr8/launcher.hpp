@@ -108,6 +108,7 @@ struct LaunchOutcome {
   int restarts = 0;   // group restarts done
   std::optional<WorkerFailure> failure;  // the last attempt's first failure (none with mpirun, or after a stall)
   std::string stalled;  // set when the launcher stopped a job that made no progress (XLR8_HEARTBEAT_TIMEOUT)
+  int interrupted_by = 0;  // the signal (SIGINT, SIGTERM, ...) that stopped the launch, or 0
 };
 
 // launch(), also saying which worker failed and why. Each worker gets TORCHELASTIC_ERROR_FILE

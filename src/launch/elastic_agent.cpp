@@ -39,28 +39,34 @@ LaunchOutcome launch_elastic(const LaunchOptions& o, const std::string& program)
   if (server) log::info("xlr8 launch: serving the rendezvous for --rdzv_id {} on {}:{}", e.run_id, e.endpoint_host, e.endpoint_port);
   RendezvousClient client(e, cancelled);
 
-  // The machine that serves the rendezvous stays until the others are done (or close_timeout): they
-  // need it to finish, and to restart if one of them fails.
+  // The machine that serves the rendezvous stays while another machine's workers run (they need it to
+  // finish, and to restart if one of them fails), and up to close_timeout for machines still waiting.
   auto keep_serving = [&] {
     if (!server) return;
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(e.close_timeout_s * 1000));
     bool said = false;
-    while (!server->settled() && std::chrono::steady_clock::now() < deadline && !cancelled()) {
+    while ((server->members_running() || (!server->settled() && std::chrono::steady_clock::now() < deadline)) &&
+           !cancelled()) {
       if (!said) log::info("xlr8 launch: serving the rendezvous until the other machines finish"), said = true;
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   };
 
   int charged = 0;  // restarts counted against max_restarts
+  int failed_with = 0;  // this machine's last failure, reported if the job then ends elsewhere
   std::string reason = "first start", kind = "start";
   for (int attempt = 0;; ++attempt) {
     client.join(o.nproc_per_node, pick_free_port(), reason, kind);
     const auto place = client.wait(cancelled);
     if (interrupted) {
       client.leave(fmt::format("interrupted by signal {}", interrupted));
-      return {.exit_code = 128 + interrupted, .restarts = attempt};
+      return {.exit_code = 128 + interrupted, .restarts = attempt, .interrupted_by = interrupted};
     }
     if (!place) {
+      if (failed_with) {
+        log::warning("xlr8 launch: the job finished on the other machines after this machine's workers failed");
+        return {.exit_code = failed_with, .restarts = attempt};
+      }
       log::info("xlr8 launch: the job finished on the other machines; nothing to do here");
       return {.exit_code = 0, .restarts = attempt};
     }
@@ -78,7 +84,7 @@ LaunchOutcome launch_elastic(const LaunchOptions& o, const std::string& program)
     remove_job_segments(std::to_string(::getpid()));
     if (group->interrupted_by()) {
       client.leave(fmt::format("interrupted by signal {}", group->interrupted_by()));
-      return {.exit_code = code, .restarts = attempt};
+      return {.exit_code = code, .restarts = attempt, .interrupted_by = group->interrupted_by()};
     }
     if (!group->stopped_for().empty()) {  // the rendezvous asked for a new round
       reason = group->stopped_for();
@@ -106,6 +112,7 @@ LaunchOutcome launch_elastic(const LaunchOptions& o, const std::string& program)
     const auto failure = group->first_failure();
     reason = failure ? fmt::format("rank {} failed ({})", failure->rank, failure->how) : group->stalled();
     kind = "failure";
+    failed_with = code;
     if (charged >= o.max_restarts) {
       client.leave(fmt::format("its workers failed ({}) and --max_restarts {} is used up", reason, o.max_restarts));
       keep_serving();

@@ -83,8 +83,9 @@ void apply_rdzv_conf(const std::string& text, ElasticOptions& e) {
     const double number = std::strtod(value.c_str(), &end);
     const bool positive = !value.empty() && end && *end == '\0' && number > 0;
     if (key == "keep_alive_max_attempt") {
-      if (!positive || number != static_cast<int>(number))
-        throw ConfigError(fmt::format("--rdzv_conf {}={:?}: give a whole number of 1 or more", key, value));
+      // One missed beat must not drop a machine: the beat and the check are not in step.
+      if (!positive || number != static_cast<int>(number) || number < 2)
+        throw ConfigError(fmt::format("--rdzv_conf {}={:?}: give a whole number of 2 or more", key, value));
       e.keep_alive_max_attempt = static_cast<int>(number);
     } else if (auto it = seconds.find(key); it != seconds.end()) {
       if (!positive) throw ConfigError(fmt::format("--rdzv_conf {}={:?}: give a positive number of seconds", key, value));

@@ -105,7 +105,8 @@ LaunchOutcome launch_with_outcome(const LaunchOptions& o) {
                                      o.stop_check);
     // Workers unlink their segments once mapped; only one killed mid-setup can leave one behind.
     detail::remove_job_segments(std::to_string(::getpid()));
-    if (code == 0 || !supervisor.failed()) return {.exit_code = code, .restarts = attempt};  // also stopped by stop_check
+    if (code == 0 || !supervisor.failed())  // also stopped by stop_check, or interrupted
+      return {.exit_code = code, .restarts = attempt, .interrupted_by = supervisor.interrupted_by()};
     supervisor.report_failure();
     if (attempt >= o.max_restarts)
       return {.exit_code = code, .restarts = attempt, .failure = supervisor.first_failure(), .stalled = supervisor.stalled()};

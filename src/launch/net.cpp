@@ -181,12 +181,28 @@ int listen_tcp(const HostPort& on, int& errno_out) {
   int one = 1;
   setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
   const sockaddr_in a = socket_address(address, on.port);
-  if (bind(fd, reinterpret_cast<const sockaddr*>(&a), sizeof(a)) != 0 || listen(fd, 64) != 0) {
+  if (bind(fd, reinterpret_cast<const sockaddr*>(&a), sizeof(a)) != 0) {
     errno_out = errno;
     ::close(fd);
     return -1;
   }
-  return fd;
+  // The address is this machine's: listen on every interface instead.
+  ::close(fd);
+  const int any = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (any < 0) {
+    errno_out = errno;
+    return -1;
+  }
+  setsockopt(any, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+  in_addr everywhere{};
+  everywhere.s_addr = htonl(INADDR_ANY);
+  const sockaddr_in b = socket_address(everywhere, on.port);
+  if (bind(any, reinterpret_cast<const sockaddr*>(&b), sizeof(b)) != 0 || listen(any, 64) != 0) {
+    errno_out = errno;
+    ::close(any);
+    return -1;
+  }
+  return any;
 }
 
 std::string local_address_toward(const std::string& host) {
@@ -206,6 +222,19 @@ std::string local_address_toward(const std::string& host) {
     out = text;
   ::close(fd);
   return out;
+}
+
+std::string first_routable_address() {
+  ifaddrs* all = nullptr;
+  if (getifaddrs(&all) != 0) return "";
+  std::string found;
+  char text[INET_ADDRSTRLEN] = {};
+  for (ifaddrs* i = all; i && found.empty(); i = i->ifa_next)
+    if (i->ifa_addr && i->ifa_addr->sa_family == AF_INET && (i->ifa_flags & IFF_UP) && !(i->ifa_flags & IFF_LOOPBACK) &&
+        inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(i->ifa_addr)->sin_addr, text, sizeof(text)))
+      found = text;
+  freeifaddrs(all);
+  return found;
 }
 
 std::string interface_with_address(const std::string& address) {

@@ -40,11 +40,15 @@ class JsonLines {
 
 // Connects within timeout_s; -1 with `why` set when it cannot.
 int connect_tcp(const HostPort& to, double timeout_s, std::string& why);
-// Listens on host:port; -1 with errno_out set (EADDRNOTAVAIL: not this machine's address; EADDRINUSE: taken).
+// Listens on host:port, on every interface once host is known to be this machine's (so a name that resolves
+// to loopback here is still reachable from the others); -1 with errno_out set (EADDRNOTAVAIL: not this
+// machine's address; EADDRINUSE: taken).
 int listen_tcp(const HostPort& on, int& errno_out);
 // This machine's IPv4 address on the route to `host` (its own address when `host` is one of them), or "".
 // Nothing is sent.
 std::string local_address_toward(const std::string& host);
+// The first IPv4 address of this machine that is not loopback, or "".
+std::string first_routable_address();
 // The network interface holding `address`, or "" (also for a loopback address).
 std::string interface_with_address(const std::string& address);
 

@@ -67,7 +67,7 @@ struct RendezvousClient::Impl {
         }
       }
       const double silence = seconds_since(last_heard);
-      if (!open) lost = why;
+      if (!open) lost = why.empty() ? "connection closed" : why;
       else if (silence > o.keep_alive_interval_s * o.keep_alive_max_attempt)
         lost = fmt::format("it answered nothing for {:.0f} s", silence);
       else if (seconds_since(last_sent) >= o.keep_alive_interval_s && !send(json{{"op", "heartbeat"}}))
@@ -109,9 +109,13 @@ RendezvousClient::RendezvousClient(const ElasticOptions& options, const std::fun
     }
   }
   s.line = JsonLines(fd);
+  s.last_heard = s.last_sent = Clock::now();  // silence counts from the connection, not from the first try
   char host[256] = "?";
   gethostname(host, sizeof(host) - 1);
   s.address = local_address_toward(options.endpoint_host);
+  // A host name that resolves to loopback here (Debian's 127.0.1.1) is no address for the other machines.
+  if (options.max_nodes > 1 && s.address.rfind("127.", 0) == 0)
+    if (auto routable = first_routable_address(); !routable.empty()) s.address = routable;
   s.node = fmt::format("{} ({}, pid {})", host, s.address, ::getpid());
   s.thread = std::thread([p = impl_.get()] { p->pump(); });
 }
@@ -182,12 +186,13 @@ std::optional<RendezvousAssignment> RendezvousClient::wait(const std::function<b
 
 std::string RendezvousClient::restart_request() const {
   std::lock_guard lock(impl_->mutex);
-  return impl_->restart;
+  // A lost rendezvous is a lost machine: its workers are gone, these would wait for them until a timeout.
+  return !impl_->restart.empty() || impl_->lost.empty() ? impl_->restart : impl_->lost_message();
 }
 
 std::string RendezvousClient::restart_kind() const {
   std::lock_guard lock(impl_->mutex);
-  return impl_->restart_kind;
+  return impl_->restart.empty() && !impl_->lost.empty() ? "failure" : impl_->restart_kind;
 }
 
 void RendezvousClient::done() {

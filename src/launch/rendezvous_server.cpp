@@ -59,7 +59,8 @@ struct RendezvousServer::Impl {
   int next_id = 0;
   int64_t next_order = 0;
   int round = 0;
-  bool finished = false;
+  bool finished = false;   // every member of the last round finished or left after one finished
+  bool finishing = false;  // a member finished: nobody starts a new round (torchrun closes on success)
   std::optional<Clock::time_point> last_call;
 
   ~Impl() {
@@ -93,13 +94,21 @@ struct RendezvousServer::Impl {
         std::string why;
         const bool open = agents.at(id).line.receive(messages, why);
         for (auto& m : messages)
-          if (agents.count(id)) handle(id, m);
+          if (agents.count(id)) {
+            try {
+              handle(id, m);
+            } catch (const std::exception& e) {  // a field of another type: another program or version
+              refuse(id, fmt::format("malformed request ({})", e.what()));
+            }
+          }
         if (!open && agents.count(id)) drop(id, why);
       }
       const double silence = o.keep_alive_interval_s * o.keep_alive_max_attempt;
       for (auto it = agents.begin(); it != agents.end();) {
         const int id = (it++)->first;  // drop() erases
-        if (seconds(Clock::now() - agents.at(id).last_heard) > silence)
+        if (!agents.at(id).line.open())  // a send to it failed
+          drop(id, "could not be written to (connection lost)");
+        else if (seconds(Clock::now() - agents.at(id).last_heard) > silence)
           drop(id, fmt::format("sent nothing for {:.0f} s (keep_alive_interval {} s x keep_alive_max_attempt {})",
                                silence, o.keep_alive_interval_s, o.keep_alive_max_attempt));
       }
@@ -109,7 +118,7 @@ struct RendezvousServer::Impl {
 
   void refuse(int id, const std::string& message) {
     agents.at(id).line.send(json{{"op", "error"}, {"message", message}});
-    agents.erase(id);
+    drop(id, fmt::format("was refused: {}", message));
   }
 
   void handle(int id, const json& m) {
@@ -135,7 +144,7 @@ struct RendezvousServer::Impl {
       a.phase = Phase::kWaiting;
       a.order = next_order++;
       a.told_restart = false;
-      if (finished) {
+      if (finished || finishing) {
         a.line.send(json{{"op", "finished"}});
         return;
       }
@@ -153,6 +162,9 @@ struct RendezvousServer::Impl {
       }
     } else if (op == "done") {
       a.phase = Phase::kDone;
+      finishing = true;
+      for (auto& [other, w] : agents)
+        if (w.phase == Phase::kWaiting) w.line.send(json{{"op", "finished"}}), w.phase = Phase::kConnected;
       settle_finished();
     } else if (op == "leave") {
       drop(id, fmt::format("machine {} left: {}", a.node, m.value("reason", "")));
@@ -183,16 +195,16 @@ struct RendezvousServer::Impl {
       }
   }
 
-  // Every member that did not leave finished: the job is done; waiting machines are told so.
+  // A member finished and none runs any more: the job is done; waiting machines are told so.
   void settle_finished() {
-    if (finished || count(Phase::kRunning) > 0 || count(Phase::kDone) == 0) return;
+    if (finished || !finishing || count(Phase::kRunning) > 0) return;
     finished = true;
     for (auto& [id, a] : agents)
-      if (a.phase == Phase::kWaiting) a.line.send(json{{"op", "finished"}});
+      if (a.phase == Phase::kWaiting) a.line.send(json{{"op", "finished"}}), a.phase = Phase::kConnected;
   }
 
   void try_complete() {
-    if (finished || count(Phase::kRunning) > 0 || count(Phase::kDone) > 0) return;  // a round is still on
+    if (finished || finishing || count(Phase::kRunning) > 0) return;  // a round is still on, or the job ends
     std::vector<Agent*> waiting;
     for (auto& [id, a] : agents)
       if (a.phase == Phase::kWaiting) waiting.push_back(&a);
@@ -209,6 +221,11 @@ struct RendezvousServer::Impl {
     }
     std::sort(waiting.begin(), waiting.end(),
               [](Agent* x, Agent* y) { return std::tie(x->prev_rank, x->order) < std::tie(y->prev_rank, y->order); });
+    for (size_t i = static_cast<size_t>(o.max_nodes); i < waiting.size(); ++i)
+      waiting[i]->line.send(json{{"op", "waiting"},
+                                 {"why", fmt::format("the job runs on --nnodes max {} machines; this one is admitted "
+                                                     "when one of them leaves",
+                                                     o.max_nodes)}});
     waiting.resize(std::min(waiting.size(), static_cast<size_t>(o.max_nodes)));
     ++round;
     last_call.reset();
@@ -264,6 +281,11 @@ RendezvousServer::~RendezvousServer() {
 bool RendezvousServer::settled() const {
   std::lock_guard lock(impl_->mutex);
   return impl_->count(Phase::kRunning) == 0 && impl_->count(Phase::kWaiting) == 0;
+}
+
+bool RendezvousServer::members_running() const {
+  std::lock_guard lock(impl_->mutex);
+  return impl_->count(Phase::kRunning) > 0;
 }
 
 }  // namespace xlr8::detail

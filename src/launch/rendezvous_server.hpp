@@ -20,6 +20,8 @@ class RendezvousServer {
   RendezvousServer& operator=(const RendezvousServer&) = delete;
   // True when no machine is running a round or waiting for one (every member finished or left).
   bool settled() const;
+  // Some machine's workers are running a round (the others need this server to finish, or to restart).
+  bool members_running() const;
 
   struct Impl;
 

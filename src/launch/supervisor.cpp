@@ -349,6 +349,8 @@ class Supervisor final : public detail::WorkerGroup {
   // that is not a failure.
   void check_stop_request() {
     if (!stop_check_ || first_failure_ >= 0 || interrupted_by_ || !stalled_.empty() || !stopped_for_.empty()) return;
+    // Every worker exited (their output is draining): the attempt is over, a late request must not undo it.
+    if (std::none_of(workers_.begin(), workers_.end(), [](const Worker& w) { return w.running; })) return;
     if (Clock::now() < next_stop_check_) return;
     next_stop_check_ = Clock::now() + std::chrono::milliseconds(100);
     std::string why = stop_check_();

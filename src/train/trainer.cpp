@@ -116,6 +116,11 @@ void check(const ScalingConfig& s) {
     throw ConfigError(fmt::format("ScalingConfig.rendezvous_endpoint is set (several machines): workers_per_machine {} "
                                   "must be 1 to num_workers' maximum {}",
                                   s.workers_per_machine, s.num_workers.max));
+  if (!s.rendezvous_endpoint.empty() && s.workers_per_machine > 0 &&
+      (s.num_workers.min + s.workers_per_machine - 1) / s.workers_per_machine > s.num_workers.max / s.workers_per_machine)
+    throw ConfigError(fmt::format("ScalingConfig.num_workers {} is no whole number of machines of workers_per_machine {} "
+                                  "each; make the range hold a multiple of it",
+                                  describe(s.num_workers), s.workers_per_machine));
   if (s.rendezvous_endpoint.empty() && s.workers_per_machine != 0)
     throw ConfigError("ScalingConfig.workers_per_machine is for several machines: set rendezvous_endpoint too, or use "
                       "num_workers alone on one machine");

@@ -48,7 +48,10 @@ NetnsHosts::NetnsHosts(int count) {
     const std::string name = line.substr(0, line.find(' '));
     if (name.rfind("xlr8t", 0) != 0) continue;
     const int pid = std::atoi(name.c_str() + 5);
-    if (pid > 0 && pid != getpid() && !process_alive(pid)) ip({"netns", "del", name}, false);
+    if (pid <= 0 || pid == getpid() || process_alive(pid)) continue;
+    std::istringstream left(ip({"netns", "pids", name}, false));  // its launchers would wait for their peers
+    for (int p; left >> p;) ::kill(p, SIGKILL);
+    ip({"netns", "del", name}, false);
   }
   prefix_ = fmt::format("x{}", getpid());
   // A /24 of 10.213.0.0/16 nobody here uses: its unreachable route is ours while it exists.

@@ -260,3 +260,19 @@ TEST(Elastic, TheTrainerOnTwoHostsLosesOneAndItsFitFinishesOnTheOther) {
   EXPECT_NE(r.err.find("rendezvous round 2: 1 machine(s), 2 ranks"), std::string::npos) << r.err;
   EXPECT_NE(r.out.find("resumed from " + storage + "/two_hosts/checkpoint_"), std::string::npos) << r.out;
 }
+
+// A machine started long before the one that serves the rendezvous waits for it (its silence is counted from
+// the connection, not from its first try).
+TEST(Elastic, AMachineStartedBeforeTheServingOneWaitsForItAndBothTrain) {
+  SKIP_WITHOUT_HOSTS();
+  NetnsHosts hosts(2);
+  const auto out = temp_dir("elastic-late");
+  Process early(agent(hosts, 1, "2", worker(out, 4)));
+  ASSERT_GE(wait_for(early, "waiting for the rendezvous", 30, true), 0) << early.err_so_far();
+  std::this_thread::sleep_for(std::chrono::seconds(5));  // more than keep_alive_interval 1 s x 3
+  Process serving(agent(hosts, 0, "2", worker(out, 4)));
+  auto r0 = serving.wait(120), r1 = early.wait(120);
+  ASSERT_EQ(r0.exit_code, 0) << r0.out << r0.err;
+  ASSERT_EQ(r1.exit_code, 0) << r1.out << r1.err;
+  EXPECT_EQ(last_json(r0.out + r1.out)["num_processes"], 4);
+}

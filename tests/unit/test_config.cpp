@@ -284,6 +284,9 @@ TEST(LaunchPlan, ElasticRendezvousFlagsAsTorchrunHasThemAndTheirErrors) {
   r.rdzv_endpoint = "node7";
   r.rdzv_conf = "join_timeout=soon";
   EXPECT_NE(plan_error(r).find("--rdzv_conf join_timeout=\"soon\": give a positive number of seconds"), std::string::npos);
+  r.rdzv_conf = "keep_alive_max_attempt=1";  // one missed beat would drop a live machine
+  EXPECT_NE(plan_error(r).find("--rdzv_conf keep_alive_max_attempt=\"1\": give a whole number of 2 or more"),
+            std::string::npos);
   r.rdzv_conf = "timeout=3";
   EXPECT_NE(plan_error(r).find("unknown key \"timeout\"; known: join_timeout"), std::string::npos);
   r.rdzv_conf.reset();

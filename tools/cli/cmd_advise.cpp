@@ -100,6 +100,7 @@ std::optional<nlohmann::json> measure(LaunchOptions o, const fs::path& dir, int 
     return "every rank measured its steps";
   };
   const auto outcome = launch_with_outcome(o);
+  if (outcome.interrupted_by) throw Error(fmt::format("interrupted (signal {})", outcome.interrupted_by));
   failure = outcome.exit_code == 0 ? ""
             : outcome.failure && !(outcome.failure->error_message.empty() && outcome.failure->headline.empty())
                 ? (outcome.failure->error_message.empty() ? outcome.failure->headline : outcome.failure->error_message)
@@ -138,7 +139,8 @@ void write_config(const std::string& path, const LaunchOptions& base, const Cand
 int advise(const LaunchRequest& request, const AdviseOptions& a) {
   const auto started = Clock::now();
   const auto deadline = started + std::chrono::milliseconds(static_cast<int64_t>(a.budget_s * 1000));
-  if (a.steps < 1 || a.warmup < 0) throw ConfigError("--steps must be 1 or more and --warmup 0 or more");
+  // At least one warm-up step: the first one allocates, and the clock starts at a step's end.
+  if (a.steps < 1 || a.warmup < 1) throw ConfigError("--steps and --warmup must be 1 or more");
   const LaunchOptions base = plan_launch(request);
   if (base.elastic || !base.mpirun_hostfile.empty() || base.num_machines > 1)
     throw ConfigError("xlr8 advise measures on this machine: give --num_processes N alone");
@@ -174,7 +176,7 @@ int advise(const LaunchRequest& request, const AdviseOptions& a) {
       try {
         result = measure(plan_launch(with_candidate(request, c)), work / fmt::format("c{}", rows.size()), a.warmup, a.steps,
                          a.min_seconds, deadline, "result.json", failure);
-      } catch (const Error& e) {
+      } catch (const ConfigError& e) {
         row.verdict = fmt::format("failed: {}", e.what());
       }
       if (result) {
@@ -187,7 +189,10 @@ int advise(const LaunchRequest& request, const AdviseOptions& a) {
         row.peak_rss = (*result)["peak_rss"];
         row.verdict = row.measured > limit ? "exceeds the memory per rank (measured)" : "fits";
       } else if (row.verdict.empty()) {
-        row.verdict = Clock::now() > deadline ? "not finished within --budget_s" : fmt::format("failed: {}", failure);
+        row.verdict = Clock::now() > deadline ? "not finished within --budget_s"
+                      : failure.empty()
+                          ? fmt::format("ended before {} steps", a.warmup + a.steps)
+                          : fmt::format("failed: {}", failure);
       }
     }
     rows.push_back(row);

@@ -57,7 +57,9 @@ Recorded run_recording(LaunchOptions o, const fs::path& dir, int steps, const st
   };
   fmt::print(stderr, "xlr8 verify: {}: {} process(es), {} step(s)\n", what, ranks, steps);
   Recorded r;
-  r.exit_code = launch_with_outcome(o).exit_code;
+  const auto outcome = launch_with_outcome(o);
+  if (outcome.interrupted_by) throw Error(fmt::format("{} was interrupted (signal {})", what, outcome.interrupted_by));
+  r.exit_code = outcome.exit_code;
   std::ifstream in(dir / "record.json");
   if (!in && r.exit_code != 0)
     throw Error(fmt::format("{} failed (exit code {}) before its first optimizer step; the launcher's report above "
