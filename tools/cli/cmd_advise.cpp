@@ -95,9 +95,7 @@ std::optional<nlohmann::json> measure(LaunchOptions o, const fs::path& dir, int 
   const int ranks = o.world_size();
   o.stop_check = [dir, ranks, deadline]() -> std::string {
     if (Clock::now() > deadline) return "out of time (--budget_s)";
-    for (int r = 0; r < ranks; ++r)
-      if (!fs::exists(dir / fmt::format("done.{}", r))) return "";
-    return "every rank measured its steps";
+    return every_rank_done(dir, ranks) ? "every rank measured its steps" : "";
   };
   const auto outcome = launch_with_outcome(o);
   if (outcome.interrupted_by) throw Error(fmt::format("interrupted (signal {})", outcome.interrupted_by));

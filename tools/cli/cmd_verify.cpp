@@ -51,9 +51,7 @@ Recorded run_recording(LaunchOptions o, const fs::path& dir, int steps, const st
   o.extra_env["XLR8_SPLIT_BATCHES"] = "1";
   const int ranks = o.world_size();
   o.stop_check = [dir, ranks]() -> std::string {
-    for (int r = 0; r < ranks; ++r)
-      if (!fs::exists(dir / fmt::format("done.{}", r))) return "";
-    return "every rank recorded its steps";
+    return every_rank_done(dir, ranks) ? "every rank recorded its steps" : "";
   };
   fmt::print(stderr, "xlr8 verify: {}: {} process(es), {} step(s)\n", what, ranks, steps);
   Recorded r;

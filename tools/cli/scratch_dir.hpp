@@ -1,5 +1,5 @@
 #pragma once
-// A temporary folder of one command, removed with everything in it when the command ends (an empty path:
+// The temporary folders of verify and advise. A temporary folder of one command, removed with everything in it when the command ends (an empty path:
 // nothing is created or removed, for a folder the user asked to keep).
 #include <fmt/format.h>
 #include <unistd.h>
@@ -29,5 +29,13 @@ class ScratchDir {
  private:
   std::filesystem::path path_;
 };
+
+// The workers' recorders (src/train/verify_recorder, advise_recorder) write <dir>/done.<rank> once their steps are
+// recorded: true when all `ranks` have.
+inline bool every_rank_done(const std::filesystem::path& dir, int ranks) {
+  for (int r = 0; r < ranks; ++r)
+    if (!std::filesystem::exists(dir / fmt::format("done.{}", r))) return false;
+  return true;
+}
 
 }  // namespace xlr8::cli
