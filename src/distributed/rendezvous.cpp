@@ -5,19 +5,55 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <thread>
 
 #include "core/text.hpp"
+#include "launch/net.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8::detail {
 
 using text::first_line;
 
+namespace {
+
+// LibTorch's TCPStore client retries a refused connection once a second, so a rank that starts before rank 0
+// listens lost a second of every launch. Knock until the port accepts (a connection closed at once, which the
+// server drops), then let the store connect. Only a refusal is waited out here; anything else (a name this
+// IPv4 check cannot resolve, an unreachable host) is left to the store and its own error.
+// False when the port refused until the deadline.
+bool wait_until_listening(const Topology& t, std::chrono::steady_clock::time_point deadline) {
+  auto pause = std::chrono::milliseconds(2);
+  const std::string refused = std::strerror(ECONNREFUSED);
+  for (;;) {
+    std::string why;
+    const int fd = connect_tcp({t.master_addr, t.master_port}, 1.0, why);
+    if (fd >= 0) {
+      ::close(fd);
+      return true;
+    }
+    if (why != refused) return true;
+    if (std::chrono::steady_clock::now() + pause >= deadline) return false;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(50));
+  }
+}
+
+}  // namespace
+
 compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout) {
   const std::string where = fmt::format("{}:{}", t.master_addr, t.master_port);
   const double seconds = timeout.count() / 1000.0;
   compat::StorePtr store;
+  const auto unreachable = [&](const std::string& cause) {
+    return TimeoutError(fmt::format("rank {} could not reach the rendezvous server at {} within {} s: {}. Check that "
+                                    "rank 0 (machine 0) is running and that MASTER_ADDR/MASTER_PORT are right",
+                                    t.rank, where, seconds, cause));
+  };
+  if (t.rank != 0 && !wait_until_listening(t, std::chrono::steady_clock::now() + timeout))
+    throw unreachable(std::strerror(ECONNREFUSED));
   try {
     store = compat::make_tcp_store(t.master_addr, t.master_port, t.rank == 0, t.world_size, timeout);
   } catch (const std::exception& e) {
@@ -26,9 +62,7 @@ compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout
       throw Error(fmt::format("rank 0 could not start the rendezvous server on port {} ({}): {}. If the port is in use, "
                               "choose another with --main_process_port, or omit it to pick a free one",
                               t.master_port, where, cause));
-    throw TimeoutError(fmt::format("rank {} could not reach the rendezvous server at {} within {} s: {}. Check that "
-                                   "rank 0 (machine 0) is running and that MASTER_ADDR/MASTER_PORT are right",
-                                   t.rank, where, seconds, cause));
+    throw unreachable(cause);
   }
 
   // Any store failure from here on means the server (rank 0) went away: it gave up or died.

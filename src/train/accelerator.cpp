@@ -305,7 +305,12 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
     tp::detail::take_whole_values_from_main(*module, s.world(), wholes, s.device);
   }
   module->to(s.device);
-  if (s.verify) s.verify->on_prepare(s, *module);
+  auto& built = s.built_for_rank0_loading;
+  std::erase_if(built, [](const auto& weak) { return weak.expired(); });
+  auto it = std::find_if(built.begin(), built.end(), [&](const auto& weak) { return weak.lock() == module; });
+  const bool values_from_rank0 = it != built.end();  // the other ranks hold no values until the strategy sends them
+  if (values_from_rank0) built.erase(it);
+  if (s.verify) s.verify->on_prepare(s, *module, /*compare_across_ranks=*/!values_from_rank0);
   if (s.advise) s.advise->on_prepare(s, *module);
   auto parallel = s.options.parallel;
   const auto& settings = s.state->settings();
@@ -314,13 +319,7 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
         *module, detail::resolve_zero_options(parallel.zero, settings, s.state->local_world_size()), *settings.fsdp);
   if (!parallel.zero.param_dtype) parallel.zero.param_dtype = sharded_param_dtype(s.precision, s.device);
   if (s.deepspeed) s.deepspeed->configure_model(*module, parallel, s.options.model_hidden_size);
-  auto& built = s.built_for_rank0_loading;
-  std::erase_if(built, [](const auto& weak) { return weak.expired(); });
-  auto it = std::find_if(built.begin(), built.end(), [&](const auto& weak) { return weak.lock() == module; });
-  if (it != built.end()) {
-    parallel.zero.values_from_rank0 = true;
-    built.erase(it);
-  }
+  if (values_from_rank0) parallel.zero.values_from_rank0 = true;
   s.models.push_back(make_parallel_strategy(std::move(module), *s.state, parallel, s.gradient_state));
   auto* strategy = s.models.back().get();
   for (const auto& o : s.optimizers) strategy->bind_optimizer(*o->optimizer);  // prepared before the model

@@ -8,6 +8,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <utility>
 #include <sstream>
 
 #include "checkpoint/files.hpp"
@@ -53,6 +54,17 @@ double static_bytes(const AcceleratorImpl& impl) {
   return total;
 }
 
+// Samples per optimizer step over every rank (the first prepared loader's); 0 without a prepared loader.
+double samples_per_step(const AcceleratorImpl& impl) {
+  for (const auto& weak : impl.loaders)
+    if (auto loader = weak.lock()) {
+      const auto& o = loader->options();
+      return static_cast<double>(o.batch_size) * (impl.options.split_batches ? 1 : loader->sharding().num_processes) *
+             impl.gradient_state->num_steps;
+    }
+  return 0;
+}
+
 }  // namespace
 
 std::unique_ptr<AdviseRecorder> AdviseRecorder::from_env() {
@@ -63,6 +75,7 @@ std::unique_ptr<AdviseRecorder> AdviseRecorder::from_env() {
   if (const char* w = std::getenv("XLR8_ADVISE_WARMUP"); w && *w) r->warmup_ = std::max(0L, std::strtol(w, nullptr, 10));
   if (const char* t = std::getenv("XLR8_ADVISE_STEPS"); t && *t) r->steps_ = std::max(0L, std::strtol(t, nullptr, 10));
   if (const char* s = std::getenv("XLR8_ADVISE_MIN_SECONDS"); s && *s) r->min_seconds_ = std::max(0.0, std::strtod(s, nullptr));
+  if (const char* c = std::getenv("XLR8_ADVISE_CUT_BELOW"); c && *c) r->cut_below_ = std::max(0.0, std::strtod(c, nullptr));
   std::filesystem::create_directories(r->dir_);
   r->started_ = std::chrono::steady_clock::now();
   return r;
@@ -76,37 +89,38 @@ void AdviseRecorder::finish(AcceleratorImpl& impl, const std::string& file, cons
 
 void AdviseRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module) {
   for (const auto& p : module.parameters()) parameters_ += static_cast<double>(p.numel());
-  if (steps_ == 0) finish(impl, "probe.json", nlohmann::json{{"parameters", parameters_}}.dump());
+  if (std::exchange(probed_, true)) return;
+  const std::string probe = nlohmann::json{{"parameters", parameters_}}.dump();
+  if (steps_ == 0) return finish(impl, "probe.json", probe);
+  if (impl.state->rank() == 0) files::write_durably(fmt::format("{}/probe.json", dir_), probe);
 }
 
 void AdviseRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
-  if (steps_ == 0) return;
+  if (steps_ == 0 || measured_) return;
   if (step == warmup_) started_ = std::chrono::steady_clock::now();
-  if (step < warmup_ + steps_ || measured_) return;
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
-  if (min_seconds_ > 0) {  // rank 0's clock decides for all
-    auto enough = at::full({1}, impl.state->rank() == 0 && seconds >= min_seconds_ ? 1.0 : 0.0, at::kDouble).to(impl.device);
-    impl.world().all_reduce(enough, ReduceOp::MAX);
-    if (enough.item<double>() == 0) return;
-  }
-  measured_ = true;
+  if (step <= warmup_) return;
   const int64_t timed = step - warmup_;
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+  const double samples = samples_per_step(impl);
+  const double throughput = (samples > 0 ? samples : 1.0) * static_cast<double>(timed) / std::max(seconds, 1e-9);
+  // Rank 0's clock decides for all: 2 stops after the timed steps, 1 stops early (too slow to win).
+  double verdict = 0;
+  if (impl.state->rank() == 0)
+    verdict = timed >= steps_ && seconds >= min_seconds_ ? 2 : cut_below_ > 0 && throughput < cut_below_ ? 1 : 0;
+  auto flag = at::full({1}, verdict, at::kDouble).to(impl.device);
+  impl.world().all_reduce(flag, ReduceOp::MAX);
+  verdict = flag.item<double>();
+  if (verdict == 0) return;
+  measured_ = true;
   auto measured = at::tensor({static_bytes(impl), peak_rss_bytes()}, at::kDouble).to(impl.device);
   impl.world().all_reduce(measured, ReduceOp::MAX);
   measured = measured.cpu();
-  double samples = 0;  // per optimizer step, over every rank: the first prepared loader's
-  for (const auto& weak : impl.loaders)
-    if (auto loader = weak.lock()) {
-      const auto& o = loader->options();
-      samples = static_cast<double>(o.batch_size) * (impl.options.split_batches ? 1 : loader->sharding().num_processes) *
-                impl.gradient_state->num_steps;
-      break;
-    }
   finish(impl, "result.json",
          nlohmann::json{{"parameters", parameters_},
                         {"seconds", seconds},
                         {"steps", timed},
                         {"samples_per_step", samples},
+                        {"cut", verdict == 1},
                         {"static_bytes", measured[0].item<double>()},
                         {"peak_rss", measured[1].item<double>()}}
              .dump());

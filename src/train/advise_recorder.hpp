@@ -1,11 +1,13 @@
 #pragma once
 // `xlr8 advise`'s recorder in the workers. tools/cli/cmd_advise.cpp runs the program under each candidate
-// strategy with XLR8_ADVISE_DIR, XLR8_ADVISE_WARMUP=W, XLR8_ADVISE_STEPS=T and XLR8_ADVISE_MIN_SECONDS=S: after
-// optimizer step W the clock starts; after step W + T, and once rank 0's clock says S seconds passed (one
-// flag all-reduced per step, so every rank stops at the same step), rank 0 writes <dir>/result.json (seconds, samples per step, the parameters,
-// the largest static bytes of a rank: unique storages of parameters, gradients and optimizer state, and
-// the largest peak RSS) and every rank writes <dir>/done.<rank>. With T = 0 (a probe) the parameter count is
-// written at the first prepare() and the ranks are done at once.
+// strategy with XLR8_ADVISE_DIR, XLR8_ADVISE_WARMUP=W, XLR8_ADVISE_STEPS=T, XLR8_ADVISE_MIN_SECONDS=S and
+// XLR8_ADVISE_CUT_BELOW=C. Rank 0 writes <dir>/probe.json (the parameter count) at the first prepare(). After
+// optimizer step W the clock starts; after each later step one flag is all-reduced (rank 0's clock decides for
+// all, so every rank stops at the same step): stop once W + T steps and S seconds passed, or early once the
+// throughput so far is below C (samples/s; the candidate cannot win). Then rank 0 writes <dir>/result.json
+// (seconds, steps, samples per step, whether it was cut, the largest static bytes of a rank: unique storages of
+// parameters, gradients and optimizer state, and the largest peak RSS) and every rank writes <dir>/done.<rank>.
+// With T = 0 (a probe) the ranks are done at prepare().
 #include <chrono>
 #include <memory>
 #include <string>
@@ -30,9 +32,10 @@ class AdviseRecorder {
   std::string dir_;
   int64_t warmup_ = 2, steps_ = 3;
   double min_seconds_ = 0;  // the timed steps go on until this much time has passed (rank 0's clock)
+  double cut_below_ = 0;    // samples/s (steps/s without a prepared loader): stop early under it
   double parameters_ = 0;
   std::chrono::steady_clock::time_point started_;
-  bool measured_ = false;
+  bool measured_ = false, probed_ = false;
 };
 
 }  // namespace detail

@@ -12,6 +12,7 @@
 #include "checkpoint/files.hpp"
 #include "train/accelerator_impl.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8::detail {
 
@@ -29,7 +30,7 @@ std::unique_ptr<VerifyRecorder> VerifyRecorder::from_env() {
   return r;
 }
 
-void VerifyRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module) {
+void VerifyRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module, bool compare_across_ranks) {
   const std::string prefix = models_ == 0 ? "" : fmt::format("model {}: ", models_);
   ++models_;
   for (const auto& item : module.named_modules()) {
@@ -39,20 +40,29 @@ void VerifyRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module
       record_["dropout"].push_back(fmt::format("{} ({})", name, type));
     if (type.find("BatchNorm") != std::string::npos) record_["batchnorm"].push_back(fmt::format("{} ({})", name, type));
   }
-  // Two sums per parameter, compared by MIN and MAX over the ranks: equal everywhere, or not.
+  // Two sums per parameter, compared by MIN and MAX over the ranks: equal everywhere, or not. A tensor-parallel
+  // slice is compared with the same slice on the other replicas only (the ranks outside its tp group).
   auto params = module.named_parameters();
-  if (params.size() == 0) return;
+  if (params.size() == 0 || !compare_across_ranks) return;
   std::vector<at::Tensor> sums;
   for (const auto& p : params) {
     auto values = p.value().detach().to(at::kCPU, at::kDouble);
     sums.push_back(at::stack({values.sum(), values.pow(2).sum()}));
   }
-  auto low = at::stack(sums).to(impl.device), high = low.clone();
-  impl.world().all_reduce(low, ReduceOp::MIN);
-  impl.world().all_reduce(high, ReduceOp::MAX);
-  auto differs = low.ne(high).any(1).cpu();
-  for (size_t i = 0; i < params.size(); ++i)
+  auto differs_over = [&](Communicator& group) {
+    auto low = at::stack(sums).to(impl.device), high = low.clone();
+    group.all_reduce(low, ReduceOp::MIN);
+    group.all_reduce(high, ReduceOp::MAX);
+    return low.ne(high).any(1).cpu();
+  };
+  auto& mesh = impl.state->mesh();
+  const auto sliced = tp::sliced_parameters(module);
+  const auto over_world = differs_over(impl.world());
+  const auto over_replicas = mesh.size("tp") > 1 ? differs_over(mesh.group("dp_cp")) : over_world;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& differs = sliced.contains(params[i].value()) ? over_replicas : over_world;
     if (differs[static_cast<int64_t>(i)].item<bool>()) record_["differs_at_start"].push_back(prefix + params[i].key());
+  }
 }
 
 void VerifyRecorder::on_backward(const at::Tensor& loss) {

@@ -28,7 +28,8 @@ class VerifyRecorder {
   // nullptr unless XLR8_VERIFY_DIR is set.
   static std::unique_ptr<VerifyRecorder> from_env();
   // A model as prepare() receives it, before its strategy syncs or shards it (collective).
-  void on_prepare(AcceleratorImpl& impl, torch::nn::Module& module);
+  // compare_across_ranks false: only the main process built the values (rank-0 loading), nothing to compare.
+  void on_prepare(AcceleratorImpl& impl, torch::nn::Module& module, bool compare_across_ranks);
   void on_backward(const at::Tensor& loss);
   // A step that updates: gradients synchronised and unscaled, not yet applied (collective).
   void before_step(AcceleratorImpl& impl, const std::vector<at::Tensor>& parameters, ParallelStrategy* owner);

@@ -53,6 +53,43 @@ TEST(Verify, EveryOtherStrategyAndGradientAccumulationPassOnThreeRanks) {
   }
 }
 
+// The GPT example: its attention key bias has only rounding for a gradient (softmax ignores it), which Adam
+// turns into learning-rate-sized steps in both runs; verify must not call that a difference. Tensor slices
+// differ across tp ranks by design, which is no "model that differs at start". Every mesh layout is compared
+// with one process without a mesh.
+TEST(Verify, TheGptPassesUnderDdpTensorContextAndSequenceParallelismAndHybridSharding) {
+  const Args wrap{"--use_fsdp", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap",
+                  "BlockImpl"};
+  auto with = [](Args a, const Args& b) { return a.insert(a.end(), b.begin(), b.end()), a; };
+  struct Layout {
+    std::string name;
+    int n;
+    Args flags;
+  };
+  const std::vector<Layout> layouts{
+      {"DDP", 2, {}},
+      {"tp 2", 2, {"--parallelism_config_tp_size", "2"}},
+      {"cp 2, the ring, accumulation 2", 2,
+       {"--parallelism_config_cp_size", "2", "--parallelism_config_cp_comm_strategy", "alltoall",
+        "--gradient_accumulation_steps", "2"}},
+      {"sp 2 (Ulysses)", 2, {"--parallelism_config_sp_size", "2"}},
+      {"dp_shard 2 x tp 2 (FSDP + TP)", 4,
+       with(wrap, {"--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "2"})},
+      {"dp_replicate 2 x dp_shard 2 (HYBRID_SHARD)", 4,
+       with(wrap, {"--fsdp_sharding_strategy", "HYBRID_SHARD", "--parallelism_config_dp_replicate_size", "2",
+                   "--parallelism_config_dp_shard_size", "2"})},
+      {"dp_shard 2 x cp 2 (FSDP + CP)", 4,
+       with(wrap, {"--parallelism_config_dp_shard_size", "2", "--parallelism_config_cp_size", "2"})}};
+  for (const auto& layout : layouts) {
+    SCOPED_TRACE(layout.name);
+    auto r = verify(layout.n, with(layout.flags, {"--steps", "4"}),
+                    {kGpt, "--n_layer", "2", "--d_model", "64", "--n_head", "4", "--seq_len", "32", "--batch_size", "8",
+                     "--output_dir", temp_dir("verify-gpt")});
+    EXPECT_TRUE(passed(r)) << r.out << r.err;
+    EXPECT_EQ(r.out.find("differed across ranks"), std::string::npos) << r.out;
+  }
+}
+
 TEST(Verify, TheFashionMnistExamplePasses) {
   auto r = verify(2, {"--steps", "3"},
                   {kFashion, "--train_limit", "1280", "--batch_size", "32", "--output_dir", temp_dir("verify-fashion")});
@@ -157,4 +194,37 @@ TEST(Advise, OnTheGptWhereOnlyFullShardFitsItRefusesTheRestPicksTheSameWinnerTwi
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("\"num_processes\":2"), std::string::npos) << r.out;
   EXPECT_NE(read_file(yaml).find("distributed_type: FSDP"), std::string::npos) << read_file(yaml);
+}
+
+TEST(Advise, StopsSlowerCandidatesEarlyRunsALaunchOnceAndStopsAModelThatCannotFitAtPrepare) {
+  const Args gpt{kGpt, "--max_steps", "100000", "--n_layer", "2", "--d_model", "64", "--n_head", "4", "--seq_len", "32",
+                 "--batch_size", "8", "--output_dir", temp_dir("advise-cut")};
+  auto advise = [&](const Args& flags) {
+    Args a{kXlr8, "advise", "--num_processes", "2", "--budget_s", "80", "--min_seconds", "0.5"};
+    a.insert(a.end(), flags.begin(), flags.end());
+    a.insert(a.end(), gpt.begin(), gpt.end());
+    return run(a, 85);
+  };
+  auto row = [](const std::string& out, const std::string& name) {
+    const auto at = out.find("\n" + name + " ");
+    return at == std::string::npos ? std::string() : out.substr(at + 1, out.find('\n', at + 1) - at - 1);
+  };
+  // No candidate can be 1000x the first: each later one is stopped after its first timed step. The launch is
+  // bf16 already, so "FULL_SHARD (ZeRO-3)" is the first candidate's launch and does not run again.
+  auto r = advise({"--cut_below", "1000", "--mixed_precision", "bf16"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.err.find("FULL_SHARD, bf16: 2 warm-up + 3 timed steps (its prepare() measures the model)"), std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("measuring the model"), std::string::npos) << r.err;  // no launch of its own for the size
+  EXPECT_NE(row(r.out, "FULL_SHARD, bf16").find("best"), std::string::npos) << r.out;
+  for (const char* name : {"DDP, bf16", "ZeRO-1", "SHARD_GRAD_OP (ZeRO-2)", "FULL_SHARD, prefetch"})
+    EXPECT_NE(row(r.out, name).find("slower: stopped after 1 step(s) below 1000.00x the best"), std::string::npos)
+        << name << "\n" << r.out;
+  EXPECT_NE(row(r.out, "FULL_SHARD (ZeRO-3)").find("the launch as FULL_SHARD, bf16"), std::string::npos) << r.out;
+  // 118,528 parameters need 474 KB per rank even fully sharded: the first candidate stops at prepare().
+  r = advise({"--max_memory_per_rank", "100KB"});
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("the model cannot fit under this strategy"), std::string::npos) << r.err;
+  EXPECT_NE(row(r.out, "FULL_SHARD, bf16").find("cannot fit: needs 948.22 KB per rank"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("xlr8 advise: no strategy ran within the memory per rank"), std::string::npos) << r.out;
 }

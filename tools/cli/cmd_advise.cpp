@@ -9,6 +9,9 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
+#include <map>
+#include <optional>
 #include <thread>
 
 #include "checkpoint/hf_export.hpp"
@@ -30,6 +33,7 @@ struct AdviseOptions {
   double budget_s = 300;
   int warmup = 2, steps = 3;
   double min_seconds = 2;
+  double cut_below = 0.7;  // a candidate slower than this times the best so far is stopped early
   std::string output;
 };
 
@@ -49,9 +53,12 @@ std::vector<Candidate> candidates() {
     for (auto& [k, v] : extra) m[k] = v;
     return m;
   };
+  // The least memory-hungry first: its prepare() tells the model's size, which prunes the rest; the ones
+  // likely fastest next, so that a slower candidate is stopped early (--cut_below).
   return {
-      {.name = "DDP", .formula = "ddp"},
+      {.name = "FULL_SHARD, bf16", .formula = "zero3", .use_fsdp = true, .fsdp = full, .mixed_precision = "bf16"},
       {.name = "DDP, bf16", .formula = "ddp", .mixed_precision = "bf16"},
+      {.name = "DDP", .formula = "ddp"},
       {.name = "ZeRO-1", .formula = "zero1", .use_deepspeed = true, .deepspeed = {{"zero_stage", "1"}}},
       {.name = "SHARD_GRAD_OP (ZeRO-2)", .formula = "zero2", .use_fsdp = true,
        .fsdp = {{"fsdp_sharding_strategy", "SHARD_GRAD_OP"}}},
@@ -60,7 +67,6 @@ std::vector<Candidate> candidates() {
        .fsdp = with({{"fsdp_backward_prefetch", "BACKWARD_PRE"}, {"fsdp_forward_prefetch", "true"}})},
       {.name = "FULL_SHARD, activation checkpointing", .formula = "zero3", .use_fsdp = true,
        .fsdp = with({{"fsdp_activation_checkpointing", "true"}})},
-      {.name = "FULL_SHARD, bf16", .formula = "zero3", .use_fsdp = true, .fsdp = full, .mixed_precision = "bf16"},
   };
 }
 
@@ -83,19 +89,29 @@ double available_memory_bytes() {
   return 0;
 }
 
-// Runs `o` with the recorder on, until every rank is done or `deadline`; the rank-0 file it wrote.
-std::optional<nlohmann::json> measure(LaunchOptions o, const fs::path& dir, int warmup, int steps, double min_seconds,
-                                      Clock::time_point deadline, const std::string& file, std::string& failure) {
+// What one launch of a candidate is asked for. The run stops once every rank is done, at the deadline, or
+// when `stop_early` says why (it is polled while the workers run).
+struct Measurement {
+  int warmup = 0, steps = 0;
+  double min_seconds = 0, cut_below = 0;  // cut_below: samples/s
+  Clock::time_point deadline;
+  std::function<std::string()> stop_early;
+};
+
+// Runs `o` with the recorder on; the result file rank 0 wrote (none when stopped before).
+std::optional<nlohmann::json> measure(LaunchOptions o, const fs::path& dir, const Measurement& m, std::string& failure) {
   fs::remove_all(dir);
   fs::create_directories(dir);
   o.extra_env["XLR8_ADVISE_DIR"] = dir.string();
-  o.extra_env["XLR8_ADVISE_WARMUP"] = std::to_string(warmup);
-  o.extra_env["XLR8_ADVISE_STEPS"] = std::to_string(steps);
-  o.extra_env["XLR8_ADVISE_MIN_SECONDS"] = std::to_string(min_seconds);
+  o.extra_env["XLR8_ADVISE_WARMUP"] = std::to_string(m.warmup);
+  o.extra_env["XLR8_ADVISE_STEPS"] = std::to_string(m.steps);
+  o.extra_env["XLR8_ADVISE_MIN_SECONDS"] = fmt::format("{}", m.min_seconds);
+  o.extra_env["XLR8_ADVISE_CUT_BELOW"] = fmt::format("{}", m.cut_below);
   const int ranks = o.world_size();
-  o.stop_check = [dir, ranks, deadline]() -> std::string {
-    if (Clock::now() > deadline) return "out of time (--budget_s)";
-    return every_rank_done(dir, ranks) ? "every rank measured its steps" : "";
+  o.stop_check = [dir, ranks, &m]() -> std::string {
+    if (Clock::now() > m.deadline) return "out of time (--budget_s)";
+    if (every_rank_done(dir, ranks)) return "every rank measured its steps";
+    return m.stop_early ? m.stop_early() : "";
   };
   const auto outcome = launch_with_outcome(o);
   if (outcome.interrupted_by) throw Error(fmt::format("interrupted (signal {})", outcome.interrupted_by));
@@ -103,16 +119,35 @@ std::optional<nlohmann::json> measure(LaunchOptions o, const fs::path& dir, int 
             : outcome.failure && !(outcome.failure->error_message.empty() && outcome.failure->headline.empty())
                 ? (outcome.failure->error_message.empty() ? outcome.failure->headline : outcome.failure->error_message)
                 : fmt::format("exit code {}", outcome.exit_code);
-  std::ifstream in(dir / file);
+  std::ifstream in(dir / "result.json");
   if (!in) return std::nullopt;
   return nlohmann::json::parse(in);
+}
+
+// The model's parameter count once the run in `dir` reached prepare(); nullopt before.
+std::optional<double> probed_parameters(const fs::path& dir) {
+  std::ifstream in(dir / "probe.json");
+  if (!in) return std::nullopt;
+  try {
+    return nlohmann::json::parse(in)["parameters"].get<double>();
+  } catch (const std::exception&) {
+    return std::nullopt;  // being written
+  }
+}
+
+// Two candidates that change the user's launch the same way (bf16 when the launch is bf16 already) run once.
+std::string launch_key(const LaunchRequest& r) {
+  std::string key = fmt::format("{}|{}|{}|", r.use_fsdp, r.use_deepspeed, r.mixed_precision.value_or(""));
+  for (const auto& [k, v] : r.fsdp) key += k + "=" + v + ";";
+  for (const auto& [k, v] : r.deepspeed) key += k + "=" + v + ";";
+  return key;
 }
 
 struct Row {
   const Candidate* candidate = nullptr;
   double predicted = 0, measured = 0, peak_rss = 0, throughput = 0;
   std::string unit, verdict;
-  bool ran = false;
+  bool ran = false, cut = false;
 };
 
 void write_config(const std::string& path, const LaunchOptions& base, const Candidate& c, int processes) {
@@ -148,61 +183,92 @@ int advise(const LaunchRequest& request, const AdviseOptions& a) {
   const ScratchDir scratch("advise");
   const fs::path& work = scratch.path();
 
-  const auto all = candidates();
-  // The model's size, from the least memory-hungry candidate's prepare().
-  std::string failure;
-  fmt::print(stderr, "xlr8 advise: measuring the model (prepare() under FULL_SHARD on {} processes)\n", n);
-  const auto probe =
-      measure(plan_launch(with_candidate(request, all[4])), work / "probe", 0, 0, 0, deadline, "probe.json", failure);
-  if (!probe)
-    throw Error(fmt::format("the program did not reach Accelerator::prepare(model){}", failure.empty() ? "" : ": " + failure));
-  const double psi = (*probe)["parameters"];
-  fmt::print(stderr, "xlr8 advise: {:.0f} parameters; memory per rank: {} ({}); budget {:.0f} s\n", psi, human(limit),
-             a.max_memory.empty() ? "available memory / processes" : "--max_memory_per_rank", a.budget_s);
-
+  // The first candidate's prepare() tells the model's size (probe.json); until then nothing is pruned, and
+  // the first is stopped there if it cannot fit.
+  std::optional<double> psi;
   std::vector<Row> rows;
+  std::map<std::string, std::string> tried;  // launch key -> the candidate's name
+  double best = 0;                           // the fastest throughput so far
+  const auto all = candidates();
   for (const auto& c : all) {
     Row row{.candidate = &c};
-    row.predicted = per_rank(c.formula, dtype_bytes("fp32"), psi, n);
-    if (row.predicted > limit) {
+    const LaunchRequest changed = with_candidate(request, c);
+    const auto predicted = [&](double parameters) { return per_rank(c.formula, dtype_bytes("fp32"), parameters, n); };
+    if (psi) row.predicted = predicted(*psi);
+    if (auto [same, fresh] = tried.emplace(launch_key(changed), c.name); !fresh) {
+      row.verdict = fmt::format("the launch as {}", same->second);
+      rows.push_back(row);
+      continue;
+    }
+    if (psi && row.predicted > limit) {
       row.verdict = fmt::format("cannot fit: needs {} per rank for parameters, gradients and AdamW state", human(row.predicted));
-    } else if (Clock::now() > deadline) {
+      rows.push_back(row);
+      continue;
+    }
+    if (Clock::now() > deadline) {
       row.verdict = "not tried: out of --budget_s";
-    } else {
-      fmt::print(stderr, "xlr8 advise: {}: {} warm-up + {} timed steps\n", c.name, a.warmup, a.steps);
-      std::optional<nlohmann::json> result;
-      try {
-        result = measure(plan_launch(with_candidate(request, c)), work / fmt::format("c{}", rows.size()), a.warmup, a.steps,
-                         a.min_seconds, deadline, "result.json", failure);
-      } catch (const ConfigError& e) {
-        row.verdict = fmt::format("failed: {}", e.what());
-      }
-      if (result) {
-        row.ran = true;
-        const double seconds = std::max((*result)["seconds"].get<double>(), 1e-9);
-        const double samples = (*result)["samples_per_step"];
-        row.throughput = (samples > 0 ? samples : 1.0) * (*result)["steps"].get<double>() / seconds;
-        row.unit = samples > 0 ? "samples/s" : "steps/s";
-        row.measured = (*result)["static_bytes"];
-        row.peak_rss = (*result)["peak_rss"];
-        row.verdict = row.measured > limit ? "exceeds the memory per rank (measured)" : "fits";
-      } else if (row.verdict.empty()) {
-        row.verdict = Clock::now() > deadline ? "not finished within --budget_s"
-                      : failure.empty()
-                          ? fmt::format("ended before {} steps", a.warmup + a.steps)
-                          : fmt::format("failed: {}", failure);
-      }
+      rows.push_back(row);
+      continue;
+    }
+    fmt::print(stderr, "xlr8 advise: {}: {} warm-up + {} timed steps{}\n", c.name, a.warmup, a.steps,
+               psi ? "" : " (its prepare() measures the model)");
+    const fs::path dir = work / fmt::format("c{}", rows.size());
+    Measurement m{.warmup = a.warmup, .steps = a.steps, .min_seconds = a.min_seconds, .cut_below = a.cut_below * best,
+                  .deadline = deadline};
+    bool too_big = false;
+    if (!psi)
+      m.stop_early = [&]() -> std::string {
+        const auto p = probed_parameters(dir);
+        if (!p || predicted(*p) <= limit) return "";
+        too_big = true;
+        return "the model cannot fit under this strategy";
+      };
+    std::optional<nlohmann::json> result;
+    std::string failure;
+    try {
+      result = measure(plan_launch(changed), dir, m, failure);
+    } catch (const ConfigError& e) {
+      row.verdict = fmt::format("failed: {}", e.what());
+    }
+    if (!psi) {
+      psi = probed_parameters(dir);
+      if (!psi)
+        throw Error(fmt::format("the program did not reach Accelerator::prepare(model){}",
+                                failure.empty() ? row.verdict.empty() ? "" : ": " + row.verdict : ": " + failure));
+      row.predicted = predicted(*psi);
+      fmt::print(stderr, "xlr8 advise: {:.0f} parameters; memory per rank: {} ({}); budget {:.0f} s\n", *psi, human(limit),
+                 a.max_memory.empty() ? "available memory / processes" : "--max_memory_per_rank", a.budget_s);
+    }
+    if (too_big) {
+      row.verdict = fmt::format("cannot fit: needs {} per rank for parameters, gradients and AdamW state", human(row.predicted));
+    } else if (result) {
+      row.ran = true;
+      const double seconds = std::max((*result)["seconds"].get<double>(), 1e-9);
+      const double samples = (*result)["samples_per_step"];
+      const double steps = (*result)["steps"];
+      row.throughput = (samples > 0 ? samples : 1.0) * steps / seconds;
+      row.unit = samples > 0 ? "samples/s" : "steps/s";
+      row.measured = (*result)["static_bytes"];
+      row.peak_rss = (*result)["peak_rss"];
+      row.cut = (*result)["cut"];
+      if (row.measured > limit) row.verdict = "exceeds the memory per rank (measured)";
+      else if (row.cut) row.verdict = fmt::format("slower: stopped after {:.0f} step(s) below {:.2f}x the best", steps, a.cut_below);
+      else row.verdict = "fits", best = std::max(best, row.throughput);
+    } else if (row.verdict.empty()) {
+      row.verdict = Clock::now() > deadline ? "not finished within --budget_s"
+                    : failure.empty()       ? fmt::format("ended before {} steps", a.warmup + a.steps)
+                                            : fmt::format("failed: {}", failure);
     }
     rows.push_back(row);
   }
+  // The rows that ran their measurement by throughput, then those stopped early, then the rest.
   std::vector<Row*> ranked;
-  for (auto& r : rows)
-    if (r.ran && r.verdict == "fits") ranked.push_back(&r);
-  std::sort(ranked.begin(), ranked.end(), [](Row* x, Row* y) { return x->throughput > y->throughput; });
-  for (auto& r : rows)
-    if (std::find(ranked.begin(), ranked.end(), &r) == ranked.end()) ranked.push_back(&r);
-
-  const double best = ranked.empty() || !ranked.front()->ran ? 0 : ranked.front()->throughput;
+  for (auto& r : rows) ranked.push_back(&r);
+  auto order = [](const Row* r) { return r->ran && r->verdict == "fits" ? 0 : r->ran && r->cut ? 1 : 2; };
+  std::stable_sort(ranked.begin(), ranked.end(), [&](Row* x, Row* y) {
+    return order(x) != order(y) ? order(x) < order(y) : order(x) < 2 && x->throughput > y->throughput;
+  });
+  best = ranked.empty() || !ranked.front()->ran ? 0 : ranked.front()->throughput;
   fmt::print("{:<38} {:>14} {:>7} {:>12} {:>12} {:>7} {:>11}  {}\n", "strategy", "samples/s", "x best", "predicted",
              "measured", "error", "peak RSS", "verdict");
   for (const Row* r : ranked) {
@@ -215,9 +281,9 @@ int advise(const LaunchRequest& request, const AdviseOptions& a) {
       fmt::print("{:<38} {:>14} {:>7} {:>12} {:>12} {:>7} {:>11}  {}\n", r->candidate->name, "-", "-", human(r->predicted),
                  "-", "-", "-", r->verdict);
   }
-  fmt::print("(throughput: at least {} timed steps and {} s after {} warm-up; predicted: parameters, gradients and AdamW state by the "
+  fmt::print("(throughput: at least {} timed steps and {} s after {} warm-up, or fewer for one slower than {}x the best so far; predicted: parameters, gradients and AdamW state by the "
              "formulas of xlr8 estimate-memory; measured: what a rank held after its last step; advise took {:.0f} s)\n",
-             a.steps, a.min_seconds, a.warmup, std::chrono::duration<double>(Clock::now() - started).count());
+             a.steps, a.min_seconds, a.warmup, a.cut_below, std::chrono::duration<double>(Clock::now() - started).count());
   if (ranked.empty() || ranked.front()->verdict != "fits") {
     fmt::print("xlr8 advise: no strategy ran within the memory per rank\n");
     return 1;
@@ -246,6 +312,9 @@ Handler add_advise(CLI::App& app) {
   cmd->add_option("--warmup", a->warmup, "Untimed optimizer steps per strategy (default 2)");
   cmd->add_option("--steps", a->steps, "Timed optimizer steps per strategy, at least (default 3)");
   cmd->add_option("--min_seconds", a->min_seconds, "...and at least this long (default 2)");
+  cmd->add_option("--cut_below", a->cut_below,
+                  "Stop a candidate early once its throughput is below this fraction of the best so far (default 0.7; "
+                  "0: every candidate runs its full measurement)");
   cmd->add_option("--output", a->output, "Write the winner as an Accelerate config file");
   cmd->footer("Usage: xlr8 advise [launch options] [--max_memory_per_rank SIZE] [--output advised.yaml] program [args]");
   return [req, a]() { return advise(*req, *a); };

@@ -88,10 +88,18 @@ int first_divergence(const Recorded& a, const Recorded& b, double rtol) {
 
 struct ParamDiff {
   std::string name;
-  double diff = 0;  // ||a - b|| / ||b|| (L2): one element an AdamW step flipped does not dominate it
+  double diff = 0;
 };
 
+// ||N - 1|| per tensor over max(||1||, the model's RMS value x sqrt(numel)): relative to the tensor itself, or to what
+// a tensor of its size weighs in this model when its own norm is small. Without that floor, a zero-initialised
+// bias whose gradient is only rounding (an attention key bias: softmax ignores it) fails every comparison, as
+// Adam turns that rounding into steps of the learning rate's size in both runs; a bias that trains wrong still
+// differs by about lr per element, far above the floor's share. L2: one flipped element does not dominate.
 std::vector<ParamDiff> param_diffs(const Recorded& a, const Recorded& b) {
+  double sum_squares = 0, elements = 0;
+  for (const auto& [name, t] : b.params) sum_squares += t.pow(2).sum().item<double>(), elements += static_cast<double>(t.numel());
+  const double rms = elements > 0 ? std::sqrt(sum_squares / elements) : 0;
   std::vector<ParamDiff> out;
   for (const auto& [name, t] : b.params) {
     auto it = a.params.find(name);
@@ -99,7 +107,7 @@ std::vector<ParamDiff> param_diffs(const Recorded& a, const Recorded& b) {
       out.push_back({name, std::numeric_limits<double>::infinity()});
       continue;
     }
-    const double scale = std::max(t.norm().item<double>(), 1e-12);
+    const double scale = std::max({t.norm().item<double>(), rms * std::sqrt(static_cast<double>(t.numel())), 1e-12});
     out.push_back({name, (it->second - t).norm().item<double>() / scale});
   }
   std::sort(out.begin(), out.end(), [](auto& x, auto& y) { return x.diff > y.diff; });
@@ -164,7 +172,8 @@ int verify(const LaunchRequest& request, const VerifyOptions& v) {
   }
   const auto diffs = param_diffs(a, b);
   if (!diffs.empty()) {
-    fmt::print("largest parameter differences after step {} (||N - 1|| / ||1||):\n", v.steps);
+    fmt::print("largest parameter differences after step {} (||N - 1|| / max(||1||, model RMS x sqrt(numel))):\n",
+               v.steps);
     for (size_t i = 0; i < diffs.size() && i < 5; ++i) fmt::print("  {:<40} {:.2e}\n", diffs[i].name, diffs[i].diff);
   }
 
@@ -246,9 +255,10 @@ Handler add_verify(CLI::App& app) {
               "between the processes (the program's batch size is the global batch: it must divide by N) and the\n"
               "same intra-op threads per process, and compares them step by step: the loss given to backward()\n"
               "(averaged as over the global batch), the global gradient norm, and after step K every parameter\n"
-              "(||N - 1|| / ||1|| per tensor). Exit code 0 when all agree within --rtol, 1 otherwise, naming the\n"
-              "first step that differs and the usual causes it finds (dropout, BatchNorm, a model that differs\n"
-              "across ranks at start).");
+              "(||N - 1|| per tensor over its norm, or over the model's RMS value x sqrt(numel) when that is\n"
+              "larger). Tensor- and context-parallel launches are compared with one process without a mesh.\n"
+              "Exit code 0 when all agree within --rtol, 1 otherwise, naming the first step that differs and the\n"
+              "usual causes it finds (dropout, BatchNorm, a model that differs across ranks at start).");
   return [req, v]() { return verify(*req, *v); };
 }
 
