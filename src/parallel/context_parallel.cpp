@@ -26,6 +26,7 @@ thread_local std::optional<Context> thread_context;
 std::mutex process_context_lock;
 std::optional<Context> process_context;
 std::atomic<int64_t> context_attention_calls{0};
+std::atomic<int64_t> any_attention_calls{0};
 
 int64_t positive_dim(const at::Tensor& x, int64_t dim) { return dim < 0 ? dim + x.dim() : dim; }
 
@@ -202,6 +203,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     throw Error(fmt::format("attention(): q {}, k {} and v {} must be [..., T, head_dim] with matching key and value "
                             "lengths and q, k head_dim",
                             q.sizes(), k.sizes(), v.sizes()));
+  ++any_attention_calls;
   const int64_t heads = q.dim() >= 3 ? q.size(-3) : 1;
   if (q.dim() >= 3 && (k.size(-3) != v.size(-3) || heads % k.size(-3) != 0))
     throw Error(fmt::format("attention(): q {}, k {} and v {}: grouped-query attention needs k and v with one number of "
@@ -243,6 +245,7 @@ RingTime ring_time() {
 
 namespace detail {
 int64_t attention_calls() { return context_attention_calls.load(); }
+int64_t entry_calls() { return any_attention_calls.load(); }
 }  // namespace detail
 
 }  // namespace xlr8::cp

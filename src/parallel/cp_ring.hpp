@@ -37,5 +37,7 @@ std::pair<double, double> ring_seconds();  // computing, waiting
 // How many times attention() ran under a context of more than one rank (the Accelerator checks that a
 // model's forward went through it at all).
 int64_t attention_calls();
+// How many times attention() ran at all, a context or none (xlr8 advise: can the model take cp or sp?).
+int64_t entry_calls();
 
 }  // namespace xlr8::cp::detail

@@ -13,7 +13,10 @@
 
 #include "checkpoint/files.hpp"
 #include "checkpoint/optimizer_state.hpp"
+#include "parallel/cp_ring.hpp"
+#include "parallel/tp_layer_kinds.hpp"
 #include "train/accelerator_impl.hpp"
+#include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8::detail {
 
@@ -65,6 +68,46 @@ double samples_per_step(const AcceleratorImpl& impl) {
   return 0;
 }
 
+// What tensor parallelism of each size the world allows would do to this (whole) model: the parameters
+// AutoTP's plan slices ({"2": {"sliced": N}, ...}), or why it cannot ({"error": ...}).
+nlohmann::json tensor_parallel_options(const torch::nn::Module& module, int world) {
+  nlohmann::json out = nlohmann::json::object();
+  if (const auto layouts = tp::slice_layouts(module); !layouts.empty()) {  // split already (this run has tp)
+    double sliced = 0;
+    for (const auto& [name, layout] : layouts)
+      sliced += static_cast<double>(c10::multiply_integers(layout.whole_sizes));
+    for (int tp : {2, 4})
+      if (tp <= world && world % tp == 0) out[std::to_string(tp)] = {{"sliced", sliced}};
+    return out;
+  }
+  for (int tp : {2, 4}) {
+    if (tp > world || world % tp != 0) continue;
+    try {
+      const auto plan = tp::auto_plan(module, tp);
+      double sliced = 0;
+      for (const auto& item : module.named_modules())
+        for (const auto& entry : plan) {
+          if (!tp::path_matches(entry.pattern, item.key())) continue;
+          if (tp::detail::is_plain_torch_layer(*item.value()))
+            return {{"error", fmt::format("'{}' is LibTorch's own {}, which tensor parallelism cannot split (use the "
+                                          "xlr8::nn layer of that name)",
+                                          item.key(), item.value()->name())}};
+          if (entry.style == tp::Style::Colwise || entry.style == tp::Style::VocabParallel)
+            for (const auto& p : item.value()->parameters(/*recurse=*/false)) sliced += static_cast<double>(p.numel());
+          if (entry.style == tp::Style::Rowwise)  // the bias stays whole
+            if (const auto own = item.value()->named_parameters(/*recurse=*/false); own.contains("weight"))
+              sliced += static_cast<double>(own["weight"].numel());
+          break;
+        }
+      if (sliced == 0) return {{"error", "AutoTP finds no layer to split (tensor parallelism needs xlr8::nn layers)"}};
+      out[std::to_string(tp)] = {{"sliced", sliced}};
+    } catch (const std::exception& e) {
+      if (out.empty()) return {{"error", e.what()}};
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 std::unique_ptr<AdviseRecorder> AdviseRecorder::from_env() {
@@ -88,9 +131,17 @@ void AdviseRecorder::finish(AcceleratorImpl& impl, const std::string& file, cons
 }
 
 void AdviseRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module) {
-  for (const auto& p : module.parameters()) parameters_ += static_cast<double>(p.numel());
+  // Whole sizes: a tensor-parallel run holds slices.
+  const auto layouts = tp::slice_layouts(module);
+  for (const auto& item : module.named_parameters()) {
+    const auto layout = layouts.find(item.key());
+    parameters_ += static_cast<double>(layout == layouts.end() ? item.value().numel()
+                                                               : c10::multiply_integers(layout->second.whole_sizes));
+  }
   if (std::exchange(probed_, true)) return;
-  const std::string probe = nlohmann::json{{"parameters", parameters_}}.dump();
+  const std::string probe =
+      nlohmann::json{{"parameters", parameters_}, {"tensor_parallel", tensor_parallel_options(module, impl.world().size())}}
+          .dump();
   if (steps_ == 0) return finish(impl, "probe.json", probe);
   if (impl.state->rank() == 0) files::write_durably(fmt::format("{}/probe.json", dir_), probe);
 }
@@ -121,6 +172,7 @@ void AdviseRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
                         {"steps", timed},
                         {"samples_per_step", samples},
                         {"cut", verdict == 1},
+                        {"attention_calls", cp::detail::entry_calls()},
                         {"static_bytes", measured[0].item<double>()},
                         {"peak_rss", measured[1].item<double>()}}
              .dump());

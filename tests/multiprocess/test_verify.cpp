@@ -28,6 +28,12 @@ Args oracle_worker(Args extra = {}) {
   return a;
 }
 
+// advise's table row of a candidate ("" when there is none).
+std::string table_row(const std::string& out, const std::string& name) {
+  const auto at = out.find("\n" + name + " ");
+  return at == std::string::npos ? std::string() : out.substr(at + 1, out.find('\n', at + 1) - at - 1);
+}
+
 bool passed(const ProcessResult& r) { return r.exit_code == 0 && r.out.find("xlr8 verify: PASS") != std::string::npos; }
 
 }  // namespace
@@ -161,9 +167,9 @@ TEST(Verify, AStrategyThatSkipsOneGradientBucketFailsWithTheFirstStepNamed) {
 
 // ------------------------------------------------------------------------------------------------ xlr8 advise
 
-TEST(Advise, OnTheGptWhereOnlyFullShardFitsItRefusesTheRestPicksTheSameWinnerTwiceAndItsConfigLaunches) {
+TEST(Advise, OnTheGptUnderAMemoryLimitItRefusesWhatCannotFitPicksTheSameWinnerTwiceAndItsConfigLaunches) {
   // 3.2 M parameters: 16 bytes each is 51.9 MB per rank for DDP, 25.9 MB for FULL_SHARD on 2 ranks; 30 MB
-  // leaves the FULL_SHARD variants only.
+  // leaves the FULL_SHARD variants, tp 2 and cp / sp 2 under FULL_SHARD.
   const Args gpt{kGpt, "--max_steps", "100000", "--n_layer", "4", "--d_model", "256", "--n_head", "4", "--seq_len", "64",
                  "--batch_size", "8", "--output_dir", temp_dir("advise-gpt")};
   std::vector<std::string> winners;
@@ -181,8 +187,16 @@ TEST(Advise, OnTheGptWhereOnlyFullShardFitsItRefusesTheRestPicksTheSameWinnerTwi
       EXPECT_NE(row.substr(0, row.find('\n')).find("cannot fit: needs "), std::string::npos) << pruned << "\n" << r.out;
     }
     EXPECT_NE(r.out.find("cannot fit: needs 51.86 MB per rank"), std::string::npos) << r.out;  // DDP: 16 x 3.24 M
-    const auto line = r.out.substr(r.out.find("xlr8 advise: FULL_SHARD"));
+    const auto at = r.out.rfind("\nxlr8 advise: ");
+    ASSERT_NE(at, std::string::npos) << r.out;
+    const auto line = r.out.substr(at + 1);
     winners.push_back(line.substr(0, line.find(" on 2 processes")));
+    // What fits 30 MB: the FULL_SHARD rows, tensor parallelism of 2 (half of every matrix) and context or
+    // sequence parallelism under FULL_SHARD.
+    for (const char* fits : {"FULL_SHARD, bf16", "tp 2, bf16", "cp 2 (ring), FULL_SHARD, bf16"}) {
+      EXPECT_NE(table_row(r.out, fits), "") << fits << "\n" << r.out;
+      EXPECT_EQ(table_row(r.out, fits).find("cannot fit"), std::string::npos) << r.out;
+    }
   }
   EXPECT_EQ(winners[0], winners[1]);
   // The winner's config launches the program unchanged.
@@ -193,7 +207,9 @@ TEST(Advise, OnTheGptWhereOnlyFullShardFitsItRefusesTheRestPicksTheSameWinnerTwi
   auto r = run(launch, 120);
   EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.out.find("\"num_processes\":2"), std::string::npos) << r.out;
-  EXPECT_NE(read_file(yaml).find("distributed_type: FSDP"), std::string::npos) << read_file(yaml);
+  // winners[1] is "xlr8 advise: <candidate>".
+  EXPECT_NE(read_file(yaml).find("# written by xlr8 advise: " + winners[1].substr(13) + "\n"), std::string::npos)
+      << read_file(yaml);
 }
 
 TEST(Advise, StopsSlowerCandidatesEarlyRunsALaunchOnceAndStopsAModelThatCannotFitAtPrepare) {
@@ -205,10 +221,6 @@ TEST(Advise, StopsSlowerCandidatesEarlyRunsALaunchOnceAndStopsAModelThatCannotFi
     a.insert(a.end(), gpt.begin(), gpt.end());
     return run(a, 85);
   };
-  auto row = [](const std::string& out, const std::string& name) {
-    const auto at = out.find("\n" + name + " ");
-    return at == std::string::npos ? std::string() : out.substr(at + 1, out.find('\n', at + 1) - at - 1);
-  };
   // No candidate can be 1000x the first: each later one is stopped after its first timed step. The launch is
   // bf16 already, so "FULL_SHARD (ZeRO-3)" is the first candidate's launch and does not run again.
   auto r = advise({"--cut_below", "1000", "--mixed_precision", "bf16"});
@@ -216,15 +228,55 @@ TEST(Advise, StopsSlowerCandidatesEarlyRunsALaunchOnceAndStopsAModelThatCannotFi
   EXPECT_NE(r.err.find("FULL_SHARD, bf16: 2 warm-up + 3 timed steps (its prepare() measures the model)"), std::string::npos)
       << r.err;
   EXPECT_EQ(r.err.find("measuring the model"), std::string::npos) << r.err;  // no launch of its own for the size
-  EXPECT_NE(row(r.out, "FULL_SHARD, bf16").find("best"), std::string::npos) << r.out;
+  EXPECT_NE(table_row(r.out, "FULL_SHARD, bf16").find("best"), std::string::npos) << r.out;
   for (const char* name : {"DDP, bf16", "ZeRO-1", "SHARD_GRAD_OP (ZeRO-2)", "FULL_SHARD, prefetch"})
-    EXPECT_NE(row(r.out, name).find("slower: stopped after 1 step(s) below 1000.00x the best"), std::string::npos)
+    EXPECT_NE(table_row(r.out, name).find("slower: stopped after 1 step(s) below 1000.00x the best"), std::string::npos)
         << name << "\n" << r.out;
-  EXPECT_NE(row(r.out, "FULL_SHARD (ZeRO-3)").find("the launch as FULL_SHARD, bf16"), std::string::npos) << r.out;
+  EXPECT_NE(table_row(r.out, "FULL_SHARD (ZeRO-3)").find("the launch as FULL_SHARD, bf16"), std::string::npos) << r.out;
   // 118,528 parameters need 474 KB per rank even fully sharded: the first candidate stops at prepare().
   r = advise({"--max_memory_per_rank", "100KB"});
   EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
   EXPECT_NE(r.err.find("the model cannot fit under this strategy"), std::string::npos) << r.err;
-  EXPECT_NE(row(r.out, "FULL_SHARD, bf16").find("cannot fit: needs 948.22 KB per rank"), std::string::npos) << r.out;
+  EXPECT_NE(table_row(r.out, "FULL_SHARD, bf16").find("cannot fit: needs 948.22 KB per rank"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("xlr8 advise: no strategy ran within the memory per rank"), std::string::npos) << r.out;
+}
+
+TEST(Advise, MeshCandidatesPredictTheirStateExactlyTheWinnersMeshLaunchesAndAModelThatCannotTakeThemIsNotTried) {
+  Args a{kXlr8, "advise", "--num_processes", "4", "--min_seconds", "0.5", "--fsdp_auto_wrap_policy",
+         "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "BlockImpl"};
+  const std::vector<std::string> mesh{"FULL_SHARD x tp 2, bf16", "cp 2 (ring), FULL_SHARD, bf16",
+                                      "sp 2 (Ulysses), FULL_SHARD, bf16", "tp 2, bf16"};
+  for (const auto& name : mesh) a.insert(a.end(), {"--try", name});
+  const std::string yaml = temp_dir("advise-mesh") + "/advised.yaml";
+  const Args gpt{kGpt, "--max_steps", "100000", "--n_layer", "2", "--d_model", "64", "--n_head", "4", "--seq_len", "32",
+                 "--batch_size", "8", "--output_dir", temp_dir("advise-mesh-gpt")};
+  a.insert(a.end(), {"--output", yaml});
+  a.insert(a.end(), gpt.begin(), gpt.end());
+  auto r = run(a, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  for (const auto& name : mesh)  // every row ran (measured or stopped early), its prediction exact
+    EXPECT_NE(table_row(r.out, name).find(" 0.0% "), std::string::npos) << name << "\n" << r.out;
+  // The winner's mesh is in the file, and the launch from it has that mesh.
+  const auto text = read_file(yaml);
+  ASSERT_NE(text.find("parallelism_config:\n"), std::string::npos) << text;
+  Args launch{kXlr8, "launch", "--config_file", yaml};
+  Args short_run = gpt;
+  short_run[2] = "2";  // --max_steps
+  launch.insert(launch.end(), short_run.begin(), short_run.end());
+  auto l = run(launch, 120);
+  ASSERT_EQ(l.exit_code, 0) << l.out << l.err;
+  for (const char* dim : {"tp", "cp", "sp"}) {
+    if (text.find(fmt::format("parallelism_config_{}_size: 2", dim)) == std::string::npos) continue;
+    EXPECT_NE(l.out.find(fmt::format("\"{}_size\":2", dim)), std::string::npos) << dim << "\n" << text << l.out;
+  }
+  // A model of LibTorch's own layers without xlr8::attention: the mesh rows say why they were not tried.
+  r = run({kXlr8, "advise", "--num_processes", "2", "--min_seconds", "0.2", "--try", "DDP", "--try", "tp 2, bf16", "--try",
+           "cp 2 (ring), FULL_SHARD, bf16", kTrain, "--batch", "12", "--steps", "100000", "--out", temp_dir("advise-plain")},
+          85);
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("not tried: 'fc1' is LibTorch's own torch::nn::LinearImpl, which tensor parallelism cannot split"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("not tried: the model's attention does not call xlr8::attention"), std::string::npos) << r.out;
+  EXPECT_EQ(r.err.find("tp 2, bf16: 2 warm-up"), std::string::npos) << r.err;  // nothing was launched for them
 }

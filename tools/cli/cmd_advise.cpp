@@ -3,6 +3,7 @@
 // winner written as an Accelerate config. The workers measure through the Accelerator
 // (src/train/advise_recorder.hpp); what cannot fit is pruned by the formulas of `xlr8 estimate-memory`.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -18,6 +19,7 @@
 #include "cli/commands.hpp"
 #include "cli/memory_formulas.hpp"
 #include "cli/scratch_dir.hpp"
+#include "core/text.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/launcher.hpp"
 
@@ -34,6 +36,7 @@ struct AdviseOptions {
   int warmup = 2, steps = 3;
   double min_seconds = 2;
   double cut_below = 0.7;  // a candidate slower than this times the best so far is stopped early
+  std::vector<std::string> only;  // --try: these candidates alone
   std::string output;
 };
 
@@ -43,9 +46,42 @@ struct Candidate {
   bool use_fsdp = false, use_deepspeed = false;
   std::map<std::string, std::string> fsdp, deepspeed;
   std::string mixed_precision;  // empty: the launch's
+  std::map<std::string, std::string> parallelism;  // the mesh (parallelism_config keys); empty: none
+  int tp = 1;                    // > 1: AutoTP must split the model (the first run tells)
+  bool needs_attention = false;  // cp / sp: the model's attention must go through xlr8::attention
+  int formula_ranks = 0;         // the ranks the formula shares state over (0: all)
 };
 
-std::vector<Candidate> candidates() {
+// Tensor, context and sequence parallelism of 2 on n ranks (n even): the rest of the ranks data-parallel.
+std::vector<Candidate> mesh_candidates(int n, const std::map<std::string, std::string>& full_shard) {
+  if (n % 2 != 0) return {};
+  const std::string rest = std::to_string(n / 2);
+  auto mesh = [&](std::map<std::string, std::string> m, const std::string& dp_key) {
+    if (n > 2) m[dp_key] = rest;
+    return m;
+  };
+  std::vector<Candidate> out{
+      {.name = "tp 2, bf16", .formula = "ddp", .mixed_precision = "bf16",
+       .parallelism = mesh({{"parallelism_config_tp_size", "2"}}, "parallelism_config_dp_replicate_size"), .tp = 2},
+      {.name = "cp 2 (ring), FULL_SHARD, bf16", .formula = "zero3", .use_fsdp = true, .fsdp = full_shard,
+       .mixed_precision = "bf16",
+       .parallelism = mesh({{"parallelism_config_cp_size", "2"}, {"parallelism_config_cp_comm_strategy", "alltoall"}},
+                           "parallelism_config_dp_shard_size"),
+       .needs_attention = true},
+      {.name = "sp 2 (Ulysses), FULL_SHARD, bf16", .formula = "zero3", .use_fsdp = true, .fsdp = full_shard,
+       .mixed_precision = "bf16",
+       .parallelism = mesh({{"parallelism_config_sp_size", "2"}}, "parallelism_config_dp_shard_size"),
+       .needs_attention = true}};
+  if (n >= 4)
+    out.insert(out.begin() + 1, Candidate{.name = "FULL_SHARD x tp 2, bf16", .formula = "zero3", .use_fsdp = true,
+                                          .fsdp = full_shard, .mixed_precision = "bf16",
+                                          .parallelism = mesh({{"parallelism_config_tp_size", "2"}},
+                                                              "parallelism_config_dp_shard_size"),
+                                          .tp = 2, .formula_ranks = n / 2});
+  return out;
+}
+
+std::vector<Candidate> candidates(int n) {
   const std::map<std::string, std::string> full{{"fsdp_sharding_strategy", "FULL_SHARD"},
                                                 {"fsdp_backward_prefetch", "NO_PREFETCH"}};
   auto with = [&](std::map<std::string, std::string> extra) {
@@ -55,7 +91,7 @@ std::vector<Candidate> candidates() {
   };
   // The least memory-hungry first: its prepare() tells the model's size, which prunes the rest; the ones
   // likely fastest next, so that a slower candidate is stopped early (--cut_below).
-  return {
+  std::vector<Candidate> all{
       {.name = "FULL_SHARD, bf16", .formula = "zero3", .use_fsdp = true, .fsdp = full, .mixed_precision = "bf16"},
       {.name = "DDP, bf16", .formula = "ddp", .mixed_precision = "bf16"},
       {.name = "DDP", .formula = "ddp"},
@@ -68,6 +104,8 @@ std::vector<Candidate> candidates() {
       {.name = "FULL_SHARD, activation checkpointing", .formula = "zero3", .use_fsdp = true,
        .fsdp = with({{"fsdp_activation_checkpointing", "true"}})},
   };
+  for (auto& c : mesh_candidates(n, full)) all.push_back(std::move(c));
+  return all;
 }
 
 // The user's launch under the candidate: their FSDP keys (wrap policy, block class) stay unless it sets them.
@@ -77,6 +115,7 @@ LaunchRequest with_candidate(LaunchRequest r, const Candidate& c) {
   for (const auto& [k, v] : c.fsdp) r.fsdp[k] = v;
   if (!c.use_fsdp) r.fsdp.clear();
   r.deepspeed = c.deepspeed;
+  r.parallelism = c.parallelism;
   if (!c.mixed_precision.empty()) r.mixed_precision = c.mixed_precision;
   r.max_restarts = 0;
   return r;
@@ -124,15 +163,43 @@ std::optional<nlohmann::json> measure(LaunchOptions o, const fs::path& dir, cons
   return nlohmann::json::parse(in);
 }
 
-// The model's parameter count once the run in `dir` reached prepare(); nullopt before.
-std::optional<double> probed_parameters(const fs::path& dir) {
-  std::ifstream in(dir / "probe.json");
+// A JSON file a run wrote (files::write_durably renames it into place); nullopt while it is not there.
+std::optional<nlohmann::json> read_json(const fs::path& file) {
+  std::ifstream in(file);
   if (!in) return std::nullopt;
   try {
-    return nlohmann::json::parse(in)["parameters"].get<double>();
+    return nlohmann::json::parse(in);
   } catch (const std::exception&) {
-    return std::nullopt;  // being written
+    return std::nullopt;
   }
+}
+
+// What the first candidate's run tells about the model.
+struct ModelFacts {
+  double parameters = 0;
+  nlohmann::json tensor_parallel = nlohmann::json::object();  // by tp size: {"sliced": N}, or {"error": why}
+  std::optional<bool> attention;  // a forward went through xlr8::attention (known once a run measured steps)
+};
+
+// Training state per rank by the formulas; tensor parallelism divides the parameters AutoTP slices.
+double predicted_bytes(const Candidate& c, const ModelFacts& m, int n) {
+  double psi = m.parameters;
+  if (const auto tp = std::to_string(c.tp); c.tp > 1 && m.tensor_parallel.contains(tp)) {
+    const double sliced = m.tensor_parallel[tp]["sliced"];
+    psi += sliced / c.tp - sliced;
+  }
+  return per_rank(c.formula, dtype_bytes("fp32"), psi, c.formula_ranks > 0 ? c.formula_ranks : n);
+}
+
+// Why the model cannot take the candidate's mesh, or "".
+std::string unmet_need(const Candidate& c, const ModelFacts& m) {
+  if (c.tp > 1 && !m.tensor_parallel.contains(std::to_string(c.tp)))
+    return m.tensor_parallel.contains("error")
+               ? fmt::format("not tried: {}", text::first_line(m.tensor_parallel["error"].get<std::string>()))
+               : fmt::format("not tried: tp {} does not divide the processes", c.tp);
+  if (c.needs_attention && m.attention == false)
+    return "not tried: the model's attention does not call xlr8::attention, which context and sequence parallelism need";
+  return "";
 }
 
 // Two candidates that change the user's launch the same way (bf16 when the launch is bf16 already) run once.
@@ -140,6 +207,7 @@ std::string launch_key(const LaunchRequest& r) {
   std::string key = fmt::format("{}|{}|{}|", r.use_fsdp, r.use_deepspeed, r.mixed_precision.value_or(""));
   for (const auto& [k, v] : r.fsdp) key += k + "=" + v + ";";
   for (const auto& [k, v] : r.deepspeed) key += k + "=" + v + ";";
+  for (const auto& [k, v] : r.parallelism) key += k + "=" + v + ";";
   return key;
 }
 
@@ -165,9 +233,108 @@ void write_config(const std::string& path, const LaunchOptions& base, const Cand
     text += "deepspeed_config:\n";
     for (const auto& [k, v] : c.deepspeed) text += fmt::format("  {}: {}\n", k, v);
   }
+  if (!c.parallelism.empty()) {
+    text += "parallelism_config:\n";
+    for (const auto& [k, v] : c.parallelism) text += fmt::format("  {}: {}\n", k, v);
+  }
   std::ofstream out(path);
   if (!(out << text)) throw Error(fmt::format("--output {:?}: cannot write it", path));
 }
+
+// Runs the candidates one after another. The first one's prepare() tells the model's size (probe.json); until
+// then nothing is pruned, and the first is stopped there if it cannot fit.
+class Advisor {
+ public:
+  Advisor(const LaunchRequest& request, const AdviseOptions& a, int n, double limit, fs::path work,
+          Clock::time_point deadline)
+      : request_(request), a_(a), n_(n), limit_(limit), work_(std::move(work)), deadline_(deadline) {}
+
+  Row run(const Candidate& c) {
+    Row row{.candidate = &c};
+    const LaunchRequest changed = with_candidate(request_, c);
+    if (facts_) row.predicted = predicted_bytes(c, *facts_, n_);
+    if (auto [same, fresh] = tried_.emplace(launch_key(changed), c.name); !fresh) {
+      row.verdict = fmt::format("the launch as {}", same->second);
+      return row;
+    }
+    if (facts_ && !(row.verdict = unmet_need(c, *facts_)).empty()) return row;
+    if (facts_ && row.predicted > limit_) return cannot_fit(row);
+    if (Clock::now() > deadline_) {
+      row.verdict = "not tried: out of --budget_s";
+      return row;
+    }
+    fmt::print(stderr, "xlr8 advise: {}: {} warm-up + {} timed steps{}\n", c.name, a_.warmup, a_.steps,
+               facts_ ? "" : " (its prepare() measures the model)");
+    const fs::path dir = work_ / fmt::format("c{}", runs_++);
+    Measurement m{.warmup = a_.warmup, .steps = a_.steps, .min_seconds = a_.min_seconds, .cut_below = a_.cut_below * best_,
+                  .deadline = deadline_};
+    bool too_big = false;
+    if (!facts_)
+      m.stop_early = [&]() -> std::string {
+        const auto probe = read_json(dir / "probe.json");
+        if (!probe || predicted_bytes(c, ModelFacts{.parameters = (*probe)["parameters"], .tensor_parallel = (*probe)["tensor_parallel"]}, n_) <= limit_)
+          return "";
+        too_big = true;
+        return "the model cannot fit under this strategy";
+      };
+    std::optional<nlohmann::json> result;
+    std::string failure;
+    try {
+      result = measure(plan_launch(changed), dir, m, failure);
+    } catch (const ConfigError& e) {
+      failure = e.what();
+    }
+    if (!facts_) learn(dir, failure);
+    if (result && !facts_->attention) facts_->attention = (*result)["attention_calls"].get<int64_t>() > 0;
+    row.predicted = predicted_bytes(c, *facts_, n_);
+    if (too_big) return cannot_fit(row);
+    if (!result) {
+      row.verdict = Clock::now() > deadline_ ? "not finished within --budget_s"
+                    : failure.empty()        ? fmt::format("ended before {} steps", a_.warmup + a_.steps)
+                                             : fmt::format("failed: {}", failure);
+      return row;
+    }
+    row.ran = true;
+    const double seconds = std::max((*result)["seconds"].get<double>(), 1e-9);
+    const double samples = (*result)["samples_per_step"];
+    const double steps = (*result)["steps"];
+    row.throughput = (samples > 0 ? samples : 1.0) * steps / seconds;
+    row.unit = samples > 0 ? "samples/s" : "steps/s";
+    row.measured = (*result)["static_bytes"];
+    row.peak_rss = (*result)["peak_rss"];
+    row.cut = (*result)["cut"];
+    if (row.measured > limit_) row.verdict = "exceeds the memory per rank (measured)";
+    else if (row.cut) row.verdict = fmt::format("slower: stopped after {:.0f} step(s) below {:.2f}x the best", steps, a_.cut_below);
+    else row.verdict = "fits", best_ = std::max(best_, row.throughput);
+    return row;
+  }
+
+ private:
+  Row& cannot_fit(Row& row) {
+    row.verdict = fmt::format("cannot fit: needs {} per rank for parameters, gradients and AdamW state", human(row.predicted));
+    return row;
+  }
+
+  void learn(const fs::path& dir, const std::string& failure) {
+    const auto probe = read_json(dir / "probe.json");
+    if (!probe)
+      throw Error(fmt::format("the program did not reach Accelerator::prepare(model){}", failure.empty() ? "" : ": " + failure));
+    facts_ = ModelFacts{.parameters = (*probe)["parameters"], .tensor_parallel = (*probe)["tensor_parallel"]};
+    fmt::print(stderr, "xlr8 advise: {:.0f} parameters; memory per rank: {} ({}); budget {:.0f} s\n", facts_->parameters,
+               human(limit_), a_.max_memory.empty() ? "available memory / processes" : "--max_memory_per_rank", a_.budget_s);
+  }
+
+  const LaunchRequest& request_;
+  const AdviseOptions& a_;
+  const int n_;
+  const double limit_;
+  const fs::path work_;
+  const Clock::time_point deadline_;
+  std::optional<ModelFacts> facts_;
+  std::map<std::string, std::string> tried_;  // launch key -> the candidate's name
+  double best_ = 0;                           // the fastest throughput so far
+  int runs_ = 0;
+};
 
 int advise(const LaunchRequest& request, const AdviseOptions& a) {
   const auto started = Clock::now();
@@ -181,86 +348,20 @@ int advise(const LaunchRequest& request, const AdviseOptions& a) {
   const double limit = a.max_memory.empty() ? available_memory_bytes() / n
                                             : static_cast<double>(checkpoints::parse_size(a.max_memory));
   const ScratchDir scratch("advise");
-  const fs::path& work = scratch.path();
-
-  // The first candidate's prepare() tells the model's size (probe.json); until then nothing is pruned, and
-  // the first is stopped there if it cannot fit.
-  std::optional<double> psi;
-  std::vector<Row> rows;
-  std::map<std::string, std::string> tried;  // launch key -> the candidate's name
-  double best = 0;                           // the fastest throughput so far
-  const auto all = candidates();
-  for (const auto& c : all) {
-    Row row{.candidate = &c};
-    const LaunchRequest changed = with_candidate(request, c);
-    const auto predicted = [&](double parameters) { return per_rank(c.formula, dtype_bytes("fp32"), parameters, n); };
-    if (psi) row.predicted = predicted(*psi);
-    if (auto [same, fresh] = tried.emplace(launch_key(changed), c.name); !fresh) {
-      row.verdict = fmt::format("the launch as {}", same->second);
-      rows.push_back(row);
-      continue;
-    }
-    if (psi && row.predicted > limit) {
-      row.verdict = fmt::format("cannot fit: needs {} per rank for parameters, gradients and AdamW state", human(row.predicted));
-      rows.push_back(row);
-      continue;
-    }
-    if (Clock::now() > deadline) {
-      row.verdict = "not tried: out of --budget_s";
-      rows.push_back(row);
-      continue;
-    }
-    fmt::print(stderr, "xlr8 advise: {}: {} warm-up + {} timed steps{}\n", c.name, a.warmup, a.steps,
-               psi ? "" : " (its prepare() measures the model)");
-    const fs::path dir = work / fmt::format("c{}", rows.size());
-    Measurement m{.warmup = a.warmup, .steps = a.steps, .min_seconds = a.min_seconds, .cut_below = a.cut_below * best,
-                  .deadline = deadline};
-    bool too_big = false;
-    if (!psi)
-      m.stop_early = [&]() -> std::string {
-        const auto p = probed_parameters(dir);
-        if (!p || predicted(*p) <= limit) return "";
-        too_big = true;
-        return "the model cannot fit under this strategy";
-      };
-    std::optional<nlohmann::json> result;
-    std::string failure;
-    try {
-      result = measure(plan_launch(changed), dir, m, failure);
-    } catch (const ConfigError& e) {
-      row.verdict = fmt::format("failed: {}", e.what());
-    }
-    if (!psi) {
-      psi = probed_parameters(dir);
-      if (!psi)
-        throw Error(fmt::format("the program did not reach Accelerator::prepare(model){}",
-                                failure.empty() ? row.verdict.empty() ? "" : ": " + row.verdict : ": " + failure));
-      row.predicted = predicted(*psi);
-      fmt::print(stderr, "xlr8 advise: {:.0f} parameters; memory per rank: {} ({}); budget {:.0f} s\n", *psi, human(limit),
-                 a.max_memory.empty() ? "available memory / processes" : "--max_memory_per_rank", a.budget_s);
-    }
-    if (too_big) {
-      row.verdict = fmt::format("cannot fit: needs {} per rank for parameters, gradients and AdamW state", human(row.predicted));
-    } else if (result) {
-      row.ran = true;
-      const double seconds = std::max((*result)["seconds"].get<double>(), 1e-9);
-      const double samples = (*result)["samples_per_step"];
-      const double steps = (*result)["steps"];
-      row.throughput = (samples > 0 ? samples : 1.0) * steps / seconds;
-      row.unit = samples > 0 ? "samples/s" : "steps/s";
-      row.measured = (*result)["static_bytes"];
-      row.peak_rss = (*result)["peak_rss"];
-      row.cut = (*result)["cut"];
-      if (row.measured > limit) row.verdict = "exceeds the memory per rank (measured)";
-      else if (row.cut) row.verdict = fmt::format("slower: stopped after {:.0f} step(s) below {:.2f}x the best", steps, a.cut_below);
-      else row.verdict = "fits", best = std::max(best, row.throughput);
-    } else if (row.verdict.empty()) {
-      row.verdict = Clock::now() > deadline ? "not finished within --budget_s"
-                    : failure.empty()       ? fmt::format("ended before {} steps", a.warmup + a.steps)
-                                            : fmt::format("failed: {}", failure);
-    }
-    rows.push_back(row);
+  Advisor advisor(request, a, n, limit, scratch.path(), deadline);
+  auto all = candidates(n);
+  if (!a.only.empty()) {
+    std::vector<std::string> names;
+    for (const auto& c : all) names.push_back(c.name);
+    for (const auto& name : a.only)
+      if (std::find(names.begin(), names.end(), name) == names.end())
+        throw ConfigError(fmt::format("--try {:?} is not a candidate on {} processes; the candidates: {}", name, n,
+                                      fmt::join(names, "; ")));
+    std::erase_if(all, [&](const Candidate& c) { return std::find(a.only.begin(), a.only.end(), c.name) == a.only.end(); });
   }
+  std::vector<Row> rows;
+  for (const auto& c : all) rows.push_back(advisor.run(c));
+  double best = 0;
   // The rows that ran their measurement by throughput, then those stopped early, then the rest.
   std::vector<Row*> ranked;
   for (auto& r : rows) ranked.push_back(&r);
@@ -315,6 +416,9 @@ Handler add_advise(CLI::App& app) {
   cmd->add_option("--cut_below", a->cut_below,
                   "Stop a candidate early once its throughput is below this fraction of the best so far (default 0.7; "
                   "0: every candidate runs its full measurement)");
+  cmd->add_option("--try", a->only, "Try only this candidate, by its name in the table (repeat for several)")
+      ->allow_extra_args(false)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   cmd->add_option("--output", a->output, "Write the winner as an Accelerate config file");
   cmd->footer("Usage: xlr8 advise [launch options] [--max_memory_per_rank SIZE] [--output advised.yaml] program [args]");
   return [req, a]() { return advise(*req, *a); };
