@@ -16,6 +16,7 @@
 #include "parallel/cp_ring.hpp"
 #include "parallel/tp_layer_kinds.hpp"
 #include "train/accelerator_impl.hpp"
+#include "train/memory_meter.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8::detail {
@@ -121,6 +122,7 @@ std::unique_ptr<AdviseRecorder> AdviseRecorder::from_env() {
   if (const char* c = std::getenv("XLR8_ADVISE_CUT_BELOW"); c && *c) r->cut_below_ = std::max(0.0, std::strtod(c, nullptr));
   std::filesystem::create_directories(r->dir_);
   r->started_ = std::chrono::steady_clock::now();
+  if (r->steps_ > 0) memory_meter::install();
   return r;
 }
 
@@ -148,7 +150,12 @@ void AdviseRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module
 
 void AdviseRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
   if (steps_ == 0 || measured_) return;
-  if (step == warmup_) started_ = std::chrono::steady_clock::now();
+  if (step == warmup_) {
+    state_at_start_ = static_bytes(impl);
+    memory_meter::reset_peak();
+    live_at_start_ = memory_meter::read().live;
+    started_ = std::chrono::steady_clock::now();
+  }
   if (step <= warmup_) return;
   const int64_t timed = step - warmup_;
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
@@ -163,7 +170,8 @@ void AdviseRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
   verdict = flag.item<double>();
   if (verdict == 0) return;
   measured_ = true;
-  auto measured = at::tensor({static_bytes(impl), peak_rss_bytes()}, at::kDouble).to(impl.device);
+  const double peak_tensors = state_at_start_ + static_cast<double>(memory_meter::read().peak - live_at_start_);
+  auto measured = at::tensor({static_bytes(impl), peak_rss_bytes(), peak_tensors}, at::kDouble).to(impl.device);
   impl.world().all_reduce(measured, ReduceOp::MAX);
   measured = measured.cpu();
   finish(impl, "result.json",
@@ -174,7 +182,8 @@ void AdviseRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
                         {"cut", verdict == 1},
                         {"attention_calls", cp::detail::entry_calls()},
                         {"static_bytes", measured[0].item<double>()},
-                        {"peak_rss", measured[1].item<double>()}}
+                        {"peak_rss", measured[1].item<double>()},
+                        {"peak_tensor_bytes", measured[2].item<double>()}}
              .dump());
 }
 

@@ -6,7 +6,9 @@
 // all, so every rank stops at the same step): stop once W + T steps and S seconds passed, or early once the
 // throughput so far is below C (samples/s; the candidate cannot win). Then rank 0 writes <dir>/result.json
 // (seconds, steps, samples per step, whether it was cut, the largest static bytes of a rank: unique storages of
-// parameters, gradients and optimizer state, and the largest peak RSS) and every rank writes <dir>/done.<rank>.
+// parameters, gradients and optimizer state, the largest peak of tensor bytes over the timed steps: the static
+// bytes when they started plus the most the memory meter counted above that moment, and the largest peak RSS)
+// and every rank writes <dir>/done.<rank>.
 // With T = 0 (a probe) the ranks are done at prepare().
 #include <chrono>
 #include <memory>
@@ -36,6 +38,8 @@ class AdviseRecorder {
   double parameters_ = 0;
   std::chrono::steady_clock::time_point started_;
   bool measured_ = false, probed_ = false;
+  double state_at_start_ = 0;  // static bytes when the clock started
+  int64_t live_at_start_ = 0;  // the memory meter's live bytes then
 };
 
 }  // namespace detail

@@ -4,6 +4,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <regex>
+
 #include "process_runner.hpp"
 
 using Args = std::vector<std::string>;
@@ -233,6 +235,21 @@ TEST(Advise, StopsSlowerCandidatesEarlyRunsALaunchOnceAndStopsAModelThatCannotFi
     EXPECT_NE(table_row(r.out, name).find("slower: stopped after 1 step(s) below 1000.00x the best"), std::string::npos)
         << name << "\n" << r.out;
   EXPECT_NE(table_row(r.out, "FULL_SHARD (ZeRO-3)").find("the launch as FULL_SHARD, bf16"), std::string::npos) << r.out;
+  // Every row that ran: the predicted state is what was measured, and the peak of tensor bytes during the steps
+  // (the memory meter) lies above it, by the activations.
+  const std::regex bytes_columns(R"(([0-9.]+) ([KMG]?B) +([0-9.]+) ([KMG]?B) +(-?[0-9.]+)% +([0-9.]+) ([KMG]?B) )");
+  auto in_bytes = [](double v, const std::string& unit) {
+    return v * (unit == "KB" ? 1e3 : unit == "MB" ? 1e6 : unit == "GB" ? 1e9 : 1);
+  };
+  for (const char* name : {"FULL_SHARD, bf16", "DDP, bf16", "ZeRO-1"}) {
+    std::smatch m;
+    const auto row = table_row(r.out, name);
+    ASSERT_TRUE(std::regex_search(row, m, bytes_columns)) << row;
+    const double predicted = in_bytes(std::stod(m[1]), m[2]), state = in_bytes(std::stod(m[3]), m[4]);
+    EXPECT_EQ(predicted, state) << row;
+    EXPECT_EQ(m[5], "0.0") << row;
+    EXPECT_GT(in_bytes(std::stod(m[6]), m[7]), state) << row;
+  }
   // 118,528 parameters need 474 KB per rank even fully sharded: the first candidate stops at prepare().
   r = advise({"--max_memory_per_rank", "100KB"});
   EXPECT_EQ(r.exit_code, 1) << r.out << r.err;

@@ -214,6 +214,7 @@ std::string launch_key(const LaunchRequest& r) {
 struct Row {
   const Candidate* candidate = nullptr;
   double predicted = 0, measured = 0, peak_rss = 0, throughput = 0;
+  double peak_tensors = 0;  // measured: the most tensor bytes a rank held during the timed steps
   std::string unit, verdict;
   bool ran = false, cut = false;
 };
@@ -302,6 +303,7 @@ class Advisor {
     row.unit = samples > 0 ? "samples/s" : "steps/s";
     row.measured = (*result)["static_bytes"];
     row.peak_rss = (*result)["peak_rss"];
+    row.peak_tensors = (*result)["peak_tensor_bytes"];
     row.cut = (*result)["cut"];
     if (row.measured > limit_) row.verdict = "exceeds the memory per rank (measured)";
     else if (row.cut) row.verdict = fmt::format("slower: stopped after {:.0f} step(s) below {:.2f}x the best", steps, a_.cut_below);
@@ -370,20 +372,22 @@ int advise(const LaunchRequest& request, const AdviseOptions& a) {
     return order(x) != order(y) ? order(x) < order(y) : order(x) < 2 && x->throughput > y->throughput;
   });
   best = ranked.empty() || !ranked.front()->ran ? 0 : ranked.front()->throughput;
-  fmt::print("{:<38} {:>14} {:>7} {:>12} {:>12} {:>7} {:>11}  {}\n", "strategy", "samples/s", "x best", "predicted",
-             "measured", "error", "peak RSS", "verdict");
+  fmt::print("{:<38} {:>14} {:>7} {:>12} {:>12} {:>7} {:>12} {:>11}  {}\n", "strategy", "samples/s", "x best", "predicted",
+             "measured", "error", "peak tensors", "peak RSS", "verdict");
   for (const Row* r : ranked) {
     if (r->ran)
-      fmt::print("{:<38} {:>9.1f}{:<5} {:>7.2f} {:>12} {:>12} {:>6.1f}% {:>11}  {}\n", r->candidate->name, r->throughput,
+      fmt::print("{:<38} {:>9.1f}{:<5} {:>7.2f} {:>12} {:>12} {:>6.1f}% {:>12} {:>11}  {}\n", r->candidate->name, r->throughput,
                  r->unit == "samples/s" ? "" : " st/s", r->throughput / best, human(r->predicted), human(r->measured),
-                 100.0 * (r->predicted - r->measured) / std::max(r->measured, 1.0), human(r->peak_rss),
+                 100.0 * (r->predicted - r->measured) / std::max(r->measured, 1.0), human(r->peak_tensors), human(r->peak_rss),
                  r == ranked.front() && r->verdict == "fits" ? "best" : r->verdict);
     else
-      fmt::print("{:<38} {:>14} {:>7} {:>12} {:>12} {:>7} {:>11}  {}\n", r->candidate->name, "-", "-", human(r->predicted),
-                 "-", "-", "-", r->verdict);
+      fmt::print("{:<38} {:>14} {:>7} {:>12} {:>12} {:>7} {:>12} {:>11}  {}\n", r->candidate->name, "-", "-",
+                 human(r->predicted), "-", "-", "-", "-", r->verdict);
   }
   fmt::print("(throughput: at least {} timed steps and {} s after {} warm-up, or fewer for one slower than {}x the best so far; predicted: parameters, gradients and AdamW state by the "
-             "formulas of xlr8 estimate-memory; measured: what a rank held after its last step; advise took {:.0f} s)\n",
+             "formulas of xlr8 estimate-memory; measured: what a rank held after its last step; peak tensors: the most "
+             "tensor bytes a rank held during the timed steps, activations and gathered or communicated buffers "
+             "included; advise took {:.0f} s)\n",
              a.steps, a.min_seconds, a.warmup, a.cut_below, std::chrono::duration<double>(Clock::now() - started).count());
   if (ranked.empty() || ranked.front()->verdict != "fits") {
     fmt::print("xlr8 advise: no strategy ran within the memory per rank\n");
