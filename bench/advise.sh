@@ -37,6 +37,12 @@ FS="--use_fsdp --fsdp_sharding_strategy FULL_SHARD $WRAP"
   sweep "FULL_SHARD, activation checkpointing" $FS --fsdp_activation_checkpointing true
   # shellcheck disable=SC2086
   sweep "FULL_SHARD, bf16" $FS --mixed_precision bf16
+  sweep "tp 2, bf16" --mixed_precision bf16 --parallelism_config_tp_size 2
+  # shellcheck disable=SC2086
+  sweep "cp 2 (ring), FULL_SHARD, bf16" $FS --mixed_precision bf16 --parallelism_config_cp_size 2 \
+    --parallelism_config_cp_comm_strategy alltoall
+  # shellcheck disable=SC2086
+  sweep "sp 2 (Ulysses), FULL_SHARD, bf16" $FS --mixed_precision bf16 --parallelism_config_sp_size 2
 } >"$OUT/sweep"
 echo "sweep ($STEPS steps each): strategy | tokens/s | wall s"
 cat "$OUT/sweep"

@@ -52,7 +52,9 @@ compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout
                                     "rank 0 (machine 0) is running and that MASTER_ADDR/MASTER_PORT are right",
                                     t.rank, where, seconds, cause));
   };
-  if (t.rank != 0 && !wait_until_listening(t, std::chrono::steady_clock::now() + timeout))
+  // One deadline for reaching the server and for every rank to join.
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  if (t.rank != 0 && !wait_until_listening(t, deadline))
     throw unreachable(std::strerror(ECONNREFUSED));
   try {
     store = compat::make_tcp_store(t.master_addr, t.master_port, t.rank == 0, t.world_size, timeout);
@@ -89,7 +91,6 @@ compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout
     }
     store->set(fmt::format("xlr8/rdzv/rank/{}", t.rank), std::vector<uint8_t>(host, host + std::strlen(host)));
     store->add("xlr8/rdzv/joined", 1);
-    const auto deadline = std::chrono::steady_clock::now() + timeout;
     auto pause = std::chrono::milliseconds(2);
     while (store->add("xlr8/rdzv/joined", 0) < t.world_size) {
       if (std::chrono::steady_clock::now() >= deadline) {

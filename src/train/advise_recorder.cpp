@@ -122,7 +122,6 @@ std::unique_ptr<AdviseRecorder> AdviseRecorder::from_env() {
   if (const char* c = std::getenv("XLR8_ADVISE_CUT_BELOW"); c && *c) r->cut_below_ = std::max(0.0, std::strtod(c, nullptr));
   std::filesystem::create_directories(r->dir_);
   r->started_ = std::chrono::steady_clock::now();
-  if (r->steps_ > 0) memory_meter::install();
   return r;
 }
 
@@ -133,6 +132,7 @@ void AdviseRecorder::finish(AcceleratorImpl& impl, const std::string& file, cons
 }
 
 void AdviseRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module) {
+  if (steps_ > 0) memory_meter::install(impl.device);  // before the strategy allocates its buffers
   // Whole sizes: a tensor-parallel run holds slices.
   const auto layouts = tp::slice_layouts(module);
   for (const auto& item : module.named_parameters()) {
@@ -152,8 +152,8 @@ void AdviseRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
   if (steps_ == 0 || measured_) return;
   if (step == warmup_) {
     state_at_start_ = static_bytes(impl);
-    memory_meter::reset_peak();
-    live_at_start_ = memory_meter::read().live;
+    memory_meter::reset_peak(impl.device);
+    live_at_start_ = memory_meter::read(impl.device).live;
     started_ = std::chrono::steady_clock::now();
   }
   if (step <= warmup_) return;
@@ -170,7 +170,7 @@ void AdviseRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
   verdict = flag.item<double>();
   if (verdict == 0) return;
   measured_ = true;
-  const double peak_tensors = state_at_start_ + static_cast<double>(memory_meter::read().peak - live_at_start_);
+  const double peak_tensors = state_at_start_ + static_cast<double>(memory_meter::read(impl.device).peak - live_at_start_);
   auto measured = at::tensor({static_bytes(impl), peak_rss_bytes(), peak_tensors}, at::kDouble).to(impl.device);
   impl.world().all_reduce(measured, ReduceOp::MAX);
   measured = measured.cpu();

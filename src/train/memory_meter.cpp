@@ -23,16 +23,24 @@ void add(int64_t n) {
 }
 
 // Sizes by address: LibTorch's raw_allocate wants the context to be the data pointer, so the size cannot
-// travel in the context.
-std::mutex sizes_mutex;
-std::unordered_map<void*, int64_t> sizes;
+// travel in the context. Never destroyed: tensors freed during exit (a global model, a thread still running)
+// still come here.
+struct Sizes {
+  std::mutex mutex;
+  std::unordered_map<void*, int64_t> bytes;
+};
+Sizes& sizes() {
+  static auto* table = new Sizes;
+  return *table;
+}
 c10::DeleterFnPtr inner_delete = nullptr;  // the wrapped allocator's raw deleter
 
 void release(void* data) {
   int64_t bytes = 0;
   {
-    std::lock_guard<std::mutex> lock(sizes_mutex);
-    if (auto it = sizes.find(data); it != sizes.end()) bytes = it->second, sizes.erase(it);
+    auto& table = sizes();
+    std::lock_guard<std::mutex> lock(table.mutex);
+    if (auto it = table.bytes.find(data); it != table.bytes.end()) bytes = it->second, table.bytes.erase(it);
   }
   live_bytes.fetch_sub(bytes);
   inner_delete(data);
@@ -51,11 +59,15 @@ class CountingAllocator final : public c10::Allocator {
 
  private:
   static c10::DataPtr wrap(c10::DataPtr inner, size_t n) {
+    // Only memory whose context is its pointer and which raw_deleter frees can be taken over; anything else
+    // passes through uncounted.
+    if (inner.get() != inner.get_context() || inner.get_deleter() != inner_delete) return inner;
     const auto device = inner.device();
-    void* data = inner.release_context();  // the default CPU allocator's context is its data pointer
+    void* data = inner.release_context();
     if (data) {
-      std::lock_guard<std::mutex> lock(sizes_mutex);
-      sizes[data] = static_cast<int64_t>(n);
+      auto& table = sizes();
+      std::lock_guard<std::mutex> lock(table.mutex);
+      table.bytes[data] = static_cast<int64_t>(n);
     }
     add(static_cast<int64_t>(n));
     return {data, data, &release, device};
@@ -63,34 +75,35 @@ class CountingAllocator final : public c10::Allocator {
   c10::Allocator* inner_;
 };
 
-bool on_cuda() {
+bool on_cuda(const c10::Device& device) {
 #ifdef XLR8_WITH_NCCL
-  return cuda_device_count() > 0;
+  return device.is_cuda();
 #else
+  (void)device;
   return false;
 #endif
 }
 
 }  // namespace
 
-void install() {
+void install(const c10::Device& device) {
+  if (on_cuda(device)) return;
   static const bool installed = [] {
-    if (on_cuda()) return true;
     auto* inner = c10::GetCPUAllocator();
     inner_delete = inner->raw_deleter();
     if (!inner_delete) return false;  // an allocator whose memory cannot be freed by address: not counted
     // Lives as long as the process: tensors freed at exit still call into it.
-    static CountingAllocator counting(inner);
-    c10::SetCPUAllocator(&counting, /*priority=*/100);
+    static auto* counting = new CountingAllocator(inner);
+    c10::SetCPUAllocator(counting, /*priority=*/100);
     return true;
   }();
   (void)installed;
 }
 
-Reading read() {
+Reading read(const c10::Device& device) {
 #ifdef XLR8_WITH_NCCL
-  if (on_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(c10::cuda::current_device());
+  if (on_cuda(device)) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
     const auto& allocated = stats.allocated_bytes[0];  // StatType::AGGREGATE
     return {allocated.current, allocated.peak};
   }
@@ -98,9 +111,9 @@ Reading read() {
   return {live_bytes.load(), peak_bytes.load()};
 }
 
-void reset_peak() {
+void reset_peak(const c10::Device& device) {
 #ifdef XLR8_WITH_NCCL
-  if (on_cuda()) return c10::cuda::CUDACachingAllocator::resetPeakStats(c10::cuda::current_device());
+  if (on_cuda(device)) return c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
 #endif
   peak_bytes.store(live_bytes.load());
 }

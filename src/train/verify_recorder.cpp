@@ -12,6 +12,7 @@
 #include "checkpoint/files.hpp"
 #include "train/accelerator_impl.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/safetensors.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8::detail {
@@ -88,6 +89,16 @@ void VerifyRecorder::before_step(AcceleratorImpl& impl, const std::vector<at::Te
       if (loader->batches_yielded() == loader->size() && rest != 0 && rest % ranks != 0) short_batch_ = rest;
       break;
     }
+  if (impl.world().size() == 1)  // the reference: whole gradients on the module's own parameters
+    for (size_t i = 0; i < impl.models.size(); ++i)
+      for (const auto& item : impl.models[i]->module()->named_parameters()) {
+        const auto& g = item.value().grad();
+        if (!g.defined() || !g.sizes().equals(item.value().sizes())) continue;
+        const auto name = (i == 0 ? "" : fmt::format("model {}: ", i)) + item.key();
+        auto magnitude = g.detach().abs().to(at::kCPU, at::kFloat);
+        auto& held = grad_max_[name];
+        held = held.defined() ? at::maximum(held, magnitude) : magnitude;
+      }
   // An infinite max_norm measures without clipping.
   const double inf = std::numeric_limits<double>::infinity();
   grad_norm_ = owner ? owner->clip_grad_norm(parameters, inf, 2.0) : torch::nn::utils::clip_grad_norm_(parameters, inf, 2.0);
@@ -97,9 +108,12 @@ void VerifyRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
   if (step > steps_) return;
   record_["steps"].push_back({{"step", step}, {"loss", loss_}, {"grad_norm", grad_norm_}, {"short_batch", short_batch_}});
   const bool last = step == steps_;
-  if (last)
+  if (last) {
     for (size_t i = 0; i < impl.models.size(); ++i)
       write_full_model(impl, *impl.models[i]->module(), fmt::format("{}/model_{}", dir_, i));
+    if (!grad_max_.empty())
+      save_safetensors(dir_ + "/grad_max.safetensors", NamedTensors(grad_max_.begin(), grad_max_.end()));
+  }
   const int rank = impl.state->rank();
   if (rank == 0) {
     record_["world_size"] = impl.world().size();

@@ -8,6 +8,7 @@
 // and the tool stops the job.
 #include <ATen/core/Tensor.h>
 
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -45,6 +46,10 @@ class VerifyRecorder {
   int64_t short_batch_ = 0;  // the step ended an epoch whose last global batch (this many samples) the ranks share unevenly
   int models_ = 0;
   nlohmann::json record_;
+  // One process only: each parameter's largest |gradient| per element over the steps, by the name the
+  // parameters are saved under ("model <i>: " before the names of a second model): elements whose gradient is
+  // only rounding are not compared (cmd_verify.cpp).
+  std::map<std::string, at::Tensor> grad_max_;
 };
 
 }  // namespace detail

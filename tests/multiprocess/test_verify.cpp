@@ -95,6 +95,11 @@ TEST(Verify, TheGptPassesUnderDdpTensorContextAndSequenceParallelismAndHybridSha
                      "--output_dir", temp_dir("verify-gpt")});
     EXPECT_TRUE(passed(r)) << r.out << r.err;
     EXPECT_EQ(r.out.find("differed across ranks"), std::string::npos) << r.out;
+    // The key thirds of the two blocks' fused q/k/v biases (64 elements each) at least.
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(r.out, m, std::regex("not compared: ([0-9]+) element\\(s\\) of ([0-9]+) tensor"))) << r.out;
+    EXPECT_GE(std::stoi(m[1]), 128) << r.out;
+    EXPECT_LT(std::stoi(m[1]), 2000) << r.out;  // of 118,528: the rest is compared
   }
 }
 
@@ -171,7 +176,8 @@ TEST(Verify, AStrategyThatSkipsOneGradientBucketFailsWithTheFirstStepNamed) {
 
 TEST(Advise, OnTheGptUnderAMemoryLimitItRefusesWhatCannotFitPicksTheSameWinnerTwiceAndItsConfigLaunches) {
   // 3.2 M parameters: 16 bytes each is 51.9 MB per rank for DDP, 25.9 MB for FULL_SHARD on 2 ranks; 30 MB
-  // leaves the FULL_SHARD variants, tp 2 and cp / sp 2 under FULL_SHARD.
+  // leaves the FULL_SHARD variants of the data-parallel candidates (the mesh ones, some as fast as FULL_SHARD
+  // bf16 here, are tested below), of which bf16 is about twice as fast as the others on this CPU.
   const Args gpt{kGpt, "--max_steps", "100000", "--n_layer", "4", "--d_model", "256", "--n_head", "4", "--seq_len", "64",
                  "--batch_size", "8", "--output_dir", temp_dir("advise-gpt")};
   std::vector<std::string> winners;
@@ -181,6 +187,9 @@ TEST(Advise, OnTheGptUnderAMemoryLimitItRefusesWhatCannotFitPicksTheSameWinnerTw
     Args a{kXlr8, "advise", "--num_processes", "2", "--max_memory_per_rank", "30MB", "--budget_s", "80",
            "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "BlockImpl",
            "--output", yaml};
+    for (const char* name : {"DDP", "DDP, bf16", "ZeRO-1", "SHARD_GRAD_OP (ZeRO-2)", "FULL_SHARD (ZeRO-3)",
+                             "FULL_SHARD, prefetch", "FULL_SHARD, activation checkpointing", "FULL_SHARD, bf16"})
+      a.insert(a.end(), {"--try", name});
     a.insert(a.end(), gpt.begin(), gpt.end());
     auto r = run(a, 85);
     ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
@@ -193,12 +202,6 @@ TEST(Advise, OnTheGptUnderAMemoryLimitItRefusesWhatCannotFitPicksTheSameWinnerTw
     ASSERT_NE(at, std::string::npos) << r.out;
     const auto line = r.out.substr(at + 1);
     winners.push_back(line.substr(0, line.find(" on 2 processes")));
-    // What fits 30 MB: the FULL_SHARD rows, tensor parallelism of 2 (half of every matrix) and context or
-    // sequence parallelism under FULL_SHARD.
-    for (const char* fits : {"FULL_SHARD, bf16", "tp 2, bf16", "cp 2 (ring), FULL_SHARD, bf16"}) {
-      EXPECT_NE(table_row(r.out, fits), "") << fits << "\n" << r.out;
-      EXPECT_EQ(table_row(r.out, fits).find("cannot fit"), std::string::npos) << r.out;
-    }
   }
   EXPECT_EQ(winners[0], winners[1]);
   // The winner's config launches the program unchanged.

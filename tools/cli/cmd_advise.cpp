@@ -250,6 +250,9 @@ class Advisor {
           Clock::time_point deadline)
       : request_(request), a_(a), n_(n), limit_(limit), work_(std::move(work)), deadline_(deadline) {}
 
+  bool measured_the_model() const { return facts_.has_value(); }
+  const std::string& last_failure() const { return last_failure_; }
+
   Row run(const Candidate& c) {
     Row row{.candidate = &c};
     const LaunchRequest changed = with_candidate(request_, c);
@@ -285,10 +288,16 @@ class Advisor {
     } catch (const ConfigError& e) {
       failure = e.what();
     }
-    if (!facts_) learn(dir, failure);
+    if (!facts_ && !learn(dir)) {  // it never reached prepare(): the next candidate measures the model
+      row.verdict = failure.empty() ? "failed: the program did not reach Accelerator::prepare(model)"
+                                    : fmt::format("failed: {}", failure);
+      last_failure_ = row.verdict;
+      return row;
+    }
     if (result && !facts_->attention) facts_->attention = (*result)["attention_calls"].get<int64_t>() > 0;
     row.predicted = predicted_bytes(c, *facts_, n_);
-    if (too_big) return cannot_fit(row);
+    // Stopped at prepare(), or ended (out of memory, say) before the check saw the model's size.
+    if (too_big || (!result && row.predicted > limit_)) return cannot_fit(row);
     if (!result) {
       row.verdict = Clock::now() > deadline_ ? "not finished within --budget_s"
                     : failure.empty()        ? fmt::format("ended before {} steps", a_.warmup + a_.steps)
@@ -317,13 +326,14 @@ class Advisor {
     return row;
   }
 
-  void learn(const fs::path& dir, const std::string& failure) {
+  // The model's facts from the run in `dir`; false when it wrote none.
+  bool learn(const fs::path& dir) {
     const auto probe = read_json(dir / "probe.json");
-    if (!probe)
-      throw Error(fmt::format("the program did not reach Accelerator::prepare(model){}", failure.empty() ? "" : ": " + failure));
+    if (!probe) return false;
     facts_ = ModelFacts{.parameters = (*probe)["parameters"], .tensor_parallel = (*probe)["tensor_parallel"]};
     fmt::print(stderr, "xlr8 advise: {:.0f} parameters; memory per rank: {} ({}); budget {:.0f} s\n", facts_->parameters,
                human(limit_), a_.max_memory.empty() ? "available memory / processes" : "--max_memory_per_rank", a_.budget_s);
+    return true;
   }
 
   const LaunchRequest& request_;
@@ -336,6 +346,7 @@ class Advisor {
   std::map<std::string, std::string> tried_;  // launch key -> the candidate's name
   double best_ = 0;                           // the fastest throughput so far
   int runs_ = 0;
+  std::string last_failure_;  // of a candidate that did not reach prepare()
 };
 
 int advise(const LaunchRequest& request, const AdviseOptions& a) {
@@ -363,6 +374,9 @@ int advise(const LaunchRequest& request, const AdviseOptions& a) {
   }
   std::vector<Row> rows;
   for (const auto& c : all) rows.push_back(advisor.run(c));
+  if (!advisor.measured_the_model())
+    throw Error(fmt::format("no candidate's program reached Accelerator::prepare(model); the last one {}",
+                            advisor.last_failure().empty() ? "was not tried" : advisor.last_failure()));
   double best = 0;
   // The rows that ran their measurement by throughput, then those stopped early, then the rest.
   std::vector<Row*> ranked;

@@ -37,7 +37,8 @@ double default_rtol(MixedPrecision p) { return p == MixedPrecision::NO ? 1e-4 : 
 
 struct Recorded {
   nlohmann::json record;
-  std::map<std::string, at::Tensor> params;  // "<model>.<name>"
+  std::map<std::string, at::Tensor> params;    // "<model>.<name>"
+  std::map<std::string, at::Tensor> grad_max;  // one process only: largest |gradient| per element over the steps
   int exit_code = 0;
 };
 
@@ -73,6 +74,8 @@ Recorded run_recording(LaunchOptions o, const fs::path& dir, int steps, const st
       if (entry.path().extension() == ".safetensors")
         for (auto& [name, t] : load_safetensors(entry.path().string()).tensors)
           r.params[fmt::format("{}{}", i == 0 ? "" : fmt::format("model {}: ", i), name)] = t.to(at::kDouble);
+  if (fs::exists(dir / "grad_max.safetensors"))
+    for (auto& [name, t] : load_safetensors((dir / "grad_max.safetensors").string()).tensors) r.grad_max[name] = t;
   return r;
 }
 
@@ -91,26 +94,37 @@ struct ParamDiff {
   double diff = 0;
 };
 
-// ||N - 1|| per tensor over max(||1||, the model's RMS value x sqrt(numel)): relative to the tensor itself, or to what
-// a tensor of its size weighs in this model when its own norm is small. Without that floor, a zero-initialised
-// bias whose gradient is only rounding (an attention key bias: softmax ignores it) fails every comparison, as
-// Adam turns that rounding into steps of the learning rate's size in both runs; a bias that trains wrong still
-// differs by about lr per element, far above the floor's share. L2: one flipped element does not dominate.
-std::vector<ParamDiff> param_diffs(const Recorded& a, const Recorded& b) {
-  double sum_squares = 0, elements = 0;
-  for (const auto& [name, t] : b.params) sum_squares += t.pow(2).sum().item<double>(), elements += static_cast<double>(t.numel());
-  const double rms = elements > 0 ? std::sqrt(sum_squares / elements) : 0;
-  std::vector<ParamDiff> out;
+struct ParamDiffs {
+  std::vector<ParamDiff> largest_first;
+  int64_t skipped_elements = 0, skipped_tensors = 0;
+};
+
+// ||N - 1|| / ||1|| per tensor (L2: one flipped element does not dominate), over the elements whose gradient in the
+// one-process run rose above `noise` x the tensor's largest at some step, or stayed exactly zero. The others get only rounding for a
+// gradient (an attention key bias: softmax ignores it), which Adam turns into steps of the learning rate's size
+// in each run, in directions no two runs share: they cannot be compared, and are counted instead.
+ParamDiffs param_diffs(const Recorded& a, const Recorded& b, double noise) {
+  ParamDiffs out;
   for (const auto& [name, t] : b.params) {
     auto it = a.params.find(name);
     if (it == a.params.end() || !it->second.sizes().equals(t.sizes())) {
-      out.push_back({name, std::numeric_limits<double>::infinity()});
+      out.largest_first.push_back({name, std::numeric_limits<double>::infinity()});
       continue;
     }
-    const double scale = std::max({t.norm().item<double>(), rms * std::sqrt(static_cast<double>(t.numel())), 1e-12});
-    out.push_back({name, (it->second - t).norm().item<double>() / scale});
+    at::Tensor one = t, many = it->second;
+    if (auto g = b.grad_max.find(name); g != b.grad_max.end() && g->second.sizes().equals(t.sizes())) {
+      // A gradient of exactly zero (an embedding row no batch used) moves both runs alike: compared.
+      const auto compared = g->second.gt(noise * g->second.max().item<double>()).logical_or(g->second.eq(0));
+      const int64_t skipped = t.numel() - compared.sum().item<int64_t>();
+      if (skipped > 0) {
+        out.skipped_elements += skipped, out.skipped_tensors += 1;
+        one = t.masked_select(compared), many = many.masked_select(compared);
+      }
+    }
+    const double scale = std::max(one.norm().item<double>(), 1e-12);
+    out.largest_first.push_back({name, one.numel() == 0 ? 0.0 : (many - one).norm().item<double>() / scale});
   }
-  std::sort(out.begin(), out.end(), [](auto& x, auto& y) { return x.diff > y.diff; });
+  std::sort(out.largest_first.begin(), out.largest_first.end(), [](auto& x, auto& y) { return x.diff > y.diff; });
   return out;
 }
 
@@ -170,12 +184,18 @@ int verify(const LaunchRequest& request, const VerifyOptions& v) {
     fmt::print("{:>4}  {:>16.8g}  {:>19.8g}  {:>9.2e}   {:>13.8g}  {:>14.8g}  {:>9.2e}\n", sb[i]["step"].get<int>(), lb,
                la, relative(la, lb), gb, ga, relative(ga, gb));
   }
-  const auto diffs = param_diffs(a, b);
+  // Gradients below this share of their tensor's largest are rounding at this precision.
+  const double noise = rtol / 10;
+  const auto compared = param_diffs(a, b, noise);
+  const auto& diffs = compared.largest_first;
   if (!diffs.empty()) {
-    fmt::print("largest parameter differences after step {} (||N - 1|| / max(||1||, model RMS x sqrt(numel))):\n",
-               v.steps);
+    fmt::print("largest parameter differences after step {} (||N - 1|| / ||1||):\n", v.steps);
     for (size_t i = 0; i < diffs.size() && i < 5; ++i) fmt::print("  {:<40} {:.2e}\n", diffs[i].name, diffs[i].diff);
   }
+  if (compared.skipped_elements > 0)
+    fmt::print("not compared: {} element(s) of {} tensor(s) whose gradient on one process was never zero nor above {:.0e} x "
+               "their tensor's largest (rounding: Adam turns it into steps of the learning rate's size in each run)\n",
+               compared.skipped_elements, compared.skipped_tensors, noise);
 
   std::vector<std::string> problems;
   const int diverged = first_divergence(a, b, rtol);
@@ -255,8 +275,9 @@ Handler add_verify(CLI::App& app) {
               "between the processes (the program's batch size is the global batch: it must divide by N) and the\n"
               "same intra-op threads per process, and compares them step by step: the loss given to backward()\n"
               "(averaged as over the global batch), the global gradient norm, and after step K every parameter\n"
-              "(||N - 1|| per tensor over its norm, or over the model's RMS value x sqrt(numel) when that is\n"
-              "larger). Tensor- and context-parallel launches are compared with one process without a mesh.\n"
+              "(||N - 1|| / ||1|| per tensor, over the elements whose gradient on one process rose above rtol/10\n"
+              "x the tensor's largest). Tensor- and context-parallel launches are compared with one process\n"
+              "without a mesh.\n"
               "Exit code 0 when all agree within --rtol, 1 otherwise, naming the first step that differs and the\n"
               "usual causes it finds (dropout, BatchNorm, a model that differs across ranks at start).");
   return [req, v]() { return verify(*req, *v); };
