@@ -13,6 +13,7 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "checkpoint/hf_export.hpp"

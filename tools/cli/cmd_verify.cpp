@@ -2,6 +2,7 @@
 // both for K optimizer steps on the same global batch (split_batches) and seed; compares the loss each
 // step gave backward(), the global gradient norm and, after step K, every parameter (gathered from shards).
 // The workers record through the Accelerator (src/train/verify_recorder.hpp).
+#include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -11,6 +12,7 @@
 #include <fstream>
 #include <map>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <thread>
 
 #include "cli/commands.hpp"
