@@ -235,11 +235,13 @@ TEST(Elastic, TheTrainerOnTwoHostsLosesOneAndItsFitFinishesOnTheOther) {
   auto driver = [&](int host) {
     return hosts.on(host, {kTrainer, "--storage_path", storage, "--name", "two_hosts", "--num_workers", "2:4",
                            "--workers_per_machine", "2", "--rdzv_endpoint", hosts.address(0) + ":29400", "--rdzv_conf",
-                           "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3", "--max_failures", "2",
+                           "last_call_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3", "--max_failures", "2",
                            "--steps", "80", "--checkpoint_every", "10", "--train_limit", "2560"});
   };
   Process first(driver(0));
   ASSERT_GE(wait_for(first, "serving the rendezvous", 30, true), 0) << first.err_so_far();
+  // Host 1's driver starts now and has last_call_timeout (5 s: its start-up under a loaded CI machine took more
+  // than 1 s) to join the first round.
   Process second(driver(1));
   const auto checkpoint = storage + "/two_hosts/checkpoint_000001";
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
