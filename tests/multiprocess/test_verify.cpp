@@ -238,6 +238,12 @@ TEST(Advise, StopsSlowerCandidatesEarlyRunsALaunchOnceAndStopsAModelThatCannotFi
     EXPECT_NE(table_row(r.out, name).find("slower: stopped after 1 step(s) below 1000.00x the best"), std::string::npos)
         << name << "\n" << r.out;
   EXPECT_NE(table_row(r.out, "FULL_SHARD (ZeRO-3)").find("the launch as FULL_SHARD, bf16"), std::string::npos) << r.out;
+  // No wrap policy was given: no units to recompute, so nothing is launched for it.
+  EXPECT_NE(table_row(r.out, "FULL_SHARD, activation checkpointing")
+                .find("not tried: activation checkpointing recomputes the units of a wrap policy"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.err.find("FULL_SHARD, activation checkpointing: 2 warm-up"), std::string::npos) << r.err;
   // Every row that ran: the predicted state is what was measured, and the peak of tensor bytes during the steps
   // (the memory meter) lies above it, by the activations.
   const std::regex bytes_columns(R"(([0-9.]+) ([KMG]?B) +([0-9.]+) ([KMG]?B) +(-?[0-9.]+)% +([0-9.]+) ([KMG]?B) )");

@@ -264,6 +264,20 @@ class Advisor {
     }
     if (facts_ && !(row.verdict = unmet_need(c, *facts_)).empty()) return row;
     if (facts_ && row.predicted > limit_) return cannot_fit(row);
+    LaunchOptions planned;
+    try {
+      planned = plan_launch(changed);
+    } catch (const ConfigError& e) {
+      row.verdict = fmt::format("failed: {}", e.what());
+      if (!facts_) last_failure_ = row.verdict;
+      return row;
+    }
+    if (c.fsdp.count("fsdp_activation_checkpointing") && planned.settings.fsdp &&
+        planned.settings.fsdp->auto_wrap_policy == "NO_WRAP") {
+      row.verdict = "not tried: activation checkpointing recomputes the units of a wrap policy; give "
+                    "--fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap <block class>";
+      return row;
+    }
     if (Clock::now() > deadline_) {
       row.verdict = "not tried: out of --budget_s";
       return row;
@@ -277,15 +291,16 @@ class Advisor {
     if (!facts_)
       m.stop_early = [&]() -> std::string {
         const auto probe = read_json(dir / "probe.json");
-        if (!probe || predicted_bytes(c, ModelFacts{.parameters = (*probe)["parameters"], .tensor_parallel = (*probe)["tensor_parallel"]}, n_) <= limit_)
-          return "";
+        if (!probe) return "";
+        const ModelFacts facts{.parameters = (*probe)["parameters"], .tensor_parallel = (*probe)["tensor_parallel"]};
+        if (predicted_bytes(c, facts, n_) <= limit_) return "";
         too_big = true;
         return "the model cannot fit under this strategy";
       };
     std::optional<nlohmann::json> result;
     std::string failure;
     try {
-      result = measure(plan_launch(changed), dir, m, failure);
+      result = measure(planned, dir, m, failure);
     } catch (const ConfigError& e) {
       failure = e.what();
     }
