@@ -8,8 +8,8 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
-#include <utility>
 #include <sstream>
+#include <utility>
 
 #include "checkpoint/files.hpp"
 #include "checkpoint/optimizer_state.hpp"

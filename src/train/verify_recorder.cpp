@@ -17,6 +17,13 @@
 
 namespace xlr8::detail {
 
+namespace {
+
+// Before the parameter names of every model but the first, as cmd_verify.cpp names what it loads.
+std::string model_prefix(int model) { return model == 0 ? "" : fmt::format("model {}: ", model); }
+
+}  // namespace
+
 std::unique_ptr<VerifyRecorder> VerifyRecorder::from_env() {
   const char* dir = std::getenv("XLR8_VERIFY_DIR");
   if (!dir || !*dir) return nullptr;
@@ -32,7 +39,7 @@ std::unique_ptr<VerifyRecorder> VerifyRecorder::from_env() {
 }
 
 void VerifyRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module, bool compare_across_ranks) {
-  const std::string prefix = models_ == 0 ? "" : fmt::format("model {}: ", models_);
+  const std::string prefix = model_prefix(models_);
   ++models_;
   for (const auto& item : module.named_modules()) {
     const std::string type = item.value()->name();
@@ -94,7 +101,7 @@ void VerifyRecorder::before_step(AcceleratorImpl& impl, const std::vector<at::Te
       for (const auto& item : impl.models[i]->module()->named_parameters()) {
         const auto& g = item.value().grad();
         if (!g.defined() || !g.sizes().equals(item.value().sizes())) continue;
-        const auto name = (i == 0 ? "" : fmt::format("model {}: ", i)) + item.key();
+        const auto name = model_prefix(static_cast<int>(i)) + item.key();
         auto magnitude = g.detach().abs().to(at::kCPU, at::kFloat);
         auto& held = grad_max_[name];
         held = held.defined() ? at::maximum(held, magnitude) : magnitude;

@@ -4,7 +4,6 @@
 // (src/train/advise_recorder.hpp); what cannot fit is pruned by the formulas of `xlr8 estimate-memory`.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -12,9 +11,8 @@
 #include <fstream>
 #include <functional>
 #include <map>
-#include <optional>
 #include <nlohmann/json.hpp>
-#include <thread>
+#include <optional>
 
 #include "checkpoint/hf_export.hpp"
 #include "cli/commands.hpp"
@@ -129,6 +127,17 @@ double available_memory_bytes() {
   return 0;
 }
 
+// A JSON file a run wrote (files::write_durably renames it into place); nullopt while it is not there.
+std::optional<nlohmann::json> read_json(const fs::path& file) {
+  std::ifstream in(file);
+  if (!in) return std::nullopt;
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
 // What one launch of a candidate is asked for. The run stops once every rank is done, at the deadline, or
 // when `stop_early` says why (it is polled while the workers run).
 struct Measurement {
@@ -159,20 +168,7 @@ std::optional<nlohmann::json> measure(LaunchOptions o, const fs::path& dir, cons
             : outcome.failure && !(outcome.failure->error_message.empty() && outcome.failure->headline.empty())
                 ? (outcome.failure->error_message.empty() ? outcome.failure->headline : outcome.failure->error_message)
                 : fmt::format("exit code {}", outcome.exit_code);
-  std::ifstream in(dir / "result.json");
-  if (!in) return std::nullopt;
-  return nlohmann::json::parse(in);
-}
-
-// A JSON file a run wrote (files::write_durably renames it into place); nullopt while it is not there.
-std::optional<nlohmann::json> read_json(const fs::path& file) {
-  std::ifstream in(file);
-  if (!in) return std::nullopt;
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const std::exception&) {
-    return std::nullopt;
-  }
+  return read_json(dir / "result.json");
 }
 
 // What the first candidate's run tells about the model.
@@ -181,6 +177,10 @@ struct ModelFacts {
   nlohmann::json tensor_parallel = nlohmann::json::object();  // by tp size: {"sliced": N}, or {"error": why}
   std::optional<bool> attention;  // a forward went through xlr8::attention (known once a run measured steps)
 };
+
+ModelFacts facts_of(const nlohmann::json& probe) {
+  return {.parameters = probe["parameters"], .tensor_parallel = probe["tensor_parallel"]};
+}
 
 // Training state per rank by the formulas; tensor parallelism divides the parameters AutoTP slices.
 double predicted_bytes(const Candidate& c, const ModelFacts& m, int n) {
@@ -291,9 +291,7 @@ class Advisor {
     if (!facts_)
       m.stop_early = [&]() -> std::string {
         const auto probe = read_json(dir / "probe.json");
-        if (!probe) return "";
-        const ModelFacts facts{.parameters = (*probe)["parameters"], .tensor_parallel = (*probe)["tensor_parallel"]};
-        if (predicted_bytes(c, facts, n_) <= limit_) return "";
+        if (!probe || predicted_bytes(c, facts_of(*probe), n_) <= limit_) return "";
         too_big = true;
         return "the model cannot fit under this strategy";
       };
@@ -346,7 +344,7 @@ class Advisor {
   bool learn(const fs::path& dir) {
     const auto probe = read_json(dir / "probe.json");
     if (!probe) return false;
-    facts_ = ModelFacts{.parameters = (*probe)["parameters"], .tensor_parallel = (*probe)["tensor_parallel"]};
+    facts_ = facts_of(*probe);
     fmt::print(stderr, "xlr8 advise: {:.0f} parameters; memory per rank: {} ({}); budget {:.0f} s\n", facts_->parameters,
                human(limit_), a_.max_memory.empty() ? "available memory / processes" : "--max_memory_per_rank", a_.budget_s);
     return true;
@@ -364,6 +362,36 @@ class Advisor {
   int runs_ = 0;
   std::string last_failure_;  // of a candidate that did not reach prepare()
 };
+
+// The rows that ran their measurement by throughput, then those stopped early, then the rest, printed as the
+// table; the ranking.
+std::vector<const Row*> print_table(const std::vector<Row>& rows, const AdviseOptions& a, double seconds) {
+  std::vector<const Row*> ranked;
+  for (const auto& r : rows) ranked.push_back(&r);
+  auto order = [](const Row* r) { return r->ran && r->verdict == "fits" ? 0 : r->ran && r->cut ? 1 : 2; };
+  std::stable_sort(ranked.begin(), ranked.end(), [&](const Row* x, const Row* y) {
+    return order(x) != order(y) ? order(x) < order(y) : order(x) < 2 && x->throughput > y->throughput;
+  });
+  const double best = ranked.empty() || !ranked.front()->ran ? 0 : ranked.front()->throughput;
+  fmt::print("{:<38} {:>14} {:>7} {:>12} {:>12} {:>7} {:>12} {:>11}  {}\n", "strategy", "samples/s", "x best", "predicted",
+             "measured", "error", "peak tensors", "peak RSS", "verdict");
+  for (const Row* r : ranked) {
+    if (r->ran)
+      fmt::print("{:<38} {:>9.1f}{:<5} {:>7.2f} {:>12} {:>12} {:>6.1f}% {:>12} {:>11}  {}\n", r->candidate->name,
+                 r->throughput, r->unit == "samples/s" ? "" : " st/s", r->throughput / best, human(r->predicted),
+                 human(r->measured), 100.0 * (r->predicted - r->measured) / std::max(r->measured, 1.0),
+                 human(r->peak_tensors), human(r->peak_rss), r == ranked.front() && r->verdict == "fits" ? "best" : r->verdict);
+    else
+      fmt::print("{:<38} {:>14} {:>7} {:>12} {:>12} {:>7} {:>12} {:>11}  {}\n", r->candidate->name, "-", "-",
+                 human(r->predicted), "-", "-", "-", "-", r->verdict);
+  }
+  fmt::print("(throughput: at least {} timed steps and {} s after {} warm-up, or fewer for one slower than {}x the best "
+             "so far; predicted: parameters, gradients and AdamW state by the formulas of xlr8 estimate-memory; "
+             "measured: what a rank held after its last step; peak tensors: the most tensor bytes a rank held during "
+             "the timed steps, activations and gathered or communicated buffers included; advise took {:.0f} s)\n",
+             a.steps, a.min_seconds, a.warmup, a.cut_below, seconds);
+  return ranked;
+}
 
 int advise(const LaunchRequest& request, const AdviseOptions& a) {
   const auto started = Clock::now();
@@ -393,32 +421,7 @@ int advise(const LaunchRequest& request, const AdviseOptions& a) {
   if (!advisor.measured_the_model())
     throw Error(fmt::format("no candidate's program reached Accelerator::prepare(model); the last one {}",
                             advisor.last_failure().empty() ? "was not tried" : advisor.last_failure()));
-  double best = 0;
-  // The rows that ran their measurement by throughput, then those stopped early, then the rest.
-  std::vector<Row*> ranked;
-  for (auto& r : rows) ranked.push_back(&r);
-  auto order = [](const Row* r) { return r->ran && r->verdict == "fits" ? 0 : r->ran && r->cut ? 1 : 2; };
-  std::stable_sort(ranked.begin(), ranked.end(), [&](Row* x, Row* y) {
-    return order(x) != order(y) ? order(x) < order(y) : order(x) < 2 && x->throughput > y->throughput;
-  });
-  best = ranked.empty() || !ranked.front()->ran ? 0 : ranked.front()->throughput;
-  fmt::print("{:<38} {:>14} {:>7} {:>12} {:>12} {:>7} {:>12} {:>11}  {}\n", "strategy", "samples/s", "x best", "predicted",
-             "measured", "error", "peak tensors", "peak RSS", "verdict");
-  for (const Row* r : ranked) {
-    if (r->ran)
-      fmt::print("{:<38} {:>9.1f}{:<5} {:>7.2f} {:>12} {:>12} {:>6.1f}% {:>12} {:>11}  {}\n", r->candidate->name, r->throughput,
-                 r->unit == "samples/s" ? "" : " st/s", r->throughput / best, human(r->predicted), human(r->measured),
-                 100.0 * (r->predicted - r->measured) / std::max(r->measured, 1.0), human(r->peak_tensors), human(r->peak_rss),
-                 r == ranked.front() && r->verdict == "fits" ? "best" : r->verdict);
-    else
-      fmt::print("{:<38} {:>14} {:>7} {:>12} {:>12} {:>7} {:>12} {:>11}  {}\n", r->candidate->name, "-", "-",
-                 human(r->predicted), "-", "-", "-", "-", r->verdict);
-  }
-  fmt::print("(throughput: at least {} timed steps and {} s after {} warm-up, or fewer for one slower than {}x the best so far; predicted: parameters, gradients and AdamW state by the "
-             "formulas of xlr8 estimate-memory; measured: what a rank held after its last step; peak tensors: the most "
-             "tensor bytes a rank held during the timed steps, activations and gathered or communicated buffers "
-             "included; advise took {:.0f} s)\n",
-             a.steps, a.min_seconds, a.warmup, a.cut_below, std::chrono::duration<double>(Clock::now() - started).count());
+  const auto ranked = print_table(rows, a, std::chrono::duration<double>(Clock::now() - started).count());
   if (ranked.empty() || ranked.front()->verdict != "fits") {
     fmt::print("xlr8 advise: no strategy ran within the memory per rank\n");
     return 1;

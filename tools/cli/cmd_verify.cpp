@@ -101,10 +101,11 @@ struct ParamDiffs {
   int64_t skipped_elements = 0, skipped_tensors = 0;
 };
 
-// ||N - 1|| / ||1|| per tensor (L2: one flipped element does not dominate), over the elements whose gradient in the
-// one-process run rose above `noise` x the tensor's largest at some step, or stayed exactly zero. The others get only rounding for a
-// gradient (an attention key bias: softmax ignores it), which Adam turns into steps of the learning rate's size
-// in each run, in directions no two runs share: they cannot be compared, and are counted instead.
+// ||N - 1|| / ||1|| per tensor (L2: one flipped element does not dominate), over the elements whose gradient in
+// the one-process run rose above `noise` x the tensor's largest at some step, or stayed exactly zero. The others
+// get only rounding for a gradient (an attention key bias: softmax ignores it), which Adam turns into steps of
+// the learning rate's size in each run, in directions no two runs share: they cannot be compared, and are
+// counted instead.
 ParamDiffs param_diffs(const Recorded& a, const Recorded& b, double noise) {
   ParamDiffs out;
   for (const auto& [name, t] : b.params) {

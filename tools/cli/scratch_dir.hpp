@@ -1,6 +1,6 @@
 #pragma once
-// The temporary folders of verify and advise. A temporary folder of one command, removed with everything in it when the command ends (an empty path:
-// nothing is created or removed, for a folder the user asked to keep).
+// The temporary folders of verify and advise: one per command, removed with everything in it when the command
+// ends (an empty path: nothing is created or removed, for a folder the user asked to keep).
 #include <fmt/format.h>
 #include <unistd.h>
 
