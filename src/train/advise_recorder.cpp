@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
+#include <thread>
 #include <utility>
 
 #include "checkpoint/files.hpp"
@@ -17,6 +18,7 @@
 #include "parallel/tp_layer_kinds.hpp"
 #include "train/accelerator_impl.hpp"
 #include "train/memory_meter.hpp"
+#include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8::detail {
@@ -125,10 +127,16 @@ std::unique_ptr<AdviseRecorder> AdviseRecorder::from_env() {
   return r;
 }
 
+// Each machine's advise reads its own folder: the first rank of each machine writes there (the figures are
+// the world's, all-reduced), every rank its done.<local rank>. Then the rank waits to be stopped: a rank that
+// went on would enter a collective whose peers on another machine are being stopped, and fail.
 void AdviseRecorder::finish(AcceleratorImpl& impl, const std::string& file, const std::string& text) {
-  const int rank = impl.state->rank();
-  if (rank == 0) files::write_durably(fmt::format("{}/{}", dir_, file), text);
-  std::ofstream(fmt::format("{}/done.{}", dir_, rank)) << "done\n";
+  const int local_rank = impl.state->local_rank();
+  if (local_rank == 0) files::write_durably(fmt::format("{}/{}", dir_, file), text);
+  std::ofstream(fmt::format("{}/done.{}", dir_, local_rank)) << "done\n";
+  std::this_thread::sleep_for(std::chrono::seconds(60));
+  throw Error(fmt::format("rank {}: xlr8 advise did not stop this run within 60 s of its measurement (XLR8_ADVISE_DIR={})",
+                          impl.state->rank(), dir_));
 }
 
 void AdviseRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module) {
@@ -145,7 +153,7 @@ void AdviseRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module
       nlohmann::json{{"parameters", parameters_}, {"tensor_parallel", tensor_parallel_options(module, impl.world().size())}}
           .dump();
   if (steps_ == 0) return finish(impl, "probe.json", probe);
-  if (impl.state->rank() == 0) files::write_durably(fmt::format("{}/probe.json", dir_), probe);
+  if (impl.state->local_rank() == 0) files::write_durably(fmt::format("{}/probe.json", dir_), probe);
 }
 
 void AdviseRecorder::after_step(AcceleratorImpl& impl, int64_t step) {

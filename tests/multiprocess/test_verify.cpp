@@ -7,6 +7,7 @@
 #include <regex>
 
 #include "process_runner.hpp"
+#include "xlr8/launcher.hpp"
 
 using Args = std::vector<std::string>;
 
@@ -305,4 +306,60 @@ TEST(Advise, MeshCandidatesPredictTheirStateExactlyTheWinnersMeshLaunchesAndAMod
       << r.out;
   EXPECT_NE(r.out.find("not tried: the model's attention does not call xlr8::attention"), std::string::npos) << r.out;
   EXPECT_EQ(r.err.find("tp 2, bf16: 2 warm-up"), std::string::npos) << r.err;  // nothing was launched for them
+}
+
+TEST(Advise, OnTwoMachinesMachineZeroDecidesForBothHybridShardIsACandidateAndEachMachinesConfigLaunches) {
+  // Two advise commands form each candidate's 4-rank job ("machines" on loopback, 2 ranks each). 118,528
+  // parameters: DDP needs 1.90 MB per rank, HYBRID_SHARD 16 bytes over a machine's 2 ranks: 948 KB; under 1 MB
+  // HYBRID_SHARD alone fits, so it wins on both machines whatever the timings.
+  const int port = xlr8::pick_free_port();
+  const Args gpt{kGpt, "--max_steps", "100000", "--n_layer", "2", "--d_model", "64", "--n_head", "4", "--seq_len", "32",
+                 "--batch_size", "4", "--output_dir", temp_dir("advise-machines")};
+  const Args machines{"--num_processes", "4", "--num_machines", "2", "--main_process_ip", "127.0.0.1",
+                      "--main_process_port", std::to_string(port)};
+  std::vector<std::string> yaml;
+  auto machine = [&](int rank) {
+    yaml.push_back(temp_dir("advise-machine") + "/advised.yaml");
+    Args a{kXlr8, "advise", "--machine_rank", std::to_string(rank), "--max_memory_per_rank", "1MB", "--budget_s", "80",
+           "--min_seconds", "0.5", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+           "--fsdp_transformer_layer_cls_to_wrap", "BlockImpl", "--try", "DDP, bf16", "--try", "HYBRID_SHARD, bf16",
+           "--output", yaml.back()};
+    a.insert(a.end(), machines.begin(), machines.end());
+    a.insert(a.end(), gpt.begin(), gpt.end());
+    return a;
+  };
+  Process m0(machine(0)), m1(machine(1));
+  auto r0 = m0.wait(120), r1 = m1.wait(120);
+  ASSERT_EQ(r0.exit_code, 0) << r0.out << r0.err;
+  ASSERT_EQ(r1.exit_code, 0) << r1.out << r1.err;
+  EXPECT_NE(table_row(r0.out, "DDP, bf16").find("cannot fit: needs 1.90 MB per rank"), std::string::npos) << r0.out;
+  EXPECT_NE(table_row(r0.out, "HYBRID_SHARD, bf16").find("948.22 KB    948.22 KB    0.0%"), std::string::npos) << r0.out;
+  EXPECT_NE(table_row(r0.out, "HYBRID_SHARD, bf16").find("best"), std::string::npos) << r0.out;
+  // Machine 1 launched its part of each run and printed no table of its own.
+  EXPECT_NE(r1.err.find("machine 1 of 2: machine 0 (127.0.0.1) measures and decides"), std::string::npos) << r1.err;
+  EXPECT_NE(r1.err.find("HYBRID_SHARD, bf16: this machine's ranks"), std::string::npos) << r1.err;
+  EXPECT_EQ(r1.out.find("strategy "), std::string::npos) << r1.out;
+  for (const auto* r : {&r0, &r1})
+    EXPECT_NE(r->out.find("xlr8 advise: HYBRID_SHARD, bf16 on 4 processes over 2 machines: written to"), std::string::npos)
+        << r->out;
+  for (int rank : {0, 1}) {
+    const std::string text = read_file(yaml[rank]);
+    EXPECT_NE(text.find(fmt::format("machine_rank: {}\n", rank)), std::string::npos) << text;
+    EXPECT_NE(text.find("fsdp_sharding_strategy: HYBRID_SHARD\n"), std::string::npos) << text;
+    EXPECT_NE(text.find(fmt::format("main_process_port: {}\n", port)), std::string::npos) << text;
+  }
+  // Each machine launches the program with its own file, unchanged: one 4-rank HYBRID_SHARD job.
+  auto launch = [&](int rank) {
+    Args a{kXlr8, "launch", "--config_file", yaml[rank]};
+    Args short_run = gpt;
+    short_run[2] = "3";  // --max_steps
+    a.insert(a.end(), short_run.begin(), short_run.end());
+    return a;
+  };
+  Process l0(launch(0)), l1(launch(1));
+  auto j0 = l0.wait(120), j1 = l1.wait(120);
+  ASSERT_EQ(j0.exit_code, 0) << j0.out << j0.err;
+  ASSERT_EQ(j1.exit_code, 0) << j1.out << j1.err;
+  EXPECT_NE(j0.out.find("\"num_processes\":4"), std::string::npos) << j0.out;
+  EXPECT_NE(j0.out.find("\"state_bytes_per_rank\":948224"), std::string::npos) << j0.out;  // 8 x 118,528
 }

@@ -16,6 +16,7 @@
 
 #include "checkpoint/hf_export.hpp"
 #include "cli/commands.hpp"
+#include "cli/machine_channel.hpp"
 #include "cli/memory_formulas.hpp"
 #include "cli/scratch_dir.hpp"
 #include "core/text.hpp"
@@ -80,7 +81,9 @@ std::vector<Candidate> mesh_candidates(int n, const std::map<std::string, std::s
   return out;
 }
 
-std::vector<Candidate> candidates(int n) {
+// n processes over `machines` machines: HYBRID_SHARD (sharded inside a machine, replicated across) once there
+// are several.
+std::vector<Candidate> candidates(int n, int machines) {
   const std::map<std::string, std::string> full{{"fsdp_sharding_strategy", "FULL_SHARD"},
                                                 {"fsdp_backward_prefetch", "NO_PREFETCH"}};
   auto with = [&](std::map<std::string, std::string> extra) {
@@ -93,16 +96,22 @@ std::vector<Candidate> candidates(int n) {
   std::vector<Candidate> all{
       {.name = "FULL_SHARD, bf16", .formula = "zero3", .use_fsdp = true, .fsdp = full, .mixed_precision = "bf16"},
       {.name = "DDP, bf16", .formula = "ddp", .mixed_precision = "bf16"},
+      {.name = "HYBRID_SHARD, bf16", .formula = "zero3", .use_fsdp = true,
+       .fsdp = with({{"fsdp_sharding_strategy", "HYBRID_SHARD"}}), .mixed_precision = "bf16",
+       .formula_ranks = n / machines},
       {.name = "DDP", .formula = "ddp"},
       {.name = "ZeRO-1", .formula = "zero1", .use_deepspeed = true, .deepspeed = {{"zero_stage", "1"}}},
       {.name = "SHARD_GRAD_OP (ZeRO-2)", .formula = "zero2", .use_fsdp = true,
        .fsdp = {{"fsdp_sharding_strategy", "SHARD_GRAD_OP"}}},
       {.name = "FULL_SHARD (ZeRO-3)", .formula = "zero3", .use_fsdp = true, .fsdp = full},
+      {.name = "HYBRID_SHARD", .formula = "zero3", .use_fsdp = true, .fsdp = with({{"fsdp_sharding_strategy", "HYBRID_SHARD"}}),
+       .formula_ranks = n / machines},
       {.name = "FULL_SHARD, prefetch", .formula = "zero3", .use_fsdp = true,
        .fsdp = with({{"fsdp_backward_prefetch", "BACKWARD_PRE"}, {"fsdp_forward_prefetch", "true"}})},
       {.name = "FULL_SHARD, activation checkpointing", .formula = "zero3", .use_fsdp = true,
        .fsdp = with({{"fsdp_activation_checkpointing", "true"}})},
   };
+  if (machines == 1) std::erase_if(all, [](const Candidate& c) { return c.name.starts_with("HYBRID_SHARD"); });
   for (auto& c : mesh_candidates(n, full)) all.push_back(std::move(c));
   return all;
 }
@@ -156,7 +165,7 @@ std::optional<nlohmann::json> measure(LaunchOptions o, const fs::path& dir, cons
   o.extra_env["XLR8_ADVISE_STEPS"] = std::to_string(m.steps);
   o.extra_env["XLR8_ADVISE_MIN_SECONDS"] = fmt::format("{}", m.min_seconds);
   o.extra_env["XLR8_ADVISE_CUT_BELOW"] = fmt::format("{}", m.cut_below);
-  const int ranks = o.world_size();
+  const int ranks = o.nproc_per_node;  // this machine's: each writes done.<local rank>
   o.stop_check = [dir, ranks, &m]() -> std::string {
     if (Clock::now() > m.deadline) return "out of time (--budget_s)";
     if (every_rank_done(dir, ranks)) return "every rank measured its steps";
@@ -225,8 +234,12 @@ void write_config(const std::string& path, const LaunchOptions& base, const Cand
   if (mixed.empty()) mixed = base.settings.mixed_precision == MixedPrecision::BF16 ? "bf16"
                              : base.settings.mixed_precision == MixedPrecision::FP16 ? "fp16" : "no";
   std::string text = fmt::format("# written by xlr8 advise: {}\ncompute_environment: LOCAL_MACHINE\n", c.name);
-  text += fmt::format("distributed_type: {}\nnum_machines: 1\nnum_processes: {}\nmixed_precision: {}\n",
-                      c.use_fsdp ? "FSDP" : c.use_deepspeed ? "DEEPSPEED" : "MULTI_CPU", processes, mixed);
+  text += fmt::format("distributed_type: {}\nnum_machines: {}\nnum_processes: {}\nmixed_precision: {}\n",
+                      c.use_fsdp ? "FSDP" : c.use_deepspeed ? "DEEPSPEED" : "MULTI_CPU", base.num_machines, processes,
+                      mixed);
+  if (base.num_machines > 1)  // this machine's file: the others' differ in machine_rank alone
+    text += fmt::format("machine_rank: {}\nmain_process_ip: {}\nmain_process_port: {}\n", base.machine_rank,
+                        base.master_addr, base.master_port);
   if (c.use_fsdp) {
     text += "fsdp_config:\n";
     for (const auto& [k, v] : c.fsdp) text += fmt::format("  {}: {}\n", k, v);
@@ -248,8 +261,8 @@ void write_config(const std::string& path, const LaunchOptions& base, const Cand
 class Advisor {
  public:
   Advisor(const LaunchRequest& request, const AdviseOptions& a, int n, double limit, fs::path work,
-          Clock::time_point deadline)
-      : request_(request), a_(a), n_(n), limit_(limit), work_(std::move(work)), deadline_(deadline) {}
+          Clock::time_point deadline, MachineChannel* channel)
+      : request_(request), a_(a), n_(n), limit_(limit), work_(std::move(work)), deadline_(deadline), channel_(channel) {}
 
   bool measured_the_model() const { return facts_.has_value(); }
   const std::string& last_failure() const { return last_failure_; }
@@ -297,6 +310,7 @@ class Advisor {
       };
     std::optional<nlohmann::json> result;
     std::string failure;
+    if (channel_) channel_->post("run:" + c.name);  // the other machines start their part of the launch
     try {
       result = measure(planned, dir, m, failure);
     } catch (const ConfigError& e) {
@@ -356,6 +370,7 @@ class Advisor {
   const double limit_;
   const fs::path work_;
   const Clock::time_point deadline_;
+  MachineChannel* const channel_;  // several machines: this is machine 0, which tells the others what to launch
   std::optional<ModelFacts> facts_;
   std::map<std::string, std::string> tried_;  // launch key -> the candidate's name
   double best_ = 0;                           // the fastest throughput so far
@@ -393,43 +408,106 @@ std::vector<const Row*> print_table(const std::vector<Row>& rows, const AdviseOp
   return ranked;
 }
 
-int advise(const LaunchRequest& request, const AdviseOptions& a) {
+// The candidates advise tries: all, or those --try names.
+std::vector<Candidate> chosen_candidates(const AdviseOptions& a, int n, int machines) {
+  auto all = candidates(n, machines);
+  if (a.only.empty()) return all;
+  std::vector<std::string> names;
+  for (const auto& c : all) names.push_back(c.name);
+  for (const auto& name : a.only)
+    if (std::find(names.begin(), names.end(), name) == names.end())
+      throw ConfigError(fmt::format("--try {:?} is not a candidate on {} processes over {} machine(s); the candidates: {}",
+                                    name, n, machines, fmt::join(names, "; ")));
+  std::erase_if(all, [&](const Candidate& c) { return std::find(a.only.begin(), a.only.end(), c.name) == a.only.end(); });
+  return all;
+}
+
+// Machine 0 (or the only one): measures, prints the table; the winner, or nullptr when none ran within the memory.
+const Candidate* lead(const LaunchRequest& request, const AdviseOptions& a, const LaunchOptions& base,
+                      const std::vector<Candidate>& all, MachineChannel* channel) {
   const auto started = Clock::now();
   const auto deadline = started + std::chrono::milliseconds(static_cast<int64_t>(a.budget_s * 1000));
-  // At least one warm-up step: the first one allocates, and the clock starts at a step's end.
-  if (a.steps < 1 || a.warmup < 1) throw ConfigError("--steps and --warmup must be 1 or more");
-  const LaunchOptions base = plan_launch(request);
-  if (base.elastic || !base.mpirun_hostfile.empty() || base.num_machines > 1)
-    throw ConfigError("xlr8 advise measures on this machine: give --num_processes N alone");
   const int n = base.world_size();
-  const double limit = a.max_memory.empty() ? available_memory_bytes() / n
+  const double limit = a.max_memory.empty() ? available_memory_bytes() / base.nproc_per_node
                                             : static_cast<double>(checkpoints::parse_size(a.max_memory));
   const ScratchDir scratch("advise");
-  Advisor advisor(request, a, n, limit, scratch.path(), deadline);
-  auto all = candidates(n);
-  if (!a.only.empty()) {
-    std::vector<std::string> names;
-    for (const auto& c : all) names.push_back(c.name);
-    for (const auto& name : a.only)
-      if (std::find(names.begin(), names.end(), name) == names.end())
-        throw ConfigError(fmt::format("--try {:?} is not a candidate on {} processes; the candidates: {}", name, n,
-                                      fmt::join(names, "; ")));
-    std::erase_if(all, [&](const Candidate& c) { return std::find(a.only.begin(), a.only.end(), c.name) == a.only.end(); });
-  }
+  Advisor advisor(request, a, n, limit, scratch.path(), deadline, channel);
   std::vector<Row> rows;
   for (const auto& c : all) rows.push_back(advisor.run(c));
   if (!advisor.measured_the_model())
     throw Error(fmt::format("no candidate's program reached Accelerator::prepare(model); the last one {}",
                             advisor.last_failure().empty() ? "was not tried" : advisor.last_failure()));
   const auto ranked = print_table(rows, a, std::chrono::duration<double>(Clock::now() - started).count());
-  if (ranked.empty() || ranked.front()->verdict != "fits") {
+  if (ranked.empty() || ranked.front()->verdict != "fits") return nullptr;
+  return ranked.front()->candidate;
+}
+
+// Machines other than 0: start this machine's part of each launch machine 0 posts; its winner, or nullptr.
+const Candidate* follow(const LaunchRequest& request, const AdviseOptions& a, const LaunchOptions& base,
+                        const std::vector<Candidate>& all, MachineChannel& channel) {
+  const ScratchDir scratch("advise");
+  fmt::print(stderr, "xlr8 advise: machine {} of {}: machine 0 ({}) measures and decides; this one launches its part\n",
+             base.machine_rank, base.num_machines, base.master_addr);
+  auto named = [&](const std::string& name) -> const Candidate& {
+    for (const auto& c : all)
+      if (c.name == name) return c;
+    throw Error(fmt::format("xlr8 advise: machine 0 launches {:?}, which this machine's flags do not give as a "
+                            "candidate: run advise with the same flags on every machine",
+                            name));
+  };
+  for (int runs = 0;; ++runs) {
+    const std::string word = channel.next();
+    const std::string what = word.substr(word.find(':') + 1);
+    if (word.starts_with("error:") || word.starts_with("end:")) channel.acknowledge_end();
+    if (word.starts_with("error:")) throw Error(fmt::format("xlr8 advise: machine 0 stopped: {}", what));
+    if (word.starts_with("end:")) return what.empty() ? nullptr : &named(what);
+    const Candidate& c = named(what);
+    fmt::print(stderr, "xlr8 advise: {}: this machine's ranks\n", c.name);
+    // Machine 0's rank 0 times the steps and decides when they stop; a deadline here only ends a launch that
+    // machine 0 left behind.
+    Measurement m{.warmup = a.warmup, .steps = a.steps, .min_seconds = a.min_seconds,
+                  .deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(a.budget_s * 1000))};
+    std::string failure;
+    try {
+      measure(plan_launch(with_candidate(request, c)), scratch.path() / fmt::format("c{}", runs), m, failure);
+    } catch (const ConfigError&) {  // as on machine 0, which reports it
+    }
+  }
+}
+
+int advise(const LaunchRequest& request, const AdviseOptions& a) {
+  // At least one warm-up step: the first one allocates, and the clock starts at a step's end.
+  if (a.steps < 1 || a.warmup < 1) throw ConfigError("--steps and --warmup must be 1 or more");
+  const LaunchOptions base = plan_launch(request);
+  if (base.elastic || !base.mpirun_hostfile.empty())
+    throw ConfigError("xlr8 advise starts each machine's processes itself: give --num_processes N (and on several "
+                      "machines --num_machines, --machine_rank, --main_process_ip, --main_process_port on each)");
+  const int n = base.world_size();
+  const auto all = chosen_candidates(a, n, base.num_machines);
+  std::optional<MachineChannel> channel;
+  if (base.num_machines > 1)  // machine 0's last word may come a whole budget after its previous one
+    channel.emplace(base.master_addr, base.master_port + 1, base.machine_rank, base.num_machines,
+                    std::chrono::milliseconds(static_cast<int64_t>((a.budget_s + 120) * 1000)));
+  const Candidate* winner = nullptr;
+  if (channel && !channel->leader()) {
+    winner = follow(request, a, base, all, *channel);
+  } else {
+    try {
+      winner = lead(request, a, base, all, channel ? &*channel : nullptr);
+    } catch (const std::exception& e) {
+      if (channel) channel->end(fmt::format("error:{}", e.what()));
+      throw;
+    }
+    if (channel) channel->end("end:" + (winner ? winner->name : std::string()));
+  }
+  if (!winner) {
     fmt::print("xlr8 advise: no strategy ran within the memory per rank\n");
     return 1;
   }
-  const Row& winner = *ranked.front();
-  fmt::print("xlr8 advise: {} on {} processes", winner.candidate->name, n);
+  fmt::print("xlr8 advise: {} on {} processes", winner->name, n);
+  if (base.num_machines > 1) fmt::print(" over {} machines", base.num_machines);
   if (!a.output.empty()) {
-    write_config(a.output, base, *winner.candidate, n);
+    write_config(a.output, base, *winner, n);
     fmt::print(": written to {} (xlr8 launch --config_file {} program ...)", a.output, a.output);
   }
   fmt::print("\n");
@@ -445,7 +523,7 @@ Handler add_advise(CLI::App& app) {
   add_launch_options(cmd, req);
   cmd->add_option("--max_memory_per_rank", a->max_memory,
                   "Training state (parameters, gradients, optimizer state) one rank may hold, e.g. 2GB (default: "
-                  "available memory / N); peak RSS, which adds the runtime, activations and data, is shown beside it");
+                  "available memory / processes on this machine); peak RSS, which adds the runtime, activations and data, is shown beside it");
   cmd->add_option("--budget_s", a->budget_s, "Time for the whole search, seconds (default 300)");
   cmd->add_option("--warmup", a->warmup, "Untimed optimizer steps per strategy (default 2)");
   cmd->add_option("--steps", a->steps, "Timed optimizer steps per strategy, at least (default 3)");
@@ -457,7 +535,11 @@ Handler add_advise(CLI::App& app) {
       ->allow_extra_args(false)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   cmd->add_option("--output", a->output, "Write the winner as an Accelerate config file");
-  cmd->footer("Usage: xlr8 advise [launch options] [--max_memory_per_rank SIZE] [--output advised.yaml] program [args]");
+  cmd->footer("Usage: xlr8 advise [launch options] [--max_memory_per_rank SIZE] [--output advised.yaml] program [args]\n"
+              "Several machines: run it on each with the same flags and its own --machine_rank (and --num_machines, "
+              "--main_process_ip, --main_process_port): machine 0 measures, decides and prints the table, the others "
+              "launch their part of each candidate (they talk over --main_process_port + 1); HYBRID_SHARD (sharded "
+              "inside a machine, replicated across) joins the candidates, and each machine writes its own --output.");
   return [req, a]() { return advise(*req, *a); };
 }
 
