@@ -158,21 +158,28 @@ void AdviseRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module
 
 void AdviseRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
   if (steps_ == 0 || measured_) return;
-  if (step == warmup_) {
-    state_at_start_ = static_bytes(impl);
-    memory_meter::reset_peak(impl.device);
-    live_at_start_ = memory_meter::read(impl.device).live;
-    started_ = std::chrono::steady_clock::now();
-  }
+  const auto now = std::chrono::steady_clock::now();
+  if (step == warmup_) start_window(impl);
   if (step <= warmup_) return;
   const int64_t timed = step - warmup_;
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started_).count();
+  const double seconds = std::chrono::duration<double>(now - started_).count();
   const double samples = samples_per_step(impl);
   const double throughput = (samples > 0 ? samples : 1.0) * static_cast<double>(timed) / std::max(seconds, 1e-9);
-  // Rank 0's clock decides for all: 2 stops after the timed steps, 1 stops early (too slow to win).
   double verdict = 0;
   if (impl.state->rank() == 0)
     verdict = timed >= steps_ && seconds >= min_seconds_ ? 2 : cut_below_ > 0 && throughput < cut_below_ ? 1 : 0;
+  conclude(impl, verdict, timed, seconds);
+}
+
+void AdviseRecorder::start_window(AcceleratorImpl& impl) {
+  state_at_start_ = static_bytes(impl);
+  memory_meter::reset_peak(impl.device);
+  live_at_start_ = memory_meter::read(impl.device).live;
+  started_ = std::chrono::steady_clock::now();
+}
+
+void AdviseRecorder::conclude(AcceleratorImpl& impl, double verdict, int64_t timed, double seconds) {
+  // Rank 0's clock decides for all: 2 stops after the timed steps, 1 stops early (too slow to win).
   auto flag = at::full({1}, verdict, at::kDouble).to(impl.device);
   impl.world().all_reduce(flag, ReduceOp::MAX);
   verdict = flag.item<double>();
@@ -186,7 +193,7 @@ void AdviseRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
          nlohmann::json{{"parameters", parameters_},
                         {"seconds", seconds},
                         {"steps", timed},
-                        {"samples_per_step", samples},
+                        {"samples_per_step", samples_per_step(impl)},
                         {"cut", verdict == 1},
                         {"attention_calls", cp::detail::entry_calls()},
                         {"static_bytes", measured[0].item<double>()},

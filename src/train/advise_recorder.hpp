@@ -31,6 +31,9 @@ class AdviseRecorder {
 
  private:
   void finish(AcceleratorImpl& impl, const std::string& file, const std::string& text);
+  // Agrees on rank 0's verdict (2: measured, 1: cut, 0: go on); on 1 or 2 writes the result and waits to be stopped.
+  void conclude(AcceleratorImpl& impl, double verdict, int64_t timed, double seconds);
+  void start_window(AcceleratorImpl& impl);  // the clock and the memory peak start here
   std::string dir_;
   int64_t warmup_ = 2, steps_ = 3;
   double min_seconds_ = 0;  // the timed steps go on until this much time has passed (rank 0's clock)

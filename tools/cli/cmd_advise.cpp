@@ -215,16 +215,42 @@ std::string unmet_need(const Candidate& c, const ModelFacts& m) {
 // Two candidates that change the user's launch the same way (bf16 when the launch is bf16 already) run once.
 std::string launch_key(const LaunchRequest& r) {
   std::string key = fmt::format("{}|{}|{}|", r.use_fsdp, r.use_deepspeed, r.mixed_precision.value_or(""));
-  for (const auto& [k, v] : r.fsdp) key += k + "=" + v + ";";
+  for (const auto& [k, v] : r.fsdp)
+    if (!(k == "fsdp_activation_checkpointing" && v == "false")) key += k + "=" + v + ";";  // false: the default
   for (const auto& [k, v] : r.deepspeed) key += k + "=" + v + ";";
   for (const auto& [k, v] : r.parallelism) key += k + "=" + v + ";";
   return key;
+}
+
+// The launch without activation checkpointing, when it has it: the same run but for the recomputation, which can
+// only make it slower (it frees activations, which the memory limit on training state does not count).
+std::optional<LaunchRequest> without_recompute(LaunchRequest r) {
+  const auto at = r.fsdp.find("fsdp_activation_checkpointing");
+  if (at == r.fsdp.end() || at->second != "true") return std::nullopt;
+  r.fsdp.erase(at);
+  return r;
+}
+
+// What decides the bytes a step holds above the training state (activations, autocast copies, gathered units):
+// the precision, recomputation, and how tp, cp or sp split the activations. Strategies of the same kind differ
+// by their gathered units and buckets alone.
+std::string activation_kind(const LaunchRequest& r) {
+  auto value = [](const std::map<std::string, std::string>& m, const std::string& key) {
+    const auto at = m.find(key);
+    return at == m.end() ? std::string("-") : at->second;
+  };
+  const std::string cp = value(r.parallelism, "parallelism_config_cp_size");  // cp and sp split the sequence alike
+  return fmt::format("{}|ac {}|tp {}|sequence / {}", r.mixed_precision.value_or(""),
+                     value(r.fsdp, "fsdp_activation_checkpointing") == "true",
+                     value(r.parallelism, "parallelism_config_tp_size"),
+                     cp != "-" ? cp : value(r.parallelism, "parallelism_config_sp_size"));
 }
 
 struct Row {
   const Candidate* candidate = nullptr;
   double predicted = 0, measured = 0, peak_rss = 0, throughput = 0;
   double peak_tensors = 0;  // measured: the most tensor bytes a rank held during the timed steps
+  double predicted_peak = 0;  // its training state plus what a run of the same activations held above its own
   std::string unit, verdict;
   bool ran = false, cut = false;
 };
@@ -291,6 +317,11 @@ class Advisor {
                     "--fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap <block class>";
       return row;
     }
+    if (const auto base = without_recompute(changed); base && ran_.count(launch_key(*base))) {
+      row.verdict = fmt::format("not tried: {} ran without it; recomputing adds time and changes no training state",
+                                ran_.at(launch_key(*base)));
+      return row;
+    }
     if (Clock::now() > deadline_) {
       row.verdict = "not tried: out of --budget_s";
       return row;
@@ -324,6 +355,8 @@ class Advisor {
     }
     if (result && !facts_->attention) facts_->attention = (*result)["attention_calls"].get<int64_t>() > 0;
     row.predicted = predicted_bytes(c, *facts_, n_);
+    const std::string kind = activation_kind(changed);
+    if (excess_.count(kind)) row.predicted_peak = row.predicted + excess_.at(kind);
     // Stopped at prepare(), or ended (out of memory, say) before the check saw the model's size.
     if (too_big || (!result && row.predicted > limit_)) return cannot_fit(row);
     if (!result) {
@@ -333,6 +366,7 @@ class Advisor {
       return row;
     }
     row.ran = true;
+    ran_.emplace(launch_key(changed), c.name);
     const double seconds = std::max((*result)["seconds"].get<double>(), 1e-9);
     const double samples = (*result)["samples_per_step"];
     const double steps = (*result)["steps"];
@@ -341,6 +375,7 @@ class Advisor {
     row.measured = (*result)["static_bytes"];
     row.peak_rss = (*result)["peak_rss"];
     row.peak_tensors = (*result)["peak_tensor_bytes"];
+    excess_.emplace(kind, row.peak_tensors - row.measured);  // the first run of its kind calibrates the others
     row.cut = (*result)["cut"];
     if (row.measured > limit_) row.verdict = "exceeds the memory per rank (measured)";
     else if (row.cut) row.verdict = fmt::format("slower: stopped after {:.0f} step(s) below {:.2f}x the best", steps, a_.cut_below);
@@ -373,6 +408,8 @@ class Advisor {
   MachineChannel* const channel_;  // several machines: this is machine 0, which tells the others what to launch
   std::optional<ModelFacts> facts_;
   std::map<std::string, std::string> tried_;  // launch key -> the candidate's name
+  std::map<std::string, std::string> ran_;    // the same, of those that measured their steps
+  std::map<std::string, double> excess_;      // activation kind -> peak tensor bytes above the state, measured
   double best_ = 0;                           // the fastest throughput so far
   int runs_ = 0;
   std::string last_failure_;  // of a candidate that did not reach prepare()
@@ -388,22 +425,28 @@ std::vector<const Row*> print_table(const std::vector<Row>& rows, const AdviseOp
     return order(x) != order(y) ? order(x) < order(y) : order(x) < 2 && x->throughput > y->throughput;
   });
   const double best = ranked.empty() || !ranked.front()->ran ? 0 : ranked.front()->throughput;
-  fmt::print("{:<38} {:>14} {:>7} {:>12} {:>12} {:>7} {:>12} {:>11}  {}\n", "strategy", "samples/s", "x best", "predicted",
-             "measured", "error", "peak tensors", "peak RSS", "verdict");
+  auto error = [](double predicted, double measured) {
+    return fmt::format("{:.1f}%", 100.0 * (predicted - measured) / std::max(measured, 1.0));
+  };
+  fmt::print("{:<38} {:>14} {:>7} {:>12} {:>12} {:>7} {:>12} {:>12} {:>7} {:>11}  {}\n", "strategy", "samples/s", "x best",
+             "predicted", "measured", "error", "peak pred.", "peak tensors", "error", "peak RSS", "verdict");
   for (const Row* r : ranked) {
     if (r->ran)
-      fmt::print("{:<38} {:>9.1f}{:<5} {:>7.2f} {:>12} {:>12} {:>6.1f}% {:>12} {:>11}  {}\n", r->candidate->name,
+      fmt::print("{:<38} {:>9.1f}{:<5} {:>7.2f} {:>12} {:>12} {:>7} {:>12} {:>12} {:>7} {:>11}  {}\n", r->candidate->name,
                  r->throughput, r->unit == "samples/s" ? "" : " st/s", r->throughput / best, human(r->predicted),
-                 human(r->measured), 100.0 * (r->predicted - r->measured) / std::max(r->measured, 1.0),
-                 human(r->peak_tensors), human(r->peak_rss), r == ranked.front() && r->verdict == "fits" ? "best" : r->verdict);
+                 human(r->measured), error(r->predicted, r->measured), r->predicted_peak > 0 ? human(r->predicted_peak) : "-",
+                 human(r->peak_tensors), r->predicted_peak > 0 ? error(r->predicted_peak, r->peak_tensors) : "-",
+                 human(r->peak_rss), r == ranked.front() && r->verdict == "fits" ? "best" : r->verdict);
     else
-      fmt::print("{:<38} {:>14} {:>7} {:>12} {:>12} {:>7} {:>12} {:>11}  {}\n", r->candidate->name, "-", "-",
-                 human(r->predicted), "-", "-", "-", "-", r->verdict);
+      fmt::print("{:<38} {:>14} {:>7} {:>12} {:>12} {:>7} {:>12} {:>12} {:>7} {:>11}  {}\n", r->candidate->name, "-", "-",
+                 human(r->predicted), "-", "-", "-", "-", "-", "-", r->verdict);
   }
   fmt::print("(throughput: at least {} timed steps and {} s after {} warm-up, or fewer for one slower than {}x the best "
              "so far; predicted: parameters, gradients and AdamW state by the formulas of xlr8 estimate-memory; "
              "measured: what a rank held after its last step; peak tensors: the most tensor bytes a rank held during "
-             "the timed steps, activations and gathered or communicated buffers included; advise took {:.0f} s)\n",
+             "the timed steps, activations and gathered or communicated buffers included; peak pred.: the predicted "
+             "state plus what the first run of the same precision, recomputation and tp/cp/sp held above its state "
+             "(\"-\": the first of its kind); advise took {:.0f} s)\n",
              a.steps, a.min_seconds, a.warmup, a.cut_below, seconds);
   return ranked;
 }
