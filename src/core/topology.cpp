@@ -111,6 +111,9 @@ std::optional<std::string> scheduler_job_id(const Env& env, const std::string& s
     return "slurm:" + env.get("SLURM_CLUSTER_NAME").value_or("") + ":" + *job + "." +
            env.get("SLURM_STEP_ID").value_or(env.get("SLURM_STEPID").value_or("0"));
   }
+  if (source == "torchrun") {  // torchrun's --rdzv_id, xlr8 launch's run id; "none" is the unnamed default
+    if (auto id = env.get("TORCHELASTIC_RUN_ID"); id && !id->empty() && *id != "none") return "torchelastic:" + *id;
+  }
   if (source == "openmpi" || source == "pmi" || source == "mvapich") {
     for (const char* name : {"OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE", "PMI_JOBID", "MPIRUN_ID"})
       if (auto v = env.get(name); v && !v->empty()) return std::string(name) + ":" + *v;

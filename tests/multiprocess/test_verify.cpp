@@ -325,7 +325,8 @@ TEST(Advise, OnTwoMachinesMachineZeroDecidesForBothHybridShardIsACandidateAndEac
   // Two advise commands form each candidate's 4-rank job ("machines" on loopback, 2 ranks each). 118,528
   // parameters: DDP needs 1.90 MB per rank, HYBRID_SHARD 16 bytes over a machine's 2 ranks: 948 KB; under 1 MB
   // HYBRID_SHARD alone fits, so it wins on both machines whatever the timings.
-  const int port = xlr8::pick_free_port();
+  int port = xlr8::pick_free_port();
+  while (!xlr8::port_is_free(port + 1)) port = xlr8::pick_free_port();  // + 1: the machines' channel
   const Args gpt{kGpt, "--max_steps", "100000", "--n_layer", "2", "--d_model", "64", "--n_head", "4", "--seq_len", "32",
                  "--batch_size", "4", "--output_dir", temp_dir("advise-machines")};
   const Args machines{"--num_processes", "4", "--num_machines", "2", "--main_process_ip", "127.0.0.1",
@@ -375,4 +376,29 @@ TEST(Advise, OnTwoMachinesMachineZeroDecidesForBothHybridShardIsACandidateAndEac
   ASSERT_EQ(j1.exit_code, 0) << j1.out << j1.err;
   EXPECT_NE(j0.out.find("\"num_processes\":4"), std::string::npos) << j0.out;
   EXPECT_NE(j0.out.find("\"state_bytes_per_rank\":948224"), std::string::npos) << j0.out;  // 8 x 118,528
+}
+
+TEST(Advise, OnTwoMachinesWhoseFlagsDifferMachineZeroStopsEachLaunchWithTheDifferenceNamedAndNeitherWaits) {
+  int port = xlr8::pick_free_port();
+  while (!xlr8::port_is_free(port + 1)) port = xlr8::pick_free_port();
+  auto machine = [&](int rank, const Args& own) {
+    Args a{kXlr8, "advise", "--machine_rank", std::to_string(rank), "--num_processes", "4", "--num_machines", "2",
+           "--main_process_ip", "127.0.0.1", "--main_process_port", std::to_string(port), "--budget_s", "60",
+           "--try", "DDP", "--try", "ZeRO-1"};
+    a.insert(a.end(), own.begin(), own.end());
+    Args gpt{kGpt, "--max_steps", "100000", "--n_layer", "1", "--d_model", "32", "--n_head", "2", "--seq_len", "16",
+             "--output_dir", temp_dir("advise-differ")};
+    a.insert(a.end(), gpt.begin(), gpt.end());
+    return a;
+  };
+  Process m0(machine(0, {})), m1(machine(1, {"--gradient_accumulation_steps", "2"}));
+  auto r0 = m0.wait(60), r1 = m1.wait(60);  // each launch ends at once: no rendezvous waits for machine 1's ranks
+  EXPECT_EQ(r0.exit_code, 1) << r0.out << r0.err;
+  EXPECT_EQ(r1.exit_code, 1) << r1.out << r1.err;
+  const std::string differ = "machine 1: its flags differ from machine 0's: ACCELERATE_GRADIENT_ACCUMULATION_STEPS is "
+                             "\"2\" here, \"(unset)\" there";
+  EXPECT_NE(r0.err.find(differ), std::string::npos) << r0.err;
+  EXPECT_NE(r1.err.find("machine 0 stopped: no candidate's program reached Accelerator::prepare(model)"),
+            std::string::npos)
+      << r1.err;
 }

@@ -141,6 +141,9 @@ TEST(SchedulerTopology, PortsStayInTheirRangeAndDependOnTheWholeId) {
   EXPECT_NE(scheduler_job_id(Env({{"SLURM_JOB_ID", "1"}, {"SLURM_STEP_ID", "0"}, {"SLURM_CLUSTER_NAME", "a"}}), "slurm"),
             scheduler_job_id(Env({{"SLURM_JOB_ID", "1"}, {"SLURM_STEP_ID", "0"}, {"SLURM_CLUSTER_NAME", "b"}}), "slurm"));
   EXPECT_FALSE(scheduler_job_id(Env({{"SLURM_JOB_ID", "7"}}), "torchrun"));
+  // torchrun's run id names the job (xlr8 advise gives each candidate's launch its own); "none" names none.
+  EXPECT_EQ(scheduler_job_id(Env({{"TORCHELASTIC_RUN_ID", "advise-3"}}), "torchrun"), "torchelastic:advise-3");
+  EXPECT_FALSE(scheduler_job_id(Env({{"TORCHELASTIC_RUN_ID", "none"}}), "torchrun"));
 }
 
 TEST(SchedulerTopology, NodesFromTheHostsSeenAtRendezvous) {

@@ -332,21 +332,29 @@ class Advisor {
     Measurement m{.warmup = a_.warmup, .steps = a_.steps, .min_seconds = a_.min_seconds, .cut_below = a_.cut_below * best_,
                   .deadline = deadline_};
     bool too_big = false;
-    if (!facts_)
-      m.stop_early = [&]() -> std::string {
-        const auto probe = read_json(dir / "probe.json");
-        if (!probe || predicted_bytes(c, facts_of(*probe), n_) <= limit_) return "";
-        too_big = true;
-        return "the model cannot fit under this strategy";
-      };
+    std::string elsewhere;  // another machine's failure to take part
+    m.stop_early = [&]() -> std::string {
+      if (channel_)
+        if (auto why = channel_->failure_of_last()) return elsewhere = *why;
+      if (facts_) return "";
+      const auto probe = read_json(dir / "probe.json");
+      if (!probe || predicted_bytes(c, facts_of(*probe), n_) <= limit_) return "";
+      too_big = true;
+      return "the model cannot fit under this strategy";
+    };
     std::optional<nlohmann::json> result;
     std::string failure;
-    if (channel_) channel_->post("run:" + c.name);  // the other machines start their part of the launch
+    // The other machines start their part of the launch; they check that their flags give the same one.
+    if (channel_) {
+      channel_->post(fmt::format("run:{}\n{}", c.name, nlohmann::json(settings_to_env(planned.settings)).dump()));
+      planned.run_id = channel_->job_of_last();
+    }
     try {
       result = measure(planned, dir, m, failure);
     } catch (const ConfigError& e) {
       failure = e.what();
     }
+    if (!result && !elsewhere.empty()) failure = elsewhere;
     if (!facts_ && !learn(dir)) {  // it never reached prepare(): the next candidate measures the model
       row.verdict = failure.empty() ? "failed: the program did not reach Accelerator::prepare(model)"
                                     : fmt::format("failed: {}", failure);
@@ -504,17 +512,33 @@ const Candidate* follow(const LaunchRequest& request, const AdviseOptions& a, co
     if (word.starts_with("error:") || word.starts_with("end:")) channel.acknowledge_end();
     if (word.starts_with("error:")) throw Error(fmt::format("xlr8 advise: machine 0 stopped: {}", what));
     if (word.starts_with("end:")) return what.empty() ? nullptr : &named(what);
-    const Candidate& c = named(what);
-    fmt::print(stderr, "xlr8 advise: {}: this machine's ranks\n", c.name);
-    // Machine 0's rank 0 times the steps and decides when they stop; a deadline here only ends a launch that
-    // machine 0 left behind.
+    const std::string name = what.substr(0, what.find('\n'));
+    fmt::print(stderr, "xlr8 advise: {}: this machine's ranks\n", name);
+    // Machine 0's rank 0 times the steps and decides when they stop; this machine's part ends with them, or as
+    // soon as machine 0 has moved on (its part ended otherwise: stopped early, failed, out of time).
     Measurement m{.warmup = a.warmup, .steps = a.steps, .min_seconds = a.min_seconds,
-                  .deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(a.budget_s * 1000))};
+                  .deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(a.budget_s * 1000)),
+                  .stop_early = [&]() -> std::string { return channel.next_is_posted() ? "machine 0 moved on" : ""; }};
     std::string failure;
     try {
-      measure(plan_launch(with_candidate(request, c)), scratch.path() / fmt::format("c{}", runs), m, failure);
-    } catch (const ConfigError&) {  // as on machine 0, which reports it
+      LaunchOptions planned = plan_launch(with_candidate(request, named(name)));
+      // Machine 0's settings for this launch, as the variables its workers get: every machine's must agree.
+      const auto theirs = nlohmann::json::parse(what.substr(std::min(what.size(), name.size() + 1)));
+      const nlohmann::json ours = settings_to_env(planned.settings);
+      for (const auto* side : {&ours, &theirs})
+        for (const auto& item : side->items())
+          if (ours.value(item.key(), std::string("(unset)")) != theirs.value(item.key(), std::string("(unset)")))
+            throw Error(fmt::format("its flags differ from machine 0's: {} is {:?} here, {:?} there; give every "
+                                    "machine the same flags",
+                                    item.key(), ours.value(item.key(), std::string("(unset)")),
+                                    theirs.value(item.key(), std::string("(unset)"))));
+      planned.run_id = channel.job_of_last();
+      measure(planned, scratch.path() / fmt::format("c{}", runs), m, failure);
+    } catch (const std::exception& e) {
+      failure = e.what();
     }
+    if (!failure.empty() && !channel.next_is_posted())  // machine 0 stops its part rather than wait for this one's
+      channel.report_failure(fmt::format("machine {}: {}", base.machine_rank, text::first_line(failure)));
   }
 }
 

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -29,6 +30,8 @@ class MachineChannel {
   }
 
   bool leader() const { return leader_; }
+  // A name for the launch of the last word, the same on every machine: the rendezvous refuses a rank of another.
+  std::string job_of_last() const { return fmt::format("xlr8-advise-{}-{}", port_, count_ - 1); }
 
   // Machine 0: the next decision ("run:<candidate>", "end:<winner or empty>", "error:<why>").
   void post(const std::string& word) {
@@ -45,6 +48,21 @@ class MachineChannel {
                               "why (it decides, the other machines follow)",
                               host_, port_, timeout_.count() / 1000, text_of(e)));
     }
+  }
+
+  // True once machine 0 has posted the word after the last one read: it has left the launch that word started.
+  bool next_is_posted() { return store_->check({fmt::format("advise/{}", count_)}); }
+
+  // Another machine could not take part in the launch of the last word (its launch failed, or its flags differ):
+  // machine 0 stops that launch rather than wait for ranks that will not come.
+  void report_failure(const std::string& why) {
+    store_->set(fmt::format("advise/failed/{}", count_ - 1), std::vector<uint8_t>(why.begin(), why.end()));
+  }
+  std::optional<std::string> failure_of_last() {
+    const std::string key = fmt::format("advise/failed/{}", count_ - 1);
+    if (count_ == 0 || !store_->check({key})) return std::nullopt;
+    const auto bytes = store_->get(key);
+    return std::string(bytes.begin(), bytes.end());
   }
 
   // Machine 0, last: posts its final word and waits (a minute at most) until every other machine has read it,
