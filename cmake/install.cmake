@@ -8,6 +8,7 @@ install(TARGETS xlr8 xlr8_base EXPORT xlr8Targets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
 install(TARGETS xlr8_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+install(TARGETS xlr8_full RUNTIME DESTINATION ${CMAKE_INSTALL_LIBEXECDIR}/xlr8)  # found by xlr8 through ../libexec/xlr8
 # Only include/xlr8 is public; src/ headers stay private.
 install(DIRECTORY include/xlr8 DESTINATION ${CMAKE_INSTALL_INCLUDEDIR} FILES_MATCHING PATTERN "*.hpp")
 install(FILES examples/slurm/train.sbatch DESTINATION ${CMAKE_INSTALL_DOCDIR}/examples)

@@ -26,7 +26,7 @@ for p in libtorch-dev libgloo-dev libyaml-cpp-dev nlohmann-json3-dev libfmt-dev 
   grep -qw "$p" <<<"$depends" || { echo "FAIL: Depends lacks $p"; exit 1; }
 done
 contents=$(dpkg-deb -c "$deb")
-for f in ./usr/bin/xlr8 ./usr/include/xlr8/accelerator.hpp ./usr/lib/cmake/xlr8/xlr8Config.cmake \
+for f in ./usr/bin/xlr8 ./usr/libexec/xlr8/xlr8-full ./usr/include/xlr8/accelerator.hpp ./usr/lib/cmake/xlr8/xlr8Config.cmake \
          ./usr/lib/cmake/xlr8/xlr8Targets.cmake; do
   grep -q " $f\$" <<<"$contents" || { echo "FAIL: $f not in the package"; exit 1; }
 done

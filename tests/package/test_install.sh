@@ -10,7 +10,7 @@ trap 'rm -rf "$tmp"' EXIT
 
 cmake --install "$build" --prefix "$tmp/prefix" >/dev/null
 prefix=$tmp/prefix
-for f in bin/xlr8 include/xlr8/accelerator.hpp include/xlr8/xlr8.hpp; do
+for f in bin/xlr8 libexec/xlr8/xlr8-full include/xlr8/accelerator.hpp include/xlr8/xlr8.hpp; do
   [ -e "$prefix/$f" ] || { echo "FAIL: $f not installed"; exit 1; }
 done
 config=$(find "$prefix" -name xlr8Config.cmake)

@@ -1,68 +1,11 @@
-// xlr8: launch, config, env, test, merge-weights, estimate-memory, plot, trace.
-#include <fmt/format.h>
-
-#include <algorithm>
-#include <string>
-#include <vector>
-
-#include "cli/commands.hpp"
-#include "core/text.hpp"
-#include "xlr8/error.hpp"
+// xlr8-full: every command (launch, verify, advise, config, env, test, merge-weights, estimate-memory, plot,
+// trace). `xlr8` itself (main_launcher.cpp) runs launch and trace without loading LibTorch and hands the
+// others to this program.
+#include "cli/cli_main.hpp"
 
 int main(int argc, char** argv) {
-  CLI::App app{"xlr8: distributed training for LibTorch", "xlr8"};
-  app.require_subcommand(1);
-  app.set_version_flag("--version", std::string("xlr8 ") + XLR8_VERSION);
-  std::vector<std::pair<CLI::App*, xlr8::cli::Handler>> handlers;
-  auto reg = [&](xlr8::cli::Handler (*add)(CLI::App&)) {
-    size_t before = app.get_subcommands(nullptr).size();
-    auto handler = add(app);
-    handlers.emplace_back(app.get_subcommands(nullptr)[before], handler);
-  };
-  reg(xlr8::cli::add_launch);
-  reg(xlr8::cli::add_verify);
-  reg(xlr8::cli::add_advise);
-  reg(xlr8::cli::add_config);
-  reg(xlr8::cli::add_env);
-  reg(xlr8::cli::add_test);
-  reg(xlr8::cli::add_merge_weights);
-  reg(xlr8::cli::add_estimate_memory);
-  reg(xlr8::cli::add_plot);
-  reg(xlr8::cli::add_trace);
-  reg(xlr8::cli::add_selftest_worker);
-  try {
-    std::vector<std::string> args(argv + 1, argv + argc);
-    if (!args.empty() && !args[0].empty() && args[0][0] != '-') {  // a mistyped subcommand gets a suggestion
-      std::vector<std::string> names;
-      for (const auto* sub : app.get_subcommands(nullptr)) names.push_back(sub->get_name());
-      if (std::find(names.begin(), names.end(), args[0]) == names.end()) {
-        fmt::print(stderr, "xlr8: error: {:?} is not a command{}; the commands are {}\n", args[0],
-                   xlr8::text::suggestion(args[0], names), xlr8::text::join(names));
-        return 2;
-      }
-    }
-    if (!args.empty() && (args[0] == "launch" || args[0] == "verify" || args[0] == "advise")) {
-      auto rest = xlr8::cli::normalize_launch_args(*app.get_subcommand(args[0]), {args.begin() + 1, args.end()});
-      args.resize(1);
-      args.insert(args.end(), rest.begin(), rest.end());
-    }
-    std::reverse(args.begin(), args.end());  // CLI11 takes a vector last word first
-    app.parse(args);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  } catch (const xlr8::Error& e) {
-    fmt::print(stderr, "xlr8: error: {}\n", e.what());
-    return 1;
-  }
-  try {
-    for (auto& [sub, handler] : handlers)
-      if (sub->parsed()) return handler();
-  } catch (const xlr8::Error& e) {
-    fmt::print(stderr, "xlr8: error: {}\n", e.what());
-    return 1;
-  } catch (const std::exception& e) {
-    fmt::print(stderr, "xlr8: unexpected error: {}\n", e.what());
-    return 1;
-  }
-  return 0;
+  using namespace xlr8::cli;
+  return run_cli(argc, argv,
+                 {add_launch, add_verify, add_advise, add_config, add_env, add_test, add_merge_weights,
+                  add_estimate_memory, add_plot, add_trace, add_selftest_worker});
 }

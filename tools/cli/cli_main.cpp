@@ -1,0 +1,63 @@
+// The `xlr8` command line over a set of subcommands (cli_main.hpp).
+#include "cli/cli_main.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "core/text.hpp"
+#include "xlr8/error.hpp"
+
+namespace xlr8::cli {
+
+int run_cli(int argc, char** argv, const std::vector<AddCommand>& commands) {
+  CLI::App app{"xlr8: distributed training for LibTorch", "xlr8"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("xlr8 ") + XLR8_VERSION);
+  std::vector<std::pair<CLI::App*, Handler>> handlers;
+  auto reg = [&](AddCommand add) {
+    size_t before = app.get_subcommands(nullptr).size();
+    auto handler = add(app);
+    handlers.emplace_back(app.get_subcommands(nullptr)[before], handler);
+  };
+  for (auto add : commands) reg(add);
+  try {
+    std::vector<std::string> args(argv + 1, argv + argc);
+    if (!args.empty() && !args[0].empty() && args[0][0] != '-') {  // a mistyped subcommand gets a suggestion
+      std::vector<std::string> names;
+      for (const auto* sub : app.get_subcommands(nullptr)) names.push_back(sub->get_name());
+      if (std::find(names.begin(), names.end(), args[0]) == names.end()) {
+        fmt::print(stderr, "xlr8: error: {:?} is not a command{}; the commands are {}\n", args[0],
+                   text::suggestion(args[0], names), text::join(names));
+        return 2;
+      }
+    }
+    if (!args.empty() && (args[0] == "launch" || args[0] == "verify" || args[0] == "advise")) {
+      auto rest = normalize_launch_args(*app.get_subcommand(args[0]), {args.begin() + 1, args.end()});
+      args.resize(1);
+      args.insert(args.end(), rest.begin(), rest.end());
+    }
+    std::reverse(args.begin(), args.end());  // CLI11 takes a vector last word first
+    app.parse(args);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const Error& e) {
+    fmt::print(stderr, "xlr8: error: {}\n", e.what());
+    return 1;
+  }
+  try {
+    for (auto& [sub, handler] : handlers)
+      if (sub->parsed()) return handler();
+  } catch (const Error& e) {
+    fmt::print(stderr, "xlr8: error: {}\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "xlr8: unexpected error: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace xlr8::cli
