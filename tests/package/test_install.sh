@@ -22,5 +22,9 @@ diff <(cd "$source/include/xlr8" && ls) <(cd "$prefix/include/xlr8" && ls) || { 
 if grep -rl -e "$source" -e "$build" "$(dirname "$config")"; then echo "FAIL: build paths leak"; exit 1; fi
 
 "$prefix/bin/xlr8" --version
+# Through a link elsewhere (as a PATH entry would be), the commands handed to libexec's xlr8-full still run.
+ln -s "$prefix/bin/xlr8" "$tmp/xlr8-link"
+"$tmp/xlr8-link" --version | grep -q "^xlr8 " || { echo "FAIL: --version through a link"; exit 1; }
+"$tmp/xlr8-link" estimate-memory --params 1000 >/dev/null || { echo "FAIL: estimate-memory through a link"; exit 1; }
 build_and_run_downstream "$source" "$tmp/app" "$prefix/bin/xlr8" "$prefix"
 echo "PASS"
