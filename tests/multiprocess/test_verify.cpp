@@ -37,6 +37,13 @@ std::string table_row(const std::string& out, const std::string& name) {
   return at == std::string::npos ? std::string() : out.substr(at + 1, out.find('\n', at + 1) - at - 1);
 }
 
+// A main process port for advise on several machines: free, and so is the next one (the machines' channel).
+int advise_port() {
+  int port = xlr8::pick_free_port();
+  while (!xlr8::port_is_free(port + 1)) port = xlr8::pick_free_port();
+  return port;
+}
+
 bool passed(const ProcessResult& r) { return r.exit_code == 0 && r.out.find("xlr8 verify: PASS") != std::string::npos; }
 
 }  // namespace
@@ -325,8 +332,7 @@ TEST(Advise, OnTwoMachinesMachineZeroDecidesForBothHybridShardIsACandidateAndEac
   // Two advise commands form each candidate's 4-rank job ("machines" on loopback, 2 ranks each). 118,528
   // parameters: DDP needs 1.90 MB per rank, HYBRID_SHARD 16 bytes over a machine's 2 ranks: 948 KB; under 1 MB
   // HYBRID_SHARD alone fits, so it wins on both machines whatever the timings.
-  int port = xlr8::pick_free_port();
-  while (!xlr8::port_is_free(port + 1)) port = xlr8::pick_free_port();  // + 1: the machines' channel
+  const int port = advise_port();
   const Args gpt{kGpt, "--max_steps", "100000", "--n_layer", "2", "--d_model", "64", "--n_head", "4", "--seq_len", "32",
                  "--batch_size", "4", "--output_dir", temp_dir("advise-machines")};
   const Args machines{"--num_processes", "4", "--num_machines", "2", "--main_process_ip", "127.0.0.1",
@@ -379,8 +385,7 @@ TEST(Advise, OnTwoMachinesMachineZeroDecidesForBothHybridShardIsACandidateAndEac
 }
 
 TEST(Advise, OnTwoMachinesWhoseFlagsDifferMachineZeroStopsEachLaunchWithTheDifferenceNamedAndNeitherWaits) {
-  int port = xlr8::pick_free_port();
-  while (!xlr8::port_is_free(port + 1)) port = xlr8::pick_free_port();
+  const int port = advise_port();
   auto machine = [&](int rank, const Args& own) {
     Args a{kXlr8, "advise", "--machine_rank", std::to_string(rank), "--num_processes", "4", "--num_machines", "2",
            "--main_process_ip", "127.0.0.1", "--main_process_port", std::to_string(port), "--budget_s", "60",

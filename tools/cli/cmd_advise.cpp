@@ -15,6 +15,7 @@
 #include <optional>
 
 #include "checkpoint/hf_export.hpp"
+#include "cli/advise_candidates.hpp"
 #include "cli/commands.hpp"
 #include "cli/machine_channel.hpp"
 #include "cli/memory_formulas.hpp"
@@ -39,95 +40,6 @@ struct AdviseOptions {
   std::vector<std::string> only;  // --try: these candidates alone
   std::string output;
 };
-
-// One strategy to try: the flags it adds to the user's launch, and its static-memory formula.
-struct Candidate {
-  std::string name, formula;  // formula: ddp, zero1, zero2, zero3 (memory_formulas.hpp)
-  bool use_fsdp = false, use_deepspeed = false;
-  std::map<std::string, std::string> fsdp, deepspeed;
-  std::string mixed_precision;  // empty: the launch's
-  std::map<std::string, std::string> parallelism;  // the mesh (parallelism_config keys); empty: none
-  int tp = 1;                    // > 1: AutoTP must split the model (the first run tells)
-  bool needs_attention = false;  // cp / sp: the model's attention must go through xlr8::attention
-  int formula_ranks = 0;         // the ranks the formula shares state over (0: all)
-};
-
-// Tensor, context and sequence parallelism of 2 on n ranks (n even): the rest of the ranks data-parallel.
-std::vector<Candidate> mesh_candidates(int n, const std::map<std::string, std::string>& full_shard) {
-  if (n % 2 != 0) return {};
-  const std::string rest = std::to_string(n / 2);
-  auto mesh = [&](std::map<std::string, std::string> m, const std::string& dp_key) {
-    if (n > 2) m[dp_key] = rest;
-    return m;
-  };
-  std::vector<Candidate> out{
-      {.name = "tp 2, bf16", .formula = "ddp", .mixed_precision = "bf16",
-       .parallelism = mesh({{"parallelism_config_tp_size", "2"}}, "parallelism_config_dp_replicate_size"), .tp = 2},
-      {.name = "cp 2 (ring), FULL_SHARD, bf16", .formula = "zero3", .use_fsdp = true, .fsdp = full_shard,
-       .mixed_precision = "bf16",
-       .parallelism = mesh({{"parallelism_config_cp_size", "2"}, {"parallelism_config_cp_comm_strategy", "alltoall"}},
-                           "parallelism_config_dp_shard_size"),
-       .needs_attention = true},
-      {.name = "sp 2 (Ulysses), FULL_SHARD, bf16", .formula = "zero3", .use_fsdp = true, .fsdp = full_shard,
-       .mixed_precision = "bf16",
-       .parallelism = mesh({{"parallelism_config_sp_size", "2"}}, "parallelism_config_dp_shard_size"),
-       .needs_attention = true}};
-  if (n >= 4)
-    out.insert(out.begin() + 1, Candidate{.name = "FULL_SHARD x tp 2, bf16", .formula = "zero3", .use_fsdp = true,
-                                          .fsdp = full_shard, .mixed_precision = "bf16",
-                                          .parallelism = mesh({{"parallelism_config_tp_size", "2"}},
-                                                              "parallelism_config_dp_shard_size"),
-                                          .tp = 2, .formula_ranks = n / 2});
-  return out;
-}
-
-// n processes over `machines` machines: HYBRID_SHARD (sharded inside a machine, replicated across) once there
-// are several.
-std::vector<Candidate> candidates(int n, int machines) {
-  const std::map<std::string, std::string> full{{"fsdp_sharding_strategy", "FULL_SHARD"},
-                                                {"fsdp_backward_prefetch", "NO_PREFETCH"}};
-  auto with = [&](std::map<std::string, std::string> extra) {
-    auto m = full;
-    for (auto& [k, v] : extra) m[k] = v;
-    return m;
-  };
-  // The least memory-hungry first: its prepare() tells the model's size, which prunes the rest; the ones
-  // likely fastest next, so that a slower candidate is stopped early (--cut_below).
-  std::vector<Candidate> all{
-      {.name = "FULL_SHARD, bf16", .formula = "zero3", .use_fsdp = true, .fsdp = full, .mixed_precision = "bf16"},
-      {.name = "DDP, bf16", .formula = "ddp", .mixed_precision = "bf16"},
-      {.name = "HYBRID_SHARD, bf16", .formula = "zero3", .use_fsdp = true,
-       .fsdp = with({{"fsdp_sharding_strategy", "HYBRID_SHARD"}}), .mixed_precision = "bf16",
-       .formula_ranks = n / machines},
-      {.name = "DDP", .formula = "ddp"},
-      {.name = "ZeRO-1", .formula = "zero1", .use_deepspeed = true, .deepspeed = {{"zero_stage", "1"}}},
-      {.name = "SHARD_GRAD_OP (ZeRO-2)", .formula = "zero2", .use_fsdp = true,
-       .fsdp = {{"fsdp_sharding_strategy", "SHARD_GRAD_OP"}}},
-      {.name = "FULL_SHARD (ZeRO-3)", .formula = "zero3", .use_fsdp = true, .fsdp = full},
-      {.name = "HYBRID_SHARD", .formula = "zero3", .use_fsdp = true, .fsdp = with({{"fsdp_sharding_strategy", "HYBRID_SHARD"}}),
-       .formula_ranks = n / machines},
-      {.name = "FULL_SHARD, prefetch", .formula = "zero3", .use_fsdp = true,
-       .fsdp = with({{"fsdp_backward_prefetch", "BACKWARD_PRE"}, {"fsdp_forward_prefetch", "true"}})},
-      {.name = "FULL_SHARD, activation checkpointing", .formula = "zero3", .use_fsdp = true,
-       .fsdp = with({{"fsdp_activation_checkpointing", "true"}})},
-  };
-  if (machines == 1) std::erase_if(all, [](const Candidate& c) { return c.name.starts_with("HYBRID_SHARD"); });
-  for (auto& c : mesh_candidates(n, full)) all.push_back(std::move(c));
-  return all;
-}
-
-// The user's launch under the candidate: their FSDP keys (wrap policy, block class) stay unless it sets them.
-LaunchRequest with_candidate(LaunchRequest r, const Candidate& c) {
-  r.use_fsdp = c.use_fsdp;
-  r.use_deepspeed = c.use_deepspeed;
-  for (const auto& [k, v] : c.fsdp) r.fsdp[k] = v;
-  if (!c.use_fsdp) r.fsdp.clear();
-  r.deepspeed = c.deepspeed;
-  r.parallelism = c.parallelism;
-  if (!c.mixed_precision.empty()) r.mixed_precision = c.mixed_precision;
-  r.max_restarts = 0;
-  return r;
-}
 
 double available_memory_bytes() {
   std::ifstream meminfo("/proc/meminfo");
@@ -210,40 +122,6 @@ std::string unmet_need(const Candidate& c, const ModelFacts& m) {
   if (c.needs_attention && m.attention == false)
     return "not tried: the model's attention does not call xlr8::attention, which context and sequence parallelism need";
   return "";
-}
-
-// Two candidates that change the user's launch the same way (bf16 when the launch is bf16 already) run once.
-std::string launch_key(const LaunchRequest& r) {
-  std::string key = fmt::format("{}|{}|{}|", r.use_fsdp, r.use_deepspeed, r.mixed_precision.value_or(""));
-  for (const auto& [k, v] : r.fsdp)
-    if (!(k == "fsdp_activation_checkpointing" && v == "false")) key += k + "=" + v + ";";  // false: the default
-  for (const auto& [k, v] : r.deepspeed) key += k + "=" + v + ";";
-  for (const auto& [k, v] : r.parallelism) key += k + "=" + v + ";";
-  return key;
-}
-
-// The launch without activation checkpointing, when it has it: the same run but for the recomputation, which can
-// only make it slower (it frees activations, which the memory limit on training state does not count).
-std::optional<LaunchRequest> without_recompute(LaunchRequest r) {
-  const auto at = r.fsdp.find("fsdp_activation_checkpointing");
-  if (at == r.fsdp.end() || at->second != "true") return std::nullopt;
-  r.fsdp.erase(at);
-  return r;
-}
-
-// What decides the bytes a step holds above the training state (activations, autocast copies, gathered units):
-// the precision, recomputation, and how tp, cp or sp split the activations. Strategies of the same kind differ
-// by their gathered units and buckets alone.
-std::string activation_kind(const LaunchRequest& r) {
-  auto value = [](const std::map<std::string, std::string>& m, const std::string& key) {
-    const auto at = m.find(key);
-    return at == m.end() ? std::string("-") : at->second;
-  };
-  const std::string cp = value(r.parallelism, "parallelism_config_cp_size");  // cp and sp split the sequence alike
-  return fmt::format("{}|ac {}|tp {}|sequence / {}", r.mixed_precision.value_or(""),
-                     value(r.fsdp, "fsdp_activation_checkpointing") == "true",
-                     value(r.parallelism, "parallelism_config_tp_size"),
-                     cp != "-" ? cp : value(r.parallelism, "parallelism_config_sp_size"));
 }
 
 struct Row {
