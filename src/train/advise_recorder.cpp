@@ -14,6 +14,7 @@
 
 #include "checkpoint/files.hpp"
 #include "checkpoint/optimizer_state.hpp"
+#include "distributed/collective_timing.hpp"
 #include "parallel/cp_ring.hpp"
 #include "parallel/tp_layer_kinds.hpp"
 #include "train/accelerator_impl.hpp"
@@ -156,29 +157,43 @@ void AdviseRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module
   if (impl.state->local_rank() == 0) files::write_durably(fmt::format("{}/probe.json", dir_), probe);
 }
 
+void AdviseRecorder::before_optimizer_step() {
+  optimizer_began_ = std::chrono::steady_clock::now();
+  optimizer_wait_began_ = collective_wait_ns();
+}
+
 void AdviseRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
   if (steps_ == 0 || measured_) return;
   const auto now = std::chrono::steady_clock::now();
+  const int64_t waited_now = collective_wait_ns();
   if (step == warmup_) start_window(impl);
   if (step <= warmup_) return;
+  optimizer_seconds_ += std::chrono::duration<double>(now - optimizer_began_).count();
+  optimizer_waited_ns_ += waited_now - optimizer_wait_began_;
   const int64_t timed = step - warmup_;
   const double seconds = std::chrono::duration<double>(now - started_).count();
+  const double waited_outside = static_cast<double>(waited_now - waited_at_start_ - optimizer_waited_ns_) / 1e9;
+  const double compute_seconds = std::max(0.0, seconds - optimizer_seconds_ - waited_outside);
   const double samples = samples_per_step(impl);
   const double throughput = (samples > 0 ? samples : 1.0) * static_cast<double>(timed) / std::max(seconds, 1e-9);
   double verdict = 0;
   if (impl.state->rank() == 0)
     verdict = timed >= steps_ && seconds >= min_seconds_ ? 2 : cut_below_ > 0 && throughput < cut_below_ ? 1 : 0;
-  conclude(impl, verdict, timed, seconds);
+  conclude(impl, verdict, timed, seconds, compute_seconds);
 }
 
 void AdviseRecorder::start_window(AcceleratorImpl& impl) {
   state_at_start_ = static_bytes(impl);
   memory_meter::reset_peak(impl.device);
   live_at_start_ = memory_meter::read(impl.device).live;
+  waited_at_start_ = collective_wait_ns();
+  optimizer_waited_ns_ = 0;
+  optimizer_seconds_ = 0;
   started_ = std::chrono::steady_clock::now();
 }
 
-void AdviseRecorder::conclude(AcceleratorImpl& impl, double verdict, int64_t timed, double seconds) {
+void AdviseRecorder::conclude(AcceleratorImpl& impl, double verdict, int64_t timed, double seconds,
+                              double compute_seconds) {
   // Rank 0's clock decides for all: 2 stops after the timed steps, 1 stops early (too slow to win).
   auto flag = at::full({1}, verdict, at::kDouble).to(impl.device);
   impl.world().all_reduce(flag, ReduceOp::MAX);
@@ -186,7 +201,9 @@ void AdviseRecorder::conclude(AcceleratorImpl& impl, double verdict, int64_t tim
   if (verdict == 0) return;
   measured_ = true;
   const double peak_tensors = state_at_start_ + static_cast<double>(memory_meter::read(impl.device).peak - live_at_start_);
-  auto measured = at::tensor({static_bytes(impl), peak_rss_bytes(), peak_tensors}, at::kDouble).to(impl.device);
+  // One MAX over the world; the compute time negated, so that it comes back as the smallest.
+  auto measured =
+      at::tensor({static_bytes(impl), peak_rss_bytes(), peak_tensors, -compute_seconds}, at::kDouble).to(impl.device);
   impl.world().all_reduce(measured, ReduceOp::MAX);
   measured = measured.cpu();
   finish(impl, "result.json",
@@ -198,7 +215,8 @@ void AdviseRecorder::conclude(AcceleratorImpl& impl, double verdict, int64_t tim
                         {"attention_calls", cp::detail::entry_calls()},
                         {"static_bytes", measured[0].item<double>()},
                         {"peak_rss", measured[1].item<double>()},
-                        {"peak_tensor_bytes", measured[2].item<double>()}}
+                        {"peak_tensor_bytes", measured[2].item<double>()},
+                        {"compute_seconds", -measured[3].item<double>()}}
              .dump());
 }
 

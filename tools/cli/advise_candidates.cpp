@@ -120,4 +120,11 @@ std::string activation_kind(const LaunchRequest& r) {
                      cp != "-" ? cp : value(r.parallelism, "parallelism_config_sp_size"));
 }
 
+std::string compute_kind(const LaunchRequest& r) {
+  const auto ac = r.fsdp.find("fsdp_activation_checkpointing");
+  std::string kind = fmt::format("{}|ac {}|", r.mixed_precision.value_or(""), ac != r.fsdp.end() && ac->second == "true");
+  for (const auto& [k, v] : r.parallelism) kind += k + "=" + v + ";";
+  return kind;
+}
+
 }  // namespace xlr8::cli

@@ -31,5 +31,8 @@ std::string launch_key(const LaunchRequest& r);
 std::optional<LaunchRequest> without_recompute(LaunchRequest r);
 // What decides the bytes a step holds above the training state: precision, recomputation, tp/cp/sp split.
 std::string activation_kind(const LaunchRequest& r);
+// What decides a step's forward and backward arithmetic: precision, recomputation and the whole mesh (the
+// strategies of one compute kind differ by their communication and how much optimizer state each rank steps).
+std::string compute_kind(const LaunchRequest& r);
 
 }  // namespace xlr8::cli

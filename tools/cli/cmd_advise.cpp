@@ -124,6 +124,10 @@ std::string unmet_need(const Candidate& c, const ModelFacts& m) {
   return "";
 }
 
+// A bound from one run allows the others of its kind this much less arithmetic time: its communication may have
+// slowed the arithmetic it overlapped (on a CPU, copies and reductions share the cores).
+constexpr double kComputeMargin = 0.85;
+
 struct Row {
   const Candidate* candidate = nullptr;
   double predicted = 0, measured = 0, peak_rss = 0, throughput = 0;
@@ -200,6 +204,12 @@ class Advisor {
                                 ran_.at(launch_key(*base)));
       return row;
     }
+    if (const Bound* bound = bound_of(changed); bound && bound->throughput < a_.cut_below * best_) {
+      row.verdict = fmt::format("not tried: at most {:.1f} {} (the forward and backward of {}, measured without its "
+                                "communication and optimizer steps) is below {:.2f}x the best",
+                                bound->throughput, bound->unit, bound->from, a_.cut_below);
+      return row;
+    }
     if (Clock::now() > deadline_) {
       row.verdict = "not tried: out of --budget_s";
       return row;
@@ -262,6 +272,11 @@ class Advisor {
     row.peak_rss = (*result)["peak_rss"];
     row.peak_tensors = (*result)["peak_tensor_bytes"];
     excess_.emplace(kind, row.peak_tensors - row.measured);  // the first run of its kind calibrates the others
+    if (const double compute = result->value("compute_seconds", 0.0); compute > 0) {
+      auto& bound = bounds_[compute_kind(changed)];
+      const double most = row.throughput * seconds / (kComputeMargin * compute);
+      if (most > bound.throughput) bound = {most, row.unit, c.name};
+    }
     row.cut = (*result)["cut"];
     if (row.measured > limit_) row.verdict = "exceeds the memory per rank (measured)";
     else if (row.cut) row.verdict = fmt::format("slower: stopped after {:.0f} step(s) below {:.2f}x the best", steps, a_.cut_below);
@@ -273,6 +288,16 @@ class Advisor {
   Row& cannot_fit(Row& row) {
     row.verdict = fmt::format("cannot fit: needs {} per rank for parameters, gradients and AdamW state", human(row.predicted));
     return row;
+  }
+
+  struct Bound;
+  // The bound a run of the launch's compute kind gave, or of the same without recomputation (which only adds
+  // arithmetic); nullptr when none ran.
+  const Bound* bound_of(const LaunchRequest& launch) const {
+    for (const auto& kind : {std::optional(launch), without_recompute(launch)})
+      if (kind)
+        if (const auto at = bounds_.find(compute_kind(*kind)); at != bounds_.end()) return &at->second;
+    return nullptr;
   }
 
   // The model's facts from the run in `dir`; false when it wrote none.
@@ -296,6 +321,13 @@ class Advisor {
   std::map<std::string, std::string> tried_;  // launch key -> the candidate's name
   std::map<std::string, std::string> ran_;    // the same, of those that measured their steps
   std::map<std::string, double> excess_;      // activation kind -> peak tensor bytes above the state, measured
+  // The most a strategy of a compute kind can do: a run of that kind's throughput had its steps been its forward
+  // and backward alone (communication and optimizer steps are what the strategies of one kind change).
+  struct Bound {
+    double throughput = 0;
+    std::string unit, from;
+  };
+  std::map<std::string, Bound> bounds_;  // compute kind -> the loosest bound its runs gave
   double best_ = 0;                           // the fastest throughput so far
   int runs_ = 0;
   std::string last_failure_;  // of a candidate that did not reach prepare()
@@ -474,8 +506,10 @@ Handler add_advise(CLI::App& app) {
   cmd->add_option("--steps", a->steps, "Timed optimizer steps per strategy, at least (default 3)");
   cmd->add_option("--min_seconds", a->min_seconds, "...and at least this long (default 2)");
   cmd->add_option("--cut_below", a->cut_below,
-                  "Stop a candidate early once its throughput is below this fraction of the best so far (default 0.7; "
-                  "0: every candidate runs its full measurement)");
+                  "Stop a candidate early once its throughput is below this fraction of the best so far, and do not "
+                  "launch one that the first run of the same precision, recomputation and mesh shows cannot reach it "
+                  "(its forward and backward alone, measured, would be slower) (default 0.7; 0: every candidate runs "
+                  "its full measurement)");
   cmd->add_option("--try", a->only, "Try only this candidate, by its name in the table (repeat for several)")
       ->allow_extra_args(false)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
