@@ -87,9 +87,14 @@ Work composite(CommState& s, std::string description, std::function<void()> body
   st->trace_id = record_in_flight_recorder(s, description);
   st->what = description;
   st->timeout = s.timeout;
-  st->future = s.run_composite([body = std::move(body), description, timeout = s.timeout] {
+  st->future = s.run_composite([body = std::move(body), description, timeout = s.timeout]() mutable {
+    // The tensors the body holds go when it returns, before the waiter wakes. A std::packaged_task keeps its
+    // callable in the state its futures share, so they went with whichever thread let go of that state last:
+    // often this one, after the waiter woke and sometimes milliseconds later (a DDP bucket's fresh gradients
+    // were then still alive when the optimizer step ended, and peaks measured from there came out short).
+    const auto run = std::move(body);
     try {
-      body();
+      run();
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
