@@ -2,14 +2,20 @@
 # xlr8 advise against an exhaustive sweep (issue 27), on the GPT example, 2 processes: the strategy advise
 # picks and the time it takes, then every candidate run for STEPS full steps (tokens/s from the example's own
 # JSON), so the advised one's throughput can be read against the sweep's best, and advise's time against
-# the sweep's. SIZE: "small" (DDP fits: no memory limit) or "large" (--max_memory_per_rank below DDP's need).
-# Usage: [STEPS=30] [SIZE=small|large] bench/advise.sh [build-dir]
+# the sweep's. SIZE: "small" (3.2 M parameters, DDP fits: no memory limit), "large" (the same model,
+# --max_memory_per_rank below DDP's, ZeRO-1's and ZeRO-2's need) or "big" (25.4 M parameters, 8 layers x 512, a
+# limit only FULL_SHARD and the meshes over it meet).
+# Usage: [STEPS=30] [SIZE=small|large|big] bench/advise.sh [build-dir]
 set -eu
 . "$(dirname "$0")/common.sh"
 STEPS=${STEPS:-30}; SIZE=${SIZE:-small}
-GPT="$G --n_layer 4 --d_model 256 --n_head 4 --seq_len 64 --batch_size 8 --output_dir $OUT/run"
+MODEL="--n_layer 4 --d_model 256 --n_head 4"
+[ "$SIZE" = big ] && MODEL="--n_layer 8 --d_model 512 --n_head 8"
+GPT="$G $MODEL --seq_len 64 --batch_size 8 --output_dir $OUT/run"
 WRAP="--fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap BlockImpl"
-LIMIT=""; [ "$SIZE" = large ] && LIMIT="--max_memory_per_rank 30MB"
+LIMIT=""
+[ "$SIZE" = large ] && LIMIT="--max_memory_per_rank 30MB"
+[ "$SIZE" = big ] && LIMIT="--max_memory_per_rank 230MB"
 now() { date +%s.%N; }
 t0=$(now)
 # shellcheck disable=SC2086
