@@ -126,6 +126,17 @@ TEST(Verify, DropoutFailsWithTheModuleNamedAfterAThirdRunShowsTheProgramIsDeterm
   EXPECT_NE(r.out.find("drop (torch::nn::DropoutImpl)"), std::string::npos) << r.out;
 }
 
+TEST(Verify, BatchNormFailsWithTheModuleNamed) {
+  auto r = verify(2, {}, oracle_worker({"--batch_norm"}));
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_NE(r.out.find("xlr8 verify: FAIL: step 1 is the first"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("likely cause: BatchNorm normalises each rank's share of the batch by that share's statistics"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("bn (torch::nn::BatchNorm1dImpl)"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("dropout draws"), std::string::npos) << r.out;  // no other cause claimed
+}
+
 TEST(Verify, ALossAveragedPerRankOverAnUnevenLastBatchIsNamedAtTheStepThatEndsTheEpoch) {
   // 100 samples in global batches of 12: the 9th ends the epoch with 4, which 3 ranks share 2, 1, 1 (even_batches
   // off), and the worker's loss is each rank's mean.

@@ -11,7 +11,7 @@
 //   --resume_latest (resume from DIR/checkpoint when it exists: a restarted elastic job)
 //   --step_sleep_ms N (each step takes at least this long)   --print_steps (rank 0: "step N" after each step)
 //   --dropout P (a Dropout after the first layer)   --init_by_rank (each rank seeds its model's draws differently)
-//   --uneven_batches (AcceleratorOptions::even_batches off)
+//   --uneven_batches (AcceleratorOptions::even_batches off)   --batch_norm (a BatchNorm1d after the first layer)
 //   --track (init_trackers("oracle") in --out; log loss and lr every step)
 //   --mode nested|nested-mismatch|free-memory|free-control (train_worker_api.cpp)
 #include <CLI/CLI.hpp>
@@ -48,15 +48,17 @@ struct Synthetic {  // a fixed classification problem, identical on every rank
 };
 
 struct MlpImpl : torch::nn::Module {
-  MlpImpl(int64_t hidden, bool with_unused, bool with_norm, double dropout = 0) {
+  MlpImpl(int64_t hidden, bool with_unused, bool with_norm, double dropout = 0, bool batch_norm = false) {
     fc1 = register_module("fc1", torch::nn::Linear(8, hidden));
     fc2 = register_module("fc2", torch::nn::Linear(hidden, 4));
     if (dropout > 0) drop = register_module("drop", torch::nn::Dropout(dropout));
+    if (batch_norm) bn = register_module("bn", torch::nn::BatchNorm1d(hidden));
     if (with_unused) spare = register_module("spare", torch::nn::Linear(4, 4));
     if (with_norm) norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({hidden})));
   }
   at::Tensor forward(const at::Tensor& x) {
     if (drop) return fc2(drop(torch::tanh(fc1(x))));
+    if (bn) return fc2(torch::tanh(bn(fc1(x))));  // each rank's share normalised by its own statistics
     if (!norm) return fc2(torch::tanh(fc1(x)));
     // A Linear's output straight into a LayerNorm (bf16 into fp32 weights under autocast), as a sharded unit.
     return xlr8::sharded(*this, [&] { return fc2(torch::tanh(norm(fc1(x)))); });
@@ -64,6 +66,7 @@ struct MlpImpl : torch::nn::Module {
   torch::nn::Linear fc1{nullptr}, fc2{nullptr}, spare{nullptr};
   torch::nn::LayerNorm norm{nullptr};
   torch::nn::Dropout drop{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
 };
 TORCH_MODULE(Mlp);
 
@@ -112,7 +115,8 @@ int main(int argc, char** argv) {
   bool split_batches = false, resume_latest = false, print_steps = false;
   int step_sleep_ms = 0;
   double dropout = 0;
-  bool init_by_rank = false, uneven = false;
+  bool init_by_rank = false, uneven = false, batch_norm = false;
+  app.add_flag("--batch_norm", batch_norm, "a BatchNorm1d after the first Linear");
   app.add_flag("--uneven_batches", uneven, "even_batches off: a short last batch is shared unevenly, not padded");
   app.add_option("--dropout", dropout);
   app.add_flag("--init_by_rank", init_by_rank);
@@ -280,7 +284,7 @@ int main(int argc, char** argv) {
       return 0;
     };
     if (init_by_rank) torch::manual_seed(1000 + acc.process_index());  // a bug verify must name
-    if (!tensor_parallel) return train(acc.prepare(Mlp(hidden, mode == "unused", with_norm, dropout)));
+    if (!tensor_parallel) return train(acc.prepare(Mlp(hidden, mode == "unused", with_norm, dropout, batch_norm)));
     // fc1 column-wise, fc2 row-wise over the mesh's tp group, before the Accelerator sees the model.
     TpMlp model(hidden);
     xlr8::tp::parallelize(*model, acc.state().mesh().group("tp"),
