@@ -9,6 +9,7 @@
 set -eu
 . "$(dirname "$0")/common.sh"
 STEPS=${STEPS:-30}; SIZE=${SIZE:-small}
+case "$SIZE" in small|large|big) ;; *) echo "SIZE=$SIZE: small, large or big" >&2; exit 2 ;; esac
 MODEL="--n_layer 4 --d_model 256 --n_head 4"
 [ "$SIZE" = big ] && MODEL="--n_layer 8 --d_model 512 --n_head 8"
 GPT="$G $MODEL --seq_len 64 --batch_size 8 --output_dir $OUT/run"

@@ -2,6 +2,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <utility>
+
 #include "core/text.hpp"
 #include "core/flight_recorder.hpp"
 #include "distributed/comm_state.hpp"
@@ -92,7 +94,7 @@ Work composite(CommState& s, std::string description, std::function<void()> body
     // callable in the state its futures share, so they went with whichever thread let go of that state last:
     // often this one, after the waiter woke and sometimes milliseconds later (a DDP bucket's fresh gradients
     // were then still alive when the optimizer step ended, and peaks measured from there came out short).
-    const auto run = std::move(body);
+    const auto run = std::exchange(body, nullptr);
     try {
       run();
     } catch (const Error&) {

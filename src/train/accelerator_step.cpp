@@ -80,19 +80,20 @@ void PreparedOptimizer::step() {
   check_not_freed(s.impl, "optimizer");
   auto& impl = *s.impl;
   if (!impl.gradient_state->sync_gradients) return;
-  const bool first = !impl.optimizers.empty() && impl.optimizers.front().get() == &s;
-  if (first && impl.advise) impl.advise->before_optimizer_step();
+  if (impl.advise) impl.advise->begin_optimizer_step();
   impl.unscale_gradients();
   if (impl.scaler && impl.overflow) {
     s.skipped = true;
     impl.last_step_applied = false;
     if (impl.state->is_main_process())
       log::info("xlr8: fp16 gradient overflow: skipped optimizer step; loss scale is now {}", impl.scaler->scale());
+    if (impl.advise) impl.advise->end_optimizer_step();
     return;
   }
   // The strategy of the model it optimizes steps it (sharded strategies step their shards, then gather).
   const auto& groups = s.optimizer->param_groups();
   auto* owner = groups.empty() || groups.front().params().empty() ? nullptr : impl.owner_of(groups.front().params().front());
+  const bool first = !impl.optimizers.empty() && impl.optimizers.front().get() == &s;
   if (first && impl.verify) impl.verify->before_step(impl, owner ? owner->module()->parameters() : impl.optimized_parameters(), owner);
   if (impl.clip_at_step > 0)  // DeepSpeed's gradient_clipping, over the whole model's gradients
     impl.clip_grad_norm(owner ? owner->module()->parameters() : impl.optimized_parameters(), impl.clip_at_step, 2.0);
@@ -101,6 +102,7 @@ void PreparedOptimizer::step() {
   s.skipped = false;
   s.steps += 1;
   impl.last_step_applied = true;
+  if (impl.advise) impl.advise->end_optimizer_step();
   if (first && impl.verify) impl.verify->after_step(impl, s.steps);
   if (first && impl.advise) impl.advise->after_step(impl, s.steps);
 }

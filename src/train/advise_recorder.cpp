@@ -157,9 +157,17 @@ void AdviseRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module
   if (impl.state->local_rank() == 0) files::write_durably(fmt::format("{}/probe.json", dir_), probe);
 }
 
-void AdviseRecorder::before_optimizer_step() {
+void AdviseRecorder::begin_optimizer_step() {
   optimizer_began_ = std::chrono::steady_clock::now();
   optimizer_wait_began_ = collective_wait_ns();
+}
+
+// Optimizer steps follow one another on the training thread. A step skipped for an fp16 overflow counts too:
+// its time is the optimizer's, and the forward and backward before it stay in the window without a step to show.
+void AdviseRecorder::end_optimizer_step() {
+  if (!in_window_) return;
+  optimizer_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - optimizer_began_).count();
+  optimizer_waited_ns_ += collective_wait_ns() - optimizer_wait_began_;
 }
 
 void AdviseRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
@@ -168,8 +176,6 @@ void AdviseRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
   const int64_t waited_now = collective_wait_ns();
   if (step == warmup_) start_window(impl);
   if (step <= warmup_) return;
-  optimizer_seconds_ += std::chrono::duration<double>(now - optimizer_began_).count();
-  optimizer_waited_ns_ += waited_now - optimizer_wait_began_;
   const int64_t timed = step - warmup_;
   const double seconds = std::chrono::duration<double>(now - started_).count();
   const double waited_outside = static_cast<double>(waited_now - waited_at_start_ - optimizer_waited_ns_) / 1e9;
@@ -189,6 +195,7 @@ void AdviseRecorder::start_window(AcceleratorImpl& impl) {
   waited_at_start_ = collective_wait_ns();
   optimizer_waited_ns_ = 0;
   optimizer_seconds_ = 0;
+  in_window_ = true;
   started_ = std::chrono::steady_clock::now();
 }
 

@@ -8,9 +8,10 @@
 // (seconds, steps, samples per step, whether it was cut, the largest static bytes of a rank: unique storages of
 // parameters, gradients and optimizer state, the largest peak of tensor bytes over the timed steps: the static
 // bytes when they started plus the most the memory meter counted above that moment, and the largest peak RSS)
-// and every rank writes <dir>/done.<rank>. It also writes compute_seconds: the timed window less the optimizer
-// steps and every wait for a collective outside them (the smallest over the ranks): the forward and backward
-// arithmetic that another strategy of the same precision and mesh must do as well.
+// and every rank writes <dir>/done.<rank>. It also writes compute_seconds: the timed window less every optimizer
+// step and every wait for a collective outside them (the smallest over the ranks): the forward and backward
+// arithmetic that another strategy of the same precision and mesh must do as well. Waits are counted on every
+// thread, so one on a background thread that overlapped arithmetic makes it smaller: the bound looser.
 // With T = 0 (a probe) the ranks are done at prepare().
 #include <chrono>
 #include <memory>
@@ -29,8 +30,9 @@ class AdviseRecorder {
  public:
   static std::unique_ptr<AdviseRecorder> from_env();  // nullptr unless XLR8_ADVISE_DIR is set
   void on_prepare(AcceleratorImpl& impl, torch::nn::Module& module);  // before the strategy shards it
-  void before_optimizer_step();                                       // the first optimizer's step begins
-  void after_step(AcceleratorImpl& impl, int64_t step);               // collective at W + T
+  void begin_optimizer_step();                                        // any prepared optimizer's step() begins
+  void end_optimizer_step();                                          // ... and ends (applied or skipped)
+  void after_step(AcceleratorImpl& impl, int64_t step);               // the first optimizer's; collective at W + T
 
  private:
   void finish(AcceleratorImpl& impl, const std::string& file, const std::string& text);
@@ -47,6 +49,7 @@ class AdviseRecorder {
   double state_at_start_ = 0;  // static bytes when the clock started
   int64_t live_at_start_ = 0;  // the memory meter's live bytes then
   // Inside the window: time in optimizer steps, and collective waits (all of them, and those inside the steps).
+  bool in_window_ = false;
   std::chrono::steady_clock::time_point optimizer_began_;
   int64_t optimizer_wait_began_ = 0, waited_at_start_ = 0, optimizer_waited_ns_ = 0;
   double optimizer_seconds_ = 0;

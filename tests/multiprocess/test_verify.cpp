@@ -274,9 +274,10 @@ TEST(Advise, StopsSlowerCandidatesEarlyLaunchesNoneItsKindShowsCannotWinRunsALau
         << row;
   };
   // No candidate can be 1000x the first. The launch is bf16 already, so "FULL_SHARD (ZeRO-3)" is the first
-  // candidate's launch and does not run again, and the other data-parallel ones share the first's forward and
-  // backward: its measured arithmetic shows none can come near, and none is launched. tp, cp and sp change the
-  // arithmetic: each runs, and is stopped after its first timed step.
+  // candidate's launch and does not run again, and the others of the sharding engine share the first's forward
+  // and backward: its measured arithmetic shows none can come near, and none is launched. DDP (its parameters
+  // compute in fp32 under autocast, the engine's may not), tp, cp and sp change the arithmetic: each runs, and is
+  // stopped after its first timed step.
   auto r = advise({"--cut_below", "1000", "--mixed_precision", "bf16"});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(r.err.find("FULL_SHARD, bf16: 2 warm-up + 3 timed steps (its prepare() measures the model)"), std::string::npos)
@@ -287,14 +288,17 @@ TEST(Advise, StopsSlowerCandidatesEarlyLaunchesNoneItsKindShowsCannotWinRunsALau
   const double first_throughput = std::stod(first.substr(std::string("FULL_SHARD, bf16").size()));
   const std::regex bounded(R"(not tried: at most ([0-9.]+) samples/s \(the forward and backward of FULL_SHARD, bf16, )"
                            R"(measured without its communication and optimizer steps\) is below 1000.00x the best)");
-  for (const std::string name : {"DDP, bf16", "ZeRO-1", "SHARD_GRAD_OP (ZeRO-2)", "FULL_SHARD, prefetch"}) {
+  for (const std::string name : {"ZeRO-1", "SHARD_GRAD_OP (ZeRO-2)", "FULL_SHARD, prefetch"}) {
     std::smatch m;
     const auto row = table_row(r.out, name);
     ASSERT_TRUE(std::regex_search(row, m, bounded)) << name << "\n" << r.out;
-    EXPECT_GT(std::stod(m[1]), first_throughput) << row;  // its forward and backward alone: faster than its whole step
+    // Its forward and backward alone, with 15 % allowed: faster than its whole step by the optimizer steps and
+    // waits, which take some of it and not most.
+    EXPECT_GT(std::stod(m[1]), 1.02 * first_throughput / 0.85) << row;
+    EXPECT_LT(std::stod(m[1]), 4 * first_throughput) << row;
     EXPECT_EQ(r.err.find(name + ": 2 warm-up"), std::string::npos) << r.err;  // not launched
   }
-  for (const char* name : {"tp 2, bf16", "cp 2 (ring), FULL_SHARD, bf16", "sp 2 (Ulysses), FULL_SHARD, bf16"})
+  for (const char* name : {"DDP, bf16", "tp 2, bf16", "cp 2 (ring), FULL_SHARD, bf16", "sp 2 (Ulysses), FULL_SHARD, bf16"})
     EXPECT_NE(table_row(r.out, name).find("slower: stopped after 1 step(s) below 1000.00x the best"), std::string::npos)
         << name << "\n" << r.out;
   EXPECT_NE(table_row(r.out, "FULL_SHARD (ZeRO-3)").find("the launch as FULL_SHARD, bf16"), std::string::npos) << r.out;

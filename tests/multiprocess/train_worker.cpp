@@ -127,6 +127,10 @@ int main(int argc, char** argv) {
   std::string optimizer = "adamw";
   app.add_option("--optimizer", optimizer)->check(CLI::IsMember({"adamw", "fused_adamw"}));
   CLI11_PARSE(app, argc, argv);
+  if (batch_norm && dropout > 0) {  // the model has one or the other after its first layer
+    fmt::print(stderr, "train_worker: --batch_norm and --dropout cannot go together\n");
+    return 2;
+  }
   try {
     xlr8::AcceleratorOptions options;
     options.mixed_precision = xlr8::parse_mixed_precision(precision, "--precision");

@@ -120,10 +120,13 @@ std::string activation_kind(const LaunchRequest& r) {
                      cp != "-" ? cp : value(r.parallelism, "parallelism_config_sp_size"));
 }
 
-std::string compute_kind(const LaunchRequest& r) {
+std::string compute_kind(const LaunchRequest& r, MixedPrecision precision) {
   const auto ac = r.fsdp.find("fsdp_activation_checkpointing");
-  std::string kind = fmt::format("{}|ac {}|", r.mixed_precision.value_or(""), ac != r.fsdp.end() && ac->second == "true");
-  for (const auto& [k, v] : r.parallelism) kind += k + "=" + v + ";";
+  const bool reduced = precision != MixedPrecision::NO;
+  std::string kind = fmt::format("{}|ac {}|{}|", to_string(precision), ac != r.fsdp.end() && ac->second == "true",
+                                 !reduced ? "" : r.use_fsdp || r.use_deepspeed ? "sharding engine" : "ddp");
+  for (const auto& [k, v] : r.parallelism)
+    if (k.find("_dp_") == std::string::npos) kind += k + "=" + v + ";";  // dp sizes change communication only
   return kind;
 }
 

@@ -31,8 +31,11 @@ std::string launch_key(const LaunchRequest& r);
 std::optional<LaunchRequest> without_recompute(LaunchRequest r);
 // What decides the bytes a step holds above the training state: precision, recomputation, tp/cp/sp split.
 std::string activation_kind(const LaunchRequest& r);
-// What decides a step's forward and backward arithmetic: precision, recomputation and the whole mesh (the
-// strategies of one compute kind differ by their communication and how much optimizer state each rank steps).
-std::string compute_kind(const LaunchRequest& r);
+// What decides a step's forward and backward arithmetic per rank: the precision, recomputation, the tp/cp/sp
+// split (with cp's strategy), and under reduced precision whether the sharding engine runs it (its parameters
+// may compute in that precision, DDP's in fp32 under autocast). The strategies of one compute kind differ by
+// their communication and how much optimizer state each rank steps. `precision`: the launch's, in effect (a
+// config file may set it without the flag).
+std::string compute_kind(const LaunchRequest& r, MixedPrecision precision);
 
 }  // namespace xlr8::cli

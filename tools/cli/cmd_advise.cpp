@@ -204,7 +204,8 @@ class Advisor {
                                 ran_.at(launch_key(*base)));
       return row;
     }
-    if (const Bound* bound = bound_of(changed); bound && bound->throughput < a_.cut_below * best_) {
+    const MixedPrecision precision = planned.settings.mixed_precision;
+    if (const Bound* bound = bound_of(changed, precision); bound && bound->throughput < a_.cut_below * best_) {
       row.verdict = fmt::format("not tried: at most {:.1f} {} (the forward and backward of {}, measured without its "
                                 "communication and optimizer steps) is below {:.2f}x the best",
                                 bound->throughput, bound->unit, bound->from, a_.cut_below);
@@ -273,7 +274,7 @@ class Advisor {
     row.peak_tensors = (*result)["peak_tensor_bytes"];
     excess_.emplace(kind, row.peak_tensors - row.measured);  // the first run of its kind calibrates the others
     if (const double compute = result->value("compute_seconds", 0.0); compute > 0) {
-      auto& bound = bounds_[compute_kind(changed)];
+      auto& bound = bounds_[compute_kind(changed, precision)];
       const double most = row.throughput * seconds / (kComputeMargin * compute);
       if (most > bound.throughput) bound = {most, row.unit, c.name};
     }
@@ -291,12 +292,12 @@ class Advisor {
   }
 
   struct Bound;
-  // The bound a run of the launch's compute kind gave, or of the same without recomputation (which only adds
-  // arithmetic); nullptr when none ran.
-  const Bound* bound_of(const LaunchRequest& launch) const {
+  // The bound the runs of the launch's compute kind gave, else those of the same without recomputation (which
+  // only adds arithmetic): either is an upper bound; nullptr when neither ran.
+  const Bound* bound_of(const LaunchRequest& launch, MixedPrecision precision) const {
     for (const auto& kind : {std::optional(launch), without_recompute(launch)})
       if (kind)
-        if (const auto at = bounds_.find(compute_kind(*kind)); at != bounds_.end()) return &at->second;
+        if (const auto at = bounds_.find(compute_kind(*kind, precision)); at != bounds_.end()) return &at->second;
     return nullptr;
   }
 
@@ -507,7 +508,7 @@ Handler add_advise(CLI::App& app) {
   cmd->add_option("--min_seconds", a->min_seconds, "...and at least this long (default 2)");
   cmd->add_option("--cut_below", a->cut_below,
                   "Stop a candidate early once its throughput is below this fraction of the best so far, and do not "
-                  "launch one that the first run of the same precision, recomputation and mesh shows cannot reach it "
+                  "launch one that a run of the same precision, recomputation and mesh shows cannot reach it "
                   "(its forward and backward alone, measured, would be slower) (default 0.7; 0: every candidate runs "
                   "its full measurement)");
   cmd->add_option("--try", a->only, "Try only this candidate, by its name in the table (repeat for several)")
