@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <random>
 
 #include "core/log.hpp"
 #include "launch/elastic_agent.hpp"
@@ -93,7 +94,15 @@ LaunchOutcome launch_with_outcome(const LaunchOptions& o) {
     throw Error(fmt::format("port {} is already in use on this machine; pass another --main_process_port, or omit it "
                             "to pick a free one",
                             port));
-  auto group = detail::WorkerGroup::create(o, program);
+  // One machine: a run id of its own, as torchrun --standalone gives one, so that a rank of another job that
+  // reaches this job's rendezvous (two launches that picked one free port at once) is refused by name instead of
+  // joining it. Several machines must agree on theirs: they keep the one they were given.
+  LaunchOptions own = o;
+  if (o.num_machines == 1 && o.run_id == "none") {
+    std::random_device random;
+    own.run_id = fmt::format("xlr8-{}-{:08x}", ::getpid(), random());
+  }
+  auto group = detail::WorkerGroup::create(own, program);
   auto& supervisor = *group;
   for (int attempt = 0;; ++attempt) {
     int code = supervisor.run_attempt(attempt, {.node_rank = o.machine_rank,
@@ -102,7 +111,7 @@ LaunchOutcome launch_with_outcome(const LaunchOptions& o) {
                                                 .rank_offset = o.machine_rank * o.nproc_per_node,
                                                 .master_addr = o.master_addr,
                                                 .master_port = port},
-                                     o.stop_check);
+                                     own.stop_check);
     // Workers unlink their segments once mapped; only one killed mid-setup can leave one behind.
     detail::remove_job_segments(std::to_string(::getpid()));
     if (code == 0 || !supervisor.failed())  // also stopped by stop_check, or interrupted

@@ -1,8 +1,13 @@
 // `xlr8 launch`'s argument rules, with real programs: `--` ends the launcher's options, and everything
-// from the program's name on is the program's, even words that look like launcher options or --help.
+// from the program's name on is the program's, even words that look like launcher options or --help. And what
+// keeps two launches apart.
 #include <gtest/gtest.h>
 
+#include <chrono>
+#include <thread>
+
 #include "process_runner.hpp"
+#include "xlr8/launcher.hpp"
 
 using Args = std::vector<std::string>;
 
@@ -62,4 +67,28 @@ TEST(LaunchArguments, AnUnknownOptionBeforeTheProgramIsOneClearLine) {
   auto none = run({kXlr8, "launch", "--num_processes", "2", "--"});
   EXPECT_EQ(none.exit_code, 1);
   EXPECT_NE(none.err.find("no program given"), std::string::npos) << none.err;
+}
+
+TEST(LaunchJobs, ARankOfAnotherJobThatReachesThisJobsRendezvousIsRefusedNamingBothAndThisJobTrainsOn) {
+  // Job A on one machine; then a rank of job B (machine 1 of 2, one process each, told A's port, as two launches
+  // that picked one free port at once would be) reaches A's rendezvous. Both are "2 ranks": only A's own run id
+  // tells them apart.
+  const int port = xlr8::pick_free_port();
+  const std::string out = temp_dir("two-jobs");
+  Process a({kXlr8, "launch", "--num_processes", "2", "--main_process_port", std::to_string(port), kTrain, "--batch", "8",
+             "--steps", "30", "--step_sleep_ms", "100", "--print_steps", "--out", out + "/a"});
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (a.out_so_far().find("step 1") == std::string::npos && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_NE(a.out_so_far().find("step 1"), std::string::npos) << a.err_so_far();
+  auto b = run({kXlr8, "launch", "--num_machines", "2", "--machine_rank", "1", "--num_processes", "2", "--main_process_ip",
+                "127.0.0.1", "--main_process_port", std::to_string(port), kTrain, "--batch", "8", "--steps", "2", "--out",
+                out + "/b"},
+               60);
+  EXPECT_NE(b.exit_code, 0) << b.out << b.err;
+  EXPECT_NE(b.err.find("rank 1 (this job with 2 ranks) reached the rendezvous server"), std::string::npos) << b.err;
+  EXPECT_NE(b.err.find("of another job (torchelastic:xlr8-"), std::string::npos) << b.err;
+  auto done = a.wait(120);
+  EXPECT_EQ(done.exit_code, 0) << done.out << done.err;
+  EXPECT_NE(done.out.find("step 30"), std::string::npos) << done.out;
 }
