@@ -21,8 +21,12 @@ namespace gpt {
 CausalSelfAttentionImpl::CausalSelfAttentionImpl(const Config& c) {
   if (c.d_model % c.n_head != 0)
     throw xlr8::ConfigError(fmt::format("--d_model {} must be a multiple of --n_head {}", c.d_model, c.n_head));
+  n_head = c.n_head;
+  n_kv_head = c.n_kv_head > 0 ? c.n_kv_head : c.n_head;
+  if (n_head % n_kv_head != 0)
+    throw xlr8::ConfigError(fmt::format("--n_kv_head {} must divide --n_head {}", n_kv_head, n_head));
   head_dim = c.d_model / c.n_head;
-  qkv = register_module("qkv", xlr8::nn::Linear(c.d_model, 3 * c.d_model));
+  qkv = register_module("qkv", xlr8::nn::Linear(c.d_model, c.d_model + 2 * n_kv_head * head_dim));
   proj = register_module("proj", xlr8::nn::Linear(c.d_model, c.d_model));
   dropout = c.dropout;
 }
@@ -30,9 +34,11 @@ CausalSelfAttentionImpl::CausalSelfAttentionImpl(const Config& c) {
 torch::Tensor CausalSelfAttentionImpl::forward(const torch::Tensor& x) {
   auto projected = qkv(x);
   // This process's share of the heads (times head_dim) and the whole sequence, as qkv hands them over.
-  const auto B = projected.size(0), T = projected.size(1), C = projected.size(2) / 3, hd = head_dim;
-  auto parts = projected.split(C, 2);
-  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, C / hd, hd}).transpose(1, 2); };  // [B, h, T, hd]
+  const auto B = projected.size(0), T = projected.size(1), hd = head_dim;
+  const auto local_heads = projected.size(2) / hd, q_heads = local_heads * n_head / (n_head + 2 * n_kv_head);
+  const auto kv_heads = (local_heads - q_heads) / 2, C = q_heads * hd;
+  auto parts = projected.split_with_sizes({C, kv_heads * hd, kv_heads * hd}, 2);
+  auto heads = [&](const torch::Tensor& t) { return t.view({B, T, -1, hd}).transpose(1, 2); };  // [B, h, T, hd]
   auto q = heads(parts[0]), k = heads(parts[1]), v = heads(parts[2]);
   // Causal scaled-dot-product attention; under context parallelism T is this rank's share of the
   // sequence and the keys and values of the others' come to it.

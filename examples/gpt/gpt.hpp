@@ -21,6 +21,7 @@ struct Config {
   int64_t n_layer = 4;
   int64_t d_model = 128;
   int64_t n_head = 4;
+  int64_t n_kv_head = 0;  // grouped-query attention: key/value heads, each serving n_head / n_kv_head queries (0: n_head)
   double dropout = 0.0;  // off by default, so runs on any number of processes compare exactly
   bool tied_head = true;
 };
@@ -30,8 +31,9 @@ struct CausalSelfAttentionImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x);  // [B, T, C] -> [B, T, C]
   xlr8::nn::Linear qkv{nullptr}, proj{nullptr};
   double dropout;  // on the attention weights, while training
-  // The heads this process computes follow from qkv's (possibly tensor-parallel) width.
-  int64_t head_dim;
+  // The heads this process computes follow from qkv's (possibly tensor-parallel) width, which holds query,
+  // key and value heads in the model's proportion n_head : n_kv_head : n_kv_head.
+  int64_t head_dim, n_head, n_kv_head;
 };
 TORCH_MODULE(CausalSelfAttention);
 
@@ -64,10 +66,11 @@ struct GptImpl : torch::nn::Module {
 TORCH_MODULE(Gpt);
 
 // The tensor-parallel plan for this model (kept apart from it, as torchtitan's parallelize.py): qkv
-// column-wise in 3 fused parts and the attention's proj row-wise, fc column-wise and the MLP's proj
+// column-wise in 3 fused parts (queries, keys, values; narrower keys and values under grouped-query
+// attention) and the attention's proj row-wise, fc column-wise and the MLP's proj
 // row-wise, both embeddings vocabulary-parallel, an untied head column-wise with its logits gathered (a
 // tied head follows wte through Embedding::attend). Throws xlr8::ConfigError when tp_size does not
-// divide the heads, with both numbers.
+// divide the query or key/value heads, with both numbers.
 xlr8::tp::Plan tp_plan(const Config& c, int tp_size, bool sequence_parallel = false);
 
 // Fine-tuning: stops gradients (requires_grad false) for every parameter under one of the

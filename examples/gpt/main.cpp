@@ -28,6 +28,7 @@ struct Args {
   int64_t n_layer = 4;
   int64_t d_model = 128;
   int64_t n_head = 4;
+  int64_t n_kv_head = 0;  // grouped-query attention (0: n_head)
   uint64_t seed = 1234;
   double lr = 3e-4;  // 1e-3 stalls at the unigram loss (~3.3) for hundreds of steps
   double weight_decay = 0.01;  // AdamW's default
@@ -76,6 +77,15 @@ int64_t state_bytes(const torch::nn::Module& model, const torch::optim::Optimize
   return total;
 }
 
+// Whether the split layers take activations split on the sequence (by the example's plan, or by the one
+// AutoTP made at prepare()).
+bool sequence_parallel_in(const torch::nn::Module& model) {
+  for (const auto& m : model.modules())
+    if (auto* linear = dynamic_cast<const xlr8::nn::LinearImpl*>(m.get()))
+      if (const auto& slot = linear->tensor_parallel(); slot && slot->sequence_parallel) return true;
+  return false;
+}
+
 double peak_rss_mb() {
   std::ifstream status("/proc/self/status");
   for (std::string line; std::getline(status, line);)
@@ -121,22 +131,20 @@ int run(const Args& args) {
   xlr8::AcceleratorOptions options;
   options.gradient_accumulation_steps = args.gradient_accumulation_steps;
   options.project_dir = args.output_dir;
+  if (args.autotp && args.sequence_parallel) options.tp_sequence_parallel = true;  // AutoTP places it at prepare()
   options.automatic_checkpoint_naming = true;
   options.total_limit = 2;
   xlr8::Accelerator acc(options);
   acc.set_seed(args.seed);
 
   gpt::Config config{.seq_len = args.seq_len, .n_layer = args.n_layer, .d_model = args.d_model,
-                     .n_head = args.n_head, .dropout = args.dropout, .tied_head = !args.untied_head};
+                     .n_head = args.n_head, .n_kv_head = args.n_kv_head, .dropout = args.dropout, .tied_head = !args.untied_head};
   // Under FULL_SHARD only the main process computes the initial weights; the others receive their
   // shards (fsdp_cpu_ram_efficient_loading). Elsewhere this just builds the model.
   int64_t frozen = 0, params = 0;
   // Tensor parallelism (parallelism_config_tp_size): the plan beside the model splits it, or AutoTP at
   // prepare() finds the same one from the layer names.
   auto& tp_group = acc.state().mesh().group("tp");
-  if (args.sequence_parallel && args.autotp)
-    throw xlr8::ConfigError("--sequence_parallel needs the example's own plan (gpt::tp_plan); AutoTP (--autotp) "
-                            "does not place sequence parallelism; drop one of the two flags");
   // Checks the heads (and under sequence parallelism the sequence) divide first.
   const auto plan = gpt::tp_plan(config, tp_group.size(), args.sequence_parallel);
   auto model = acc.prepare(acc.build_model([&] {
@@ -277,7 +285,7 @@ int run(const Args& args) {
                           {"global_step", acc.step()},
                           {"num_processes", acc.num_processes()},
                           {"tp_size", tp_group.size()},
-                          {"sequence_parallel", args.sequence_parallel && tp_group.size() > 1},
+                          {"sequence_parallel", sequence_parallel_in(*model)},
                           {"tp_wire_bytes_per_micro_step", micro_steps > 0 ? tp_bytes / micro_steps : 0},
                           {"cp_size", acc.state().mesh().size("cp")},
                           {"sp_size", acc.state().mesh().size("sp")},
@@ -322,6 +330,7 @@ int main(int argc, char** argv) {
   app.add_option("--n_layer", a.n_layer, "Transformer blocks");
   app.add_option("--d_model", a.d_model, "Model width");
   app.add_option("--n_head", a.n_head, "Attention heads");
+  app.add_option("--n_kv_head", a.n_kv_head, "Key/value heads, fewer than --n_head for grouped-query attention (0: n_head)");
   app.add_option("--seed", a.seed, "Seed: same seed, same initialisation and data order on any number of processes");
   app.add_option("--lr", a.lr, "AdamW learning rate");
   app.add_option("--weight_decay", a.weight_decay, "AdamW weight decay");
@@ -338,7 +347,8 @@ int main(int argc, char** argv) {
   app.add_flag("--untied_head", a.untied_head, "An LM head of its own instead of the token embedding's weights");
   app.add_option("--max_grad_norm", a.max_grad_norm, "Clip the gradients' global norm to this (0: no clipping)");
   app.add_flag("--sequence_parallel", a.sequence_parallel,
-               "Under parallelism_config_tp_size, also split the activations between layers on the sequence");
+               "Under parallelism_config_tp_size, also split the activations between layers on the sequence (with "
+               "--autotp, AutoTP places it at prepare())");
   app.add_flag("--autotp", a.autotp, "Under parallelism_config_tp_size, let AutoTP split the model instead of gpt::tp_plan");
   app.add_option("--log_every", a.log_every, "Print progress every N steps");
   CLI11_PARSE(app, argc, argv);

@@ -9,14 +9,19 @@
 namespace gpt {
 
 xlr8::tp::Plan tp_plan(const Config& c, int tp_size, bool sequence_parallel) {
-  if (tp_size < 1 || c.n_head % tp_size != 0)
-    throw xlr8::ConfigError(fmt::format("tensor parallelism: --n_head {} is not divisible by the tp size {}; every rank "
-                                        "computes whole heads",
-                                        c.n_head, tp_size));
+  const int64_t kv_heads = c.n_kv_head > 0 ? c.n_kv_head : c.n_head;
+  for (auto [flag, heads] : {std::pair{"--n_head", c.n_head}, std::pair{"--n_kv_head", kv_heads}})
+    if (tp_size < 1 || heads % tp_size != 0)
+      throw xlr8::ConfigError(fmt::format("tensor parallelism: {} {} is not divisible by the tp size {}; every rank "
+                                          "computes whole heads",
+                                          flag, heads, tp_size));
   using xlr8::tp::Style;
+  const int64_t kv_width = kv_heads * (c.d_model / c.n_head);
   xlr8::tp::Plan plan{{"wte", Style::VocabParallel},
                       {"wpe", Style::VocabParallel},
-                      {"blocks.*.attn.qkv", Style::Colwise, /*gather_output=*/false, /*fused=*/3},
+                      // Queries, keys and values: each part split on its own, so a rank holds whole heads of each.
+                      {"blocks.*.attn.qkv", Style::Colwise, /*gather_output=*/false, /*fused=*/1,
+                       /*sequence_parallel=*/false, /*fused_sizes=*/{c.d_model, kv_width, kv_width}},
                       {"blocks.*.attn.proj", Style::Rowwise},
                       {"blocks.*.mlp.fc", Style::Colwise},
                       {"blocks.*.mlp.proj", Style::Rowwise}};

@@ -12,6 +12,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "xlr8/communicator.hpp"
 #include "xlr8/tensor_parallel.hpp"
@@ -23,8 +24,8 @@ struct TensorParallelSlot {
   tp::Style style;
   Communicator group;
   bool gather_output = false;
-  int64_t offset = 0;  // first output feature (Colwise; within each fused part), input feature (Rowwise) or row
-  int fused = 1;       // Colwise: equal parts of the output, each split on its own
+  int64_t offset = 0;  // first output feature (Colwise; within the first fused part), input feature (Rowwise) or row
+  std::vector<int64_t> parts;  // Colwise: the widths of the output's fused parts, each split on its own ({out} if one)
   bool sequence_parallel = false;  // activations around the layer split on the sequence (PlanEntry)
 };
 
@@ -50,6 +51,7 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   at::Tensor bias;
 
  private:
+  std::string colwise_problem(const tp::PlanEntry& entry, int tp_size) const;
   std::optional<TensorParallelSlot> slot_;
 };
 TORCH_MODULE(Linear);

@@ -50,6 +50,11 @@ struct PlanEntry {
   // reduce-scatter their output on the sequence instead of all-reducing it (all-gather in backward). The
   // sequence length must be divisible by the tp size.
   bool sequence_parallel = false;
+  // Colwise only: the output is unequal parts stacked, their widths in output features in order (a fused
+  // q/k/v projection under grouped-query attention: {n_head, n_kv_head, n_kv_head} x head_dim; DeepSpeed's
+  // `shape: [[q, kv, kv], -1]`), each split on its own. When given it says the parts instead of `fused`
+  // (which must then be 1 or its length), and the widths must add up to out_features.
+  std::vector<int64_t> fused_sizes = {};
 };
 using Plan = std::vector<PlanEntry>;
 
@@ -61,19 +66,31 @@ using Plan = std::vector<PlanEntry>;
 void parallelize(torch::nn::Module& model, const Communicator& tp_group, const Plan& plan, bool strict = false);
 
 // AutoTP: a plan inferred from the model's layer names (DeepSpeed's and Megatron's conventions). By the
-// last path component: q/k/v projections, fused qkv (fused 3 when out = 3 x in), fc/fc1/fc_in/c_fc,
+// last path component: q/k/v projections, fused qkv (3 equal parts when out = 3 x in; under grouped-query
+// attention, out = in + 2 kv, the parts {in, kv, kv}: queries as wide as the model), fc/fc1/fc_in/c_fc,
 // gate/up (w1/w3) are column-wise; attention outputs (o/o_proj/out_proj/proj/c_proj) and fc2/fc_out/
 // down/w2 row-wise; head/lm_head/embed_out column-wise with the output gathered; every xlr8::nn::Embedding
 // vocabulary-parallel (replicated when it has options that cannot be split). A Linear it cannot place is
 // a ConfigError naming it, never left whole in silence. With head_dim > 0, attention projections must
 // hold a whole number of heads per rank (heads = features / head_dim, divisible by tp_size).
-Plan auto_plan(const torch::nn::Module& model, int tp_size, int64_t head_dim = 0);
+// With `sequence_parallel`, the plan is Megatron's sequence parallelism: every split layer takes the
+// sequence-split activations (PlanEntry::sequence_parallel) and every LayerNorm and Dropout outside them
+// (LibTorch's, where the residual stream runs) runs on this rank's share of the sequence (SequenceParallel).
+Plan auto_plan(const torch::nn::Module& model, int tp_size, int64_t head_dim = 0, bool sequence_parallel = false);
+// `plan` turned into sequence parallelism for `model`: its split layers flagged sequence_parallel and the
+// model's LayerNorm, GroupNorm and Dropout modules it does not name added as SequenceParallel. A layer the
+// plan keeps whole (Replicate) is a ConfigError naming it: it would see the sequence split.
+Plan with_sequence_parallel(Plan plan, const torch::nn::Module& model);
 
 // DeepSpeed's `tensor_parallel` JSON section (its `partition_config.layer_specs`: `patterns` as regular
 // expressions searched from the start of parameter names, `partition_type` column/row/skip, `shape`
-// [k, -1] for k fused equal parts, `gather_output`; the first matching spec wins) turned into a plan for
-// this model's layers. With `use_default_specs` (or no partition_config) AutoTP places what no spec
-// matched. Unknown keys and shapes xlr8 cannot split are ConfigErrors naming them.
+// [k, -1] for k fused equal parts or [[a, b, ...], -1] for unequal ones, `gather_output`; the first matching
+// spec wins) turned into a plan for this model's layers. `preset_model` (DeepSpeed's presets: llama, bloom,
+// chatglm, mixtral, deepseek_v2, qwen2, phi3) gives the family's specs; the partition_config's specs go
+// before them when `use_default_specs` is true (the default) and replace them when false, and a layer no
+// spec of a preset matched stays whole. Without a preset, `use_default_specs` (or no partition_config) has
+// AutoTP place what no spec matched. Unknown keys, presets and shapes xlr8 cannot split are ConfigErrors
+// naming them.
 Plan plan_from_deepspeed(const nlohmann::json& tensor_parallel, const torch::nn::Module& model, int tp_size);
 // The same rules from a plan file: a JSON file holding that section (autotp_size, partition_config, ...),
 // or a whole DeepSpeed JSON whose "tensor_parallel" section it reads. Under parallelism_config_tp_size,
@@ -90,12 +107,12 @@ struct SlicedParameters {
 };
 SlicedParameters sliced_parameters(const torch::nn::Module& model);
 
-// How one sliced parameter lies in its whole (for checkpoints): split on `dim` over the group, in
-// `fused` equal parts each split on its own (dim 0 only).
+// How one sliced parameter lies in its whole (for checkpoints): split on `dim` over the group, in parts
+// stacked on `dim` (the widths of a fused layer's parts; one part when not fused) each split on its own.
 struct SliceLayout {
   Communicator group;
   int64_t dim = 0;
-  int fused = 1;
+  std::vector<int64_t> parts;
   std::vector<int64_t> whole_sizes;
 };
 // By parameter name (model.named_parameters()'s), the sliced ones only.

@@ -163,7 +163,7 @@ const std::vector<Key> kCheckpoint = {
 const std::vector<Key> kTensorParallel = {
     {"autotp_size", Use::READ},       // the engine splits the model over the launch's tp dimension
     {"partition_config", Use::READ},  // tp::plan_from_deepspeed
-    {"preset_model", Use::DEFAULT, "null", "an AutoTP model preset (give partition_config rules instead)"},
+    {"preset_model", Use::READ},      // tp::plan_from_deepspeed: DeepSpeed's presets
     {"tp_overlap_comm", Use::HINT},
     {"tp_grain_size", Use::HINT},
     {"keep_module_on_host", Use::HINT},

@@ -1,8 +1,10 @@
 // Plans nobody wrote by hand: AutoTP (from layer names) and DeepSpeed's partition_config rules.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <torch/nn/modules/dropout.h>
 #include <torch/nn/modules/embedding.h>
 #include <torch/nn/modules/linear.h>
+#include <torch/nn/modules/normalization.h>
 
 #include <algorithm>
 #include <fstream>
@@ -78,12 +80,13 @@ std::set<const torch::nn::Module*> tied_layers(const torch::nn::Module& model, c
 void check_heads(const Layer& layer, const PlanEntry& entry, int tp_size, int64_t head_dim) {
   if (head_dim <= 0 || !kAttention.count(last_component(layer.path))) return;
   auto [in, out] = linear_features(layer.module);
-  const int64_t features = entry.style == Style::Rowwise ? in : out / entry.fused;
-  if (features % head_dim != 0 || (features / head_dim) % tp_size != 0)
-    throw ConfigError(fmt::format("AutoTP: attention projection '{}' has {} features = {} heads of {}, which {} tp ranks "
-                                  "cannot share whole; choose a tp size that divides the number of heads",
-                                  layer.path, features, static_cast<double>(features) / static_cast<double>(head_dim),
-                                  head_dim, tp_size));
+  const auto parts = entry.style == Style::Rowwise ? std::vector<int64_t>{in} : detail::fused_part_widths(entry, out);
+  for (const int64_t features : parts)
+    if (features % head_dim != 0 || (features / head_dim) % tp_size != 0)
+      throw ConfigError(fmt::format("AutoTP: attention projection '{}' has {} features = {} heads of {}, which {} tp "
+                                    "ranks cannot share whole; choose a tp size that divides the number of heads",
+                                    layer.path, features, static_cast<double>(features) / static_cast<double>(head_dim),
+                                    head_dim, tp_size));
 }
 
 // AutoTP's entry for one layer, or nullopt when its name says nothing.
@@ -102,12 +105,17 @@ std::optional<PlanEntry> auto_entry(const Layer& layer, bool tied) {
   if (kRow.count(name)) return PlanEntry{layer.path, Style::Rowwise};
   if (kHead.count(name)) return PlanEntry{layer.path, Style::Colwise, /*gather_output=*/true};
   if (kFusedQkv.count(name)) {
-    if (out != 3 * in)
-      throw ConfigError(fmt::format("AutoTP: '{}' looks like a fused q/k/v projection but has out_features {} for "
-                                    "in_features {} (not 3 equal parts: grouped-query attention?); give it a plan "
-                                    "entry with the right fused parts or split it into q, k and v",
-                                    layer.path, out, in));
-    return PlanEntry{layer.path, Style::Colwise, false, 3};
+    if (out == 3 * in) return PlanEntry{layer.path, Style::Colwise, false, 3};
+    // Grouped-query attention: queries as wide as the model, keys and values narrower and equal.
+    if (out > in && (out - in) % 2 == 0) {
+      PlanEntry entry{layer.path, Style::Colwise};
+      entry.fused_sizes = {in, (out - in) / 2, (out - in) / 2};
+      return entry;
+    }
+    throw ConfigError(fmt::format("AutoTP: '{}' looks like a fused q/k/v projection but has out_features {} for "
+                                  "in_features {} (neither 3 equal parts nor queries of {} and two equal key/value "
+                                  "parts); give it a plan entry with its fused_sizes or split it into q, k and v",
+                                  layer.path, out, in, in));
   }
   if (kFusedGateUp.count(name)) return PlanEntry{layer.path, Style::Colwise, false, 2};
   return std::nullopt;
@@ -115,7 +123,7 @@ std::optional<PlanEntry> auto_entry(const Layer& layer, bool tied) {
 
 }  // namespace
 
-Plan auto_plan(const torch::nn::Module& model, int tp_size, int64_t head_dim) {
+Plan auto_plan(const torch::nn::Module& model, int tp_size, int64_t head_dim, bool sequence_parallel) {
   if (tp_size < 1) throw ConfigError(fmt::format("AutoTP: tp size {} must be 1 or more", tp_size));
   const auto layers = layers_of(model);
   const auto tied = tied_layers(model, layers);
@@ -136,6 +144,35 @@ Plan auto_plan(const torch::nn::Module& model, int tp_size, int64_t head_dim) {
         "row-wise: o/out_proj/proj, fc2/fc_out/down); rename them or give a plan",
         fmt::join(unknown, ", ")));
   if (plan.empty()) throw ConfigError("AutoTP: the model has no Linear or Embedding layer to split");
+  return sequence_parallel ? with_sequence_parallel(std::move(plan), model) : plan;
+}
+
+Plan with_sequence_parallel(Plan plan, const torch::nn::Module& model) {
+  std::vector<std::string> whole;
+  for (auto& entry : plan) {
+    if (entry.style == Style::Colwise || entry.style == Style::Rowwise || entry.style == Style::VocabParallel)
+      entry.sequence_parallel = true;
+    else if (entry.style == Style::Replicate)
+      whole.push_back(entry.pattern);
+  }
+  // A layer kept whole would read or write the residual stream whole where it is split on the sequence.
+  if (!whole.empty())
+    throw ConfigError(fmt::format("sequence parallelism: {} would stay whole (tied, or options a split cannot take) "
+                                  "while the activations around them are split on the sequence; plan them (or untie "
+                                  "them), or leave sequence parallelism off",
+                                  fmt::join(whole, ", ")));
+  // Norms and dropouts the plan does not name run on this rank's share of the sequence.
+  std::vector<std::string> planned;
+  for (const auto& entry : plan) planned.push_back(entry.pattern);
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    const auto* m = item.value().get();
+    const bool norm_or_dropout = dynamic_cast<const torch::nn::LayerNormImpl*>(m) ||
+                                 dynamic_cast<const torch::nn::GroupNormImpl*>(m) ||
+                                 dynamic_cast<const torch::nn::DropoutImpl*>(m);
+    const bool named = std::any_of(planned.begin(), planned.end(),
+                                   [&](const std::string& pattern) { return path_matches(pattern, item.key()); });
+    if (norm_or_dropout && !named) plan.push_back({item.key(), Style::SequenceParallel});
+  }
   return plan;
 }
 
@@ -156,17 +193,100 @@ void check_keys(const nlohmann::json& object, const std::set<std::string>& known
       throw ConfigError(fmt::format("{}: unknown key '{}'; known: {}", where, key, fmt::join(known, ", ")));
 }
 
-// DeepSpeed's `shape`: [k, -1] (k equal fused parts along the output) is what xlr8 splits; anything
-// else (nested unequal parts of grouped-query attention) is refused by name.
-int fused_parts(const nlohmann::json& spec, const std::string& where) {
-  if (!spec.contains("shape") || spec["shape"].is_null()) return 1;
+// DeepSpeed's `shape` on a column spec: [k, -1] (k equal fused parts along the output) or [[a, b, ...], -1]
+// (unequal parts: grouped-query q/k/v). Other shapes (a reshape to more dimensions) are refused by name.
+void set_fused_parts(PlanEntry& entry, const nlohmann::json& spec, const std::string& where) {
+  if (!spec.contains("shape") || spec["shape"].is_null()) return;
   const auto& shape = spec["shape"];
-  if (shape.is_array() && shape.size() == 2 && shape[0].is_number_integer() && shape[0].get<int64_t>() >= 1 &&
-      shape[1] == -1)
-    return static_cast<int>(shape[0].get<int64_t>());
-  throw ConfigError(fmt::format("{}.shape = {}: xlr8 splits [k, -1] (k equal fused parts) only; unequal parts "
-                                "(grouped-query q/kv) are not supported yet",
+  if (shape.is_array() && shape.size() == 2 && shape[1] == -1) {
+    if (shape[0].is_number_integer() && shape[0].get<int64_t>() >= 1) {
+      entry.fused = static_cast<int>(shape[0].get<int64_t>());
+      return;
+    }
+    const bool widths = shape[0].is_array() && !shape[0].empty() &&
+                        std::all_of(shape[0].begin(), shape[0].end(), [](const nlohmann::json& w) {
+                          return w.is_number_integer() && w.get<int64_t>() >= 1;
+                        });
+    if (widths) {
+      for (const auto& w : shape[0]) entry.fused_sizes.push_back(w.get<int64_t>());
+      return;
+    }
+  }
+  throw ConfigError(fmt::format("{}.shape = {}: xlr8 splits [k, -1] (k equal fused parts) and [[a, b, ...], -1] "
+                                "(fused parts of those widths, e.g. grouped-query [[q, kv, kv], -1]) only",
                                 where, shape.dump()));
+}
+
+// DeepSpeed's AutoTP presets (its AutoTPPresets): the specs of each model family, by Hugging Face
+// parameter names.
+const std::map<std::string, nlohmann::json>& presets() {
+  static const std::map<std::string, nlohmann::json> specs = [] {
+    auto spec = [](std::vector<std::string> patterns, const char* type, nlohmann::json shape = nullptr) {
+      nlohmann::json s{{"patterns", std::move(patterns)}, {"partition_type", type}};
+      if (!shape.is_null()) s["shape"] = std::move(shape);
+      return s;
+    };
+    const auto separate_qkv = nlohmann::json::array({
+        spec({R"(.*\.self_attn\.o_proj\.weight$)"}, "row"),
+        spec({R"(.*\.self_attn\.[qkv]_proj\.weight$)"}, "column"),
+        spec({R"(.*\.mlp\.down_proj\.weight$)"}, "row"),
+        spec({R"(.*\.mlp\.(up|gate)_proj\.weight$)"}, "column"),
+    });
+    std::map<std::string, nlohmann::json> out{{"llama", separate_qkv}, {"qwen2", separate_qkv}};
+    out["bloom"] = nlohmann::json::array({
+        spec({R"(.*\.self_attention\.dense\.weight$)"}, "row"),
+        spec({R"(.*\.self_attention\.query_key_value\.weight$)"}, "column"),  // heads interleaved: a plain split
+        spec({R"(.*\.mlp\.dense_4h_to_h\.weight$)"}, "row"),
+        spec({R"(.*\.mlp\.dense_h_to_4h\.weight$)"}, "column"),
+    });
+    out["chatglm"] = nlohmann::json::array({
+        spec({R"(.*\.self_attention\.dense\.weight$)"}, "row"),
+        spec({R"(.*\.self_attention\.query_key_value\.weight$)"}, "column", {3, -1}),
+        spec({R"(.*\.mlp\.dense_4h_to_h\.weight$)"}, "row"),
+        spec({R"(.*\.mlp\.dense_h_to_4h\.weight$)"}, "column", {2, -1}),
+    });
+    out["mixtral"] = nlohmann::json::array({
+        spec({R"(.*\.self_attn\.o_proj\.weight$)"}, "row"),
+        spec({R"(.*\.self_attn\.[qkv]_proj\.weight$)"}, "column"),
+        spec({R"(.*\.block_sparse_moe\.experts\.\d+\.w2\.weight$)"}, "row"),
+        spec({R"(.*\.block_sparse_moe\.experts\.\d+\.w[13]\.weight$)"}, "column"),
+        spec({R"(.*\.block_sparse_moe\.gate\.weight$)"}, "skip"),
+    });
+    out["deepseek_v2"] = nlohmann::json::array({
+        spec({R"(.*\.self_attn\.o_proj\.weight$)"}, "row"),
+        spec({R"(.*\.self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.weight$)"}, "skip"),
+        spec({R"(.*\.self_attn\.(q_b_proj|kv_b_proj)\.weight$)"}, "column"),
+        spec({R"(.*\.mlp\.experts\.\d+\.down_proj\.weight$)"}, "row"),
+        spec({R"(.*\.mlp\.experts\.\d+\.(up|gate)_proj\.weight$)"}, "column"),
+        spec({R"(.*\.mlp\.gate\.weight$)"}, "skip"),
+        spec({R"(.*\.mlp\.shared_experts\.down_proj\.weight$)"}, "row"),
+        spec({R"(.*\.mlp\.shared_experts\.(up|gate)_proj\.weight$)"}, "column"),
+    });
+    out["phi3"] = nlohmann::json::array({
+        spec({R"(.*\.self_attn\.o_proj\.weight$)"}, "row"),
+        spec({R"(.*\.self_attn\.qkv_proj\.weight$)"}, "column", {3, -1}),
+        spec({R"(.*\.mlp\.down_proj\.weight$)"}, "row"),
+        spec({R"(.*\.mlp\.gate_up_proj\.weight$)"}, "column", {2, -1}),
+    });
+    return out;
+  }();
+  return specs;
+}
+
+// The preset's specs for `tensor_parallel.preset_model` (matched case-insensitively, as DeepSpeed does).
+nlohmann::json preset_specs(const nlohmann::json& name) {
+  std::vector<std::string> names;
+  for (const auto& item : presets()) names.push_back(item.first);
+  if (!name.is_string())
+    throw ConfigError(fmt::format("tensor_parallel.preset_model = {}: a name, one of {}", name.dump(), fmt::join(names, ", ")));
+  auto key = name.get<std::string>();
+  std::transform(key.begin(), key.end(), key.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  auto it = presets().find(key);
+  if (it == presets().end())
+    throw ConfigError(fmt::format("tensor_parallel.preset_model = {}: DeepSpeed's presets are {}; give layer_specs for "
+                                  "another family",
+                                  name.dump(), fmt::join(names, ", ")));
+  return it->second;
 }
 
 }  // namespace
@@ -196,17 +316,20 @@ Plan plan_from_deepspeed(const nlohmann::json& tensor_parallel, const torch::nn:
   if (auto size = tensor_parallel.value("autotp_size", 0); size > 1 && size != tp_size)
     throw ConfigError(fmt::format("tensor_parallel.autotp_size = {} but the tp group has {} ranks; make them equal",
                                   size, tp_size));
-  if (tensor_parallel.contains("preset_model") && !tensor_parallel["preset_model"].is_null())
-    throw ConfigError(fmt::format("tensor_parallel.preset_model = {}: xlr8 has no presets; give layer_specs or leave "
-                                  "it out for AutoTP",
-                                  tensor_parallel["preset_model"].dump()));
+  const bool preset = tensor_parallel.contains("preset_model") && !tensor_parallel["preset_model"].is_null();
   const nlohmann::json none = nlohmann::json::object();
   const auto& partition = tensor_parallel.contains("partition_config") && !tensor_parallel["partition_config"].is_null()
                               ? tensor_parallel["partition_config"]
                               : none;
   check_keys(partition, kPartitionKeys, "tensor_parallel.partition_config");
-  const auto specs = partition.value("layer_specs", nlohmann::json::array());
-  const bool defaults = partition.value("use_default_specs", specs.empty());
+  auto specs = partition.value("layer_specs", nlohmann::json::array());
+  // With a preset, the default specs are the preset's (after the custom ones); without, AutoTP's names.
+  const bool defaults = partition.value("use_default_specs", preset || specs.empty());
+  const size_t custom = specs.size();
+  if (preset && defaults)
+    for (const auto& spec : preset_specs(tensor_parallel["preset_model"])) specs.push_back(spec);
+  else if (preset)
+    preset_specs(tensor_parallel["preset_model"]);  // a bad name is an error even when its specs are not used
   // Every rule is checked before any is used: a bad one is an error even where it would match nothing.
   struct Rule {
     std::vector<std::regex> patterns;
@@ -214,19 +337,23 @@ Plan plan_from_deepspeed(const nlohmann::json& tensor_parallel, const torch::nn:
   };
   std::vector<Rule> rules;
   for (size_t i = 0; i < specs.size(); ++i) {
-    const auto where = fmt::format("tensor_parallel.partition_config.layer_specs[{}]", i);
+    const auto where = i < custom ? fmt::format("tensor_parallel.partition_config.layer_specs[{}]", i)
+                                  : fmt::format("tensor_parallel.preset_model {} spec {}",
+                                                tensor_parallel["preset_model"].dump(), i - custom);
     const auto& spec = specs[i];
     check_keys(spec, kSpecKeys, where);
     Rule rule;
     const auto type = spec.value("partition_type", std::string("column"));
-    if (type == "column")
-      rule.entry = PlanEntry{"", Style::Colwise, spec.value("gather_output", false), fused_parts(spec, where)};
-    else if (type == "row")
+    if (type == "column") {
+      rule.entry = PlanEntry{"", Style::Colwise, spec.value("gather_output", false)};
+      set_fused_parts(rule.entry, spec, where);
+    } else if (type == "row") {
       rule.entry = PlanEntry{"", Style::Rowwise};
-    else if (type == "skip")
+    } else if (type == "skip") {
       rule.entry = PlanEntry{"", Style::Replicate};
-    else
+    } else {
       throw ConfigError(fmt::format("{}.partition_type = \"{}\": one of column, row, skip", where, type));
+    }
     const int default_dim = rule.entry.style == Style::Rowwise ? 1 : 0;
     if (spec.contains("partition_dim") && !spec["partition_dim"].is_null() && spec["partition_dim"] != default_dim)
       throw ConfigError(fmt::format("{}.partition_dim = {}: xlr8 splits {} layers on dimension {} only", where,
@@ -265,9 +392,10 @@ Plan plan_from_deepspeed(const nlohmann::json& tensor_parallel, const torch::nn:
       if (is_embedding(layer.module) && entry->style == Style::Colwise) entry->style = Style::VocabParallel;
       break;
     }
-    if (!entry && defaults) entry = auto_entry(layer, tied.count(layer.module) > 0);
-    // Custom specs alone: DeepSpeed (strict_mode off) keeps an unmatched layer whole, and so does this plan.
-    if (!entry && !defaults) entry = PlanEntry{layer.path, Style::Replicate};
+    if (!entry && defaults && !preset) entry = auto_entry(layer, tied.count(layer.module) > 0);
+    // Custom or preset specs alone: DeepSpeed (strict_mode off) keeps an unmatched layer whole, and so does
+    // this plan.
+    if (!entry && (preset || !defaults)) entry = PlanEntry{layer.path, Style::Replicate};
     if (entry) plan.push_back(*entry);
     else unmatched.push_back(layer.path);
   }

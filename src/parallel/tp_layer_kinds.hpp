@@ -6,8 +6,10 @@
 #include <map>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "xlr8/communicator.hpp"
+#include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8::tp::detail {
 
@@ -15,6 +17,13 @@ namespace xlr8::tp::detail {
 bool is_plain_torch_layer(const torch::nn::Module& m);
 // Ours or LibTorch's Linear or Embedding.
 bool is_layer(const torch::nn::Module& m);
+
+// The widths of the parts a Colwise entry stacks in an output of `out_features` ({out_features} when not
+// fused). The entry was checked (tensor_parallel_problem) before.
+std::vector<int64_t> fused_part_widths(const PlanEntry& entry, int64_t out_features);
+// This rank's share of `whole` on dim 0, made of parts of the given widths each split on its own over
+// `size` ranks (every width divisible by it): the parts' slices stacked in order.
+at::Tensor slice_of_parts(const at::Tensor& whole, const std::vector<int64_t>& parts, int rank, int size);
 
 // Under sequence parallelism a parameter kept whole (a norm's, a row-wise bias) sees only this rank's
 // share of the sequence: its gradient is completed over `group` as backward produces it (before DDP or

@@ -1,6 +1,7 @@
 // xlr8::nn::Linear and Embedding: LibTorch's layers (same parameters, initialisation and arithmetic)
 // until a tensor-parallel plan gives them a style and a slice.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <torch/nn/functional/embedding.h>
 #include <torch/nn/functional/linear.h>
 #include <torch/nn/init.h>
@@ -20,7 +21,7 @@ std::pair<int64_t, int64_t> slice_of(int64_t whole, const Communicator& group) {
   return {group.rank() * local, local};
 }
 
-std::string indivisible(const char* what, int64_t size, int tp_size) {
+std::string indivisible(const std::string& what, int64_t size, int tp_size) {
   if (size % tp_size == 0) return "";
   return fmt::format("its {} is {}, which the tp size {} does not divide; choose a tp size that divides it", what, size,
                      tp_size);
@@ -108,18 +109,14 @@ at::Tensor LinearImpl::forward(const at::Tensor& input) {
 std::string LinearImpl::tensor_parallel_problem(const tp::PlanEntry& entry, int tp_size) const {
   if (slot_) return "it is parallelised already";
   if (entry.fused < 1) return fmt::format("fused {} must be 1 or more", entry.fused);
-  if (entry.fused > 1 && entry.style != tp::Style::Colwise) return "fused parts apply to Colwise only";
+  const bool fused = entry.fused > 1 || !entry.fused_sizes.empty();
+  if (fused && entry.style != tp::Style::Colwise) return "fused parts apply to Colwise only";
   if (entry.gather_output && entry.style != tp::Style::Colwise)
     return "gather_output applies to Colwise only (a row-wise output is whole already)";
   if (entry.sequence_parallel && entry.style != tp::Style::Colwise && entry.style != tp::Style::Rowwise)
     return "sequence_parallel applies to Colwise and Rowwise Linears";
   switch (entry.style) {
-    case tp::Style::Colwise:
-      if (options.out_features() % entry.fused != 0)
-        return fmt::format("its out_features {} is not {} equal fused parts", options.out_features(), entry.fused);
-      if (entry.fused > 1 && entry.gather_output) return "gather_output of a fused output is not supported";
-      return entry.fused > 1 ? indivisible("out_features per fused part", options.out_features() / entry.fused, tp_size)
-                             : indivisible("out_features", options.out_features(), tp_size);
+    case tp::Style::Colwise: return colwise_problem(entry, tp_size);
     case tp::Style::Rowwise: return indivisible("in_features", options.in_features(), tp_size);
     case tp::Style::Replicate: return "";
     case tp::Style::VocabParallel:
@@ -128,30 +125,53 @@ std::string LinearImpl::tensor_parallel_problem(const tp::PlanEntry& entry, int 
   return fmt::format("a Linear takes Colwise, Rowwise or Replicate, not {}", tp::to_string(entry.style));
 }
 
+std::string LinearImpl::colwise_problem(const tp::PlanEntry& entry, int tp_size) const {
+  const int64_t out = options.out_features();
+  const auto& sizes = entry.fused_sizes;
+  if (sizes.empty()) {
+    if (out % entry.fused != 0) return fmt::format("its out_features {} is not {} equal fused parts", out, entry.fused);
+  } else {
+    if (entry.fused != 1 && static_cast<size_t>(entry.fused) != sizes.size())
+      return fmt::format("fused {} but {} fused_sizes; give one of them", entry.fused, sizes.size());
+    int64_t sum = 0;
+    for (const auto width : sizes) {
+      if (width < 1) return fmt::format("fused_sizes [{}] must all be 1 or more", fmt::join(sizes, ", "));
+      sum += width;
+    }
+    if (sum != out)
+      return fmt::format("its out_features {} is not the sum of fused_sizes [{}] ({})", out, fmt::join(sizes, ", "), sum);
+  }
+  const auto parts = tp::detail::fused_part_widths(entry, out);
+  if (parts.size() > 1 && entry.gather_output) return "gather_output of a fused output is not supported";
+  if (parts.size() == 1) return indivisible("out_features", out, tp_size);
+  for (size_t i = 0; i < parts.size(); ++i)
+    if (auto problem = indivisible(fmt::format("fused part {} of {}", i + 1, parts.size()), parts[i], tp_size);
+        !problem.empty())
+      return problem;
+  return "";
+}
+
 void LinearImpl::parallelize(const tp::PlanEntry& entry, const Communicator& group) {
   if (auto problem = tensor_parallel_problem(entry, group.size()); !problem.empty())
     throw ConfigError("tensor parallelism: this Linear cannot be parallelised: " + problem);
   if (entry.style == tp::Style::Replicate) {
-    slot_ = TensorParallelSlot{entry.style, group, false, 0};
+    slot_ = TensorParallelSlot{entry.style, group, false, 0, {options.out_features()}};
   } else if (entry.style == tp::Style::Colwise) {
-    // Each fused part [k, out / k, ...] keeps its own slice, then the parts stack again.
-    const int64_t part = options.out_features() / entry.fused;
-    auto [offset, local] = slice_of(part, group);
+    // Each fused part keeps its own slice, then the parts stack again.
+    const auto parts = tp::detail::fused_part_widths(entry, options.out_features());
     auto keep_parts = [&](at::Tensor& t) {
       torch::NoGradGuard no_grad;
-      auto parts = t.reshape({entry.fused, part, -1}).narrow(1, offset, local);
-      auto sizes = t.sizes().vec();
-      sizes[0] = entry.fused * local;
       tp::detail::KeepWholeValues::record(t);
-      t.set_data(parts.reshape(sizes).clone());
+      t.set_data(tp::detail::slice_of_parts(t, parts, group.rank(), group.size()).clone());
     };
     keep_parts(weight);
     if (bias.defined()) keep_parts(bias);
-    slot_ = TensorParallelSlot{entry.style, group, entry.gather_output, offset, entry.fused, entry.sequence_parallel};
+    const int64_t offset = group.rank() * (parts[0] / group.size());
+    slot_ = TensorParallelSlot{entry.style, group, entry.gather_output, offset, parts, entry.sequence_parallel};
   } else {
     auto [offset, local] = slice_of(options.in_features(), group);
     keep_slice(weight, 1, offset, local);
-    slot_ = TensorParallelSlot{entry.style, group, false, offset, 1, entry.sequence_parallel};
+    slot_ = TensorParallelSlot{entry.style, group, false, offset, {options.out_features()}, entry.sequence_parallel};
     // Added to this rank's share of the sequence only: its gradient is partial.
     if (entry.sequence_parallel && bias.defined()) tp::detail::sum_gradient_over(bias, group);
   }
@@ -218,7 +238,7 @@ at::Tensor EmbeddingImpl::attend(const at::Tensor& input) {
 std::string EmbeddingImpl::tensor_parallel_problem(const tp::PlanEntry& entry, int tp_size) const {
   if (slot_) return "it is parallelised already";
   if (entry.gather_output) return "gather_output applies to Colwise only";
-  if (entry.fused != 1) return "fused parts apply to Colwise only";
+  if (entry.fused != 1 || !entry.fused_sizes.empty()) return "fused parts apply to Colwise only";
   if (entry.sequence_parallel && entry.style != tp::Style::VocabParallel)
     return "sequence_parallel applies to a VocabParallel Embedding";
   if (entry.style == tp::Style::Replicate) return "";
@@ -234,12 +254,12 @@ void EmbeddingImpl::parallelize(const tp::PlanEntry& entry, const Communicator& 
   if (auto problem = tensor_parallel_problem(entry, group.size()); !problem.empty())
     throw ConfigError("tensor parallelism: this Embedding cannot be parallelised: " + problem);
   if (entry.style == tp::Style::Replicate) {
-    slot_ = TensorParallelSlot{entry.style, group, false, 0};
+    slot_ = TensorParallelSlot{entry.style, group, false, 0, {options.num_embeddings()}};
     return;
   }
   auto [offset, local] = slice_of(options.num_embeddings(), group);
   keep_slice(weight, 0, offset, local);
-  slot_ = TensorParallelSlot{entry.style, group, false, offset, 1, entry.sequence_parallel};
+  slot_ = TensorParallelSlot{entry.style, group, false, offset, {options.num_embeddings()}, entry.sequence_parallel};
 }
 
 }  // namespace xlr8::nn

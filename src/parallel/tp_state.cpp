@@ -26,7 +26,7 @@ struct LayerSlice {
   at::Tensor tensor;
   const nn::TensorParallelSlot* slot;
   int64_t dim;
-  int fused;
+  std::vector<int64_t> parts;
   std::vector<int64_t> whole_sizes;
 };
 
@@ -40,16 +40,16 @@ std::vector<LayerSlice> layer_slices(const torch::nn::Module& module) {
     const auto& slot = linear->tensor_parallel();
     if (!split(slot)) return {};
     const int64_t in = linear->options.in_features(), out = linear->options.out_features();
-    if (slot->style == Style::Rowwise) return {{"weight", linear->weight, &*slot, 1, 1, {out, in}}};
-    std::vector<LayerSlice> slices{{"weight", linear->weight, &*slot, 0, slot->fused, {out, in}}};
-    if (linear->bias.defined()) slices.push_back({"bias", linear->bias, &*slot, 0, slot->fused, {out}});
+    if (slot->style == Style::Rowwise) return {{"weight", linear->weight, &*slot, 1, {in}, {out, in}}};
+    std::vector<LayerSlice> slices{{"weight", linear->weight, &*slot, 0, slot->parts, {out, in}}};
+    if (linear->bias.defined()) slices.push_back({"bias", linear->bias, &*slot, 0, slot->parts, {out}});
     return slices;
   }
   if (auto* embedding = dynamic_cast<const nn::EmbeddingImpl*>(&module)) {
     const auto& slot = embedding->tensor_parallel();
     if (!split(slot)) return {};
-    return {{"weight", embedding->weight, &*slot, 0, 1,
-             {embedding->options.num_embeddings(), embedding->options.embedding_dim()}}};
+    const int64_t rows = embedding->options.num_embeddings();
+    return {{"weight", embedding->weight, &*slot, 0, {rows}, {rows, embedding->options.embedding_dim()}}};
   }
   return {};
 }
@@ -76,7 +76,7 @@ std::map<std::string, SliceLayout> slice_layouts(const torch::nn::Module& model)
   for (const auto& item : model.named_modules("", /*include_self=*/true))
     for (auto& slice : layer_slices(*item.value()))
       out[item.key().empty() ? slice.name : item.key() + "." + slice.name] =
-          SliceLayout{slice.slot->group, slice.dim, slice.fused, std::move(slice.whole_sizes)};
+          SliceLayout{slice.slot->group, slice.dim, std::move(slice.parts), std::move(slice.whole_sizes)};
   return out;
 }
 
@@ -94,23 +94,53 @@ std::vector<int64_t> moved_sizes(const SliceLayout& layout) {
 at::Tensor gather_whole(const at::Tensor& local, const SliceLayout& layout) {
   Communicator group = layout.group;
   if (group.size() == 1) return local;
-  // [fused, this rank's part, everything else] from every rank, then each fused part's slices in rank order.
-  auto x = local.movedim(layout.dim, 0);
-  auto parts = x.reshape({layout.fused, x.size(0) / layout.fused, -1}).contiguous();
-  auto gathered = at::empty({group.size() * parts.numel()}, parts.options());
-  group.all_gather(gathered, parts);
-  auto all = gathered.view({group.size(), layout.fused, parts.size(1), parts.size(2)}).transpose(0, 1);
-  return all.reshape(moved_sizes(layout)).movedim(0, layout.dim).contiguous();
+  // Every rank's slice (its parts' shares stacked), then each part's shares in rank order.
+  auto x = local.movedim(layout.dim, 0).contiguous();
+  const int64_t n = group.size();
+  auto gathered = at::empty({n * x.numel()}, x.options());
+  group.all_gather(gathered, x);
+  auto rest = x.sizes().vec();
+  rest.erase(rest.begin());
+  std::vector<int64_t> by_rank{n, x.size(0)};
+  by_rank.insert(by_rank.end(), rest.begin(), rest.end());
+  auto all = gathered.view(by_rank);
+  std::vector<at::Tensor> wholes;
+  int64_t begin = 0;
+  for (const int64_t width : layout.parts) {
+    auto part_sizes = rest;
+    part_sizes.insert(part_sizes.begin(), width);
+    wholes.push_back(all.narrow(1, begin, width / n).reshape(part_sizes));
+    begin += width / n;
+  }
+  return at::cat(wholes, 0).reshape(moved_sizes(layout)).movedim(0, layout.dim).contiguous();
 }
 
 at::Tensor local_slice(const at::Tensor& whole, const SliceLayout& layout) {
   const auto& group = layout.group;
-  auto x = whole.movedim(layout.dim, 0);
-  const int64_t part = x.size(0) / layout.fused, local = part / group.size();
-  auto sizes = moved_sizes(layout);
-  sizes[0] = layout.fused * local;
-  return x.reshape({layout.fused, part, -1}).narrow(1, group.rank() * local, local).reshape(sizes).movedim(0, layout.dim).contiguous();
+  return detail::slice_of_parts(whole.movedim(layout.dim, 0), layout.parts, group.rank(), group.size())
+      .movedim(0, layout.dim)
+      .contiguous();
 }
+
+namespace detail {
+
+std::vector<int64_t> fused_part_widths(const PlanEntry& entry, int64_t out_features) {
+  if (!entry.fused_sizes.empty()) return entry.fused_sizes;
+  return std::vector<int64_t>(static_cast<size_t>(entry.fused), out_features / entry.fused);
+}
+
+at::Tensor slice_of_parts(const at::Tensor& whole, const std::vector<int64_t>& parts, int rank, int size) {
+  if (parts.size() == 1) return whole.narrow(0, rank * (parts[0] / size), parts[0] / size);
+  std::vector<at::Tensor> shares;
+  int64_t begin = 0;
+  for (const int64_t width : parts) {
+    shares.push_back(whole.narrow(0, begin + rank * (width / size), width / size));
+    begin += width;
+  }
+  return at::cat(shares, 0);
+}
+
+}  // namespace detail
 
 double clip_grad_norm(const std::vector<at::Tensor>& parameters, const SlicedParameters& sliced, double max_norm,
                       double norm_type) {

@@ -186,8 +186,9 @@ std::optional<at::ScalarType> sharded_param_dtype(MixedPrecision precision, cons
 }
 
 // parallelism_config_tp_size: a model the program split already (tp::parallelize) keeps its plan; any
-// other is split by AutoTP here, or refused by name. Never trains whole while the mesh says tp.
-void split_for_tensor_parallel(torch::nn::Module& module, DeviceMesh& mesh) {
+// other is split here by the plan file XLR8_TP_PLAN_FILE names or by AutoTP, or refused by name. Never
+// trains whole while the mesh says tp.
+void split_for_tensor_parallel(torch::nn::Module& module, DeviceMesh& mesh, std::optional<bool> sequence_parallel_option) {
   const int tp = mesh.size("tp");
   const auto sliced = tp::sliced_parameters(module);
   if (sliced.group && sliced.group->size() != tp)
@@ -195,19 +196,26 @@ void split_for_tensor_parallel(torch::nn::Module& module, DeviceMesh& mesh) {
                                   "parallelism_config_tp_size is {}; make them equal",
                                   sliced.group->size(), tp));
   if (tp == 1 || sliced.group) return;
+  // AcceleratorOptions::tp_sequence_parallel: the plan made here is Megatron's sequence parallelism.
+  const bool sequence_parallel =
+      sequence_parallel_option.value_or(Env::current().get_bool("XLR8_TP_SEQUENCE_PARALLEL").value_or(false));
+  const char* sp_note = sequence_parallel ? ", with sequence parallelism" : "";
   if (auto file = Env::current().get("XLR8_TP_PLAN_FILE"); file && !file->empty()) {
-    tp::parallelize(module, mesh.group("tp"), tp::plan_from_file(*file, module, tp), /*strict=*/false);
-    log::info("prepare(): parallelism_config_tp_size {}: the model split by the plan file {}", tp, *file);
+    auto plan = tp::plan_from_file(*file, module, tp);
+    if (sequence_parallel) plan = tp::with_sequence_parallel(std::move(plan), module);
+    tp::parallelize(module, mesh.group("tp"), plan, /*strict=*/false);
+    log::info("prepare(): parallelism_config_tp_size {}: the model split by the plan file {}{}", tp, *file, sp_note);
     return;
   }
   try {
-    tp::parallelize(module, mesh.group("tp"), tp::auto_plan(module, tp), /*strict=*/true);
+    tp::parallelize(module, mesh.group("tp"), tp::auto_plan(module, tp, 0, sequence_parallel), /*strict=*/true);
   } catch (const ConfigError& e) {
     throw ConfigError(fmt::format("prepare(): parallelism_config_tp_size is {} and the program applied no plan "
                                   "(xlr8::tp::parallelize), so AutoTP tried: {}",
                                   tp, e.what()));
   }
-  log::info("prepare(): parallelism_config_tp_size {}: AutoTP split the model's layers (no plan was applied)", tp);
+  log::info("prepare(): parallelism_config_tp_size {}: AutoTP split the model's layers (no plan was applied){}", tp,
+            sp_note);
 }
 
 // fsdp_activation_checkpointing: every unit of the wrap policy is recomputed in backward (after TP
@@ -295,7 +303,7 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   auto& s = *impl_;
   if (!module) throw Error("prepare(): the model is null");
   if (s.strategy_for(module.get())) throw Error("prepare(): this model was already prepared; prepare each model once");
-  split_for_tensor_parallel(*module, s.state->mesh());
+  split_for_tensor_parallel(*module, s.state->mesh(), s.options.tp_sequence_parallel);
   auto& tp_built = s.built_for_tp_loading;
   std::erase_if(tp_built, [](const auto& b) { return b.module.expired(); });
   auto tp_it = std::find_if(tp_built.begin(), tp_built.end(), [&](const auto& b) { return b.module.lock() == module; });

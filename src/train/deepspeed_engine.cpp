@@ -159,7 +159,7 @@ void check_sequence_mesh(const Config& config, const ProcessState& state) {
 
 // The JSON's tensor_parallel section: the model splits over the mesh's tp dimension, which the launch made
 // (xlr8 launch sets it from a JSON it is given, or --parallelism_config_tp_size). The partition_config
-// rules place the layers; without them, prepare()'s AutoTP does.
+// rules or the preset_model's place the layers; without them, prepare()'s AutoTP does.
 namespace {
 void split_for_tensor_parallel(const Config& config, torch::nn::Module& module, const ProcessState& state) {
   const auto section = config.document.value("tensor_parallel", nlohmann::json::object());
@@ -169,7 +169,8 @@ void split_for_tensor_parallel(const Config& config, torch::nn::Module& module, 
                                   "has tp {}; launch it with --parallelism_config_tp_size {} (xlr8 launch sets it "
                                   "itself from a JSON given as --deepspeed_config_file)",
                                   config.origin, autotp, tp, autotp));
-  if (tp > 1 && section.contains("partition_config"))
+  const auto given = [&](const char* key) { return section.contains(key) && !section[key].is_null(); };
+  if (tp > 1 && (given("partition_config") || given("preset_model")))
     tp::parallelize(module, state.mesh().group("tp"), tp::plan_from_deepspeed(section, module, tp), /*strict=*/false);
 }
 }  // namespace

@@ -75,15 +75,18 @@ struct SliceBox {
 
 std::vector<SliceBox> slice_boxes(const tp::SliceLayout& layout, const std::vector<int64_t>& local_sizes) {
   const auto dim = static_cast<size_t>(layout.dim);
-  const int64_t local = local_sizes[dim] / layout.fused, part = layout.whole_sizes[dim] / layout.fused;
+  const int n = layout.group.size();
   std::vector<SliceBox> boxes;
-  for (int j = 0; j < layout.fused; ++j) {
+  int64_t whole_begin = 0, local_begin = 0;
+  for (const int64_t width : layout.parts) {
     SliceBox box{std::vector<int64_t>(local_sizes.size(), 0), local_sizes};
-    box.sizes[dim] = local;
-    box.offsets[dim] = j * part + layout.group.rank() * local;
+    box.sizes[dim] = width / n;
+    box.offsets[dim] = whole_begin + layout.group.rank() * (width / n);
     box.numel = 1;
     for (auto d : box.sizes) box.numel *= d;
-    box.local_begin = j * box.numel;
+    box.local_begin = local_begin;
+    local_begin += box.numel;
+    whole_begin += width;
     boxes.push_back(std::move(box));
   }
   return boxes;

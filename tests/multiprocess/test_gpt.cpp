@@ -151,6 +151,46 @@ TEST(GptTensorParallel, APlanFileSplitsTheModelAsTheProgramsOwnPlanDoes) {
   EXPECT_NE(bad.err.find("diagonal"), std::string::npos) << bad.err;
 }
 
+// Grouped-query attention under tp (4 query heads, 2 key/value heads: qkv's parts 32, 16, 16): tp 2 by the
+// example's plan and by AutoTP, which infers the unequal parts from the widths, train alike; a tp 2
+// checkpoint (one box per unequal part) resumes on one process as the uninterrupted run. AutoTP places
+// sequence parallelism (--autotp --sequence_parallel: AcceleratorOptions::tp_sequence_parallel) as the
+// example's own plan does.
+TEST(GptTensorParallel, GroupedQueryAttentionAndAutoTpSequenceParallelismTrainAsTheirReferences) {
+  auto run_gpt = [&](int processes, const Args& launcher, const std::string& dir, const Args& program) {
+    return json_of(launch_gpt(processes, launcher,
+                              concat(concat(small_gpt(8, dir, /*heads=*/4), {"--n_kv_head", "2", "--max_grad_norm", "0.5"}),
+                                     program)));
+  };
+  const Args tp2{"--parallelism_config_tp_size", "2"}, four{"--max_steps", "4"};
+  const auto whole_dir = temp_dir("gpt-gqa-whole"), own_dir = temp_dir("gpt-gqa-own"), auto_dir = temp_dir("gpt-gqa-auto");
+  const auto whole = run_gpt(1, {}, whole_dir, {"--max_steps", "8"});
+  ASSERT_TRUE(whole.contains("final_train_loss"));
+  const auto own = run_gpt(2, tp2, own_dir, {"--max_steps", "4", "--checkpoint_every", "4"});
+  const auto by_autotp = run_gpt(2, tp2, auto_dir, concat(four, {"--autotp"}));
+  ASSERT_TRUE(own.contains("final_train_loss") && by_autotp.contains("final_train_loss"));
+  EXPECT_EQ(own["tp_size"], 2);
+  EXPECT_NEAR(by_autotp["final_train_loss"].get<double>(), own["final_train_loss"].get<double>(), 1e-7);
+  expect_same_params(auto_dir, own_dir, 1e-7);
+  auto resumed = run_gpt(1, {}, own_dir, {"--max_steps", "8", "--resume_from", "latest"});
+  ASSERT_TRUE(resumed.contains("final_train_loss"));
+  EXPECT_EQ(resumed["global_step"], 8);
+  EXPECT_NEAR(resumed["final_train_loss"].get<double>(), whole["final_train_loss"].get<double>(), 1e-5);
+  EXPECT_NEAR(resumed["val_loss"].get<double>(), whole["val_loss"].get<double>(), 1e-5);
+  expect_same_params(own_dir, whole_dir, 5e-4);  // as GptTensorParallel's, for the same reason
+  // Sequence parallelism: the example's plan against AutoTP's, both with grouped-query attention.
+  const auto sp_own_dir = temp_dir("gpt-gqa-sp-own"), sp_auto_dir = temp_dir("gpt-gqa-sp-auto");
+  const auto sp_own = run_gpt(2, tp2, sp_own_dir, concat(four, {"--sequence_parallel"}));
+  const auto sp_auto = run_gpt(2, tp2, sp_auto_dir, concat(four, {"--sequence_parallel", "--autotp"}));
+  ASSERT_TRUE(sp_own.contains("final_train_loss") && sp_auto.contains("final_train_loss"));
+  EXPECT_EQ(sp_own["sequence_parallel"], true);
+  EXPECT_EQ(sp_auto["sequence_parallel"], true);
+  EXPECT_EQ(by_autotp["sequence_parallel"], false);
+  EXPECT_NEAR(sp_auto["final_train_loss"].get<double>(), sp_own["final_train_loss"].get<double>(), 1e-7);
+  EXPECT_NEAR(sp_own["final_train_loss"].get<double>(), own["final_train_loss"].get<double>(), 1e-5);
+  expect_same_params(sp_auto_dir, sp_own_dir, 1e-7);
+}
+
 // A sharding strategy that cannot compose with the mesh is one line before training: HSDP shards over
 // dp_shard, and a mesh of dp_replicate x tp has none (the machine's ranks would cut across tp peers).
 TEST(GptTensorParallel, HybridShardOnAMeshWithoutDpShardIsRefusedInOneLineBeforeTraining) {

@@ -144,8 +144,6 @@ TEST(DeepSpeedConfig, AFeatureXlr8LacksIsRefusedOnlyWhenItIsTurnedOn) {
        "zero_optimization.zero_quantized_weights = true turns on ZeRO++ quantized weights"},
       {R"({"train_batch_size": 8, "flops_profiler": {"enabled": true, "profile_step": 1}})",
        "flops_profiler.enabled = true turns on the flops profiler"},
-      {R"({"train_batch_size": 8, "tensor_parallel": {"autotp_size": 4, "preset_model": "llama"}})",
-       "tensor_parallel.preset_model = \"llama\" turns on an AutoTP model preset"},
       {R"({"train_batch_size": 8, "activation_checkpointing": {"partition_activations": true}})",
        "activation_checkpointing.partition_activations = true"},
       {R"({"train_batch_size": 8, "prescale_gradients": true})", "prescale_gradients = true turns on gradient prescaling"},
@@ -164,6 +162,7 @@ TEST(DeepSpeedConfig, AFeatureXlr8LacksIsRefusedOnlyWhenItIsTurnedOn) {
         R"({"train_batch_size": 8, "flops_profiler": {"enabled": false, "profile_step": 1}})",
         R"({"train_batch_size": 8, "tensor_parallel": {"autotp_size": 0}})",
         R"({"train_batch_size": 8, "tensor_parallel": {"autotp_size": 4}})",  // read: the engine splits the model
+        R"({"train_batch_size": 8, "tensor_parallel": {"autotp_size": 4, "preset_model": "llama"}})",
         R"({"train_batch_size": 8, "activation_checkpointing": {"partition_activations": false, "profile": false}})",
         R"({"train_batch_size": 8, "prescale_gradients": false, "zero_allow_untested_optimizer": true})",
         // Ulysses: the mesh's sp and dp (xlr8 launch makes them); gradients are reduced in fp32 as given.

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "thread_ranks.hpp"
@@ -21,22 +23,27 @@ constexpr int64_t kVocab = 24, kWidth = 12;
 
 // Attention's shapes without its arithmetic: a fused q/k/v projection whose three parts meet
 // elementwise (so each rank needs its share of each), an output projection, and a head tied to the
-// token embedding.
+// token embedding. Under grouped-query attention (kv narrower than q) each k/v feature serves q / kv
+// consecutive q features, as a key/value head serves its group of query heads.
 struct FusedImpl : torch::nn::Module {
   xlr8::nn::Embedding wte{nullptr};
   xlr8::nn::Linear qkv{nullptr}, proj{nullptr};
-  FusedImpl() {
+  int64_t q, kv;
+  explicit FusedImpl(int64_t q_width = kWidth, int64_t kv_width = kWidth) : q(q_width), kv(kv_width) {
     std::lock_guard<std::mutex> lock(generator_lock());
     torch::manual_seed(5);
     wte = register_module("wte", xlr8::nn::Embedding(kVocab, kWidth));
-    qkv = register_module("qkv", xlr8::nn::Linear(kWidth, 3 * kWidth));
-    proj = register_module("proj", xlr8::nn::Linear(kWidth, kWidth));
+    qkv = register_module("qkv", xlr8::nn::Linear(kWidth, q + 2 * kv));
+    proj = register_module("proj", xlr8::nn::Linear(q, kWidth));
   }
   at::Tensor forward(const at::Tensor& ids) {
     auto h = wte(ids);
     auto projected = qkv(h);
-    auto parts = projected.split(projected.size(-1) / 3, -1);
-    h = h + proj(parts[0] * torch::sigmoid(parts[1]) + parts[2]);
+    // This rank's widths keep the whole's proportion q : kv : kv.
+    const int64_t local_q = projected.size(-1) * q / (q + 2 * kv), local_kv = (projected.size(-1) - local_q) / 2;
+    auto parts = projected.split_with_sizes({local_q, local_kv, local_kv}, -1);
+    auto gate = (torch::sigmoid(parts[1]) + parts[2]).repeat_interleave(local_q / local_kv, -1);
+    h = h + proj(parts[0] * gate);
     return wte->attend(h);
   }
 };
@@ -105,8 +112,10 @@ TORCH_MODULE(Lm);
 std::string describe(const tp::Plan& plan) {
   std::string out;
   for (const auto& e : plan)
-    out += fmt::format("{}={}{}{};", e.pattern, tp::to_string(e.style), e.gather_output ? "+gather" : "",
-                       e.fused > 1 ? fmt::format("x{}", e.fused) : "");
+    out += fmt::format("{}={}{}{}{}{};", e.pattern, tp::to_string(e.style), e.gather_output ? "+gather" : "",
+                       e.fused > 1 ? fmt::format("x{}", e.fused) : "",
+                       e.fused_sizes.empty() ? "" : fmt::format("[{}]", fmt::join(e.fused_sizes, ",")),
+                       e.sequence_parallel ? "+sp" : "");
   return out;
 }
 
@@ -138,7 +147,7 @@ TEST(TensorParallelPlans, FusedQkvAndATiedHeadWithClippingOnTwoThreeAndFourRanks
       // Each rank holds its share of q, of k and of v: the fused slice is three slices, and local_slice says so.
       const auto layouts = tp::slice_layouts(*model);
       ASSERT_EQ(layouts.size(), 4u) << where;  // wte, qkv.weight, qkv.bias, proj.weight (proj.bias is whole)
-      EXPECT_EQ(layouts.at("qkv.weight").fused, 3);
+      EXPECT_EQ(layouts.at("qkv.weight").parts, (std::vector<int64_t>{kWidth, kWidth, kWidth}));
       const int64_t local = kWidth / ranks;
       auto q_rows = initial->qkv->weight.narrow(0, comm.rank() * local, local);
       EXPECT_TRUE(torch::equal(model->qkv->weight.narrow(0, 0, local), q_rows)) << where;
@@ -199,11 +208,15 @@ TEST(TensorParallelPlans, AutoTpFindsTheMegatronPlanFromLayerNames) {
   } odd;
   m = config_error([&] { tp::auto_plan(odd, 2); });
   EXPECT_NE(m.find("cannot tell how to split mixer"), std::string::npos) << m;
+  // Grouped-query attention: queries as wide as the model, keys and values the rest in two equal parts.
   struct Gqa : torch::nn::Module {
-    Gqa() { register_module("qkv", xlr8::nn::Linear(8, 16)); }
-  } gqa;
-  m = config_error([&] { tp::auto_plan(gqa, 2); });
-  EXPECT_NE(m.find("'qkv' looks like a fused q/k/v projection but has out_features 16 for in_features 8"), std::string::npos) << m;
+    explicit Gqa(int64_t out) { register_module("qkv", xlr8::nn::Linear(8, out)); }
+  };
+  EXPECT_EQ(describe(tp::auto_plan(Gqa(16), 2, /*head_dim=*/2)), "qkv=Colwise[8,4,4];");
+  m = config_error([&] { tp::auto_plan(Gqa(16), 4, /*head_dim=*/2); });
+  EXPECT_NE(m.find("'qkv' has 4 features = 2 heads of 2, which 4 tp ranks cannot share whole"), std::string::npos) << m;
+  m = config_error([&] { tp::auto_plan(Gqa(7), 2); });
+  EXPECT_NE(m.find("'qkv' looks like a fused q/k/v projection but has out_features 7 for in_features 8"), std::string::npos) << m;
   // LibTorch's own layers are planned, then refused by parallelize with the type to use.
   struct Plain : torch::nn::Module {
     Plain() { register_module("fc1", torch::nn::Linear(4, 4)); }
@@ -246,10 +259,152 @@ TEST(TensorParallelPlans, DeepSpeedPartitionConfigRulesBecomeAPlan) {
   EXPECT_NE(m.find("tensor_parallel.autotp_size = 4 but the tp group has 2 ranks"), std::string::npos) << m;
   m = bad(R"({"partition_config": {"layer_specs": [{"patterns": ["nothing"], "partition_type": "diagonal"}]}})");
   EXPECT_NE(m.find("layer_specs[0].partition_type = \"diagonal\": one of column, row, skip"), std::string::npos) << m;
-  m = bad(R"({"partition_config": {"layer_specs": [{"patterns": [".*qkv"], "shape": [[8, 4, 4], -1]}]}})");
-  EXPECT_NE(m.find("layer_specs[0].shape = [[8,4,4],-1]: xlr8 splits [k, -1]"), std::string::npos) << m;
+  m = bad(R"({"partition_config": {"layer_specs": [{"patterns": [".*qkv"], "shape": [[8, 0, 4], -1]}]}})");
+  EXPECT_NE(m.find("layer_specs[0].shape = [[8,0,4],-1]: xlr8 splits [k, -1]"), std::string::npos) << m;
+  m = bad(R"({"partition_config": {"layer_specs": [{"patterns": [".*qkv"], "shape": [4, -1, 2]}]}})");
+  EXPECT_NE(m.find("layer_specs[0].shape = [4,-1,2]: xlr8 splits [k, -1]"), std::string::npos) << m;
+  m = bad(R"({"preset_model": "gpt5"})");
+  EXPECT_NE(m.find("tensor_parallel.preset_model = \"gpt5\": DeepSpeed's presets are bloom, chatglm, deepseek_v2, "
+                   "llama, mixtral, phi3, qwen2"),
+            std::string::npos)
+      << m;
+  // Unequal fused parts (grouped-query q/k/v): DeepSpeed's nested shape.
+  const auto nested = nlohmann::json::parse(R"({"partition_config": {"use_default_specs": false,
+      "layer_specs": [{"patterns": ["blocks\\.0\\.qkv"], "shape": [[12, 6, 6], -1]}]}})");
+  const auto plan = describe(tp::plan_from_deepspeed(nested, *model, 2));
+  EXPECT_NE(plan.find(";blocks.0.qkv=Colwise[12,6,6];"), std::string::npos) << plan;
   m = bad(R"({"partition_config": {"layer_spec": []}})");
   EXPECT_NE(m.find("tensor_parallel.partition_config: unknown key 'layer_spec'"), std::string::npos) << m;
   m = bad(R"({"partition_config": {"layer_specs": [{"patterns": ["(qkv"]}]}})");
   EXPECT_NE(m.find("is not a regular expression"), std::string::npos) << m;
+}
+
+// Grouped-query attention's fused projection: 24 query features and 12 each of keys and values, each part
+// split on its own (a rank holds whole shares of q, of k and of v), trains as one process on 2, 3 and 4
+// ranks; the layout and the whole tensors gathered from slices follow the unequal parts.
+TEST(TensorParallelPlans, UnequalFusedPartsOnTwoThreeAndFourRanksTrainAsOneProcess) {
+  constexpr int64_t kQ = 24, kKv = 12;
+  const tp::Plan plan{{"wte", tp::Style::VocabParallel},
+                      {"qkv", tp::Style::Colwise, false, 1, false, {kQ, kKv, kKv}},
+                      {"proj", tp::Style::Rowwise}};
+  Fused whole(kQ, kKv);
+  const auto expected = train(whole, 4, [](std::vector<at::Tensor> p) { return torch::nn::utils::clip_grad_norm_(p, 0.05); });
+  for (int ranks : {2, 3, 4})
+    run_ranks(ranks, [&](Communicator& comm) {
+      Fused model(kQ, kKv), initial(kQ, kKv);
+      tp::parallelize(*model, comm, plan, /*strict=*/true);
+      const auto where = fmt::format("tp {} rank {}", ranks, comm.rank());
+      const auto layouts = tp::slice_layouts(*model);
+      EXPECT_EQ(layouts.at("qkv.weight").parts, (std::vector<int64_t>{kQ, kKv, kKv})) << where;
+      const int64_t q = kQ / ranks, kv = kKv / ranks, r = comm.rank();
+      const auto& w = initial->qkv->weight;
+      auto want = torch::cat({w.narrow(0, r * q, q), w.narrow(0, kQ + r * kv, kv), w.narrow(0, kQ + kKv + r * kv, kv)});
+      EXPECT_TRUE(torch::equal(model->qkv->weight, want)) << where;
+      EXPECT_TRUE(torch::equal(tp::local_slice(w, layouts.at("qkv.weight")), want)) << where;
+      const auto sliced = tp::sliced_parameters(*model);
+      const auto got = train(model, 4, [&](std::vector<at::Tensor> p) { return tp::clip_grad_norm(p, sliced, 0.05, 2.0); });
+      for (size_t s = 0; s < expected.losses.size(); ++s) {
+        EXPECT_NEAR(got.losses[s], expected.losses[s], 2e-6) << where << " step " << s;
+        EXPECT_NEAR(got.norms[s], expected.norms[s], 1e-5 * expected.norms[s]) << where << " norm at step " << s;
+      }
+      for (const auto& item : model->named_parameters()) {
+        auto it = layouts.find(item.key());
+        auto mine = it == layouts.end() ? item.value() : tp::gather_whole(item.value(), it->second);
+        auto theirs = whole->named_parameters()[item.key()];
+        EXPECT_TRUE(torch::allclose(mine, theirs, 1e-5, 1e-6))
+            << where << " " << item.key() << " differs by " << (mine - theirs).abs().max().item<double>();
+      }
+    });
+  // Parts that do not add up, or that the tp size cannot split, are named with their numbers.
+  run_ranks(2, [&](Communicator& comm) {
+    Fused model(kQ, kKv);
+    auto m = config_error([&] {
+      tp::parallelize(*model, comm, {{"qkv", tp::Style::Colwise, false, 1, false, {kQ, kKv, kKv - 1}}});
+    });
+    EXPECT_NE(m.find("its out_features 48 is not the sum of fused_sizes [24, 12, 11] (47)"), std::string::npos) << m;
+    m = config_error([&] { tp::parallelize(*model, comm, {{"qkv", tp::Style::Colwise, false, 2, false, {kQ, kKv, kKv}}}); });
+    EXPECT_NE(m.find("fused 2 but 3 fused_sizes"), std::string::npos) << m;
+    m = config_error([&] { tp::parallelize(*model, comm, {{"qkv", tp::Style::Colwise, false, 1, false, {kQ, 9, 15}}}); });
+    EXPECT_NE(m.find("its fused part 2 of 3 is 9, which the tp size 2 does not divide"), std::string::npos) << m;
+  });
+}
+
+// AutoTP with sequence parallelism: every split layer takes the sequence split, and the norms and dropouts
+// between them (LibTorch's own) run on this rank's share; a layer kept whole there is refused by name.
+TEST(TensorParallelPlans, AutoTpPlacesSequenceParallelism) {
+  struct Net : torch::nn::Module {
+    Net() {
+      register_module("wte", xlr8::nn::Embedding(32, 8));
+      register_module("drop", torch::nn::Dropout(0.1));
+      register_module("ln", torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})));
+      register_module("fc", xlr8::nn::Linear(8, 16));
+      register_module("proj", xlr8::nn::Linear(16, 8));
+      register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})));
+      register_module("head", xlr8::nn::Linear(torch::nn::LinearOptions(8, 32).bias(false)));
+    }
+  } net;
+  EXPECT_EQ(describe(tp::auto_plan(net, 2, 0, /*sequence_parallel=*/true)),
+            "wte=VocabParallel+sp;fc=Colwise+sp;proj=Rowwise+sp;head=Colwise+gather+sp;drop=SequenceParallel;"
+            "ln=SequenceParallel;ln_f=SequenceParallel;");
+  EXPECT_EQ(describe(tp::auto_plan(net, 2)), "wte=VocabParallel;fc=Colwise;proj=Rowwise;head=Colwise+gather;");
+  Lm tied(true);
+  auto m = config_error([&] { tp::auto_plan(*tied, 2, 0, true); });
+  EXPECT_NE(m.find("sequence parallelism: wte, lm_head would stay whole"), std::string::npos) << m;
+}
+
+// DeepSpeed's preset_model: the family's specs by Hugging Face names (matched case-insensitively); the
+// partition_config's specs go first unless use_default_specs is false; what no spec matches stays whole.
+TEST(TensorParallelPlans, DeepSpeedPresetsPlaceAModelNamedAsTheirFamily) {
+  struct Layer : torch::nn::Module {
+    Layer() {
+      auto attn = register_module("self_attn", std::make_shared<torch::nn::Module>());
+      for (const auto* name : {"q_proj", "k_proj", "v_proj", "o_proj"}) attn->register_module(name, xlr8::nn::Linear(8, 8));
+      auto mlp = register_module("mlp", std::make_shared<torch::nn::Module>());
+      mlp->register_module("gate_proj", xlr8::nn::Linear(8, 16));
+      mlp->register_module("up_proj", xlr8::nn::Linear(8, 16));
+      mlp->register_module("down_proj", xlr8::nn::Linear(16, 8));
+    }
+  };
+  struct Llama : torch::nn::Module {
+    Llama() {
+      auto inner = register_module("model", std::make_shared<torch::nn::Module>());
+      inner->register_module("embed_tokens", xlr8::nn::Embedding(32, 8));
+      inner->register_module("layers", torch::nn::ModuleList(std::make_shared<Layer>()));
+      register_module("lm_head", xlr8::nn::Linear(torch::nn::LinearOptions(8, 32).bias(false)));
+    }
+  } llama;
+  const std::string preset_plan =
+      "model.embed_tokens=Replicate;model.layers.0.self_attn.q_proj=Colwise;model.layers.0.self_attn.k_proj=Colwise;"
+      "model.layers.0.self_attn.v_proj=Colwise;model.layers.0.self_attn.o_proj=Rowwise;"
+      "model.layers.0.mlp.gate_proj=Colwise;model.layers.0.mlp.up_proj=Colwise;model.layers.0.mlp.down_proj=Rowwise;"
+      "lm_head=Replicate;";
+  auto plan = [&](const char* json) { return describe(tp::plan_from_deepspeed(nlohmann::json::parse(json), llama, 2)); };
+  EXPECT_EQ(plan(R"({"autotp_size": 2, "preset_model": "Llama"})"), preset_plan);
+  EXPECT_EQ(plan(R"({"preset_model": "qwen2"})"), preset_plan);
+  // Custom specs first, then the preset's (use_default_specs defaults to true with a preset)...
+  const std::string head = R"({"patterns": ["lm_head"], "partition_type": "column", "gather_output": true})";
+  auto merged = plan((R"({"preset_model": "llama", "partition_config": {"layer_specs": [)" + head + "]}}").c_str());
+  EXPECT_EQ(merged, preset_plan.substr(0, preset_plan.size() - std::string("lm_head=Replicate;").size()) +
+                        "lm_head=Colwise+gather;");
+  // ...or alone.
+  auto alone = plan((R"({"preset_model": "llama", "partition_config": {"use_default_specs": false, "layer_specs": [)" + head +
+                     "]}}").c_str());
+  EXPECT_NE(alone.find("model.layers.0.self_attn.q_proj=Replicate;"), std::string::npos) << alone;
+  EXPECT_NE(alone.find("lm_head=Colwise+gather;"), std::string::npos) << alone;
+  // A preset whose names the model does not use places nothing: every layer stays whole.
+  EXPECT_EQ(plan(R"({"preset_model": "bloom"})").find("Colwise"), std::string::npos);
+  // phi3's fused projections are equal parts.
+  struct Phi : torch::nn::Module {
+    Phi() {
+      auto attn = register_module("self_attn", std::make_shared<torch::nn::Module>());
+      attn->register_module("qkv_proj", xlr8::nn::Linear(8, 24));
+      auto mlp = register_module("mlp", std::make_shared<torch::nn::Module>());
+      mlp->register_module("gate_up_proj", xlr8::nn::Linear(8, 32));
+    }
+  };
+  struct PhiModel : torch::nn::Module {
+    PhiModel() { register_module("layers", torch::nn::ModuleList(std::make_shared<Phi>())); }
+  } phi;
+  EXPECT_EQ(describe(tp::plan_from_deepspeed(nlohmann::json::parse(R"({"preset_model": "phi3"})"), phi, 2)),
+            "layers.0.self_attn.qkv_proj=Colwisex3;layers.0.mlp.gate_up_proj=Colwisex2;");
 }
