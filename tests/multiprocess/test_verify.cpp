@@ -112,8 +112,13 @@ TEST(Verify, TheGptPassesUnderDdpTensorContextAndSequenceParallelismAndHybridSha
 }
 
 TEST(Verify, TheFashionMnistExamplePasses) {
+  // --seed 2: with the example's default seed, on an AVX2 machine (AMD EPYC, 2026-11-26), step 3's gradient norm
+  // differs by 1.5e-3 between one process on 64 samples and two on 32 each, under DDP and FULL_SHARD alike (to
+  // 1e-7 of each other), over Gloo and shared memory alike: a near-tie of ReLU or max-pooling that the per-process
+  // batch size's rounding settles differently, not a strategy's error; seeds 1-5 pass there.
   auto r = verify(2, {"--steps", "3"},
-                  {kFashion, "--train_limit", "1280", "--batch_size", "32", "--output_dir", temp_dir("verify-fashion")});
+                  {kFashion, "--train_limit", "1280", "--batch_size", "32", "--seed", "2", "--output_dir",
+                   temp_dir("verify-fashion")});
   EXPECT_TRUE(passed(r)) << r.out << r.err;
 }
 
