@@ -25,8 +25,8 @@ std::vector<at::Tensor> AcceleratorImpl::optimized_parameters() const {
 }
 
 void AcceleratorImpl::check_attention_went_through_cp() {
-  // Once, after the first backward: a later backward may reuse a graph (retain_graph, a second loss)
-  // without a new forward.
+  // Once, at the first backward (its forward has run): a later backward may reuse a graph (retain_graph, a
+  // second loss) without a new forward.
   if (attention_checked) return;
   attention_checked = true;
   if (cp::detail::attention_calls() > 0) return;
@@ -204,6 +204,9 @@ at::Tensor AcceleratorImpl::loss_for_backward(const at::Tensor& loss) {
 void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
   if (impl_->deepspeed)  // everything the JSON needs is prepared by now: no "auto" may be left
     impl_->deepspeed->finish(impl_->gradient_state->num_steps);
+  // A forward under cp/sp that never went through xlr8::attention is refused before its backward computes
+  // anything: nothing has trained yet.
+  if (impl_->state->mesh().size("cp") * impl_->state->mesh().size("sp") > 1) impl_->check_attention_went_through_cp();
   auto scaled = impl_->loss_for_backward(loss);
   if (impl_->verify) impl_->verify->on_backward(loss);
   AutocastPause outside_autocast;
@@ -214,7 +217,6 @@ void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
                                     "xlr8::sharded(*this, body, inputs...), so they were not checkpointed; write "
                                     "their forward in that form (xlr8/unshard.hpp)",
                                     fmt::join(never, ", ")));
-  if (impl_->state->mesh().size("cp") * impl_->state->mesh().size("sp") > 1) impl_->check_attention_went_through_cp();
 }
 
 void Accelerator::clip_grad_value(const std::vector<at::Tensor>& parameters, double clip_value) {
