@@ -52,11 +52,14 @@ struct Args {
 // Bytes of parameters, gradients and optimizer state this process holds, each storage counted once
 // (DDP's gradients are views of its buckets; sharded strategies' optimizers hold this rank's shards,
 // which may be views of the whole parameters; a freed gathered unit holds no bytes).
-int64_t state_bytes(const torch::nn::Module& model, const torch::optim::Optimizer& opt) {
+// `where`: only the tensors in host memory (kCPU) or only those on an accelerator (kCUDA); all by default.
+int64_t state_bytes(const torch::nn::Module& model, const torch::optim::Optimizer& opt,
+                    std::optional<c10::DeviceType> where = std::nullopt) {
   std::set<const void*> seen;
   int64_t total = 0;
   auto add = [&](const at::Tensor& t) {
-    if (t.defined() && seen.insert(t.storage().data()).second) total += static_cast<int64_t>(t.storage().nbytes());
+    if (!t.defined() || (where && (t.device().is_cpu() != (*where == c10::DeviceType::CPU)))) return;
+    if (seen.insert(t.storage().data()).second) total += static_cast<int64_t>(t.storage().nbytes());
   };
   for (const auto& p : model.parameters()) {
     add(p);
@@ -277,6 +280,9 @@ int run(const Args& args) {
   auto growth = acc.gather(torch::full({1}, load_growth_mb, torch::kFloat64));
   auto setup_peaks = acc.gather(torch::full({1}, setup_peak_rss_mb, torch::kFloat64));
   const auto stats = acc.parallel_stats(model);
+  // Where the state lives (offload moves the optimizer's side, and under stage 3 the parameter shards, to the host).
+  const int64_t device_bytes = state_bytes(*model, opt.optimizer(), c10::DeviceType::CUDA);
+  const int64_t host_bytes = state_bytes(*model, opt.optimizer(), c10::DeviceType::CPU);
   acc.save_model(model, args.output_dir + "/model");
   acc.end_training();
   if (acc.is_main_process()) {
@@ -304,6 +310,13 @@ int run(const Args& args) {
                           {"forward_prefetches", stats.value("forward_prefetches", int64_t{0})},
                           {"backward_prefetches", stats.value("backward_prefetches", int64_t{0})},
                           {"gathers", stats.value("gathers", int64_t{0})},
+                          {"device", acc.device().str()},
+                          {"device_state_bytes_rank0", device_bytes},
+                          {"host_state_bytes_rank0", host_bytes},
+                          {"offloaded_optimizer_groups", stats.value("offloaded_optimizer_groups", int64_t{0})},
+                          {"offloaded_parameter_groups", stats.value("offloaded_parameter_groups", int64_t{0})},
+                          {"offload_host_bytes", stats.value("offload_host_bytes", int64_t{0})},
+                          {"offload_pinned", stats.value("offload_pinned", false)},
                           {"save_state_seconds", save_seconds},
                           {"load_state_seconds", load_seconds}};
     result["cp_attention_blocks_per_micro_step_by_rank"] =

@@ -81,6 +81,9 @@ int main(int argc, char** argv) {
                                          {"skipped_steps", engine->skipped_steps()},
                                          {"num_processes", acc.num_processes()},
                                          {"stage", engine->zero_optimization_stage()},
+                                         // Offload (zero_optimization.offload_optimizer): the optimizer steps in host memory.
+                                         {"optimizer_device",
+                                          optimizer->param_groups().front().params().front().device().str()},
                                          {"tp_size", acc.state().mesh().size("tp")},
                                          {"sp_size", acc.state().mesh().size("sp")},
                                          {"sliced_parameters", xlr8::tp::slice_layouts(engine->module()).size()},

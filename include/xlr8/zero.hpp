@@ -81,6 +81,20 @@ struct ZeroOptions {
   // saving a gather for each small bias or norm. 0: none (FSDP's behaviour and the Accelerator's default;
   // the DeepSpeed engine takes the JSON's value, DeepSpeed's default 100,000 when absent).
   int64_t param_persistence_threshold = 0;
+  // Offload (DeepSpeed's offload_optimizer / offload_param with device cpu, FSDP's offload_params), for
+  // parameters on an accelerator. offload_optimizer: this rank's fp32 master shards, their gradients and
+  // the optimizer's state live in host memory and the optimizer steps there; each step's gradient chunks
+  // go to the host and the updated shards come back. offload_params (stage 3; implies offload_optimizer,
+  // as FSDP's does): the compute-dtype shards live in host memory too, and a gather copies them to the
+  // device first, so between uses a unit holds no device memory. The leaves the optimizer gets are host
+  // tensors. `offload_ratio` (DeepSpeed's offload_optimizer.ratio, stage 3): the groups offloaded, in
+  // order, until this fraction of the elements is. `offload_pin_memory`: host memory page-locked when
+  // the parameters are on CUDA. On a CPU the same copies are made (what tests check the arithmetic
+  // with); the Accelerator does not ask for them there.
+  bool offload_optimizer = false;
+  bool offload_params = false;
+  double offload_ratio = 1.0;
+  bool offload_pin_memory = true;
 };
 
 }  // namespace xlr8

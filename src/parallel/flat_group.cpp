@@ -18,6 +18,11 @@ FlatGroup::Overlap FlatGroup::owned_part(size_t i) const {
   return {a - lo, a - offsets[i], b - a};
 }
 
+at::Tensor FlatGroup::shard_on_device() const {
+  // Asynchronous from page-locked memory: the collective that reads it is ordered after the copy.
+  return shard.device() == full.device() ? shard : shard.to(full.device(), /*non_blocking=*/shard.is_pinned());
+}
+
 void FlatGroup::gather(Communicator& comm) { gather_async(comm).wait(); }
 
 Work FlatGroup::gather_async(Communicator& comm) {
@@ -28,7 +33,7 @@ Work FlatGroup::gather_async(Communicator& comm) {
   const auto bytes = static_cast<size_t>(full_bytes());
   storage.set_data_ptr_noswap(storage.allocator()->allocate(bytes));
   storage.set_nbytes(bytes);
-  return comm.all_gather_async(full, shard);
+  return comm.all_gather_async(full, shard_on_device());
 }
 
 void FlatGroup::release() {
@@ -44,19 +49,21 @@ Work FlatGroup::refresh_async(Communicator& comm) {
     shard.copy_(master);
   }
   if (owns_shard && !gathered()) return Work();
-  return comm.all_gather_async(full, shard);  // stages 1-2: `shard` is this rank's chunk of `full`: in place
+  return comm.all_gather_async(full, shard_on_device());  // stages 1-2: `shard` is this rank's chunk of `full`: in place
 }
 
 at::Tensor FlatGroup::gather_master(Communicator& comm) const {
   if (!mixed() && gathered()) return full;
-  auto whole = at::empty({padded()}, master.options());
-  comm.all_gather(whole, master);
+  // Offloaded masters go through the device: its collectives, not the host's.
+  const auto mine = master.device() == full.device() ? master : master.to(full.device());
+  auto whole = at::empty({padded()}, mine.options());
+  comm.all_gather(whole, mine);
   return whole;
 }
 
 FlatGroup make_flat_group(std::string label, std::vector<std::string> names,
                           std::vector<at::Tensor> params, Communicator& comm, bool owns_shard,
-                          std::optional<at::ScalarType> compute_dtype, bool values_from_rank0) {
+                          std::optional<at::ScalarType> compute_dtype, bool values_from_rank0, HostPlacement host) {
   FlatGroup g;
   g.label = std::move(label);
   g.names = std::move(names);
@@ -64,6 +71,7 @@ FlatGroup make_flat_group(std::string label, std::vector<std::string> names,
   g.rank = comm.rank();
   g.ranks = comm.size();
   g.owns_shard = owns_shard;
+  g.host = host;
   if (g.params.empty()) throw Error("internal: a sharding unit without parameters");
   g.frozen = !g.params.front().requires_grad();
   const auto options = g.params.front().options().requires_grad(false);
@@ -93,13 +101,25 @@ FlatGroup make_flat_group(std::string label, std::vector<std::string> names,
     p.set_data(g.full.narrow(0, g.offsets[i], p.numel()).view(p.sizes()));
   }
   const int64_t own_offset = static_cast<int64_t>(g.rank) * g.shard_numel;
+  if (host.shard && !owns_shard) throw Error("internal: only a stage-3 group's shard can live in host memory");
+  auto in_host = [&](at::ScalarType dtype) {
+    return at::empty({g.shard_numel}, at::TensorOptions().dtype(dtype).pinned_memory(host.pin && g.full.is_cuda()));
+  };
   if (owns_shard) {
-    g.shard = comm.symmetric_empty({g.shard_numel}, g.full.options());
+    g.shard = host.shard ? in_host(compute) : comm.symmetric_empty({g.shard_numel}, g.full.options());
     g.shard.copy_(g.full.narrow(0, own_offset, g.shard_numel));
   } else {
     g.shard = g.full.narrow(0, own_offset, g.shard_numel);
   }
-  g.master = compute == exact.scalar_type() ? g.shard : exact.narrow(0, own_offset, g.shard_numel).clone();
+  const auto own_exact = exact.narrow(0, own_offset, g.shard_numel);
+  if (compute == exact.scalar_type() && (host.shard || !host.master)) {
+    g.master = g.shard;  // where the optimizer wants it already
+  } else if (host.master) {
+    g.master = in_host(exact.scalar_type());
+    g.master.copy_(own_exact);
+  } else {
+    g.master = own_exact.clone();
+  }
   for (size_t i = 0; i < g.params.size(); ++i) {
     auto part = g.owned_part(i);
     auto leaf = g.master.narrow(0, part.in_shard, part.count).detach();

@@ -18,6 +18,15 @@
 
 namespace xlr8::detail {
 
+// Which of a group's tensors live in host memory while its parameters are on an accelerator (offload;
+// ZeroOptions::offload_optimizer / offload_params): `master` (and with it the optimizer's leaves, their
+// gradients and state), and, stage 3 only, `shard` too. `pin`: page-locked when `full` is on CUDA.
+struct HostPlacement {
+  bool master = false;
+  bool shard = false;
+  bool pin = true;
+};
+
 struct FlatGroup {
   std::string label;                         // the unit's module path, "(root)", or "bucket k"
   std::vector<std::string> names;
@@ -28,15 +37,20 @@ struct FlatGroup {
   int rank = 0, ranks = 1;
   bool owns_shard = false;                   // stage 3: `shard` is its own tensor, `full` may be freed
   bool frozen = false;                       // no parameter requires gradients: no hooks, no reduction
+  HostPlacement host;                        // what lives in host memory (offload)
   at::Tensor full;                           // the gathered parameters, padded, in the compute dtype
   at::Tensor shard;                          // this rank's chunk of them (a view of `full` unless owns_shard)
   at::Tensor master;                         // the chunk the optimizer updates: `shard` itself, or its fp32
-                                             // master copy when parameters compute in a lower precision
+                                             // master copy when parameters compute in a lower precision, or
+                                             // (offload) its copy in host memory
   at::Tensor grad_full;                      // gradients laid out like `full` (while reducing; stage 1 keeps it)
   std::vector<at::Tensor> shard_params;      // per parameter: the leaf the optimizer updates (a view of `master`;
                                              // frozen: a leaf that requires no gradient, which optimizers skip)
 
   bool mixed() const { return !master.is_same(shard); }
+
+  // `shard` where `full` lives: itself, or (parameters offloaded) a copy of it on the device.
+  at::Tensor shard_on_device() const;
 
   int64_t padded() const { return shard_numel * ranks; }
   bool gathered() const;
@@ -67,6 +81,7 @@ struct FlatGroup {
 // others' are never read); the group's are broadcast from it (collective).
 FlatGroup make_flat_group(std::string label, std::vector<std::string> names,
                           std::vector<at::Tensor> params, Communicator& comm, bool owns_shard,
-                          std::optional<at::ScalarType> compute_dtype = std::nullopt, bool values_from_rank0 = false);
+                          std::optional<at::ScalarType> compute_dtype = std::nullopt, bool values_from_rank0 = false,
+                          HostPlacement host = {});
 
 }  // namespace xlr8::detail

@@ -18,7 +18,8 @@
 //   shard         rank r's chunk [r·shard_numel, (r+1)·shard_numel) of `full`: a view of it for stages
 //                 1-2, a tensor of its own for stage 3 (in memory the group's peers can read).
 //   master        the chunk the optimizer updates: `shard` itself, or an fp32 copy of it when the
-//                 parameters compute in a lower precision (mixed precision).
+//                 parameters compute in a lower precision (mixed precision), or a copy in host memory
+//                 (offload: FlatGroup::host; stage 3 may keep `shard` there too, copied to the device to gather).
 //   shard_params  per parameter, a leaf over the part of it inside `master` (possibly empty): what the
 //                 optimizer, sharded checkpoints and clip_grad_norm see. Frozen groups' leaves require
 //                 no gradient, so optimizers skip them.

@@ -105,7 +105,12 @@ std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::
                                                          Communicator data_parallel, const ParallelOptions& options,
                                                          std::shared_ptr<const GradientState> gradient_state) {
   if (!module) throw Error("prepare(): the model is null");
-  if (data_parallel.size() == 1) return std::make_unique<SingleProcess>(std::move(module));
+  const bool offloads = options.zero.offload_optimizer || options.zero.offload_params;
+  if (offloads && options.zero.stage < 1)
+    throw ConfigError("offload (offload_optimizer / offload_param, fsdp_offload_params) needs ZeRO stage 1, 2 or 3 "
+                      "(FSDP: FULL_SHARD or SHARD_GRAD_OP); the strategy is DDP: set a stage, or turn offload off");
+  // One process offloads too (ZeRO-Offload's single-GPU case): the sharding engine over a group of one.
+  if (data_parallel.size() == 1 && !offloads) return std::make_unique<SingleProcess>(std::move(module));
   if (options.zero.stage > 0)
     return detail::make_zero_strategy(std::move(module), std::move(data_parallel), options, std::move(gradient_state));
   return std::make_unique<DataParallelReplicas>(std::move(module), std::move(data_parallel), options.ddp,
@@ -117,6 +122,10 @@ std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::
                                                          std::shared_ptr<const GradientState> gradient_state) {
   auto resolved = options;
   resolved.zero = detail::resolve_zero_options(options.zero, state.settings(), state.local_world_size());
+  // Offload moves state from an accelerator's memory to the host's; parameters on the CPU are there already.
+  const auto parameters = module ? module->parameters() : std::vector<at::Tensor>{};
+  if (!parameters.empty() && parameters.front().device().is_cpu())
+    resolved.zero.offload_optimizer = resolved.zero.offload_params = false;
   // Context-parallel (and Ulysses) peers share the weights and see different tokens: gradients are
   // averaged, and FSDP shards, over dp x cp (torchtitan's rule; DeepSpeed's sequence-data-parallel group).
   auto& mesh = state.mesh();

@@ -38,6 +38,48 @@ class UnitHandle final : public UnitHooks {
   size_t unit_;
 };
 
+// Offload, group by group in the units' order: what lives in host memory, until `offload_ratio` of the
+// trainable elements does (DeepSpeed's partial offload; every group at 1).
+class OffloadBudget {
+ public:
+  OffloadBudget(const ZeroOptions& options, const StagePolicy& policy, const std::vector<UnitPlan>& plans)
+      : params_(options.offload_params && policy.shards_parameters),
+        optimizer_(options.offload_optimizer || params_),
+        pin_(options.offload_pin_memory) {
+    if (options.offload_params && !policy.shards_parameters)
+      throw ConfigError(fmt::format("offloading parameters needs ZeRO stage 3 (FULL_SHARD); stage {} keeps them whole "
+                                    "on every rank: offload the optimizer instead, or use stage 3",
+                                    policy.stage));
+    if (!(options.offload_ratio > 0 && options.offload_ratio <= 1))
+      throw ConfigError(fmt::format("offload ratio {} must be above 0 and at most 1", options.offload_ratio));
+    if (options.offload_ratio < 1 && !policy.shards_parameters)
+      throw ConfigError(fmt::format("an offload ratio below 1 ({}) needs ZeRO stage 3; stage {} offloads all or nothing",
+                                    options.offload_ratio, policy.stage));
+    for (const auto& plan : plans)
+      for (const auto& g : plan.groups)
+        for (const auto& p : g.params) total_ += p.requires_grad() ? p.numel() : 0;
+    left_ = static_cast<double>(total_) * options.offload_ratio;
+  }
+  HostPlacement place(const std::vector<at::Tensor>& params, bool frozen) {
+    HostPlacement host{.master = false, .shard = params_, .pin = pin_};
+    if (frozen) {
+      host.master = params_;  // no optimizer state to move; the parameters themselves, when they go
+      return host;
+    }
+    int64_t elements = 0;
+    for (const auto& p : params) elements += p.numel();
+    host.master = optimizer_ && left_ > 0;
+    host.shard = host.shard && host.master;
+    if (host.master) left_ -= static_cast<double>(elements);
+    return host;
+  }
+
+ private:
+  bool params_, optimizer_, pin_;
+  int64_t total_ = 0;
+  double left_ = 0;
+};
+
 }  // namespace
 
 StagePolicy StagePolicy::of(int stage) {
@@ -71,14 +113,16 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
   make_replicas_equal(comm_, *module_, /*parameters=*/!from_rank0);
   auto plans = policy_.shards_parameters ? plan_units(*module_, options_)
                                          : plan_buckets(*module_, options_.first_bucket_mb, options_.bucket_cap_mb);
+  OffloadBudget offload(options_, policy_, plans);
   for (auto& plan : plans) {
     const bool root = plan.module == module_.get();
     std::vector<FlatGroup> groups;
     for (auto& g : plan.groups) {
       const bool frozen = !g.params.front().requires_grad();
+      const auto host = offload.place(g.params, frozen);
       groups.push_back(make_flat_group(frozen ? plan.label + " (frozen)" : plan.label, std::move(g.names),
                                        std::move(g.params), comm_, /*owns_shard=*/policy_.shards_parameters,
-                                       options_.param_dtype, from_rank0));
+                                       options_.param_dtype, from_rank0, host));
       return_free_memory_to_system();  // the group's original parameter storage, now replaced
     }
     // Units start freed under rank-0 loading (their guards gather them); the root stays whole until
@@ -315,7 +359,8 @@ void ZeroEngine::reduce_and_hand_over() {
       at::Tensor chunk = policy_.shards_gradients
                              ? grad_shards_[g]
                              : flat.grad_full.narrow(0, static_cast<int64_t>(flat.rank) * flat.shard_numel, flat.shard_numel);
-      if (chunk.scalar_type() != flat.master.scalar_type()) chunk = chunk.to(flat.master.scalar_type());
+      // In the master's dtype, and (offload) in host memory, where the optimizer steps.
+      chunk = chunk.to(flat.master.device(), flat.master.scalar_type());
       for (size_t i = 0; i < flat.params.size(); ++i) {
         auto part = flat.owned_part(i);
         flat.shard_params[i].mutable_grad() = chunk.narrow(0, part.in_shard, part.count);

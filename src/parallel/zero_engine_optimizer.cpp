@@ -117,13 +117,24 @@ nlohmann::json ZeroEngine::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   nlohmann::json listed = nlohmann::json::array();
   int64_t shard_elements = 0, elements = 0, internal = 0;
+  int64_t offloaded_masters = 0, offloaded_shards = 0, host_bytes = 0;
+  bool pinned = false;
   for (const auto& unit : units_)
     for (const auto& g : unit->groups()) {
       listed.push_back({{"name", g.label},
                         {"frozen", g.frozen},
                         {"parameters", g.numel},
                         {"bytes", g.full_bytes()},
-                        {"sharded_between_steps", unit->managed()}});
+                        {"sharded_between_steps", unit->managed()},
+                        {"master_in_host_memory", g.host.master},
+                        {"shard_in_host_memory", g.host.shard}});
+      // Offload: the master shards and the parameter shards kept in host memory (the optimizer's state
+      // and the gradients handed to it are there too, counted by whoever reads the optimizer).
+      offloaded_masters += g.host.master;
+      offloaded_shards += g.host.shard;
+      if (g.host.master) host_bytes += static_cast<int64_t>(g.master.nbytes());
+      if (g.host.shard && g.mixed()) host_bytes += static_cast<int64_t>(g.shard.nbytes());
+      pinned = pinned || (g.host.master && g.master.is_pinned());
       shard_elements += g.shard_numel;
       elements += g.numel;
       // Held by the engine and reachable from neither the parameters nor the optimizer: the low-precision
@@ -140,6 +151,10 @@ nlohmann::json ZeroEngine::stats() const {
           {"parameters", elements},
           {"shard_elements", shard_elements},
           {"internal_state_bytes", internal},
+          {"offloaded_optimizer_groups", offloaded_masters},
+          {"offloaded_parameter_groups", offloaded_shards},
+          {"offload_host_bytes", host_bytes},
+          {"offload_pinned", pinned},
           {"gathers", c.gathers},
           {"prefetches", c.forward_prefetches + c.backward_prefetches},
           {"forward_prefetches", c.forward_prefetches},

@@ -111,6 +111,23 @@ ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings, 
       }
     }
   }
+  if (settings.fsdp && settings.fsdp->offload_params) {
+    // FSDP's CPUOffload: the optimizer steps on host shards; parameters stay there too where they are
+    // sharded between uses (FULL_SHARD).
+    options.offload_optimizer = true;
+    options.offload_params = options.offload_params || options.stage == 3;
+  }
+  if (settings.deepspeed) {
+    const auto& d = *settings.deepspeed;
+    for (const auto& [device, key] : {std::pair{&d.offload_optimizer_device, "offload_optimizer_device"},
+                                      std::pair{&d.offload_param_device, "offload_param_device"}})
+      if (*device == "nvme")
+        throw ConfigError(fmt::format("deepspeed_config.{} is nvme (ZeRO-Infinity), which xlr8 does not implement; use "
+                                      "cpu (host memory) or none",
+                                      key));
+    options.offload_optimizer = options.offload_optimizer || d.offload_optimizer_device == "cpu";
+    options.offload_params = options.offload_params || d.offload_param_device == "cpu";
+  }
   if (settings.deepspeed) {
     if (options.stage < 0) options.stage = settings.deepspeed->zero_stage;
     // DeepSpeed gathers submodule by submodule, never the whole model at once.

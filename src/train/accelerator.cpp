@@ -72,7 +72,7 @@ Accelerator::Accelerator(AcceleratorOptions options, ForEngine) : impl_(std::mak
                                                                 s.state->is_main_process());
   s.gradient_state->sync_with_dataloader = s.options.sync_with_dataloader;
   if (s.precision == MixedPrecision::FP16) s.scaler.emplace();
-  // Offload moves shards to host memory on CUDA machines; this build keeps them on the training device.
+  // Offload keeps the optimizer's side (and under stage 3 the parameter shards) in host memory.
   const auto& settings = s.state->settings();
   bool offload = (settings.fsdp && settings.fsdp->offload_params) ||
                  (settings.deepspeed && (settings.deepspeed->offload_optimizer_device != "none" ||
@@ -119,9 +119,10 @@ void AcceleratorImpl::report_offload() {
     log::info("xlr8: offload requested: shards, gradients and optimizer state stay on the training device, which on a "
               "CPU-only run is host memory already, so nothing moves");
   else
-    log::warning("xlr8: offload requested, but this build does not offload yet: shards, gradients and optimizer state "
-                 "stay in {} memory",
-                 device.str());
+    log::info("xlr8: offload: the optimizer's fp32 shards, their gradients and its state live in host memory and it "
+              "steps on the CPU; under ZeRO stage 3 with offload_param / fsdp_offload_params the parameter shards "
+              "too, copied to {} for each gather (parallel_stats: offloaded_*_groups, offload_host_bytes)",
+              device.str());
 }
 
 Accelerator::~Accelerator() {
