@@ -22,8 +22,11 @@
 #endif
 
 #include <chrono>
+#include <cstdlib>
+#include <mutex>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #define XLR8_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
@@ -90,10 +93,50 @@ inline BackendPtr make_gloo(const StorePtr& store, int rank, int size, std::chro
 }
 
 #ifdef XLR8_WITH_NCCL
+// A ProcessGroupNCCL still alive at exit aborts its communicators from its destructor, which needs the CUDA
+// driver; but the driver, loaded when CUDA first ran, registered its own exit handlers after our statics
+// were made, so it is finalised first, the abort fails ("driver shutting down") and the process terminates
+// (exit code 134 after a finished run). So every NCCL group is aborted from an exit handler registered once
+// CUDA is initialised: handlers registered later run earlier. (Aborted, not shut down: a shutdown waits
+// for pending work, which a failing run may have.)
+struct NcclGroupsAtExit {
+  std::mutex mutex;
+  std::vector<c10::weak_intrusive_ptr<c10d::ProcessGroupNCCL>> groups;
+  static NcclGroupsAtExit& instance() {
+    static auto* registry = new NcclGroupsAtExit;  // never destroyed: the handler runs during exit
+    return *registry;
+  }
+  static void abort_all() {
+    auto& r = instance();
+    std::lock_guard<std::mutex> lock(r.mutex);
+    for (auto& weak : r.groups)
+      if (auto group = weak.lock()) {
+        try {
+          group->abort();
+        } catch (const std::exception&) {  // exiting anyway
+        }
+      }
+    r.groups.clear();
+  }
+  void add(const c10::intrusive_ptr<c10d::ProcessGroupNCCL>& group) {
+    static std::once_flag registered;
+    std::call_once(registered, [] {
+      (void)c10::cuda::device_count();  // the driver is loaded (and its handlers registered) before ours
+      std::atexit(&NcclGroupsAtExit::abort_all);
+    });
+    std::lock_guard<std::mutex> lock(mutex);
+    groups.emplace_back(group);
+  }
+};
+
 inline BackendPtr make_nccl(const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout) {
   auto options = c10d::ProcessGroupNCCL::Options::create();
   options->timeout = timeout;
-  return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+  auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
+#if XLR8_TORCH_AT_LEAST(2, 3)
+  NcclGroupsAtExit::instance().add(group);
+#endif
+  return group;
 }
 #endif
 
