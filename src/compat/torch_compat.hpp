@@ -22,6 +22,7 @@
 #endif
 
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <mutex>
 #include <sstream>
@@ -94,11 +95,11 @@ inline BackendPtr make_gloo(const StorePtr& store, int rank, int size, std::chro
 
 #ifdef XLR8_WITH_NCCL
 // A ProcessGroupNCCL still alive at exit aborts its communicators from its destructor, which needs the CUDA
-// driver; but the driver, loaded when CUDA first ran, registered its own exit handlers after our statics
-// were made, so it is finalised first, the abort fails ("driver shutting down") and the process terminates
-// (exit code 134 after a finished run). So every NCCL group is aborted from an exit handler registered once
-// CUDA is initialised: handlers registered later run earlier. (Aborted, not shut down: a shutdown waits
-// for pending work, which a failing run may have.)
+// driver; but CUDA registers its own exit handlers once a context exists, after our statics were made, so it
+// is finalised first, the abort fails ("driver shutting down") and the process terminates (SIGABRT after a
+// finished run, stdout's buffer lost). So every NCCL group is aborted from an exit handler registered at the
+// first NCCL collective, when the tensor's context exists: handlers registered later run earlier. (Aborted,
+// not shut down: a shutdown waits for pending work, which a failing run may have.)
 struct NcclGroupsAtExit {
   std::mutex mutex;
   std::vector<c10::weak_intrusive_ptr<c10d::ProcessGroupNCCL>> groups;
@@ -107,25 +108,26 @@ struct NcclGroupsAtExit {
     return *registry;
   }
   static void abort_all() {
+    std::fflush(nullptr);  // what the program printed reaches its pipes whatever happens next
     auto& r = instance();
     std::lock_guard<std::mutex> lock(r.mutex);
     for (auto& weak : r.groups)
       if (auto group = weak.lock()) {
         try {
           group->abort();
-        } catch (const std::exception&) {  // exiting anyway
+        } catch (...) {  // exiting anyway
         }
       }
     r.groups.clear();
   }
   void add(const c10::intrusive_ptr<c10d::ProcessGroupNCCL>& group) {
-    static std::once_flag registered;
-    std::call_once(registered, [] {
-      (void)c10::cuda::device_count();  // the driver is loaded (and its handlers registered) before ours
-      std::atexit(&NcclGroupsAtExit::abort_all);
-    });
     std::lock_guard<std::mutex> lock(mutex);
     groups.emplace_back(group);
+  }
+  // At every NCCL collective (cheap after the first): registers the handler once.
+  static void arm() {
+    static std::once_flag registered;
+    std::call_once(registered, [] { std::atexit(&NcclGroupsAtExit::abort_all); });
   }
 };
 

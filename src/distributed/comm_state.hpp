@@ -32,7 +32,12 @@ struct CommState {
   std::chrono::milliseconds timeout{std::chrono::minutes(30)};
   // The backend for `t`, and whether it is NCCL (which reduces every dtype, AVG included).
   compat::Backend& backend_for(const at::Tensor& t, const std::string& what) const;
-  bool uses_nccl(const at::Tensor& t) const { return t.is_cuda() && nccl; }
+  bool uses_nccl(const at::Tensor& t) const {
+    if (!t.is_cuda() || !nccl) return false;
+    nccl_in_use();
+    return true;
+  }
+  static void nccl_in_use();  // the first time: NCCL's groups are aborted at exit, before CUDA's teardown
   std::uint64_t object_sequence = 0;
   std::uint64_t collective_sequence = 0;  // this group's collectives issued so far (the flight recorder's numbering)
   std::uint64_t ring_sequence = 0;

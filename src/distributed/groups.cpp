@@ -62,6 +62,14 @@ auto record_object_collective(CommState& s, const std::string& op, const std::st
 
 }  // namespace
 
+void detail::CommState::nccl_in_use() {
+#ifdef XLR8_WITH_NCCL
+#if XLR8_TORCH_AT_LEAST(2, 3)
+  compat::NcclGroupsAtExit::arm();
+#endif
+#endif
+}
+
 std::string Communicator::broadcast_object(const std::string& payload, int root) {
   auto& s = *state_;
   auto desc = fmt::format("broadcast_object({} bytes, root {}) on group '{}' (rank {} of {})", payload.size(), root,
