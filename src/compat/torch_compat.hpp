@@ -94,12 +94,13 @@ inline BackendPtr make_gloo(const StorePtr& store, int rank, int size, std::chro
 }
 
 #ifdef XLR8_WITH_NCCL
-// A ProcessGroupNCCL still alive at exit aborts its communicators from its destructor, which needs the CUDA
-// driver; but CUDA registers its own exit handlers once a context exists, after our statics were made, so it
-// is finalised first, the abort fails ("driver shutting down") and the process terminates (SIGABRT after a
-// finished run, stdout's buffer lost). So every NCCL group is aborted from an exit handler registered at the
-// first NCCL collective, when the tensor's context exists: handlers registered later run earlier. (Aborted,
-// not shut down: a shutdown waits for pending work, which a failing run may have.)
+// A ProcessGroupNCCL destroyed during exit (the process state's groups are statics) sets its device in
+// its destructor, which fails once CUDA's driver is shutting down ("driver shutting down", thrown from a
+// destructor: SIGABRT after a finished run, stdout's buffer lost; seen on an H100 with torch 2.11). So an
+// exit handler, registered at the first NCCL collective (after our statics, so it runs before their
+// destructors), aborts every NCCL group while it can and keeps a reference to each that is never
+// released: their destructors never run. (Aborted, not shut down: a shutdown waits for pending work, which
+// a failing run may have.)
 struct NcclGroupsAtExit {
   std::mutex mutex;
   std::vector<c10::weak_intrusive_ptr<c10d::ProcessGroupNCCL>> groups;
@@ -117,6 +118,7 @@ struct NcclGroupsAtExit {
           group->abort();
         } catch (...) {  // exiting anyway
         }
+        (void)group.release();  // one reference never dropped: no destructor during exit
       }
     r.groups.clear();
   }
