@@ -87,8 +87,9 @@ struct ZeroOptions {
   // go to the host and the updated shards come back. offload_params (stage 3; implies offload_optimizer,
   // as FSDP's does): the compute-dtype shards live in host memory too, and a gather copies them to the
   // device first, so between uses a unit holds no device memory. The leaves the optimizer gets are host
-  // tensors. `offload_ratio` (DeepSpeed's offload_optimizer.ratio, stage 3): the groups offloaded, in
-  // order, until this fraction of the elements is. `offload_pin_memory`: host memory page-locked when
+  // tensors. `offload_ratio` (DeepSpeed's offload_optimizer.ratio, stage 3, the optimizer offloaded without
+  // the parameters): the groups offloaded, in order, until this fraction of the trainable elements is
+  // (whole groups: the one that crosses it goes too). `offload_pin_memory`: host memory page-locked when
   // the parameters are on CUDA. On a CPU the same copies are made (what tests check the arithmetic
   // with); the Accelerator does not ask for them there.
   bool offload_optimizer = false;

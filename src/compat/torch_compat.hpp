@@ -24,6 +24,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <string>
@@ -102,8 +103,11 @@ inline BackendPtr make_gloo(const StorePtr& store, int rank, int size, std::chro
 // released: their destructors never run. (Aborted, not shut down: a shutdown waits for pending work, which
 // a failing run may have.)
 struct NcclGroupsAtExit {
+  struct Entry {
+    c10::intrusive_ptr<c10d::ProcessGroupNCCL> group;
+  };
   std::mutex mutex;
-  std::vector<c10::weak_intrusive_ptr<c10d::ProcessGroupNCCL>> groups;
+  std::vector<std::weak_ptr<Entry>> entries;  // alive while their group's owner holds the handle
   static NcclGroupsAtExit& instance() {
     static auto* registry = new NcclGroupsAtExit;  // never destroyed: the handler runs during exit
     return *registry;
@@ -112,19 +116,24 @@ struct NcclGroupsAtExit {
     std::fflush(nullptr);  // what the program printed reaches its pipes whatever happens next
     auto& r = instance();
     std::lock_guard<std::mutex> lock(r.mutex);
-    for (auto& weak : r.groups)
-      if (auto group = weak.lock()) {
+    for (auto& weak : r.entries)
+      if (auto entry = weak.lock()) {
         try {
-          group->abort();
+          entry->group->abort();
         } catch (...) {  // exiting anyway
         }
-        (void)group.release();  // one reference never dropped: no destructor during exit
+        (void)c10::intrusive_ptr<c10d::ProcessGroupNCCL>(entry->group).release();  // never destroyed during exit
       }
-    r.groups.clear();
+    r.entries.clear();
   }
-  void add(const c10::intrusive_ptr<c10d::ProcessGroupNCCL>& group) {
+  // The handle registers `group` while it lives: its owner keeps it beside the group and drops it first, so a
+  // group dropped during the run is destroyed then, as usual.
+  std::shared_ptr<void> add(const c10::intrusive_ptr<c10d::ProcessGroupNCCL>& group) {
+    auto entry = std::make_shared<Entry>(Entry{group});
     std::lock_guard<std::mutex> lock(mutex);
-    groups.emplace_back(group);
+    std::erase_if(entries, [](const auto& weak) { return weak.expired(); });
+    entries.emplace_back(entry);
+    return entry;
   }
   // At every NCCL collective (cheap after the first): registers the handler once.
   static void arm() {
@@ -133,12 +142,16 @@ struct NcclGroupsAtExit {
   }
 };
 
-inline BackendPtr make_nccl(const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout) {
+// `at_exit`: the group's registration with NcclGroupsAtExit (keep it beside the group; drop it first).
+inline BackendPtr make_nccl(const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout,
+                            std::shared_ptr<void>& at_exit) {
   auto options = c10d::ProcessGroupNCCL::Options::create();
   options->timeout = timeout;
   auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
 #if XLR8_TORCH_AT_LEAST(2, 3)
-  NcclGroupsAtExit::instance().add(group);
+  at_exit = NcclGroupsAtExit::instance().add(group);
+#else
+  at_exit.reset();
 #endif
   return group;
 }

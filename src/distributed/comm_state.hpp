@@ -21,6 +21,7 @@ namespace xlr8::detail {
 struct CommState {
   compat::BackendPtr gloo;
   compat::BackendPtr nccl;  // null without NCCL
+  std::shared_ptr<void> nccl_at_exit;  // its registration for exit (torch_compat.hpp); declared after it: dropped first
   compat::StorePtr store;  // this group's namespace in the job's store
   int rank = 0;
   int size = 1;

@@ -139,7 +139,8 @@ Communicator detail::make_communicator(compat::StorePtr store, int rank, int siz
   if (use_nccl) {
 #ifdef XLR8_WITH_NCCL
     s->nccl = guarded(*s, desc + " with nccl", [&] {
-      return compat::make_nccl(c10::make_intrusive<c10d::PrefixStore>("nccl", store), rank, size, timeout);
+      return compat::make_nccl(c10::make_intrusive<c10d::PrefixStore>("nccl", store), rank, size, timeout,
+                               s->nccl_at_exit);
     });
 #else
     throw Error(desc + ": this xlr8 build has no NCCL support");

@@ -54,10 +54,10 @@ Work FlatGroup::refresh_async(Communicator& comm) {
 
 at::Tensor FlatGroup::gather_master(Communicator& comm) const {
   if (!mixed() && gathered()) return full;
-  // Offloaded masters go through the device: its collectives, not the host's.
-  const auto mine = master.device() == full.device() ? master : master.to(full.device());
-  auto whole = at::empty({padded()}, mine.options());
-  comm.all_gather(whole, mine);
+  // Offloaded masters are gathered in host memory (the host's collectives): a checkpoint of an offloaded
+  // model must not need the whole fp32 model in device memory.
+  auto whole = at::empty({padded()}, master.options());
+  comm.all_gather(whole, master);
   return whole;
 }
 

@@ -12,7 +12,8 @@ namespace xlr8::detail {
 inline at::Tensor partial_norm(const std::vector<at::Tensor>& grads, double norm_type, at::Device device) {
   if (grads.empty()) return at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
   std::vector<at::Tensor> norms;
-  for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble).reshape({1}));
+  // On `device` each: partial offload leaves some groups' gradients in host memory, the others' on the GPU.
+  for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble).reshape({1}).to(device));
   auto all = at::cat(norms);
   return (std::isinf(norm_type) ? all.max() : all.pow(norm_type).sum()).reshape({1}).to(device);
 }

@@ -50,9 +50,10 @@ class OffloadBudget {
       throw ConfigError(fmt::format("offloading parameters needs ZeRO stage 3 (FULL_SHARD); stage {} keeps them whole "
                                     "on every rank: offload the optimizer instead, or use stage 3",
                                     policy.stage));
-    if (!(options.offload_ratio > 0 && options.offload_ratio <= 1))
+    // The ratio matters only to an optimizer offloaded without its parameters (DeepSpeed's rule).
+    if (optimizer_ && !params_ && !(options.offload_ratio > 0 && options.offload_ratio <= 1))
       throw ConfigError(fmt::format("offload ratio {} must be above 0 and at most 1", options.offload_ratio));
-    if (options.offload_ratio < 1 && !policy.shards_parameters)
+    if (optimizer_ && !params_ && options.offload_ratio < 1 && !policy.shards_parameters)
       throw ConfigError(fmt::format("an offload ratio below 1 ({}) needs ZeRO stage 3; stage {} offloads all or nothing",
                                     options.offload_ratio, policy.stage));
     for (const auto& plan : plans)
@@ -61,17 +62,13 @@ class OffloadBudget {
     left_ = static_cast<double>(total_) * options.offload_ratio;
   }
   HostPlacement place(const std::vector<at::Tensor>& params, bool frozen) {
-    HostPlacement host{.master = false, .shard = params_, .pin = pin_};
-    if (frozen) {
-      host.master = params_;  // no optimizer state to move; the parameters themselves, when they go
-      return host;
-    }
+    // Parameters offloaded: every group, its master with it (frozen ones have no optimizer state to move).
+    if (params_ || frozen) return {.master = params_, .shard = params_, .pin = pin_};
     int64_t elements = 0;
     for (const auto& p : params) elements += p.numel();
-    host.master = optimizer_ && left_ > 0;
-    host.shard = host.shard && host.master;
-    if (host.master) left_ -= static_cast<double>(elements);
-    return host;
+    const bool offloaded = optimizer_ && left_ > 0;
+    if (offloaded) left_ -= static_cast<double>(elements);
+    return {.master = offloaded, .shard = false, .pin = pin_};
   }
 
  private:

@@ -55,7 +55,9 @@ void AcceleratorImpl::unscale_gradients() {
     auto& g = p.mutable_grad();
     if (!g.defined()) continue;
     g.mul_(inverse);
-    finite.push_back(at::isfinite(g).all());
+    // One device for all flags: under partial offload some gradients are in host memory, others on the GPU.
+    auto flag = at::isfinite(g).all();
+    finite.push_back(finite.empty() ? flag : flag.to(finite.front().device()));
   }
   bool found = !finite.empty() && !at::stack(finite).all().item<bool>();
   // Every rank must skip the same step: MAX of the overflow flag over the world.

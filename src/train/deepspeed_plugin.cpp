@@ -87,10 +87,12 @@ void apply_zero_config(const deepspeed::ZeroConfig& z, ParallelOptions& parallel
       throw ConfigError(fmt::format("zero_optimization.{}.device is \"nvme\" (ZeRO-Infinity), which xlr8 does not "
                                     "implement; use \"cpu\" (host memory) or \"none\"",
                                     key));
-  parallel.zero.offload_optimizer = z.offload_optimizer.device == "cpu";
-  parallel.zero.offload_params = z.offload_param.device == "cpu";
+  parallel.zero.offload_optimizer = parallel.zero.offload_optimizer || z.offload_optimizer.device == "cpu";
+  parallel.zero.offload_params = parallel.zero.offload_params || z.offload_param.device == "cpu";
   parallel.zero.offload_ratio = z.offload_optimizer.ratio;
-  parallel.zero.offload_pin_memory = z.offload_optimizer.pin_memory && z.offload_param.pin_memory;
+  // Each section's pin_memory counts only when that section offloads.
+  parallel.zero.offload_pin_memory = (z.offload_optimizer.device != "cpu" || z.offload_optimizer.pin_memory) &&
+                                     (z.offload_param.device != "cpu" || z.offload_param.pin_memory);
   // DeepSpeed's ZeRO reduces every gradient, a missing one as zeros (ignore_unused_parameters).
   parallel.ddp.find_unused_parameters = parallel.zero.stage > 0 && z.ignore_unused_parameters;
 }

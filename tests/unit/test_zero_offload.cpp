@@ -88,7 +88,10 @@ TEST(ZeroOffload, EveryStageOnOneToFourRanksMatchesOneRankWithAccumulationAndCli
 TEST(ZeroOffload, ARatioOffloadsTheFirstGroupsAndStillMatchesBf16MastersStayFp32) {
   const auto expected = single_run(3);
   run_ranks(3, [&](Communicator& comm) {
-    auto strategy = make_parallel_strategy(make_model(), comm, offloading(3, true, 0.5));
+    // With the parameters offloaded the ratio does not apply (DeepSpeed's rule): every group goes.
+    auto both = make_parallel_strategy(make_model(), comm, offloading(3, true, 0.5));
+    EXPECT_EQ(both->stats()["offloaded_parameter_groups"], both->stats()["groups"].size());
+    auto strategy = make_parallel_strategy(make_model(), comm, offloading(3, false, 0.5));
     auto got = train(*strategy, comm.rank(), 3, 3);
     expect_same_run(got, expected, 2e-6, fmt::format("ratio 0.5, rank {}", comm.rank()));
     const auto stats = strategy->stats();
@@ -165,6 +168,17 @@ TEST(ZeroOffload, DeepSpeedsOffloadSectionsMapOntoTheEngine) {
   EXPECT_TRUE(parallel.zero.offload_params);
   EXPECT_DOUBLE_EQ(parallel.zero.offload_ratio, 0.3);
   EXPECT_FALSE(parallel.zero.offload_pin_memory);
+  // Each section's pin_memory counts only when that section offloads; a ratio without offload is not checked.
+  z.offload_param.device = "none";
+  ParallelOptions optimizer_only;
+  xlr8::detail::apply_zero_config(z, optimizer_only);
+  EXPECT_TRUE(optimizer_only.zero.offload_pin_memory);
+  EXPECT_FALSE(optimizer_only.zero.offload_params);
+  auto not_offloaded = stage_options(2);
+  not_offloaded.zero.offload_ratio = 0.5;
+  run_ranks(2, [&](Communicator& comm) {
+    EXPECT_NO_THROW(make_parallel_strategy(make_model(), comm, not_offloaded));
+  });
   z.offload_param.device = "nvme";
   ParallelOptions refused;
   EXPECT_NE(error_of([&] { xlr8::detail::apply_zero_config(z, refused); })
