@@ -15,7 +15,7 @@ inline at::Tensor partial_norm(const std::vector<at::Tensor>& grads, double norm
   // On `device` each: partial offload leaves some groups' gradients in host memory, the others' on the GPU.
   for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble).reshape({1}).to(device));
   auto all = at::cat(norms);
-  return (std::isinf(norm_type) ? all.max() : all.pow(norm_type).sum()).reshape({1}).to(device);
+  return (std::isinf(norm_type) ? all.max() : all.pow(norm_type).sum()).reshape({1});
 }
 
 // The norm from already reduced partial totals (combined by sum, or max for p = inf), and every

@@ -56,10 +56,11 @@ class OffloadBudget {
     if (optimizer_ && !params_ && options.offload_ratio < 1 && !policy.shards_parameters)
       throw ConfigError(fmt::format("an offload ratio below 1 ({}) needs ZeRO stage 3; stage {} offloads all or nothing",
                                     options.offload_ratio, policy.stage));
+    int64_t trainable = 0;
     for (const auto& plan : plans)
       for (const auto& g : plan.groups)
-        for (const auto& p : g.params) total_ += p.requires_grad() ? p.numel() : 0;
-    left_ = static_cast<double>(total_) * options.offload_ratio;
+        for (const auto& p : g.params) trainable += p.requires_grad() ? p.numel() : 0;
+    left_ = static_cast<double>(trainable) * options.offload_ratio;
   }
   HostPlacement place(const std::vector<at::Tensor>& params, bool frozen) {
     // Parameters offloaded: every group, its master with it (frozen ones have no optimizer state to move).
@@ -73,8 +74,7 @@ class OffloadBudget {
 
  private:
   bool params_, optimizer_, pin_;
-  int64_t total_ = 0;
-  double left_ = 0;
+  double left_ = 0;  // trainable elements still to offload
 };
 
 }  // namespace

@@ -127,9 +127,7 @@ ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings, 
                                       key));
     options.offload_optimizer = options.offload_optimizer || d.offload_optimizer_device == "cpu";
     options.offload_params = options.offload_params || d.offload_param_device == "cpu";
-  }
-  if (settings.deepspeed) {
-    if (options.stage < 0) options.stage = settings.deepspeed->zero_stage;
+    if (options.stage < 0) options.stage = d.zero_stage;
     // DeepSpeed gathers submodule by submodule, never the whole model at once.
     if (options.auto_wrap_policy == AutoWrapPolicy::NO_WRAP) options.auto_wrap_policy = AutoWrapPolicy::GUARDED_MODULES;
   }
