@@ -16,16 +16,24 @@ using detail::require;
 // Object collectives go through the store: no device tensors, any backend, store-enforced timeouts.
 namespace {
 
+// Every value carries one leading byte: LibTorch 1.13's TCPStore server sends a value's length corked
+// (MSG_MORE) and then its bytes, so an empty value (an empty payload: report()'s "no error", say) left the
+// length corked until the kernel's 200 ms limit, on every such read.
+constexpr char kValueMark = '=';
+
 std::string store_get(const CommState& s, const std::string& key, const std::string& desc) {
   return guarded(s, desc, [&] {
     auto bytes = s.store->get(key);
-    return std::string(bytes.begin(), bytes.end());
+    if (bytes.empty() || bytes.front() != kValueMark)
+      throw Error(fmt::format("{}: the store's value under {} is not an object collective's", desc, key));
+    return std::string(bytes.begin() + 1, bytes.end());
   });
 }
 
 void store_set(const CommState& s, const std::string& key, const std::string& value, const std::string& desc) {
   guarded(s, desc, [&] {
-    s.store->set(key, std::vector<uint8_t>(value.begin(), value.end()));
+    const std::string marked = kValueMark + value;
+    s.store->set(key, std::vector<uint8_t>(marked.begin(), marked.end()));
     return 0;
   });
 }
