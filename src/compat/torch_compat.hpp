@@ -28,6 +28,8 @@
 #include <mutex>
 #include <sstream>
 #include <string>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #define XLR8_TORCH_AT_LEAST(major, minor) \
@@ -158,6 +160,10 @@ inline BackendPtr make_nccl(const StorePtr& store, int rank, int size, std::chro
 #endif
 
 // ------------------------------------------------------------------ autograd
+// Autograd nodes (Tensor::grad_fn(), Edge::function) are held by std::shared_ptr<Node> on 1.13 and by
+// c10::intrusive_ptr<Node> on newer 2.x (2.15 does).
+using NodePtr = std::remove_cvref_t<decltype(std::declval<const at::Tensor&>().grad_fn())>;
+
 // grad_accumulator() returns std::shared_ptr<Node> on 1.13 and c10::intrusive_ptr<Node> on newer 2.x.
 using GradAccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 

@@ -11,6 +11,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "compat/torch_compat.hpp"
 #include "parallel/activation_checkpoint.hpp"
 #include "parallel/unit_registry.hpp"
 #include "xlr8/error.hpp"
@@ -82,7 +83,7 @@ size_t after_backward_of(const std::vector<at::Tensor>& outputs, uint64_t forwar
   const uint64_t end = autograd_position();
   std::vector<torch::autograd::Node*> nodes, stack;
   std::unordered_set<torch::autograd::Node*> seen;
-  auto consider = [&](const std::shared_ptr<torch::autograd::Node>& node) {
+  auto consider = [&](const compat::NodePtr& node) {
     if (node && node->sequence_nr() >= forward_start && node->sequence_nr() < end && seen.insert(node.get()).second)
       stack.push_back(node.get());
   };

@@ -168,7 +168,7 @@ TEST(Zero, EmptyInitBuildsOnTheMetaDeviceAndToEmptyGivesUntouchedMemory) {
   {
     EmptyInitScope empty;
     big = torch::nn::Linear(8192, 8192).ptr();  // 256 MB of weights, initialised by kaiming_uniform_
-    unregistered = torch::ones({4}).triu();
+    unregistered = torch::ones({4, 4}).triu();  // 2-D: 2.x's meta kernel refuses 1-D (1.13's did not)
   }
   EXPECT_TRUE(big->weight.is_meta());
   EXPECT_TRUE(unregistered.is_meta());  // fails loudly when used, rather than holding garbage
