@@ -4,6 +4,7 @@
 //
 //   trainer --num_workers 2 --max_failures 3 --storage_path runs --name demo
 //   trainer ... --crash 1:30:kill     rank 1 SIGKILLs itself at step 30, in the first group only
+//   trainer ... --model tiny --checkpoint_every 1     what a small checkpoint costs (bench/trainer_report.sh)
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <signal.h>
@@ -45,11 +46,39 @@ void maybe_crash(const nlohmann::json& config, int64_t step) {
   if (kind == "exit") std::_Exit(3);
 }
 
-void train_loop(const nlohmann::json& config) {
-  xlr8::Accelerator acc;
-  acc.set_seed(config.at("seed").get<uint64_t>());
-  auto model = acc.prepare(fashion::Net());
+// "--model tiny": 7 x 7 average-pooled pixels through one Linear(49, 10), 500 parameters (a 6 KB checkpoint
+// with AdamW's state): what a checkpoint costs beyond its bytes.
+struct TinyNetImpl : torch::nn::Module {
+  TinyNetImpl() : fc(register_module("fc", torch::nn::Linear(49, 10))) {}
+  torch::Tensor forward(torch::Tensor x) { return torch::log_softmax(fc(torch::avg_pool2d(x, 4).flatten(1)), 1); }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(TinyNet);
+
+// "--extra_state_kb N": N KB more in every checkpoint (a registered module's buffer), to time checkpoints by size.
+struct PaddingImpl : torch::nn::Module {
+  explicit PaddingImpl(int64_t kb) : values(register_buffer("values", torch::zeros({kb * 256}))) {}
+  torch::Tensor values;
+};
+TORCH_MODULE(Padding);
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+int64_t bytes_under(const fs::path& dir) {
+  int64_t total = 0;
+  for (const auto& entry : fs::recursive_directory_iterator(dir))
+    if (entry.is_regular_file()) total += static_cast<int64_t>(entry.file_size());
+  return total;
+}
+
+template <class Model>
+void run_training(xlr8::Accelerator& acc, Model net, const nlohmann::json& config) {
+  auto model = acc.prepare(std::move(net));
   auto opt = acc.prepare(xlr8::optim::FusedAdamW(model->parameters(), torch::optim::AdamWOptions(config.at("lr"))));
+  Padding padding(config.at("extra_state_kb").get<int64_t>());
+  if (config.at("extra_state_kb").get<int64_t>() > 0) acc.register_for_checkpointing(padding);
   fashion::Dataset train_set(config.at("data_dir"), "train", config.at("train_limit").get<int64_t>());
   auto train = acc.prepare_data_loader(std::move(train_set),
                                        {.batch_size = config.at("batch_size").get<int64_t>(), .shuffle = true});
@@ -60,9 +89,10 @@ void train_loop(const nlohmann::json& config) {
     acc.print("no checkpoint registered yet: starting fresh");
   }
   const auto context = xlr8::train::get_context();
-  const int64_t total = config.at("steps"), every = config.at("checkpoint_every");
+  const int64_t total = config.at("steps"), every = config.at("checkpoint_every");  // every 0: no reports
   const fs::path scratch = fs::path(context.storage_path) / context.experiment_name / "worker_scratch";
-  double last_loss = 0;
+  double last_loss = 0, save_s = 0, report_s = 0;
+  int64_t reports = 0, checkpoint_bytes = 0;
   while (acc.step() < total) {
     for (auto& batch : *train) {
       auto step = acc.accumulate(model);
@@ -71,23 +101,41 @@ void train_loop(const nlohmann::json& config) {
       opt.step();
       opt.zero_grad();
       if (!acc.sync_gradients()) continue;
-      last_loss = acc.reduce(loss.detach().to(torch::kFloat64).reshape({1}), xlr8::ReduceOp::AVG).item<double>();
+      last_loss = acc.reduce(loss.detach().to(torch::kFloat64).reshape({1}), xlr8::ReduceOp::AVG).item().toDouble();
       const int64_t global_step = acc.step();
       maybe_crash(config, global_step);
-      if (global_step % every == 0 || global_step == total) {
+      if (every > 0 && (global_step % every == 0 || global_step == total)) {
         // Every rank writes its part of the state into one folder, report() registers a copy of it.
         const auto dir = scratch / fmt::format("step_{}", global_step);
+        auto start = std::chrono::steady_clock::now();
         acc.save_state(dir.string());
+        save_s += seconds_since(start);
+        if (acc.is_main_process() && reports == 0) checkpoint_bytes = bytes_under(dir);
         double norm = 0;
-        for (const auto& p : model->parameters()) norm += p.detach().to(torch::kFloat64).pow(2).sum().item<double>();
+        for (const auto& p : model->parameters()) norm += p.detach().to(torch::kFloat64).pow(2).sum().item().toDouble();
+        start = std::chrono::steady_clock::now();
         xlr8::train::report({{"step", global_step}, {"loss", last_loss}, {"param_sq_norm", norm}, {"world_size", acc.num_processes()}},
                             dir.string());
+        report_s += seconds_since(start);
+        ++reports;
         if (acc.is_main_process()) fs::remove_all(dir);  // after report(), which is a barrier
       }
       if (global_step >= total) break;
     }
   }
-  acc.end_training();
+  if (reports > 0)
+    acc.print("checkpoint costs: save_state {:.2f} ms, report {:.2f} ms (means of {}; {} bytes each)",
+              1e3 * save_s / static_cast<double>(reports), 1e3 * report_s / static_cast<double>(reports), reports,
+              checkpoint_bytes);
+}
+
+void train_loop(const nlohmann::json& config) {
+  xlr8::Accelerator acc;
+  acc.set_seed(config.at("seed").get<uint64_t>());
+  if (config.at("model") == "tiny") run_training(acc, TinyNet(), config);
+  else run_training(acc, fashion::Net(), config);
+  // Optional since the Trainer ends the worker group itself (it closes trackers, and waits for every rank).
+  if (config.at("end_training").get<bool>()) acc.end_training();
 }
 
 }  // namespace
@@ -98,9 +146,10 @@ int main(int argc, char** argv) {
   xlr8::train::RunConfig run{.name = "fashion_mnist_trainer", .storage_path = "xlr8_results"};
   nlohmann::json config{{"seed", 42},       {"lr", 1e-3}, {"batch_size", 32}, {"steps", 40}, {"checkpoint_every", 10},
                         {"train_limit", 4096}, {"crash", ""}, {"data_dir", "/usr/share/datasets/fashion-mnist"}};
-  int64_t steps = 40, every = 10, batch = 32, limit = 4096;
-  std::string crash, data_dir = config["data_dir"], score;
+  int64_t steps = 40, every = 10, batch = 32, limit = 4096, extra_kb = 0;
+  std::string crash, data_dir = config["data_dir"], score, model = "net";
   int keep = 0;
+  bool no_end_training = false;
   std::string workers = "1";
   app.add_option("--num_workers", workers, "Worker processes, N or MIN:MAX (elastic)");
   app.add_option("--rdzv_endpoint", scaling.rendezvous_endpoint,
@@ -116,7 +165,11 @@ int main(int argc, char** argv) {
   app.add_option("--num_to_keep", keep, "Keep only this many checkpoints (0: all)");
   app.add_option("--score", score, "Keep the checkpoints with the lowest value of this metric (empty: the latest)");
   app.add_option("--steps", steps, "Optimizer steps");
-  app.add_option("--checkpoint_every", every, "Report a checkpoint every N steps");
+  app.add_option("--checkpoint_every", every, "Report a checkpoint every N steps (0: never)");
+  app.add_option("--model", model, "net (a small CNN) or tiny (one Linear(49, 10): a 6 KB checkpoint)")
+      ->check(CLI::IsMember({"net", "tiny"}));
+  app.add_option("--extra_state_kb", extra_kb, "Add this many KB to every checkpoint (to time them by size)");
+  app.add_flag("--no_end_training", no_end_training, "Return from the loop without Accelerator::end_training()");
   app.add_option("--batch_size", batch, "Batch size per worker");
   app.add_option("--train_limit", limit, "Use the first N training samples");
   app.add_option("--data_dir", data_dir, "Directory with the Fashion-MNIST IDX .gz files");
@@ -137,6 +190,9 @@ int main(int argc, char** argv) {
   config["train_limit"] = limit;
   config["crash"] = crash;
   config["data_dir"] = data_dir;
+  config["model"] = model;
+  config["extra_state_kb"] = extra_kb;
+  config["end_training"] = !no_end_training;
   if (keep != 0) run.checkpoint_config.num_to_keep = keep;
   if (!score.empty()) {
     run.checkpoint_config.checkpoint_score_attribute = score;

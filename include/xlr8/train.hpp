@@ -1,8 +1,9 @@
 #pragma once
 // xlr8::train: Ray Train's Trainer in C++. One program is both the driver and its workers: the driver's
 // fit() starts the worker group (as `xlr8 launch` does) by running this same executable again, each worker's
-// fit() runs the training loop, and when a worker fails the whole group is stopped and a fresh one started,
-// up to FailureConfig::max_failures times. Workers resume from get_checkpoint(), the latest checkpoint
+// fit() runs the training loop (then waits for every worker's loop, ending the group: end_training() is not
+// needed), and when a worker fails the whole group is stopped and a fresh one started, up to
+// FailureConfig::max_failures times. Workers resume from get_checkpoint(), the latest checkpoint
 // report() registered under <storage_path>/<name>/; a new Trainer with the same (storage_path, name) resumes
 // a run whose driver died.
 //
@@ -121,9 +122,13 @@ class Trainer {
 // passes a directory, the directories of all workers are copied into one new checkpoint
 // <storage_path>/<name>/checkpoint_<NNNNNN>/ (same relative path from two directories: an error), registered,
 // and the checkpoints CheckpointConfig does not keep are deleted. An Accelerator::save_state directory is a
-// valid checkpoint (sharded or not; it reshards when the next group has another size).
+// valid checkpoint (sharded or not; it reshards when the next group has another size); its files are
+// hard-linked rather than copied when the run directory is on the same filesystem (save_state never rewrites
+// a file in place). The directories stay the program's: delete them after report() returns.
 void report(const nlohmann::json& metrics, const std::string& checkpoint_dir = "");
-// The latest registered checkpoint of this run, or none (a first start).
+// The newest registered checkpoint of this run that passes its check (a save_state checkpoint: every file
+// against its manifest's size and CRC32), or none (a first start). One that fails is named in a warning,
+// renamed <checkpoint_NNNNNN>.corrupt for inspection and unregistered, and the one before it is tried.
 std::optional<Checkpoint> get_checkpoint();
 
 struct TrainContext {

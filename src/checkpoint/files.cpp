@@ -5,11 +5,15 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <sys/stat.h>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 #include "xlr8/error.hpp"
@@ -49,6 +53,16 @@ void DurableFile::append(const void* data, size_t size) {
 void DurableFile::commit() {
   const int fd = fd_;
   fd_ = -1;
+  if (auto* batch = SyncBatch::current()) {  // the batch flushes it with the others
+    if (close(fd) != 0) {
+      int err = errno;
+      unlink(tmp_.c_str());
+      throw Error(fmt::format("cannot write {:?}: {}", tmp_, std::strerror(err)));
+    }
+    std::filesystem::rename(tmp_, path_);
+    batch->add(path_);
+    return;
+  }
   if (fsync(fd) != 0 || close(fd) != 0) {
     int err = errno;
     unlink(tmp_.c_str());
@@ -63,6 +77,57 @@ void write_durably(const std::string& path, const std::string& bytes) {
   DurableFile file(path);
   file.append(bytes);
   file.commit();
+}
+
+void sync_all(const std::vector<std::string>& paths) {
+  std::vector<std::string> errors(paths.size());
+  auto sync_one = [&](size_t i) {
+    const int fd = open(paths[i].c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      errors[i] = std::error_code(errno, std::generic_category()).message();
+      return;
+    }
+    struct stat st {};
+    const int failed = fsync(fd) != 0 ? errno : 0;
+    // A folder's flush failing is ignored, as fsync_directory does (some filesystems refuse it).
+    if (failed && !(fstat(fd, &st) == 0 && S_ISDIR(st.st_mode)))
+      errors[i] = std::error_code(failed, std::generic_category()).message();
+    close(fd);
+  };
+  // The flushes overlap in the kernel: a thread each, up to 16 (this thread takes its share).
+  const size_t threads = std::min<size_t>(paths.size(), 16);
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < threads; ++t)
+    pool.emplace_back([&, t] {
+      for (size_t i = t; i < paths.size(); i += threads) sync_one(i);
+    });
+  for (size_t i = 0; i < paths.size(); i += threads) sync_one(i);
+  for (auto& thread : pool) thread.join();
+  for (size_t i = 0; i < paths.size(); ++i)
+    if (!errors[i].empty()) throw Error(fmt::format("cannot flush {:?}: {}", paths[i], errors[i]));
+}
+
+namespace {
+thread_local SyncBatch* t_batch = nullptr;
+}  // namespace
+
+SyncBatch::SyncBatch() : outer_(t_batch) { t_batch = this; }
+SyncBatch::~SyncBatch() { t_batch = outer_; }
+SyncBatch* SyncBatch::current() { return t_batch; }
+
+void SyncBatch::add(const std::string& file) {
+  files_.push_back(file);
+  const auto parent = std::filesystem::path(file).parent_path();
+  folders_.insert(parent.empty() ? "." : parent.string());
+}
+
+void SyncBatch::sync() {
+  // A folder flushed with its files: it records entries made before, the renames included.
+  std::vector<std::string> paths = files_;
+  paths.insert(paths.end(), folders_.begin(), folders_.end());
+  files_.clear();
+  folders_.clear();
+  sync_all(paths);
 }
 
 std::string read_all(const std::string& path) {

@@ -10,6 +10,7 @@
 #include <fstream>
 
 #include "checkpoint/files.hpp"
+#include "core/log.hpp"
 #include "xlr8/error.hpp"
 
 namespace fs = std::filesystem;
@@ -73,6 +74,22 @@ void RunSnapshot::save(const fs::path& run_dir) const {
   // Through a synced temporary and a rename, then the folder synced: a reader (or a machine that lost power)
   // sees the old snapshot or the new one, never half of one, and the checkpoint renamed before it is on disk.
   files::write_durably((run_dir / kSnapshotFile).string(), j.dump(2) + "\n");
+}
+
+void set_aside(const fs::path& run_dir, int index, const std::string& problem) {
+  auto snapshot = RunSnapshot::load(run_dir);
+  auto it = std::find_if(snapshot.kept.begin(), snapshot.kept.end(), [&](const auto& c) { return c.index == index; });
+  if (it == snapshot.kept.end()) return;
+  const std::string name = it->dir_name, kept_as = name + ".corrupt";
+  // Renamed first: a crash before the snapshot's update leaves the entry, whose folder is then missing, and
+  // the next look sets it aside again.
+  std::error_code gone;
+  fs::rename(run_dir / name, run_dir / kept_as, gone);
+  snapshot.kept.erase(it);
+  snapshot.save(run_dir);
+  log::warning("xlr8 train: checkpoint {} fails its check ({}); it is kept as {} for inspection, and the run resumes "
+               "from the newest intact checkpoint before it{}",
+               name, problem, (run_dir / kept_as).string(), snapshot.kept.empty() ? " (none: from the start)" : "");
 }
 
 namespace {

@@ -46,4 +46,9 @@ struct RunSnapshot {
 
 std::string checkpoint_dir_name(int index);
 
+// A registered checkpoint that fails its check (`problem`): renamed <dir_name>.corrupt, kept for inspection
+// out of retention's reach, and dropped from the snapshot, so the run resumes from the checkpoint before it.
+// Rank 0's to call (the snapshot's one writer during a run); nothing when it is no longer registered.
+void set_aside(const std::filesystem::path& run_dir, int index, const std::string& problem);
+
 }  // namespace xlr8::train::detail

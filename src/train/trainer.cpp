@@ -21,6 +21,7 @@
 #include "train/run_storage.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/launcher.hpp"
+#include "xlr8/process_state.hpp"
 #include "xlr8/train.hpp"
 
 namespace fs = std::filesystem;
@@ -147,8 +148,16 @@ void check(const ScalingConfig& s) {
 // One machine, a range: as many workers as this machine offers (a GPU each, or resources_per_worker.cpus
 // cores each), at least min, at most max.
 int workers_here(const ScalingConfig& s) {
-  if (!s.num_workers.elastic()) return s.num_workers.min;
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (!s.num_workers.elastic()) {
+    // A fixed count is the program's to choose, but more CPU workers than cores run slower than fewer would.
+    const int wanted = s.num_workers.min * std::max(1, s.resources_per_worker.cpus);
+    if (!s.use_gpu && s.rendezvous_endpoint.empty() && wanted > cores)
+      log::warning("xlr8: ScalingConfig.num_workers {} (resources_per_worker.cpus {}) needs {} cores and this machine has "
+                   "{}: the workers will share them (give num_workers = {{1, {}}} to take as many as fit)",
+                   s.num_workers.min, s.resources_per_worker.cpus, wanted, cores, s.num_workers.min);
+    return s.num_workers.min;
+  }
   const int offered = s.use_gpu ? compat::cuda_device_count()
                       : s.resources_per_worker.cpus > 0 ? cores / s.resources_per_worker.cpus
                                                         : s.num_workers.max;
@@ -160,6 +169,17 @@ int workers_here(const ScalingConfig& s) {
                                             : fmt::format("{} cores, resources_per_worker.cpus {}", cores,
                                                           s.resources_per_worker.cpus)));
   return std::min(offered, s.num_workers.max);
+}
+
+// The loop has returned on this rank: it waits for every rank's loop before the process exits, as Ray Train
+// ends its process group after the training function. Rank 0 serves the store that object collectives go
+// through; leaving report()'s last broadcast as soon as it has posted its outcome, it would otherwise exit
+// while the others still read it ("Broken pipe"), failing a finished run. A loop that called
+// Accelerator::end_training() (a barrier too) passes this one at once.
+void end_worker_group() {
+  if (!ProcessState::exists()) return;  // no collective was ever made
+  const auto& state = ProcessState::instance();
+  if (state.world_size() > 1) state.world().barrier();
 }
 
 }  // namespace
@@ -211,6 +231,7 @@ Result Trainer::fit() {
       config = nlohmann::json::parse(in);
     }
     loop_(config);
+    end_worker_group();
   } catch (const std::exception& e) {
     xlr8::detail::write_error_file(xlr8::detail::describe_exception(e));
     throw;
@@ -251,7 +272,9 @@ Result Trainer::drive() {
     for (const auto& entry : fs::directory_iterator(run_dir))
       if (entry.path().filename().string().rfind(".staging_", 0) == 0) fs::remove_all(entry.path());
   if (auto snapshot = detail::RunSnapshot::load(run_dir); !snapshot.kept.empty())
-    log::info("xlr8 train: run {:?} exists: its workers resume from {}", name, snapshot.kept.back().dir_name);
+    log::info("xlr8 train: run {:?} exists: its workers resume from {} (or, if it fails its check, the newest intact "
+              "checkpoint before it)",
+              name, snapshot.kept.back().dir_name);
 
   LaunchRequest request;
   if (!run_.launch_config_file.empty()) request.config_file = run_.launch_config_file;

@@ -1,7 +1,8 @@
 // xlr8::train::Trainer with real processes (examples/trainer: Fashion-MNIST, the program is its own driver):
 // checkpoints registered by report() and kept by score, a worker killed mid-run that the group survives with
 // the straight run's result, failures past max_failures ending the fit with the root cause, a new driver
-// resuming a run, a group of another size resharding an FSDP checkpoint, and one driver per run.
+// resuming a run, a group of another size resharding an FSDP checkpoint, one driver per run, a loop without
+// end_training() ending cleanly, and a corrupt newest checkpoint set aside for the one before it.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -29,8 +30,10 @@ struct Fit {
 };
 
 Fit fit(const std::string& storage, const std::string& name, Args extra, double timeout_s = 150) {
-  Args args{kTrainer, "--storage_path", storage, "--name", name, "--checkpoint_every", "10"};
+  Args args{kTrainer, "--storage_path", storage, "--name", name};
   if (std::find(extra.begin(), extra.end(), "--steps") == extra.end()) args.insert(args.end(), {"--steps", "40"});
+  if (std::find(extra.begin(), extra.end(), "--checkpoint_every") == extra.end())
+    args.insert(args.end(), {"--checkpoint_every", "10"});
   args.insert(args.end(), extra.begin(), extra.end());
   Fit f{run(args, timeout_s), {}};
   if (f.process.out.find('{') != std::string::npos) f.summary = last_json(f.process.out);  // none: an early error
@@ -190,6 +193,63 @@ TEST(Trainer, ANewDriverWithTheSameNameResumesTheRunAndAnotherGroupSizeReshardsI
   fs::remove_all(storage);
 }
 
+TEST(Trainer, ALoopWithoutEndTrainingThatReportsEveryStepFinishesCleanlyOnTwoRanks) {
+  // The README's loop: save_state and report every step, no end_training(). Rank 0 serves the store that
+  // report()'s last broadcast goes through; until fit() ended the group itself, rank 0 could exit while rank 1
+  // still read it ("Broken pipe", 5 of 5 runs for the reporter; a race, so three runs here).
+  const auto storage = temp_dir("trainer-no-end");
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    SCOPED_TRACE(attempt);
+    auto f = fit(storage, fmt::format("no_end_{}", attempt),
+                 {"--num_workers", "2", "--max_failures", "0", "--model", "tiny", "--steps", "8", "--checkpoint_every",
+                  "1", "--no_end_training"});
+    EXPECT_EQ(f.process.exit_code, 0) << f.process.err;
+    EXPECT_EQ(f.process.err.find("Broken pipe"), std::string::npos) << f.process.err;
+    EXPECT_FALSE(f.summary.contains("error")) << f.summary.dump();
+    EXPECT_EQ(f.summary["metrics"]["step"], 8);
+    EXPECT_EQ(f.summary["checkpoint"], fmt::format("{}/no_end_{}/checkpoint_000007", storage, attempt));
+  }
+  fs::remove_all(storage);
+}
+
+TEST(Trainer, ACorruptNewestCheckpointIsSetAsideAndTheRunResumesFromTheOneBefore) {
+  const auto storage = temp_dir("trainer-corrupt");
+  const auto run_dir = storage + "/run";
+  auto first = fit(storage, "run", {"--num_workers", "2"});  // checkpoints 0 to 3: steps 10 to 40
+  ASSERT_EQ(first.process.exit_code, 0) << first.process.err;
+  // One byte of the newest checkpoint's model data flipped, its size kept: only its CRC32 tells.
+  const auto model = run_dir + "/checkpoint_000003/model.safetensors";
+  ASSERT_TRUE(fs::exists(model));
+  {
+    std::fstream file(model, std::ios::in | std::ios::out | std::ios::binary);
+    char byte = 0;
+    file.seekg(-16, std::ios::end);
+    file.read(&byte, 1);
+    byte = static_cast<char>(byte ^ 0x5a);
+    file.seekp(-16, std::ios::end);
+    file.write(&byte, 1);
+  }
+  // max_failures 0: a group that tried to load the corrupt checkpoint would end the fit.
+  auto resumed = fit(storage, "run", {"--num_workers", "2", "--max_failures", "0"});
+  ASSERT_EQ(resumed.process.exit_code, 0) << resumed.process.err;
+  EXPECT_NE(resumed.process.err.find("checkpoint checkpoint_000003 fails its check ("), std::string::npos)
+      << resumed.process.err;
+  EXPECT_NE(resumed.process.err.find("model.safetensors fails its CRC32 check); it is kept as " + run_dir +
+                                     "/checkpoint_000003.corrupt for inspection"),
+            std::string::npos)
+      << resumed.process.err;
+  EXPECT_NE(resumed.process.out.find("resumed from " + run_dir + "/checkpoint_000002 at step 30"), std::string::npos)
+      << resumed.process.out;
+  // Kept for inspection, out of the run's record; the resumed run ends as the first one did.
+  EXPECT_TRUE(fs::exists(run_dir + "/checkpoint_000003.corrupt/model.safetensors"));
+  EXPECT_FALSE(fs::exists(run_dir + "/checkpoint_000003"));
+  expect_same_end(resumed.summary["metrics"], first.summary["metrics"]);
+  EXPECT_EQ(resumed.summary["checkpoint"], run_dir + "/checkpoint_000004");
+  for (const auto& entry : resumed.summary["best_checkpoints"])
+    EXPECT_EQ(entry["path"].get<std::string>().find("checkpoint_000003"), std::string::npos) << entry.dump();
+  fs::remove_all(storage);
+}
+
 TEST(Trainer, ASecondDriverOfARunThatIsBeingDrivenIsRefused) {
   const auto storage = temp_dir("trainer-lock");
   Process first({kTrainer, "--storage_path", storage, "--name", "busy", "--num_workers", "2", "--steps", "400",
@@ -250,4 +310,12 @@ TEST(Trainer, AnElasticRangeOnOneMachineTakesTheWorkersItsCoresOfferAndRefusesTo
                                              cores + 1, cores + 2, cores, cores)),
             std::string::npos)
       << few.process.err;
+  // A fixed count above the cores trains (the program chose it) with a warning naming both numbers and the range form.
+  auto over = fit(storage, "over", {"--num_workers", std::to_string(cores + 1), "--cpus_per_worker", "1", "--steps", "2"});
+  ASSERT_EQ(over.process.exit_code, 0) << over.process.err;
+  EXPECT_NE(over.process.err.find(fmt::format("ScalingConfig.num_workers {} (resources_per_worker.cpus 1) needs {} cores "
+                                              "and this machine has {}",
+                                              cores + 1, cores + 1, cores)),
+            std::string::npos)
+      << over.process.err;
 }
