@@ -17,7 +17,7 @@ namespace xlr8::deepspeed {
 
 struct WarmupOptions {
   double warmup_min_lr = 0.0;
-  std::optional<double> warmup_max_lr;  // WarmupLR: the optimizer's lr when unset; WarmupDecayLR: 0.001
+  std::optional<double> warmup_max_lr;  // WarmupLR: each group's own lr when unset; WarmupDecayLR: 0.001
   int64_t warmup_num_steps = 1000;
   std::string warmup_type = "log";  // log | linear
 };

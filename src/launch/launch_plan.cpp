@@ -21,7 +21,17 @@ namespace {
 // A DeepSpeed JSON's tensor_parallel.autotp_size and sequence_parallel_size as the mesh's tp and sp (the
 // other ranks data parallel), and its data_parallel_size checked against what is left; a launch that
 // already names a mesh must agree with the JSON.
-void mesh_from_deepspeed(const deepspeed::Config& ds, int num_processes, std::optional<ParallelismSettings>& p) {
+// DeepSpeed's batch relation (train_batch_size = micro x accumulation x data-parallel ranks) when the JSON fixes
+// its terms: checked here once rather than by every worker. "auto" terms are the Accelerator's to fill.
+void check_batch_sizes(const deepspeed::Config& ds, int data_parallel) {
+  for (const auto& key : ds.auto_keys)
+    if (key == "train_batch_size" || key == "train_micro_batch_size_per_gpu" || key == "gradient_accumulation_steps")
+      return;
+  if (ds.train_batch_size || ds.train_micro_batch_size_per_gpu) deepspeed::resolve_batch_sizes(ds, data_parallel);
+}
+
+void mesh_from_deepspeed(const deepspeed::Config& ds, int num_processes, std::optional<ParallelismSettings>& p,
+                         bool elastic) {
   const int autotp = static_cast<int>(ds.autotp_size);
   const int sp = static_cast<int>(ds.sequence_parallel_size.value_or(1));
   if (p && autotp > 1 && p->tp != autotp)
@@ -49,6 +59,7 @@ void mesh_from_deepspeed(const deepspeed::Config& ds, int num_processes, std::op
                                   "processes{}); make them agree",
                                   ds.origin, *ds.data_parallel_size, dp, num_processes,
                                   p ? fmt::format(" over tp {} x sp {} x cp {}", p->tp, p->sp, p->cp) : ""));
+  if (!elastic) check_batch_sizes(ds, dp);  // an elastic job's world size is known only at each rendezvous
 }
 
 // --nnodes "N" or "MIN:MAX".
@@ -231,7 +242,7 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   // data parallel), as DeepSpeed's engine makes its groups from them.
   if (o.settings.deepspeed && !o.settings.deepspeed->config_file.empty())
     mesh_from_deepspeed(deepspeed::load_config(o.settings.deepspeed->config_file), cfg.num_processes,
-                        o.settings.parallelism);
+                        o.settings.parallelism, elastic.has_value());
   o.elastic = elastic;
   if (elastic) o.run_id = elastic->run_id;
   o.max_restarts = r.max_restarts;

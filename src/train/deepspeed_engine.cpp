@@ -60,44 +60,7 @@ T param_or(const nlohmann::json& params, const char* key, T fallback, const std:
   }
 }
 
-// Marks every module of `model` that `matches` (by its class name and path); ConfigError naming `what`
-// when none does.
-int mark_leaves(torch::nn::Module& model, const std::vector<std::string>& wanted, const char* what,
-                const std::function<bool(const std::string&, const std::string&, const std::string&)>& matches) {
-  int marked = 0;
-  for (const auto& want : wanted)
-    for (const auto& item : model.named_modules("", /*include_self=*/false))
-      if (matches(want, item.value()->name(), item.key())) {
-        detail::mark_leaf_module(*item.value());
-        ++marked;
-      }
-  if (marked == 0)
-    throw ConfigError(fmt::format("{}: no module of the model matches {}", what, text::join(wanted)));
-  return marked;
-}
-
 }  // namespace
-
-int set_z3_leaf_modules(torch::nn::Module& model, const std::vector<std::string>& classes) {
-  return mark_leaves(model, classes, "set_z3_leaf_modules (zero_optimization.leaf_module.classes)",
-                     [](const std::string& want, const std::string& cls, const std::string&) {
-                       return detail::layer_class_matches(want, cls);
-                     });
-}
-
-int set_z3_leaf_modules_by_name(torch::nn::Module& model, const std::vector<std::string>& names) {
-  return mark_leaves(model, names, "set_z3_leaf_modules_by_name (zero_optimization.leaf_module.names)",
-                     [](const std::string& want, const std::string&, const std::string& path) { return want == path; });
-}
-
-int set_z3_leaf_modules_by_suffix(torch::nn::Module& model, const std::vector<std::string>& suffixes) {
-  return mark_leaves(model, suffixes, "set_z3_leaf_modules_by_suffix (zero_optimization.leaf_module.name_suffixes)",
-                     [](const std::string& want, const std::string&, const std::string& path) {
-                       return path == want || (path.size() > want.size() + 1 &&
-                                               path.compare(path.size() - want.size(), want.size(), want) == 0 &&
-                                               path[path.size() - want.size() - 1] == '.');
-                     });
-}
 
 std::shared_ptr<torch::optim::Optimizer> make_optimizer(const TypedSection& section,
                                                         const std::vector<at::Tensor>& parameters) {
@@ -398,6 +361,14 @@ std::string Engine::save_checkpoint(const std::string& dir, const std::string& t
 std::optional<std::pair<std::string, nlohmann::json>> Engine::load_checkpoint(const std::string& dir,
                                                                                const std::string& tag) {
   std::string name = tag;
+  if (name.empty() && !std::filesystem::is_directory(dir)) {
+    // DeepSpeed warns and starts fresh here too; the warning names what is missing.
+    if (accelerator_->is_main_process())
+      log::warning("xlr8: load_checkpoint: the directory {} does not exist; nothing was loaded (training starts "
+                   "fresh)",
+                   dir);
+    return std::nullopt;
+  }
   if (name.empty()) {
     std::ifstream latest(std::filesystem::path(dir) / "latest");
     if (!latest || !std::getline(latest, name) || name.empty()) {

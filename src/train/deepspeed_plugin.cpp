@@ -141,6 +141,19 @@ DeepSpeedPlugin::DeepSpeedPlugin(const DeepSpeedSettings& launch, MixedPrecision
                  accumulation, config_.origin, *config_.gradient_accumulation_steps);
 }
 
+// Accelerate fills an "auto" warmup_num_steps with its DummyScheduler's, 0 by default; DeepSpeed up to 0.19.2
+// clamped that to its smallest warm-up (2 steps), 0.19.3 on refuses 0. A warm-up of 0 asked for through "auto"
+// (Accelerate's own configs with a program's defaults) gets those 2 steps; a 0 written in the JSON is refused.
+int64_t DeepSpeedPlugin::auto_warmup_steps(int64_t program_steps) const {
+  const auto& params = config_.scheduler->params;
+  const bool automatic = params.contains("warmup_num_steps") && params.at("warmup_num_steps") == "auto";
+  if (!automatic || program_steps != 0) return program_steps;
+  log::debug("xlr8: {}: scheduler.params.warmup_num_steps \"auto\" with the program's warm-up of 0 steps: using "
+             "DeepSpeed's smallest warm-up, 2 steps",
+             config_.origin);
+  return 2;
+}
+
 void DeepSpeedPlugin::fill(const std::map<std::string, nlohmann::json>& values) {
   config_ = deepspeed::fill_auto(config_, values);
 }
@@ -237,7 +250,7 @@ std::shared_ptr<torch::optim::LRScheduler> DeepSpeedPlugin::scheduler_for(std::s
   // divides them by the number of processes because its own schedulers step once per process).
   std::map<std::string, nlohmann::json> values{{"scheduler.params.warmup_min_lr", 0.0},
                                                {"scheduler.params.warmup_max_lr", groups.front().options().get_lr()},
-                                               {"scheduler.params.warmup_num_steps", dummy->warmup_num_steps()}};
+                                               {"scheduler.params.warmup_num_steps", auto_warmup_steps(dummy->warmup_num_steps())}};
   if (dummy->total_num_steps()) values["scheduler.params.total_num_steps"] = *dummy->total_num_steps();
   fill(values);
   refuse_auto_in("scheduler.", "warmup_min_lr, warmup_max_lr, warmup_num_steps and total_num_steps (when given)");

@@ -58,6 +58,7 @@ class DeepSpeedPlugin {
   void finish(int accumulation);
 
  private:
+  int64_t auto_warmup_steps(int64_t program_steps) const;
   void fill(const std::map<std::string, nlohmann::json>& values);
   void refuse_auto_in(const std::string& prefix, const std::string& filled_by) const;
 

@@ -28,9 +28,17 @@ std::vector<double> current_lrs(torch::optim::Optimizer& optimizer) {
   return lrs;
 }
 
+// DeepSpeed warns about another warm-up type and warms up logarithmically.
 std::string checked_type(const std::string& type, const char* where) {
   if (type == "log" || type == "linear") return type;
-  throw ConfigError(fmt::format("{}: warmup_type {:?} is not a warm-up; use log or linear", where, type));
+  log::warning("{}: unknown warmup_type {:?}: warming up with log (the types are log and linear)", where, type);
+  return "log";
+}
+
+// As DeepSpeed, which still trains: the decay starts where the warm-up ends.
+void warn_if_total_within_warmup(int64_t total, int64_t warmup, const char* where) {
+  if (total < warmup)
+    log::warning("{}: total_num_steps {} is less than warmup_num_steps {}: there is no decay", where, total, warmup);
 }
 
 // log(i + 1) / log(W), or i / W.
@@ -47,11 +55,10 @@ WarmupLR::WarmupLR(torch::optim::Optimizer& optimizer, WarmupOptions options)
       warmup_type_(checked_type(options.warmup_type, "WarmupLR")) {
   if (options.warmup_num_steps <= 0)
     throw ConfigError(fmt::format("WarmupLR: warmup_num_steps must be a positive integer, got {}", options.warmup_num_steps));
-  // Without warmup_max_lr, DeepSpeed takes the first group's lr for every group.
+  // Without warmup_max_lr, each group warms up to its own lr (DeepSpeed 0.19.4 on).
   const auto initial = current_lrs(optimizer);
-  const double max_lr = options.warmup_max_lr.value_or(initial.empty() ? 0.0 : initial.front());
   min_lrs_.assign(initial.size(), options.warmup_min_lr);
-  delta_lrs_.assign(initial.size(), max_lr - options.warmup_min_lr);
+  for (double lr : initial) delta_lrs_.push_back(options.warmup_max_lr.value_or(lr) - options.warmup_min_lr);
   set_lrs(optimizer, min_lrs_);  // DeepSpeed starts every group at warmup_min_lr
 }
 
@@ -76,7 +83,9 @@ WarmupDecayLR::WarmupDecayLR(torch::optim::Optimizer& optimizer, int64_t total_n
         if (!options.warmup_max_lr) options.warmup_max_lr = 0.001;  // DeepSpeed's default here, not the optimizer's
         return options;
       }()),
-      total_num_steps_(total_num_steps) {}
+      total_num_steps_(total_num_steps) {
+  warn_if_total_within_warmup(total_num_steps_, warmup_num_steps_, "WarmupDecayLR");
+}
 
 double WarmupDecayLR::gamma(int64_t iteration) const {
   if (iteration < warmup_num_steps_) return warmup_gamma(iteration);
@@ -95,6 +104,7 @@ WarmupCosineLR::WarmupCosineLR(torch::optim::Optimizer& optimizer, int64_t total
       initial_lrs_(current_lrs(optimizer)) {
   if (warmup_num_steps <= 0)
     throw ConfigError(fmt::format("WarmupCosineLR: warmup_num_steps must be a positive integer, got {}", warmup_num_steps));
+  warn_if_total_within_warmup(total_num_steps_, warmup_num_steps_, "WarmupCosineLR");
   set_lrs(optimizer, std::vector<double>(initial_lrs_.size(), 0.0));  // DeepSpeed's rate before the first step
 }
 
@@ -229,12 +239,17 @@ std::shared_ptr<torch::optim::LRScheduler> make_scheduler(const TypedSection& se
       throw ConfigError(fmt::format("DeepSpeed config: scheduler {} needs params.total_num_steps", section.type));
     return whole("total_num_steps", 0);
   };
+  auto warmup_type = [&] {  // DeepSpeed warms up with log when the type is not one it knows
+    return p.contains("warmup_type") && p.at("warmup_type").is_string() ? p.at("warmup_type").get<std::string>()
+                                                                         : std::string(p.contains("warmup_type") ? p.at("warmup_type").dump() : "log");
+  };
   auto warmup = [&] {
     WarmupOptions o;
     o.warmup_min_lr = number("warmup_min_lr", 0.0);
-    if (p.contains("warmup_max_lr")) o.warmup_max_lr = number("warmup_max_lr", 0.0);
+    // null: each group's own lr, as when absent
+    if (p.contains("warmup_max_lr") && !p.at("warmup_max_lr").is_null()) o.warmup_max_lr = number("warmup_max_lr", 0.0);
     o.warmup_num_steps = whole("warmup_num_steps", 1000);
-    if (p.contains("warmup_type")) o.warmup_type = p.at("warmup_type").get<std::string>();
+    o.warmup_type = warmup_type();
     return o;
   };
   const std::vector<std::string> warmup_keys = {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
@@ -254,7 +269,7 @@ std::shared_ptr<torch::optim::LRScheduler> make_scheduler(const TypedSection& se
            "last_batch_iteration"});
     return std::make_shared<WarmupCosineLR>(optimizer, total(), number("warmup_min_ratio", 0.0),
                                             whole("warmup_num_steps", 1000), number("cos_min_ratio", 0.0001),
-                                            p.value("warmup_type", std::string("log")));
+                                            warmup_type());
   }
   if (section.type == "OneCycle") {
     check({"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size",

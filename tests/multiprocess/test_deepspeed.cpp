@@ -163,6 +163,11 @@ TEST(DeepSpeedEngineOracle, ACheckpointSavedOnThreeRanksAtStage3ResumesOnTwoAtSt
   auto merged = run({kXlr8, "merge-weights", first.dir + "/ckpt/global_step2", first.dir + "/merged/model"}, 60);
   ASSERT_EQ(merged.exit_code, 0) << merged.err;
   expect_same_params(first.dir + "/merged", first.dir, 0);
+  // Given the root, as zero_to_fp32.py is: `latest` is followed, and the tag it used is named.
+  auto from_root = run({kXlr8, "merge-weights", first.dir + "/ckpt", first.dir + "/merged_root/model"}, 60);
+  ASSERT_EQ(from_root.exit_code, 0) << from_root.err;
+  EXPECT_NE(from_root.out.find("names the tag \"global_step2\""), std::string::npos) << from_root.out;
+  expect_same_params(first.dir + "/merged_root", first.dir, 0);
   auto resumed = engine_run(2, 2, {"--resume", first.dir + "/ckpt"});
   ASSERT_EQ(resumed.losses.size(), 2u);  // steps 3 and 4
   expect_close({first.losses[0], first.losses[1], resumed.losses[0], resumed.losses[1]}, one.losses, 1e-5);
@@ -194,7 +199,8 @@ TEST(DeepSpeedEngineExample, TheGptTrainsThroughTheEngineFromTheShippedJsonAndIt
 
 // The JSON files users copy from Accelerate's templates and tests (tests/data/deepspeed_configs) train the
 // GPT through the Accelerate path: the example supplies lr, weight decay, total and warm-up steps (its
-// DummyOptim / DummyScheduler), the launch the precision, and nothing is left "auto".
+// DummyOptim / DummyScheduler), the launch the precision, and nothing is left "auto". The example's own
+// warm-up (0 steps, Accelerate's DummyScheduler default) fills "auto" as DeepSpeed's smallest, 2.
 TEST(DeepSpeedAccelerateExample, EveryCopiedJsonTrainsTheGptThroughTheAcceleratePath) {
   const std::string kGpt = GPT_BIN;
   const auto configs = fs::path(XLR8_SOURCE_DIR) / "tests/data/deepspeed_configs";
@@ -204,7 +210,7 @@ TEST(DeepSpeedAccelerateExample, EveryCopiedJsonTrainsTheGptThroughTheAccelerate
     SCOPED_TRACE(entry.path().filename().string());
     auto dir = temp_dir("gpt-ds-json");
     auto r = run({kXlr8, "launch", "--num_processes", "2", "--use_deepspeed", "--deepspeed_config_file",
-                  entry.path().string(), kGpt, "--max_steps", "4", "--warmup_steps", "2", "--n_layer", "1", "--d_model",
+                  entry.path().string(), kGpt, "--max_steps", "4", "--n_layer", "1", "--d_model",
                   "32", "--n_head", "2", "--seq_len", "32", "--val_windows", "8", "--log_every", "2", "--output_dir", dir},
                  180);
     ASSERT_EQ(r.exit_code, 0) << r.out << r.err;

@@ -338,7 +338,11 @@ TEST(DeepSpeedSchedulers, AMissingOrUnknownParameterAndAnUnbuiltTypeAreNamed) {
             std::string::npos);
   EXPECT_NE(refusal({{"type", "OneCycel"}, {"params", nlohmann::json::object()}}).find("(did you mean \"OneCycle\"?)"),
             std::string::npos);
-  EXPECT_NE(refusal({{"type", "WarmupLR"}, {"params", {{"warmup_type", "cubic"}}}}).find("use log or linear"), std::string::npos);
+  // DeepSpeed refuses a warm-up of 0 written in the JSON (0.19.3 on), and warms up with log for a type it does not know.
+  EXPECT_NE(refusal({{"type", "WarmupLR"}, {"params", {{"warmup_num_steps", 0}}}}).find("must be a positive integer, got 0"),
+            std::string::npos);
+  EXPECT_EQ(refusal({{"type", "WarmupLR"}, {"params", {{"warmup_type", "cubic"}}}}), "built");
+  EXPECT_EQ(refusal({{"type", "WarmupLR"}, {"params", {{"warmup_max_lr", nullptr}}}}), "built");
 }
 
 TEST(DeepSpeedEngine, ACheckpointRestoresModelOptimizerSchedulerCountersAndClientStateAndLatestNamesIt) {
@@ -373,8 +377,14 @@ TEST(DeepSpeedEngine, ACheckpointRestoresModelOptimizerSchedulerCountersAndClien
   train(b.engine, 3, 5);
   expect_same(b.engine->model(), a.engine->model());  // momentum and the schedule's position came back too
   EXPECT_EQ(b.engine->get_lr(), a.engine->get_lr());
-  // No `latest`: DeepSpeed warns and loads nothing.
+  // No directory, or no `latest` in it: DeepSpeed warns and loads nothing; the warning says which.
+  testing::internal::CaptureStderr();
   EXPECT_FALSE(b.engine->load_checkpoint(dir + "/nowhere").has_value());
+  std::filesystem::create_directories(dir + "/empty");
+  EXPECT_FALSE(b.engine->load_checkpoint(dir + "/empty").has_value());
+  const auto warned = testing::internal::GetCapturedStderr();
+  EXPECT_NE(warned.find("the directory " + dir + "/nowhere does not exist"), std::string::npos) << warned;
+  EXPECT_NE(warned.find(dir + "/empty has no 'latest' file"), std::string::npos) << warned;
   std::filesystem::remove_all(dir);
 }
 

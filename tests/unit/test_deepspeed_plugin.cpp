@@ -164,6 +164,38 @@ TEST(DeepSpeedPlugin, DummyOptimAndDummySchedulerStandForTheJsonsSectionsAndReal
   EXPECT_EQ(without.optimizer_for(real), real);  // no section: the program's own
 }
 
+// Accelerate's DummyScheduler warms up over 0 steps by default: an "auto" warm-up filled with it trains (DeepSpeed's
+// smallest warm-up, 2 steps, as DeepSpeed up to 0.19.2 clamped it), where a 0 written in the JSON is refused.
+TEST(DeepSpeedPlugin, AnAutoWarmupFilledWithTheDummySchedulersZeroStepsTrains) {
+  for (const char* type : {"WarmupLR", "WarmupDecayLR"}) {
+    SCOPED_TRACE(type);
+    nlohmann::json params = {{"warmup_min_lr", "auto"}, {"warmup_max_lr", "auto"}, {"warmup_num_steps", "auto"}};
+    if (std::string(type) == "WarmupDecayLR") params["total_num_steps"] = "auto";
+    DeepSpeedPlugin plugin(launch_with({{"train_micro_batch_size_per_gpu", 2},
+                                        {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", "auto"}}}}},
+                                        {"scheduler", {{"type", type}, {"params", params}}}}),
+                           MixedPrecision::NO, 1, 1, false);
+    auto net = torch::nn::Linear(3, 3);
+    auto dummy = std::make_shared<DummyOptim>(net->parameters(), 0.02);
+    auto built = plugin.optimizer_for(dummy);
+    auto scheduler = plugin.scheduler_for(std::make_shared<DummyScheduler>(*dummy, 10));  // warm-up 0, the default
+    EXPECT_EQ(plugin.config().document["scheduler"]["params"]["warmup_num_steps"], 2);
+    scheduler->step();
+    scheduler->step();
+    EXPECT_NEAR(built->param_groups()[0].options().get_lr(), 0.02, 1e-12);  // iteration 1 ends the 2-step warm-up
+  }
+  DeepSpeedPlugin explicit_zero(
+      launch_with({{"train_micro_batch_size_per_gpu", 2},
+                   {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 0.02}}}}},
+                   {"scheduler", {{"type", "WarmupLR"}, {"params", {{"warmup_num_steps", 0}}}}}}),
+      MixedPrecision::NO, 1, 1, false);
+  auto net = torch::nn::Linear(3, 3);
+  auto dummy = std::make_shared<DummyOptim>(net->parameters());
+  explicit_zero.optimizer_for(dummy);
+  const auto message = error_of([&] { explicit_zero.scheduler_for(std::make_shared<DummyScheduler>(*dummy, 10)); });
+  EXPECT_NE(message.find("warmup_num_steps must be a positive integer, got 0"), std::string::npos) << message;
+}
+
 TEST(DeepSpeedPlugin, AnAutoADummyCannotFillIsRefusedNamingIt) {
   DeepSpeedPlugin plugin(launch_with({{"train_micro_batch_size_per_gpu", 2},
                                       {"optimizer", {{"type", "Adam"}, {"params", {{"lr", "auto"}, {"betas", "auto"}}}}}}),

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include "checkpoint/hf_export.hpp"
 #include "checkpoint/sharded_pieces.hpp"
@@ -30,7 +31,27 @@ struct Args {
   size_t model = 0;
 };
 
-int merge(const Args& a) {
+// DeepSpeed's checkpoint root (what zero_to_fp32.py takes): a directory whose `latest` file names the tag saved
+// last. Followed as DeepSpeed follows it; any other directory is the checkpoint itself.
+std::string followed_latest(const std::string& checkpoint) {
+  const fs::path dir = checkpoints::directory_path(checkpoint);
+  if (!fs::is_regular_file(dir / "latest") || fs::exists(dir / "MANIFEST.json")) return checkpoint;
+  std::ifstream file(dir / "latest");
+  std::string tag;
+  std::getline(file, tag);
+  if (tag.empty())
+    throw ConfigError(fmt::format("merge-weights: {} is empty; it should name the tag of the checkpoint saved last (give "
+                                  "that checkpoint's directory instead)",
+                                  (dir / "latest").string()));
+  if (!fs::is_directory(dir / tag))
+    throw ConfigError(fmt::format("merge-weights: {} names the tag {:?}, but {} does not exist", (dir / "latest").string(),
+                                  tag, (dir / tag).string()));
+  fmt::print("merge-weights: {} names the tag {:?}: merging {}\n", (dir / "latest").string(), tag, (dir / tag).string());
+  return (dir / tag).string();
+}
+
+int merge(Args a) {
+  a.checkpoint = followed_latest(a.checkpoint);
   const auto dtype = parse_dtype(a.dtype);
   const int64_t limit = checkpoints::parse_size(a.max_shard_size);
   if (!fs::is_directory(checkpoints::directory_path(a.checkpoint)))
@@ -79,7 +100,7 @@ Handler add_merge_weights(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "merge-weights", "Merge a checkpoint's model (sharded over ranks or whole) into Hugging Face safetensors");
   auto a = std::make_shared<Args>();
-  cmd->add_option("checkpoint", a->checkpoint, "A directory save_state wrote")->required();
+  cmd->add_option("checkpoint", a->checkpoint, "A directory save_state wrote, or a DeepSpeed checkpoint root (its latest file names the tag)")->required();
   cmd->add_option("output", a->out, "Directory to write model.safetensors (or shards and their index) into")->required();
   cmd->add_option("--max_shard_size,--max-shard-size", a->max_shard_size,
                   "Largest file before the model is split into shards plus model.safetensors.index.json");
