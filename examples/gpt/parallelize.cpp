@@ -16,13 +16,14 @@ xlr8::tp::Plan tp_plan(const Config& c, int tp_size, bool sequence_parallel) {
                                           "computes whole heads",
                                           flag, heads, tp_size));
   using xlr8::tp::Style;
-  const int64_t kv_width = kv_heads * (c.d_model / c.n_head);
+  const int64_t head_dim = c.d_model / c.n_head, kv_width = kv_heads * head_dim;
   xlr8::tp::Plan plan{{"wte", Style::VocabParallel},
                       {"wpe", Style::VocabParallel},
-                      // Queries, keys and values: each part split on its own, so a rank holds whole heads of each.
+                      // Queries, keys and values: each part split on its own, so a rank holds whole heads of each
+                      // (head_dim: parallelize() checks it too).
                       {"blocks.*.attn.qkv", Style::Colwise, /*gather_output=*/false, /*fused=*/1,
-                       /*sequence_parallel=*/false, /*fused_sizes=*/{c.d_model, kv_width, kv_width}},
-                      {"blocks.*.attn.proj", Style::Rowwise},
+                       /*sequence_parallel=*/false, /*fused_sizes=*/{c.d_model, kv_width, kv_width}, head_dim},
+                      {"blocks.*.attn.proj", Style::Rowwise, false, 1, false, {}, head_dim},
                       {"blocks.*.mlp.fc", Style::Colwise},
                       {"blocks.*.mlp.proj", Style::Rowwise}};
   if (!c.tied_head) plan.push_back({"head", Style::Colwise, /*gather_output=*/true});

@@ -75,6 +75,9 @@ struct ParallelismSettings {
   // parallelism_config_sp_seq_length / _is_variable: with a fixed length, every sharded batch must have it.
   std::optional<long> sp_seq_length;
   bool sp_seq_length_is_variable = true;
+  // parallelism_config_tp_head_dim (xlr8's key): the features of one attention head, for the plans prepare()
+  // makes (AutoTP, XLR8_TP_PLAN_FILE) and the check of a program's own; a split that cuts a head is refused.
+  std::optional<long> tp_head_dim;
   int total() const { return dp_replicate * dp_shard * cp * sp * tp; }
   bool operator==(const ParallelismSettings&) const = default;
 };

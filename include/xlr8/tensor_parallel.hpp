@@ -55,6 +55,11 @@ struct PlanEntry {
   // `shape: [[q, kv, kv], -1]`), each split on its own. When given it says the parts instead of `fused`
   // (which must then be 1 or its length), and the widths must add up to out_features.
   std::vector<int64_t> fused_sizes = {};
+  // Linear only: the layer carries attention heads of this many features (0: unchecked). Every width it
+  // splits (its output, each fused part, or a row-wise layer's input) must be whole heads that the tp
+  // ranks share equally, or parallelize() refuses it by name: a rank holding half a head would fail later,
+  // in the model's own reshape. AutoTP and the plan file set it from their head size.
+  int64_t head_dim = 0;
 };
 using Plan = std::vector<PlanEntry>;
 
@@ -71,8 +76,9 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
 // gate/up (w1/w3) are column-wise; attention outputs (o/o_proj/out_proj/proj/c_proj) and fc2/fc_out/
 // down/w2 row-wise; head/lm_head/embed_out column-wise with the output gathered; every xlr8::nn::Embedding
 // vocabulary-parallel (replicated when it has options that cannot be split). A Linear it cannot place is
-// a ConfigError naming it, never left whole in silence. With head_dim > 0, attention projections must
-// hold a whole number of heads per rank (heads = features / head_dim, divisible by tp_size).
+// a ConfigError naming it, never left whole in silence. With head_dim > 0 (prepare(): AcceleratorOptions::
+// tp_head_dim or parallelism_config_tp_head_dim), the attention projections (q/k/v, fused qkv, o/out_proj
+// by name) get PlanEntry::head_dim, and one whose heads tp_size ranks cannot share whole is refused here.
 // With `sequence_parallel`, the plan is Megatron's sequence parallelism: every split layer takes the
 // sequence-split activations (PlanEntry::sequence_parallel) and every LayerNorm and Dropout outside them
 // (LibTorch's, where the residual stream runs) runs on this rank's share of the sequence (SequenceParallel).
@@ -90,13 +96,21 @@ Plan with_sequence_parallel(Plan plan, const torch::nn::Module& model);
 // before them when `use_default_specs` is true (the default) and replace them when false, and a layer no
 // spec of a preset matched stays whole. Without a preset, `use_default_specs` (or no partition_config) has
 // AutoTP place what no spec matched. Unknown keys, presets and shapes xlr8 cannot split are ConfigErrors
-// naming them.
-Plan plan_from_deepspeed(const nlohmann::json& tensor_parallel, const torch::nn::Module& model, int tp_size);
+// naming them. The head size, xlr8's key (DeepSpeed reads num_key_value_heads from a Hugging Face model's
+// config, which a LibTorch model lacks): `head_dim` in the section (else the argument) gives the attention
+// projections AutoTP names PlanEntry::head_dim, and `head_dim` in a layer_spec gives it to the layers that spec
+// matches; a layer whose heads tp_size ranks cannot share whole is refused here, as by auto_plan.
+Plan plan_from_deepspeed(const nlohmann::json& tensor_parallel, const torch::nn::Module& model, int tp_size,
+                         int64_t head_dim = 0);
 // The same rules from a plan file: a JSON file holding that section (autotp_size, partition_config, ...),
 // or a whole DeepSpeed JSON whose "tensor_parallel" section it reads. Under parallelism_config_tp_size,
 // prepare() splits an unsplit model by the file XLR8_TP_PLAN_FILE names instead of by AutoTP. A missing
 // file or bad JSON is a ConfigError naming the file.
-Plan plan_from_file(const std::string& path, const torch::nn::Module& model, int tp_size);
+Plan plan_from_file(const std::string& path, const torch::nn::Module& model, int tp_size, int64_t head_dim = 0);
+// A model already split (by the program's own plan): every split attention projection (AutoTP's names)
+// must hold whole heads of `head_dim` that its tp ranks share equally; ConfigError naming the layers that
+// do not (prepare() checks a program's split against its head size so).
+void check_whole_heads(const torch::nn::Module& model, int64_t head_dim);
 
 // The parameters a plan sliced (their gradients are partial norms over the tp group), with that group;
 // nullopt group when nothing in the model is sliced.

@@ -150,6 +150,7 @@ std::map<std::string, std::string> settings_to_env(const Settings& s) {
     env["PARALLELISM_CONFIG_DP_SHARD_SIZE"] = std::to_string(p->dp_shard);
     env["PARALLELISM_CONFIG_CP_SIZE"] = std::to_string(p->cp);
     env["PARALLELISM_CONFIG_TP_SIZE"] = std::to_string(p->tp);
+    if (p->tp_head_dim) env["PARALLELISM_CONFIG_TP_HEAD_DIM"] = std::to_string(*p->tp_head_dim);
     if (p->cp > 1) env["PARALLELISM_CONFIG_CP_COMM_STRATEGY"] = p->cp_comm_strategy;
     if (p->sp > 1) {
       env["PARALLELISM_CONFIG_SP_SIZE"] = std::to_string(p->sp);
@@ -264,6 +265,7 @@ Settings settings_from_env(const Env& env) {
     p.dp_shard = static_cast<int>(env.get_positive("PARALLELISM_CONFIG_DP_SHARD_SIZE", 1));
     p.cp = static_cast<int>(env.get_positive("PARALLELISM_CONFIG_CP_SIZE", 1));
     p.tp = static_cast<int>(env.get_positive("PARALLELISM_CONFIG_TP_SIZE", 1));
+    if (env.has("PARALLELISM_CONFIG_TP_HEAD_DIM")) p.tp_head_dim = env.get_positive("PARALLELISM_CONFIG_TP_HEAD_DIM", 1);
     if (auto strategy = env.get("PARALLELISM_CONFIG_CP_COMM_STRATEGY")) {
       if (*strategy != "allgather" && *strategy != "alltoall")
         throw ConfigError(fmt::format("PARALLELISM_CONFIG_CP_COMM_STRATEGY={:?}: allowed values are allgather and alltoall",

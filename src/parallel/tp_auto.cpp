@@ -10,6 +10,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <numeric>
 #include <regex>
 #include <set>
 
@@ -30,7 +31,7 @@ const std::set<std::string> kFusedGateUp{"gate_up", "gate_up_proj", "w13"};
 const std::set<std::string> kRow{"o",  "o_proj", "out_proj", "proj", "c_proj",       "wo",   "w2",
                                  "fc2", "fc_out", "down",     "down_proj", "dense_4h_to_h", "dense"};
 const std::set<std::string> kHead{"head", "lm_head", "embed_out", "output"};
-// Projections that carry attention heads (checked against head_dim).
+// Projections that carry attention heads (a model-wide head size applies to them).
 const std::set<std::string> kAttention{"q",     "k",  "v",  "q_proj", "k_proj", "v_proj", "query", "key", "value",
                                        "wq",    "wk", "wv", "qkv",    "qkv_proj", "c_attn", "query_key_value",
                                        "wqkv",  "o",  "o_proj", "out_proj", "wo"};
@@ -77,16 +78,20 @@ std::set<const torch::nn::Module*> tied_layers(const torch::nn::Module& model, c
   return out;
 }
 
-void check_heads(const Layer& layer, const PlanEntry& entry, int tp_size, int64_t head_dim) {
-  if (head_dim <= 0 || !kAttention.count(last_component(layer.path))) return;
+// A model-wide head size goes to the attention projections' entries (by name).
+void set_head_dim(const Layer& layer, PlanEntry& entry, int64_t head_dim) {
+  if (head_dim != 0 && !is_embedding(layer.module) && kAttention.count(last_component(layer.path))) entry.head_dim = head_dim;
+}
+
+// PlanEntry::head_dim checked where the plan is made, before anything is split: one line naming the layer,
+// its features, the head size and tp. Fused parts that do not add up are parallelize()'s to name.
+void check_heads(const Layer& layer, const PlanEntry& entry, int tp_size, const char* who) {
+  if (entry.head_dim == 0 || entry.fused < 1 || is_embedding(layer.module)) return;
   auto [in, out] = linear_features(layer.module);
-  const auto parts = entry.style == Style::Rowwise ? std::vector<int64_t>{in} : detail::fused_part_widths(entry, out);
-  for (const int64_t features : parts)
-    if (features % head_dim != 0 || (features / head_dim) % tp_size != 0)
-      throw ConfigError(fmt::format("AutoTP: attention projection '{}' has {} features = {} heads of {}, which {} tp "
-                                    "ranks cannot share whole; choose a tp size that divides the number of heads",
-                                    layer.path, features, static_cast<double>(features) / static_cast<double>(head_dim),
-                                    head_dim, tp_size));
+  const auto parts = detail::fused_part_widths(entry, out);
+  if (std::accumulate(parts.begin(), parts.end(), int64_t{0}) != out) return;
+  if (auto problem = detail::heads_problem(entry, in, out, tp_size); !problem.empty())
+    throw ConfigError(fmt::format("{}'{}' ({}): {}", who, layer.path, to_string(entry.style), problem));
 }
 
 // AutoTP's entry for one layer, or nullopt when its name says nothing.
@@ -123,8 +128,11 @@ std::optional<PlanEntry> auto_entry(const Layer& layer, bool tied) {
 
 }  // namespace
 
+bool detail::is_attention_projection(const std::string& path) { return kAttention.count(last_component(path)) > 0; }
+
 Plan auto_plan(const torch::nn::Module& model, int tp_size, int64_t head_dim, bool sequence_parallel) {
   if (tp_size < 1) throw ConfigError(fmt::format("AutoTP: tp size {} must be 1 or more", tp_size));
+  if (head_dim < 0) throw ConfigError(fmt::format("AutoTP: head_dim {} must be 0 (unchecked) or more", head_dim));
   const auto layers = layers_of(model);
   const auto tied = tied_layers(model, layers);
   Plan plan;
@@ -135,7 +143,8 @@ Plan auto_plan(const torch::nn::Module& model, int tp_size, int64_t head_dim, bo
       unknown.push_back(layer.path);
       continue;
     }
-    check_heads(layer, *entry, tp_size, head_dim);
+    set_head_dim(layer, *entry, head_dim);
+    check_heads(layer, *entry, tp_size, "AutoTP: ");
     plan.push_back(*entry);
   }
   if (!unknown.empty())
@@ -178,19 +187,29 @@ Plan with_sequence_parallel(Plan plan, const torch::nn::Module& model) {
 
 namespace {
 
-// DeepSpeed's `tensor_parallel` keys (the config reader already refused any other).
+// DeepSpeed's `tensor_parallel` keys (the engine's config reader already refused any other), and xlr8's head_dim.
 const std::set<std::string> kTensorParallelKeys{"autotp_size",   "partition_config", "preset_model",
                                                 "tp_overlap_comm", "tp_grain_size",  "keep_module_on_host",
-                                                "injection_policy_tuple", "dtype"};
+                                                "injection_policy_tuple", "dtype", "head_dim"};
 const std::set<std::string> kPartitionKeys{"use_default_specs", "layer_specs"};
 const std::set<std::string> kSpecKeys{"patterns", "partition_type", "shape", "partition_dim", "model_types",
-                                      "gather_output", "grad_allreduce"};
+                                      "gather_output", "grad_allreduce", "head_dim"};
 
 void check_keys(const nlohmann::json& object, const std::set<std::string>& known, const std::string& where) {
   if (!object.is_object()) throw ConfigError(fmt::format("{} must be a JSON object", where));
   for (const auto& [key, value] : object.items())
     if (!known.count(key))
       throw ConfigError(fmt::format("{}: unknown key '{}'; known: {}", where, key, fmt::join(known, ", ")));
+}
+
+// xlr8's `head_dim` key (DeepSpeed's sections have none): the features of one attention head, or `fallback`.
+int64_t head_dim_of(const nlohmann::json& object, const std::string& where, int64_t fallback) {
+  if (!object.contains("head_dim") || object["head_dim"].is_null()) return fallback;
+  const auto& value = object["head_dim"];
+  if (!value.is_number_integer() || value.get<int64_t>() < 1)
+    throw ConfigError(fmt::format("{}.head_dim = {}: the features of one attention head, an integer of 1 or more", where,
+                                  value.dump()));
+  return value.get<int64_t>();
 }
 
 // DeepSpeed's `shape` on a column spec: [k, -1] (k equal fused parts along the output) or [[a, b, ...], -1]
@@ -289,9 +308,51 @@ nlohmann::json preset_specs(const nlohmann::json& name) {
   return it->second;
 }
 
+// One layer_spec (checked whole): its regular expressions and the entry the layers they match get.
+struct Rule {
+  std::vector<std::regex> patterns;
+  PlanEntry entry;  // pattern filled per layer
+};
+
+Rule rule_of(const nlohmann::json& spec, const std::string& where) {
+  check_keys(spec, kSpecKeys, where);
+  Rule rule;
+  const auto type = spec.value("partition_type", std::string("column"));
+  if (type == "column") {
+    rule.entry = PlanEntry{"", Style::Colwise, spec.value("gather_output", false)};
+    set_fused_parts(rule.entry, spec, where);
+  } else if (type == "row") {
+    rule.entry = PlanEntry{"", Style::Rowwise};
+  } else if (type == "skip") {
+    rule.entry = PlanEntry{"", Style::Replicate};
+  } else {
+    throw ConfigError(fmt::format("{}.partition_type = \"{}\": one of column, row, skip", where, type));
+  }
+  rule.entry.head_dim = head_dim_of(spec, where, 0);
+  const int default_dim = rule.entry.style == Style::Rowwise ? 1 : 0;
+  if (spec.contains("partition_dim") && !spec["partition_dim"].is_null() && spec["partition_dim"] != default_dim)
+    throw ConfigError(fmt::format("{}.partition_dim = {}: xlr8 splits {} layers on dimension {} only", where,
+                                  spec["partition_dim"].dump(), type, default_dim));
+  if (spec.contains("model_types") && !spec["model_types"].is_null())
+    throw ConfigError(fmt::format("{}.model_types: a LibTorch model has no model_type to filter on; remove the key",
+                                  where));
+  if (spec.value("grad_allreduce", false))
+    throw ConfigError(fmt::format("{}.grad_allreduce = true: summing a kept-whole parameter's gradient over tp is "
+                                  "not supported yet; leave it out",
+                                  where));
+  for (const auto& pattern : spec.value("patterns", nlohmann::json::array())) {
+    try {
+      rule.patterns.emplace_back(pattern.get<std::string>(), std::regex::ECMAScript);
+    } catch (const std::exception& e) {
+      throw ConfigError(fmt::format("{}.patterns: {} is not a regular expression: {}", where, pattern.dump(), e.what()));
+    }
+  }
+  return rule;
+}
+
 }  // namespace
 
-Plan plan_from_file(const std::string& path, const torch::nn::Module& model, int tp_size) {
+Plan plan_from_file(const std::string& path, const torch::nn::Module& model, int tp_size, int64_t head_dim) {
   std::ifstream in(path);
   if (!in) throw ConfigError(fmt::format("tensor-parallel plan file {}: cannot be read; give a JSON file", path));
   nlohmann::json rules;
@@ -305,14 +366,18 @@ Plan plan_from_file(const std::string& path, const torch::nn::Module& model, int
                                   "section, or a DeepSpeed config with one)",
                                   path));
   try {
-    return plan_from_deepspeed(rules.contains("tensor_parallel") ? rules["tensor_parallel"] : rules, model, tp_size);
+    return plan_from_deepspeed(rules.contains("tensor_parallel") ? rules["tensor_parallel"] : rules, model, tp_size,
+                               head_dim);
   } catch (const ConfigError& e) {
     throw ConfigError(fmt::format("tensor-parallel plan file {}: {}", path, e.what()));
   }
 }
 
-Plan plan_from_deepspeed(const nlohmann::json& tensor_parallel, const torch::nn::Module& model, int tp_size) {
+Plan plan_from_deepspeed(const nlohmann::json& tensor_parallel, const torch::nn::Module& model, int tp_size,
+                         int64_t head_dim) {
   check_keys(tensor_parallel, kTensorParallelKeys, "tensor_parallel");
+  if (head_dim < 0) throw ConfigError(fmt::format("tensor_parallel: head_dim {} must be 0 (unchecked) or more", head_dim));
+  head_dim = head_dim_of(tensor_parallel, "tensor_parallel", head_dim);
   if (auto size = tensor_parallel.value("autotp_size", 0); size > 1 && size != tp_size)
     throw ConfigError(fmt::format("tensor_parallel.autotp_size = {} but the tp group has {} ranks; make them equal",
                                   size, tp_size));
@@ -331,48 +396,12 @@ Plan plan_from_deepspeed(const nlohmann::json& tensor_parallel, const torch::nn:
   else if (preset)
     preset_specs(tensor_parallel["preset_model"]);  // a bad name is an error even when its specs are not used
   // Every rule is checked before any is used: a bad one is an error even where it would match nothing.
-  struct Rule {
-    std::vector<std::regex> patterns;
-    PlanEntry entry;  // pattern filled per layer
-  };
   std::vector<Rule> rules;
   for (size_t i = 0; i < specs.size(); ++i) {
     const auto where = i < custom ? fmt::format("tensor_parallel.partition_config.layer_specs[{}]", i)
                                   : fmt::format("tensor_parallel.preset_model {} spec {}",
                                                 tensor_parallel["preset_model"].dump(), i - custom);
-    const auto& spec = specs[i];
-    check_keys(spec, kSpecKeys, where);
-    Rule rule;
-    const auto type = spec.value("partition_type", std::string("column"));
-    if (type == "column") {
-      rule.entry = PlanEntry{"", Style::Colwise, spec.value("gather_output", false)};
-      set_fused_parts(rule.entry, spec, where);
-    } else if (type == "row") {
-      rule.entry = PlanEntry{"", Style::Rowwise};
-    } else if (type == "skip") {
-      rule.entry = PlanEntry{"", Style::Replicate};
-    } else {
-      throw ConfigError(fmt::format("{}.partition_type = \"{}\": one of column, row, skip", where, type));
-    }
-    const int default_dim = rule.entry.style == Style::Rowwise ? 1 : 0;
-    if (spec.contains("partition_dim") && !spec["partition_dim"].is_null() && spec["partition_dim"] != default_dim)
-      throw ConfigError(fmt::format("{}.partition_dim = {}: xlr8 splits {} layers on dimension {} only", where,
-                                    spec["partition_dim"].dump(), type, default_dim));
-    if (spec.contains("model_types") && !spec["model_types"].is_null())
-      throw ConfigError(fmt::format("{}.model_types: a LibTorch model has no model_type to filter on; remove the key",
-                                    where));
-    if (spec.value("grad_allreduce", false))
-      throw ConfigError(fmt::format("{}.grad_allreduce = true: summing a kept-whole parameter's gradient over tp is "
-                                    "not supported yet; leave it out",
-                                    where));
-    for (const auto& pattern : spec.value("patterns", nlohmann::json::array())) {
-      try {
-        rule.patterns.emplace_back(pattern.get<std::string>(), std::regex::ECMAScript);
-      } catch (const std::exception& e) {
-        throw ConfigError(fmt::format("{}.patterns: {} is not a regular expression: {}", where, pattern.dump(), e.what()));
-      }
-    }
-    rules.push_back(std::move(rule));
+    rules.push_back(rule_of(specs[i], where));
   }
   const auto layers = layers_of(model);
   const auto tied = tied_layers(model, layers);
@@ -390,9 +419,12 @@ Plan plan_from_deepspeed(const nlohmann::json& tensor_parallel, const torch::nn:
       entry = rule.entry;
       entry->pattern = layer.path;
       if (is_embedding(layer.module) && entry->style == Style::Colwise) entry->style = Style::VocabParallel;
+      if (is_embedding(layer.module)) entry->head_dim = 0;  // heads are a Linear's
       break;
     }
     if (!entry && defaults && !preset) entry = auto_entry(layer, tied.count(layer.module) > 0);
+    if (entry && entry->head_dim == 0) set_head_dim(layer, *entry, head_dim);
+    if (entry) check_heads(layer, *entry, tp_size, "tensor_parallel: ");
     // Custom or preset specs alone: DeepSpeed (strict_mode off) keeps an unmatched layer whole, and so does
     // this plan.
     if (!entry && (preset || !defaults)) entry = PlanEntry{layer.path, Style::Replicate};

@@ -21,6 +21,13 @@ bool is_layer(const torch::nn::Module& m);
 // The widths of the parts a Colwise entry stacks in an output of `out_features` ({out_features} when not
 // fused). The entry was checked (tensor_parallel_problem) before.
 std::vector<int64_t> fused_part_widths(const PlanEntry& entry, int64_t out_features);
+// PlanEntry::head_dim on a Linear of these features (its fused parts checked already): "" when every width
+// the entry splits is whole heads that `tp_size` ranks share equally, else why not, naming the widths, the
+// head size and tp.
+std::string heads_problem(const PlanEntry& entry, int64_t in_features, int64_t out_features, int tp_size);
+// Whether the last component of a module path names an attention projection (AutoTP's q/k/v, fused q/k/v
+// and attention output names): the layers a model-wide head size applies to.
+bool is_attention_projection(const std::string& path);
 // This rank's share of `whole` on dim 0, made of parts of the given widths each split on its own over
 // `size` ranks (every width divisible by it): the parts' slices stacked in order.
 at::Tensor slice_of_parts(const at::Tensor& whole, const std::vector<int64_t>& parts, int rank, int size);

@@ -117,7 +117,10 @@ std::string LinearImpl::tensor_parallel_problem(const tp::PlanEntry& entry, int 
     return "sequence_parallel applies to Colwise and Rowwise Linears";
   switch (entry.style) {
     case tp::Style::Colwise: return colwise_problem(entry, tp_size);
-    case tp::Style::Rowwise: return indivisible("in_features", options.in_features(), tp_size);
+    case tp::Style::Rowwise: {
+      auto heads = tp::detail::heads_problem(entry, options.in_features(), options.out_features(), tp_size);
+      return heads.empty() ? indivisible("in_features", options.in_features(), tp_size) : heads;
+    }
     case tp::Style::Replicate: return "";
     case tp::Style::VocabParallel:
     case tp::Style::SequenceParallel: break;
@@ -143,6 +146,8 @@ std::string LinearImpl::colwise_problem(const tp::PlanEntry& entry, int tp_size)
   }
   const auto parts = tp::detail::fused_part_widths(entry, out);
   if (parts.size() > 1 && entry.gather_output) return "gather_output of a fused output is not supported";
+  // Whole heads per rank imply divisible widths, and say more when they are not.
+  if (auto heads = tp::detail::heads_problem(entry, options.in_features(), out, tp_size); !heads.empty()) return heads;
   if (parts.size() == 1) return indivisible("out_features", out, tp_size);
   for (size_t i = 0; i < parts.size(); ++i)
     if (auto problem = indivisible(fmt::format("fused part {} of {}", i + 1, parts.size()), parts[i], tp_size);
@@ -239,6 +244,7 @@ std::string EmbeddingImpl::tensor_parallel_problem(const tp::PlanEntry& entry, i
   if (slot_) return "it is parallelised already";
   if (entry.gather_output) return "gather_output applies to Colwise only";
   if (entry.fused != 1 || !entry.fused_sizes.empty()) return "fused parts apply to Colwise only";
+  if (entry.head_dim != 0) return "head_dim applies to Linear layers (attention projections)";
   if (entry.sequence_parallel && entry.style != tp::Style::VocabParallel)
     return "sequence_parallel applies to a VocabParallel Embedding";
   if (entry.style == tp::Style::Replicate) return "";

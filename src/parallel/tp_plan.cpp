@@ -185,4 +185,24 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
   }
 }
 
+void check_whole_heads(const torch::nn::Module& model, int64_t head_dim) {
+  if (head_dim == 0) return;
+  std::vector<std::string> problems;
+  for (const auto& item : model.named_modules("", /*include_self=*/false)) {
+    const auto* linear = dynamic_cast<const nn::LinearImpl*>(item.value().get());
+    if (!linear || !linear->tensor_parallel() || !detail::is_attention_projection(item.key())) continue;
+    // The entry that split it, as far as the heads go: its style and its fused parts' whole widths.
+    const auto& slot = *linear->tensor_parallel();
+    PlanEntry entry{item.key(), slot.style};
+    if (slot.parts.size() > 1) entry.fused_sizes = slot.parts;
+    entry.head_dim = head_dim;
+    const auto& options = linear->options;
+    if (auto problem = detail::heads_problem(entry, options.in_features(), options.out_features(), slot.group.size());
+        !problem.empty())
+      problems.push_back(fmt::format("'{}' ({}): {}", item.key(), to_string(slot.style), problem));
+  }
+  if (!problems.empty())
+    throw ConfigError(fmt::format("the model's tp split cuts attention heads: {}", fmt::join(problems, "; ")));
+}
+
 }  // namespace xlr8::tp

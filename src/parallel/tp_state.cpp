@@ -129,6 +129,26 @@ std::vector<int64_t> fused_part_widths(const PlanEntry& entry, int64_t out_featu
   return std::vector<int64_t>(static_cast<size_t>(entry.fused), out_features / entry.fused);
 }
 
+std::string heads_problem(const PlanEntry& entry, int64_t in_features, int64_t out_features, int tp_size) {
+  if (entry.head_dim == 0 || (entry.style != Style::Colwise && entry.style != Style::Rowwise)) return "";
+  if (entry.head_dim < 0) return fmt::format("head_dim {} must be 0 (unchecked) or more", entry.head_dim);
+  const auto parts = entry.style == Style::Rowwise ? std::vector<int64_t>{in_features} : fused_part_widths(entry, out_features);
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const auto what = entry.style == Style::Rowwise ? std::string("input")
+                      : parts.size() == 1           ? std::string("output")
+                                                    : fmt::format("fused part {} of {}", i + 1, parts.size());
+    const int64_t features = parts[i], hd = entry.head_dim;
+    if (features % hd != 0)
+      return fmt::format("its {} has {} features, which are not whole heads of {} (tp {}); check the head size", what,
+                         features, hd, tp_size);
+    if ((features / hd) % tp_size != 0)
+      return fmt::format("its {} has {} features = {} heads of {}, which {} tp ranks cannot share whole; choose a tp "
+                         "size that divides {}",
+                         what, features, features / hd, hd, tp_size, features / hd);
+  }
+  return "";
+}
+
 at::Tensor slice_of_parts(const at::Tensor& whole, const std::vector<int64_t>& parts, int rank, int size) {
   if (parts.size() == 1) return whole.narrow(0, rank * (parts[0] / size), parts[0] / size);
   std::vector<at::Tensor> shares;

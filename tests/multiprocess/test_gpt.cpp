@@ -191,6 +191,28 @@ TEST(GptTensorParallel, GroupedQueryAttentionAndAutoTpSequenceParallelismTrainAs
   expect_same_params(sp_auto_dir, sp_own_dir, 1e-7);
 }
 
+// Issue 41 §2: a tp size that cuts a key/value head (2 of 16 at tp 4) is refused at prepare() in one line,
+// whether AutoTP or a plan file splits the model (the GPT gives AcceleratorOptions::tp_head_dim).
+TEST(GptTensorParallel, ATpSizeThatCutsAKeyValueHeadIsRefusedInOneLineBeforeTraining) {
+  const auto dir = temp_dir("gpt-tp-heads");
+  std::ofstream(dir + "/plan.json") << R"({"tensor_parallel": {"partition_config": {"use_default_specs": true,
+    "layer_specs": [{"patterns": ["blocks\\..*\\.attn\\.qkv"], "partition_type": "column",
+                     "shape": [[64, 32, 32], -1]}]}}})";
+  const Args command{kXlr8, "launch", "--num_processes", "4", "--parallelism_config_tp_size", "4", kGpt, "--autotp",
+                     "--n_layer", "1", "--d_model", "64", "--n_head", "4", "--n_kv_head", "2", "--seq_len", "32",
+                     "--max_steps", "1", "--output_dir", dir};
+  const std::string cut = "'blocks.0.attn.qkv' (Colwise): its fused part 2 of 3 has 32 features = 2 heads of 16, which "
+                          "4 tp ranks cannot share whole";
+  for (const auto& [env, head] : std::vector<std::pair<std::map<std::string, std::string>, std::string>>{
+           {{}, "so AutoTP tried: AutoTP: "}, {{{"XLR8_TP_PLAN_FILE", dir + "/plan.json"}}, "plan.json: tensor_parallel: "}}) {
+    auto r = run(command, 120, env);
+    EXPECT_NE(r.exit_code, 0);
+    const auto at = r.err.find(head + cut);  // one line: the way the plan was made, the layer, features, head size, tp
+    EXPECT_NE(at, std::string::npos) << r.err;
+    EXPECT_EQ(r.out.find("train "), std::string::npos) << "no step ran";
+  }
+}
+
 // A sharding strategy that cannot compose with the mesh is one line before training: HSDP shards over
 // dp_shard, and a mesh of dp_replicate x tp has none (the machine's ranks would cut across tp peers).
 TEST(GptTensorParallel, HybridShardOnAMeshWithoutDpShardIsRefusedInOneLineBeforeTraining) {

@@ -196,7 +196,10 @@ TEST(TensorParallelPlans, AutoTpFindsTheMegatronPlanFromLayerNames) {
   EXPECT_EQ(describe(tp::auto_plan(*untied, 2)), kLlamaPlan);
   EXPECT_NO_THROW(tp::auto_plan(*untied, 2, /*head_dim=*/4));  // 2 heads of 4: one per rank
   auto m = config_error([&] { tp::auto_plan(*untied, 4, /*head_dim=*/4); });
-  EXPECT_NE(m.find("'blocks.0.qkv' has 8 features = 2 heads of 4, which 4 tp ranks cannot share whole"), std::string::npos) << m;
+  EXPECT_NE(m.find("'blocks.0.qkv' (Colwise): its fused part 1 of 3 has 8 features = 2 heads of 4, which 4 tp ranks "
+                   "cannot share whole"),
+            std::string::npos)
+      << m;
   // A head tied to the embedding stays whole with it (DeepSpeed's rule).
   Lm tied(true);
   auto plan = describe(tp::auto_plan(*tied, 2));
@@ -214,7 +217,10 @@ TEST(TensorParallelPlans, AutoTpFindsTheMegatronPlanFromLayerNames) {
   };
   EXPECT_EQ(describe(tp::auto_plan(Gqa(16), 2, /*head_dim=*/2)), "qkv=Colwise[8,4,4];");
   m = config_error([&] { tp::auto_plan(Gqa(16), 4, /*head_dim=*/2); });
-  EXPECT_NE(m.find("'qkv' has 4 features = 2 heads of 2, which 4 tp ranks cannot share whole"), std::string::npos) << m;
+  EXPECT_NE(m.find("'qkv' (Colwise): its fused part 2 of 3 has 4 features = 2 heads of 2, which 4 tp ranks cannot share "
+                   "whole"),
+            std::string::npos)
+      << m;
   m = config_error([&] { tp::auto_plan(Gqa(7), 2); });
   EXPECT_NE(m.find("'qkv' looks like a fused q/k/v projection but has out_features 7 for in_features 8"), std::string::npos) << m;
   // LibTorch's own layers are planned, then refused by parallelize with the type to use.

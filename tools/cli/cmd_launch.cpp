@@ -144,7 +144,8 @@ void add_launch_options(CLI::App* cmd, const std::shared_ptr<LaunchRequest>& req
   for (auto key : {"parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size",
                    "parallelism_config_tp_size", "parallelism_config_cp_size", "parallelism_config_cp_comm_strategy",
                    "parallelism_config_sp_size", "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
-                   "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_attn_implementation"}) {
+                   "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_attn_implementation",
+                   "parallelism_config_tp_head_dim"}) {
     std::string k = key;
     cmd->add_option_function<std::string>(spellings("--" + k), [req, k](const std::string& v) { req->parallelism[k] = v; },
                                           "Device mesh: as parallelism_config." + k)
