@@ -2,13 +2,15 @@
 // A GPT-2-style decoder written with LibTorch modules, as a user would write it: token + position
 // embedding, N pre-norm blocks (causal self-attention + MLP), a final norm and an LM head tied to the
 // token embedding (or not). Byte-level: the vocabulary is the 256 byte values. What xlr8 adds is two
-// lines in each of BlockImpl::forward and GptImpl::forward (xlr8::unshard), for stage-3 sharding, and
+// lines in each of BlockImpl::forward and GptImpl::forward (xlr8::unshard) and the block class GptImpl
+// declares (xlr8::NoSplitModules), for stage-3 sharding, and
 // xlr8::nn's Linear and Embedding in place of LibTorch's (the same layers until a tensor-parallel plan,
 // tp_plan.cpp, splits them), and xlr8::attention with xlr8::cp::local_positions (plain attention and
 // arange until context parallelism splits the sequence): the model holds no parallel logic.
 #include <torch/torch.h>
 
 #include "xlr8/nn.hpp"
+#include "xlr8/unshard.hpp"
 
 #include <string>
 #include <vector>
@@ -44,7 +46,8 @@ struct MlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
-// One transformer block: the unit that sharding strategies wrap (fsdp_transformer_layer_cls_to_wrap: Block).
+// One transformer block: the unit that sharding strategies wrap (GptImpl declares it; or
+// fsdp_transformer_layer_cls_to_wrap: Block).
 struct BlockImpl : torch::nn::Module {
   explicit BlockImpl(const Config& c);
   torch::Tensor forward(torch::Tensor x);
@@ -54,8 +57,11 @@ struct BlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-struct GptImpl : torch::nn::Module {
+// Its blocks are declared as a Hugging Face model's _no_split_modules: TRANSFORMER_BASED_WRAP without
+// fsdp_transformer_layer_cls_to_wrap (Accelerate's own configs) wraps each Block.
+struct GptImpl : torch::nn::Module, xlr8::NoSplitModules {
   explicit GptImpl(const Config& c);
+  std::vector<std::string> no_split_modules() const override { return {"Block"}; }
   torch::Tensor forward(const torch::Tensor& tokens);  // int64 [B, T] -> logits [B, T, vocab]
   Config config;
   xlr8::nn::Embedding wte{nullptr}, wpe{nullptr};

@@ -41,6 +41,22 @@ namespace detail {
 class UnitHooks;
 }  // namespace detail
 
+// Which of a model's classes are its blocks, as a Hugging Face model's `_no_split_modules`: with
+// fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP and no fsdp_transformer_layer_cls_to_wrap, each module of
+// these classes is a unit (and what fsdp_activation_checkpointing recomputes), as Accelerate does.
+//
+//   struct GptImpl : torch::nn::Module, xlr8::NoSplitModules {
+//     std::vector<std::string> no_split_modules() const override { return {"Block"}; }
+//   };
+//
+// Names match as the key's do ("Block", "BlockImpl", "gpt::BlockImpl"). The model's declaration and
+// those of the modules inside it count (transformers gathers a nested model's too); the key, when set, wins.
+class NoSplitModules {
+ public:
+  virtual ~NoSplitModules() = default;
+  virtual std::vector<std::string> no_split_modules() const = 0;
+};
+
 class [[nodiscard]] UnshardScope {
  public:
   UnshardScope() = default;

@@ -33,13 +33,15 @@ struct ZeroOptions {
   // 0: replicas (DDP); 1, 2, 3: the ZeRO stage.
   int stage = -1;
   // Stage 3's units, as FSDP's auto wrap policy: TRANSFORMER_BASED_WRAP (modules whose class is in
-  // `layer_classes`: "Block", "BlockImpl" or a namespace-qualified name all match TORCH_MODULE(Block)),
+  // `layer_classes`: "Block", "BlockImpl" or a namespace-qualified name all match TORCH_MODULE(Block); empty:
+  // the classes the model declares, xlr8::NoSplitModules),
   // SIZE_BASED_WRAP (the smallest modules of the model's own classes, not LibTorch's, holding at least
   // `min_num_params` parameters not already in a unit) or NO_WRAP (the whole model is one unit). The
   // parameters no unit takes form the root unit. GUARDED_MODULES (DeepSpeed ZeRO-3's granularity, the
   // default under DeepSpeed settings): every module whose forward opens a guard is a unit; a module of
   // the model's own classes that never opens one is gathered and freed with its nearest ancestor that
-  // does (or with the root), decided after the first backward (until then every unit is whole).
+  // does (or with the root), decided after the first backward (until then every unit is whole). LibTorch's
+  // and xlr8's layers (xlr8::nn) are no units: their parameters are the unit's around them.
   AutoWrapPolicy auto_wrap_policy = AutoWrapPolicy::NO_WRAP;
   std::vector<std::string> layer_classes;
   int64_t min_num_params = 100'000'000;

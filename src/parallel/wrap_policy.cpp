@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <map>
 #include <optional>
 #include <utility>
@@ -11,6 +12,7 @@
 
 #include "parallel/unit_registry.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/unshard.hpp"
 
 namespace xlr8 {
 namespace {
@@ -33,6 +35,8 @@ bool inside(const std::string& name, const std::string& module_path) {
   return name.size() > module_path.size() && name.compare(0, module_path.size(), module_path) == 0 &&
          name[module_path.size()] == '.';
 }
+
+using ModuleDict = torch::OrderedDict<std::string, std::shared_ptr<torch::nn::Module>>;
 
 std::string without_namespaces(const std::string& name) {
   auto pos = name.rfind("::");
@@ -89,7 +93,10 @@ const char* to_string(BackwardPrefetch prefetch) { return name_of(prefetch, kPre
 
 namespace detail {
 
-bool is_libtorch_module(const torch::nn::Module& module) { return module.name().rfind("torch::nn::", 0) == 0; }
+bool opens_no_guard(const torch::nn::Module& module) {
+  const auto& name = module.name();
+  return name.rfind("torch::nn::", 0) == 0 || name.rfind("xlr8::nn::", 0) == 0;
+}
 
 bool layer_class_matches(const std::string& class_name, const std::string& reported) {
   for (const auto& candidate : {reported, without_namespaces(reported)}) {
@@ -101,6 +108,53 @@ bool layer_class_matches(const std::string& class_name, const std::string& repor
   return false;
 }
 
+std::vector<std::string> declared_block_classes(const torch::nn::Module& root) {
+  std::vector<std::string> out;
+  auto add = [&](const torch::nn::Module& module) {
+    if (const auto* declared = dynamic_cast<const NoSplitModules*>(&module))
+      for (const auto& name : declared->no_split_modules())
+        if (std::find(out.begin(), out.end(), name) == out.end()) out.push_back(name);
+  };
+  add(root);
+  for (const auto& item : root.named_modules("", /*include_self=*/false)) add(*item.value());
+  return out;
+}
+
+namespace {
+
+// TRANSFORMER_BASED_WRAP: each module of a block class is a unit. The classes are the config's, else
+// the model's declaration (Accelerate falls back to `_no_split_modules` when the key is absent).
+std::vector<UnitPlan> transformer_units(const torch::nn::Module& root, const ModuleDict& modules,
+                                        const std::vector<std::string>& configured) {
+  const auto classes = configured.empty() ? declared_block_classes(root) : configured;
+  std::vector<UnitPlan> units;
+  std::set<std::string> matched, present;
+  for (const auto& item : modules) {
+    present.insert(without_namespaces(item.value()->name()));
+    for (const auto& cls : classes)
+      if (layer_class_matches(cls, item.value()->name())) {
+        matched.insert(cls);
+        units.push_back({item.key(), item.value().get(), /*named_by_user=*/true, {}});
+        break;
+      }
+  }
+  if (classes.empty())
+    throw ConfigError(fmt::format(
+        "fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP needs the classes of the model's blocks: set "
+        "fsdp_transformer_layer_cls_to_wrap (the model's classes are {}), or declare them in the model as Accelerate "
+        "reads a model's _no_split_modules: derive {} also from xlr8::NoSplitModules and return the names from "
+        "no_split_modules(), e.g. {{\"Block\"}} (xlr8/unshard.hpp)",
+        fmt::join(present, ", "), root.name()));
+  const std::string source = configured.empty() ? "the model's no_split_modules()" : "fsdp_transformer_layer_cls_to_wrap";
+  for (const auto& cls : classes)
+    if (!matched.count(cls))
+      throw ConfigError(fmt::format("{}: the model has no module of class {:?}; its classes are {}", source, cls,
+                                    fmt::join(present, ", ")));
+  return units;
+}
+
+}  // namespace
+
 std::vector<UnitPlan> plan_units(const torch::nn::Module& root, const ZeroOptions& options) {
   const auto params = distinct_parameters(root, /*trainable_only=*/false);
   auto modules = root.named_modules("", /*include_self=*/false);
@@ -109,7 +163,7 @@ std::vector<UnitPlan> plan_units(const torch::nn::Module& root, const ZeroOption
   for (const auto& item : modules)
     if (is_leaf_module(*item.value())) leaves.push_back(item.key());
   if (!leaves.empty()) {
-    torch::OrderedDict<std::string, std::shared_ptr<torch::nn::Module>> kept;
+    ModuleDict kept;
     for (const auto& item : modules)
       if (std::none_of(leaves.begin(), leaves.end(), [&](const std::string& leaf) { return inside(item.key(), leaf); }))
         kept.insert(item.key(), item.value());
@@ -117,31 +171,14 @@ std::vector<UnitPlan> plan_units(const torch::nn::Module& root, const ZeroOption
   }
   std::vector<UnitPlan> units;  // in module order
   if (options.auto_wrap_policy == AutoWrapPolicy::TRANSFORMER_BASED_WRAP) {
-    if (options.layer_classes.empty())
-      throw ConfigError("fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP needs fsdp_transformer_layer_cls_to_wrap (the "
-                        "class names of the model's layers, e.g. Block)");
-    std::set<std::string> matched, present;
-    for (const auto& item : modules) {
-      present.insert(without_namespaces(item.value()->name()));
-      for (const auto& cls : options.layer_classes)
-        if (layer_class_matches(cls, item.value()->name())) {
-          matched.insert(cls);
-          units.push_back({item.key(), item.value().get(), /*named_by_user=*/true, {}});
-          break;
-        }
-    }
-    for (const auto& cls : options.layer_classes)
-      if (!matched.count(cls))
-        throw ConfigError(fmt::format("fsdp_transformer_layer_cls_to_wrap: the model has no module of class {:?}; its "
-                                      "classes are {}",
-                                      cls, fmt::join(present, ", ")));
+    units = transformer_units(root, modules, options.layer_classes);
   } else if (options.auto_wrap_policy == AutoWrapPolicy::SIZE_BASED_WRAP) {
     // Bottom-up (reverse module order puts every module after its descendants): a module becomes a unit
-    // when the parameters below it that no smaller unit took reach min_num_params. LibTorch's own
-    // modules never do: they cannot open a guard, so they would stay whole on every rank.
+    // when the parameters below it that no smaller unit took reach min_num_params. LibTorch's and
+    // xlr8's layers never do: they cannot open a guard, so they would stay whole on every rank.
     std::vector<std::pair<std::string, const torch::nn::Module*>> all;
     for (const auto& item : modules)
-      if (!is_libtorch_module(*item.value())) all.emplace_back(item.key(), item.value().get());
+      if (!opens_no_guard(*item.value())) all.emplace_back(item.key(), item.value().get());
     std::vector<bool> taken(params.size(), false);
     for (auto it = all.rbegin(); it != all.rend(); ++it) {
       int64_t count = 0;
@@ -156,9 +193,10 @@ std::vector<UnitPlan> plan_units(const torch::nn::Module& root, const ZeroOption
     std::reverse(units.begin(), units.end());
   } else if (options.auto_wrap_policy == AutoWrapPolicy::GUARDED_MODULES) {
     // Every module that can open a guard; which do is seen when the model runs. Kept even without
-    // parameters of its own: a guarded block of unguarded children is their host.
+    // parameters of its own: a guarded block of unguarded children is their host. xlr8's drop-in layers
+    // (an Embedding, a tied head) are not: their parameters join the unit around them, as LibTorch's do.
     for (const auto& item : modules)
-      if (!is_libtorch_module(*item.value())) units.push_back({item.key(), item.value().get(), false, {}});
+      if (!opens_no_guard(*item.value())) units.push_back({item.key(), item.value().get(), false, {}});
   }
   // Each parameter goes to the deepest unit that contains it; the rest to the root. Frozen parameters
   // form a second group of the same unit: no gradient hooks, released when the unit's backward is done.
@@ -181,7 +219,9 @@ std::vector<UnitPlan> plan_units(const torch::nn::Module& root, const ZeroOption
   for (size_t u = 0; u < units.size(); ++u) {
     for (auto* group : {&trainable[u], &frozen[u]})
       if (!group->params.empty()) units[u].groups.push_back(std::move(*group));
-    const bool keep_empty = options.auto_wrap_policy == AutoWrapPolicy::GUARDED_MODULES && u < persistent_index;
+    // The root too: a model whose parameters all sit in modules of its own classes still has its
+    // guard, the host of those that open none.
+    const bool keep_empty = options.auto_wrap_policy == AutoWrapPolicy::GUARDED_MODULES && u != persistent_index;
     if (!units[u].groups.empty() || keep_empty) out.push_back(std::move(units[u]));
   }
   return out;

@@ -9,6 +9,7 @@
 #include "core/text.hpp"
 #include "parallel/activation_checkpoint.hpp"
 #include "parallel/unit_registry.hpp"
+#include "parallel/wrap_policy.hpp"
 #include "parallel/zero_engine.hpp"
 #include "xlr8/error.hpp"
 
@@ -277,9 +278,18 @@ void ZeroEngine::report_unguarded_units() {
   const std::string fix =
       "add `auto unit = xlr8::unshard(*this);` as the first line of its forward and return `unit.done(output)` "
       "(or wrap the body: `return xlr8::sharded(*this, [&] { ... });`)";
+  // A library's layer (listed by its class) has a forward the user cannot edit: name what to list instead.
+  if (named && opens_no_guard(*named->module()))
+    throw ConfigError(fmt::format("fsdp_transformer_layer_cls_to_wrap lists {}, the class of unit {}: a layer of "
+                                  "LibTorch or xlr8, whose forward opens no guard, so its parameters would stay whole "
+                                  "on every rank. List the class of your own module that holds it (your transformer "
+                                  "block) instead",
+                                  named->module()->name(), named->label()));
   if (named)
-    throw ConfigError(fmt::format("fsdp_transformer_layer_cls_to_wrap lists the class of unit {} ({}), but its forward "
-                                  "never opened its guard, so its parameters would stay whole on every rank: {}",
+    throw ConfigError(fmt::format("{} the class of unit {} ({}), but its forward never opened its guard, so its "
+                                  "parameters would stay whole on every rank: {}",
+                                  options_.layer_classes.empty() ? "the model's no_split_modules() names"
+                                                                 : "fsdp_transformer_layer_cls_to_wrap lists",
                                   named->label(), named->module()->name(), fix));
   log::warning("xlr8: {} sharding unit(s) never opened their guard, so their parameters stay whole on every rank "
                "(each rank holds {} of them instead of {}): {}. To shard a unit, {}",

@@ -62,9 +62,13 @@ int stage_of(const FsdpSettings& f) {
   return 3;
 }
 
-bool hybrid(const FsdpSettings& f) {
-  return f.sharding_strategy == ShardingStrategy::HYBRID_SHARD ||
-         f.sharding_strategy == ShardingStrategy::HYBRID_SHARD_ZERO2;
+bool hybrid(const FsdpSettings& f, const std::optional<ParallelismSettings>& mesh) {
+  if (f.sharding_strategy == ShardingStrategy::HYBRID_SHARD || f.sharding_strategy == ShardingStrategy::HYBRID_SHARD_ZERO2)
+    return true;
+  // FSDP2 on a mesh of dp_replicate x (dp_shard x cp x sp): Accelerate's fully_shard takes both dimensions
+  // (ParallelismConfig.fsdp_dim_names), which is HSDP without fsdp_sharding_strategy saying so.
+  return f.version == 2 && f.sharding_strategy != ShardingStrategy::NO_SHARD && mesh && mesh->dp_replicate > 1 &&
+         mesh->dp_shard * mesh->cp * mesh->sp > 1;
 }
 
 // HSDP: consecutive blocks of `shard_size` data-parallel ranks shard; ranks at the same place in every
@@ -97,7 +101,7 @@ ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings, 
     options.backward_prefetch = parse_backward_prefetch(f.backward_prefetch);
     if (options.stage < 0) {
       options.stage = stage_of(f);
-      if (hybrid(f)) {
+      if (hybrid(f, settings.parallelism)) {
         const auto& mesh = settings.parallelism;
         // On a mesh, HSDP shards over dp_shard x cp (or sp) and replicates over dp_replicate (the machine's size
         // would cut across tp and cp peers).

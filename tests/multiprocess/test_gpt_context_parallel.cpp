@@ -1,6 +1,6 @@
 // Context parallelism on the GPT example through the real launcher (issue 25): every layout, alone and
 // composed with FSDP, HSDP, DDP and TP, equals 1 process on the global batch, and moves exactly the
-// bytes the strategy's formula says.
+// bytes the strategy's formula says; Accelerate's own ND-parallel configs launch it unchanged.
 #include <gtest/gtest.h>
 
 #include "gpt_runs.hpp"
@@ -162,4 +162,59 @@ TEST(GptContextParallel, Bf16OnBothStrategiesStaysWithinTheBf16ToleranceOfOnePro
     EXPECT_NEAR(got["val_loss"].get<double>(), one["val_loss"].get<double>(), 3e-2);
     expect_same_params(dir, one_dir, 3e-2);
   }
+}
+
+// Accelerate's own ND-parallel example configs (examples/torch_native_parallelism/configs, copied unchanged
+// into tests/data/accelerate_configs): 8 processes, bf16, FSDP2 with TRANSFORMER_BASED_WRAP and no
+// fsdp_transformer_layer_cls_to_wrap (the GPT declares Block). The example's model as it is by default (4
+// layers, d_model 128, 4 heads, windows of 128: tp 2 divides the heads, 2 x cp 16 the window), 3 steps; each
+// trains as one bf16 process on the global batch, to bf16's tolerance.
+namespace {
+
+Args default_gpt(int batch, const std::string& dir) {
+  return {"--max_steps", "3", "--batch_size", std::to_string(batch), "--val_windows", "16", "--output_dir", dir};
+}
+
+ProcessResult launch_with_accelerate_config(const std::string& file, const Args& program) {
+  const Args command{kXlr8, "launch", "--config_file",
+                     std::string(XLR8_SOURCE_DIR) + "/tests/data/accelerate_configs/" + file, kGpt};
+  auto r = run(concat(command, program), 300);
+  EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+  return r;
+}
+
+void expect_like_one_bf16_process(nlohmann::json got, int global_batch) {
+  const auto one = json_of(launch_gpt(1, {"--mixed_precision", "bf16"}, default_gpt(global_batch, temp_dir("gpt-nd"))));
+  ASSERT_TRUE(got.contains("final_train_loss") && one.contains("final_train_loss"));
+  EXPECT_EQ(got["num_processes"], 8);
+  EXPECT_EQ(got["global_step"], 3);
+  EXPECT_NEAR(got["final_train_loss"].get<double>(), one["final_train_loss"].get<double>(), 3e-2);
+  EXPECT_NEAR(got["val_loss"].get<double>(), one["val_loss"].get<double>(), 3e-2);
+}
+
+const nlohmann::json kBlocks = {"blocks.0", "blocks.1", "blocks.2", "blocks.3", "(root)"};
+
+}  // namespace
+
+TEST(GptAccelerateConfigs, TpHsdpYamlLaunchesTheGptUnchanged) {
+  // dp_replicate 2 x dp_shard 2 x tp 2: HSDP as Accelerate's fully_shard makes it (no fsdp_sharding_strategy).
+  auto got =
+      json_of(launch_with_accelerate_config("accelerate_nd_parallel_tp_hsdp.yaml", default_gpt(2, temp_dir("gpt-nd"))));
+  EXPECT_EQ(got["tp_size"], 2);
+  EXPECT_EQ(got["shard_ranks"], 2);     // each block sharded over dp_shard ...
+  EXPECT_EQ(got["shard_replicas"], 2);  // ... and replicated over dp_replicate
+  EXPECT_EQ(got["sharding_units"], kBlocks) << got.dump();
+  expect_like_one_bf16_process(got, 8);  // 2 windows on each of 4 data-parallel ranks
+}
+
+TEST(GptAccelerateConfigs, CpYamlLaunchesTheGptUnchanged) {
+  // cp 8: FULL_SHARD over the 8 cp ranks, each block recomputed in backward (fsdp_activation_checkpointing).
+  const auto r = launch_with_accelerate_config("accelerate_nd_parallel_cp.yaml", default_gpt(2, temp_dir("gpt-nd")));
+  auto got = json_of(r);
+  EXPECT_EQ(got["cp_size"], 8);
+  EXPECT_EQ(got["shard_ranks"], 8);
+  EXPECT_EQ(got["shard_replicas"], 1);
+  EXPECT_EQ(got["sharding_units"], kBlocks) << got.dump();
+  EXPECT_NE(r.err.find("fsdp_activation_checkpointing: 4 unit(s) recompute"), std::string::npos) << r.err;
+  expect_like_one_bf16_process(got, 2);  // one data-parallel rank: the cp ranks share its 2 windows
 }

@@ -1,105 +1,8 @@
 // Stage-3 units as a model author meets them: a forward that returns several tensors (xlr8::sharded), a
 // unit whose guard never opens, and ranks that run units in different orders. Ranks are threads.
-#include <gtest/gtest.h>
-#include <torch/torch.h>
+#include "sharding_unit_models.hpp"
 
-#include <mutex>
-
-#include "parallel/unit_registry.hpp"
-#include "parallel/zero_strategy.hpp"
-#include "strategy_steps.hpp"
-#include "thread_ranks.hpp"
-#include "xlr8/error.hpp"
-#include "xlr8/parallel_strategy.hpp"
-#include "xlr8/unshard.hpp"
-
-using namespace xlr8;
-using xlr8::testing::expect_same;
-using xlr8::testing::run_ranks;
-using xlr8::testing::train_steps;
-
-namespace {
-
-constexpr int64_t kWidth = 6;
-
-// Returns two tensors on independent branches: `side` is computed last, so its backward runs first and
-// would read freed parameters unless its own output gathers the unit.
-struct PairBlockImpl : torch::nn::Module {
-  PairBlockImpl() {
-    fc = register_module("fc", torch::nn::Linear(kWidth, 2 * kWidth + 1));
-    out = register_module("out", torch::nn::Linear(2 * kWidth + 1, kWidth));
-    side = register_module("side", torch::nn::Linear(kWidth, kWidth));
-  }
-  std::tuple<torch::Tensor, torch::Tensor> forward(torch::Tensor x) {
-    return xlr8::sharded(*this, [&] { return std::tuple{x + out(torch::tanh(fc(x))), side(x)}; });
-  }
-  torch::nn::Linear fc{nullptr}, out{nullptr}, side{nullptr};
-};
-TORCH_MODULE(PairBlock);
-
-// A model author's block that forgot its guard.
-struct PlainBlockImpl : torch::nn::Module {
-  PlainBlockImpl() { fc = register_module("fc", torch::nn::Linear(kWidth, kWidth)); }
-  torch::Tensor forward(torch::Tensor x) { return x + torch::tanh(fc(x)); }
-  torch::nn::Linear fc{nullptr};
-};
-TORCH_MODULE(PlainBlock);
-
-struct NetImpl : torch::nn::Module {
-  explicit NetImpl(bool with_plain) {
-    in = register_module("in", torch::nn::Linear(4, kWidth));
-    blocks = register_module("blocks", torch::nn::ModuleList());
-    for (int i = 0; i < 3; ++i) blocks->push_back(PairBlock());
-    if (with_plain) plain = register_module("plain", PlainBlock());
-    head = register_module("head", torch::nn::Linear(kWidth, 3));
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    return xlr8::sharded(*this, [&] {
-      x = in(x);
-      for (size_t k = 0; k < blocks->size(); ++k) {
-        const size_t b = reversed ? blocks->size() - 1 - k : k;
-        auto [y, side] = blocks[b]->as<PairBlockImpl>()->forward(x);
-        // The last block's first output unused: only its second one can gather it for backward.
-        x = k + 1 == blocks->size() ? torch::tanh(side) : y + 0.5 * torch::tanh(side);
-      }
-      if (plain) x = plain->forward(x);
-      return head(x);
-    });
-  }
-  bool reversed = false;
-  torch::nn::Linear in{nullptr}, head{nullptr};
-  torch::nn::ModuleList blocks{nullptr};
-  PlainBlock plain{nullptr};
-};
-TORCH_MODULE(Net);
-
-std::shared_ptr<NetImpl> make_net(bool with_plain) {
-  static std::mutex mutex;  // ranks are threads sharing LibTorch's default generator
-  std::lock_guard<std::mutex> lock(mutex);
-  torch::manual_seed(5);
-  return Net(with_plain).ptr();
-}
-
-ParallelOptions full_shard(std::vector<std::string> classes = {"PairBlock"}) {
-  ParallelOptions o;
-  o.ddp.find_unused_parameters = true;  // the last block's `fc` and `out`
-  o.zero.stage = 3;
-  o.zero.auto_wrap_policy = AutoWrapPolicy::TRANSFORMER_BASED_WRAP;
-  o.zero.layer_classes = std::move(classes);
-  return o;
-}
-
-StateDict train(ParallelStrategy& strategy, int rank, int ranks, int steps) {
-  return train_steps<NetImpl>(strategy, rank, ranks, steps, 40);
-}
-
-StateDict single_run(bool with_plain, int steps) {
-  auto single = make_parallel_strategy(make_net(with_plain), Communicator::in_process(xlr8::testing::unique_key(), 0, 1), {});
-  return train(*single, 0, 1, steps);
-}
-
-
-}  // namespace
+using namespace xlr8::testing::units;
 
 TEST(ShardingUnits, ATupleReturningUnitTrainsUnderFullShardAndMatchesOneRank) {
   const auto expected = single_run(false, 3);
@@ -113,6 +16,42 @@ TEST(ShardingUnits, ATupleReturningUnitTrainsUnderFullShardAndMatchesOneRank) {
       for (const auto& g : stats["groups"]) EXPECT_TRUE(g["sharded_between_steps"].get<bool>()) << g.dump();
       EXPECT_EQ(stats["gathered_bytes"], 0) << stats.dump();
     });
+}
+
+TEST(ShardingUnits, TransformerBasedWrapWithoutLayerClassesTakesTheBlocksTheModelDeclares) {
+  // Accelerate's fallback when fsdp_transformer_layer_cls_to_wrap is absent: the model's _no_split_modules.
+  const auto expected = single_run(false, 3);
+  run_ranks(2, [&](Communicator& comm) {
+    auto strategy = make_parallel_strategy(make_declaring_net({"PairBlock"}), comm, full_shard({}));
+    expect_same(train(*strategy, comm.rank(), 2, 3), expected, fmt::format("rank {}", comm.rank()));
+    const auto stats = strategy->stats();
+    ASSERT_EQ(stats["groups"].size(), 4u) << stats.dump();  // three blocks and the root
+    EXPECT_EQ(stats["groups"][0]["name"], "blocks.0") << stats.dump();
+  });
+  // The key, when set, wins over the declaration.
+  EXPECT_EQ(xlr8::detail::plan_units(*make_declaring_net({"Absent"}), full_shard().zero).size(), 4u);
+}
+
+TEST(ShardingUnits, TransformerBasedWrapWithoutLayerClassesOrADeclarationSaysWhatToAdd) {
+  auto refusal = [](const std::shared_ptr<NetImpl>& net) {
+    try {
+      xlr8::detail::plan_units(*net, full_shard({}).zero);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  const auto none = refusal(make_net(false));
+  for (auto piece : {"TRANSFORMER_BASED_WRAP", "set fsdp_transformer_layer_cls_to_wrap", "PairBlockImpl",
+                     "NetImpl also from xlr8::NoSplitModules", "no_split_modules()", "e.g. {\"Block\"}"})
+    EXPECT_NE(none.find(piece), std::string::npos) << piece << " in: " << none;
+  EXPECT_EQ(none.find('\n'), std::string::npos) << none;
+  EXPECT_NE(refusal(make_declaring_net({})).find("NoSplitModules"), std::string::npos);  // an empty declaration
+  // A declared class the model lacks is named as the key's would be.
+  const auto unknown = refusal(make_declaring_net({"Blok"}));
+  EXPECT_NE(unknown.find("the model's no_split_modules(): the model has no module of class \"Blok\""),
+            std::string::npos)
+      << unknown;
 }
 
 TEST(ShardingUnits, SizeBasedWrapPicksOnlyModulesThatCanOpenAGuardAndAnUnguardedUnitIsNamedWithItsBytes) {
@@ -131,7 +70,7 @@ TEST(ShardingUnits, SizeBasedWrapPicksOnlyModulesThatCanOpenAGuardAndAnUnguarded
   });
   const auto err = ::testing::internal::GetCapturedStderr();
   // 6x6 weights and 6 biases in fp32: 168 bytes (already even over 2 ranks).
-  EXPECT_NE(err.find("plain ((anonymous namespace)::PlainBlockImpl, 168 B)"), std::string::npos) << err;
+  EXPECT_NE(err.find("plain (xlr8::testing::units::PlainBlockImpl, 168 B)"), std::string::npos) << err;
   EXPECT_NE(err.find("auto unit = xlr8::unshard(*this);"), std::string::npos) << err;
   EXPECT_EQ(err.find("blocks.0 ("), std::string::npos) << err;  // guarded units are not named
 }
@@ -183,110 +122,6 @@ TEST(ShardingUnits, RanksThatRunUnitsInDifferentOrdersGetAnErrorNamingTheUnitNot
             << what;
       }
     }, std::chrono::seconds(20));
-}
-
-namespace {
-
-// GUARDED_MODULES (DeepSpeed ZeRO-3's granularity): a guarded block whose parameters all live in a child
-// of the model's own class that has no guard (with a frozen parameter too), and an unguarded module
-// directly under the guarded root.
-struct InnerImpl : torch::nn::Module {
-  InnerImpl() {
-    fc = register_module("fc", torch::nn::Linear(kWidth, kWidth));
-    shift = register_parameter("shift", torch::linspace(-0.3, 0.3, kWidth), /*requires_grad=*/false);
-  }
-  torch::Tensor forward(torch::Tensor x) { return fc(x) + shift; }
-  torch::nn::Linear fc{nullptr};
-  torch::Tensor shift;
-};
-TORCH_MODULE(Inner);
-
-struct GuardedBlockImpl : torch::nn::Module {
-  GuardedBlockImpl() { inner = register_module("inner", Inner()); }
-  torch::Tensor forward(torch::Tensor x) {
-    return xlr8::sharded(*this, [&] { return x + torch::tanh(inner(x)); });
-  }
-  Inner inner{nullptr};
-};
-TORCH_MODULE(GuardedBlock);
-
-struct RiderNetImpl : torch::nn::Module {
-  RiderNetImpl() {
-    in = register_module("in", torch::nn::Linear(4, kWidth));
-    blocks = register_module("blocks", torch::nn::ModuleList());
-    for (int i = 0; i < 3; ++i) blocks->push_back(GuardedBlock());
-    plain = register_module("plain", PlainBlock());
-    head = register_module("head", torch::nn::Linear(kWidth, 3));
-  }
-  torch::Tensor forward(torch::Tensor x) {
-    return xlr8::sharded(*this, [&] {
-      x = in(x);
-      for (const auto& block : *blocks) x = block->as<GuardedBlockImpl>()->forward(x);
-      return head(plain(x));
-    });
-  }
-  torch::nn::Linear in{nullptr}, head{nullptr};
-  torch::nn::ModuleList blocks{nullptr};
-  PlainBlock plain{nullptr};
-};
-TORCH_MODULE(RiderNet);
-
-std::shared_ptr<RiderNetImpl> make_rider_net() {
-  static std::mutex mutex;
-  std::lock_guard<std::mutex> lock(mutex);
-  torch::manual_seed(6);
-  return RiderNet().ptr();
-}
-
-StateDict train_rider_net(ParallelStrategy& strategy, int rank, int ranks, int steps) {
-  return train_steps<RiderNetImpl>(strategy, rank, ranks, steps, 70);
-}
-
-}  // namespace
-
-TEST(ShardingUnits, GuardedModulesMakesEveryGuardedModuleAUnitAndUnguardedOnesRideWithTheirHost) {
-  auto single = make_parallel_strategy(make_rider_net(), Communicator::in_process(xlr8::testing::unique_key(), 0, 1), {});
-  const auto expected = train_rider_net(*single, 0, 1, 3);
-  ::testing::internal::CaptureStderr();
-  for (int ranks : {2, 3, 4})
-    run_ranks(ranks, [&](Communicator& comm) {
-      ParallelOptions options;
-      options.zero.stage = 3;
-      options.zero.auto_wrap_policy = AutoWrapPolicy::GUARDED_MODULES;
-      auto strategy = make_parallel_strategy(make_rider_net(), comm, options);
-      expect_same(train_rider_net(*strategy, comm.rank(), ranks, 3), expected, fmt::format("{} ranks, rank {}", ranks, comm.rank()));
-      const auto stats = strategy->stats();
-      std::vector<std::string> groups;
-      int64_t whole = 0;
-      for (const auto& g : stats["groups"]) {
-        groups.push_back(g["name"]);
-        whole += g["bytes"].get<int64_t>();
-        EXPECT_TRUE(g["sharded_between_steps"].get<bool>()) << g.dump();  // riders too
-      }
-      EXPECT_EQ(groups, (std::vector<std::string>{"blocks.0.inner", "blocks.0.inner (frozen)", "blocks.1.inner",
-                                                  "blocks.1.inner (frozen)", "blocks.2.inner", "blocks.2.inner (frozen)",
-                                                  "plain", "(root)"}));
-      EXPECT_EQ(stats["gathered_bytes"], 0) << stats.dump();
-      // The third step gathered the root (with `plain`) and at most two blocks at a time, never the model.
-      EXPECT_LT(stats["step_peak_gathered_bytes"].get<int64_t>(), whole) << stats.dump();
-      // A rider's frozen parameter goes when its host's backward is done, not at the end of backward.
-      EXPECT_GT(stats["frozen_released_in_backward"].get<int64_t>(), 0) << stats.dump();
-    });
-  const auto err = ::testing::internal::GetCapturedStderr();
-  EXPECT_EQ(err.find("never opened their guard"), std::string::npos) << err;
-}
-
-TEST(ShardingUnits, UnderDeepSpeedZero3SettingsUnitsDefaultToGuardedModules) {
-  Settings settings;
-  settings.deepspeed = DeepSpeedSettings{};
-  settings.deepspeed->zero_stage = 3;
-  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, settings, 1).auto_wrap_policy, AutoWrapPolicy::GUARDED_MODULES);
-  ZeroOptions chosen;
-  chosen.auto_wrap_policy = AutoWrapPolicy::TRANSFORMER_BASED_WRAP;  // a program's own choice stays
-  EXPECT_EQ(xlr8::detail::resolve_zero_options(chosen, settings, 1).auto_wrap_policy, AutoWrapPolicy::TRANSFORMER_BASED_WRAP);
-  Settings fsdp;
-  fsdp.fsdp = FsdpSettings{};  // FSDP's default stays NO_WRAP
-  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, fsdp, 1).auto_wrap_policy, AutoWrapPolicy::NO_WRAP);
 }
 
 TEST(ShardingUnits, AStateDictThatDiffersIsRefusedNamingOnlyWhatDiffersBriefly) {
@@ -387,3 +222,4 @@ TEST(ShardingUnits, DeepSpeedsPrefetchBucketAndLiveBoundDecideHowManyUnitsAreGat
         }
       });
 }
+
