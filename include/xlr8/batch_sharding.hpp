@@ -13,6 +13,9 @@ struct ShardingOptions {
   bool split_batches = false;  // each global batch is split between processes
   bool even_batches = true;    // pad the last round from the start of the epoch so all ranks get the same count
   bool drop_last = false;      // the underlying batch sampler drops its short last batch
+  // `xlr8 verify`'s third run: this process stands for this many ranks (num_processes x micro_batches in all)
+  // and yields their shares of each global batch one after another, in rank order.
+  int micro_batches = 1;
 };
 
 // This rank's batches (lists of sample indices) for an epoch whose sample order is `order`.

@@ -98,6 +98,24 @@ std::vector<Batch> split(const std::vector<Batch>& batches, const ShardingOption
   return out;
 }
 
+// The shares of num_processes x micro_batches ranks, this process's in rank order within each round: what its
+// ranks' would be, one micro-batch per rank. A rank that has no share of a short last round adds none.
+std::vector<Batch> as_micro_batches(const std::vector<int64_t>& order, const ShardingOptions& o) {
+  ShardingOptions rank = o;
+  rank.micro_batches = 1;
+  rank.num_processes = o.num_processes * o.micro_batches;
+  std::vector<std::vector<Batch>> shares;
+  for (int i = 0; i < o.micro_batches; ++i) {
+    rank.process_index = o.process_index * o.micro_batches + i;
+    shares.push_back(shard_batches(order, rank));
+  }
+  std::vector<Batch> out;
+  for (size_t round = 0; round < shares.front().size(); ++round)
+    for (const auto& share : shares)
+      if (round < share.size()) out.push_back(share[round]);
+  return out;
+}
+
 }  // namespace
 
 std::vector<std::vector<int64_t>> shard_batches(const std::vector<int64_t>& order, const ShardingOptions& o) {
@@ -108,6 +126,7 @@ std::vector<std::vector<int64_t>> shard_batches(const std::vector<int64_t>& orde
     throw ConfigError(fmt::format("split_batches needs the batch size ({}) to be a multiple of the number of processes "
                                   "({})",
                                   o.batch_size, o.num_processes));
+  if (o.micro_batches > 1) return as_micro_batches(order, o);
   auto batches = make_batches(order, o.batch_size, o.drop_last);
   return o.split_batches ? split(batches, o) : no_split(batches, o);
 }

@@ -76,7 +76,9 @@ DataLoaderBase::Pass::~Pass() {
 void DataLoaderBase::run_async(std::function<void()> task) { pool_->submit(std::move(task)); }
 
 int64_t DataLoaderBase::global_batch() const {
-  return sharding_.split_batches ? sharding_.batch_size : sharding_.batch_size * sharding_.num_processes;
+  // Verify's run 3 yields each global batch in micro_batches parts, one rank's share each.
+  return sharding_.split_batches ? sharding_.batch_size / sharding_.micro_batches
+                                 : sharding_.batch_size * sharding_.num_processes;
 }
 
 nlohmann::json DataLoaderBase::state() const {

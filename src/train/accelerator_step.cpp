@@ -235,7 +235,10 @@ void Accelerator::clip_grad_value(const std::vector<at::Tensor>& parameters, dou
 }
 
 double Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
-  return impl_->clip_grad_norm(parameters, max_norm, norm_type);
+  const double norm = impl_->clip_grad_norm(parameters, max_norm, norm_type);
+  // `xlr8 verify` compares the norm the program clipped from: after clipping every clipped step reads max_norm.
+  if (impl_->verify && impl_->gradient_state->sync_gradients) impl_->verify->on_clip_grad_norm(norm);
+  return norm;
 }
 
 double AcceleratorImpl::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {

@@ -30,6 +30,8 @@ std::unique_ptr<VerifyRecorder> VerifyRecorder::from_env() {
   auto r = std::make_unique<VerifyRecorder>();
   r->dir_ = dir;
   if (const char* k = std::getenv("XLR8_VERIFY_STEPS"); k && *k) r->steps_ = std::max(1L, std::strtol(k, nullptr, 10));
+  if (const char* m = std::getenv("XLR8_VERIFY_MICRO_SPLIT"); m && *m)
+    r->micro_split_ = static_cast<int>(std::max(1L, std::strtol(m, nullptr, 10)));
   r->record_ = {{"steps", nlohmann::json::array()},
                 {"differs_at_start", nlohmann::json::array()},
                 {"dropout", nlohmann::json::array()},
@@ -81,19 +83,21 @@ void VerifyRecorder::on_backward(const at::Tensor& loss) {
 void VerifyRecorder::before_step(AcceleratorImpl& impl, const std::vector<at::Tensor>& parameters,
                                  ParallelStrategy* owner) {
   auto mean = at::full({1}, pending_micro_ ? pending_loss_ / pending_micro_ : 0.0, at::kDouble).to(impl.device);
+  micro_steps_ = pending_micro_;
   pending_loss_ = 0;
   pending_micro_ = 0;
   impl.world().all_reduce(mean, ReduceOp::SUM);
   loss_ = mean.item<double>() / impl.world().size();
   // The epoch's last global batch, when the ranks cannot share it evenly: a loss averaged per rank weighs its
-  // samples unequally there (even_batches pads with repeated samples).
+  // samples unequally there (even_batches pads with repeated samples; without it, shares of a short batch differ).
   short_batch_ = 0;
   for (const auto& weak : impl.loaders)
     if (auto loader = weak.lock()) {
       const int64_t ranks = loader->sharding().num_processes;
       const int64_t global = loader->options().batch_size * (impl.options.split_batches ? 1 : ranks);
       const int64_t rest = global > 0 ? loader->dataset_size() % global : 0;
-      if (loader->batches_yielded() == loader->size() && rest != 0 && rest % ranks != 0) short_batch_ = rest;
+      const bool uneven = rest % ranks != 0 || !loader->sharding().even_batches;
+      if (loader->batches_yielded() == loader->size() && rest != 0 && uneven) short_batch_ = rest;
       break;
     }
   if (impl.world().size() == 1)  // the reference: whole gradients on the module's own parameters
@@ -106,14 +110,21 @@ void VerifyRecorder::before_step(AcceleratorImpl& impl, const std::vector<at::Te
         auto& held = grad_max_[name];
         held = held.defined() ? at::maximum(held, magnitude) : magnitude;
       }
-  // An infinite max_norm measures without clipping.
+  // The norm the program clipped from, else the gradients' own (an infinite max_norm measures without clipping).
   const double inf = std::numeric_limits<double>::infinity();
-  grad_norm_ = owner ? owner->clip_grad_norm(parameters, inf, 2.0) : torch::nn::utils::clip_grad_norm_(parameters, inf, 2.0);
+  grad_norm_ = clipped_from_ ? *clipped_from_
+                             : owner ? owner->clip_grad_norm(parameters, inf, 2.0)
+                                     : torch::nn::utils::clip_grad_norm_(parameters, inf, 2.0);
+  clipped_from_.reset();
 }
 
 void VerifyRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
   if (step > steps_) return;
-  record_["steps"].push_back({{"step", step}, {"loss", loss_}, {"grad_norm", grad_norm_}, {"short_batch", short_batch_}});
+  record_["steps"].push_back({{"step", step},
+                              {"loss", loss_},
+                              {"grad_norm", grad_norm_},
+                              {"short_batch", short_batch_},
+                              {"micro_steps", micro_steps_}});
   const bool last = step == steps_;
   if (last) {
     for (size_t i = 0; i < impl.models.size(); ++i)
@@ -124,6 +135,7 @@ void VerifyRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
   const int rank = impl.state->rank();
   if (rank == 0) {
     record_["world_size"] = impl.world().size();
+    record_["data_parallel"] = impl.state->mesh().size("dp");  // the ranks that share each global batch
     record_["complete"] = last;
     files::write_durably(dir_ + "/record.json", record_.dump(1));
   }

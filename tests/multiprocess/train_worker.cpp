@@ -3,7 +3,7 @@
 // with the per-step losses (mean over ranks) and writes the final parameters with save_model.
 //   --batch B --accum K --steps S --precision no|bf16|fp16 --out DIR
 //   --checkpoint_at N (save_state after optimizer step N)   --resume DIR
-//   --clip_value V (clip_grad_value instead of clip_grad_norm to 5)
+//   --clip_value V (clip_grad_value instead of clip_grad_norm to 5)   --max_norm M (clip_grad_norm to M)
 //   --save_every N (save_state into DIR/checkpoint every N steps)   --die_at N --die_rank R
 //   --mode train|gather|mismatch|unused   --find_unused   --samples N   --optimizer adamw|fused_adamw
 //   --norm (a LayerNorm fed by the first Linear; the model a sharded unit)
@@ -98,6 +98,8 @@ int main(int argc, char** argv) {
   int64_t save_every = 0, die_at = 0;
   double clip_value = 0;
   app.add_option("--clip_value", clip_value);  // clip_grad_value instead of clip_grad_norm
+  double max_norm = 5.0;
+  app.add_option("--max_norm", max_norm);
   int die_rank = -1;
   app.add_option("--save_every", save_every);  // save_state(out/checkpoint) after every N steps, overwriting
   app.add_option("--die_at", die_at);          // with --die_rank: that rank SIGKILLs itself as the others save
@@ -246,7 +248,7 @@ int main(int argc, char** argv) {
           at::Tensor loss = torch::cross_entropy_loss(model->forward(b.data), b.target);
           acc.backward(loss);
           if (clip_value > 0) acc.clip_grad_value(model->parameters(), clip_value);
-          else acc.clip_grad_norm(model->parameters(), 5.0);
+          else acc.clip_grad_norm(model->parameters(), max_norm);
           opt.step();
           sched.step();
           opt.zero_grad(!zero_in_place);

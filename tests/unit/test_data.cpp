@@ -75,6 +75,27 @@ TEST(BatchSharding, SplitBatchesGoldenVectors) {
   EXPECT_EQ(shard(2, 4, 1, true, false), (Batches{}));
 }
 
+// `xlr8 verify`'s third run: one process yields, round by round, what 2 ranks would, rank 0's share first.
+TEST(BatchSharding, MicroBatchesAreEachRoundsRankSharesInRankOrder) {
+  ShardingOptions one;
+  one.batch_size = 4;
+  one.split_batches = true;
+  one.micro_batches = 2;
+  EXPECT_EQ(shard_batches(range(8), one), (Batches{{0, 1}, {2, 3}, {4, 5}, {6, 7}}));
+  for (bool split : {true, false})
+    for (bool even : {true, false})
+      for (int64_t n : {2, 21, 22, 24}) {
+        one.split_batches = split, one.even_batches = even;
+        const auto r0 = shard(n, 4, 0, split, even), r1 = shard(n, 4, 1, split, even);
+        Batches interleaved;
+        for (size_t i = 0; i < r0.size(); ++i) {
+          interleaved.push_back(r0[i]);
+          if (i < r1.size()) interleaved.push_back(r1[i]);
+        }
+        EXPECT_EQ(shard_batches(range(n), one), interleaved) << n << (split ? " split" : "") << (even ? " even" : "");
+      }
+}
+
 TEST(BatchSharding, RemainderAndSplitRange) {
   ShardingOptions o;
   o.batch_size = 3;

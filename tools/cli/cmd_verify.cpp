@@ -1,13 +1,16 @@
 // `xlr8 verify [launch options] program [args]`: the program on N processes as configured and on one process,
 // both for K optimizer steps on the same global batch (split_batches) and seed; compares the loss each
 // step gave backward(), the global gradient norm and, after step K, every parameter (gathered from shards).
-// The workers record through the Accelerator (src/train/verify_recorder.hpp).
+// When they differ and only rounding could part them, a third run on one process that repeats the ranks'
+// arithmetic decides (ranks_arithmetic_on_one_process). The workers record through the Accelerator
+// (src/train/verify_recorder.hpp).
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -138,6 +141,144 @@ std::string listed(const nlohmann::json& names) {
   return out;
 }
 
+// What parts run 1 from a one-process reference: the first step whose loss or gradient norm differ, missing
+// steps, the largest parameter difference (`diffs`, largest first).
+std::vector<std::string> disagreements(const Recorded& a, const Recorded& ref, const std::vector<ParamDiff>& diffs,
+                                       int steps, double rtol) {
+  std::vector<std::string> problems;
+  const auto& sa = a.record["steps"];
+  const auto& sr = ref.record["steps"];
+  if (const int diverged = first_divergence(a, ref, rtol); diverged >= 0)
+    problems.push_back(
+        fmt::format("step {} is the first whose loss or gradient norm differ by more than {:.0e}", diverged, rtol));
+  if (sa.size() != sr.size() || static_cast<int>(sr.size()) < steps)
+    problems.push_back(fmt::format("the runs recorded {} and {} of {} steps", sa.size(), sr.size(), steps));
+  if (!diffs.empty() && diffs.front().diff > rtol)
+    problems.push_back(
+        fmt::format("parameter {} differs by {:.2e} after step {}", diffs.front().name, diffs.front().diff, steps));
+  if (diffs.empty() && static_cast<int>(sr.size()) >= steps) problems.push_back("no parameters were recorded");
+  return problems;
+}
+
+int print_pass(const Recorded& a, int processes, int steps, double rtol, const std::string& against) {
+  fmt::print("xlr8 verify: PASS: {} processes train as one process for {} steps (against {}; relative tolerance "
+             "{:.0e}; --rtol to change)\n",
+             processes, steps, against, rtol);
+  if (!a.record["differs_at_start"].empty())
+    fmt::print("xlr8 verify: note: parameters differed across ranks before prepare() ({}); the strategy made them "
+               "equal, but a program that uses them before prepare() would not\n",
+               listed(a.record["differs_at_start"]));
+  return 0;
+}
+
+// The largest relative difference of loss or gradient norm between two runs, and its step.
+std::pair<double, int> largest_step_difference(const Recorded& x, const Recorded& y) {
+  std::pair<double, int> out{0.0, 0};
+  const auto& sx = x.record["steps"];
+  const auto& sy = y.record["steps"];
+  for (size_t i = 0; i < std::min(sx.size(), sy.size()); ++i)
+    for (const char* key : {"loss", "grad_norm"})
+      if (const double d = relative(sx[i][key], sy[i][key]); d > out.first) out = {d, sx[i]["step"].get<int>()};
+  return out;
+}
+
+struct ThirdRun {
+  bool agrees = false;
+  std::string finding;  // what it showed, for the verdict
+};
+
+// Run 3, when nothing but rounding may part runs 1 and 2 (no dropout, BatchNorm or unevenly shared last batch,
+// whose effects it would repeat, and ranks that share batches): one process that repeats the ranks' arithmetic,
+// each global batch as the N ranks' shares in rank order, accumulated into one step (XLR8_VERIFY_MICRO_SPLIT).
+// Convolution and GEMM kernels round by batch size, so one process on the whole batch may differ from N ranks by
+// more than a sum's order (near a ReLU or max-pool tie, by far more); run 3 differs from them only by the order
+// of the gradient sum.
+ThirdRun ranks_arithmetic_on_one_process(LaunchOptions one, const fs::path& dir, const Recorded& a, const Recorded& b,
+                                         int steps, double rtol) {
+  const int ranks = a.record.value("data_parallel", 1);
+  const auto& sa = a.record["steps"];
+  const bool uneven = std::any_of(sa.begin(), sa.end(), [](const auto& s) { return s.value("short_batch", 0) > 0; });
+  if (ranks < 2 || !a.record["dropout"].empty() || !a.record["batchnorm"].empty() || uneven) return {};
+  one.extra_env["XLR8_VERIFY_MICRO_SPLIT"] = std::to_string(ranks);
+  const std::string what =
+      fmt::format("run 3 (one process, each global batch as the {} ranks' shares, accumulated)", ranks);
+  Recorded c;
+  try {
+    c = run_recording(one, dir, steps, what);
+  } catch (const Error& e) {
+    return {false, fmt::format("{} could not run: {}", what, e.what())};
+  }
+  const auto& sc = c.record["steps"];
+  for (size_t i = 0; i < std::min(sa.size(), sc.size()); ++i)  // N x the ranks' micro-steps make each of its steps
+    if (const int m = sa[i].value("micro_steps", 0); sc[i].value("micro_steps", 0) != ranks * m)
+      return {false, fmt::format("{} could not repeat the ranks' arithmetic: its step {} took {} micro-batches, not "
+                                 "{} x {} (does the program step inside Accelerator::accumulate()?)",
+                                 what, i + 1, sc[i].value("micro_steps", 0), ranks, m)};
+  const auto diffs = param_diffs(a, c, rtol / 10).largest_first;
+  if (const auto problems = disagreements(a, c, diffs, steps, rtol); !problems.empty())
+    return {false, fmt::format("{} differs from run 1 as well: {}; so not the rounding of the batch size", what,
+                               fmt::join(problems, "; "))};
+  // The rounding floor: how far one process on the whole batch lies from one on the ranks' shares.
+  const auto [worst, worst_step] = largest_step_difference(b, c);
+  std::string in_params;
+  if (const auto d = param_diffs(b, c, rtol / 10).largest_first; !d.empty())
+    in_params = fmt::format(", {} by {:.2e} after step {}", d.front().name, d.front().diff, steps);
+  return {true, fmt::format("run 2 (one process, the whole global batch at once) differs from run 3 by up to {:.2e} "
+                            "(step {}){}: the rounding floor here (convolution and GEMM kernels round by batch size), "
+                            "not the strategy; run 1 agrees with run 3 within {:.0e}",
+                            worst, worst_step, in_params, rtol)};
+}
+
+// Why runs 1 and 2 differ: the usual causes, most certain first. A program with dropout runs once more on one
+// process, to tell randomness that differs by rank from a program that is not deterministic at all.
+std::vector<std::string> usual_causes(const Recorded& a, const Recorded& b, const LaunchOptions& one,
+                                      const fs::path& base, int steps, double rtol, int processes) {
+  const auto& sa = a.record["steps"];
+  const int diverged = first_divergence(a, b, rtol);
+  std::vector<std::string> causes;
+  if (diverged >= 0 && diverged <= static_cast<int>(sa.size()))
+    if (const int64_t rest = sa[static_cast<size_t>(diverged - 1)].value("short_batch", int64_t{0}); rest > 0)
+      causes.push_back(fmt::format("step {} ends an epoch whose last global batch has {} samples, which {} ranks cannot "
+                                   "share evenly: a loss averaged per rank weighs their samples unequally (and "
+                                   "even_batches repeats samples to fill the shares); average the loss over the global "
+                                   "batch, or drop the last batch (drop_last)",
+                                   diverged, rest, processes));
+  if (!a.record["differs_at_start"].empty())
+    causes.push_back(fmt::format("the model differs across ranks at start: {} (initialise it from one seed on every "
+                                 "rank: Accelerator::set_seed before building it)",
+                                 listed(a.record["differs_at_start"])));
+  if (!a.record["batchnorm"].empty())
+    causes.push_back(fmt::format("BatchNorm normalises each rank's share of the batch by that share's statistics, and "
+                                 "keeps running statistics per rank: {} (SyncBatchNorm, or GroupNorm/LayerNorm)",
+                                 listed(a.record["batchnorm"])));
+  if (!a.record["dropout"].empty()) {
+    const auto again =
+        run_recording(one, base / "one-again", steps, "run 3 (one process again, to tell randomness from divergence)");
+    const bool deterministic = first_divergence(again, b, 1e-12) < 0;
+    causes.push_back(deterministic
+                         ? fmt::format("dropout draws its masks from each rank's generator, so N ranks drop other "
+                                       "elements than one process does: {} (verify with dropout off, p = 0)",
+                                       listed(a.record["dropout"]))
+                         : fmt::format("the program is not deterministic on one process (two runs differ), so no "
+                                       "comparison can pass: seed every generator (Accelerator::set_seed) or turn off "
+                                       "dropout ({})",
+                                       listed(a.record["dropout"])));
+  }
+  return causes;
+}
+
+// The reference: one process, nothing split; the same precision, accumulation and program.
+LaunchOptions one_process(LaunchRequest single) {
+  single.num_processes = 1;
+  single.nproc_per_node.reset();
+  single.nnodes.reset();
+  single.num_machines = 1;
+  single.machine_rank.reset();
+  single.parallelism.clear();
+  single.max_restarts = 0;
+  return plan_launch(single);
+}
+
 int verify(const LaunchRequest& request, const VerifyOptions& v) {
   if (v.steps < 1) throw ConfigError(fmt::format("--steps {} must be 1 or more", v.steps));
   LaunchOptions many = plan_launch(request);
@@ -148,16 +289,7 @@ int verify(const LaunchRequest& request, const VerifyOptions& v) {
     throw ConfigError(fmt::format("xlr8 verify compares N processes with one; this launch has {}: give "
                                   "--num_processes 2 or more",
                                   many.world_size()));
-  // The reference: one process, nothing split; the same precision, accumulation and program.
-  LaunchRequest single = request;
-  single.num_processes = 1;
-  single.nproc_per_node.reset();
-  single.nnodes.reset();
-  single.num_machines = 1;
-  single.machine_rank.reset();
-  single.parallelism.clear();
-  single.max_restarts = 0;
-  LaunchOptions one = plan_launch(single);
+  LaunchOptions one = one_process(request);
   many.max_restarts = 0;
   // The same intra-op threads in every process of both runs: float sums over another number of threads
   // differ in the last bits, which AdamW's first steps amplify.
@@ -172,20 +304,25 @@ int verify(const LaunchRequest& request, const VerifyOptions& v) {
   const fs::path base = v.keep.empty() ? scratch->path() : fs::path(v.keep);
 
   const auto a = run_recording(many, base / "n", v.steps, fmt::format("run 1 (as configured)"));
-  const auto b = run_recording(one, base / "one", v.steps, "run 2 (one process, the same global batch)");
+  auto b = run_recording(one, base / "one", v.steps, "run 2 (one process, the same global batch)");
+  // Tests only: run 2's gradient norms as on a CPU whose kernels round the whole batch far off.
+  if (const char* nudge = std::getenv("XLR8_TEST_ONLY_VERIFY_NUDGE_RUN_2"))
+    for (auto& step : b.record["steps"]) step["grad_norm"] = step["grad_norm"].get<double>() * (1 + std::atof(nudge));
   const auto& sa = a.record["steps"];
   const auto& sb = b.record["steps"];
 
-  fmt::print("step  loss (1 process)  loss ({} processes)  rel. diff   grad norm (1)  grad norm ({})  rel. diff\n",
-             many.world_size(), many.world_size());
+  // The norm before the program's clipping (what its clip_grad_norm returned): after it every clipped step reads max_norm.
+  const std::string norm_n = fmt::format("({} processes)", many.world_size());
+  fmt::print("step  loss (1 process)  loss ({} processes)  rel. diff   grad norm before clipping (1)  {}  rel. diff\n",
+             many.world_size(), norm_n);
   for (size_t i = 0; i < std::max(sa.size(), sb.size()); ++i) {
     if (i >= sa.size() || i >= sb.size()) {
       fmt::print("{:>4}  {}\n", i + 1, i >= sa.size() ? "(no step on N processes)" : "(no step on 1 process)");
       continue;
     }
     const double la = sa[i]["loss"], lb = sb[i]["loss"], ga = sa[i]["grad_norm"], gb = sb[i]["grad_norm"];
-    fmt::print("{:>4}  {:>16.8g}  {:>19.8g}  {:>9.2e}   {:>13.8g}  {:>14.8g}  {:>9.2e}\n", sb[i]["step"].get<int>(), lb,
-               la, relative(la, lb), gb, ga, relative(ga, gb));
+    fmt::print("{:>4}  {:>16.8g}  {:>19.8g}  {:>9.2e}   {:>29.8g}  {:>{}.8g}  {:>9.2e}\n", sb[i]["step"].get<int>(), lb,
+               la, relative(la, lb), gb, ga, norm_n.size(), relative(ga, gb));
   }
   // Gradients below this share of their tensor's largest are rounding at this precision.
   const double noise = rtol / 10;
@@ -200,60 +337,19 @@ int verify(const LaunchRequest& request, const VerifyOptions& v) {
                "their tensor's largest (rounding: Adam turns it into steps of the learning rate's size in each run)\n",
                compared.skipped_elements, compared.skipped_tensors, noise);
 
-  std::vector<std::string> problems;
-  const int diverged = first_divergence(a, b, rtol);
-  if (diverged >= 0) problems.push_back(fmt::format("step {} is the first whose loss or gradient norm differ by more "
-                                                    "than {:.0e}",
-                                                    diverged, rtol));
-  if (sa.size() != sb.size() || static_cast<int>(sb.size()) < v.steps)
-    problems.push_back(fmt::format("the runs recorded {} and {} of {} steps", sa.size(), sb.size(), v.steps));
-  if (!diffs.empty() && diffs.front().diff > rtol)
-    problems.push_back(fmt::format("parameter {} differs by {:.2e} after step {}", diffs.front().name, diffs.front().diff,
-                                   v.steps));
-  if (diffs.empty() && static_cast<int>(sb.size()) >= v.steps)
-    problems.push_back("no parameters were recorded");
-  if (problems.empty()) {
-    fmt::print("xlr8 verify: PASS: {} processes train as one process for {} steps (relative tolerance {:.0e}; "
-               "--rtol to change)\n",
-               many.world_size(), v.steps, rtol);
-    if (!a.record["differs_at_start"].empty())
-      fmt::print("xlr8 verify: note: parameters differed across ranks before prepare() ({}); the strategy made them "
-                 "equal, but a program that uses them before prepare() would not\n",
-                 listed(a.record["differs_at_start"]));
+  const auto problems = disagreements(a, b, diffs, v.steps, rtol);
+  if (problems.empty())
+    return print_pass(a, many.world_size(), v.steps, rtol, "run 2, one process on the whole global batch");
+  const auto causes = usual_causes(a, b, one, base, v.steps, rtol, many.world_size());
+  // Only rounding may part the runs: does one process that repeats the ranks' arithmetic agree?
+  const auto third = ranks_arithmetic_on_one_process(one, base / "ranks", a, b, v.steps, rtol);
+  if (third.agrees) {
+    print_pass(a, many.world_size(), v.steps, rtol, "run 3, one process on the ranks' shares accumulated");
+    fmt::print("xlr8 verify: note: {}\n", third.finding);
     return 0;
   }
-  // Why: the usual causes, most certain first.
-  std::vector<std::string> causes;
-  if (diverged >= 0 && diverged <= static_cast<int>(sa.size()))
-    if (const int64_t rest = sa[static_cast<size_t>(diverged - 1)].value("short_batch", int64_t{0}); rest > 0)
-      causes.push_back(fmt::format("step {} ends an epoch whose last global batch has {} samples, which {} ranks cannot "
-                                   "share evenly: a loss averaged per rank weighs their samples unequally (and "
-                                   "even_batches repeats samples to fill the shares); average the loss over the global "
-                                   "batch, or drop the last batch (drop_last)",
-                                   diverged, rest, many.world_size()));
-  if (!a.record["differs_at_start"].empty())
-    causes.push_back(fmt::format("the model differs across ranks at start: {} (initialise it from one seed on every "
-                                 "rank: Accelerator::set_seed before building it)",
-                                 listed(a.record["differs_at_start"])));
-  if (!a.record["batchnorm"].empty())
-    causes.push_back(fmt::format("BatchNorm normalises each rank's share of the batch by that share's statistics, and "
-                                 "keeps running statistics per rank: {} (SyncBatchNorm, or GroupNorm/LayerNorm)",
-                                 listed(a.record["batchnorm"])));
-  if (!a.record["dropout"].empty()) {
-    // Tell randomness that differs by rank from a program that is not deterministic at all.
-    const auto again = run_recording(one, base / "one-again", v.steps, "run 3 (one process again, to tell randomness "
-                                                                        "from divergence)");
-    const bool deterministic = first_divergence(again, b, 1e-12) < 0;
-    causes.push_back(deterministic
-                         ? fmt::format("dropout draws its masks from each rank's generator, so N ranks drop other "
-                                       "elements than one process does: {} (verify with dropout off, p = 0)",
-                                       listed(a.record["dropout"]))
-                         : fmt::format("the program is not deterministic on one process (two runs differ), so no "
-                                       "comparison can pass: seed every generator (Accelerator::set_seed) or turn off "
-                                       "dropout ({})",
-                                       listed(a.record["dropout"])));
-  }
   fmt::print("xlr8 verify: FAIL: {}\n", fmt::join(problems, "; "));
+  if (!third.finding.empty()) fmt::print("xlr8 verify: {}\n", third.finding);
   for (const auto& c : causes) fmt::print("xlr8 verify: likely cause: {}\n", c);
   if (causes.empty())
     fmt::print("xlr8 verify: no usual cause found (dropout, BatchNorm, a model that differs across ranks, an uneven "
@@ -281,6 +377,9 @@ Handler add_verify(CLI::App& app) {
               "(||N - 1|| / ||1|| per tensor, over the elements whose gradient on one process rose above rtol/10\n"
               "x the tensor's largest). Tensor- and context-parallel launches are compared with one process\n"
               "without a mesh.\n"
+              "When they differ with none of the usual causes, a third run on one process repeats the ranks'\n"
+              "arithmetic (each global batch as the N ranks' shares, accumulated): kernels round by batch size, so\n"
+              "when it agrees with the N processes the verdict passes against it and shows the rounding floor.\n"
               "Exit code 0 when all agree within --rtol, 1 otherwise, naming the first step that differs and the\n"
               "usual causes it finds (dropout, BatchNorm, a model that differs across ranks at start).");
   return [req, v]() { return verify(*req, *v); };
