@@ -135,6 +135,7 @@ int run(const Args& args) {
   options.gradient_accumulation_steps = args.gradient_accumulation_steps;
   options.project_dir = args.output_dir;
   if (args.autotp && args.sequence_parallel) options.tp_sequence_parallel = true;  // AutoTP places it at prepare()
+  if (args.n_head > 0) options.tp_head_dim = args.d_model / args.n_head;  // prepare() refuses a split cutting a head
   options.automatic_checkpoint_naming = true;
   options.total_limit = 2;
   xlr8::Accelerator acc(options);
@@ -148,8 +149,8 @@ int run(const Args& args) {
   // Tensor parallelism (parallelism_config_tp_size): the plan beside the model splits it, or AutoTP at
   // prepare() finds the same one from the layer names.
   auto& tp_group = acc.state().mesh().group("tp");
-  // Checks the heads (and under sequence parallelism the sequence) divide first.
-  const auto plan = gpt::tp_plan(config, tp_group.size(), args.sequence_parallel);
+  // Checks the heads (and under sequence parallelism the sequence) divide first; AutoTP checks its own.
+  const auto plan = args.autotp ? xlr8::tp::Plan{} : gpt::tp_plan(config, tp_group.size(), args.sequence_parallel);
   auto model = acc.prepare(acc.build_model([&] {
     gpt::Gpt net(config);
     frozen = gpt::freeze(*net, args.freeze);
@@ -319,6 +320,13 @@ int run(const Args& args) {
                           {"offload_pinned", stats.value("offload_pinned", false)},
                           {"save_state_seconds", save_seconds},
                           {"load_state_seconds", load_seconds}};
+    // How a sharding strategy split the model: its units (stage 3; the blocks under TRANSFORMER_BASED_WRAP)
+    // or buckets, the ranks each shards over and the replicas of each shard (HSDP: above 1).
+    result["sharding_units"] = nlohmann::json::array();
+    for (const auto& group : stats.value("groups", nlohmann::json::array()))
+      if (!group.value("frozen", false)) result["sharding_units"].push_back(group.value("name", std::string()));
+    result["shard_ranks"] = stats.value("ranks", 1);
+    result["shard_replicas"] = stats.value("replicas", 1);
     result["cp_attention_blocks_per_micro_step_by_rank"] =
         std::vector<double>(cp_blocks.data_ptr<double>(), cp_blocks.data_ptr<double>() + cp_blocks.numel());
     result["setup_peak_rss_mb_by_rank"] =

@@ -47,10 +47,11 @@ struct AcceleratorOptions {
   // reduce_bucket_size h*h, stage3_prefetch_bucket_size 0.9*h*h, stage3_param_persistence_threshold 10*h).
   // 0: the width of the model's first Embedding.
   int64_t model_hidden_size = 0;
-  // Under parallelism_config_tp_size, for a model the program left whole (prepare() splits it by AutoTP or
-  // XLR8_TP_PLAN_FILE): Megatron's sequence parallelism too, norms and dropouts running on this rank's share
-  // of the sequence between the split layers. Default: XLR8_TP_SEQUENCE_PARALLEL, else off.
+  // Under parallelism_config_tp_size, for a model prepare() splits (AutoTP or XLR8_TP_PLAN_FILE): Megatron's sequence
+  // parallelism too, norms and dropouts on this rank's share. Default: XLR8_TP_SEQUENCE_PARALLEL, else off.
   std::optional<bool> tp_sequence_parallel;
+  // One attention head's features: prepare() refuses a tp split cutting a head. Default: parallelism_config_tp_head_dim
+  std::optional<int64_t> tp_head_dim;
 };
 
 struct AcceleratorImpl;

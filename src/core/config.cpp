@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <tuple>
 
 #include "core/config_compat.hpp"
 #include "core/config_section.hpp"
@@ -47,7 +48,11 @@ const std::vector<std::string> kParallelismKeys = {
     "parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size", "parallelism_config_tp_size",
     "parallelism_config_cp_size", "parallelism_config_cp_comm_strategy", "parallelism_config_cp_backend",
     "parallelism_config_sp_size", "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
-    "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_attn_implementation"};
+    "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_attn_implementation",
+    "parallelism_config_tp_head_dim"};
+
+const std::vector<std::string> kMpirunKeys = {"mpirun_hostfile", "mpirun_ccl"};
+const std::vector<std::string> kNone;
 
 // Accelerate 0.7-0.11 wrote fsdp_config keys without the prefix, and `accelerate launch` still adds it.
 YAML::Node with_fsdp_prefix(const YAML::Node& node) {
@@ -62,17 +67,16 @@ YAML::Node with_fsdp_prefix(const YAML::Node& node) {
 }
 
 void read_fsdp(const Section& s, FsdpSettings& f) {
-  s.check_keys(kFsdpKeys, {}, nullptr);
   if (!s.is_off("fsdp_ignored_modules"))
     throw s.error("fsdp_ignored_modules", fmt::format("value {} is not supported: xlr8 shards every module; remove "
                                                       "the key or set it to null",
                                                       s.shown("fsdp_ignored_modules")));
   if (auto v = s.integer("fsdp_version", 1, 2)) f.version = static_cast<int>(*v);
   if (auto v = s.str("fsdp_sharding_strategy"))
-    f.sharding_strategy = parse_sharding_strategy(*v, s.error("fsdp_sharding_strategy", "").what());
+    f.sharding_strategy = parse_sharding_strategy(*v, s.where("fsdp_sharding_strategy"));
   if (auto v = s.str("fsdp_reshard_after_forward")) {
     if (auto b = parse_bool(*v)) f.reshard_after_forward = b;
-    else f.sharding_strategy = parse_sharding_strategy(*v, s.error("fsdp_reshard_after_forward", "").what());
+    else f.sharding_strategy = parse_sharding_strategy(*v, s.where("fsdp_reshard_after_forward"));
   }
   if (auto v = s.choice("fsdp_auto_wrap_policy", kAutoWrapPolicies, true)) f.auto_wrap_policy = *v;
   f.transformer_layer_cls_to_wrap = s.list("fsdp_transformer_layer_cls_to_wrap");
@@ -84,8 +88,7 @@ void read_fsdp(const Section& s, FsdpSettings& f) {
     if (auto b = s.boolean(flag.config_key)) f.*flag.member = *b;
 }
 
-void read_deepspeed(const Section& s, LaunchConfig& c, std::vector<std::string>* ignored) {
-  s.check_keys(kDeepSpeedKeys, kLauncherDeepSpeedKeys, ignored);
+void read_deepspeed(const Section& s, LaunchConfig& c) {
   if (!s.is_off("deepspeed_moe_layer_cls_names"))
     throw s.error("deepspeed_moe_layer_cls_names",
                   fmt::format("value {} asks for DeepSpeed mixture-of-experts layers, which xlr8 does not have; remove "
@@ -114,12 +117,12 @@ void read_deepspeed(const Section& s, LaunchConfig& c, std::vector<std::string>*
 }
 
 void read_parallelism(const Section& s, LaunchConfig& c) {
-  s.check_keys(kParallelismKeys, {}, nullptr);
   ParallelismSettings p;
   constexpr long kMax = 1 << 20;
   p.dp_replicate = static_cast<int>(s.integer("parallelism_config_dp_replicate_size", 1, kMax).value_or(1));
   p.dp_shard = static_cast<int>(s.integer("parallelism_config_dp_shard_size", 1, kMax).value_or(1));
   p.tp = static_cast<int>(s.integer("parallelism_config_tp_size", 1, kMax).value_or(1));
+  p.tp_head_dim = s.integer("parallelism_config_tp_head_dim", 1, kMax);
   p.cp = static_cast<int>(s.integer("parallelism_config_cp_size", 1, kMax).value_or(1));
   if (auto strategy = s.choice("parallelism_config_cp_comm_strategy", {"allgather", "alltoall"}, /*upper=*/false))
     p.cp_comm_strategy = *strategy;
@@ -155,7 +158,16 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
   c.path = origin;
   Section top(root, "", origin);
   detail::refuse_foreign_environment(top);
-  top.check_keys(kTopKeys, detail::kCompatTopKeys, &c.ignored_keys);
+  const Section fsdp(with_fsdp_prefix(top.child("fsdp_config")), "fsdp_config.", origin);
+  const Section deepspeed(top.child("deepspeed_config"), "deepspeed_config.", origin);
+  const Section mpi(top.child("mpirun_config"), "mpirun_config.", origin);
+  const Section parallelism(top.child("parallelism_config"), "parallelism_config.", origin);
+  std::vector<std::string> unknown = top.unknown_keys(kTopKeys, detail::kCompatTopKeys, &c.ignored_keys);
+  for (const auto& [section, known, ignored] :
+       {std::tuple{&fsdp, &kFsdpKeys, &kNone}, std::tuple{&deepspeed, &kDeepSpeedKeys, &kLauncherDeepSpeedKeys},
+        std::tuple{&mpi, &kMpirunKeys, &kNone}, std::tuple{&parallelism, &kParallelismKeys, &kNone}})
+    for (auto& message : section->unknown_keys(*known, *ignored, &c.ignored_keys)) unknown.push_back(std::move(message));
+  top.refuse_unknown(unknown);
   detail::refuse_unsupported_features(top);
   if (auto v = top.str("distributed_type")) {
     try {
@@ -199,14 +211,12 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
   c.enable_cpu_affinity = top.boolean("enable_cpu_affinity").value_or(false);
   if (auto v = top.str("downcast_bf16")) c.downcast_bf16 = *v;
   if (auto v = top.integer("gradient_accumulation_steps", 1, 1L << 30)) c.gradient_accumulation_steps = static_cast<int>(*v);
-  read_fsdp(Section(with_fsdp_prefix(top.child("fsdp_config")), "fsdp_config.", origin), c.fsdp);
-  read_deepspeed(Section(top.child("deepspeed_config"), "deepspeed_config.", origin), c, &c.ignored_keys);
+  read_fsdp(fsdp, c.fsdp);
+  read_deepspeed(deepspeed, c);
   // As `accelerate launch` does with it: start the job through mpirun over the file's hosts (mpirun_ccl
   // sizes Intel oneCCL's workers, which xlr8 does not use).
-  Section mpi(top.child("mpirun_config"), "mpirun_config.", origin);
-  mpi.check_keys({"mpirun_hostfile", "mpirun_ccl"}, {}, nullptr);
   c.mpirun_hostfile = mpi.str("mpirun_hostfile").value_or("");
-  if (top.has("parallelism_config")) read_parallelism(Section(top.child("parallelism_config"), "parallelism_config.", origin), c);
+  if (top.has("parallelism_config")) read_parallelism(parallelism, c);
   c.validate();
   return c;
 }
@@ -316,6 +326,8 @@ std::string to_yaml(const LaunchConfig& c) {
     out << YAML::Key << "parallelism_config_dp_shard_size" << YAML::Value << c.parallelism->dp_shard;
     out << YAML::Key << "parallelism_config_cp_size" << YAML::Value << c.parallelism->cp;
     out << YAML::Key << "parallelism_config_tp_size" << YAML::Value << c.parallelism->tp;
+    if (c.parallelism->tp_head_dim)
+      out << YAML::Key << "parallelism_config_tp_head_dim" << YAML::Value << *c.parallelism->tp_head_dim;
     if (c.parallelism->cp > 1)
       out << YAML::Key << "parallelism_config_cp_comm_strategy" << YAML::Value << c.parallelism->cp_comm_strategy;
     if (c.parallelism->sp > 1) {

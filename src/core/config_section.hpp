@@ -2,6 +2,7 @@
 // One mapping of an Accelerate-format config file, read with checks: unknown keys name the closest
 // valid one, wrong types and values name the full key path, the value and what is allowed.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
@@ -25,9 +26,11 @@ class Section {
       throw error(prefix_.empty() ? "the file" : prefix_.substr(0, prefix_.size() - 1), "must be a mapping of key: value");
   }
 
-  void check_keys(const std::vector<std::string>& known, const std::vector<std::string>& ignored,
-                  std::vector<std::string>* ignored_seen) const {
-    if (!node_ || node_.IsNull()) return;
+  // Each key that is neither known nor ignored, as "unknown key "k" (did you mean "h"?)".
+  std::vector<std::string> unknown_keys(const std::vector<std::string>& known, const std::vector<std::string>& ignored,
+                                        std::vector<std::string>* ignored_seen) const {
+    std::vector<std::string> unknown;
+    if (!node_ || node_.IsNull()) return unknown;
     for (const auto& kv : node_) {
       auto key = kv.first.as<std::string>();
       if (std::find(known.begin(), known.end(), key) != known.end()) continue;
@@ -38,10 +41,19 @@ class Section {
       std::vector<std::string> all = known;
       all.insert(all.end(), ignored.begin(), ignored.end());
       std::string hint = text::closest(key, all);
-      throw ConfigError(fmt::format("{}: unknown key {:?}{}", origin_, prefix_ + key,
-                                    hint.empty() ? fmt::format("; valid keys: {}", text::join(known))
+      unknown.push_back(fmt::format("unknown key {:?}{}", prefix_ + key,
+                                    hint.empty() ? fmt::format(" (valid keys: {})", text::join(known))
                                                  : fmt::format(" (did you mean {:?}?)", prefix_ + hint)));
     }
+    return unknown;
+  }
+  void check_keys(const std::vector<std::string>& known, const std::vector<std::string>& ignored,
+                  std::vector<std::string>* ignored_seen) const {
+    refuse_unknown(unknown_keys(known, ignored, ignored_seen));
+  }
+  // Every unknown key of a file in one error, so that two typos take one attempt to fix.
+  void refuse_unknown(const std::vector<std::string>& unknown) const {
+    if (!unknown.empty()) throw ConfigError(fmt::format("{}: {}", origin_, fmt::join(unknown, "; ")));
   }
 
   bool has(const std::string& key) const { return node_ && node_.IsMap() && node_[key] && !node_[key].IsNull(); }
@@ -125,8 +137,10 @@ class Section {
     return out;
   }
   ConfigError error(const std::string& key, const std::string& why) const {
-    return ConfigError(fmt::format("{}: {}: {}", origin_, prefix_ + key, why));
+    return ConfigError(fmt::format("{}: {}", where(key), why));
   }
+  // "<file>: <section.key>", how messages about a key begin.
+  std::string where(const std::string& key) const { return fmt::format("{}: {}", origin_, prefix_ + key); }
 
  private:
   YAML::Node node_;

@@ -29,4 +29,9 @@ void warning(fmt::format_string<Args...> format, Args&&... args) {
   if (enabled(Level::kWarning)) write(Level::kWarning, fmt::format(format, std::forward<Args>(args)...));
 }
 
+template <class... Args>
+void error(fmt::format_string<Args...> format, Args&&... args) {
+  if (enabled(Level::kError)) write(Level::kError, fmt::format(format, std::forward<Args>(args)...));
+}
+
 }  // namespace xlr8::log

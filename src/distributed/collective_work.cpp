@@ -34,6 +34,15 @@ std::shared_future<void> CommState::run_composite(std::function<void()> task) {
   return future;
 }
 
+namespace {
+// What a transport says when the other end of its connection went away: a symptom of a peer's failure.
+bool lost_peer(const std::string& message) {
+  for (const char* sign : {"Connection reset by peer", "Broken pipe", "Connection closed by peer", "ECONNRESET", "EPIPE"})
+    if (message.find(sign) != std::string::npos) return true;
+  return false;
+}
+}  // namespace
+
 void rethrow_with_context(const std::string& what, std::chrono::milliseconds timeout, const std::exception& cause) {
   std::string message = cause.what();
   // c10::Error messages carry a C++ backtrace after the first line; keep the first line only.
@@ -43,6 +52,9 @@ void rethrow_with_context(const std::string& what, std::chrono::milliseconds tim
     throw TimeoutError(fmt::format("{} timed out after {} s: a peer rank did not reach this collective or died "
                                    "(set XLR8_COLLECTIVE_TIMEOUT to wait longer). Cause: {}",
                                    what, timeout.count() / 1000.0, message));
+  if (lost_peer(message))
+    throw Error(fmt::format("{} lost its peer: another rank ended or failed first, its error is the cause ({})", what,
+                            message));
   throw Error(fmt::format("{} failed: {}", what, message));
 }
 

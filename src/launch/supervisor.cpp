@@ -23,6 +23,8 @@
 #include "core/error_file.hpp"
 #include "core/flight_recorder.hpp"
 #include "core/log.hpp"
+#include "launch/failure_report.hpp"
+#include "launch/spawn.hpp"
 #include "launch/net.hpp"
 #include "launch/trace_diagnosis.hpp"
 #include "launch/worker_output.hpp"
@@ -35,11 +37,6 @@ namespace xlr8 {
 
 namespace {
 
-std::string signal_name(int sig) {
-  const char* abbrev = sigabbrev_np(sig);
-  return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
-}
-
 struct Worker {
   int rank = 0, local_rank = 0;
   pid_t pid = -1;
@@ -51,11 +48,8 @@ struct Worker {
   std::string error_file;      // its TORCHELASTIC_ERROR_FILE
 };
 
-std::string describe_status(int status) {
-  if (WIFSIGNALED(status))
-    return fmt::format("killed by {} (signal {})", signal_name(WTERMSIG(status)), WTERMSIG(status));
-  return fmt::format("exit code {}", WEXITSTATUS(status));
-}
+using detail::describe_status;
+using detail::signal_name;
 
 int exit_code_of(int status) { return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status); }
 
@@ -139,38 +133,18 @@ class Supervisor final : public detail::WorkerGroup {
     log::warning("xlr8 launch: workers stopped: {}", ends);
   }
 
-  // The first failure, each failed rank's error line (what its exception said, not the backtrace's last
-  // frames), then the first failure's last stderr lines without backtraces, which stay in the log.
   void report_failure() const override {
     if (!stalled_.empty()) {
-      fmt::print(stderr, "xlr8 launch: {}\n", stalled_);
+      log::error("xlr8 launch: {}", stalled_);
       print_diagnosis();
       return;
     }
     if (first_failure_ < 0) return;
-    const auto& w = workers_[first_failure_];
-    auto& err = stderr;
-    fmt::print(err, "xlr8 launch: rank {} (local rank {}, pid {}) failed first: {}\n", w.rank, w.local_rank, w.pid,
-               describe_status(w.status));
-    if (auto recorded = detail::read_error_file(w.error_file))
-      fmt::print(err, "xlr8 launch: rank {}'s error: {}\nxlr8 launch: (recorded in its error file{})\n", w.rank,
-                 recorded->message, o_.log_dir.empty() ? "; pass --log_dir to keep it" : " " + w.error_file);
-    else if (!w.notes.headline().empty())
-      fmt::print(err, "xlr8 launch: rank {}'s error: {}\n", w.rank, w.notes.headline());
-    for (const auto& other : workers_)
-      if (&other != &w && other.status != 0 && !other.notes.headline().empty())
-        fmt::print(err, "xlr8 launch: rank {} ({}) said: {}\n", other.rank, describe_status(other.status),
-                   other.notes.headline());
-    if (!w.notes.tail().empty()) {
-      std::string left_out;
-      if (size_t n = w.notes.backtrace_lines())
-        left_out = fmt::format(" ({} backtrace lines left out: they are above{})", n,
-                               o_.log_dir.empty() ? "" : fmt::format(" and in {}", w.err_log_path));
-      fmt::print(err, "xlr8 launch: last {} lines of rank {}'s stderr{}:\n", w.notes.tail().size(), w.rank, left_out);
-      for (auto& line : w.notes.tail()) fmt::print(err, "    {}\n", line);
-    }
-    int others = static_cast<int>(workers_.size()) - 1;
-    if (others > 0) fmt::print(err, "xlr8 launch: stopped the other {} local worker(s)\n", others);
+    std::vector<detail::WorkerEnd> ends;
+    for (const auto& w : workers_)
+      ends.push_back({.rank = w.rank, .local_rank = w.local_rank, .pid = w.pid, .status = w.status, .notes = &w.notes,
+                      .err_log_path = w.err_log_path, .error_file = w.error_file});
+    detail::report_first_failure(ends, static_cast<size_t>(first_failure_), o_.log_dir);
     print_diagnosis();
   }
   // A hang's picture: after a collective timed out, or a stall. A rank that failed on its own (an exception, a
@@ -183,8 +157,7 @@ class Supervisor final : public detail::WorkerGroup {
          .only_after_timeout = stalled_.empty(),
          // The scratch folder goes with the launch: do not name it.
          .shown_as = o_.log_dir.empty() ? "pass --log_dir to keep them" : ""});
-    if (!diagnosis.empty()) fmt::print(stderr, "xlr8 launch: {}\n", diagnosis);
-    std::fflush(stderr);
+    if (!diagnosis.empty()) log::error("xlr8 launch: {}", diagnosis);
   }
   bool failed() const override { return (first_failure_ >= 0 || !stalled_.empty()) && !interrupted_by_ && stopped_for_.empty(); }
   const std::string& stalled() const override { return stalled_; }
@@ -257,48 +230,14 @@ class Supervisor final : public detail::WorkerGroup {
       unsigned cores = std::max(1u, std::thread::hardware_concurrency());
       env["OMP_NUM_THREADS"] = std::to_string(std::max(1u, cores / static_cast<unsigned>(o_.nproc_per_node)));
     }
-    std::vector<std::string> env_strings;
-    for (auto& [k, v] : env) env_strings.push_back(k + "=" + v);
-    std::vector<char*> envp, argv;
-    for (auto& s : env_strings) envp.push_back(s.data());
-    envp.push_back(nullptr);
-    std::vector<std::string> args = o_.command;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-
-    int out_pipe[2], err_pipe[2];
-    if (pipe2(out_pipe, O_CLOEXEC) != 0 || pipe2(err_pipe, O_CLOEXEC) != 0)
-      throw Error(fmt::format("pipe failed: {}", std::strerror(errno)));
-    pid_t launcher = getpid();
-    pid_t pid = fork();
-    if (pid < 0) throw Error(fmt::format("fork failed: {}", std::strerror(errno)));
-    if (pid == 0) {
-      // Child: own process group (so the whole worker tree can be signalled), die with the launcher.
-      setpgid(0, 0);
-      prctl(PR_SET_PDEATHSIG, SIGKILL);
-      if (getppid() != launcher) _exit(1);
-      // Default dispositions and nothing blocked, whatever the launcher inherited: a shell without job
-      // control starts background jobs with SIGINT and SIGQUIT ignored, and exec keeps ignored signals.
-      for (int sig : {SIGINT, SIGQUIT, SIGTERM, SIGHUP, SIGPIPE, SIGUSR1, SIGUSR2}) signal(sig, SIG_DFL);
-      sigset_t none;
-      sigemptyset(&none);
-      sigprocmask(SIG_SETMASK, &none, nullptr);
-      dup2(out_pipe[1], 1);
-      dup2(err_pipe[1], 2);
-      execve(program_.c_str(), argv.data(), envp.data());
-      dprintf(2, "xlr8 launch: cannot execute %s: %s\n", program_.c_str(), std::strerror(errno));
-      _exit(127);
-    }
-    setpgid(pid, pid);  // also from the parent, so signalling the group never races the child's setpgid
-    close(out_pipe[1]);
-    close(err_pipe[1]);
-    w.pid = pid;
+    const auto child = detail::spawn_worker(program_, o_.command, env);
+    w.pid = child.pid;
     w.running = true;
     std::string tag = rank_tag(w.rank);
-    w.out.fd = out_pipe[0];
+    w.out.fd = child.out_fd;
     w.out.console_fd = 1;
     w.out.prefix = tag;
-    w.err.fd = err_pipe[0];
+    w.err.fd = child.err_fd;
     w.err.console_fd = 2;
     w.err.prefix = tag;
     w.err.notes = &w.notes;

@@ -60,6 +60,8 @@ Accelerator::Accelerator(AcceleratorOptions options) : Accelerator(std::move(opt
   } else if (launch && launch->gradient_clipping) {
     s.clip_at_step = *launch->gradient_clipping;  // --gradient_clipping: DeepSpeed clips every step
   }
+  // `xlr8 verify`'s third run: each of the N ranks' shares is a micro-batch, so N times as many make a step.
+  if (s.verify) s.gradient_state->num_steps *= s.verify->micro_split();
 }
 
 Accelerator::Accelerator(AcceleratorOptions options, ForEngine) : impl_(std::make_unique<AcceleratorImpl>()) {
@@ -188,28 +190,36 @@ std::optional<at::ScalarType> sharded_param_dtype(MixedPrecision precision, cons
 
 // parallelism_config_tp_size: a model the program split already (tp::parallelize) keeps its plan; any
 // other is split here by the plan file XLR8_TP_PLAN_FILE names or by AutoTP, or refused by name. Never
-// trains whole while the mesh says tp.
-void split_for_tensor_parallel(torch::nn::Module& module, DeviceMesh& mesh, std::optional<bool> sequence_parallel_option) {
+// trains whole while the mesh says tp, nor with a rank holding part of an attention head of `head_dim`.
+void split_for_tensor_parallel(torch::nn::Module& module, DeviceMesh& mesh, std::optional<bool> sequence_parallel_option,
+                               int64_t head_dim) {
   const int tp = mesh.size("tp");
   const auto sliced = tp::sliced_parameters(module);
   if (sliced.group && sliced.group->size() != tp)
     throw ConfigError(fmt::format("prepare(): the model was split over a tp group of {} ranks but "
                                   "parallelism_config_tp_size is {}; make them equal",
                                   sliced.group->size(), tp));
+  if (sliced.group) {
+    try {
+      tp::check_whole_heads(module, head_dim);
+    } catch (const ConfigError& e) {
+      throw ConfigError(fmt::format("prepare(): {}", e.what()));
+    }
+  }
   if (tp == 1 || sliced.group) return;
   // AcceleratorOptions::tp_sequence_parallel: the plan made here is Megatron's sequence parallelism.
   const bool sequence_parallel =
       sequence_parallel_option.value_or(Env::current().get_bool("XLR8_TP_SEQUENCE_PARALLEL").value_or(false));
   const char* sp_note = sequence_parallel ? ", with sequence parallelism" : "";
   if (auto file = Env::current().get("XLR8_TP_PLAN_FILE"); file && !file->empty()) {
-    auto plan = tp::plan_from_file(*file, module, tp);
+    auto plan = tp::plan_from_file(*file, module, tp, head_dim);
     if (sequence_parallel) plan = tp::with_sequence_parallel(std::move(plan), module);
     tp::parallelize(module, mesh.group("tp"), plan, /*strict=*/false);
     log::info("prepare(): parallelism_config_tp_size {}: the model split by the plan file {}{}", tp, *file, sp_note);
     return;
   }
   try {
-    tp::parallelize(module, mesh.group("tp"), tp::auto_plan(module, tp, 0, sequence_parallel), /*strict=*/true);
+    tp::parallelize(module, mesh.group("tp"), tp::auto_plan(module, tp, head_dim, sequence_parallel), /*strict=*/true);
   } catch (const ConfigError& e) {
     throw ConfigError(fmt::format("prepare(): parallelism_config_tp_size is {} and the program applied no plan "
                                   "(xlr8::tp::parallelize), so AutoTP tried: {}",
@@ -232,7 +242,8 @@ void mark_units_for_checkpointing(const torch::nn::Module& module, const ZeroOpt
     throw ConfigError(fmt::format(
         "fsdp_activation_checkpointing: true checkpoints the units of the wrap policy, and fsdp_auto_wrap_policy {} "
         "makes none in this model; set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP with "
-        "fsdp_transformer_layer_cls_to_wrap naming its block class, or fsdp_activation_checkpointing: false",
+        "fsdp_transformer_layer_cls_to_wrap naming its block class (or the model's xlr8::NoSplitModules declaring "
+        "it), or fsdp_activation_checkpointing: false",
         fsdp.auto_wrap_policy));
   log::info("prepare(): fsdp_activation_checkpointing: {} unit(s) recompute their forward in backward", marked);
 }
@@ -304,7 +315,10 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   auto& s = *impl_;
   if (!module) throw Error("prepare(): the model is null");
   if (s.strategy_for(module.get())) throw Error("prepare(): this model was already prepared; prepare each model once");
-  split_for_tensor_parallel(*module, s.state->mesh(), s.options.tp_sequence_parallel);
+  // AcceleratorOptions::tp_head_dim, else the launch's parallelism_config_tp_head_dim (0: unchecked).
+  const auto& launch = s.state->settings().parallelism;
+  const int64_t head_dim = s.options.tp_head_dim.value_or(launch ? launch->tp_head_dim.value_or(0) : 0);
+  split_for_tensor_parallel(*module, s.state->mesh(), s.options.tp_sequence_parallel, head_dim);
   auto& tp_built = s.built_for_tp_loading;
   std::erase_if(tp_built, [](const auto& b) { return b.module.expired(); });
   auto tp_it = std::find_if(tp_built.begin(), tp_built.end(), [&](const auto& b) { return b.module.lock() == module; });
@@ -363,8 +377,9 @@ void Accelerator::register_loader(std::shared_ptr<DataLoaderBase> loader) {
   auto& s = *impl_;
   if (s.deepspeed) {
     const auto& o = loader->options();
-    s.deepspeed->loader_prepared(s.options.split_batches ? o.batch_size / std::max(1, loader->sharding().num_processes)
-                                                         : o.batch_size);
+    // Under split_batches a micro-batch is one rank's share (in verify's run 3, this process stands for several ranks).
+    const int shares = std::max(1, loader->sharding().num_processes * loader->sharding().micro_batches);
+    s.deepspeed->loader_prepared(s.options.split_batches ? o.batch_size / shares : o.batch_size);
   }
   s.loaders.push_back(loader);
 }
@@ -412,6 +427,7 @@ ShardingOptions Accelerator::sharding() const {
   o.process_index = mesh.rank("dp");
   o.split_batches = impl_->options.split_batches;
   o.even_batches = impl_->options.even_batches;
+  o.micro_batches = impl_->verify ? impl_->verify->micro_split() : 1;
   return o;
 }
 

@@ -131,8 +131,12 @@ TEST(Launcher, ADeepSpeedConfigFileThatIsMissingOrWrongStopsTheLaunchBeforeAnyWo
   auto dir = temp_dir("ds-json");
   std::ofstream(dir + "/typo.json") << R"({"train_batch_size": 8, "zero_optimization": {"stage": 2, "overlap_com": true}})";
   std::ofstream(dir + "/good.json") << R"({"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 2}})";
+  std::ofstream(dir + "/batches.json")
+      << R"({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1})";
   const std::vector<std::pair<std::string, std::string>> refused = {
       {dir + "/missing.json", "does not exist or cannot be read"},
+      {dir + "/batches.json", "train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size 10 != "
+                              "4 * 1 * 2"},
       {dir + "/typo.json", "DeepSpeed has no key \"zero_optimization.overlap_com\" (did you mean"}};
   for (const auto& [file, message] : refused) {
     auto r = run(launch({"--num_processes", "2", "--use_deepspeed", "--deepspeed_config_file", file}, {"env", dir}), 60);
@@ -245,6 +249,39 @@ TEST(Launcher, AFailuresSummaryShowsTheErrorNotTheBacktrace) {
     EXPECT_NE(read_file(dir + "/attempt_0/1/stderr.log").find("frame #0: c10::Error::Error"), std::string::npos);
     fs::remove_all(dir);
   }
+}
+
+// Object collectives of empty payloads (report()'s "no error") take about a store round trip, not the 200 ms
+// LibTorch 1.13's TCPStore held an empty value's reply corked for: 20 of each well under a second on 2 ranks.
+TEST(Launcher, ObjectCollectivesOfEmptyPayloadsTakeMillisecondsNotTheCorkLimit) {
+  auto r = run(launch({"--num_processes", "2"}, {"empty-objects", "20"}), 60);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto at = r.out.find("objects ");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  const double ms = std::stod(r.out.substr(at + 8));
+  EXPECT_LT(ms, 1000.0) << r.out;  // 40 collectives: 8 s with the corked replies
+}
+
+// Every rank refusing the same input (tp 3 over 2 attention heads) is one line in the summary, naming the
+// ranks that said it, not the same error once per rank.
+TEST(Launcher, RanksFailingWithTheSameMessageAreSummarisedOnce) {
+  const std::string gpt = GPT_BIN;
+  auto r = run({kXlr8, "launch", "--num_processes", "3", "--parallelism_config_tp_size", "3", gpt, "--max_steps", "1",
+                "--n_layer", "1", "--d_model", "32", "--n_head", "2", "--seq_len", "32", "--val_windows", "8"},
+               120);
+  EXPECT_NE(r.exit_code, 0) << r.err;
+  const auto at = r.err.find("failed first:");
+  ASSERT_NE(at, std::string::npos) << r.err;
+  const std::string summary = r.err.substr(at);
+  const auto error_at = summary.find("'s error");
+  ASSERT_NE(error_at, std::string::npos) << summary;
+  const auto line_end = summary.find('\n', error_at);
+  const auto colon = summary.find(": ", error_at);
+  const std::string message = summary.substr(colon + 2, line_end - colon - 2);
+  ASSERT_GT(message.size(), 10u) << summary;
+  size_t count = 0;
+  for (auto pos = summary.find(message); pos != std::string::npos; pos = summary.find(message, pos + 1)) ++count;
+  EXPECT_EQ(count, 1u) << summary;
 }
 
 TEST(Launcher, AnUncaughtExceptionReachesTheLauncherThroughTheWorkersErrorFile) {
@@ -475,6 +512,22 @@ TEST(SharedMemory, APeerThatDiesIsNamedPromptlyNotAtTheTimeout) {
   EXPECT_NE(r0.err.find("all_reduce(float32[1048576], SUM) on group 'world' (rank 0 of 2)"), std::string::npos) << r0.err;
   EXPECT_NE(r0.err.find("rank 1 (pid"), std::string::npos) << r0.err;
   EXPECT_NE(r0.err.find("exited"), std::string::npos) << r0.err;
+}
+
+// Over Gloo the dead peer shows as a closed connection: the survivor's error says it lost its peer, so that it
+// does not read as a second failure beside the first one's.
+TEST(Launcher, OverGlooARankWhosePeerDiedSaysItLostItsPeer) {
+  int port = xlr8::pick_free_port();
+  std::map<std::string, std::string> env{{"XLR8_COLLECTIVE_TIMEOUT", "120"}, {"XLR8_SHM", "0"}};
+  Process m0(two_machines(port, 0, 2, {"peer-dies"}), env), m1(two_machines(port, 1, 2, {"peer-dies"}), env);
+  auto r1 = m1.wait(60), r0 = m0.wait(60);
+  EXPECT_EQ(r1.exit_code, 3) << r1.err;
+  EXPECT_EQ(r0.exit_code, 2) << r0.err;
+  EXPECT_LT(r0.seconds, 30.0);
+  EXPECT_NE(r0.err.find("all_reduce(float32[1048576], SUM) on group 'world' (rank 0 of 2) lost its peer: another rank "
+                        "ended or failed first"),
+            std::string::npos)
+      << r0.err;
 }
 
 TEST(SharedMemory, TheLauncherRemovesSegmentsThatKilledWorkersLeft) {

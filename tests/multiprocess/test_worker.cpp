@@ -5,6 +5,7 @@
 //   hang-handling-int DIR   the same with a SIGINT handler that ignores it
 //   fail-once CODE     rank 1 exits with CODE on the first attempt; everything succeeds on a restart
 //   allreduce          rendezvous through ProcessState, all-reduce rank+1, print "sum=<S> world=<W>"
+//   empty-objects N    N broadcast_object and N all_gather_object of empty payloads; rank 0 prints "objects <ms> ms"
 //   print N            print N lines on stdout and stderr
 //   in-place           on stderr: a CRLF line, then a line redrawn in place (frames after \r), then a
 //                      plain line; rank 1 writes one stdout line while rank 0's frames are drawn
@@ -94,6 +95,19 @@ int main(int argc, char** argv) {
       fmt::print(stderr, "error: {}\n", e.what());
       return 2;
     }
+    return 0;
+  }
+  if (mode == "empty-objects") {
+    const auto& state = xlr8::ProcessState::instance();
+    const int n = argc > 2 ? std::atoi(argv[2]) : 10;
+    state.world().barrier();
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < n; ++i) {
+      state.world().broadcast_object("", 0);
+      state.world().all_gather_object("");
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+    if (state.rank() == 0) fmt::print("objects {:.1f} ms\n", ms);
     return 0;
   }
   if (mode == "throw-uncaught") {  // an exception nobody catches, once the process state exists

@@ -144,6 +144,14 @@ TEST(Config, UnknownKeyNamesClosestValidOne) {
   EXPECT_NE(m.find("fsdp_config.fsdp_sharding_strategy"), std::string::npos) << m;
 }
 
+// Two typos in one file: both named in one error, each with its closest key, the sections' as the top level's.
+TEST(Config, EveryUnknownKeyOfAFileIsNamedAtOnce) {
+  const auto m = error_of("num_proceses: 2\nmixed_precison: bf16\nfsdp_config:\n  fsdp_sharding_stratgy: FULL_SHARD\n");
+  EXPECT_NE(m.find("unknown key \"num_proceses\" (did you mean \"num_processes\"?)"), std::string::npos) << m;
+  EXPECT_NE(m.find("unknown key \"mixed_precison\" (did you mean \"mixed_precision\"?)"), std::string::npos) << m;
+  EXPECT_NE(m.find("unknown key \"fsdp_config.fsdp_sharding_stratgy\""), std::string::npos) << m;
+}
+
 TEST(Config, WrongTypeOrValueNamesKeyValueAndAllowed) {
   auto m = error_of("num_processes: two\n");
   EXPECT_NE(m.find("num_processes"), std::string::npos) << m;
@@ -161,6 +169,8 @@ TEST(Config, WrongTypeOrValueNamesKeyValueAndAllowed) {
   EXPECT_NE(m.find("use_cpu"), std::string::npos) << m;
   m = error_of("fsdp_config:\n  fsdp_sharding_strategy: FULL_SHARDS\n");
   EXPECT_NE(m.find("did you mean \"FULL_SHARD\""), std::string::npos) << m;
+  EXPECT_NE(m.find("fsdp_config.fsdp_sharding_strategy: invalid value \"FULL_SHARDS\""), std::string::npos) << m;
+  EXPECT_EQ(m.find(": :"), std::string::npos) << m;
   m = error_of("num_processes: [1, 2]\n");
   EXPECT_NE(m.find("num_processes"), std::string::npos) << m;
   m = error_of("log_with: csv, tensorbord\n");
