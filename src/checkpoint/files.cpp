@@ -96,7 +96,7 @@ void sync_all(const std::vector<std::string>& paths) {
   };
   // The flushes overlap in the kernel: a thread each, up to 16 (this thread takes its share).
   const size_t threads = std::min<size_t>(paths.size(), 16);
-  std::vector<std::thread> pool;
+  std::vector<std::jthread> pool;  // joined on the way out should starting one fail
   for (size_t t = 1; t < threads; ++t)
     pool.emplace_back([&, t] {
       for (size_t i = t; i < paths.size(); i += threads) sync_one(i);

@@ -265,7 +265,10 @@ std::string integrity_problem(const fs::path& dir) {
     if (!fs::exists(manifest_path))
       return fs::exists(dir / kStateFile) ? fmt::format("{} is missing", manifest_path.string()) : "";
     const auto manifest = nlohmann::json::parse(files::read_all(manifest_path.string()));
-    if (manifest.at("format") != kFormat) return fmt::format("{} has an unknown format", manifest_path.string());
+    // Another version's checkpoint is not a damaged one: setting it aside would lose it.
+    if (manifest.at("format") != kFormat)
+      throw Error(fmt::format("{} has a format this xlr8 does not read ({}); resume it with the xlr8 that wrote it",
+                              manifest_path.string(), manifest.at("format").dump()));
     for (const auto& [name, entry] : manifest.at("files").items()) {
       const fs::path file = dir / name;
       if (!fs::exists(file)) return fmt::format("{} is missing", file.string());
@@ -275,8 +278,12 @@ std::string integrity_problem(const fs::path& dir) {
       if (sum.crc32 != entry.at("crc32").get<uint32_t>()) return fmt::format("{} fails its CRC32 check", file.string());
     }
     return "";
-  } catch (const std::exception& e) {  // an unreadable manifest or file
-    return fmt::format("{} cannot be checked: {}", dir.string(), text::first_line(e.what()));
+  } catch (const nlohmann::json::exception& e) {  // a manifest whose bytes are damaged
+    return fmt::format("{} cannot be read: {}", (dir / kManifest).string(), text::first_line(e.what()));
+  } catch (const Error&) {
+    throw;
+  } catch (const std::exception& e) {  // a read that failed (I/O, permissions) says nothing of the bytes: no verdict
+    throw Error(fmt::format("checkpoint {} cannot be checked: {}", dir.string(), text::first_line(e.what())));
   }
 }
 

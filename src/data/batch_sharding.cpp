@@ -126,6 +126,9 @@ std::vector<std::vector<int64_t>> shard_batches(const std::vector<int64_t>& orde
     throw ConfigError(fmt::format("split_batches needs the batch size ({}) to be a multiple of the number of processes "
                                   "({})",
                                   o.batch_size, o.num_processes));
+  if (o.micro_batches < 1)
+    throw ConfigError(fmt::format("ShardingOptions::micro_batches {} must be at least 1 (1: this process is one rank)",
+                                  o.micro_batches));
   if (o.micro_batches > 1) return as_micro_batches(order, o);
   auto batches = make_batches(order, o.batch_size, o.drop_last);
   return o.split_batches ? split(batches, o) : no_split(batches, o);

@@ -77,7 +77,7 @@ void DataLoaderBase::run_async(std::function<void()> task) { pool_->submit(std::
 
 int64_t DataLoaderBase::global_batch() const {
   // Verify's run 3 yields each global batch in micro_batches parts, one rank's share each.
-  return sharding_.split_batches ? sharding_.batch_size / sharding_.micro_batches
+  return sharding_.split_batches ? sharding_.batch_size / std::max(1, sharding_.micro_batches)
                                  : sharding_.batch_size * sharding_.num_processes;
 }
 

@@ -10,6 +10,7 @@
 #include "parallel/wrap_policy.hpp"
 #include "parallel/zero_strategy.hpp"
 #include "train/accelerator_impl.hpp"
+#include "train/tensor_parallel_prepare.hpp"
 #include "xlr8/context_parallel.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
@@ -188,47 +189,6 @@ std::optional<at::ScalarType> sharded_param_dtype(MixedPrecision precision, cons
   return precision == MixedPrecision::FP16 ? at::kHalf : at::kBFloat16;
 }
 
-// parallelism_config_tp_size: a model the program split already (tp::parallelize) keeps its plan; any
-// other is split here by the plan file XLR8_TP_PLAN_FILE names or by AutoTP, or refused by name. Never
-// trains whole while the mesh says tp, nor with a rank holding part of an attention head of `head_dim`.
-void split_for_tensor_parallel(torch::nn::Module& module, DeviceMesh& mesh, std::optional<bool> sequence_parallel_option,
-                               int64_t head_dim) {
-  const int tp = mesh.size("tp");
-  const auto sliced = tp::sliced_parameters(module);
-  if (sliced.group && sliced.group->size() != tp)
-    throw ConfigError(fmt::format("prepare(): the model was split over a tp group of {} ranks but "
-                                  "parallelism_config_tp_size is {}; make them equal",
-                                  sliced.group->size(), tp));
-  if (sliced.group) {
-    try {
-      tp::check_whole_heads(module, head_dim);
-    } catch (const ConfigError& e) {
-      throw ConfigError(fmt::format("prepare(): {}", e.what()));
-    }
-  }
-  if (tp == 1 || sliced.group) return;
-  // AcceleratorOptions::tp_sequence_parallel: the plan made here is Megatron's sequence parallelism.
-  const bool sequence_parallel =
-      sequence_parallel_option.value_or(Env::current().get_bool("XLR8_TP_SEQUENCE_PARALLEL").value_or(false));
-  const char* sp_note = sequence_parallel ? ", with sequence parallelism" : "";
-  if (auto file = Env::current().get("XLR8_TP_PLAN_FILE"); file && !file->empty()) {
-    auto plan = tp::plan_from_file(*file, module, tp, head_dim);
-    if (sequence_parallel) plan = tp::with_sequence_parallel(std::move(plan), module);
-    tp::parallelize(module, mesh.group("tp"), plan, /*strict=*/false);
-    log::info("prepare(): parallelism_config_tp_size {}: the model split by the plan file {}{}", tp, *file, sp_note);
-    return;
-  }
-  try {
-    tp::parallelize(module, mesh.group("tp"), tp::auto_plan(module, tp, head_dim, sequence_parallel), /*strict=*/true);
-  } catch (const ConfigError& e) {
-    throw ConfigError(fmt::format("prepare(): parallelism_config_tp_size is {} and the program applied no plan "
-                                  "(xlr8::tp::parallelize), so AutoTP tried: {}",
-                                  tp, e.what()));
-  }
-  log::info("prepare(): parallelism_config_tp_size {}: AutoTP split the model's layers (no plan was applied){}", tp,
-            sp_note);
-}
-
 // fsdp_activation_checkpointing: every unit of the wrap policy is recomputed in backward (after TP
 // split its layers, before the sharding engine takes its parameters: torchtitan's order).
 void mark_units_for_checkpointing(const torch::nn::Module& module, const ZeroOptions& zero, const FsdpSettings& fsdp) {
@@ -318,7 +278,7 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   // AcceleratorOptions::tp_head_dim, else the launch's parallelism_config_tp_head_dim (0: unchecked).
   const auto& launch = s.state->settings().parallelism;
   const int64_t head_dim = s.options.tp_head_dim.value_or(launch ? launch->tp_head_dim.value_or(0) : 0);
-  split_for_tensor_parallel(*module, s.state->mesh(), s.options.tp_sequence_parallel, head_dim);
+  detail::split_for_tensor_parallel(*module, s.state->mesh(), s.options.tp_sequence_parallel, head_dim);
   auto& tp_built = s.built_for_tp_loading;
   std::erase_if(tp_built, [](const auto& b) { return b.module.expired(); });
   auto tp_it = std::find_if(tp_built.begin(), tp_built.end(), [&](const auto& b) { return b.module.lock() == module; });

@@ -83,13 +83,18 @@ void set_aside(const fs::path& run_dir, int index, const std::string& problem) {
   const std::string name = it->dir_name, kept_as = name + ".corrupt";
   // Renamed first: a crash before the snapshot's update leaves the entry, whose folder is then missing, and
   // the next look sets it aside again.
-  std::error_code gone;
-  fs::rename(run_dir / name, run_dir / kept_as, gone);
+  std::error_code not_renamed;
+  fs::rename(run_dir / name, run_dir / kept_as, not_renamed);
+  const bool missing = not_renamed == std::errc::no_such_file_or_directory;
   snapshot.kept.erase(it);
   snapshot.save(run_dir);
-  log::warning("xlr8 train: checkpoint {} fails its check ({}); it is kept as {} for inspection, and the run resumes "
-               "from the newest intact checkpoint before it{}",
-               name, problem, (run_dir / kept_as).string(), snapshot.kept.empty() ? " (none: from the start)" : "");
+  const std::string kept = missing       ? "its folder is gone"
+                           : not_renamed ? fmt::format("it could not be renamed ({}) and stays as {}, unregistered",
+                                                       not_renamed.message(), (run_dir / name).string())
+                                         : fmt::format("it is kept as {} for inspection", (run_dir / kept_as).string());
+  log::warning("xlr8 train: checkpoint {} fails its check ({}); {}, and the run resumes from the newest intact "
+               "checkpoint before it{}",
+               name, problem, kept, snapshot.kept.empty() ? " (none: from the start)" : "");
 }
 
 namespace {

@@ -187,6 +187,10 @@ struct ThirdRun {
   std::string finding;  // what it showed, for the verdict
 };
 
+// How far rounding by batch size may move a step's loss or gradient norm, in units of rtol (the Fashion-MNIST
+// example's ReLU/max-pool near-tie on an AVX2 CPU moved a gradient norm by 9.1e-4: 9 x 1e-4).
+constexpr double kRoundingBound = 100;
+
 // Run 3, when nothing but rounding may part runs 1 and 2 (no dropout, BatchNorm or unevenly shared last batch,
 // whose effects it would repeat, and ranks that share batches): one process that repeats the ranks' arithmetic,
 // each global batch as the N ranks' shares in rank order, accumulated into one step (XLR8_VERIFY_MICRO_SPLIT).
@@ -220,6 +224,12 @@ ThirdRun ranks_arithmetic_on_one_process(LaunchOptions one, const fs::path& dir,
                                fmt::join(problems, "; "))};
   // The rounding floor: how far one process on the whole batch lies from one on the ranks' shares.
   const auto [worst, worst_step] = largest_step_difference(b, c);
+  // Run 3 shares the ranks' batch sharding: beyond rounding's size it would hide a sharding bug, not a kernel's.
+  if (worst > kRoundingBound * rtol)
+    return {false, fmt::format("{} agrees with run 1, but run 2 (the whole global batch at once) differs from it by "
+                               "{:.2e} at step {}, more than rounding ({} x {:.0e}): the ranks' shares may not add up "
+                               "to the global batch",
+                               what, worst, worst_step, kRoundingBound, rtol)};
   std::string in_params;
   if (const auto d = param_diffs(b, c, rtol / 10).largest_first; !d.empty())
     in_params = fmt::format(", {} by {:.2e} after step {}", d.front().name, d.front().diff, steps);
