@@ -24,7 +24,7 @@ void report_tail(const WorkerEnd& w, const std::string& said, const std::string&
   };
   std::vector<std::string> kept;
   for (const auto& line : w.notes->tail())
-    if (!repeats(line)) kept.push_back(line);
+    if (!repeats(line) && line.find_first_not_of(" \t") != std::string::npos) kept.push_back(line);
   std::string left_out;
   if (size_t n = w.notes->backtrace_lines())
     left_out = fmt::format(" ({} backtrace lines left out: they are above{})", n,
