@@ -78,6 +78,17 @@ std::vector<fs::path> automatic_checkpoints(const std::string& project_dir) {
   return dirs;
 }
 
+void prune_automatic_checkpoints(const std::string& project_dir, int64_t keep) {
+  auto all = automatic_checkpoints(project_dir);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < all.size(); ++i) {
+    const auto doomed = all[i].string() + ".removing";
+    fs::rename(all[i], doomed);
+    fs::remove_all(doomed);
+  }
+  for (auto& e : fs::directory_iterator(fs::path(project_dir) / "checkpoints"))
+    if (e.path().extension() == ".removing") fs::remove_all(e.path());
+}
+
 std::string optimizer_bytes(const torch::optim::Optimizer& optimizer) {
   torch::serialize::OutputArchive archive;
   optimizer.save(archive);

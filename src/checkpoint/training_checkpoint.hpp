@@ -85,6 +85,9 @@ void load_optimizer(torch::optim::Optimizer& optimizer, torch::serialize::InputA
 std::filesystem::path directory_path(const std::string& dir);
 // <project_dir>/checkpoints/checkpoint_<N>, oldest first.
 std::vector<std::filesystem::path> automatic_checkpoints(const std::string& project_dir);
+// total_limit: all but the newest `keep` automatic checkpoints go (renamed first, so that a crash while deleting
+// never leaves a half-deleted checkpoint_<N>; a crash's leftovers go too).
+void prune_automatic_checkpoints(const std::string& project_dir, int64_t keep);
 std::string model_file(size_t index);      // "model.safetensors", "model_1.safetensors", ...
 std::string optimizer_file(size_t index);  // "optimizer.bin", "optimizer_1.bin", ...
 std::string rank_optimizer_file(size_t index, int rank);  // "optimizer_rank0.bin", "optimizer_1_rank2.bin", ...

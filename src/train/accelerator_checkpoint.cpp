@@ -88,19 +88,6 @@ void record_training_state(const AcceleratorImpl& s, nlohmann::json& st) {
     if (auto loader = weak.lock()) st["loaders"].push_back(loader->state());
 }
 
-// total_limit: the oldest automatic checkpoints go.
-void prune_automatic_checkpoints(const AcceleratorImpl& s) {
-  auto all = checkpoints::automatic_checkpoints(s.options.project_dir);
-  for (size_t i = 0; i + static_cast<size_t>(*s.options.total_limit) < all.size(); ++i) {
-    // Renamed first, so that a crash while deleting never leaves a half-deleted checkpoint_<N>.
-    const auto doomed = all[i].string() + ".removing";
-    fs::rename(all[i], doomed);
-    fs::remove_all(doomed);
-  }
-  for (auto& e : fs::directory_iterator(fs::path(s.options.project_dir) / "checkpoints"))  // a crash's leftovers
-    if (e.path().extension() == ".removing") fs::remove_all(e.path());
-}
-
 // Everything load_state reads, read and checked before anything changes.
 struct LoadPlan {
   std::optional<PortableLoad> portable;
@@ -246,7 +233,7 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
     record_training_state(s, content.state);
   }
   auto written = checkpoints::save(checkpoints::directory_path(target), content, s.world());
-  if (is_main_process() && dir.empty() && s.options.total_limit) prune_automatic_checkpoints(s);
+  if (is_main_process() && dir.empty() && s.options.total_limit) checkpoints::prune_automatic_checkpoints(s.options.project_dir, *s.options.total_limit);
   s.save_iteration += 1;
   wait_for_everyone();
   return written;

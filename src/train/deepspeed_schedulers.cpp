@@ -214,20 +214,54 @@ std::vector<double> LRRangeTest::get_lrs() {
 
 // ------------------------------------------------------------------------------------------ from a config
 
-std::shared_ptr<torch::optim::LRScheduler> make_scheduler(const TypedSection& section, torch::optim::Optimizer& optimizer) {
-  const auto& p = section.params;
-  auto number = [&](const char* key, double fallback) {
+namespace {
+
+// A scheduler section's params, read with DeepSpeed's types: numbers, whole numbers where it counts steps.
+struct SchedulerParams {
+  const nlohmann::json& p;
+  double number(const char* key, double fallback) const {
     if (!p.contains(key)) return fallback;
     if (!p.at(key).is_number())
       throw ConfigError(fmt::format("DeepSpeed config: scheduler.params.{} = {} must be a number", key, p.at(key).dump()));
     return p.at(key).get<double>();
-  };
-  auto whole = [&](const char* key, int64_t fallback) {
+  }
+  int64_t whole(const char* key, int64_t fallback) const {
     const double v = number(key, static_cast<double>(fallback));
     if (std::floor(v) != v)
       throw ConfigError(fmt::format("DeepSpeed config: scheduler.params.{} = {} must be a whole number", key, v));
     return static_cast<int64_t>(v);
-  };
+  }
+};
+
+OneCycleOptions one_cycle_options(const SchedulerParams& r) {
+  const auto& p = r.p;
+  for (const char* required : {"cycle_min_lr", "cycle_max_lr"})
+    if (!p.contains(required)) throw ConfigError(fmt::format("DeepSpeed config: scheduler OneCycle needs params.{}", required));
+  OneCycleOptions o;
+  o.cycle_min_lr = r.number("cycle_min_lr", 0.0);
+  o.cycle_max_lr = r.number("cycle_max_lr", 0.0);
+  o.decay_lr_rate = r.number("decay_lr_rate", 0.0);
+  o.cycle_first_step_size = r.whole("cycle_first_step_size", 2000);
+  if (p.contains("cycle_second_step_size") && !p.at("cycle_second_step_size").is_null())
+    o.cycle_second_step_size = r.whole("cycle_second_step_size", 0);
+  o.cycle_first_stair_count = r.whole("cycle_first_stair_count", 0);
+  if (p.contains("cycle_second_stair_count") && !p.at("cycle_second_stair_count").is_null())
+    o.cycle_second_stair_count = r.whole("cycle_second_stair_count", 0);
+  o.decay_step_size = r.whole("decay_step_size", 0);
+  o.cycle_momentum = p.value("cycle_momentum", true);
+  o.cycle_min_mom = r.number("cycle_min_mom", 0.8);
+  o.cycle_max_mom = r.number("cycle_max_mom", 0.9);
+  o.decay_mom_rate = r.number("decay_mom_rate", 0.0);
+  return o;
+}
+
+}  // namespace
+
+std::shared_ptr<torch::optim::LRScheduler> make_scheduler(const TypedSection& section, torch::optim::Optimizer& optimizer) {
+  const auto& p = section.params;
+  const SchedulerParams reader{p};
+  auto number = [&](const char* key, double fallback) { return reader.number(key, fallback); };
+  auto whole = [&](const char* key, int64_t fallback) { return reader.whole(key, fallback); };
   auto check = [&](const std::vector<std::string>& known) {
     check_section_params(section, "scheduler", known);
     if (whole("last_batch_iteration", -1) != -1)
@@ -275,24 +309,7 @@ std::shared_ptr<torch::optim::LRScheduler> make_scheduler(const TypedSection& se
     check({"cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_first_step_size", "cycle_second_step_size",
            "cycle_first_stair_count", "cycle_second_stair_count", "decay_step_size", "cycle_momentum", "cycle_min_mom",
            "cycle_max_mom", "decay_mom_rate", "last_batch_iteration"});
-    for (const char* required : {"cycle_min_lr", "cycle_max_lr"})
-      if (!p.contains(required)) throw ConfigError(fmt::format("DeepSpeed config: scheduler OneCycle needs params.{}", required));
-    OneCycleOptions o;
-    o.cycle_min_lr = number("cycle_min_lr", 0.0);
-    o.cycle_max_lr = number("cycle_max_lr", 0.0);
-    o.decay_lr_rate = number("decay_lr_rate", 0.0);
-    o.cycle_first_step_size = whole("cycle_first_step_size", 2000);
-    if (p.contains("cycle_second_step_size") && !p.at("cycle_second_step_size").is_null())
-      o.cycle_second_step_size = whole("cycle_second_step_size", 0);
-    o.cycle_first_stair_count = whole("cycle_first_stair_count", 0);
-    if (p.contains("cycle_second_stair_count") && !p.at("cycle_second_stair_count").is_null())
-      o.cycle_second_stair_count = whole("cycle_second_stair_count", 0);
-    o.decay_step_size = whole("decay_step_size", 0);
-    o.cycle_momentum = p.value("cycle_momentum", true);
-    o.cycle_min_mom = number("cycle_min_mom", 0.8);
-    o.cycle_max_mom = number("cycle_max_mom", 0.9);
-    o.decay_mom_rate = number("decay_mom_rate", 0.0);
-    return std::make_shared<OneCycle>(optimizer, o);
+    return std::make_shared<OneCycle>(optimizer, one_cycle_options(reader));
   }
   if (section.type == "LRRangeTest") {
     check({"lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate", "lr_range_test_staircase",
