@@ -2,7 +2,7 @@
 """PyTorch's own (Python) training loop on the bench specs, single process or DDP under torchrun
 (--zero: DDP with torch.distributed.optim.ZeroRedundancyOptimizer, PyTorch's ZeRO-1).
 
-Prints the same JSON line as xlr8-bench so bench/run compares them directly. Uses Debian's python3-torch.
+Prints the same JSON line as xlr8-bench so bench/run compares them directly. Runs on the project's .venv torch (bench/run).
 """
 import argparse
 import json

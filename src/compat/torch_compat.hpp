@@ -1,7 +1,7 @@
 #pragma once
-// The ONLY place with LibTorch version checks (TORCH_VERSION_MAJOR/MINOR): the rest builds on 1.13 and 2.x.
-// 1.13 (Debian, CPU, Gloo): ProcessGroupGloo derives from ProcessGroup; Gloo lacks bf16, AVG,
-// _allgather_base and reduce_scatter. 2.x: ProcessGroupGloo/NCCL derive from c10d::Backend.
+// The ONLY place with LibTorch version checks (TORCH_VERSION_MAJOR/MINOR), and what differs between the
+// LibTorch releases xlr8 builds against: 2.6 (the oldest, Debian 13's; scripts/check-compat) to the pinned
+// wheel's (torch-requirements.txt), the GPU machines' 2.11 among them. LibTorch 1.x was dropped (issue 42).
 #include <torch/version.h>
 
 #include <ATen/ATen.h>
@@ -16,6 +16,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef XLR8_WITH_NCCL
+#include "distributed/abort_at_exit.hpp"
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -25,8 +26,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
-#include <mutex>
-#include <sstream>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -35,23 +34,14 @@
 #define XLR8_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
-#if XLR8_TORCH_AT_LEAST(2, 0)
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#endif
 
 namespace xlr8::compat {
 
-#if XLR8_TORCH_AT_LEAST(2, 0)
 using Backend = c10d::Backend;
-#else
-using Backend = c10d::ProcessGroup;
-#endif
 using BackendPtr = c10::intrusive_ptr<Backend>;
 using WorkPtr = c10::intrusive_ptr<c10d::Work>;
 using StorePtr = c10::intrusive_ptr<c10d::Store>;
-
-// Gloo reduces bf16 from PyTorch 2.2 (PR #113557); before that it throws "Invalid scalar type".
-constexpr bool kGlooReducesBFloat16 = XLR8_TORCH_AT_LEAST(2, 2);
 
 #ifdef XLR8_WITH_NCCL
 constexpr bool kHaveNccl = true;
@@ -97,74 +87,25 @@ inline BackendPtr make_gloo(const StorePtr& store, int rank, int size, std::chro
 }
 
 #ifdef XLR8_WITH_NCCL
-// A ProcessGroupNCCL destroyed during exit (the process state's groups are statics) sets its device in
-// its destructor, which fails once CUDA's driver is shutting down ("driver shutting down", thrown from a
-// destructor: SIGABRT after a finished run, stdout's buffer lost; seen on an H100 with torch 2.11). So an
-// exit handler, registered at the first NCCL collective (after our statics, so it runs before their
-// destructors), aborts every NCCL group while it can and keeps a reference to each that is never
-// released: their destructors never run. (Aborted, not shut down: a shutdown waits for pending work, which
-// a failing run may have.)
-struct NcclGroupsAtExit {
-  struct Entry {
-    c10::intrusive_ptr<c10d::ProcessGroupNCCL> group;
-  };
-  std::mutex mutex;
-  std::vector<std::weak_ptr<Entry>> entries;  // alive while their group's owner holds the handle
-  static NcclGroupsAtExit& instance() {
-    static auto* registry = new NcclGroupsAtExit;  // never destroyed: the handler runs during exit
-    return *registry;
-  }
-  static void abort_all() {
-    std::fflush(nullptr);  // what the program printed reaches its pipes whatever happens next
-    auto& r = instance();
-    std::lock_guard<std::mutex> lock(r.mutex);
-    for (auto& weak : r.entries)
-      if (auto entry = weak.lock()) {
-        try {
-          entry->group->abort();
-        } catch (...) {  // exiting anyway
-        }
-        (void)c10::intrusive_ptr<c10d::ProcessGroupNCCL>(entry->group).release();  // never destroyed during exit
-      }
-    r.entries.clear();
-  }
-  // The handle registers `group` while it lives: its owner keeps it beside the group and drops it first, so a
-  // group dropped during the run is destroyed then, as usual.
-  std::shared_ptr<void> add(const c10::intrusive_ptr<c10d::ProcessGroupNCCL>& group) {
-    auto entry = std::make_shared<Entry>(Entry{group});
-    std::lock_guard<std::mutex> lock(mutex);
-    std::erase_if(entries, [](const auto& weak) { return weak.expired(); });
-    entries.emplace_back(entry);
-    return entry;
-  }
-  // At every NCCL collective (cheap after the first): registers the handler once.
-  static void arm() {
-    static std::once_flag registered;
-    std::call_once(registered, [] { std::atexit(&NcclGroupsAtExit::abort_all); });
-  }
-};
+using NcclGroupsAtExit = detail::AbortAtExit<c10d::ProcessGroupNCCL>;
 
-// `at_exit`: the group's registration with NcclGroupsAtExit (keep it beside the group; drop it first).
+// `at_exit`: the group's registration for exit (distributed/abort_at_exit.hpp; keep it beside the group, drop it first).
 inline BackendPtr make_nccl(const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout,
                             std::shared_ptr<void>& at_exit) {
   auto options = c10d::ProcessGroupNCCL::Options::create();
   options->timeout = timeout;
   auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
-#if XLR8_TORCH_AT_LEAST(2, 3)
   at_exit = NcclGroupsAtExit::instance().add(group);
-#else
-  at_exit.reset();
-#endif
   return group;
 }
 #endif
 
 // ------------------------------------------------------------------ autograd
-// Autograd nodes (Tensor::grad_fn(), Edge::function) are held by std::shared_ptr<Node> on 1.13 and by
-// c10::intrusive_ptr<Node> on newer 2.x (2.15 does).
+// Autograd nodes (Tensor::grad_fn(), Edge::function) are held by std::shared_ptr<Node> up to 2.11 at least and
+// by c10::intrusive_ptr<Node> in 2.15.
 using NodePtr = std::remove_cvref_t<decltype(std::declval<const at::Tensor&>().grad_fn())>;
 
-// grad_accumulator() returns std::shared_ptr<Node> on 1.13 and c10::intrusive_ptr<Node> on newer 2.x.
+// grad_accumulator() returns std::shared_ptr<Node> or c10::intrusive_ptr<Node>, as NodePtr above.
 using GradAccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
 
 inline GradAccumulatorPtr grad_accumulator(const at::Tensor& parameter) {
@@ -191,34 +132,12 @@ inline void at_end_of_backward(std::function<void()> callback, std::function<voi
 }
 
 // ------------------------------------------------------------------ autocast
-// 2.4 made the API device-generic (PR #124359); the old names warn at run time from then on.
-inline bool autocast_enabled(c10::DeviceType device) {
-#if XLR8_TORCH_AT_LEAST(2, 4)
-  return at::autocast::is_autocast_enabled(device);
-#else
-  return device == c10::DeviceType::CUDA ? at::autocast::is_enabled() : at::autocast::is_cpu_enabled();
-#endif
-}
-inline at::ScalarType autocast_dtype(c10::DeviceType device) {
-#if XLR8_TORCH_AT_LEAST(2, 4)
-  return at::autocast::get_autocast_dtype(device);
-#else
-  return device == c10::DeviceType::CUDA ? at::autocast::get_autocast_gpu_dtype() : at::autocast::get_autocast_cpu_dtype();
-#endif
-}
+// The device-generic API (2.4, PR #124359; the older per-device names warn at run time since).
+inline bool autocast_enabled(c10::DeviceType device) { return at::autocast::is_autocast_enabled(device); }
+inline at::ScalarType autocast_dtype(c10::DeviceType device) { return at::autocast::get_autocast_dtype(device); }
 inline void set_autocast(c10::DeviceType device, bool enabled, at::ScalarType dtype) {
-#if XLR8_TORCH_AT_LEAST(2, 4)
   at::autocast::set_autocast_enabled(device, enabled);
   at::autocast::set_autocast_dtype(device, dtype);
-#else
-  if (device == c10::DeviceType::CUDA) {
-    at::autocast::set_enabled(enabled);
-    at::autocast::set_autocast_gpu_dtype(dtype);
-  } else {
-    at::autocast::set_cpu_enabled(enabled);
-    at::autocast::set_autocast_cpu_dtype(dtype);
-  }
-#endif
 }
 inline void autocast_enter() { at::autocast::increment_nesting(); }
 inline void autocast_exit() {
@@ -226,21 +145,12 @@ inline void autocast_exit() {
 }
 
 // ------------------------------------------------------------------ optimizers
-// Optimizer::state_ is keyed by the parameter's TensorImpl: its address printed as a string before 2.2,
-// the address itself from 2.2 on (PR #108480). Subclasses that create state must use the same key.
-#if XLR8_TORCH_AT_LEAST(2, 2)
+// Optimizer::state_ is keyed by the parameter's TensorImpl address (2.2 on, PR #108480; a string before).
+// Subclasses that create state must use the same key.
 using OptimizerStateKey = void*;
 inline OptimizerStateKey optimizer_state_key(const at::Tensor& parameter) { return parameter.unsafeGetTensorImpl(); }
-#else
-using OptimizerStateKey = std::string;
-inline OptimizerStateKey optimizer_state_key(const at::Tensor& parameter) {
-  std::ostringstream address;
-  address << parameter.unsafeGetTensorImpl();
-  return address.str();
-}
-#endif
 
-// TCPStore options: identical fields on 1.13 and 2.x for what we use.
+// TCPStore options: the fields we use are the same across 2.x.
 inline StorePtr make_tcp_store(const std::string& host, int port, bool is_server, int world_size,
                                std::chrono::milliseconds timeout) {
   c10d::TCPStoreOptions opts;

@@ -22,20 +22,19 @@ using detail::guarded;
 using detail::require;
 using detail::WorkState;
 
-// Types Gloo can reduce and move on this LibTorch version.
+// Types Gloo can reduce and move (bf16 from LibTorch 2.2 on, PR #113557).
 bool gloo_native(at::ScalarType t) {
   switch (t) {
-    case at::kFloat: case at::kDouble: case at::kHalf: case at::kChar: case at::kByte: case at::kInt: case at::kLong:
+    case at::kFloat: case at::kDouble: case at::kHalf: case at::kBFloat16: case at::kChar: case at::kByte: case at::kInt:
+    case at::kLong:
       return true;
-    case at::kBFloat16:
-      return compat::kGlooReducesBFloat16;
     default:
       return false;
   }
 }
 
 // Data-moving collectives only copy bytes: move what Gloo can't type as a Gloo type of equal width
-// (Gloo 1.13 has no int16, so 2-byte types travel as float16 bit patterns, unchanged).
+// (Gloo has no int16, so 2-byte types travel as float16 bit patterns, unchanged).
 at::Tensor movable(const CommState& s, const at::Tensor& t) {
   if (s.uses_nccl(t) || gloo_native(t.scalar_type())) return t;
   switch (t.element_size()) {

@@ -72,9 +72,7 @@ auto record_object_collective(CommState& s, const std::string& op, const std::st
 
 void detail::CommState::nccl_in_use() {
 #ifdef XLR8_WITH_NCCL
-#if XLR8_TORCH_AT_LEAST(2, 3)
   compat::NcclGroupsAtExit::arm();
-#endif
 #endif
 }
 

@@ -1,54 +1,7 @@
 #include "xlr8/autocast.hpp"
 
-#include "compat/cpu_norm_autocast.hpp"
 #include "compat/torch_compat.hpp"
 
-#if XLR8_NEEDS_CPU_NORM_AUTOCAST
-#include <torch/library.h>
-
-namespace {
-
-// Under CPU autocast, a normalisation whose input is in lower precision and whose weights are not runs in
-// fp32 and returns the input's dtype: what 2.x's mixed-dtype CPU kernels do.
-bool mixed(const at::Tensor& input, const c10::optional<at::Tensor>& weight) {
-  return input.scalar_type() != at::kFloat && at::isFloatingType(input.scalar_type()) && weight &&
-         weight->defined() && weight->scalar_type() != input.scalar_type();
-}
-
-at::Tensor layer_norm(const at::Tensor& input, at::IntArrayRef shape, const c10::optional<at::Tensor>& weight,
-                      const c10::optional<at::Tensor>& bias, double eps, bool cudnn) {
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
-  if (!mixed(input, weight)) return at::layer_norm(input, shape, weight, bias, eps, cudnn);
-  return at::layer_norm(input.to(at::kFloat), shape, weight, bias, eps, cudnn).to(input.scalar_type());
-}
-
-at::Tensor group_norm(const at::Tensor& input, int64_t groups, const c10::optional<at::Tensor>& weight,
-                      const c10::optional<at::Tensor>& bias, double eps, bool cudnn) {
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
-  if (!mixed(input, weight)) return at::group_norm(input, groups, weight, bias, eps, cudnn);
-  return at::group_norm(input.to(at::kFloat), groups, weight, bias, eps, cudnn).to(input.scalar_type());
-}
-
-at::Tensor batch_norm(const at::Tensor& input, const c10::optional<at::Tensor>& weight,
-                      const c10::optional<at::Tensor>& bias, const c10::optional<at::Tensor>& running_mean,
-                      const c10::optional<at::Tensor>& running_var, bool training, double momentum, double eps,
-                      bool cudnn) {
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCPU);
-  const bool stats_differ = running_mean && running_mean->defined() && running_mean->scalar_type() != input.scalar_type();
-  if (!mixed(input, weight) && !(stats_differ && input.scalar_type() != at::kFloat))
-    return at::batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn);
-  return at::batch_norm(input.to(at::kFloat), weight, bias, running_mean, running_var, training, momentum, eps, cudnn)
-      .to(input.scalar_type());
-}
-
-TORCH_LIBRARY_IMPL(aten, AutocastCPU, m) {
-  m.impl("layer_norm", TORCH_FN(layer_norm));
-  m.impl("group_norm", TORCH_FN(group_norm));
-  m.impl("batch_norm", TORCH_FN(batch_norm));
-}
-
-}  // namespace
-#endif
 
 namespace xlr8 {
 

@@ -49,12 +49,8 @@ void release(void* data) {
 class CountingAllocator final : public c10::Allocator {
  public:
   explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
-#if XLR8_TORCH_AT_LEAST(2, 3)
   c10::DataPtr allocate(size_t n) override { return wrap(inner_->allocate(n), n); }
   void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
-#else
-  c10::DataPtr allocate(size_t n) const override { return wrap(inner_->allocate(n), n); }
-#endif
   c10::DeleterFnPtr raw_deleter() const override { return &release; }
 
  private:

@@ -315,18 +315,20 @@ TEST(Launcher, AnUncaughtExceptionReachesTheLauncherThroughTheWorkersErrorFile) 
 }
 
 TEST(Launcher, ErrorFilesAreTorchelasticsOwnBothWays) {
-  // The real torch (Debian's python3-torch): a Python worker under @record writes the file xlr8 launch reads,
-  // and torchelastic's own ProcessFailure reads the file an xlr8 worker writes.
+  // The real torch (the wheel whose LibTorch the build uses): a Python worker under @record writes the file
+  // xlr8 launch reads, and torchelastic's own ProcessFailure reads the file an xlr8 worker writes.
+  const std::string python = TORCH_PYTHON;
+  if (python.empty() || python == "OFF") GTEST_SKIP() << "built without XLR8_PYTHON: no Python torch to run";
   auto dir = temp_dir("torch-error-file");
   std::ofstream(dir + "/worker.py") << "from torch.distributed.elastic.multiprocessing.errors import record\n"
                                        "@record\ndef main():\n    raise ValueError(\"bad key 'lr': give a number\")\nmain()\n";
-  auto from_torch = run({kXlr8, "launch", "--num_processes", "1", "--log_dir", dir + "/py", "/usr/bin/python3", dir + "/worker.py"}, 120);
+  auto from_torch = run({kXlr8, "launch", "--num_processes", "1", "--log_dir", dir + "/py", python, dir + "/worker.py"}, 120);
   EXPECT_NE(from_torch.err.find("xlr8 launch: rank 0's error: ValueError: bad key 'lr': give a number\nxlr8 launch: "
                                 "(recorded in its error file " + dir + "/py/attempt_0/0/error.json)"),
             std::string::npos)
       << from_torch.err;
   run(launch({"--num_processes", "2", "--log_dir", dir + "/ours"}, {"throw-uncaught", "1"}), 60);
-  auto by_torch = run({"/usr/bin/python3", "-c",
+  auto by_torch = run({python, "-c",
                        "from torch.distributed.elastic.multiprocessing.errors import ProcessFailure\n"
                        "f = ProcessFailure(local_rank=1, pid=1, exitcode=134, error_file='" + dir +
                            "/ours/attempt_0/1/error.json')\n"

@@ -121,8 +121,8 @@ TEST(ShardedOracle, Bf16UnderEveryStageStaysWithinTheBf16Tolerance) {
 }
 
 TEST(ShardedOracle, ALinearFeedingALayerNormTrainsInBf16UnderDdpAndFullShard) {
-  // LibTorch 1.13's CPU autocast left layer_norm out: a bf16 Linear output into fp32 norm weights failed
-  // on every strategy, one process included.
+  // A bf16 Linear output into fp32 norm weights (LibTorch 1.x's CPU autocast failed it on every strategy,
+  // one process included).
   auto one = worker_run(1, {}, 8, {"--steps", "8", "--precision", "bf16", "--norm"});
   auto fp32 = worker_run(1, {}, 8, {"--steps", "8", "--norm"});
   EXPECT_NE(one.losses, fp32.losses);  // bf16 really ran

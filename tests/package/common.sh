@@ -21,3 +21,8 @@ build_and_run_downstream() {
   [ "$(grep -c 'downstream rank [01] of 2' <<<"$out")" = 2 ] || { echo "FAIL: expected 2 ranks"; exit 1; }
   [ "$(grep -o 'checksum [-0-9.]*' <<<"$out" | sort -u | wc -l)" = 1 ] || { echo "FAIL: ranks differ"; exit 1; }
 }
+
+# The TorchConfig directory a build found (its cache names it), and the libtorch.so beside it.
+#   torch_config_dir_of_build BUILD_DIR; torch_library_of_build BUILD_DIR
+torch_config_dir_of_build() { grep '^Torch_DIR:' "$1/CMakeCache.txt" | cut -d= -f2-; }
+torch_library_of_build() { readlink -f "$(torch_config_dir_of_build "$1")/../../../lib/libtorch.so"; }

@@ -22,9 +22,22 @@ deb=$(ls "$tmp"/pkg/xlr8_*_"$(dpkg --print-architecture)".deb)
 echo "package: $(basename "$deb")"
 depends=$(dpkg-deb -f "$deb" Depends)
 echo "Depends: $depends"
-for p in libtorch-dev libgloo-dev libyaml-cpp-dev nlohmann-json3-dev libfmt-dev zlib1g-dev libc6 libstdc++6; do
+for p in libgloo-dev libyaml-cpp-dev nlohmann-json3-dev libfmt-dev zlib1g-dev libc6 libstdc++6; do
   grep -qw "$p" <<<"$depends" || { echo "FAIL: Depends lacks $p"; exit 1; }
 done
+# LibTorch: Debian's is a dependency; a wheel's (the default build's) is no Debian package, so the package
+# must not claim one and names it in its description instead.
+torch_lib=$(torch_library_of_build "$build")
+description=$(dpkg-deb -f "$deb" Description)
+echo "Description: $description"
+if dpkg -S "$torch_lib" >/dev/null 2>&1; then
+  grep -qw libtorch-dev <<<"$depends" || { echo "FAIL: built against Debian's LibTorch; Depends lacks libtorch-dev"; exit 1; }
+else
+  ! grep -qw libtorch-dev <<<"$depends" || { echo "FAIL: Depends names libtorch-dev, but $torch_lib is no Debian package's"; exit 1; }
+  version=$(sed -n 's/^set(PACKAGE_VERSION "\(.*\)")$/\1/p' "$(torch_config_dir_of_build "$build")/TorchConfigVersion.cmake")
+  grep -q "LibTorch $version from $(dirname "$(dirname "$torch_lib")")" <<<"$description" ||
+    { echo "FAIL: the description does not name LibTorch $version and where it is"; exit 1; }
+fi
 contents=$(dpkg-deb -c "$deb")
 for f in ./usr/bin/xlr8 ./usr/libexec/xlr8/xlr8-full ./usr/include/xlr8/accelerator.hpp ./usr/lib/cmake/xlr8/xlr8Config.cmake \
          ./usr/lib/cmake/xlr8/xlr8Targets.cmake; do

@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "compat/torch_compat.hpp"
+#include "distributed/abort_at_exit.hpp"
 #include "thread_ranks.hpp"
 #include "xlr8/device_mesh.hpp"
 #include "xlr8/error.hpp"
@@ -147,4 +148,59 @@ TEST(ConfigureEnvironment, SetsTheLauncherVariablesAndRefusesLateStrategyChanges
     EXPECT_NE(m.find("before"), std::string::npos) << m;
   }
   EXPECT_NO_THROW(configure_environment(state.settings(), single));  // same settings: fine
+}
+
+// ------------------------------------------------------------------ groups aborted at exit
+// The NCCL exit handler's logic (distributed/abort_at_exit.hpp) over a group type that needs no GPU: it
+// counts abort() and its own destruction.
+namespace {
+struct CountingGroup : c10::intrusive_ptr_target {
+  static inline int aborted = 0;
+  static inline int destroyed = 0;
+  void abort() { ++aborted; }
+  ~CountingGroup() override { ++destroyed; }
+};
+using CountingAtExit = xlr8::detail::AbortAtExit<CountingGroup>;
+}  // namespace
+
+TEST(AbortAtExit, AbortsTheGroupsStillHeldAndNeverDestroysThem) {
+  const int aborted = CountingGroup::aborted, destroyed = CountingGroup::destroyed;
+  auto kept = c10::make_intrusive<CountingGroup>();
+  auto dropped = c10::make_intrusive<CountingGroup>();
+  auto kept_handle = CountingAtExit::instance().add(kept);
+  auto dropped_handle = CountingAtExit::instance().add(dropped);
+  // Dropped during the run (handle first, then the group): destroyed then, as any group, and not aborted later.
+  dropped_handle.reset();
+  dropped.reset();
+  EXPECT_EQ(CountingGroup::destroyed, destroyed + 1);
+  CountingAtExit::abort_all();
+  EXPECT_EQ(CountingGroup::aborted, aborted + 1);
+  // Its owner's statics go on being destroyed after the handler: the group outlives them.
+  kept_handle.reset();
+  kept.reset();
+  EXPECT_EQ(CountingGroup::destroyed, destroyed + 1);
+  CountingAtExit::abort_all();  // nothing left registered
+  EXPECT_EQ(CountingGroup::aborted, aborted + 1);
+}
+
+TEST(AbortAtExitDeathTest, RunsAtExitBeforeTheStaticsThatOwnTheGroups) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        struct Owner {  // as the process state's statics hold their groups
+          c10::intrusive_ptr<CountingGroup> group = c10::make_intrusive<CountingGroup>();
+          std::shared_ptr<void> handle = CountingAtExit::instance().add(group);
+          ~Owner() {
+            handle.reset();
+            group.reset();
+            std::fprintf(stderr, "owner gone: aborted %d, destroyed %d\n", CountingGroup::aborted,
+                         CountingGroup::destroyed);
+          }
+        };
+        static Owner owner;
+        CountingAtExit::arm();  // at the first collective: after the owner was built
+        CountingAtExit::arm();  // once only
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "owner gone: aborted 1, destroyed 0\n");
 }

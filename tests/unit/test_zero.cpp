@@ -368,8 +368,8 @@ TEST(Zero, OnAMeshHybridShardingShardsOverDpShardTimesCpAndWithoutThemIsRefused)
 TEST(Zero, Bf16ParametersWithFp32MasterShardsStayCloseToOneRankUnderAutocast) {
   // FSDP's MixedPrecision: parameters gathered and computed in bf16, the optimizer on fp32 shards,
   // gradients reduced in bf16 (default) or fp32. The reference is the same precision policy on one
-  // rank (LibTorch 1.13's CPU autocast cannot run this model's LayerNorms with fp32 weights on a bf16
-  // stream); splitting the batch changes the bf16 rounding of the gradients, hence the bf16 tolerance.
+  // rank (not an fp32 run: bf16 computes differently); splitting the batch changes the bf16 rounding of the
+  // gradients, hence the bf16 tolerance.
   TrainRun expected;
   run_ranks(1, [&](Communicator& comm) {
     auto options = stage_options(3);
