@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "compat/torch_flight_recorder.hpp"
 #include "core/flight_recorder.hpp"
 #include "distributed/comm_state.hpp"
 #include "xlr8/error.hpp"
@@ -13,12 +14,18 @@ using detail::CommState;
 using detail::guarded;
 using detail::require;
 
+namespace {
+// At start-up, before any thread or process group exists (the setenv); make_communicator repeats the call.
+[[maybe_unused]] const bool torch_flight_recorder_checked = (compat::avoid_torch_flight_recorder_race(), true);
+}  // namespace
+
 // Object collectives go through the store: no device tensors, any backend, store-enforced timeouts.
 namespace {
 
-// Every value carries one leading byte: LibTorch 1.13's TCPStore server sends a value's length corked
+// Every value carries one leading byte: LibTorch 1.13's TCPStore server sent a value's length corked
 // (MSG_MORE) and then its bytes, so an empty value (an empty payload: report()'s "no error", say) left the
-// length corked until the kernel's 200 ms limit, on every such read.
+// length corked until the kernel's 200 ms limit, on every such read. 1.x is no longer built; the byte stays (it
+// also tells an object collective's value from anything else under the key).
 constexpr char kValueMark = '=';
 
 std::string store_get(const CommState& s, const std::string& key, const std::string& desc) {
@@ -138,6 +145,7 @@ Communicator detail::make_communicator(compat::StorePtr store, int rank, int siz
   s->identity = name;
   s->master_addr = master_addr;
   s->timeout = timeout;
+  compat::avoid_torch_flight_recorder_race();
   auto desc = fmt::format("creating process group '{}' (rank {} of {})", name, rank, size);
   s->gloo = guarded(*s, desc + " with gloo", [&] {
     return compat::make_gloo(c10::make_intrusive<c10d::PrefixStore>("gloo", store), rank, size, timeout, master_addr);
