@@ -83,7 +83,7 @@ void FlightRecorder::completed(uint64_t id, bool ok) {
 
 void FlightRecorder::failed(uint64_t id, bool timed_out, const std::string& what) {
   completed(id, false);
-  if (timed_out) dump("timed out in " + what);
+  dump((timed_out ? "timed out in " : "failed in ") + what);
 }
 
 std::string FlightRecorder::heartbeat_file(const std::string& trace_dir, int pid) {

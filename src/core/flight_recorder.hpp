@@ -23,8 +23,9 @@ class FlightRecorder {
   // Returns the entry's id for completed(); 0 when the recorder is off.
   uint64_t enqueued(const std::string& group, uint64_t sequence, const std::string& description);
   void completed(uint64_t id, bool ok);
-  // The collective `what` ended in an exception; a timeout also writes the dump (this rank's part of the
-  // picture the launcher puts together).
+  // The collective `what` ended in an exception, and the dump is written (this rank's part of the picture the
+  // launcher puts together): on a timeout, and on any other failure (a peer that exited first), or this rank's
+  // part was lost whenever its peer's timeout fired a moment before its own.
   void failed(uint64_t id, bool timed_out, const std::string& what);
   nlohmann::json to_json() const;
   // Writes the buffer to $XLR8_TRACE_DIR/rank<RANK>.json (nothing when unset); `reason` says why. Never throws.

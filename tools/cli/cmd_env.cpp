@@ -1,4 +1,5 @@
 // `xlr8 env`: what a bug report needs: versions, BLAS actually loaded, backends, cores, GPUs, config.
+#include <ATen/Version.h>
 #include <fmt/format.h>
 
 #include <filesystem>
@@ -13,7 +14,8 @@
 namespace xlr8::cli {
 namespace {
 
-// The BLAS libraries mapped into this process after a matmul: the one that really runs.
+// The CPU BLAS that runs a CPU matmul: a library mapped after one (a Debian LibTorch's OpenBLAS), else the one
+// built into LibTorch (the wheels link MKL statically; their cuBLAS is mapped too, but it is the GPUs').
 std::string loaded_blas() {
   auto a = at::ones({64, 64});
   (void)at::mm(a, a);
@@ -25,12 +27,17 @@ std::string loaded_blas() {
     if (slash == std::string::npos) continue;
     std::string path = line.substr(slash);
     std::string name = std::filesystem::path(path).filename();
-    if (name.find("blas") != std::string::npos || name.find("mkl") != std::string::npos)
+    if ((name.find("blas") != std::string::npos || name.find("mkl") != std::string::npos) &&
+        name.find("cublas") == std::string::npos)
       libs.insert(std::filesystem::canonical(path).string());
   }
   std::string out;
   for (auto& l : libs) out += (out.empty() ? "" : ", ") + l;
-  return out.empty() ? "none found" : out;
+  if (!out.empty()) return out;
+  const std::string config = at::show_config();
+  auto info = config.find("BLAS_INFO=");
+  if (info == std::string::npos) return "none found";
+  return "built into LibTorch (" + config.substr(info, config.find_first_of(",\n", info) - info) + ")";
 }
 
 }  // namespace
