@@ -16,6 +16,7 @@
 
 #include "checkpoint/hf_export.hpp"
 #include "cli/advise_candidates.hpp"
+#include "cli/advise_measure.hpp"
 #include "cli/commands.hpp"
 #include "cli/machine_channel.hpp"
 #include "cli/memory_formulas.hpp"
@@ -25,11 +26,12 @@
 #include "xlr8/launcher.hpp"
 
 namespace fs = std::filesystem;
-using Clock = std::chrono::steady_clock;
 
 namespace xlr8::cli {
 
 namespace {
+
+using namespace advise_runs;
 
 struct AdviseOptions {
   std::string max_memory;  // per rank; default: this machine's available memory / processes
@@ -40,89 +42,6 @@ struct AdviseOptions {
   std::vector<std::string> only;  // --try: these candidates alone
   std::string output;
 };
-
-double available_memory_bytes() {
-  std::ifstream meminfo("/proc/meminfo");
-  for (std::string line; std::getline(meminfo, line);)
-    if (line.rfind("MemAvailable:", 0) == 0) return std::stod(line.substr(13)) * 1024;
-  return 0;
-}
-
-// A JSON file a run wrote (files::write_durably renames it into place); nullopt while it is not there.
-std::optional<nlohmann::json> read_json(const fs::path& file) {
-  std::ifstream in(file);
-  if (!in) return std::nullopt;
-  try {
-    return nlohmann::json::parse(in);
-  } catch (const std::exception&) {
-    return std::nullopt;
-  }
-}
-
-// What one launch of a candidate is asked for. The run stops once every rank is done, at the deadline, or
-// when `stop_early` says why (it is polled while the workers run).
-struct Measurement {
-  int warmup = 0, steps = 0;
-  double min_seconds = 0, cut_below = 0;  // cut_below: samples/s
-  Clock::time_point deadline;
-  std::function<std::string()> stop_early;
-};
-
-// Runs `o` with the recorder on; the result file rank 0 wrote (none when stopped before).
-std::optional<nlohmann::json> measure(LaunchOptions o, const fs::path& dir, const Measurement& m, std::string& failure) {
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  o.extra_env["XLR8_ADVISE_DIR"] = dir.string();
-  o.extra_env["XLR8_ADVISE_WARMUP"] = std::to_string(m.warmup);
-  o.extra_env["XLR8_ADVISE_STEPS"] = std::to_string(m.steps);
-  o.extra_env["XLR8_ADVISE_MIN_SECONDS"] = fmt::format("{}", m.min_seconds);
-  o.extra_env["XLR8_ADVISE_CUT_BELOW"] = fmt::format("{}", m.cut_below);
-  const int ranks = o.nproc_per_node;  // this machine's: each writes done.<local rank>
-  o.stop_check = [dir, ranks, &m]() -> std::string {
-    if (Clock::now() > m.deadline) return "out of time (--budget_s)";
-    if (every_rank_done(dir, ranks)) return "every rank measured its steps";
-    return m.stop_early ? m.stop_early() : "";
-  };
-  const auto outcome = launch_with_outcome(o);
-  if (outcome.interrupted_by) throw Error(fmt::format("interrupted (signal {})", outcome.interrupted_by));
-  failure = outcome.exit_code == 0 ? ""
-            : outcome.failure && !(outcome.failure->error_message.empty() && outcome.failure->headline.empty())
-                ? (outcome.failure->error_message.empty() ? outcome.failure->headline : outcome.failure->error_message)
-                : fmt::format("exit code {}", outcome.exit_code);
-  return read_json(dir / "result.json");
-}
-
-// What the first candidate's run tells about the model.
-struct ModelFacts {
-  double parameters = 0;
-  nlohmann::json tensor_parallel = nlohmann::json::object();  // by tp size: {"sliced": N}, or {"error": why}
-  std::optional<bool> attention;  // a forward went through xlr8::attention (known once a run measured steps)
-};
-
-ModelFacts facts_of(const nlohmann::json& probe) {
-  return {.parameters = probe["parameters"], .tensor_parallel = probe["tensor_parallel"]};
-}
-
-// Training state per rank by the formulas; tensor parallelism divides the parameters AutoTP slices.
-double predicted_bytes(const Candidate& c, const ModelFacts& m, int n) {
-  double psi = m.parameters;
-  if (const auto tp = std::to_string(c.tp); c.tp > 1 && m.tensor_parallel.contains(tp)) {
-    const double sliced = m.tensor_parallel[tp]["sliced"];
-    psi += sliced / c.tp - sliced;
-  }
-  return per_rank(c.formula, dtype_bytes("fp32"), psi, c.formula_ranks > 0 ? c.formula_ranks : n);
-}
-
-// Why the model cannot take the candidate's mesh, or "".
-std::string unmet_need(const Candidate& c, const ModelFacts& m) {
-  if (c.tp > 1 && !m.tensor_parallel.contains(std::to_string(c.tp)))
-    return m.tensor_parallel.contains("error")
-               ? fmt::format("not tried: {}", text::first_line(m.tensor_parallel["error"].get<std::string>()))
-               : fmt::format("not tried: tp {} does not divide the processes", c.tp);
-  if (c.needs_attention && m.attention == false)
-    return "not tried: the model's attention does not call xlr8::attention, which context and sequence parallelism need";
-  return "";
-}
 
 // A bound from one run allows the others of its kind this much less arithmetic time: its communication may have
 // slowed the arithmetic it overlapped (on a CPU, copies and reductions share the cores).
@@ -193,28 +112,8 @@ class Advisor {
       if (!facts_) last_failure_ = row.verdict;
       return row;
     }
-    if (c.fsdp.count("fsdp_activation_checkpointing") && planned.settings.fsdp &&
-        planned.settings.fsdp->auto_wrap_policy == "NO_WRAP") {
-      row.verdict = "not tried: activation checkpointing recomputes the units of a wrap policy; give "
-                    "--fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap <block class>";
-      return row;
-    }
-    if (const auto base = without_recompute(changed); base && ran_.count(launch_key(*base))) {
-      row.verdict = fmt::format("not tried: {} ran without it; recomputing adds time and changes no training state",
-                                ran_.at(launch_key(*base)));
-      return row;
-    }
+    if (!(row.verdict = not_tried(c, changed, planned)).empty()) return row;
     const MixedPrecision precision = planned.settings.mixed_precision;
-    if (const Bound* bound = bound_of(changed, precision); bound && bound->throughput < a_.cut_below * best_) {
-      row.verdict = fmt::format("not tried: at most {:.1f} {} (the forward and backward of {}, measured without its "
-                                "communication and optimizer steps) is below {:.2f}x the best",
-                                bound->throughput, bound->unit, bound->from, a_.cut_below);
-      return row;
-    }
-    if (Clock::now() > deadline_) {
-      row.verdict = "not tried: out of --budget_s";
-      return row;
-    }
     fmt::print(stderr, "xlr8 advise: {}: {} warm-up + {} timed steps{}\n", c.name, a_.warmup, a_.steps,
                facts_ ? "" : " (its prepare() measures the model)");
     const fs::path dir = work_ / fmt::format("c{}", runs_++);
@@ -262,30 +161,55 @@ class Advisor {
                                              : fmt::format("failed: {}", failure);
       return row;
     }
-    row.ran = true;
-    ran_.emplace(launch_key(changed), c.name);
-    const double seconds = std::max((*result)["seconds"].get<double>(), 1e-9);
-    const double samples = (*result)["samples_per_step"];
-    const double steps = (*result)["steps"];
-    row.throughput = (samples > 0 ? samples : 1.0) * steps / seconds;
-    row.unit = samples > 0 ? "samples/s" : "steps/s";
-    row.measured = (*result)["static_bytes"];
-    row.peak_rss = (*result)["peak_rss"];
-    row.peak_tensors = (*result)["peak_tensor_bytes"];
-    excess_.emplace(kind, row.peak_tensors - row.measured);  // the first run of its kind calibrates the others
-    if (const double compute = result->value("compute_seconds", 0.0); compute > 0) {
-      auto& bound = bounds_[compute_kind(changed, precision)];
-      const double most = row.throughput * seconds / (kComputeMargin * compute);
-      if (most > bound.throughput) bound = {most, row.unit, c.name};
-    }
-    row.cut = (*result)["cut"];
-    if (row.measured > limit_) row.verdict = "exceeds the memory per rank (measured)";
-    else if (row.cut) row.verdict = fmt::format("slower: stopped after {:.0f} step(s) below {:.2f}x the best", steps, a_.cut_below);
-    else row.verdict = "fits", best_ = std::max(best_, row.throughput);
+    record(row, *result, changed, precision);
     return row;
   }
 
  private:
+  // Why a candidate that plans is not run, or "": what a run of it could not tell, or could not win.
+  std::string not_tried(const Candidate& c, const LaunchRequest& changed, const LaunchOptions& planned) const {
+    if (c.fsdp.count("fsdp_activation_checkpointing") && planned.settings.fsdp &&
+        planned.settings.fsdp->auto_wrap_policy == "NO_WRAP")
+      return "not tried: activation checkpointing recomputes the units of a wrap policy; give "
+             "--fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP --fsdp_transformer_layer_cls_to_wrap <block class>";
+    if (const auto base = without_recompute(changed); base && ran_.count(launch_key(*base)))
+      return fmt::format("not tried: {} ran without it; recomputing adds time and changes no training state",
+                         ran_.at(launch_key(*base)));
+    const Bound* bound = bound_of(changed, planned.settings.mixed_precision);
+    if (bound && bound->throughput < a_.cut_below * best_)
+      return fmt::format("not tried: at most {:.1f} {} (the forward and backward of {}, measured without its "
+                         "communication and optimizer steps) is below {:.2f}x the best",
+                         bound->throughput, bound->unit, bound->from, a_.cut_below);
+    if (Clock::now() > deadline_) return "not tried: out of --budget_s";
+    return "";
+  }
+
+  // A run that measured its steps: its throughput and memory, the calibrations it gives the others, its verdict.
+  void record(Row& row, const nlohmann::json& result, const LaunchRequest& changed, MixedPrecision precision) {
+    const Candidate& c = *row.candidate;
+    const std::string kind = activation_kind(changed);
+    row.ran = true;
+    ran_.emplace(launch_key(changed), c.name);
+    const double seconds = std::max(result["seconds"].get<double>(), 1e-9);
+    const double samples = result["samples_per_step"];
+    const double steps = result["steps"];
+    row.throughput = (samples > 0 ? samples : 1.0) * steps / seconds;
+    row.unit = samples > 0 ? "samples/s" : "steps/s";
+    row.measured = result["static_bytes"];
+    row.peak_rss = result["peak_rss"];
+    row.peak_tensors = result["peak_tensor_bytes"];
+    excess_.emplace(kind, row.peak_tensors - row.measured);  // the first run of its kind calibrates the others
+    if (const double compute = result.value("compute_seconds", 0.0); compute > 0) {
+      auto& bound = bounds_[compute_kind(changed, precision)];
+      const double most = row.throughput * seconds / (kComputeMargin * compute);
+      if (most > bound.throughput) bound = {most, row.unit, c.name};
+    }
+    row.cut = result["cut"];
+    if (row.measured > limit_) row.verdict = "exceeds the memory per rank (measured)";
+    else if (row.cut) row.verdict = fmt::format("slower: stopped after {:.0f} step(s) below {:.2f}x the best", steps, a_.cut_below);
+    else row.verdict = "fits", best_ = std::max(best_, row.throughput);
+  }
+
   Row& cannot_fit(Row& row) {
     row.verdict = fmt::format("cannot fit: needs {} per rank for parameters, gradients and AdamW state", human(row.predicted));
     return row;
