@@ -58,20 +58,90 @@ Model model_of_gpt(int64_t layers, int64_t d, int64_t heads, int64_t vocab, int6
   return m;
 }
 
+struct EstimateArgs {
+  double params = 0;
+  std::string model;
+  int64_t n_layer = 0, d_model = 0, n_head = 0, vocab_size = 256, seq_len = 0, batch_size = 1;
+  bool untied_head = false, json = false;
+  int num_processes = 1;
+  std::vector<std::string> dtypes{"float32", "bfloat16"};
+  std::vector<std::string> strategies{"ddp", "zero1", "zero2", "zero3"};
+};
+
+// The model the flags describe (exactly one of --params, --model, the GPT shape), its flags checked.
+Model model_of_args(const EstimateArgs& a) {
+  if (a.params < 0) throw ConfigError(fmt::format("--params {} must be a number of parameters above 0", a.params));
+  const int given = (a.params > 0) + !a.model.empty() + (a.n_layer > 0 || a.d_model > 0);
+  if (given != 1)
+    throw ConfigError("estimate-memory: give exactly one of --params N, --model FILE, or the GPT shape "
+                      "(--n_layer, --d_model, --n_head, --seq_len)");
+  if (a.num_processes < 1)
+    throw ConfigError(fmt::format("--num_processes {} must be 1 or more", a.num_processes));
+  if (a.batch_size < 1) throw ConfigError(fmt::format("--batch_size {} must be 1 or more", a.batch_size));
+  Model m;
+  if (a.params > 0) m.parameters = a.params;
+  else if (!a.model.empty()) m = model_of_file(a.model);
+  else {
+    if (a.n_layer < 1 || a.d_model < 1 || a.n_head < 1 || a.seq_len < 1 || a.vocab_size < 1)
+      throw ConfigError(fmt::format("estimate-memory: the GPT shape needs --n_layer, --d_model, --n_head and "
+                                    "--seq_len, all 1 or more (got {}, {}, {}, {})",
+                                    a.n_layer, a.d_model, a.n_head, a.seq_len));
+    if (a.d_model % a.n_head != 0)
+      throw ConfigError(fmt::format("--d_model {} is not a multiple of --n_head {}", a.d_model, a.n_head));
+    m = model_of_gpt(a.n_layer, a.d_model, a.n_head, a.vocab_size, a.seq_len, a.untied_head);
+  }
+  if (!(m.parameters > 0)) throw ConfigError(fmt::format("--params {} must be above 0", m.parameters));
+  return m;
+}
+
+// Bytes per rank by dtype and strategy, with the activations when the shape is known.
+nlohmann::json estimate(const EstimateArgs& a, const Model& m) {
+  nlohmann::json out{{"parameters", m.parameters}, {"num_processes", a.num_processes}, {"rows", nlohmann::json::array()}};
+  if (m.largest_layer > 0) out["largest_layer"] = {{"name", m.largest_name}, {"parameters", m.largest_layer}};
+  for (const auto& text : a.dtypes) {
+    const auto d = dtype_bytes(text);
+    nlohmann::json row{{"dtype", d.name},
+                       {"total_size_bytes", d.param * m.parameters},
+                       {"training_bytes_per_rank", nlohmann::json::object()}};
+    if (m.largest_layer > 0) row["largest_layer_bytes"] = d.param * m.largest_layer;
+    for (const auto& s : a.strategies) row["training_bytes_per_rank"][s] = per_rank(s, d, m.parameters, a.num_processes);
+    if (m.has_shape) {
+      const double s = static_cast<double>(a.seq_len), b = static_cast<double>(a.batch_size);
+      const double h = static_cast<double>(m.d_model), heads = static_cast<double>(m.n_head);
+      const double scale = d.activation / 2;  // the formula counts 2-byte activations
+      const double layer = s * b * h * (34 + 5 * heads * s / h) * scale;
+      row["activation_bytes"] = m.n_layer * layer;
+      row["activation_bytes_checkpointed"] = m.n_layer * s * b * h * d.activation + layer;
+    }
+    out["rows"].push_back(row);
+  }
+  return out;
+}
+
+void print_estimate(const EstimateArgs& a, const Model& m, const nlohmann::json& out) {
+  fmt::print("Memory to train a model of {:.4g} parameters with Adam on {} rank(s)", m.parameters, a.num_processes);
+  if (m.largest_layer > 0) fmt::print(" (largest layer: {}, {:.4g} parameters)", m.largest_name, m.largest_layer);
+  fmt::print("\n\n{:<10} {:>12} {:>14}", "dtype", "total size", "largest layer");
+  for (const auto& s : a.strategies) fmt::print(" {:>12}", s);
+  if (m.has_shape) fmt::print(" {:>12} {:>12}", "activations", "act. ckpt");
+  fmt::print("\n");
+  for (const auto& row : out["rows"]) {
+    fmt::print("{:<10} {:>12} {:>14}", row["dtype"].get<std::string>(), human(row["total_size_bytes"]),
+               row.contains("largest_layer_bytes") ? human(row["largest_layer_bytes"]) : "-");
+    for (const auto& s : a.strategies) fmt::print(" {:>12}", human(row["training_bytes_per_rank"][s]));
+    if (m.has_shape) fmt::print(" {:>12} {:>12}", human(row["activation_bytes"]), human(row["activation_bytes_checkpointed"]));
+    fmt::print("\n");
+  }
+  fmt::print("\nPer rank: parameters, gradients and Adam state (fp32 master weights in bf16/fp16); add the "
+             "activations{} and framework overhead.\n",
+             m.has_shape ? fmt::format(" (batch {} x sequence {})", a.batch_size, a.seq_len) : "");
+}
+
 }  // namespace
 
 Handler add_estimate_memory(CLI::App& app) {
   auto* cmd = app.add_subcommand("estimate-memory",
                                  "Estimate the memory of training a model per rank, by dtype and strategy (Adam)");
-  struct Args {
-    double params = 0;
-    std::string model;
-    int64_t n_layer = 0, d_model = 0, n_head = 0, vocab_size = 256, seq_len = 0, batch_size = 1;
-    bool untied_head = false, json = false;
-    int num_processes = 1;
-    std::vector<std::string> dtypes{"float32", "bfloat16"};
-    std::vector<std::string> strategies{"ddp", "zero1", "zero2", "zero3"};
-  };
   cmd->footer(
       "Training bytes per rank with Adam (reference: the ZeRO paper's formulas), Ψ parameters on N ranks:\n"
       "  float32: p = g = 4, K = 8 (moments); bfloat16/float16 (mixed): p = g = 2, K = 12 (fp32 master + moments)\n"
@@ -79,7 +149,7 @@ Handler add_estimate_memory(CLI::App& app) {
       "Activations of L layers, hidden h, a heads, sequence s, batch b: L·s·b·h·(34 + 5·a·s/h) bytes with\n"
       "2-byte activations (twice in float32); with full activation checkpointing each layer keeps its input\n"
       "(s·b·h values) and one layer's activations are recomputed at a time.");
-  auto a = std::make_shared<Args>();
+  auto a = std::make_shared<EstimateArgs>();
   cmd->add_option("--params", a->params, "Number of parameters, such as 7e9");
   cmd->add_option("--model", a->model, "A safetensors file, a model.safetensors.index.json, or a directory with one");
   cmd->add_option("--n_layer", a->n_layer, "GPT shape: layers (with --d_model, --n_head; activations need it)");
@@ -94,66 +164,10 @@ Handler add_estimate_memory(CLI::App& app) {
   cmd->add_option("--strategies", a->strategies, "Any of ddp zero1 zero2 zero3 (default all)");
   cmd->add_flag("--json", a->json, "One JSON object instead of the tables");
   return [a]() {
-    if (a->params < 0) throw ConfigError(fmt::format("--params {} must be a number of parameters above 0", a->params));
-    const int given = (a->params > 0) + !a->model.empty() + (a->n_layer > 0 || a->d_model > 0);
-    if (given != 1)
-      throw ConfigError("estimate-memory: give exactly one of --params N, --model FILE, or the GPT shape "
-                        "(--n_layer, --d_model, --n_head, --seq_len)");
-    if (a->num_processes < 1)
-      throw ConfigError(fmt::format("--num_processes {} must be 1 or more", a->num_processes));
-    if (a->batch_size < 1) throw ConfigError(fmt::format("--batch_size {} must be 1 or more", a->batch_size));
-    Model m;
-    if (a->params > 0) m.parameters = a->params;
-    else if (!a->model.empty()) m = model_of_file(a->model);
-    else {
-      if (a->n_layer < 1 || a->d_model < 1 || a->n_head < 1 || a->seq_len < 1 || a->vocab_size < 1)
-        throw ConfigError(fmt::format("estimate-memory: the GPT shape needs --n_layer, --d_model, --n_head and "
-                                      "--seq_len, all 1 or more (got {}, {}, {}, {})",
-                                      a->n_layer, a->d_model, a->n_head, a->seq_len));
-      if (a->d_model % a->n_head != 0)
-        throw ConfigError(fmt::format("--d_model {} is not a multiple of --n_head {}", a->d_model, a->n_head));
-      m = model_of_gpt(a->n_layer, a->d_model, a->n_head, a->vocab_size, a->seq_len, a->untied_head);
-    }
-    if (!(m.parameters > 0)) throw ConfigError(fmt::format("--params {} must be above 0", m.parameters));
-    nlohmann::json out{{"parameters", m.parameters}, {"num_processes", a->num_processes}, {"rows", nlohmann::json::array()}};
-    if (m.largest_layer > 0) out["largest_layer"] = {{"name", m.largest_name}, {"parameters", m.largest_layer}};
-    for (const auto& text : a->dtypes) {
-      const auto d = dtype_bytes(text);
-      nlohmann::json row{{"dtype", d.name},
-                         {"total_size_bytes", d.param * m.parameters},
-                         {"training_bytes_per_rank", nlohmann::json::object()}};
-      if (m.largest_layer > 0) row["largest_layer_bytes"] = d.param * m.largest_layer;
-      for (const auto& s : a->strategies) row["training_bytes_per_rank"][s] = per_rank(s, d, m.parameters, a->num_processes);
-      if (m.has_shape) {
-        const double s = static_cast<double>(a->seq_len), b = static_cast<double>(a->batch_size);
-        const double h = static_cast<double>(m.d_model), heads = static_cast<double>(m.n_head);
-        const double scale = d.activation / 2;  // the formula counts 2-byte activations
-        const double layer = s * b * h * (34 + 5 * heads * s / h) * scale;
-        row["activation_bytes"] = m.n_layer * layer;
-        row["activation_bytes_checkpointed"] = m.n_layer * s * b * h * d.activation + layer;
-      }
-      out["rows"].push_back(row);
-    }
-    if (a->json) {
-      fmt::print("{}\n", out.dump());
-      return 0;
-    }
-    fmt::print("Memory to train a model of {:.4g} parameters with Adam on {} rank(s)", m.parameters, a->num_processes);
-    if (m.largest_layer > 0) fmt::print(" (largest layer: {}, {:.4g} parameters)", m.largest_name, m.largest_layer);
-    fmt::print("\n\n{:<10} {:>12} {:>14}", "dtype", "total size", "largest layer");
-    for (const auto& s : a->strategies) fmt::print(" {:>12}", s);
-    if (m.has_shape) fmt::print(" {:>12} {:>12}", "activations", "act. ckpt");
-    fmt::print("\n");
-    for (const auto& row : out["rows"]) {
-      fmt::print("{:<10} {:>12} {:>14}", row["dtype"].get<std::string>(), human(row["total_size_bytes"]),
-                 row.contains("largest_layer_bytes") ? human(row["largest_layer_bytes"]) : "-");
-      for (const auto& s : a->strategies) fmt::print(" {:>12}", human(row["training_bytes_per_rank"][s]));
-      if (m.has_shape) fmt::print(" {:>12} {:>12}", human(row["activation_bytes"]), human(row["activation_bytes_checkpointed"]));
-      fmt::print("\n");
-    }
-    fmt::print("\nPer rank: parameters, gradients and Adam state (fp32 master weights in bf16/fp16); add the "
-               "activations{} and framework overhead.\n",
-               m.has_shape ? fmt::format(" (batch {} x sequence {})", a->batch_size, a->seq_len) : "");
+    const Model m = model_of_args(*a);
+    const nlohmann::json out = estimate(*a, m);
+    if (a->json) fmt::print("{}\n", out.dump());
+    else print_estimate(*a, m, out);
     return 0;
   };
 }

@@ -63,6 +63,16 @@ Handler add_launch(CLI::App& app) {
   };
 }
 
+// One option per config-file key, each stored under its key in one of the request's maps (fsdp, deepspeed, ...).
+static void add_config_key_options(CLI::App* cmd, const std::shared_ptr<LaunchRequest>& req,
+                                   std::map<std::string, std::string> LaunchRequest::*into, const std::string& group,
+                                   const std::string& help, std::initializer_list<const char*> keys) {
+  for (std::string k : keys)
+    cmd->add_option_function<std::string>(
+           spellings("--" + k), [req, into, k](const std::string& v) { ((*req).*into)[k] = v; }, help + k)
+        ->group(group);
+}
+
 void add_launch_options(CLI::App* cmd, const std::shared_ptr<LaunchRequest>& req) {
   // The program and its arguments: normalize_launch_args puts a `--` before them, so CLI11 never reads
   // them as options (`xlr8 launch prog --help` is prog's help).
@@ -122,35 +132,23 @@ void add_launch_options(CLI::App* cmd, const std::shared_ptr<LaunchRequest>& req
   for (auto name : {"--monitor_interval", "--role", "--tee"})
     cmd->add_option(spellings(name), *compat_flags, "Accepted for compatibility")->group("Compatibility")->expected(1);
   // FSDP and DeepSpeed options, stored under their config-file keys.
-  for (auto key : {"fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_auto_wrap_policy",
-                   "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params", "fsdp_backward_prefetch",
-                   "fsdp_state_dict_type", "fsdp_forward_prefetch", "fsdp_use_orig_params",
-                   "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states", "fsdp_offload_params",
-                   "fsdp_activation_checkpointing"}) {
-    std::string k = key;
-    cmd->add_option_function<std::string>(spellings("--" + k), [req, k](const std::string& v) { req->fsdp[k] = v; },
-                                          "FSDP: as fsdp_config." + k)
-        ->group("FSDP");
-  }
-  for (auto key : {"zero_stage", "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path",
-                   "offload_param_nvme_path", "gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model",
-                   "deepspeed_config_file"}) {
-    std::string k = key;
-    cmd->add_option_function<std::string>(spellings("--" + k), [req, k](const std::string& v) { req->deepspeed[k] = v; },
-                                          "DeepSpeed: as deepspeed_config." + k)
-        ->group("DeepSpeed");
-  }
+  add_config_key_options(cmd, req, &LaunchRequest::fsdp, "FSDP", "FSDP: as fsdp_config.",
+                         {"fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_auto_wrap_policy",
+                          "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params", "fsdp_backward_prefetch",
+                          "fsdp_state_dict_type", "fsdp_forward_prefetch", "fsdp_use_orig_params",
+                          "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states", "fsdp_offload_params",
+                          "fsdp_activation_checkpointing"});
+  add_config_key_options(cmd, req, &LaunchRequest::deepspeed, "DeepSpeed", "DeepSpeed: as deepspeed_config.",
+                         {"zero_stage", "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path",
+                          "offload_param_nvme_path", "gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model",
+                          "deepspeed_config_file"});
   // Accelerate's ParallelismConfig flags: the device mesh (dp_replicate x dp_shard x cp x sp x tp).
-  for (auto key : {"parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size",
-                   "parallelism_config_tp_size", "parallelism_config_cp_size", "parallelism_config_cp_comm_strategy",
-                   "parallelism_config_sp_size", "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
-                   "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_attn_implementation",
-                   "parallelism_config_tp_head_dim"}) {
-    std::string k = key;
-    cmd->add_option_function<std::string>(spellings("--" + k), [req, k](const std::string& v) { req->parallelism[k] = v; },
-                                          "Device mesh: as parallelism_config." + k)
-        ->group("Parallelism");
-  }
+  add_config_key_options(cmd, req, &LaunchRequest::parallelism, "Parallelism", "Device mesh: as parallelism_config.",
+                         {"parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size",
+                          "parallelism_config_tp_size", "parallelism_config_cp_size", "parallelism_config_cp_comm_strategy",
+                          "parallelism_config_sp_size", "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
+                          "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_attn_implementation",
+                          "parallelism_config_tp_head_dim"});
   // Kept alive with the command: CLI11 writes into them while parsing.
   cmd->callback([compat_flags, compat_switch] {});
 }
