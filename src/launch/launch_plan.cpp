@@ -177,6 +177,21 @@ void machines_from_slurm(const LaunchRequest& r, YAML::Node& root) {
             t.master_addr, t.master_port);
 }
 
+// The config file's YAML (an empty file: an empty map).
+YAML::Node config_file_yaml(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw ConfigError(fmt::format("--config_file {:?} does not exist or cannot be read", path));
+  std::stringstream text;
+  text << in.rdbuf();
+  YAML::Node root;
+  try {
+    root = YAML::Load(text.str());
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(fmt::format("{}: not valid YAML: {}", path, e.what()));
+  }
+  return root.IsNull() ? YAML::Node(YAML::NodeType::Map) : root;
+}
+
 }  // namespace
 
 LaunchOptions plan_launch(const LaunchRequest& r) {
@@ -185,19 +200,7 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   // the same messages for a bad flag and a bad key.
   std::string path = r.config_file.value_or("");
   if (path.empty() && std::filesystem::exists(default_config_path())) path = default_config_path();
-  YAML::Node root(YAML::NodeType::Map);
-  if (!path.empty()) {
-    std::ifstream in(path);
-    if (!in) throw ConfigError(fmt::format("--config_file {:?} does not exist or cannot be read", path));
-    std::stringstream text;
-    text << in.rdbuf();
-    try {
-      root = YAML::Load(text.str());
-    } catch (const YAML::Exception& e) {
-      throw ConfigError(fmt::format("{}: not valid YAML: {}", path, e.what()));
-    }
-    if (root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
-  }
+  YAML::Node root = path.empty() ? YAML::Node(YAML::NodeType::Map) : config_file_yaml(path);
   if (r.num_processes) root["num_processes"] = *r.num_processes;
   if (r.num_machines) root["num_machines"] = *r.num_machines;
   auto elastic = plan_rendezvous(r, root);
