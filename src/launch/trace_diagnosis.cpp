@@ -40,11 +40,11 @@ std::string ranks_text(const std::vector<int>& ranks) {
   return text;
 }
 
-}  // namespace
+using Traces = std::map<int, RankTrace>;
 
-std::string diagnose_traces(const std::string& dir, const TraceDiagnosisOptions& options) {
-  const int world_size = options.world_size;
-  std::map<int, RankTrace> traces;
+// rank<N>.json files of `dir`; a file that cannot be read is skipped (half a picture beats none).
+Traces read_traces(const std::string& dir) {
+  Traces traces;
   std::error_code error;
   const std::regex name("rank([0-9]+)\\.json");
   for (const auto& file : fs::directory_iterator(dir, error)) {
@@ -60,72 +60,84 @@ std::string diagnose_traces(const std::string& dir, const TraceDiagnosisOptions&
         if (e.at("sequence").get<uint64_t>() > 0)
           t.by_group[e.at("group").get<std::string>()].push_back(
               {e.at("sequence").get<uint64_t>(), e.at("op").get<std::string>(), e.at("state").get<std::string>()});
-    } catch (const std::exception&) {  // half a picture beats none: skip a file that cannot be read
+    } catch (const std::exception&) {
     }
   }
+  return traces;
+}
+
+// Different operations at the same position of `group`: the ranks' programs diverged at the first one.
+std::optional<std::string> divergence(const Traces& traces, const std::string& group) {
+  std::map<uint64_t, std::map<std::string, std::vector<int>>> ops_at;
+  for (const auto& [rank, t] : traces) {
+    auto it = t.by_group.find(group);
+    if (it == t.by_group.end()) continue;
+    for (const auto& e : it->second) ops_at[e.sequence][e.op].push_back(rank);
+  }
+  for (const auto& [sequence, ops] : ops_at) {
+    if (ops.size() < 2) continue;
+    std::vector<std::pair<std::vector<int>, std::string>> by_rank;  // told in rank order, lowest rank first
+    for (const auto& [op, ranks] : ops) by_rank.emplace_back(ranks, op);
+    std::sort(by_rank.begin(), by_rank.end());
+    std::string parts;
+    for (const auto& [ranks, op] : by_rank) parts += fmt::format("{}{} issued {}", parts.empty() ? "" : "; ", ranks_text(ranks), op);
+    return fmt::format("the ranks issued different collectives at {} #{}: {}", group, sequence, parts);
+  }
+  return std::nullopt;
+}
+
+// Where each rank stands in `group`: who waits at the furthest position, who never arrived there.
+void compare_positions(const Traces& traces, const std::string& group, std::vector<std::string>& findings) {
+  uint64_t furthest = 0;
+  std::map<int, const Entry*> last;
+  for (const auto& [rank, t] : traces) {
+    auto it = t.by_group.find(group);
+    if (it == t.by_group.end() || it->second.empty()) continue;
+    last[rank] = &it->second.back();
+    furthest = std::max(furthest, it->second.back().sequence);
+  }
+  std::vector<int> waiting, behind;
+  for (const auto& [rank, e] : last) (e->sequence == furthest ? waiting : behind).push_back(rank);
+  if (behind.empty()) {
+    std::vector<int> stuck;
+    for (const auto& [rank, e] : last)
+      if (e->state != "completed") stuck.push_back(rank);
+    if (!stuck.empty())
+      findings.push_back(fmt::format("{} waited in {} ({})", ranks_text(stuck), describe(group, *last[stuck.front()]),
+                                     last[stuck.front()]->state == "failed" ? "it failed or timed out" : "still in it"));
+    return;
+  }
+  const Entry& ahead = *last[waiting.front()];
+  findings.push_back(fmt::format("{} reached {} ({})", ranks_text(waiting), describe(group, ahead),
+                                 ahead.state == "completed" ? "completed"
+                                 : ahead.state == "failed"  ? "failed or timed out waiting for the others"
+                                                            : "waiting for the others"));
+  for (int rank : behind) {
+    const Entry& e = *last[rank];
+    findings.push_back(fmt::format(
+        "rank {} never arrived at {} #{}: its last {} collective was {} ({}){}", rank, group, furthest, group,
+        describe(group, e), e.state,
+        e.state == "completed" ? ", so it was outside any collective: computing, or stuck in the program's own code"
+                               : ""));
+  }
+}
+
+}  // namespace
+
+std::string diagnose_traces(const std::string& dir, const TraceDiagnosisOptions& options) {
+  const int world_size = options.world_size;
+  const auto traces = read_traces(dir);
   if (traces.empty()) return "";
   if (options.only_after_timeout &&
       std::none_of(traces.begin(), traces.end(), [](const auto& t) { return t.second.reason.rfind("timed out", 0) == 0; }))
     return "";
-
   std::vector<std::string> findings;
   std::set<std::string> groups;
   for (const auto& [rank, t] : traces)
     for (const auto& [group, entries] : t.by_group) groups.insert(group);
   for (const auto& group : groups) {
-    // The furthest position any rank reached in this group, and where each rank is.
-    uint64_t furthest = 0;
-    std::map<int, const Entry*> last;
-    for (const auto& [rank, t] : traces) {
-      auto it = t.by_group.find(group);
-      if (it == t.by_group.end() || it->second.empty()) continue;
-      last[rank] = &it->second.back();
-      furthest = std::max(furthest, it->second.back().sequence);
-    }
-    // Different operations at the same position: the ranks' programs diverged there.
-    std::map<uint64_t, std::map<std::string, std::vector<int>>> ops_at;
-    for (const auto& [rank, t] : traces) {
-      auto it = t.by_group.find(group);
-      if (it == t.by_group.end()) continue;
-      for (const auto& e : it->second) ops_at[e.sequence][e.op].push_back(rank);
-    }
-    bool diverged = false;
-    for (const auto& [sequence, ops] : ops_at) {
-      if (ops.size() < 2) continue;
-      std::vector<std::pair<std::vector<int>, std::string>> by_rank;  // told in rank order, lowest rank first
-      for (const auto& [op, ranks] : ops) by_rank.emplace_back(ranks, op);
-      std::sort(by_rank.begin(), by_rank.end());
-      std::string parts;
-      for (const auto& [ranks, op] : by_rank) parts += fmt::format("{}{} issued {}", parts.empty() ? "" : "; ", ranks_text(ranks), op);
-      findings.push_back(fmt::format("the ranks issued different collectives at {} #{}: {}", group, sequence, parts));
-      diverged = true;
-      break;  // the first divergence explains what follows it
-    }
-    if (diverged) continue;
-    std::vector<int> waiting, behind;
-    for (const auto& [rank, e] : last) (e->sequence == furthest ? waiting : behind).push_back(rank);
-    if (behind.empty()) {
-      std::vector<int> stuck;
-      for (const auto& [rank, e] : last)
-        if (e->state != "completed") stuck.push_back(rank);
-      if (!stuck.empty())
-        findings.push_back(fmt::format("{} waited in {} ({})", ranks_text(stuck), describe(group, *last[stuck.front()]),
-                                       last[stuck.front()]->state == "failed" ? "it failed or timed out" : "still in it"));
-      continue;
-    }
-    const Entry& ahead = *last[waiting.front()];
-    findings.push_back(fmt::format("{} reached {} ({})", ranks_text(waiting), describe(group, ahead),
-                                   ahead.state == "completed" ? "completed"
-                                   : ahead.state == "failed"  ? "failed or timed out waiting for the others"
-                                                              : "waiting for the others"));
-    for (int rank : behind) {
-      const Entry& e = *last[rank];
-      findings.push_back(fmt::format(
-          "rank {} never arrived at {} #{}: its last {} collective was {} ({}){}", rank, group, furthest, group,
-          describe(group, e), e.state,
-          e.state == "completed" ? ", so it was outside any collective: computing, or stuck in the program's own code"
-                                 : ""));
-    }
+    if (auto diverged = divergence(traces, group)) findings.push_back(*diverged);
+    else compare_positions(traces, group, findings);
   }
   std::vector<int> silent;
   for (int rank = 0; rank < world_size; ++rank)

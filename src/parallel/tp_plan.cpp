@@ -86,86 +86,113 @@ bool is_layer(const torch::nn::Module& m) {
 
 }  // namespace detail
 
-void parallelize(torch::nn::Module& model, const Communicator& tp_group, const Plan& plan, bool strict) {
-  if (!tp_group.valid()) throw ConfigError("tp::parallelize: the tp group is not a valid communicator");
+namespace {
+
+// The model's modules and, for each, the plan entry that matched it (-1: none).
+struct MatchedModules {
   std::vector<std::string> paths, layers;
   std::vector<std::shared_ptr<torch::nn::Module>> modules;
+  std::vector<int> entry_of;
+};
+
+// Every pattern must match, and a module gets at most one style.
+MatchedModules match_tp_plan(torch::nn::Module& model, const Plan& plan) {
+  MatchedModules m;
   for (const auto& item : model.named_modules("", /*include_self=*/false)) {
-    paths.push_back(item.key());
-    modules.push_back(item.value());
-    if (detail::is_layer(*item.value())) layers.push_back(item.key());
+    m.paths.push_back(item.key());
+    m.modules.push_back(item.value());
+    if (detail::is_layer(*item.value())) m.layers.push_back(item.key());
   }
-  // Every pattern must match, and a module gets at most one style.
-  std::vector<int> entry_of(paths.size(), -1);
+  m.entry_of.assign(m.paths.size(), -1);
   for (size_t e = 0; e < plan.size(); ++e) {
     bool matched = false;
-    for (size_t i = 0; i < paths.size(); ++i) {
-      if (!path_matches(plan[e].pattern, paths[i])) continue;
+    for (size_t i = 0; i < m.paths.size(); ++i) {
+      if (!path_matches(plan[e].pattern, m.paths[i])) continue;
       matched = true;
-      if (entry_of[i] >= 0)
+      if (m.entry_of[i] >= 0)
         throw ConfigError(fmt::format("tp plan: module '{}' is matched by both '{}' and '{}'; make the patterns disjoint",
-                                      paths[i], plan[static_cast<size_t>(entry_of[i])].pattern, plan[e].pattern));
-      entry_of[i] = static_cast<int>(e);
+                                      m.paths[i], plan[static_cast<size_t>(m.entry_of[i])].pattern, plan[e].pattern));
+      m.entry_of[i] = static_cast<int>(e);
     }
     if (!matched)
       throw ConfigError(fmt::format("tp plan: pattern '{}' matches no module; the model's layers are: {}", plan[e].pattern,
-                                    listed(layers.empty() ? paths : layers)));
+                                    listed(m.layers.empty() ? m.paths : m.layers)));
   }
+  return m;
+}
+
+using ParameterNames = std::map<const c10::TensorImpl*, std::vector<std::string>>;  // parameter -> its names
+
+// A norm or dropout planned SequenceParallel: whole, its gradients summed over tp. Not a module holding layers
+// (their slices would be summed too), nor a weight tied to a use outside the split sequence.
+void sequence_parallel_module_problems(const std::string& path, torch::nn::Module& m, const ParameterNames& holders,
+                                       std::vector<std::string>& problems) {
+  std::vector<std::string> inner;
+  for (const auto& sub : m.named_modules(path, /*include_self=*/false))
+    if (detail::is_layer(*sub.value())) inner.push_back(sub.key());
+  if (!inner.empty())
+    problems.push_back(fmt::format("'{}' (SequenceParallel) holds layers ({}); SequenceParallel is for norms and "
+                                   "dropouts: plan it on those modules alone",
+                                   path, fmt::join(inner, ", ")));
+  for (const auto& p : m.named_parameters(/*recurse=*/true))
+    if (const auto& names = holders.at(p.value().unsafeGetTensorImpl()); names.size() > 1)
+      problems.push_back(fmt::format("'{}' (SequenceParallel): its {} is tied ({}); a tied weight would have its "
+                                     "gradient summed over tp where it is whole",
+                                     path, p.key(), fmt::join(names, ", ")));
+}
+
+// What is wrong with slicing the layer at `path` as `entry` says ("": nothing); a ConfigError for a module
+// that cannot be sliced at all.
+std::string layer_problem(const std::string& path, torch::nn::Module& m, const PlanEntry& entry, int tp_size,
+                          const std::vector<std::string>& layers) {
+  if (entry.sequence_parallel && entry.style == Style::SequenceParallel)
+    return "sequence_parallel is a flag of Colwise, Rowwise and VocabParallel entries";
+  if (auto* linear = dynamic_cast<nn::LinearImpl*>(&m)) return linear->tensor_parallel_problem(entry, tp_size);
+  if (auto* embedding = dynamic_cast<nn::EmbeddingImpl*>(&m)) return embedding->tensor_parallel_problem(entry, tp_size);
+  if (detail::is_plain_torch_layer(m)) {
+    if (entry.style == Style::Replicate) return "";  // kept whole: LibTorch's own layer does that already
+    throw ConfigError(fmt::format(
+        "tp plan: '{}' ({}) is LibTorch's own layer, whose forward cannot take tensor parallelism's collectives; "
+        "build it as xlr8::nn::{} (same parameters, same results at tp 1)",
+        path, m.name(), dynamic_cast<torch::nn::LinearImpl*>(&m) ? "Linear" : "Embedding"));
+  }
+  throw ConfigError(fmt::format("tp plan: pattern '{}' matches '{}' ({}), which is not a Linear or Embedding; the "
+                                "model's layers are: {}",
+                                entry.pattern, path, m.name(), listed(layers)));
+}
+
+}  // namespace
+
+void parallelize(torch::nn::Module& model, const Communicator& tp_group, const Plan& plan, bool strict) {
+  if (!tp_group.valid()) throw ConfigError("tp::parallelize: the tp group is not a valid communicator");
+  const auto matched = match_tp_plan(model, plan);
+  const auto& paths = matched.paths;
   // Everything is checked before anything is sliced: an error leaves the model as it was.
-  std::map<const c10::TensorImpl*, std::vector<std::string>> holders;  // parameter -> the names it has
+  ParameterNames holders;
   for (const auto& p : model.named_parameters(/*recurse=*/true)) holders[p.value().unsafeGetTensorImpl()].push_back(p.key());
   std::vector<std::string> unplanned, problems;
   for (size_t i = 0; i < paths.size(); ++i) {
-    auto* m = modules[i].get();
-    if (entry_of[i] < 0) {
+    auto* m = matched.modules[i].get();
+    if (matched.entry_of[i] < 0) {
       if (detail::is_layer(*m)) unplanned.push_back(paths[i]);
       continue;
     }
-    const auto& entry = plan[static_cast<size_t>(entry_of[i])];
-    std::string problem;
+    const auto& entry = plan[static_cast<size_t>(matched.entry_of[i])];
     if (entry.style == Style::SequenceParallel && !detail::is_layer(*m)) {
-      // A norm or dropout: whole, its gradients summed over tp (below). Not a module holding layers (their
-      // slices would be summed too), nor a weight tied to a use outside the split sequence.
-      std::vector<std::string> inner;
-      for (const auto& sub : m->named_modules(paths[i], /*include_self=*/false))
-        if (detail::is_layer(*sub.value())) inner.push_back(sub.key());
-      if (!inner.empty())
-        problems.push_back(fmt::format("'{}' (SequenceParallel) holds layers ({}); SequenceParallel is for norms and "
-                                       "dropouts: plan it on those modules alone",
-                                       paths[i], fmt::join(inner, ", ")));
-      for (const auto& p : m->named_parameters(/*recurse=*/true))
-        if (const auto& names = holders[p.value().unsafeGetTensorImpl()]; names.size() > 1)
-          problems.push_back(fmt::format("'{}' (SequenceParallel): its {} is tied ({}); a tied weight would have its "
-                                         "gradient summed over tp where it is whole",
-                                         paths[i], p.key(), fmt::join(names, ", ")));
+      sequence_parallel_module_problems(paths[i], *m, holders, problems);
       continue;
-    } else if (entry.sequence_parallel && entry.style == Style::SequenceParallel) {
-      problem = "sequence_parallel is a flag of Colwise, Rowwise and VocabParallel entries";
-    } else if (auto* linear = dynamic_cast<nn::LinearImpl*>(m)) {
-      problem = linear->tensor_parallel_problem(entry, tp_group.size());
-    } else if (auto* embedding = dynamic_cast<nn::EmbeddingImpl*>(m)) {
-      problem = embedding->tensor_parallel_problem(entry, tp_group.size());
-    } else if (detail::is_plain_torch_layer(*m)) {
-      if (entry.style == Style::Replicate) continue;  // kept whole: LibTorch's own layer does that already
-      throw ConfigError(fmt::format(
-          "tp plan: '{}' ({}) is LibTorch's own layer, whose forward cannot take tensor parallelism's collectives; "
-          "build it as xlr8::nn::{} (same parameters, same results at tp 1)",
-          paths[i], m->name(), dynamic_cast<torch::nn::LinearImpl*>(m) ? "Linear" : "Embedding"));
-    } else {
-      throw ConfigError(fmt::format("tp plan: pattern '{}' matches '{}' ({}), which is not a Linear or Embedding; the "
-                                    "model's layers are: {}",
-                                    entry.pattern, paths[i], m->name(), listed(layers)));
     }
+    const bool plain_replicated = detail::is_plain_torch_layer(*m) && entry.style == Style::Replicate;
+    const auto problem = layer_problem(paths[i], *m, entry, tp_group.size(), matched.layers);
+    if (plain_replicated) continue;
     if (!problem.empty()) problems.push_back(fmt::format("'{}' ({}): {}", paths[i], to_string(entry.style), problem));
     // A tied weight (one tensor under two names) would be sliced for one layer and silently for the other.
     if (entry.style != Style::Replicate && entry.style != Style::SequenceParallel)
-      for (const auto& p : m->named_parameters(/*recurse=*/false)) {
-      const auto& names = holders[p.value().unsafeGetTensorImpl()];
-      if (names.size() > 1)
-        problems.push_back(fmt::format("'{}': its {} is tied ({}); tied weights under tensor parallelism are not "
-                                       "supported yet: untie them or leave the layers unplanned",
-                                       paths[i], p.key(), fmt::join(names, ", ")));
-    }
+      for (const auto& p : m->named_parameters(/*recurse=*/false))
+        if (const auto& names = holders.at(p.value().unsafeGetTensorImpl()); names.size() > 1)
+          problems.push_back(fmt::format("'{}': its {} is tied ({}); tied weights under tensor parallelism are not "
+                                         "supported yet: untie them or leave the layers unplanned",
+                                         paths[i], p.key(), fmt::join(names, ", ")));
   }
   if (!problems.empty())
     throw ConfigError(fmt::format("tp plan on {} ranks: {}", tp_group.size(), fmt::join(problems, "; ")));
@@ -174,13 +201,13 @@ void parallelize(torch::nn::Module& model, const Communicator& tp_group, const P
                                   listed(unplanned)));
   std::set<const c10::TensorImpl*> hooked;
   for (size_t i = 0; i < paths.size(); ++i) {
-    if (entry_of[i] < 0) continue;
-    const auto& entry = plan[static_cast<size_t>(entry_of[i])];
+    if (matched.entry_of[i] < 0) continue;
+    const auto& entry = plan[static_cast<size_t>(matched.entry_of[i])];
     if (entry.style == Style::SequenceParallel)
-      sum_gradients_over(*modules[i], tp_group, hooked);
-    else if (auto* linear = dynamic_cast<nn::LinearImpl*>(modules[i].get()))
+      sum_gradients_over(*matched.modules[i], tp_group, hooked);
+    else if (auto* linear = dynamic_cast<nn::LinearImpl*>(matched.modules[i].get()))
       linear->parallelize(entry, tp_group);
-    else if (auto* embedding = dynamic_cast<nn::EmbeddingImpl*>(modules[i].get()))
+    else if (auto* embedding = dynamic_cast<nn::EmbeddingImpl*>(matched.modules[i].get()))
       embedding->parallelize(entry, tp_group);
   }
 }

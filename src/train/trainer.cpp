@@ -242,6 +242,63 @@ Result Trainer::fit() {
   return result;
 }
 
+namespace {
+
+// What the launch of the workers asks for: one machine's workers, or this machine's part of an elastic job.
+LaunchRequest launch_request(const ScalingConfig& scaling, const RunConfig& run, const std::string& name) {
+  LaunchRequest request;
+  if (!run.launch_config_file.empty()) request.config_file = run.launch_config_file;
+  if (!scaling.rendezvous_endpoint.empty()) {
+    const int per = scaling.workers_per_machine;
+    request.nproc_per_node = per;
+    request.nnodes = fmt::format("{}:{}", (scaling.num_workers.min + per - 1) / per, scaling.num_workers.max / per);
+    request.rdzv_backend = "c10d";
+    request.rdzv_endpoint = scaling.rendezvous_endpoint;
+    request.rdzv_id = name;
+    if (!scaling.rendezvous_conf.empty()) request.rdzv_conf = scaling.rendezvous_conf;
+  } else {
+    request.num_processes = workers_here(scaling);
+  }
+  request.cpu = !scaling.use_gpu;
+  request.max_restarts = run.failure_config.max_failures < 0 ? std::numeric_limits<int>::max()
+                                                             : run.failure_config.max_failures;
+  if (scaling.resources_per_worker.cpus > 0) request.num_cpu_threads_per_process = scaling.resources_per_worker.cpus;
+  return request;
+}
+
+// Each fit() logs into its own folder: a driver that resumes a run keeps the logs of the one before.
+// Several machines: each its own logs (the workers' folders are named by local rank).
+std::string next_log_dir(const fs::path& run_dir, bool machines) {
+  fs::path logs = run_dir / "logs";
+  if (machines) {
+    char host[256] = "?";
+    gethostname(host, sizeof(host) - 1);
+    logs /= fmt::format("{}-{}", host, ::getpid());
+  }
+  int fits = 0;
+  while (fs::exists(logs / fmt::format("fit_{}", fits))) ++fits;
+  return (logs / fmt::format("fit_{}", fits)).string();
+}
+
+TrainingFailedError failure_of(const LaunchOutcome& outcome) {
+  TrainingFailedError error{.failures = outcome.restarts + 1, .how = fmt::format("exit code {}", outcome.exit_code)};
+  if (outcome.failure) {
+    const auto& f = *outcome.failure;
+    error.rank = f.rank;
+    error.how = f.how;
+    error.error_message = f.error_message.empty() ? f.headline : f.error_message;
+    if (!f.error_message.empty()) error.error_file = f.error_file;
+    error.stderr_tail = f.stderr_tail;
+  } else if (!outcome.stalled.empty()) {
+    error.how = outcome.stalled;
+  } else {
+    error.how = fmt::format("stopped by a signal (exit code {})", outcome.exit_code);
+  }
+  return error;
+}
+
+}  // namespace
+
 Result Trainer::drive() {
   // Under a launcher every rank would start a group of its own.
   if (const char* launched = std::getenv("XLR8_LAUNCHED"); launched && std::string(launched) == "1")
@@ -276,34 +333,8 @@ Result Trainer::drive() {
               "checkpoint before it)",
               name, snapshot.kept.back().dir_name);
 
-  LaunchRequest request;
-  if (!run_.launch_config_file.empty()) request.config_file = run_.launch_config_file;
-  if (machines) {
-    const int per = scaling_.workers_per_machine;
-    request.nproc_per_node = per;
-    request.nnodes = fmt::format("{}:{}", (scaling_.num_workers.min + per - 1) / per, scaling_.num_workers.max / per);
-    request.rdzv_backend = "c10d";
-    request.rdzv_endpoint = scaling_.rendezvous_endpoint;
-    request.rdzv_id = name;
-    if (!scaling_.rendezvous_conf.empty()) request.rdzv_conf = scaling_.rendezvous_conf;
-  } else {
-    request.num_processes = workers_here(scaling_);
-  }
-  request.cpu = !scaling_.use_gpu;
-  request.max_restarts = run_.failure_config.max_failures < 0 ? std::numeric_limits<int>::max()
-                                                              : run_.failure_config.max_failures;
-  if (scaling_.resources_per_worker.cpus > 0) request.num_cpu_threads_per_process = scaling_.resources_per_worker.cpus;
-  // Each fit() logs into its own folder: a driver that resumes a run keeps the logs of the one before.
-  // Several machines: each its own logs (the workers' folders are named by local rank).
-  fs::path logs = run_dir / "logs";
-  if (machines) {
-    char host[256] = "?";
-    gethostname(host, sizeof(host) - 1);
-    logs /= fmt::format("{}-{}", host, ::getpid());
-  }
-  int fits = 0;
-  while (fs::exists(logs / fmt::format("fit_{}", fits))) ++fits;
-  request.log_dir = (logs / fmt::format("fit_{}", fits)).string();
+  LaunchRequest request = launch_request(scaling_, run_, name);
+  request.log_dir = next_log_dir(run_dir, machines);
   request.command = own_command();
   LaunchOptions options = plan_launch(request);
   options.extra_env[kWorkerVar] = "1";
@@ -318,21 +349,8 @@ Result Trainer::drive() {
   const LaunchOutcome outcome = launch_with_outcome(options);
   Result result = Result::from_path(run_dir.string());
   if (outcome.exit_code != 0) {
-    TrainingFailedError error{.failures = outcome.restarts + 1, .how = fmt::format("exit code {}", outcome.exit_code)};
-    if (outcome.failure) {
-      const auto& f = *outcome.failure;
-      error.rank = f.rank;
-      error.how = f.how;
-      error.error_message = f.error_message.empty() ? f.headline : f.error_message;
-      if (!f.error_message.empty()) error.error_file = f.error_file;
-      error.stderr_tail = f.stderr_tail;
-    } else if (!outcome.stalled.empty()) {
-      error.how = outcome.stalled;
-    } else {
-      error.how = fmt::format("stopped by a signal (exit code {})", outcome.exit_code);
-    }
-    std::ofstream(error_path) << to_json(error).dump(2) << "\n";
-    result.error = error;
+    result.error = failure_of(outcome);
+    std::ofstream(error_path) << to_json(*result.error).dump(2) << "\n";
   }
   return result;
 }

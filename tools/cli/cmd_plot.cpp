@@ -21,6 +21,7 @@
 #include <thread>
 
 #include "cli/commands.hpp"
+#include "cli/scratch_dir.hpp"
 #include "train/tensorboard.hpp"
 #include "xlr8/error.hpp"
 
@@ -229,6 +230,61 @@ std::string read_text(const fs::path& file) {
   return text.str();
 }
 
+// --size's WIDTH,HEIGHT in pixels.
+std::pair<int, int> parse_size(const std::string& text) {
+  int width = 0, height = 0;
+  char comma = 0;
+  std::istringstream size(text);
+  if (!(size >> width >> comma >> height) || comma != ',' || width < 100 || height < 100 || width > 20000 ||
+      height > 20000)
+    throw ConfigError(fmt::format("--size {:?} is not WIDTH,HEIGHT in pixels (each 100 to 20000), e.g. 1200,800", text));
+  return {width, height};
+}
+
+std::vector<std::string> split_keys(const std::string& text) {
+  std::vector<std::string> chosen;
+  std::istringstream keys(text);
+  for (std::string key; std::getline(keys, key, ',');)
+    if (!key.empty()) chosen.push_back(key);
+  return chosen;
+}
+
+// One panel per key, two columns when there are several, written to `output` by gnuplot.
+void draw(const Scalars& scalars, const std::vector<std::string>& keys, const fs::path& output,
+          std::pair<int, int> size) {
+  const ScratchDir work("plot");
+  fs::create_directories(work.path());
+  const int columns = keys.size() > 1 ? 2 : 1;
+  const int rows = static_cast<int>((keys.size() + columns - 1) / columns);
+  std::string plots;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const auto data = work.path() / fmt::format("series{}.dat", i);
+    std::ofstream out(data);
+    const auto& series = scalars.series.at(keys[i]);
+    for (const auto& [step, value] : series) out << fmt::format("{} {}\n", step, value);
+    plots += fmt::format("set title {}\nset ytics {}\nplot {} using 1:2 with {} lw 2 pt 7 lc rgb '#1f77b4'\n",
+                         gnuplot_string(keys[i]), tic_step(series), gnuplot_string(data.string()),
+                         series.size() == 1 ? "points" : "lines");
+  }
+  const std::string run_name = fs::path(scalars.source).parent_path().filename().string();
+  auto script_for = [&](const std::string& terminal) {
+    return fmt::format(
+        "set terminal {} size {},{} noenhanced\nset output {}\nset multiplot layout {},{} title {}\nset grid\n"
+        "set key off\nset xlabel 'step'\nset format y '%g'\n{}unset multiplot\n",
+        terminal, size.first, size.second, gnuplot_string(fs::absolute(output).string()), rows, columns,
+        gnuplot_string(run_name), plots);
+  };
+  const auto script = work.path() / "curves.gp", log = work.path() / "gnuplot.log";
+  std::ofstream(script) << script_for("pngcairo");
+  int status = run_gnuplot(script, log);
+  if (status != 0 && read_text(log).find("unknown or ambiguous terminal") != std::string::npos) {
+    std::ofstream(script) << script_for("png");  // a gnuplot built without cairo: libgd's PNG
+    status = run_gnuplot(script, log);
+  }
+  if (status == 127) throw Error("xlr8 plot needs gnuplot: install Debian's gnuplot-nox (apt-get install gnuplot-nox)");
+  if (status != 0) throw Error(fmt::format("xlr8 plot: gnuplot failed (exit {}): {}", status, read_text(log)));
+}
+
 }  // namespace
 
 Handler add_plot(CLI::App& app) {
@@ -245,75 +301,23 @@ Handler add_plot(CLI::App& app) {
   cmd->add_option("--size", a->size, "Width,height in pixels");
   cmd->add_option("--keys", a->keys, "Comma-separated scalars to draw (default: all; losses first)");
   return [a]() {
-    int width = 0, height = 0;
-    char comma = 0;
-    std::istringstream size(a->size);
-    if (!(size >> width >> comma >> height) || comma != ',' || width < 100 || height < 100 || width > 20000 ||
-        height > 20000)
-      throw ConfigError(fmt::format("--size {:?} is not WIDTH,HEIGHT in pixels (each 100 to 20000), e.g. 1200,800",
-                                    a->size));
+    const auto size = parse_size(a->size);
     const auto scalars = read_run(a->run);
-    std::vector<std::string> chosen;
-    {
-      std::istringstream keys(a->keys);
-      for (std::string key; std::getline(keys, key, ',');)
-        if (!key.empty()) chosen.push_back(key);
-    }
+    const auto chosen = split_keys(a->keys);
     if (scalars.series.empty())
       throw ConfigError(fmt::format("xlr8 plot: {} holds no numeric scalars to draw", scalars.source));
     const auto keys = panel_order(scalars, chosen);
     const fs::path run_dir = fs::path(scalars.source).parent_path();  // the run drawn, also when a->run is a project
     const fs::path output = a->output.empty() ? run_dir / "curves.png" : fs::path(a->output);
-
-    char pattern[] = "/tmp/xlr8-plot-XXXXXX";
-    if (!mkdtemp(pattern)) throw Error(fmt::format("xlr8 plot: cannot create a temporary folder: {}", std::strerror(errno)));
-    const fs::path work(pattern);
-    struct Cleanup {
-      fs::path dir;
-      ~Cleanup() {
-        std::error_code ignored;
-        fs::remove_all(dir, ignored);
-      }
-    } cleanup{work};
-
-    const int columns = keys.size() > 1 ? 2 : 1;
-    const int rows = static_cast<int>((keys.size() + columns - 1) / columns);
-    std::string plots;
-    for (size_t i = 0; i < keys.size(); ++i) {
-      const auto data = work / fmt::format("series{}.dat", i);
-      std::ofstream out(data);
-      for (const auto& [step, value] : scalars.series.at(keys[i])) out << fmt::format("{} {}\n", step, value);
-      const auto& series = scalars.series.at(keys[i]);
-      const bool one_point = series.size() == 1;
-      plots += fmt::format("set title {}\nset ytics {}\nplot {} using 1:2 with {} lw 2 pt 7 lc rgb '#1f77b4'\n",
-                           gnuplot_string(keys[i]), tic_step(series), gnuplot_string(data.string()),
-                           one_point ? "points" : "lines");
-    }
-    const std::string run_name = fs::path(scalars.source).parent_path().filename().string();
-    auto script_for = [&](const std::string& terminal) {
-      return fmt::format(
-          "set terminal {} size {},{} noenhanced\nset output {}\nset multiplot layout {},{} title {}\nset grid\n"
-          "set key off\nset xlabel 'step'\nset format y '%g'\n{}unset multiplot\n",
-          terminal, width, height, gnuplot_string(fs::absolute(output).string()), rows, columns,
-          gnuplot_string(run_name), plots);
-    };
-    const auto script = work / "curves.gp", log = work / "gnuplot.log";
-    std::ofstream(script) << script_for("pngcairo");
-    int status = run_gnuplot(script, log);
-    if (status != 0 && read_text(log).find("unknown or ambiguous terminal") != std::string::npos) {
-      std::ofstream(script) << script_for("png");  // a gnuplot built without cairo: libgd's PNG
-      status = run_gnuplot(script, log);
-    }
-    if (status == 127)
-      throw Error("xlr8 plot needs gnuplot: install Debian's gnuplot-nox (apt-get install gnuplot-nox)");
-    if (status != 0)
-      throw Error(fmt::format("xlr8 plot: gnuplot failed (exit {}): {}", status, read_text(log)));
+    draw(scalars, keys, output, size);
     size_t points = 0;
-    for (const auto& k : keys) points = std::max(points, scalars.series.at(k).size());
     std::string names;
-    for (const auto& k : keys) names += (names.empty() ? "" : ", ") + k;
-    fmt::print("xlr8 plot: wrote {} ({}x{}; {}; up to {} points each) from {}\n", output.string(), width, height, names,
-               points, scalars.source);
+    for (const auto& k : keys) {
+      points = std::max(points, scalars.series.at(k).size());
+      names += (names.empty() ? "" : ", ") + k;
+    }
+    fmt::print("xlr8 plot: wrote {} ({}x{}; {}; up to {} points each) from {}\n", output.string(), size.first,
+               size.second, names, points, scalars.source);
     return 0;
   };
 }
