@@ -31,6 +31,10 @@ class Env {
   std::map<std::string, std::string> vars_;
 };
 
+// The process's variable `name`, read now; nullopt when it is unset or empty. With Env::current() (a snapshot, for
+// reading sets of variables), the only way xlr8 reads its environment.
+std::optional<std::string> env_var(const std::string& name);
+
 // Parses true/false spellings used by Accelerate ("true", "1", "yes", "on" ...); nullopt otherwise.
 std::optional<bool> parse_bool(const std::string& text);
 

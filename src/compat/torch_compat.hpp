@@ -17,6 +17,7 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef XLR8_WITH_NCCL
 #include "distributed/abort_at_exit.hpp"
+#include "xlr8/env.hpp"
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -71,8 +72,7 @@ inline void set_cuda_device(int index) {
 
 // A Gloo device: GLOO_SOCKET_IFNAME wins; a loopback master address binds loopback; else the host's address.
 inline std::shared_ptr<::gloo::transport::Device> gloo_device(const std::string& master_addr) {
-  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME"); ifname && *ifname)
-    return c10d::ProcessGroupGloo::createDeviceForInterface(ifname);
+  if (const auto ifname = env_var("GLOO_SOCKET_IFNAME")) return c10d::ProcessGroupGloo::createDeviceForInterface(*ifname);
   if (master_addr.rfind("127.", 0) == 0 || master_addr == "localhost")
     return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
   return c10d::ProcessGroupGloo::createDefaultDevice();

@@ -11,12 +11,14 @@
 
 #include <cstdlib>
 
+#include "xlr8/env.hpp"
+
 namespace xlr8::compat {
 
 inline void avoid_torch_flight_recorder_race() {
 #if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 12
   static const bool done = [] {
-    if (!std::getenv("TORCH_FR_BUFFER_SIZE") && !std::getenv("TORCH_NCCL_TRACE_BUFFER_SIZE"))
+    if (!env_var("TORCH_FR_BUFFER_SIZE") && !env_var("TORCH_NCCL_TRACE_BUFFER_SIZE"))
       ::setenv("TORCH_FR_BUFFER_SIZE", "0", 0);
     return true;
   }();

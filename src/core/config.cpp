@@ -14,6 +14,7 @@
 #include "core/config_section.hpp"
 #include "core/text.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/env.hpp"
 
 namespace fs = std::filesystem;
 
@@ -363,9 +364,8 @@ void save_config(const LaunchConfig& config, const std::string& path) {
 }
 
 std::string default_config_path() {
-  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return std::string(xdg) + "/xlr8/default_config.yaml";
-  const char* home = std::getenv("HOME");
-  return std::string(home && *home ? home : ".") + "/.cache/xlr8/default_config.yaml";
+  if (const auto xdg = env_var("XDG_CACHE_HOME")) return *xdg + "/xlr8/default_config.yaml";
+  return env_var("HOME").value_or(".") + "/.cache/xlr8/default_config.yaml";
 }
 
 }  // namespace xlr8

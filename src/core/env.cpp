@@ -21,6 +21,12 @@ Env Env::current() {
   return Env(std::move(vars));
 }
 
+std::optional<std::string> env_var(const std::string& name) {
+  const char* value = std::getenv(name.c_str());
+  if (!value || !*value) return std::nullopt;
+  return std::string(value);
+}
+
 std::optional<std::string> Env::get(const std::string& name) const {
   auto it = vars_.find(name);
   if (it == vars_.end()) return std::nullopt;

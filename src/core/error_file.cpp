@@ -10,11 +10,23 @@
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <regex>
 #include <typeinfo>
 
-#include "launch/worker_output.hpp"
+#include "xlr8/env.hpp"
 
 namespace xlr8::detail {
+
+bool is_backtrace_line(const std::string& line) {
+  // Every worker stderr line passes here: most have none of the patterns' fixed parts, skip the regex.
+  if (line.find('#') == std::string::npos && line.find("Exception raised") == std::string::npos &&
+      line.find("CapturedTraceback") == std::string::npos && line.find("<omitting") == std::string::npos)
+    return false;
+  // c10::Error's what() (LibTorch 1.x and 2.x), and 2.x's captured tracebacks.
+  static const std::regex pattern(
+      R"(\s*(frame #\d+: .*|#\d+ .* from .*|Exception raised from .*\(most recent call first\):|C\+\+ CapturedTraceback:|<omitting python frames>))");
+  return std::regex_match(line, pattern);
+}
 
 std::string describe_exception(const std::exception& e) {
   int status = 0;
@@ -42,8 +54,8 @@ std::string without_backtrace(const std::string& text) {
 }  // namespace
 
 void write_error_file(const std::string& message) {
-  const char* path = std::getenv("TORCHELASTIC_ERROR_FILE");
-  if (!path || !*path) return;
+  const std::string path = env_var("TORCHELASTIC_ERROR_FILE").value_or("");
+  if (path.empty()) return;
   try {
     namespace fs = std::filesystem;
     if (fs::exists(path)) return;

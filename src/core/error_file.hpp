@@ -13,6 +13,9 @@ struct ErrorFileRecord {
   long long timestamp = 0;  // seconds since the epoch, when written
 };
 
+// A line of a LibTorch backtrace (c10::Error's what() in 1.x and 2.x, 2.x's captured tracebacks): what the error
+// file and the launcher's failure report leave out.
+bool is_backtrace_line(const std::string& line);
 // "<demangled type>: <what()>" of a caught exception.
 std::string describe_exception(const std::exception& e);
 // Writes `message` to $TORCHELASTIC_ERROR_FILE when the variable is set and the file does not exist yet

@@ -1,5 +1,6 @@
 // The flight recorder's ring buffer, its file and its SIGUSR1 trigger.
 #include "core/flight_recorder.hpp"
+#include "xlr8/env.hpp"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -25,10 +26,10 @@ double now_s() {
 }
 
 size_t capacity_from_env() {
-  const char* text = std::getenv("XLR8_TRACE_BUFFER_SIZE");
-  if (!text || !*text) return 64;
+  const auto text = env_var("XLR8_TRACE_BUFFER_SIZE");
+  if (!text) return 64;
   char* end = nullptr;
-  const long n = std::strtol(text, &end, 10);
+  const long n = std::strtol(text->c_str(), &end, 10);
   // Bounded: the buffer is allocated whole when the process state starts.
   return (end && *end == '\0' && n >= 0) ? static_cast<size_t>(std::min(n, 1L << 20)) : 64;
 }
@@ -100,10 +101,10 @@ void FlightRecorder::beat() {
   const double now = now_s();
   if (now - last_beat_.load(std::memory_order_relaxed) < 1.0) return;
   last_beat_.store(now, std::memory_order_relaxed);
-  const char* dir = std::getenv("XLR8_TRACE_DIR");
-  if (!dir || !*dir) return;
+  const auto dir = env_var("XLR8_TRACE_DIR");
+  if (!dir) return;
   // The file's modification time is the beat: created once, then its times set to now.
-  const auto path = heartbeat_file(dir, ::getpid());
+  const auto path = heartbeat_file(*dir, ::getpid());
   if (::utimensat(AT_FDCWD, path.c_str(), nullptr, 0) != 0) {
     const int fd = ::open(path.c_str(), O_CREAT | O_WRONLY | O_CLOEXEC, 0644);
     if (fd >= 0) ::close(fd);
@@ -128,19 +129,19 @@ nlohmann::json FlightRecorder::to_json() const {
 }
 
 void FlightRecorder::dump(const std::string& reason) const {
-  const char* dir = std::getenv("XLR8_TRACE_DIR");
-  if (!dir || !*dir || capacity_ == 0) return;
+  const auto dir = env_var("XLR8_TRACE_DIR");
+  if (!dir || capacity_ == 0) return;
   static std::mutex one_at_a_time;  // a timeout's dump and SIGUSR1's would share the partial file
   std::lock_guard<std::mutex> lock(one_at_a_time);
   try {
-    const char* rank_text = std::getenv("RANK");
-    const int rank = rank_text ? std::atoi(rank_text) : 0;
+    const auto rank_text = env_var("RANK");
+    const int rank = rank_text ? std::atoi(rank_text->c_str()) : 0;
     nlohmann::json record{{"rank", rank}, {"pid", ::getpid()}, {"reason", reason}, {"dumped_at", now_s()},
                           {"capacity", capacity_}, {"entries", to_json()}};
     namespace fs = std::filesystem;
-    fs::create_directories(dir);
-    const fs::path path = dump_file(dir, rank);
-    const fs::path partial = fs::path(dir) / fmt::format(".rank{}.json.{}", rank, ::getpid());
+    fs::create_directories(*dir);
+    const fs::path path = dump_file(*dir, rank);
+    const fs::path partial = fs::path(*dir) / fmt::format(".rank{}.json.{}", rank, ::getpid());
     std::ofstream(partial) << record.dump(1) << "\n";
     fs::rename(partial, path);  // whole or absent: the launcher may read it any time
   } catch (...) {  // a dump must never turn into the failure
@@ -149,8 +150,8 @@ void FlightRecorder::dump(const std::string& reason) const {
 
 void FlightRecorder::install_signal_trigger() {
   static std::atomic<bool> installed{false};
-  const char* dir = std::getenv("XLR8_TRACE_DIR");
-  if (!dir || !*dir || capacity_ == 0 || installed.exchange(true)) return;
+  const auto dir = env_var("XLR8_TRACE_DIR");
+  if (!dir || capacity_ == 0 || installed.exchange(true)) return;
   // A program that handles SIGUSR1 itself (Slurm's --signal=USR1 before preemption, say) keeps it: no trigger,
   // and no .armed file, so the launcher never sends it.
   struct sigaction current {};
@@ -172,8 +173,8 @@ void FlightRecorder::install_signal_trigger() {
   sigaction(SIGUSR1, &action, nullptr);
   // Tells the launcher this process handles SIGUSR1 (to a program that does not, it would be fatal).
   try {
-    std::filesystem::create_directories(dir);
-    std::ofstream{armed_file(dir, ::getpid())};
+    std::filesystem::create_directories(*dir);
+    std::ofstream{armed_file(*dir, ::getpid())};
   } catch (...) {
   }
 }

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/text.hpp"
+#include "xlr8/env.hpp"
 
 namespace xlr8::log {
 namespace {
@@ -15,9 +16,7 @@ std::atomic<int> g_rank{-1};
 Level threshold() {
   // Read once: the level is a property of the run.
   static const Level level = [] {
-    const char* v = std::getenv("XLR8_LOG_LEVEL");
-    if (!v || !*v) v = std::getenv("ACCELERATE_LOG_LEVEL");
-    std::string name = text::lower(v ? v : "");
+    const std::string name = text::lower(env_var("XLR8_LOG_LEVEL").value_or(env_var("ACCELERATE_LOG_LEVEL").value_or("")));
     if (name == "debug") return Level::kDebug;
     if (name == "warning" || name == "warn") return Level::kWarning;
     if (name == "error" || name == "critical") return Level::kError;
@@ -31,8 +30,7 @@ Level threshold() {
 bool enabled(Level level) { return level >= threshold(); }
 
 void set_rank(int rank, int world_size) {
-  const char* launched = std::getenv("XLR8_LAUNCHED");
-  g_rank = world_size > 1 && !(launched && *launched) ? rank : -1;
+  g_rank = world_size > 1 && !env_var("XLR8_LAUNCHED") ? rank : -1;
 }
 
 void write(Level level, std::string_view message) {

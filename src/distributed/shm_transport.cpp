@@ -12,6 +12,7 @@
 #include "core/log.hpp"
 #include "distributed/comm_state.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/env.hpp"
 
 namespace xlr8::detail {
 
@@ -32,12 +33,12 @@ void store_set(c10d::Store& store, const std::string& key, const std::string& va
 
 // Per-rank staging slot: XLR8_SHM_STAGING_MB (default 4), whole pages.
 std::size_t staging_bytes_from_env() {
-  const char* text = std::getenv("XLR8_SHM_STAGING_MB");
-  if (!text || !*text) return 4u << 20;
+  const auto text = env_var("XLR8_SHM_STAGING_MB");
+  if (!text) return 4u << 20;
   char* end = nullptr;
-  double mb = std::strtod(text, &end);
+  double mb = std::strtod(text->c_str(), &end);
   if (*end != '\0' || !(mb >= 0.0625 && mb <= 1024))
-    throw ConfigError(fmt::format("XLR8_SHM_STAGING_MB={} must be a number of MB in [0.0625, 1024]", text));
+    throw ConfigError(fmt::format("XLR8_SHM_STAGING_MB={} must be a number of MB in [0.0625, 1024]", *text));
   return round_up(static_cast<std::size_t>(mb * (1 << 20)), kPage);
 }
 

@@ -19,6 +19,7 @@
 #include "launch/supervisor.hpp"
 #include "os/shm_segment.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/env.hpp"
 
 namespace xlr8 {
 
@@ -35,8 +36,7 @@ std::string resolve_program(const std::string& program) {
     if (!check(program)) throw Error(fmt::format("cannot run {:?}: no such file", program));
     return program;
   }
-  const char* path_env = std::getenv("PATH");
-  std::string paths = path_env ? path_env : "/usr/bin:/bin";
+  std::string paths = env_var("PATH").value_or("/usr/bin:/bin");
   size_t start = 0;
   while (start <= paths.size()) {
     size_t end = paths.find(':', start);

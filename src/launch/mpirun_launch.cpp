@@ -15,6 +15,7 @@
 #include "core/log.hpp"
 #include "core/text.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/env.hpp"
 
 namespace xlr8::detail {
 
@@ -44,7 +45,7 @@ MpirunCommand mpirun_command(const LaunchOptions& o, const std::string& mpirun, 
     for (const auto& [k, v] : vars) c.env[k] = v;
   c.env["MASTER_ADDR"] = o.master_addr;
   c.env["MASTER_PORT"] = std::to_string(port);
-  if (!std::getenv("OMP_NUM_THREADS") && !c.env.count("OMP_NUM_THREADS")) {  // as for local workers: never oversubscribed
+  if (!env_var("OMP_NUM_THREADS") && !c.env.count("OMP_NUM_THREADS")) {  // as for local workers: never oversubscribed
     unsigned cores = std::max(1u, std::thread::hardware_concurrency());
     c.env["OMP_NUM_THREADS"] = std::to_string(std::max(1u, cores / static_cast<unsigned>(o.nproc_per_node)));
   }

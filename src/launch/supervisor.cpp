@@ -29,6 +29,7 @@
 #include "launch/trace_diagnosis.hpp"
 #include "launch/worker_output.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/env.hpp"
 
 namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
@@ -56,13 +57,13 @@ int exit_code_of(int status) { return WIFSIGNALED(status) ? 128 + WTERMSIG(statu
 class Supervisor final : public detail::WorkerGroup {
  public:
   Supervisor(const LaunchOptions& o, std::string program) : o_(o), program_(std::move(program)) {
-    if (const char* text = std::getenv("XLR8_HEARTBEAT_TIMEOUT"); text && *text) {
+    if (const auto text = env_var("XLR8_HEARTBEAT_TIMEOUT")) {
       char* end = nullptr;
-      const double seconds = std::strtod(text, &end);
+      const double seconds = std::strtod(text->c_str(), &end);
       if (!end || *end != '\0' || !(seconds > 0))
         throw ConfigError(fmt::format("XLR8_HEARTBEAT_TIMEOUT={:?} must be a positive number of seconds (how long the "
                                       "job may go without any rank completing a collective)",
-                                      text));
+                                      *text));
       heartbeat_timeout_s_ = seconds;
     }
     if (o_.log_dir.empty()) {  // error files and traces still need a place (before any signal is blocked)

@@ -9,17 +9,6 @@
 
 namespace xlr8::detail {
 
-bool is_backtrace_line(const std::string& line) {
-  // Every worker stderr line passes here: most have none of the patterns' fixed parts, skip the regex.
-  if (line.find('#') == std::string::npos && line.find("Exception raised") == std::string::npos &&
-      line.find("CapturedTraceback") == std::string::npos && line.find("<omitting") == std::string::npos)
-    return false;
-  // c10::Error's what() (LibTorch 1.x and 2.x), and 2.x's captured tracebacks.
-  static const std::regex pattern(
-      R"(\s*(frame #\d+: .*|#\d+ .* from .*|Exception raised from .*\(most recent call first\):|C\+\+ CapturedTraceback:|<omitting python frames>))");
-  return std::regex_match(line, pattern);
-}
-
 namespace {
 bool names_an_error(const std::string& line) { return text::lower(line).find("error") != std::string::npos; }
 }  // namespace

@@ -5,6 +5,8 @@
 #include <fstream>
 #include <string>
 
+#include "core/error_file.hpp"  // is_backtrace_line
+
 namespace xlr8::detail {
 
 // What a worker's stderr said about its failure. Backtrace lines (LibTorch's "Exception raised from ...",
@@ -26,8 +28,6 @@ class FailureNotes {
   std::string headline_, thrown_type_;
   bool message_open_ = false;  // the lines since the headline belong to its message
 };
-
-bool is_backtrace_line(const std::string& line);
 
 // One output stream of one worker: split into lines, prefixed, copied to the console and a log file.
 // A line redrawn in place (a progress bar: "\r<frame>" again and again) is shown as it arrives, prefixed

@@ -22,6 +22,7 @@
 #endif
 
 #include "xlr8/error.hpp"
+#include "xlr8/env.hpp"
 
 namespace xlr8::detail {
 
@@ -105,8 +106,7 @@ std::string shared_memory_host_key() {
 }
 
 std::string shared_memory_job() {
-  const char* job = std::getenv("XLR8_SHM_JOB");
-  return job && *job ? job : "0";
+  return env_var("XLR8_SHM_JOB").value_or("0");
 }
 
 std::string new_segment_name() {

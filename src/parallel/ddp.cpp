@@ -17,6 +17,7 @@
 #include "parallel/replica_sync.hpp"
 #include "parallel/wrap_policy.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/env.hpp"
 
 namespace xlr8 {
 
@@ -36,8 +37,8 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
   // Tests only: a strategy with a bug xlr8 verify must catch. This bucket's gradients stay each rank's own
   // (a one-element all-reduce keeps the collective sequence of every rank the same).
   const int skip_bucket = [] {
-    const char* k = std::getenv("XLR8_TEST_ONLY_SKIP_GRAD_BUCKET");
-    return k && *k ? std::atoi(k) : -1;
+    const auto k = env_var("XLR8_TEST_ONLY_SKIP_GRAD_BUCKET");
+    return k ? std::atoi(k->c_str()) : -1;
   }();
 
   std::shared_ptr<torch::nn::Module> module;

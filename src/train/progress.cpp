@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "xlr8/error.hpp"
+#include "xlr8/env.hpp"
 
 namespace xlr8 {
 
@@ -38,9 +39,8 @@ std::string clock_text(double seconds) {
 
 bool utf8_terminal() {
   for (const char* name : {"LC_ALL", "LC_CTYPE", "LANG"}) {
-    const char* value = std::getenv(name);
-    if (value && *value) {
-      std::string v = value;
+    if (const auto value = env_var(name)) {
+      const std::string& v = *value;
       return v.find("UTF-8") != std::string::npos || v.find("utf8") != std::string::npos ||
              v.find("utf-8") != std::string::npos;
     }
@@ -53,10 +53,10 @@ bool utf8_terminal() {
 // program that inherited the variable but writes elsewhere (a worker's child redirected to a file) is
 // not on that terminal.
 int launcher_terminal_columns() {
-  const char* columns = std::getenv("XLR8_TERMINAL_COLUMNS");
+  const auto columns = env_var("XLR8_TERMINAL_COLUMNS");
   struct stat info {};
   if (!columns || fstat(fileno(stderr), &info) != 0 || !S_ISFIFO(info.st_mode)) return 0;
-  return std::atoi(columns);
+  return std::atoi(columns->c_str());
 }
 
 bool is_terminal(std::FILE* out) {
@@ -67,8 +67,8 @@ int terminal_columns(std::FILE* out) {
   winsize size{};
   if (ioctl(fileno(out), TIOCGWINSZ, &size) == 0 && size.ws_col > 0) return size.ws_col;  // 0: a pty nobody sized
   if (int c = launcher_terminal_columns(); c > 0 && out == stderr) return c;
-  if (const char* columns = std::getenv("COLUMNS")) {
-    int c = std::atoi(columns);
+  if (const auto columns = env_var("COLUMNS")) {
+    int c = std::atoi(columns->c_str());
     if (c > 0) return c;
   }
   return 80;

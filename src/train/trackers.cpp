@@ -129,8 +129,8 @@ void Accelerator::init_trackers(const std::string& project_name, const nlohmann:
   s.trackers.clear();
   auto names = s.options.log_with;
   if (names.empty()) {
-    const char* env = std::getenv("XLR8_LOG_WITH");
-    names = env && *env ? parse_log_with(env) : std::vector<std::string>{"jsonl"};
+    const auto env = env_var("XLR8_LOG_WITH");
+    names = env ? parse_log_with(*env) : std::vector<std::string>{"jsonl"};
   }
   const auto project = std::filesystem::path(s.options.project_dir) / project_name;
   std::string run = run_name;
@@ -152,7 +152,7 @@ void Accelerator::init_trackers(const std::string& project_name, const nlohmann:
                         {"run_name", run},
                         {"log_with", names},
                         {"num_processes", num_processes()},
-                        {"mixed_precision", to_string(s.precision)},
+                        {"mixed_precision", to_string(s.plan.mixed_precision)},
                         {"config", config}};
   std::ofstream((dir / "config.json").string()) << stored.dump(2) << "\n";
   for (const auto& name : names) {

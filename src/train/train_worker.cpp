@@ -22,12 +22,12 @@ namespace xlr8::train {
 namespace {
 
 std::string required_variable(const char* name, const char* function) {
-  const char* value = std::getenv(name);
-  if (!value || !*value)
+  const auto value = env_var(name);
+  if (!value)
     throw Error(fmt::format("xlr8::train::{}() runs inside a Trainer's worker (train_loop_per_worker); {} is not set "
                             "here",
                             function, name));
-  return value;
+  return *value;
 }
 
 fs::path run_dir(const char* function) { return required_variable("XLR8_TRAIN_RUN_DIR", function); }
@@ -130,8 +130,8 @@ std::string register_report(const fs::path& dir, detail::RunSnapshot& snapshot, 
                             bool with_checkpoint, const std::string& staging_name, const std::string& problem) {
   try {
     if (!problem.empty()) throw Error(problem);
-    const char* config = std::getenv("XLR8_TRAIN_CHECKPOINT_CONFIG");
-    snapshot.config = detail::checkpoint_config_from_json(config ? nlohmann::json::parse(config) : nlohmann::json());
+    const auto config = env_var("XLR8_TRAIN_CHECKPOINT_CONFIG");
+    snapshot.config = detail::checkpoint_config_from_json(config ? nlohmann::json::parse(*config) : nlohmann::json());
     snapshot.latest_metrics = metrics;
     std::vector<detail::RegisteredCheckpoint> dropped;
     if (with_checkpoint) {
@@ -207,13 +207,13 @@ std::optional<Checkpoint> get_checkpoint() {
 TrainContext get_context() {
   run_dir("get_context");
   const Topology t = topology_from_env(Env::current());
-  const char* restarts = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  const auto restarts = env_var("TORCHELASTIC_RESTART_COUNT");
   return {.world_rank = t.rank,
           .world_size = t.world_size,
           .local_rank = t.local_rank,
           .local_world_size = t.local_world_size,
           .node_rank = t.node_rank,
-          .restart_count = restarts ? std::atoi(restarts) : 0,
+          .restart_count = restarts ? std::atoi(restarts->c_str()) : 0,
           .experiment_name = required_variable("XLR8_TRAIN_NAME", "get_context"),
           .storage_path = required_variable("XLR8_TRAIN_STORAGE_PATH", "get_context")};
 }

@@ -39,8 +39,7 @@ constexpr const char* kLoopConfigVar = "XLR8_TRAIN_LOOP_CONFIG_FILE";  // a file
 constexpr const char* kCheckpointConfigVar = "XLR8_TRAIN_CHECKPOINT_CONFIG";
 
 bool in_worker() {
-  const char* v = std::getenv(kWorkerVar);
-  return v && std::string(v) == "1";
+  return env_var(kWorkerVar) == "1";
 }
 
 std::string default_run_name() {
@@ -222,12 +221,12 @@ Result Trainer::fit() {
   if (!in_worker()) return drive();
   // A worker: the driver's loop configuration (not this process's, which may differ: a time, a random name).
   xlr8::detail::install_error_file_handler();
-  const char* config_file = std::getenv(kLoopConfigVar);
+  const auto config_file = env_var(kLoopConfigVar);
   try {
     nlohmann::json config = loop_config_;
     if (config_file) {
-      std::ifstream in(config_file);
-      if (!in) throw Error(fmt::format("Trainer: the driver's loop configuration {} cannot be read", config_file));
+      std::ifstream in(*config_file);
+      if (!in) throw Error(fmt::format("Trainer: the driver's loop configuration {} cannot be read", *config_file));
       config = nlohmann::json::parse(in);
     }
     loop_(config);
@@ -238,7 +237,7 @@ Result Trainer::fit() {
   }
   Result result;
   result.worker = true;
-  if (const char* dir = std::getenv(kRunDirVar)) result.path = dir;
+  if (const auto dir = env_var(kRunDirVar)) result.path = *dir;
   return result;
 }
 
@@ -301,7 +300,7 @@ TrainingFailedError failure_of(const LaunchOutcome& outcome) {
 
 Result Trainer::drive() {
   // Under a launcher every rank would start a group of its own.
-  if (const char* launched = std::getenv("XLR8_LAUNCHED"); launched && std::string(launched) == "1")
+  if (env_var("XLR8_LAUNCHED") == "1")
     throw ConfigError("Trainer::fit() starts its own workers: run this program directly, not under xlr8 launch "
                       "(ScalingConfig.num_workers sets how many)");
   check(scaling_);
@@ -312,8 +311,7 @@ Result Trainer::drive() {
   const std::string name = run_.name.empty() ? default_run_name() : run_.name;
   std::string storage = run_.storage_path;
   if (storage.empty()) {
-    const char* home = std::getenv("HOME");
-    storage = (fs::path(home ? home : ".") / "xlr8_results").string();
+    storage = (fs::path(env_var("HOME").value_or(".")) / "xlr8_results").string();
   }
   const fs::path run_dir = fs::absolute(fs::path(storage) / name);
   fs::create_directories(run_dir);

@@ -10,6 +10,7 @@
 #include "cli/commands.hpp"
 #include "compat/torch_compat.hpp"
 #include "xlr8/config.hpp"
+#include "xlr8/env.hpp"
 
 namespace xlr8::cli {
 namespace {
@@ -52,10 +53,10 @@ Handler add_env(CLI::App& app) {
     fmt::print("- BLAS in use: {}\n", loaded_blas());
     // This process's count is not what a worker gets: the launcher sets OMP_NUM_THREADS per worker.
     const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    const char* omp = std::getenv("OMP_NUM_THREADS");
+    const auto omp = env_var("OMP_NUM_THREADS");
     fmt::print("- intra-op threads: {} in this `xlr8 env` process; a worker started by `xlr8 launch` gets {}\n",
                at::get_num_threads(),
-               omp && *omp ? fmt::format("OMP_NUM_THREADS={} (set in this environment)", omp)
+               omp ? fmt::format("OMP_NUM_THREADS={} (set in this environment)", *omp)
                            : fmt::format("cores / local workers ({} with 1 worker, {} with 2; OMP_NUM_THREADS or "
                                          "--num_cpu_threads_per_process override it)",
                                          cores, std::max(1u, cores / 2)));

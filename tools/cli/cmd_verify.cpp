@@ -23,6 +23,7 @@
 #include "xlr8/error.hpp"
 #include "xlr8/launcher.hpp"
 #include "xlr8/safetensors.hpp"
+#include "xlr8/env.hpp"
 
 namespace fs = std::filesystem;
 
@@ -316,8 +317,8 @@ int verify(const LaunchRequest& request, const VerifyOptions& v) {
   const auto a = run_recording(many, base / "n", v.steps, fmt::format("run 1 (as configured)"));
   auto b = run_recording(one, base / "one", v.steps, "run 2 (one process, the same global batch)");
   // Tests only: run 2's gradient norms as on a CPU whose kernels round the whole batch far off.
-  if (const char* nudge = std::getenv("XLR8_TEST_ONLY_VERIFY_NUDGE_RUN_2"))
-    for (auto& step : b.record["steps"]) step["grad_norm"] = step["grad_norm"].get<double>() * (1 + std::atof(nudge));
+  if (const auto nudge = env_var("XLR8_TEST_ONLY_VERIFY_NUDGE_RUN_2"))
+    for (auto& step : b.record["steps"]) step["grad_norm"] = step["grad_norm"].get<double>() * (1 + std::atof(nudge->c_str()));
   const auto& sa = a.record["steps"];
   const auto& sb = b.record["steps"];
 
