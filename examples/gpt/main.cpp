@@ -148,7 +148,7 @@ int run(const Args& args) {
   int64_t frozen = 0, params = 0;
   // Tensor parallelism (parallelism_config_tp_size): the plan beside the model splits it, or AutoTP at
   // prepare() finds the same one from the layer names.
-  auto& tp_group = acc.state().mesh().group("tp");
+  auto& tp_group = acc.state().mesh().group(xlr8::MeshDim::tp);
   // Checks the heads (and under sequence parallelism the sequence) divide first; AutoTP checks its own.
   const auto plan = args.autotp ? xlr8::tp::Plan{} : gpt::tp_plan(config, tp_group.size(), args.sequence_parallel);
   auto model = acc.prepare(acc.build_model([&] {
@@ -200,7 +200,7 @@ int run(const Args& args) {
   acc.print("gpt: {} parameters, {} layers, d_model {}, {} heads; {} bytes of text, windows of {}; {} process(es), "
             "{} windows per global batch, {} batches per epoch per process",
             params, args.n_layer, args.d_model, args.n_head, text.numel(), args.seq_len, acc.num_processes(),
-            args.batch_size * acc.state().mesh().size("dp") * acc.gradient_accumulation_steps(), train->size());
+            args.batch_size * acc.state().mesh().size(xlr8::MeshDim::dp) * acc.gradient_accumulation_steps(), train->size());
 
   const auto start = std::chrono::steady_clock::now();
   const int64_t tp_bytes_before = xlr8::tp::region_wire_bytes();  // tensor-parallel traffic of training alone
@@ -240,7 +240,7 @@ int run(const Args& args) {
       }
       peak = std::max(peak, held);
       opt.zero_grad();
-      tokens += batch.data.numel() * acc.state().mesh().size("dp");  // tp peers read the same batch
+      tokens += batch.data.numel() * acc.state().mesh().size(xlr8::MeshDim::dp);  // tp peers read the same batch
       if (!acc.sync_gradients()) continue;
       last_loss = loss.item<double>();
       const int64_t global_step = acc.step();
@@ -294,8 +294,8 @@ int run(const Args& args) {
                           {"tp_size", tp_group.size()},
                           {"sequence_parallel", sequence_parallel_in(*model)},
                           {"tp_wire_bytes_per_micro_step", micro_steps > 0 ? tp_bytes / micro_steps : 0},
-                          {"cp_size", acc.state().mesh().size("cp")},
-                          {"sp_size", acc.state().mesh().size("sp")},
+                          {"cp_size", acc.state().mesh().size(xlr8::MeshDim::cp)},
+                          {"sp_size", acc.state().mesh().size(xlr8::MeshDim::sp)},
                           {"cp_wire_bytes_per_micro_step", micro_steps > 0 ? cp_bytes / micro_steps : 0},
                           {"cp_ring_compute_s", ring[0].item<double>()},
                           {"cp_ring_wait_s", ring[1].item<double>()},

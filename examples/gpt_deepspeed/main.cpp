@@ -42,7 +42,7 @@ int main(int argc, char** argv) {
                                           .seed = seed});
     acc.print("gpt_deepspeed: ZeRO stage {}, {} windows per step ({} per rank x {} accumulation x {} ranks)",
               engine->zero_optimization_stage(), engine->train_batch_size(), engine->train_micro_batch_size_per_gpu(),
-              engine->gradient_accumulation_steps(), acc.state().mesh().size("dp"));
+              engine->gradient_accumulation_steps(), acc.state().mesh().size(xlr8::MeshDim::dp));
     const auto start = std::chrono::steady_clock::now();
     int64_t tokens = 0;
     double step_loss = 0;
@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
         engine->step();
         step_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - began).count();
         step_loss += reported.item<double>();
-        tokens += batch.data.numel() * acc.state().mesh().size("dp");  // tp and sp peers read the same batch
+        tokens += batch.data.numel() * acc.state().mesh().size(xlr8::MeshDim::dp);  // tp and sp peers read the same batch
         if (!boundary) continue;
         losses.push_back(acc.reduce(at::full({1}, step_loss, at::kDouble), xlr8::ReduceOp::AVG).item<double>());
         step_loss = 0;
@@ -84,8 +84,8 @@ int main(int argc, char** argv) {
                                          // Offload (zero_optimization.offload_optimizer): the optimizer steps in host memory.
                                          {"optimizer_device",
                                           optimizer->param_groups().front().params().front().device().str()},
-                                         {"tp_size", acc.state().mesh().size("tp")},
-                                         {"sp_size", acc.state().mesh().size("sp")},
+                                         {"tp_size", acc.state().mesh().size(xlr8::MeshDim::tp)},
+                                         {"sp_size", acc.state().mesh().size(xlr8::MeshDim::sp)},
                                          {"sliced_parameters", xlr8::tp::slice_layouts(engine->module()).size()},
                                          {"tokens_per_s", static_cast<double>(tokens) / std::max(seconds, 1e-9)},
                                          {"measured_step_ms", step_ms},

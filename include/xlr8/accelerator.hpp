@@ -20,7 +20,9 @@
 #include "xlr8/data_loader.hpp"
 #include "xlr8/empty_init.hpp"
 #include "xlr8/format.hpp"
+#include "xlr8/parallel_plan.hpp"
 #include "xlr8/parallel_strategy.hpp"
+#include "xlr8/prepared.hpp"
 #include "xlr8/process_state.hpp"
 #include "xlr8/progress.hpp"
 #include "xlr8/tensor_tree.hpp"
@@ -54,10 +56,9 @@ struct AcceleratorOptions {
   std::optional<int64_t> tp_head_dim;
 };
 
-struct AcceleratorImpl;
 namespace deepspeed {
-class Engine;
-}
+struct Config;
+}  // namespace deepspeed
 
 namespace detail {
 // An object registered for checkpointing: how it becomes the bytes of one file, and back.
@@ -68,87 +69,22 @@ struct Checkpointable {
 };
 }  // namespace detail
 
-// step() and zero_grad() act only on sync steps. With fp16 the step unscales the gradients, checks them
-// for inf/NaN on every rank, and is skipped (and reported) on overflow.
-class PreparedOptimizer {
- public:
-  struct State;
-  PreparedOptimizer() = default;
-  explicit PreparedOptimizer(std::shared_ptr<State> state) : state_(std::move(state)) {}
-  void step();
-  void zero_grad(bool set_to_none = true);  // as PyTorch 2.x: .grad becomes undefined, or zeros in place
-  torch::optim::Optimizer& optimizer();
-  bool step_was_skipped() const;  // the last sync step was skipped for fp16 overflow
-  int64_t steps_taken() const;
-  torch::optim::Optimizer* operator->() { return &optimizer(); }
-
- private:
-  std::shared_ptr<State> state_;
-};
-
-// Advances once per optimizer step that really happened.
-class PreparedScheduler {
- public:
-  struct State;
-  PreparedScheduler() = default;
-  explicit PreparedScheduler(std::shared_ptr<State> state) : state_(std::move(state)) {}
-  void step();
-  torch::optim::LRScheduler& scheduler();
-  int64_t steps_taken() const;
-
- private:
-  std::shared_ptr<State> state_;
-};
-
-// The body of one micro-step (Accelerate's `with accelerator.accumulate(model)`): decides whether this
-// step syncs gradients, tells the models' strategies, and runs the forward under autocast.
-class StepScope {
- public:
-  // `suspend_sync`: no_sync(); otherwise the GradientState's decision for this step applies.
-  StepScope(AcceleratorImpl* impl, std::vector<ParallelStrategy*> models, bool suspend_sync, AutocastScope autocast);
-  StepScope(StepScope&&) noexcept;
-  StepScope(const StepScope&) = delete;
-  ~StepScope();
-  bool sync_gradients() const;
-
- private:
-  AcceleratorImpl* impl_;
-  std::vector<ParallelStrategy*> models_;
-  bool suspend_sync_;
-  AutocastScope autocast_;
-  bool active_ = true;
-};
-
-// FSDP's summon_full_params: while it lives, a sharded model's parameters are whole and current on
-// every rank (a no-op for replicas). With `writeback`, changes made to them are kept.
-class FullParametersScope {
- public:
-  FullParametersScope(ParallelStrategy* strategy, bool writeback);
-  FullParametersScope(FullParametersScope&& other) noexcept;
-  FullParametersScope(const FullParametersScope&) = delete;
-  ~FullParametersScope();
-
- private:
-  ParallelStrategy* strategy_;
-  bool writeback_;
-};
-
 class Accelerator {
-  friend class deepspeed::Engine;  // DeepSpeed's micro-step decides sync itself, and fp16 takes the JSON's scaler
-  struct ForEngine {};             // the engine's own Accelerator: its JSON configures it, not the launch's file
-  Accelerator(AcceleratorOptions options, ForEngine);
-
  public:
   // Under `--use_deepspeed --deepspeed_config_file ds.json` the JSON configures the run as DeepSpeed's engine
   // would under Accelerate: its ZeRO stage and keys, fp16 (with its loss scaler) or bf16, accumulation and
   // gradient_clipping (applied at each optimizer step); "auto" values are filled from these options, the
   // launch, the prepared model, data loaders and DummyOptim / DummyScheduler (deepspeed_dummy.hpp).
   explicit Accelerator(AcceleratorOptions options = {});
+  // deepspeed::initialize's: `config` (resolved: no "auto" left) configures it instead of the launch's files; the
+  // options carry its precision and accumulation.
+  Accelerator(const deepspeed::Config& config, AcceleratorOptions options);
   ~Accelerator();
   Accelerator(const Accelerator&) = delete;
   Accelerator& operator=(const Accelerator&) = delete;
 
   const ProcessState& state() const;
+  const ParallelPlan& plan() const;  // what this run does, resolved once: plan().describe() tells it
   int num_processes() const;
   int process_index() const;
   int local_process_index() const;
@@ -237,6 +173,13 @@ class Accelerator {
   StepScope no_sync(const Models&... models) {
     return make_step_scope({module_pointer(models).get()...}, /*decide_sync=*/false);
   }
+  // A micro-step whose synchronisation the caller decides instead of the accumulation count (DeepSpeed's engine
+  // counts its own): with `sync` false gradients stay local, as under no_sync. The forward's autocast is autocast().
+  template <class... Models>
+  StepScope micro_step(bool sync, const Models&... models) {
+    return open_micro_step({module_pointer(models).get()...}, sync);
+  }
+  at::Tensor scaled_loss(const at::Tensor& loss);  // what backward() propagates for `loss` (below)
   // loss / gradient_accumulation_steps (times the fp16 loss scale), then backward outside autocast.
   // `retain_graph` keeps the graph for another backward through it (as torch's).
   void backward(const at::Tensor& loss, bool retain_graph = false);
@@ -328,13 +271,12 @@ class Accelerator {
   Model unwrap_model(Model model) const {
     return model;  // xlr8 never wraps the module: hooks do the synchronisation
   }
-  // Accelerate's trackers. init_trackers starts a run in <project_dir>/<project_name>/<run_name>/ (run name
-  // from the time unless given; never an existing run's directory) with `config` stored as config.json,
-  // on the main process. log() sends {"step": step, ...values} to every tracker (starting a run of
-  // project "xlr8" if none was started); end_training() closes them.
+  // Accelerate's trackers. init_trackers starts a run in <project_dir>/<project_name>/<run_name>/ (run name from the
+  // time unless given; never an existing run's directory) with `config` stored as config.json, on the main process.
+  // log() sends {"step": step, ...values} to every tracker (starting a run of project "xlr8" if none was started).
   void init_trackers(const std::string& project_name, const nlohmann::json& config = nlohmann::json::object(),
                      const std::string& run_name = "");
-  void log(const nlohmann::json& values, std::optional<int64_t> step = std::nullopt);
+  void log(const nlohmann::json& values, std::optional<int64_t> step = std::nullopt);  // end_training() closes them
   // The tracker of that name (null on processes other than the main one); Error if it is not logging.
   Tracker* get_tracker(const std::string& name);
   std::string run_dir() const;  // the current run's directory ("" before a run starts or off the main process)
@@ -391,12 +333,17 @@ class Accelerator {
 
   int64_t step() const;  // optimizer steps taken by the first prepared optimizer
   double loss_scale() const;  // the fp16 dynamic loss scale; 1 otherwise
-  // The prepared model's strategy: {"strategy": "single" | "ddp" | "zero1" | "zero2" | "zero3", ...its
-  // figures}; DDP adds buckets, launches, overlapped_launches and exposed_comm_seconds; ZeRO adds its
-  // groups, gathers, launches and gathered bytes.
+  // The prepared model's strategy: {"strategy": "single" | "ddp" | "zero1" | "zero2" | "zero3", ...}; DDP adds
+  // buckets, launches, overlapped_launches and exposed_comm_seconds; ZeRO its groups, gathers, launches and bytes.
   template <class Model>
   nlohmann::json parallel_stats(const Model& model) const {
     return strategy_of(*module_pointer(model)).stats();
+  }
+  // Accelerate's get_state_dict: the model's whole parameters and buffers by name on the main process (names,
+  // dtypes and shapes as meta tensors elsewhere), gathered one unit at a time when sharded. Collective.
+  template <class Model>
+  StateDict get_state_dict(const Model& model) const {
+    return strategy_of(*module_pointer(model)).state_dict(StateDictKind::FULL_ON_MAIN);
   }
 
  private:
@@ -435,6 +382,7 @@ class Accelerator {
   ParallelStrategy& strategy_for_scope(const torch::nn::Module& module);
   void register_loader(std::shared_ptr<DataLoaderBase> loader);
   StepScope make_step_scope(std::vector<torch::nn::Module*> modules, bool decide_sync);
+  StepScope open_micro_step(std::vector<torch::nn::Module*> modules, bool sync);
   void save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const;
   void load_module(torch::nn::Module& module, const std::string& path, bool strict);
   std::string save_state_unguarded(const std::string& dir);

@@ -129,8 +129,8 @@ std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::
   // Context-parallel (and Ulysses) peers share the weights and see different tokens: gradients are
   // averaged, and FSDP shards, over dp x cp (torchtitan's rule; DeepSpeed's sequence-data-parallel group).
   auto& mesh = state.mesh();
-  return make_parallel_strategy(std::move(module), mesh.group(mesh.size("dp_cp") > mesh.size("dp") ? "dp_cp" : "dp"), resolved,
-                                std::move(gradient_state));
+  const auto over = mesh.size(MeshDim::dp_cp) > mesh.size(MeshDim::dp) ? MeshDim::dp_cp : MeshDim::dp;
+  return make_parallel_strategy(std::move(module), mesh.group(over), resolved, std::move(gradient_state));
 }
 
 }  // namespace xlr8

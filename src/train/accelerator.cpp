@@ -5,12 +5,12 @@
 #include "compat/torch_compat.hpp"
 #include "core/log.hpp"
 #include "os/memory.hpp"
-#include "parallel/activation_checkpoint.hpp"
+#include "parallel/parallelize.hpp"
 #include "parallel/tp_layer_kinds.hpp"
 #include "parallel/wrap_policy.hpp"
 #include "parallel/zero_strategy.hpp"
 #include "train/accelerator_impl.hpp"
-#include "train/tensor_parallel_prepare.hpp"
+#include "train/parallel_plan.hpp"
 #include "xlr8/context_parallel.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
@@ -47,44 +47,51 @@ ParallelStrategy* AcceleratorImpl::owner_of(const at::Tensor& parameter) const {
 
 // ------------------------------------------------------------------------------------------ accelerator
 
-Accelerator::Accelerator(AcceleratorOptions options) : Accelerator(std::move(options), ForEngine{}) {
-  auto& s = *impl_;
-  const auto& launch = s.state->settings().deepspeed;
-  if (launch && !launch->config_file.empty()) {
-    // The JSON decides precision and accumulation (Accelerate: DeepSpeed's value wins), its scaler and clipping.
-    auto& plugin = s.deepspeed.emplace(*launch, s.precision, s.gradient_state->num_steps,
-                                       s.state->mesh().group("dp").size(), s.state->is_main_process());
-    s.precision = plugin.precision();
-    if (plugin.gradient_accumulation_steps() > 0) s.gradient_state->num_steps = plugin.gradient_accumulation_steps();
-    s.follow_deepspeed(plugin.config());
-    s.clip_at_step = plugin.config().gradient_clipping;
-  } else if (launch && launch->gradient_clipping) {
-    s.clip_at_step = *launch->gradient_clipping;  // --gradient_clipping: DeepSpeed clips every step
-  }
-  // `xlr8 verify`'s third run: each of the N ranks' shares is a micro-batch, so N times as many make a step.
-  if (s.verify) s.gradient_state->num_steps *= s.verify->micro_split();
+Accelerator::Accelerator(AcceleratorOptions options) : impl_(std::make_unique<AcceleratorImpl>()) {
+  impl_->start(std::move(options), nullptr);
 }
 
-Accelerator::Accelerator(AcceleratorOptions options, ForEngine) : impl_(std::make_unique<AcceleratorImpl>()) {
-  auto& s = *impl_;
+Accelerator::Accelerator(const deepspeed::Config& config, AcceleratorOptions options)
+    : impl_(std::make_unique<AcceleratorImpl>()) {
+  impl_->start(std::move(options), &config);
+}
+
+void AcceleratorImpl::start(AcceleratorOptions given, const deepspeed::Config* engine_config) {
+  auto& s = *this;
   s.state = &ProcessState::instance();
-  s.options = std::move(options);
+  s.options = std::move(given);
   s.device = s.options.cpu ? at::Device(at::kCPU) : at::Device(s.state->device());
-  s.precision = s.options.mixed_precision.value_or(s.state->mixed_precision());
-  s.gradient_state->num_steps = gradient_accumulation_steps_for(s.state->settings(), s.options.gradient_accumulation_steps,
-                                                                s.state->is_main_process());
-  s.gradient_state->sync_with_dataloader = s.options.sync_with_dataloader;
-  if (s.precision == MixedPrecision::FP16) s.scaler.emplace();
-  // Offload keeps the optimizer's side (and under stage 3 the parameter shards) in host memory.
   const auto& settings = s.state->settings();
-  bool offload = (settings.fsdp && settings.fsdp->offload_params) ||
-                 (settings.deepspeed && (settings.deepspeed->offload_optimizer_device != "none" ||
-                                         settings.deepspeed->offload_param_device != "none"));
-  if (offload) s.report_offload();
+  const auto env = Env::current();
   // `xlr8 verify`: the same global batch on any number of processes, and the record of each step.
-  if (const char* split = std::getenv("XLR8_SPLIT_BATCHES"); split && std::string(split) == "1") s.options.split_batches = true;
   s.verify = detail::VerifyRecorder::from_env();
   s.advise = detail::AdviseRecorder::from_env();
+  for (auto* observer : std::initializer_list<detail::StepObserver*>{s.verify.get(), s.advise.get()})
+    if (observer) s.observers.push_back(observer);
+  detail::PlanInputs in{.state = s.state, .options = &s.options, .device = s.device};
+  in.precision = s.options.mixed_precision.value_or(s.state->mixed_precision());
+  in.accumulation = gradient_accumulation_steps_for(settings, s.options.gradient_accumulation_steps, s.state->is_main_process());
+  const auto& launch = settings.deepspeed;
+  if (engine_config) {
+    in.deepspeed = engine_config;
+    in.from_engine = true;
+  } else if (launch && !launch->config_file.empty()) {
+    // The JSON decides precision and accumulation (Accelerate: DeepSpeed's value wins), its scaler and clipping.
+    in.deepspeed = &s.deepspeed.emplace(*launch, in.precision, in.accumulation, s.state->mesh().size(MeshDim::dp),
+                                        s.state->is_main_process()).config();
+  }
+  // `xlr8 verify`'s third run: each of the N ranks' shares is a micro-batch, so N times as many make a step.
+  if (s.verify) in.micro_batches_per_rank = s.verify->micro_split();
+  s.plan = detail::resolve_plan(in, env);
+  if (s.state->is_main_process()) log::debug("xlr8: the Accelerator's plan:\n{}", s.plan.describe());
+  s.gradient_state->num_steps = s.plan.gradient_accumulation_steps;
+  s.gradient_state->sync_with_dataloader = s.options.sync_with_dataloader;
+  if (s.plan.loss_scaler) s.scaler.emplace(*s.plan.loss_scaler);
+  // Offload keeps the optimizer's side (and under stage 3 the parameter shards) in host memory.
+  const bool offload = (settings.fsdp && settings.fsdp->offload_params) ||
+                       (launch && (launch->offload_optimizer_device != "none" || launch->offload_param_device != "none")) ||
+                       (in.deepspeed && in.deepspeed->zero_optimization.offloads());
+  if (offload) s.report_offload();
   // parallelism_config_cp_size / _sp_size: a model's xlr8::attention and cp::local_positions follow the group.
   if (auto context = s.sequence_context()) {
     cp::set_process_context(*context);
@@ -94,25 +101,18 @@ Accelerator::Accelerator(AcceleratorOptions options, ForEngine) : impl_(std::mak
 
 std::optional<cp::Context> AcceleratorImpl::sequence_context() const {
   auto& mesh = state->mesh();
-  if (mesh.size("sp") > 1) return cp::Context{mesh.group("sp"), cp::CommStrategy::Ulysses};
-  if (mesh.size("cp") > 1)
-    return cp::Context{mesh.group("cp"), cp::parse_comm_strategy(state->settings().parallelism->cp_comm_strategy)};
-  return std::nullopt;
+  if (plan.sequence.comm_strategy.empty()) return std::nullopt;
+  if (plan.mesh.sp > 1) return cp::Context{mesh.group(MeshDim::sp), cp::CommStrategy::Ulysses};
+  return cp::Context{mesh.group(MeshDim::cp), cp::parse_comm_strategy(plan.sequence.comm_strategy)};
 }
 
 void AcceleratorImpl::check_sequence_length(int64_t length) const {
-  const auto& p = state->settings().parallelism;
-  if (!p || p->sp == 1 || p->sp_seq_length_is_variable || !p->sp_seq_length || *p->sp_seq_length == length) return;
+  const auto& fixed = plan.sequence.fixed_length;
+  if (!fixed || *fixed == length) return;
   throw ConfigError(fmt::format("this batch's sequence is {} tokens, but parallelism_config_sp_seq_length is {} with "
                                 "parallelism_config_sp_seq_length_is_variable false; pad every batch to {} tokens, or "
                                 "set parallelism_config_sp_seq_length_is_variable true",
-                                length, *p->sp_seq_length, *p->sp_seq_length));
-}
-
-void AcceleratorImpl::follow_deepspeed(const deepspeed::Config& config) {
-  scaler.reset();
-  if (precision == MixedPrecision::FP16) scaler.emplace(deepspeed::loss_scaler_options(config.fp16, config.zero_optimization.stage));
-  if (config.zero_optimization.offloads()) report_offload();
+                                length, *fixed, *fixed));
 }
 
 void AcceleratorImpl::report_offload() {
@@ -133,13 +133,14 @@ Accelerator::~Accelerator() {
 }
 
 const ProcessState& Accelerator::state() const { return *impl_->state; }
+const ParallelPlan& Accelerator::plan() const { return impl_->plan; }
 int Accelerator::num_processes() const { return impl_->state->world_size(); }
 int Accelerator::process_index() const { return impl_->state->rank(); }
 int Accelerator::local_process_index() const { return impl_->state->local_rank(); }
 bool Accelerator::is_main_process() const { return impl_->state->is_main_process(); }
 bool Accelerator::is_local_main_process() const { return impl_->state->is_local_main_process(); }
 at::Device Accelerator::device() const { return impl_->device; }
-MixedPrecision Accelerator::mixed_precision() const { return impl_->precision; }
+MixedPrecision Accelerator::mixed_precision() const { return impl_->plan.mixed_precision; }
 int Accelerator::gradient_accumulation_steps() const { return impl_->gradient_state->num_steps; }
 bool Accelerator::sync_gradients() const { return impl_->gradient_state->sync_gradients; }
 bool Accelerator::end_of_dataloader() const { return impl_->gradient_state->end_of_dataloader(); }
@@ -171,51 +172,12 @@ FullParametersScope::~FullParametersScope() {
 double Accelerator::loss_scale() const { return impl_->scaler ? impl_->scaler->scale() : 1.0; }
 int64_t Accelerator::step() const { return impl_->optimizers.empty() ? 0 : impl_->optimizers.front()->steps; }
 
-namespace {
-
-// The dtype sharded strategies gather and compute parameters in (FSDP's MixedPrecision param_dtype).
-// On CUDA, the mixed-precision dtype. On CPU, none: CPUs without native bf16 run LayerNorm, GELU and
-// softmax on bf16 tensors slower than on fp32 ones, so parameters stay fp32 under autocast as with DDP
-// (measured on the GPT example, 2 ranks: bf16 parameters gave 0.82-0.84x DDP's tokens/s). The
-// XLR8_SHARDED_PARAM_DTYPE variable (auto | bf16 | fp16 | fp32) overrides it.
-std::optional<at::ScalarType> sharded_param_dtype(MixedPrecision precision, const at::Device& device) {
-  const auto asked = Env::current().get("XLR8_SHARDED_PARAM_DTYPE").value_or("auto");
-  if (asked == "bf16") return at::kBFloat16;
-  if (asked == "fp16") return at::kHalf;
-  if (asked == "fp32") return std::nullopt;
-  if (asked != "auto")
-    throw ConfigError(fmt::format("XLR8_SHARDED_PARAM_DTYPE={:?}: allowed values are auto, bf16, fp16 and fp32", asked));
-  if (!device.is_cuda() || precision == MixedPrecision::NO) return std::nullopt;
-  return precision == MixedPrecision::FP16 ? at::kHalf : at::kBFloat16;
-}
-
-// fsdp_activation_checkpointing: every unit of the wrap policy is recomputed in backward (after TP
-// split its layers, before the sharding engine takes its parameters: torchtitan's order).
-void mark_units_for_checkpointing(const torch::nn::Module& module, const ZeroOptions& zero, const FsdpSettings& fsdp) {
-  int marked = 0;
-  for (const auto& unit : detail::plan_units(module, zero))
-    if (unit.module && unit.module != &module) {
-      detail::mark_checkpointed_unit(*unit.module, unit.label, module);
-      ++marked;
-    }
-  if (marked == 0)
-    throw ConfigError(fmt::format(
-        "fsdp_activation_checkpointing: true checkpoints the units of the wrap policy, and fsdp_auto_wrap_policy {} "
-        "makes none in this model; set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP with "
-        "fsdp_transformer_layer_cls_to_wrap naming its block class (or the model's xlr8::NoSplitModules declaring "
-        "it), or fsdp_activation_checkpointing: false",
-        fsdp.auto_wrap_policy));
-  log::info("prepare(): fsdp_activation_checkpointing: {} unit(s) recompute their forward in backward", marked);
-}
-
-}  // namespace
-
 bool Accelerator::rank0_loading() const {
   const auto& s = *impl_;
   const auto& settings = s.state->settings();
   if (s.state->world_size() == 1 || !settings.fsdp || !settings.fsdp->cpu_ram_efficient_loading) return false;
-  const auto zero = detail::resolve_zero_options(s.options.parallel.zero, settings, s.state->local_world_size());
-  const int dp = s.state->mesh().size("dp_cp");  // what the strategy shards over
+  const auto& zero = s.plan.data_parallel.zero;
+  const int dp = s.state->mesh().size(MeshDim::dp_cp);  // what the strategy shards over
   // Units chosen by size may be modules whose forward opens no guard: they must stay whole.
   const bool guarded_units =
       zero.auto_wrap_policy == AutoWrapPolicy::TRANSFORMER_BASED_WRAP || zero.auto_wrap_policy == AutoWrapPolicy::NO_WRAP;
@@ -226,7 +188,7 @@ bool Accelerator::rank0_loading() const {
 bool Accelerator::tp_loading() const {
   const auto& s = *impl_;
   const auto& fsdp = s.state->settings().fsdp;
-  return s.state->world_size() > 1 && s.state->mesh().size("tp") > 1 && (!fsdp || fsdp->cpu_ram_efficient_loading);
+  return s.state->world_size() > 1 && s.plan.mesh.tp > 1 && (!fsdp || fsdp->cpu_ram_efficient_loading);
 }
 
 struct Accelerator::ModelBuild {
@@ -271,39 +233,42 @@ void Accelerator::built_model(const std::shared_ptr<torch::nn::Module>& module, 
   if (!is_main_process()) generator.set_state(state);
 }
 
-void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
-  auto& s = *impl_;
-  if (!module) throw Error("prepare(): the model is null");
-  if (s.strategy_for(module.get())) throw Error("prepare(): this model was already prepared; prepare each model once");
-  // AcceleratorOptions::tp_head_dim, else the launch's parallelism_config_tp_head_dim (0: unchecked).
-  const auto& launch = s.state->settings().parallelism;
-  const int64_t head_dim = s.options.tp_head_dim.value_or(launch ? launch->tp_head_dim.value_or(0) : 0);
-  detail::split_for_tensor_parallel(*module, s.state->mesh(), s.options.tp_sequence_parallel, head_dim);
-  auto& tp_built = s.built_for_tp_loading;
+// The values a model built for rank-0 or tensor-parallel loading still lacks come from the main process; every
+// model moves to the device. Returns whether the strategy must send rank 0's values to the other ranks.
+bool AcceleratorImpl::complete_values(const std::shared_ptr<torch::nn::Module>& module) {
+  auto& tp_built = built_for_tp_loading;
   std::erase_if(tp_built, [](const auto& b) { return b.module.expired(); });
   auto tp_it = std::find_if(tp_built.begin(), tp_built.end(), [&](const auto& b) { return b.module.lock() == module; });
   if (tp_it != tp_built.end()) {
     auto wholes = std::move(tp_it->wholes);
     tp_built.erase(tp_it);
-    tp::detail::take_whole_values_from_main(*module, s.world(), wholes, s.device);
+    tp::detail::take_whole_values_from_main(*module, world(), wholes, device);
   }
-  module->to(s.device);
-  auto& built = s.built_for_rank0_loading;
+  module->to(device);
+  auto& built = built_for_rank0_loading;
   std::erase_if(built, [](const auto& weak) { return weak.expired(); });
   auto it = std::find_if(built.begin(), built.end(), [&](const auto& weak) { return weak.lock() == module; });
   const bool values_from_rank0 = it != built.end();  // the other ranks hold no values until the strategy sends them
   if (values_from_rank0) built.erase(it);
-  if (s.verify) s.verify->on_prepare(s, *module, /*compare_across_ranks=*/!values_from_rank0);
-  if (s.advise) s.advise->on_prepare(s, *module);
-  auto parallel = s.options.parallel;
-  const auto& settings = s.state->settings();
-  if (settings.fsdp && settings.fsdp->activation_checkpointing)
-    mark_units_for_checkpointing(
-        *module, detail::resolve_zero_options(parallel.zero, settings, s.state->local_world_size()), *settings.fsdp);
-  if (!parallel.zero.param_dtype) parallel.zero.param_dtype = sharded_param_dtype(s.precision, s.device);
-  if (s.deepspeed) s.deepspeed->configure_model(*module, parallel, s.options.model_hidden_size);
-  if (values_from_rank0) parallel.zero.values_from_rank0 = true;
-  s.models.push_back(make_parallel_strategy(std::move(module), *s.state, parallel, s.gradient_state));
+  return values_from_rank0;
+}
+
+void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
+  auto& s = *impl_;
+  if (!module) throw Error("prepare(): the model is null");
+  if (s.strategy_for(module.get())) throw Error("prepare(): this model was already prepared; prepare each model once");
+  bool values_from_rank0 = false;
+  detail::ParallelizeHooks hooks;
+  hooks.after_tensor_parallel = [&](torch::nn::Module&) {
+    values_from_rank0 = s.complete_values(module);
+    s.notify([&](detail::StepObserver& o) { o.on_prepare(s, *module, /*values_everywhere=*/!values_from_rank0); });
+  };
+  hooks.data_parallel_options = [&](torch::nn::Module& model, ParallelOptions& parallel) {
+    if (s.deepspeed) s.deepspeed->configure_model(model, parallel, s.options.model_hidden_size);
+    if (values_from_rank0) parallel.zero.values_from_rank0 = true;
+  };
+  hooks.gradient_state = s.gradient_state;
+  s.models.push_back(detail::parallelize(module, s.plan, s.state->mesh(), hooks));
   auto* strategy = s.models.back().get();
   for (const auto& o : s.optimizers) strategy->bind_optimizer(*o->optimizer);  // prepared before the model
 }
@@ -339,7 +304,7 @@ void Accelerator::register_loader(std::shared_ptr<DataLoaderBase> loader) {
     const auto& o = loader->options();
     // Under split_batches a micro-batch is one rank's share (in verify's run 3, this process stands for several ranks).
     const int shares = std::max(1, loader->sharding().num_processes * loader->sharding().micro_batches);
-    s.deepspeed->loader_prepared(s.options.split_batches ? o.batch_size / shares : o.batch_size);
+    s.deepspeed->loader_prepared(s.plan.split_batches ? o.batch_size / shares : o.batch_size);
   }
   s.loaders.push_back(loader);
 }
@@ -383,9 +348,9 @@ ShardingOptions Accelerator::sharding() const {
   ShardingOptions o;
   // Ranks of one data-parallel index (tensor or context parallel peers) read the same batches.
   auto& mesh = impl_->state->mesh();
-  o.num_processes = mesh.size("dp");
-  o.process_index = mesh.rank("dp");
-  o.split_batches = impl_->options.split_batches;
+  o.num_processes = mesh.size(MeshDim::dp);
+  o.process_index = mesh.rank(MeshDim::dp);
+  o.split_batches = impl_->plan.split_batches;
   o.even_batches = impl_->options.even_batches;
   o.micro_batches = impl_->verify ? impl_->verify->micro_split() : 1;
   return o;

@@ -77,7 +77,7 @@ void record_training_state(const AcceleratorImpl& s, nlohmann::json& st) {
   st["micro_step"] = s.micro_step;
   st["save_iteration"] = s.save_iteration + 1;
   st["seed"] = s.seed;
-  st["mixed_precision"] = to_string(s.precision);
+  st["mixed_precision"] = to_string(s.plan.mixed_precision);
   st["gradient_accumulation_steps"] = s.gradient_state->num_steps;
   st["last_step_applied"] = s.last_step_applied;
   if (s.scaler) st["scaler"] = s.scaler->state();

@@ -11,6 +11,7 @@
 #include "xlr8/accelerator.hpp"
 #include "xlr8/context_parallel.hpp"
 #include "xlr8/loss_scaler.hpp"
+#include "xlr8/parallel_plan.hpp"
 
 namespace xlr8 {
 
@@ -31,7 +32,7 @@ struct AcceleratorImpl {
   const ProcessState* state = nullptr;
   AcceleratorOptions options;
   at::Device device{at::kCPU};
-  MixedPrecision precision = MixedPrecision::NO;
+  ParallelPlan plan;  // resolved once, when the Accelerator is built
   std::shared_ptr<GradientState> gradient_state = std::make_shared<GradientState>();
   int64_t micro_step = 0;  // Accelerate's accelerator.step: micro-steps in the current window
   int open_scopes = 0;      // StepScopes alive (accumulate / no_sync): free_memory must not run inside one
@@ -49,10 +50,17 @@ struct AcceleratorImpl {
   std::vector<std::unique_ptr<Tracker>> trackers;  // main process, once a run started
   std::string run_dir;
   std::optional<detail::DeepSpeedPlugin> deepspeed;  // the launch's DeepSpeed JSON, when it names one
-  double clip_at_step = 0;  // DeepSpeed's gradient_clipping: every optimizer step clips to it (0: no)
   std::unique_ptr<detail::VerifyRecorder> verify;  // under `xlr8 verify` (XLR8_VERIFY_DIR)
   std::unique_ptr<detail::AdviseRecorder> advise;  // under `xlr8 advise` (XLR8_ADVISE_DIR)
+  std::vector<detail::StepObserver*> observers;    // told of each step's events, in this order (step_observer.hpp)
+  template <class Event>
+  void notify(const Event& event) {
+    for (auto* observer : observers) event(*observer);
+  }
 
+  // The constructors' work: the process, the device, the recorders, the plan resolved from every source of
+  // settings (`engine_config`: deepspeed::initialize's JSON; null: the launch's files), and what follows from it.
+  void start(AcceleratorOptions given, const deepspeed::Config* engine_config);
   Communicator& world() const { return state->world(); }
   std::vector<at::Tensor> optimized_parameters() const;
   // fp16: divide this step's gradients by the scale once, and agree across ranks whether any overflowed.
@@ -74,8 +82,9 @@ struct AcceleratorImpl {
   void check_attention_went_through_cp();
   bool attention_checked = false;
   bool offload_reported = false;
-  // A DeepSpeed JSON's fp16 loss scaler (when the precision is fp16) and its offload request.
-  void follow_deepspeed(const deepspeed::Config& config);
+  // Whole values from the main process where build_model left the model without them, and the device: prepare()'s
+  // step after the tensor-parallel split. True when the strategy must send rank 0's values (rank-0 loading).
+  bool complete_values(const std::shared_ptr<torch::nn::Module>& module);
   // The strategy of a prepared module, or null.
   ParallelStrategy* strategy_for(const torch::nn::Module* module) const;
   // The strategies of `modules` (all prepared models when empty); an unprepared module is an Error.

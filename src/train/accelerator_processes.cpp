@@ -66,7 +66,7 @@ void check_same_layout(Communicator& group, const std::vector<at::Tensor>& tenso
 std::vector<at::Tensor> Accelerator::gather_tensors(const std::vector<at::Tensor>& tensors, bool for_metrics) const {
   // gather_for_metrics: over the ranks that read different batches (dp: the loader shards over it);
   // tensor- and context-parallel peers read the same batch and would repeat its samples.
-  auto& group = for_metrics ? impl_->state->mesh().group("dp") : impl_->world();
+  auto& group = for_metrics ? impl_->state->mesh().group(MeshDim::dp) : impl_->world();
   if (group.size() > 1) check_same_layout(group, tensors, for_metrics ? "gather_for_metrics" : "gather");
   const auto& gs = *impl_->gradient_state;
   const bool drop_padding = for_metrics && gs.end_of_dataloader() && gs.remainder() > 0;

@@ -41,8 +41,8 @@ void AcceleratorImpl::check_attention_went_through_cp() {
       "{} is {}, but the forward before this backward never called xlr8::attention(): attention "
       "written by hand sees only this rank's share of the sequence. Compute it with xlr8::attention(q, k, v, ...) "
       "(xlr8/context_parallel.hpp) in {}",
-      state->mesh().size("sp") > 1 ? "parallelism_config_sp_size" : "parallelism_config_cp_size",
-      state->mesh().size("cp") * state->mesh().size("sp"),
+      state->mesh().size(MeshDim::sp) > 1 ? "parallelism_config_sp_size" : "parallelism_config_cp_size",
+      state->mesh().size(MeshDim::cp) * state->mesh().size(MeshDim::sp),
       suspects.empty() ? std::string("the model's attention module") : text::capped(suspects)));
 }
 
@@ -82,31 +82,33 @@ void PreparedOptimizer::step() {
   check_not_freed(s.impl, "optimizer");
   auto& impl = *s.impl;
   if (!impl.gradient_state->sync_gradients) return;
-  if (impl.advise) impl.advise->begin_optimizer_step();
+  impl.notify([](detail::StepObserver& o) { o.optimizer_step_begins(); });
   impl.unscale_gradients();
   if (impl.scaler && impl.overflow) {
     s.skipped = true;
     impl.last_step_applied = false;
     if (impl.state->is_main_process())
       log::info("xlr8: fp16 gradient overflow: skipped optimizer step; loss scale is now {}", impl.scaler->scale());
-    if (impl.advise) impl.advise->end_optimizer_step();
+    impl.notify([](detail::StepObserver& o) { o.optimizer_step_ends(); });
     return;
   }
   // The strategy of the model it optimizes steps it (sharded strategies step their shards, then gather).
   const auto& groups = s.optimizer->param_groups();
   auto* owner = groups.empty() || groups.front().params().empty() ? nullptr : impl.owner_of(groups.front().params().front());
   const bool first = !impl.optimizers.empty() && impl.optimizers.front().get() == &s;
-  if (first && impl.verify) impl.verify->before_step(impl, owner ? owner->module()->parameters() : impl.optimized_parameters(), owner);
-  if (impl.clip_at_step > 0)  // DeepSpeed's gradient_clipping, over the whole model's gradients
-    impl.clip_grad_norm(owner ? owner->module()->parameters() : impl.optimized_parameters(), impl.clip_at_step, 2.0);
+  if (first && !impl.observers.empty()) {
+    const auto parameters = owner ? owner->module()->parameters() : impl.optimized_parameters();
+    impl.notify([&](detail::StepObserver& o) { o.before_update(impl, parameters, owner); });
+  }
+  if (impl.plan.clip_at_step > 0)  // DeepSpeed's gradient_clipping, over the whole model's gradients
+    impl.clip_grad_norm(owner ? owner->module()->parameters() : impl.optimized_parameters(), impl.plan.clip_at_step, 2.0);
   if (owner) owner->optimizer_step(*s.optimizer);
   else s.optimizer->step();
   s.skipped = false;
   s.steps += 1;
   impl.last_step_applied = true;
-  if (impl.advise) impl.advise->end_optimizer_step();
-  if (first && impl.verify) impl.verify->after_step(impl, s.steps);
-  if (first && impl.advise) impl.advise->after_step(impl, s.steps);
+  impl.notify([](detail::StepObserver& o) { o.optimizer_step_ends(); });
+  if (first) impl.notify([&](detail::StepObserver& o) { o.after_update(impl, s.steps); });
 }
 
 void PreparedOptimizer::zero_grad(bool set_to_none) {
@@ -168,6 +170,12 @@ bool StepScope::sync_gradients() const { return !suspend_sync_ && impl_->gradien
 
 // ------------------------------------------------------------------------------------------ backward and gradients
 
+StepScope Accelerator::open_micro_step(std::vector<torch::nn::Module*> modules, bool sync) {
+  auto& s = *impl_;
+  s.gradient_state->sync_gradients = sync;  // the caller's decision is the one every reader follows
+  return StepScope(impl_.get(), s.strategies_of(modules), /*suspend_sync=*/!sync, AutocastScope());
+}
+
 StepScope Accelerator::make_step_scope(std::vector<torch::nn::Module*> modules, bool decide_sync) {
   auto& s = *impl_;
   auto strategies = s.strategies_of(modules);
@@ -188,9 +196,9 @@ StepScope Accelerator::make_step_scope(std::vector<torch::nn::Module*> modules, 
 
 AutocastScope Accelerator::autocast() const {
   auto type = impl_->device.type();
-  bool enabled = impl_->precision == MixedPrecision::BF16 ||
-                 (impl_->precision == MixedPrecision::FP16 && type == c10::DeviceType::CUDA);
-  auto dtype = impl_->precision == MixedPrecision::FP16 ? at::kHalf : at::kBFloat16;
+  bool enabled = impl_->plan.mixed_precision == MixedPrecision::BF16 ||
+                 (impl_->plan.mixed_precision == MixedPrecision::FP16 && type == c10::DeviceType::CUDA);
+  auto dtype = impl_->plan.mixed_precision == MixedPrecision::FP16 ? at::kHalf : at::kBFloat16;
   return enabled ? AutocastScope(type, dtype) : AutocastScope();
 }
 
@@ -203,14 +211,16 @@ at::Tensor AcceleratorImpl::loss_for_backward(const at::Tensor& loss) {
   return scaled;
 }
 
+at::Tensor Accelerator::scaled_loss(const at::Tensor& loss) { return impl_->loss_for_backward(loss); }
+
 void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
   if (impl_->deepspeed)  // everything the JSON needs is prepared by now: no "auto" may be left
     impl_->deepspeed->finish(impl_->gradient_state->num_steps);
   // A forward under cp/sp that never went through xlr8::attention is refused before its backward computes
   // anything: nothing has trained yet.
-  if (impl_->state->mesh().size("cp") * impl_->state->mesh().size("sp") > 1) impl_->check_attention_went_through_cp();
+  if (impl_->state->mesh().size(MeshDim::cp) * impl_->state->mesh().size(MeshDim::sp) > 1) impl_->check_attention_went_through_cp();
   auto scaled = impl_->loss_for_backward(loss);
-  if (impl_->verify) impl_->verify->on_backward(loss);
+  impl_->notify([&](detail::StepObserver& o) { o.on_backward(loss); });
   AutocastPause outside_autocast;
   scaled.backward({}, retain_graph);
   for (const auto& model : impl_->models)
@@ -237,7 +247,7 @@ void Accelerator::clip_grad_value(const std::vector<at::Tensor>& parameters, dou
 double Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
   const double norm = impl_->clip_grad_norm(parameters, max_norm, norm_type);
   // `xlr8 verify` compares the norm the program clipped from: after clipping every clipped step reads max_norm.
-  if (impl_->verify && impl_->gradient_state->sync_gradients) impl_->verify->on_clip_grad_norm(norm);
+  if (impl_->gradient_state->sync_gradients) impl_->notify([&](detail::StepObserver& o) { o.on_clip_grad_norm(norm); });
   return norm;
 }
 

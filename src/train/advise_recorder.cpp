@@ -21,6 +21,7 @@
 #include "train/memory_meter.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
+#include "xlr8/env.hpp"
 
 namespace xlr8::detail {
 
@@ -66,7 +67,7 @@ double samples_per_step(const AcceleratorImpl& impl) {
   for (const auto& weak : impl.loaders)
     if (auto loader = weak.lock()) {
       const auto& o = loader->options();
-      return static_cast<double>(o.batch_size) * (impl.options.split_batches ? 1 : loader->sharding().num_processes) *
+      return static_cast<double>(o.batch_size) * (impl.plan.split_batches ? 1 : loader->sharding().num_processes) *
              impl.gradient_state->num_steps;
     }
   return 0;
@@ -115,14 +116,14 @@ nlohmann::json tensor_parallel_options(const torch::nn::Module& module, int worl
 }  // namespace
 
 std::unique_ptr<AdviseRecorder> AdviseRecorder::from_env() {
-  const char* dir = std::getenv("XLR8_ADVISE_DIR");
-  if (!dir || !*dir) return nullptr;
+  const auto dir = env_var("XLR8_ADVISE_DIR");
+  if (!dir) return nullptr;
   auto r = std::make_unique<AdviseRecorder>();
-  r->dir_ = dir;
-  if (const char* w = std::getenv("XLR8_ADVISE_WARMUP"); w && *w) r->warmup_ = std::max(0L, std::strtol(w, nullptr, 10));
-  if (const char* t = std::getenv("XLR8_ADVISE_STEPS"); t && *t) r->steps_ = std::max(0L, std::strtol(t, nullptr, 10));
-  if (const char* s = std::getenv("XLR8_ADVISE_MIN_SECONDS"); s && *s) r->min_seconds_ = std::max(0.0, std::strtod(s, nullptr));
-  if (const char* c = std::getenv("XLR8_ADVISE_CUT_BELOW"); c && *c) r->cut_below_ = std::max(0.0, std::strtod(c, nullptr));
+  r->dir_ = *dir;
+  if (const auto w = env_var("XLR8_ADVISE_WARMUP")) r->warmup_ = std::max(0L, std::strtol(w->c_str(), nullptr, 10));
+  if (const auto t = env_var("XLR8_ADVISE_STEPS")) r->steps_ = std::max(0L, std::strtol(t->c_str(), nullptr, 10));
+  if (const auto s = env_var("XLR8_ADVISE_MIN_SECONDS")) r->min_seconds_ = std::max(0.0, std::strtod(s->c_str(), nullptr));
+  if (const auto c = env_var("XLR8_ADVISE_CUT_BELOW")) r->cut_below_ = std::max(0.0, std::strtod(c->c_str(), nullptr));
   std::filesystem::create_directories(r->dir_);
   r->started_ = std::chrono::steady_clock::now();
   return r;
@@ -140,7 +141,7 @@ void AdviseRecorder::finish(AcceleratorImpl& impl, const std::string& file, cons
                           impl.state->rank(), dir_));
 }
 
-void AdviseRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module) {
+void AdviseRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module, bool) {
   if (steps_ > 0) memory_meter::install(impl.device);  // before the strategy allocates its buffers
   // Whole sizes: a tensor-parallel run holds slices.
   const auto layouts = tp::slice_layouts(module);
@@ -157,20 +158,20 @@ void AdviseRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module
   if (impl.state->local_rank() == 0) files::write_durably(fmt::format("{}/probe.json", dir_), probe);
 }
 
-void AdviseRecorder::begin_optimizer_step() {
+void AdviseRecorder::optimizer_step_begins() {
   optimizer_began_ = std::chrono::steady_clock::now();
   optimizer_wait_began_ = collective_wait_ns();
 }
 
 // Optimizer steps follow one another on the training thread. A step skipped for an fp16 overflow counts too:
 // its time is the optimizer's, and the forward and backward before it stay in the window without a step to show.
-void AdviseRecorder::end_optimizer_step() {
+void AdviseRecorder::optimizer_step_ends() {
   if (!in_window_) return;
   optimizer_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - optimizer_began_).count();
   optimizer_waited_ns_ += collective_wait_ns() - optimizer_wait_began_;
 }
 
-void AdviseRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
+void AdviseRecorder::after_update(AcceleratorImpl& impl, int64_t step) {
   if (steps_ == 0 || measured_) return;
   const auto now = std::chrono::steady_clock::now();
   const int64_t waited_now = collective_wait_ns();

@@ -17,22 +17,17 @@
 #include <memory>
 #include <string>
 
-namespace torch::nn {
-class Module;
-}
+#include "train/step_observer.hpp"
 
-namespace xlr8 {
-struct AcceleratorImpl;
+namespace xlr8::detail {
 
-namespace detail {
-
-class AdviseRecorder {
+class AdviseRecorder final : public StepObserver {
  public:
   static std::unique_ptr<AdviseRecorder> from_env();  // nullptr unless XLR8_ADVISE_DIR is set
-  void on_prepare(AcceleratorImpl& impl, torch::nn::Module& module);  // before the strategy shards it
-  void begin_optimizer_step();                                        // any prepared optimizer's step() begins
-  void end_optimizer_step();                                          // ... and ends (applied or skipped)
-  void after_step(AcceleratorImpl& impl, int64_t step);               // the first optimizer's; collective at W + T
+  void on_prepare(AcceleratorImpl& impl, torch::nn::Module& module, bool values_everywhere) override;
+  void optimizer_step_begins() override;
+  void optimizer_step_ends() override;
+  void after_update(AcceleratorImpl& impl, int64_t step) override;  // collective at W + T
 
  private:
   void finish(AcceleratorImpl& impl, const std::string& file, const std::string& text);
@@ -55,5 +50,4 @@ class AdviseRecorder {
   double optimizer_seconds_ = 0;
 };
 
-}  // namespace detail
-}  // namespace xlr8
+}  // namespace xlr8::detail

@@ -17,7 +17,6 @@
 #include "distributed/collective_timing.hpp"
 #include "parallel/unit_registry.hpp"
 #include "parallel/wrap_policy.hpp"
-#include "train/accelerator_impl.hpp"
 #include "train/deepspeed_plugin.hpp"
 #include "xlr8/deepspeed.hpp"
 #include "xlr8/deepspeed_schedulers.hpp"
@@ -34,8 +33,7 @@ AcceleratorOptions accelerator_options(const Config& config, const BatchSizes& s
   o.mixed_precision = detail::mixed_precision_of(config);
   o.gradient_accumulation_steps = static_cast<int>(sizes.gradient_accumulation_steps);
   o.sync_with_dataloader = false;  // DeepSpeed's boundary is its micro-step count alone
-  detail::apply_zero_config(config.zero_optimization, o.parallel);
-  return o;
+  return o;  // the JSON's ZeRO keys: the Accelerator's plan reads them from the config it is given
 }
 
 // The launch must not say otherwise than the JSON: the engine takes its settings from the JSON only.
@@ -107,7 +105,7 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const TypedSection& sect
 // launch makes it from a JSON given as --deepspeed_config_file).
 namespace {
 void check_sequence_mesh(const Config& config, const ProcessState& state) {
-  const int sp = state.mesh().size("sp"), dp = state.mesh().size("dp");
+  const int sp = state.mesh().size(MeshDim::sp), dp = state.mesh().size(MeshDim::dp);
   if (config.sequence_parallel_size && *config.sequence_parallel_size != sp)
     throw ConfigError(fmt::format("deepspeed::initialize: {} sets sequence_parallel_size {} but this job's mesh has sp "
                                   "{}; launch it with --parallelism_config_sp_size {} (xlr8 launch sets it itself from "
@@ -121,20 +119,16 @@ void check_sequence_mesh(const Config& config, const ProcessState& state) {
 }  // namespace
 
 // The JSON's tensor_parallel section: the model splits over the mesh's tp dimension, which the launch made
-// (xlr8 launch sets it from a JSON it is given, or --parallelism_config_tp_size). The partition_config
-// rules or the preset_model's place the layers; without them, prepare()'s AutoTP does.
+// (xlr8 launch sets it from a JSON it is given, or --parallelism_config_tp_size). prepare() splits it by the
+// partition_config rules or the preset_model's (the Accelerator's plan carries them), else by AutoTP.
 namespace {
-void split_for_tensor_parallel(const Config& config, torch::nn::Module& module, const ProcessState& state) {
-  const auto section = config.document.value("tensor_parallel", nlohmann::json::object());
-  const int autotp = static_cast<int>(config.autotp_size), tp = state.mesh().size("tp");
+void check_tensor_parallel_mesh(const Config& config, const ProcessState& state) {
+  const int autotp = static_cast<int>(config.autotp_size), tp = state.mesh().size(MeshDim::tp);
   if (autotp > 1 && autotp != tp)
     throw ConfigError(fmt::format("deepspeed::initialize: {} sets tensor_parallel.autotp_size {} but this job's mesh "
                                   "has tp {}; launch it with --parallelism_config_tp_size {} (xlr8 launch sets it "
                                   "itself from a JSON given as --deepspeed_config_file)",
                                   config.origin, autotp, tp, autotp));
-  const auto given = [&](const char* key) { return section.contains(key) && !section[key].is_null(); };
-  if (tp > 1 && (given("partition_config") || given("preset_model")))
-    tp::parallelize(module, state.mesh().group("tp"), tp::plan_from_deepspeed(section, module, tp), /*strict=*/false);
 }
 }  // namespace
 
@@ -145,7 +139,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
   require_resolved(config_);
   const auto& state = ProcessState::instance();
   check_sequence_mesh(config_, state);  // before the batch sizes, which a missing sp dimension would upset
-  sizes_ = resolve_batch_sizes(config_, state.mesh().group("dp").size());
+  sizes_ = resolve_batch_sizes(config_, state.mesh().group(MeshDim::dp).size());
   check_launch_agrees(state.settings(), sizes_);
   if (optimizer && config_.optimizer)
     throw ConfigError(fmt::format("deepspeed::initialize: an optimizer was passed and {} has an \"optimizer\" section "
@@ -156,9 +150,8 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
                                   "(Adam, AdamW or SGD)",
                                   config_.origin));
   detail::mark_leaf_modules(*module, config_.zero_optimization.leaf_module);
-  split_for_tensor_parallel(config_, *module, state);
-  accelerator_.reset(new Accelerator(accelerator_options(config_, sizes_), Accelerator::ForEngine{}));
-  accelerator_->impl_->follow_deepspeed(config_);
+  check_tensor_parallel_mesh(config_, state);
+  accelerator_ = std::make_unique<Accelerator>(config_, accelerator_options(config_, sizes_));
   module_ = accelerator_->prepare(module);
   if (!optimizer) optimizer = make_optimizer(*config_.optimizer, module_->parameters());
   optimizer_ = accelerator_->prepare_optimizer(std::move(optimizer));
@@ -172,7 +165,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
     log::info("xlr8: DeepSpeed engine: ZeRO stage {}, train_batch_size {} = {} per rank x {} accumulation x {} ranks, "
               "{}, gradient_clipping {}",
               config_.zero_optimization.stage, sizes_.train_batch_size, sizes_.micro_batch_per_gpu,
-              sizes_.gradient_accumulation_steps, state.mesh().group("dp").size(),
+              sizes_.gradient_accumulation_steps, state.mesh().group(MeshDim::dp).size(),
               config_.fp16.enabled ? "fp16" : config_.bf16 ? "bf16" : "fp32", config_.gradient_clipping);
 }
 
@@ -188,10 +181,8 @@ void Engine::set_gradient_accumulation_boundary(bool is_boundary) { boundary_ove
 // The micro-step's sync decision is made once, when its first forward (or backward) begins.
 void Engine::open_micro_step() {
   if (micro_step_) return;
-  auto& impl = *accelerator_->impl_;
   const bool sync = is_gradient_accumulation_boundary() && no_sync_depth_ == 0;
-  impl.gradient_state->sync_gradients = sync;
-  micro_step_.emplace(&impl, impl.strategies_of({module_.get()}), /*suspend_sync=*/!sync, AutocastScope());
+  micro_step_.emplace(accelerator_->micro_step(sync, module_));
 }
 
 // ------------------------------------------------------------------------------------------ wall clock
@@ -256,7 +247,7 @@ at::Tensor Engine::backward(const at::Tensor& loss, bool retain_graph) {
 
 at::Tensor Engine::scale(const at::Tensor& loss) {
   open_micro_step();
-  return accelerator_->impl_->loss_for_backward(loss);  // exactly what backward() propagates
+  return accelerator_->scaled_loss(loss);  // exactly what backward() propagates
 }
 
 void Engine::step() {
@@ -271,7 +262,7 @@ void Engine::step() {
     const double clip = config_.gradient_clipping > 0 ? config_.gradient_clipping : std::numeric_limits<double>::infinity();
     grad_norm_ = accelerator_->clip_grad_norm(params, clip);
     optimizer_.step();
-    step_applied_ = accelerator_->impl_->last_step_applied;
+    step_applied_ = !optimizer_.step_was_skipped();  // a boundary is a sync step: skipped only for fp16 overflow
     if (scheduler_) scheduler_->step();  // only after an applied step (PreparedScheduler)
     optimizer_.zero_grad();
     if (!step_applied_) ++skipped_steps_;
@@ -393,8 +384,7 @@ bool Engine::save_16bit_model(const std::string& dir, const std::string& file) {
                    "zero_optimization.stage3_gather_16bit_weights_on_model_save: true; nothing was saved");
     return false;
   }
-  auto* strategy = accelerator_->impl_->strategy_for(module_.get());
-  auto state = strategy->state_dict(StateDictKind::FULL_ON_MAIN);  // collective: whole on rank 0 only
+  auto state = accelerator_->get_state_dict(module_);  // collective: whole on rank 0 only
   if (main) {
     const auto dtype = config_.fp16.enabled ? std::optional(at::kHalf) : config_.bf16 ? std::optional(at::kBFloat16) : std::nullopt;
     NamedTensors tensors;

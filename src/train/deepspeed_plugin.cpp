@@ -65,22 +65,25 @@ std::optional<int64_t> embedding_width(torch::nn::Module& model) {
 
 }  // namespace
 
+void apply_zero_sizes(const deepspeed::ZeroConfig& z, ParallelOptions& parallel) {
+  parallel.zero.bucket_cap_mb = parallel.zero.first_bucket_mb = megabytes_of(z.reduce_bucket_size);
+  parallel.ddp.bucket_cap_mb = parallel.ddp.first_bucket_mb = megabytes_of(z.reduce_bucket_size);
+  // Options the plan resolved have their stage; unresolved ones (-1) take the JSON's.
+  if ((parallel.zero.stage >= 0 ? parallel.zero.stage : z.stage) != 3) return;
+  parallel.zero.param_persistence_threshold = z.stage3_param_persistence_threshold;
+  // DeepSpeed prefetches the next submodules' parameters up to the bucket, within the live bound (a
+  // bound of at least 1 marks them as set: an empty bucket or bound prefetches nothing).
+  parallel.zero.max_live_elements = std::max<int64_t>(1, z.stage3_max_live_parameters);
+  parallel.zero.prefetch_bucket_elements = z.stage3_max_live_parameters > 0 ? z.stage3_prefetch_bucket_size : 0;
+  parallel.zero.forward_prefetch = parallel.zero.prefetch_bucket_elements > 0;
+  parallel.zero.backward_prefetch = parallel.zero.forward_prefetch ? BackwardPrefetch::BACKWARD_PRE : BackwardPrefetch::NONE;
+}
+
 void apply_zero_config(const deepspeed::ZeroConfig& z, ParallelOptions& parallel) {
   if (parallel.zero.stage < 0) parallel.zero.stage = z.stage;
   if (parallel.zero.stage == 3 && parallel.zero.auto_wrap_policy == AutoWrapPolicy::NO_WRAP)
     parallel.zero.auto_wrap_policy = AutoWrapPolicy::GUARDED_MODULES;  // DeepSpeed gathers submodule by submodule
-  parallel.zero.bucket_cap_mb = parallel.zero.first_bucket_mb = megabytes_of(z.reduce_bucket_size);
-  parallel.ddp.bucket_cap_mb = parallel.ddp.first_bucket_mb = megabytes_of(z.reduce_bucket_size);
-  if (parallel.zero.stage == 3) {
-    parallel.zero.param_persistence_threshold = z.stage3_param_persistence_threshold;
-    // DeepSpeed prefetches the next submodules' parameters up to the bucket, within the live bound (a
-    // bound of at least 1 marks them as set: an empty bucket or bound prefetches nothing).
-    parallel.zero.max_live_elements = std::max<int64_t>(1, z.stage3_max_live_parameters);
-    parallel.zero.prefetch_bucket_elements = z.stage3_max_live_parameters > 0 ? z.stage3_prefetch_bucket_size : 0;
-    parallel.zero.forward_prefetch = parallel.zero.prefetch_bucket_elements > 0;
-    parallel.zero.backward_prefetch =
-        parallel.zero.forward_prefetch ? BackwardPrefetch::BACKWARD_PRE : BackwardPrefetch::NONE;
-  }
+  apply_zero_sizes(z, parallel);
   // Offload to the CPU (ZeRO-Offload); NVMe (ZeRO-Infinity) is not built.
   for (const auto& [o, key] : {std::pair{&z.offload_optimizer, "offload_optimizer"}, std::pair{&z.offload_param, "offload_param"}})
     if (o->device == "nvme")
@@ -188,7 +191,7 @@ void DeepSpeedPlugin::configure_model(torch::nn::Module& model, ParallelOptions&
           {hidden_keys[2], 10 * h}});
   }
   mark_leaf_modules(model, config_.zero_optimization.leaf_module);
-  apply_zero_config(config_.zero_optimization, parallel);
+  apply_zero_sizes(config_.zero_optimization, parallel);
 }
 
 void DeepSpeedPlugin::refuse_auto_in(const std::string& prefix, const std::string& filled_by) const {

@@ -21,6 +21,9 @@ namespace xlr8::detail {
 // sizes (elements -> megabytes of float32), stage 3's units and persistence threshold, unused
 // parameters. Shared by the engine and the Accelerator.
 void apply_zero_config(const deepspeed::ZeroConfig& zero, ParallelOptions& parallel);
+// Its sizes alone (bucket sizes; stage 3's persistence threshold, live bound and prefetch bucket), which a JSON's
+// "auto" fills from each model's hidden size: options the plan resolved take them per model.
+void apply_zero_sizes(const deepspeed::ZeroConfig& zero, ParallelOptions& parallel);
 
 // zero_optimization.leaf_module: marks the modules it names (ConfigError when a list matches none).
 void mark_leaf_modules(torch::nn::Module& model, const deepspeed::LeafModuleConfig& leaf);
@@ -43,7 +46,7 @@ class DeepSpeedPlugin {
   int gradient_accumulation_steps() const;
 
   // Before a model's strategy is built: fills the hidden-size keys (from `hidden_size`, else the width
-  // of the model's first Embedding), marks the JSON's leaf modules, sets the ZeRO options.
+  // of the model's first Embedding), marks the JSON's leaf modules, sets the ZeRO sizes (apply_zero_sizes).
   void configure_model(torch::nn::Module& model, ParallelOptions& parallel, int64_t hidden_size);
   // The optimizer to prepare instead of `given`: the JSON's, built over a DummyOptim's parameters with its
   // lr and weight decay; `given` itself when the JSON has no "optimizer" section. A real optimizer with

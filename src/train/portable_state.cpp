@@ -58,9 +58,9 @@ std::pair<int64_t, int64_t> written_range(const ParallelStrategy& strategy, cons
                                           const Communicator& world, const DeviceMesh& mesh, bool sliced) {
   const int64_t n = piece.values.numel();
   if (!piece.writes || n == 0) return {0, 0};
-  if (!strategy.replicated()) return !sliced && mesh.size("tp") > 1 && mesh.rank("tp") != 0 ? std::pair<int64_t, int64_t>{0, 0}
+  if (!strategy.replicated()) return !sliced && mesh.size(MeshDim::tp) > 1 && mesh.rank(MeshDim::tp) != 0 ? std::pair<int64_t, int64_t>{0, 0}
                                                                                             : std::pair<int64_t, int64_t>{0, n};
-  const int writers = sliced ? mesh.size("dp_cp") : world.size(), me = sliced ? mesh.rank("dp_cp") : world.rank();
+  const int writers = sliced ? mesh.size(MeshDim::dp_cp) : world.size(), me = sliced ? mesh.rank(MeshDim::dp_cp) : world.rank();
   const int64_t share = (n + writers - 1) / writers;
   const int64_t a = std::min(n, share * me);
   return {a, std::min(n, a + share)};

@@ -14,6 +14,7 @@
 #include "xlr8/error.hpp"
 #include "xlr8/safetensors.hpp"
 #include "xlr8/tensor_parallel.hpp"
+#include "xlr8/env.hpp"
 
 namespace xlr8::detail {
 
@@ -25,13 +26,13 @@ std::string model_prefix(int model) { return model == 0 ? "" : fmt::format("mode
 }  // namespace
 
 std::unique_ptr<VerifyRecorder> VerifyRecorder::from_env() {
-  const char* dir = std::getenv("XLR8_VERIFY_DIR");
-  if (!dir || !*dir) return nullptr;
+  const auto dir = env_var("XLR8_VERIFY_DIR");
+  if (!dir) return nullptr;
   auto r = std::make_unique<VerifyRecorder>();
-  r->dir_ = dir;
-  if (const char* k = std::getenv("XLR8_VERIFY_STEPS"); k && *k) r->steps_ = std::max(1L, std::strtol(k, nullptr, 10));
-  if (const char* m = std::getenv("XLR8_VERIFY_MICRO_SPLIT"); m && *m)
-    r->micro_split_ = static_cast<int>(std::max(1L, std::strtol(m, nullptr, 10)));
+  r->dir_ = *dir;
+  if (const auto k = env_var("XLR8_VERIFY_STEPS")) r->steps_ = std::max(1L, std::strtol(k->c_str(), nullptr, 10));
+  if (const auto m = env_var("XLR8_VERIFY_MICRO_SPLIT"))
+    r->micro_split_ = static_cast<int>(std::max(1L, std::strtol(m->c_str(), nullptr, 10)));
   r->record_ = {{"steps", nlohmann::json::array()},
                 {"differs_at_start", nlohmann::json::array()},
                 {"dropout", nlohmann::json::array()},
@@ -40,7 +41,7 @@ std::unique_ptr<VerifyRecorder> VerifyRecorder::from_env() {
   return r;
 }
 
-void VerifyRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module, bool compare_across_ranks) {
+void VerifyRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module, bool values_everywhere) {
   const std::string prefix = model_prefix(models_);
   ++models_;
   for (const auto& item : module.named_modules()) {
@@ -53,7 +54,7 @@ void VerifyRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module
   // Two sums per parameter, compared by MIN and MAX over the ranks: equal everywhere, or not. A tensor-parallel
   // slice is compared with the same slice on the other replicas only (the ranks outside its tp group).
   auto params = module.named_parameters();
-  if (params.size() == 0 || !compare_across_ranks) return;
+  if (params.size() == 0 || !values_everywhere) return;
   std::vector<at::Tensor> sums;
   for (const auto& p : params) {
     auto values = p.value().detach().to(at::kCPU, at::kDouble);
@@ -68,7 +69,7 @@ void VerifyRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module
   auto& mesh = impl.state->mesh();
   const auto sliced = tp::sliced_parameters(module);
   const auto over_world = differs_over(impl.world());
-  const auto over_replicas = mesh.size("tp") > 1 ? differs_over(mesh.group("dp_cp")) : over_world;
+  const auto over_replicas = mesh.size(MeshDim::tp) > 1 ? differs_over(mesh.group(MeshDim::dp_cp)) : over_world;
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& differs = sliced.contains(params[i].value()) ? over_replicas : over_world;
     if (differs[static_cast<int64_t>(i)].item<bool>()) record_["differs_at_start"].push_back(prefix + params[i].key());
@@ -80,7 +81,7 @@ void VerifyRecorder::on_backward(const at::Tensor& loss) {
   pending_micro_ += 1;
 }
 
-void VerifyRecorder::before_step(AcceleratorImpl& impl, const std::vector<at::Tensor>& parameters,
+void VerifyRecorder::before_update(AcceleratorImpl& impl, const std::vector<at::Tensor>& parameters,
                                  ParallelStrategy* owner) {
   auto mean = at::full({1}, pending_micro_ ? pending_loss_ / pending_micro_ : 0.0, at::kDouble).to(impl.device);
   micro_steps_ = pending_micro_;
@@ -94,7 +95,7 @@ void VerifyRecorder::before_step(AcceleratorImpl& impl, const std::vector<at::Te
   for (const auto& weak : impl.loaders)
     if (auto loader = weak.lock()) {
       const int64_t ranks = loader->sharding().num_processes;
-      const int64_t global = loader->options().batch_size * (impl.options.split_batches ? 1 : ranks);
+      const int64_t global = loader->options().batch_size * (impl.plan.split_batches ? 1 : ranks);
       const int64_t rest = global > 0 ? loader->dataset_size() % global : 0;
       const bool uneven = rest % ranks != 0 || !loader->sharding().even_batches;
       if (loader->batches_yielded() == loader->size() && rest != 0 && uneven) short_batch_ = rest;
@@ -118,7 +119,7 @@ void VerifyRecorder::before_step(AcceleratorImpl& impl, const std::vector<at::Te
   clipped_from_.reset();
 }
 
-void VerifyRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
+void VerifyRecorder::after_update(AcceleratorImpl& impl, int64_t step) {
   if (step > steps_) return;
   record_["steps"].push_back({{"step", step},
                               {"loss", loss_},
@@ -135,7 +136,7 @@ void VerifyRecorder::after_step(AcceleratorImpl& impl, int64_t step) {
   const int rank = impl.state->rank();
   if (rank == 0) {
     record_["world_size"] = impl.world().size();
-    record_["data_parallel"] = impl.state->mesh().size("dp");  // the ranks that share each global batch
+    record_["data_parallel"] = impl.state->mesh().size(MeshDim::dp);  // the ranks that share each global batch
     record_["complete"] = last;
     files::write_durably(dir_ + "/record.json", record_.dump(1));
   }

@@ -16,33 +16,26 @@
 #include <string>
 #include <vector>
 
-namespace torch::nn {
-class Module;
-}
+#include "train/step_observer.hpp"
 
-namespace xlr8 {
-struct AcceleratorImpl;
-class ParallelStrategy;
+namespace xlr8::detail {
 
-namespace detail {
-
-class VerifyRecorder {
+class VerifyRecorder final : public StepObserver {
  public:
   // nullptr unless XLR8_VERIFY_DIR is set.
   static std::unique_ptr<VerifyRecorder> from_env();
   // XLR8_VERIFY_MICRO_SPLIT=N, verify's third run: one process that repeats N ranks' arithmetic, their shares of
   // each global batch as N micro-batches accumulated into one step (Accelerator::sharding, the accumulation).
   int micro_split() const { return micro_split_; }
-  // A model as prepare() receives it, before its strategy syncs or shards it (collective).
-  // compare_across_ranks false: only the main process built the values (rank-0 loading), nothing to compare.
-  void on_prepare(AcceleratorImpl& impl, torch::nn::Module& module, bool compare_across_ranks);
-  void on_backward(const at::Tensor& loss);
+  // Parameters that differ across ranks before the strategy syncs them (unless only the main process built the
+  // values), dropout, BatchNorm.
+  void on_prepare(AcceleratorImpl& impl, torch::nn::Module& module, bool values_everywhere) override;
+  void on_backward(const at::Tensor& loss) override;
   // The program clipped: what clip_grad_norm returned (the norm before clipping) is this step's.
-  void on_clip_grad_norm(double norm) { clipped_from_ = norm; }
-  // A step that updates: gradients synchronised and unscaled, not yet applied (collective).
-  void before_step(AcceleratorImpl& impl, const std::vector<at::Tensor>& parameters, ParallelStrategy* owner);
-  // After optimizer step `step` (1-based): the record, and at K the parameters (collective).
-  void after_step(AcceleratorImpl& impl, int64_t step);
+  void on_clip_grad_norm(double norm) override { clipped_from_ = norm; }
+  void before_update(AcceleratorImpl& impl, const std::vector<at::Tensor>& parameters, ParallelStrategy* owner) override;
+  // The record, and at step K the parameters (collective).
+  void after_update(AcceleratorImpl& impl, int64_t step) override;
 
  private:
   std::string dir_;
@@ -62,5 +55,4 @@ class VerifyRecorder {
   std::map<std::string, at::Tensor> grad_max_;
 };
 
-}  // namespace detail
-}  // namespace xlr8
+}  // namespace xlr8::detail

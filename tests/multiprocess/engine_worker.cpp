@@ -100,9 +100,10 @@ int accelerate_path(int64_t steps, const std::string& out) {
   acc.save_model(model, out + "/model");
   if (acc.is_main_process())
     fmt::print("{}\n", nlohmann::json{{"losses", losses},
-                                      {"micro_batch", (*acc.deepspeed_config())["train_micro_batch_size_per_gpu"]},
+                                      {"micro_batch", acc.deepspeed_config()->value("train_micro_batch_size_per_gpu", nlohmann::json())},
                                       {"resolved", *acc.deepspeed_config()},
-                                      {"strategy", acc.parallel_stats(model)["strategy"]}}
+                                      {"strategy", acc.parallel_stats(model)["strategy"]},
+                                      {"plan", acc.plan().to_json()}}
                            .dump());
   acc.end_training();
   return 0;
@@ -164,7 +165,8 @@ int main(int argc, char** argv) {
                                          {"global_samples", engine->global_samples()},
                                          {"micro_batch", micro},
                                          {"stage", engine->zero_optimization_stage()},
-                                         {"strategy", acc.parallel_stats(engine->model())["strategy"]}}
+                                         {"strategy", acc.parallel_stats(engine->model())["strategy"]},
+                                         {"plan", acc.plan().to_json()}}
                              .dump());
     acc.end_training();
     return 0;

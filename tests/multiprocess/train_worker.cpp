@@ -278,6 +278,7 @@ int main(int argc, char** argv) {
                                            {"step", acc.step()},
                                            {"lr", opt.optimizer().param_groups()[0].options().get_lr()},
                                            {"strategy", stats["strategy"]},
+                                           {"plan", acc.plan().to_json()},
                                            {"buckets", figure("buckets")},
                                            {"launches", figure("launches")},
                                            {"overlapped", figure("overlapped_launches")},
@@ -293,9 +294,9 @@ int main(int argc, char** argv) {
     if (!tensor_parallel) return train(acc.prepare(Mlp(hidden, mode == "unused", with_norm, dropout, batch_norm)));
     // fc1 column-wise, fc2 row-wise over the mesh's tp group, before the Accelerator sees the model.
     TpMlp model(hidden);
-    xlr8::tp::parallelize(*model, acc.state().mesh().group("tp"),
+    xlr8::tp::parallelize(*model, acc.state().mesh().group(xlr8::MeshDim::tp),
                           {{"fc1", xlr8::tp::Style::Colwise}, {"fc2", xlr8::tp::Style::Rowwise}}, /*strict=*/true);
-    tp_size = acc.state().mesh().group("tp").size();
+    tp_size = acc.state().mesh().group(xlr8::MeshDim::tp).size();
     local_hidden = model->fc1->weight.size(0);
     return train(acc.prepare(model));
   } catch (const std::exception& e) {

@@ -19,15 +19,16 @@ using namespace std::chrono_literals;
 TEST(DeviceMesh, GroupsReduceOverTheRightRanks) {
   run_ranks(4, [](Communicator& world) {
     DeviceMesh mesh(world, MeshLayout::from({.dp_replicate = 2, .dp_shard = 2}, 4));
-    for (const std::string name : {"dp_replicate", "dp_shard", "dp", "cp", "tp", "dp_shard_cp"}) {
+    for (const auto name : {MeshDim::dp_replicate, MeshDim::dp_shard, MeshDim::dp, MeshDim::cp, MeshDim::tp, MeshDim::dp_shard_cp,
+                            MeshDim::pp}) {
       auto x = at::full({2}, world.rank(), at::kLong);
       auto& g = mesh.group(name);
-      EXPECT_EQ(g.size(), mesh.size(name)) << name;
-      EXPECT_EQ(g.rank(), mesh.rank(name)) << name;
+      EXPECT_EQ(g.size(), mesh.size(name)) << to_string(name);
+      EXPECT_EQ(g.rank(), mesh.rank(name)) << to_string(name);
       g.all_reduce(x);
       long want = 0;
       for (int r : mesh.layout().group_ranks(world.rank(), name)) want += r;
-      EXPECT_EQ(x[0].item<long>(), want) << name;
+      EXPECT_EQ(x[0].item<long>(), want) << to_string(name);
     }
   });
 }

@@ -32,10 +32,10 @@ CheckResult mesh_check(const ProcessState& state) {
     sizes.dp_shard = P / sizes.dp_replicate;
     DeviceMesh mesh(state.world(), MeshLayout::from(sizes, P));
     auto x = at::full({3}, state.rank(), at::kLong);
-    mesh.group("dp_shard").all_reduce(x);
+    mesh.group(MeshDim::dp_shard).all_reduce(x);
     long want = 0;
-    for (int r : mesh.layout().group_ranks(state.rank(), "dp_shard")) want += r;
-    result.ok = x[0].item<long>() == want && mesh.group("dp").size() == P;
+    for (int r : mesh.layout().group_ranks(state.rank(), MeshDim::dp_shard)) want += r;
+    result.ok = x[0].item<long>() == want && mesh.group(MeshDim::dp).size() == P;
     if (!result.ok) result.detail = fmt::format("got {} want {}", x[0].item<long>(), want);
   } catch (const std::exception& e) {
     result.detail = e.what();

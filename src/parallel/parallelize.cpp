@@ -1,0 +1,104 @@
+// parallelize(): the model's steps to parallel training in their one order (parallelize.hpp).
+#include "parallel/parallelize.hpp"
+
+#include <fmt/format.h>
+
+#include "core/log.hpp"
+#include "parallel/activation_checkpoint.hpp"
+#include "parallel/wrap_policy.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/tensor_parallel.hpp"
+
+namespace xlr8::detail {
+namespace {
+
+// A split the program or the JSON's rules made: the tp group must be the mesh's, and no head may be cut.
+void check_split(torch::nn::Module& module, const tp::SlicedParameters& sliced, int tp, int64_t head_dim) {
+  if (sliced.group->size() != tp)
+    throw ConfigError(fmt::format("prepare(): the model was split over a tp group of {} ranks but "
+                                  "parallelism_config_tp_size is {}; make them equal",
+                                  sliced.group->size(), tp));
+  try {
+    tp::check_whole_heads(module, head_dim);
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("prepare(): {}", e.what()));
+  }
+}
+
+// fsdp_activation_checkpointing: every unit of the wrap policy is recomputed in backward (after TP split its
+// layers, before the sharding engine takes its parameters: torchtitan's order).
+void recompute_units(const torch::nn::Module& module, const ZeroOptions& zero) {
+  int marked = 0;
+  for (const auto& unit : plan_units(module, zero))
+    if (unit.module && unit.module != &module) {
+      mark_checkpointed_unit(*unit.module, unit.label, module);
+      ++marked;
+    }
+  if (marked == 0)
+    throw ConfigError(fmt::format(
+        "fsdp_activation_checkpointing: true checkpoints the units of the wrap policy, and fsdp_auto_wrap_policy {} "
+        "makes none in this model; set fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP with "
+        "fsdp_transformer_layer_cls_to_wrap naming its block class (or the model's xlr8::NoSplitModules declaring "
+        "it), or fsdp_activation_checkpointing: false",
+        to_string(zero.auto_wrap_policy)));
+  log::info("prepare(): fsdp_activation_checkpointing: {} unit(s) recompute their forward in backward", marked);
+}
+
+}  // namespace
+
+void split_for_tensor_parallel(torch::nn::Module& module, DeviceMesh& mesh, const ParallelPlan::TensorParallel& tensor) {
+  const int tp = mesh.size(MeshDim::tp);
+  if (tp > 1 && !tensor.deepspeed_rules.is_null() && !tp::sliced_parameters(module).group)
+    tp::parallelize(module, mesh.group(MeshDim::tp), tp::plan_from_deepspeed(tensor.deepspeed_rules, module, tp),
+                    /*strict=*/false);
+  const auto sliced = tp::sliced_parameters(module);
+  if (sliced.group) check_split(module, sliced, tp, tensor.head_dim);
+  if (tp == 1 || sliced.group) return;
+  if (tensor.head_dim == 0)  // AutoTP and a plan file check divisibility only; a head cut in two fails in the forward
+    log::info("prepare(): parallelism_config_tp_size {} without a head size: a split that cuts an attention head is "
+              "not refused before training (give AcceleratorOptions::tp_head_dim or --parallelism_config_tp_head_dim)",
+              tp);
+  // The plan made here is Megatron's sequence parallelism too when the plan says so.
+  const char* sp_note = tensor.sequence_parallel ? ", with sequence parallelism" : "";
+  if (!tensor.plan_file.empty()) {
+    auto plan = tp::plan_from_file(tensor.plan_file, module, tp, tensor.head_dim);
+    if (tensor.sequence_parallel) plan = tp::with_sequence_parallel(std::move(plan), module);
+    tp::parallelize(module, mesh.group(MeshDim::tp), plan, /*strict=*/false);
+    log::info("prepare(): parallelism_config_tp_size {}: the model split by the plan file {}{}", tp, tensor.plan_file,
+              sp_note);
+    return;
+  }
+  try {
+    tp::parallelize(module, mesh.group(MeshDim::tp), tp::auto_plan(module, tp, tensor.head_dim, tensor.sequence_parallel),
+                    /*strict=*/true);
+  } catch (const ConfigError& e) {
+    throw ConfigError(fmt::format("prepare(): parallelism_config_tp_size is {} and the program applied no plan "
+                                  "(xlr8::tp::parallelize), so AutoTP tried: {}",
+                                  tp, e.what()));
+  }
+  log::info("prepare(): parallelism_config_tp_size {}: AutoTP split the model's layers (no plan was applied){}", tp,
+            sp_note);
+}
+
+std::unique_ptr<ParallelStrategy> parallelize(std::shared_ptr<torch::nn::Module> module, const ParallelPlan& plan,
+                                              DeviceMesh& mesh, const ParallelizeHooks& hooks) {
+  if (!module) throw Error("prepare(): the model is null");
+  // 1. Pipeline stages: none until pipeline parallelism lands (the mesh's pp is 1).
+  if (plan.mesh.pp != 1)
+    throw ConfigError(fmt::format("the mesh has pp {} but xlr8 has no pipeline parallelism yet; set pp to 1", plan.mesh.pp));
+  // 2. Tensor parallelism.
+  split_for_tensor_parallel(*module, mesh, plan.tensor);
+  if (hooks.after_tensor_parallel) hooks.after_tensor_parallel(*module);
+  // 3. Context parallelism: the model's xlr8::attention follows the process's context (the Accelerator set it
+  //    from plan.sequence); nothing in the model changes.
+  auto options = plan.data_parallel;
+  // 4. Activation checkpointing.
+  if (plan.recompute_units) recompute_units(*module, options.zero);
+  // 5. Precision: sharded parameters are gathered and computed in options.zero.param_dtype (the plan's); fp8's
+  //    conversion of the model's layers goes here.
+  // 6. Data parallelism.
+  if (hooks.data_parallel_options) hooks.data_parallel_options(*module, options);
+  return make_parallel_strategy(std::move(module), mesh.group(plan.data_parallel_dim), options, hooks.gradient_state);
+}
+
+}  // namespace xlr8::detail

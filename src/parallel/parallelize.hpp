@@ -1,0 +1,40 @@
+#pragma once
+// parallelize: the one place a model becomes parallel, in torchtitan's fixed order (models/*/infra/parallelize.py):
+//   1. pipeline stages     (pp; none until pipeline parallelism lands: the plan's mesh has pp 1)
+//   2. tensor parallelism  (tp, with Megatron's sequence parallelism)
+//   3. context parallelism (cp / sp: xlr8::attention follows the process's context; nothing to change in the model)
+//   4. activation checkpointing (recompute)
+//   5. precision           (the compute dtype of sharded parameters; where fp8's conversion goes)
+//   6. data parallelism    (replicate or shard: the ParallelStrategy the model is trained through)
+// The Accelerator (and through it deepspeed::Engine) calls it once per prepared model.
+#include <functional>
+#include <memory>
+
+#include "xlr8/device_mesh.hpp"
+#include "xlr8/gradient_state.hpp"
+#include "xlr8/parallel_plan.hpp"
+#include "xlr8/parallel_strategy.hpp"
+
+namespace xlr8::detail {
+
+// What the caller does between the fixed steps, for this model.
+struct ParallelizeHooks {
+  // After the model's tensor-parallel split: its values in place (whole values from the main process, the
+  // device), and observers told (xlr8 verify / advise).
+  std::function<void(torch::nn::Module&)> after_tensor_parallel;
+  // Before its strategy is made: this model's own additions to the plan's data-parallel options (a DeepSpeed
+  // JSON's sizes filled from its hidden size, values held by rank 0 only).
+  std::function<void(torch::nn::Module&, ParallelOptions&)> data_parallel_options;
+  std::shared_ptr<const GradientState> gradient_state;
+};
+
+// Collective over the mesh's groups the steps use. Returns the strategy that owns the model from now on.
+std::unique_ptr<ParallelStrategy> parallelize(std::shared_ptr<torch::nn::Module> module, const ParallelPlan& plan,
+                                              DeviceMesh& mesh, const ParallelizeHooks& hooks);
+
+// Step 2: a model the program split already (tp::parallelize) keeps its plan (checked against the head size);
+// any other is split by the DeepSpeed JSON's rules, the plan file, or AutoTP, or refused by name. Never trains
+// whole while the mesh says tp, nor with a rank holding part of an attention head.
+void split_for_tensor_parallel(torch::nn::Module& module, DeviceMesh& mesh, const ParallelPlan::TensorParallel& tensor);
+
+}  // namespace xlr8::detail

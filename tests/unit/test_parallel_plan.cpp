@@ -1,0 +1,82 @@
+// resolve_plan on one process: the launch's variables, the program's options and the plan's own variables become
+// one ParallelPlan; what cannot be resolved is refused by name before any model exists.
+#include <gtest/gtest.h>
+
+#include "train/parallel_plan.hpp"
+#include "xlr8/error.hpp"
+
+using namespace xlr8;
+
+namespace {
+
+ParallelPlan plan_for(const Env& launch, const AcceleratorOptions& options, const Env& variables = {}) {
+  const auto state = ProcessState::create(launch);
+  xlr8::detail::PlanInputs in{.state = state.get(), .options = &options};
+  in.precision = options.mixed_precision.value_or(state->mixed_precision());
+  in.accumulation = gradient_accumulation_steps_for(state->settings(), options.gradient_accumulation_steps, false);
+  return xlr8::detail::resolve_plan(in, variables);
+}
+
+}  // namespace
+
+TEST(ParallelPlan, TheLaunchsFsdpVariablesDecideTheStageUnitsAndRecomputation) {
+  const Env launch{{"ACCELERATE_USE_FSDP", "true"},
+                   {"FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP"},
+                   {"FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"},
+                   {"FSDP_TRANSFORMER_CLS_TO_WRAP", "Block"},
+                   {"FSDP_ACTIVATION_CHECKPOINTING", "true"},
+                   {"ACCELERATE_MIXED_PRECISION", "bf16"},
+                   {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4"}};
+  AcceleratorOptions options;
+  options.gradient_accumulation_steps = 2;  // the launch's 4 wins, as in Accelerate
+  const auto plan = plan_for(launch, options);
+  EXPECT_EQ(plan.data_parallel.zero.stage, 2);
+  EXPECT_EQ(plan.data_parallel.zero.auto_wrap_policy, AutoWrapPolicy::TRANSFORMER_BASED_WRAP);
+  EXPECT_EQ(plan.data_parallel.zero.layer_classes, std::vector<std::string>{"Block"});
+  EXPECT_TRUE(plan.recompute_units);
+  EXPECT_EQ(plan.mixed_precision, MixedPrecision::BF16);
+  EXPECT_EQ(plan.gradient_accumulation_steps, 4);
+  EXPECT_FALSE(plan.data_parallel.zero.param_dtype);  // on the CPU parameters stay fp32 under autocast
+  EXPECT_EQ(plan.strategy, "single");                 // one process: nothing to synchronise
+  EXPECT_EQ(plan.mesh.pp, 1);
+  const auto text = plan.describe();
+  EXPECT_NE(text.find("xlr8 plan: activation checkpointing: every unit of the wrap policy"), std::string::npos) << text;
+  EXPECT_NE(text.find("xlr8 plan: steps: 4 micro-batch(es)"), std::string::npos) << text;
+  EXPECT_EQ(plan.to_json()["zero"]["stage"], 2);
+}
+
+TEST(ParallelPlan, TheProgramsOptionsWinOverThePlansVariablesAndBadValuesAreRefusedByName) {
+  AcceleratorOptions options;
+  options.tp_sequence_parallel = false;
+  options.tp_head_dim = 64;
+  const Env variables{{"XLR8_TP_SEQUENCE_PARALLEL", "true"}, {"XLR8_TP_PLAN_FILE", "/plans/tp.json"},
+                      {"XLR8_SPLIT_BATCHES", "1"}};
+  auto plan = plan_for({}, options, variables);
+  EXPECT_FALSE(plan.tensor.sequence_parallel);
+  EXPECT_EQ(plan.tensor.head_dim, 64);
+  EXPECT_EQ(plan.tensor.plan_file, "/plans/tp.json");
+  EXPECT_TRUE(plan.split_batches);
+  options.tp_sequence_parallel.reset();
+  EXPECT_TRUE(plan_for({}, options, variables).tensor.sequence_parallel);
+  try {
+    plan_for({}, options, Env{{"XLR8_SHARDED_PARAM_DTYPE", "fp8"}});
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("XLR8_SHARDED_PARAM_DTYPE=\"fp8\""), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(plan_for({}, options, Env{{"XLR8_SHARDED_PARAM_DTYPE", "bf16"}}).data_parallel.zero.param_dtype,
+            at::kBFloat16);
+}
+
+TEST(ParallelPlan, DeepSpeedLaunchKeysGiveTheStageClippingAndModuleUnits) {
+  const Env launch{{"ACCELERATE_USE_DEEPSPEED", "true"},
+                   {"ACCELERATE_DEEPSPEED_ZERO_STAGE", "3"},
+                   {"ACCELERATE_GRADIENT_CLIPPING", "0.25"},
+                   {"ACCELERATE_MIXED_PRECISION", "fp16"}};
+  const auto plan = plan_for(launch, {});
+  EXPECT_EQ(plan.data_parallel.zero.stage, 3);
+  EXPECT_EQ(plan.data_parallel.zero.auto_wrap_policy, AutoWrapPolicy::GUARDED_MODULES);
+  EXPECT_DOUBLE_EQ(plan.clip_at_step, 0.25);
+  ASSERT_TRUE(plan.loss_scaler);
+  EXPECT_EQ(plan.loss_scaler->initial_scale_power, 16);
+}
