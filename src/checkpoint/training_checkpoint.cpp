@@ -14,7 +14,7 @@
 #include "checkpoint/files.hpp"
 #include "checkpoint/integrity.hpp"
 #include "core/text.hpp"
-#include "distributed/tensor_text.hpp"
+#include "core/tensor_text.hpp"
 
 namespace fs = std::filesystem;
 

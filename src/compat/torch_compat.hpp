@@ -16,7 +16,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef XLR8_WITH_NCCL
-#include "distributed/abort_at_exit.hpp"
+#include "compat/abort_at_exit.hpp"
 #include "xlr8/env.hpp"
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -89,7 +89,7 @@ inline BackendPtr make_gloo(const StorePtr& store, int rank, int size, std::chro
 #ifdef XLR8_WITH_NCCL
 using NcclGroupsAtExit = detail::AbortAtExit<c10d::ProcessGroupNCCL>;
 
-// `at_exit`: the group's registration for exit (distributed/abort_at_exit.hpp; keep it beside the group, drop it first).
+// `at_exit`: the group's registration for exit (compat/abort_at_exit.hpp; keep it beside the group, drop it first).
 inline BackendPtr make_nccl(const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout,
                             std::shared_ptr<void>& at_exit) {
   auto options = c10d::ProcessGroupNCCL::Options::create();

@@ -2,7 +2,7 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
-#include "distributed/tensor_text.hpp"
+#include "core/tensor_text.hpp"
 #include "xlr8/format.hpp"
 
 namespace xlr8 {

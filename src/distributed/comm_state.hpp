@@ -10,7 +10,7 @@
 #include "compat/torch_compat.hpp"
 #include "core/worker_pool.hpp"
 #include "distributed/shm_transport.hpp"
-#include "distributed/tensor_text.hpp"
+#include "core/tensor_text.hpp"
 #include "xlr8/communicator.hpp"
 #include "xlr8/error.hpp"
 

@@ -10,7 +10,7 @@
 #include <thread>
 
 #include "core/text.hpp"
-#include "launch/net.hpp"
+#include "os/net.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8::detail {

@@ -9,7 +9,7 @@
 
 #include "core/log.hpp"
 #include "launch/mpirun_launch.hpp"
-#include "launch/net.hpp"
+#include "os/net.hpp"
 #include "xlr8/deepspeed_config.hpp"
 #include "xlr8/env.hpp"
 #include "xlr8/error.hpp"

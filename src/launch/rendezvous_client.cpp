@@ -12,7 +12,7 @@
 #include <thread>
 
 #include "core/log.hpp"
-#include "launch/net.hpp"
+#include "os/net.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8::detail {

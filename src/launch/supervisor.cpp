@@ -25,7 +25,7 @@
 #include "core/log.hpp"
 #include "launch/failure_report.hpp"
 #include "launch/spawn.hpp"
-#include "launch/net.hpp"
+#include "os/net.hpp"
 #include "launch/trace_diagnosis.hpp"
 #include "launch/worker_output.hpp"
 #include "xlr8/error.hpp"

@@ -4,8 +4,8 @@
 #include <fmt/format.h>
 
 #include "core/log.hpp"
-#include "parallel/activation_checkpoint.hpp"
-#include "parallel/wrap_policy.hpp"
+#include "parallel/recompute/recompute.hpp"
+#include "parallel/shard/wrap_policy.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
 

@@ -6,7 +6,7 @@
 #include <map>
 
 #include "parallel/state_dict_check.hpp"
-#include "parallel/zero_strategy.hpp"
+#include "parallel/shard/zero_strategy.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/parallel_strategy.hpp"
 #include "xlr8/tensor_parallel.hpp"

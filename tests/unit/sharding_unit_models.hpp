@@ -6,9 +6,9 @@
 
 #include <mutex>
 
-#include "parallel/unit_registry.hpp"
-#include "parallel/wrap_policy.hpp"
-#include "parallel/zero_strategy.hpp"
+#include "parallel/shard/unit_registry.hpp"
+#include "parallel/shard/wrap_policy.hpp"
+#include "parallel/shard/zero_strategy.hpp"
 #include "strategy_steps.hpp"
 #include "thread_ranks.hpp"
 #include "xlr8/error.hpp"

@@ -7,7 +7,7 @@
 #include <functional>
 #include <set>
 
-#include "parallel/activation_checkpoint.hpp"
+#include "parallel/recompute/recompute.hpp"
 #include "strategy_steps.hpp"
 #include "thread_ranks.hpp"
 #include "xlr8/activation_checkpoint.hpp"

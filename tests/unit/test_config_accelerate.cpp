@@ -7,7 +7,7 @@
 #include <functional>
 #include <map>
 
-#include "parallel/zero_strategy.hpp"
+#include "parallel/shard/zero_strategy.hpp"
 #include "xlr8/config.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/settings.hpp"

@@ -8,7 +8,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include "train/deepspeed_plugin.hpp"
+#include "deepspeed/deepspeed_plugin.hpp"
 #include "xlr8/deepspeed_dummy.hpp"
 #include "xlr8/deepspeed_schedulers.hpp"
 #include "xlr8/error.hpp"

@@ -2,7 +2,7 @@
 // one ParallelPlan; what cannot be resolved is refused by name before any model exists.
 #include <gtest/gtest.h>
 
-#include "train/parallel_plan.hpp"
+#include "accelerate/parallel_plan.hpp"
 #include "xlr8/error.hpp"
 
 using namespace xlr8;

@@ -5,7 +5,7 @@
 #include <thread>
 
 #include "compat/torch_compat.hpp"
-#include "distributed/abort_at_exit.hpp"
+#include "compat/abort_at_exit.hpp"
 #include "thread_ranks.hpp"
 #include "xlr8/device_mesh.hpp"
 #include "xlr8/error.hpp"
@@ -152,7 +152,7 @@ TEST(ConfigureEnvironment, SetsTheLauncherVariablesAndRefusesLateStrategyChanges
 }
 
 // ------------------------------------------------------------------ groups aborted at exit
-// The NCCL exit handler's logic (distributed/abort_at_exit.hpp) over a group type that needs no GPU: it
+// The NCCL exit handler's logic (compat/abort_at_exit.hpp) over a group type that needs no GPU: it
 // counts abort() and its own destruction.
 namespace {
 struct CountingGroup : c10::intrusive_ptr_target {

@@ -7,7 +7,7 @@
 #include <map>
 #include <optional>
 
-#include "parallel/tp_layer_kinds.hpp"
+#include "parallel/tensor/tp_layer_kinds.hpp"
 #include "thread_ranks.hpp"
 #include "xlr8/empty_init.hpp"
 #include "xlr8/error.hpp"

@@ -8,7 +8,7 @@
 #include <fstream>
 
 #include "core/error_file.hpp"
-#include "train/run_storage.hpp"
+#include "trainer/run_storage.hpp"
 #include "xlr8/error.hpp"
 
 namespace fs = std::filesystem;

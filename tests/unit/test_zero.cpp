@@ -7,7 +7,7 @@
 #include <fstream>
 #include <mutex>
 
-#include "parallel/zero_strategy.hpp"
+#include "parallel/shard/zero_strategy.hpp"
 #include "thread_ranks.hpp"
 #include "zero_fixture.hpp"
 #include "xlr8/autocast.hpp"

@@ -7,7 +7,7 @@
 
 #include <set>
 
-#include "train/deepspeed_plugin.hpp"
+#include "deepspeed/deepspeed_plugin.hpp"
 #include "xlr8/error.hpp"
 #include "zero_fixture.hpp"
 

@@ -1,6 +1,6 @@
 #pragma once
 // What `xlr8 advise` does with one candidate's launch: run it with the recorder on and read what its workers wrote
-// (src/train/advise_recorder.hpp), and what the first run tells about the model: its training state per rank by
+// (src/diagnostics/advise_recorder.hpp), and what the first run tells about the model: its training state per rank by
 // the formulas of `xlr8 estimate-memory`, and the meshes it cannot take.
 #include <chrono>
 #include <filesystem>

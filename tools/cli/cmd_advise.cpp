@@ -1,7 +1,7 @@
 // `xlr8 advise [launch options] [--max_memory_per_rank SIZE] [--budget_s S] [--output F] program [args]`: the
 // strategies that fit, each run for a few timed steps of the user's own program, ranked by throughput; the
 // winner written as an Accelerate config. The workers measure through the Accelerator
-// (src/train/advise_recorder.hpp); what cannot fit is pruned by the formulas of `xlr8 estimate-memory`.
+// (src/diagnostics/advise_recorder.hpp); what cannot fit is pruned by the formulas of `xlr8 estimate-memory`.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 

@@ -22,7 +22,7 @@
 
 #include "cli/commands.hpp"
 #include "cli/scratch_dir.hpp"
-#include "train/tensorboard.hpp"
+#include "accelerate/tensorboard.hpp"
 #include "xlr8/error.hpp"
 
 extern "C" char** environ;  // as unistd.h declares it (C linkage), whichever comes first

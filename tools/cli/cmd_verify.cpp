@@ -3,7 +3,7 @@
 // step gave backward(), the global gradient norm and, after step K, every parameter (gathered from shards).
 // When they differ and only rounding could part them, a third run on one process that repeats the ranks'
 // arithmetic decides (ranks_arithmetic_on_one_process). The workers record through the Accelerator
-// (src/train/verify_recorder.hpp).
+// (src/diagnostics/verify_recorder.hpp).
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 #include <unistd.h>

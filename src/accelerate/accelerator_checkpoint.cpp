@@ -1,0 +1,443 @@
+// Accelerator::save_state / load_state / save_model: gathers the Accelerator's counters and each
+// strategy's state dicts into a checkpoints::Content and back; the file format, its crash safety and
+// verification live in src/checkpoint/.
+#include <filesystem>
+#include <map>
+
+#include "checkpoint/hf_export.hpp"
+#include <fmt/ranges.h>
+#include "checkpoint/training_checkpoint.hpp"
+#include "core/log.hpp"
+#include "accelerate/accelerator_impl.hpp"
+#include "accelerate/portable_state.hpp"
+#include "core/text.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/tensor_parallel.hpp"
+
+namespace fs = std::filesystem;
+
+namespace xlr8 {
+namespace {
+
+std::string custom_file(size_t i) { return fmt::format("custom_checkpoint_{}.bin", i); }
+
+// Streams a module's whole state (a prepared model's through its strategy: collective, one unit gathered
+// at a time) into a writer that exists on the main process only: `open` receives the names, dtypes and
+// shapes, `write` each tensor in that order, `close` ends it. A failure of the writer does not stop the
+// collective; every rank then throws it.
+void stream_full_state(const AcceleratorImpl& s, const torch::nn::Module& module, const std::string& what,
+                       const std::function<void(std::vector<SafetensorsSpec>)>& open,
+                       const std::function<void(const at::Tensor&)>& write, const std::function<void()>& close) {
+  const bool main = s.world().rank() == 0;
+  const auto* strategy = s.strategy_for(&module);
+  auto layout = strategy ? strategy->full_state_layout() : module_state_dict(module);
+  // Tensor-parallel slices are written whole: gathered over their tp group as they come.
+  const auto slices = tp::slice_layouts(module);
+  for (auto& [name, t] : layout)
+    if (auto it = slices.find(name); it != slices.end()) t = at::empty(it->second.whole_sizes, t.options().device(at::kMeta));
+  std::string problem;
+  auto guarded = [&](auto&& fn) {
+    if (!main || !problem.empty()) return;
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+  };
+  guarded([&] {
+    std::vector<SafetensorsSpec> specs;
+    for (const auto& [name, t] : layout) specs.push_back({name, t.scalar_type(), t.sizes().vec()});
+    open(std::move(specs));
+  });
+  auto deliver = [&](size_t i, const at::Tensor& t) {
+    auto it = slices.find(layout[i].first);
+    const auto whole = it == slices.end() ? t : tp::gather_whole(t, it->second);  // collective: outside guarded
+    guarded([&] { write(whole); });
+  };
+  if (strategy) strategy->visit_full_state(deliver);
+  else
+    for (size_t i = 0; i < layout.size(); ++i) deliver(i, layout[i].second);
+  guarded(close);
+  auto outcome = s.world().size() > 1 ? s.world().broadcast_object(problem, 0) : problem;
+  if (!outcome.empty()) throw Error(fmt::format("{}: {}", what, outcome));
+}
+
+// Whether `optimizer` updates a sharded model's shards (its state then differs on every rank).
+bool optimizer_is_sharded(const AcceleratorImpl& s, const torch::optim::Optimizer& optimizer) {
+  for (const auto& group : optimizer.param_groups())
+    for (const auto& p : group.params())
+      if (auto* owner = s.owner_of(p); owner && !owner->replicated()) return true;
+  return false;
+}
+
+// ------------------------------------------------------------------------------------------ save and load steps
+
+// The counters a resumed run continues from (main process; the state file's fields).
+void record_training_state(const AcceleratorImpl& s, nlohmann::json& st) {
+  st["micro_step"] = s.micro_step;
+  st["save_iteration"] = s.save_iteration + 1;
+  st["seed"] = s.seed;
+  st["mixed_precision"] = to_string(s.plan.mixed_precision);
+  st["gradient_accumulation_steps"] = s.gradient_state->num_steps;
+  st["last_step_applied"] = s.last_step_applied;
+  if (s.scaler) st["scaler"] = s.scaler->state();
+  for (auto& o : s.optimizers) st["optimizer_steps"].push_back(o->steps);
+  for (auto& sc : s.schedulers) st["scheduler_steps"].push_back(sc->steps);
+  st["loaders"] = nlohmann::json::array();
+  for (auto& weak : s.loaders)
+    if (auto loader = weak.lock()) st["loaders"].push_back(loader->state());
+}
+
+// Everything load_state reads, read and checked before anything changes.
+struct LoadPlan {
+  std::optional<PortableLoad> portable;
+  std::vector<torch::serialize::InputArchive> optimizer_archives;
+  std::vector<std::string> optimizer_paths;
+};
+
+LoadPlan read_and_check(const AcceleratorImpl& s, const checkpoints::Verified& saved, const fs::path& source, int rank) {
+  const auto st = saved.state();
+  const int ranks = s.state->world_size();
+  LoadPlan plan;
+  plan.optimizer_archives.resize(s.optimizers.size());
+  plan.optimizer_paths.resize(s.optimizers.size());
+  if (saved.models() != 0 && saved.models() != s.models.size())
+    throw Error(fmt::format("load_state: {} holds {} model(s) but {} were prepared; nothing was loaded",
+                            source.string(), saved.models(), s.models.size()));
+  auto optimizer_steps = st.value("optimizer_steps", nlohmann::json::array());
+  if (optimizer_steps.size() != s.optimizers.size())
+    throw Error(fmt::format("load_state: {} holds {} optimizer(s) but {} were prepared; nothing was loaded",
+                            source.string(), optimizer_steps.size(), s.optimizers.size()));
+  plan.portable = read_portable_state(s, saved, st);
+  auto custom = st.value("custom_objects", std::vector<std::string>{});
+  std::vector<std::string> registered;
+  for (const auto& c : s.custom) registered.push_back(c.kind);
+  if (custom != registered)
+    throw Error(fmt::format("load_state: {} holds {} registered object(s) [{}] but [{}] are registered now (same "
+                            "kinds, same order); nothing was loaded",
+                            source.string(), custom.size(), fmt::join(custom, ", "), fmt::join(registered, ", ")));
+  for (size_t i = 0; i < s.custom.size(); ++i) (void)saved.file(custom_file(i));  // present and intact
+  auto sharded = st.value("sharded_optimizers", std::vector<bool>(s.optimizers.size(), false));
+  for (size_t i = 0; i < s.optimizers.size(); ++i) {
+    if (plan.portable->optimizers[i].portable) continue;
+    const bool now_sharded = optimizer_is_sharded(s, *s.optimizers[i]->optimizer);
+    if (i < sharded.size() && (sharded[i] != now_sharded || (sharded[i] && saved.saved_world_size() != ranks)))
+      throw Error(fmt::format("load_state: optimizer {} of {} (a type without portable state, saved as an archive) "
+                              "was saved {} on {} process(es) and is loaded {} on {}; such state cannot be resharded, "
+                              "so resume with the same strategy and number of processes; nothing was loaded",
+                              i, source.string(), sharded[i] ? "sharded" : "whole", saved.saved_world_size(),
+                              now_sharded ? "sharded" : "whole", ranks));
+    const bool per_rank = i < sharded.size() && sharded[i];
+    plan.optimizer_paths[i] =
+        (source / (per_rank ? checkpoints::rank_optimizer_file(i, rank) : checkpoints::optimizer_file(i))).string();
+    plan.optimizer_archives[i] = checkpoints::read_optimizer_archive(
+        per_rank ? saved.rank_optimizer(i, rank) : saved.optimizer(i), plan.optimizer_paths[i]);
+  }
+  return plan;
+}
+
+// After the models: schedulers, optimizers, registered objects, counters and loaders.
+void apply_training_state(AcceleratorImpl& s, const checkpoints::Verified& saved, const fs::path& source,
+                          LoadPlan& plan) {
+  const auto st = saved.state();
+  auto optimizer_steps = st.value("optimizer_steps", nlohmann::json::array());
+  // Schedulers replay their steps before the optimizer state restores the exact learning rates.
+  auto scheduler_steps = st.value("scheduler_steps", nlohmann::json::array());
+  for (size_t i = 0; i < s.schedulers.size() && i < scheduler_steps.size(); ++i) {
+    int64_t n = scheduler_steps[i].get<int64_t>();
+    for (int64_t k = s.schedulers[i]->steps; k < n; ++k) s.schedulers[i]->scheduler->step();
+    s.schedulers[i]->steps = n;
+  }
+  for (size_t i = 0; i < s.optimizers.size(); ++i) {
+    if (!plan.portable->optimizers[i].portable)
+      checkpoints::load_optimizer(*s.optimizers[i]->optimizer, plan.optimizer_archives[i], plan.optimizer_paths[i]);
+    s.optimizers[i]->steps = optimizer_steps[i].get<int64_t>();
+  }
+  apply_optimizer_state(s, *plan.portable);
+  for (size_t i = 0; i < s.custom.size(); ++i)
+    s.custom[i].load(saved.file(custom_file(i)), (source / custom_file(i)).string());
+  s.micro_step = st.value("micro_step", int64_t{0});
+  s.save_iteration = st.value("save_iteration", int64_t{0});
+  s.seed = st.value("seed", uint64_t{0});
+  s.last_step_applied = st.value("last_step_applied", false);
+  if (s.scaler && st.contains("scaler")) s.scaler->load_state(st["scaler"]);
+  auto loaders = st.value("loaders", nlohmann::json::array());
+  size_t li = 0;
+  for (auto& weak : s.loaders)
+    if (auto loader = weak.lock(); loader && li < loaders.size()) loader->load_state(loaders[li++]);
+}
+
+}  // namespace
+
+std::string Accelerator::save_state(const std::string& dir) {
+  return checkpoints::filesystem_guard(fmt::format("save_state({:?})", dir), [&] { return save_state_unguarded(dir); });
+}
+
+void Accelerator::load_state(const std::string& dir) {
+  checkpoints::filesystem_guard(fmt::format("load_state({:?})", dir), [&] {
+    load_state_unguarded(dir);
+    return 0;
+  });
+}
+
+std::string Accelerator::save_state_unguarded(const std::string& dir) {
+  auto& s = *impl_;
+  std::string target = dir;
+  if (target.empty()) {
+    if (!s.options.automatic_checkpoint_naming)
+      throw Error("save_state(): give a directory, or set AcceleratorOptions::automatic_checkpoint_naming");
+    target = (fs::path(s.options.project_dir) / "checkpoints" / fmt::format("checkpoint_{}", s.save_iteration)).string();
+  }
+  checkpoints::Content content;
+  content.rng = {{"cpu", at::detail::getDefaultCPUGenerator().get_state()}};
+  // Models: whole on the main process (FULL_STATE_DICT; gathered one unit at a time when sharded), or
+  // each rank's pieces. Optimizers of LibTorch's types: each rank's pieces, by parameter name, so any
+  // strategy and process count reads them back; others as archives.
+  const bool sharded_models = models_saved_sharded(s);
+  if (!sharded_models)
+    content.write_models = [&](const fs::path& tmp) {
+      std::vector<std::string> names;
+      for (size_t i = 0; i < s.models.size(); ++i) {
+        names.push_back(checkpoints::model_file(i));
+        std::unique_ptr<SafetensorsWriter> writer;
+        stream_full_state(
+            s, *s.models[i]->module(), "save_state",
+            [&](std::vector<SafetensorsSpec> specs) {
+              writer = std::make_unique<SafetensorsWriter>((tmp / names.back()).string(), std::move(specs),
+                                                           std::map<std::string, std::string>{{"format", "pt"}});
+            },
+            [&](const at::Tensor& t) { writer->write(t); }, [&] { writer->commit(); });
+      }
+      return names;
+    };
+  const auto portable = collect_portable_state(s, sharded_models, content.pieces, content.state);
+  std::vector<bool> sharded;
+  for (size_t i = 0; i < s.optimizers.size(); ++i) {
+    sharded.push_back(optimizer_is_sharded(s, *s.optimizers[i]->optimizer));
+    if (portable[i]) continue;
+    if (sharded[i]) content.rank_optimizers[i] = checkpoints::optimizer_bytes(*s.optimizers[i]->optimizer);
+    else if (is_main_process()) content.optimizers[i] = checkpoints::optimizer_bytes(*s.optimizers[i]->optimizer);
+  }
+  if (is_main_process()) {
+    for (size_t i = 0; i < s.custom.size(); ++i) {  // registered objects, as Accelerate's custom_checkpoint_<i>
+      content.main_files[custom_file(i)] = s.custom[i].save();
+      content.state["custom_objects"].push_back(s.custom[i].kind);
+    }
+    content.state["sharded_optimizers"] = sharded;
+    content.state["models_sharded"] = sharded_models;
+    for (const auto& m : s.models) {  // the order merge-weights writes them in
+      std::vector<std::string> names;
+      for (const auto& [name, t] : module_state_dict(*m->module())) names.push_back(name);
+      content.state["model_tensors"].push_back(names);
+    }
+    record_training_state(s, content.state);
+  }
+  auto written = checkpoints::save(checkpoints::directory_path(target), content, s.world());
+  if (is_main_process() && dir.empty() && s.options.total_limit) checkpoints::prune_automatic_checkpoints(s.options.project_dir, *s.options.total_limit);
+  s.save_iteration += 1;
+  wait_for_everyone();
+  return written;
+}
+
+void Accelerator::load_state_unguarded(const std::string& dir) {
+  auto& s = *impl_;
+  fs::path source = checkpoints::directory_path(dir);
+  if (dir.empty()) {
+    auto all = checkpoints::automatic_checkpoints(s.options.project_dir);
+    if (all.empty())
+      throw Error(fmt::format("load_state(): no checkpoints under {}/checkpoints", s.options.project_dir));
+    source = all.back();
+  }
+  const checkpoints::Verified saved(source);
+
+  // Read and check everything before the first change, on every rank; then agree, so that a bad shard
+  // one rank read stops them all.
+  LoadPlan plan;
+  std::string problem;
+  try {
+    plan = read_and_check(s, saved, source, process_index());
+  } catch (const Error& e) {
+    problem = e.what();
+  }
+  auto problems = s.world().all_gather_object(problem);
+  for (size_t r = 0; r < problems.size(); ++r)
+    if (!problems[r].empty())
+      throw Error(problems.size() == 1 ? problems[r] : fmt::format("rank {}: {}", r, problems[r]));
+
+  apply_model_state(s, *plan.portable);
+  apply_training_state(s, saved, source, plan);
+  if (auto rng = saved.rng(process_index())) {
+    for (auto& [name, t] : rng->tensors)
+      if (name == "cpu") {
+        auto generator = at::detail::getDefaultCPUGenerator();
+        std::lock_guard<std::mutex> lock(generator.mutex());
+        generator.set_state(t);
+      }
+  } else if (is_main_process()) {
+    log::warning("xlr8: {} has no RNG state for rank {} (saved with {} processes); RNG not restored", source.string(),
+                 process_index(), saved.saved_world_size());
+  }
+}
+
+void Accelerator::register_checkpointable(detail::Checkpointable object) { impl_->custom.push_back(std::move(object)); }
+
+std::string Accelerator::module_bytes(const torch::nn::Module& module) {
+  return safetensors_bytes(module_state_dict(module));
+}
+
+void Accelerator::load_module_bytes(torch::nn::Module& module, const std::string& bytes, const std::string& origin) {
+  auto saved = parse_safetensors(bytes, origin);
+  auto own = module_state_dict(module);
+  checkpoints::check_matches(own, saved, origin);
+  std::map<std::string, at::Tensor> by_name(own.begin(), own.end());
+  at::NoGradGuard no_grad;
+  for (const auto& [name, t] : saved.tensors) by_name.at(name).copy_(t);
+}
+
+std::string Accelerator::optimizer_archive(const torch::optim::Optimizer& optimizer) {
+  return checkpoints::optimizer_bytes(optimizer);
+}
+
+void Accelerator::load_optimizer_archive(torch::optim::Optimizer& optimizer, const std::string& bytes,
+                                         const std::string& origin) {
+  auto archive = checkpoints::read_optimizer_archive(bytes, origin);
+  checkpoints::load_optimizer(optimizer, archive, origin);
+}
+
+void Accelerator::save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const {
+  // The size is parsed on every rank: a bad one fails them all.
+  write_full_model(*impl_, module, dir, checkpoints::parse_size(max_shard_size));
+}
+
+void write_full_model(const AcceleratorImpl& impl, const torch::nn::Module& module, const std::string& dir,
+                      int64_t limit) {
+  std::unique_ptr<checkpoints::HfModelWriter> writer;
+  stream_full_state(
+      impl, module, fmt::format("save_model({:?})", dir),
+      [&](std::vector<SafetensorsSpec> specs) {
+        writer = checkpoints::filesystem_guard(fmt::format("save_model({:?})", dir), [&] {
+          return std::make_unique<checkpoints::HfModelWriter>(dir, std::move(specs), limit);
+        });
+      },
+      [&](const at::Tensor& t) { writer->write(t); },
+      [&] { checkpoints::filesystem_guard(fmt::format("save_model({:?})", dir), [&] { writer->finish(); return 0; }); });
+}
+
+namespace {
+
+// What load_model copies: for each tensor name, where the part this rank holds goes.
+struct LoadTarget {
+  at::Tensor values;  // a parameter's piece (flat range from `start`) or a whole buffer
+  int64_t start = 0;
+  std::vector<int64_t> shape;
+  at::Tensor whole;  // the parameter itself when sharded and it holds memory now (written whole too)
+  std::optional<tp::SliceLayout> slice;  // a tensor-parallel slice: the file holds the whole
+};
+
+// Rank 0's verdict on a model file against the model: the names to load, in order, with dtype and size;
+// or why not.
+nlohmann::json plan_load(const std::string& path, const std::map<std::string, LoadTarget>& targets,
+                         const std::vector<std::string>& order, bool strict,
+                         std::optional<checkpoints::HfModelReader>& reader) {
+  try {
+    reader.emplace(path);
+  } catch (const Error& e) {
+    return {{"problem", std::string("load_model: ") + e.what()}};
+  }
+  std::vector<std::string> missing, mismatched, unexpected;
+  nlohmann::json plan = nlohmann::json::array();
+  for (const auto& name : order) {
+    auto it = reader->tensors().find(name);
+    if (it == reader->tensors().end()) {
+      missing.push_back(name);
+      continue;
+    }
+    const auto& target = targets.at(name);
+    if (it->second.shape != target.shape) {
+      mismatched.push_back(fmt::format("{} ([{}] in the file, [{}] in the model)", name, fmt::join(it->second.shape, ", "),
+                                       fmt::join(target.shape, ", ")));
+      continue;
+    }
+    int64_t numel = 1;
+    for (auto d : target.shape) numel *= d;
+    plan.push_back({{"name", name}, {"dtype", safetensors_dtype_code(it->second.dtype)}, {"numel", numel}});
+  }
+  for (const auto& [name, entry] : reader->tensors())
+    if (!targets.count(name)) unexpected.push_back(name);
+  if (!mismatched.empty() || (strict && (!missing.empty() || !unexpected.empty())))
+    return {{"problem", fmt::format("load_model: {} does not match the model: missing {}, mismatched {}, "
+                                    "unexpected {}{}{}; nothing was loaded",
+                                    path, text::listing(missing), text::listing(mismatched),
+                                    text::listing(unexpected), text::prefix_hint(missing, unexpected),
+                                    mismatched.empty() ? " (strict = false loads the names both have)" : "")}};
+  return {{"plan", plan}};
+}
+
+}  // namespace
+
+void Accelerator::load_module(torch::nn::Module& module, const std::string& path, bool strict) {
+  auto& s = *impl_;
+  auto* strategy = s.strategy_for(&module);
+  auto world = s.world();
+  const bool collective = strategy && world.size() > 1;
+  const bool reads = !collective || world.rank() == 0;
+  std::map<std::string, LoadTarget> targets;
+  std::vector<std::string> order;
+  if (strategy) {
+    std::map<std::string, at::Tensor> params;
+    for (const auto& item : module.named_parameters()) params[item.key()] = item.value();
+    for (auto& piece : strategy->parameter_pieces()) {
+      order.push_back(piece.name);
+      const auto& p = params.at(piece.name);
+      const bool whole = !p.is_same(piece.values) && p.has_storage() && p.storage().nbytes() > 0;
+      targets[piece.name] = {piece.values, piece.start, piece.shape, whole ? p : at::Tensor()};
+    }
+    for (auto& [name, layout] : tp::slice_layouts(module)) {
+      targets.at(name).shape = layout.whole_sizes;
+      targets.at(name).slice = layout;
+    }
+  }
+  else
+    for (const auto& item : module.named_parameters()) {
+      order.push_back(item.key());
+      targets[item.key()] = {item.value(), 0, item.value().sizes().vec()};
+    }
+  for (const auto& item : module.named_buffers()) {
+    order.push_back(item.key());
+    targets[item.key()] = {item.value(), 0, item.value().sizes().vec()};
+  }
+  std::optional<checkpoints::HfModelReader> reader;
+  nlohmann::json verdict = reads ? plan_load(path, targets, order, strict, reader) : nlohmann::json();
+  if (collective) verdict = nlohmann::json::parse(world.broadcast_object(verdict.dump(), 0));
+  if (verdict.contains("problem")) throw Error(verdict["problem"].get<std::string>());
+  // One tensor at a time: read once (by rank 0 when collective), sent to all, each keeps its part. One
+  // buffer per dtype, as large as the largest tensor, serves them all.
+  std::map<at::ScalarType, at::Tensor> buffers;
+  for (const auto& item : verdict["plan"]) {
+    auto& b = buffers[*safetensors_dtype_from_code(item["dtype"])];
+    b = at::empty({std::max(b.defined() ? b.numel() : 0, item["numel"].get<int64_t>())},
+                  at::TensorOptions().dtype(*safetensors_dtype_from_code(item["dtype"])));
+  }
+  at::NoGradGuard no_grad;
+  for (const auto& item : verdict["plan"]) {
+    const auto name = item["name"].get<std::string>();
+    const auto& target = targets.at(name);
+    at::Tensor whole = buffers.at(*safetensors_dtype_from_code(item["dtype"])).narrow(0, 0, item["numel"].get<int64_t>());
+    if (reads) reader->read_into(name, whole);
+    if (collective) {
+      if (whole.device() != s.device) whole = whole.to(s.device);  // NCCL carries device tensors
+      world.broadcast(whole, 0);
+    }
+    // This rank's tensor-parallel slice of the whole (every rank received it).
+    if (target.slice) whole = tp::local_slice(whole.view(target.slice->whole_sizes), *target.slice).view(-1);
+    const int64_t n = target.values.numel();
+    if (n > 0) target.values.detach().view(-1).copy_(whole.narrow(0, target.start, n));
+    // Every rank received the whole tensor: a whole copy the strategy keeps is written here, so no
+    // gather is needed afterwards.
+    if (target.whole.defined()) target.whole.detach().view(-1).copy_(whole);
+  }
+  if (strategy) strategy->parameter_pieces_loaded(/*whole_parameters_written=*/collective);
+}
+
+}  // namespace xlr8
+

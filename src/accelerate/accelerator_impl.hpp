@@ -1,0 +1,108 @@
+#pragma once
+// Internal state of xlr8::Accelerator, shared by accelerator.cpp and the checkpoint code.
+#include <fstream>
+#include <map>
+#include <optional>
+#include <unordered_map>
+
+#include "deepspeed/deepspeed_plugin.hpp"
+#include "diagnostics/advise_recorder.hpp"
+#include "diagnostics/verify_recorder.hpp"
+#include "xlr8/accelerator.hpp"
+#include "xlr8/context_parallel.hpp"
+#include "xlr8/loss_scaler.hpp"
+#include "xlr8/parallel_plan.hpp"
+
+namespace xlr8 {
+
+struct PreparedOptimizer::State {
+  std::shared_ptr<torch::optim::Optimizer> optimizer;
+  AcceleratorImpl* impl = nullptr;
+  bool skipped = false;
+  int64_t steps = 0;
+};
+
+struct PreparedScheduler::State {
+  std::shared_ptr<torch::optim::LRScheduler> scheduler;
+  AcceleratorImpl* impl = nullptr;
+  int64_t steps = 0;
+};
+
+struct AcceleratorImpl {
+  const ProcessState* state = nullptr;
+  AcceleratorOptions options;
+  at::Device device{at::kCPU};
+  ParallelPlan plan;  // resolved once, when the Accelerator is built
+  std::shared_ptr<GradientState> gradient_state = std::make_shared<GradientState>();
+  int64_t micro_step = 0;  // Accelerate's accelerator.step: micro-steps in the current window
+  int open_scopes = 0;      // StepScopes alive (accumulate / no_sync): free_memory must not run inside one
+  std::vector<std::unique_ptr<ParallelStrategy>> models;  // one per prepared model, in prepare() order
+  std::vector<std::shared_ptr<PreparedOptimizer::State>> optimizers;
+  std::vector<std::shared_ptr<PreparedScheduler::State>> schedulers;
+  std::vector<std::weak_ptr<DataLoaderBase>> loaders;
+  std::vector<detail::Checkpointable> custom;  // register_for_checkpointing, in order
+  std::optional<DynamicLossScaler> scaler;  // fp16 only
+  bool unscaled = false;                    // gradients of this step already divided by the scale
+  bool overflow = false;                    // ... and found inf/NaN on some rank
+  bool last_step_applied = false;           // the last sync step really updated the parameters
+  uint64_t seed = 0;
+  int64_t save_iteration = 0;               // next automatic checkpoint number
+  std::vector<std::unique_ptr<Tracker>> trackers;  // main process, once a run started
+  std::string run_dir;
+  std::optional<detail::DeepSpeedPlugin> deepspeed;  // the launch's DeepSpeed JSON, when it names one
+  std::unique_ptr<detail::VerifyRecorder> verify;  // under `xlr8 verify` (XLR8_VERIFY_DIR)
+  std::unique_ptr<detail::AdviseRecorder> advise;  // under `xlr8 advise` (XLR8_ADVISE_DIR)
+  std::vector<detail::StepObserver*> observers;    // told of each step's events, in this order (step_observer.hpp)
+  template <class Event>
+  void notify(const Event& event) {
+    for (auto* observer : observers) event(*observer);
+  }
+
+  // The constructors' work: the process, the device, the recorders, the plan resolved from every source of
+  // settings (`engine_config`: deepspeed::initialize's JSON; null: the launch's files), and what follows from it.
+  void start(AcceleratorOptions given, const deepspeed::Config* engine_config);
+  Communicator& world() const { return state->world(); }
+  std::vector<at::Tensor> optimized_parameters() const;
+  // fp16: divide this step's gradients by the scale once, and agree across ranks whether any overflowed.
+  void unscale_gradients();
+  // What a backward propagates: loss / accumulation steps, times the fp16 scale. Starts a new gradient
+  // check (what unscale_gradients found for the last one no longer holds).
+  at::Tensor loss_for_backward(const at::Tensor& loss);
+  // Accelerator::clip_grad_norm: the global norm of `parameters`' gradients, clipped to max_norm (collective).
+  double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
+  // Offload (FSDP's offload_params, DeepSpeed's offload_*) was asked for: says, once, what this build does.
+  void report_offload();
+  // The group and strategy that split the sequence (parallelism_config_cp_size or _sp_size above 1), or
+  // nullopt.
+  std::optional<cp::Context> sequence_context() const;
+  // parallelism_config_sp_seq_length with _is_variable false: `length` must be it (ConfigError otherwise).
+  void check_sequence_length(int64_t length) const;
+  // A sequence split: the first forward called xlr8::attention (else its attention saw only this rank's
+  // share of the sequence): a ConfigError naming the likely modules. Checked at the first backward.
+  void check_attention_went_through_cp();
+  bool attention_checked = false;
+  bool offload_reported = false;
+  // Whole values from the main process where build_model left the model without them, and the device: prepare()'s
+  // step after the tensor-parallel split. True when the strategy must send rank 0's values (rank-0 loading).
+  bool complete_values(const std::shared_ptr<torch::nn::Module>& module);
+  // The strategy of a prepared module, or null.
+  ParallelStrategy* strategy_for(const torch::nn::Module* module) const;
+  // The strategies of `modules` (all prepared models when empty); an unprepared module is an Error.
+  std::vector<ParallelStrategy*> strategies_of(const std::vector<torch::nn::Module*>& modules) const;
+  // The strategy that owns `parameter` (ParallelStrategy::owns), or null.
+  ParallelStrategy* owner_of(const at::Tensor& parameter) const;
+  std::vector<std::weak_ptr<torch::nn::Module>> built_for_rank0_loading;  // by build_model, until prepared
+  struct BuiltForTp {
+    std::weak_ptr<torch::nn::Module> module;
+    std::map<std::string, at::Tensor> wholes;  // the main process's whole values by name (empty elsewhere)
+  };
+  std::vector<BuiltForTp> built_for_tp_loading;  // by build_model under tensor parallelism, until prepared
+  bool installed_cp_context = false;  // this Accelerator set cp's process context (and clears it when it goes)
+};
+
+// The whole model (gathered from shards, on rank 0) as Hugging Face safetensors in `dir` (collective): what
+// save_model writes.
+void write_full_model(const AcceleratorImpl& impl, const torch::nn::Module& module, const std::string& dir,
+                      int64_t shard_limit = 0);
+
+}  // namespace xlr8

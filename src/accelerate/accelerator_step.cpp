@@ -1,0 +1,278 @@
+// Accelerator, the training step: prepared optimizers and schedulers, the scopes around a step
+// (accumulation, no_sync), autocast, backward, and unscaling and clipping the gradients.
+#include <torch/nn/utils/clip_grad.h>
+
+#include <limits>
+
+#include <fmt/ranges.h>
+
+#include "core/log.hpp"
+#include "core/text.hpp"
+#include "parallel/recompute/recompute.hpp"
+#include "parallel/sequence/cp_ring.hpp"
+#include "accelerate/accelerator_impl.hpp"
+#include "xlr8/accelerator.hpp"
+#include "xlr8/error.hpp"
+
+namespace xlr8 {
+
+std::vector<at::Tensor> AcceleratorImpl::optimized_parameters() const {
+  std::vector<at::Tensor> params;
+  for (const auto& o : optimizers)
+    for (const auto& group : o->optimizer->param_groups())
+      for (const auto& p : group.params()) params.push_back(p);
+  return params;
+}
+
+void AcceleratorImpl::check_attention_went_through_cp() {
+  // Once, at the first backward (its forward has run): a later backward may reuse a graph (retain_graph, a
+  // second loss) without a new forward.
+  if (attention_checked) return;
+  attention_checked = true;
+  if (cp::detail::attention_calls() > 0) return;
+  std::vector<std::string> suspects;
+  for (const auto& model : models)
+    for (const auto& item : model->module()->named_modules()) {
+      const auto type = item.value()->name();
+      if (text::lower(type).find("attention") != std::string::npos)
+        suspects.push_back(fmt::format("{} ({})", item.key(), type));
+    }
+  throw ConfigError(fmt::format(
+      "{} is {}, but the forward before this backward never called xlr8::attention(): attention "
+      "written by hand sees only this rank's share of the sequence. Compute it with xlr8::attention(q, k, v, ...) "
+      "(xlr8/context_parallel.hpp) in {}",
+      state->mesh().size(MeshDim::sp) > 1 ? "parallelism_config_sp_size" : "parallelism_config_cp_size",
+      state->mesh().size(MeshDim::cp) * state->mesh().size(MeshDim::sp),
+      suspects.empty() ? std::string("the model's attention module") : text::capped(suspects)));
+}
+
+void AcceleratorImpl::unscale_gradients() {
+  if (!scaler || unscaled) return;
+  const double inverse = 1.0 / scaler->scale();
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> finite;  // one flag per gradient, read back once (one device sync, not one per tensor)
+  for (auto& p : optimized_parameters()) {
+    auto& g = p.mutable_grad();
+    if (!g.defined()) continue;
+    g.mul_(inverse);
+    // One device for all flags: under partial offload some gradients are in host memory, others on the GPU.
+    auto flag = at::isfinite(g).all();
+    finite.push_back(finite.empty() ? flag : flag.to(finite.front().device()));
+  }
+  bool found = !finite.empty() && !at::stack(finite).all().item<bool>();
+  // Every rank must skip the same step: MAX of the overflow flag over the world.
+  auto flag = at::full({1}, found ? 1 : 0, at::kInt);
+  world().all_reduce(flag, ReduceOp::MAX);
+  overflow = flag.item<int>() != 0;
+  scaler->update(overflow);
+  unscaled = true;
+}
+
+// ------------------------------------------------------------------------------------------ optimizer, scheduler
+
+namespace {
+void check_not_freed(const AcceleratorImpl* impl, const char* what) {
+  if (!impl)
+    throw Error(fmt::format("{}.step(): Accelerator::free_memory() released it; prepare the {} again", what, what));
+}
+}  // namespace
+
+void PreparedOptimizer::step() {
+  auto& s = *state_;
+  check_not_freed(s.impl, "optimizer");
+  auto& impl = *s.impl;
+  if (!impl.gradient_state->sync_gradients) return;
+  impl.notify([](detail::StepObserver& o) { o.optimizer_step_begins(); });
+  impl.unscale_gradients();
+  if (impl.scaler && impl.overflow) {
+    s.skipped = true;
+    impl.last_step_applied = false;
+    if (impl.state->is_main_process())
+      log::info("xlr8: fp16 gradient overflow: skipped optimizer step; loss scale is now {}", impl.scaler->scale());
+    impl.notify([](detail::StepObserver& o) { o.optimizer_step_ends(); });
+    return;
+  }
+  // The strategy of the model it optimizes steps it (sharded strategies step their shards, then gather).
+  const auto& groups = s.optimizer->param_groups();
+  auto* owner = groups.empty() || groups.front().params().empty() ? nullptr : impl.owner_of(groups.front().params().front());
+  const bool first = !impl.optimizers.empty() && impl.optimizers.front().get() == &s;
+  if (first && !impl.observers.empty()) {
+    const auto parameters = owner ? owner->module()->parameters() : impl.optimized_parameters();
+    impl.notify([&](detail::StepObserver& o) { o.before_update(impl, parameters, owner); });
+  }
+  if (impl.plan.clip_at_step > 0)  // DeepSpeed's gradient_clipping, over the whole model's gradients
+    impl.clip_grad_norm(owner ? owner->module()->parameters() : impl.optimized_parameters(), impl.plan.clip_at_step, 2.0);
+  if (owner) owner->optimizer_step(*s.optimizer);
+  else s.optimizer->step();
+  s.skipped = false;
+  s.steps += 1;
+  impl.last_step_applied = true;
+  impl.notify([](detail::StepObserver& o) { o.optimizer_step_ends(); });
+  if (first) impl.notify([&](detail::StepObserver& o) { o.after_update(impl, s.steps); });
+}
+
+void PreparedOptimizer::zero_grad(bool set_to_none) {
+  check_not_freed(state_->impl, "optimizer");
+  if (!state_->impl->gradient_state->sync_gradients) return;
+  // Setting to none (PyTorch 2.x's default) lets the next backward's AccumulateGrad keep the fresh gradient
+  // instead of adding it to zeros: two fewer passes over every gradient. Under DDP the bucket then copies
+  // it in once. Zeroing in place keeps .grad a view into its bucket; LibTorch's own zero_grad() would
+  // detach_() it from the bucket.
+  at::NoGradGuard no_grad;
+  for (auto& group : state_->optimizer->param_groups())
+    for (auto& p : group.params()) {
+      auto& grad = p.mutable_grad();
+      if (!grad.defined()) continue;
+      if (set_to_none) grad = at::Tensor();
+      else grad.zero_();
+    }
+}
+
+torch::optim::Optimizer& PreparedOptimizer::optimizer() { return *state_->optimizer; }
+bool PreparedOptimizer::step_was_skipped() const { return state_->skipped; }
+int64_t PreparedOptimizer::steps_taken() const { return state_->steps; }
+
+void PreparedScheduler::step() {
+  check_not_freed(state_->impl, "scheduler");
+  auto& impl = *state_->impl;
+  if (!impl.gradient_state->sync_gradients || !impl.last_step_applied) return;
+  state_->scheduler->step();
+  state_->steps += 1;
+}
+
+torch::optim::LRScheduler& PreparedScheduler::scheduler() { return *state_->scheduler; }
+int64_t PreparedScheduler::steps_taken() const { return state_->steps; }
+
+// ------------------------------------------------------------------------------------------ step scope
+
+StepScope::StepScope(AcceleratorImpl* impl, std::vector<ParallelStrategy*> models, bool suspend_sync,
+                     AutocastScope autocast)
+    : impl_(impl), models_(std::move(models)), suspend_sync_(suspend_sync), autocast_(std::move(autocast)) {
+  for (auto* m : models_) m->begin_step(suspend_sync_);
+  ++impl_->open_scopes;
+}
+
+StepScope::StepScope(StepScope&& other) noexcept
+    : impl_(other.impl_),
+      models_(std::move(other.models_)),
+      suspend_sync_(other.suspend_sync_),
+      autocast_(std::move(other.autocast_)) {
+  other.active_ = false;
+}
+
+StepScope::~StepScope() {
+  if (!active_) return;
+  for (auto* m : models_) m->end_step();
+  --impl_->open_scopes;
+}
+
+bool StepScope::sync_gradients() const { return !suspend_sync_ && impl_->gradient_state->sync_gradients; }
+
+// ------------------------------------------------------------------------------------------ backward and gradients
+
+StepScope Accelerator::open_micro_step(std::vector<torch::nn::Module*> modules, bool sync) {
+  auto& s = *impl_;
+  s.gradient_state->sync_gradients = sync;  // the caller's decision is the one every reader follows
+  return StepScope(impl_.get(), s.strategies_of(modules), /*suspend_sync=*/!sync, AutocastScope());
+}
+
+StepScope Accelerator::make_step_scope(std::vector<torch::nn::Module*> modules, bool decide_sync) {
+  auto& s = *impl_;
+  auto strategies = s.strategies_of(modules);
+  // The one decision of whether this step synchronises (the GradientState owns it; strategies read it).
+  if (decide_sync) {
+    auto& gs = *s.gradient_state;
+    if (gs.sync_with_dataloader && gs.end_of_dataloader()) {
+      s.micro_step = 0;
+      gs.sync_gradients = true;
+    } else {
+      s.micro_step += 1;
+      gs.sync_gradients = s.micro_step % gs.num_steps == 0;
+    }
+  }
+  return StepScope(impl_.get(), std::move(strategies), /*suspend_sync=*/!decide_sync,
+                   decide_sync ? autocast() : AutocastScope());
+}
+
+AutocastScope Accelerator::autocast() const {
+  auto type = impl_->device.type();
+  bool enabled = impl_->plan.mixed_precision == MixedPrecision::BF16 ||
+                 (impl_->plan.mixed_precision == MixedPrecision::FP16 && type == c10::DeviceType::CUDA);
+  auto dtype = impl_->plan.mixed_precision == MixedPrecision::FP16 ? at::kHalf : at::kBFloat16;
+  return enabled ? AutocastScope(type, dtype) : AutocastScope();
+}
+
+at::Tensor AcceleratorImpl::loss_for_backward(const at::Tensor& loss) {
+  if (!loss.defined()) throw Error("backward(): the loss tensor is undefined");
+  at::Tensor scaled = loss / gradient_state->num_steps;
+  if (scaler) scaled = scaled * scaler->scale();
+  unscaled = false;
+  overflow = false;
+  return scaled;
+}
+
+at::Tensor Accelerator::scaled_loss(const at::Tensor& loss) { return impl_->loss_for_backward(loss); }
+
+void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
+  if (impl_->deepspeed)  // everything the JSON needs is prepared by now: no "auto" may be left
+    impl_->deepspeed->finish(impl_->gradient_state->num_steps);
+  // A forward under cp/sp that never went through xlr8::attention is refused before its backward computes
+  // anything: nothing has trained yet.
+  if (impl_->state->mesh().size(MeshDim::cp) * impl_->state->mesh().size(MeshDim::sp) > 1) impl_->check_attention_went_through_cp();
+  auto scaled = impl_->loss_for_backward(loss);
+  impl_->notify([&](detail::StepObserver& o) { o.on_backward(loss); });
+  AutocastPause outside_autocast;
+  scaled.backward({}, retain_graph);
+  for (const auto& model : impl_->models)
+    if (auto never = detail::checkpointed_units_never_run(*model->module()); !never.empty())
+      throw ConfigError(fmt::format("fsdp_activation_checkpointing: unit(s) {} ran no forward through "
+                                    "xlr8::sharded(*this, body, inputs...), so they were not checkpointed; write "
+                                    "their forward in that form (xlr8/unshard.hpp)",
+                                    fmt::join(never, ", ")));
+}
+
+void Accelerator::clip_grad_value(const std::vector<at::Tensor>& parameters, double clip_value) {
+  auto& s = *impl_;
+  if (!(clip_value >= 0)) throw ConfigError(fmt::format("clip_grad_value(): clip_value {} must be 0 or more", clip_value));
+  if (!s.gradient_state->sync_gradients) return;
+  s.unscale_gradients();
+  at::NoGradGuard no_grad;
+  for (const auto& p : parameters) {
+    auto* owner = s.owner_of(p);
+    for (const auto& holder : owner ? owner->gradient_holders({p}) : std::vector<at::Tensor>{p})
+      if (holder.grad().defined()) holder.grad().clamp_(-clip_value, clip_value);
+  }
+}
+
+double Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
+  const double norm = impl_->clip_grad_norm(parameters, max_norm, norm_type);
+  // `xlr8 verify` compares the norm the program clipped from: after clipping every clipped step reads max_norm.
+  if (impl_->gradient_state->sync_gradients) impl_->notify([&](detail::StepObserver& o) { o.on_clip_grad_norm(norm); });
+  return norm;
+}
+
+double AcceleratorImpl::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
+  auto& s = *this;
+  if (!s.gradient_state->sync_gradients) return 0.0;
+  s.unscale_gradients();
+  if (s.scaler && s.overflow) return std::numeric_limits<double>::infinity();
+  if (parameters.empty()) return 0.0;
+  // The strategy of the model these parameters belong to knows which ranks hold which gradients.
+  std::vector<ParallelStrategy*> owners;
+  bool unowned = false;
+  for (const auto& p : parameters) {
+    auto* owner = s.owner_of(p);
+    if (!owner) unowned = true;
+    else if (std::find(owners.begin(), owners.end(), owner) == owners.end()) owners.push_back(owner);
+  }
+  if (owners.size() == 1 && !unowned) return owners.front()->clip_grad_norm(parameters, max_norm, norm_type);
+  // Several models (or tensors of none): the local norm is the global one only when all are replicas.
+  for (auto* owner : owners)
+    if (!owner->replicated())
+      throw Error(fmt::format("clip_grad_norm(): the parameters span several prepared models and the {} one is sharded; "
+                              "clip each model's parameters in its own call",
+                              owner->name()));
+  return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+}
+
+}  // namespace xlr8

@@ -1,0 +1,47 @@
+#pragma once
+// The parts of save_state/load_state that make a checkpoint independent of the strategy and the number
+// of processes: each rank writes the element ranges of parameters and optimizer state it holds, by
+// parameter name (checkpoint/sharded_pieces.hpp), and on load reads back exactly the ranges it holds
+// now, whatever wrote them. Reading and checking finish on every rank before anything changes.
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "checkpoint/optimizer_state.hpp"
+#include "checkpoint/training_checkpoint.hpp"
+#include "accelerate/accelerator_impl.hpp"
+
+namespace xlr8 {
+
+// Whether save_state writes the models as pieces (FSDP's SHARDED_STATE_DICT, DeepSpeed's layout) rather
+// than whole on the main process (FULL_STATE_DICT, and DDP's).
+bool models_saved_sharded(const AcceleratorImpl& s);
+
+// Fills `pieces` with this rank's share of the models (when `models_as_pieces`) and of the state of every
+// optimizer whose type is portable, and `state` with "optimizer_formats" (kind or "archive") and
+// "optimizer_lrs". Returns, per optimizer, whether it is written as pieces (else the caller archives it).
+std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_as_pieces,
+                                         checkpoints::RankPieces& pieces, nlohmann::json& state);
+
+// What load_state will copy in, read and checked in full first.
+struct PortableLoad {
+  struct Copy {
+    at::Tensor target, values;
+  };
+  std::vector<std::vector<Copy>> models;  // per model
+  struct OptimizerStates {
+    bool portable = false;  // else the optimizer comes from its archive
+    std::vector<std::pair<at::Tensor, std::optional<checkpoints::ParameterState>>> leaves;
+    std::vector<double> lrs;
+  };
+  std::vector<OptimizerStates> optimizers;
+};
+
+// Throws (naming the tensor, both shapes, or the file) when the checkpoint does not fit what is prepared.
+PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Verified& saved, const nlohmann::json& state);
+// Copies the models in (collective: sharded strategies refresh their whole copies).
+void apply_model_state(AcceleratorImpl& s, const PortableLoad& load);
+// Optimizer states and learning rates, after the schedulers replayed their steps.
+void apply_optimizer_state(AcceleratorImpl& s, const PortableLoad& load);
+
+}  // namespace xlr8

@@ -1,0 +1,371 @@
+#include "xlr8/config.hpp"
+
+#include <fmt/format.h>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <tuple>
+
+#include "config/config_compat.hpp"
+#include "config/config_section.hpp"
+#include "core/text.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/env.hpp"
+
+namespace fs = std::filesystem;
+
+namespace xlr8 {
+namespace {
+
+using detail::Section;
+
+const std::vector<std::string> kTrackerNames = {"jsonl", "csv", "tensorboard", "all"};
+
+const std::vector<std::string> kTopKeys = {
+    "compute_environment", "distributed_type", "mixed_precision", "use_cpu", "debug", "num_processes",
+    "num_machines", "machine_rank", "gpu_ids", "main_process_ip", "main_process_port", "rdzv_backend",
+    "same_network", "main_training_function", "enable_cpu_affinity", "downcast_bf16",
+    "gradient_accumulation_steps", "fsdp_config", "deepspeed_config", "parallelism_config", "log_with",
+    "mpirun_config"};
+const std::vector<std::string> kFsdpKeys = {
+    "fsdp_version", "fsdp_activation_checkpointing", "fsdp_auto_wrap_policy", "fsdp_backward_prefetch",
+    "fsdp_backward_prefetch_policy", "fsdp_cpu_ram_efficient_loading", "fsdp_forward_prefetch",
+    "fsdp_min_num_params", "fsdp_offload_params", "fsdp_reshard_after_forward", "fsdp_sharding_strategy",
+    "fsdp_state_dict_type", "fsdp_sync_module_states", "fsdp_transformer_layer_cls_to_wrap", "fsdp_use_orig_params",
+    "fsdp_ignored_modules"};
+const std::vector<std::string> kDeepSpeedKeys = {
+    "deepspeed_config_file", "zero_stage", "gradient_accumulation_steps", "gradient_clipping",
+    "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path", "offload_param_nvme_path",
+    "zero3_init_flag", "zero3_save_16bit_model"};
+// Only read for what they would turn on (checked in read_deepspeed).
+const std::vector<std::string> kLauncherDeepSpeedKeys = {
+    "deepspeed_hostfile", "deepspeed_multinode_launcher", "deepspeed_exclusion_filter",
+    "deepspeed_inclusion_filter", "deepspeed_moe_layer_cls_names"};
+const std::vector<std::string> kParallelismKeys = {
+    "parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size", "parallelism_config_tp_size",
+    "parallelism_config_cp_size", "parallelism_config_cp_comm_strategy", "parallelism_config_cp_backend",
+    "parallelism_config_sp_size", "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
+    "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_attn_implementation",
+    "parallelism_config_tp_head_dim"};
+
+const std::vector<std::string> kMpirunKeys = {"mpirun_hostfile", "mpirun_ccl"};
+const std::vector<std::string> kNone;
+
+// Accelerate 0.7-0.11 wrote fsdp_config keys without the prefix, and `accelerate launch` still adds it.
+YAML::Node with_fsdp_prefix(const YAML::Node& node) {
+  if (!node || !node.IsMap()) return node;
+  YAML::Node out(YAML::NodeType::Map);
+  for (const auto& kv : node) {
+    auto key = kv.first.as<std::string>();
+    if (key.rfind("fsdp_", 0) != 0 && !node["fsdp_" + key]) key = "fsdp_" + key;
+    out[key] = kv.second;
+  }
+  return out;
+}
+
+void read_fsdp(const Section& s, FsdpSettings& f) {
+  if (!s.is_off("fsdp_ignored_modules"))
+    throw s.error("fsdp_ignored_modules", fmt::format("value {} is not supported: xlr8 shards every module; remove "
+                                                      "the key or set it to null",
+                                                      s.shown("fsdp_ignored_modules")));
+  if (auto v = s.integer("fsdp_version", 1, 2)) f.version = static_cast<int>(*v);
+  if (auto v = s.str("fsdp_sharding_strategy"))
+    f.sharding_strategy = parse_sharding_strategy(*v, s.where("fsdp_sharding_strategy"));
+  if (auto v = s.str("fsdp_reshard_after_forward")) {
+    if (auto b = parse_bool(*v)) f.reshard_after_forward = b;
+    else f.sharding_strategy = parse_sharding_strategy(*v, s.where("fsdp_reshard_after_forward"));
+  }
+  if (auto v = s.choice("fsdp_auto_wrap_policy", kAutoWrapPolicies, true)) f.auto_wrap_policy = *v;
+  f.transformer_layer_cls_to_wrap = s.list("fsdp_transformer_layer_cls_to_wrap");
+  if (auto v = s.integer("fsdp_min_num_params", 0, std::numeric_limits<long>::max())) f.min_num_params = *v;
+  for (auto key : {"fsdp_backward_prefetch", "fsdp_backward_prefetch_policy"})
+    if (auto v = s.choice(key, kBackwardPrefetchValues, true)) f.backward_prefetch = *v;
+  if (auto v = s.choice("fsdp_state_dict_type", kStateDictTypes, true)) f.state_dict_type = *v;
+  for (const auto& flag : fsdp_flags())
+    if (auto b = s.boolean(flag.config_key)) f.*flag.member = *b;
+}
+
+void read_deepspeed(const Section& s, LaunchConfig& c) {
+  if (!s.is_off("deepspeed_moe_layer_cls_names"))
+    throw s.error("deepspeed_moe_layer_cls_names",
+                  fmt::format("value {} asks for DeepSpeed mixture-of-experts layers, which xlr8 does not have; remove "
+                              "the key",
+                              s.shown("deepspeed_moe_layer_cls_names")));
+  // Across machines, `accelerate launch` may start the other machines itself (pdsh, ssh, mpirun...);
+  // xlr8 launch runs on every machine, as DeepSpeed's "standard" launcher does.
+  if (auto v = s.str("deepspeed_multinode_launcher"); v && *v != "standard" && *v != "nossh" && c.num_machines > 1)
+    throw s.error("deepspeed_multinode_launcher",
+                  fmt::format("value {:?} asks the launcher to start the other machines, which xlr8 launch does not "
+                              "do; set it to \"standard\" (or \"nossh\") and run xlr8 launch on every machine (or start "
+                              "the job with "
+                              "srun or mpirun)",
+                              *v));
+  auto& d = c.deepspeed;
+  if (auto v = s.str("deepspeed_config_file")) d.config_file = *v;
+  if (auto v = s.integer("zero_stage", 0, 3)) d.zero_stage = static_cast<int>(*v);
+  if (auto v = s.integer("gradient_accumulation_steps", 1, 1L << 30)) c.gradient_accumulation_steps = static_cast<int>(*v);
+  d.gradient_clipping = s.number("gradient_clipping");
+  if (auto v = s.choice("offload_optimizer_device", kOffloadDevices, false)) d.offload_optimizer_device = *v;
+  if (auto v = s.choice("offload_param_device", kOffloadDevices, false)) d.offload_param_device = *v;
+  if (auto v = s.str("offload_optimizer_nvme_path")) d.offload_optimizer_nvme_path = *v;
+  if (auto v = s.str("offload_param_nvme_path")) d.offload_param_nvme_path = *v;
+  d.zero3_init_flag = s.boolean("zero3_init_flag").value_or(d.zero3_init_flag);
+  d.zero3_save_16bit_model = s.boolean("zero3_save_16bit_model").value_or(d.zero3_save_16bit_model);
+}
+
+void read_parallelism(const Section& s, LaunchConfig& c) {
+  ParallelismSettings p;
+  constexpr long kMax = 1 << 20;
+  p.dp_replicate = static_cast<int>(s.integer("parallelism_config_dp_replicate_size", 1, kMax).value_or(1));
+  p.dp_shard = static_cast<int>(s.integer("parallelism_config_dp_shard_size", 1, kMax).value_or(1));
+  p.tp = static_cast<int>(s.integer("parallelism_config_tp_size", 1, kMax).value_or(1));
+  p.tp_head_dim = s.integer("parallelism_config_tp_head_dim", 1, kMax);
+  p.cp = static_cast<int>(s.integer("parallelism_config_cp_size", 1, kMax).value_or(1));
+  if (auto strategy = s.choice("parallelism_config_cp_comm_strategy", {"allgather", "alltoall"}, /*upper=*/false))
+    p.cp_comm_strategy = *strategy;
+  // Ulysses (DeepSpeed's ALST, Accelerate's sp_backend deepspeed: the only backend).
+  p.sp = static_cast<int>(s.integer("parallelism_config_sp_size", 1, kMax).value_or(1));
+  s.choice("parallelism_config_sp_backend", {"deepspeed"}, /*upper=*/false);
+  p.sp_seq_length = s.integer("parallelism_config_sp_seq_length", 1, kMax);
+  p.sp_seq_length_is_variable = s.boolean("parallelism_config_sp_seq_length_is_variable").value_or(true);
+  // xlr8::attention is scaled-dot-product attention: sdpa is what it computes.
+  s.choice("parallelism_config_sp_attn_implementation", {"sdpa"}, /*upper=*/false);
+  if (!p.sp_seq_length_is_variable && !p.sp_seq_length)
+    throw s.error("parallelism_config_sp_seq_length_is_variable",
+                  "is false, but parallelism_config_sp_seq_length is not set; set the length every batch has, or "
+                  "make it true");
+  if (p.sp_seq_length && *p.sp_seq_length % p.sp != 0)
+    throw s.error("parallelism_config_sp_seq_length",
+                  fmt::format("value {} is not divisible by parallelism_config_sp_size {}; choose a multiple of it",
+                              *p.sp_seq_length, p.sp));
+  check_sequence_split(p);
+  c.parallelism = p;
+}
+
+}  // namespace
+
+LaunchConfig parse_config(const std::string& yaml_text, const std::string& origin) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& e) {
+    throw ConfigError(fmt::format("{}: not valid YAML: {}", origin, e.what()));
+  }
+  LaunchConfig c;
+  c.path = origin;
+  Section top(root, "", origin);
+  detail::refuse_foreign_environment(top);
+  const Section fsdp(with_fsdp_prefix(top.child("fsdp_config")), "fsdp_config.", origin);
+  const Section deepspeed(top.child("deepspeed_config"), "deepspeed_config.", origin);
+  const Section mpi(top.child("mpirun_config"), "mpirun_config.", origin);
+  const Section parallelism(top.child("parallelism_config"), "parallelism_config.", origin);
+  std::vector<std::string> unknown = top.unknown_keys(kTopKeys, detail::kCompatTopKeys, &c.ignored_keys);
+  for (const auto& [section, known, ignored] :
+       {std::tuple{&fsdp, &kFsdpKeys, &kNone}, std::tuple{&deepspeed, &kDeepSpeedKeys, &kLauncherDeepSpeedKeys},
+        std::tuple{&mpi, &kMpirunKeys, &kNone}, std::tuple{&parallelism, &kParallelismKeys, &kNone}})
+    for (auto& message : section->unknown_keys(*known, *ignored, &c.ignored_keys)) unknown.push_back(std::move(message));
+  top.refuse_unknown(unknown);
+  detail::refuse_unsupported_features(top);
+  if (auto v = top.str("distributed_type")) {
+    try {
+      c.distributed_type = parse_distributed_type(*v, "distributed_type");
+    } catch (const ConfigError&) {
+      throw top.error("distributed_type", fmt::format("value {:?} is not supported; allowed: NO, MULTI_CPU, MULTI_GPU, "
+                                                      "FSDP, DEEPSPEED",
+                                                      *v));
+    }
+  }
+  if (auto v = top.str("mixed_precision"))
+    c.mixed_precision = parse_mixed_precision(*v, fmt::format("{}: mixed_precision", origin));
+  else if (top.boolean("fp16").value_or(false))  // Accelerate < 0.6
+    c.mixed_precision = MixedPrecision::FP16;
+  c.use_cpu = top.boolean("use_cpu").value_or(false);
+  c.debug = top.boolean("debug").value_or(false);
+  if (auto v = top.integer("num_processes", -1, 1 << 20)) {
+    if (*v == 0) throw top.error("num_processes", "value 0 is not allowed; use a positive count (or -1 to require --num_processes)");
+    c.num_processes = static_cast<int>(*v);
+  }
+  if (auto v = top.integer("num_machines", 1, 1 << 16)) c.num_machines = static_cast<int>(*v);
+  if (auto v = top.integer("machine_rank", 0, 1 << 16)) c.machine_rank = static_cast<int>(*v);
+  if (auto v = top.str("gpu_ids")) c.gpu_ids = *v;
+  if (auto v = top.str("log_with")) {
+    // xlr8/trackers.hpp's builtin_trackers() and "all" (a test keeps the two lists equal); checked here
+    // so that a typo stops the launch, not the run.
+    std::string words = *v;
+    std::replace(words.begin(), words.end(), ',', ' ');
+    std::istringstream in(words);
+    for (std::string word; in >> word;)
+      if (std::find(kTrackerNames.begin(), kTrackerNames.end(), word) == kTrackerNames.end())
+        throw top.error("log_with", fmt::format("value {:?} is not a tracker; allowed: {}{}", word,
+                                                text::join(kTrackerNames), text::suggestion(word, kTrackerNames)));
+    c.log_with = *v;
+  }
+  if (auto v = top.str("main_process_ip")) c.main_process_ip = *v;
+  if (auto v = top.integer("main_process_port", 0, 65535)) c.main_process_port = static_cast<int>(*v);
+  if (auto v = top.choice("rdzv_backend", {"static", "c10d"}, false)) c.rdzv_backend = *v;
+  c.same_network = top.boolean("same_network").value_or(true);
+  if (auto v = top.str("main_training_function")) c.main_training_function = *v;
+  c.enable_cpu_affinity = top.boolean("enable_cpu_affinity").value_or(false);
+  if (auto v = top.str("downcast_bf16")) c.downcast_bf16 = *v;
+  if (auto v = top.integer("gradient_accumulation_steps", 1, 1L << 30)) c.gradient_accumulation_steps = static_cast<int>(*v);
+  read_fsdp(fsdp, c.fsdp);
+  read_deepspeed(deepspeed, c);
+  // As `accelerate launch` does with it: start the job through mpirun over the file's hosts (mpirun_ccl
+  // sizes Intel oneCCL's workers, which xlr8 does not use).
+  c.mpirun_hostfile = mpi.str("mpirun_hostfile").value_or("");
+  if (top.has("parallelism_config")) read_parallelism(parallelism, c);
+  c.validate();
+  return c;
+}
+
+LaunchConfig load_config(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) {
+    throw ConfigError(fmt::format("config file {:?} {}; create one with `xlr8 config` or `xlr8 config --default`", path,
+                                  fs::exists(path) ? "cannot be read" : "does not exist"));
+  }
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return parse_config(buffer.str(), path);
+}
+
+void LaunchConfig::validate() const {
+  auto fail = [&](const std::string& why) { return ConfigError(fmt::format("{}: {}", path.empty() ? "config" : path, why)); };
+  if (machine_rank >= num_machines)
+    throw fail(fmt::format("machine_rank {} must be below num_machines {} (ranks count from 0)", machine_rank, num_machines));
+  if (num_processes > 0 && num_processes % num_machines != 0)
+    throw fail(fmt::format("num_processes {} (the total over all machines) is not divisible by num_machines {}",
+                           num_processes, num_machines));
+  if (num_processes > 0 && num_processes < num_machines)
+    throw fail(fmt::format("num_processes {} is smaller than num_machines {}; num_processes counts all machines",
+                           num_processes, num_machines));
+  if (num_machines > 1 && main_process_ip.empty())
+    throw fail(fmt::format("main_process_ip is required when num_machines is {}; set it to the host of machine 0",
+                           num_machines));
+  if (parallelism && num_processes > 0 && parallelism->total() != num_processes)
+    throw fail(fmt::format("parallelism_config sizes multiply to {} (dp_replicate {} x dp_shard {} x cp {} x sp {} x tp "
+                           "{}) but num_processes is {}",
+                           parallelism->total(), parallelism->dp_replicate, parallelism->dp_shard, parallelism->cp,
+                           parallelism->sp, parallelism->tp, num_processes));
+  if (distributed_type == DistributedType::DEEPSPEED && deepspeed.offload_optimizer_device == "nvme" &&
+      deepspeed.offload_optimizer_nvme_path.empty())
+    throw fail("deepspeed_config.offload_optimizer_device is nvme but offload_optimizer_nvme_path is empty");
+}
+
+Settings LaunchConfig::settings() const {
+  validate();
+  Settings s;
+  s.mixed_precision = mixed_precision;
+  s.gradient_accumulation_steps = gradient_accumulation_steps;
+  s.use_cpu = use_cpu;
+  s.debug = debug;
+  s.cpu_affinity = enable_cpu_affinity;
+  if (distributed_type == DistributedType::FSDP) s.fsdp = fsdp;
+  if (distributed_type == DistributedType::DEEPSPEED) s.deepspeed = deepspeed;
+  s.parallelism = parallelism;
+  return s;
+}
+
+std::string to_yaml(const LaunchConfig& c) {
+  YAML::Emitter out;
+  out << YAML::BeginMap;
+  out << YAML::Key << "compute_environment" << YAML::Value << c.compute_environment;
+  out << YAML::Key << "debug" << YAML::Value << c.debug;
+  out << YAML::Key << "distributed_type" << YAML::Value << to_string(c.distributed_type);
+  out << YAML::Key << "downcast_bf16" << YAML::Value << YAML::SingleQuoted << c.downcast_bf16;
+  out << YAML::Key << "enable_cpu_affinity" << YAML::Value << c.enable_cpu_affinity;
+  if (c.distributed_type == DistributedType::FSDP) {
+    const auto& f = c.fsdp;
+    out << YAML::Key << "fsdp_config" << YAML::Value << YAML::BeginMap;
+    for (const auto& flag : fsdp_flags()) out << YAML::Key << flag.config_key << YAML::Value << f.*flag.member;
+    out << YAML::Key << "fsdp_auto_wrap_policy" << YAML::Value << f.auto_wrap_policy;
+    if (!f.backward_prefetch.empty()) out << YAML::Key << "fsdp_backward_prefetch" << YAML::Value << f.backward_prefetch;
+    if (f.auto_wrap_policy == "SIZE_BASED_WRAP") out << YAML::Key << "fsdp_min_num_params" << YAML::Value << f.min_num_params;
+    if (f.reshard_after_forward) out << YAML::Key << "fsdp_reshard_after_forward" << YAML::Value << *f.reshard_after_forward;
+    out << YAML::Key << "fsdp_sharding_strategy" << YAML::Value << to_string(f.sharding_strategy);
+    out << YAML::Key << "fsdp_state_dict_type" << YAML::Value << f.state_dict_type;
+    if (!f.transformer_layer_cls_to_wrap.empty())
+      out << YAML::Key << "fsdp_transformer_layer_cls_to_wrap" << YAML::Value << text::join(f.transformer_layer_cls_to_wrap, ",");
+    out << YAML::Key << "fsdp_version" << YAML::Value << f.version;
+    out << YAML::EndMap;
+  }
+  if (c.distributed_type == DistributedType::DEEPSPEED) {
+    const auto& d = c.deepspeed;
+    out << YAML::Key << "deepspeed_config" << YAML::Value << YAML::BeginMap;
+    if (!d.config_file.empty()) out << YAML::Key << "deepspeed_config_file" << YAML::Value << d.config_file;
+    if (c.gradient_accumulation_steps)
+      out << YAML::Key << "gradient_accumulation_steps" << YAML::Value << *c.gradient_accumulation_steps;
+    if (d.gradient_clipping) out << YAML::Key << "gradient_clipping" << YAML::Value << *d.gradient_clipping;
+    out << YAML::Key << "offload_optimizer_device" << YAML::Value << d.offload_optimizer_device;
+    out << YAML::Key << "offload_param_device" << YAML::Value << d.offload_param_device;
+    out << YAML::Key << "zero3_init_flag" << YAML::Value << d.zero3_init_flag;
+    out << YAML::Key << "zero3_save_16bit_model" << YAML::Value << d.zero3_save_16bit_model;
+    out << YAML::Key << "zero_stage" << YAML::Value << d.zero_stage;
+    out << YAML::EndMap;
+  } else if (c.gradient_accumulation_steps) {
+    out << YAML::Key << "gradient_accumulation_steps" << YAML::Value << *c.gradient_accumulation_steps;
+  }
+  out << YAML::Key << "gpu_ids" << YAML::Value << c.gpu_ids;
+  if (!c.log_with.empty()) out << YAML::Key << "log_with" << YAML::Value << c.log_with;
+  out << YAML::Key << "machine_rank" << YAML::Value << c.machine_rank;
+  if (!c.main_process_ip.empty()) out << YAML::Key << "main_process_ip" << YAML::Value << c.main_process_ip;
+  if (c.main_process_port) out << YAML::Key << "main_process_port" << YAML::Value << *c.main_process_port;
+  out << YAML::Key << "main_training_function" << YAML::Value << c.main_training_function;
+  out << YAML::Key << "mixed_precision" << YAML::Value << YAML::SingleQuoted << to_string(c.mixed_precision);
+  if (!c.mpirun_hostfile.empty())
+    out << YAML::Key << "mpirun_config" << YAML::Value << YAML::BeginMap << YAML::Key << "mpirun_hostfile"
+        << YAML::Value << c.mpirun_hostfile << YAML::EndMap;
+  out << YAML::Key << "num_machines" << YAML::Value << c.num_machines;
+  out << YAML::Key << "num_processes" << YAML::Value << c.num_processes;
+  if (c.parallelism) {
+    out << YAML::Key << "parallelism_config" << YAML::Value << YAML::BeginMap;
+    out << YAML::Key << "parallelism_config_dp_replicate_size" << YAML::Value << c.parallelism->dp_replicate;
+    out << YAML::Key << "parallelism_config_dp_shard_size" << YAML::Value << c.parallelism->dp_shard;
+    out << YAML::Key << "parallelism_config_cp_size" << YAML::Value << c.parallelism->cp;
+    out << YAML::Key << "parallelism_config_tp_size" << YAML::Value << c.parallelism->tp;
+    if (c.parallelism->tp_head_dim)
+      out << YAML::Key << "parallelism_config_tp_head_dim" << YAML::Value << *c.parallelism->tp_head_dim;
+    if (c.parallelism->cp > 1)
+      out << YAML::Key << "parallelism_config_cp_comm_strategy" << YAML::Value << c.parallelism->cp_comm_strategy;
+    if (c.parallelism->sp > 1) {
+      out << YAML::Key << "parallelism_config_sp_size" << YAML::Value << c.parallelism->sp;
+      out << YAML::Key << "parallelism_config_sp_backend" << YAML::Value << "deepspeed";
+      if (c.parallelism->sp_seq_length)
+        out << YAML::Key << "parallelism_config_sp_seq_length" << YAML::Value << *c.parallelism->sp_seq_length;
+      out << YAML::Key << "parallelism_config_sp_seq_length_is_variable" << YAML::Value
+          << c.parallelism->sp_seq_length_is_variable;
+      out << YAML::Key << "parallelism_config_sp_attn_implementation" << YAML::Value << "sdpa";
+    }
+    out << YAML::EndMap;
+  }
+  out << YAML::Key << "rdzv_backend" << YAML::Value << c.rdzv_backend;
+  out << YAML::Key << "same_network" << YAML::Value << c.same_network;
+  out << YAML::Key << "use_cpu" << YAML::Value << c.use_cpu;
+  out << YAML::EndMap;
+  return std::string(out.c_str()) + "\n";
+}
+
+void save_config(const LaunchConfig& config, const std::string& path) {
+  fs::path target(path);
+  if (target.has_parent_path()) fs::create_directories(target.parent_path());
+  fs::path tmp = target;
+  tmp += ".tmp";
+  {
+    std::ofstream out(tmp);
+    if (!out) throw ConfigError(fmt::format("cannot write config file {:?}", tmp.string()));
+    out << to_yaml(config);
+    if (!out.flush()) throw ConfigError(fmt::format("cannot write config file {:?}", tmp.string()));
+  }
+  fs::rename(tmp, target);
+}
+
+std::string default_config_path() {
+  if (const auto xdg = env_var("XDG_CACHE_HOME")) return *xdg + "/xlr8/default_config.yaml";
+  return env_var("HOME").value_or(".") + "/.cache/xlr8/default_config.yaml";
+}
+
+}  // namespace xlr8

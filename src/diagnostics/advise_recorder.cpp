@@ -1,0 +1,231 @@
+#include "diagnostics/advise_recorder.hpp"
+
+#include <fmt/format.h>
+#include <torch/nn/module.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+#include <thread>
+#include <utility>
+
+#include "checkpoint/files.hpp"
+#include "checkpoint/optimizer_state.hpp"
+#include "distributed/collective_timing.hpp"
+#include "parallel/sequence/cp_ring.hpp"
+#include "parallel/tensor/tp_layer_kinds.hpp"
+#include "accelerate/accelerator_impl.hpp"
+#include "diagnostics/memory_meter.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/tensor_parallel.hpp"
+#include "xlr8/env.hpp"
+
+namespace xlr8::detail {
+
+namespace {
+
+// The process' peak resident set (VmHWM), in bytes.
+double peak_rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) * 1024;  // "VmHWM:   123 kB"
+  return 0;
+}
+
+// Bytes of parameters, gradients and optimizer state this rank holds now: each storage once (a DDP
+// gradient is a view of its bucket; a sharded strategy's optimizer steps flat shards).
+double static_bytes(const AcceleratorImpl& impl) {
+  std::set<const void*> seen;
+  double total = 0;
+  auto count = [&](const at::Tensor& t) {
+    if (!t.defined() || !t.has_storage()) return;
+    const auto& storage = t.storage();
+    if (storage.nbytes() == 0 || !seen.insert(storage.data()).second) return;
+    total += static_cast<double>(storage.nbytes());
+  };
+  for (const auto& model : impl.models)
+    for (const auto& p : model->module()->parameters()) count(p), count(p.grad());
+  for (const auto& o : impl.optimizers) {
+    const bool portable = checkpoints::portable_optimizer_kind(*o->optimizer).has_value();
+    for (const auto& group : o->optimizer->param_groups())
+      for (const auto& p : group.params()) {
+        count(p);
+        count(p.grad());
+        if (!portable) continue;
+        if (auto state = checkpoints::read_parameter_state(*o->optimizer, p))
+          for (const auto& [name, t] : state->tensors) count(t);
+      }
+  }
+  return total;
+}
+
+// Samples per optimizer step over every rank (the first prepared loader's); 0 without a prepared loader.
+double samples_per_step(const AcceleratorImpl& impl) {
+  for (const auto& weak : impl.loaders)
+    if (auto loader = weak.lock()) {
+      const auto& o = loader->options();
+      return static_cast<double>(o.batch_size) * (impl.plan.split_batches ? 1 : loader->sharding().num_processes) *
+             impl.gradient_state->num_steps;
+    }
+  return 0;
+}
+
+// What tensor parallelism of each size the world allows would do to this (whole) model: the parameters
+// AutoTP's plan slices ({"2": {"sliced": N}, ...}), or why it cannot ({"error": ...}).
+nlohmann::json tensor_parallel_options(const torch::nn::Module& module, int world) {
+  nlohmann::json out = nlohmann::json::object();
+  if (const auto layouts = tp::slice_layouts(module); !layouts.empty()) {  // split already (this run has tp)
+    double sliced = 0;
+    for (const auto& [name, layout] : layouts)
+      sliced += static_cast<double>(c10::multiply_integers(layout.whole_sizes));
+    for (int tp : {2, 4})
+      if (tp <= world && world % tp == 0) out[std::to_string(tp)] = {{"sliced", sliced}};
+    return out;
+  }
+  for (int tp : {2, 4}) {
+    if (tp > world || world % tp != 0) continue;
+    try {
+      const auto plan = tp::auto_plan(module, tp);
+      double sliced = 0;
+      for (const auto& item : module.named_modules())
+        for (const auto& entry : plan) {
+          if (!tp::path_matches(entry.pattern, item.key())) continue;
+          if (tp::detail::is_plain_torch_layer(*item.value()))
+            return {{"error", fmt::format("'{}' is LibTorch's own {}, which tensor parallelism cannot split (use the "
+                                          "xlr8::nn layer of that name)",
+                                          item.key(), item.value()->name())}};
+          if (entry.style == tp::Style::Colwise || entry.style == tp::Style::VocabParallel)
+            for (const auto& p : item.value()->parameters(/*recurse=*/false)) sliced += static_cast<double>(p.numel());
+          if (entry.style == tp::Style::Rowwise)  // the bias stays whole
+            if (const auto own = item.value()->named_parameters(/*recurse=*/false); own.contains("weight"))
+              sliced += static_cast<double>(own["weight"].numel());
+          break;
+        }
+      if (sliced == 0) return {{"error", "AutoTP finds no layer to split (tensor parallelism needs xlr8::nn layers)"}};
+      out[std::to_string(tp)] = {{"sliced", sliced}};
+    } catch (const std::exception& e) {
+      if (out.empty()) return {{"error", e.what()}};
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::unique_ptr<AdviseRecorder> AdviseRecorder::from_env() {
+  const auto dir = env_var("XLR8_ADVISE_DIR");
+  if (!dir) return nullptr;
+  auto r = std::make_unique<AdviseRecorder>();
+  r->dir_ = *dir;
+  if (const auto w = env_var("XLR8_ADVISE_WARMUP")) r->warmup_ = std::max(0L, std::strtol(w->c_str(), nullptr, 10));
+  if (const auto t = env_var("XLR8_ADVISE_STEPS")) r->steps_ = std::max(0L, std::strtol(t->c_str(), nullptr, 10));
+  if (const auto s = env_var("XLR8_ADVISE_MIN_SECONDS")) r->min_seconds_ = std::max(0.0, std::strtod(s->c_str(), nullptr));
+  if (const auto c = env_var("XLR8_ADVISE_CUT_BELOW")) r->cut_below_ = std::max(0.0, std::strtod(c->c_str(), nullptr));
+  std::filesystem::create_directories(r->dir_);
+  r->started_ = std::chrono::steady_clock::now();
+  return r;
+}
+
+// Each machine's advise reads its own folder: the first rank of each machine writes there (the figures are
+// the world's, all-reduced), every rank its done.<local rank>. Then the rank waits to be stopped: a rank that
+// went on would enter a collective whose peers on another machine are being stopped, and fail.
+void AdviseRecorder::finish(AcceleratorImpl& impl, const std::string& file, const std::string& text) {
+  const int local_rank = impl.state->local_rank();
+  if (local_rank == 0) files::write_durably(fmt::format("{}/{}", dir_, file), text);
+  std::ofstream(fmt::format("{}/done.{}", dir_, local_rank)) << "done\n";
+  std::this_thread::sleep_for(std::chrono::seconds(60));
+  throw Error(fmt::format("rank {}: xlr8 advise did not stop this run within 60 s of its measurement (XLR8_ADVISE_DIR={})",
+                          impl.state->rank(), dir_));
+}
+
+void AdviseRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module, bool) {
+  if (steps_ > 0) memory_meter::install(impl.device);  // before the strategy allocates its buffers
+  // Whole sizes: a tensor-parallel run holds slices.
+  const auto layouts = tp::slice_layouts(module);
+  for (const auto& item : module.named_parameters()) {
+    const auto layout = layouts.find(item.key());
+    parameters_ += static_cast<double>(layout == layouts.end() ? item.value().numel()
+                                                               : c10::multiply_integers(layout->second.whole_sizes));
+  }
+  if (std::exchange(probed_, true)) return;
+  const std::string probe =
+      nlohmann::json{{"parameters", parameters_}, {"tensor_parallel", tensor_parallel_options(module, impl.world().size())}}
+          .dump();
+  if (steps_ == 0) return finish(impl, "probe.json", probe);
+  if (impl.state->local_rank() == 0) files::write_durably(fmt::format("{}/probe.json", dir_), probe);
+}
+
+void AdviseRecorder::optimizer_step_begins() {
+  optimizer_began_ = std::chrono::steady_clock::now();
+  optimizer_wait_began_ = collective_wait_ns();
+}
+
+// Optimizer steps follow one another on the training thread. A step skipped for an fp16 overflow counts too:
+// its time is the optimizer's, and the forward and backward before it stay in the window without a step to show.
+void AdviseRecorder::optimizer_step_ends() {
+  if (!in_window_) return;
+  optimizer_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - optimizer_began_).count();
+  optimizer_waited_ns_ += collective_wait_ns() - optimizer_wait_began_;
+}
+
+void AdviseRecorder::after_update(AcceleratorImpl& impl, int64_t step) {
+  if (steps_ == 0 || measured_) return;
+  const auto now = std::chrono::steady_clock::now();
+  const int64_t waited_now = collective_wait_ns();
+  if (step == warmup_) start_window(impl);
+  if (step <= warmup_) return;
+  const int64_t timed = step - warmup_;
+  const double seconds = std::chrono::duration<double>(now - started_).count();
+  const double waited_outside = static_cast<double>(waited_now - waited_at_start_ - optimizer_waited_ns_) / 1e9;
+  const double compute_seconds = std::max(0.0, seconds - optimizer_seconds_ - waited_outside);
+  const double samples = samples_per_step(impl);
+  const double throughput = (samples > 0 ? samples : 1.0) * static_cast<double>(timed) / std::max(seconds, 1e-9);
+  double verdict = 0;
+  if (impl.state->rank() == 0)
+    verdict = timed >= steps_ && seconds >= min_seconds_ ? 2 : cut_below_ > 0 && throughput < cut_below_ ? 1 : 0;
+  conclude(impl, verdict, timed, seconds, compute_seconds);
+}
+
+void AdviseRecorder::start_window(AcceleratorImpl& impl) {
+  state_at_start_ = static_bytes(impl);
+  memory_meter::reset_peak(impl.device);
+  live_at_start_ = memory_meter::read(impl.device).live;
+  waited_at_start_ = collective_wait_ns();
+  optimizer_waited_ns_ = 0;
+  optimizer_seconds_ = 0;
+  in_window_ = true;
+  started_ = std::chrono::steady_clock::now();
+}
+
+void AdviseRecorder::conclude(AcceleratorImpl& impl, double verdict, int64_t timed, double seconds,
+                              double compute_seconds) {
+  // Rank 0's clock decides for all: 2 stops after the timed steps, 1 stops early (too slow to win).
+  auto flag = at::full({1}, verdict, at::kDouble).to(impl.device);
+  impl.world().all_reduce(flag, ReduceOp::MAX);
+  verdict = flag.item<double>();
+  if (verdict == 0) return;
+  measured_ = true;
+  const double peak_tensors = state_at_start_ + static_cast<double>(memory_meter::read(impl.device).peak - live_at_start_);
+  // One MAX over the world; the compute time negated, so that it comes back as the smallest.
+  auto measured =
+      at::tensor({static_bytes(impl), peak_rss_bytes(), peak_tensors, -compute_seconds}, at::kDouble).to(impl.device);
+  impl.world().all_reduce(measured, ReduceOp::MAX);
+  measured = measured.cpu();
+  finish(impl, "result.json",
+         nlohmann::json{{"parameters", parameters_},
+                        {"seconds", seconds},
+                        {"steps", timed},
+                        {"samples_per_step", samples_per_step(impl)},
+                        {"cut", verdict == 1},
+                        {"attention_calls", cp::detail::entry_calls()},
+                        {"static_bytes", measured[0].item<double>()},
+                        {"peak_rss", measured[1].item<double>()},
+                        {"peak_tensor_bytes", measured[2].item<double>()},
+                        {"compute_seconds", -measured[3].item<double>()}}
+             .dump());
+}
+
+}  // namespace xlr8::detail

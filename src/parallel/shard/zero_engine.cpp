@@ -1,0 +1,385 @@
+// ZeroEngine: its units built from the wrap plan, and the reduction of gradients as backward produces them.
+#include "parallel/shard/zero_engine.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cmath>
+#include <map>
+
+#include "os/memory.hpp"
+#include "parallel/recompute/recompute.hpp"
+#include "parallel/replicate/gradient_ready.hpp"
+#include "parallel/replicate/replica_sync.hpp"
+#include "parallel/shard/unit_registry.hpp"
+#include "parallel/shard/wrap_policy.hpp"
+#include "xlr8/error.hpp"
+
+namespace xlr8::detail {
+namespace {
+
+class UnitHandle final : public UnitHooks {
+ public:
+  UnitHandle(std::weak_ptr<ZeroEngine> engine, size_t unit) : engine_(std::move(engine)), unit_(unit) {}
+  void before_forward() override {
+    if (auto e = engine_.lock()) e->unit_forward_begins(unit_);
+  }
+  std::vector<at::Tensor> after_forward(const std::vector<at::Tensor>& outputs) override {
+    auto e = engine_.lock();
+    return e ? e->unit_forward_ends(unit_, outputs) : outputs;
+  }
+  void forward_abandoned() override {
+    if (auto e = engine_.lock()) e->unit_forward_abandoned(unit_);
+  }
+
+ private:
+  std::weak_ptr<ZeroEngine> engine_;
+  size_t unit_;
+};
+
+// Offload, group by group in the units' order: what lives in host memory, until `offload_ratio` of the
+// trainable elements does (DeepSpeed's partial offload; every group at 1).
+class OffloadBudget {
+ public:
+  OffloadBudget(const ZeroOptions& options, const StagePolicy& policy, const std::vector<UnitPlan>& plans)
+      : params_(options.offload_params && policy.shards_parameters),
+        optimizer_(options.offload_optimizer || params_),
+        pin_(options.offload_pin_memory) {
+    if (options.offload_params && !policy.shards_parameters)
+      throw ConfigError(fmt::format("offloading parameters needs ZeRO stage 3 (FULL_SHARD); stage {} keeps them whole "
+                                    "on every rank: offload the optimizer instead, or use stage 3",
+                                    policy.stage));
+    // The ratio matters only to an optimizer offloaded without its parameters (DeepSpeed's rule).
+    if (optimizer_ && !params_ && !(options.offload_ratio > 0 && options.offload_ratio <= 1))
+      throw ConfigError(fmt::format("offload ratio {} must be above 0 and at most 1", options.offload_ratio));
+    if (optimizer_ && !params_ && options.offload_ratio < 1 && !policy.shards_parameters)
+      throw ConfigError(fmt::format("an offload ratio below 1 ({}) needs ZeRO stage 3; stage {} offloads all or nothing",
+                                    options.offload_ratio, policy.stage));
+    int64_t trainable = 0;
+    for (const auto& plan : plans)
+      for (const auto& g : plan.groups)
+        for (const auto& p : g.params) trainable += p.requires_grad() ? p.numel() : 0;
+    left_ = static_cast<double>(trainable) * options.offload_ratio;
+  }
+  HostPlacement place(const std::vector<at::Tensor>& params, bool frozen) {
+    // Parameters offloaded: every group, its master with it (frozen ones have no optimizer state to move).
+    if (params_ || frozen) return {.master = params_, .shard = params_, .pin = pin_};
+    int64_t elements = 0;
+    for (const auto& p : params) elements += p.numel();
+    const bool offloaded = optimizer_ && left_ > 0;
+    if (offloaded) left_ -= static_cast<double>(elements);
+    return {.master = offloaded, .shard = false, .pin = pin_};
+  }
+
+ private:
+  bool params_, optimizer_, pin_;
+  double left_ = 0;  // trainable elements still to offload
+};
+
+}  // namespace
+
+StagePolicy StagePolicy::of(int stage) {
+  if (stage < 1 || stage > 3) throw Error(fmt::format("ZeRO stage {} does not exist; use 1, 2 or 3", stage));
+  return {stage, /*shards_parameters=*/stage == 3, /*shards_gradients=*/stage >= 2};
+}
+
+ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator comm, Communicator replicate, int stage,
+                       ZeroOptions options, bool find_unused_parameters,
+                       std::shared_ptr<const GradientState> gradient_state)
+    : module_(std::move(module)),
+      comm_(std::move(comm)),
+      replicate_(std::move(replicate)),
+      policy_(StagePolicy::of(stage)),
+      options_(std::move(options)),
+      find_unused_(find_unused_parameters),
+      gradient_state_(std::move(gradient_state)) {
+  context_.comm = &comm_;
+  // fsdp_sync_module_states: every rank starts from rank 0's weights (and the same model is checked).
+  // Built for rank-0 loading, the other ranks hold no values: each unit's come from rank 0 below, one
+  // unit at a time, so no rank ever holds the whole model.
+  for (const auto& item : module_->named_parameters())
+    if (!item.value().requires_grad()) frozen_at_prepare_.emplace_back(item.key(), item.value());
+  const bool from_rank0 = policy_.shards_parameters && options_.values_from_rank0;
+  if (from_rank0 && options_.param_persistence_threshold > 0)
+    throw ConfigError("rank-0 loading (values_from_rank0, fsdp_cpu_ram_efficient_loading) and a parameter persistence "
+                      "threshold do not combine: set one of them to off");
+  if (from_rank0 && options_.auto_wrap_policy == AutoWrapPolicy::GUARDED_MODULES)
+    throw ConfigError("rank-0 loading (values_from_rank0, fsdp_cpu_ram_efficient_loading) needs units known before the "
+                      "first forward: use TRANSFORMER_BASED_WRAP or NO_WRAP, not GUARDED_MODULES");
+  make_replicas_equal(comm_, *module_, /*parameters=*/!from_rank0);
+  auto plans = policy_.shards_parameters ? plan_units(*module_, options_)
+                                         : plan_buckets(*module_, options_.first_bucket_mb, options_.bucket_cap_mb);
+  OffloadBudget offload(options_, policy_, plans);
+  for (auto& plan : plans) {
+    const bool root = plan.module == module_.get();
+    std::vector<FlatGroup> groups;
+    for (auto& g : plan.groups) {
+      const bool frozen = !g.params.front().requires_grad();
+      const auto host = offload.place(g.params, frozen);
+      groups.push_back(make_flat_group(frozen ? plan.label + " (frozen)" : plan.label, std::move(g.names),
+                                       std::move(g.params), comm_, /*owns_shard=*/policy_.shards_parameters,
+                                       options_.param_dtype, from_rank0, host));
+      return_free_memory_to_system();  // the group's original parameter storage, now replaced
+    }
+    // Units start freed under rank-0 loading (their guards gather them); the root stays whole until
+    // its guard runs, as without rank-0 loading.
+    units_.push_back(std::make_unique<ShardingUnit>(std::move(plan.label), plan.module, root, plan.named_by_user,
+                                                    std::move(groups), context_, policy_.shards_parameters,
+                                                    /*starts_sharded=*/from_rank0 && !root));
+    for (auto& group : units_.back()->groups()) {
+      const size_t g = groups_.size();
+      groups_.push_back(&group);
+      unit_of_group_.push_back(units_.size() - 1);
+      for (size_t i = 0; i < group.params.size(); ++i) {
+        slots_[group.params[i].unsafeGetTensorImpl()] = {g, i, /*is_leaf=*/false};
+        slots_[group.shard_params[i].unsafeGetTensorImpl()] = {g, i, /*is_leaf=*/true};
+      }
+    }
+  }
+  // Gradients become ready in reverse: buckets are already in that order; units (root last) reverse.
+  for (size_t g = 0; g < groups_.size(); ++g)
+    if (!group(g).frozen) launch_order_.push_back(g);
+  if (policy_.shards_parameters) {
+    std::reverse(launch_order_.begin(), launch_order_.end());
+    // The persistent parameters (small ones of every layer) complete late: just before the root's, which
+    // go last (its embeddings finish last).
+    std::stable_partition(launch_order_.begin(), launch_order_.end(),
+                          [&](size_t g) { return unit_of(g).module() != nullptr; });
+    std::stable_partition(launch_order_.begin(), launch_order_.end(), [&](size_t g) { return !unit_of(g).is_root(); });
+  }
+  grad_shards_.resize(groups_.size());
+  works_.resize(groups_.size());
+  context_.peak_gathered_bytes = context_.step_peak_gathered_bytes = context_.gathered_bytes;
+  reset_backward_state();
+}
+
+void ZeroEngine::attach() {
+  std::weak_ptr<ZeroEngine> self = shared_from_this();
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (group(g).frozen) continue;
+    auto hooked = on_gradient_ready(group(g).params, [self, g](size_t i) {
+      if (auto engine = self.lock()) engine->gradient_ready(g, i);
+    });
+    accumulators_.insert(accumulators_.end(), hooked.begin(), hooked.end());
+  }
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (!units_[u]->module()) continue;  // a bucket
+    auto handle = std::make_shared<UnitHandle>(self, u);
+    register_unit(*units_[u]->module(), handle);
+    unit_handles_.push_back(handle);
+  }
+}
+
+ZeroEngine::~ZeroEngine() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  detached_ = true;
+  try {
+    settle_prefetches();  // the communicator must not write into memory freed after this
+  } catch (const std::exception&) {
+  }
+  for (const auto& unit : units_)
+    if (unit->module()) unregister_unit(*unit->module());
+}
+
+// ------------------------------------------------------------------------------------------ gradients
+
+void ZeroEngine::begin_step(bool suspend_sync) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_ = !suspend_sync && (!gradient_state_ || gradient_state_->sync_gradients);
+  context_.step_peak_gathered_bytes = context_.gathered_bytes;
+}
+
+void ZeroEngine::end_step() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  sync_ = true;
+}
+
+void ZeroEngine::arm_end_of_backward() {
+  if (in_backward_) return;
+  in_backward_ = true;
+  std::weak_ptr<ZeroEngine> weak = shared_from_this();
+  const uint64_t generation = backward_generation_;
+  // If a node throws, the pass ends without the callback: forget its state, so that the next backward
+  // arms its own callback instead of finding this one armed (and never handing gradients over).
+  detail::at_end_of_backward(
+      [weak] {
+        if (auto self = weak.lock()) self->finish_backward();
+      },
+      [weak, generation] {
+        if (auto self = weak.lock()) self->backward_abandoned(generation);
+      });
+}
+
+void ZeroEngine::backward_abandoned(uint64_t generation) {
+  std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
+  if (!lock.owns_lock() || detached_ || generation != backward_generation_ || !in_backward_) return;
+  drop_backward_state();
+}
+
+void ZeroEngine::drop_backward_state() {
+  in_flight_.clear();
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    works_[g] = Work();  // in-flight collectives hold their own references to these buffers
+    grad_shards_[g] = at::Tensor();
+    if (policy_.shards_gradients) group(g).grad_full = at::Tensor();
+  }
+  for (auto& unit : units_) {
+    try {
+      unit->backward_ends();
+    } catch (const std::exception&) {  // its prefetch failed too: the error already thrown is the one to report
+    }
+  }
+  reset_backward_state();
+}
+
+void ZeroEngine::gradient_ready(size_t g, size_t i) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (detached_) return;
+  arm_end_of_backward();
+  if (ready_[g][i]) throw Error(accumulated_twice(group(g).names[i]));
+  ready_[g][i] = true;
+  hooked_[g] = true;
+  if (sync_) stash_gradient(g, i);
+  if (--pending_[g] == 0) group_complete(g);
+  if (sync_) launch_ready();
+}
+
+// The gradient moves into the group's flat buffer and leaves the parameter: a sharded rank keeps
+// only its chunk after the reduction. Off the sync boundary it stays in .grad and accumulates there
+// (as FSDP's no_sync: whole gradients for the window).
+void ZeroEngine::stash_gradient(size_t g, size_t i) {
+  auto& flat = group(g);
+  if (!flat.grad_full.defined()) {
+    auto options = flat.full.options().dtype(options_.reduce_dtype.value_or(flat.full.scalar_type()));
+    // Stage 1 keeps it across steps: in memory its peers read directly when they share a host.
+    flat.grad_full = policy_.shards_gradients ? at::empty({flat.padded()}, options)
+                                              : comm_.symmetric_empty({flat.padded()}, options);
+    flat.grad_full.zero_();
+  }
+  auto& grad = flat.params[i].mutable_grad();
+  auto view = flat.grad_full.narrow(0, flat.offsets[i], flat.params[i].numel());
+  if (grad.defined()) view.copy_(grad.reshape(-1));
+  else view.zero_();
+  grad = at::Tensor();
+}
+
+void ZeroEngine::group_complete(size_t g) {
+  // Every gradient of the group is computed, so nothing in backward reads its parameters any more.
+  if (!policy_.shards_parameters) return;
+  unit_of(g).gradients_reduced();
+  if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_POST)
+    prefetch_after(backward_order_, unit_of_group_[g], /*in_backward=*/true);
+}
+
+void ZeroEngine::launch_ready() {
+  while (next_launch_ < launch_order_.size() && pending_[launch_order_[next_launch_]] == 0)
+    launch(launch_order_[next_launch_++]);
+}
+
+// Groups launch in one fixed order on every rank, so every rank issues the same collective sequence.
+void ZeroEngine::launch(size_t g) {
+  auto& flat = group(g);
+  flat.grad_full.div_(comm_.size());
+  if (policy_.shards_gradients) {
+    grad_shards_[g] = at::empty({flat.shard_numel}, flat.grad_full.options());
+    works_[g] = comm_.reduce_scatter_async(grad_shards_[g], flat.grad_full, ReduceOp::SUM);
+  } else {
+    works_[g] = comm_.all_reduce_async(flat.grad_full, ReduceOp::SUM);
+  }
+  ++launches_;
+  for (auto p : pending_)
+    if (p > 0) {
+      ++overlapped_;
+      break;
+    }
+  in_flight_.push_back(g);
+  // At most two groups' whole gradients are alive at once (FSDP's limit on unsharded buffers): the one
+  // in flight and the next one filling up.
+  while (policy_.shards_gradients && in_flight_.size() > 1) retire_oldest();
+}
+
+void ZeroEngine::retire_oldest() {
+  const size_t g = in_flight_.front();
+  in_flight_.pop_front();
+  works_[g].wait();
+  works_[g] = Work();
+  if (policy_.shards_gradients) group(g).grad_full = at::Tensor();
+  // Hybrid: this chunk's holders in the other shard groups average it too (same order on every rank).
+  if (replicate_.valid() && replicate_.size() > 1) {
+    grad_shards_[g].div_(replicate_.size());
+    replicate_.all_reduce(grad_shards_[g], ReduceOp::SUM);
+  }
+}
+
+void ZeroEngine::finish_backward() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  try {
+    reduce_and_hand_over();
+  } catch (...) {
+    // A collective timed out or failed (or parameters got no gradient): the next backward must not find
+    // this one's half-counted state, and what it gathered or filled is dropped.
+    drop_backward_state();
+    throw;
+  }
+  for (auto& unit : units_) unit->backward_ends();
+  std::exception_ptr failed;  // thrown once this backward's state is reset
+  try {
+    check_first_backward();
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  reset_backward_state();
+  if (failed) std::rethrow_exception(failed);
+}
+
+void ZeroEngine::reduce_and_hand_over() {
+  if (sync_) {
+    std::vector<std::string> unused;
+    for (size_t g = 0; g < groups_.size(); ++g)
+      for (size_t i = 0; i < group(g).params.size(); ++i)
+        if (!ready_[g][i]) unused.push_back(group(g).names[i]);
+    if (!unused.empty() && !find_unused_) throw unused_parameters_error(comm_.rank(), unused, "reduction");
+    for (size_t g = 0; g < groups_.size(); ++g)
+      for (size_t i = 0; i < group(g).params.size(); ++i)
+        if (!ready_[g][i]) {
+          ready_[g][i] = true;
+          stash_gradient(g, i);
+          if (--pending_[g] == 0) group_complete(g);
+        }
+    launch_ready();
+    while (!in_flight_.empty()) retire_oldest();
+    // The optimizer's leaves get their parts of the averaged chunks.
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      auto& flat = group(g);
+      if (flat.frozen) continue;
+      at::Tensor chunk = policy_.shards_gradients
+                             ? grad_shards_[g]
+                             : flat.grad_full.narrow(0, static_cast<int64_t>(flat.rank) * flat.shard_numel, flat.shard_numel);
+      // In the master's dtype, and (offload) in host memory, where the optimizer steps.
+      chunk = chunk.to(flat.master.device(), flat.master.scalar_type());
+      for (size_t i = 0; i < flat.params.size(); ++i) {
+        auto part = flat.owned_part(i);
+        flat.shard_params[i].mutable_grad() = chunk.narrow(0, part.in_shard, part.count);
+      }
+      grad_shards_[g] = at::Tensor();  // owned by the leaves' gradients now: zero_grad(set_to_none) frees it
+    }
+  }
+}
+
+void ZeroEngine::reset_backward_state() {
+  ready_.assign(groups_.size(), {});
+  pending_.assign(groups_.size(), 0);
+  hooked_.assign(groups_.size(), false);
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    // A frozen group has no gradient to wait for: ready from the start, never launched.
+    ready_[g].assign(group(g).params.size(), group(g).frozen);
+    pending_[g] = group(g).frozen ? 0 : group(g).params.size();
+  }
+  next_launch_ = 0;
+  in_backward_ = false;
+  ++backward_generation_;
+  for (auto& unit : units_) unit->awaiting = 0;
+}
+
+}  // namespace xlr8::detail

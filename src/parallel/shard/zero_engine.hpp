@@ -1,0 +1,171 @@
+#pragma once
+// The sharding engine behind ZeRO stages 1-3 (and FSDP's strategies): its units (parallel/shard/sharding_unit.hpp:
+// stage-3 modules, or stage-1/2 gradient buckets), the hooks that reduce gradients group by group as
+// backward produces them, the order units run in (prefetching), the sharded optimizer step and the
+// global gradient norm.
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <unordered_map>
+#include <vector>
+
+#include "compat/torch_compat.hpp"
+#include "parallel/shard/sharding_unit.hpp"
+#include "xlr8/communicator.hpp"
+#include "xlr8/gradient_state.hpp"
+#include "xlr8/parallel_strategy.hpp"
+#include "xlr8/zero.hpp"
+
+namespace xlr8::detail {
+
+// What a ZeRO stage changes, as data rather than branches.
+struct StagePolicy {
+  int stage = 1;
+  bool shards_parameters = false;  // 3: units are modules whose groups own their shards and are freed between uses
+  bool shards_gradients = false;   // 2-3: reduce-scatter; whole gradient buffers freed once reduced
+  static StagePolicy of(int stage);  // Error for a stage that does not exist
+};
+
+class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
+ public:
+  // Collective over `comm`, the group the parameters are sharded over. `replicate` (hybrid sharding):
+  // the same shard's holders in the other groups, over which sharded gradients are averaged too.
+  // Call attach() once the object is owned by a shared_ptr.
+  ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator comm, Communicator replicate, int stage,
+             ZeroOptions options, bool find_unused_parameters, std::shared_ptr<const GradientState> gradient_state);
+  ~ZeroEngine();
+  void attach();  // installs the gradient hooks and registers the units
+
+  int stage() const { return policy_.stage; }
+  void begin_step(bool suspend_sync);
+  void end_step();
+  std::vector<at::Tensor> optimizer_parameters() const;
+  bool owns(const at::Tensor& tensor) const;  // either identity of a sharded parameter, or a whole frozen one
+  void bind_optimizer(torch::optim::Optimizer& optimizer) const;
+  void optimizer_step(torch::optim::Optimizer& optimizer);
+  double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
+  StateDict state_dict(StateDictKind kind);
+  void load_state_dict(const StateDict& state, StateDictKind kind);
+  std::vector<ParameterPiece> parameter_pieces();  // drops prefetches: loads write what they return
+  std::vector<at::Tensor> gradient_holders(const std::vector<at::Tensor>& parameters) const;
+  void visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn);
+  StateDict full_state_layout(StateDictKind kind) const;
+  void parameter_pieces_loaded(bool whole_parameters_written);
+  void gather_full_parameters();
+  void release_full_parameters(bool writeback);
+  nlohmann::json stats() const;
+
+  // From the unit guards and the backward pre-hook (stage 3); `unit` indexes units_.
+  void unit_forward_begins(size_t unit);
+  std::vector<at::Tensor> unit_forward_ends(size_t unit, const std::vector<at::Tensor>& outputs);
+  void unit_forward_abandoned(size_t unit);
+  void unit_backward_begins(size_t unit);
+  // Every node one forward of the unit created has run in backward (`generation`: the backward it
+  // was recorded for): its frozen groups are released once no other forward of it awaits backward.
+  void unit_backward_done(size_t unit, uint64_t generation);
+  // One forward's graph was freed before its backward finished with the unit: it awaits nothing more.
+  // (Called from a destructor, perhaps while this thread holds the lock: it gives up rather than wait.)
+  void unit_graph_dropped(size_t unit, uint64_t generation);
+  // From the gradient accumulator hooks; `group` indexes groups_.
+  void gradient_ready(size_t group, size_t index);
+
+ private:
+  // Where a parameter lives: groups_[group].params[index] (the module's view) and .shard_params[index]
+  // (the optimizer's leaf over this rank's part); `is_leaf` says which of the two a tensor is.
+  struct Slot {
+    size_t group = 0, index = 0;
+    bool is_leaf = false;
+  };
+  FlatGroup& group(size_t g) { return *groups_[g]; }
+  const FlatGroup& group(size_t g) const { return *groups_[g]; }
+  ShardingUnit& unit_of(size_t g) { return *units_[unit_of_group_[g]]; }
+  void arm_end_of_backward();
+  void backward_abandoned(uint64_t generation);  // its end-of-backward callback was discarded unrun
+  void drop_backward_state();                    // a failed backward's buffers and counts, forgotten
+  void finish_backward();
+  // At the end of a synchronised backward: the gradients no hook saw, the reductions still to launch
+  // and wait for, and each chunk handed to the optimizer's leaves.
+  void reduce_and_hand_over();
+  void stash_gradient(size_t group, size_t index);
+  void group_complete(size_t group);
+  void launch_ready();
+  void launch(size_t group);
+  void retire_oldest();
+  void reset_backward_state();
+  const Slot* slot_of(const at::Tensor& tensor) const;  // either identity; null for a tensor not sharded here
+  // Every whole copy that is alive (stages 1-2; stage-3 groups held whole) catches up with its shards.
+  // After an optimizer step frozen groups are skipped: their shards did not change.
+  void refresh_whole_copies(bool frozen_too);
+
+  // Stage 3: the order units run in, prefetching by it, and the checks made after the first step.
+  struct UnitOrder {
+    std::vector<size_t> last, current;  // the last complete pass; the one under way
+    void record(size_t unit);           // a unit seen again in `current` starts a new pass
+  };
+  void prefetch(size_t unit, bool in_backward);  // within FSDP's limit of gathered units
+  void prefetch_after(const UnitOrder& order, size_t unit, bool in_backward);
+  // DeepSpeed's bounds (ZeroOptions::max_live_elements): the units after `next`'s place, within the bucket.
+  void prefetch_within_bounds(const UnitOrder& order, std::vector<size_t>::const_iterator next, bool in_backward);
+  void settle_prefetches();
+  // Prefetched units nobody used (the order mispredicted): waited for and freed, before anything reads
+  // `full` as current or changes the shards.
+  void drop_prefetches();
+  // Collective, once per pass kind: every rank ran the units in the same order (ConfigError naming the
+  // first unit where two ranks differ otherwise). Prefetching waits for both checks.
+  void check_order_across_ranks(const std::vector<size_t>& order, const char* pass);
+  // After the first backward (GUARDED_MODULES): each unit whose guard never opened rides with its
+  // nearest ancestor unit whose guard did.
+  void assign_riders();
+  // After the first backward: units whose forward never opened their guard (and ride with no unit)
+  // stay whole on every rank.
+  void report_unguarded_units();
+  // At the end of every backward until both orders are checked (collective; ConfigError on failure).
+  void check_first_backward();
+  bool prefetch_allowed() const { return forward_order_checked_ && backward_order_checked_; }
+
+  std::shared_ptr<torch::nn::Module> module_;
+  Communicator comm_;
+  Communicator replicate_;  // invalid unless hybrid
+  StagePolicy policy_;
+  ZeroOptions options_;
+  bool find_unused_;
+  std::shared_ptr<const GradientState> gradient_state_;
+  std::vector<std::pair<std::string, at::Tensor>> frozen_at_prepare_;  // must stay frozen
+  UnitContext context_;
+  std::vector<std::unique_ptr<ShardingUnit>> units_;
+  std::vector<FlatGroup*> groups_;     // every unit's groups, in unit order
+  std::vector<size_t> unit_of_group_;
+  std::vector<size_t> launch_order_;   // groups with gradients, in the order they become ready
+  // Both identities of every parameter: the module's view and the optimizer's leaf.
+  std::unordered_map<const c10::TensorImpl*, Slot> slots_;
+  std::vector<compat::GradAccumulatorPtr> accumulators_;
+  std::vector<std::shared_ptr<void>> unit_handles_;
+
+  mutable std::mutex mutex_;
+  bool sync_ = true;
+  bool detached_ = false;
+  bool in_backward_ = false;
+  bool warned_unguarded_ = false, unguarded_checked_ = false;
+  bool forward_order_checked_ = false, backward_order_checked_ = false, riders_assigned_ = false;
+  uint64_t backward_generation_ = 0;
+  // One forward of `generation`'s fewer awaits backward: at none, the unit's frozen groups go.
+  void no_longer_awaited(size_t unit, uint64_t generation);
+  // Reduction state, per group.
+  std::vector<std::vector<bool>> ready_;
+  std::vector<bool> hooked_;  // a hook saw at least one of its gradients this backward
+  std::vector<size_t> pending_;
+  std::vector<at::Tensor> grad_shards_;
+  std::vector<Work> works_;
+  std::deque<size_t> in_flight_;
+  size_t next_launch_ = 0;
+  // Prefetching (stage 3): the units' order in forward and in backward as they last ran.
+  UnitOrder forward_order_, backward_order_;
+
+  int64_t launches_ = 0, overlapped_ = 0;
+};
+
+}  // namespace xlr8::detail

@@ -1,0 +1,172 @@
+// ZeroEngine's optimizer side: what the optimizer updates (this rank's shards), the step and the whole
+// copies catching up after it, the global gradient norm, which tensors are the engine's, and its figures.
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <cmath>
+#include <map>
+
+#include "compat/torch_compat.hpp"
+#include "parallel/grad_norm.hpp"
+#include "parallel/shard/zero_engine.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/tensor_parallel.hpp"
+
+namespace xlr8::detail {
+
+// ------------------------------------------------------------------------------------------ optimizer
+
+std::vector<at::Tensor> ZeroEngine::optimizer_parameters() const {
+  std::vector<at::Tensor> out;
+  for (const auto* g : groups_) out.insert(out.end(), g->shard_params.begin(), g->shard_params.end());
+  return out;
+}
+
+void ZeroEngine::bind_optimizer(torch::optim::Optimizer& optimizer) const {
+  for (auto& param_group : optimizer.param_groups())
+    for (auto& p : param_group.params()) {
+      auto it = slots_.find(p.unsafeGetTensorImpl());
+      if (it == slots_.end() || it->second.is_leaf) continue;
+      if (optimizer.state().count(compat::optimizer_state_key(p)))
+        throw Error(fmt::format("prepare(): the optimizer already holds state for parameter {}; prepare the "
+                                "optimizer before its first step so that it can work on this rank's shards",
+                                group(it->second.group).names[it->second.index]));
+      p = group(it->second.group).shard_params[it->second.index];
+    }
+}
+
+void ZeroEngine::optimizer_step(torch::optim::Optimizer& optimizer) {
+  // Which parameters train is fixed when the model is prepared (they decide the groups and hooks).
+  for (const auto& [name, p] : frozen_at_prepare_)
+    if (p.requires_grad())
+      throw Error(fmt::format("parameter {} was frozen (requires_grad false) when the model was prepared and is "
+                              "trainable now; sharding fixes which parameters train at prepare(): set requires_grad "
+                              "before prepare, or call free_memory() and prepare the model again",
+                              name));
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    drop_prefetches();  // one the order mispredicted: it reads the shards the step is about to change
+  }
+  optimizer.step();
+  std::lock_guard<std::mutex> lock(mutex_);
+  // Stages 1-2: every rank updated its chunk of the whole parameters; gather the others' in place.
+  // Stage 3: the shards are the parameters; only groups held whole (no guard, or gathered now) refresh.
+  refresh_whole_copies(/*frozen_too=*/false);
+}
+
+void ZeroEngine::refresh_whole_copies(bool frozen_too) {
+  std::vector<Work> works;
+  for (auto* flat : groups_)
+    if (frozen_too || !flat->frozen) works.push_back(flat->refresh_async(comm_));
+  for (auto& w : works) w.wait();
+}
+
+bool ZeroEngine::owns(const at::Tensor& tensor) const {
+  if (slot_of(tensor)) return true;
+  // Stages 1-2 keep frozen parameters whole, outside every group.
+  return std::any_of(frozen_at_prepare_.begin(), frozen_at_prepare_.end(),
+                     [&](const auto& item) { return item.second.is_same(tensor); });
+}
+
+const ZeroEngine::Slot* ZeroEngine::slot_of(const at::Tensor& tensor) const {
+  auto it = slots_.find(tensor.unsafeGetTensorImpl());
+  return it == slots_.end() ? nullptr : &it->second;
+}
+
+double ZeroEngine::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
+  // Each rank holds the averaged gradients of its own chunks: partial norms, reduced over the group.
+  // Tensor-parallel slices are partial over the tp group as well; replicated parameters are not.
+  const auto sliced = tp::sliced_parameters(*module_);
+  std::vector<at::Tensor> grads, sliced_grads;
+  std::map<std::pair<size_t, size_t>, bool> seen;
+  for (const auto& p : parameters) {
+    const auto* slot = slot_of(p);
+    if (!slot && !p.requires_grad()) continue;  // frozen and whole (stages 1-2): no gradient to clip
+    if (!slot)
+      throw Error("clip_grad_norm(): a parameter is not one this sharded model trains (pass model->parameters())");
+    if (!seen.emplace(std::pair{slot->group, slot->index}, true).second) continue;
+    const auto& grad = group(slot->group).shard_params[slot->index].grad();
+    if (grad.defined() && grad.numel() > 0) (sliced.contains(p) ? sliced_grads : grads).push_back(grad);
+  }
+  // One all-reduce and one read-back for all the partial norms: [replicated, tp-sliced].
+  const auto device = !grads.empty()          ? grads.front().device()
+                      : !sliced_grads.empty() ? sliced_grads.front().device()
+                                              : at::Device(at::kCPU);
+  auto totals = at::cat({detail::partial_norm(grads, norm_type, device), detail::partial_norm(sliced_grads, norm_type, device)});
+  const auto op = std::isinf(norm_type) ? ReduceOp::MAX : ReduceOp::SUM;
+  comm_.all_reduce(totals, op);
+  if (sliced.group) {
+    auto part = totals.narrow(0, 1, 1).contiguous();
+    Communicator tp_group = *sliced.group;
+    tp_group.all_reduce(part, op);
+    totals.narrow(0, 1, 1).copy_(part);
+  }
+  return detail::scale_to_norm(totals, {&grads, &sliced_grads}, max_norm, norm_type);
+}
+
+std::vector<at::Tensor> ZeroEngine::gradient_holders(const std::vector<at::Tensor>& parameters) const {
+  std::vector<at::Tensor> out;
+  for (const auto& p : parameters) {
+    const auto* slot = slot_of(p);
+    out.push_back(slot ? group(slot->group).shard_params[slot->index] : p);
+  }
+  return out;
+}
+
+nlohmann::json ZeroEngine::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  nlohmann::json listed = nlohmann::json::array();
+  int64_t shard_elements = 0, elements = 0, internal = 0;
+  int64_t offloaded_masters = 0, offloaded_shards = 0, host_bytes = 0;
+  bool pinned = false;
+  for (const auto& unit : units_)
+    for (const auto& g : unit->groups()) {
+      listed.push_back({{"name", g.label},
+                        {"frozen", g.frozen},
+                        {"parameters", g.numel},
+                        {"bytes", g.full_bytes()},
+                        {"sharded_between_steps", unit->managed()},
+                        {"master_in_host_memory", g.host.master},
+                        {"shard_in_host_memory", g.host.shard}});
+      // Offload: the master shards and the parameter shards kept in host memory (the optimizer's state
+      // and the gradients handed to it are there too, counted by whoever reads the optimizer).
+      offloaded_masters += g.host.master;
+      offloaded_shards += g.host.shard;
+      if (g.host.master) host_bytes += static_cast<int64_t>(g.master.nbytes());
+      if (g.host.shard && g.mixed()) host_bytes += static_cast<int64_t>(g.shard.nbytes());
+      pinned = pinned || (g.host.master && g.master.is_pinned());
+      shard_elements += g.shard_numel;
+      elements += g.numel;
+      // Held by the engine and reachable from neither the parameters nor the optimizer: the low-precision
+      // copy of a stage-3 shard, and stage 1's whole low-precision gradient buffer under mixed precision.
+      if (g.mixed() && g.owns_shard) internal += static_cast<int64_t>(g.shard.nbytes());
+      if (g.mixed() && !policy_.shards_gradients && g.grad_full.defined())
+        internal += static_cast<int64_t>(g.grad_full.nbytes());
+    }
+  const auto& c = context_;
+  return {{"stage", policy_.stage},
+          {"ranks", comm_.size()},
+          {"replicas", replicate_.valid() ? replicate_.size() : 1},
+          {"groups", listed},
+          {"parameters", elements},
+          {"shard_elements", shard_elements},
+          {"internal_state_bytes", internal},
+          {"offloaded_optimizer_groups", offloaded_masters},
+          {"offloaded_parameter_groups", offloaded_shards},
+          {"offload_host_bytes", host_bytes},
+          {"offload_pinned", pinned},
+          {"gathers", c.gathers},
+          {"prefetches", c.forward_prefetches + c.backward_prefetches},
+          {"forward_prefetches", c.forward_prefetches},
+          {"backward_prefetches", c.backward_prefetches},
+          {"frozen_released_in_backward", c.frozen_released_in_backward},
+          {"values_from_rank0", policy_.shards_parameters && options_.values_from_rank0},
+          {"releases", c.releases},
+          {"launches", launches_},
+          {"overlapped_launches", overlapped_},
+          {"gathered_bytes", c.gathered_bytes},
+          {"peak_gathered_bytes", c.peak_gathered_bytes},
+          {"step_peak_gathered_bytes", c.step_peak_gathered_bytes}};
+}
+
+}  // namespace xlr8::detail
