@@ -149,7 +149,8 @@ const nlohmann::json* Accelerator::deepspeed_config() const {
 }
 const ParallelStrategy& Accelerator::strategy_of(const torch::nn::Module& module) const {
   if (auto* strategy = impl_->strategy_for(&module)) return *strategy;
-  throw Error("parallel_stats(): this model was not passed to Accelerator::prepare(); prepare it first");
+  throw Error(
+      "parallel_stats() / get_state_dict(): this model was not passed to Accelerator::prepare(); prepare it first");
 }
 
 ParallelStrategy& Accelerator::strategy_for_scope(const torch::nn::Module& module) {

@@ -17,7 +17,6 @@
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef XLR8_WITH_NCCL
 #include "compat/abort_at_exit.hpp"
-#include "xlr8/env.hpp"
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
@@ -31,6 +30,8 @@
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+#include "xlr8/env.hpp"
 
 #define XLR8_TORCH_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) || (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
