@@ -1,6 +1,6 @@
 // xlr8-bench: training-step throughput of the bench specs, and collective bandwidth.
 //   --model mlp|transformer --batch B --steps S --warmup W --threads T --impl xlr8|handwritten
-//   [--optimizer adamw|fused_adamw]
+//   [--optimizer adamw|fused_adamw|fused_adamw_torch_kernel]
 //   --collectives [--max_mb M]   (launch on 2 ranks with `xlr8 launch`)
 // Each training run prints one JSON line: {"impl", "model", "nproc", "batch_per_rank", "step_ms_median",
 // "samples_per_s", "peak_rss_mb", "forward_ms_median", "backward_ms_median", "optimizer_ms_median"}, plus
@@ -17,6 +17,7 @@
 
 #include "compat/torch_compat.hpp"
 #include "core/flight_recorder.hpp"
+#include "optim/fused_adam_testing.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/fused_adam.hpp"
 
@@ -164,8 +165,10 @@ int with_xlr8(const Spec& s) {
   torch::manual_seed(0);
   auto net = acc.prepare(make_model(s.model));
   const torch::optim::AdamWOptions adamw(1e-3);
-  auto opt = s.optimizer == "fused_adamw" ? acc.prepare(xlr8::optim::FusedAdamW(net->parameters(), adamw))
-                                          : acc.prepare(torch::optim::AdamW(net->parameters(), adamw));
+  // fused_adamw_torch_kernel: FusedAdamW stepping CPU parameters with LibTorch's fused kernel (CUDA's path).
+  xlr8::optim::detail::use_torch_kernel_on_cpu(s.optimizer == "fused_adamw_torch_kernel");
+  auto opt = s.optimizer != "adamw" ? acc.prepare(xlr8::optim::FusedAdamW(net->parameters(), adamw))
+                                    : acc.prepare(torch::optim::AdamW(net->parameters(), adamw));
   auto batch = make_batch(s.model, s.batch);
   // DDP's figure for the communication that overlap did not hide; absent on one process.
   const bool ddp = acc.parallel_stats(net)["strategy"] == "ddp";
@@ -317,7 +320,8 @@ int main(int argc, char** argv) {
   app.add_option("--bucket_cap_mb", s.bucket_cap_mb, "DDP bucket size");
   app.add_flag("--compress_bf16", s.compress_bf16, "DDP: bf16 gradients on the wire");
   app.add_flag("--zero_in_place", s.zero_in_place, "xlr8: zero gradients in place instead of setting them to none");
-  app.add_option("--optimizer", s.optimizer, "xlr8: adamw | fused_adamw")->check(CLI::IsMember({"adamw", "fused_adamw"}));
+  app.add_option("--optimizer", s.optimizer, "xlr8: adamw | fused_adamw | fused_adamw_torch_kernel")
+      ->check(CLI::IsMember({"adamw", "fused_adamw", "fused_adamw_torch_kernel"}));
   app.add_flag("--lockstep_only", s.lockstep_only,
                "Diagnostic: no gradient all-reduce, only a barrier per step (what running in lockstep costs)");
   app.add_flag("--collectives", coll, "Collective bandwidth instead of training");

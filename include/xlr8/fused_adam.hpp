@@ -7,8 +7,11 @@
 // Drop-in: the same constructors, options and per-parameter state (AdamWParamState / AdamParamState),
 // so torch::save/torch::load, Accelerator::save_state and a later plain torch::optim::AdamW all read
 // what these write. Results match LibTorch's arithmetic to float32 rounding (the fused pass uses FMA
-// and a reciprocal where LibTorch rounds twice). Parameters the fused pass does not cover (not CPU,
-// not float32, not contiguous, or amsgrad) are stepped with LibTorch's own tensor arithmetic.
+// and a reciprocal where LibTorch rounds twice). CUDA parameters (float32, float16, bfloat16; contiguous;
+// not amsgrad) go through LibTorch's fused multi-tensor kernel, _fused_adamw_ / _fused_adam_ (what
+// PyTorch's AdamW(fused=True) runs): one launch per batch of parameters of one device, dtype and step
+// count, no host synchronisation. Anything else (non-contiguous, amsgrad, other dtypes) is stepped with
+// LibTorch's own tensor arithmetic.
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 

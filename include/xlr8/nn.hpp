@@ -2,8 +2,9 @@
 // Drop-in layers for tensor parallelism. LibTorch's forward is not virtual and has no hooks, so a
 // row-wise layer's all-reduce cannot be put into torch::nn::Linear from outside: a model that may run
 // under tensor parallelism builds these instead. Until xlr8::tp::parallelize() assigns them a style they
-// are LibTorch's layers (same parameter names, shapes, initialisation and arithmetic), so checkpoints
-// and single-process runs do not change.
+// are LibTorch's layers (same parameter names, shapes and initialisation), so checkpoints do not change.
+// Linear computes as Python's F.linear (at::linear: the bias inside the GEMM for inputs of any rank),
+// which for 3-D inputs is faster than torch::nn::Linear's matmul-then-add and may round differently.
 #include <torch/nn/cloneable.h>
 #include <torch/nn/module.h>
 #include <torch/nn/options/embedding.h>

@@ -1,13 +1,18 @@
 // Fused Adam/AdamW step (include/xlr8/fused_adam.hpp): one pass per CPU float32 parameter, vectorised
-// with AVX2+FMA where the CPU has it, split over the intra-op threads; LibTorch's tensor arithmetic for
-// everything else.
+// with AVX2+FMA where the CPU has it, split over the intra-op threads; LibTorch's fused multi-tensor
+// kernel (_fused_adamw_) for CUDA parameters; LibTorch's tensor arithmetic for everything else.
 #include "xlr8/fused_adam.hpp"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <ATen/ops/_fused_adam.h>
+#include <ATen/ops/_fused_adamw.h>
+
 #include <atomic>
 #include <cmath>
+#include <map>
+#include <tuple>
 #include <type_traits>
 
 #include "compat/torch_compat.hpp"
@@ -101,6 +106,7 @@ bool cpu_has_avx2_fma() {
 #endif
 
 std::atomic<bool> g_force_portable{false};
+std::atomic<bool> g_torch_kernel_on_cpu{false};
 
 template <bool kL2>
 void update_range(float* p, const float* g, float* m, float* v, std::int64_t n, const AdamCoefficients& c) {
@@ -127,14 +133,52 @@ void fused_update(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m,
   torch::autograd::impl::bump_version(p);
 }
 
-bool fused_path_applies(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v,
-                        bool amsgrad) {
-  if (amsgrad) return false;
+// Which arithmetic steps a parameter: our CPU float32 pass, LibTorch's fused multi-tensor kernel (CUDA:
+// one launch per batch of parameters instead of about nine per parameter), or LibTorch's tensor ops.
+enum class Kernel { ours, torch_fused, tensor_ops };
+
+bool dense_alike(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v) {
   for (const at::Tensor* t : {&p, &g, &m, &v})
-    if (!t->device().is_cpu() || t->layout() != at::kStrided || t->scalar_type() != at::kFloat ||
-        !t->is_contiguous() || t->numel() != p.numel())
+    if (t->layout() != at::kStrided || !t->is_contiguous() || t->numel() != p.numel() ||
+        t->device() != p.device() || t->scalar_type() != p.scalar_type())
       return false;
   return true;
+}
+
+Kernel kernel_for(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v, bool amsgrad) {
+  if (amsgrad || !dense_alike(p, g, m, v)) return Kernel::tensor_ops;
+  const auto dtype = p.scalar_type();
+  if (p.device().is_cpu() && dtype == at::kFloat && !g_torch_kernel_on_cpu.load(std::memory_order_relaxed))
+    return Kernel::ours;
+  const bool reduced = dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
+  if (p.device().is_cuda() && reduced) return Kernel::torch_fused;
+  if (p.device().is_cpu() && (reduced || dtype == at::kDouble) && g_torch_kernel_on_cpu.load()) return Kernel::torch_fused;
+  return Kernel::tensor_ops;
+}
+
+// Parameters LibTorch's fused kernel steps in one call: the same device, dtype and step count.
+struct TorchBatch {
+  std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs;
+};
+using TorchBatchKey = std::tuple<int, int, int, int64_t>;  // device type, device index, dtype, step
+
+template <class Options>
+void run_torch_batches(std::map<TorchBatchKey, TorchBatch>& batches, const Options& options, bool decoupled) {
+  const double beta1 = std::get<0>(options.betas()), beta2 = std::get<1>(options.betas());
+  for (auto& [key, batch] : batches) {
+    const auto& p = batch.params.front();
+    // The kernel reads (does not advance) one float step per parameter; equal counts share one tensor,
+    // written by a fill on the device: no host synchronisation.
+    const auto step = at::full({}, static_cast<double>(std::get<3>(key)), p.options().dtype(at::kFloat));
+    const std::vector<at::Tensor> steps(batch.params.size(), step);
+    if (decoupled)
+      at::_fused_adamw_(batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, {}, steps, options.lr(), beta1,
+                        beta2, options.weight_decay(), options.eps(), /*amsgrad=*/false, /*maximize=*/false);
+    else
+      at::_fused_adam_(batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, {}, steps, options.lr(), beta1,
+                       beta2, options.weight_decay(), options.eps(), /*amsgrad=*/false, /*maximize=*/false);
+  }
+  batches.clear();
 }
 
 // LibTorch's own arithmetic, for what the fused pass does not cover.
@@ -171,6 +215,7 @@ torch::Tensor adam_step(std::vector<torch::optim::OptimizerParamGroup>& groups, 
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
+  std::map<TorchBatchKey, TorchBatch> batches;
   for (auto& group : groups) {
     const auto& options = static_cast<const Options&>(group.options());
     for (auto& p : group.params()) {
@@ -195,8 +240,18 @@ torch::Tensor adam_step(std::vector<torch::optim::OptimizerParamGroup>& groups, 
       const double bias_correction1 = 1 - std::pow(beta1, static_cast<double>(state.step()));
       const double bias_correction2 = 1 - std::pow(beta2, static_cast<double>(state.step()));
       const double step_size = options.lr() / bias_correction1;
-      if (!fused_path_applies(p, grad, state.exp_avg(), state.exp_avg_sq(), options.amsgrad())) {
+      const auto kernel = kernel_for(p, grad, state.exp_avg(), state.exp_avg_sq(), options.amsgrad());
+      if (kernel == Kernel::tensor_ops) {
         tensor_update(p, grad, state, options, decoupled, bias_correction2, step_size);
+        continue;
+      }
+      if (kernel == Kernel::torch_fused) {
+        auto& batch = batches[{static_cast<int>(p.device().type()), p.device().index(),
+                               static_cast<int>(p.scalar_type()), state.step()}];
+        batch.params.push_back(p);
+        batch.grads.push_back(grad);
+        batch.exp_avgs.push_back(state.exp_avg());
+        batch.exp_avg_sqs.push_back(state.exp_avg_sq());
         continue;
       }
       const double weight_decay = options.weight_decay();
@@ -213,6 +268,7 @@ torch::Tensor adam_step(std::vector<torch::optim::OptimizerParamGroup>& groups, 
       };
       fused_update(p, grad, state.exp_avg(), state.exp_avg_sq(), c);
     }
+    run_torch_batches(batches, options, decoupled);
   }
   return loss;
 }
@@ -221,6 +277,7 @@ torch::Tensor adam_step(std::vector<torch::optim::OptimizerParamGroup>& groups, 
 
 namespace detail {
 void force_portable_kernel(bool on) { g_force_portable.store(on); }
+void use_torch_kernel_on_cpu(bool on) { g_torch_kernel_on_cpu.store(on); }
 }  // namespace detail
 
 torch::Tensor FusedAdamW::step(LossClosure closure) {

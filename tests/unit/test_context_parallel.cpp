@@ -221,15 +221,15 @@ TEST(Ulysses, Bf16StaysWithinBf16OfTheFp32Whole) {
   });
 }
 
-TEST(Ulysses, EachRanksWholeSequenceGoesBlockwiseInTilesAndDropoutTakesThePlainPath) {
-  // 1,200 tokens: after the all-to-all each rank attends over all of them for its heads, two halves of
-  // 600 keys with queries 256 rows at a time (and the last 88): exact against the whole.
+TEST(Ulysses, EachRanksWholeSequenceGoesThroughTheFusedKernelAndDropoutDropsWeights) {
+  // 1,200 tokens: after the all-to-all each rank attends over all of them for its heads, in LibTorch's
+  // fused kernel (tiled): exact against the whole.
   const int64_t T = 1200;
   const auto in = whole_inputs(T, at::kFloat, 2, 4);
   const auto want = whole_attention(in, true);
   run_ranks(2, [&](Communicator& comm) {
     expect_shares_of_whole(comm, cp::CommStrategy::Ulysses, in, want, true, kFp32, kFp32, "Ulysses blockwise");
-    // Dropout needs the weights whole: the plain path, which drops some of them.
+    // Dropout on the attention weights: the kernel drops some of them.
     auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, comm, 2, cp::Split::Contiguous); };
     cp::Scope scope({comm, cp::CommStrategy::Ulysses});
     auto dropped = xlr8::attention(shard(in.q), shard(in.k), shard(in.v), {.causal = true, .dropout = 0.5});

@@ -130,6 +130,34 @@ TEST(FusedAdam, ThePortableLoopFollowsLibTorchToo) {
   expect_close(portable_params, vector_params, 1e-5, 1e-6);
 }
 
+TEST(FusedAdam, LibTorchsFusedKernelPathFollowsLibTorchToo) {
+  // The path CUDA parameters take (batches of one device, dtype and step count through _fused_adamw_),
+  // run here on LibTorch's CPU kernel: float32, and the float64 parameter now fused too.
+  struct TorchKernel {
+    TorchKernel() { xlr8::optim::detail::use_torch_kernel_on_cpu(true); }
+    ~TorchKernel() { xlr8::optim::detail::use_torch_kernel_on_cpu(false); }
+  } torch_kernel;
+  expect_same_trajectory<FusedAdamW, torch::optim::AdamW, torch::optim::AdamWOptions>(1e-2);
+  expect_same_trajectory<FusedAdam, torch::optim::Adam, torch::optim::AdamOptions>(0.1);
+  // Parameters at different step counts (one joins late) land in different batches.
+  torch::manual_seed(9);
+  std::vector<torch::Tensor> fused{torch::randn({33}).requires_grad_(), torch::randn({7, 3}).requires_grad_()};
+  auto reference = copies(fused);
+  FusedAdamW fused_opt(fused, torch::optim::AdamWOptions(1e-2));
+  torch::optim::AdamW reference_opt(reference, torch::optim::AdamWOptions(1e-2));
+  for (int step = 0; step < 6; ++step) {
+    for (size_t i = 0; i < fused.size(); ++i) {
+      if (i == 1 && step < 2) continue;  // no gradient yet: no state, no step
+      auto g = torch::randn(fused[i].sizes());
+      fused[i].mutable_grad() = g.clone();
+      reference[i].mutable_grad() = g;
+    }
+    fused_opt.step();
+    reference_opt.step();
+  }
+  expect_close(fused, reference, 1e-5, 1e-6);
+}
+
 TEST(FusedAdam, StateIsInterchangeableWithLibTorchsAdamW) {
   auto dir = fs::temp_directory_path() / ("xlr8_optim_" + std::to_string(getpid()));
   fs::create_directories(dir);

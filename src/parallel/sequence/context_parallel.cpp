@@ -1,5 +1,6 @@
 // Context parallelism's sequence sharding (head-tail, or contiguous for Ulysses), the context a model's
-// attention follows, and the attention entry point: plain at cp 1, keys and values all-gathered under
+// attention follows, and the attention entry point: LibTorch's fused scaled-dot-product attention at cp 1,
+// keys and values all-gathered into it under
 // "allgather", the ring (cp_ring.cpp) under "alltoall", heads all-to-all (sp_ulysses.cpp) under Ulysses.
 #include "xlr8/context_parallel.hpp"
 
@@ -58,14 +59,14 @@ double scale_of(const AttentionOptions& o, const at::Tensor& q) {
   return o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
 }
 
-at::Tensor plain_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionOptions& o,
-                           const at::Tensor& future) {
-  auto scores = at::matmul(q, k.transpose(-2, -1));
-  scores = o.scale ? scores * *o.scale : scores / std::sqrt(static_cast<double>(q.size(-1)));
-  if (future.defined()) scores = scores.masked_fill(future, -INFINITY);
-  auto weights = at::softmax(scores, -1);
-  if (o.dropout > 0) weights = at::dropout(weights, o.dropout, /*train=*/true);
-  return at::matmul(weights, v);
+// LibTorch's scaled_dot_product_attention: flash, memory-efficient or cuDNN kernels on CUDA, a flash
+// kernel on the CPU; causal attention needs no mask (top-left aligned, as the all-gather's mask). `visible`
+// (true where a query may see a key) is the all-gather's causal mask over global positions.
+at::Tensor fused_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionOptions& o,
+                           const at::Tensor& visible = {}) {
+  const bool masked = visible.defined();
+  return at::scaled_dot_product_attention(q, k, v, masked ? std::optional<at::Tensor>(visible) : std::nullopt,
+                                          o.dropout, o.causal && !masked, o.scale);
 }
 
 at::Tensor allgather_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -73,16 +74,16 @@ at::Tensor allgather_attention(const at::Tensor& q, const at::Tensor& k, const a
   const int64_t local = q.size(-2), head_dim = k.size(-1);
   auto gathered = GatherKeysValues::apply(at::cat({k, v}, -1), group);
   auto keys = gathered.narrow(-1, 0, head_dim), values = gathered.narrow(-1, head_dim, v.size(-1));
-  at::Tensor future;
+  at::Tensor visible;
   if (o.causal) {
     auto mine = positions(local, group.size(), group.rank(), q.device());
     std::vector<at::Tensor> all;
     for (int r = 0; r < group.size(); ++r) all.push_back(positions(local, group.size(), r, q.device()));
-    future = mine.unsqueeze(1) < at::cat(all).unsqueeze(0);
+    visible = mine.unsqueeze(1) >= at::cat(all).unsqueeze(0);
   }
   // The chunk pairs the mask leaves open (no device sync: the ring's own rule).
   detail::count_blocks(detail::chunk_pairs(group.rank(), group.size(), o.causal));
-  return plain_attention(q, keys, values, o, future);
+  return fused_attention(q, keys, values, o, visible);
 }
 
 // Grouped-query attention: k or v with fewer heads than q, each serving q's heads / its heads consecutive
@@ -106,15 +107,9 @@ at::Tensor ulysses_attention(const at::Tensor& q, const at::Tensor& k, const at:
       group);
   heads[1] = with_query_heads(heads[1], heads[0].size(-3));
   heads[2] = with_query_heads(heads[2], heads[0].size(-3));
-  const int64_t T = heads[0].size(-2);
-  // The whole sequence in order on each rank: blockwise, holding nothing T x T (as DeepSpeed runs a flash
-  // kernel there). Dropout on the weights needs them whole: then plain attention.
-  if (o.dropout == 0 && T % 2 == 0)
-    return detail::heads_to_sequence(
-        detail::blockwise_attention(heads[0], heads[1], heads[2], o.causal, scale_of(o, q)), group);
-  at::Tensor future;
-  if (o.causal) future = at::ones({T, T}, q.options().dtype(at::kBool)).triu(1);
-  return detail::heads_to_sequence(plain_attention(heads[0], heads[1], heads[2], o, future), group);
+  // The whole sequence in order on each rank: the fused kernel holds nothing T x T (as DeepSpeed runs a
+  // flash kernel there).
+  return detail::heads_to_sequence(fused_attention(heads[0], heads[1], heads[2], o), group);
 }
 
 }  // namespace
@@ -210,14 +205,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                             "heads that divides q's",
                             q.sizes(), k.sizes(), v.sizes()));
   const auto context = current();
-  if (!context || context->group.size() == 1) {
-    at::Tensor future;
-    if (options.causal) {
-      const int64_t T = q.size(-2);
-      future = at::ones({T, k.size(-2)}, q.options().dtype(at::kBool)).triu(1);
-    }
-    return plain_attention(q, with_query_heads(k, heads), with_query_heads(v, heads), options, future);
-  }
+  if (!context || context->group.size() == 1)
+    return fused_attention(q, with_query_heads(k, heads), with_query_heads(v, heads), options);
   if (q.size(-2) != k.size(-2))
     throw Error(fmt::format("attention() under context parallelism: queries ({} tokens) and keys ({}) must be the same "
                             "sequence's shares",

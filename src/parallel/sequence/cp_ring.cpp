@@ -208,11 +208,6 @@ at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
   return RingAttention::apply(q, k, v, causal, scale, std::optional<Communicator>(group));
 }
 
-at::Tensor blockwise_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                               double scale) {
-  return RingAttention::apply(q, k, v, causal, scale, std::optional<Communicator>());
-}
-
 int64_t cp_wire_bytes() { return wire.load(); }
 void count_wire(int64_t bytes) { wire += bytes; }
 void count_blocks(int64_t n) { blocks += n; }

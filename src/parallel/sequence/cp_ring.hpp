@@ -20,11 +20,6 @@ at::Tensor reduce_scatter_sequence(const at::Tensor& x, const Communicator& grou
 // sends each rank's key/value gradients back round the ring.
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
                           const Communicator& group);
-// The same computation over this process's own whole sequence (even length; queries and keys in
-// order): softmax(q·kᵀ·scale)·v in 256-row tiles against one half of the keys at a time, so nothing T × T
-// is held, forward or backward. Counts no blocks and no ring time.
-at::Tensor blockwise_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                               double scale);
 int64_t cp_wire_bytes();
 void count_wire(int64_t bytes);  // bytes sent by this process's sequence communication elsewhere (Ulysses)
 // The chunk pairs (of 2n chunks, head-tail) whose scores `rank` computes against every rank's keys: the

@@ -3,7 +3,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 #include <torch/nn/functional/embedding.h>
-#include <torch/nn/functional/linear.h>
+#include <ATen/ops/linear.h>
 #include <torch/nn/init.h>
 
 #include <cmath>
@@ -90,17 +90,19 @@ void LinearImpl::pretty_print(std::ostream& stream) const {
 }
 
 at::Tensor LinearImpl::forward(const at::Tensor& input) {
-  // A one-rank group keeps LibTorch's arithmetic (bias inside the product), bit for bit.
-  if (!slot_ || slot_->group.size() == 1) return torch::nn::functional::linear(input, weight, bias);
+  // at::linear, as Python's F.linear: the bias inside the product (one GEMM with its epilogue, forward and
+  // backward) for inputs of any rank. LibTorch's torch::nn::functional::linear folds it in only for 2-D inputs
+  // and otherwise adds it in a pass of its own (on an H200 that cost the GPT's step 15 % in bf16).
+  if (!slot_ || slot_->group.size() == 1) return at::linear(input, weight, bias);
   const auto& s = *slot_;
-  if (s.style == tp::Style::Replicate) return torch::nn::functional::linear(input, weight, bias);
+  if (s.style == tp::Style::Replicate) return at::linear(input, weight, bias);
   if (s.style == tp::Style::Colwise) {
     auto whole = s.sequence_parallel ? tp::gather_from_sequence_region(input, s.group) : tp::copy_to_tp_region(input, s.group);
-    auto out = torch::nn::functional::linear(whole, weight, bias);
+    auto out = at::linear(whole, weight, bias);
     return s.gather_output ? tp::gather_from_tp_region(out, s.group, -1) : out;
   }
   // Rowwise: the bias once, after the partial products are summed (or summed and split on the sequence).
-  auto partial = torch::nn::functional::linear(input, weight);
+  auto partial = at::linear(input, weight);
   auto out = s.sequence_parallel ? tp::reduce_scatter_to_sequence_region(partial, s.group)
                                  : tp::reduce_from_tp_region(partial, s.group);
   return bias.defined() ? out + bias : out;
@@ -232,12 +234,12 @@ at::Tensor EmbeddingImpl::forward(const at::Tensor& input) {
 
 at::Tensor EmbeddingImpl::attend(const at::Tensor& input) {
   if (!slot_ || slot_->group.size() == 1 || slot_->style == tp::Style::Replicate)
-    return torch::nn::functional::linear(input, weight);
+    return at::linear(input, weight);
   // This rank's rows score its share of the vocabulary: a column-wise layer over the vocabulary (whose
   // input, under sequence parallelism, is this rank's share of the sequence).
   const auto& s = *slot_;
   auto whole = s.sequence_parallel ? tp::gather_from_sequence_region(input, s.group) : tp::copy_to_tp_region(input, s.group);
-  return tp::gather_from_tp_region(torch::nn::functional::linear(whole, weight), s.group, -1);
+  return tp::gather_from_tp_region(at::linear(whole, weight), s.group, -1);
 }
 
 std::string EmbeddingImpl::tensor_parallel_problem(const tp::PlanEntry& entry, int tp_size) const {
