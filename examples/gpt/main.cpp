@@ -209,7 +209,8 @@ int run(const Args& args) {
   int64_t micro_steps = 0;
   int64_t tokens = 0, steps_at_start = acc.step();
   int64_t held = 0, peak = 0;
-  double last_loss = 0, grad_norm = 0;
+  double last_loss = 0;
+  xlr8::GradNorm grad_norm;  // stays on the device: read once, for the report
   bool done = acc.step() >= args.max_steps;
   // A bar on a terminal, a line every --log_every steps otherwise (XLR8_PROGRESS=off: none).
   auto bar = acc.progress(args.max_steps, {.description = "train", .unit = "step", .initial = acc.step(),
@@ -300,7 +301,7 @@ int run(const Args& args) {
                           {"cp_wire_bytes_per_micro_step", micro_steps > 0 ? cp_bytes / micro_steps : 0},
                           {"cp_ring_compute_s", ring[0].item<double>()},
                           {"cp_ring_wait_s", ring[1].item<double>()},
-                          {"last_grad_norm", grad_norm},
+                          {"last_grad_norm", grad_norm.value()},
                           {"tokens_per_s", tokens / std::max(seconds, 1e-9)},
                           {"state_bytes_per_rank", static_cast<int64_t>(largest[0].item<double>())},
                           {"peak_state_bytes_per_rank", static_cast<int64_t>(largest[1].item<double>())},

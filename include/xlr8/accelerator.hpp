@@ -20,6 +20,7 @@
 #include "xlr8/data_loader.hpp"
 #include "xlr8/empty_init.hpp"
 #include "xlr8/format.hpp"
+#include "xlr8/grad_norm.hpp"
 #include "xlr8/parallel_plan.hpp"
 #include "xlr8/parallel_strategy.hpp"
 #include "xlr8/prepared.hpp"
@@ -34,6 +35,9 @@ struct AcceleratorOptions {
   std::optional<MixedPrecision> mixed_precision;   // default: ACCELERATE_MIXED_PRECISION / config
   std::optional<int> gradient_accumulation_steps;  // the launch's value wins when it names one (as in Accelerate)
   bool cpu = false;                                // stay on the CPU even with GPUs
+  // float32 matmuls (and cuDNN convolutions) on TF32 tensor cores, Ampere and later: what Python sets with
+  // torch.backends.cuda.matmul.allow_tf32. Default: XLR8_ALLOW_TF32 (true/false), else LibTorch's (off).
+  std::optional<bool> allow_tf32;
   ParallelOptions parallel;                        // passed to the strategy each prepared model gets (DDP: .ddp)
   bool split_batches = false;
   bool even_batches = true;
@@ -186,9 +190,10 @@ class Accelerator {
   // Clamps the gradients to [-clip_value, clip_value] (after unscaling fp16 ones), on the shards when
   // sharded: elementwise, so the result is the same. Off the sync boundary it does nothing.
   void clip_grad_value(const std::vector<at::Tensor>& parameters, double clip_value);
-  // Clips by the global norm across ranks; returns the norm. Off the sync boundary it does nothing and
-  // returns 0 (the gradients are still partial sums).
-  double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0);
+  // Clips by the global norm across ranks; returns the norm, on the gradients' device until read (GradNorm:
+  // converting it to double waits for the device). Off the sync boundary it does nothing and returns 0
+  // (the gradients are still partial sums).
+  GradNorm clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type = 2.0);
   AutocastScope autocast() const;
 
   // Collectives on tensors.

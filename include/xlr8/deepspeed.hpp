@@ -72,7 +72,7 @@ class Engine {
 
   bool was_step_applied() const { return step_applied_; }
   // The gradients' global norm (before clipping) at the last boundary; inf after an fp16 overflow.
-  double get_global_grad_norm() const { return grad_norm_; }
+  double get_global_grad_norm() const { return grad_norm_.value(); }  // waits for the device
   std::vector<double> get_lr() const;
   int64_t train_batch_size() const { return sizes_.train_batch_size; }
   int64_t train_micro_batch_size_per_gpu() const { return sizes_.micro_batch_per_gpu; }
@@ -155,7 +155,7 @@ class Engine {
   int no_sync_depth_ = 0;
   int64_t micro_steps_ = 0, global_steps_ = 0, global_samples_ = 0, skipped_steps_ = 0;
   bool step_applied_ = false;
-  double grad_norm_ = 0;
+  GradNorm grad_norm_;  // on the device until read
   WallClock wall_clock_total_, wall_clock_interval_;
   std::optional<double> forward_began_ms_;
 };

@@ -46,6 +46,9 @@ struct ParallelPlan {
   // fp16's loss scaler (the JSON's fp16 section when there is one).
   MixedPrecision mixed_precision = MixedPrecision::NO;
   std::optional<LossScalerOptions> loss_scaler;
+  // float32 matmuls on TF32 tensor cores (the program's allow_tf32, else XLR8_ALLOW_TF32); unset leaves
+  // LibTorch's setting alone (off, as PyTorch's torch.backends.cuda.matmul.allow_tf32).
+  std::optional<bool> allow_tf32;
 
   // The strategy each prepared model gets and the options it is made with: data_parallel.zero has its stage
   // (0: DDP), units, hybrid size, compute dtype (param_dtype) and offload decided; a DeepSpeed JSON's "auto"

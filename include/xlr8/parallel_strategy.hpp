@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "xlr8/ddp.hpp"
+#include "xlr8/grad_norm.hpp"
 #include "xlr8/gradient_state.hpp"
 #include "xlr8/process_state.hpp"
 #include "xlr8/safetensors.hpp"
@@ -79,8 +80,8 @@ class ParallelStrategy {
   virtual void optimizer_step(torch::optim::Optimizer& optimizer) { optimizer.step(); }
   // Clips `parameters` (of this strategy's module) to the global gradient norm and returns it. Replicas
   // hold identical synchronised gradients, so their local norm is the global one; sharded strategies
-  // reduce partial norms over the groups that hold different parts.
-  virtual double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
+  // reduce partial norms over the groups that hold different parts. Nothing is read back (GradNorm).
+  virtual GradNorm clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
   // The tensors whose .grad holds this rank's gradients of `parameters` (of this strategy's module): the
   // parameters themselves for replicas, their shard leaves when sharded. For elementwise gradient work.
   virtual std::vector<at::Tensor> gradient_holders(const std::vector<at::Tensor>& parameters) const { return parameters; }

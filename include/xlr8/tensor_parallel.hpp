@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "xlr8/communicator.hpp"
+#include "xlr8/grad_norm.hpp"
 
 namespace xlr8::tp {
 
@@ -138,7 +139,7 @@ at::Tensor local_slice(const at::Tensor& whole, const SliceLayout& layout);
 
 // clip_grad_norm_ where some gradients are tp slices: the norm of the whole model (slices summed over
 // the tp group, replicated parameters counted once), every gradient scaled by the same coefficient.
-double clip_grad_norm(const std::vector<at::Tensor>& parameters, const SlicedParameters& sliced, double max_norm,
+GradNorm clip_grad_norm(const std::vector<at::Tensor>& parameters, const SlicedParameters& sliced, double max_norm,
                       double norm_type);
 
 // True when `pattern` (the PlanEntry syntax) matches the whole of `path`.

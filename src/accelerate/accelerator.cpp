@@ -2,6 +2,8 @@
 // model for rank-0 loading, free_memory and seeds (the training step: accelerator_step.cpp).
 #include "xlr8/accelerator.hpp"
 
+#include <ATen/Context.h>
+
 #include "compat/torch_compat.hpp"
 #include "core/log.hpp"
 #include "os/memory.hpp"
@@ -84,6 +86,10 @@ void AcceleratorImpl::start(AcceleratorOptions given, const deepspeed::Config* e
   if (s.verify) in.micro_batches_per_rank = s.verify->micro_split();
   s.plan = detail::resolve_plan(in, env);
   if (s.state->is_main_process()) log::debug("xlr8: the Accelerator's plan:\n{}", s.plan.describe());
+  if (s.plan.allow_tf32) {  // process-wide, as torch.backends.cuda.matmul.allow_tf32; cuDNN's is on by default
+    at::globalContext().setAllowTF32CuBLAS(*s.plan.allow_tf32);
+    if (*s.plan.allow_tf32) at::globalContext().setAllowTF32CuDNN(true);
+  }
   s.gradient_state->num_steps = s.plan.gradient_accumulation_steps;
   s.gradient_state->sync_with_dataloader = s.options.sync_with_dataloader;
   if (s.plan.loss_scaler) s.scaler.emplace(*s.plan.loss_scaler);

@@ -69,7 +69,7 @@ struct AcceleratorImpl {
   // check (what unscale_gradients found for the last one no longer holds).
   at::Tensor loss_for_backward(const at::Tensor& loss);
   // Accelerator::clip_grad_norm: the global norm of `parameters`' gradients, clipped to max_norm (collective).
-  double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
+  GradNorm clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
   // Offload (FSDP's offload_params, DeepSpeed's offload_*) was asked for: says, once, what this build does.
   void report_offload();
   // The group and strategy that split the sequence (parallelism_config_cp_size or _sp_size above 1), or

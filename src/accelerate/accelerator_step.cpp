@@ -244,19 +244,19 @@ void Accelerator::clip_grad_value(const std::vector<at::Tensor>& parameters, dou
   }
 }
 
-double Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
-  const double norm = impl_->clip_grad_norm(parameters, max_norm, norm_type);
+GradNorm Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
+  auto norm = impl_->clip_grad_norm(parameters, max_norm, norm_type);
   // `xlr8 verify` compares the norm the program clipped from: after clipping every clipped step reads max_norm.
   if (impl_->gradient_state->sync_gradients) impl_->notify([&](detail::StepObserver& o) { o.on_clip_grad_norm(norm); });
   return norm;
 }
 
-double AcceleratorImpl::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
+GradNorm AcceleratorImpl::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
   auto& s = *this;
-  if (!s.gradient_state->sync_gradients) return 0.0;
+  if (!s.gradient_state->sync_gradients) return GradNorm();
   s.unscale_gradients();
-  if (s.scaler && s.overflow) return std::numeric_limits<double>::infinity();
-  if (parameters.empty()) return 0.0;
+  if (s.scaler && s.overflow) return GradNorm(at::scalar_tensor(std::numeric_limits<double>::infinity(), at::kDouble));
+  if (parameters.empty()) return GradNorm();
   // The strategy of the model these parameters belong to knows which ranks hold which gradients.
   std::vector<ParallelStrategy*> owners;
   bool unowned = false;
@@ -272,7 +272,7 @@ double AcceleratorImpl::clip_grad_norm(const std::vector<at::Tensor>& parameters
       throw Error(fmt::format("clip_grad_norm(): the parameters span several prepared models and the {} one is sharded; "
                               "clip each model's parameters in its own call",
                               owner->name()));
-  return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+  return tp::clip_grad_norm(parameters, tp::SlicedParameters{}, max_norm, norm_type);
 }
 
 }  // namespace xlr8

@@ -82,6 +82,7 @@ ParallelPlan resolve_plan(const PlanInputs& in, const Env& env) {
   plan.sequence = sequence_of(plan.mesh, settings);
   plan.recompute_units = settings.fsdp && settings.fsdp->activation_checkpointing;
   plan.mixed_precision = in.precision;
+  plan.allow_tf32 = in.options->allow_tf32 ? in.options->allow_tf32 : env.get_bool("XLR8_ALLOW_TF32");
   plan.gradient_accumulation_steps = in.accumulation;
   plan.split_batches = in.options->split_batches || env.get("XLR8_SPLIT_BATCHES") == "1";
   auto parallel = in.options->parallel;
@@ -163,11 +164,12 @@ std::string ParallelPlan::describe() const {
                                     sequence.comm_strategy,
                                     sequence.fixed_length ? fmt::format(", every batch {} tokens", *sequence.fixed_length) : ""));
   lines.push_back(fmt::format("activation checkpointing: {}", recompute_units ? "every unit of the wrap policy" : "off"));
-  lines.push_back(fmt::format("precision: {}{}", to_string(mixed_precision),
+  lines.push_back(fmt::format("precision: {}{}{}", to_string(mixed_precision),
                               loss_scaler ? (loss_scaler->static_scale > 0
                                                  ? fmt::format(", static loss scale {}", loss_scaler->static_scale)
                                                  : fmt::format(", dynamic loss scale from 2^{}", loss_scaler->initial_scale_power))
-                                          : ""));
+                                          : "",
+                              allow_tf32 ? fmt::format(", TF32 float32 matmuls {}", *allow_tf32 ? "on" : "off") : ""));
   lines.push_back("data parallel: " + data_parallel_text(*this));
   lines.push_back(fmt::format("steps: {} micro-batch(es) per optimizer step, gradient clipping {}, split batches {}",
                               gradient_accumulation_steps, clip_at_step > 0 ? fmt::format("{}", clip_at_step) : "none",
@@ -189,6 +191,7 @@ nlohmann::json ParallelPlan::to_json() const {
           {"recompute_units", recompute_units},
           {"mixed_precision", to_string(mixed_precision)},
           {"loss_scaler", loss_scaler.has_value()},
+          {"allow_tf32", allow_tf32 ? nlohmann::json(*allow_tf32) : nlohmann::json()},
           {"strategy", strategy},
           {"data_parallel_dim", to_string(data_parallel_dim)},
           {"zero",

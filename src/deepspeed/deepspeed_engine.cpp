@@ -275,7 +275,7 @@ void Engine::step() {
                   for (double lr : get_lr()) lrs.push_back(fmt::format("{:.6g}", lr));
                   return lrs;
                 }()),
-                grad_norm_, loss_scale());
+                grad_norm_.value(), loss_scale());
   }
   const double stepped = timed ? now_ms() : 0;
   const int64_t waited = timed ? detail::collective_wait_ns() : 0;

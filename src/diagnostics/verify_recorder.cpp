@@ -2,7 +2,6 @@
 
 #include <fmt/format.h>
 #include <torch/nn/module.h>
-#include <torch/nn/utils/clip_grad.h>
 
 #include <cstdlib>
 #include <filesystem>
@@ -11,6 +10,7 @@
 
 #include "checkpoint/files.hpp"
 #include "accelerate/accelerator_impl.hpp"
+#include "xlr8/tensor_parallel.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/safetensors.hpp"
 #include "xlr8/tensor_parallel.hpp"
@@ -114,8 +114,8 @@ void VerifyRecorder::before_update(AcceleratorImpl& impl, const std::vector<at::
   // The norm the program clipped from, else the gradients' own (an infinite max_norm measures without clipping).
   const double inf = std::numeric_limits<double>::infinity();
   grad_norm_ = clipped_from_ ? *clipped_from_
-                             : owner ? owner->clip_grad_norm(parameters, inf, 2.0)
-                                     : torch::nn::utils::clip_grad_norm_(parameters, inf, 2.0);
+                             : (owner ? owner->clip_grad_norm(parameters, inf, 2.0)
+                                      : tp::clip_grad_norm(parameters, tp::SlicedParameters{}, inf, 2.0)).value();
   clipped_from_.reset();
 }
 

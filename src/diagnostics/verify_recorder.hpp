@@ -32,7 +32,7 @@ class VerifyRecorder final : public StepObserver {
   void on_prepare(AcceleratorImpl& impl, torch::nn::Module& module, bool values_everywhere) override;
   void on_backward(const at::Tensor& loss) override;
   // The program clipped: what clip_grad_norm returned (the norm before clipping) is this step's.
-  void on_clip_grad_norm(double norm) override { clipped_from_ = norm; }
+  void on_clip_grad_norm(const GradNorm& norm) override { clipped_from_ = norm.value(); }
   void before_update(AcceleratorImpl& impl, const std::vector<at::Tensor>& parameters, ParallelStrategy* owner) override;
   // The record, and at step K the parameters (collective).
   void after_update(AcceleratorImpl& impl, int64_t step) override;

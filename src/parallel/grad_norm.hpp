@@ -19,18 +19,18 @@ inline at::Tensor partial_norm(const std::vector<at::Tensor>& grads, double norm
 }
 
 // The norm from already reduced partial totals (combined by sum, or max for p = inf), and every
-// gradient in `lists` scaled as clip_grad_norm_ does when it exceeds `max_norm`. One read-back.
-inline double scale_to_norm(const at::Tensor& totals, std::initializer_list<std::vector<at::Tensor>*> lists,
-                            double max_norm, double norm_type) {
+// gradient in `lists` scaled as clip_grad_norm_ does when it exceeds `max_norm`. All on the device, as
+// PyTorch's clip_grad_norm_: the coefficient is clamped to 1 and applied to every gradient, so nothing is
+// read back (the norm comes back as a 0-dimensional double tensor).
+inline at::Tensor scale_to_norm(const at::Tensor& totals, std::initializer_list<std::vector<at::Tensor>*> lists,
+                                double max_norm, double norm_type) {
   const bool infinity = std::isinf(norm_type);
-  const double total = (infinity ? totals.max() : totals.sum()).item<double>();
-  const double norm = infinity ? total : std::pow(total, 1.0 / norm_type);
-  const double coef = max_norm / (norm + 1e-6);
-  if (coef < 1) {
-    at::NoGradGuard no_grad;
-    for (auto* list : lists)
-      for (auto& g : *list) g.mul_(coef);
-  }
+  const auto total = infinity ? totals.max() : totals.sum();
+  const auto norm = infinity ? total : total.pow(1.0 / norm_type);
+  const auto coef = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+  at::NoGradGuard no_grad;
+  for (auto* list : lists)
+    for (auto& g : *list) g.mul_(coef.to(g.device(), at::kFloat));
   return norm;
 }
 

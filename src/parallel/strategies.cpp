@@ -13,12 +13,12 @@
 
 namespace xlr8 {
 
-double ParallelStrategy::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
+GradNorm ParallelStrategy::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
   // Tensor-parallel slices are parts of one norm over the tp group; replicas' gradients are whole.
-  auto sliced = tp::sliced_parameters(*module_);
-  if (sliced.group) return tp::clip_grad_norm(parameters, sliced, max_norm, norm_type);
-  return torch::nn::utils::clip_grad_norm_(parameters, max_norm, norm_type);
+  return tp::clip_grad_norm(parameters, tp::sliced_parameters(*module_), max_norm, norm_type);
 }
+
+double GradNorm::value() const { return norm_.defined() ? norm_.item<double>() : 0.0; }
 
 StateDict module_state_dict(const torch::nn::Module& module) {
   StateDict out;

@@ -5,6 +5,8 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+
+#include "xlr8/grad_norm.hpp"
 #include <vector>
 
 namespace torch::nn {
@@ -24,7 +26,7 @@ class StepObserver {
   // (collective). `values_everywhere` false: only the main process holds its values (rank-0 loading).
   virtual void on_prepare(AcceleratorImpl& impl, torch::nn::Module& module, bool values_everywhere) {}
   virtual void on_backward(const at::Tensor& loss) {}  // the loss backward() was given, before scaling
-  virtual void on_clip_grad_norm(double norm) {}        // a sync step's clip_grad_norm: the norm before clipping
+  virtual void on_clip_grad_norm(const GradNorm& norm) {}        // a sync step's clip_grad_norm: the norm before clipping
   virtual void optimizer_step_begins() {}               // any prepared optimizer's step() on a sync step
   virtual void optimizer_step_ends() {}                 // ... once it is applied or skipped
   // The first prepared optimizer's step updates: gradients synchronised and unscaled, not applied yet (collective).

@@ -1,14 +1,19 @@
 // The Accelerator on one process: preparation rules, fp16 loss scaling on CPU tensors, accumulation
-// semantics, scheduler stepping, metrics logging, save_model's Hugging Face layout, checkpoint retention.
+// semantics, scheduler stepping, metrics logging, save_model's Hugging Face layout, checkpoint retention,
+// a step that reads nothing back to the host, TF32.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <ATen/Context.h>
 
 #include <filesystem>
 #include <sstream>
 #include <fstream>
 
+#include "op_counter.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/fused_adam.hpp"
 #include "xlr8/safetensors.hpp"
 
 using namespace xlr8;
@@ -341,4 +346,75 @@ TEST(Accelerator, RegisteredObjectsAreSavedAndRestoredInOrderAndCheckedOnLoad) {
   }
   EXPECT_EQ(counter.n, 1);
   fs::remove_all(dir);
+}
+
+namespace {
+// The operators that read a tensor's values on the host. On a GPU each one waits for every kernel queued
+// before it (a device-to-host synchronisation); on the CPU they run all the same, so the count is the one a
+// GPU run would see. Every read of a value (item(), a Scalar from a tensor) goes through
+// aten::_local_scalar_dense; nonzero, masked_select and unique size their output from the values.
+xlr8::testing::OpCounter host_reads() {
+  return xlr8::testing::OpCounter({"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2"});
+}
+}  // namespace
+
+TEST(Accelerator, ATrainingStepReadsNothingBackUnlessTheProgramDoes) {
+  // bf16 autocast, accumulation over 2 micro-batches, clipping, FusedAdamW: the step a GPU program runs.
+  AcceleratorOptions o;
+  o.mixed_precision = MixedPrecision::BF16;
+  o.gradient_accumulation_steps = 2;
+  Accelerator acc(o);
+  torch::manual_seed(0);
+  auto model = acc.prepare(torch::nn::Sequential(torch::nn::Linear(8, 16), torch::nn::GELU(), torch::nn::Linear(16, 4)));
+  auto opt = acc.prepare(optim::FusedAdamW(model->parameters(), torch::optim::AdamWOptions(1e-3)));
+  const auto data = torch::randn({6, 2, 8});
+  std::vector<GradNorm> norms;
+  auto run = [&](int micro_steps, bool read_loss) {
+    for (int i = 0; i < micro_steps; ++i) {
+      auto scope = acc.accumulate(model);
+      auto loss = model->forward(data[i % 6]).pow(2).mean();
+      acc.backward(loss);
+      if (acc.sync_gradients()) norms.push_back(acc.clip_grad_norm(model->parameters(), 0.01));
+      opt.step();
+      opt.zero_grad();
+      if (read_loss) (void)loss.item<double>();
+    }
+  };
+  run(4, false);  // first steps create the optimizer's state
+  auto reads = host_reads();
+  const int64_t before = reads.count();
+  run(8, false);
+  EXPECT_EQ(reads.count() - before, 0) << "host reads in 4 optimizer steps";
+  // The counter sees a read when there is one: the program's own loss.item(), once per micro-batch.
+  run(8, true);
+  EXPECT_EQ(reads.count() - before, 8);
+  // The norm was kept on the device; reading it is the program's choice (and a read).
+  ASSERT_EQ(norms.size(), 10u);
+  EXPECT_GT(norms.back().value(), 0.0);
+  EXPECT_EQ(reads.count() - before, 9);
+}
+
+TEST(Accelerator, AllowTf32SetsLibTorchsMatmulSettingAndUnsetLeavesIt) {
+  const bool before = at::globalContext().allowTF32CuBLAS();
+  {
+    AcceleratorOptions o;
+    o.allow_tf32 = true;
+    Accelerator acc(o);
+    EXPECT_TRUE(at::globalContext().allowTF32CuBLAS());
+    EXPECT_EQ(acc.plan().to_json()["allow_tf32"], true);
+    EXPECT_NE(acc.plan().describe().find("TF32 float32 matmuls on"), std::string::npos) << acc.plan().describe();
+  }
+  {
+    AcceleratorOptions o;
+    o.allow_tf32 = false;
+    Accelerator acc(o);
+    EXPECT_FALSE(at::globalContext().allowTF32CuBLAS());
+  }
+  at::globalContext().setAllowTF32CuBLAS(true);
+  {
+    Accelerator acc(AcceleratorOptions{});  // unset (and no XLR8_ALLOW_TF32 here): the process's setting stays
+    EXPECT_TRUE(at::globalContext().allowTF32CuBLAS());
+    EXPECT_TRUE(acc.plan().to_json()["allow_tf32"].is_null());
+  }
+  at::globalContext().setAllowTF32CuBLAS(before);
 }

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "op_counter.hpp"
 #include "thread_ranks.hpp"
 #include "xlr8/context_parallel.hpp"
 #include "xlr8/error.hpp"
@@ -148,14 +149,31 @@ TEST(ContextParallel, Bf16RingStaysWithinBf16OfTheFp32Whole) {
 }
 
 TEST(ContextParallel, TheRingTakesLongChunksInTilesOfQueriesAndStaysExact) {
-  // Chunks of 300 tokens: the ring takes queries 256 rows at a time (and the last 44), the causal mask
-  // of a diagonal pair shifted to each tile.
+  // Chunks of 300 tokens, values wider than keys (no CPU kernel for that): the ring takes queries 256 rows
+  // at a time (and the last 44), the causal mask of a diagonal pair shifted to each tile.
   const int64_t T = 4 * 300;
   const auto in = whole_inputs(T);
   const auto want = whole_attention(in, true);
   run_ranks(2, [&](Communicator& comm) {
     expect_shares_of_whole(comm, cp::CommStrategy::AllToAll, in, want, true, kFp32, kFp32, "ring tiles");
   });
+}
+
+TEST(ContextParallel, TheRingRunsLibTorchsCpuKernelOnEachChunkPairAndStaysExact) {
+  // Keys and values of one width, float32: each chunk pair forward and backward through the CPU flash
+  // kernel (given the merged output and log-sum-exp in backward), 2P+1 pairs a rank when causal, 4P not.
+  for (int P : {2, 3, 4})
+    for (bool causal : {true, false}) {
+      SCOPED_TRACE(std::to_string(P) + (causal ? " causal" : " full"));
+      const auto in = whole_inputs(2 * P * 24, at::kFloat, 3, 4);
+      const auto want = whole_attention(in, causal);
+      xlr8::testing::OpCounter kernel({"aten::_scaled_dot_product_flash_attention_for_cpu",
+                                       "aten::_scaled_dot_product_flash_attention_for_cpu_backward"});
+      run_ranks(P, [&](Communicator& comm) {
+        expect_shares_of_whole(comm, cp::CommStrategy::AllToAll, in, want, causal, kFp32, kFp32, "ring kernel");
+      });
+      EXPECT_EQ(kernel.count(), 2 * P * (causal ? 2 * P + 1 : 4 * P));
+    }
 }
 
 TEST(Ulysses, ContiguousSplitKeepsRankOrderAndUnshardingRestoresTheSequence) {
@@ -279,5 +297,26 @@ TEST(GroupedQueryAttention, KeysAndValuesWithFewerHeadsServeConsecutiveQueryHead
                                          "q's"),
               std::string::npos)
         << e.what();
+  }
+}
+
+TEST(Attention, OnTheCpuShortBf16SequencesTakePlainAttentionAndTheRestLibTorchsFusedKernelAllExact) {
+  // The fused kernel where it is the faster (float32 at any length, bf16 above 512 keys), plain attention's
+  // two GEMMs for bf16 up to 512 keys: each within bf16 of the float32 result, gradients too.
+  for (const auto& [T, dtype, fused] : std::vector<std::tuple<int64_t, at::ScalarType, bool>>{
+           {64, at::kFloat, true}, {512, at::kBFloat16, false}, {640, at::kBFloat16, true}}) {
+    SCOPED_TRACE(std::to_string(T) + " " + c10::toString(dtype));
+    const auto in = whole_inputs(T, at::kFloat, 3, 4);  // value width = key width: the CPU flash kernel's case
+    const auto want = whole_attention(in, true);
+    auto q = in.q.to(dtype).requires_grad_(), k = in.k.to(dtype).requires_grad_(), v = in.v.to(dtype).requires_grad_();
+    xlr8::testing::OpCounter kernel({"aten::_scaled_dot_product_flash_attention_for_cpu"});
+    auto out = xlr8::attention(q, k, v, {.causal = true});
+    out.backward(in.upstream.to(dtype));
+    EXPECT_EQ(kernel.count(), fused ? 1 : 0);
+    const double tol = dtype == at::kFloat ? 1e-5 : 3e-2;
+    const std::vector<at::Tensor> got{out.detach(), q.grad(), k.grad(), v.grad()};
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_TRUE(torch::allclose(got[i].to(at::kFloat), want[i], tol, tol))
+          << "tensor " << i << ": max difference " << (got[i].to(at::kFloat) - want[i]).abs().max().item<double>();
   }
 }

@@ -80,3 +80,18 @@ TEST(ParallelPlan, DeepSpeedLaunchKeysGiveTheStageClippingAndModuleUnits) {
   ASSERT_TRUE(plan.loss_scaler);
   EXPECT_EQ(plan.loss_scaler->initial_scale_power, 16);
 }
+
+TEST(ParallelPlan, Tf32ComesFromTheProgramElseItsVariableAndABadValueIsRefusedByName) {
+  AcceleratorOptions options;
+  EXPECT_FALSE(plan_for({}, options).allow_tf32);
+  EXPECT_EQ(plan_for({}, options, Env{{"XLR8_ALLOW_TF32", "true"}}).allow_tf32, true);
+  options.allow_tf32 = false;
+  EXPECT_EQ(plan_for({}, options, Env{{"XLR8_ALLOW_TF32", "true"}}).allow_tf32, false);
+  options.allow_tf32.reset();
+  try {
+    plan_for({}, options, Env{{"XLR8_ALLOW_TF32", "fast"}});
+    FAIL() << "expected an error";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("XLR8_ALLOW_TF32=\"fast\" is not a boolean"), std::string::npos) << e.what();
+  }
+}

@@ -112,7 +112,8 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
   }
 
   // Buckets are launched strictly in index order on every rank: the same collective sequence everywhere.
-  // Dividing before the SUM keeps the averaging inside the window where communication overlaps backward.
+  // Dividing before the SUM keeps the averaging inside the window where communication overlaps backward
+  // (on the CPU; NCCL's AVG divides inside the reduction).
   void launch_ready() {
     while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
       auto& b = buckets[next_launch++];
@@ -128,12 +129,15 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
         // shard straight from the gradients: only the peers' shards are copied into the bucket.
         b.work = comm.all_reduce_into_async(b.flat, b.sources, ReduceOp::AVG);
       } else {
-        b.flat.div_(comm.size());
+        // On a GPU NCCL averages inside the reduction (ncclAvg): no pass of its own over the bucket.
+        const bool average_in_reduction = b.flat.is_cuda();
+        if (!average_in_reduction) b.flat.div_(comm.size());
+        const auto op = average_in_reduction ? ReduceOp::AVG : ReduceOp::SUM;
         if (compress) {
           b.wire = b.flat.to(at::kBFloat16);
-          b.work = comm.all_reduce_async(b.wire, ReduceOp::SUM);
+          b.work = comm.all_reduce_async(b.wire, op);
         } else {
-          b.work = comm.all_reduce_async(b.flat, ReduceOp::SUM);
+          b.work = comm.all_reduce_async(b.flat, op);
         }
       }
       ++launched;

@@ -59,12 +59,29 @@ double scale_of(const AttentionOptions& o, const at::Tensor& q) {
   return o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
 }
 
+// softmax(q·kᵀ·scale) · v with the scores whole: where LibTorch's fused kernel is slower
+// (detail::plain_attention_is_faster).
+at::Tensor plain_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionOptions& o,
+                           const at::Tensor& visible) {
+  auto scores = at::matmul(q, k.transpose(-2, -1)) * scale_of(o, q);
+  if (visible.defined()) scores = scores.masked_fill(visible.logical_not(), -INFINITY);
+  auto weights = at::softmax(scores, -1);
+  if (o.dropout > 0) weights = at::dropout(weights, o.dropout, /*train=*/true);
+  return at::matmul(weights, v);
+}
+
 // LibTorch's scaled_dot_product_attention: flash, memory-efficient or cuDNN kernels on CUDA, a flash
 // kernel on the CPU; causal attention needs no mask (top-left aligned, as the all-gather's mask). `visible`
 // (true where a query may see a key) is the all-gather's causal mask over global positions.
 at::Tensor fused_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionOptions& o,
                            const at::Tensor& visible = {}) {
   const bool masked = visible.defined();
+  if (detail::plain_attention_is_faster(q, k.size(-2))) {
+    const auto causal_mask = [&] {
+      return at::ones({q.size(-2), k.size(-2)}, q.options().dtype(at::kBool)).tril();
+    };
+    return plain_attention(q, k, v, o, masked ? visible : o.causal ? causal_mask() : at::Tensor());
+  }
   return at::scaled_dot_product_attention(q, k, v, masked ? std::optional<at::Tensor>(visible) : std::nullopt,
                                           o.dropout, o.causal && !masked, o.scale);
 }

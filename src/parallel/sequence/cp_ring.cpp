@@ -55,6 +55,84 @@ at::Tensor tile_scores(const at::Tensor& q, const at::Tensor& k, double scale, b
   return s;
 }
 
+// LibTorch's CPU flash kernel computes a whole chunk pair where it is the faster (plain_attention_is_faster)
+// and takes the shapes: key and value of one width. Elsewhere (CUDA, for now) the pair goes in tiles.
+bool pair_kernel_applies(const at::Tensor& q, int64_t chunk, int64_t dk, int64_t dv) {
+  return q.device().is_cpu() && dk == dv && q.scalar_type() != at::kDouble && !plain_attention_is_faster(q, chunk);
+}
+
+// [..., T, D] as the kernel's [N, 1, T, D], contiguous.
+at::Tensor as_heads(const at::Tensor& t) { return t.reshape({-1, 1, t.size(-2), t.size(-1)}).contiguous(); }
+
+// Merges one pair's (out, lse) for `rows` query rows into the running result (Ring Attention's merge).
+void merge_into(at::Tensor out_rows, at::Tensor lse_rows, const at::Tensor& block_out, const at::Tensor& block_lse) {
+  auto merged = at::logaddexp(lse_rows, block_lse);
+  out_rows.mul_(at::exp(lse_rows - merged).unsqueeze(-1)).add_(block_out * at::exp(block_lse - merged).unsqueeze(-1));
+  lse_rows.copy_(merged);
+}
+
+// One chunk pair's attention merged into `out` and `lse` (float32): queries of chunk p.q_chunk against the
+// keys and values `kb` ([..., c, dk + dv]), masked causally on the diagonal pair.
+void forward_pair(const at::Tensor& q, const at::Tensor& kb, const ChunkPair& p, bool diagonal, double scale,
+                  at::Tensor& out, at::Tensor& lse) {
+  const int64_t c = kb.size(-2), dk = q.size(-1), dv = kb.size(-1) - dk;
+  auto key = kb.narrow(-1, 0, dk);
+  if (pair_kernel_applies(q, c, dk, dv)) {
+    auto qa = q.narrow(-2, p.q_chunk * c, c);
+    auto [o, l] = at::_scaled_dot_product_flash_attention_for_cpu(as_heads(qa), as_heads(key),
+                                                                   as_heads(kb.narrow(-1, dk, dv)), 0.0, diagonal, {}, scale);
+    auto out_rows = out.narrow(-2, p.q_chunk * c, c);
+    merge_into(out_rows, lse.narrow(-1, p.q_chunk * c, c), o.reshape(out_rows.sizes()).to(at::kFloat),
+               l.reshape(out_rows.sizes().slice(0, out_rows.dim() - 1)));
+    return;
+  }
+  auto value = kb.narrow(-1, dk, dv).to(at::kFloat);
+  for (int64_t first = 0; first < c; first += kTileRows) {
+    const int64_t rows = std::min(kTileRows, c - first), at_row = p.q_chunk * c + first;
+    auto scores = tile_scores(q.narrow(-2, at_row, rows), key, scale, diagonal, first);
+    auto block_lse = at::logsumexp(scores, -1);
+    merge_into(out.narrow(-2, at_row, rows), lse.narrow(-1, at_row, rows),
+               at::matmul(at::exp(scores - block_lse.unsqueeze(-1)), value), block_lse);
+  }
+}
+
+// One chunk pair's gradients, added into dq (float32, this rank's queries) and dkv_b (float32, the pair's
+// key chunk), from the final output and log-sum-exp: with them each pair's part is exact on its own.
+struct PairGradients {
+  const at::Tensor &q, &out, &lse, &dout, &delta;  // dout and delta (rowsum(dO ∘ O)) in float32
+  double scale;
+  void add(const at::Tensor& kb, const ChunkPair& p, bool diagonal, at::Tensor& dq, at::Tensor dkv_b) const {
+    const int64_t c = kb.size(-2), dk = q.size(-1), dv = kb.size(-1) - dk;
+    auto key = kb.narrow(-1, 0, dk);
+    if (pair_kernel_applies(q, c, dk, dv)) {
+      const auto rows = [&](const at::Tensor& t) { return t.narrow(-2, p.q_chunk * c, c); };
+      const auto dtype = q.scalar_type();
+      auto qa = rows(q);
+      auto lse_rows = lse.narrow(-1, p.q_chunk * c, c).reshape({-1, 1, c}).contiguous();
+      auto [gq, gk, gv] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+          as_heads(rows(dout).to(dtype)), as_heads(qa), as_heads(key), as_heads(kb.narrow(-1, dk, dv)),
+          as_heads(rows(out).to(dtype)), lse_rows, 0.0, diagonal, {}, scale);
+      rows(dq).add_(gq.reshape(qa.sizes()).to(at::kFloat));
+      dkv_b.narrow(-1, 0, dk).add_(gk.reshape(key.sizes()).to(at::kFloat));
+      dkv_b.narrow(-1, dk, dv).add_(gv.reshape(key.sizes()).to(at::kFloat));
+      return;
+    }
+    auto value = kb.narrow(-1, dk, dv).to(at::kFloat);
+    auto key_fp32 = key.to(at::kFloat);
+    for (int64_t first = 0; first < c; first += kTileRows) {
+      const int64_t n_rows = std::min(kTileRows, c - first), at_row = p.q_chunk * c + first;
+      auto qa = q.narrow(-2, at_row, n_rows);
+      // The weights again from the saved log-sum-exp: exp(scores - lse), zero where masked.
+      auto weights = at::exp(tile_scores(qa, key, scale, diagonal, first) - lse.narrow(-1, at_row, n_rows).unsqueeze(-1));
+      auto dout_a = dout.narrow(-2, at_row, n_rows);
+      dkv_b.narrow(-1, dk, dv).add_(at::matmul(weights.transpose(-2, -1), dout_a));
+      auto dscores = weights * (at::matmul(dout_a, value.transpose(-2, -1)) - delta.narrow(-1, at_row, n_rows).unsqueeze(-1));
+      dq.narrow(-2, at_row, n_rows).add_(at::matmul(dscores, key_fp32) * scale);
+      dkv_b.narrow(-1, 0, dk).add_(at::matmul(dscores.transpose(-2, -1), qa.to(at::kFloat)) * scale);
+    }
+  }
+};
+
 // One step of the ring: sends `tensors` to the next rank and receives the previous rank's into `into`.
 struct RingStep {
   std::vector<Work> works;
@@ -85,7 +163,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     // No group: this process's own whole sequence, blockwise (Ulysses' attention over its heads).
     std::optional<Communicator> group = ring;
     const int n = group ? group->size() : 1, r = group ? group->rank() : 0;
-    const int64_t c = q.size(-2) / 2, dk = k.size(-1), dv = v.size(-1);
+    const int64_t c = q.size(-2) / 2, dv = v.size(-1);
     auto out_sizes = q.sizes().vec();
     out_sizes.back() = dv;
     auto out = at::zeros(out_sizes, q.options().dtype(at::kFloat));
@@ -99,21 +177,8 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       const auto computing = std::chrono::steady_clock::now();
       const auto work = pairs(r, source, n, causal);
       if (group) blocks += static_cast<int64_t>(work.size());
-      for (const auto& p : work) {
-        auto kb = kv.narrow(-2, p.k_chunk * c, c);
-        auto key = kb.narrow(-1, 0, dk), value = kb.narrow(-1, dk, dv).to(at::kFloat);
-        for (int64_t first = 0; first < c; first += kTileRows) {
-          const int64_t rows = std::min(kTileRows, c - first), at_row = p.q_chunk * c + first;
-          auto scores = tile_scores(q.narrow(-2, at_row, rows), key, scale, causal && p.k_index == p.q_index, first);
-          auto block_lse = at::logsumexp(scores, -1);
-          auto block_out = at::matmul(at::exp(scores - block_lse.unsqueeze(-1)), value);
-          auto out_a = out.narrow(-2, at_row, rows);
-          auto lse_a = lse.narrow(-1, at_row, rows);
-          auto merged = at::logaddexp(lse_a, block_lse);
-          out_a.mul_(at::exp(lse_a - merged).unsqueeze(-1)).add_(block_out * at::exp(block_lse - merged).unsqueeze(-1));
-          lse_a.copy_(merged);
-        }
-      }
+      for (const auto& p : work)
+        forward_pair(q, kv.narrow(-2, p.k_chunk * c, c), p, causal && p.k_index == p.q_index, scale, out, lse);
       if (!group) break;
       compute_ns += since(computing);
       const auto waiting = std::chrono::steady_clock::now();
@@ -140,6 +205,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     auto dout = grads[0].to(at::kFloat);
     auto delta = (dout * out).sum(-1);  // rowsum(dO ∘ O): the softmax's backward term
     auto dq = at::zeros(q.sizes(), q.options().dtype(at::kFloat));
+    const PairGradients gradients{q, out, lse, dout, delta, scale};
     auto kv = at::cat({k, v}, -1).contiguous();
     auto dkv = at::zeros(kv.sizes(), kv.options().dtype(at::kFloat));  // travels with its block
     for (int s = 0; s < n; ++s) {
@@ -150,24 +216,9 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       std::vector<at::Tensor> next_block;
       if (group && s + 1 < n) block_step.start(*group, {kv}, next_block, 1000 + 2 * s);
       const auto computing = std::chrono::steady_clock::now();
-      for (const auto& p : pairs(r, source, n, causal)) {
-        auto kb = kv.narrow(-2, p.k_chunk * c, c);
-        auto key = kb.narrow(-1, 0, dk), value = kb.narrow(-1, dk, dv).to(at::kFloat);
-        auto key_fp32 = key.to(at::kFloat);
-        auto dkv_b = dkv.narrow(-2, p.k_chunk * c, c);
-        for (int64_t first = 0; first < c; first += kTileRows) {
-          const int64_t rows = std::min(kTileRows, c - first), at_row = p.q_chunk * c + first;
-          auto qa = q.narrow(-2, at_row, rows);
-          // The weights again from the saved log-sum-exp: exp(scores - lse), zero where masked.
-          auto weights = at::exp(tile_scores(qa, key, scale, causal && p.k_index == p.q_index, first) -
-                                 lse.narrow(-1, at_row, rows).unsqueeze(-1));
-          auto dout_a = dout.narrow(-2, at_row, rows);
-          dkv_b.narrow(-1, dk, dv).add_(at::matmul(weights.transpose(-2, -1), dout_a));
-          auto dscores = weights * (at::matmul(dout_a, value.transpose(-2, -1)) - delta.narrow(-1, at_row, rows).unsqueeze(-1));
-          dq.narrow(-2, at_row, rows).add_(at::matmul(dscores, key_fp32) * scale);
-          dkv_b.narrow(-1, 0, dk).add_(at::matmul(dscores.transpose(-2, -1), qa.to(at::kFloat)) * scale);
-        }
-      }
+      for (const auto& p : pairs(r, source, n, causal))
+        gradients.add(kv.narrow(-2, p.k_chunk * c, c), p, causal && p.k_index == p.q_index, dq,
+                      dkv.narrow(-2, p.k_chunk * c, c));
       if (!group) break;  // the gradient is home already
       compute_ns += since(computing);
       // The block's gradient so far follows it; after the last step it alone goes on, which brings it home
@@ -206,6 +257,11 @@ int64_t chunk_pairs(int rank, int n, bool causal) {
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
                           const Communicator& group) {
   return RingAttention::apply(q, k, v, causal, scale, std::optional<Communicator>(group));
+}
+
+bool plain_attention_is_faster(const at::Tensor& q, int64_t keys) {
+  const auto dtype = q.scalar_type();
+  return q.device().is_cpu() && (dtype == at::kBFloat16 || dtype == at::kHalf) && keys <= 512;
 }
 
 int64_t cp_wire_bytes() { return wire.load(); }

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "compat/torch_compat.hpp"
+#include "xlr8/grad_norm.hpp"
 #include "parallel/shard/sharding_unit.hpp"
 #include "xlr8/communicator.hpp"
 #include "xlr8/gradient_state.hpp"
@@ -47,7 +48,7 @@ class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
   bool owns(const at::Tensor& tensor) const;  // either identity of a sharded parameter, or a whole frozen one
   void bind_optimizer(torch::optim::Optimizer& optimizer) const;
   void optimizer_step(torch::optim::Optimizer& optimizer);
-  double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
+  GradNorm clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
   StateDict state_dict(StateDictKind kind);
   void load_state_dict(const StateDict& state, StateDictKind kind);
   std::vector<ParameterPiece> parameter_pieces();  // drops prefetches: loads write what they return

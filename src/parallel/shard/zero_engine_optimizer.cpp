@@ -73,7 +73,7 @@ const ZeroEngine::Slot* ZeroEngine::slot_of(const at::Tensor& tensor) const {
   return it == slots_.end() ? nullptr : &it->second;
 }
 
-double ZeroEngine::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
+GradNorm ZeroEngine::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
   // Each rank holds the averaged gradients of its own chunks: partial norms, reduced over the group.
   // Tensor-parallel slices are partial over the tp group as well; replicated parameters are not.
   const auto sliced = tp::sliced_parameters(*module_);
@@ -101,7 +101,7 @@ double ZeroEngine::clip_grad_norm(const std::vector<at::Tensor>& parameters, dou
     tp_group.all_reduce(part, op);
     totals.narrow(0, 1, 1).copy_(part);
   }
-  return detail::scale_to_norm(totals, {&grads, &sliced_grads}, max_norm, norm_type);
+  return GradNorm(detail::scale_to_norm(totals, {&grads, &sliced_grads}, max_norm, norm_type));
 }
 
 std::vector<at::Tensor> ZeroEngine::gradient_holders(const std::vector<at::Tensor>& parameters) const {

@@ -22,7 +22,7 @@ class ShardedDataParallel final : public ParallelStrategy {
   bool owns(const at::Tensor& tensor) const override { return engine_->owns(tensor); }
   void bind_optimizer(torch::optim::Optimizer& optimizer) const override { engine_->bind_optimizer(optimizer); }
   void optimizer_step(torch::optim::Optimizer& optimizer) override { engine_->optimizer_step(optimizer); }
-  double clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) override {
+  GradNorm clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) override {
     return engine_->clip_grad_norm(parameters, max_norm, norm_type);
   }
   bool replicated() const override { return false; }

@@ -162,12 +162,12 @@ at::Tensor slice_of_parts(const at::Tensor& whole, const std::vector<int64_t>& p
 
 }  // namespace detail
 
-double clip_grad_norm(const std::vector<at::Tensor>& parameters, const SlicedParameters& sliced, double max_norm,
-                      double norm_type) {
+GradNorm clip_grad_norm(const std::vector<at::Tensor>& parameters, const SlicedParameters& sliced, double max_norm,
+                        double norm_type) {
   std::vector<at::Tensor> whole, parts;
   for (const auto& p : parameters)
     if (p.grad().defined()) (sliced.contains(p) ? parts : whole).push_back(p.grad());
-  if (whole.empty() && parts.empty()) return 0.0;
+  if (whole.empty() && parts.empty()) return GradNorm();
   const auto device = (whole.empty() ? parts : whole).front().device();
   auto part_total = xlr8::detail::partial_norm(parts, norm_type, device);
   // Every tp rank takes part, sliced gradients or not: the collective pairs by position.
@@ -175,8 +175,8 @@ double clip_grad_norm(const std::vector<at::Tensor>& parameters, const SlicedPar
     Communicator group = *sliced.group;
     group.all_reduce(part_total, std::isinf(norm_type) ? ReduceOp::MAX : ReduceOp::SUM);
   }
-  return xlr8::detail::scale_to_norm(at::cat({part_total, xlr8::detail::partial_norm(whole, norm_type, device)}), {&whole, &parts},
-                               max_norm, norm_type);
+  return GradNorm(xlr8::detail::scale_to_norm(at::cat({part_total, xlr8::detail::partial_norm(whole, norm_type, device)}),
+                                              {&whole, &parts}, max_norm, norm_type));
 }
 
 namespace detail {
