@@ -3,6 +3,7 @@
 // part reduced to one number, the numbers combined after their collectives, one coefficient for all.
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -11,10 +12,20 @@ namespace xlr8::detail {
 // Σ|g|^p over `grads` (max |g| for p = inf) as a 1-element double tensor on `device`; 0 for none.
 inline at::Tensor partial_norm(const std::vector<at::Tensor>& grads, double norm_type, at::Device device) {
   if (grads.empty()) return at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
-  std::vector<at::Tensor> norms;
-  // On `device` each: partial offload leaves some groups' gradients in host memory, the others' on the GPU.
-  for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble).reshape({1}).to(device));
-  auto all = at::cat(norms);
+  at::Tensor all;
+  const auto& first = grads.front();
+  const bool alike = std::all_of(grads.begin(), grads.end(), [&](const at::Tensor& g) {
+    return g.device() == first.device() && g.scalar_type() == first.scalar_type();
+  });
+  if (alike) {
+    // One multi-tensor kernel for every gradient's norm on a GPU, not one norm and two copies each.
+    all = at::stack(at::_foreach_norm(grads, norm_type)).to(at::kDouble).to(device);
+  } else {
+    // Partial offload leaves some groups' gradients in host memory, the others' on the GPU (or dtypes differ).
+    std::vector<at::Tensor> norms;
+    for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble).reshape({1}).to(device));
+    all = at::cat(norms);
+  }
   return (std::isinf(norm_type) ? all.max() : all.pow(norm_type).sum()).reshape({1});
 }
 
