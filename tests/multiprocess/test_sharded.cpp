@@ -95,6 +95,30 @@ TEST(ShardedOracle, EveryStageOnTwoThreeAndFourRanksWithAccumulationClippingAndS
     }
 }
 
+TEST(HostReads, NoStrategysTrainingStepReadsAValueBackToTheHost) {
+  // DDP and every stage on 2 ranks, bf16, accumulation 2, clipping, FusedAdamW: from the accumulate scope to
+  // zero_grad, no operator reads a tensor's value on the host (on a GPU each would wait for the device), counted
+  // by the worker's RecordFunction callback over the steps after the first; the largest rank's count.
+  std::vector<Strategy> all{{"ddp", {}}};
+  all.insert(all.end(), worker_strategies().begin(), worker_strategies().end());
+  for (const auto& strategy : all) {
+    SCOPED_TRACE(strategy.name);
+    auto run = worker_run(2, strategy.flags, 4,
+                          {"--steps", "6", "--accum", "2", "--precision", "bf16", "--max_norm", "0.5", "--optimizer",
+                           "fused_adamw", "--count_host_reads"});
+    ASSERT_EQ(run.losses.size(), 6u);
+    EXPECT_EQ(run.result["strategy"], strategy.name);
+    EXPECT_EQ(run.result["host_reads"].get<double>(), 0.0);
+  }
+  // The count sees reads where there are some: fp16's loss scaler reads its overflow flag, this rank's and then
+  // the world's, at each of the 5 optimizer steps counted (issue 44: the fused kernel's found_inf would keep it
+  // on the device).
+  auto fp16 = worker_run(2, {}, 4,
+                         {"--steps", "6", "--accum", "2", "--precision", "fp16", "--max_norm", "0.5", "--optimizer",
+                          "fused_adamw", "--count_host_reads"});
+  EXPECT_EQ(fp16.result["host_reads"].get<double>(), 10.0);
+}
+
 TEST(ShardedOracle, ClipGradValueClipsTheShardsAsOneProcessClipsTheWholeGradients) {
   auto one = worker_run(1, {}, 12, {"--steps", "4", "--clip_value", "0.002"});
   auto unclipped = worker_run(1, {}, 12, {"--steps", "4"});

@@ -13,6 +13,8 @@
 //   --dropout P (a Dropout after the first layer)   --init_by_rank (each rank seeds its model's draws differently)
 //   --uneven_batches (AcceleratorOptions::even_batches off)   --batch_norm (a BatchNorm1d after the first layer)
 //   --track (init_trackers("oracle") in --out; log loss and lr every step)
+//   --count_host_reads (report the reads of tensor values on the host inside the steps after the first, the
+//   program's own excluded: "host_reads", the largest rank's)
 //   --mode nested|nested-mismatch|free-memory|free-control (train_worker_api.cpp)
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -22,6 +24,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <optional>
 #include <fstream>
 #include <thread>
 
@@ -31,6 +34,7 @@
 #include "xlr8/nn.hpp"
 #include "xlr8/tensor_parallel.hpp"
 #include "xlr8/unshard.hpp"
+#include "../unit/op_counter.hpp"
 #include "train_worker_api.hpp"
 
 namespace {
@@ -125,6 +129,8 @@ int main(int argc, char** argv) {
   app.add_flag("--split_batches", split_batches);
   app.add_flag("--resume_latest", resume_latest);
   app.add_flag("--print_steps", print_steps);
+  bool count_host_reads = false;
+  app.add_flag("--count_host_reads", count_host_reads);
   app.add_option("--step_sleep_ms", step_sleep_ms);
   std::string optimizer = "adamw";
   app.add_option("--optimizer", optimizer)->check(CLI::IsMember({"adamw", "fused_adamw"}));
@@ -242,8 +248,16 @@ int main(int argc, char** argv) {
       const int64_t resumed_step = acc.step();
 
       std::vector<double> losses;
+      // Host reads (counted as Accelerator.ATrainingStepReadsNothingBack... does) from the accumulate scope to zero_grad:
+      // the library's part of a step, not the loader's indices or the program's own loss read below.
+      std::optional<xlr8::testing::OpCounter> reads;
+      if (count_host_reads)
+        reads.emplace(std::vector<std::string>{"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select",
+                                               "aten::_unique2"});
+      int64_t library_reads = 0;
       while (acc.step() < steps) {
         for (auto& b : *loader) {
+          const int64_t reads_before = reads ? reads->count() : 0;
           auto scope = acc.accumulate(model);
           at::Tensor loss = torch::cross_entropy_loss(model->forward(b.data), b.target);
           acc.backward(loss);
@@ -252,6 +266,7 @@ int main(int argc, char** argv) {
           opt.step();
           sched.step();
           opt.zero_grad(!zero_in_place);
+          if (reads && acc.step() > resumed_step + 1) library_reads += reads->count() - reads_before;
           if (!acc.sync_gradients()) continue;
           losses.push_back(acc.reduce(loss.detach().to(at::kDouble), xlr8::ReduceOp::AVG).item<double>());
           if (track)
@@ -269,8 +284,11 @@ int main(int argc, char** argv) {
       }
       // A tensor-parallel model's ranks hold slices, which save_model does not gather yet.
       if (!tensor_parallel) acc.save_model(model, out + "/model");
+      reads.reset();
       auto stats = acc.parallel_stats(model);
       auto figure = [&](const char* key) { return stats.value(key, nlohmann::json(0)); };
+      const auto most_reads = acc.reduce(torch::full({1}, static_cast<double>(library_reads), torch::kFloat64),
+                                         xlr8::ReduceOp::MAX).item<double>();
       if (acc.is_main_process())
         fmt::print("{}\n", nlohmann::json{{"losses", losses},
                                            {"resumed_step", resumed_step},
@@ -285,6 +303,7 @@ int main(int argc, char** argv) {
                                            {"exposed_comm_s", figure("exposed_comm_seconds")},
                                            {"shared_memory", acc.state().world().uses_shared_memory()},
                                            {"tp_size", tp_size},
+                                           {"host_reads", most_reads},
                                            {"local_hidden", local_hidden}}
                                .dump());
       acc.end_training();
