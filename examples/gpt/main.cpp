@@ -245,7 +245,8 @@ int run(const Args& args) {
       if (!acc.sync_gradients()) continue;
       const int64_t global_step = acc.step();
       // Reading the loss waits for the device: only on the steps that show it.
-      if (global_step % args.log_every == 0 || global_step >= args.max_steps) last_loss = loss.item<double>();
+      if ((args.log_every > 0 && global_step % args.log_every == 0) || global_step >= args.max_steps)
+        last_loss = loss.item<double>();
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       bar.set_postfix({{"loss", last_loss}, {"tokens/s", std::round(tokens / std::max(seconds, 1e-9))}});
       bar.update();

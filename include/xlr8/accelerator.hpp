@@ -35,8 +35,9 @@ struct AcceleratorOptions {
   std::optional<MixedPrecision> mixed_precision;   // default: ACCELERATE_MIXED_PRECISION / config
   std::optional<int> gradient_accumulation_steps;  // the launch's value wins when it names one (as in Accelerate)
   bool cpu = false;                                // stay on the CPU even with GPUs
-  // float32 matmuls (and cuDNN convolutions) on TF32 tensor cores, Ampere and later: what Python sets with
-  // torch.backends.cuda.matmul.allow_tf32. Default: XLR8_ALLOW_TF32 (true/false), else LibTorch's (off).
+  // float32 matmuls on TF32 tensor cores, Ampere and later: what Python sets with
+  // torch.backends.cuda.matmul.allow_tf32 (true also turns cuDNN's on; false leaves cuDNN's as it is, on by
+  // default). Default: XLR8_ALLOW_TF32 (true/false), else LibTorch's setting (off).
   std::optional<bool> allow_tf32;
   ParallelOptions parallel;                        // passed to the strategy each prepared model gets (DDP: .ddp)
   bool split_batches = false;

@@ -255,7 +255,8 @@ GradNorm AcceleratorImpl::clip_grad_norm(const std::vector<at::Tensor>& paramete
   auto& s = *this;
   if (!s.gradient_state->sync_gradients) return GradNorm();
   s.unscale_gradients();
-  if (s.scaler && s.overflow) return GradNorm(at::scalar_tensor(std::numeric_limits<double>::infinity(), at::kDouble));
+  if (s.scaler && s.overflow)
+    return GradNorm(at::scalar_tensor(std::numeric_limits<double>::infinity(), at::TensorOptions().dtype(at::kDouble).device(s.device)));
   if (parameters.empty()) return GradNorm();
   // The strategy of the model these parameters belong to knows which ranks hold which gradients.
   std::vector<ParallelStrategy*> owners;

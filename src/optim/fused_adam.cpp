@@ -139,7 +139,7 @@ enum class Kernel { ours, torch_fused, tensor_ops };
 
 bool dense_alike(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v) {
   for (const at::Tensor* t : {&p, &g, &m, &v})
-    if (t->layout() != at::kStrided || !t->is_contiguous() || t->numel() != p.numel() ||
+    if (t->layout() != at::kStrided || !t->is_contiguous() || !t->sizes().equals(p.sizes()) ||
         t->device() != p.device() || t->scalar_type() != p.scalar_type())
       return false;
   return true;

@@ -31,17 +31,25 @@ inline at::Tensor partial_norm(const std::vector<at::Tensor>& grads, double norm
 
 // The norm from already reduced partial totals (combined by sum, or max for p = inf), and every
 // gradient in `lists` scaled as clip_grad_norm_ does when it exceeds `max_norm`. All on the device, as
-// PyTorch's clip_grad_norm_: the coefficient is clamped to 1 and applied to every gradient, so nothing is
-// read back (the norm comes back as a 0-dimensional double tensor).
+// PyTorch's clip_grad_norm_: the coefficient is clamped to 1 and applied to every gradient (a NaN norm makes
+// them NaN, as there), so nothing is read back (the norm comes back as a 0-dimensional double tensor).
 inline at::Tensor scale_to_norm(const at::Tensor& totals, std::initializer_list<std::vector<at::Tensor>*> lists,
                                 double max_norm, double norm_type) {
   const bool infinity = std::isinf(norm_type);
   const auto total = infinity ? totals.max() : totals.sum();
   const auto norm = infinity ? total : total.pow(1.0 / norm_type);
+  if (std::isinf(max_norm)) return norm;  // measuring only (xlr8 verify, an engine without clipping)
   const auto coef = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+  // The coefficient once per device (offload keeps some gradients in host memory): no copy per gradient.
+  std::vector<std::pair<at::Device, at::Tensor>> on_device;
+  const auto coef_on = [&](const at::Device& device) {
+    for (const auto& [d, c] : on_device)
+      if (d == device) return c;
+    return on_device.emplace_back(device, coef.to(device, at::kFloat)).second;
+  };
   at::NoGradGuard no_grad;
   for (auto* list : lists)
-    for (auto& g : *list) g.mul_(coef.to(g.device(), at::kFloat));
+    for (auto& g : *list) g.mul_(coef_on(g.device()));
   return norm;
 }
 

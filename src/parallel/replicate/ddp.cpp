@@ -129,8 +129,9 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
         // shard straight from the gradients: only the peers' shards are copied into the bucket.
         b.work = comm.all_reduce_into_async(b.flat, b.sources, ReduceOp::AVG);
       } else {
-        // On a GPU NCCL averages inside the reduction (ncclAvg): no pass of its own over the bucket.
-        const bool average_in_reduction = b.flat.is_cuda();
+        // On a GPU NCCL averages float32 inside the reduction (ncclAvg): no pass of its own over the bucket.
+        // Not 16-bit values: NCCL scales them by 1/n rounded to their type, a bias when n is not a power of two.
+        const bool average_in_reduction = b.flat.is_cuda() && !compress && b.flat.scalar_type() == at::kFloat;
         if (!average_in_reduction) b.flat.div_(comm.size());
         const auto op = average_in_reduction ? ReduceOp::AVG : ReduceOp::SUM;
         if (compress) {

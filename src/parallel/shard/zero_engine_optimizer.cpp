@@ -88,7 +88,7 @@ GradNorm ZeroEngine::clip_grad_norm(const std::vector<at::Tensor>& parameters, d
     const auto& grad = group(slot->group).shard_params[slot->index].grad();
     if (grad.defined() && grad.numel() > 0) (sliced.contains(p) ? sliced_grads : grads).push_back(grad);
   }
-  // One all-reduce and one read-back for all the partial norms: [replicated, tp-sliced].
+  // One all-reduce for all the partial norms, [replicated, tp-sliced]; nothing is read back.
   const auto device = !grads.empty()          ? grads.front().device()
                       : !sliced_grads.empty() ? sliced_grads.front().device()
                                               : at::Device(at::kCPU);
