@@ -11,7 +11,7 @@ class GradNorm {
   GradNorm() = default;  // no gradients: 0
   explicit GradNorm(at::Tensor norm) : norm_(std::move(norm)) {}
   // The norm as a number: waits for the device.
-  double value() const;
+  double value() const { return norm_.defined() ? norm_.item<double>() : 0.0; }
   operator double() const { return value(); }  // NOLINT(google-explicit-constructor): a drop-in for double
   // The norm as a 0-dimensional double tensor on the gradients' device (undefined without gradients).
   const at::Tensor& tensor() const { return norm_; }

@@ -148,12 +148,12 @@ bool dense_alike(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, 
 Kernel kernel_for(const at::Tensor& p, const at::Tensor& g, const at::Tensor& m, const at::Tensor& v, bool amsgrad) {
   if (amsgrad || !dense_alike(p, g, m, v)) return Kernel::tensor_ops;
   const auto dtype = p.scalar_type();
-  if (p.device().is_cpu() && dtype == at::kFloat && !g_torch_kernel_on_cpu.load(std::memory_order_relaxed))
-    return Kernel::ours;
-  const bool reduced = dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
-  if (p.device().is_cuda() && reduced) return Kernel::torch_fused;
-  if (p.device().is_cpu() && (reduced || dtype == at::kDouble) && g_torch_kernel_on_cpu.load()) return Kernel::torch_fused;
-  return Kernel::tensor_ops;
+  const bool floating = dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
+  if (p.device().is_cuda()) return floating ? Kernel::torch_fused : Kernel::tensor_ops;
+  if (!p.device().is_cpu()) return Kernel::tensor_ops;
+  if (g_torch_kernel_on_cpu.load(std::memory_order_relaxed))
+    return floating || dtype == at::kDouble ? Kernel::torch_fused : Kernel::tensor_ops;
+  return dtype == at::kFloat ? Kernel::ours : Kernel::tensor_ops;
 }
 
 // Parameters LibTorch's fused kernel steps in one call: the same device, dtype and step count.
@@ -163,7 +163,7 @@ struct TorchBatch {
 using TorchBatchKey = std::tuple<int, int, int, int64_t>;  // device type, device index, dtype, step
 
 template <class Options>
-void run_torch_batches(std::map<TorchBatchKey, TorchBatch>& batches, const Options& options, bool decoupled) {
+void run_torch_batches(const std::map<TorchBatchKey, TorchBatch>& batches, const Options& options, bool decoupled) {
   const double beta1 = std::get<0>(options.betas()), beta2 = std::get<1>(options.betas());
   for (auto& [key, batch] : batches) {
     const auto& p = batch.params.front();
@@ -178,7 +178,6 @@ void run_torch_batches(std::map<TorchBatchKey, TorchBatch>& batches, const Optio
       at::_fused_adam_(batch.params, batch.grads, batch.exp_avgs, batch.exp_avg_sqs, {}, steps, options.lr(), beta1,
                        beta2, options.weight_decay(), options.eps(), /*amsgrad=*/false, /*maximize=*/false);
   }
-  batches.clear();
 }
 
 // LibTorch's own arithmetic, for what the fused pass does not cover.
@@ -215,9 +214,9 @@ torch::Tensor adam_step(std::vector<torch::optim::OptimizerParamGroup>& groups, 
     at::AutoGradMode enable_grad(true);
     loss = closure();
   }
-  std::map<TorchBatchKey, TorchBatch> batches;
   for (auto& group : groups) {
     const auto& options = static_cast<const Options&>(group.options());
+    std::map<TorchBatchKey, TorchBatch> batches;  // this group's (its options are the kernel's arguments)
     for (auto& p : group.params()) {
       const at::Tensor& grad = p.grad();
       if (!grad.defined()) continue;

@@ -18,8 +18,6 @@ GradNorm ParallelStrategy::clip_grad_norm(const std::vector<at::Tensor>& paramet
   return tp::clip_grad_norm(parameters, tp::sliced_parameters(*module_), max_norm, norm_type);
 }
 
-double GradNorm::value() const { return norm_.defined() ? norm_.item<double>() : 0.0; }
-
 StateDict module_state_dict(const torch::nn::Module& module) {
   StateDict out;
   for (const auto& item : module.named_parameters()) out.emplace_back(item.key(), item.value());

@@ -251,9 +251,7 @@ int main(int argc, char** argv) {
       // Host reads (counted as Accelerator.ATrainingStepReadsNothingBack... does) from the accumulate scope to zero_grad:
       // the library's part of a step, not the loader's indices or the program's own loss read below.
       std::optional<xlr8::testing::OpCounter> reads;
-      if (count_host_reads)
-        reads.emplace(std::vector<std::string>{"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select",
-                                               "aten::_unique2"});
+      if (count_host_reads) reads.emplace(xlr8::testing::OpCounter::host_reads());
       int64_t library_reads = 0;
       while (acc.step() < steps) {
         for (auto& b : *loader) {

@@ -30,6 +30,14 @@ class OpCounter {
   OpCounter& operator=(const OpCounter&) = delete;
   int64_t count() const { return count_.load(); }
 
+  // The operators that read a tensor's values on the host. On a GPU each one waits for every kernel queued
+  // before it (a device-to-host synchronisation); on the CPU they run all the same, so the count is the one
+  // a GPU run would see. Every read of a value (item(), a Scalar from a tensor) goes through
+  // aten::_local_scalar_dense; nonzero, masked_select and unique size their output from the values.
+  static std::vector<std::string> host_reads() {
+    return {"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2"};
+  }
+
  private:
   bool counts(std::string_view name) const { return std::find(names_.begin(), names_.end(), name) != names_.end(); }
   static std::atomic<OpCounter*>& active() {

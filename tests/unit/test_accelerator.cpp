@@ -348,16 +348,6 @@ TEST(Accelerator, RegisteredObjectsAreSavedAndRestoredInOrderAndCheckedOnLoad) {
   fs::remove_all(dir);
 }
 
-namespace {
-// The operators that read a tensor's values on the host. On a GPU each one waits for every kernel queued
-// before it (a device-to-host synchronisation); on the CPU they run all the same, so the count is the one a
-// GPU run would see. Every read of a value (item(), a Scalar from a tensor) goes through
-// aten::_local_scalar_dense; nonzero, masked_select and unique size their output from the values.
-xlr8::testing::OpCounter host_reads() {
-  return xlr8::testing::OpCounter({"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2"});
-}
-}  // namespace
-
 TEST(Accelerator, ATrainingStepReadsNothingBackUnlessTheProgramDoes) {
   // bf16 autocast, accumulation over 2 micro-batches, clipping, FusedAdamW: the step a GPU program runs.
   AcceleratorOptions o;
@@ -381,7 +371,7 @@ TEST(Accelerator, ATrainingStepReadsNothingBackUnlessTheProgramDoes) {
     }
   };
   run(4, false);  // first steps create the optimizer's state
-  auto reads = host_reads();
+  xlr8::testing::OpCounter reads(xlr8::testing::OpCounter::host_reads());
   const int64_t before = reads.count();
   run(8, false);
   EXPECT_EQ(reads.count() - before, 0) << "host reads in 4 optimizer steps";

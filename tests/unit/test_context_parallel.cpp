@@ -246,7 +246,7 @@ TEST(Ulysses, EachRanksWholeSequenceGoesThroughTheFusedKernelAndDropoutDropsWeig
   const auto in = whole_inputs(T, at::kFloat, 2, 4);
   const auto want = whole_attention(in, true);
   run_ranks(2, [&](Communicator& comm) {
-    expect_shares_of_whole(comm, cp::CommStrategy::Ulysses, in, want, true, kFp32, kFp32, "Ulysses blockwise");
+    expect_shares_of_whole(comm, cp::CommStrategy::Ulysses, in, want, true, kFp32, kFp32, "Ulysses fused kernel");
     // Dropout on the attention weights: the kernel drops some of them.
     auto shard = [&](const at::Tensor& t) { return cp::shard_sequence(t, comm, 2, cp::Split::Contiguous); };
     cp::Scope scope({comm, cp::CommStrategy::Ulysses});

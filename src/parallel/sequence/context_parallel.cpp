@@ -70,17 +70,15 @@ at::Tensor plain_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   return at::matmul(weights, v);
 }
 
-// LibTorch's scaled_dot_product_attention: flash, memory-efficient or cuDNN kernels on CUDA, a flash
-// kernel on the CPU; causal attention needs no mask (top-left aligned, as the all-gather's mask). `visible`
+// LibTorch's scaled_dot_product_attention (flash, memory-efficient or cuDNN kernels on CUDA, a flash
+// kernel on the CPU), or plain attention where that is faster; causal attention needs no mask (top-left aligned, as the all-gather's mask). `visible`
 // (true where a query may see a key) is the all-gather's causal mask over global positions.
-at::Tensor fused_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionOptions& o,
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionOptions& o,
                            const at::Tensor& visible = {}) {
   const bool masked = visible.defined();
   if (detail::plain_attention_is_faster(q, k.size(-2))) {
-    const auto causal_mask = [&] {
-      return at::ones({q.size(-2), k.size(-2)}, q.options().dtype(at::kBool)).tril();
-    };
-    return plain_attention(q, k, v, o, masked ? visible : o.causal ? causal_mask() : at::Tensor());
+    if (masked || !o.causal) return plain_attention(q, k, v, o, visible);
+    return plain_attention(q, k, v, o, at::ones({q.size(-2), k.size(-2)}, q.options().dtype(at::kBool)).tril());
   }
   return at::scaled_dot_product_attention(q, k, v, masked ? std::optional<at::Tensor>(visible) : std::nullopt,
                                           o.dropout, o.causal && !masked, o.scale);
@@ -100,7 +98,7 @@ at::Tensor allgather_attention(const at::Tensor& q, const at::Tensor& k, const a
   }
   // The chunk pairs the mask leaves open (no device sync: the ring's own rule).
   detail::count_blocks(detail::chunk_pairs(group.rank(), group.size(), o.causal));
-  return fused_attention(q, keys, values, o, visible);
+  return attend(q, keys, values, o, visible);
 }
 
 // Grouped-query attention: k or v with fewer heads than q, each serving q's heads / its heads consecutive
@@ -126,7 +124,7 @@ at::Tensor ulysses_attention(const at::Tensor& q, const at::Tensor& k, const at:
   heads[2] = with_query_heads(heads[2], heads[0].size(-3));
   // The whole sequence in order on each rank: the fused kernel holds nothing T x T (as DeepSpeed runs a
   // flash kernel there).
-  return detail::heads_to_sequence(fused_attention(heads[0], heads[1], heads[2], o), group);
+  return detail::heads_to_sequence(attend(heads[0], heads[1], heads[2], o), group);
 }
 
 }  // namespace
@@ -223,7 +221,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                             q.sizes(), k.sizes(), v.sizes()));
   const auto context = current();
   if (!context || context->group.size() == 1)
-    return fused_attention(q, with_query_heads(k, heads), with_query_heads(v, heads), options);
+    return attend(q, with_query_heads(k, heads), with_query_heads(v, heads), options);
   if (q.size(-2) != k.size(-2))
     throw Error(fmt::format("attention() under context parallelism: queries ({} tokens) and keys ({}) must be the same "
                             "sequence's shares",

@@ -159,10 +159,9 @@ struct RingStep {
 
 struct RingAttention : torch::autograd::Function<RingAttention> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            bool causal, double scale, const std::optional<Communicator>& ring) {
-    // No group: this process's own whole sequence, blockwise (Ulysses' attention over its heads).
-    std::optional<Communicator> group = ring;
-    const int n = group ? group->size() : 1, r = group ? group->rank() : 0;
+                            bool causal, double scale, const Communicator& ring) {
+    Communicator group = ring;
+    const int n = group.size(), r = group.rank();
     const int64_t c = q.size(-2) / 2, dv = v.size(-1);
     auto out_sizes = q.sizes().vec();
     out_sizes.back() = dv;
@@ -172,21 +171,20 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     for (int s = 0; s < n; ++s) {
       RingStep step;
       std::vector<at::Tensor> next;
-      if (s + 1 < n) step.start(*group, {kv}, next, s);  // the next block travels while this one is computed
+      if (s + 1 < n) step.start(group, {kv}, next, s);  // the next block travels while this one is computed
       const int source = (r - s + n) % n;
       const auto computing = std::chrono::steady_clock::now();
       const auto work = pairs(r, source, n, causal);
-      if (group) blocks += static_cast<int64_t>(work.size());
+      blocks += static_cast<int64_t>(work.size());
       for (const auto& p : work)
         forward_pair(q, kv.narrow(-2, p.k_chunk * c, c), p, causal && p.k_index == p.q_index, scale, out, lse);
-      if (!group) break;
       compute_ns += since(computing);
       const auto waiting = std::chrono::steady_clock::now();
       step.finish();
       wait_ns += since(waiting);
       if (!next.empty()) kv = next[0];
     }
-    if (group) xlr8::detail::keep_group(ctx, *group);
+    xlr8::detail::keep_group(ctx, group);
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
     ctx->save_for_backward({q, k, v, out, lse});
@@ -198,9 +196,8 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
     const bool causal = ctx->saved_data["causal"].toBool();
     const double scale = ctx->saved_data["scale"].toDouble();
-    std::optional<Communicator> group;
-    if (ctx->saved_data.count("group")) group = xlr8::detail::group_of(ctx);
-    const int n = group ? group->size() : 1, r = group ? group->rank() : 0;
+    Communicator& group = xlr8::detail::group_of(ctx);
+    const int n = group.size(), r = group.rank();
     const int64_t c = q.size(-2) / 2, dk = k.size(-1), dv = v.size(-1);
     auto dout = grads[0].to(at::kFloat);
     auto delta = (dout * out).sum(-1);  // rowsum(dO ∘ O): the softmax's backward term
@@ -214,19 +211,18 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       // computed, which can only follow after.
       RingStep block_step;
       std::vector<at::Tensor> next_block;
-      if (group && s + 1 < n) block_step.start(*group, {kv}, next_block, 1000 + 2 * s);
+      if (s + 1 < n) block_step.start(group, {kv}, next_block, 1000 + 2 * s);
       const auto computing = std::chrono::steady_clock::now();
       for (const auto& p : pairs(r, source, n, causal))
         gradients.add(kv.narrow(-2, p.k_chunk * c, c), p, causal && p.k_index == p.q_index, dq,
                       dkv.narrow(-2, p.k_chunk * c, c));
-      if (!group) break;  // the gradient is home already
       compute_ns += since(computing);
       // The block's gradient so far follows it; after the last step it alone goes on, which brings it home
       // to the block's owner. (It needs this step's work, so nothing overlaps it.)
       const auto waiting = std::chrono::steady_clock::now();
       RingStep gradient_step;
       std::vector<at::Tensor> next_gradient;
-      gradient_step.start(*group, {dkv}, next_gradient, 1000 + 2 * s + 1);
+      gradient_step.start(group, {dkv}, next_gradient, 1000 + 2 * s + 1);
       block_step.finish();
       gradient_step.finish();
       wait_ns += since(waiting);
@@ -256,7 +252,7 @@ int64_t chunk_pairs(int rank, int n, bool causal) {
 
 at::Tensor ring_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
                           const Communicator& group) {
-  return RingAttention::apply(q, k, v, causal, scale, std::optional<Communicator>(group));
+  return RingAttention::apply(q, k, v, causal, scale, group);
 }
 
 bool plain_attention_is_faster(const at::Tensor& q, int64_t keys) {

@@ -3,7 +3,6 @@
 // attention (keys and values passed round the cp group while each block is computed).
 #include <ATen/core/Tensor.h>
 
-#include <optional>
 #include <utility>
 
 #include "xlr8/communicator.hpp"
