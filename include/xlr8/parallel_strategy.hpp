@@ -22,6 +22,7 @@
 #include "xlr8/ddp.hpp"
 #include "xlr8/grad_norm.hpp"
 #include "xlr8/gradient_state.hpp"
+#include "xlr8/placement.hpp"
 #include "xlr8/process_state.hpp"
 #include "xlr8/safetensors.hpp"
 #include "xlr8/zero.hpp"
@@ -43,14 +44,13 @@ using StateDict = NamedTensors;
 
 // A part of one parameter that this rank holds, for checkpoints that any strategy and process count can
 // read back: `values` is the tensor the optimizer updates for it (the parameter itself for replicas, a
-// shard leaf when sharded; its optimizer state has its shape) and covers the elements [start, start +
-// values.numel()) of the parameter flattened. `writes` says whether this rank is the one that saves it
-// (hybrid sharding: the first replica's).
+// shard leaf when sharded; its optimizer state has its shape) and holds `placement`'s elements of the
+// whole parameter (a tensor-parallel slice's boxes, then the strategy's flat chunk of those). `writes`
+// says whether this rank is the one that saves it (hybrid sharding: the first replica's).
 struct ParameterPiece {
   std::string name;
-  std::vector<int64_t> shape;  // the whole parameter's
+  Placement placement;
   at::Tensor values;
-  int64_t start = 0;
   bool writes = true;
 };
 

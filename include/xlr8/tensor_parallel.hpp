@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "xlr8/communicator.hpp"
+#include "xlr8/placement.hpp"
 #include "xlr8/grad_norm.hpp"
 
 namespace xlr8::tp {
@@ -122,16 +123,20 @@ struct SlicedParameters {
 };
 SlicedParameters sliced_parameters(const torch::nn::Module& model);
 
-// How one sliced parameter lies in its whole (for checkpoints): split on `dim` over the group, in parts
-// stacked on `dim` (the widths of a fused layer's parts; one part when not fused) each split on its own.
+// How one sliced parameter lies in its whole: split on `dim` over the group, in parts stacked on `dim`
+// (the widths of a fused layer's parts; one part when not fused) each split on its own. `placement` says
+// which boxes of the whole this rank holds (what checkpoints read); the rest is what gathering needs.
 struct SliceLayout {
   Communicator group;
   int64_t dim = 0;
   std::vector<int64_t> parts;
-  std::vector<int64_t> whole_sizes;
+  Placement placement;
 };
 // By parameter name (model.named_parameters()'s), the sliced ones only.
 std::map<std::string, SliceLayout> slice_layouts(const torch::nn::Module& model);
+// Where every parameter of `model` lies in its whole, by name: a slice's placement, else the whole tensor.
+// What each strategy's parameter_pieces() chunks further.
+std::map<std::string, Placement> parameter_placements(const torch::nn::Module& model);
 // The whole tensor from every rank's slice: collective over the layout's group.
 at::Tensor gather_whole(const at::Tensor& local, const SliceLayout& layout);
 // This rank's slice of a whole tensor (no communication).

@@ -34,7 +34,8 @@ void stream_full_state(const AcceleratorImpl& s, const torch::nn::Module& module
   // Tensor-parallel slices are written whole: gathered over their tp group as they come.
   const auto slices = tp::slice_layouts(module);
   for (auto& [name, t] : layout)
-    if (auto it = slices.find(name); it != slices.end()) t = at::empty(it->second.whole_sizes, t.options().device(at::kMeta));
+    if (auto it = slices.find(name); it != slices.end())
+      t = at::empty(it->second.placement.whole(), t.options().device(at::kMeta));
   std::string problem;
   auto guarded = [&](auto&& fn) {
     if (!main || !problem.empty()) return;
@@ -327,11 +328,9 @@ namespace {
 
 // What load_model copies: for each tensor name, where the part this rank holds goes.
 struct LoadTarget {
-  at::Tensor values;  // a parameter's piece (flat range from `start`) or a whole buffer
-  int64_t start = 0;
-  std::vector<int64_t> shape;
-  at::Tensor whole;  // the parameter itself when sharded and it holds memory now (written whole too)
-  std::optional<tp::SliceLayout> slice;  // a tensor-parallel slice: the file holds the whole
+  at::Tensor values;    // a parameter's piece or a whole buffer
+  Placement placement;  // which elements of the file's (whole) tensor `values` holds
+  at::Tensor whole;     // the parameter itself when sharded and it holds memory now (written whole too)
 };
 
 // Rank 0's verdict on a model file against the model: the names to load, in order, with dtype and size;
@@ -352,15 +351,15 @@ nlohmann::json plan_load(const std::string& path, const std::map<std::string, Lo
       missing.push_back(name);
       continue;
     }
-    const auto& target = targets.at(name);
-    if (it->second.shape != target.shape) {
+    const auto& shape = targets.at(name).placement.whole();
+    if (it->second.shape != shape) {
       mismatched.push_back(fmt::format("{} ([{}] in the file, [{}] in the model)", name, fmt::join(it->second.shape, ", "),
-                                       fmt::join(target.shape, ", ")));
+                                       fmt::join(shape, ", ")));
       continue;
     }
-    int64_t numel = 1;
-    for (auto d : target.shape) numel *= d;
-    plan.push_back({{"name", name}, {"dtype", safetensors_dtype_code(it->second.dtype)}, {"numel", numel}});
+    plan.push_back({{"name", name},
+                    {"dtype", safetensors_dtype_code(it->second.dtype)},
+                    {"numel", targets.at(name).placement.whole_numel()}});
   }
   for (const auto& [name, entry] : reader->tensors())
     if (!targets.count(name)) unexpected.push_back(name);
@@ -390,21 +389,18 @@ void Accelerator::load_module(torch::nn::Module& module, const std::string& path
       order.push_back(piece.name);
       const auto& p = params.at(piece.name);
       const bool whole = !p.is_same(piece.values) && p.has_storage() && p.storage().nbytes() > 0;
-      targets[piece.name] = {piece.values, piece.start, piece.shape, whole ? p : at::Tensor()};
+      targets[piece.name] = {piece.values, piece.placement, whole ? p : at::Tensor()};
     }
-    for (auto& [name, layout] : tp::slice_layouts(module)) {
-      targets.at(name).shape = layout.whole_sizes;
-      targets.at(name).slice = layout;
-    }
-  }
-  else
+  } else {
+    auto placements = tp::parameter_placements(module);
     for (const auto& item : module.named_parameters()) {
       order.push_back(item.key());
-      targets[item.key()] = {item.value(), 0, item.value().sizes().vec()};
+      targets[item.key()] = {item.value(), std::move(placements.at(item.key()))};
     }
+  }
   for (const auto& item : module.named_buffers()) {
     order.push_back(item.key());
-    targets[item.key()] = {item.value(), 0, item.value().sizes().vec()};
+    targets[item.key()] = {item.value(), Placement::whole_tensor(item.value().sizes().vec())};
   }
   std::optional<checkpoints::HfModelReader> reader;
   nlohmann::json verdict = reads ? plan_load(path, targets, order, strict, reader) : nlohmann::json();
@@ -428,13 +424,13 @@ void Accelerator::load_module(torch::nn::Module& module, const std::string& path
       if (whole.device() != s.device) whole = whole.to(s.device);  // NCCL carries device tensors
       world.broadcast(whole, 0);
     }
-    // This rank's tensor-parallel slice of the whole (every rank received it).
-    if (target.slice) whole = tp::local_slice(whole.view(target.slice->whole_sizes), *target.slice).view(-1);
-    const int64_t n = target.values.numel();
-    if (n > 0) target.values.detach().view(-1).copy_(whole.narrow(0, target.start, n));
-    // Every rank received the whole tensor: a whole copy the strategy keeps is written here, so no
+    // This rank's part of the whole (every rank received it): a tensor-parallel slice's boxes, a shard's
+    // elements of those.
+    const auto shaped = whole.view(target.placement.whole());
+    if (target.values.numel() > 0) target.values.detach().view(-1).copy_(target.placement.take(shaped));
+    // A whole copy the strategy keeps (the parameter the shard is a chunk of) is written here too, so no
     // gather is needed afterwards.
-    if (target.whole.defined()) target.whole.detach().view(-1).copy_(whole);
+    if (target.whole.defined()) target.whole.detach().view(-1).copy_(target.placement.unchunked().take(shaped));
   }
   if (strategy) strategy->parameter_pieces_loaded(/*whole_parameters_written=*/collective);
 }

@@ -11,23 +11,19 @@
 #include "compat/torch_compat.hpp"
 #include "core/text.hpp"
 #include "xlr8/error.hpp"
-#include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8 {
 namespace {
 
 using checkpoints::model_key;
 
-// Every prepared model's parameter pieces on this rank, where each optimizer leaf is among them, and which
-// parameters are tensor-parallel slices.
+// Every prepared model's parameter pieces on this rank, and where each optimizer leaf is among them.
 struct Layout {
   std::vector<std::vector<ParameterPiece>> pieces;  // per model
   std::map<const c10::TensorImpl*, std::pair<size_t, size_t>> leaves;  // leaf -> (model, piece)
-  std::vector<std::map<std::string, tp::SliceLayout>> slices;  // per model, by parameter name
 
   explicit Layout(const AcceleratorImpl& s) {
     for (size_t i = 0; i < s.models.size(); ++i) {
-      slices.push_back(tp::slice_layouts(*s.models[i]->module()));
       pieces.push_back(s.models[i]->parameter_pieces());
       for (size_t k = 0; k < pieces.back().size(); ++k)
         leaves[pieces.back()[k].values.unsafeGetTensorImpl()] = {i, k};
@@ -39,69 +35,33 @@ struct Layout {
     if (model) *model = it->second.first;
     return &pieces[it->second.first][it->second.second];
   }
-  // The layout of a sliced parameter, or null.
-  const tp::SliceLayout* slice_of(size_t model, const std::string& name) const {
-    auto it = slices[model].find(name);
-    return it == slices[model].end() ? nullptr : &it->second;
-  }
 };
 
 std::string optimizer_key(size_t optimizer, size_t model, const std::string& name, const std::string& state) {
   return fmt::format("optimizer{}/{}/{}", optimizer, model_key(model, name), state);
 }
 
-// Which elements of a piece's `values` this rank writes: all of them when sharded (and it is the
-// writer); an even share of each whole parameter when every rank holds it, so replicas write in parallel.
-// Under tensor parallelism a slice is held by the ranks of one tp coordinate (they share its writing), and
-// a parameter the plan left whole is held alike by every tp peer (sharded, the first of them writes).
-std::pair<int64_t, int64_t> written_range(const ParallelStrategy& strategy, const ParameterPiece& piece,
-                                          const Communicator& world, const DeviceMesh& mesh, bool sliced) {
-  const int64_t n = piece.values.numel();
-  if (!piece.writes || n == 0) return {0, 0};
-  if (!strategy.replicated()) return !sliced && mesh.size(MeshDim::tp) > 1 && mesh.rank(MeshDim::tp) != 0 ? std::pair<int64_t, int64_t>{0, 0}
-                                                                                            : std::pair<int64_t, int64_t>{0, n};
+// Which of a piece's elements this rank writes: all of them when sharded (and it is the writer); an even
+// share of each whole parameter when every rank holds it, so replicas write in parallel. Under tensor
+// parallelism a slice is held by the ranks of one tp coordinate (they share its writing), and a parameter
+// the plan left whole is held alike by every tp peer (sharded, the first of them writes).
+Placement written_part(const ParallelStrategy& strategy, const ParameterPiece& piece, const Communicator& world,
+                       const DeviceMesh& mesh) {
+  const auto& held = piece.placement;
+  const int64_t n = held.count();
+  const bool sliced = !held.unsplit();
+  if (!piece.writes || n == 0) return held.chunk(0, 0);
+  if (!strategy.replicated())
+    return !sliced && mesh.size(MeshDim::tp) > 1 && mesh.rank(MeshDim::tp) != 0 ? held.chunk(0, 0) : held;
   const int writers = sliced ? mesh.size(MeshDim::dp_cp) : world.size(), me = sliced ? mesh.rank(MeshDim::dp_cp) : world.rank();
   const int64_t share = (n + writers - 1) / writers;
-  const int64_t a = std::min(n, share * me);
-  return {a, std::min(n, a + share)};
+  const int64_t begin = std::min(n, share * me);
+  return held.chunk(begin, std::min(n, begin + share) - begin);
 }
 
-// Where a tensor-parallel slice lies in the whole: one box per fused part (the slice stacks them on dim 0),
-// each `numel` elements of the slice flattened from `local_begin`.
-struct SliceBox {
-  std::vector<int64_t> offsets, sizes;
-  int64_t local_begin = 0, numel = 0;
-};
-
-std::vector<SliceBox> slice_boxes(const tp::SliceLayout& layout, const std::vector<int64_t>& local_sizes) {
-  const auto dim = static_cast<size_t>(layout.dim);
-  const int n = layout.group.size();
-  std::vector<SliceBox> boxes;
-  int64_t whole_begin = 0, local_begin = 0;
-  for (const int64_t width : layout.parts) {
-    SliceBox box{std::vector<int64_t>(local_sizes.size(), 0), local_sizes};
-    box.sizes[dim] = width / n;
-    box.offsets[dim] = whole_begin + layout.group.rank() * (width / n);
-    box.numel = 1;
-    for (auto d : box.sizes) box.numel *= d;
-    box.local_begin = local_begin;
-    local_begin += box.numel;
-    whole_begin += width;
-    boxes.push_back(std::move(box));
-  }
-  return boxes;
-}
-
-// Elements [start, start + count) of a slice flattened, read from whatever layout saved the whole.
-at::Tensor read_slice(const checkpoints::PieceReader& reader, const std::string& key, const std::vector<SliceBox>& boxes,
-                      int64_t start, int64_t count) {
-  std::vector<at::Tensor> parts;
-  for (const auto& box : boxes) {
-    const int64_t a = std::max(start, box.local_begin), b = std::min(start + count, box.local_begin + box.numel);
-    if (a < b) parts.push_back(reader.read_box(key, box.offsets, box.sizes, a - box.local_begin, b - a));
-  }
-  if (parts.empty()) return at::empty({0}, at::TensorOptions().dtype(reader.find(key)->dtype));  // a rank's empty shard
-  return parts.size() == 1 ? parts.front() : at::cat(parts);
+// The elements of `values` (shaped as the piece's values) that `part`, a chunk of the piece, names.
+at::Tensor mine(const ParameterPiece& piece, const Placement& part, const at::Tensor& values) {
+  return values.detach().reshape(-1).narrow(0, part.start() - piece.placement.start(), part.count());
 }
 
 bool optimizer_portable(const torch::optim::Optimizer& optimizer, const Layout& layout) {
@@ -136,35 +96,15 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
   const Layout layout(s);
   auto& world = s.world();
   const auto& mesh = s.state->mesh();
-  // A slice's elements go out box by box, in the whole tensor's coordinates.
-  auto add = [&](std::string key, const ParameterPiece& piece, const at::Tensor& values, std::pair<int64_t, int64_t> r,
-                 const tp::SliceLayout* slice) {
-    if (r.first >= r.second) return;
-    auto flat = values.detach().reshape(-1);
-    if (!slice) {
-      out.pieces.push_back({std::move(key), piece.shape, flat.narrow(0, r.first, r.second - r.first), piece.start + r.first});
-      return;
-    }
-    const int64_t begin = piece.start + r.first, end = piece.start + r.second;
-    for (const auto& box : slice_boxes(*slice, piece.shape)) {
-      const int64_t a = std::max(begin, box.local_begin), b = std::min(end, box.local_begin + box.numel);
-      if (a < b)
-        out.pieces.push_back({key, slice->whole_sizes, flat.narrow(0, a - piece.start, b - a), a - box.local_begin,
-                              box.offsets, box.sizes});
-    }
-  };
   if (models_as_pieces)
     for (size_t i = 0; i < s.models.size(); ++i) {
       for (const auto& piece : layout.pieces[i]) {
-        const auto* slice = layout.slice_of(i, piece.name);
-        add(model_key(i, piece.name), piece, piece.values,
-            written_range(*s.models[i], piece, world, mesh, slice != nullptr), slice);
+        const auto part = written_part(*s.models[i], piece, world, mesh);
+        out.add(model_key(i, piece.name), part, mine(piece, part, piece.values));
       }
       if (world.rank() == 0)  // buffers are the same everywhere: the main process writes them whole
-        for (const auto& item : s.models[i]->module()->named_buffers()) {
-          const auto& b = item.value();
-          out.pieces.push_back({model_key(i, item.key()), b.sizes().vec(), b.detach().reshape(-1), 0});
-        }
+        for (const auto& item : s.models[i]->module()->named_buffers())
+          out.add(model_key(i, item.key()), Placement::whole_tensor(item.value().sizes().vec()), item.value());
     }
   std::vector<bool> portable;
   for (size_t j = 0; j < s.optimizers.size(); ++j) {
@@ -179,10 +119,9 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
         const auto* piece = layout.find(leaf, &model);
         auto param_state = checkpoints::read_parameter_state(optimizer, leaf);
         if (!param_state) continue;
-        const auto* slice = layout.slice_of(model, piece->name);
-        const auto range = written_range(*s.models[model], *piece, world, mesh, slice != nullptr);
+        const auto part = written_part(*s.models[model], *piece, world, mesh);
         for (const auto& [name, tensor] : param_state->tensors)
-          add(optimizer_key(j, model, piece->name, name), *piece, tensor, range, slice);
+          out.add(optimizer_key(j, model, piece->name, name), part, mine(*piece, part, tensor));
         for (const auto& [name, value] : param_state->counters)
           out.counters[optimizer_key(j, model, piece->name, name)] = value;
       }
@@ -194,12 +133,6 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Ve
   const Layout layout(s);
   const checkpoints::PieceReader reader(saved);
   const auto where = saved.dir().string();
-  // A piece of a tensor-parallel slice is read from its boxes; any other from the whole's flat range.
-  auto read_piece = [&](size_t model, const std::string& key, const ParameterPiece& piece, int64_t count) {
-    const auto* slice = layout.slice_of(model, piece.name);
-    if (!slice) return reader.read(key, piece.start, count);
-    return read_slice(reader, key, slice_boxes(*slice, piece.shape), piece.start, count);
-  };
   PortableLoad load;
   for (size_t i = 0; i < s.models.size(); ++i) {
     // Exactly the model's tensors, by name and shape, before anything is read.
@@ -212,10 +145,7 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Ve
       else if (entry->shape != shape)
         mismatched.push_back(fmt::format("{} ({} saved, {} in the model)", name, shape_text(entry->shape), shape_text(shape)));
     };
-    for (const auto& piece : layout.pieces[i]) {
-      const auto* slice = layout.slice_of(i, piece.name);
-      check(piece.name, slice ? slice->whole_sizes : piece.shape);  // a slice: the whole's
-    }
+    for (const auto& piece : layout.pieces[i]) check(piece.name, piece.placement.whole());
     for (const auto& item : s.models[i]->module()->named_buffers()) check(item.key(), item.value().sizes().vec());
     std::vector<std::string> unexpected;
     const auto prefix = model_key(i, "");
@@ -229,9 +159,9 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Ve
     auto& copies = load.models.emplace_back();
     for (const auto& piece : layout.pieces[i])
       if (piece.values.numel() > 0)
-        copies.push_back({piece.values, read_piece(i, model_key(i, piece.name), piece, piece.values.numel())});
+        copies.push_back({piece.values, reader.read(model_key(i, piece.name), piece.placement)});
     for (const auto& item : s.models[i]->module()->named_buffers())
-      copies.push_back({item.value(), reader.read(model_key(i, item.key()), 0, item.value().numel())});
+      copies.push_back({item.value(), reader.read(model_key(i, item.key()), Placement::whole_tensor(item.value().sizes().vec()))});
   }
   auto formats = st.value("optimizer_formats", nlohmann::json::array());
   auto lrs = st.value("optimizer_lrs", nlohmann::json::array());
@@ -259,7 +189,7 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Ve
         for (const auto& name : checkpoints::state_tensor_names(*kind)) {
           const auto key = optimizer_key(j, model, piece->name, name);
           if (!reader.find(key)) continue;
-          state.tensors[name] = read_piece(model, key, *piece, leaf.numel());
+          state.tensors[name] = reader.read(key, piece->placement);
         }
         if (auto step = reader.counter(optimizer_key(j, model, piece->name, "step"))) state.counters["step"] = *step;
         const bool any = !state.tensors.empty() || !state.counters.empty();

@@ -42,13 +42,13 @@ nlohmann::json describe_pieces(const RankPieces& mine, int rank) {
   nlohmann::json out{{"rank", rank}, {"pieces", nlohmann::json::array()}, {"counters", mine.counters}};
   for (const auto& p : mine.pieces) {
     nlohmann::json piece{{"key", p.key},
-                         {"shape", p.shape},
+                         {"shape", p.placement.whole()},
                          {"dtype", safetensors_dtype_code(p.data.scalar_type())},
-                         {"start", p.start},
+                         {"start", p.placement.start()},
                          {"count", p.data.numel()}};
-    if (!p.box_offsets.empty()) {
-      piece["box_offsets"] = p.box_offsets;
-      piece["box_sizes"] = p.box_sizes;
+    if (!p.placement.unsplit()) {
+      piece["box_offsets"] = p.placement.boxes().front().offsets;
+      piece["box_sizes"] = p.placement.boxes().front().sizes;
     }
     out["pieces"].push_back(std::move(piece));
   }
@@ -70,9 +70,6 @@ void check_coverage(const std::string& key, nlohmann::json& t) {
   });
   auto fail = [&](const std::string& what) {
     throw Error(fmt::format("save_state: the ranks' pieces of {:?} {} (an engine bug); nothing was saved", key, what));
-  };
-  struct Box {
-    std::vector<int64_t> offsets, sizes;
   };
   std::vector<Box> boxes;
   int64_t next = 0;
@@ -145,15 +142,22 @@ nlohmann::json merge_index(const std::vector<std::string>& per_rank) {
 int64_t IndexedTensor::numel() const { return numel_of(shape); }
 
 bool IndexedTensor::boxed() const {
-  return std::any_of(ranges.begin(), ranges.end(), [&](const Range& r) {
-    if (r.box_offsets.empty()) return false;
-    return r.box_sizes != shape;
-  });
+  return std::any_of(ranges.begin(), ranges.end(), [&](const Range& r) { return r.box.sizes != shape; });
+}
+
+void RankPieces::add(const std::string& key, const Placement& placement, const at::Tensor& values) {
+  const auto flat = values.detach().reshape(-1);
+  for (const auto& span : placement.spans())
+    pieces.push_back({key, Placement::of_box(placement.whole(), span.box).chunk(span.begin, span.count),
+                      flat.narrow(0, span.at, span.count)});
 }
 
 void write_pieces(const fs::path& dir, const RankPieces& mine, Communicator& world) {
   NamedTensors named;
-  for (const auto& p : mine.pieces) named.emplace_back(piece_name(p.key, p.start, p.box_offsets), p.data.reshape(-1));
+  for (const auto& p : mine.pieces) {
+    const auto offsets = p.placement.unsplit() ? std::vector<int64_t>{} : p.placement.boxes().front().offsets;
+    named.emplace_back(piece_name(p.key, p.placement.start(), offsets), p.data.reshape(-1));
+  }
   save_safetensors((dir / pieces_file(world.rank())).string(), named, {{"rank", std::to_string(world.rank())}});
   auto all = world.all_gather_object(describe_pieces(mine, world.rank()).dump());
   auto index = merge_index(all);  // every rank: a bad layout fails everywhere
@@ -174,7 +178,7 @@ PieceReader::PieceReader(const Verified& checkpoint) : checkpoint_(checkpoint) {
     const auto name = model_file(i);
     for (const auto& [tensor, e] : entries_of(name)) {
       IndexedTensor entry{e.shape, e.dtype, {}};
-      entry.ranges.push_back({name, e.name, 0, entry.numel()});
+      entry.ranges.push_back({name, e.name, {std::vector<int64_t>(e.shape.size(), 0), e.shape}, 0, entry.numel()});
       tensors_.emplace(model_key(i, e.name), std::move(entry));
     }
   }
@@ -191,12 +195,15 @@ PieceReader::PieceReader(const Verified& checkpoint) : checkpoint_(checkpoint) {
       if (!dtype) throw std::runtime_error("unknown dtype " + t.at("dtype").dump());
       entry.dtype = *dtype;
       for (auto& r : t.at("ranges")) {
-        auto offsets = box_offsets_of(r);
+        const auto offsets = box_offsets_of(r);
+        Box box{offsets, offsets.empty() ? entry.shape : r.at("box_sizes").get<std::vector<int64_t>>()};
+        if (box.offsets.empty()) box.offsets.assign(entry.shape.size(), 0);
+        bool inside = box.offsets.size() == entry.shape.size() && box.sizes.size() == entry.shape.size();
+        for (size_t d = 0; inside && d < entry.shape.size(); ++d)
+          inside = box.offsets[d] >= 0 && box.sizes[d] >= 0 && box.offsets[d] + box.sizes[d] <= entry.shape[d];
+        if (!inside) throw std::runtime_error("a box of " + key + " does not lie inside its shape");
         entry.ranges.push_back({pieces_file(r.at("rank").get<int>()), piece_name(key, r.at("start").get<int64_t>(), offsets),
-                                r.at("start").get<int64_t>(), r.at("count").get<int64_t>(), offsets,
-                                offsets.empty() ? std::vector<int64_t>{} : r.at("box_sizes").get<std::vector<int64_t>>()});
-        if (entry.ranges.back().box_sizes.size() != entry.ranges.back().box_offsets.size())
-          throw std::runtime_error("a box of " + key + " has offsets and sizes of different lengths");
+                                std::move(box), r.at("start").get<int64_t>(), r.at("count").get<int64_t>()});
       }
       tensors_.emplace(key, std::move(entry));
     }
@@ -237,49 +244,36 @@ void PieceReader::read_range(const std::string& key, const IndexedTensor::Range&
   checkpoint_.read_into(r.file, piece->begin + (a - r.start) * element, static_cast<size_t>(b - a) * element, out);
 }
 
-at::Tensor PieceReader::read(const std::string& key, int64_t start, int64_t count) const {
+at::Tensor PieceReader::read(const std::string& key, const Placement& placement) const {
   const auto* entry = find(key);
   if (!entry) throw Error(fmt::format("load_state: {} is missing; nothing was loaded", describe(key)));
-  if (entry->boxed()) return whole(key).view(-1).narrow(0, start, count).clone();  // not a view keeping it alive
-  auto out = at::empty({count}, at::TensorOptions().dtype(entry->dtype));
-  const size_t element = at::elementSize(entry->dtype);
-  for (const auto& r : entry->ranges) {
-    const int64_t a = std::max(start, r.start), b = std::min(start + count, r.start + r.count);
-    if (a < b) read_range(key, r, a, b, static_cast<char*>(out.data_ptr()) + (a - start) * element);
-  }
-  return out;
+  if (placement.whole() != entry->shape)
+    throw Error(fmt::format("load_state: {} is [{}], but this rank holds {}; nothing was loaded", describe(key),
+                            fmt::join(entry->shape, ", "), placement.describe()));
+  std::vector<at::Tensor> parts;
+  for (const auto& span : placement.spans()) parts.push_back(read_box(key, span.box, span.begin, span.count));
+  if (parts.empty()) return at::empty({0}, at::TensorOptions().dtype(entry->dtype));  // a rank's empty shard
+  return parts.size() == 1 ? parts.front() : at::cat(parts);
 }
 
-at::Tensor PieceReader::read_box(const std::string& key, const std::vector<int64_t>& offsets,
-                                 const std::vector<int64_t>& sizes, int64_t start, int64_t count) const {
+at::Tensor PieceReader::read_box(const std::string& key, const Box& box, int64_t start, int64_t count) const {
   const auto* entry = find(key);
-  if (!entry) throw Error(fmt::format("load_state: {} is missing; nothing was loaded", describe(key)));
-  bool inside = offsets.size() == entry->shape.size() && sizes.size() == entry->shape.size();
-  for (size_t d = 0; inside && d < offsets.size(); ++d)
-    inside = offsets[d] >= 0 && offsets[d] + sizes[d] <= entry->shape[d];
-  if (!inside)
-    throw Error(fmt::format("load_state: the slice at [{}] of size [{}] lies outside {} ([{}]); nothing was loaded",
-                            fmt::join(offsets, ", "), fmt::join(sizes, ", "), describe(key), fmt::join(entry->shape, ", ")));
-  // Saved in the same box (a resume with the same tp layout): read just that box's ranges.
-  const bool whole_box = std::all_of(offsets.begin(), offsets.end(), [](int64_t o) { return o == 0; }) &&
-                         sizes == entry->shape;
-  if (whole_box && !entry->boxed()) return read(key, start, count);
-  bool saved_alike = false;
-  for (const auto& r : entry->ranges) saved_alike = saved_alike || (r.box_offsets == offsets && r.box_sizes == sizes);
+  // Saved in the same box (the same tp layout, or no tensor parallelism either time): that box's ranges.
+  const bool saved_alike =
+      std::any_of(entry->ranges.begin(), entry->ranges.end(), [&](const auto& r) { return r.box == box; });
   if (saved_alike) {
     auto out = at::empty({count}, at::TensorOptions().dtype(entry->dtype));
     const size_t element = at::elementSize(entry->dtype);
     for (const auto& r : entry->ranges) {
-      if (r.box_offsets != offsets || r.box_sizes != sizes) continue;
+      if (r.box != box) continue;
       const int64_t a = std::max(start, r.start), b = std::min(start + count, r.start + r.count);
       if (a < b) read_range(key, r, a, b, static_cast<char*>(out.data_ptr()) + (a - start) * element);
     }
     return out;
   }
   // Another layout: cut the box out of the whole tensor.
-  at::Tensor box = whole(key);
-  for (size_t d = 0; d < offsets.size(); ++d) box = box.narrow(static_cast<int64_t>(d), offsets[d], sizes[d]);
-  return box.contiguous().view(-1).narrow(0, start, count).clone();  // not a view keeping the whole alive
+  const auto cut = Placement::of_box(entry->shape, box).chunk(start, count).take(whole(key));
+  return cut.clone();  // not a view keeping the whole alive
 }
 
 const at::Tensor& PieceReader::whole(const std::string& key) const {
@@ -290,15 +284,14 @@ const at::Tensor& PieceReader::whole(const std::string& key) const {
   // Ranges come sorted by box: fill each box's buffer, then put it in place.
   for (size_t k = 0; k < entry->ranges.size();) {
     const auto& first = entry->ranges[k];
-    const auto sizes = first.box_offsets.empty() ? entry->shape : first.box_sizes;
+    const auto& sizes = first.box.sizes;
     auto buffer = at::empty({numel_of(sizes)}, out.options());
-    for (; k < entry->ranges.size() && entry->ranges[k].box_offsets == first.box_offsets; ++k) {
+    for (; k < entry->ranges.size() && entry->ranges[k].box == first.box; ++k) {
       const auto& r = entry->ranges[k];
       read_range(key, r, r.start, r.start + r.count, static_cast<char*>(buffer.data_ptr()) + r.start * element);
     }
     at::Tensor place = out;
-    for (size_t d = 0; d < first.box_offsets.size(); ++d)
-      place = place.narrow(static_cast<int64_t>(d), first.box_offsets[d], sizes[d]);
+    for (size_t d = 0; d < sizes.size(); ++d) place = place.narrow(static_cast<int64_t>(d), first.box.offsets[d], sizes[d]);
     place.copy_(buffer.view(sizes));
   }
   last_whole_ = {key, out};

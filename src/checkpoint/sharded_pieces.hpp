@@ -1,9 +1,10 @@
 #pragma once
 // The sharded part of a checkpoint: every rank writes the slices it holds of each logical tensor
 // (parameters and optimizer state, by name) into its own safetensors file, in parallel, and rank 0 an
-// index of which rank holds which element range of which tensor. Slices are ranges of the tensor
-// flattened, the way every strategy lays parameters out, so any strategy on any number of processes
-// reads back exactly the ranges it holds (resharding on load), and merge-weights streams whole tensors.
+// index of which rank holds which element range of which box of which tensor (xlr8/placement.hpp: a
+// box is a tensor-parallel slice or the whole, a range a flat shard of it), so any strategy on any number
+// of processes reads back exactly the placement it holds (resharding on load), and merge-weights streams
+// whole tensors.
 #include <ATen/core/Tensor.h>
 
 #include <filesystem>
@@ -14,26 +15,26 @@
 #include <vector>
 
 #include "xlr8/communicator.hpp"
+#include "xlr8/placement.hpp"
 #include "xlr8/safetensors.hpp"
 
 namespace xlr8::checkpoints {
 
 class Verified;
 
-// Elements [start, start + data.numel()) of the tensor `key` (shape `shape`) flattened; or, for a
-// tensor-parallel slice, of the box at `box_offsets` of size `box_sizes` (per dimension, as DCP's chunk
-// metadata) flattened on its own. Empty box vectors: the box is the whole tensor.
+// Part of the tensor `key`: a placement of one box (the whole tensor unless tensor-parallel), whose
+// count() elements `data` holds.
 struct Piece {
   std::string key;
-  std::vector<int64_t> shape;
+  Placement placement;
   at::Tensor data;
-  int64_t start = 0;
-  std::vector<int64_t> box_offsets = {}, box_sizes = {};
 };
 
 struct RankPieces {
   std::vector<Piece> pieces;
   std::map<std::string, int64_t> counters;  // per-tensor scalars (an optimizer's step), equal where repeated
+  // `values` (placement.count() elements, any shape) as one piece per box the placement reaches.
+  void add(const std::string& key, const Placement& placement, const at::Tensor& values);
 };
 
 std::string pieces_file(int rank);     // "shards_rank<r>.safetensors"
@@ -49,8 +50,8 @@ struct IndexedTensor {
   at::ScalarType dtype;
   struct Range {
     std::string file, entry;  // where its elements lie: a file of the checkpoint and a tensor in it
-    int64_t start, count;     // within the box flattened (the whole tensor when the box is empty)
-    std::vector<int64_t> box_offsets = {}, box_sizes = {};
+    Box box;                  // the whole tensor unless a tensor-parallel slice
+    int64_t start, count;     // within the box flattened
   };
   std::vector<Range> ranges;  // sorted by box, then start; the boxes tile the tensor, the ranges each box
   int64_t numel() const;
@@ -64,17 +65,17 @@ class PieceReader {
   explicit PieceReader(const Verified& checkpoint);  // throws when the index is malformed
   const std::map<std::string, IndexedTensor>& tensors() const { return tensors_; }
   const IndexedTensor* find(const std::string& key) const;
-  // Elements [start, start + count) of `key` flattened, in its saved dtype (1-D).
-  at::Tensor read(const std::string& key, int64_t start, int64_t count) const;
-  // Elements [start, start + count) of the box of `key` at `offsets` of size `sizes`, flattened on its own
-  // (a tensor-parallel slice, or a shard of one), whatever boxes it was saved in.
-  at::Tensor read_box(const std::string& key, const std::vector<int64_t>& offsets, const std::vector<int64_t>& sizes,
-                      int64_t start, int64_t count) const;
+  // The elements of `key` that `placement` names (placement.count() of them, 1-D, in the saved dtype),
+  // whatever layout saved it: read from the same boxes when it was saved alike, cut out of the whole
+  // otherwise. Error naming both when the placement does not fit the saved shape.
+  at::Tensor read(const std::string& key, const Placement& placement) const;
   std::optional<int64_t> counter(const std::string& key) const;
   std::string describe(const std::string& key) const;  // "tensor K of <dir>"
 
  private:
   const std::map<std::string, SafetensorsEntry>& entries_of(const std::string& file) const;
+  // Elements [start, start + count) of the box of `key` flattened on its own.
+  at::Tensor read_box(const std::string& key, const Box& box, int64_t start, int64_t count) const;
   // Elements [a, b) of the saved range `r` of `key` into `out`.
   void read_range(const std::string& key, const IndexedTensor::Range& r, int64_t a, int64_t b, void* out) const;
   // The whole tensor assembled from its boxes (the last one is kept: pieces of one tensor come in a row).

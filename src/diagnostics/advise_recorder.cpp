@@ -80,7 +80,7 @@ nlohmann::json tensor_parallel_options(const torch::nn::Module& module, int worl
   if (const auto layouts = tp::slice_layouts(module); !layouts.empty()) {  // split already (this run has tp)
     double sliced = 0;
     for (const auto& [name, layout] : layouts)
-      sliced += static_cast<double>(c10::multiply_integers(layout.whole_sizes));
+      sliced += static_cast<double>(layout.placement.whole_numel());
     for (int tp : {2, 4})
       if (tp <= world && world % tp == 0) out[std::to_string(tp)] = {{"sliced", sliced}};
     return out;
@@ -144,12 +144,8 @@ void AdviseRecorder::finish(AcceleratorImpl& impl, const std::string& file, cons
 void AdviseRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module, bool) {
   if (steps_ > 0) memory_meter::install(impl.device);  // before the strategy allocates its buffers
   // Whole sizes: a tensor-parallel run holds slices.
-  const auto layouts = tp::slice_layouts(module);
-  for (const auto& item : module.named_parameters()) {
-    const auto layout = layouts.find(item.key());
-    parameters_ += static_cast<double>(layout == layouts.end() ? item.value().numel()
-                                                               : c10::multiply_integers(layout->second.whole_sizes));
-  }
+  for (const auto& [name, placement] : tp::parameter_placements(module))
+    parameters_ += static_cast<double>(placement.whole_numel());
   if (std::exchange(probed_, true)) return;
   const std::string probe =
       nlohmann::json{{"parameters", parameters_}, {"tensor_parallel", tensor_parallel_options(module, impl.world().size())}}

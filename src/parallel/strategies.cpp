@@ -55,9 +55,10 @@ void ParallelStrategy::visit_full_state(const std::function<void(size_t, const a
 }
 
 std::vector<ParameterPiece> ParallelStrategy::parameter_pieces() const {
+  auto placements = tp::parameter_placements(*module_);
   std::vector<ParameterPiece> out;
   for (const auto& item : module_->named_parameters())
-    out.push_back({item.key(), item.value().sizes().vec(), item.value(), 0, true});
+    out.push_back({item.key(), std::move(placements.at(item.key())), item.value(), true});
   return out;
 }
 

@@ -1,5 +1,6 @@
 // The checkpoint format on its own, without an Accelerator: save, verified reading, model/state
-// mismatches and corruption named by file, and the Hugging Face export's sharding.
+// mismatches and corruption named by file, sharded pieces read back in any placement, and the Hugging
+// Face export's sharding.
 #include <gtest/gtest.h>
 #include <torch/optim/sgd.h>
 
@@ -8,7 +9,9 @@
 #include <functional>
 
 #include "checkpoint/hf_export.hpp"
+#include "checkpoint/sharded_pieces.hpp"
 #include "checkpoint/training_checkpoint.hpp"
+#include "thread_ranks.hpp"
 #include "xlr8/error.hpp"
 
 using namespace xlr8;
@@ -89,6 +92,35 @@ TEST(TrainingCheckpoint, MismatchesAndCorruptionAreNamed) {
   fs::remove(dir / "MANIFEST.json");
   m = error_of([&] { checkpoints::Verified again(dir); });
   EXPECT_NE(m.find("MANIFEST.json is missing"), std::string::npos) << m;
+  fs::remove_all(dir);
+}
+
+// Three ranks save their placements of a [6, 4] tensor (tensor-parallel boxes of two fused parts, each
+// rank's slice chunked again) and of a [5] one (uneven flat shards); one process reads any placement back:
+// the whole, a box saved alike, a split on the other dimension, a chunk crossing boxes.
+TEST(ShardedPieces, AnyPlacementReadsBackWhateverPlacementsSavedIt) {
+  auto dir = fresh_dir("placements");
+  const auto w = at::arange(24, at::kFloat).reshape({6, 4}), v = at::arange(5, at::kFloat);
+  xlr8::testing::run_ranks(3, [&](Communicator& world) {
+    checkpoints::Content content;
+    const int r = world.rank();
+    const auto slice = Placement::split({6, 4}, 0, {3, 3}, r, 3).chunk(r == 0 ? 1 : 0, r == 0 ? 7 : 8);
+    content.pieces.add("w", slice, slice.take(w));
+    if (r == 0) content.pieces.add("w", Placement::split({6, 4}, 0, {3, 3}, 0, 3).chunk(0, 1), w[0][0]);
+    const auto shard = Placement::whole_tensor({5}).chunk(2 * r, r == 2 ? 1 : 2);
+    content.pieces.add("v", shard, shard.take(v));
+    checkpoints::save(dir, content, world);
+  });
+  checkpoints::Verified saved(dir);
+  const checkpoints::PieceReader reader(saved);
+  EXPECT_TRUE(reader.find("w")->boxed());
+  const std::vector<Placement> asked{Placement::whole_tensor({6, 4}), Placement::split({6, 4}, 0, {3, 3}, 1, 3),
+                                     Placement::split({6, 4}, 1, {4}, 1, 2).chunk(3, 5),
+                                     Placement::split({6, 4}, 0, {2, 4}, 1, 2).chunk(2, 5)};
+  for (const auto& p : asked) EXPECT_TRUE(at::equal(reader.read("w", p), p.take(w))) << p.describe();
+  EXPECT_TRUE(at::equal(reader.read("v", Placement::whole_tensor({5}).chunk(1, 3)), v.narrow(0, 1, 3)));
+  const auto m = error_of([&] { (void)reader.read("v", Placement::whole_tensor({6})); });
+  EXPECT_NE(m.find("is [5], but this rank holds [6]"), std::string::npos) << m;
   fs::remove_all(dir);
 }
 

@@ -84,7 +84,7 @@ int merge(Args a) {
       specs,
       [&](size_t i) {
         const auto* entry = reader.find(prefix + names[i]);
-        return reader.read(prefix + names[i], 0, entry->numel()).view(entry->shape).to(specs[i].dtype);
+        return reader.read(prefix + names[i], Placement::whole_tensor(entry->shape)).view(entry->shape).to(specs[i].dtype);
       },
       a.out, limit);
   const bool sharded = !saved.has(checkpoints::model_file(a.model));

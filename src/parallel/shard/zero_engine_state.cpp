@@ -4,6 +4,7 @@
 
 #include "parallel/state_dict_check.hpp"
 #include "parallel/shard/zero_engine.hpp"
+#include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8::detail {
 
@@ -98,17 +99,19 @@ std::vector<ParameterPiece> ZeroEngine::parameter_pieces() {
   }
   // Under hybrid sharding every replica holds the same shards: the first one writes them.
   const bool writer = !replicate_.valid() || replicate_.rank() == 0;
+  auto placements = tp::parameter_placements(*module_);  // a tensor-parallel slice is what the chunks divide
   std::vector<ParameterPiece> out;
   for (const auto& item : module_->named_parameters()) {
     const auto& p = item.value();
+    auto& placement = placements.at(item.key());
     const auto* slot = slot_of(p);
     if (!slot) {  // not sharded (frozen): whole everywhere
-      out.push_back({item.key(), p.sizes().vec(), p, 0, comm_.rank() == 0 && writer});
+      out.push_back({item.key(), std::move(placement), p, comm_.rank() == 0 && writer});
       continue;
     }
     const auto& flat = group(slot->group);
-    out.push_back({item.key(), p.sizes().vec(), flat.shard_params[slot->index], flat.owned_part(slot->index).in_param,
-                   writer});
+    const auto& leaf = flat.shard_params[slot->index];
+    out.push_back({item.key(), placement.chunk(flat.owned_part(slot->index).in_param, leaf.numel()), leaf, writer});
   }
   return out;
 }

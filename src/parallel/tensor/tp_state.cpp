@@ -75,8 +75,20 @@ std::map<std::string, SliceLayout> slice_layouts(const torch::nn::Module& model)
   std::map<std::string, SliceLayout> out;
   for (const auto& item : model.named_modules("", /*include_self=*/true))
     for (auto& slice : layer_slices(*item.value()))
+    {
+      const auto& group = slice.slot->group;
+      auto placement = Placement::split(std::move(slice.whole_sizes), slice.dim, slice.parts, group.rank(), group.size());
       out[item.key().empty() ? slice.name : item.key() + "." + slice.name] =
-          SliceLayout{slice.slot->group, slice.dim, std::move(slice.parts), std::move(slice.whole_sizes)};
+          SliceLayout{group, slice.dim, std::move(slice.parts), std::move(placement)};
+    }
+  return out;
+}
+
+std::map<std::string, Placement> parameter_placements(const torch::nn::Module& model) {
+  std::map<std::string, Placement> out;
+  for (auto& [name, layout] : slice_layouts(model)) out.emplace(name, std::move(layout.placement));
+  for (const auto& item : model.named_parameters())
+    if (!out.count(item.key())) out.emplace(item.key(), Placement::whole_tensor(item.value().sizes().vec()));
   return out;
 }
 
@@ -84,7 +96,7 @@ namespace {
 
 // The whole's sizes with the split dimension first.
 std::vector<int64_t> moved_sizes(const SliceLayout& layout) {
-  auto sizes = layout.whole_sizes;
+  auto sizes = layout.placement.whole();
   std::rotate(sizes.begin(), sizes.begin() + layout.dim, sizes.begin() + layout.dim + 1);
   return sizes;
 }
@@ -116,10 +128,9 @@ at::Tensor gather_whole(const at::Tensor& local, const SliceLayout& layout) {
 }
 
 at::Tensor local_slice(const at::Tensor& whole, const SliceLayout& layout) {
-  const auto& group = layout.group;
-  return detail::slice_of_parts(whole.movedim(layout.dim, 0), layout.parts, group.rank(), group.size())
-      .movedim(0, layout.dim)
-      .contiguous();
+  auto sizes = layout.placement.whole();
+  sizes[static_cast<size_t>(layout.dim)] /= layout.group.size();
+  return layout.placement.take(whole).view(sizes);
 }
 
 namespace detail {
@@ -208,7 +219,7 @@ void take_whole_values_from_main(torch::nn::Module& model, const Communicator& w
     if (!t.defined()) return;
     auto it = layouts.find(name);
     const SliceLayout* layout = it == layouts.end() ? nullptr : &it->second;
-    entries.push_back({name, t, layout, layout ? layout->whole_sizes : t.sizes().vec()});
+    entries.push_back({name, t, layout, layout ? layout->placement.whole() : t.sizes().vec()});
   };
   for (const auto& item : model.named_parameters()) add(item.key(), item.value());
   for (const auto& item : model.named_buffers()) add(item.key(), item.value());
