@@ -93,6 +93,7 @@ void AcceleratorImpl::start(AcceleratorOptions given, const deepspeed::Config* e
   s.gradient_state->num_steps = s.plan.gradient_accumulation_steps;
   s.gradient_state->sync_with_dataloader = s.options.sync_with_dataloader;
   if (s.plan.loss_scaler) s.scaler.emplace(*s.plan.loss_scaler);
+  s.step.set_scaled(s.scaler.has_value());
   // Offload keeps the optimizer's side (and under stage 3 the parameter shards) in host memory.
   const bool offload = (settings.fsdp && settings.fsdp->offload_params) ||
                        (launch && (launch->offload_optimizer_device != "none" || launch->offload_param_device != "none")) ||
@@ -346,7 +347,8 @@ void Accelerator::free_memory() {
   s.custom.clear();  // registered by reference for the training that ends here
   s.gradient_state->sync_gradients = true;  // the same object: loaders and the accumulation setting keep it
   s.micro_step = 0;
-  s.unscaled = s.overflow = s.last_step_applied = false;
+  s.last_step_applied = false;
+  s.enter(detail::StepPhase::idle, "free_memory()");
   compat::empty_device_cache();
   detail::return_free_memory_to_system();
 }

@@ -8,6 +8,8 @@
 #include "deepspeed/deepspeed_plugin.hpp"
 #include "diagnostics/advise_recorder.hpp"
 #include "diagnostics/verify_recorder.hpp"
+#include "step/step_observer.hpp"
+#include "step/step_state.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/context_parallel.hpp"
 #include "xlr8/loss_scaler.hpp"
@@ -42,8 +44,7 @@ struct AcceleratorImpl {
   std::vector<std::weak_ptr<DataLoaderBase>> loaders;
   std::vector<detail::Checkpointable> custom;  // register_for_checkpointing, in order
   std::optional<DynamicLossScaler> scaler;  // fp16 only
-  bool unscaled = false;                    // gradients of this step already divided by the scale
-  bool overflow = false;                    // ... and found inf/NaN on some rank
+  detail::StepState step;                   // where this training step is (step/step_state.hpp)
   bool last_step_applied = false;           // the last sync step really updated the parameters
   uint64_t seed = 0;
   int64_t save_iteration = 0;               // next automatic checkpoint number
@@ -57,16 +58,19 @@ struct AcceleratorImpl {
   void notify(const Event& event) {
     for (auto* observer : observers) event(*observer);
   }
+  // The step moves to `next` (StepState::enter's check, then every observer's on_phase).
+  void enter(detail::StepPhase next, const char* caller);
 
   // The constructors' work: the process, the device, the recorders, the plan resolved from every source of
   // settings (`engine_config`: deepspeed::initialize's JSON; null: the launch's files), and what follows from it.
   void start(AcceleratorOptions given, const deepspeed::Config* engine_config);
   Communicator& world() const { return state->world(); }
   std::vector<at::Tensor> optimized_parameters() const;
-  // fp16: divide this step's gradients by the scale once, and agree across ranks whether any overflowed.
+  // A sync step's gradients made ready, once (gradients → unscaled | overflowed): under fp16 divided by the
+  // scale, with the world agreeing whether any overflowed.
   void unscale_gradients();
-  // What a backward propagates: loss / accumulation steps, times the fp16 scale. Starts a new gradient
-  // check (what unscale_gradients found for the last one no longer holds).
+  // What a backward propagates: loss / accumulation steps, times the fp16 scale (the step enters gradients:
+  // what unscale_gradients found for the last one no longer holds).
   at::Tensor loss_for_backward(const at::Tensor& loss);
   // Accelerator::clip_grad_norm: the global norm of `parameters`' gradients, clipped to max_norm (collective).
   GradNorm clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);

@@ -46,8 +46,14 @@ void AcceleratorImpl::check_attention_went_through_cp() {
       suspects.empty() ? std::string("the model's attention module") : text::capped(suspects)));
 }
 
+void AcceleratorImpl::enter(detail::StepPhase next, const char* caller) {
+  const auto from = step.enter(next, caller);
+  notify([&](detail::StepObserver& o) { o.on_phase(from, next); });
+}
+
 void AcceleratorImpl::unscale_gradients() {
-  if (!scaler || unscaled) return;
+  if (step.ready()) return;
+  if (!scaler) return enter(detail::StepPhase::unscaled, "unscale");  // nothing to divide or check
   const double inverse = 1.0 / scaler->scale();
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> finite;  // one flag per gradient, read back once (one device sync, not one per tensor)
@@ -63,9 +69,9 @@ void AcceleratorImpl::unscale_gradients() {
   // Every rank must skip the same step: MAX of the overflow flag over the world.
   auto flag = at::full({1}, found ? 1 : 0, at::kInt);
   world().all_reduce(flag, ReduceOp::MAX);
-  overflow = flag.item<int>() != 0;
+  const bool overflow = flag.item<int>() != 0;
   scaler->update(overflow);
-  unscaled = true;
+  enter(overflow ? detail::StepPhase::overflowed : detail::StepPhase::unscaled, "unscale");
 }
 
 // ------------------------------------------------------------------------------------------ optimizer, scheduler
@@ -75,24 +81,19 @@ void check_not_freed(const AcceleratorImpl* impl, const char* what) {
   if (!impl)
     throw Error(fmt::format("{}.step(): Accelerator::free_memory() released it; prepare the {} again", what, what));
 }
-}  // namespace
 
-void PreparedOptimizer::step() {
-  auto& s = *state_;
-  check_not_freed(s.impl, "optimizer");
-  auto& impl = *s.impl;
-  if (!impl.gradient_state->sync_gradients) return;
-  impl.notify([](detail::StepObserver& o) { o.optimizer_step_begins(); });
-  impl.unscale_gradients();
-  if (impl.scaler && impl.overflow) {
-    s.skipped = true;
-    impl.last_step_applied = false;
-    if (impl.state->is_main_process())
-      log::info("xlr8: fp16 gradient overflow: skipped optimizer step; loss scale is now {}", impl.scaler->scale());
-    impl.notify([](detail::StepObserver& o) { o.optimizer_step_ends(); });
-    return;
-  }
-  // The strategy of the model it optimizes steps it (sharded strategies step their shards, then gather).
+// overflowed → skipped: every rank leaves the parameters as they are (the scale already went down).
+void skip_step(PreparedOptimizer::State& s, AcceleratorImpl& impl) {
+  impl.enter(detail::StepPhase::skipped, "optimizer.step()");
+  s.skipped = true;
+  impl.last_step_applied = false;
+  if (impl.state->is_main_process())
+    log::info("xlr8: fp16 gradient overflow: skipped optimizer step; loss scale is now {}", impl.scaler->scale());
+}
+
+// unscaled → updated: DeepSpeed's clipping, then the strategy of the model the optimizer updates steps it
+// (sharded strategies step their shards, then gather). True when this was the step's first optimizer.
+bool apply_step(PreparedOptimizer::State& s, AcceleratorImpl& impl) {
   const auto& groups = s.optimizer->param_groups();
   auto* owner = groups.empty() || groups.front().params().empty() ? nullptr : impl.owner_of(groups.front().params().front());
   const bool first = !impl.optimizers.empty() && impl.optimizers.front().get() == &s;
@@ -104,9 +105,28 @@ void PreparedOptimizer::step() {
     impl.clip_grad_norm(owner ? owner->module()->parameters() : impl.optimized_parameters(), impl.plan.clip_at_step, 2.0);
   if (owner) owner->optimizer_step(*s.optimizer);
   else s.optimizer->step();
+  impl.enter(detail::StepPhase::updated, "optimizer.step()");
   s.skipped = false;
   s.steps += 1;
   impl.last_step_applied = true;
+  return first;
+}
+
+}  // namespace
+
+void PreparedOptimizer::step() {
+  auto& s = *state_;
+  check_not_freed(s.impl, "optimizer");
+  auto& impl = *s.impl;
+  if (!impl.gradient_state->sync_gradients) return;  // accumulating: the step waits for the boundary
+  impl.notify([](detail::StepObserver& o) { o.optimizer_step_begins(); });
+  impl.unscale_gradients();
+  if (impl.step.overflow()) {
+    skip_step(s, impl);
+    impl.notify([](detail::StepObserver& o) { o.optimizer_step_ends(); });
+    return;
+  }
+  const bool first = apply_step(s, impl);
   impl.notify([](detail::StepObserver& o) { o.optimizer_step_ends(); });
   if (first) impl.notify([&](detail::StepObserver& o) { o.after_update(impl, s.steps); });
 }
@@ -206,8 +226,7 @@ at::Tensor AcceleratorImpl::loss_for_backward(const at::Tensor& loss) {
   if (!loss.defined()) throw Error("backward(): the loss tensor is undefined");
   at::Tensor scaled = loss / gradient_state->num_steps;
   if (scaler) scaled = scaled * scaler->scale();
-  unscaled = false;
-  overflow = false;
+  enter(detail::StepPhase::gradients, "backward()");
   return scaled;
 }
 
@@ -255,7 +274,7 @@ GradNorm AcceleratorImpl::clip_grad_norm(const std::vector<at::Tensor>& paramete
   auto& s = *this;
   if (!s.gradient_state->sync_gradients) return GradNorm();
   s.unscale_gradients();
-  if (s.scaler && s.overflow)
+  if (s.step.overflow())
     return GradNorm(at::scalar_tensor(std::numeric_limits<double>::infinity(), at::TensorOptions().dtype(at::kDouble).device(s.device)));
   if (parameters.empty()) return GradNorm();
   // The strategy of the model these parameters belong to knows which ranks hold which gradients.

@@ -6,8 +6,10 @@
 
 #include <cstdint>
 
-#include "xlr8/grad_norm.hpp"
 #include <vector>
+
+#include "step/step_state.hpp"
+#include "xlr8/grad_norm.hpp"
 
 namespace torch::nn {
 class Module;
@@ -32,6 +34,7 @@ class StepObserver {
   // The first prepared optimizer's step updates: gradients synchronised and unscaled, not applied yet (collective).
   virtual void before_update(AcceleratorImpl& impl, const std::vector<at::Tensor>& parameters, ParallelStrategy* owner) {}
   virtual void after_update(AcceleratorImpl& impl, int64_t step) {}  // ... and once applied: optimizer step `step`
+  virtual void on_phase(StepPhase from, StepPhase to) {}  // every transition of the step (step_state.hpp), once made
 };
 
 }  // namespace detail

@@ -1,7 +1,12 @@
-// DeepSpeed's loss-scaler state machine and the autocast scope.
+// DeepSpeed's loss-scaler state machine, the autocast scope, and the training step's phases (how fp16's
+// unscaling orders a step).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <fmt/format.h>
+
+#include "step/step_state.hpp"
+#include "xlr8/accelerator.hpp"
 #include "xlr8/autocast.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/loss_scaler.hpp"
@@ -116,4 +121,73 @@ TEST(Autocast, NormsTakeALowerPrecisionInputWithFp32WeightsOnCpu) {
     EXPECT_EQ(mixed[i].scalar_type(), at::kFloat);
     EXPECT_LT((mixed[i] - exact[i]).abs().max().item<double>(), 0.05 * exact[i].abs().max().item<double>() + 1e-3) << i;
   }
+}
+
+// The step's order as one table: a backward may start a step anywhere except over gradients already
+// unscaled under fp16; a step's gradients are readied once; optimizers apply ready gradients, and skip
+// overflowed ones, several per step.
+TEST(StepState, EachPhaseFollowsOnlyThePhasesTheStepsOrderAllows) {
+  using enum xlr8::detail::StepPhase;
+  const std::vector<xlr8::detail::StepPhase> all{idle, gradients, unscaled, overflowed, updated, skipped};
+  std::string table;
+  for (bool scaled : {false, true})
+    for (auto from : all) {
+      table += fmt::format("{}{}:", scaled ? "fp16 " : "", xlr8::detail::to_string(from));
+      for (auto next : all)
+        if (xlr8::detail::StepState::allowed(from, next, scaled)) table += fmt::format(" {}", xlr8::detail::to_string(next));
+      table += "\n";
+    }
+  EXPECT_EQ(table,
+            "idle: idle gradients unscaled overflowed\n"
+            "gradients: idle gradients unscaled overflowed\n"
+            "unscaled: idle gradients updated\n"
+            "overflowed: idle gradients skipped\n"
+            "updated: idle gradients updated\n"
+            "skipped: idle gradients skipped\n"
+            "fp16 idle: idle gradients unscaled overflowed\n"
+            "fp16 gradients: idle gradients unscaled overflowed\n"
+            "fp16 unscaled: idle updated\n"
+            "fp16 overflowed: idle skipped\n"
+            "fp16 updated: idle gradients updated\n"
+            "fp16 skipped: idle gradients skipped\n");
+  xlr8::detail::StepState state;
+  EXPECT_EQ(state.enter(gradients, "backward()"), idle);
+  EXPECT_EQ(state.enter(unscaled, "unscale"), gradients);
+  try {
+    state.enter(skipped, "optimizer.step()");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the training step is unscaled, which skipped cannot follow"), std::string::npos)
+        << e.what();
+  }
+}
+
+// Under fp16 a second backward after clipping and before the optimizer's step would add gradients at the
+// scale to unscaled ones: refused, naming the fix, and the step then goes on as if it had not been tried.
+TEST(StepState, Fp16BackwardOverUnscaledGradientsIsRefusedBeforeItComputes) {
+  AcceleratorOptions o;
+  o.mixed_precision = MixedPrecision::FP16;
+  Accelerator acc(o);
+  auto model = acc.prepare(torch::nn::Linear(torch::nn::LinearOptions(2, 1).bias(false)));
+  auto opt = acc.prepare(torch::optim::SGD(model->parameters(), 0.5));
+  const auto x = torch::ones({1, 2});
+  acc.backward(model->forward(x).sum());
+  acc.clip_grad_norm(model->parameters(), 100.0);
+  const auto unscaled = model->weight.grad().clone();
+  try {
+    acc.backward(model->forward(x).sum());
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("call every prepared optimizer's step() and zero_grad() before the next backward"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(model->weight.grad().equal(unscaled));
+  const auto before = model->weight.clone();
+  opt.step();
+  EXPECT_TRUE(torch::allclose(model->weight, before - 0.5));
+  opt.zero_grad();
+  acc.backward(model->forward(x).sum());  // the next step starts as usual
+  opt.step();
+  EXPECT_EQ(opt.steps_taken(), 2);
 }
