@@ -22,6 +22,7 @@
 #include "xlr8/format.hpp"
 #include "xlr8/grad_norm.hpp"
 #include "xlr8/parallel_plan.hpp"
+#include "xlr8/parallel_options.hpp"
 #include "xlr8/parallel_strategy.hpp"
 #include "xlr8/prepared.hpp"
 #include "xlr8/process_state.hpp"

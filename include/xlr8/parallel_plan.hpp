@@ -13,7 +13,7 @@
 
 #include "xlr8/device_mesh.hpp"
 #include "xlr8/loss_scaler.hpp"
-#include "xlr8/parallel_strategy.hpp"
+#include "xlr8/parallel_options.hpp"
 #include "xlr8/settings.hpp"
 
 namespace xlr8 {

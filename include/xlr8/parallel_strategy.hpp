@@ -19,21 +19,15 @@
 #include <unordered_set>
 #include <vector>
 
-#include "xlr8/ddp.hpp"
 #include "xlr8/grad_norm.hpp"
 #include "xlr8/gradient_state.hpp"
+#include "xlr8/named_tensors.hpp"
 #include "xlr8/placement.hpp"
 #include "xlr8/process_state.hpp"
-#include "xlr8/safetensors.hpp"
-#include "xlr8/zero.hpp"
 
 namespace xlr8 {
 
-// What AcceleratorOptions passes to the factory; each strategy reads its own part.
-struct ParallelOptions {
-  DDPOptions ddp;
-  ZeroOptions zero;
-};
+struct ParallelOptions;  // xlr8/parallel_options.hpp: each strategy's own options
 
 // FULL: every tensor whole, by name, on every rank. FULL_ON_MAIN: the same on the strategy group's rank 0
 // (FSDP's rank0_only; what save_model and save_state write), and elsewhere only names, dtypes and shapes

@@ -11,12 +11,13 @@
 #include <utility>
 #include <vector>
 
+#include "xlr8/named_tensors.hpp"
+
 namespace xlr8 {
 namespace files {
 class DurableFile;
 }
 
-using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
 
 struct SafetensorsContent {
   NamedTensors tensors;  // in file order, on the CPU

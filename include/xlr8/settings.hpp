@@ -99,8 +99,9 @@ struct Settings {
   // The one place the strategy is decided (as Accelerate's PartialState does): DeepSpeed when asked for;
   // otherwise NO on one process; else FSDP when asked for, else MULTI_GPU or MULTI_CPU.
   DistributedType distributed_type(bool distributed, bool gpu) const;
-  // Which strategy these settings ask for, independent of device and size: "ddp", "fsdp" or "deepspeed".
-  std::string strategy_name() const;
+  // Which family of Accelerate's distributed types these settings ask for, whatever the device and size:
+  // "ddp", "fsdp" or "deepspeed" (the data-parallel strategy itself is ParallelStrategy::name()).
+  std::string distributed_type_name() const;
 };
 
 struct Topology {

@@ -269,7 +269,8 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   detail::ParallelizeHooks hooks;
   hooks.after_tensor_parallel = [&](torch::nn::Module&) {
     values_from_rank0 = s.complete_values(module);
-    s.notify([&](detail::StepObserver& o) { o.on_prepare(s, *module, /*values_everywhere=*/!values_from_rank0); });
+    const auto training = s.view();
+    s.notify([&](detail::StepObserver& o) { o.on_prepare(training, *module, /*values_everywhere=*/!values_from_rank0); });
   };
   hooks.data_parallel_options = [&](torch::nn::Module& model, ParallelOptions& parallel) {
     if (s.deepspeed) s.deepspeed->configure_model(model, parallel, s.options.model_hidden_size);

@@ -10,6 +10,7 @@
 #include "diagnostics/verify_recorder.hpp"
 #include "step/step_observer.hpp"
 #include "step/step_state.hpp"
+#include "step/training_view.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/context_parallel.hpp"
 #include "xlr8/loss_scaler.hpp"
@@ -58,6 +59,8 @@ struct AcceleratorImpl {
   void notify(const Event& event) {
     for (auto* observer : observers) event(*observer);
   }
+  // What observers read of this training (step/training_view.hpp): built for the events that carry it.
+  detail::TrainingView view() const;
   // The step moves to `next` (StepState::enter's check, then every observer's on_phase).
   void enter(detail::StepPhase next, const char* caller);
 

@@ -13,6 +13,7 @@
 #include "accelerate/accelerator_impl.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8 {
 
@@ -44,6 +45,18 @@ void AcceleratorImpl::check_attention_went_through_cp() {
       state->mesh().size(MeshDim::sp) > 1 ? "parallelism_config_sp_size" : "parallelism_config_cp_size",
       state->mesh().size(MeshDim::cp) * state->mesh().size(MeshDim::sp),
       suspects.empty() ? std::string("the model's attention module") : text::capped(suspects)));
+}
+
+detail::TrainingView AcceleratorImpl::view() const {
+  detail::TrainingView v{*state, device, plan, gradient_state->num_steps, {}, {}, {}, {}};
+  for (const auto& m : models) v.models.push_back(m.get());
+  for (const auto& o : optimizers) v.optimizers.push_back(o->optimizer.get());
+  for (const auto& weak : loaders)
+    if (auto loader = weak.lock()) v.loaders.push_back(std::move(loader));
+  v.write_full_model = [this](const torch::nn::Module& module, const std::string& dir) {
+    write_full_model(*this, module, dir);
+  };
+  return v;
 }
 
 void AcceleratorImpl::enter(detail::StepPhase next, const char* caller) {
@@ -99,7 +112,8 @@ bool apply_step(PreparedOptimizer::State& s, AcceleratorImpl& impl) {
   const bool first = !impl.optimizers.empty() && impl.optimizers.front().get() == &s;
   if (first && !impl.observers.empty()) {
     const auto parameters = owner ? owner->module()->parameters() : impl.optimized_parameters();
-    impl.notify([&](detail::StepObserver& o) { o.before_update(impl, parameters, owner); });
+    const auto training = impl.view();
+    impl.notify([&](detail::StepObserver& o) { o.before_update(training, parameters, owner); });
   }
   if (impl.plan.clip_at_step > 0)  // DeepSpeed's gradient_clipping, over the whole model's gradients
     impl.clip_grad_norm(owner ? owner->module()->parameters() : impl.optimized_parameters(), impl.plan.clip_at_step, 2.0);
@@ -128,7 +142,9 @@ void PreparedOptimizer::step() {
   }
   const bool first = apply_step(s, impl);
   impl.notify([](detail::StepObserver& o) { o.optimizer_step_ends(); });
-  if (first) impl.notify([&](detail::StepObserver& o) { o.after_update(impl, s.steps); });
+  if (!first || impl.observers.empty()) return;
+  const auto training = impl.view();
+  impl.notify([&](detail::StepObserver& o) { o.after_update(training, s.steps); });
 }
 
 void PreparedOptimizer::zero_grad(bool set_to_none) {
@@ -243,7 +259,7 @@ void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
   AutocastPause outside_autocast;
   scaled.backward({}, retain_graph);
   for (const auto& model : impl_->models)
-    if (auto never = detail::checkpointed_units_never_run(*model->module()); !never.empty())
+    if (auto never = detail::recomputed_units_never_run(*model->module()); !never.empty())
       throw ConfigError(fmt::format("fsdp_activation_checkpointing: unit(s) {} ran no forward through "
                                     "xlr8::sharded(*this, body, inputs...), so they were not checkpointed; write "
                                     "their forward in that form (xlr8/unshard.hpp)",

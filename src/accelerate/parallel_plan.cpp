@@ -3,6 +3,7 @@
 
 #include <fmt/format.h>
 
+#include "parallel/parallelize.hpp"
 #include "parallel/shard/zero_strategy.hpp"
 #include "deepspeed/deepspeed_plugin.hpp"
 #include "xlr8/context_parallel.hpp"
@@ -94,7 +95,6 @@ ParallelPlan resolve_plan(const PlanInputs& in, const Env& env) {
         plan.gradient_accumulation_steps = static_cast<int>(*json.gradient_accumulation_steps);
       plan.clip_at_step = json.gradient_clipping;
     }
-    apply_zero_config(json.zero_optimization, parallel);
     if (in.from_engine) plan.tensor.deepspeed_rules = tensor_rules(json);
   } else if (settings.deepspeed && settings.deepspeed->gradient_clipping) {
     plan.clip_at_step = *settings.deepspeed->gradient_clipping;  // --gradient_clipping: DeepSpeed clips every step
@@ -103,13 +103,10 @@ ParallelPlan resolve_plan(const PlanInputs& in, const Env& env) {
   if (plan.mixed_precision == MixedPrecision::FP16)
     plan.loss_scaler = in.deepspeed ? deepspeed::loss_scaler_options(in.deepspeed->fp16, in.deepspeed->zero_optimization.stage)
                                     : LossScalerOptions{};
-  parallel.zero = resolve_zero_options(parallel.zero, settings, in.state->local_world_size());
+  parallel = resolve_parallel_options(std::move(parallel), in.deepspeed ? &in.deepspeed->zero_optimization : nullptr,
+                                      settings, in.state->local_world_size(), in.device.is_cpu());
   if (!parallel.zero.param_dtype) parallel.zero.param_dtype = sharded_param_dtype(plan.mixed_precision, in.device, env);
-  // Offload moves state from an accelerator's memory to the host's; parameters on the CPU are there already.
-  if (in.device.is_cpu()) parallel.zero.offload_optimizer = parallel.zero.offload_params = false;
-  // Context-parallel (and Ulysses) peers share the weights and see different tokens: gradients are
-  // averaged, and FSDP shards, over dp x cp (torchtitan's rule; DeepSpeed's sequence-data-parallel group).
-  plan.data_parallel_dim = mesh.size(MeshDim::dp_cp) > mesh.size(MeshDim::dp) ? MeshDim::dp_cp : MeshDim::dp;
+  plan.data_parallel_dim = data_parallel_dim(mesh);
   plan.strategy = strategy_of(parallel.zero, mesh.size(plan.data_parallel_dim));
   plan.data_parallel = std::move(parallel);
   return plan;

@@ -101,7 +101,7 @@ DistributedType Settings::distributed_type(bool distributed, bool gpu) const {
   return gpu ? DistributedType::MULTI_GPU : DistributedType::MULTI_CPU;
 }
 
-std::string Settings::strategy_name() const {
+std::string Settings::distributed_type_name() const {
   switch (distributed_type(/*distributed=*/true, /*gpu=*/false)) {
     case DistributedType::DEEPSPEED: return "deepspeed";
     case DistributedType::FSDP: return "fsdp";

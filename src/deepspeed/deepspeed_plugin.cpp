@@ -44,9 +44,6 @@ std::vector<double> DummyScheduler::get_lrs() {
 namespace detail {
 namespace {
 
-// DeepSpeed counts bucket sizes in elements; the strategies take megabytes (of float32 gradients).
-double megabytes_of(int64_t elements) { return static_cast<double>(elements) * 4.0 / (1024.0 * 1024.0); }
-
 bool explicitly_enabled(const nlohmann::json& document, const char* section) {
   if (!document.contains(section) || !document.at(section).is_object()) return false;
   const auto& enabled = document.at(section).value("enabled", nlohmann::json(false));
@@ -64,41 +61,6 @@ std::optional<int64_t> embedding_width(torch::nn::Module& model) {
 }
 
 }  // namespace
-
-void apply_zero_sizes(const deepspeed::ZeroConfig& z, ParallelOptions& parallel) {
-  parallel.zero.bucket_cap_mb = parallel.zero.first_bucket_mb = megabytes_of(z.reduce_bucket_size);
-  parallel.ddp.bucket_cap_mb = parallel.ddp.first_bucket_mb = megabytes_of(z.reduce_bucket_size);
-  // Options the plan resolved have their stage; unresolved ones (-1) take the JSON's.
-  if ((parallel.zero.stage >= 0 ? parallel.zero.stage : z.stage) != 3) return;
-  parallel.zero.param_persistence_threshold = z.stage3_param_persistence_threshold;
-  // DeepSpeed prefetches the next submodules' parameters up to the bucket, within the live bound (a
-  // bound of at least 1 marks them as set: an empty bucket or bound prefetches nothing).
-  parallel.zero.max_live_elements = std::max<int64_t>(1, z.stage3_max_live_parameters);
-  parallel.zero.prefetch_bucket_elements = z.stage3_max_live_parameters > 0 ? z.stage3_prefetch_bucket_size : 0;
-  parallel.zero.forward_prefetch = parallel.zero.prefetch_bucket_elements > 0;
-  parallel.zero.backward_prefetch = parallel.zero.forward_prefetch ? BackwardPrefetch::BACKWARD_PRE : BackwardPrefetch::NONE;
-}
-
-void apply_zero_config(const deepspeed::ZeroConfig& z, ParallelOptions& parallel) {
-  if (parallel.zero.stage < 0) parallel.zero.stage = z.stage;
-  if (parallel.zero.stage == 3 && parallel.zero.auto_wrap_policy == AutoWrapPolicy::NO_WRAP)
-    parallel.zero.auto_wrap_policy = AutoWrapPolicy::GUARDED_MODULES;  // DeepSpeed gathers submodule by submodule
-  apply_zero_sizes(z, parallel);
-  // Offload to the CPU (ZeRO-Offload); NVMe (ZeRO-Infinity) is not built.
-  for (const auto& [o, key] : {std::pair{&z.offload_optimizer, "offload_optimizer"}, std::pair{&z.offload_param, "offload_param"}})
-    if (o->device == "nvme")
-      throw ConfigError(fmt::format("zero_optimization.{}.device is \"nvme\" (ZeRO-Infinity), which xlr8 does not "
-                                    "implement; use \"cpu\" (host memory) or \"none\"",
-                                    key));
-  parallel.zero.offload_optimizer = parallel.zero.offload_optimizer || z.offload_optimizer.device == "cpu";
-  parallel.zero.offload_params = parallel.zero.offload_params || z.offload_param.device == "cpu";
-  parallel.zero.offload_ratio = z.offload_optimizer.ratio;
-  // Each section's pin_memory counts only when that section offloads.
-  parallel.zero.offload_pin_memory = (z.offload_optimizer.device != "cpu" || z.offload_optimizer.pin_memory) &&
-                                     (z.offload_param.device != "cpu" || z.offload_param.pin_memory);
-  // DeepSpeed's ZeRO reduces every gradient, a missing one as zeros (ignore_unused_parameters).
-  parallel.ddp.find_unused_parameters = parallel.zero.stage > 0 && z.ignore_unused_parameters;
-}
 
 void mark_leaf_modules(torch::nn::Module& model, const deepspeed::LeafModuleConfig& leaf) {
   if (!leaf.classes.empty()) deepspeed::set_z3_leaf_modules(model, leaf.classes);

@@ -11,19 +11,12 @@
 #include <string>
 #include <vector>
 
+#include "parallel/shard/zero_options.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/deepspeed_config.hpp"
 #include "xlr8/settings.hpp"
 
 namespace xlr8::detail {
-
-// The zero_optimization keys on the strategies' options: stage (unless the program chose one), bucket
-// sizes (elements -> megabytes of float32), stage 3's units and persistence threshold, unused
-// parameters. Shared by the engine and the Accelerator.
-void apply_zero_config(const deepspeed::ZeroConfig& zero, ParallelOptions& parallel);
-// Its sizes alone (bucket sizes; stage 3's persistence threshold, live bound and prefetch bucket), which a JSON's
-// "auto" fills from each model's hidden size: options the plan resolved take them per model.
-void apply_zero_sizes(const deepspeed::ZeroConfig& zero, ParallelOptions& parallel);
 
 // zero_optimization.leaf_module: marks the modules it names (ConfigError when a list matches none).
 void mark_leaf_modules(torch::nn::Module& model, const deepspeed::LeafModuleConfig& leaf);

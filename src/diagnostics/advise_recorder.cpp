@@ -17,7 +17,7 @@
 #include "distributed/collective_timing.hpp"
 #include "parallel/sequence/cp_ring.hpp"
 #include "parallel/tensor/tp_layer_kinds.hpp"
-#include "accelerate/accelerator_impl.hpp"
+#include "step/training_view.hpp"
 #include "diagnostics/memory_meter.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
@@ -37,7 +37,7 @@ double peak_rss_bytes() {
 
 // Bytes of parameters, gradients and optimizer state this rank holds now: each storage once (a DDP
 // gradient is a view of its bucket; a sharded strategy's optimizer steps flat shards).
-double static_bytes(const AcceleratorImpl& impl) {
+double static_bytes(const TrainingView& training) {
   std::set<const void*> seen;
   double total = 0;
   auto count = [&](const at::Tensor& t) {
@@ -46,16 +46,16 @@ double static_bytes(const AcceleratorImpl& impl) {
     if (storage.nbytes() == 0 || !seen.insert(storage.data()).second) return;
     total += static_cast<double>(storage.nbytes());
   };
-  for (const auto& model : impl.models)
+  for (const auto& model : training.models)
     for (const auto& p : model->module()->parameters()) count(p), count(p.grad());
-  for (const auto& o : impl.optimizers) {
-    const bool portable = checkpoints::portable_optimizer_kind(*o->optimizer).has_value();
-    for (const auto& group : o->optimizer->param_groups())
+  for (const auto* optimizer : training.optimizers) {
+    const bool portable = checkpoints::portable_optimizer_kind(*optimizer).has_value();
+    for (const auto& group : optimizer->param_groups())
       for (const auto& p : group.params()) {
         count(p);
         count(p.grad());
         if (!portable) continue;
-        if (auto state = checkpoints::read_parameter_state(*o->optimizer, p))
+        if (auto state = checkpoints::read_parameter_state(*optimizer, p))
           for (const auto& [name, t] : state->tensors) count(t);
       }
   }
@@ -63,14 +63,11 @@ double static_bytes(const AcceleratorImpl& impl) {
 }
 
 // Samples per optimizer step over every rank (the first prepared loader's); 0 without a prepared loader.
-double samples_per_step(const AcceleratorImpl& impl) {
-  for (const auto& weak : impl.loaders)
-    if (auto loader = weak.lock()) {
-      const auto& o = loader->options();
-      return static_cast<double>(o.batch_size) * (impl.plan.split_batches ? 1 : loader->sharding().num_processes) *
-             impl.gradient_state->num_steps;
-    }
-  return 0;
+double samples_per_step(const TrainingView& training) {
+  if (training.loaders.empty()) return 0;
+  const auto& loader = training.loaders.front();
+  return static_cast<double>(loader->options().batch_size) *
+         (training.plan.split_batches ? 1 : loader->sharding().num_processes) * training.accumulation_steps;
 }
 
 // What tensor parallelism of each size the world allows would do to this (whole) model: the parameters
@@ -132,26 +129,26 @@ std::unique_ptr<AdviseRecorder> AdviseRecorder::from_env() {
 // Each machine's advise reads its own folder: the first rank of each machine writes there (the figures are
 // the world's, all-reduced), every rank its done.<local rank>. Then the rank waits to be stopped: a rank that
 // went on would enter a collective whose peers on another machine are being stopped, and fail.
-void AdviseRecorder::finish(AcceleratorImpl& impl, const std::string& file, const std::string& text) {
-  const int local_rank = impl.state->local_rank();
+void AdviseRecorder::finish(const TrainingView& training, const std::string& file, const std::string& text) {
+  const int local_rank = training.process.local_rank();
   if (local_rank == 0) files::write_durably(fmt::format("{}/{}", dir_, file), text);
   std::ofstream(fmt::format("{}/done.{}", dir_, local_rank)) << "done\n";
   std::this_thread::sleep_for(std::chrono::seconds(60));
   throw Error(fmt::format("rank {}: xlr8 advise did not stop this run within 60 s of its measurement (XLR8_ADVISE_DIR={})",
-                          impl.state->rank(), dir_));
+                          training.process.rank(), dir_));
 }
 
-void AdviseRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module, bool) {
-  if (steps_ > 0) memory_meter::install(impl.device);  // before the strategy allocates its buffers
+void AdviseRecorder::on_prepare(const TrainingView& training, torch::nn::Module& module, bool) {
+  if (steps_ > 0) memory_meter::install(training.device);  // before the strategy allocates its buffers
   // Whole sizes: a tensor-parallel run holds slices.
   for (const auto& [name, placement] : tp::parameter_placements(module))
     parameters_ += static_cast<double>(placement.whole_numel());
   if (std::exchange(probed_, true)) return;
   const std::string probe =
-      nlohmann::json{{"parameters", parameters_}, {"tensor_parallel", tensor_parallel_options(module, impl.world().size())}}
+      nlohmann::json{{"parameters", parameters_}, {"tensor_parallel", tensor_parallel_options(module, training.world().size())}}
           .dump();
-  if (steps_ == 0) return finish(impl, "probe.json", probe);
-  if (impl.state->local_rank() == 0) files::write_durably(fmt::format("{}/probe.json", dir_), probe);
+  if (steps_ == 0) return finish(training, "probe.json", probe);
+  if (training.process.local_rank() == 0) files::write_durably(fmt::format("{}/probe.json", dir_), probe);
 }
 
 void AdviseRecorder::optimizer_step_begins() {
@@ -167,28 +164,28 @@ void AdviseRecorder::optimizer_step_ends() {
   optimizer_waited_ns_ += collective_wait_ns() - optimizer_wait_began_;
 }
 
-void AdviseRecorder::after_update(AcceleratorImpl& impl, int64_t step) {
+void AdviseRecorder::after_update(const TrainingView& training, int64_t step) {
   if (steps_ == 0 || measured_) return;
   const auto now = std::chrono::steady_clock::now();
   const int64_t waited_now = collective_wait_ns();
-  if (step == warmup_) start_window(impl);
+  if (step == warmup_) start_window(training);
   if (step <= warmup_) return;
   const int64_t timed = step - warmup_;
   const double seconds = std::chrono::duration<double>(now - started_).count();
   const double waited_outside = static_cast<double>(waited_now - waited_at_start_ - optimizer_waited_ns_) / 1e9;
   const double compute_seconds = std::max(0.0, seconds - optimizer_seconds_ - waited_outside);
-  const double samples = samples_per_step(impl);
+  const double samples = samples_per_step(training);
   const double throughput = (samples > 0 ? samples : 1.0) * static_cast<double>(timed) / std::max(seconds, 1e-9);
   double verdict = 0;
-  if (impl.state->rank() == 0)
+  if (training.process.rank() == 0)
     verdict = timed >= steps_ && seconds >= min_seconds_ ? 2 : cut_below_ > 0 && throughput < cut_below_ ? 1 : 0;
-  conclude(impl, verdict, timed, seconds, compute_seconds);
+  conclude(training, verdict, timed, seconds, compute_seconds);
 }
 
-void AdviseRecorder::start_window(AcceleratorImpl& impl) {
-  state_at_start_ = static_bytes(impl);
-  memory_meter::reset_peak(impl.device);
-  live_at_start_ = memory_meter::read(impl.device).live;
+void AdviseRecorder::start_window(const TrainingView& training) {
+  state_at_start_ = static_bytes(training);
+  memory_meter::reset_peak(training.device);
+  live_at_start_ = memory_meter::read(training.device).live;
   waited_at_start_ = collective_wait_ns();
   optimizer_waited_ns_ = 0;
   optimizer_seconds_ = 0;
@@ -196,25 +193,25 @@ void AdviseRecorder::start_window(AcceleratorImpl& impl) {
   started_ = std::chrono::steady_clock::now();
 }
 
-void AdviseRecorder::conclude(AcceleratorImpl& impl, double verdict, int64_t timed, double seconds,
+void AdviseRecorder::conclude(const TrainingView& training, double verdict, int64_t timed, double seconds,
                               double compute_seconds) {
   // Rank 0's clock decides for all: 2 stops after the timed steps, 1 stops early (too slow to win).
-  auto flag = at::full({1}, verdict, at::kDouble).to(impl.device);
-  impl.world().all_reduce(flag, ReduceOp::MAX);
+  auto flag = at::full({1}, verdict, at::kDouble).to(training.device);
+  training.world().all_reduce(flag, ReduceOp::MAX);
   verdict = flag.item<double>();
   if (verdict == 0) return;
   measured_ = true;
-  const double peak_tensors = state_at_start_ + static_cast<double>(memory_meter::read(impl.device).peak - live_at_start_);
+  const double peak_tensors = state_at_start_ + static_cast<double>(memory_meter::read(training.device).peak - live_at_start_);
   // One MAX over the world; the compute time negated, so that it comes back as the smallest.
   auto measured =
-      at::tensor({static_bytes(impl), peak_rss_bytes(), peak_tensors, -compute_seconds}, at::kDouble).to(impl.device);
-  impl.world().all_reduce(measured, ReduceOp::MAX);
+      at::tensor({static_bytes(training), peak_rss_bytes(), peak_tensors, -compute_seconds}, at::kDouble).to(training.device);
+  training.world().all_reduce(measured, ReduceOp::MAX);
   measured = measured.cpu();
-  finish(impl, "result.json",
+  finish(training, "result.json",
          nlohmann::json{{"parameters", parameters_},
                         {"seconds", seconds},
                         {"steps", timed},
-                        {"samples_per_step", samples_per_step(impl)},
+                        {"samples_per_step", samples_per_step(training)},
                         {"cut", verdict == 1},
                         {"attention_calls", cp::detail::entry_calls()},
                         {"static_bytes", measured[0].item<double>()},

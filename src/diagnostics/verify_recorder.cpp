@@ -9,11 +9,10 @@
 #include <limits>
 
 #include "checkpoint/files.hpp"
-#include "accelerate/accelerator_impl.hpp"
+#include "step/training_view.hpp"
 #include "xlr8/tensor_parallel.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/safetensors.hpp"
-#include "xlr8/tensor_parallel.hpp"
 #include "xlr8/env.hpp"
 
 namespace xlr8::detail {
@@ -41,7 +40,7 @@ std::unique_ptr<VerifyRecorder> VerifyRecorder::from_env() {
   return r;
 }
 
-void VerifyRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module, bool values_everywhere) {
+void VerifyRecorder::on_prepare(const TrainingView& training, torch::nn::Module& module, bool values_everywhere) {
   const std::string prefix = model_prefix(models_);
   ++models_;
   for (const auto& item : module.named_modules()) {
@@ -61,14 +60,14 @@ void VerifyRecorder::on_prepare(AcceleratorImpl& impl, torch::nn::Module& module
     sums.push_back(at::stack({values.sum(), values.pow(2).sum()}));
   }
   auto differs_over = [&](Communicator& group) {
-    auto low = at::stack(sums).to(impl.device), high = low.clone();
+    auto low = at::stack(sums).to(training.device), high = low.clone();
     group.all_reduce(low, ReduceOp::MIN);
     group.all_reduce(high, ReduceOp::MAX);
     return low.ne(high).any(1).cpu();
   };
-  auto& mesh = impl.state->mesh();
+  auto& mesh = training.process.mesh();
   const auto sliced = tp::sliced_parameters(module);
-  const auto over_world = differs_over(impl.world());
+  const auto over_world = differs_over(training.world());
   const auto over_replicas = mesh.size(MeshDim::tp) > 1 ? differs_over(mesh.group(MeshDim::dp_cp)) : over_world;
   for (size_t i = 0; i < params.size(); ++i) {
     const auto& differs = sliced.contains(params[i].value()) ? over_replicas : over_world;
@@ -81,29 +80,28 @@ void VerifyRecorder::on_backward(const at::Tensor& loss) {
   pending_micro_ += 1;
 }
 
-void VerifyRecorder::before_update(AcceleratorImpl& impl, const std::vector<at::Tensor>& parameters,
+void VerifyRecorder::before_update(const TrainingView& training, const std::vector<at::Tensor>& parameters,
                                  ParallelStrategy* owner) {
-  auto mean = at::full({1}, pending_micro_ ? pending_loss_ / pending_micro_ : 0.0, at::kDouble).to(impl.device);
+  auto mean = at::full({1}, pending_micro_ ? pending_loss_ / pending_micro_ : 0.0, at::kDouble).to(training.device);
   micro_steps_ = pending_micro_;
   pending_loss_ = 0;
   pending_micro_ = 0;
-  impl.world().all_reduce(mean, ReduceOp::SUM);
-  loss_ = mean.item<double>() / impl.world().size();
+  training.world().all_reduce(mean, ReduceOp::SUM);
+  loss_ = mean.item<double>() / training.world().size();
   // The epoch's last global batch, when the ranks cannot share it evenly: a loss averaged per rank weighs its
   // samples unequally there (even_batches pads with repeated samples; without it, shares of a short batch differ).
   short_batch_ = 0;
-  for (const auto& weak : impl.loaders)
-    if (auto loader = weak.lock()) {
-      const int64_t ranks = loader->sharding().num_processes;
-      const int64_t global = loader->options().batch_size * (impl.plan.split_batches ? 1 : ranks);
-      const int64_t rest = global > 0 ? loader->dataset_size() % global : 0;
-      const bool uneven = rest % ranks != 0 || !loader->sharding().even_batches;
-      if (loader->batches_yielded() == loader->size() && rest != 0 && uneven) short_batch_ = rest;
-      break;
-    }
-  if (impl.world().size() == 1)  // the reference: whole gradients on the module's own parameters
-    for (size_t i = 0; i < impl.models.size(); ++i)
-      for (const auto& item : impl.models[i]->module()->named_parameters()) {
+  if (!training.loaders.empty()) {  // the first prepared loader's
+    const auto& loader = training.loaders.front();
+    const int64_t ranks = loader->sharding().num_processes;
+    const int64_t global = loader->options().batch_size * (training.plan.split_batches ? 1 : ranks);
+    const int64_t rest = global > 0 ? loader->dataset_size() % global : 0;
+    const bool uneven = rest % ranks != 0 || !loader->sharding().even_batches;
+    if (loader->batches_yielded() == loader->size() && rest != 0 && uneven) short_batch_ = rest;
+  }
+  if (training.world().size() == 1)  // the reference: whole gradients on the module's own parameters
+    for (size_t i = 0; i < training.models.size(); ++i)
+      for (const auto& item : training.models[i]->module()->named_parameters()) {
         const auto& g = item.value().grad();
         if (!g.defined() || !g.sizes().equals(item.value().sizes())) continue;
         const auto name = model_prefix(static_cast<int>(i)) + item.key();
@@ -119,7 +117,7 @@ void VerifyRecorder::before_update(AcceleratorImpl& impl, const std::vector<at::
   clipped_from_.reset();
 }
 
-void VerifyRecorder::after_update(AcceleratorImpl& impl, int64_t step) {
+void VerifyRecorder::after_update(const TrainingView& training, int64_t step) {
   if (step > steps_) return;
   record_["steps"].push_back({{"step", step},
                               {"loss", loss_},
@@ -128,15 +126,15 @@ void VerifyRecorder::after_update(AcceleratorImpl& impl, int64_t step) {
                               {"micro_steps", micro_steps_}});
   const bool last = step == steps_;
   if (last) {
-    for (size_t i = 0; i < impl.models.size(); ++i)
-      write_full_model(impl, *impl.models[i]->module(), fmt::format("{}/model_{}", dir_, i));
+    for (size_t i = 0; i < training.models.size(); ++i)
+      training.write_full_model(*training.models[i]->module(), fmt::format("{}/model_{}", dir_, i));
     if (!grad_max_.empty())
       save_safetensors(dir_ + "/grad_max.safetensors", NamedTensors(grad_max_.begin(), grad_max_.end()));
   }
-  const int rank = impl.state->rank();
+  const int rank = training.process.rank();
   if (rank == 0) {
-    record_["world_size"] = impl.world().size();
-    record_["data_parallel"] = impl.state->mesh().size(MeshDim::dp);  // the ranks that share each global batch
+    record_["world_size"] = training.world().size();
+    record_["data_parallel"] = training.process.mesh().size(MeshDim::dp);  // the ranks that share each global batch
     record_["complete"] = last;
     files::write_durably(dir_ + "/record.json", record_.dump(1));
   }

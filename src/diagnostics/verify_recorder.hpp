@@ -29,13 +29,13 @@ class VerifyRecorder final : public StepObserver {
   int micro_split() const { return micro_split_; }
   // Parameters that differ across ranks before the strategy syncs them (unless only the main process built the
   // values), dropout, BatchNorm.
-  void on_prepare(AcceleratorImpl& impl, torch::nn::Module& module, bool values_everywhere) override;
+  void on_prepare(const TrainingView& training, torch::nn::Module& module, bool values_everywhere) override;
   void on_backward(const at::Tensor& loss) override;
   // The program clipped: what clip_grad_norm returned (the norm before clipping) is this step's.
   void on_clip_grad_norm(const GradNorm& norm) override { clipped_from_ = norm.value(); }
-  void before_update(AcceleratorImpl& impl, const std::vector<at::Tensor>& parameters, ParallelStrategy* owner) override;
+  void before_update(const TrainingView& training, const std::vector<at::Tensor>& parameters, ParallelStrategy* owner) override;
   // The record, and at step K the parameters (collective).
-  void after_update(AcceleratorImpl& impl, int64_t step) override;
+  void after_update(const TrainingView& training, int64_t step) override;
 
  private:
   std::string dir_;

@@ -128,14 +128,15 @@ void configure_environment(const Settings& settings, const Topology& topology) {
     std::lock_guard<std::mutex> lock(g_mutex);
     if (g_state) {
       const auto& current = g_state->settings();
-      if (current.strategy_name() != settings.strategy_name() || current.mixed_precision != settings.mixed_precision ||
-          current.fsdp != settings.fsdp || current.deepspeed != settings.deepspeed)
+      if (current.distributed_type_name() != settings.distributed_type_name() ||
+          current.mixed_precision != settings.mixed_precision || current.fsdp != settings.fsdp ||
+          current.deepspeed != settings.deepspeed)
         throw Error(fmt::format(
             "configure_environment() was called after the ProcessState was created: the state already runs as {} "
             "with mixed_precision={}, and cannot switch to {} with mixed_precision={}. Call configure_environment() "
             "before anything creates the state (xlr8::Accelerator, ProcessState::instance()), as early as possible "
             "in the worker",
-            to_string(g_state->distributed_type()), to_string(current.mixed_precision), settings.strategy_name(),
+            to_string(g_state->distributed_type()), to_string(current.mixed_precision), settings.distributed_type_name(),
             to_string(settings.mixed_precision)));
       return;  // same settings: nothing to change
     }

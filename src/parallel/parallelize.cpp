@@ -26,12 +26,12 @@ void check_split(torch::nn::Module& module, const tp::SlicedParameters& sliced, 
 }
 
 // fsdp_activation_checkpointing: every unit of the wrap policy is recomputed in backward (after TP split its
-// layers, before the sharding engine takes its parameters: torchtitan's order).
+// layers, before the sharded model takes its parameters: torchtitan's order).
 void recompute_units(const torch::nn::Module& module, const ZeroOptions& zero) {
   int marked = 0;
   for (const auto& unit : plan_units(module, zero))
     if (unit.module && unit.module != &module) {
-      mark_checkpointed_unit(*unit.module, unit.label, module);
+      mark_recomputed_unit(*unit.module, unit.label, module);
       ++marked;
     }
   if (marked == 0)
@@ -78,6 +78,10 @@ void split_for_tensor_parallel(torch::nn::Module& module, DeviceMesh& mesh, cons
   }
   log::info("prepare(): parallelism_config_tp_size {}: AutoTP split the model's layers (no plan was applied){}", tp,
             sp_note);
+}
+
+MeshDim data_parallel_dim(const DeviceMesh& mesh) {
+  return mesh.size(MeshDim::dp_cp) > mesh.size(MeshDim::dp) ? MeshDim::dp_cp : MeshDim::dp;
 }
 
 std::unique_ptr<ParallelStrategy> parallelize(std::shared_ptr<torch::nn::Module> module, const ParallelPlan& plan,

@@ -28,6 +28,11 @@ struct ParallelizeHooks {
   std::shared_ptr<const GradientState> gradient_state;
 };
 
+// The dimension whose group averages gradients (and FSDP shards over): dp x cp when the sequence is split,
+// since context-parallel (and Ulysses) peers share the weights and see different tokens (torchtitan's rule;
+// DeepSpeed's sequence-data-parallel group); else dp.
+MeshDim data_parallel_dim(const DeviceMesh& mesh);
+
 // Collective over the mesh's groups the steps use. Returns the strategy that owns the model from now on.
 std::unique_ptr<ParallelStrategy> parallelize(std::shared_ptr<torch::nn::Module> module, const ParallelPlan& plan,
                                               DeviceMesh& mesh, const ParallelizeHooks& hooks);

@@ -6,8 +6,10 @@
 #include <map>
 
 #include "parallel/state_dict_check.hpp"
+#include "parallel/parallelize.hpp"
 #include "parallel/shard/zero_strategy.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/parallel_options.hpp"
 #include "xlr8/parallel_strategy.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
@@ -80,7 +82,7 @@ class DataParallelReplicas final : public ParallelStrategy {
         gradient_state_(std::move(gradient_state)) {}
   std::string name() const override { return "ddp"; }
   void begin_step(bool suspend_sync) override {
-    // The engine's switch follows the one decision; it holds no opinion of its own.
+    // DDP's switch follows the one decision; it holds no opinion of its own.
     ddp_.set_sync(!suspend_sync && (!gradient_state_ || gradient_state_->sync_gradients));
     ddp_.sync_buffers();  // as PyTorch DDP's broadcast_buffers: rank 0's buffers before each forward
   }
@@ -108,7 +110,7 @@ std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::
   if (offloads && options.zero.stage < 1)
     throw ConfigError("offload (offload_optimizer / offload_param, fsdp_offload_params) needs ZeRO stage 1, 2 or 3 "
                       "(FSDP: FULL_SHARD or SHARD_GRAD_OP); the strategy is DDP: set a stage, or turn offload off");
-  // One process offloads too (ZeRO-Offload's single-GPU case): the sharding engine over a group of one.
+  // One process offloads too (ZeRO-Offload's single-GPU case): the sharded model over a group of one.
   if (data_parallel.size() == 1 && !offloads) return std::make_unique<SingleProcess>(std::move(module));
   if (options.zero.stage > 0)
     return detail::make_zero_strategy(std::move(module), std::move(data_parallel), options, std::move(gradient_state));
@@ -119,17 +121,13 @@ std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::
 std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::nn::Module> module,
                                                          const ProcessState& state, const ParallelOptions& options,
                                                          std::shared_ptr<const GradientState> gradient_state) {
-  auto resolved = options;
-  resolved.zero = detail::resolve_zero_options(options.zero, state.settings(), state.local_world_size());
-  // Offload moves state from an accelerator's memory to the host's; parameters on the CPU are there already.
+  // The same decisions as the Accelerator's plan (resolve_plan), from the same helpers.
   const auto parameters = module ? module->parameters() : std::vector<at::Tensor>{};
-  if (!parameters.empty() && parameters.front().device().is_cpu())
-    resolved.zero.offload_optimizer = resolved.zero.offload_params = false;
-  // Context-parallel (and Ulysses) peers share the weights and see different tokens: gradients are
-  // averaged, and FSDP shards, over dp x cp (torchtitan's rule; DeepSpeed's sequence-data-parallel group).
+  const auto resolved = detail::resolve_parallel_options(options, nullptr, state.settings(), state.local_world_size(),
+                                                         !parameters.empty() && parameters.front().device().is_cpu());
   auto& mesh = state.mesh();
-  const auto over = mesh.size(MeshDim::dp_cp) > mesh.size(MeshDim::dp) ? MeshDim::dp_cp : MeshDim::dp;
-  return make_parallel_strategy(std::move(module), mesh.group(over), resolved, std::move(gradient_state));
+  return make_parallel_strategy(std::move(module), mesh.group(detail::data_parallel_dim(mesh)), resolved,
+                                std::move(gradient_state));
 }
 
 }  // namespace xlr8

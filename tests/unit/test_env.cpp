@@ -134,7 +134,7 @@ TEST(Settings, AccelerateSpellings) {
   auto s = settings_from_env(Env({{"ACCELERATE_USE_FSDP", "true"}, {"FSDP_SHARDING_STRATEGY", "2"}}));
   ASSERT_TRUE(s.fsdp);
   EXPECT_EQ(s.fsdp->sharding_strategy, ShardingStrategy::SHARD_GRAD_OP);
-  EXPECT_EQ(s.strategy_name(), "fsdp");
+  EXPECT_EQ(s.distributed_type_name(), "fsdp");
   auto v1 = settings_from_env(Env({{"ACCELERATE_USE_FSDP", "1"}, {"FSDP_RESHARD_AFTER_FORWARD", "NO_SHARD"}}));
   EXPECT_EQ(v1.fsdp->sharding_strategy, ShardingStrategy::NO_SHARD);
 }

@@ -139,7 +139,7 @@ TEST(ConfigureEnvironment, SetsTheLauncherVariablesAndRefusesLateStrategyChanges
     EXPECT_EQ(std::getenv("ACCELERATE_USE_FSDP"), nullptr);
   }
   const auto& state = ProcessState::instance();
-  EXPECT_EQ(state.settings().strategy_name(), "ddp");
+  EXPECT_EQ(state.settings().distributed_type_name(), "ddp");
   try {
     configure_environment(fsdp, single);
     FAIL();

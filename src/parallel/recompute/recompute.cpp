@@ -261,12 +261,12 @@ void at_end_of_backward(std::function<void()> callback, std::function<void()> ab
   compat::at_end_of_backward(std::move(callback), std::move(abandoned));
 }
 
-void mark_checkpointed_unit(const torch::nn::Module& module, std::string label, const torch::nn::Module& root) {
+void mark_recomputed_unit(const torch::nn::Module& module, std::string label, const torch::nn::Module& root) {
   std::lock_guard<std::mutex> lock(marked_mutex);
   marked_units()[&module] = Marked{module.shared_from_this(), std::move(label), &root};
 }
 
-std::string checkpointed_unit_label(const torch::nn::Module& module) {
+std::string recomputed_unit_label(const torch::nn::Module& module) {
   std::lock_guard<std::mutex> lock(marked_mutex);
   auto* entry = marked(module);
   return entry ? entry->label : std::string();
@@ -280,7 +280,7 @@ bool checkpoints_unit(const torch::nn::Module& unit) {
   return true;
 }
 
-std::vector<std::string> checkpointed_units_never_run(const torch::nn::Module& root) {
+std::vector<std::string> recomputed_units_never_run(const torch::nn::Module& root) {
   std::lock_guard<std::mutex> lock(marked_mutex);
   std::vector<std::string> never;
   for (auto it = marked_units().begin(); it != marked_units().end();) {

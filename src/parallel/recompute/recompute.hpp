@@ -1,6 +1,6 @@
 #pragma once
 // The library's side of activation checkpointing: which units fsdp_activation_checkpointing covers, the
-// recomputation the sharding engine must tell from a forward, and end-of-backward callbacks armed from
+// recomputation the sharded model must tell from a forward, and end-of-backward callbacks armed from
 // inside a recomputation's nested backward.
 #include <torch/nn/module.h>
 
@@ -12,13 +12,13 @@ namespace xlr8::detail {
 
 // fsdp_activation_checkpointing: `module` (at `label` in the model `root`) is checkpointed through its
 // sharded(...) guard for as long as it lives.
-void mark_checkpointed_unit(const torch::nn::Module& module, std::string label, const torch::nn::Module& root);
+void mark_recomputed_unit(const torch::nn::Module& module, std::string label, const torch::nn::Module& root);
 // The label of a marked unit, or empty.
-std::string checkpointed_unit_label(const torch::nn::Module& module);
+std::string recomputed_unit_label(const torch::nn::Module& module);
 // The units of `root` whose forward has not come through sharded(unit, body, inputs...) since they were
 // marked, each reported once: a unit left whole by mistake is named after the first backward. (By model,
 // so that ranks run as threads, each with its own model, each see their own.)
-std::vector<std::string> checkpointed_units_never_run(const torch::nn::Module& root);
+std::vector<std::string> recomputed_units_never_run(const torch::nn::Module& root);
 
 // True while a checkpointed region is run again in backward, on this thread: a unit's guard then
 // gathers for the gradients that follow and does not free or record a forward.

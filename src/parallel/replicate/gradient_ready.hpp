@@ -1,5 +1,5 @@
 #pragma once
-// The hook DDP and the ZeRO engine share: a post-hook on a parameter's AccumulateGrad node, which runs
+// The hook DDP and the sharded model share: a post-hook on a parameter's AccumulateGrad node, which runs
 // once `.grad` holds this backward's sum for it.
 #include <functional>
 #include <memory>

@@ -4,8 +4,8 @@
 // gradient bucket that is never freed. Under GUARDED_MODULES a unit whose module never opened its guard
 // rides with its nearest ancestor unit that did (its host): gathered and freed with it, as DeepSpeed
 // gathers a submodule inside its parent's forward. It owns its flat groups, its state and its prefetch; the
-// ZeroEngine owns the order of reductions and the optimizer side. Every method is called under the
-// engine's lock.
+// ShardedModel owns the order of reductions and the optimizer side. Every method is called under the
+// sharded model's lock.
 //
 // [Note: a unit's tensors]
 // A unit holds one FlatGroup for its trainable parameters and one for its frozen ones (either may be
@@ -25,7 +25,7 @@
 //                 no gradient, so optimizers skip them.
 //   grad_full     gradients laid out like `full`, in the reduce dtype, while backward fills them; stages
 //                 2-3 free it once reduce-scattered, stage 1 keeps it (its chunk is what the leaves read).
-// The reduce-scattered gradient chunk is the engine's until the end of backward, then the leaves' .grad.
+// The reduce-scattered gradient chunk is the sharded model's until the end of backward, then the leaves' .grad.
 // Padding holds zeros and never reaches the optimizer, a checkpoint or a result.
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
@@ -39,7 +39,7 @@
 
 namespace xlr8::detail {
 
-// Counts every unit of an engine adds to (for stats()), and the switch summon_full_params sets.
+// Counts every unit of a sharded model adds to (for stats()), and the switch summon_full_params sets.
 struct UnitContext {
   Communicator* comm = nullptr;
   int summoned = 0;  // gather_full_parameters depth: nothing is freed while above 0
@@ -91,7 +91,7 @@ class ShardingUnit {
   void gradients_reduced();                   // -> POST_BACKWARD; the trainable group freed
   void backward_ends();                       // -> IDLE, freed
 
-  // Gathers and releases, by group (the engine's checkpoint side works group by group) or all at once.
+  // Gathers and releases, by group (the sharded model's checkpoint side works group by group) or all at once.
   void gather(size_t group);
   bool release(size_t group);  // whether it freed the gathered parameters
   void gather_all();

@@ -1,5 +1,5 @@
 #pragma once
-// What a unit's guard (xlr8::unshard, xlr8::sharded) talks to: the stage-3 engine registers one
+// What a unit's guard (xlr8::unshard, xlr8::sharded) talks to: the stage-3 sharded model registers one
 // UnitHooks per unit module. The registry maps a module to it; modules that are not units get none and
 // their guards do nothing.
 #include <ATen/core/Tensor.h>

@@ -169,7 +169,7 @@ std::vector<at::Tensor> UnshardScope::done_with(const std::vector<at::Tensor>& o
 }
 
 UnshardScope unshard(const torch::nn::Module& unit) {
-  if (auto label = detail::checkpointed_unit_label(unit); !label.empty())
+  if (auto label = detail::recomputed_unit_label(unit); !label.empty())
     throw ConfigError(fmt::format(
         "fsdp_activation_checkpointing: unit {} ({}) opens its guard with xlr8::unshard(*this) or "
         "xlr8::sharded(*this, body), which cannot run its forward again in backward; write its forward as "

@@ -1,5 +1,5 @@
 #pragma once
-// The sharding engine behind ZeRO stages 1-3 (and FSDP's strategies): its units (parallel/shard/sharding_unit.hpp:
+// A model sharded as ZeRO stages 1-3 (and FSDP's strategies) shard it: its units (parallel/shard/sharding_unit.hpp:
 // stage-3 modules, or stage-1/2 gradient buckets), the hooks that reduce gradients group by group as
 // backward produces them, the order units run in (prefetching), the sharded optimizer step and the
 // global gradient norm.
@@ -31,14 +31,14 @@ struct StagePolicy {
   static StagePolicy of(int stage);  // Error for a stage that does not exist
 };
 
-class ZeroEngine : public std::enable_shared_from_this<ZeroEngine> {
+class ShardedModel : public std::enable_shared_from_this<ShardedModel> {
  public:
   // Collective over `comm`, the group the parameters are sharded over. `replicate` (hybrid sharding):
   // the same shard's holders in the other groups, over which sharded gradients are averaged too.
   // Call attach() once the object is owned by a shared_ptr.
-  ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator comm, Communicator replicate, int stage,
+  ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicator comm, Communicator replicate, int stage,
              ZeroOptions options, bool find_unused_parameters, std::shared_ptr<const GradientState> gradient_state);
-  ~ZeroEngine();
+  ~ShardedModel();
   void attach();  // installs the gradient hooks and registers the units
 
   int stage() const { return policy_.stage; }

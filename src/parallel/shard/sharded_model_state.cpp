@@ -1,14 +1,14 @@
-// ZeroEngine's state for checkpoints: whole and sharded state dicts, the pieces each rank holds, the
+// ShardedModel's state for checkpoints: whole and sharded state dicts, the pieces each rank holds, the
 // streamed visit of the whole model, and catching whole copies up after a load.
 #include <map>
 
 #include "parallel/state_dict_check.hpp"
-#include "parallel/shard/zero_engine.hpp"
+#include "parallel/shard/sharded_model.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8::detail {
 
-StateDict ZeroEngine::state_dict(StateDictKind kind) {
+StateDict ShardedModel::state_dict(StateDictKind kind) {
   StateDict out;
   if (kind == StateDictKind::SHARDED) {
     for (const auto& item : module_->named_parameters()) {
@@ -65,7 +65,7 @@ StateDict ZeroEngine::state_dict(StateDictKind kind) {
   return out;
 }
 
-void ZeroEngine::load_state_dict(const StateDict& state, StateDictKind kind) {
+void ShardedModel::load_state_dict(const StateDict& state, StateDictKind kind) {
   check_state_dict(full_state_layout(kind), state);
   std::map<std::string, at::Tensor> own;
   for (const auto& item : module_->named_parameters()) own[item.key()] = item.value();
@@ -92,7 +92,7 @@ void ZeroEngine::load_state_dict(const StateDict& state, StateDictKind kind) {
   refresh_whole_copies(/*frozen_too=*/true);
 }
 
-std::vector<ParameterPiece> ZeroEngine::parameter_pieces() {
+std::vector<ParameterPiece> ShardedModel::parameter_pieces() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     drop_prefetches();  // a mispredicted one would all-gather the shards while a load writes them
@@ -116,7 +116,7 @@ std::vector<ParameterPiece> ZeroEngine::parameter_pieces() {
   return out;
 }
 
-void ZeroEngine::visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn) {
+void ShardedModel::visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn) {
   std::lock_guard<std::mutex> lock(mutex_);
   drop_prefetches();
   const bool receiver = comm_.rank() == 0 && (!replicate_.valid() || replicate_.rank() == 0);
@@ -148,7 +148,7 @@ void ZeroEngine::visit_full_state(const std::function<void(size_t, const at::Ten
   }
 }
 
-void ZeroEngine::parameter_pieces_loaded(bool whole_parameters_written) {
+void ShardedModel::parameter_pieces_loaded(bool whole_parameters_written) {
   std::lock_guard<std::mutex> lock(mutex_);
   drop_prefetches();
   at::NoGradGuard no_grad;
@@ -162,7 +162,7 @@ void ZeroEngine::parameter_pieces_loaded(bool whole_parameters_written) {
   }
 }
 
-StateDict ZeroEngine::full_state_layout(StateDictKind kind) const {
+StateDict ShardedModel::full_state_layout(StateDictKind kind) const {
   // Names, dtypes and shapes only: stage 3's freed parameters keep their shapes.
   StateDict out;
   for (const auto& item : module_->named_parameters()) {

@@ -1,4 +1,4 @@
-// ZeroEngine, stage 3: the guards' calls around a unit's forward and backward, the order units run in
+// ShardedModel, stage 3: the guards' calls around a unit's forward and backward, the order units run in
 // (prefetching, and the check that every rank runs them alike), when a unit's frozen parameters can go,
 // units that never opened their guard, and gather_full_parameters (FSDP's summon_full_params).
 #include <ATen/ATen.h>
@@ -10,14 +10,14 @@
 #include "parallel/recompute/recompute.hpp"
 #include "parallel/shard/unit_registry.hpp"
 #include "parallel/shard/wrap_policy.hpp"
-#include "parallel/shard/zero_engine.hpp"
+#include "parallel/shard/sharded_model.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8::detail {
 
 // ------------------------------------------------------------------------------------------ prefetching
 
-void ZeroEngine::prefetch(size_t u, bool in_backward) {
+void ShardedModel::prefetch(size_t u, bool in_backward) {
   auto& unit = *units_[u];
   if (!unit.managed()) return;
   // FSDP's limit: besides the root, at most two units gathered (the running one and the next). The count
@@ -31,7 +31,7 @@ void ZeroEngine::prefetch(size_t u, bool in_backward) {
 
 // The order is what every rank's model did in its last pass (checked alike on every rank), so every
 // rank prefetches the same unit at the same moment and the collective sequences stay identical.
-void ZeroEngine::prefetch_after(const UnitOrder& order, size_t u, bool in_backward) {
+void ShardedModel::prefetch_after(const UnitOrder& order, size_t u, bool in_backward) {
   if (!prefetch_allowed()) return;
   auto it = std::find(order.last.begin(), order.last.end(), u);
   if (it == order.last.end() || it + 1 == order.last.end()) return;
@@ -43,7 +43,7 @@ void ZeroEngine::prefetch_after(const UnitOrder& order, size_t u, bool in_backwa
 
 // DeepSpeed's partitioned-parameter coordinator: prefetch at most min(bucket, max live - live) elements,
 // counted in whole units. Live and issued counts are the same on every rank, so the decisions are too.
-void ZeroEngine::prefetch_within_bounds(const UnitOrder& order, std::vector<size_t>::const_iterator next,
+void ShardedModel::prefetch_within_bounds(const UnitOrder& order, std::vector<size_t>::const_iterator next,
                                         bool in_backward) {
   int64_t live = 0;
   for (const auto& other : units_)
@@ -58,16 +58,16 @@ void ZeroEngine::prefetch_within_bounds(const UnitOrder& order, std::vector<size
   }
 }
 
-void ZeroEngine::UnitOrder::record(size_t u) {
+void ShardedModel::UnitOrder::record(size_t u) {
   if (std::find(current.begin(), current.end(), u) != current.end()) last = std::exchange(current, {});
   current.push_back(u);
 }
 
-void ZeroEngine::settle_prefetches() {
+void ShardedModel::settle_prefetches() {
   for (auto& unit : units_) unit->wait_prefetch();
 }
 
-void ZeroEngine::drop_prefetches() {
+void ShardedModel::drop_prefetches() {
   for (auto& unit : units_)
     if (unit->prefetching()) unit->release(ShardingUnit::Which::ALL);  // waits for the gather, then frees it again
 }
@@ -75,7 +75,7 @@ void ZeroEngine::drop_prefetches() {
 // Every unit's all-gather pairs up by position with the other ranks': ranks that run units in another
 // order would hang or, units of the same size, exchange each other's shards silently. One hash per rank
 // settles it; only when they differ are the orders themselves exchanged, to name the first difference.
-void ZeroEngine::check_order_across_ranks(const std::vector<size_t>& order, const char* pass) {
+void ShardedModel::check_order_across_ranks(const std::vector<size_t>& order, const char* pass) {
   if (comm_.size() == 1) return;
   uint64_t hash = 1469598103934665603ull;  // FNV-1a over the unit indices
   for (size_t u : order) hash = (hash ^ (u + 1)) * 1099511628211ull;
@@ -105,7 +105,7 @@ void ZeroEngine::check_order_across_ranks(const std::vector<size_t>& order, cons
 
 // ------------------------------------------------------------------------------------------ the guards' calls
 
-void ZeroEngine::unit_forward_begins(size_t u) {
+void ShardedModel::unit_forward_begins(size_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto& unit = *units_[u];
   unit.forward_begins();
@@ -115,7 +115,7 @@ void ZeroEngine::unit_forward_begins(size_t u) {
   if (options_.forward_prefetch) prefetch_after(forward_order_, u, /*in_backward=*/false);
 }
 
-std::vector<at::Tensor> ZeroEngine::unit_forward_ends(size_t u, const std::vector<at::Tensor>& outputs) {
+std::vector<at::Tensor> ShardedModel::unit_forward_ends(size_t u, const std::vector<at::Tensor>& outputs) {
   std::vector<at::Tensor> needing_backward;
   for (const auto& out : outputs)
     if (out.defined() && out.requires_grad()) needing_backward.push_back(out);
@@ -123,7 +123,7 @@ std::vector<at::Tensor> ZeroEngine::unit_forward_ends(size_t u, const std::vecto
   auto& unit = *units_[u];
   std::vector<at::Tensor> handed = outputs;
   if (backward_follows) {
-    std::weak_ptr<ZeroEngine> self = shared_from_this();
+    std::weak_ptr<ShardedModel> self = shared_from_this();
     // The root's frozen groups stay gathered through the whole backward anyway.
     if (unit.carries_frozen() && !unit.is_root()) {
       uint64_t generation = 0;
@@ -161,7 +161,7 @@ std::vector<at::Tensor> ZeroEngine::unit_forward_ends(size_t u, const std::vecto
   return handed;
 }
 
-void ZeroEngine::unit_forward_abandoned(size_t u) {
+void ShardedModel::unit_forward_abandoned(size_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
   units_[u]->forward_abandoned();
   // The model's forward failed. Units that start freed and were never gathered are the likely cause:
@@ -179,7 +179,7 @@ void ZeroEngine::unit_forward_abandoned(size_t u) {
                fmt::join(never, ", "));
 }
 
-void ZeroEngine::unit_backward_begins(size_t u) {
+void ShardedModel::unit_backward_begins(size_t u) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (detached_) return;
   arm_end_of_backward();
@@ -189,17 +189,17 @@ void ZeroEngine::unit_backward_begins(size_t u) {
     prefetch_after(backward_order_, u, /*in_backward=*/true);
 }
 
-void ZeroEngine::unit_backward_done(size_t u, uint64_t generation) {
+void ShardedModel::unit_backward_done(size_t u, uint64_t generation) {
   std::lock_guard<std::mutex> lock(mutex_);
   no_longer_awaited(u, generation);
 }
 
-void ZeroEngine::unit_graph_dropped(size_t u, uint64_t generation) {
+void ShardedModel::unit_graph_dropped(size_t u, uint64_t generation) {
   std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
   if (lock.owns_lock()) no_longer_awaited(u, generation);  // else they stay until the end of backward
 }
 
-void ZeroEngine::no_longer_awaited(size_t u, uint64_t generation) {
+void ShardedModel::no_longer_awaited(size_t u, uint64_t generation) {
   // A forward recorded for an earlier backward (its graph was dropped, or this is a second run of a
   // retained graph) says nothing about this one.
   if (detached_ || generation != backward_generation_) return;
@@ -215,7 +215,7 @@ void ZeroEngine::no_longer_awaited(size_t u, uint64_t generation) {
 
 // ------------------------------------------------------------------------------------------ after the first step
 
-void ZeroEngine::check_first_backward() {
+void ShardedModel::check_first_backward() {
   if (!policy_.shards_parameters) return;
   // A root without a guard has no end of forward to check at: its forward's order is checked here.
   if (!forward_order_checked_) {
@@ -232,7 +232,7 @@ void ZeroEngine::check_first_backward() {
 
 // GUARDED_MODULES: which modules open a guard is known once the model ran. Every rank ran the same
 // units (the order checks above), so every rank assigns the same hosts.
-void ZeroEngine::assign_riders() {
+void ShardedModel::assign_riders() {
   if (riders_assigned_ || options_.auto_wrap_policy != AutoWrapPolicy::GUARDED_MODULES) return;
   riders_assigned_ = true;
   auto contains = [](const ShardingUnit& outer, const ShardingUnit& inner) {
@@ -251,7 +251,7 @@ void ZeroEngine::assign_riders() {
   }
 }
 
-void ZeroEngine::report_unguarded_units() {
+void ShardedModel::report_unguarded_units() {
   if (unguarded_checked_ || !policy_.shards_parameters) return;
   unguarded_checked_ = true;
   // A unit whose parameters got gradients from backward ran; if its guard never opened, it ran whole.
@@ -296,14 +296,14 @@ void ZeroEngine::report_unguarded_units() {
                count, text::bytes(bytes), text::bytes(bytes / comm_.size()), fmt::join(listed, ", "), fix);
 }
 
-void ZeroEngine::gather_full_parameters() {
+void ShardedModel::gather_full_parameters() {
   std::lock_guard<std::mutex> lock(mutex_);
   drop_prefetches();
   ++context_.summoned;
   for (auto& unit : units_) unit->gather_all();
 }
 
-void ZeroEngine::release_full_parameters(bool writeback) {
+void ShardedModel::release_full_parameters(bool writeback) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (context_.summoned > 0) --context_.summoned;
   at::NoGradGuard no_grad;

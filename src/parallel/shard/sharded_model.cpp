@@ -1,5 +1,5 @@
-// ZeroEngine: its units built from the wrap plan, and the reduction of gradients as backward produces them.
-#include "parallel/shard/zero_engine.hpp"
+// ShardedModel: its units built from the wrap plan, and the reduction of gradients as backward produces them.
+#include "parallel/shard/sharded_model.hpp"
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
@@ -21,20 +21,20 @@ namespace {
 
 class UnitHandle final : public UnitHooks {
  public:
-  UnitHandle(std::weak_ptr<ZeroEngine> engine, size_t unit) : engine_(std::move(engine)), unit_(unit) {}
+  UnitHandle(std::weak_ptr<ShardedModel> owner, size_t unit) : owner_(std::move(owner)), unit_(unit) {}
   void before_forward() override {
-    if (auto e = engine_.lock()) e->unit_forward_begins(unit_);
+    if (auto e = owner_.lock()) e->unit_forward_begins(unit_);
   }
   std::vector<at::Tensor> after_forward(const std::vector<at::Tensor>& outputs) override {
-    auto e = engine_.lock();
+    auto e = owner_.lock();
     return e ? e->unit_forward_ends(unit_, outputs) : outputs;
   }
   void forward_abandoned() override {
-    if (auto e = engine_.lock()) e->unit_forward_abandoned(unit_);
+    if (auto e = owner_.lock()) e->unit_forward_abandoned(unit_);
   }
 
  private:
-  std::weak_ptr<ZeroEngine> engine_;
+  std::weak_ptr<ShardedModel> owner_;
   size_t unit_;
 };
 
@@ -84,7 +84,7 @@ StagePolicy StagePolicy::of(int stage) {
   return {stage, /*shards_parameters=*/stage == 3, /*shards_gradients=*/stage >= 2};
 }
 
-ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator comm, Communicator replicate, int stage,
+ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicator comm, Communicator replicate, int stage,
                        ZeroOptions options, bool find_unused_parameters,
                        std::shared_ptr<const GradientState> gradient_state)
     : module_(std::move(module)),
@@ -154,12 +154,12 @@ ZeroEngine::ZeroEngine(std::shared_ptr<torch::nn::Module> module, Communicator c
   reset_backward_state();
 }
 
-void ZeroEngine::attach() {
-  std::weak_ptr<ZeroEngine> self = shared_from_this();
+void ShardedModel::attach() {
+  std::weak_ptr<ShardedModel> self = shared_from_this();
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (group(g).frozen) continue;
     auto hooked = on_gradient_ready(group(g).params, [self, g](size_t i) {
-      if (auto engine = self.lock()) engine->gradient_ready(g, i);
+      if (auto sharded = self.lock()) sharded->gradient_ready(g, i);
     });
     accumulators_.insert(accumulators_.end(), hooked.begin(), hooked.end());
   }
@@ -171,7 +171,7 @@ void ZeroEngine::attach() {
   }
 }
 
-ZeroEngine::~ZeroEngine() {
+ShardedModel::~ShardedModel() {
   std::lock_guard<std::mutex> lock(mutex_);
   detached_ = true;
   try {
@@ -184,21 +184,21 @@ ZeroEngine::~ZeroEngine() {
 
 // ------------------------------------------------------------------------------------------ gradients
 
-void ZeroEngine::begin_step(bool suspend_sync) {
+void ShardedModel::begin_step(bool suspend_sync) {
   std::lock_guard<std::mutex> lock(mutex_);
   sync_ = !suspend_sync && (!gradient_state_ || gradient_state_->sync_gradients);
   context_.step_peak_gathered_bytes = context_.gathered_bytes;
 }
 
-void ZeroEngine::end_step() {
+void ShardedModel::end_step() {
   std::lock_guard<std::mutex> lock(mutex_);
   sync_ = true;
 }
 
-void ZeroEngine::arm_end_of_backward() {
+void ShardedModel::arm_end_of_backward() {
   if (in_backward_) return;
   in_backward_ = true;
-  std::weak_ptr<ZeroEngine> weak = shared_from_this();
+  std::weak_ptr<ShardedModel> weak = shared_from_this();
   const uint64_t generation = backward_generation_;
   // If a node throws, the pass ends without the callback: forget its state, so that the next backward
   // arms its own callback instead of finding this one armed (and never handing gradients over).
@@ -211,13 +211,13 @@ void ZeroEngine::arm_end_of_backward() {
       });
 }
 
-void ZeroEngine::backward_abandoned(uint64_t generation) {
+void ShardedModel::backward_abandoned(uint64_t generation) {
   std::unique_lock<std::mutex> lock(mutex_, std::try_to_lock);
   if (!lock.owns_lock() || detached_ || generation != backward_generation_ || !in_backward_) return;
   drop_backward_state();
 }
 
-void ZeroEngine::drop_backward_state() {
+void ShardedModel::drop_backward_state() {
   in_flight_.clear();
   for (size_t g = 0; g < groups_.size(); ++g) {
     works_[g] = Work();  // in-flight collectives hold their own references to these buffers
@@ -233,7 +233,7 @@ void ZeroEngine::drop_backward_state() {
   reset_backward_state();
 }
 
-void ZeroEngine::gradient_ready(size_t g, size_t i) {
+void ShardedModel::gradient_ready(size_t g, size_t i) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (detached_) return;
   arm_end_of_backward();
@@ -248,7 +248,7 @@ void ZeroEngine::gradient_ready(size_t g, size_t i) {
 // The gradient moves into the group's flat buffer and leaves the parameter: a sharded rank keeps
 // only its chunk after the reduction. Off the sync boundary it stays in .grad and accumulates there
 // (as FSDP's no_sync: whole gradients for the window).
-void ZeroEngine::stash_gradient(size_t g, size_t i) {
+void ShardedModel::stash_gradient(size_t g, size_t i) {
   auto& flat = group(g);
   if (!flat.grad_full.defined()) {
     auto options = flat.full.options().dtype(options_.reduce_dtype.value_or(flat.full.scalar_type()));
@@ -264,7 +264,7 @@ void ZeroEngine::stash_gradient(size_t g, size_t i) {
   grad = at::Tensor();
 }
 
-void ZeroEngine::group_complete(size_t g) {
+void ShardedModel::group_complete(size_t g) {
   // Every gradient of the group is computed, so nothing in backward reads its parameters any more.
   if (!policy_.shards_parameters) return;
   unit_of(g).gradients_reduced();
@@ -272,13 +272,13 @@ void ZeroEngine::group_complete(size_t g) {
     prefetch_after(backward_order_, unit_of_group_[g], /*in_backward=*/true);
 }
 
-void ZeroEngine::launch_ready() {
+void ShardedModel::launch_ready() {
   while (next_launch_ < launch_order_.size() && pending_[launch_order_[next_launch_]] == 0)
     launch(launch_order_[next_launch_++]);
 }
 
 // Groups launch in one fixed order on every rank, so every rank issues the same collective sequence.
-void ZeroEngine::launch(size_t g) {
+void ShardedModel::launch(size_t g) {
   auto& flat = group(g);
   flat.grad_full.div_(comm_.size());
   if (policy_.shards_gradients) {
@@ -299,7 +299,7 @@ void ZeroEngine::launch(size_t g) {
   while (policy_.shards_gradients && in_flight_.size() > 1) retire_oldest();
 }
 
-void ZeroEngine::retire_oldest() {
+void ShardedModel::retire_oldest() {
   const size_t g = in_flight_.front();
   in_flight_.pop_front();
   works_[g].wait();
@@ -312,7 +312,7 @@ void ZeroEngine::retire_oldest() {
   }
 }
 
-void ZeroEngine::finish_backward() {
+void ShardedModel::finish_backward() {
   std::lock_guard<std::mutex> lock(mutex_);
   try {
     reduce_and_hand_over();
@@ -333,7 +333,7 @@ void ZeroEngine::finish_backward() {
   if (failed) std::rethrow_exception(failed);
 }
 
-void ZeroEngine::reduce_and_hand_over() {
+void ShardedModel::reduce_and_hand_over() {
   if (sync_) {
     std::vector<std::string> unused;
     for (size_t g = 0; g < groups_.size(); ++g)
@@ -367,7 +367,7 @@ void ZeroEngine::reduce_and_hand_over() {
   }
 }
 
-void ZeroEngine::reset_backward_state() {
+void ShardedModel::reset_backward_state() {
   ready_.assign(groups_.size(), {});
   pending_.assign(groups_.size(), 0);
   hooked_.assign(groups_.size(), false);

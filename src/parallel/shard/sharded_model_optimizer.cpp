@@ -1,5 +1,5 @@
-// ZeroEngine's optimizer side: what the optimizer updates (this rank's shards), the step and the whole
-// copies catching up after it, the global gradient norm, which tensors are the engine's, and its figures.
+// ShardedModel's optimizer side: what the optimizer updates (this rank's shards), the step and the whole
+// copies catching up after it, the global gradient norm, which tensors are the sharded model's, and its figures.
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
@@ -8,7 +8,7 @@
 
 #include "compat/torch_compat.hpp"
 #include "parallel/grad_norm.hpp"
-#include "parallel/shard/zero_engine.hpp"
+#include "parallel/shard/sharded_model.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
@@ -16,13 +16,13 @@ namespace xlr8::detail {
 
 // ------------------------------------------------------------------------------------------ optimizer
 
-std::vector<at::Tensor> ZeroEngine::optimizer_parameters() const {
+std::vector<at::Tensor> ShardedModel::optimizer_parameters() const {
   std::vector<at::Tensor> out;
   for (const auto* g : groups_) out.insert(out.end(), g->shard_params.begin(), g->shard_params.end());
   return out;
 }
 
-void ZeroEngine::bind_optimizer(torch::optim::Optimizer& optimizer) const {
+void ShardedModel::bind_optimizer(torch::optim::Optimizer& optimizer) const {
   for (auto& param_group : optimizer.param_groups())
     for (auto& p : param_group.params()) {
       auto it = slots_.find(p.unsafeGetTensorImpl());
@@ -35,7 +35,7 @@ void ZeroEngine::bind_optimizer(torch::optim::Optimizer& optimizer) const {
     }
 }
 
-void ZeroEngine::optimizer_step(torch::optim::Optimizer& optimizer) {
+void ShardedModel::optimizer_step(torch::optim::Optimizer& optimizer) {
   // Which parameters train is fixed when the model is prepared (they decide the groups and hooks).
   for (const auto& [name, p] : frozen_at_prepare_)
     if (p.requires_grad())
@@ -54,26 +54,26 @@ void ZeroEngine::optimizer_step(torch::optim::Optimizer& optimizer) {
   refresh_whole_copies(/*frozen_too=*/false);
 }
 
-void ZeroEngine::refresh_whole_copies(bool frozen_too) {
+void ShardedModel::refresh_whole_copies(bool frozen_too) {
   std::vector<Work> works;
   for (auto* flat : groups_)
     if (frozen_too || !flat->frozen) works.push_back(flat->refresh_async(comm_));
   for (auto& w : works) w.wait();
 }
 
-bool ZeroEngine::owns(const at::Tensor& tensor) const {
+bool ShardedModel::owns(const at::Tensor& tensor) const {
   if (slot_of(tensor)) return true;
   // Stages 1-2 keep frozen parameters whole, outside every group.
   return std::any_of(frozen_at_prepare_.begin(), frozen_at_prepare_.end(),
                      [&](const auto& item) { return item.second.is_same(tensor); });
 }
 
-const ZeroEngine::Slot* ZeroEngine::slot_of(const at::Tensor& tensor) const {
+const ShardedModel::Slot* ShardedModel::slot_of(const at::Tensor& tensor) const {
   auto it = slots_.find(tensor.unsafeGetTensorImpl());
   return it == slots_.end() ? nullptr : &it->second;
 }
 
-GradNorm ZeroEngine::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
+GradNorm ShardedModel::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
   // Each rank holds the averaged gradients of its own chunks: partial norms, reduced over the group.
   // Tensor-parallel slices are partial over the tp group as well; replicated parameters are not.
   const auto sliced = tp::sliced_parameters(*module_);
@@ -104,7 +104,7 @@ GradNorm ZeroEngine::clip_grad_norm(const std::vector<at::Tensor>& parameters, d
   return GradNorm(detail::scale_to_norm(totals, {&grads, &sliced_grads}, max_norm, norm_type));
 }
 
-std::vector<at::Tensor> ZeroEngine::gradient_holders(const std::vector<at::Tensor>& parameters) const {
+std::vector<at::Tensor> ShardedModel::gradient_holders(const std::vector<at::Tensor>& parameters) const {
   std::vector<at::Tensor> out;
   for (const auto& p : parameters) {
     const auto* slot = slot_of(p);
@@ -113,7 +113,7 @@ std::vector<at::Tensor> ZeroEngine::gradient_holders(const std::vector<at::Tenso
   return out;
 }
 
-nlohmann::json ZeroEngine::stats() const {
+nlohmann::json ShardedModel::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   nlohmann::json listed = nlohmann::json::array();
   int64_t shard_elements = 0, elements = 0, internal = 0;
@@ -137,7 +137,7 @@ nlohmann::json ZeroEngine::stats() const {
       pinned = pinned || (g.host.master && g.master.is_pinned());
       shard_elements += g.shard_numel;
       elements += g.numel;
-      // Held by the engine and reachable from neither the parameters nor the optimizer: the low-precision
+      // Held by the sharded model and reachable from neither the parameters nor the optimizer: the low-precision
       // copy of a stage-3 shard, and stage 1's whole low-precision gradient buffer under mixed precision.
       if (g.mixed() && g.owns_shard) internal += static_cast<int64_t>(g.shard.nbytes());
       if (g.mixed() && !policy_.shards_gradients && g.grad_full.defined())

@@ -1,0 +1,33 @@
+#pragma once
+// What an observer of the step may read of the training that runs it: the process, the device, the plan and
+// what was prepared. The Accelerator builds one for the events that carry it, so observers (diagnostics/:
+// verify's and advise's recorders, a pipeline schedule next) need none of its internals.
+#include <c10/core/Device.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "xlr8/data_loader.hpp"
+#include "xlr8/parallel_plan.hpp"
+#include "xlr8/parallel_strategy.hpp"
+#include "xlr8/process_state.hpp"
+
+namespace xlr8::detail {
+
+struct TrainingView {
+  const ProcessState& process;
+  at::Device device;
+  const ParallelPlan& plan;
+  int accumulation_steps = 1;                            // micro-steps per optimizer step, as the gradient state has it
+  std::vector<ParallelStrategy*> models;                 // prepared, in order
+  std::vector<torch::optim::Optimizer*> optimizers;      // prepared, in order
+  std::vector<std::shared_ptr<DataLoaderBase>> loaders;  // prepared and still alive, in order
+  // The whole model (gathered from shards) as Hugging Face safetensors in `dir` (collective): save_model's files.
+  std::function<void(const torch::nn::Module&, const std::string&)> write_full_model;
+
+  Communicator& world() const { return process.world(); }
+};
+
+}  // namespace xlr8::detail
