@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "xlr8/loss_scaler.hpp"
+#include "xlr8/settings.hpp"
 
 namespace xlr8::deepspeed {
 
@@ -114,5 +115,24 @@ BatchSizes resolve_batch_sizes(const Config& config, int data_parallel_size);
 // The fp16 section's scaler, for a program that checks its rules step by step. Stage 0 (DeepSpeed's
 // non-ZeRO fp16 optimizer) ignores hysteresis: every overflow halves the scale.
 LossScalerOptions loss_scaler_options(const Fp16Config& fp16, int zero_stage);
+
+// What a resolved config means for a training, in one place (src/config/deepspeed_meaning.cpp); the ZeRO keys
+// map onto the strategies' options in parallel/shard/zero_options.hpp.
+// Its precision: fp16, else bf16, else none.
+MixedPrecision mixed_precision(const Config& config);
+// Its fp16 section's scaler at its ZeRO stage.
+LossScalerOptions loss_scaler(const Config& config);
+// Its tensor_parallel section when it has partition_config rules or a preset_model (what splits the model);
+// null otherwise (AutoTP splits it).
+nlohmann::json tensor_rules(const Config& config);
+// The mesh the JSON names (sequence_parallel_size, data_parallel_size, tensor_parallel.autotp_size) must be
+// the job's: ConfigError naming the key, both sizes and the launch flag otherwise.
+struct MeshSizes {
+  int dp = 1, sp = 1, tp = 1;
+};
+void check_mesh(const Config& config, const MeshSizes& mesh);
+// The engine takes its settings from the JSON only: a launch that selects FSDP, or another accumulation, is a
+// ConfigError naming both.
+void check_launch(const Settings& settings, const BatchSizes& sizes);
 
 }  // namespace xlr8::deepspeed

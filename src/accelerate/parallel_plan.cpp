@@ -59,13 +59,6 @@ ParallelPlan::Sequence sequence_of(const ParallelPlan::Mesh& mesh, const Setting
   return s;
 }
 
-// deepspeed::initialize's JSON: its tensor_parallel section when it has partition_config rules or a preset_model.
-nlohmann::json tensor_rules(const deepspeed::Config& config) {
-  const auto section = config.document.value("tensor_parallel", nlohmann::json::object());
-  const auto given = [&](const char* key) { return section.contains(key) && !section[key].is_null(); };
-  return given("partition_config") || given("preset_model") ? section : nlohmann::json();
-}
-
 // make_parallel_strategy's choice for these options over `ranks` data-parallel ranks.
 std::string strategy_of(const ZeroOptions& zero, int ranks) {
   if (ranks == 1 && !zero.offload_optimizer && !zero.offload_params) return "single";
@@ -90,19 +83,18 @@ ParallelPlan resolve_plan(const PlanInputs& in, const Env& env) {
   if (in.deepspeed) {
     const auto& json = *in.deepspeed;
     if (!in.from_engine) {  // the engine's options carry its JSON's precision and accumulation; it clips itself
-      plan.mixed_precision = mixed_precision_of(json);
+      plan.mixed_precision = deepspeed::mixed_precision(json);
       if (json.gradient_accumulation_steps.value_or(0) > 0)
         plan.gradient_accumulation_steps = static_cast<int>(*json.gradient_accumulation_steps);
       plan.clip_at_step = json.gradient_clipping;
     }
-    if (in.from_engine) plan.tensor.deepspeed_rules = tensor_rules(json);
+    if (in.from_engine) plan.tensor.deepspeed_rules = deepspeed::tensor_rules(json);
   } else if (settings.deepspeed && settings.deepspeed->gradient_clipping) {
     plan.clip_at_step = *settings.deepspeed->gradient_clipping;  // --gradient_clipping: DeepSpeed clips every step
   }
   if (!in.from_engine) plan.gradient_accumulation_steps *= in.micro_batches_per_rank;
   if (plan.mixed_precision == MixedPrecision::FP16)
-    plan.loss_scaler = in.deepspeed ? deepspeed::loss_scaler_options(in.deepspeed->fp16, in.deepspeed->zero_optimization.stage)
-                                    : LossScalerOptions{};
+    plan.loss_scaler = in.deepspeed ? deepspeed::loss_scaler(*in.deepspeed) : LossScalerOptions{};
   parallel = resolve_parallel_options(std::move(parallel), in.deepspeed ? &in.deepspeed->zero_optimization : nullptr,
                                       settings, in.state->local_world_size(), in.device.is_cpu());
   if (!parallel.zero.param_dtype) parallel.zero.param_dtype = sharded_param_dtype(plan.mixed_precision, in.device, env);

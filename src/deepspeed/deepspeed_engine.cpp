@@ -30,21 +30,10 @@ namespace {
 
 AcceleratorOptions accelerator_options(const Config& config, const BatchSizes& sizes) {
   AcceleratorOptions o;
-  o.mixed_precision = detail::mixed_precision_of(config);
+  o.mixed_precision = mixed_precision(config);
   o.gradient_accumulation_steps = static_cast<int>(sizes.gradient_accumulation_steps);
   o.sync_with_dataloader = false;  // DeepSpeed's boundary is its micro-step count alone
   return o;  // the JSON's ZeRO keys: the Accelerator's plan reads them from the config it is given
-}
-
-// The launch must not say otherwise than the JSON: the engine takes its settings from the JSON only.
-void check_launch_agrees(const Settings& settings, const BatchSizes& sizes) {
-  if (settings.fsdp)
-    throw ConfigError("deepspeed::initialize: the launch selects FSDP (--use_fsdp / ACCELERATE_USE_FSDP), but the "
-                      "DeepSpeed engine takes its strategy from its JSON config; launch without --use_fsdp");
-  if (settings.gradient_accumulation_steps && *settings.gradient_accumulation_steps != sizes.gradient_accumulation_steps)
-    throw ConfigError(fmt::format("deepspeed::initialize: the launch says gradient_accumulation_steps {} but the "
-                                  "DeepSpeed config resolves to {}; drop the launch's value or change the config",
-                                  *settings.gradient_accumulation_steps, sizes.gradient_accumulation_steps));
 }
 
 template <class T>
@@ -101,46 +90,16 @@ std::shared_ptr<torch::optim::Optimizer> make_optimizer(const TypedSection& sect
                                 section.type, text::suggestion(section.type, {"Adam", "AdamW", "SGD"})));
 }
 
-// The JSON's sequence_parallel_size and data_parallel_size name the mesh the launch must have made (xlr8
-// launch makes it from a JSON given as --deepspeed_config_file).
-namespace {
-void check_sequence_mesh(const Config& config, const ProcessState& state) {
-  const int sp = state.mesh().size(MeshDim::sp), dp = state.mesh().size(MeshDim::dp);
-  if (config.sequence_parallel_size && *config.sequence_parallel_size != sp)
-    throw ConfigError(fmt::format("deepspeed::initialize: {} sets sequence_parallel_size {} but this job's mesh has sp "
-                                  "{}; launch it with --parallelism_config_sp_size {} (xlr8 launch sets it itself from "
-                                  "a JSON given as --deepspeed_config_file)",
-                                  config.origin, *config.sequence_parallel_size, sp, *config.sequence_parallel_size));
-  if (config.data_parallel_size && *config.data_parallel_size != dp)
-    throw ConfigError(fmt::format("deepspeed::initialize: {} sets data_parallel_size {} but this job's mesh has {} "
-                                  "data-parallel ranks; make them agree",
-                                  config.origin, *config.data_parallel_size, dp));
-}
-}  // namespace
-
-// The JSON's tensor_parallel section: the model splits over the mesh's tp dimension, which the launch made
-// (xlr8 launch sets it from a JSON it is given, or --parallelism_config_tp_size). prepare() splits it by the
-// partition_config rules or the preset_model's (the Accelerator's plan carries them), else by AutoTP.
-namespace {
-void check_tensor_parallel_mesh(const Config& config, const ProcessState& state) {
-  const int autotp = static_cast<int>(config.autotp_size), tp = state.mesh().size(MeshDim::tp);
-  if (autotp > 1 && autotp != tp)
-    throw ConfigError(fmt::format("deepspeed::initialize: {} sets tensor_parallel.autotp_size {} but this job's mesh "
-                                  "has tp {}; launch it with --parallelism_config_tp_size {} (xlr8 launch sets it "
-                                  "itself from a JSON given as --deepspeed_config_file)",
-                                  config.origin, autotp, tp, autotp));
-}
-}  // namespace
-
 Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::shared_ptr<torch::optim::Optimizer> optimizer,
                std::shared_ptr<torch::optim::LRScheduler> scheduler)
     : config_(std::move(config)) {
   if (!module) throw Error("deepspeed::initialize: the model is null");
   require_resolved(config_);
   const auto& state = ProcessState::instance();
-  check_sequence_mesh(config_, state);  // before the batch sizes, which a missing sp dimension would upset
+  // The mesh before the batch sizes, which a missing sp dimension would upset.
+  check_mesh(config_, {state.mesh().size(MeshDim::dp), state.mesh().size(MeshDim::sp), state.mesh().size(MeshDim::tp)});
   sizes_ = resolve_batch_sizes(config_, state.mesh().group(MeshDim::dp).size());
-  check_launch_agrees(state.settings(), sizes_);
+  check_launch(state.settings(), sizes_);
   if (optimizer && config_.optimizer)
     throw ConfigError(fmt::format("deepspeed::initialize: an optimizer was passed and {} has an \"optimizer\" section "
                                   "({}); keep one of them",
@@ -150,7 +109,6 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
                                   "(Adam, AdamW or SGD)",
                                   config_.origin));
   detail::mark_leaf_modules(*module, config_.zero_optimization.leaf_module);
-  check_tensor_parallel_mesh(config_, state);
   accelerator_ = std::make_unique<Accelerator>(config_, accelerator_options(config_, sizes_));
   module_ = accelerator_->prepare(module);
   if (!optimizer) optimizer = make_optimizer(*config_.optimizer, module_->parameters());

@@ -123,11 +123,7 @@ void DeepSpeedPlugin::fill(const std::map<std::string, nlohmann::json>& values) 
   config_ = deepspeed::fill_auto(config_, values);
 }
 
-MixedPrecision mixed_precision_of(const deepspeed::Config& config) {
-  return config.fp16.enabled ? MixedPrecision::FP16 : config.bf16 ? MixedPrecision::BF16 : MixedPrecision::NO;
-}
-
-MixedPrecision DeepSpeedPlugin::precision() const { return mixed_precision_of(config_); }
+MixedPrecision DeepSpeedPlugin::precision() const { return deepspeed::mixed_precision(config_); }
 
 int DeepSpeedPlugin::gradient_accumulation_steps() const {
   return static_cast<int>(config_.gradient_accumulation_steps.value_or(0));

@@ -21,8 +21,6 @@ namespace xlr8::detail {
 // zero_optimization.leaf_module: marks the modules it names (ConfigError when a list matches none).
 void mark_leaf_modules(torch::nn::Module& model, const deepspeed::LeafModuleConfig& leaf);
 
-// The JSON's precision: fp16, else bf16, else none.
-MixedPrecision mixed_precision_of(const deepspeed::Config& config);
 
 class DeepSpeedPlugin {
  public:
