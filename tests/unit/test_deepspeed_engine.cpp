@@ -378,11 +378,11 @@ TEST(DeepSpeedEngine, ACheckpointRestoresModelOptimizerSchedulerCountersAndClien
   expect_same(b.engine->model(), a.engine->model());  // momentum and the schedule's position came back too
   EXPECT_EQ(b.engine->get_lr(), a.engine->get_lr());
   // No directory, or no `latest` in it: DeepSpeed warns and loads nothing; the warning says which.
-  testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStderr();
   EXPECT_FALSE(b.engine->load_checkpoint(dir + "/nowhere").has_value());
   std::filesystem::create_directories(dir + "/empty");
   EXPECT_FALSE(b.engine->load_checkpoint(dir + "/empty").has_value());
-  const auto warned = testing::internal::GetCapturedStderr();
+  const auto warned = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(warned.find("the directory " + dir + "/nowhere does not exist"), std::string::npos) << warned;
   EXPECT_NE(warned.find(dir + "/empty has no 'latest' file"), std::string::npos) << warned;
   std::filesystem::remove_all(dir);
@@ -462,13 +462,13 @@ TEST(DeepSpeedEngine, WallClockBreakdownTimesEachPhaseAndPrintsEachIntervalOnlyW
   config["wall_clock_breakdown"] = true;
   config["steps_per_print"] = 2;
   auto [engine, optimizer, scheduler] = deepspeed::initialize(make_net(), config);
-  testing::internal::CaptureStderr();
-  testing::internal::CaptureStdout();
+  ::testing::internal::CaptureStderr();
+  ::testing::internal::CaptureStdout();
   for (int i = 0; i < 8; ++i) {
     engine->backward(loss_of(engine->forward(batch(i))));
     engine->step();
   }
-  const auto printed = testing::internal::GetCapturedStdout() + testing::internal::GetCapturedStderr();
+  const auto printed = ::testing::internal::GetCapturedStdout() + ::testing::internal::GetCapturedStderr();
   const auto& w = engine->wall_clock();
   EXPECT_GT(w.forward_ms, 0);
   EXPECT_GT(w.backward_ms, 0);
