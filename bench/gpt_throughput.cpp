@@ -79,7 +79,7 @@ int run(const Args& args) {
     train_step();
     if (i + 1 == args.warmup) {
       wait_for_device(device);
-      xlr8::detail::memory_meter::reset_peak(device);
+      xlr8::diagnostics::memory_meter::reset_peak(device);
       started = std::chrono::steady_clock::now();
     }
   }
@@ -92,7 +92,7 @@ int run(const Args& args) {
                               {"tokens_per_s", tokens / seconds},
                               {"step_ms", 1e3 * seconds / static_cast<double>(args.steps)},
                               // The caching allocator's peak of allocated bytes, as torch.cuda.max_memory_allocated.
-                              {"peak_device_bytes", device.is_cuda() ? nlohmann::json(xlr8::detail::memory_meter::read(device).peak)
+                              {"peak_device_bytes", device.is_cuda() ? nlohmann::json(xlr8::diagnostics::memory_meter::read(device).peak)
                                                                      : nlohmann::json()},
                               {"loss", loss.item<double>()}};
   fmt::print("{}\n", result.dump());

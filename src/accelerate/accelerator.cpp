@@ -66,9 +66,9 @@ void AcceleratorImpl::start(AcceleratorOptions given, const deepspeed::Config* e
   const auto& settings = s.state->settings();
   const auto env = Env::current();
   // `xlr8 verify`: the same global batch on any number of processes, and the record of each step.
-  s.verify = detail::VerifyRecorder::from_env();
-  s.advise = detail::AdviseRecorder::from_env();
-  for (auto* observer : std::initializer_list<detail::StepObserver*>{s.verify.get(), s.advise.get()})
+  s.verify = diagnostics::VerifyRecorder::from_env();
+  s.advise = diagnostics::AdviseRecorder::from_env();
+  for (auto* observer : std::initializer_list<xlr8::step::StepObserver*>{s.verify.get(), s.advise.get()})
     if (observer) s.observers.push_back(observer);
   detail::PlanInputs in{.state = s.state, .options = &s.options, .device = s.device};
   in.precision = s.options.mixed_precision.value_or(s.state->mixed_precision());
@@ -93,7 +93,7 @@ void AcceleratorImpl::start(AcceleratorOptions given, const deepspeed::Config* e
   s.gradient_state->num_steps = s.plan.gradient_accumulation_steps;
   s.gradient_state->sync_with_dataloader = s.options.sync_with_dataloader;
   if (s.plan.loss_scaler) s.scaler.emplace(*s.plan.loss_scaler);
-  s.step.set_scaled(s.scaler.has_value());
+  s.step_state.set_scaled(s.scaler.has_value());
   // Offload keeps the optimizer's side (and under stage 3 the parameter shards) in host memory.
   const bool offload = (settings.fsdp && settings.fsdp->offload_params) ||
                        (launch && (launch->offload_optimizer_device != "none" || launch->offload_param_device != "none")) ||
@@ -270,7 +270,7 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   hooks.after_tensor_parallel = [&](torch::nn::Module&) {
     values_from_rank0 = s.complete_values(module);
     const auto training = s.view();
-    s.notify([&](detail::StepObserver& o) { o.on_prepare(training, *module, /*values_everywhere=*/!values_from_rank0); });
+    s.notify([&](xlr8::step::StepObserver& o) { o.on_prepare(training, *module, /*values_everywhere=*/!values_from_rank0); });
   };
   hooks.data_parallel_options = [&](torch::nn::Module& model, ParallelOptions& parallel) {
     if (s.deepspeed) s.deepspeed->configure_model(model, parallel, s.options.model_hidden_size);
@@ -349,7 +349,7 @@ void Accelerator::free_memory() {
   s.gradient_state->sync_gradients = true;  // the same object: loaders and the accumulation setting keep it
   s.micro_step = 0;
   s.last_step_applied = false;
-  s.enter(detail::StepPhase::idle, "free_memory()");
+  s.enter(xlr8::step::StepPhase::idle, "free_memory()");
   compat::empty_device_cache();
   detail::return_free_memory_to_system();
 }

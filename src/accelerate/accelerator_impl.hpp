@@ -45,24 +45,24 @@ struct AcceleratorImpl {
   std::vector<std::weak_ptr<DataLoaderBase>> loaders;
   std::vector<detail::Checkpointable> custom;  // register_for_checkpointing, in order
   std::optional<DynamicLossScaler> scaler;  // fp16 only
-  detail::StepState step;                   // where this training step is (step/step_state.hpp)
+  xlr8::step::StepState step_state;             // where this training step is (step/step_state.hpp)
   bool last_step_applied = false;           // the last sync step really updated the parameters
   uint64_t seed = 0;
   int64_t save_iteration = 0;               // next automatic checkpoint number
   std::vector<std::unique_ptr<Tracker>> trackers;  // main process, once a run started
   std::string run_dir;
   std::optional<detail::DeepSpeedPlugin> deepspeed;  // the launch's DeepSpeed JSON, when it names one
-  std::unique_ptr<detail::VerifyRecorder> verify;  // under `xlr8 verify` (XLR8_VERIFY_DIR)
-  std::unique_ptr<detail::AdviseRecorder> advise;  // under `xlr8 advise` (XLR8_ADVISE_DIR)
-  std::vector<detail::StepObserver*> observers;    // told of each step's events, in this order (step_observer.hpp)
+  std::unique_ptr<diagnostics::VerifyRecorder> verify;  // under `xlr8 verify` (XLR8_VERIFY_DIR)
+  std::unique_ptr<diagnostics::AdviseRecorder> advise;  // under `xlr8 advise` (XLR8_ADVISE_DIR)
+  std::vector<xlr8::step::StepObserver*> observers;    // told of each step's events, in this order (step_observer.hpp)
   template <class Event>
   void notify(const Event& event) {
     for (auto* observer : observers) event(*observer);
   }
   // What observers read of this training (step/training_view.hpp): built for the events that carry it.
-  detail::TrainingView view() const;
+  xlr8::step::TrainingView view() const;
   // The step moves to `next` (StepState::enter's check, then every observer's on_phase).
-  void enter(detail::StepPhase next, const char* caller);
+  void enter(xlr8::step::StepPhase next, const char* caller);
 
   // The constructors' work: the process, the device, the recorders, the plan resolved from every source of
   // settings (`engine_config`: deepspeed::initialize's JSON; null: the launch's files), and what follows from it.

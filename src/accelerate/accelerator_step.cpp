@@ -47,8 +47,8 @@ void AcceleratorImpl::check_attention_went_through_cp() {
       suspects.empty() ? std::string("the model's attention module") : text::capped(suspects)));
 }
 
-detail::TrainingView AcceleratorImpl::view() const {
-  detail::TrainingView v{*state, device, plan, gradient_state->num_steps, {}, {}, {}, {}};
+xlr8::step::TrainingView AcceleratorImpl::view() const {
+  xlr8::step::TrainingView v{*state, device, plan, gradient_state->num_steps, {}, {}, {}, {}};
   for (const auto& m : models) v.models.push_back(m.get());
   for (const auto& o : optimizers) v.optimizers.push_back(o->optimizer.get());
   for (const auto& weak : loaders)
@@ -59,14 +59,14 @@ detail::TrainingView AcceleratorImpl::view() const {
   return v;
 }
 
-void AcceleratorImpl::enter(detail::StepPhase next, const char* caller) {
-  const auto from = step.enter(next, caller);
-  notify([&](detail::StepObserver& o) { o.on_phase(from, next); });
+void AcceleratorImpl::enter(xlr8::step::StepPhase next, const char* caller) {
+  const auto from = step_state.enter(next, caller);
+  notify([&](xlr8::step::StepObserver& o) { o.on_phase(from, next); });
 }
 
 void AcceleratorImpl::unscale_gradients() {
-  if (step.ready()) return;
-  if (!scaler) return enter(detail::StepPhase::unscaled, "unscale");  // nothing to divide or check
+  if (step_state.ready()) return;
+  if (!scaler) return enter(xlr8::step::StepPhase::unscaled, "unscale");  // nothing to divide or check
   const double inverse = 1.0 / scaler->scale();
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> finite;  // one flag per gradient, read back once (one device sync, not one per tensor)
@@ -84,7 +84,7 @@ void AcceleratorImpl::unscale_gradients() {
   world().all_reduce(flag, ReduceOp::MAX);
   const bool overflow = flag.item<int>() != 0;
   scaler->update(overflow);
-  enter(overflow ? detail::StepPhase::overflowed : detail::StepPhase::unscaled, "unscale");
+  enter(overflow ? xlr8::step::StepPhase::overflowed : xlr8::step::StepPhase::unscaled, "unscale");
 }
 
 // ------------------------------------------------------------------------------------------ optimizer, scheduler
@@ -97,7 +97,7 @@ void check_not_freed(const AcceleratorImpl* impl, const char* what) {
 
 // overflowed → skipped: every rank leaves the parameters as they are (the scale already went down).
 void skip_step(PreparedOptimizer::State& s, AcceleratorImpl& impl) {
-  impl.enter(detail::StepPhase::skipped, "optimizer.step()");
+  impl.enter(xlr8::step::StepPhase::skipped, "optimizer.step()");
   s.skipped = true;
   impl.last_step_applied = false;
   if (impl.state->is_main_process())
@@ -113,13 +113,13 @@ bool apply_step(PreparedOptimizer::State& s, AcceleratorImpl& impl) {
   if (first && !impl.observers.empty()) {
     const auto parameters = owner ? owner->module()->parameters() : impl.optimized_parameters();
     const auto training = impl.view();
-    impl.notify([&](detail::StepObserver& o) { o.before_update(training, parameters, owner); });
+    impl.notify([&](xlr8::step::StepObserver& o) { o.before_update(training, parameters, owner); });
   }
   if (impl.plan.clip_at_step > 0)  // DeepSpeed's gradient_clipping, over the whole model's gradients
     impl.clip_grad_norm(owner ? owner->module()->parameters() : impl.optimized_parameters(), impl.plan.clip_at_step, 2.0);
   if (owner) owner->optimizer_step(*s.optimizer);
   else s.optimizer->step();
-  impl.enter(detail::StepPhase::updated, "optimizer.step()");
+  impl.enter(xlr8::step::StepPhase::updated, "optimizer.step()");
   s.skipped = false;
   s.steps += 1;
   impl.last_step_applied = true;
@@ -133,18 +133,18 @@ void PreparedOptimizer::step() {
   check_not_freed(s.impl, "optimizer");
   auto& impl = *s.impl;
   if (!impl.gradient_state->sync_gradients) return;  // accumulating: the step waits for the boundary
-  impl.notify([](detail::StepObserver& o) { o.optimizer_step_begins(); });
+  impl.notify([](xlr8::step::StepObserver& o) { o.optimizer_step_begins(); });
   impl.unscale_gradients();
-  if (impl.step.overflow()) {
+  if (impl.step_state.overflow()) {
     skip_step(s, impl);
-    impl.notify([](detail::StepObserver& o) { o.optimizer_step_ends(); });
+    impl.notify([](xlr8::step::StepObserver& o) { o.optimizer_step_ends(); });
     return;
   }
   const bool first = apply_step(s, impl);
-  impl.notify([](detail::StepObserver& o) { o.optimizer_step_ends(); });
+  impl.notify([](xlr8::step::StepObserver& o) { o.optimizer_step_ends(); });
   if (!first || impl.observers.empty()) return;
   const auto training = impl.view();
-  impl.notify([&](detail::StepObserver& o) { o.after_update(training, s.steps); });
+  impl.notify([&](xlr8::step::StepObserver& o) { o.after_update(training, s.steps); });
 }
 
 void PreparedOptimizer::zero_grad(bool set_to_none) {
@@ -242,7 +242,7 @@ at::Tensor AcceleratorImpl::loss_for_backward(const at::Tensor& loss) {
   if (!loss.defined()) throw Error("backward(): the loss tensor is undefined");
   at::Tensor scaled = loss / gradient_state->num_steps;
   if (scaler) scaled = scaled * scaler->scale();
-  enter(detail::StepPhase::gradients, "backward()");
+  enter(xlr8::step::StepPhase::gradients, "backward()");
   return scaled;
 }
 
@@ -255,7 +255,7 @@ void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
   // anything: nothing has trained yet.
   if (impl_->state->mesh().size(MeshDim::cp) * impl_->state->mesh().size(MeshDim::sp) > 1) impl_->check_attention_went_through_cp();
   auto scaled = impl_->loss_for_backward(loss);
-  impl_->notify([&](detail::StepObserver& o) { o.on_backward(loss); });
+  impl_->notify([&](xlr8::step::StepObserver& o) { o.on_backward(loss); });
   AutocastPause outside_autocast;
   scaled.backward({}, retain_graph);
   for (const auto& model : impl_->models)
@@ -282,7 +282,7 @@ void Accelerator::clip_grad_value(const std::vector<at::Tensor>& parameters, dou
 GradNorm Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
   auto norm = impl_->clip_grad_norm(parameters, max_norm, norm_type);
   // `xlr8 verify` compares the norm the program clipped from: after clipping every clipped step reads max_norm.
-  if (impl_->gradient_state->sync_gradients) impl_->notify([&](detail::StepObserver& o) { o.on_clip_grad_norm(norm); });
+  if (impl_->gradient_state->sync_gradients) impl_->notify([&](xlr8::step::StepObserver& o) { o.on_clip_grad_norm(norm); });
   return norm;
 }
 
@@ -290,7 +290,7 @@ GradNorm AcceleratorImpl::clip_grad_norm(const std::vector<at::Tensor>& paramete
   auto& s = *this;
   if (!s.gradient_state->sync_gradients) return GradNorm();
   s.unscale_gradients();
-  if (s.step.overflow())
+  if (s.step_state.overflow())
     return GradNorm(at::scalar_tensor(std::numeric_limits<double>::infinity(), at::TensorOptions().dtype(at::kDouble).device(s.device)));
   if (parameters.empty()) return GradNorm();
   // The strategy of the model these parameters belong to knows which ranks hold which gradients.

@@ -23,7 +23,7 @@
 #include "xlr8/tensor_parallel.hpp"
 #include "xlr8/env.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::diagnostics {
 
 namespace {
 
@@ -37,7 +37,7 @@ double peak_rss_bytes() {
 
 // Bytes of parameters, gradients and optimizer state this rank holds now: each storage once (a DDP
 // gradient is a view of its bucket; a sharded strategy's optimizer steps flat shards).
-double static_bytes(const TrainingView& training) {
+double static_bytes(const step::TrainingView& training) {
   std::set<const void*> seen;
   double total = 0;
   auto count = [&](const at::Tensor& t) {
@@ -63,7 +63,7 @@ double static_bytes(const TrainingView& training) {
 }
 
 // Samples per optimizer step over every rank (the first prepared loader's); 0 without a prepared loader.
-double samples_per_step(const TrainingView& training) {
+double samples_per_step(const step::TrainingView& training) {
   if (training.loaders.empty()) return 0;
   const auto& loader = training.loaders.front();
   return static_cast<double>(loader->options().batch_size) *
@@ -129,7 +129,7 @@ std::unique_ptr<AdviseRecorder> AdviseRecorder::from_env() {
 // Each machine's advise reads its own folder: the first rank of each machine writes there (the figures are
 // the world's, all-reduced), every rank its done.<local rank>. Then the rank waits to be stopped: a rank that
 // went on would enter a collective whose peers on another machine are being stopped, and fail.
-void AdviseRecorder::finish(const TrainingView& training, const std::string& file, const std::string& text) {
+void AdviseRecorder::finish(const step::TrainingView& training, const std::string& file, const std::string& text) {
   const int local_rank = training.process.local_rank();
   if (local_rank == 0) files::write_durably(fmt::format("{}/{}", dir_, file), text);
   std::ofstream(fmt::format("{}/done.{}", dir_, local_rank)) << "done\n";
@@ -138,7 +138,7 @@ void AdviseRecorder::finish(const TrainingView& training, const std::string& fil
                           training.process.rank(), dir_));
 }
 
-void AdviseRecorder::on_prepare(const TrainingView& training, torch::nn::Module& module, bool) {
+void AdviseRecorder::on_prepare(const step::TrainingView& training, torch::nn::Module& module, bool) {
   if (steps_ > 0) memory_meter::install(training.device);  // before the strategy allocates its buffers
   // Whole sizes: a tensor-parallel run holds slices.
   for (const auto& [name, placement] : tp::parameter_placements(module))
@@ -153,7 +153,7 @@ void AdviseRecorder::on_prepare(const TrainingView& training, torch::nn::Module&
 
 void AdviseRecorder::optimizer_step_begins() {
   optimizer_began_ = std::chrono::steady_clock::now();
-  optimizer_wait_began_ = collective_wait_ns();
+  optimizer_wait_began_ = detail::collective_wait_ns();
 }
 
 // Optimizer steps follow one another on the training thread. A step skipped for an fp16 overflow counts too:
@@ -161,13 +161,13 @@ void AdviseRecorder::optimizer_step_begins() {
 void AdviseRecorder::optimizer_step_ends() {
   if (!in_window_) return;
   optimizer_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - optimizer_began_).count();
-  optimizer_waited_ns_ += collective_wait_ns() - optimizer_wait_began_;
+  optimizer_waited_ns_ += detail::collective_wait_ns() - optimizer_wait_began_;
 }
 
-void AdviseRecorder::after_update(const TrainingView& training, int64_t step) {
+void AdviseRecorder::after_update(const step::TrainingView& training, int64_t step) {
   if (steps_ == 0 || measured_) return;
   const auto now = std::chrono::steady_clock::now();
-  const int64_t waited_now = collective_wait_ns();
+  const int64_t waited_now = detail::collective_wait_ns();
   if (step == warmup_) start_window(training);
   if (step <= warmup_) return;
   const int64_t timed = step - warmup_;
@@ -182,18 +182,18 @@ void AdviseRecorder::after_update(const TrainingView& training, int64_t step) {
   conclude(training, verdict, timed, seconds, compute_seconds);
 }
 
-void AdviseRecorder::start_window(const TrainingView& training) {
+void AdviseRecorder::start_window(const step::TrainingView& training) {
   state_at_start_ = static_bytes(training);
   memory_meter::reset_peak(training.device);
   live_at_start_ = memory_meter::read(training.device).live;
-  waited_at_start_ = collective_wait_ns();
+  waited_at_start_ = detail::collective_wait_ns();
   optimizer_waited_ns_ = 0;
   optimizer_seconds_ = 0;
   in_window_ = true;
   started_ = std::chrono::steady_clock::now();
 }
 
-void AdviseRecorder::conclude(const TrainingView& training, double verdict, int64_t timed, double seconds,
+void AdviseRecorder::conclude(const step::TrainingView& training, double verdict, int64_t timed, double seconds,
                               double compute_seconds) {
   // Rank 0's clock decides for all: 2 stops after the timed steps, 1 stops early (too slow to win).
   auto flag = at::full({1}, verdict, at::kDouble).to(training.device);
@@ -221,4 +221,4 @@ void AdviseRecorder::conclude(const TrainingView& training, double verdict, int6
              .dump());
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::diagnostics

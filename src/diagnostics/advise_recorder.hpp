@@ -19,21 +19,21 @@
 
 #include "step/step_observer.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::diagnostics {
 
-class AdviseRecorder final : public StepObserver {
+class AdviseRecorder final : public step::StepObserver {
  public:
   static std::unique_ptr<AdviseRecorder> from_env();  // nullptr unless XLR8_ADVISE_DIR is set
-  void on_prepare(const TrainingView& training, torch::nn::Module& module, bool values_everywhere) override;
+  void on_prepare(const step::TrainingView& training, torch::nn::Module& module, bool values_everywhere) override;
   void optimizer_step_begins() override;
   void optimizer_step_ends() override;
-  void after_update(const TrainingView& training, int64_t step) override;  // collective at W + T
+  void after_update(const step::TrainingView& training, int64_t step) override;  // collective at W + T
 
  private:
-  void finish(const TrainingView& training, const std::string& file, const std::string& text);
+  void finish(const step::TrainingView& training, const std::string& file, const std::string& text);
   // Agrees on rank 0's verdict (2: measured, 1: cut, 0: go on); on 1 or 2 writes the result and waits to be stopped.
-  void conclude(const TrainingView& training, double verdict, int64_t timed, double seconds, double compute_seconds);
-  void start_window(const TrainingView& training);  // the clock and the memory peak start here
+  void conclude(const step::TrainingView& training, double verdict, int64_t timed, double seconds, double compute_seconds);
+  void start_window(const step::TrainingView& training);  // the clock and the memory peak start here
   std::string dir_;
   int64_t warmup_ = 2, steps_ = 3;
   double min_seconds_ = 0;  // the timed steps go on until this much time has passed (rank 0's clock)
@@ -50,4 +50,4 @@ class AdviseRecorder final : public StepObserver {
   double optimizer_seconds_ = 0;
 };
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::diagnostics

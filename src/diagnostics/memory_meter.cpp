@@ -10,7 +10,7 @@
 
 #include "compat/torch_compat.hpp"
 
-namespace xlr8::detail::memory_meter {
+namespace xlr8::diagnostics::memory_meter {
 
 namespace {
 
@@ -114,4 +114,4 @@ void reset_peak(const c10::Device& device) {
   peak_bytes.store(live_bytes.load());
 }
 
-}  // namespace xlr8::detail::memory_meter
+}  // namespace xlr8::diagnostics::memory_meter

@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-namespace xlr8::detail::memory_meter {
+namespace xlr8::diagnostics::memory_meter {
 
 // Starts counting the memory of `device`'s kind (idempotent). Tensors allocated before are not counted: read
 // differences.
@@ -17,4 +17,4 @@ struct Reading {
 Reading read(const c10::Device& device);
 void reset_peak(const c10::Device& device);  // peak := live
 
-}  // namespace xlr8::detail::memory_meter
+}  // namespace xlr8::diagnostics::memory_meter

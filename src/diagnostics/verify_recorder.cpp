@@ -15,7 +15,7 @@
 #include "xlr8/safetensors.hpp"
 #include "xlr8/env.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::diagnostics {
 
 namespace {
 
@@ -40,7 +40,7 @@ std::unique_ptr<VerifyRecorder> VerifyRecorder::from_env() {
   return r;
 }
 
-void VerifyRecorder::on_prepare(const TrainingView& training, torch::nn::Module& module, bool values_everywhere) {
+void VerifyRecorder::on_prepare(const step::TrainingView& training, torch::nn::Module& module, bool values_everywhere) {
   const std::string prefix = model_prefix(models_);
   ++models_;
   for (const auto& item : module.named_modules()) {
@@ -80,7 +80,7 @@ void VerifyRecorder::on_backward(const at::Tensor& loss) {
   pending_micro_ += 1;
 }
 
-void VerifyRecorder::before_update(const TrainingView& training, const std::vector<at::Tensor>& parameters,
+void VerifyRecorder::before_update(const step::TrainingView& training, const std::vector<at::Tensor>& parameters,
                                  ParallelStrategy* owner) {
   auto mean = at::full({1}, pending_micro_ ? pending_loss_ / pending_micro_ : 0.0, at::kDouble).to(training.device);
   micro_steps_ = pending_micro_;
@@ -117,7 +117,7 @@ void VerifyRecorder::before_update(const TrainingView& training, const std::vect
   clipped_from_.reset();
 }
 
-void VerifyRecorder::after_update(const TrainingView& training, int64_t step) {
+void VerifyRecorder::after_update(const step::TrainingView& training, int64_t step) {
   if (step > steps_) return;
   record_["steps"].push_back({{"step", step},
                               {"loss", loss_},
@@ -141,4 +141,4 @@ void VerifyRecorder::after_update(const TrainingView& training, int64_t step) {
   if (last) std::ofstream(fmt::format("{}/done.{}", dir_, rank)) << "done\n";
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::diagnostics

@@ -18,9 +18,9 @@
 
 #include "step/step_observer.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::diagnostics {
 
-class VerifyRecorder final : public StepObserver {
+class VerifyRecorder final : public step::StepObserver {
  public:
   // nullptr unless XLR8_VERIFY_DIR is set.
   static std::unique_ptr<VerifyRecorder> from_env();
@@ -29,13 +29,13 @@ class VerifyRecorder final : public StepObserver {
   int micro_split() const { return micro_split_; }
   // Parameters that differ across ranks before the strategy syncs them (unless only the main process built the
   // values), dropout, BatchNorm.
-  void on_prepare(const TrainingView& training, torch::nn::Module& module, bool values_everywhere) override;
+  void on_prepare(const step::TrainingView& training, torch::nn::Module& module, bool values_everywhere) override;
   void on_backward(const at::Tensor& loss) override;
   // The program clipped: what clip_grad_norm returned (the norm before clipping) is this step's.
   void on_clip_grad_norm(const GradNorm& norm) override { clipped_from_ = norm.value(); }
-  void before_update(const TrainingView& training, const std::vector<at::Tensor>& parameters, ParallelStrategy* owner) override;
+  void before_update(const step::TrainingView& training, const std::vector<at::Tensor>& parameters, ParallelStrategy* owner) override;
   // The record, and at step K the parameters (collective).
-  void after_update(const TrainingView& training, int64_t step) override;
+  void after_update(const step::TrainingView& training, int64_t step) override;
 
  private:
   std::string dir_;
@@ -55,4 +55,4 @@ class VerifyRecorder final : public StepObserver {
   std::map<std::string, at::Tensor> grad_max_;
 };
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::diagnostics

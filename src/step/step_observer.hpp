@@ -18,7 +18,7 @@ class Module;
 namespace xlr8 {
 class ParallelStrategy;
 
-namespace detail {
+namespace step {
 struct TrainingView;  // step/training_view.hpp
 
 class StepObserver {
@@ -38,5 +38,5 @@ class StepObserver {
   virtual void on_phase(StepPhase from, StepPhase to) {}  // every transition of the step (step_state.hpp), once made
 };
 
-}  // namespace detail
+}  // namespace step
 }  // namespace xlr8

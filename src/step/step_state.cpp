@@ -4,7 +4,7 @@
 
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::step {
 
 const char* to_string(StepPhase phase) {
   switch (phase) {
@@ -53,4 +53,4 @@ StepPhase StepState::enter(StepPhase next, const char* caller) {
   return from;
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::step

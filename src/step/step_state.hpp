@@ -6,7 +6,7 @@
 // (StepObserver::on_phase): where a pipeline schedule or fp8's scale update joins the step.
 #include <string>
 
-namespace xlr8::detail {
+namespace xlr8::step {
 
 enum class StepPhase {
   idle,        // no gradients of this step yet: built, loaded, after free_memory
@@ -41,4 +41,4 @@ class StepState {
   bool scaled_ = false;  // fp16: a backward over unscaled gradients would mix two scales
 };
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::step

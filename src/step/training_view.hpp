@@ -14,7 +14,7 @@
 #include "xlr8/parallel_strategy.hpp"
 #include "xlr8/process_state.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::step {
 
 struct TrainingView {
   const ProcessState& process;
@@ -30,4 +30,4 @@ struct TrainingView {
   Communicator& world() const { return process.world(); }
 };
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::step

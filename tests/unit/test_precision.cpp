@@ -127,14 +127,14 @@ TEST(Autocast, NormsTakeALowerPrecisionInputWithFp32WeightsOnCpu) {
 // unscaled under fp16; a step's gradients are readied once; optimizers apply ready gradients, and skip
 // overflowed ones, several per step.
 TEST(StepState, EachPhaseFollowsOnlyThePhasesTheStepsOrderAllows) {
-  using enum xlr8::detail::StepPhase;
-  const std::vector<xlr8::detail::StepPhase> all{idle, gradients, unscaled, overflowed, updated, skipped};
+  using enum xlr8::step::StepPhase;
+  const std::vector<xlr8::step::StepPhase> all{idle, gradients, unscaled, overflowed, updated, skipped};
   std::string table;
   for (bool scaled : {false, true})
     for (auto from : all) {
-      table += fmt::format("{}{}:", scaled ? "fp16 " : "", xlr8::detail::to_string(from));
+      table += fmt::format("{}{}:", scaled ? "fp16 " : "", xlr8::step::to_string(from));
       for (auto next : all)
-        if (xlr8::detail::StepState::allowed(from, next, scaled)) table += fmt::format(" {}", xlr8::detail::to_string(next));
+        if (xlr8::step::StepState::allowed(from, next, scaled)) table += fmt::format(" {}", xlr8::step::to_string(next));
       table += "\n";
     }
   EXPECT_EQ(table,
@@ -150,7 +150,7 @@ TEST(StepState, EachPhaseFollowsOnlyThePhasesTheStepsOrderAllows) {
             "fp16 overflowed: idle skipped\n"
             "fp16 updated: idle gradients updated\n"
             "fp16 skipped: idle gradients skipped\n");
-  xlr8::detail::StepState state;
+  xlr8::step::StepState state;
   EXPECT_EQ(state.enter(gradients, "backward()"), idle);
   EXPECT_EQ(state.enter(unscaled, "unscale"), gradients);
   try {
