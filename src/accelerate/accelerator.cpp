@@ -93,7 +93,6 @@ void AcceleratorImpl::start(AcceleratorOptions given, const deepspeed::Config* e
   s.gradient_state->num_steps = s.plan.gradient_accumulation_steps;
   s.gradient_state->sync_with_dataloader = s.options.sync_with_dataloader;
   if (s.plan.loss_scaler) s.scaler.emplace(*s.plan.loss_scaler);
-  s.step_state.set_scaled(s.scaler.has_value());
   // Offload keeps the optimizer's side (and under stage 3 the parameter shards) in host memory.
   const bool offload = (settings.fsdp && settings.fsdp->offload_params) ||
                        (launch && (launch->offload_optimizer_device != "none" || launch->offload_param_device != "none")) ||

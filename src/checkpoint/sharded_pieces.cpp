@@ -147,6 +147,10 @@ bool IndexedTensor::boxed() const {
 
 void RankPieces::add(const std::string& key, const Placement& placement, const at::Tensor& values) {
   const auto flat = values.detach().reshape(-1);
+  if (placement.whole_numel() == 0) {  // a tensor without elements still has a name and a shape to save
+    pieces.push_back({key, placement, flat});
+    return;
+  }
   for (const auto& span : placement.spans())
     pieces.push_back({key, Placement::of_box(placement.whole(), span.box).chunk(span.begin, span.count),
                       flat.narrow(0, span.at, span.count)});

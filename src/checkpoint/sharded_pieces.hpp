@@ -33,7 +33,8 @@ struct Piece {
 struct RankPieces {
   std::vector<Piece> pieces;
   std::map<std::string, int64_t> counters;  // per-tensor scalars (an optimizer's step), equal where repeated
-  // `values` (placement.count() elements, any shape) as one piece per box the placement reaches.
+  // `values` (placement.count() elements, any shape) as one piece per box the placement reaches (a tensor
+  // without elements as one empty piece, so that it is saved).
   void add(const std::string& key, const Placement& placement, const at::Tensor& values);
 };
 

@@ -2,14 +2,16 @@
 // Where a training step is, as FSDP2's TrainingState: backward fills the gradients, a sync step's first
 // unscale (fp16: divided by the scale, overflow agreed over the world) readies them, and each prepared
 // optimizer then applies or skips them. Every transition says which phases it may come from; a call out of
-// order is an Error naming both, not a silently wrong update. Observers see each transition
-// (StepObserver::on_phase): where a pipeline schedule or fp8's scale update joins the step.
+// order is an Error naming both (an xlr8 bug: the public calls cannot produce one). A backward may start a
+// new step from any phase, as PyTorch's: a program that zeroes overflowed gradients and goes on without a
+// step is legal. Observers see each transition (StepObserver::on_phase): where a pipeline schedule or fp8's
+// scale update joins the step.
 #include <string>
 
 namespace xlr8::step {
 
 enum class StepPhase {
-  idle,        // no gradients of this step yet: built, loaded, after free_memory
+  idle,        // no gradients of this step yet: built, after free_memory
   gradients,   // backward ran: gradients hold loss / accumulation steps, times the fp16 scale
   unscaled,    // a sync step's gradients are ready (divided by the scale), finite on every rank
   overflowed,  // ... inf/NaN on some rank: every optimizer skips this step
@@ -26,19 +28,15 @@ class StepState {
   bool ready() const;
   // Some rank found inf/NaN in this step's gradients: overflowed or skipped.
   bool overflow() const { return phase_ == StepPhase::overflowed || phase_ == StepPhase::skipped; }
-  // Moves to `next` (Error naming `caller`, the phase and the fix when `next` may not follow it); returns the
-  // phase it left.
+  // Moves to `next` (Error naming `caller` and both phases when `next` may not follow it); returns the phase
+  // it left.
   StepPhase enter(StepPhase next, const char* caller);
-  // free_memory(), load_state(): a new training, whatever the step was doing.
-  void reset() { phase_ = StepPhase::idle; }
 
   // Whether `next` may follow `from`; the one table of the step's order.
-  static bool allowed(StepPhase from, StepPhase next, bool scaled);
-  void set_scaled(bool scaled) { scaled_ = scaled; }
+  static bool allowed(StepPhase from, StepPhase next);
 
  private:
   StepPhase phase_ = StepPhase::idle;
-  bool scaled_ = false;  // fp16: a backward over unscaled gradients would mix two scales
 };
 
 }  // namespace xlr8::step

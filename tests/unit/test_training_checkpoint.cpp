@@ -109,6 +109,7 @@ TEST(ShardedPieces, AnyPlacementReadsBackWhateverPlacementsSavedIt) {
     if (r == 0) content.pieces.add("w", Placement::split({6, 4}, 0, {3, 3}, 0, 3).chunk(0, 1), w[0][0]);
     const auto shard = Placement::whole_tensor({5}).chunk(2 * r, r == 2 ? 1 : 2);
     content.pieces.add("v", shard, shard.take(v));
+    content.pieces.add("e", Placement::whole_tensor({0, 4}), at::empty({0, 4}));  // no elements, still saved
     checkpoints::save(dir, content, world);
   });
   checkpoints::Verified saved(dir);
@@ -119,6 +120,9 @@ TEST(ShardedPieces, AnyPlacementReadsBackWhateverPlacementsSavedIt) {
                                      Placement::split({6, 4}, 0, {2, 4}, 1, 2).chunk(2, 5)};
   for (const auto& p : asked) EXPECT_TRUE(at::equal(reader.read("w", p), p.take(w))) << p.describe();
   EXPECT_TRUE(at::equal(reader.read("v", Placement::whole_tensor({5}).chunk(1, 3)), v.narrow(0, 1, 3)));
+  ASSERT_NE(reader.find("e"), nullptr);
+  EXPECT_EQ(reader.find("e")->shape, (std::vector<int64_t>{0, 4}));
+  EXPECT_EQ(reader.read("e", Placement::whole_tensor({0, 4})).numel(), 0);
   const auto m = error_of([&] { (void)reader.read("v", Placement::whole_tensor({6})); });
   EXPECT_NE(m.find("is [5], but this rank holds [6]"), std::string::npos) << m;
   fs::remove_all(dir);
