@@ -37,6 +37,9 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
   return n;
 }
 
+// The box a piece names in the index and its entry's name: none for the whole tensor (the format before boxes).
+const Box* named_box(const Piece& p) { return p.placement.unsplit() ? nullptr : &p.placement.boxes().front(); }
+
 // What one rank wrote, as the index lists it.
 nlohmann::json describe_pieces(const RankPieces& mine, int rank) {
   nlohmann::json out{{"rank", rank}, {"pieces", nlohmann::json::array()}, {"counters", mine.counters}};
@@ -46,9 +49,9 @@ nlohmann::json describe_pieces(const RankPieces& mine, int rank) {
                          {"dtype", safetensors_dtype_code(p.data.scalar_type())},
                          {"start", p.placement.start()},
                          {"count", p.data.numel()}};
-    if (!p.placement.unsplit()) {
-      piece["box_offsets"] = p.placement.boxes().front().offsets;
-      piece["box_sizes"] = p.placement.boxes().front().sizes;
+    if (const auto* box = named_box(p)) {
+      piece["box_offsets"] = box->offsets;
+      piece["box_sizes"] = box->sizes;
     }
     out["pieces"].push_back(std::move(piece));
   }
@@ -57,6 +60,20 @@ nlohmann::json describe_pieces(const RankPieces& mine, int rank) {
 
 std::vector<int64_t> box_offsets_of(const nlohmann::json& range) {
   return range.contains("box_offsets") ? range["box_offsets"].get<std::vector<int64_t>>() : std::vector<int64_t>{};
+}
+
+// The box an index range lies in: the whole tensor of `shape` when it names none.
+Box box_of(const nlohmann::json& range, const std::vector<int64_t>& shape) {
+  Box box{box_offsets_of(range), range.contains("box_sizes") ? range["box_sizes"].get<std::vector<int64_t>>() : shape};
+  if (box.offsets.empty()) box.offsets.assign(shape.size(), 0);
+  return box;
+}
+
+bool lies_inside(const Box& box, const std::vector<int64_t>& shape) {
+  bool inside = box.offsets.size() == shape.size() && box.sizes.size() == shape.size();
+  for (size_t d = 0; inside && d < shape.size(); ++d)
+    inside = box.offsets[d] >= 0 && box.sizes[d] >= 0 && box.offsets[d] + box.sizes[d] <= shape[d];
+  return inside;
 }
 
 // The ranges of a tensor (sorted here by box, then start) cover each of their boxes once, and the boxes
@@ -75,14 +92,12 @@ void check_coverage(const std::string& key, nlohmann::json& t) {
   int64_t next = 0;
   for (size_t k = 0; k < ranges.size(); ++k) {
     auto& r = ranges[k];
-    Box box{box_offsets_of(r), r.contains("box_sizes") ? r["box_sizes"].get<std::vector<int64_t>>() : shape};
-    if (box.offsets.empty()) box.offsets.assign(shape.size(), 0);
+    const auto box = box_of(r, shape);
     if (boxes.empty() || boxes.back().offsets != box.offsets) {
       if (!boxes.empty() && next != numel_of(boxes.back().sizes))
         fail(fmt::format("end at element {} of {} in a box", next, numel_of(boxes.back().sizes)));
       if (box.offsets.size() != shape.size() || box.sizes.size() != shape.size()) fail("give a box of another rank");
-      for (size_t d = 0; d < shape.size(); ++d)
-        if (box.offsets[d] < 0 || box.sizes[d] < 0 || box.offsets[d] + box.sizes[d] > shape[d]) fail("lie outside it");
+      if (!lies_inside(box, shape)) fail("lie outside it");
       boxes.push_back(box);
       next = 0;
     } else if (box.sizes != boxes.back().sizes) {
@@ -159,8 +174,9 @@ void RankPieces::add(const std::string& key, const Placement& placement, const a
 void write_pieces(const fs::path& dir, const RankPieces& mine, Communicator& world) {
   NamedTensors named;
   for (const auto& p : mine.pieces) {
-    const auto offsets = p.placement.unsplit() ? std::vector<int64_t>{} : p.placement.boxes().front().offsets;
-    named.emplace_back(piece_name(p.key, p.placement.start(), offsets), p.data.reshape(-1));
+    const auto* box = named_box(p);
+    named.emplace_back(piece_name(p.key, p.placement.start(), box ? box->offsets : std::vector<int64_t>{}),
+                       p.data.reshape(-1));
   }
   save_safetensors((dir / pieces_file(world.rank())).string(), named, {{"rank", std::to_string(world.rank())}});
   auto all = world.all_gather_object(describe_pieces(mine, world.rank()).dump());
@@ -200,12 +216,8 @@ PieceReader::PieceReader(const Verified& checkpoint) : checkpoint_(checkpoint) {
       entry.dtype = *dtype;
       for (auto& r : t.at("ranges")) {
         const auto offsets = box_offsets_of(r);
-        Box box{offsets, offsets.empty() ? entry.shape : r.at("box_sizes").get<std::vector<int64_t>>()};
-        if (box.offsets.empty()) box.offsets.assign(entry.shape.size(), 0);
-        bool inside = box.offsets.size() == entry.shape.size() && box.sizes.size() == entry.shape.size();
-        for (size_t d = 0; inside && d < entry.shape.size(); ++d)
-          inside = box.offsets[d] >= 0 && box.sizes[d] >= 0 && box.offsets[d] + box.sizes[d] <= entry.shape[d];
-        if (!inside) throw std::runtime_error("a box of " + key + " does not lie inside its shape");
+        auto box = box_of(r, entry.shape);
+        if (!lies_inside(box, entry.shape)) throw std::runtime_error("a box of " + key + " does not lie inside its shape");
         entry.ranges.push_back({pieces_file(r.at("rank").get<int>()), piece_name(key, r.at("start").get<int64_t>(), offsets),
                                 std::move(box), r.at("start").get<int64_t>(), r.at("count").get<int64_t>()});
       }
