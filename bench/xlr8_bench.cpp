@@ -294,7 +294,7 @@ int collectives(double max_mb) {
 // What the flight recorder adds to one collective: an entry recorded and marked completed, as the
 // communicator does, timed over many (no process group needed). XLR8_TRACE_BUFFER_SIZE=0 gives the floor.
 int flight_recorder_cost(int64_t operations) {
-  auto& recorder = xlr8::detail::FlightRecorder::instance();
+  auto& recorder = xlr8::core::FlightRecorder::instance();
   const std::string description = "all_reduce(float32[1048576], SUM) on group 'world' (rank 0 of 2)";
   const auto began = std::chrono::steady_clock::now();
   for (int64_t i = 0; i < operations; ++i) recorder.completed(recorder.enqueued("world", static_cast<uint64_t>(i + 1), description), true);

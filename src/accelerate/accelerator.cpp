@@ -70,7 +70,7 @@ void AcceleratorImpl::start(AcceleratorOptions given, const deepspeed::Config* e
   s.advise = diagnostics::AdviseRecorder::from_env();
   for (auto* observer : std::initializer_list<xlr8::step::StepObserver*>{s.verify.get(), s.advise.get()})
     if (observer) s.observers.push_back(observer);
-  detail::PlanInputs in{.state = s.state, .options = &s.options, .device = s.device};
+  accelerate::PlanInputs in{.state = s.state, .options = &s.options, .device = s.device};
   in.precision = s.options.mixed_precision.value_or(s.state->mixed_precision());
   in.accumulation = gradient_accumulation_steps_for(settings, s.options.gradient_accumulation_steps, s.state->is_main_process());
   const auto& launch = settings.deepspeed;
@@ -84,7 +84,7 @@ void AcceleratorImpl::start(AcceleratorOptions given, const deepspeed::Config* e
   }
   // `xlr8 verify`'s third run: each of the N ranks' shares is a micro-batch, so N times as many make a step.
   if (s.verify) in.micro_batches_per_rank = s.verify->micro_split();
-  s.plan = detail::resolve_plan(in, env);
+  s.plan = accelerate::resolve_plan(in, env);
   if (s.state->is_main_process()) log::debug("xlr8: the Accelerator's plan:\n{}", s.plan.describe());
   if (s.plan.allow_tf32) {  // process-wide, as torch.backends.cuda.matmul.allow_tf32; cuDNN's is on by default
     at::globalContext().setAllowTF32CuBLAS(*s.plan.allow_tf32);
@@ -265,7 +265,7 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   if (!module) throw Error("prepare(): the model is null");
   if (s.strategy_for(module.get())) throw Error("prepare(): this model was already prepared; prepare each model once");
   bool values_from_rank0 = false;
-  detail::ParallelizeHooks hooks;
+  parallel::ParallelizeHooks hooks;
   hooks.after_tensor_parallel = [&](torch::nn::Module&) {
     values_from_rank0 = s.complete_values(module);
     const auto training = s.view();
@@ -276,7 +276,7 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
     if (values_from_rank0) parallel.zero.values_from_rank0 = true;
   };
   hooks.gradient_state = s.gradient_state;
-  s.models.push_back(detail::parallelize(module, s.plan, s.state->mesh(), hooks));
+  s.models.push_back(parallel::parallelize(module, s.plan, s.state->mesh(), hooks));
   auto* strategy = s.models.back().get();
   for (const auto& o : s.optimizers) strategy->bind_optimizer(*o->optimizer);  // prepared before the model
 }
@@ -350,7 +350,7 @@ void Accelerator::free_memory() {
   s.last_step_applied = false;
   s.enter(xlr8::step::StepPhase::idle, "free_memory()");
   compat::empty_device_cache();
-  detail::return_free_memory_to_system();
+  os::return_free_memory_to_system();
 }
 
 ShardingOptions Accelerator::sharding() const {

@@ -51,7 +51,7 @@ struct AcceleratorImpl {
   int64_t save_iteration = 0;               // next automatic checkpoint number
   std::vector<std::unique_ptr<Tracker>> trackers;  // main process, once a run started
   std::string run_dir;
-  std::optional<detail::DeepSpeedPlugin> deepspeed;  // the launch's DeepSpeed JSON, when it names one
+  std::optional<deepspeed::DeepSpeedPlugin> deepspeed;  // the launch's DeepSpeed JSON, when it names one
   std::unique_ptr<diagnostics::VerifyRecorder> verify;  // under `xlr8 verify` (XLR8_VERIFY_DIR)
   std::unique_ptr<diagnostics::AdviseRecorder> advise;  // under `xlr8 advise` (XLR8_ADVISE_DIR)
   std::vector<xlr8::step::StepObserver*> observers;    // told of each step's events, in this order (step_observer.hpp)

@@ -34,7 +34,7 @@ at::Tensor gather_over(Communicator& group, const at::Tensor& tensor) {
 // the same way, so no rank throws alone and leaves the others waiting.
 void check_same_layout(Communicator& group, const std::vector<at::Tensor>& tensors, const char* what) {
   std::vector<std::string> mine;
-  for (const auto& t : tensors) mine.push_back(detail::describe(t));  // "undefined" for an undefined one
+  for (const auto& t : tensors) mine.push_back(core::describe(t));  // "undefined" for an undefined one
   const std::string text = nlohmann::json(mine).dump();
   auto hashes = at::empty({group.size()}, at::kLong);
   group.all_gather(hashes, at::full({1}, static_cast<int64_t>(std::hash<std::string>{}(text)), at::kLong));

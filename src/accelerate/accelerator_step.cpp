@@ -259,7 +259,7 @@ void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
   AutocastPause outside_autocast;
   scaled.backward({}, retain_graph);
   for (const auto& model : impl_->models)
-    if (auto never = detail::recomputed_units_never_run(*model->module()); !never.empty())
+    if (auto never = recompute::recomputed_units_never_run(*model->module()); !never.empty())
       throw ConfigError(fmt::format("fsdp_activation_checkpointing: unit(s) {} ran no forward through "
                                     "xlr8::sharded(*this, body, inputs...), so they were not checkpointed; write "
                                     "their forward in that form (xlr8/unshard.hpp)",

@@ -10,7 +10,7 @@
 #include "xlr8/error.hpp"
 
 namespace xlr8 {
-namespace detail {
+namespace accelerate {
 namespace {
 
 // The dtype sharded strategies gather and compute parameters in (FSDP's MixedPrecision param_dtype).
@@ -95,16 +95,16 @@ ParallelPlan resolve_plan(const PlanInputs& in, const Env& env) {
   if (!in.from_engine) plan.gradient_accumulation_steps *= in.micro_batches_per_rank;
   if (plan.mixed_precision == MixedPrecision::FP16)
     plan.loss_scaler = in.deepspeed ? deepspeed::loss_scaler(*in.deepspeed) : LossScalerOptions{};
-  parallel = resolve_parallel_options(std::move(parallel), in.deepspeed ? &in.deepspeed->zero_optimization : nullptr,
+  parallel = shard::resolve_parallel_options(std::move(parallel), in.deepspeed ? &in.deepspeed->zero_optimization : nullptr,
                                       settings, in.state->local_world_size(), in.device.is_cpu());
   if (!parallel.zero.param_dtype) parallel.zero.param_dtype = sharded_param_dtype(plan.mixed_precision, in.device, env);
-  plan.data_parallel_dim = data_parallel_dim(mesh);
+  plan.data_parallel_dim = parallel::data_parallel_dim(mesh);
   plan.strategy = strategy_of(parallel.zero, mesh.size(plan.data_parallel_dim));
   plan.data_parallel = std::move(parallel);
   return plan;
 }
 
-}  // namespace detail
+}  // namespace accelerate
 
 namespace {
 

@@ -7,7 +7,7 @@
 #include "xlr8/env.hpp"
 #include "xlr8/parallel_plan.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::accelerate {
 
 struct PlanInputs {
   const ProcessState* state = nullptr;
@@ -28,4 +28,4 @@ struct PlanInputs {
 // and the fix for what cannot be resolved.
 ParallelPlan resolve_plan(const PlanInputs& in, const Env& env);
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::accelerate

@@ -12,7 +12,7 @@
 #include "tensorboard.pb.h"
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::accelerate {
 namespace {
 
 namespace pb = xlr8::tensorboard;
@@ -202,4 +202,4 @@ std::map<std::string, std::vector<std::pair<int64_t, double>>> read_tensorboard_
   return scalars;
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::accelerate

@@ -10,7 +10,7 @@
 
 #include "xlr8/trackers.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::accelerate {
 
 std::unique_ptr<Tracker> make_tensorboard_tracker(const std::string& run_dir);
 // The scalars (simple values) of one event file, by tag: (step, value) in the order written. A last
@@ -21,4 +21,4 @@ std::map<std::string, std::vector<std::pair<int64_t, double>>> read_tensorboard_
 uint32_t crc32c(const void* data, size_t size);
 uint32_t masked_crc32c(const void* data, size_t size);
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::accelerate

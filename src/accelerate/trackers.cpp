@@ -95,7 +95,7 @@ const std::vector<std::string>& builtin_trackers() {
 std::unique_ptr<Tracker> make_tracker(const std::string& name, const std::string& run_dir) {
   if (name == "jsonl") return std::make_unique<JsonLinesTracker>(run_dir);
   if (name == "csv") return std::make_unique<CsvTracker>(run_dir);
-  if (name == "tensorboard") return detail::make_tensorboard_tracker(run_dir);
+  if (name == "tensorboard") return accelerate::make_tensorboard_tracker(run_dir);
   std::string choices;
   for (const auto& n : builtin_trackers()) choices += (choices.empty() ? "" : ", ") + n;
   throw ConfigError(fmt::format("log_with {:?} is not a tracker xlr8 has; use {} or all", name, choices));

@@ -318,7 +318,7 @@ void check_matches(const NamedTensors& expected, const SafetensorsContent& conte
     auto it = saved.find(name);
     if (it == saved.end()) missing.push_back(name);
     else if (!it->second.sizes().equals(t.sizes()) || it->second.scalar_type() != t.scalar_type())
-      mismatched.push_back(fmt::format("{} ({} saved, {} in the model)", name, detail::describe(it->second), detail::describe(t)));
+      mismatched.push_back(fmt::format("{} ({} saved, {} in the model)", name, core::describe(it->second), core::describe(t)));
     saved.erase(name);
   }
   if (!missing.empty() || !mismatched.empty() || !saved.empty()) {

@@ -17,7 +17,7 @@
 #include <mutex>
 #include <vector>
 
-namespace xlr8::detail {
+namespace xlr8::compat {
 
 template <class Group>
 class AbortAtExit {
@@ -67,4 +67,4 @@ class AbortAtExit {
   std::vector<std::weak_ptr<Entry>> entries_;  // alive while their group's owner holds the handle
 };
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::compat

@@ -88,7 +88,7 @@ inline BackendPtr make_gloo(const StorePtr& store, int rank, int size, std::chro
 }
 
 #ifdef XLR8_WITH_NCCL
-using NcclGroupsAtExit = detail::AbortAtExit<c10d::ProcessGroupNCCL>;
+using NcclGroupsAtExit = compat::AbortAtExit<c10d::ProcessGroupNCCL>;
 
 // `at_exit`: the group's registration for exit (compat/abort_at_exit.hpp; keep it beside the group, drop it first).
 inline BackendPtr make_nccl(const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout,

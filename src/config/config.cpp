@@ -21,7 +21,7 @@ namespace fs = std::filesystem;
 namespace xlr8 {
 namespace {
 
-using detail::Section;
+using config::Section;
 
 const std::vector<std::string> kTrackerNames = {"jsonl", "csv", "tensorboard", "all"};
 
@@ -158,18 +158,18 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
   LaunchConfig c;
   c.path = origin;
   Section top(root, "", origin);
-  detail::refuse_foreign_environment(top);
+  config::refuse_foreign_environment(top);
   const Section fsdp(with_fsdp_prefix(top.child("fsdp_config")), "fsdp_config.", origin);
   const Section deepspeed(top.child("deepspeed_config"), "deepspeed_config.", origin);
   const Section mpi(top.child("mpirun_config"), "mpirun_config.", origin);
   const Section parallelism(top.child("parallelism_config"), "parallelism_config.", origin);
-  std::vector<std::string> unknown = top.unknown_keys(kTopKeys, detail::kCompatTopKeys, &c.ignored_keys);
+  std::vector<std::string> unknown = top.unknown_keys(kTopKeys, config::kCompatTopKeys, &c.ignored_keys);
   for (const auto& [section, known, ignored] :
        {std::tuple{&fsdp, &kFsdpKeys, &kNone}, std::tuple{&deepspeed, &kDeepSpeedKeys, &kLauncherDeepSpeedKeys},
         std::tuple{&mpi, &kMpirunKeys, &kNone}, std::tuple{&parallelism, &kParallelismKeys, &kNone}})
     for (auto& message : section->unknown_keys(*known, *ignored, &c.ignored_keys)) unknown.push_back(std::move(message));
   top.refuse_unknown(unknown);
-  detail::refuse_unsupported_features(top);
+  config::refuse_unsupported_features(top);
   if (auto v = top.str("distributed_type")) {
     try {
       c.distributed_type = parse_distributed_type(*v, "distributed_type");

@@ -6,7 +6,7 @@
 #include "core/text.hpp"
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::config {
 
 const std::vector<std::string> kCompatTopKeys = {
     // TPU (written into every file by `accelerate config`, off unless the TPU questions were answered)
@@ -93,4 +93,4 @@ void refuse_unsupported_features(const Section& top) {
   // fp8, both refused where they are read; Accelerate leaves their keys open, and so do we.
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::config

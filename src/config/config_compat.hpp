@@ -8,7 +8,7 @@
 
 #include "config/config_section.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::config {
 
 // Top-level keys that only these checks read.
 extern const std::vector<std::string> kCompatTopKeys;
@@ -18,4 +18,4 @@ void refuse_foreign_environment(const Section& top);
 // Every key of kCompatTopKeys, and the keys inside those sections.
 void refuse_unsupported_features(const Section& top);
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::config

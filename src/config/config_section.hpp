@@ -15,7 +15,7 @@
 #include "xlr8/env.hpp"
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::config {
 
 // One mapping of the YAML file: checks unknown keys and types, naming the full key path.
 class Section {
@@ -148,4 +148,4 @@ class Section {
   std::string origin_;
 };
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::config

@@ -15,7 +15,7 @@
 
 #include "xlr8/env.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::core {
 
 bool is_backtrace_line(const std::string& line) {
   // Every worker stderr line passes here: most have none of the patterns' fixed parts, skip the regex.
@@ -119,4 +119,4 @@ void install_error_file_handler() {
   previous_handler = std::set_terminate(record_then_terminate);
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::core

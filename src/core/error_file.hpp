@@ -6,7 +6,7 @@
 #include <optional>
 #include <string>
 
-namespace xlr8::detail {
+namespace xlr8::core {
 
 struct ErrorFileRecord {
   std::string message;     // "<exception type>: <what()>"
@@ -27,4 +27,4 @@ std::optional<ErrorFileRecord> read_error_file(const std::string& path);
 // goes on to the handler installed before. Idempotent.
 void install_error_file_handler();
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::core

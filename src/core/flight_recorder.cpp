@@ -17,7 +17,7 @@
 #include <fstream>
 #include <thread>
 
-namespace xlr8::detail {
+namespace xlr8::core {
 
 namespace {
 
@@ -179,4 +179,4 @@ void FlightRecorder::install_signal_trigger() {
   }
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::core

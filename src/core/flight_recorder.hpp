@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-namespace xlr8::detail {
+namespace xlr8::core {
 
 class FlightRecorder {
  public:
@@ -55,4 +55,4 @@ class FlightRecorder {
   void beat();
 };
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::core

@@ -93,12 +93,12 @@ nlohmann::json tensor_json(const at::Tensor& tensor) {
   return array;
 }
 
-namespace detail {
+namespace core {
 
 std::string describe(const at::Tensor& t) {
   if (!t.defined()) return "undefined";
   return fmt::format("{}{}", dtype_name(t.scalar_type()), t.sizes());
 }
 
-}  // namespace detail
+}  // namespace core
 }  // namespace xlr8

@@ -7,9 +7,9 @@
 
 #include "xlr8/format.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::core {
 
 std::string describe(const at::Tensor& t);  // "float32[4, 8]" (src/core/tensor_format.cpp)
 using xlr8::dtype_name;                     // "bfloat16"
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::core

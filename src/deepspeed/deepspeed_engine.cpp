@@ -108,7 +108,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
     throw ConfigError(fmt::format("deepspeed::initialize: no optimizer: pass one, or give {} an \"optimizer\" section "
                                   "(Adam, AdamW or SGD)",
                                   config_.origin));
-  detail::mark_leaf_modules(*module, config_.zero_optimization.leaf_module);
+  deepspeed::mark_leaf_modules(*module, config_.zero_optimization.leaf_module);
   accelerator_ = std::make_unique<Accelerator>(config_, accelerator_options(config_, sizes_));
   module_ = accelerator_->prepare(module);
   if (!optimizer) optimizer = make_optimizer(*config_.optimizer, module_->parameters());
@@ -159,7 +159,7 @@ void Engine::add_time(double WallClock::*phase, double ms) {
 // wait for gradient reductions, the rest the backward's own.
 void Engine::add_backward_time(double began_ms, int64_t waited_before) {
   const double total = now_ms() - began_ms;
-  const double reducing = static_cast<double>(detail::collective_wait_ns() - waited_before) / 1e6;
+  const double reducing = static_cast<double>(distributed::collective_wait_ns() - waited_before) / 1e6;
   add_time(&WallClock::backward_ms, total);
   add_time(&WallClock::backward_allreduce_ms, reducing);
   add_time(&WallClock::backward_inner_ms, total - reducing);
@@ -196,7 +196,7 @@ at::Tensor Engine::backward(const at::Tensor& loss, bool retain_graph) {
   } else {
     end_forward();  // a loop that called begin_forward() itself
     const double began = now_ms();
-    const int64_t waited = detail::collective_wait_ns();
+    const int64_t waited = distributed::collective_wait_ns();
     accelerator_->backward(loss, retain_graph);
     add_backward_time(began, waited);
   }
@@ -236,7 +236,7 @@ void Engine::step() {
                 grad_norm_.value(), loss_scale());
   }
   const double stepped = timed ? now_ms() : 0;
-  const int64_t waited = timed ? detail::collective_wait_ns() : 0;
+  const int64_t waited = timed ? distributed::collective_wait_ns() : 0;
   micro_step_.reset();  // the strategies end their step: a sharded model's reductions are done
   ++micro_steps_;
   if (!timed) return;

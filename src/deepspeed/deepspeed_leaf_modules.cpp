@@ -22,7 +22,7 @@ int mark_leaves(torch::nn::Module& model, const std::vector<std::string>& wanted
   for (const auto& want : wanted)
     for (const auto& item : model.named_modules("", /*include_self=*/false))
       if (matches(want, item.value()->name(), item.key())) {
-        detail::mark_leaf_module(*item.value());
+        shard::mark_leaf_module(*item.value());
         ++marked;
       }
   if (marked == 0)
@@ -35,7 +35,7 @@ int mark_leaves(torch::nn::Module& model, const std::vector<std::string>& wanted
 int set_z3_leaf_modules(torch::nn::Module& model, const std::vector<std::string>& classes) {
   return mark_leaves(model, classes, "set_z3_leaf_modules (zero_optimization.leaf_module.classes)",
                      [](const std::string& want, const std::string& cls, const std::string&) {
-                       return detail::layer_class_matches(want, cls);
+                       return shard::layer_class_matches(want, cls);
                      });
 }
 

@@ -41,7 +41,7 @@ std::vector<double> DummyScheduler::get_lrs() {
               "with Accelerator::prepare under --use_deepspeed --deepspeed_config_file and step what prepare returns");
 }
 
-namespace detail {
+namespace deepspeed {
 namespace {
 
 bool explicitly_enabled(const nlohmann::json& document, const char* section) {
@@ -149,7 +149,7 @@ void DeepSpeedPlugin::configure_model(torch::nn::Module& model, ParallelOptions&
           {hidden_keys[2], 10 * h}});
   }
   mark_leaf_modules(model, config_.zero_optimization.leaf_module);
-  apply_zero_sizes(config_.zero_optimization, parallel);
+  shard::apply_zero_sizes(config_.zero_optimization, parallel);
 }
 
 void DeepSpeedPlugin::refuse_auto_in(const std::string& prefix, const std::string& filled_by) const {
@@ -258,5 +258,5 @@ void DeepSpeedPlugin::finish(int accumulation) {
   if (main_process_) log::info("xlr8: DeepSpeed config {} resolved to {}", config_.origin, config_.document.dump());
 }
 
-}  // namespace detail
+}  // namespace deepspeed
 }  // namespace xlr8

@@ -16,7 +16,7 @@
 #include "xlr8/deepspeed_config.hpp"
 #include "xlr8/settings.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::deepspeed {
 
 // zero_optimization.leaf_module: marks the modules it names (ConfigError when a list matches none).
 void mark_leaf_modules(torch::nn::Module& model, const deepspeed::LeafModuleConfig& leaf);
@@ -65,4 +65,4 @@ class DeepSpeedPlugin {
   std::vector<std::pair<std::shared_ptr<torch::optim::Optimizer>, std::shared_ptr<torch::optim::Optimizer>>> built_;
 };
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::deepspeed

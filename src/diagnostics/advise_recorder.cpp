@@ -153,7 +153,7 @@ void AdviseRecorder::on_prepare(const step::TrainingView& training, torch::nn::M
 
 void AdviseRecorder::optimizer_step_begins() {
   optimizer_began_ = std::chrono::steady_clock::now();
-  optimizer_wait_began_ = detail::collective_wait_ns();
+  optimizer_wait_began_ = distributed::collective_wait_ns();
 }
 
 // Optimizer steps follow one another on the training thread. A step skipped for an fp16 overflow counts too:
@@ -161,13 +161,13 @@ void AdviseRecorder::optimizer_step_begins() {
 void AdviseRecorder::optimizer_step_ends() {
   if (!in_window_) return;
   optimizer_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - optimizer_began_).count();
-  optimizer_waited_ns_ += detail::collective_wait_ns() - optimizer_wait_began_;
+  optimizer_waited_ns_ += distributed::collective_wait_ns() - optimizer_wait_began_;
 }
 
 void AdviseRecorder::after_update(const step::TrainingView& training, int64_t step) {
   if (steps_ == 0 || measured_) return;
   const auto now = std::chrono::steady_clock::now();
-  const int64_t waited_now = detail::collective_wait_ns();
+  const int64_t waited_now = distributed::collective_wait_ns();
   if (step == warmup_) start_window(training);
   if (step <= warmup_) return;
   const int64_t timed = step - warmup_;
@@ -186,7 +186,7 @@ void AdviseRecorder::start_window(const step::TrainingView& training) {
   state_at_start_ = static_bytes(training);
   memory_meter::reset_peak(training.device);
   live_at_start_ = memory_meter::read(training.device).live;
-  waited_at_start_ = detail::collective_wait_ns();
+  waited_at_start_ = distributed::collective_wait_ns();
   optimizer_waited_ns_ = 0;
   optimizer_seconds_ = 0;
   in_window_ = true;

@@ -34,6 +34,10 @@ std::shared_future<void> CommState::run_composite(std::function<void()> task) {
   return future;
 }
 
+}  // namespace detail
+
+namespace distributed {
+
 namespace {
 // What a transport says when the other end of its connection went away: a symptom of a peer's failure.
 bool lost_peer(const std::string& message) {
@@ -72,7 +76,7 @@ void combine(at::Tensor& acc, const at::Tensor& other, ReduceOp op) {
   }
 }
 
-}  // namespace detail
+}  // namespace distributed
 
 // ---------------------------------------------------------------------------------------------- Work
 
@@ -88,7 +92,7 @@ struct WaitClock {
 };
 }  // namespace
 
-int64_t detail::collective_wait_ns() { return waited_ns.load(std::memory_order_relaxed); }
+int64_t distributed::collective_wait_ns() { return waited_ns.load(std::memory_order_relaxed); }
 
 namespace {
 void wait_for_work(detail::WorkState& s) {
@@ -97,7 +101,7 @@ void wait_for_work(detail::WorkState& s) {
     try {
       s.work->wait(s.timeout);
     } catch (const std::exception& e) {
-      detail::rethrow_with_context(s.what, s.timeout, e);
+      distributed::rethrow_with_context(s.what, s.timeout, e);
     }
   } else if (s.future.valid()) {
     // The composite op enforces the timeout on each of its steps; this is a backstop.
@@ -115,7 +119,7 @@ void Work::wait() {
   auto& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
   if (s.done) return;
-  auto& recorder = detail::FlightRecorder::instance();
+  auto& recorder = core::FlightRecorder::instance();
   try {
     wait_for_work(s);
   } catch (const TimeoutError&) {

@@ -46,7 +46,7 @@ struct CommState {
   // Shared memory between the group's ranks when they all run on this host (null otherwise, or
   // with XLR8_SHM=0); its operations run on the executor.
   bool shared_memory_wanted = true;
-  std::unique_ptr<ShmTransport> shm;
+  std::unique_ptr<distributed::ShmTransport> shm;
   bool uses_shm(const at::Tensor& t) const { return shm && !t.is_cuda(); }
   // Composite operations (rings over send/recv) run on one background thread, so their async form
   // really overlaps with the caller, and they complete in issue order. Started on first use; declared
@@ -65,6 +65,9 @@ struct WorkState {
   bool done = false;
   uint64_t trace_id = 0;  // its flight-recorder entry
 };
+}  // namespace xlr8::distributed
+
+namespace xlr8::distributed {
 
 // The world communicator over an established store (rendezvous.cpp makes the store).
 Communicator make_communicator(compat::StorePtr store, int rank, int size, const std::string& name,
@@ -77,7 +80,7 @@ Communicator make_communicator(compat::StorePtr store, int rank, int size, const
 
 // Calls `fn` with the raw c10d error converted to an xlr8 error naming `description`.
 template <class Fn>
-auto guarded(const CommState& s, const std::string& description, Fn&& fn) {
+auto guarded(const detail::CommState& s, const std::string& description, Fn&& fn) {
   try {
     return fn();
   } catch (const Error&) {
@@ -97,5 +100,4 @@ inline void require(bool ok, const std::string& description, const std::string& 
 void combine(at::Tensor& acc, const at::Tensor& other, ReduceOp op);
 void divide_for_average(at::Tensor& t, int size);
 
-
-}  // namespace xlr8::detail
+}  // namespace xlr8::distributed

@@ -15,11 +15,11 @@ namespace xlr8 {
 
 namespace {
 
-using detail::combine;
+using distributed::combine;
 using detail::CommState;
-using detail::divide_for_average;
-using detail::guarded;
-using detail::require;
+using distributed::divide_for_average;
+using distributed::guarded;
+using distributed::require;
 using detail::WorkState;
 
 // Types Gloo can reduce and move (bf16 from LibTorch 2.2 on, PR #113557).
@@ -42,7 +42,7 @@ at::Tensor movable(const CommState& s, const at::Tensor& t) {
     case 2: return t.view(at::kHalf);
     case 4: return t.view(at::kInt);
     case 8: return t.view(at::kLong);
-    default: throw Error(fmt::format("cannot move tensors of type {} through Gloo", detail::describe(t)));
+    default: throw Error(fmt::format("cannot move tensors of type {} through Gloo", core::describe(t)));
   }
 }
 
@@ -63,14 +63,14 @@ c10d::ReduceOp backend_op(bool nccl, ReduceOp op) {
 }
 
 std::string what(const CommState& s, const std::string& op, const at::Tensor& t, const std::string& extra = "") {
-  return fmt::format("{}({}{}) on group '{}' (rank {} of {})", op, detail::describe(t), extra, s.name, s.rank, s.size);
+  return fmt::format("{}({}{}) on group '{}' (rank {} of {})", op, core::describe(t), extra, s.name, s.rank, s.size);
 }
 
 // The flight recorder numbers a group's collectives in issue order, which every rank of the group shares;
 // point-to-point operations are recorded unnumbered (0): ranks issue different ones by design.
 uint64_t record_in_flight_recorder(CommState& s, const std::string& description) {
   const bool point_to_point = description.rfind("send(", 0) == 0 || description.rfind("recv(", 0) == 0;
-  return detail::FlightRecorder::instance().enqueued(s.identity, point_to_point ? 0 : ++s.collective_sequence, description);
+  return core::FlightRecorder::instance().enqueued(s.identity, point_to_point ? 0 : ++s.collective_sequence, description);
 }
 
 Work native(CommState& s, std::string description, compat::WorkPtr work, std::function<void()> finish = {}) {
@@ -99,7 +99,7 @@ Work composite(CommState& s, std::string description, std::function<void()> body
     } catch (const Error&) {
       throw;
     } catch (const std::exception& e) {
-      detail::rethrow_with_context(description, timeout, e);
+      distributed::rethrow_with_context(description, timeout, e);
     }
   });
   st->finish = std::move(finish);
@@ -246,8 +246,8 @@ Work Communicator::all_reduce_into_async(at::Tensor& output, const std::vector<a
     const auto& in = inputs[i];
     require(in.defined() && in.scalar_type() == output.scalar_type() && in.device() == output.device(), desc,
             fmt::format("input {} is {}, but every input must be a defined {} tensor on {}", i,
-                        in.defined() ? detail::describe(in) + " on " + in.device().str() : "undefined",
-                        detail::dtype_name(output.scalar_type()), output.device().str()));
+                        in.defined() ? core::describe(in) + " on " + in.device().str() : "undefined",
+                        core::dtype_name(output.scalar_type()), output.device().str()));
     // An input may be its own place in the output (nothing to copy) but must not overlap any other part.
     const auto* p = static_cast<const std::byte*>(in.data_ptr());
     const bool overlaps = p < out_begin + output.nbytes() && p + in.nbytes() > out_begin;

@@ -156,7 +156,7 @@ DeviceMesh::DeviceMesh(const Communicator& world, MeshLayout layout)
       const std::string label = to_string(name);
       Communicator group = static_cast<int>(ranks.size()) == world.size() ? world
                            : ranks.size() == 1
-                               ? detail::make_communicator(c10::make_intrusive<c10d::HashStore>(), 0, 1,
+                               ? distributed::make_communicator(c10::make_intrusive<c10d::HashStore>(), 0, 1,
                                                            world.name() + "/" + label, "127.0.0.1", world.timeout(),
                                                            world.backend() == "nccl", false)
                                : world.new_group(ranks, label);

@@ -11,8 +11,8 @@
 namespace xlr8 {
 
 using detail::CommState;
-using detail::guarded;
-using detail::require;
+using distributed::guarded;
+using distributed::require;
 
 namespace {
 // At start-up, before any thread or process group exists (the setenv); make_communicator repeats the call.
@@ -60,7 +60,7 @@ void release(const CommState& s, const std::string& base, const std::vector<std:
 // other collectives, by kind and root only (each rank's payload size differs).
 template <class Fn>
 auto record_object_collective(CommState& s, const std::string& op, const std::string& desc, Fn&& fn) {
-  auto& recorder = detail::FlightRecorder::instance();
+  auto& recorder = core::FlightRecorder::instance();
   const uint64_t id = recorder.enqueued(s.identity, ++s.collective_sequence, op);
   try {
     auto result = fn();
@@ -127,14 +127,14 @@ Communicator Communicator::new_group(const std::vector<int>& ranks, const std::s
   std::string key = fmt::format("{}/{}", name, fmt::join(ranks, ","));
   int generation = state_->subgroups_made[key]++;
   auto store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("xlr8/group/{}/{}", key, generation), s.store);
-  auto group = detail::make_communicator(store, my_index, static_cast<int>(ranks.size()), s.name + "/" + name,
+  auto group = distributed::make_communicator(store, my_index, static_cast<int>(ranks.size()), s.name + "/" + name,
                                          s.master_addr, s.timeout, s.nccl != nullptr, s.shared_memory_wanted);
   group.state_->identity = fmt::format("{}/{}[{}]{}", s.identity, name, fmt::join(ranks, ","),
                                        generation ? fmt::format("#{}", generation) : "");
   return group;
 }
 
-Communicator detail::make_communicator(compat::StorePtr store, int rank, int size, const std::string& name,
+Communicator distributed::make_communicator(compat::StorePtr store, int rank, int size, const std::string& name,
                                        const std::string& master_addr, std::chrono::milliseconds timeout, bool use_nccl,
                                        bool use_shared_memory) {
   auto s = std::make_shared<CommState>();
@@ -163,7 +163,7 @@ Communicator detail::make_communicator(compat::StorePtr store, int rank, int siz
   s->shared_memory_wanted = use_shared_memory;
   if (use_shared_memory)
     s->shm = guarded(*s, desc + " with shared memory", [&] {
-      return detail::ShmTransport::connect(c10::make_intrusive<c10d::PrefixStore>("shm", store), rank, size, name,
+      return distributed::ShmTransport::connect(c10::make_intrusive<c10d::PrefixStore>("shm", store), rank, size, name,
                                            timeout);
     });
   return Communicator(s);
@@ -182,7 +182,7 @@ Communicator Communicator::in_process(const std::string& store_key, int rank, in
   }
   store->setTimeout(timeout);
   auto prefixed = c10::make_intrusive<c10d::PrefixStore>("xlr8/" + store_key, store);
-  return detail::make_communicator(prefixed, rank, size, "world", "127.0.0.1", timeout, false, shared_memory);
+  return distributed::make_communicator(prefixed, rank, size, "world", "127.0.0.1", timeout, false, shared_memory);
 }
 
 }  // namespace xlr8

@@ -65,8 +65,8 @@ std::unique_ptr<ProcessState> ProcessState::create(const Env& env, const Process
   // Before any thread of ours starts, so they all inherit it (earlier ones are bound too).
   std::vector<int> bound_cpus;
   if (s->settings_.cpu_affinity) {
-    bound_cpus = detail::cpus_for_local_rank(detail::allowed_cpus(), t.local_rank, t.local_world_size);
-    detail::bind_process_to(bound_cpus);
+    bound_cpus = os::cpus_for_local_rank(os::allowed_cpus(), t.local_rank, t.local_world_size);
+    os::bind_process_to(bound_cpus);
   }
 
   // Intra-op threads: cores / local ranks (or the bound CPUs), unless OMP_NUM_THREADS says otherwise
@@ -85,15 +85,15 @@ std::unique_ptr<ProcessState> ProcessState::create(const Env& env, const Process
   auto coll_timeout = options.collective_timeout.value_or(seconds_from(env, "XLR8_COLLECTIVE_TIMEOUT", 1800));
   compat::StorePtr store;
   if (t.distributed()) {
-    store = detail::rendezvous(t, rdzv_timeout);
-    if (node_index_from_hosts(t)) detail::place_nodes_by_host(store, s->topology_);
+    store = distributed::rendezvous(t, rdzv_timeout);
+    if (node_index_from_hosts(t)) distributed::place_nodes_by_host(store, s->topology_);
     store->setTimeout(coll_timeout);
   } else {
     store = c10::make_intrusive<c10d::HashStore>();  // one process: no network at all
   }
   auto world_store = c10::make_intrusive<c10d::PrefixStore>("xlr8/world", store);
   bool shared_memory = env.get_bool("XLR8_SHM").value_or(true);
-  s->world_ = detail::make_communicator(world_store, t.rank, t.world_size, "world", t.master_addr, coll_timeout, gpu,
+  s->world_ = distributed::make_communicator(world_store, t.rank, t.world_size, "world", t.master_addr, coll_timeout, gpu,
                                         shared_memory);
   // Without parallelism_config every rank is a data-parallel replica.
   ParallelismSettings sizes = s->settings_.parallelism.value_or(ParallelismSettings{.dp_replicate = t.world_size});
@@ -111,8 +111,8 @@ const ProcessState& ProcessState::instance() {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (!g_state) {
     // A launched worker's uncaught exception reaches its launcher through the error file.
-    detail::install_error_file_handler();
-    detail::FlightRecorder::instance().install_signal_trigger();  // the launcher can ask for the trace
+    core::install_error_file_handler();
+    core::FlightRecorder::instance().install_signal_trigger();  // the launcher can ask for the trace
     g_state = create(Env::current());
   }
   return *g_state;

@@ -13,7 +13,7 @@
 #include "os/net.hpp"
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::distributed {
 
 using text::first_line;
 
@@ -29,7 +29,7 @@ bool wait_until_listening(const Topology& t, std::chrono::steady_clock::time_poi
   const std::string refused = std::strerror(ECONNREFUSED);
   for (;;) {
     std::string why;
-    const int fd = connect_tcp({t.master_addr, t.master_port}, 1.0, why);
+    const int fd = os::connect_tcp({t.master_addr, t.master_port}, 1.0, why);
     if (fd >= 0) {
       ::close(fd);
       return true;
@@ -153,4 +153,4 @@ void place_nodes_by_host(const compat::StorePtr& store, Topology& t) {
   t.node_rank = static_cast<int>(std::find(nodes.begin(), nodes.end(), hosts[t.rank]) - nodes.begin());
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::distributed

@@ -3,7 +3,7 @@
 #include "compat/torch_compat.hpp"
 #include "xlr8/settings.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::distributed {
 
 // Returns once every rank has joined; otherwise throws xlr8::TimeoutError naming the missing ranks and
 // the address, or xlr8::Error when the server cannot listen (port in use) or cannot be reached.
@@ -14,4 +14,4 @@ compat::StorePtr rendezvous(const Topology& topology, std::chrono::milliseconds 
 // when the local rank/size the starter gave disagree with the ranks seen on this host.
 void place_nodes_by_host(const compat::StorePtr& store, Topology& topology);
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::distributed

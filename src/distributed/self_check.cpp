@@ -83,7 +83,7 @@ class Checks {
 };
 
 void Checks::reductions(at::ScalarType t) {
-  const std::string dt = detail::dtype_name(t);
+  const std::string dt = core::dtype_name(t);
   for (auto op : {ReduceOp::SUM, ReduceOp::AVG, ReduceOp::MIN, ReduceOp::MAX, ReduceOp::PRODUCT}) {
     if (op == ReduceOp::PRODUCT && (t == at::kByte || t == at::kHalf || t == at::kBFloat16) && P > 3) continue;
     check(fmt::format("all_reduce {} {}", to_string(op), dt), [&] {
@@ -115,7 +115,7 @@ void Checks::reductions(at::ScalarType t) {
 }
 
 void Checks::data_movement(at::ScalarType t) {
-  const std::string dt = detail::dtype_name(t);
+  const std::string dt = core::dtype_name(t);
   check(fmt::format("broadcast {}", dt), [&] {
     auto x = values(r, n, t);
     int root = P - 1;

@@ -14,7 +14,7 @@
 #include "xlr8/error.hpp"
 #include "xlr8/env.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::distributed {
 
 namespace {
 
@@ -109,36 +109,36 @@ std::unique_ptr<ShmTransport> ShmTransport::connect(compat::StorePtr store, int 
                                                     std::chrono::milliseconds timeout) {
   if (size < 2) return nullptr;
   // Every rank reads every rank's host key, so all reach the same answer.
-  std::string mine = shared_memory_host_key();
+  std::string mine = os::shared_memory_host_key();
   if (mine.empty()) mine = fmt::format("unknown host of rank {}", rank);
   store_set(*store, fmt::format("shm/host/{}", rank), mine);
   for (int r = 0; r < size; ++r)
     if (r != rank && store_get(*store, fmt::format("shm/host/{}", r)) != mine) return nullptr;
 
   std::unique_ptr<ShmTransport> t(new ShmTransport(store, rank, size, timeout));
-  t->control_bytes_ = round_up(ShmControl::bytes(size), kPage);
+  t->control_bytes_ = round_up(os::ShmControl::bytes(size), kPage);
   t->stride_ = staging_bytes_from_env();
   std::string why_not;
   t->segment_ = t->make_segment(
       t->control_bytes_ + static_cast<std::size_t>(size) * t->stride_,
-      [size](std::byte* base) { ShmControl(base, 0, size).initialise(); }, why_not);
+      [size](std::byte* base) { os::ShmControl(base, 0, size).initialise(); }, why_not);
   if (!t->segment_) {
     if (rank == 0) log::warning("xlr8: group '{}' uses Gloo between its local ranks: {}", group, why_not);
     return nullptr;
   }
-  t->control_ = std::make_unique<ShmControl>(t->segment_->data(), rank, size);
+  t->control_ = std::make_unique<os::ShmControl>(t->segment_->data(), rank, size);
   t->control_->register_self();
   return t;
 }
 
-std::shared_ptr<SharedSegment> ShmTransport::make_segment(std::size_t bytes, const std::function<void(std::byte*)>& init,
+std::shared_ptr<os::SharedSegment> ShmTransport::make_segment(std::size_t bytes, const std::function<void(std::byte*)>& init,
                                                           std::string& why_not) {
   const std::string key = fmt::format("shm/segment/{}", segments_made_++);
-  std::shared_ptr<SharedSegment> segment;
+  std::shared_ptr<os::SharedSegment> segment;
   std::string name;
   if (rank_ == 0) {
     try {
-      segment = SharedSegment::create(new_segment_name(), bytes);
+      segment = os::SharedSegment::create(os::new_segment_name(), bytes);
       if (init) init(segment->data());
       name = segment->name();
     } catch (const Error& e) {
@@ -158,7 +158,7 @@ std::shared_ptr<SharedSegment> ShmTransport::make_segment(std::size_t bytes, con
   if (rank_ != 0) {
     std::string status = "ok";
     try {
-      segment = SharedSegment::open(name, bytes);
+      segment = os::SharedSegment::open(name, bytes);
     } catch (const Error& e) {
       status = fmt::format("rank {}: {}", rank_, e.what());
     }
@@ -246,7 +246,7 @@ std::vector<std::byte*> ShmTransport::peer_copies(const Placement& where, std::i
 }
 
 template <class Body>
-void ShmTransport::in_step(const OpDescriptor& op, const std::string& what, Body&& body) {
+void ShmTransport::in_step(const os::OpDescriptor& op, const std::string& what, Body&& body) {
   control_->enter(op, what, timeout_);
   body();
   control_->barrier(what, timeout_);
@@ -403,4 +403,4 @@ void ShmTransport::all_gather(const at::Tensor& output, const at::Tensor& input,
   });
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::distributed

@@ -12,7 +12,7 @@
 #include "os/shm_segment.hpp"
 #include "xlr8/communicator.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::distributed {
 
 class ShmTransport {
  public:
@@ -43,10 +43,10 @@ class ShmTransport {
     std::vector<std::byte*> bases;
     std::uint64_t buffer = 0;  // symmetric buffer id, 0 for the staging slots
     std::uint64_t offset = 0;  // byte offset inside the symmetric buffer
-    std::shared_ptr<SharedSegment> keep;
+    std::shared_ptr<os::SharedSegment> keep;
   };
   struct SymmetricBuffer {
-    std::weak_ptr<SharedSegment> segment;
+    std::weak_ptr<os::SharedSegment> segment;
     std::uint64_t id;
     std::size_t stride, bytes;
   };
@@ -54,7 +54,7 @@ class ShmTransport {
   ShmTransport(compat::StorePtr store, int rank, int size, std::chrono::milliseconds timeout);
   // Collective: rank 0 creates, everyone maps, rank 0 unlinks once all have. Null on every rank alike
   // when some rank cannot; `why_not` says which and why.
-  std::shared_ptr<SharedSegment> make_segment(std::size_t bytes, const std::function<void(std::byte*)>& init,
+  std::shared_ptr<os::SharedSegment> make_segment(std::size_t bytes, const std::function<void(std::byte*)>& init,
                                               std::string& why_not);
   std::optional<Placement> find_symmetric(const at::Tensor& t);
   Placement staging() const;
@@ -64,7 +64,7 @@ class ShmTransport {
   // Every rank publishes `op` and waits for all (mismatches are errors), runs `body` on the shared
   // buffers, then waits for all again, so no buffer is reused while a peer still reads it.
   template <class Body>
-  void in_step(const OpDescriptor& op, const std::string& what, Body&& body);
+  void in_step(const os::OpDescriptor& op, const std::string& what, Body&& body);
   void reduce_shard(const Placement& where, std::int64_t numel, at::ScalarType dtype, ReduceOp op);
   // `count` elements at `byte_offset` of every rank's copy, this rank's read from `own`, reduced into
   // `out` and into every peer's copy.
@@ -80,11 +80,11 @@ class ShmTransport {
   int rank_, size_;
   std::chrono::milliseconds timeout_;
   std::uint64_t segments_made_ = 0;
-  std::shared_ptr<SharedSegment> segment_;  // control block, then one staging slot per rank
-  std::unique_ptr<ShmControl> control_;
+  std::shared_ptr<os::SharedSegment> segment_;  // control block, then one staging slot per rank
+  std::unique_ptr<os::ShmControl> control_;
   std::size_t control_bytes_ = 0, stride_ = 0;
   std::mutex mutex_;  // guards symmetric_
   std::vector<SymmetricBuffer> symmetric_;
 };
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::distributed

@@ -16,7 +16,7 @@
 #include "os/shm_segment.hpp"
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::launcher {
 
 namespace {
 
@@ -93,7 +93,7 @@ LaunchOutcome launch_elastic(const LaunchOptions& o, const std::string& program)
               place->node_rank, place->num_nodes, place->rank_offset, place->rank_offset + o.nproc_per_node - 1,
               place->world_size, place->master_addr, place->master_port);
     const int code = group->run_attempt(attempt, place_of(*place), [&] { return client.restart_request(); });
-    remove_job_segments(std::to_string(::getpid()));
+    os::remove_job_segments(std::to_string(::getpid()));
     if (group->interrupted_by()) {
       client.leave(fmt::format("interrupted by signal {}", group->interrupted_by()));
       return {.exit_code = code, .restarts = attempt, .interrupted_by = group->interrupted_by()};
@@ -131,4 +131,4 @@ LaunchOutcome launch_elastic(const LaunchOptions& o, const std::string& program)
   }
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::launcher

@@ -11,7 +11,7 @@
 #include "core/error_file.hpp"
 #include "core/log.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::launcher {
 namespace {
 
 // The first failure's last stderr lines, less those that repeat the error already shown (nothing when that is
@@ -55,7 +55,7 @@ void report_first_failure(const std::vector<WorkerEnd>& workers, size_t first, c
   const auto& w = workers[first];
   log::error("xlr8 launch: rank {} (local rank {}, pid {}) failed first: {}", w.rank, w.local_rank, w.pid,
              describe_status(w.status));
-  const auto recorded = read_error_file(w.error_file);
+  const auto recorded = core::read_error_file(w.error_file);
   const std::string said = recorded ? recorded->message : w.notes->headline();
   // Ranks refusing the same input fail alike: their message is said once, with their ranks.
   std::vector<int> same;
@@ -77,4 +77,4 @@ void report_first_failure(const std::vector<WorkerEnd>& workers, size_t first, c
   if (workers.size() > 1) log::error("xlr8 launch: stopped the other {} local worker(s)", workers.size() - 1);
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::launcher

@@ -8,7 +8,7 @@
 
 #include "launch/worker_output.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::launcher {
 
 // How a worker ended, as the report needs it.
 struct WorkerEnd {
@@ -26,4 +26,4 @@ std::string describe_status(int status);
 // Every line through the log (level error), the first failure's first.
 void report_first_failure(const std::vector<WorkerEnd>& workers, size_t first, const std::string& log_dir);
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::launcher

@@ -139,7 +139,7 @@ std::optional<ElasticOptions> plan_rendezvous(const LaunchRequest& r, YAML::Node
   e.min_nodes = std::max(min_nodes, 1);
   e.max_nodes = std::max(max_nodes, 1);
   if (r.rdzv_endpoint) {
-    const auto endpoint = detail::parse_host_port(*r.rdzv_endpoint, 29400, "--rdzv_endpoint");
+    const auto endpoint = os::parse_host_port(*r.rdzv_endpoint, 29400, "--rdzv_endpoint");
     e.endpoint_host = endpoint.host;
     e.endpoint_port = endpoint.port;
   } else if (e.max_nodes == 1) {
@@ -263,7 +263,7 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   if (!cfg.gpu_ids.empty() && cfg.gpu_ids != "all") o.extra_env["CUDA_VISIBLE_DEVICES"] = cfg.gpu_ids;
   if (!cfg.log_with.empty()) o.extra_env["XLR8_LOG_WITH"] = cfg.log_with;
   o.mpirun_hostfile = cfg.mpirun_hostfile;
-  if (!o.mpirun_hostfile.empty()) detail::check_mpirun_launch(o);
+  if (!o.mpirun_hostfile.empty()) launcher::check_mpirun_launch(o);
   return o;
 }
 

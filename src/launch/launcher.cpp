@@ -85,9 +85,9 @@ int launch(const LaunchOptions& o) { return launch_with_outcome(o).exit_code; }
 LaunchOutcome launch_with_outcome(const LaunchOptions& o) {
   if (o.command.empty()) throw Error("no program to launch");
   if (o.nproc_per_node < 1) throw Error(fmt::format("{} processes per machine: need at least 1", o.nproc_per_node));
-  if (!o.mpirun_hostfile.empty()) return {.exit_code = detail::launch_through_mpirun(o)};
+  if (!o.mpirun_hostfile.empty()) return {.exit_code = launcher::launch_through_mpirun(o)};
   std::string program = resolve_program(o.command[0]);
-  if (o.elastic) return detail::launch_elastic(o, program);
+  if (o.elastic) return launcher::launch_elastic(o, program);
   const bool choose_port = o.master_port == 0;
   int port = choose_port ? pick_free_port() : o.master_port;
   if (!choose_port && o.machine_rank == 0 && !port_is_free(port))
@@ -102,7 +102,7 @@ LaunchOutcome launch_with_outcome(const LaunchOptions& o) {
     std::random_device random;
     own.run_id = fmt::format("xlr8-{}-{:08x}", ::getpid(), random());
   }
-  auto group = detail::WorkerGroup::create(own, program);
+  auto group = launcher::WorkerGroup::create(own, program);
   auto& supervisor = *group;
   for (int attempt = 0;; ++attempt) {
     int code = supervisor.run_attempt(attempt, {.node_rank = o.machine_rank,
@@ -113,7 +113,7 @@ LaunchOutcome launch_with_outcome(const LaunchOptions& o) {
                                                 .master_port = port},
                                      own.stop_check);
     // Workers unlink their segments once mapped; only one killed mid-setup can leave one behind.
-    detail::remove_job_segments(std::to_string(::getpid()));
+    os::remove_job_segments(std::to_string(::getpid()));
     if (code == 0 || !supervisor.failed())  // also stopped by stop_check, or interrupted
       return {.exit_code = code, .restarts = attempt, .interrupted_by = supervisor.interrupted_by()};
     supervisor.report_failure();

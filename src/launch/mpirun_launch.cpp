@@ -17,7 +17,7 @@
 #include "xlr8/error.hpp"
 #include "xlr8/env.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::launcher {
 
 void check_mpirun_launch(const LaunchOptions& o) {
   const std::string& hostfile = o.mpirun_hostfile;
@@ -137,4 +137,4 @@ int launch_through_mpirun(const LaunchOptions& o) {
   return run_forwarding_signals(c.argv, env);
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::launcher

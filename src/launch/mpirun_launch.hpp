@@ -8,7 +8,7 @@
 
 #include "xlr8/launcher.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::launcher {
 
 // Refuses what cannot go with mpirun (a machine rank other than 0, restarts, per-rank log files) and a
 // host file that cannot be read, naming the key, the value and the fix. Throws ConfigError.
@@ -25,4 +25,4 @@ MpirunCommand mpirun_command(const LaunchOptions& options, const std::string& mp
 // Runs the job through mpirun (or mpiexec) and returns its exit code (128 + signal when killed).
 int launch_through_mpirun(const LaunchOptions& options);
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::launcher

@@ -15,7 +15,7 @@
 #include "os/net.hpp"
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::launcher {
 
 namespace {
 using Clock = std::chrono::steady_clock;
@@ -25,11 +25,11 @@ double seconds_since(Clock::time_point t) { return std::chrono::duration<double>
 
 struct RendezvousClient::Impl {
   ElasticOptions o;
-  HostPort endpoint;
+  os::HostPort endpoint;
   std::string node, address;
   std::mutex mutex;  // guards everything below, and sends
   std::condition_variable changed;
-  JsonLines line;
+  os::JsonLines line;
   std::deque<json> replies;  // assigned, finished, error
   std::string lost;          // why the rendezvous is gone
   int round = 0;             // the round this machine was last assigned to
@@ -96,7 +96,7 @@ RendezvousClient::RendezvousClient(const ElasticOptions& options, const std::fun
   std::string why;
   int fd = -1;
   bool said = false;
-  while ((fd = connect_tcp(s.endpoint, 2.0, why)) < 0) {
+  while ((fd = os::connect_tcp(s.endpoint, 2.0, why)) < 0) {
     if (Clock::now() >= deadline)
       throw TimeoutError(fmt::format("cannot reach the rendezvous at {} within join_timeout {} s: {}. Start `xlr8 launch` "
                                      "on the machine that owns that address (it serves the rendezvous), or check "
@@ -108,14 +108,14 @@ RendezvousClient::RendezvousClient(const ElasticOptions& options, const std::fun
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   }
-  s.line = JsonLines(fd);
+  s.line = os::JsonLines(fd);
   s.last_heard = s.last_sent = Clock::now();  // silence counts from the connection, not from the first try
   char host[256] = "?";
   gethostname(host, sizeof(host) - 1);
-  s.address = local_address_toward(options.endpoint_host);
+  s.address = os::local_address_toward(options.endpoint_host);
   // A host name that resolves to loopback here (Debian's 127.0.1.1) is no address for the other machines.
   if (options.max_nodes > 1 && s.address.rfind("127.", 0) == 0)
-    if (auto routable = first_routable_address(); !routable.empty()) s.address = routable;
+    if (auto routable = os::first_routable_address(); !routable.empty()) s.address = routable;
   s.node = fmt::format("{} ({}, pid {})", host, s.address, ::getpid());
   s.thread = std::thread([p = impl_.get()] { p->pump(); });
 }
@@ -205,4 +205,4 @@ void RendezvousClient::leave(const std::string& reason) {
   impl_->send(json{{"op", "leave"}, {"reason", reason}});
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::launcher

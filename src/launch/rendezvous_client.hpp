@@ -9,7 +9,7 @@
 
 #include "xlr8/launcher.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::launcher {
 
 struct RendezvousAssignment {
   int round = 0, node_rank = 0, num_nodes = 1, world_size = 1, rank_offset = 0;
@@ -48,4 +48,4 @@ class RendezvousClient {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::launcher

@@ -21,7 +21,7 @@
 #include "os/net.hpp"
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::launcher {
 
 // Named (not anonymous): RendezvousServer::Impl holds them.
 namespace rendezvous_state {
@@ -32,7 +32,7 @@ using nlohmann::json;
 enum class Phase { kConnected, kWaiting, kRunning, kDone };
 
 struct Agent {
-  JsonLines line;
+  os::JsonLines line;
   std::string node = "?", addr;
   int nproc = 0, port = 0;
   Phase phase = Phase::kConnected;
@@ -86,7 +86,7 @@ struct RendezvousServer::Impl {
       std::lock_guard lock(mutex);
       if (fds[0].revents & POLLIN)
         for (int fd; (fd = accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0;)
-          agents[next_id++].line = JsonLines(fd);
+          agents[next_id++].line = os::JsonLines(fd);
       for (size_t i = 2; i < fds.size(); ++i) {
         if (!(fds[i].revents & (POLLIN | POLLHUP | POLLERR))) continue;
         const int id = ids[i - 2];
@@ -256,7 +256,7 @@ struct RendezvousServer::Impl {
 
 std::unique_ptr<RendezvousServer> RendezvousServer::host(const ElasticOptions& options) {
   int error = 0;
-  const int fd = listen_tcp({.host = options.endpoint_host, .port = options.endpoint_port}, error);
+  const int fd = os::listen_tcp({.host = options.endpoint_host, .port = options.endpoint_port}, error);
   if (fd < 0) {
     if (error == EADDRNOTAVAIL || error == EADDRINUSE) return nullptr;
     throw Error(fmt::format("cannot serve the rendezvous on {}:{}: {}", options.endpoint_host, options.endpoint_port,
@@ -288,4 +288,4 @@ bool RendezvousServer::members_running() const {
   return impl_->count(Phase::kRunning) > 0;
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::launcher

@@ -8,7 +8,7 @@
 
 #include "xlr8/launcher.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::launcher {
 
 class RendezvousServer {
  public:
@@ -30,4 +30,4 @@ class RendezvousServer {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::launcher

@@ -11,7 +11,7 @@
 
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::launcher {
 
 SpawnedWorker spawn_worker(const std::string& program, const std::vector<std::string>& args,
                            const std::map<std::string, std::string>& env) {
@@ -52,4 +52,4 @@ SpawnedWorker spawn_worker(const std::string& program, const std::vector<std::st
   return {.pid = pid, .out_fd = out_pipe[0], .err_fd = err_pipe[0]};
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::launcher

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-namespace xlr8::detail {
+namespace xlr8::launcher {
 
 struct SpawnedWorker {
   pid_t pid = -1;
@@ -19,4 +19,4 @@ struct SpawnedWorker {
 SpawnedWorker spawn_worker(const std::string& program, const std::vector<std::string>& args,
                            const std::map<std::string, std::string>& env);
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::launcher

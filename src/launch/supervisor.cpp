@@ -43,18 +43,18 @@ struct Worker {
   pid_t pid = -1;
   bool running = false;
   int status = 0;
-  detail::WorkerStream out, err;
-  detail::FailureNotes notes;  // from stderr, for the failure report
+  launcher::WorkerStream out, err;
+  launcher::FailureNotes notes;  // from stderr, for the failure report
   std::string err_log_path;    // with --log_dir
   std::string error_file;      // its TORCHELASTIC_ERROR_FILE
 };
 
-using detail::describe_status;
-using detail::signal_name;
+using launcher::describe_status;
+using launcher::signal_name;
 
 int exit_code_of(int status) { return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status); }
 
-class Supervisor final : public detail::WorkerGroup {
+class Supervisor final : public launcher::WorkerGroup {
  public:
   Supervisor(const LaunchOptions& o, std::string program) : o_(o), program_(std::move(program)) {
     if (const auto text = env_var("XLR8_HEARTBEAT_TIMEOUT")) {
@@ -92,7 +92,7 @@ class Supervisor final : public detail::WorkerGroup {
     }
   }
 
-  int run_attempt(int attempt, const detail::GroupPlacement& placement,
+  int run_attempt(int attempt, const launcher::GroupPlacement& placement,
                   std::function<std::string()> stop_check) override {
     placement_ = placement;
     stop_check_ = std::move(stop_check);
@@ -100,7 +100,7 @@ class Supervisor final : public detail::WorkerGroup {
     next_stop_check_ = {};
     // A master that is not loopback: Gloo binds the interface holding this machine's address toward it, not
     // whatever the host name resolves to (another interface, or nothing inside a network namespace).
-    gloo_interface_ = detail::interface_with_address(detail::local_address_toward(placement_.master_addr));
+    gloo_interface_ = os::interface_with_address(os::local_address_toward(placement_.master_addr));
     workers_.clear();
     open_line_ = nullptr;
     workers_.resize(o_.nproc_per_node);
@@ -141,17 +141,17 @@ class Supervisor final : public detail::WorkerGroup {
       return;
     }
     if (first_failure_ < 0) return;
-    std::vector<detail::WorkerEnd> ends;
+    std::vector<launcher::WorkerEnd> ends;
     for (const auto& w : workers_)
       ends.push_back({.rank = w.rank, .local_rank = w.local_rank, .pid = w.pid, .status = w.status, .notes = &w.notes,
                       .err_log_path = w.err_log_path, .error_file = w.error_file});
-    detail::report_first_failure(ends, static_cast<size_t>(first_failure_), o_.log_dir);
+    launcher::report_first_failure(ends, static_cast<size_t>(first_failure_), o_.log_dir);
     print_diagnosis();
   }
   // A hang's picture: after a collective timed out, or a stall. A rank that failed on its own (an exception, a
   // signal) is the cause already named; where the others happened to be then would only blame them.
   void print_diagnosis() const {
-    const auto diagnosis = detail::diagnose_traces(
+    const auto diagnosis = launcher::diagnose_traces(
         trace_dir(attempt_).string(),
         {// Only this machine's ranks leave their trace here: name the missing ones only when that is all of them.
          .world_size = placement_.num_nodes == 1 ? placement_.world_size : 0,
@@ -185,7 +185,7 @@ class Supervisor final : public detail::WorkerGroup {
                     .error_file = w.error_file,
                     .headline = w.notes.headline(),
                     .stderr_tail = {w.notes.tail().begin(), w.notes.tail().end()}};
-    if (auto recorded = detail::read_error_file(w.error_file)) f.error_message = recorded->message;
+    if (auto recorded = core::read_error_file(w.error_file)) f.error_message = recorded->message;
     return f;
   }
 
@@ -231,7 +231,7 @@ class Supervisor final : public detail::WorkerGroup {
       unsigned cores = std::max(1u, std::thread::hardware_concurrency());
       env["OMP_NUM_THREADS"] = std::to_string(std::max(1u, cores / static_cast<unsigned>(o_.nproc_per_node)));
     }
-    const auto child = detail::spawn_worker(program_, o_.command, env);
+    const auto child = launcher::spawn_worker(program_, o_.command, env);
     w.pid = child.pid;
     w.running = true;
     std::string tag = rank_tag(w.rank);
@@ -272,7 +272,7 @@ class Supervisor final : public detail::WorkerGroup {
     double newest = 0;
     for (const auto& w : workers_) {
       struct stat st {};
-      if (w.running && ::stat(detail::FlightRecorder::heartbeat_file(trace_dir(attempt_).string(), w.pid).c_str(), &st) == 0)
+      if (w.running && ::stat(core::FlightRecorder::heartbeat_file(trace_dir(attempt_).string(), w.pid).c_str(), &st) == 0)
         newest = std::max(newest, static_cast<double>(st.st_mtim.tv_sec) + st.st_mtim.tv_nsec * 1e-9);
     }
     if (newest == 0) return;  // no collective completed yet: nothing to measure progress by
@@ -313,11 +313,11 @@ class Supervisor final : public detail::WorkerGroup {
     else begin_stop(SIGTERM);
   }
   bool armed(const Worker& w) const {
-    return w.running && fs::exists(detail::FlightRecorder::armed_file(trace_dir(attempt_).string(), w.pid));
+    return w.running && fs::exists(core::FlightRecorder::armed_file(trace_dir(attempt_).string(), w.pid));
   }
   bool traces_written() const {
     for (const auto& w : workers_)
-      if (armed(w) && !fs::exists(detail::FlightRecorder::dump_file(trace_dir(attempt_).string(), w.rank))) return false;
+      if (armed(w) && !fs::exists(core::FlightRecorder::dump_file(trace_dir(attempt_).string(), w.rank))) return false;
     return true;
   }
 
@@ -367,16 +367,16 @@ class Supervisor final : public detail::WorkerGroup {
     std::optional<Clock::time_point> drain_deadline;
     for (;;) {
       std::vector<pollfd> fds{{signal_fd_, POLLIN, 0}};
-      std::vector<detail::WorkerStream*> streams;
+      std::vector<launcher::WorkerStream*> streams;
       for (auto& w : workers_)
-        for (detail::WorkerStream* s : {&w.out, &w.err})
+        for (launcher::WorkerStream* s : {&w.out, &w.err})
           if (s->fd >= 0) fds.push_back({s->fd, POLLIN, 0}), streams.push_back(s);
       bool running = any_running();
       if (!running && streams.empty()) return;
       if (!running && !drain_deadline) drain_deadline = Clock::now() + std::chrono::seconds(2);
       if (drain_deadline && Clock::now() > *drain_deadline) {
         // A grandchild still holds a pipe open after every worker exited: stop reading.
-        for (detail::WorkerStream* s : streams) close(s->fd), s->fd = -1;
+        for (launcher::WorkerStream* s : streams) close(s->fd), s->fd = -1;
         return;
       }
       poll(fds.data(), fds.size(), 100);
@@ -414,7 +414,7 @@ class Supervisor final : public detail::WorkerGroup {
   int signal_fd_ = -1;
   sigset_t saved_mask_{};
   std::vector<Worker> workers_;
-  const detail::WorkerStream* open_line_ = nullptr;  // the worker stream whose in-place line is on the console
+  const launcher::WorkerStream* open_line_ = nullptr;  // the worker stream whose in-place line is on the console
   int first_failure_ = -1;
   int interrupted_by_ = 0;
   fs::path scratch_dir_;  // error files and traces when there is no log_dir
@@ -424,7 +424,7 @@ class Supervisor final : public detail::WorkerGroup {
   std::string stalled_;  // why the launcher stopped a job that made no progress
   std::optional<Clock::time_point> trace_deadline_;  // stop the workers then, or once their traces are written
   std::optional<Clock::time_point> kill_deadline_, term_deadline_;
-  detail::GroupPlacement placement_;
+  launcher::GroupPlacement placement_;
   std::function<std::string()> stop_check_;  // why the group must restart (elastic rendezvous), or ""
   std::string stopped_for_;
   Clock::time_point next_stop_check_{};
@@ -433,7 +433,7 @@ class Supervisor final : public detail::WorkerGroup {
 
 }  // namespace
 
-std::unique_ptr<detail::WorkerGroup> detail::WorkerGroup::create(const LaunchOptions& options, std::string program) {
+std::unique_ptr<launcher::WorkerGroup> launcher::WorkerGroup::create(const LaunchOptions& options, std::string program) {
   return std::make_unique<Supervisor>(options, std::move(program));
 }
 

@@ -8,7 +8,7 @@
 
 #include "xlr8/launcher.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::launcher {
 
 // Where this machine's workers sit in the job for one attempt: fixed for a static launch, the
 // rendezvous' answer for an elastic one.
@@ -42,4 +42,4 @@ class WorkerGroup {
   virtual int wait_signal(int timeout_ms) = 0;
 };
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::launcher

@@ -16,7 +16,7 @@
 
 namespace fs = std::filesystem;
 
-namespace xlr8::detail {
+namespace xlr8::launcher {
 
 namespace {
 
@@ -153,4 +153,4 @@ std::string diagnose_traces(const std::string& dir, const TraceDiagnosisOptions&
   return text + ".";
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::launcher

@@ -5,7 +5,7 @@
 // collectives at the same position, and which ranks left no trace.
 #include <string>
 
-namespace xlr8::detail {
+namespace xlr8::launcher {
 
 struct TraceDiagnosisOptions {
   int world_size = 0;               // names the ranks that should have left a dump (0: those seen)
@@ -17,4 +17,4 @@ struct TraceDiagnosisOptions {
 // Empty when `dir` holds no dump (or, with only_after_timeout, no timeout's).
 std::string diagnose_traces(const std::string& dir, const TraceDiagnosisOptions& options = {});
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::launcher

@@ -7,14 +7,14 @@
 
 #include "core/text.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::launcher {
 
 namespace {
 bool names_an_error(const std::string& line) { return text::lower(line).find("error") != std::string::npos; }
 }  // namespace
 
 void FailureNotes::add(const std::string& line) {
-  if (is_backtrace_line(line)) {
+  if (core::is_backtrace_line(line)) {
     ++backtrace_lines_;
     message_open_ = false;
     return;
@@ -96,4 +96,4 @@ bool WorkerStream::pump() {
   return true;
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::launcher

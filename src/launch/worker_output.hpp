@@ -7,7 +7,7 @@
 
 #include "core/error_file.hpp"  // is_backtrace_line
 
-namespace xlr8::detail {
+namespace xlr8::launcher {
 
 // What a worker's stderr said about its failure. Backtrace lines (LibTorch's "Exception raised from ...",
 // "frame #N: ...", "C++ CapturedTraceback:" and its "#N ..." entries) stay in the log and on the console
@@ -51,4 +51,4 @@ struct WorkerStream {
   bool pump();
 };
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::launcher

@@ -16,7 +16,7 @@
 
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::os {
 namespace {
 
 int read_topology(int cpu, const char* field, int fallback) {
@@ -103,4 +103,4 @@ std::string cpu_list_text(const std::vector<int>& cpus) {
   return out;
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::os

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-namespace xlr8::detail {
+namespace xlr8::os {
 
 struct LogicalCpu {
   int id = 0;       // as in sched_setaffinity
@@ -30,4 +30,4 @@ void bind_process_to(const std::vector<int>& cpus);
 // "0-3,8,10-11"
 std::string cpu_list_text(const std::vector<int>& cpus);
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::os

@@ -7,7 +7,7 @@
 #include <malloc.h>
 #endif
 
-namespace xlr8::detail {
+namespace xlr8::os {
 
 inline void return_free_memory_to_system() {
 #if defined(__GLIBC__)
@@ -15,4 +15,4 @@ inline void return_free_memory_to_system() {
 #endif
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::os

@@ -18,7 +18,7 @@
 
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::os {
 
 namespace {
 
@@ -254,4 +254,4 @@ std::string interface_with_address(const std::string& address) {
   return name;
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::os

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-namespace xlr8::detail {
+namespace xlr8::os {
 
 // "host[:port]" (port default_port when absent); throws ConfigError naming `flag` when malformed.
 struct HostPort {
@@ -52,4 +52,4 @@ std::string first_routable_address();
 // The network interface holding `address`, or "" (also for a loopback address).
 std::string interface_with_address(const std::string& address);
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::os

@@ -24,7 +24,7 @@
 #include "xlr8/error.hpp"
 #include "xlr8/env.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::os {
 
 namespace {
 
@@ -306,4 +306,4 @@ void ShmControl::throw_failed(const std::string& what, int failed) const {
   throw Error(fmt::format("{}: rank {} abandoned the group: {}", what, failed, slot(failed).failure));
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::os

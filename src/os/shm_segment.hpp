@@ -10,7 +10,7 @@
 #include <memory>
 #include <string>
 
-namespace xlr8::detail {
+namespace xlr8::os {
 
 // Equal for two processes exactly when they can share POSIX shared memory and see each other's
 // pids: same boot, same mount and pid namespaces. Empty when it cannot be determined.
@@ -88,4 +88,4 @@ class ShmControl {
   int rank_, size_;
 };
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::os

@@ -8,7 +8,7 @@
 
 #include "xlr8/communicator.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::parallel {
 
 struct GroupHolder : torch::CustomClassHolder {
   explicit GroupHolder(Communicator group) : group(std::move(group)) {}
@@ -46,4 +46,4 @@ inline at::Tensor reduce_scatter_on(const at::Tensor& x, Communicator group, int
   return out.view(sizes).movedim(0, dim).contiguous();
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::parallel

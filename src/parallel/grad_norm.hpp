@@ -7,7 +7,7 @@
 #include <cmath>
 #include <vector>
 
-namespace xlr8::detail {
+namespace xlr8::parallel {
 
 // Σ|g|^p over `grads` (max |g| for p = inf) as a 1-element double tensor on `device`; 0 for none.
 inline at::Tensor partial_norm(const std::vector<at::Tensor>& grads, double norm_type, at::Device device) {
@@ -53,4 +53,4 @@ inline at::Tensor scale_to_norm(const at::Tensor& totals, std::initializer_list<
   return norm;
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::parallel

@@ -9,7 +9,7 @@
 #include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::parallel {
 namespace {
 
 // A split the program or the JSON's rules made: the tp group must be the mesh's, and no head may be cut.
@@ -29,9 +29,9 @@ void check_split(torch::nn::Module& module, const tp::SlicedParameters& sliced, 
 // layers, before the sharded model takes its parameters: torchtitan's order).
 void recompute_units(const torch::nn::Module& module, const ZeroOptions& zero) {
   int marked = 0;
-  for (const auto& unit : plan_units(module, zero))
+  for (const auto& unit : shard::plan_units(module, zero))
     if (unit.module && unit.module != &module) {
-      mark_recomputed_unit(*unit.module, unit.label, module);
+      recompute::mark_recomputed_unit(*unit.module, unit.label, module);
       ++marked;
     }
   if (marked == 0)
@@ -105,4 +105,4 @@ std::unique_ptr<ParallelStrategy> parallelize(std::shared_ptr<torch::nn::Module>
   return make_parallel_strategy(std::move(module), mesh.group(plan.data_parallel_dim), options, hooks.gradient_state);
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::parallel

@@ -15,7 +15,7 @@
 #include "xlr8/parallel_plan.hpp"
 #include "xlr8/parallel_strategy.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::parallel {
 
 // What the caller does between the fixed steps, for this model.
 struct ParallelizeHooks {
@@ -42,4 +42,4 @@ std::unique_ptr<ParallelStrategy> parallelize(std::shared_ptr<torch::nn::Module>
 // whole while the mesh says tp, nor with a rank holding part of an attention head.
 void split_for_tensor_parallel(torch::nn::Module& module, DeviceMesh& mesh, const ParallelPlan::TensorParallel& tensor);
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::parallel

@@ -10,7 +10,7 @@
 
 namespace xlr8 {
 
-namespace detail {
+namespace parallel {
 
 void check_state_dict(const StateDict& expected, const StateDict& state) {
   std::map<std::string, at::Tensor> own(expected.begin(), expected.end());
@@ -39,6 +39,6 @@ void check_state_dict(const StateDict& expected, const StateDict& state) {
                                 text::capped(problems), text::prefix_hint(missing, unexpected)));
 }
 
-}  // namespace detail
+}  // namespace parallel
 
 }  // namespace xlr8

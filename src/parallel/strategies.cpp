@@ -39,7 +39,7 @@ StateDict ParallelStrategy::state_dict(StateDictKind) const { return module_stat
 
 void ParallelStrategy::load_state_dict(const StateDict& state, StateDictKind kind) {
   auto list = state_dict(kind);
-  detail::check_state_dict(list, state);
+  parallel::check_state_dict(list, state);
   std::map<std::string, at::Tensor> own(list.begin(), list.end());
   at::NoGradGuard no_grad;
   for (const auto& [name, tensor] : state) own.at(name).copy_(tensor);
@@ -113,7 +113,7 @@ std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::
   // One process offloads too (ZeRO-Offload's single-GPU case): the sharded model over a group of one.
   if (data_parallel.size() == 1 && !offloads) return std::make_unique<SingleProcess>(std::move(module));
   if (options.zero.stage > 0)
-    return detail::make_zero_strategy(std::move(module), std::move(data_parallel), options, std::move(gradient_state));
+    return shard::make_zero_strategy(std::move(module), std::move(data_parallel), options, std::move(gradient_state));
   return std::make_unique<DataParallelReplicas>(std::move(module), std::move(data_parallel), options.ddp,
                                                 std::move(gradient_state));
 }
@@ -123,10 +123,10 @@ std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::
                                                          std::shared_ptr<const GradientState> gradient_state) {
   // The same decisions as the Accelerator's plan (resolve_plan), from the same helpers.
   const auto parameters = module ? module->parameters() : std::vector<at::Tensor>{};
-  const auto resolved = detail::resolve_parallel_options(options, nullptr, state.settings(), state.local_world_size(),
+  const auto resolved = shard::resolve_parallel_options(options, nullptr, state.settings(), state.local_world_size(),
                                                          !parameters.empty() && parameters.front().device().is_cpu());
   auto& mesh = state.mesh();
-  return make_parallel_strategy(std::move(module), mesh.group(detail::data_parallel_dim(mesh)), resolved,
+  return make_parallel_strategy(std::move(module), mesh.group(parallel::data_parallel_dim(mesh)), resolved,
                                 std::move(gradient_state));
 }
 

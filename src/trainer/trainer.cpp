@@ -220,7 +220,7 @@ Trainer::Trainer(TrainLoop train_loop_per_worker, nlohmann::json loop_config, Sc
 Result Trainer::fit() {
   if (!in_worker()) return drive();
   // A worker: the driver's loop configuration (not this process's, which may differ: a time, a random name).
-  xlr8::detail::install_error_file_handler();
+  xlr8::core::install_error_file_handler();
   const auto config_file = env_var(kLoopConfigVar);
   try {
     nlohmann::json config = loop_config_;
@@ -232,7 +232,7 @@ Result Trainer::fit() {
     loop_(config);
     end_worker_group();
   } catch (const std::exception& e) {
-    xlr8::detail::write_error_file(xlr8::detail::describe_exception(e));
+    xlr8::core::write_error_file(xlr8::core::describe_exception(e));
     throw;
   }
   Result result;

@@ -179,7 +179,7 @@ std::pair<std::set<int>, int> read_affinity(const std::string& path) {
 
 TEST(Launcher, EnableCpuAffinityGivesEachLocalRankItsOwnCpus) {
   std::set<int> allowed;
-  for (const auto& c : xlr8::detail::allowed_cpus()) allowed.insert(c.id);
+  for (const auto& c : xlr8::os::allowed_cpus()) allowed.insert(c.id);
   auto config = temp_dir("affinity_config") + "/config.yaml";
   std::ofstream(config) << "enable_cpu_affinity: true\nnum_processes: 2\n";
   for (Args how : {Args{"--num_processes", "2", "--enable_cpu_affinity"}, Args{"--config_file", config}}) {

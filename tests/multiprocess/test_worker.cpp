@@ -156,7 +156,7 @@ int main(int argc, char** argv) {
     }
   }
   if (mode == "leak-segment") {
-    auto segment = xlr8::detail::SharedSegment::create(xlr8::detail::new_segment_name(), 4096);
+    auto segment = xlr8::os::SharedSegment::create(xlr8::os::new_segment_name(), 4096);
     std::ofstream(fmt::format("{}/segment{}", argv[2], rank())) << segment->name() << std::flush;
     std::raise(SIGKILL);
   }
@@ -177,8 +177,8 @@ int main(int argc, char** argv) {
   if (mode == "affinity") {
     const auto& state = xlr8::ProcessState::instance();
     std::vector<int> cpus;
-    for (const auto& c : xlr8::detail::allowed_cpus()) cpus.push_back(c.id);
-    std::ofstream(fmt::format("{}/affinity{}", argv[2], rank())) << xlr8::detail::cpu_list_text(cpus) << " "
+    for (const auto& c : xlr8::os::allowed_cpus()) cpus.push_back(c.id);
+    std::ofstream(fmt::format("{}/affinity{}", argv[2], rank())) << xlr8::os::cpu_list_text(cpus) << " "
                                                                  << state.intra_op_threads() << std::flush;
     return 0;
   }

@@ -203,8 +203,8 @@ std::shared_ptr<NetImpl> make_net(bool closure_block = false, bool head_checkpoi
 
 void mark_blocks(NetImpl& net) {
   for (size_t b = 0; b < net.blocks->size(); ++b)
-    xlr8::detail::mark_recomputed_unit(*net.blocks[b], fmt::format("blocks.{}", b), net);
-  if (net.closure) xlr8::detail::mark_recomputed_unit(*net.closure, "closure", net);
+    xlr8::recompute::mark_recomputed_unit(*net.blocks[b], fmt::format("blocks.{}", b), net);
+  if (net.closure) xlr8::recompute::mark_recomputed_unit(*net.closure, "closure", net);
 }
 
 StateDict train(ParallelStrategy& strategy, int rank, int ranks, int steps) {
@@ -241,7 +241,7 @@ TEST(ActivationCheckpoint, FullShardUnitsRecomputeWithoutAnExtraGatherAndMatchOn
         gathers[static_cast<size_t>(checkpointed) * ranks + comm.rank()] = stats["gathers"].get<int64_t>();
         EXPECT_EQ(stats["gathered_bytes"], 0) << stats.dump();  // everything freed after the step
         if (checkpointed) {
-          EXPECT_TRUE(xlr8::detail::recomputed_units_never_run(*net).empty());
+          EXPECT_TRUE(xlr8::recompute::recomputed_units_never_run(*net).empty());
         }
       });
     // Forward (under no-grad) gathers each block once and the recomputation once more, for its backward
@@ -278,14 +278,14 @@ TEST(ActivationCheckpoint, AUnitWhoseGuardCannotRecomputeIsRefusedByName) {
 
 TEST(ActivationCheckpoint, AMarkedUnitThatNeverCameThroughItsGuardIsNamedOnce) {
   auto net = make_net();
-  xlr8::detail::mark_recomputed_unit(*net->in, "in", *net);  // a LibTorch Linear: its forward opens no guard
+  xlr8::recompute::mark_recomputed_unit(*net->in, "in", *net);  // a LibTorch Linear: its forward opens no guard
   mark_blocks(*net);
   net->forward(torch::randn({2, 4})).sum().backward();
   auto other = make_net();  // another model's units are its own
-  xlr8::detail::mark_recomputed_unit(*other->in, "in", *other);
-  EXPECT_EQ(xlr8::detail::recomputed_units_never_run(*net), std::vector<std::string>{"in"});
-  EXPECT_TRUE(xlr8::detail::recomputed_units_never_run(*net).empty());  // reported once
-  EXPECT_EQ(xlr8::detail::recomputed_units_never_run(*other), std::vector<std::string>{"in"});
+  xlr8::recompute::mark_recomputed_unit(*other->in, "in", *other);
+  EXPECT_EQ(xlr8::recompute::recomputed_units_never_run(*net), std::vector<std::string>{"in"});
+  EXPECT_TRUE(xlr8::recompute::recomputed_units_never_run(*net).empty());  // reported once
+  EXPECT_EQ(xlr8::recompute::recomputed_units_never_run(*other), std::vector<std::string>{"in"});
 }
 
 namespace {

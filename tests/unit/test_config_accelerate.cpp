@@ -118,25 +118,25 @@ TEST(AccelerateConfigs, TheNdParallelExamplesShardAsAccelerateShardsThem) {
   // fully_shard takes both dimensions); TRANSFORMER_BASED_WRAP without layer classes leaves them to the model.
   const fs::path dir = fs::path(XLR8_SOURCE_DIR) / "tests/data/accelerate_configs";
   auto tp_hsdp = load_config((dir / "accelerate_nd_parallel_tp_hsdp.yaml").string()).settings();
-  auto options = xlr8::detail::resolve_zero_options({}, tp_hsdp, /*node_size=*/8);
+  auto options = xlr8::shard::resolve_zero_options({}, tp_hsdp, /*node_size=*/8);
   EXPECT_EQ(options.stage, 3);
   EXPECT_EQ(options.hybrid_shard_size, 2);  // shards over dp_shard, replicated over dp_replicate
   EXPECT_EQ(options.auto_wrap_policy, AutoWrapPolicy::TRANSFORMER_BASED_WRAP);
   EXPECT_TRUE(options.layer_classes.empty());
   tp_hsdp.fsdp->reshard_after_forward = false;  // HYBRID_SHARD_ZERO2's counterpart
-  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, tp_hsdp, 8).stage, 2);
-  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, tp_hsdp, 8).hybrid_shard_size, 2);
+  EXPECT_EQ(xlr8::shard::resolve_zero_options({}, tp_hsdp, 8).stage, 2);
+  EXPECT_EQ(xlr8::shard::resolve_zero_options({}, tp_hsdp, 8).hybrid_shard_size, 2);
   tp_hsdp.fsdp->version = 1;  // FSDP1 (which Accelerate refuses on a mesh): FULL_SHARD over every dp rank, as before
   tp_hsdp.fsdp->reshard_after_forward.reset();
-  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, tp_hsdp, 8).hybrid_shard_size, 0);
+  EXPECT_EQ(xlr8::shard::resolve_zero_options({}, tp_hsdp, 8).hybrid_shard_size, 0);
   // cp 8: FULL_SHARD over dp_shard x cp, each block checkpointed.
   auto cp = load_config((dir / "accelerate_nd_parallel_cp.yaml").string()).settings();
   ASSERT_TRUE(cp.fsdp && cp.parallelism);
   EXPECT_EQ(cp.parallelism->cp, 8);
   EXPECT_TRUE(cp.fsdp->activation_checkpointing);
   EXPECT_EQ(cp.mixed_precision, MixedPrecision::BF16);
-  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, cp, 8).stage, 3);
-  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, cp, 8).hybrid_shard_size, 0);
+  EXPECT_EQ(xlr8::shard::resolve_zero_options({}, cp, 8).stage, 3);
+  EXPECT_EQ(xlr8::shard::resolve_zero_options({}, cp, 8).hybrid_shard_size, 0);
 }
 
 TEST(AccelerateConfigs, WhatTheAcceptedFilesSayIsWhatTheWorkersGet) {

@@ -5,9 +5,9 @@
 #include "os/cpu_affinity.hpp"
 #include "xlr8/error.hpp"
 
-using xlr8::detail::cpu_list_text;
-using xlr8::detail::cpus_for_local_rank;
-using xlr8::detail::LogicalCpu;
+using xlr8::os::cpu_list_text;
+using xlr8::os::cpus_for_local_rank;
+using xlr8::os::LogicalCpu;
 
 namespace {
 

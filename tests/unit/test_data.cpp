@@ -18,7 +18,7 @@ std::vector<int64_t> range(int64_t n) {
   return v;
 }
 
-Batches shard(int64_t n, int64_t b, int rank, bool split = false, bool even = true, bool drop_last = false) {
+Batches shard_of(int64_t n, int64_t b, int rank, bool split = false, bool even = true, bool drop_last = false) {
   ShardingOptions o;
   o.batch_size = b;
   o.num_processes = 2;
@@ -32,47 +32,47 @@ Batches shard(int64_t n, int64_t b, int rank, bool split = false, bool even = tr
 }  // namespace
 
 TEST(BatchSharding, NoSplitGoldenVectors) {
-  EXPECT_EQ(shard(24, 3, 0), (Batches{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19, 20}}));
-  EXPECT_EQ(shard(24, 3, 1), (Batches{{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {21, 22, 23}}));
-  EXPECT_EQ(shard(21, 3, 0), (Batches{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19, 20}}));
-  EXPECT_EQ(shard(21, 3, 1), (Batches{{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {0, 1, 2}}));
-  EXPECT_EQ(shard(22, 3, 0), (Batches{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19, 20}}));
-  EXPECT_EQ(shard(22, 3, 1), (Batches{{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {21, 0, 1}}));
-  EXPECT_EQ(shard(20, 3, 0), (Batches{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19, 0}}));
-  EXPECT_EQ(shard(20, 3, 1), (Batches{{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {1, 2, 3}}));
-  EXPECT_EQ(shard(2, 3, 0), (Batches{{0, 1, 0}}));
-  EXPECT_EQ(shard(2, 3, 1), (Batches{{1, 0, 1}}));
+  EXPECT_EQ(shard_of(24, 3, 0), (Batches{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19, 20}}));
+  EXPECT_EQ(shard_of(24, 3, 1), (Batches{{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {21, 22, 23}}));
+  EXPECT_EQ(shard_of(21, 3, 0), (Batches{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19, 20}}));
+  EXPECT_EQ(shard_of(21, 3, 1), (Batches{{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {0, 1, 2}}));
+  EXPECT_EQ(shard_of(22, 3, 0), (Batches{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19, 20}}));
+  EXPECT_EQ(shard_of(22, 3, 1), (Batches{{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {21, 0, 1}}));
+  EXPECT_EQ(shard_of(20, 3, 0), (Batches{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19, 0}}));
+  EXPECT_EQ(shard_of(20, 3, 1), (Batches{{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {1, 2, 3}}));
+  EXPECT_EQ(shard_of(2, 3, 0), (Batches{{0, 1, 0}}));
+  EXPECT_EQ(shard_of(2, 3, 1), (Batches{{1, 0, 1}}));
 }
 
 TEST(BatchSharding, DropLastGoldenVectors) {
   for (int64_t n : {20, 21, 22}) {
-    EXPECT_EQ(shard(n, 3, 0, false, true, true), (Batches{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}})) << n;
-    EXPECT_EQ(shard(n, 3, 1, false, true, true), (Batches{{3, 4, 5}, {9, 10, 11}, {15, 16, 17}})) << n;
+    EXPECT_EQ(shard_of(n, 3, 0, false, true, true), (Batches{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}})) << n;
+    EXPECT_EQ(shard_of(n, 3, 1, false, true, true), (Batches{{3, 4, 5}, {9, 10, 11}, {15, 16, 17}})) << n;
   }
-  EXPECT_EQ(shard(24, 3, 1, false, true, true).size(), 4u);
+  EXPECT_EQ(shard_of(24, 3, 1, false, true, true).size(), 4u);
 }
 
 TEST(BatchSharding, UnevenBatchesGoldenVectors) {
-  EXPECT_EQ(shard(22, 3, 0, false, false), (Batches{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19, 20}}));
-  EXPECT_EQ(shard(22, 3, 1, false, false), (Batches{{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {21}}));
-  EXPECT_EQ(shard(20, 3, 0, false, false), (Batches{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19}}));
-  EXPECT_EQ(shard(20, 3, 1, false, false), (Batches{{3, 4, 5}, {9, 10, 11}, {15, 16, 17}}));
-  EXPECT_EQ(shard(2, 3, 0, false, false), (Batches{{0, 1}}));
-  EXPECT_EQ(shard(2, 3, 1, false, false), (Batches{}));
+  EXPECT_EQ(shard_of(22, 3, 0, false, false), (Batches{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19, 20}}));
+  EXPECT_EQ(shard_of(22, 3, 1, false, false), (Batches{{3, 4, 5}, {9, 10, 11}, {15, 16, 17}, {21}}));
+  EXPECT_EQ(shard_of(20, 3, 0, false, false), (Batches{{0, 1, 2}, {6, 7, 8}, {12, 13, 14}, {18, 19}}));
+  EXPECT_EQ(shard_of(20, 3, 1, false, false), (Batches{{3, 4, 5}, {9, 10, 11}, {15, 16, 17}}));
+  EXPECT_EQ(shard_of(2, 3, 0, false, false), (Batches{{0, 1}}));
+  EXPECT_EQ(shard_of(2, 3, 1, false, false), (Batches{}));
 }
 
 TEST(BatchSharding, SplitBatchesGoldenVectors) {
-  EXPECT_EQ(shard(24, 4, 0, true), (Batches{{0, 1}, {4, 5}, {8, 9}, {12, 13}, {16, 17}, {20, 21}}));
-  EXPECT_EQ(shard(24, 4, 1, true), (Batches{{2, 3}, {6, 7}, {10, 11}, {14, 15}, {18, 19}, {22, 23}}));
-  EXPECT_EQ(shard(22, 4, 0, true).back(), (std::vector<int64_t>{20, 21}));
-  EXPECT_EQ(shard(22, 4, 1, true).back(), (std::vector<int64_t>{0, 1}));
-  EXPECT_EQ(shard(21, 4, 0, true).back(), (std::vector<int64_t>{20, 0}));
-  EXPECT_EQ(shard(21, 4, 1, true).back(), (std::vector<int64_t>{1, 2}));
-  EXPECT_EQ(shard(21, 4, 0, true, false).back(), (std::vector<int64_t>{20}));
-  EXPECT_EQ(shard(21, 4, 1, true, false).size(), 5u);
-  EXPECT_EQ(shard(2, 4, 0, true), (Batches{{0, 1}}));
-  EXPECT_EQ(shard(2, 4, 1, true), (Batches{{0, 1}}));
-  EXPECT_EQ(shard(2, 4, 1, true, false), (Batches{}));
+  EXPECT_EQ(shard_of(24, 4, 0, true), (Batches{{0, 1}, {4, 5}, {8, 9}, {12, 13}, {16, 17}, {20, 21}}));
+  EXPECT_EQ(shard_of(24, 4, 1, true), (Batches{{2, 3}, {6, 7}, {10, 11}, {14, 15}, {18, 19}, {22, 23}}));
+  EXPECT_EQ(shard_of(22, 4, 0, true).back(), (std::vector<int64_t>{20, 21}));
+  EXPECT_EQ(shard_of(22, 4, 1, true).back(), (std::vector<int64_t>{0, 1}));
+  EXPECT_EQ(shard_of(21, 4, 0, true).back(), (std::vector<int64_t>{20, 0}));
+  EXPECT_EQ(shard_of(21, 4, 1, true).back(), (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(shard_of(21, 4, 0, true, false).back(), (std::vector<int64_t>{20}));
+  EXPECT_EQ(shard_of(21, 4, 1, true, false).size(), 5u);
+  EXPECT_EQ(shard_of(2, 4, 0, true), (Batches{{0, 1}}));
+  EXPECT_EQ(shard_of(2, 4, 1, true), (Batches{{0, 1}}));
+  EXPECT_EQ(shard_of(2, 4, 1, true, false), (Batches{}));
 }
 
 // `xlr8 verify`'s third run: one process yields, round by round, what 2 ranks would, rank 0's share first.
@@ -86,7 +86,7 @@ TEST(BatchSharding, MicroBatchesAreEachRoundsRankSharesInRankOrder) {
     for (bool even : {true, false})
       for (int64_t n : {2, 21, 22, 24}) {
         one.split_batches = split, one.even_batches = even;
-        const auto r0 = shard(n, 4, 0, split, even), r1 = shard(n, 4, 1, split, even);
+        const auto r0 = shard_of(n, 4, 0, split, even), r1 = shard_of(n, 4, 1, split, even);
         Batches interleaved;
         for (size_t i = 0; i < r0.size(); ++i) {
           interleaved.push_back(r0[i]);

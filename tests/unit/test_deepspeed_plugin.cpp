@@ -15,7 +15,7 @@
 #include "xlr8/fused_adam.hpp"
 
 using namespace xlr8;
-using xlr8::detail::DeepSpeedPlugin;
+using xlr8::deepspeed::DeepSpeedPlugin;
 
 namespace {
 

@@ -11,10 +11,10 @@ namespace {
 
 ParallelPlan plan_for(const Env& launch, const AcceleratorOptions& options, const Env& variables = {}) {
   const auto state = ProcessState::create(launch);
-  xlr8::detail::PlanInputs in{.state = state.get(), .options = &options};
+  xlr8::accelerate::PlanInputs in{.state = state.get(), .options = &options};
   in.precision = options.mixed_precision.value_or(state->mixed_precision());
   in.accumulation = gradient_accumulation_steps_for(state->settings(), options.gradient_accumulation_steps, false);
-  return xlr8::detail::resolve_plan(in, variables);
+  return xlr8::accelerate::resolve_plan(in, variables);
 }
 
 }  // namespace

@@ -161,7 +161,7 @@ struct CountingGroup : c10::intrusive_ptr_target {
   void abort() { ++aborted; }
   ~CountingGroup() override { ++destroyed; }
 };
-using CountingAtExit = xlr8::detail::AbortAtExit<CountingGroup>;
+using CountingAtExit = xlr8::compat::AbortAtExit<CountingGroup>;
 }  // namespace
 
 TEST(AbortAtExit, AbortsTheGroupsStillHeldAndNeverDestroysThem) {

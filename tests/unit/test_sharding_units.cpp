@@ -29,13 +29,13 @@ TEST(ShardingUnits, TransformerBasedWrapWithoutLayerClassesTakesTheBlocksTheMode
     EXPECT_EQ(stats["groups"][0]["name"], "blocks.0") << stats.dump();
   });
   // The key, when set, wins over the declaration.
-  EXPECT_EQ(xlr8::detail::plan_units(*make_declaring_net({"Absent"}), full_shard().zero).size(), 4u);
+  EXPECT_EQ(xlr8::shard::plan_units(*make_declaring_net({"Absent"}), full_shard().zero).size(), 4u);
 }
 
 TEST(ShardingUnits, TransformerBasedWrapWithoutLayerClassesOrADeclarationSaysWhatToAdd) {
   auto refusal = [](const std::shared_ptr<NetImpl>& net) {
     try {
-      xlr8::detail::plan_units(*net, full_shard({}).zero);
+      xlr8::shard::plan_units(*net, full_shard({}).zero);
     } catch (const ConfigError& e) {
       return std::string(e.what());
     }
@@ -162,7 +162,7 @@ TEST(ShardingUnits, APersistenceThresholdKeepsSmallParametersWholeAndALeafModule
       options.zero.auto_wrap_policy = AutoWrapPolicy::GUARDED_MODULES;
       options.zero.param_persistence_threshold = 7;  // the biases (6 and 3 elements) and `shift` (6)
       auto net = make_rider_net();
-      xlr8::detail::mark_leaf_module(*net->blocks[1]);  // its `inner` is no unit: blocks.1 holds it whole
+      xlr8::shard::mark_leaf_module(*net->blocks[1]);  // its `inner` is no unit: blocks.1 holds it whole
       auto strategy = make_parallel_strategy(net, comm, options);
       expect_same(train_rider_net(*strategy, comm.rank(), ranks, 3), expected, fmt::format("{} ranks", ranks));
       std::map<std::string, bool> sharded;

@@ -40,13 +40,13 @@ TEST(ShardingUnits, UnderDeepSpeedZero3SettingsUnitsDefaultToGuardedModules) {
   Settings settings;
   settings.deepspeed = DeepSpeedSettings{};
   settings.deepspeed->zero_stage = 3;
-  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, settings, 1).auto_wrap_policy, AutoWrapPolicy::GUARDED_MODULES);
+  EXPECT_EQ(xlr8::shard::resolve_zero_options({}, settings, 1).auto_wrap_policy, AutoWrapPolicy::GUARDED_MODULES);
   ZeroOptions chosen;
   chosen.auto_wrap_policy = AutoWrapPolicy::TRANSFORMER_BASED_WRAP;  // a program's own choice stays
-  EXPECT_EQ(xlr8::detail::resolve_zero_options(chosen, settings, 1).auto_wrap_policy, AutoWrapPolicy::TRANSFORMER_BASED_WRAP);
+  EXPECT_EQ(xlr8::shard::resolve_zero_options(chosen, settings, 1).auto_wrap_policy, AutoWrapPolicy::TRANSFORMER_BASED_WRAP);
   Settings fsdp;
   fsdp.fsdp = FsdpSettings{};  // FSDP's default stays NO_WRAP
-  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, fsdp, 1).auto_wrap_policy, AutoWrapPolicy::NO_WRAP);
+  EXPECT_EQ(xlr8::shard::resolve_zero_options({}, fsdp, 1).auto_wrap_policy, AutoWrapPolicy::NO_WRAP);
 }
 TEST(ShardingUnits, UnderDeepSpeedZero3ATiedXlr8EmbeddingHeadIsTheRootsAndNoUnitIsNamedUnguarded) {
   auto single = make_parallel_strategy(make_tied_lm(), Communicator::in_process(xlr8::testing::unique_key(), 0, 1), {});
@@ -54,7 +54,7 @@ TEST(ShardingUnits, UnderDeepSpeedZero3ATiedXlr8EmbeddingHeadIsTheRootsAndNoUnit
   Settings settings;  // --use_deepspeed --zero_stage 3
   settings.deepspeed = DeepSpeedSettings{.zero_stage = 3};
   ParallelOptions options;
-  options.zero = xlr8::detail::resolve_zero_options({}, settings, 1);
+  options.zero = xlr8::shard::resolve_zero_options({}, settings, 1);
   ::testing::internal::CaptureStderr();
   for (int ranks : {2, 3})
     run_ranks(ranks, [&](Communicator& comm) {

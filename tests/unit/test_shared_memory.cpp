@@ -172,7 +172,7 @@ std::vector<std::string> shm_entries(const std::string& prefix) {
 }  // namespace
 
 TEST(SharedMemory, SegmentsHaveNoNameOnceEveryRankHasMappedThem) {
-  const std::string prefix = fmt::format("xlr8.{}.{}.", xlr8::detail::shared_memory_job(), getpid());
+  const std::string prefix = fmt::format("xlr8.{}.{}.", xlr8::os::shared_memory_job(), getpid());
   run_ranks(4, [&](Communicator& comm) {
     ASSERT_TRUE(comm.uses_shared_memory());
     auto buffer = comm.symmetric_empty({1 << 16}, at::kFloat).fill_(1);
@@ -185,9 +185,9 @@ TEST(SharedMemory, SegmentsHaveNoNameOnceEveryRankHasMappedThem) {
 
 TEST(SharedMemory, RemoveJobSegmentsDeletesWhatACrashedWorkerLeft) {
   const std::string job = fmt::format("unit{}", getpid());
-  auto segment = xlr8::detail::SharedSegment::create(fmt::format("/xlr8.{}.1.0", job), 4096);
+  auto segment = xlr8::os::SharedSegment::create(fmt::format("/xlr8.{}.1.0", job), 4096);
   EXPECT_EQ(shm_entries("xlr8." + job + ".").size(), 1u);
-  EXPECT_EQ(xlr8::detail::remove_job_segments(job), 1);
+  EXPECT_EQ(xlr8::os::remove_job_segments(job), 1);
   EXPECT_TRUE(shm_entries("xlr8." + job + ".").empty());
   segment->data()[0] = std::byte{1};  // the mapping outlives the name
 }

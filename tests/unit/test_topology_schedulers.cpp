@@ -159,10 +159,10 @@ TEST(SchedulerTopology, NodesFromTheHostsSeenAtRendezvous) {
   t.source = "openmpi";
   for (int r = 0; r < 4; ++r) {
     t.rank = r;
-    xlr8::detail::place_nodes_by_host(store, t);
+    xlr8::distributed::place_nodes_by_host(store, t);
     EXPECT_EQ(t.num_nodes, 2);
     EXPECT_EQ(t.node_rank, r % 2) << "rank " << r;  // host b holds rank 0, so it is node 0
   }
   t.local_world_size = 3;  // the environment disagrees with what the ranks reported
-  EXPECT_THROW(xlr8::detail::place_nodes_by_host(store, t), Error);
+  EXPECT_THROW(xlr8::distributed::place_nodes_by_host(store, t), Error);
 }

@@ -43,7 +43,7 @@ TEST(TraceDiagnosis, NamesTheRankThatNeverArrivedAndTheRanksWaitingForIt) {
   write_dump(dir, 0, {ar1, ar2});
   write_dump(dir, 2, {ar1, ar2});
   write_dump(dir, 1, {ar1, {0, "send(float32[2])", "completed"}});  // point-to-point: not numbered, not compared
-  const auto text = xlr8::detail::diagnose_traces(dir.string(), {.world_size = 4});
+  const auto text = xlr8::launcher::diagnose_traces(dir.string(), {.world_size = 4});
   EXPECT_EQ(text, fmt::format("collective trace (3 of 4 ranks, {}): ranks 0, 2 reached world #2 all_reduce(float32[4], "
                               "SUM) (failed or timed out waiting for the others); rank 1 never arrived at world #2: its "
                               "last world collective was world #1 all_reduce(float32[4], SUM) (completed), so it was "
@@ -57,7 +57,7 @@ TEST(TraceDiagnosis, NamesTheFirstPositionWhereTheRanksIssuedDifferentCollective
   const auto dir = fresh("trace-differ");
   write_dump(dir, 0, {{1, "barrier", "completed"}, {2, "all_reduce(float32[4], SUM)", "failed"}});
   write_dump(dir, 1, {{1, "barrier", "completed"}, {2, "broadcast(float32[4], root 0)", "failed"}});
-  const auto text = xlr8::detail::diagnose_traces(dir.string(), {.world_size = 2});
+  const auto text = xlr8::launcher::diagnose_traces(dir.string(), {.world_size = 2});
   EXPECT_NE(text.find("the ranks issued different collectives at world #2: rank 0 issued all_reduce(float32[4], SUM); "
                       "rank 1 issued broadcast(float32[4], root 0)"),
             std::string::npos)
@@ -66,8 +66,8 @@ TEST(TraceDiagnosis, NamesTheFirstPositionWhereTheRanksIssuedDifferentCollective
   const auto clean = fresh("trace-clean");
   write_dump(clean, 0, {{1, "barrier", "completed"}});
   write_dump(clean, 1, {{1, "barrier", "completed"}});
-  EXPECT_NE(xlr8::detail::diagnose_traces(clean.string(), {.world_size = 2}).find("every rank's collectives match and completed"),
+  EXPECT_NE(xlr8::launcher::diagnose_traces(clean.string(), {.world_size = 2}).find("every rank's collectives match and completed"),
             std::string::npos);
-  EXPECT_EQ(xlr8::detail::diagnose_traces((clean / "none").string(), {.world_size = 2}), "");  // no dumps: nothing to say
+  EXPECT_EQ(xlr8::launcher::diagnose_traces((clean / "none").string(), {.world_size = 2}), "");  // no dumps: nothing to say
   fs::remove_all(clean);
 }

@@ -125,11 +125,11 @@ TEST(ErrorFile, TheFirstErrorIsWrittenInTorchsFormatWithoutTheBacktrace) {
   const auto dir = fresh_dir("error-file");
   const auto path = (dir / "attempt_0" / "0" / "error.json").string();
   ::setenv("TORCHELASTIC_ERROR_FILE", path.c_str(), 1);
-  xlr8::detail::write_error_file(
-      xlr8::detail::describe_exception(xlr8::ConfigError("shapes differ\nException raised from f at a.cpp:1 (most recent call first):\nframe #0: g")));
-  xlr8::detail::write_error_file("a later consequence");
+  xlr8::core::write_error_file(
+      xlr8::core::describe_exception(xlr8::ConfigError("shapes differ\nException raised from f at a.cpp:1 (most recent call first):\nframe #0: g")));
+  xlr8::core::write_error_file("a later consequence");
   ::unsetenv("TORCHELASTIC_ERROR_FILE");
-  auto record = xlr8::detail::read_error_file(path);
+  auto record = xlr8::core::read_error_file(path);
   ASSERT_TRUE(record);
   EXPECT_EQ(record->message, "xlr8::ConfigError: shapes differ");
   EXPECT_GT(record->timestamp, 1700000000);
@@ -137,9 +137,9 @@ TEST(ErrorFile, TheFirstErrorIsWrittenInTorchsFormatWithoutTheBacktrace) {
   const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("frame #0: g"), std::string::npos);  // kept where torch keeps the traceback
   std::ofstream(dir / "plain.json") << R"({"message": "plain string"})";
-  EXPECT_EQ(xlr8::detail::read_error_file((dir / "plain.json").string())->message, "plain string");
+  EXPECT_EQ(xlr8::core::read_error_file((dir / "plain.json").string())->message, "plain string");
   std::ofstream(dir / "bad.json") << "not json";
-  EXPECT_FALSE(xlr8::detail::read_error_file((dir / "bad.json").string()));
-  EXPECT_FALSE(xlr8::detail::read_error_file((dir / "missing.json").string()));
+  EXPECT_FALSE(xlr8::core::read_error_file((dir / "bad.json").string()));
+  EXPECT_FALSE(xlr8::core::read_error_file((dir / "missing.json").string()));
   fs::remove_all(dir);
 }

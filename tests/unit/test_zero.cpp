@@ -347,13 +347,13 @@ TEST(Zero, OnAMeshHybridShardingShardsOverDpShardTimesCpAndWithoutThemIsRefused)
   settings.fsdp = FsdpSettings{};
   settings.fsdp->sharding_strategy = ShardingStrategy::HYBRID_SHARD;
   settings.parallelism = ParallelismSettings{.dp_replicate = 2, .dp_shard = 2, .cp = 2, .tp = 2};
-  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, settings, /*node_size=*/16).hybrid_shard_size, 4);  // dp_shard x cp
+  EXPECT_EQ(xlr8::shard::resolve_zero_options({}, settings, /*node_size=*/16).hybrid_shard_size, 4);  // dp_shard x cp
   settings.parallelism->cp = 1;
-  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, settings, 8).hybrid_shard_size, 2);
+  EXPECT_EQ(xlr8::shard::resolve_zero_options({}, settings, 8).hybrid_shard_size, 2);
   // dp_replicate x tp only: the machine's 4 ranks would cut across the tp peers.
   settings.parallelism->dp_shard = 1;
   try {
-    xlr8::detail::resolve_zero_options({}, settings, 4);
+    xlr8::shard::resolve_zero_options({}, settings, 4);
     ADD_FAILURE() << "no error";
   } catch (const ConfigError& e) {
     EXPECT_EQ(std::string(e.what()),
@@ -362,7 +362,7 @@ TEST(Zero, OnAMeshHybridShardingShardsOverDpShardTimesCpAndWithoutThemIsRefused)
               "FULL_SHARD to shard over every data-parallel rank");
   }
   settings.parallelism.reset();  // no mesh: HSDP within each machine, as before
-  EXPECT_EQ(xlr8::detail::resolve_zero_options({}, settings, 4).hybrid_shard_size, 4);
+  EXPECT_EQ(xlr8::shard::resolve_zero_options({}, settings, 4).hybrid_shard_size, 4);
 }
 
 TEST(Zero, Bf16ParametersWithFp32MasterShardsStayCloseToOneRankUnderAutocast) {
@@ -374,7 +374,7 @@ TEST(Zero, Bf16ParametersWithFp32MasterShardsStayCloseToOneRankUnderAutocast) {
   run_ranks(1, [&](Communicator& comm) {
     auto options = stage_options(3);
     options.zero.param_dtype = at::kBFloat16;
-    auto one = xlr8::detail::make_zero_strategy(make_model(), comm, options, nullptr);
+    auto one = xlr8::shard::make_zero_strategy(make_model(), comm, options, nullptr);
     expected = train(*one, 0, 1, 4, 1, 0, /*bf16=*/true);
   });
   for (int stage : {1, 2, 3})

@@ -163,7 +163,7 @@ TEST(ZeroOffload, DeepSpeedsOffloadSectionsMapOntoTheEngine) {
   z.offload_param.device = "cpu";
   z.offload_param.pin_memory = false;
   ParallelOptions parallel;
-  xlr8::detail::apply_zero_config(z, parallel);
+  xlr8::shard::apply_zero_config(z, parallel);
   EXPECT_TRUE(parallel.zero.offload_optimizer);
   EXPECT_TRUE(parallel.zero.offload_params);
   EXPECT_DOUBLE_EQ(parallel.zero.offload_ratio, 0.3);
@@ -171,7 +171,7 @@ TEST(ZeroOffload, DeepSpeedsOffloadSectionsMapOntoTheEngine) {
   // Each section's pin_memory counts only when that section offloads; a ratio without offload is not checked.
   z.offload_param.device = "none";
   ParallelOptions optimizer_only;
-  xlr8::detail::apply_zero_config(z, optimizer_only);
+  xlr8::shard::apply_zero_config(z, optimizer_only);
   EXPECT_TRUE(optimizer_only.zero.offload_pin_memory);
   EXPECT_FALSE(optimizer_only.zero.offload_params);
   auto not_offloaded = stage_options(2);
@@ -181,7 +181,7 @@ TEST(ZeroOffload, DeepSpeedsOffloadSectionsMapOntoTheEngine) {
   });
   z.offload_param.device = "nvme";
   ParallelOptions refused;
-  EXPECT_NE(error_of([&] { xlr8::detail::apply_zero_config(z, refused); })
+  EXPECT_NE(error_of([&] { xlr8::shard::apply_zero_config(z, refused); })
                 .find("zero_optimization.offload_param.device is \"nvme\" (ZeRO-Infinity), which xlr8 does not implement; "
                       "use \"cpu\""),
             std::string::npos);

@@ -111,7 +111,7 @@ std::vector<fs::path> event_files(const fs::path& dir) {
 Scalars read_events(const std::vector<fs::path>& files) {
   Scalars s{files.front().string(), {}};
   for (const auto& file : files)
-    for (const auto& [tag, points] : detail::read_tensorboard_scalars(file.string()))
+    for (const auto& [tag, points] : accelerate::read_tensorboard_scalars(file.string()))
       for (const auto& [step, value] : points) add_point(s, tag, static_cast<double>(step), value);
   return s;
 }

@@ -18,7 +18,7 @@ Handler add_trace(CLI::App& app) {
   cmd->add_option("--world_size", *world_size, "Ranks the job had, to name those that left no dump (default: the dumps')");
   return [dir, world_size] {
     if (!std::filesystem::is_directory(*dir)) throw Error(fmt::format("xlr8 trace: {:?} is not a folder", *dir));
-    const auto diagnosis = detail::diagnose_traces(*dir, {.world_size = *world_size});
+    const auto diagnosis = launcher::diagnose_traces(*dir, {.world_size = *world_size});
     if (diagnosis.empty()) throw Error(fmt::format("xlr8 trace: no rank<R>.json dump in {}", *dir));
     fmt::print("{}\n", diagnosis);
     return 0;

@@ -16,7 +16,7 @@
 #include "xlr8/autocast.hpp"
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::recompute {
 namespace {
 
 // ------------------------------------------------------------------------------------------ random state
@@ -128,7 +128,7 @@ class NestedBackward {
 // ------------------------------------------------------------------------------------------ the node
 
 struct Region : torch::CustomClassHolder {
-  CheckpointBody body;
+  detail::CheckpointBody body;
   RngSnapshot rng;
   AutocastState autocast;
 };
@@ -228,11 +228,7 @@ Marked* marked(const torch::nn::Module& module) {
   return &it->second;
 }
 
-}  // namespace
-
-bool checkpointing_records() { return at::GradMode::is_enabled(); }
-
-std::vector<at::Tensor> run_checkpointed(const std::vector<at::Tensor>& inputs, CheckpointBody body) {
+std::vector<at::Tensor> run_region(const std::vector<at::Tensor>& inputs, detail::CheckpointBody body) {
   auto region = c10::make_intrusive<Region>();
   region->body = std::move(body);
   torch::autograd::variable_list with_anchor = inputs;
@@ -240,6 +236,16 @@ std::vector<at::Tensor> run_checkpointed(const std::vector<at::Tensor>& inputs, 
   // As a TensorList: the node takes a std::vector for a plain value, not its tensors.
   return CheckpointFunction::apply(at::TensorList(with_anchor), std::move(region));
 }
+
+bool note_unit_ran(const torch::nn::Module& unit) {
+  std::lock_guard<std::mutex> lock(marked_mutex);
+  auto* entry = marked(unit);
+  if (!entry) return false;
+  entry->ran = true;
+  return true;
+}
+
+}  // namespace
 
 bool recomputing() { return recompute_depth > 0; }
 
@@ -272,14 +278,6 @@ std::string recomputed_unit_label(const torch::nn::Module& module) {
   return entry ? entry->label : std::string();
 }
 
-bool checkpoints_unit(const torch::nn::Module& unit) {
-  std::lock_guard<std::mutex> lock(marked_mutex);
-  auto* entry = marked(unit);
-  if (!entry) return false;
-  entry->ran = true;
-  return true;
-}
-
 std::vector<std::string> recomputed_units_never_run(const torch::nn::Module& root) {
   std::lock_guard<std::mutex> lock(marked_mutex);
   std::vector<std::string> never;
@@ -300,5 +298,18 @@ std::vector<std::string> recomputed_units_never_run(const torch::nn::Module& roo
   std::sort(never.begin(), never.end());
   return never;
 }
+
+}  // namespace xlr8::recompute
+
+// Declared by the public headers (xlr8::checkpoint, the sharded(...) guard) in their xlr8::detail.
+namespace xlr8::detail {
+
+bool checkpointing_records() { return at::GradMode::is_enabled(); }
+
+std::vector<at::Tensor> run_checkpointed(const std::vector<at::Tensor>& inputs, CheckpointBody body) {
+  return recompute::run_region(inputs, std::move(body));
+}
+
+bool checkpoints_unit(const torch::nn::Module& unit) { return recompute::note_unit_ran(unit); }
 
 }  // namespace xlr8::detail

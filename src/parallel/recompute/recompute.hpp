@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-namespace xlr8::detail {
+namespace xlr8::recompute {
 
 // fsdp_activation_checkpointing: `module` (at `label` in the model `root`) is checkpointed through its
 // sharded(...) guard for as long as it lives.
@@ -34,4 +34,4 @@ void at_end_of_backward(std::function<void()> callback, std::function<void()> ab
 // way, so the second would be lost.
 std::string accumulated_twice(const std::string& parameter);
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::recompute

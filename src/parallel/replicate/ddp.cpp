@@ -65,7 +65,7 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
     // ZeRO-1/2's buckets: consecutive parameters in reverse order (the last layers' gradients are ready first).
     std::unordered_map<const c10::TensorImpl*, size_t> index;
     for (size_t k = 0; k < params.size(); ++k) index[params[k].unsafeGetTensorImpl()] = k;
-    for (const auto& plan : detail::plan_buckets(*module, options.first_bucket_mb, options.bucket_cap_mb)) {
+    for (const auto& plan : shard::plan_buckets(*module, options.first_bucket_mb, options.bucket_cap_mb)) {
       auto& b = buckets.emplace_back();
       int64_t offset = 0;
       for (const auto& p : plan.groups.front().params) {
@@ -154,7 +154,7 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
       std::weak_ptr<Core> weak = shared_from_this();
       // A pass that fails (a node throws) ends without the callback: forget it, or every later backward
       // would find this one armed and never average its gradients.
-      detail::at_end_of_backward(
+      recompute::at_end_of_backward(
           [weak] {
             if (auto self = weak.lock()) self->finish_backward();
           },
@@ -162,7 +162,7 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
             if (auto self = weak.lock()) self->backward_abandoned();
           });
     }
-    if (ready[k]) throw Error(detail::accumulated_twice(names[k]));
+    if (ready[k]) throw Error(recompute::accumulated_twice(names[k]));
     // After zero_grad(set_to_none = false), .grad is still a view into its bucket: AccumulateGrad wrote it
     // in place and nothing needs copying. Otherwise it is a fresh tensor: over shared memory the bucket's
     // all_reduce_into reads it directly (this rank's shard) on the communication thread; elsewhere it is
@@ -190,7 +190,7 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
     if (!unused.empty()) {
       if (!options.find_unused_parameters) {
         reset_backward_state();
-        throw detail::unused_parameters_error(comm.rank(), unused, "all-reduce");
+        throw replicate::unused_parameters_error(comm.rank(), unused, "all-reduce");
       }
       for (size_t k = 0; k < params.size(); ++k)
         if (!ready[k]) {
@@ -233,13 +233,13 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     c.names.push_back(item.key());
     c.params.push_back(item.value());
   }
-  if (c.comm.size() > 1) detail::make_replicas_equal(c.comm, *c.module);
+  if (c.comm.size() > 1) replicate::make_replicas_equal(c.comm, *c.module);
   c.bucket_of.resize(c.params.size());
   c.slot_of.resize(c.params.size());
   c.assign_buckets();
   c.reset_backward_state();
   std::weak_ptr<Core> weak = core_;
-  c.accumulators = detail::on_gradient_ready(c.params, [weak](size_t k) {
+  c.accumulators = replicate::on_gradient_ready(c.params, [weak](size_t k) {
     if (auto core = weak.lock()) core->mark_ready(k);
   });
 }
@@ -260,7 +260,7 @@ void DistributedDataParallel::sync_buffers() {
   if (!core_->options.broadcast_buffers || core_->comm.size() == 1) return;
   std::vector<at::Tensor> buffers;
   for (auto& b : core_->module->buffers()) buffers.push_back(b);
-  if (!buffers.empty()) detail::broadcast_from_rank0(core_->comm, buffers);
+  if (!buffers.empty()) replicate::broadcast_from_rank0(core_->comm, buffers);
 }
 
 const std::shared_ptr<torch::nn::Module>& DistributedDataParallel::module() const { return core_->module; }

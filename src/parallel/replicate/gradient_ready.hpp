@@ -7,7 +7,7 @@
 
 #include "compat/torch_compat.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::replicate {
 
 class GradientReadyHook final : public torch::autograd::FunctionPostHook {
  public:
@@ -35,4 +35,4 @@ inline std::vector<compat::GradAccumulatorPtr> on_gradient_ready(const std::vect
   return accumulators;
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::replicate

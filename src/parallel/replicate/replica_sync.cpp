@@ -11,7 +11,7 @@
 #include "core/tensor_text.hpp"
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::replicate {
 namespace {
 
 void verify_same_model(Communicator& comm, const std::vector<std::string>& mine) {
@@ -37,12 +37,12 @@ void make_replicas_equal(Communicator& comm, const torch::nn::Module& module, bo
   std::vector<at::Tensor> tensors;
   for (const auto& item : module.named_parameters()) {
     // Frozen or not decides how sharding groups a parameter: every rank must agree.
-    signatures.push_back(fmt::format("{} {}{}", item.key(), describe(item.value()),
+    signatures.push_back(fmt::format("{} {}{}", item.key(), core::describe(item.value()),
                                      item.value().requires_grad() ? "" : " (frozen)"));
     if (parameters) tensors.push_back(item.value());
   }
   for (const auto& item : module.named_buffers()) {
-    signatures.push_back(fmt::format("buffer {} {}", item.key(), describe(item.value())));
+    signatures.push_back(fmt::format("buffer {} {}", item.key(), core::describe(item.value())));
     tensors.push_back(item.value());
   }
   if (comm.size() == 1) return;
@@ -93,4 +93,4 @@ void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& ten
   for (auto& [type, group] : pending) flush(type);
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::replicate

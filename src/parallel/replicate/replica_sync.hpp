@@ -10,7 +10,7 @@
 #include "xlr8/communicator.hpp"
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::replicate {
 
 // Collective: compares every rank's parameter and buffer names, dtypes and shapes (an Error names the
 // first difference and the rank), then broadcasts parameters (unless `parameters` is false: their values
@@ -22,4 +22,4 @@ Error unused_parameters_error(int rank, const std::vector<std::string>& names, c
 // One broadcast per dtype of all `tensors`, from rank 0, copied back in place.
 void broadcast_from_rank0(Communicator& comm, const std::vector<at::Tensor>& tensors);
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::replicate

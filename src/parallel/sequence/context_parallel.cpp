@@ -47,11 +47,11 @@ void check_divisible(int64_t length, int size, Split split, const char* what) {
 // forward; backward sums every rank's gradient for this rank's share (reduce-scatter).
 struct GatherKeysValues : torch::autograd::Function<GatherKeysValues> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& kv, const Communicator& group) {
-    xlr8::detail::keep_group(ctx, group);
+    xlr8::parallel::keep_group(ctx, group);
     return detail::gather_sequence(kv, group);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {detail::reduce_scatter_sequence(grads[0], xlr8::detail::group_of(ctx)), at::Tensor()};
+    return {detail::reduce_scatter_sequence(grads[0], xlr8::parallel::group_of(ctx)), at::Tensor()};
   }
 };
 

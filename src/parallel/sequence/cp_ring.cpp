@@ -184,7 +184,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
       wait_ns += since(waiting);
       if (!next.empty()) kv = next[0];
     }
-    xlr8::detail::keep_group(ctx, group);
+    xlr8::parallel::keep_group(ctx, group);
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
     ctx->save_for_backward({q, k, v, out, lse});
@@ -196,7 +196,7 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
     const auto &q = saved[0], &k = saved[1], &v = saved[2], &out = saved[3], &lse = saved[4];
     const bool causal = ctx->saved_data["causal"].toBool();
     const double scale = ctx->saved_data["scale"].toDouble();
-    Communicator& group = xlr8::detail::group_of(ctx);
+    Communicator& group = xlr8::parallel::group_of(ctx);
     const int n = group.size(), r = group.rank();
     const int64_t c = q.size(-2) / 2, dk = k.size(-1), dv = v.size(-1);
     auto dout = grads[0].to(at::kFloat);
@@ -237,11 +237,11 @@ struct RingAttention : torch::autograd::Function<RingAttention> {
 }  // namespace
 
 at::Tensor gather_sequence(const at::Tensor& x, const Communicator& group) {
-  return xlr8::detail::all_gather_on(x, group, x.dim() - 2, wire);
+  return xlr8::parallel::all_gather_on(x, group, x.dim() - 2, wire);
 }
 
 at::Tensor reduce_scatter_sequence(const at::Tensor& x, const Communicator& group) {
-  return xlr8::detail::reduce_scatter_on(x, group, x.dim() - 2, wire);
+  return xlr8::parallel::reduce_scatter_on(x, group, x.dim() - 2, wire);
 }
 
 int64_t chunk_pairs(int rank, int n, bool causal) {

@@ -55,22 +55,22 @@ at::Tensor with_leading(const at::Tensor& x4, const at::Tensor& like) {
 
 struct SequenceToHeads : torch::autograd::Function<SequenceToHeads> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Communicator& group) {
-    xlr8::detail::keep_group(ctx, group);
+    xlr8::parallel::keep_group(ctx, group);
     return with_leading(to_heads(as_4d(x), group), x);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto& group = xlr8::detail::group_of(ctx);
+    const auto& group = xlr8::parallel::group_of(ctx);
     return {with_leading(to_sequence(as_4d(grads[0]), group), grads[0]), at::Tensor()};
   }
 };
 
 struct HeadsToSequence : torch::autograd::Function<HeadsToSequence> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const Communicator& group) {
-    xlr8::detail::keep_group(ctx, group);
+    xlr8::parallel::keep_group(ctx, group);
     return with_leading(to_sequence(as_4d(x), group), x);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto& group = xlr8::detail::group_of(ctx);
+    const auto& group = xlr8::parallel::group_of(ctx);
     return {with_leading(to_heads(as_4d(grads[0]), group), grads[0]), at::Tensor()};
   }
 };

@@ -5,7 +5,7 @@
 
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::shard {
 
 bool FlatGroup::gathered() const { return full.storage().nbytes() > 0 || padded() == 0; }
 
@@ -129,4 +129,4 @@ FlatGroup make_flat_group(std::string label, std::vector<std::string> names,
   return g;
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::shard

@@ -16,7 +16,7 @@
 
 #include "xlr8/communicator.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::shard {
 
 // Which of a group's tensors live in host memory while its parameters are on an accelerator (offload;
 // ZeroOptions::offload_optimizer / offload_params): `master` (and with it the optimizer's leaves, their
@@ -84,4 +84,4 @@ FlatGroup make_flat_group(std::string label, std::vector<std::string> names,
                           std::optional<at::ScalarType> compute_dtype = std::nullopt, bool values_from_rank0 = false,
                           HostPlacement host = {});
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::shard

@@ -16,7 +16,7 @@
 #include "parallel/shard/wrap_policy.hpp"
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::shard {
 namespace {
 
 class UnitHandle final : public UnitHooks {
@@ -107,7 +107,7 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
   if (from_rank0 && options_.auto_wrap_policy == AutoWrapPolicy::GUARDED_MODULES)
     throw ConfigError("rank-0 loading (values_from_rank0, fsdp_cpu_ram_efficient_loading) needs units known before the "
                       "first forward: use TRANSFORMER_BASED_WRAP or NO_WRAP, not GUARDED_MODULES");
-  make_replicas_equal(comm_, *module_, /*parameters=*/!from_rank0);
+  replicate::make_replicas_equal(comm_, *module_, /*parameters=*/!from_rank0);
   auto plans = policy_.shards_parameters ? plan_units(*module_, options_)
                                          : plan_buckets(*module_, options_.first_bucket_mb, options_.bucket_cap_mb);
   OffloadBudget offload(options_, policy_, plans);
@@ -120,7 +120,7 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
       groups.push_back(make_flat_group(frozen ? plan.label + " (frozen)" : plan.label, std::move(g.names),
                                        std::move(g.params), comm_, /*owns_shard=*/policy_.shards_parameters,
                                        options_.param_dtype, from_rank0, host));
-      return_free_memory_to_system();  // the group's original parameter storage, now replaced
+      os::return_free_memory_to_system();  // the group's original parameter storage, now replaced
     }
     // Units start freed under rank-0 loading (their guards gather them); the root stays whole until
     // its guard runs, as without rank-0 loading.
@@ -158,7 +158,7 @@ void ShardedModel::attach() {
   std::weak_ptr<ShardedModel> self = shared_from_this();
   for (size_t g = 0; g < groups_.size(); ++g) {
     if (group(g).frozen) continue;
-    auto hooked = on_gradient_ready(group(g).params, [self, g](size_t i) {
+    auto hooked = replicate::on_gradient_ready(group(g).params, [self, g](size_t i) {
       if (auto sharded = self.lock()) sharded->gradient_ready(g, i);
     });
     accumulators_.insert(accumulators_.end(), hooked.begin(), hooked.end());
@@ -202,7 +202,7 @@ void ShardedModel::arm_end_of_backward() {
   const uint64_t generation = backward_generation_;
   // If a node throws, the pass ends without the callback: forget its state, so that the next backward
   // arms its own callback instead of finding this one armed (and never handing gradients over).
-  detail::at_end_of_backward(
+  recompute::at_end_of_backward(
       [weak] {
         if (auto self = weak.lock()) self->finish_backward();
       },
@@ -237,7 +237,7 @@ void ShardedModel::gradient_ready(size_t g, size_t i) {
   std::lock_guard<std::mutex> lock(mutex_);
   if (detached_) return;
   arm_end_of_backward();
-  if (ready_[g][i]) throw Error(accumulated_twice(group(g).names[i]));
+  if (ready_[g][i]) throw Error(recompute::accumulated_twice(group(g).names[i]));
   ready_[g][i] = true;
   hooked_[g] = true;
   if (sync_) stash_gradient(g, i);
@@ -339,7 +339,7 @@ void ShardedModel::reduce_and_hand_over() {
     for (size_t g = 0; g < groups_.size(); ++g)
       for (size_t i = 0; i < group(g).params.size(); ++i)
         if (!ready_[g][i]) unused.push_back(group(g).names[i]);
-    if (!unused.empty() && !find_unused_) throw unused_parameters_error(comm_.rank(), unused, "reduction");
+    if (!unused.empty() && !find_unused_) throw replicate::unused_parameters_error(comm_.rank(), unused, "reduction");
     for (size_t g = 0; g < groups_.size(); ++g)
       for (size_t i = 0; i < group(g).params.size(); ++i)
         if (!ready_[g][i]) {
@@ -382,4 +382,4 @@ void ShardedModel::reset_backward_state() {
   for (auto& unit : units_) unit->awaiting = 0;
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::shard

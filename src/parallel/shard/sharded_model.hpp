@@ -21,7 +21,7 @@
 #include "xlr8/parallel_strategy.hpp"
 #include "xlr8/zero.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::shard {
 
 // What a ZeRO stage changes, as data rather than branches.
 struct StagePolicy {
@@ -169,4 +169,4 @@ class ShardedModel : public std::enable_shared_from_this<ShardedModel> {
   int64_t launches_ = 0, overlapped_ = 0;
 };
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::shard

@@ -12,7 +12,7 @@
 #include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::shard {
 
 // ------------------------------------------------------------------------------------------ optimizer
 
@@ -92,7 +92,7 @@ GradNorm ShardedModel::clip_grad_norm(const std::vector<at::Tensor>& parameters,
   const auto device = !grads.empty()          ? grads.front().device()
                       : !sliced_grads.empty() ? sliced_grads.front().device()
                                               : at::Device(at::kCPU);
-  auto totals = at::cat({detail::partial_norm(grads, norm_type, device), detail::partial_norm(sliced_grads, norm_type, device)});
+  auto totals = at::cat({parallel::partial_norm(grads, norm_type, device), parallel::partial_norm(sliced_grads, norm_type, device)});
   const auto op = std::isinf(norm_type) ? ReduceOp::MAX : ReduceOp::SUM;
   comm_.all_reduce(totals, op);
   if (sliced.group) {
@@ -101,7 +101,7 @@ GradNorm ShardedModel::clip_grad_norm(const std::vector<at::Tensor>& parameters,
     tp_group.all_reduce(part, op);
     totals.narrow(0, 1, 1).copy_(part);
   }
-  return GradNorm(detail::scale_to_norm(totals, {&grads, &sliced_grads}, max_norm, norm_type));
+  return GradNorm(parallel::scale_to_norm(totals, {&grads, &sliced_grads}, max_norm, norm_type));
 }
 
 std::vector<at::Tensor> ShardedModel::gradient_holders(const std::vector<at::Tensor>& parameters) const {
@@ -169,4 +169,4 @@ nlohmann::json ShardedModel::stats() const {
           {"step_peak_gathered_bytes", c.step_peak_gathered_bytes}};
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::shard

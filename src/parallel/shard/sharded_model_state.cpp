@@ -6,7 +6,7 @@
 #include "parallel/shard/sharded_model.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::shard {
 
 StateDict ShardedModel::state_dict(StateDictKind kind) {
   StateDict out;
@@ -66,7 +66,7 @@ StateDict ShardedModel::state_dict(StateDictKind kind) {
 }
 
 void ShardedModel::load_state_dict(const StateDict& state, StateDictKind kind) {
-  check_state_dict(full_state_layout(kind), state);
+  parallel::check_state_dict(full_state_layout(kind), state);
   std::map<std::string, at::Tensor> own;
   for (const auto& item : module_->named_parameters()) own[item.key()] = item.value();
   for (const auto& item : module_->named_buffers()) own[item.key()] = item.value();
@@ -178,4 +178,4 @@ StateDict ShardedModel::full_state_layout(StateDictKind kind) const {
   return out;
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::shard

@@ -13,7 +13,7 @@
 #include "parallel/shard/sharded_model.hpp"
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::shard {
 
 // ------------------------------------------------------------------------------------------ prefetching
 
@@ -110,7 +110,7 @@ void ShardedModel::unit_forward_begins(size_t u) {
   auto& unit = *units_[u];
   unit.forward_begins();
   unit.forward_start = autograd_position();
-  if (recomputing()) return;  // activation checkpointing, in backward: not a forward of the step
+  if (recompute::recomputing()) return;  // activation checkpointing, in backward: not a forward of the step
   forward_order_.record(u);
   if (options_.forward_prefetch) prefetch_after(forward_order_, u, /*in_backward=*/false);
 }
@@ -152,7 +152,7 @@ std::vector<at::Tensor> ShardedModel::unit_forward_ends(size_t u, const std::vec
   }
   std::lock_guard<std::mutex> lock(mutex_);
   // Recomputed for its backward, which starts right after: gathered once for both.
-  unit.forward_ends(backward_follows, /*keep_gathered=*/backward_follows && recomputing());
+  unit.forward_ends(backward_follows, /*keep_gathered=*/backward_follows && recompute::recomputing());
   // The model's forward is done: before its backward gathers anything, every rank ran the units alike.
   if (unit.is_root() && backward_follows && !forward_order_checked_) {
     check_order_across_ranks(forward_order_.current, "forward");
@@ -318,4 +318,4 @@ void ShardedModel::release_full_parameters(bool writeback) {
   }
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::shard

@@ -7,7 +7,7 @@
 
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::shard {
 
 void UnitContext::gathered(int64_t bytes) {
   ++gathers;
@@ -217,4 +217,4 @@ bool ShardingUnit::wait_prefetch() {
   return true;
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::shard

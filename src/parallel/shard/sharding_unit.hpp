@@ -37,7 +37,7 @@
 #include "parallel/shard/flat_group.hpp"
 #include "xlr8/communicator.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::shard {
 
 // Counts every unit of a sharded model adds to (for stats()), and the switch summon_full_params sets.
 struct UnitContext {
@@ -133,4 +133,4 @@ class ShardingUnit {
 
 const char* to_string(ShardingUnit::State state);
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::shard

@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+// Declared in xlr8::detail: the public guard (xlr8/unshard.hpp) holds one.
 namespace xlr8::detail {
 
 class UnitHooks {
@@ -20,6 +21,12 @@ class UnitHooks {
   virtual std::vector<at::Tensor> after_forward(const std::vector<at::Tensor>& outputs) = 0;
   virtual void forward_abandoned() = 0;
 };
+
+}  // namespace xlr8::detail
+
+namespace xlr8::shard {
+
+using detail::UnitHooks;
 
 void register_unit(const torch::nn::Module& module, std::weak_ptr<UnitHooks> unit);
 // DeepSpeed's ZeRO-3 leaf modules (deepspeed::set_z3_leaf_modules): each is one unit gathered whole, with
@@ -43,4 +50,4 @@ uint64_t autograd_position();
 size_t after_backward_of(const std::vector<at::Tensor>& outputs, uint64_t forward_start, std::function<void()> done,
                          std::function<void()> dropped);
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::shard

@@ -17,7 +17,7 @@
 #include "xlr8/error.hpp"
 
 namespace xlr8 {
-namespace detail {
+namespace shard {
 namespace {
 
 std::mutex registry_mutex;
@@ -144,7 +144,7 @@ at::Tensor with_backward_prehook(const at::Tensor& output, std::function<void()>
   return BackwardPrehook::apply(output, c10::make_intrusive<Prehook>(std::move(before_backward)));
 }
 
-}  // namespace detail
+}  // namespace shard
 
 UnshardScope::UnshardScope(std::shared_ptr<detail::UnitHooks> unit) : unit_(std::move(unit)) {
   if (unit_) unit_->before_forward();
@@ -169,7 +169,7 @@ std::vector<at::Tensor> UnshardScope::done_with(const std::vector<at::Tensor>& o
 }
 
 UnshardScope unshard(const torch::nn::Module& unit) {
-  if (auto label = detail::recomputed_unit_label(unit); !label.empty())
+  if (auto label = recompute::recomputed_unit_label(unit); !label.empty())
     throw ConfigError(fmt::format(
         "fsdp_activation_checkpointing: unit {} ({}) opens its guard with xlr8::unshard(*this) or "
         "xlr8::sharded(*this, body), which cannot run its forward again in backward; write its forward as "
@@ -180,7 +180,7 @@ UnshardScope unshard(const torch::nn::Module& unit) {
 }
 
 namespace detail {
-UnshardScope open_unit(const torch::nn::Module& unit) { return UnshardScope(find_unit(unit)); }
+UnshardScope open_unit(const torch::nn::Module& unit) { return UnshardScope(shard::find_unit(unit)); }
 }  // namespace detail
 
 }  // namespace xlr8

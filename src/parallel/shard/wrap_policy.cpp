@@ -91,7 +91,7 @@ BackwardPrefetch parse_backward_prefetch(const std::string& value, const std::st
 const char* to_string(AutoWrapPolicy policy) { return name_of(policy, kWrapPolicies); }
 const char* to_string(BackwardPrefetch prefetch) { return name_of(prefetch, kPrefetchModes); }
 
-namespace detail {
+namespace shard {
 
 bool opens_no_guard(const torch::nn::Module& module) {
   const auto& name = module.name();
@@ -248,5 +248,5 @@ std::vector<UnitPlan> plan_buckets(const torch::nn::Module& root, double first_b
   return out;
 }
 
-}  // namespace detail
+}  // namespace shard
 }  // namespace xlr8

@@ -12,7 +12,7 @@
 
 #include "xlr8/zero.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::shard {
 
 struct UnitPlan {
   std::string label;                          // the module's path, "(root)", or "bucket k"
@@ -46,4 +46,4 @@ bool layer_class_matches(const std::string& class_name, const std::string& repor
 // Embedding): their forwards are the libraries', which open no guard.
 bool opens_no_guard(const torch::nn::Module& module);
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::shard

@@ -8,7 +8,7 @@
 
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::shard {
 namespace {
 
 int stage_of(const FsdpSettings& f) {
@@ -129,4 +129,4 @@ ParallelOptions resolve_parallel_options(ParallelOptions options, const deepspee
   return options;
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::shard

@@ -6,7 +6,7 @@
 #include "xlr8/parallel_options.hpp"
 #include "xlr8/settings.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::shard {
 
 // The one mapping resolve_plan (and make_parallel_strategy over a ProcessState) use: the JSON's section
 // (when given) by apply_zero_config, then the launch's settings by resolve_zero_options.
@@ -30,4 +30,4 @@ void apply_zero_config(const deepspeed::ZeroConfig& zero, ParallelOptions& paral
 // "auto" fills from each model's hidden size: options the plan resolved take them per model.
 void apply_zero_sizes(const deepspeed::ZeroConfig& zero, ParallelOptions& parallel);
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::shard

@@ -8,7 +8,7 @@
 #include "parallel/shard/sharded_model.hpp"
 #include "xlr8/error.hpp"
 
-namespace xlr8::detail {
+namespace xlr8::shard {
 namespace {
 
 class ShardedDataParallel final : public ParallelStrategy {
@@ -79,7 +79,7 @@ std::unique_ptr<ParallelStrategy> make_zero_strategy(std::shared_ptr<torch::nn::
       throw ConfigError(fmt::format("hybrid sharding needs ZeRO stage 2 or 3 (HYBRID_SHARD_ZERO2 or HYBRID_SHARD); "
                                     "stage {} was asked for",
                                     options.zero.stage));
-    make_replicas_equal(shard, *module);  // every replica starts from rank 0's weights
+    replicate::make_replicas_equal(shard, *module);  // every replica starts from rank 0's weights
     std::tie(shard, replicate) = hybrid_groups(shard, options.zero.hybrid_shard_size);
   }
   auto sharded = std::make_shared<ShardedModel>(module, std::move(shard), std::move(replicate), options.zero.stage,
@@ -88,4 +88,4 @@ std::unique_ptr<ParallelStrategy> make_zero_strategy(std::shared_ptr<torch::nn::
   return std::make_unique<ShardedDataParallel>(std::move(module), std::move(sharded));
 }
 
-}  // namespace xlr8::detail
+}  // namespace xlr8::shard

@@ -14,8 +14,8 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-using xlr8::detail::group_of;
-using xlr8::detail::keep_group;
+using xlr8::parallel::group_of;
+using xlr8::parallel::keep_group;
 
 // Bytes each rank sends for the regions' collectives, as a ring moves them: an all-reduce of S bytes
 // 2(n-1)/n S, an all-gather or reduce-scatter whose whole is S bytes (n-1)/n S.
@@ -34,7 +34,7 @@ at::Tensor all_reduced(const at::Tensor& x, Communicator group) {
 }
 
 at::Tensor all_gathered(const at::Tensor& x, const Communicator& group, int64_t dim) {
-  return xlr8::detail::all_gather_on(x, group, dim, wire_bytes);
+  return xlr8::parallel::all_gather_on(x, group, dim, wire_bytes);
 }
 
 at::Tensor own_chunk(const at::Tensor& x, const Communicator& group, int64_t dim) {
@@ -71,7 +71,7 @@ struct GatherFromRegion : torch::autograd::Function<GatherFromRegion> {
 
 // The sequence dimension ([..., T, C]) split over the group: rank r's chunk of the sum over ranks.
 at::Tensor reduce_scattered(const at::Tensor& x, const Communicator& group) {
-  return xlr8::detail::reduce_scatter_on(x, group, x.dim() - 2, wire_bytes);
+  return xlr8::parallel::reduce_scatter_on(x, group, x.dim() - 2, wire_bytes);
 }
 
 void check_sequence(const at::Tensor& x, const Communicator& group) {

@@ -180,13 +180,13 @@ GradNorm clip_grad_norm(const std::vector<at::Tensor>& parameters, const SlicedP
     if (p.grad().defined()) (sliced.contains(p) ? parts : whole).push_back(p.grad());
   if (whole.empty() && parts.empty()) return GradNorm();
   const auto device = (whole.empty() ? parts : whole).front().device();
-  auto part_total = xlr8::detail::partial_norm(parts, norm_type, device);
+  auto part_total = xlr8::parallel::partial_norm(parts, norm_type, device);
   // Every tp rank takes part, sliced gradients or not: the collective pairs by position.
   if (sliced.group) {
     Communicator group = *sliced.group;
     group.all_reduce(part_total, std::isinf(norm_type) ? ReduceOp::MAX : ReduceOp::SUM);
   }
-  return GradNorm(xlr8::detail::scale_to_norm(at::cat({part_total, xlr8::detail::partial_norm(whole, norm_type, device)}),
+  return GradNorm(xlr8::parallel::scale_to_norm(at::cat({part_total, xlr8::parallel::partial_norm(whole, norm_type, device)}),
                                               {&whole, &parts}, max_norm, norm_type));
 }
 
