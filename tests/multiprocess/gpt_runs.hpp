@@ -8,13 +8,12 @@
 
 #include "oracle.hpp"
 #include "process_runner.hpp"
+#include "programs.hpp"
 
 namespace gpt_runs {
 
 using Args = std::vector<std::string>;
 
-inline const std::string kXlr8 = XLR8_BIN;
-inline const std::string kGpt = GPT_BIN;
 
 inline Args concat(Args a, const Args& b) {
   a.insert(a.end(), b.begin(), b.end());

@@ -38,3 +38,5 @@ ProcessResult run(const std::vector<std::string>& args, double timeout_s = 60,
 bool process_alive(pid_t pid);
 std::string read_file(const std::string& path);
 std::string temp_dir(const std::string& tag);
+// How many times `needle` occurs in `text` (a process's output), overlapping ones included.
+size_t occurrences(const std::string& text, const std::string& needle);

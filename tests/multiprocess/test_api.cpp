@@ -9,13 +9,12 @@
 
 #include "oracle.hpp"
 #include "process_runner.hpp"
+#include "programs.hpp"
 
 using Args = std::vector<std::string>;
 
 namespace {
 
-const std::string kXlr8 = XLR8_BIN;
-const std::string kTrain = TRAIN_BIN;
 
 std::vector<nlohmann::json> rank_reports(const ProcessResult& r) {
   std::vector<nlohmann::json> out;
@@ -137,11 +136,6 @@ ProcessResult gpt_with_progress(const std::string& how, const std::string& progr
   return run({"/bin/sh", "-c", command}, 120);
 }
 
-size_t count(const std::string& text, const std::string& needle) {
-  size_t n = 0;
-  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
-  return n;
-}
 
 }  // namespace
 
@@ -150,7 +144,7 @@ TEST(Progress, OnATerminalTheMainProcessDrawsABarInPlace) {
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   const auto& screen = r.out;  // script(1) merges the terminal's output
   // The first frame (0/6) and the last, on one line: each frame starts with \r and the rank prefix.
-  EXPECT_GE(count(screen, "\r[rank0]: train "), 2u) << screen;
+  EXPECT_GE(occurrences(screen, "\r[rank0]: train "), 2u) << screen;
   EXPECT_NE(screen.find("0/6 [00:00<?"), std::string::npos) << screen;
   EXPECT_NE(screen.find("6/6 ["), std::string::npos) << screen;
   EXPECT_NE(screen.find("step/s, loss="), std::string::npos) << screen;

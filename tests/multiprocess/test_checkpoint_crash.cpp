@@ -12,14 +12,13 @@
 
 #include "oracle.hpp"
 #include "process_runner.hpp"
+#include "programs.hpp"
 
 namespace fs = std::filesystem;
 using Args = std::vector<std::string>;
 
 namespace {
 
-const std::string kXlr8 = XLR8_BIN;
-const std::string kTrain = TRAIN_BIN;
 const Args kFullShardSharded{"--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD", "--fsdp_state_dict_type",
                              "SHARDED_STATE_DICT"};
 

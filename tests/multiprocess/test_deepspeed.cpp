@@ -9,15 +9,13 @@
 
 #include "oracle.hpp"
 #include "process_runner.hpp"
+#include "programs.hpp"
 
 namespace fs = std::filesystem;
 using Args = std::vector<std::string>;
 
 namespace {
 
-const std::string kXlr8 = XLR8_BIN;
-const std::string kEngine = ENGINE_BIN;
-const std::string kGptDeepSpeed = GPT_DEEPSPEED_BIN;
 
 // train_batch_size 24 with accumulation 2: the micro-batch is 24 / ranks / 2 (12, 6, 4, 3 on 1-4 ranks).
 std::string write_config(const std::string& dir, int stage) {
@@ -202,7 +200,6 @@ TEST(DeepSpeedEngineExample, TheGptTrainsThroughTheEngineFromTheShippedJsonAndIt
 // DummyOptim / DummyScheduler), the launch the precision, and nothing is left "auto". The example's own
 // warm-up (0 steps, Accelerate's DummyScheduler default) fills "auto" as DeepSpeed's smallest, 2.
 TEST(DeepSpeedAccelerateExample, EveryCopiedJsonTrainsTheGptThroughTheAcceleratePath) {
-  const std::string kGpt = GPT_BIN;
   const auto configs = fs::path(XLR8_SOURCE_DIR) / "tests/data/deepspeed_configs";
   int trained = 0;
   for (const auto& entry : fs::directory_iterator(configs)) {

@@ -13,15 +13,13 @@
 #include "netns_hosts.hpp"
 #include "oracle.hpp"
 #include "process_runner.hpp"
+#include "programs.hpp"
 #include "xlr8/launcher.hpp"
 
 using Args = std::vector<std::string>;
 
 namespace {
 
-const std::string kXlr8 = XLR8_BIN;
-const std::string kTrain = TRAIN_BIN;
-const std::string kTrainer = TRAINER_BIN;
 
 #define SKIP_WITHOUT_HOSTS()                                                      \
   if (const std::string why = NetnsHosts::unavailable(); !why.empty()) GTEST_SKIP() << why

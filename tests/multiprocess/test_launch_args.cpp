@@ -7,20 +7,14 @@
 #include <thread>
 
 #include "process_runner.hpp"
+#include "programs.hpp"
 #include "xlr8/launcher.hpp"
 
 using Args = std::vector<std::string>;
 
 namespace {
 
-const std::string kXlr8 = XLR8_BIN;
-const std::string kTrain = TRAIN_BIN;
 
-size_t occurrences(const std::string& text, const std::string& needle) {
-  size_t n = 0;
-  for (auto at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
-  return n;
-}
 
 }  // namespace
 

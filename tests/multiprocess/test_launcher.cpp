@@ -20,6 +20,7 @@
 
 #include "os/cpu_affinity.hpp"
 #include "process_runner.hpp"
+#include "programs.hpp"
 #include "xlr8/config.hpp"
 #include "xlr8/launcher.hpp"
 
@@ -28,8 +29,6 @@ using Args = std::vector<std::string>;
 
 namespace {
 
-const std::string kXlr8 = XLR8_BIN;
-const std::string kWorker = WORKER_BIN;
 
 Args launch(Args options, Args program) {
   Args a{kXlr8, "launch"};
@@ -86,11 +85,6 @@ void expect_all_dead(const std::vector<pid_t>& pids) {
   for (pid_t p : pids) EXPECT_FALSE(process_alive(p)) << "worker pid " << p << " was left behind";
 }
 
-size_t count(const std::string& text, const std::string& needle) {
-  size_t n = 0;
-  for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
-  return n;
-}
 
 }  // namespace
 
@@ -476,7 +470,7 @@ TEST(Launcher, MaxRestartsRerunsTheGroupAfterAFailure) {
   auto once = run(launch({"--num_processes", "2", "--max_restarts", "1"}, {"fail-once", "5"}), 60);
   EXPECT_EQ(once.exit_code, 0) << once.err;
   EXPECT_NE(once.err.find("restarting all 2 local worker(s) (restart 1 of 1)"), std::string::npos) << once.err;
-  EXPECT_EQ(count(once.out, "attempt 1 ok"), 2u) << once.out;
+  EXPECT_EQ(occurrences(once.out, "attempt 1 ok"), 2u) << once.out;
   auto none = run(launch({"--num_processes", "2"}, {"fail-once", "5"}), 60);
   EXPECT_EQ(none.exit_code, 5) << none.err;
 }
@@ -500,8 +494,8 @@ TEST(Launcher, TwoMachinesOnLoopbackFormOneFourRankJob) {
   auto r0 = m0.wait(90), r1 = m1.wait(90);
   ASSERT_EQ(r0.exit_code, 0) << r0.err;
   ASSERT_EQ(r1.exit_code, 0) << r1.err;
-  EXPECT_EQ(count(r0.out, "sum=10 world=4 node=0"), 2u) << r0.out;
-  EXPECT_EQ(count(r1.out, "sum=10 world=4 node=1"), 2u) << r1.out;
+  EXPECT_EQ(occurrences(r0.out, "sum=10 world=4 node=0"), 2u) << r0.out;
+  EXPECT_EQ(occurrences(r1.out, "sum=10 world=4 node=1"), 2u) << r1.out;
   EXPECT_NE(r1.out.find("[rank3]: "), std::string::npos) << r1.out;
 }
 
@@ -581,7 +575,7 @@ TEST(Launcher, InPlaceLinesAreShownAsTheyComeAndLoggedAsTheirLastFrame) {
 TEST(LauncherErrors, MissingProgramIsOneClearLine) {
   auto r = run({kXlr8, "launch", "--num_processes", "2", "/nonexistent/train"});
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_EQ(count(r.err, "\n"), 1u) << r.err;
+  EXPECT_EQ(occurrences(r.err, "\n"), 1u) << r.err;
   EXPECT_NE(r.err.find("no such file"), std::string::npos) << r.err;
   auto p = run({kXlr8, "launch", "no_such_program_xlr8"});
   EXPECT_EQ(p.exit_code, 1);
@@ -593,7 +587,7 @@ TEST(LauncherErrors, NonExecutableFileIsOneClearLine) {
   std::ofstream(dir + "/train") << "#!/bin/sh\n";
   auto r = run({kXlr8, "launch", dir + "/train"});
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_EQ(count(r.err, "\n"), 1u) << r.err;
+  EXPECT_EQ(occurrences(r.err, "\n"), 1u) << r.err;
   EXPECT_NE(r.err.find("not executable"), std::string::npos) << r.err;
   fs::remove_all(dir);
 }
@@ -613,7 +607,7 @@ TEST(LauncherErrors, PortInUseIsOneClearLine) {
   auto r = run(launch({"--num_processes", "2", "--main_process_port", std::to_string(port)}, {"env", dir}));
   close(fd);
   EXPECT_EQ(r.exit_code, 1);
-  EXPECT_EQ(count(r.err, "\n"), 1u) << r.err;
+  EXPECT_EQ(occurrences(r.err, "\n"), 1u) << r.err;
   EXPECT_NE(r.err.find(fmt::format("port {} is already in use", port)), std::string::npos) << r.err;
   EXPECT_TRUE(fs::is_empty(dir));  // no worker started
   fs::remove_all(dir);

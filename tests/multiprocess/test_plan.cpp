@@ -8,14 +8,12 @@
 
 #include "oracle.hpp"
 #include "process_runner.hpp"
+#include "programs.hpp"
 
 using Args = std::vector<std::string>;
 
 namespace {
 
-const std::string kXlr8 = XLR8_BIN;
-const std::string kTrain = TRAIN_BIN;
-const std::string kEngine = ENGINE_BIN;
 
 nlohmann::json result_of(const ProcessResult& r) {
   EXPECT_EQ(r.exit_code, 0) << r.out;

@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "oracle.hpp"
+#include "programs.hpp"
 #include "xlr8/launcher.hpp"
 
 namespace fs = std::filesystem;
@@ -21,12 +22,6 @@ using Args = std::vector<std::string>;
 
 namespace {
 
-const std::string kXlr8 = XLR8_BIN;
-const std::string kTrain = TRAIN_BIN;
-const std::string kWorker = WORKER_BIN;
-const std::string kFashion = FASHION_BIN;
-const std::string kTrainer = TRAINER_BIN;
-const std::string kSource = XLR8_SOURCE_DIR;
 
 bool on_path(const std::string& program) { return run({"sh", "-c", "command -v " + program}, 10).exit_code == 0; }
 

@@ -11,6 +11,7 @@
 #include "gpt_runs.hpp"
 #include "oracle.hpp"
 #include "process_runner.hpp"
+#include "programs.hpp"
 #include "xlr8/launcher.hpp"
 
 namespace fs = std::filesystem;
@@ -18,10 +19,6 @@ using Args = std::vector<std::string>;
 
 namespace {
 
-const std::string kXlr8 = XLR8_BIN;
-const std::string kTrain = TRAIN_BIN;
-const std::string kGpt = GPT_BIN;
-const std::string kCompare = COMPARE_SAFETENSORS;
 
 struct Strategy {
   std::string name;  // what parallel_stats reports

@@ -15,6 +15,7 @@
 
 #include "oracle.hpp"
 #include "process_runner.hpp"
+#include "programs.hpp"
 #include "xlr8/train.hpp"
 
 namespace fs = std::filesystem;
@@ -22,7 +23,6 @@ using Args = std::vector<std::string>;
 
 namespace {
 
-const std::string kTrainer = TRAINER_BIN;
 
 struct Fit {
   ProcessResult process;

@@ -14,6 +14,7 @@
 
 #include "oracle.hpp"
 #include "process_runner.hpp"
+#include "programs.hpp"
 #include "xlr8/safetensors.hpp"
 
 namespace fs = std::filesystem;
@@ -21,9 +22,6 @@ using Args = std::vector<std::string>;
 
 namespace {
 
-const std::string kXlr8 = XLR8_BIN;
-const std::string kTrain = TRAIN_BIN;
-const std::string kFashion = FASHION_BIN;
 
 ProcessResult train(int processes, Args args, double timeout = 120, const std::map<std::string, std::string>& env = {}) {
   Args a{kXlr8, "launch", "--num_processes", std::to_string(processes), kTrain};

@@ -7,16 +7,13 @@
 #include <regex>
 
 #include "process_runner.hpp"
+#include "programs.hpp"
 #include "xlr8/launcher.hpp"
 
 using Args = std::vector<std::string>;
 
 namespace {
 
-const std::string kXlr8 = XLR8_BIN;
-const std::string kTrain = TRAIN_BIN;
-const std::string kFashion = FASHION_BIN;
-const std::string kGpt = GPT_BIN;
 
 ProcessResult verify(int n, const Args& flags, const Args& program) {
   Args a{kXlr8, "verify", "--num_processes", std::to_string(n)};
