@@ -176,7 +176,8 @@ int run(const Args& args) {
   auto val_text = text.narrow(0, split, text.numel() - split);
   val_text = val_text.narrow(0, 0, std::min(val_text.numel(), args.val_windows * args.seq_len + 1));
   auto train = acc.prepare_data_loader(gpt::TextWindows(text.narrow(0, 0, split), args.seq_len),
-                                       {.batch_size = args.batch_size, .shuffle = true});
+                                       {.batch_size = args.batch_size, .shuffle = true,
+                                        .pin_memory = acc.device().is_cuda()});  // copies overlap the step
   auto val = acc.prepare_data_loader(gpt::TextWindows(val_text, args.seq_len), {.batch_size = args.batch_size});
   double load_growth_mb = 0;  // how far loading the weights raised this rank's peak RSS
   if (!args.init_from.empty()) {

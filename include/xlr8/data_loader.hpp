@@ -1,7 +1,9 @@
 #pragma once
 // A sharded data loader over a map-style dataset (torch::data::Dataset, or any type with size() and
 // get(i)): each rank gets its batches with Accelerate's BatchSamplerShard semantics, shuffled from one
-// seed + epoch shared by all ranks, loaded ahead by worker threads and moved to the device.
+// seed + epoch shared by all ranks, loaded ahead by worker threads and moved to the device. With
+// pin_memory on a CUDA device, batches are page-locked and copied on a stream of their own, so the next
+// batch's copy overlaps the current step (torch's DataLoader pin_memory, with the copy done ahead).
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 #include <torch/data/example.h>
@@ -11,10 +13,12 @@
 #include <future>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include "xlr8/batch_sharding.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/gradient_state.hpp"
+#include "xlr8/tensor_tree.hpp"
 #include "xlr8/to_device.hpp"
 
 namespace xlr8 {
@@ -25,6 +29,9 @@ struct DataLoaderOptions {
   bool drop_last = false;
   int num_workers = 0;     // threads loading batches ahead of the training loop; 0: load inline
   int prefetch_per_worker = 2;
+  // Page-locked host batches, copied to a CUDA device on the loader's own stream; the step's stream waits
+  // for a batch's copies when it takes the batch. On another device: a warning, and batches are not pinned.
+  bool pin_memory = false;
   std::optional<uint64_t> seed;  // shuffle seed; default: the Accelerator's seed (set_seed)
 };
 
@@ -50,6 +57,7 @@ struct DefaultCollate<torch::data::Example<>> {
 };
 
 class WorkerPool;
+struct BatchCopies;
 
 // Everything that does not depend on the dataset type: sharding, epochs, position, resumption.
 class DataLoaderBase {
@@ -79,6 +87,14 @@ class DataLoaderBase {
   std::vector<std::vector<int64_t>> plan_epoch() const;
   void run_async(std::function<void()> task);
   int64_t global_batch() const;  // samples all processes take per batch
+  // pin_memory on a CUDA device: page-locked copies of host tensors, and copies to the device that run on
+  // the loader's stream (copy_aside runs `copy` with that stream current and returns what marks its end).
+  bool pins() const { return copies_ != nullptr; }
+  at::Tensor pinned(const at::Tensor& t) const;
+  std::shared_ptr<void> copy_aside(const std::function<void()>& copy) const;
+  // On the thread that takes the batch: its current stream waits for the copies, and the tensors' memory
+  // (allocated on the loader's stream) is marked as used by it, so it is not reused too early.
+  void hand_over(const std::shared_ptr<void>& copies_done, const std::vector<at::Tensor>& tensors) const;
   at::Device device_;
 
  private:
@@ -92,6 +108,7 @@ class DataLoaderBase {
   int64_t position_ = 0;
   int64_t skip_ = 0;
   int64_t batches_per_epoch_ = 0;  // does not depend on the order, so computed once
+  std::unique_ptr<BatchCopies> copies_;  // before pool_: the workers that use it stop first
   std::unique_ptr<WorkerPool> pool_;
 };
 
@@ -110,6 +127,14 @@ class DataLoader : public DataLoaderBase {
  public:
   using Item = std::decay_t<decltype(std::declval<Dataset&>().get(0))>;
   using Batch = typename Collate::Batch;
+
+ private:
+  struct Loaded {
+    Batch batch;
+    std::shared_ptr<void> copies_done;  // set when the batch was copied on the loader's stream
+  };
+
+ public:
 
   DataLoader(Dataset dataset, DataLoaderOptions options, ShardingOptions sharding, uint64_t default_seed,
              std::shared_ptr<GradientState> gradient_state, at::Device device)
@@ -146,13 +171,15 @@ class DataLoader : public DataLoaderBase {
                           : 1;
       while (pending_.size() < window && p.next + pending_.size() < p.batches.size())
         pending_.push_back(owner_->load_async(p.batches[p.next + pending_.size()]));
-      current_ = pending_.front().get();
+      auto loaded = pending_.front().get();
       pending_.pop_front();
+      if (loaded.copies_done) owner_->hand_over(loaded.copies_done, tensors_of(loaded.batch));
+      current_ = std::move(loaded.batch);
       p.yielded(p.next++);
     }
     DataLoader* owner_ = nullptr;
     std::shared_ptr<Pass> pass_;
-    std::deque<std::future<Batch>> pending_;
+    std::deque<std::future<Loaded>> pending_;
     Batch current_;
   };
 
@@ -170,14 +197,25 @@ class DataLoader : public DataLoaderBase {
       return static_cast<int64_t>(*s);
     }
   }
-  Batch load(const std::vector<int64_t>& indices) const {
+  Loaded load(const std::vector<int64_t>& indices) const {
     std::vector<Item> items;
     items.reserve(indices.size());
     for (auto i : indices) items.push_back(dataset_->get(static_cast<size_t>(i)));
-    return to_device(Collate::collate(std::move(items)), device_);
+    Batch batch = Collate::collate(std::move(items));
+    if (!pins()) return {to_device(batch, device_), nullptr};
+    batch = map_tensors(batch, [this](const at::Tensor& t) { return pinned(t); });
+    // A batch with tensors map_tensors cannot see (a struct with only to(device)) is copied on this thread's
+    // stream: the taker could not mark memory it cannot see.
+    if constexpr (!is_tensor_tree_v<Batch>) {
+      return {to_device(batch, device_), nullptr};
+    } else {
+      Loaded loaded;
+      loaded.copies_done = copy_aside([&] { loaded.batch = to_device(batch, device_); });
+      return loaded;
+    }
   }
-  std::future<Batch> load_async(const std::vector<int64_t>& indices) {
-    auto task = std::make_shared<std::packaged_task<Batch()>>([this, indices] { return load(indices); });
+  std::future<Loaded> load_async(const std::vector<int64_t>& indices) {
+    auto task = std::make_shared<std::packaged_task<Loaded()>>([this, indices] { return load(indices); });
     auto future = task->get_future();
     if (options().num_workers > 0) run_async([task] { (*task)(); });
     else (*task)();

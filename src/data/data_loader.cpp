@@ -4,7 +4,9 @@
 
 #include <numeric>
 
+#include "core/log.hpp"
 #include "core/worker_pool.hpp"
+#include "data/batch_copies.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8 {
@@ -23,6 +25,10 @@ DataLoaderBase::DataLoaderBase(int64_t dataset_size, DataLoaderOptions options, 
   sharding_.drop_last = options_.drop_last;
   if (dataset_size_ == 0) throw Error("the dataset is empty");
   if (options_.num_workers > 0) pool_ = std::make_unique<WorkerPool>(options_.num_workers);
+  if (options_.pin_memory && device_.is_cuda()) copies_ = std::make_unique<BatchCopies>(device_);
+  else if (options_.pin_memory)  // as torch's DataLoader does without an accelerator
+    log::warning("pin_memory: the data loader's device is {}, not a CUDA GPU, so its batches are not page-locked "
+                 "(pinned memory speeds up copies to a GPU only)", device_.str());
   std::vector<int64_t> order(static_cast<size_t>(dataset_size_));
   std::iota(order.begin(), order.end(), 0);
   batches_per_epoch_ = static_cast<int64_t>(shard_batches(order, sharding_).size());

@@ -2,6 +2,8 @@
 // split_between_processes, the loader's epochs/resume, to_device, and gather_for_metrics' remainder.
 #include <gtest/gtest.h>
 
+#include <torch/cuda.h>
+
 #include <numeric>
 
 #include "xlr8/batch_sharding.hpp"
@@ -216,6 +218,49 @@ struct Pixels {
   Pixels to(const at::Device& d) const { return {data.to(d)}; }
 };
 }  // namespace
+
+TEST(DataLoader, PinMemoryOffAGpuWarnsAsTorchDoesAndLoadsTheSameBatches) {
+  ShardingOptions single;
+  ::testing::internal::CaptureStderr();
+  DataLoader<Numbers> pinned(Numbers{24}, {.batch_size = 4, .shuffle = true, .num_workers = 2, .pin_memory = true,
+                                           .seed = 7}, single, 0, nullptr, at::kCPU);
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("pin_memory: the data loader's device is cpu, not a CUDA GPU"), std::string::npos) << err;
+  DataLoader<Numbers> plain(Numbers{24}, {.batch_size = 4, .shuffle = true, .num_workers = 2, .seed = 7}, single, 0,
+                            nullptr, at::kCPU);
+  EXPECT_EQ(flatten(pinned), flatten(plain));
+}
+
+namespace {
+struct Blocks {  // sample i: a 1 MiB block of i, and i as its target
+  size_t size() const { return 48; }
+  torch::data::Example<> get(size_t i) const {
+    return {at::full({256, 1024}, static_cast<float>(i)), at::full({}, static_cast<float>(i))};
+  }
+};
+}  // namespace
+
+// The copies run on the loader's stream while the step's stream is busy: a batch read before its copy
+// ended, or memory reused while the step still read it, shows as a block that differs from its target.
+TEST(DataLoader, PinnedBatchesReachTheGpuWholeWhileTheStepKeepsItsStreamBusy) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const at::Device gpu("cuda:0");
+  DataLoader<Blocks> loader(Blocks{}, {.batch_size = 4, .shuffle = true, .num_workers = 2, .pin_memory = true, .seed = 1},
+                            ShardingOptions{}, 0, nullptr, gpu);
+  auto busy = at::randn({2048, 2048}, at::TensorOptions().device(gpu));
+  auto worst = at::zeros({}, at::TensorOptions().device(gpu));
+  auto targets = at::zeros({}, at::TensorOptions().device(gpu));
+  for (int epoch = 0; epoch < 2; ++epoch) {
+    for (auto& batch : loader) {
+      ASSERT_TRUE(batch.data.is_cuda());
+      for (int k = 0; k < 4; ++k) busy = at::tanh(at::mm(busy, busy));  // the step's work, queued ahead
+      worst = at::maximum(worst, (batch.data - batch.target.view({-1, 1, 1})).abs().max());
+      targets += batch.target.sum();
+    }
+  }
+  EXPECT_EQ(worst.item<float>(), 0.0f);
+  EXPECT_EQ(targets.item<float>(), 2.0f * (47 * 48 / 2));  // every sample, once per epoch
+}
 
 TEST(ToDevice, NestedContainersAndUserStructs) {
   std::map<std::string, std::vector<std::pair<at::Tensor, int>>> nested{{"a", {{at::ones({2}), 3}}}};
