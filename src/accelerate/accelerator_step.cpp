@@ -2,7 +2,9 @@
 // (accumulation, no_sync), autocast, backward, and unscaling and clipping the gradients.
 #include <torch/nn/utils/clip_grad.h>
 
+#include <algorithm>
 #include <limits>
+#include <utility>
 
 #include <fmt/ranges.h>
 
@@ -67,22 +69,28 @@ void AcceleratorImpl::enter(xlr8::step::StepPhase next, const char* caller) {
 void AcceleratorImpl::unscale_gradients() {
   if (step_state.ready()) return;
   if (!scaler) return enter(xlr8::step::StepPhase::unscaled, "unscale");  // nothing to divide or check
-  const double inverse = 1.0 / scaler->scale();
   at::NoGradGuard no_grad;
-  std::vector<at::Tensor> finite;  // one flag per gradient, read back once (one device sync, not one per tensor)
+  // One fused unscale-and-check per device (under partial offload some gradients are in host memory, others
+  // on the GPU), as torch's GradScaler does; the flags meet on the first gradient's device.
+  std::vector<std::pair<at::Device, std::vector<at::Tensor>>> by_device;
   for (auto& p : optimized_parameters()) {
-    auto& g = p.mutable_grad();
+    const auto& g = p.grad();
     if (!g.defined()) continue;
-    g.mul_(inverse);
-    // One device for all flags: under partial offload some gradients are in host memory, others on the GPU.
-    auto flag = at::isfinite(g).all();
-    finite.push_back(finite.empty() ? flag : flag.to(finite.front().device()));
+    auto same = std::find_if(by_device.begin(), by_device.end(), [&](const auto& d) { return d.first == g.device(); });
+    if (same == by_device.end()) same = by_device.insert(by_device.end(), {g.device(), {}});
+    same->second.push_back(g);
   }
-  bool found = !finite.empty() && !at::stack(finite).all().item<bool>();
-  // Every rank must skip the same step: MAX of the overflow flag over the world.
-  auto flag = at::full({1}, found ? 1 : 0, at::kInt);
-  world().all_reduce(flag, ReduceOp::MAX);
-  const bool overflow = flag.item<int>() != 0;
+  const auto flag_options = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor found = at::zeros({1}, flag_options.device(by_device.empty() ? at::Device(at::kCPU) : by_device[0].first));
+  for (auto& [device, grads] : by_device) {
+    auto found_here = at::zeros({1}, flag_options.device(device));
+    const auto inverse = at::full({1}, 1.0 / scaler->scale(), flag_options.device(device));
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, found_here, inverse);
+    found = at::maximum(found, found_here.to(found.device()));
+  }
+  // Every rank must skip the same step: MAX of the overflow flag over the world, read back once.
+  world().all_reduce(found, ReduceOp::MAX);
+  const bool overflow = found.item<float>() != 0;
   scaler->update(overflow);
   enter(overflow ? xlr8::step::StepPhase::overflowed : xlr8::step::StepPhase::unscaled, "unscale");
 }
