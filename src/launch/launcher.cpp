@@ -10,6 +10,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
 #include <limits>
 #include <random>
 
@@ -70,11 +71,28 @@ int bind_probe(int port) {
   return result;
 }
 
+// The first of the kernel's ephemeral ports (net.ipv4.ip_local_port_range): bind(0) and every outgoing
+// connection take theirs from there up.
+int first_ephemeral_port() {
+  int low = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> low;
+  return low;
+}
+
 }  // namespace
 
 bool port_is_free(int port) { return bind_probe(port) == port; }
 
 int pick_free_port() {
+  // Below the ephemeral ports, at random: a port bind(0) hands out can become another process's next outgoing
+  // connection before rank 0 listens on it (seen under `ctest -j 2` as EADDRINUSE at the rendezvous).
+  constexpr int kLowest = 10000;
+  if (const int below = first_ephemeral_port() - 1; below > kLowest) {
+    std::random_device random;
+    std::uniform_int_distribution<int> any(kLowest, below);
+    for (int attempt = 0; attempt < 64; ++attempt)
+      if (const int port = any(random); bind_probe(port) == port) return port;
+  }
   int port = bind_probe(0);
   if (port <= 0) throw Error(fmt::format("cannot find a free TCP port: {}", std::strerror(errno)));
   return port;

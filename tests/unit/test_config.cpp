@@ -3,6 +3,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "xlr8/config.hpp"
 #include "xlr8/error.hpp"
@@ -348,4 +349,21 @@ TEST(LaunchPlan, TorchrunSpellingsAndDefaults) {
   EXPECT_EQ(o.settings.fsdp->sharding_strategy, ShardingStrategy::SHARD_GRAD_OP);
   r.machine_rank = 5;
   EXPECT_THROW(plan_launch(r), ConfigError);
+}
+
+// Ports from bind(0) are the kernel's ephemeral ones, which any process's next outgoing connection may take
+// before rank 0 listens (a rendezvous failed so under ctest -j 2); picked ones lie below them, at random.
+TEST(FreePort, PickedBelowTheKernelsEphemeralPortsAtRandomAndFree) {
+  int first_ephemeral = 32768;
+  std::ifstream("/proc/sys/net/ipv4/ip_local_port_range") >> first_ephemeral;
+  ASSERT_GT(first_ephemeral, 10001) << "this machine's ephemeral ports start too low for the rule";
+  std::set<int> seen;
+  for (int i = 0; i < 20; ++i) {
+    const int port = xlr8::pick_free_port();
+    EXPECT_GE(port, 10000);
+    EXPECT_LT(port, first_ephemeral);
+    EXPECT_TRUE(xlr8::port_is_free(port)) << port;
+    seen.insert(port);
+  }
+  EXPECT_GT(seen.size(), 15u);  // 20 draws from over 20,000 ports
 }
