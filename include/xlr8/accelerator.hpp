@@ -34,6 +34,9 @@ namespace xlr8 {
 
 struct AcceleratorOptions {
   std::optional<MixedPrecision> mixed_precision;   // default: ACCELERATE_MIXED_PRECISION / config
+  // The program's fp8 recipe (Accelerate's TERecipeKwargs / AORecipeKwargs): wins over the launch's fp8_config;
+  // needs mixed_precision fp8.
+  std::optional<Fp8Settings> fp8;
   std::optional<int> gradient_accumulation_steps;  // the launch's value wins when it names one (as in Accelerate)
   bool cpu = false;                                // stay on the CPU even with GPUs
   // float32 matmuls on TF32 tensor cores, Ampere and later: what Python sets with

@@ -29,6 +29,7 @@ struct LaunchConfig {
   std::string downcast_bf16 = "no";
   std::optional<int> gradient_accumulation_steps;  // empty: the program decides
   std::string mpirun_hostfile;            // mpirun_config.mpirun_hostfile: mpirun starts the job over its hosts
+  Fp8Settings fp8;                        // fp8_config, used when mixed_precision is fp8
   FsdpSettings fsdp;                      // used when distributed_type is FSDP
   DeepSpeedSettings deepspeed;            // used when distributed_type is DEEPSPEED
   std::optional<ParallelismSettings> parallelism;

@@ -2,6 +2,7 @@
 // What a job asks for (strategy, precision, FSDP / DeepSpeed / parallelism settings) and where the
 // process sits (topology), in the exact variables `accelerate launch` and torchrun set for each worker.
 // Launcher and workers share these mappings.
+#include <array>
 #include <map>
 #include <optional>
 #include <string>
@@ -12,11 +13,11 @@
 namespace xlr8 {
 
 enum class DistributedType { NO, MULTI_CPU, MULTI_GPU, FSDP, DEEPSPEED };
-enum class MixedPrecision { NO, FP16, BF16 };
+enum class MixedPrecision { NO, FP16, BF16, FP8 };
 enum class ShardingStrategy { FULL_SHARD = 1, SHARD_GRAD_OP = 2, NO_SHARD = 3, HYBRID_SHARD = 4, HYBRID_SHARD_ZERO2 = 5 };
 
 std::string to_string(DistributedType t);
-std::string to_string(MixedPrecision p);  // "no", "fp16", "bf16"
+std::string to_string(MixedPrecision p);  // "no", "fp16", "bf16", "fp8"
 std::string to_string(ShardingStrategy s);
 // Parsers name `what` (the key or variable) in their error, with the allowed values.
 MixedPrecision parse_mixed_precision(const std::string& value, const std::string& what);
@@ -84,8 +85,26 @@ struct ParallelismSettings {
 // ConfigError when cp and sp are both above 1: both split the sequence (Accelerate refuses it too).
 void check_sequence_split(const ParallelismSettings& p);
 
+// Accelerate's fp8 settings (the config file's fp8_config, `--fp8_*` flags, ACCELERATE_FP8_* variables), with
+// Accelerate's defaults. Read with mixed_precision fp8 only.
+struct Fp8Settings {
+  std::string backend;           // AO (torchao's dynamic scaling) | TE (Transformer Engine's delayed) | "": AO
+  bool use_autocast_during_eval = false;
+  int margin = 0;                // TE: the scale leaves 2^margin of headroom
+  int interval = 1;              // TE: steps between scale updates
+  std::string fp8_format = "HYBRID";  // TE: HYBRID (e4m3 forward, e5m2 gradients) | E4M3
+  int amax_history_len = 1024;   // TE
+  std::string amax_compute_algo = "most_recent";  // TE: max | most_recent
+  std::array<bool, 3> override_linear_precision{};  // TE: fprop, dgrad, wgrad gemms in the compute precision
+  std::string opt_level = "O2";  // MS-AMP's; read for Accelerate's files, MS-AMP itself is refused
+  bool enable_fsdp_float8_all_gather = true;  // AO
+  bool pad_inner_dim = true;                  // AO
+  bool operator==(const Fp8Settings&) const = default;
+};
+
 struct Settings {
   MixedPrecision mixed_precision = MixedPrecision::NO;
+  Fp8Settings fp8;  // exported and read with mixed_precision fp8
   // Set when the launch (flag, config key or ACCELERATE_GRADIENT_ACCUMULATION_STEPS) named it; it then wins
   // over the program's own AcceleratorOptions value, as in Accelerate. Empty: the program decides (else 1).
   std::optional<int> gradient_accumulation_steps;

@@ -12,6 +12,7 @@
 
 #include "config/config_compat.hpp"
 #include "config/config_section.hpp"
+#include "config/fp8_config.hpp"
 #include "core/text.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/env.hpp"
@@ -30,7 +31,7 @@ const std::vector<std::string> kTopKeys = {
     "num_machines", "machine_rank", "gpu_ids", "main_process_ip", "main_process_port", "rdzv_backend",
     "same_network", "main_training_function", "enable_cpu_affinity", "downcast_bf16",
     "gradient_accumulation_steps", "fsdp_config", "deepspeed_config", "parallelism_config", "log_with",
-    "mpirun_config"};
+    "mpirun_config", "fp8_config"};
 const std::vector<std::string> kFsdpKeys = {
     "fsdp_version", "fsdp_activation_checkpointing", "fsdp_auto_wrap_policy", "fsdp_backward_prefetch",
     "fsdp_backward_prefetch_policy", "fsdp_cpu_ram_efficient_loading", "fsdp_forward_prefetch",
@@ -163,10 +164,12 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
   const Section deepspeed(top.child("deepspeed_config"), "deepspeed_config.", origin);
   const Section mpi(top.child("mpirun_config"), "mpirun_config.", origin);
   const Section parallelism(top.child("parallelism_config"), "parallelism_config.", origin);
+  const Section fp8(top.child("fp8_config"), "fp8_config.", origin);
   std::vector<std::string> unknown = top.unknown_keys(kTopKeys, config::kCompatTopKeys, &c.ignored_keys);
   for (const auto& [section, known, ignored] :
        {std::tuple{&fsdp, &kFsdpKeys, &kNone}, std::tuple{&deepspeed, &kDeepSpeedKeys, &kLauncherDeepSpeedKeys},
-        std::tuple{&mpi, &kMpirunKeys, &kNone}, std::tuple{&parallelism, &kParallelismKeys, &kNone}})
+        std::tuple{&mpi, &kMpirunKeys, &kNone}, std::tuple{&parallelism, &kParallelismKeys, &kNone},
+        std::tuple{&fp8, &config::kFp8Keys, &kNone}})
     for (auto& message : section->unknown_keys(*known, *ignored, &c.ignored_keys)) unknown.push_back(std::move(message));
   top.refuse_unknown(unknown);
   config::refuse_unsupported_features(top);
@@ -218,6 +221,7 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
   // sizes Intel oneCCL's workers, which xlr8 does not use).
   c.mpirun_hostfile = mpi.str("mpirun_hostfile").value_or("");
   if (top.has("parallelism_config")) read_parallelism(parallelism, c);
+  if (c.mixed_precision == MixedPrecision::FP8) config::read_fp8(fp8, c.fp8);  // Accelerate reads it with fp8 only
   c.validate();
   return c;
 }
@@ -260,6 +264,7 @@ Settings LaunchConfig::settings() const {
   validate();
   Settings s;
   s.mixed_precision = mixed_precision;
+  if (mixed_precision == MixedPrecision::FP8) s.fp8 = fp8;
   s.gradient_accumulation_steps = gradient_accumulation_steps;
   s.use_cpu = use_cpu;
   s.debug = debug;
@@ -278,6 +283,7 @@ std::string to_yaml(const LaunchConfig& c) {
   out << YAML::Key << "distributed_type" << YAML::Value << to_string(c.distributed_type);
   out << YAML::Key << "downcast_bf16" << YAML::Value << YAML::SingleQuoted << c.downcast_bf16;
   out << YAML::Key << "enable_cpu_affinity" << YAML::Value << c.enable_cpu_affinity;
+  if (c.mixed_precision == MixedPrecision::FP8) config::write_fp8(out, c.fp8);
   if (c.distributed_type == DistributedType::FSDP) {
     const auto& f = c.fsdp;
     out << YAML::Key << "fsdp_config" << YAML::Value << YAML::BeginMap;

@@ -13,7 +13,7 @@ const std::vector<std::string> kCompatTopKeys = {
     "downcast_bf16", "tpu_name", "tpu_zone", "tpu_use_cluster", "tpu_use_sudo", "command_file", "commands", "tpu_vm",
     "tpu_env",
     // other features and their legacy spellings
-    "dynamo_config", "dynamo_backend", "megatron_lm_config", "ipex_config", "fp8_config", "fp16",
+    "dynamo_config", "dynamo_backend", "megatron_lm_config", "ipex_config", "fp16",
     "use_mps_device", "tp_config"};
 
 namespace {
@@ -89,8 +89,8 @@ void refuse_unsupported_features(const Section& top) {
     throw tp.error("tp_size", fmt::format("value {} asks for tensor parallelism, which xlr8 does not have yet; set it "
                                           "to 1 or remove tp_config",
                                           *size));
-  // megatron_lm_config and fp8_config only act with distributed_type MEGATRON_LM and mixed_precision
-  // fp8, both refused where they are read; Accelerate leaves their keys open, and so do we.
+  // megatron_lm_config only acts with distributed_type MEGATRON_LM, refused where it is read; Accelerate leaves
+  // its keys open, and so do we.
 }
 
 }  // namespace xlr8::config

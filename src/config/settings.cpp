@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "config/fp8_config.hpp"
 #include "core/log.hpp"
 #include "core/text.hpp"
 #include "xlr8/error.hpp"
@@ -40,7 +41,7 @@ const Names<DistributedType> kDistributedTypes{{{DistributedType::NO, "NO"},
                                                 {DistributedType::FSDP, "FSDP"},
                                                 {DistributedType::DEEPSPEED, "DEEPSPEED"}}};
 const Names<MixedPrecision> kPrecisions{
-    {{MixedPrecision::NO, "no"}, {MixedPrecision::FP16, "fp16"}, {MixedPrecision::BF16, "bf16"}}};
+    {{MixedPrecision::NO, "no"}, {MixedPrecision::FP16, "fp16"}, {MixedPrecision::BF16, "bf16"}, {MixedPrecision::FP8, "fp8"}}};
 const Names<ShardingStrategy> kStrategies{{{ShardingStrategy::FULL_SHARD, "FULL_SHARD"},
                                            {ShardingStrategy::SHARD_GRAD_OP, "SHARD_GRAD_OP"},
                                            {ShardingStrategy::NO_SHARD, "NO_SHARD"},
@@ -79,8 +80,6 @@ std::string to_string(MixedPrecision p) { return kPrecisions.name(p); }
 std::string to_string(ShardingStrategy s) { return kStrategies.name(s); }
 
 MixedPrecision parse_mixed_precision(const std::string& value, const std::string& what) {
-  if (text::lower(value) == "fp8")
-    throw ConfigError(fmt::format("{}: \"fp8\" is not supported by xlr8 yet; use \"bf16\" or \"fp16\"", what));
   return kPrecisions.parse(value, what);
 }
 
@@ -112,6 +111,7 @@ std::string Settings::distributed_type_name() const {
 std::map<std::string, std::string> settings_to_env(const Settings& s) {
   std::map<std::string, std::string> env;
   env["ACCELERATE_MIXED_PRECISION"] = to_string(s.mixed_precision);
+  if (s.mixed_precision == MixedPrecision::FP8) config::fp8_to_env(s.fp8, env);
   if (s.gradient_accumulation_steps)
     env["ACCELERATE_GRADIENT_ACCUMULATION_STEPS"] = std::to_string(*s.gradient_accumulation_steps);
   if (s.use_cpu) env["ACCELERATE_USE_CPU"] = "true";
@@ -244,6 +244,7 @@ DeepSpeedSettings deepspeed_from_env(const Env& env) {
 Settings settings_from_env(const Env& env) {
   Settings s;
   if (auto v = env.get("ACCELERATE_MIXED_PRECISION")) s.mixed_precision = parse_mixed_precision(*v, "ACCELERATE_MIXED_PRECISION");
+  if (s.mixed_precision == MixedPrecision::FP8) s.fp8 = config::fp8_from_env(env);
   if (env.get_int("ACCELERATE_GRADIENT_ACCUMULATION_STEPS"))
     s.gradient_accumulation_steps = static_cast<int>(env.get_positive("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", 1));
   s.use_cpu = env.get_bool("ACCELERATE_USE_CPU").value_or(false);

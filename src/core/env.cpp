@@ -68,8 +68,9 @@ std::optional<long> Env::first_int(std::initializer_list<const char*> names) con
 std::optional<bool> parse_bool(const std::string& text) {
   std::string t = text;
   std::transform(t.begin(), t.end(), t.begin(), [](unsigned char c) { return std::tolower(c); });
-  if (t == "true" || t == "1" || t == "yes" || t == "y" || t == "on") return true;
-  if (t == "false" || t == "0" || t == "no" || t == "n" || t == "off") return false;
+  // Accelerate's str_to_bool spellings.
+  if (t == "true" || t == "1" || t == "yes" || t == "y" || t == "t" || t == "on") return true;
+  if (t == "false" || t == "0" || t == "no" || t == "n" || t == "f" || t == "off") return false;
   return std::nullopt;
 }
 

@@ -221,6 +221,7 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   for (auto& [k, v] : r.fsdp) root["fsdp_config"][k] = v;
   for (auto& [k, v] : r.deepspeed) root["deepspeed_config"][k] = v;
   for (auto& [k, v] : r.parallelism) root["parallelism_config"][k] = v;
+  for (auto& [flag, v] : r.fp8) root["fp8_config"][flag == "fp8_format" ? flag : flag.substr(4)] = v;  // as Accelerate
   if (r.gradient_accumulation_steps) root["gradient_accumulation_steps"] = *r.gradient_accumulation_steps;
   if (r.mpirun_hostfile) root["mpirun_config"]["mpirun_hostfile"] = *r.mpirun_hostfile;
 

@@ -12,12 +12,6 @@
 
 using Args = std::vector<std::string>;
 
-namespace {
-
-
-
-}  // namespace
-
 TEST(LaunchArguments, DoubleDashEndsTheLauncherOptions) {
   auto r = run({kXlr8, "launch", "--num_processes", "2", "--", "sh", "-c", "echo rank=$RANK of $WORLD_SIZE"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -85,4 +79,22 @@ TEST(LaunchJobs, ARankOfAnotherJobThatReachesThisJobsRendezvousIsRefusedNamingBo
   auto done = a.wait(120);
   EXPECT_EQ(done.exit_code, 0) << done.out << done.err;
   EXPECT_NE(done.out.find("step 30"), std::string::npos) << done.out;
+}
+
+// Accelerate's fp8 flags, through the real launcher to a real worker's environment: the variables
+// `accelerate launch` exports (the backend upper-cased, which Accelerate's own Accelerator requires).
+TEST(LaunchArguments, Fp8FlagsReachTheWorkersAsAccelerateLaunchExportsThem) {
+  auto r = run({kXlr8, "launch", "--num_processes", "1", "--mixed_precision", "fp8", "--fp8_backend", "te", "--fp8_format",
+                "e4m3", "--fp8_override_linear_precision", "true,false,1", "--fp8_use_autocast_during_eval",
+                "--fp8_pad_inner_dim", "no", "--", "sh", "-c", "env | grep ^ACCELERATE_"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (auto line : {"ACCELERATE_MIXED_PRECISION=fp8", "ACCELERATE_FP8_BACKEND=TE", "ACCELERATE_FP8_FORMAT=E4M3",
+                    "ACCELERATE_FP8_OVERRIDE_FPROP=True", "ACCELERATE_FP8_OVERRIDE_DGRAD=False",
+                    "ACCELERATE_FP8_OVERRIDE_WGRAD=True", "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL=True",
+                    "ACCELERATE_FP8_PAD_INNER_DIM=False", "ACCELERATE_FP8_AMAX_HISTORY_LEN=1024"})
+    EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << r.out;
+  auto msamp = run({kXlr8, "launch", "--num_processes", "1", "--mixed_precision", "fp8", "--fp8_backend", "msamp", "--",
+                    "true"});
+  EXPECT_NE(msamp.exit_code, 0);
+  EXPECT_NE(msamp.err.find("fp8_config.backend: MSAMP"), std::string::npos) << msamp.err;
 }

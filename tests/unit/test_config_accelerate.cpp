@@ -38,7 +38,7 @@ const std::map<std::string, std::vector<std::string>> kExpected = {
     {"accelerate_tests_0_28_0_mpi.yaml", {}},
     {"accelerate_tests_0_30_0_sagemaker.yaml",
      {"compute_environment", "\"AMAZON_SAGEMAKER\"", "compute environment is not supported"}},
-    {"accelerate_tests_0_34_0_fp8.yaml", {"mixed_precision", "fp8", "bf16"}},
+    {"accelerate_tests_0_34_0_fp8.yaml", {}},
     {"accelerate_tests_invalid_keys.yaml", {"unknown key \"invalid_key\""}},
     {"accelerate_tests_latest.yaml", {}},  // tpu-config's keys on a file that selects no TPU
     {"accelerate_tests_latest_fsdp.yaml", {}},
@@ -56,10 +56,10 @@ const std::map<std::string, std::vector<std::string>> kExpected = {
     {"ds_nofile_z2.yaml", {}},
     {"ds_nofile_z3_nvme.yaml", {"deepspeed_config.deepspeed_moe_layer_cls_names", "MixtralSparseMoeBlock"}},
     {"ds_single.yaml", {}},
-    {"fp8_ao.yaml", {"mixed_precision", "fp8", "bf16"}},
-    {"fp8_msamp.yaml", {"mixed_precision", "fp8", "bf16"}},
-    {"fp8_te.yaml", {"mixed_precision", "fp8", "bf16"}},
-    {"fp8_te_default.yaml", {"mixed_precision", "fp8", "bf16"}},
+    {"fp8_ao.yaml", {}},
+    {"fp8_msamp.yaml", {"fp8_config.backend", "MSAMP", "AO", "TE"}},
+    {"fp8_te.yaml", {}},
+    {"fp8_te_default.yaml", {}},
     {"fsdp_v1.yaml", {}},
     {"fsdp_v1_nowrap.yaml", {}},
     {"fsdp_v1_size.yaml", {}},
@@ -259,7 +259,6 @@ parallelism_config:
 
 TEST(AccelerateConfigs, KeysThatTurnOnMissingFeaturesAreRefusedByName) {
   const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
-      {"fp16: true\nmixed_precision: fp8\n", {"mixed_precision", "fp8"}},
       {"tpu_use_sudo: 'yes'\n", {"tpu_use_sudo", "yes", "TPU"}},
       {"tpu_vm:\n- my-vm\n", {"tpu_vm", "my-vm", "TPU"}},
       {"downcast_bf16: 'yes'\n", {"downcast_bf16", "TPU"}},

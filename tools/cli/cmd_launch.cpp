@@ -96,7 +96,7 @@ void add_launch_options(CLI::App* cmd, const std::shared_ptr<LaunchRequest>& req
   opt("--machine_rank", r.machine_rank, "Rank of this machine, from 0");
   opt("--main_process_ip", r.main_process_ip, "Address of machine 0");
   opt("--main_process_port", r.main_process_port, "Rendezvous port on machine 0 (0 or unset: a free port)");
-  opt("--mixed_precision", r.mixed_precision, "no | fp16 | bf16");
+  opt("--mixed_precision", r.mixed_precision, "no | fp16 | bf16 | fp8");
   opt("--gradient_accumulation_steps", r.gradient_accumulation_steps, "Gradient accumulation steps");
   cmd->add_flag("--cpu", r.cpu, "Run on CPU even when GPUs are present");
   cmd->add_flag("--use_fsdp,--use-fsdp", r.use_fsdp, "Shard with FSDP");
@@ -149,6 +149,15 @@ void add_launch_options(CLI::App* cmd, const std::shared_ptr<LaunchRequest>& req
                           "parallelism_config_sp_size", "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
                           "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_attn_implementation",
                           "parallelism_config_tp_head_dim"});
+  // Accelerate's fp8 flags (with --mixed_precision fp8): --fp8_<key> is fp8_config's <key>, fp8_format its own.
+  add_config_key_options(cmd, req, &LaunchRequest::fp8, "FP8", "fp8: as fp8_config, ",
+                         {"fp8_backend", "fp8_margin", "fp8_interval", "fp8_format", "fp8_amax_history_len",
+                          "fp8_amax_compute_algo", "fp8_override_linear_precision", "fp8_opt_level",
+                          "fp8_enable_fsdp_float8_all_gather", "fp8_pad_inner_dim"});
+  const auto autocast_in_eval = [req] { req->fp8["fp8_use_autocast_during_eval"] = "true"; };
+  cmd->add_flag_callback(spellings("--fp8_use_autocast_during_eval"), autocast_in_eval,
+                         "fp8: evaluate in fp8 too (fp8_config.use_autocast_during_eval)")
+      ->group("FP8");
   // Kept alive with the command: CLI11 writes into them while parsing.
   cmd->callback([compat_flags, compat_switch] {});
 }
