@@ -88,7 +88,9 @@ void AcceleratorImpl::unscale_gradients() {
     at::_amp_foreach_non_finite_check_and_unscale_(grads, found_here, inverse);
     found = at::maximum(found, found_here.to(found.device()));
   }
-  // Every rank must skip the same step: MAX of the overflow flag over the world, read back once.
+  // Every rank must skip the same step: MAX of the overflow flag over the world (on the host, which every
+  // backend reduces: the one wait for the device is this copy), read once.
+  found = found.to(at::kCPU);
   world().all_reduce(found, ReduceOp::MAX);
   const bool overflow = found.item<float>() != 0;
   scaler->update(overflow);

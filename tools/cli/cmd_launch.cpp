@@ -73,6 +73,36 @@ static void add_config_key_options(CLI::App* cmd, const std::shared_ptr<LaunchRe
         ->group(group);
 }
 
+// The config file's sections as flags (FSDP, DeepSpeed, the mesh, fp8), stored under their keys.
+static void add_config_section_options(CLI::App* cmd, const std::shared_ptr<LaunchRequest>& req) {
+  add_config_key_options(cmd, req, &LaunchRequest::fsdp, "FSDP", "FSDP: as fsdp_config.",
+                         {"fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_auto_wrap_policy",
+                          "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params", "fsdp_backward_prefetch",
+                          "fsdp_state_dict_type", "fsdp_forward_prefetch", "fsdp_use_orig_params",
+                          "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states", "fsdp_offload_params",
+                          "fsdp_activation_checkpointing"});
+  add_config_key_options(cmd, req, &LaunchRequest::deepspeed, "DeepSpeed", "DeepSpeed: as deepspeed_config.",
+                         {"zero_stage", "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path",
+                          "offload_param_nvme_path", "gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model",
+                          "deepspeed_config_file"});
+  // Accelerate's ParallelismConfig flags: the device mesh (dp_replicate x dp_shard x cp x sp x tp).
+  add_config_key_options(cmd, req, &LaunchRequest::parallelism, "Parallelism", "Device mesh: as parallelism_config.",
+                         {"parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size",
+                          "parallelism_config_tp_size", "parallelism_config_cp_size", "parallelism_config_cp_comm_strategy",
+                          "parallelism_config_sp_size", "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
+                          "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_attn_implementation",
+                          "parallelism_config_tp_head_dim"});
+  // Accelerate's fp8 flags (with --mixed_precision fp8): --fp8_<key> is fp8_config's <key>, fp8_format its own.
+  add_config_key_options(cmd, req, &LaunchRequest::fp8, "FP8", "fp8, with --mixed_precision fp8: ",
+                         {"fp8_backend", "fp8_margin", "fp8_interval", "fp8_format", "fp8_amax_history_len",
+                          "fp8_amax_compute_algo", "fp8_override_linear_precision", "fp8_opt_level",
+                          "fp8_enable_fsdp_float8_all_gather", "fp8_pad_inner_dim"});
+  const auto autocast_in_eval = [req] { req->fp8["fp8_use_autocast_during_eval"] = "true"; };
+  cmd->add_flag_callback(spellings("--fp8_use_autocast_during_eval"), autocast_in_eval,
+                         "fp8: evaluate in fp8 too (fp8_config.use_autocast_during_eval)")
+      ->group("FP8");
+}
+
 void add_launch_options(CLI::App* cmd, const std::shared_ptr<LaunchRequest>& req) {
   // The program and its arguments: normalize_launch_args puts a `--` before them, so CLI11 never reads
   // them as options (`xlr8 launch prog --help` is prog's help).
@@ -131,33 +161,7 @@ void add_launch_options(CLI::App* cmd, const std::shared_ptr<LaunchRequest>& req
     cmd->add_flag(spellings(name), *compat_switch, "Accepted for compatibility")->group("Compatibility");
   for (auto name : {"--monitor_interval", "--role", "--tee"})
     cmd->add_option(spellings(name), *compat_flags, "Accepted for compatibility")->group("Compatibility")->expected(1);
-  // FSDP and DeepSpeed options, stored under their config-file keys.
-  add_config_key_options(cmd, req, &LaunchRequest::fsdp, "FSDP", "FSDP: as fsdp_config.",
-                         {"fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_auto_wrap_policy",
-                          "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params", "fsdp_backward_prefetch",
-                          "fsdp_state_dict_type", "fsdp_forward_prefetch", "fsdp_use_orig_params",
-                          "fsdp_cpu_ram_efficient_loading", "fsdp_sync_module_states", "fsdp_offload_params",
-                          "fsdp_activation_checkpointing"});
-  add_config_key_options(cmd, req, &LaunchRequest::deepspeed, "DeepSpeed", "DeepSpeed: as deepspeed_config.",
-                         {"zero_stage", "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path",
-                          "offload_param_nvme_path", "gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model",
-                          "deepspeed_config_file"});
-  // Accelerate's ParallelismConfig flags: the device mesh (dp_replicate x dp_shard x cp x sp x tp).
-  add_config_key_options(cmd, req, &LaunchRequest::parallelism, "Parallelism", "Device mesh: as parallelism_config.",
-                         {"parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size",
-                          "parallelism_config_tp_size", "parallelism_config_cp_size", "parallelism_config_cp_comm_strategy",
-                          "parallelism_config_sp_size", "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
-                          "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_attn_implementation",
-                          "parallelism_config_tp_head_dim"});
-  // Accelerate's fp8 flags (with --mixed_precision fp8): --fp8_<key> is fp8_config's <key>, fp8_format its own.
-  add_config_key_options(cmd, req, &LaunchRequest::fp8, "FP8", "fp8: as fp8_config, ",
-                         {"fp8_backend", "fp8_margin", "fp8_interval", "fp8_format", "fp8_amax_history_len",
-                          "fp8_amax_compute_algo", "fp8_override_linear_precision", "fp8_opt_level",
-                          "fp8_enable_fsdp_float8_all_gather", "fp8_pad_inner_dim"});
-  const auto autocast_in_eval = [req] { req->fp8["fp8_use_autocast_during_eval"] = "true"; };
-  cmd->add_flag_callback(spellings("--fp8_use_autocast_during_eval"), autocast_in_eval,
-                         "fp8: evaluate in fp8 too (fp8_config.use_autocast_during_eval)")
-      ->group("FP8");
+  add_config_section_options(cmd, req);
   // Kept alive with the command: CLI11 writes into them while parsing.
   cmd->callback([compat_flags, compat_switch] {});
 }
