@@ -135,7 +135,6 @@ class DataLoader : public DataLoaderBase {
   };
 
  public:
-
   DataLoader(Dataset dataset, DataLoaderOptions options, ShardingOptions sharding, uint64_t default_seed,
              std::shared_ptr<GradientState> gradient_state, at::Device device)
       : DataLoaderBase(size_of(dataset), options, sharding, default_seed, std::move(gradient_state), device),
