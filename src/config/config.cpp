@@ -164,12 +164,14 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
   const Section deepspeed(top.child("deepspeed_config"), "deepspeed_config.", origin);
   const Section mpi(top.child("mpirun_config"), "mpirun_config.", origin);
   const Section parallelism(top.child("parallelism_config"), "parallelism_config.", origin);
-  const Section fp8(top.child("fp8_config"), "fp8_config.", origin);
+  // Accelerate reads fp8_config with mixed_precision fp8 only; other files keep whatever they hold there.
+  const bool fp8_on = text::lower(top.str("mixed_precision").value_or("")) == "fp8";
+  const Section fp8(fp8_on ? top.child("fp8_config") : YAML::Node(), "fp8_config.", origin);
   std::vector<std::string> unknown = top.unknown_keys(kTopKeys, config::kCompatTopKeys, &c.ignored_keys);
   for (const auto& [section, known, ignored] :
        {std::tuple{&fsdp, &kFsdpKeys, &kNone}, std::tuple{&deepspeed, &kDeepSpeedKeys, &kLauncherDeepSpeedKeys},
         std::tuple{&mpi, &kMpirunKeys, &kNone}, std::tuple{&parallelism, &kParallelismKeys, &kNone},
-        std::tuple{&fp8, &config::kFp8Keys, &kNone}})
+        std::tuple{&fp8, &config::kFp8Keys, &kNone}})  // empty unless fp8
     for (auto& message : section->unknown_keys(*known, *ignored, &c.ignored_keys)) unknown.push_back(std::move(message));
   top.refuse_unknown(unknown);
   config::refuse_unsupported_features(top);
@@ -221,7 +223,7 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
   // sizes Intel oneCCL's workers, which xlr8 does not use).
   c.mpirun_hostfile = mpi.str("mpirun_hostfile").value_or("");
   if (top.has("parallelism_config")) read_parallelism(parallelism, c);
-  if (c.mixed_precision == MixedPrecision::FP8) config::read_fp8(fp8, c.fp8);  // Accelerate reads it with fp8 only
+  if (c.mixed_precision == MixedPrecision::FP8) config::read_fp8(fp8, c.fp8);
   c.validate();
   return c;
 }

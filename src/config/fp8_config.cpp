@@ -71,13 +71,14 @@ void read_fp8(const Section& s, Fp8Settings& f) {
   if (auto v = s.integer("margin", 0, 1 << 20)) f.margin = static_cast<int>(*v);
   if (auto v = s.integer("interval", 1, 1 << 30)) f.interval = static_cast<int>(*v);
   if (auto v = s.choice("fp8_format", kFormats, /*upper=*/true)) f.fp8_format = *v;
-  for (auto key : {"amax_history_len", "amax_history_length"})
+  // The names `accelerate config` writes first, so that Accelerate's own key (and a --fp8_* flag, stored under it) wins.
+  for (auto key : {"amax_history_length", "amax_history_len"})
     if (auto v = s.integer(key, 1, 1 << 20)) f.amax_history_len = static_cast<int>(*v);
-  for (auto key : {"amax_compute_algo", "amax_compute_algorithm"})
+  for (auto key : {"amax_compute_algorithm", "amax_compute_algo"})
     if (auto v = s.choice(key, kAmaxAlgos, /*upper=*/false)) f.amax_compute_algo = *v;
   if (s.has("override_linear_precision"))
     f.override_linear_precision = three_booleans(s.list("override_linear_precision"), s.where("override_linear_precision"));
-  for (auto key : {"opt_level", "optimization_level"})
+  for (auto key : {"optimization_level", "opt_level"})
     if (auto v = s.choice(key, kOptLevels, /*upper=*/true)) f.opt_level = *v;
   f.enable_fsdp_float8_all_gather = s.boolean("enable_fsdp_float8_all_gather").value_or(f.enable_fsdp_float8_all_gather);
   f.pad_inner_dim = s.boolean("pad_inner_dim").value_or(f.pad_inner_dim);

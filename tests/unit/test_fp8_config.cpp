@@ -108,3 +108,15 @@ TEST(Fp8Config, AnAcceleratorAskedForFp8SaysItCannotTrainInFp8Yet) {
     EXPECT_NE(std::string(e.what()).find("cannot train in fp8 yet; use bf16"), std::string::npos) << e.what();
   }
 }
+
+// A file written by `accelerate config` holds its own names (amax_compute_algorithm ...); Accelerate's names, which a
+// --fp8_* flag is stored under, win over them. Without fp8 the section is not read, as Accelerate does not read it.
+TEST(Fp8Config, AcceleratesOwnKeyWinsOverTheNameItsConfigWritesAndOnlyFp8ReadsTheSection) {
+  const auto both = xlr8::parse_config("mixed_precision: fp8\nfp8_config:\n  amax_compute_algorithm: max\n"
+                                       "  amax_compute_algo: most_recent\n  amax_history_length: 16\n  amax_history_len: 32\n")
+                        .settings();
+  EXPECT_EQ(both.fp8.amax_compute_algo, "most_recent");
+  EXPECT_EQ(both.fp8.amax_history_len, 32);
+  for (auto leftover : {"fp8_config:\n  backend: MSAMP\n  anything: 1\n", "fp8_config: TE\n"})
+    EXPECT_EQ(refusal_of(std::string("mixed_precision: bf16\n") + leftover), "") << leftover;
+}

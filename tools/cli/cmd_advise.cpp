@@ -58,8 +58,7 @@ struct Row {
 
 void write_config(const std::string& path, const LaunchOptions& base, const Candidate& c, int processes) {
   std::string mixed = c.mixed_precision;
-  if (mixed.empty()) mixed = base.settings.mixed_precision == MixedPrecision::BF16 ? "bf16"
-                             : base.settings.mixed_precision == MixedPrecision::FP16 ? "fp16" : "no";
+  if (mixed.empty()) mixed = xlr8::to_string(base.settings.mixed_precision);
   std::string text = fmt::format("# written by xlr8 advise: {}\ncompute_environment: LOCAL_MACHINE\n", c.name);
   text += fmt::format("distributed_type: {}\nnum_machines: {}\nnum_processes: {}\nmixed_precision: {}\n",
                       c.use_fsdp ? "FSDP" : c.use_deepspeed ? "DEEPSPEED" : "MULTI_CPU", base.num_machines, processes,
@@ -381,6 +380,7 @@ int advise(const LaunchRequest& request, const AdviseOptions& a) {
   // At least one warm-up step: the first one allocates, and the clock starts at a step's end.
   if (a.steps < 1 || a.warmup < 1) throw ConfigError("--steps and --warmup must be 1 or more");
   const LaunchOptions base = plan_launch(request);
+  if (base.settings.mixed_precision == MixedPrecision::FP8) throw ConfigError("xlr8 advise: fp8 cannot be trained yet; use bf16");
   if (base.elastic || !base.mpirun_hostfile.empty())
     throw ConfigError("xlr8 advise starts each machine's processes itself: give --num_processes N (and on several "
                       "machines --num_machines, --machine_rank, --main_process_ip, --main_process_port on each)");
