@@ -17,6 +17,9 @@
 
 namespace xlr8::config {
 
+// ConfigError "<what>: invalid value "v"; allowed: ..." unless `value` is one of `allowed` (a variable's value).
+void check_choice(const std::string& value, const std::vector<std::string>& allowed, const std::string& what);
+
 // One mapping of the YAML file: checks unknown keys and types, naming the full key path.
 class Section {
  public:

@@ -87,14 +87,10 @@ void read_fp8(const Section& s, Fp8Settings& f) {
 }
 
 void check_fp8(const Fp8Settings& f, const std::string& what) {
-  const auto check = [&](const std::string& value, const std::vector<std::string>& allowed, const char* field) {
-    if (std::find(allowed.begin(), allowed.end(), value) == allowed.end())
-      throw ConfigError(fmt::format("{}.{} {:?}: allowed values are {}", what, field, value, text::join(allowed)));
-  };
-  if (!f.backend.empty()) check(f.backend, kBackends, "backend");
-  check(f.fp8_format, kFormats, "fp8_format");
-  check(f.amax_compute_algo, kAmaxAlgos, "amax_compute_algo");
-  check(f.opt_level, kOptLevels, "opt_level");
+  if (!f.backend.empty()) check_choice(f.backend, kBackends, what + ".backend");
+  check_choice(f.fp8_format, kFormats, what + ".fp8_format");
+  check_choice(f.amax_compute_algo, kAmaxAlgos, what + ".amax_compute_algo");
+  check_choice(f.opt_level, kOptLevels, what + ".opt_level");
   if (f.margin < 0 || f.interval < 1 || f.amax_history_len < 1)
     throw ConfigError(fmt::format("{}: margin {} must be 0 or more, interval {} and amax_history_len {} at least 1", what,
                                   f.margin, f.interval, f.amax_history_len));
@@ -140,8 +136,7 @@ std::string env_choice(const Env& env, const char* name, const std::vector<std::
   auto v = env.get(name);
   if (!v) return otherwise;
   const std::string value = upper ? text::upper(*v) : text::lower(*v);
-  if (std::find(allowed.begin(), allowed.end(), value) == allowed.end())
-    throw ConfigError(fmt::format("{}={:?}: allowed values are {}", name, *v, text::join(allowed)));
+  check_choice(value, allowed, name);
   return value;
 }
 int env_count(const Env& env, const char* name, long min, int otherwise) {

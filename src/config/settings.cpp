@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include "config/config_section.hpp"
 #include "config/fp8_config.hpp"
 #include "core/log.hpp"
 #include "core/text.hpp"
@@ -50,13 +51,13 @@ const Names<ShardingStrategy> kStrategies{{{ShardingStrategy::FULL_SHARD, "FULL_
 
 std::string bool_text(bool b) { return b ? "true" : "false"; }
 
-void check_choice(const std::string& value, const std::vector<std::string>& allowed, const std::string& what) {
+}  // namespace
+
+void config::check_choice(const std::string& value, const std::vector<std::string>& allowed, const std::string& what) {
   for (auto& a : allowed)
     if (a == value) return;
   invalid_value(value, allowed, what);
 }
-
-}  // namespace
 
 const std::vector<std::string> kAutoWrapPolicies = {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"};
 const std::vector<std::string> kBackwardPrefetchValues = {"BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"};
@@ -193,17 +194,17 @@ FsdpSettings fsdp_from_env(const Env& env) {
   }
   if (auto v = env.get("FSDP_AUTO_WRAP_POLICY")) {
     f.auto_wrap_policy = text::upper(*v);
-    check_choice(f.auto_wrap_policy, kAutoWrapPolicies, "FSDP_AUTO_WRAP_POLICY");
+    config::check_choice(f.auto_wrap_policy, kAutoWrapPolicies, "FSDP_AUTO_WRAP_POLICY");
   }
   if (auto v = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP")) f.transformer_layer_cls_to_wrap = text::split(*v, ',');
   if (auto v = env.get_int("FSDP_MIN_NUM_PARAMS")) f.min_num_params = *v;
   if (auto v = env.get("FSDP_BACKWARD_PREFETCH")) {
     f.backward_prefetch = text::upper(*v);
-    check_choice(f.backward_prefetch, kBackwardPrefetchValues, "FSDP_BACKWARD_PREFETCH");
+    config::check_choice(f.backward_prefetch, kBackwardPrefetchValues, "FSDP_BACKWARD_PREFETCH");
   }
   if (auto v = env.get("FSDP_STATE_DICT_TYPE")) {
     f.state_dict_type = text::upper(*v);
-    check_choice(f.state_dict_type, kStateDictTypes, "FSDP_STATE_DICT_TYPE");
+    config::check_choice(f.state_dict_type, kStateDictTypes, "FSDP_STATE_DICT_TYPE");
   }
   for (const auto& flag : fsdp_flags())
     if (auto b = env.get_bool(flag.env_var)) f.*flag.member = *b;
@@ -228,7 +229,7 @@ DeepSpeedSettings deepspeed_from_env(const Env& env) {
                             std::pair{"ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", &d.offload_param_device}}) {
     if (auto v = env.get(var)) {
       *field = text::lower(*v);
-      check_choice(*field, kOffloadDevices, var);
+      config::check_choice(*field, kOffloadDevices, var);
     }
   }
   d.offload_optimizer_nvme_path = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH").value_or("");
