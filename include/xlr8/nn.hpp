@@ -11,12 +11,17 @@
 #include <torch/nn/options/linear.h>
 #include <torch/nn/pimpl.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "xlr8/communicator.hpp"
 #include "xlr8/tensor_parallel.hpp"
+
+namespace xlr8::fp8 {
+class LinearState;
+}  // namespace xlr8::fp8
 
 namespace xlr8::nn {
 
@@ -47,13 +52,21 @@ class LinearImpl : public torch::nn::Cloneable<LinearImpl> {
   void parallelize(const tp::PlanEntry& entry, const Communicator& group);
   const std::optional<TensorParallelSlot>& tensor_parallel() const { return slot_; }
 
+  // fp8 training (xlr8/float8.hpp): the recipe and amax state convert_to_float8_training gave, or null.
+  const std::shared_ptr<fp8::LinearState>& float8() const { return float8_; }
+  void use_float8(std::shared_ptr<fp8::LinearState> state) { float8_ = std::move(state); }
+
   torch::nn::LinearOptions options;
   at::Tensor weight;
   at::Tensor bias;
 
  private:
   std::string colwise_problem(const tp::PlanEntry& entry, int tp_size) const;
+  // input @ weight^T + `with_bias` (if defined): in fp8 when the layer has a recipe and is training (or its recipe
+  // evaluates in fp8 too), else as at::linear.
+  at::Tensor product(const at::Tensor& input, const at::Tensor& with_bias);
   std::optional<TensorParallelSlot> slot_;
+  std::shared_ptr<fp8::LinearState> float8_;
 };
 TORCH_MODULE(Linear);
 

@@ -45,6 +45,8 @@ struct ParallelPlan {
   // Autocast's precision (the DeepSpeed JSON's wins over the launch's, the launch's over the program's), and
   // fp16's loss scaler (the JSON's fp16 section when there is one).
   MixedPrecision mixed_precision = MixedPrecision::NO;
+  // mixed_precision fp8: its settings (the program's AcceleratorOptions::fp8, else the launch's); autocast is bf16.
+  std::optional<Fp8Settings> fp8;
   std::optional<LossScalerOptions> loss_scaler;
   // float32 matmuls on TF32 tensor cores (the program's allow_tf32, else XLR8_ALLOW_TF32); unset leaves
   // LibTorch's setting alone (off, as PyTorch's torch.backends.cuda.matmul.allow_tf32).

@@ -99,6 +99,11 @@ struct Fp8Settings {
   std::string opt_level = "O2";  // MS-AMP's; read for Accelerate's files, MS-AMP itself is refused
   bool enable_fsdp_float8_all_gather = true;  // AO
   bool pad_inner_dim = true;                  // AO
+  // The program's alone (AcceleratorOptions::fp8; no file key, flag or variable), as Accelerate's AORecipeKwargs:
+  std::string ao_recipe = "tensorwise";  // AO: torchao's recipe, tensorwise | rowwise
+  bool skip_first_and_last_linear = true;  // the filter Accelerate gives AO (TE converts every layer it can)
+  int64_t min_linear_features = 0;         // torchao's size filter: smaller layers stay in the compute dtype
+  bool strict_linear_widths = false;       // a Linear whose widths are not multiples of 16 is refused, not skipped
   bool operator==(const Fp8Settings&) const = default;
 };
 

@@ -78,12 +78,6 @@ void AcceleratorImpl::start(AcceleratorOptions given, const deepspeed::Config* e
       throw ConfigError(fmt::format("AcceleratorOptions::fp8 needs mixed_precision fp8, not {}", to_string(in.precision)));
     config::check_fp8(*s.options.fp8, "AcceleratorOptions::fp8");
   }
-  if (in.precision == MixedPrecision::FP8) {  // issue 45: the settings are read and checked; the recipes come next
-    const auto& backend = (s.options.fp8 ? *s.options.fp8 : settings.fp8).backend;
-    throw ConfigError(fmt::format("mixed_precision fp8 (backend {}): xlr8 reads Accelerate's fp8 settings but cannot "
-                                  "train in fp8 yet; use bf16",
-                                  backend.empty() ? "AO, the default" : backend));
-  }
   in.accumulation = gradient_accumulation_steps_for(settings, s.options.gradient_accumulation_steps, s.state->is_main_process());
   const auto& launch = settings.deepspeed;
   if (engine_config) {

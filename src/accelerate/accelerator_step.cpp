@@ -242,7 +242,8 @@ StepScope Accelerator::make_step_scope(std::vector<torch::nn::Module*> modules, 
 
 AutocastScope Accelerator::autocast() const {
   auto type = impl_->device.type();
-  bool enabled = impl_->plan.mixed_precision == MixedPrecision::BF16 ||
+  // fp8: bf16 autocast around the fp8 layers (Accelerate's native_amp for fp8).
+  bool enabled = impl_->plan.mixed_precision == MixedPrecision::BF16 || impl_->plan.mixed_precision == MixedPrecision::FP8 ||
                  (impl_->plan.mixed_precision == MixedPrecision::FP16 && type == c10::DeviceType::CUDA);
   auto dtype = impl_->plan.mixed_precision == MixedPrecision::FP16 ? at::kHalf : at::kBFloat16;
   return enabled ? AutocastScope(type, dtype) : AutocastScope();

@@ -8,6 +8,7 @@
 #include "deepspeed/deepspeed_plugin.hpp"
 #include "xlr8/context_parallel.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/float8.hpp"
 
 namespace xlr8 {
 namespace accelerate {
@@ -93,6 +94,7 @@ ParallelPlan resolve_plan(const PlanInputs& in, const Env& env) {
     plan.clip_at_step = *settings.deepspeed->gradient_clipping;  // --gradient_clipping: DeepSpeed clips every step
   }
   if (!in.from_engine) plan.gradient_accumulation_steps *= in.micro_batches_per_rank;
+  if (plan.mixed_precision == MixedPrecision::FP8) plan.fp8 = in.options->fp8.value_or(settings.fp8);
   if (plan.mixed_precision == MixedPrecision::FP16)
     plan.loss_scaler = in.deepspeed ? deepspeed::loss_scaler(*in.deepspeed) : LossScalerOptions{};
   parallel = shard::resolve_parallel_options(std::move(parallel), in.deepspeed ? &in.deepspeed->zero_optimization : nullptr,
@@ -107,6 +109,13 @@ ParallelPlan resolve_plan(const PlanInputs& in, const Env& env) {
 }  // namespace accelerate
 
 namespace {
+
+// ", fp8 tensorwise (AO; bf16 elsewhere)": the recipe the model's Linear layers compute with.
+std::string fp8_text(const Fp8Settings& f) {
+  const auto recipe = fp8::recipe_from(f);
+  return fmt::format(" ({} scaling, backend {}; bf16 autocast around the fp8 layers)", fp8::to_string(recipe.scaling),
+                     f.backend.empty() ? "AO" : f.backend);
+}
 
 const char* dtype_name(const std::optional<at::ScalarType>& dtype) {
   if (!dtype) return "fp32";
@@ -153,7 +162,7 @@ std::string ParallelPlan::describe() const {
                                     sequence.comm_strategy,
                                     sequence.fixed_length ? fmt::format(", every batch {} tokens", *sequence.fixed_length) : ""));
   lines.push_back(fmt::format("activation checkpointing: {}", recompute_units ? "every unit of the wrap policy" : "off"));
-  lines.push_back(fmt::format("precision: {}{}{}", to_string(mixed_precision),
+  lines.push_back(fmt::format("precision: {}{}{}{}", to_string(mixed_precision), fp8 ? fp8_text(*fp8) : "",
                               loss_scaler ? (loss_scaler->static_scale > 0
                                                  ? fmt::format(", static loss scale {}", loss_scaler->static_scale)
                                                  : fmt::format(", dynamic loss scale from 2^{}", loss_scaler->initial_scale_power))
@@ -179,6 +188,7 @@ nlohmann::json ParallelPlan::to_json() const {
           {"sequence", {{"comm_strategy", sequence.comm_strategy}, {"fixed_length", sequence.fixed_length.value_or(0)}}},
           {"recompute_units", recompute_units},
           {"mixed_precision", to_string(mixed_precision)},
+          {"fp8", fp8 ? nlohmann::json(fp8_text(*fp8)) : nlohmann::json()},
           {"loss_scaler", loss_scaler.has_value()},
           {"allow_tf32", allow_tf32 ? nlohmann::json(*allow_tf32) : nlohmann::json()},
           {"strategy", strategy},

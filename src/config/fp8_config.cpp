@@ -91,6 +91,9 @@ void check_fp8(const Fp8Settings& f, const std::string& what) {
   check_choice(f.fp8_format, kFormats, what + ".fp8_format");
   check_choice(f.amax_compute_algo, kAmaxAlgos, what + ".amax_compute_algo");
   check_choice(f.opt_level, kOptLevels, what + ".opt_level");
+  check_choice(f.ao_recipe, {"tensorwise", "rowwise"}, what + ".ao_recipe");
+  if (f.min_linear_features < 0)
+    throw ConfigError(fmt::format("{}.min_linear_features {} must be 0 or more", what, f.min_linear_features));
   if (f.margin < 0 || f.interval < 1 || f.amax_history_len < 1)
     throw ConfigError(fmt::format("{}: margin {} must be 0 or more, interval {} and amax_history_len {} at least 1", what,
                                   f.margin, f.interval, f.amax_history_len));

@@ -7,6 +7,7 @@
 #include "parallel/recompute/recompute.hpp"
 #include "parallel/shard/wrap_policy.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/float8.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8::parallel {
@@ -42,6 +43,25 @@ void recompute_units(const torch::nn::Module& module, const ZeroOptions& zero) {
         "it), or fsdp_activation_checkpointing: false",
         to_string(zero.auto_wrap_policy)));
   log::info("prepare(): fsdp_activation_checkpointing: {} unit(s) recompute their forward in backward", marked);
+}
+
+// mixed_precision fp8: the filter's Linear layers compute in fp8, their amaxes reduced over the ranks holding other
+// rows of the batch (dp x cp) and, for a split layer, over its tp group. Refused on a GPU without fp8 gemms.
+void convert_to_float8(torch::nn::Module& module, const Fp8Settings& settings, DeviceMesh& mesh) {
+  const auto recipe = fp8::recipe_from(settings);
+  for (const auto& parameter : module.parameters())
+    if (parameter.is_cuda() && !fp8::has_fp8_gemm(parameter.device(), recipe.scaling == fp8::Scaling::Rowwise))
+      throw ConfigError(fmt::format(
+          "mixed_precision fp8: this GPU ({}) has no fp8 gemm (LibTorch's _scaled_mm needs compute capability 8.9, "
+          "Ada or Hopper, and later); use mixed_precision bf16 on it",
+          parameter.device().str()));
+  auto report = fp8::convert_to_float8_training(module, recipe, fp8::filter_from(settings), mesh.group(MeshDim::dp_cp));
+  if (report.converted.empty())
+    throw ConfigError(fmt::format("mixed_precision fp8: no Linear layer of the model can compute in fp8, so it would "
+                                  "train in bf16 only; use mixed_precision bf16, or see why:\n{}",
+                                  report.describe()));
+  if (mesh.group(MeshDim::dp_cp).rank() == 0 && mesh.group(MeshDim::tp).rank() == 0)
+    log::info("prepare(): {}", report.describe());
 }
 
 }  // namespace
@@ -98,8 +118,9 @@ std::unique_ptr<ParallelStrategy> parallelize(std::shared_ptr<torch::nn::Module>
   auto options = plan.data_parallel;
   // 4. Activation checkpointing.
   if (plan.recompute_units) recompute_units(*module, options.zero);
-  // 5. Precision: sharded parameters are gathered and computed in options.zero.param_dtype (the plan's); fp8's
-  //    conversion of the model's layers goes here.
+  // 5. Precision: sharded parameters are gathered and computed in options.zero.param_dtype (the plan's); under
+  //    fp8 the model's Linear layers take their recipe (cast after the gather, from the compute dtype).
+  if (plan.fp8) convert_to_float8(*module, *plan.fp8, mesh);
   // 6. Data parallelism.
   if (hooks.data_parallel_options) hooks.data_parallel_options(*module, options);
   return make_parallel_strategy(std::move(module), mesh.group(plan.data_parallel_dim), options, hooks.gradient_state);

@@ -2,11 +2,16 @@
 // exports the variables `accelerate launch` exports, a worker reads them back, and what xlr8 lacks is one line.
 #include <gtest/gtest.h>
 
+#include <torch/optim/sgd.h>
+
 #include <filesystem>
 
 #include "xlr8/accelerator.hpp"
 #include "xlr8/config.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/float8.hpp"
+#include "xlr8/nn.hpp"
+#include "precision/float8_linear.hpp"
 #include "xlr8/settings.hpp"
 
 namespace {
@@ -100,12 +105,49 @@ TEST(Fp8Config, WhatXlr8LacksIsRefusedInOneLineNamingTheKeyAndTheBackendsItHas) 
   for (auto line : {msamp, e5m2, mxfp8, typo, pair}) EXPECT_EQ(line.find('\n'), std::string::npos) << line;
 }
 
-TEST(Fp8Config, AnAcceleratorAskedForFp8SaysItCannotTrainInFp8Yet) {
+// Three xlr8::nn::Linear layers: AO's filter converts the middle one only.
+struct ThreeLayers : torch::nn::Module {
+  ThreeLayers() {
+    for (const char* name : {"a", "b", "c"}) layers.push_back(register_module(name, xlr8::nn::Linear(32, 32)));
+  }
+  at::Tensor forward(at::Tensor x) {
+    for (auto& layer : layers) x = layer->forward(x).tanh();
+    return x;
+  }
+  std::vector<xlr8::nn::Linear> layers;
+};
+
+TEST(Fp8Config, AnAcceleratorInFp8ConvertsTheFiltersLayersAndTrainsThemUnderBf16Autocast) {
+  xlr8::Accelerator accelerator(xlr8::AcceleratorOptions{.mixed_precision = xlr8::MixedPrecision::FP8});
+  EXPECT_NE(accelerator.plan().describe().find("precision: fp8 (tensorwise scaling, backend AO"), std::string::npos)
+      << accelerator.plan().describe();
+  auto model = accelerator.prepare(std::make_shared<ThreeLayers>());
+  EXPECT_FALSE(model->layers[0]->float8());
+  ASSERT_TRUE(model->layers[1]->float8());
+  EXPECT_EQ(model->layers[1]->float8()->recipe().scaling, xlr8::fp8::Scaling::Tensorwise);
+  auto optimizer = accelerator.prepare(torch::optim::SGD(model->parameters(), 0.1));
+  auto before = model->layers[1]->weight.detach().clone();
+  {
+    auto autocast = accelerator.autocast();
+    auto y = model->forward(at::randn({16, 32}));
+    EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+    accelerator.backward(y.to(at::kFloat).pow(2).mean());
+  }
+  optimizer.step();
+  EXPECT_FALSE(model->layers[1]->weight.detach().equal(before));
+  // A program's recipe that refuses a layer: one line at prepare, naming the layer and the setting.
+  xlr8::Fp8Settings strict;
+  strict.strict_linear_widths = true;
+  xlr8::Accelerator refusing(xlr8::AcceleratorOptions{.mixed_precision = xlr8::MixedPrecision::FP8, .fp8 = strict});
+  struct Odd : torch::nn::Module {
+    xlr8::nn::Linear a{register_module("a", xlr8::nn::Linear(32, 32))}, b{register_module("b", xlr8::nn::Linear(32, 24))},
+        c{register_module("c", xlr8::nn::Linear(24, 32))};
+  };
   try {
-    xlr8::Accelerator accelerator(xlr8::AcceleratorOptions{.mixed_precision = xlr8::MixedPrecision::FP8});
-    FAIL() << "an fp8 Accelerator was built";
+    refusing.prepare(std::make_shared<Odd>());
+    FAIL() << "a width of 24 was accepted under a strict filter";
   } catch (const xlr8::ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("cannot train in fp8 yet; use bf16"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("layer b: in_features 32 and out_features 24"), std::string::npos) << e.what();
   }
 }
 

@@ -131,6 +131,35 @@ struct Region : torch::CustomClassHolder {
   detail::CheckpointBody body;
   RngSnapshot rng;
   AutocastState autocast;
+  std::vector<at::Tensor> remembered;  // remember()'s values from the first run, recalled in the recomputation
+  size_t recalled = 0;                 // how many the recomputation under way has read
+};
+
+// The regions remember() and recall() use on this thread now. A region's first run records into itself and
+// keeps replaying what an enclosing recomputation replays (a region checkpointed inside a recomputed one runs
+// its first time there); a recomputation replays its own region's values and records nothing.
+struct Tape {
+  Region* recording = nullptr;
+  Region* replaying = nullptr;
+};
+thread_local Tape tape;
+
+class TapeScope {
+ public:
+  TapeScope(Region& region, bool replay) : previous_(tape) {
+    if (replay) {
+      region.recalled = 0;
+      tape = {nullptr, &region};
+    } else {
+      tape.recording = &region;
+    }
+  }
+  ~TapeScope() { tape = previous_; }
+  TapeScope(const TapeScope&) = delete;
+  TapeScope& operator=(const TapeScope&) = delete;
+
+ private:
+  Tape previous_;
 };
 
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
@@ -142,6 +171,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     ctx->save_for_backward(inputs);
     region->rng = RngSnapshot::of(inputs);
     region->autocast = AutocastState::now();
+    TapeScope first_run(*region, /*replay=*/false);
     auto outputs = region->body(inputs);  // gradients are off inside a Function's forward
     torch::autograd::variable_list integral;
     for (const auto& out : outputs)
@@ -175,6 +205,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
       AutocastScope cuda = region->autocast.cuda ? AutocastScope(c10::DeviceType::CUDA, region->autocast.cuda_dtype)
                                                  : AutocastScope();
       RecomputeScope recompute;
+      TapeScope replay(*region, /*replay=*/true);
       at::AutoGradMode with_gradients(true);
       outputs = region->body(inputs);
     }
@@ -248,6 +279,20 @@ bool note_unit_ran(const torch::nn::Module& unit) {
 }  // namespace
 
 bool recomputing() { return recompute_depth > 0; }
+
+void remember(const at::Tensor& value) {
+  if (tape.recording) tape.recording->remembered.push_back(value);
+}
+
+std::optional<at::Tensor> recall() {
+  if (!tape.replaying) return std::nullopt;
+  auto& region = *tape.replaying;
+  if (region.recalled >= region.remembered.size())
+    throw Error(fmt::format("xlr8::checkpoint: the recomputation asked for remembered value {} of the {} its first "
+                            "run kept; a region must take the same path every time it runs",
+                            region.recalled + 1, region.remembered.size()));
+  return region.remembered[region.recalled++];
+}
 
 std::string accumulated_twice(const std::string& parameter) {
   return fmt::format("parameter {} received its gradient twice in one backward pass, the second time after its "

@@ -4,7 +4,10 @@
 // inside a recomputation's nested backward.
 #include <torch/nn/module.h>
 
+#include <ATen/core/Tensor.h>
+
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +26,12 @@ std::vector<std::string> recomputed_units_never_run(const torch::nn::Module& roo
 // True while a checkpointed region is run again in backward, on this thread: a unit's guard then
 // gathers for the gradients that follow and does not free or record a forward.
 bool recomputing();
+
+// Values a layer chose in a checkpointed region's first run that its recomputation must use again (fp8's
+// delayed scales, which move on after each forward): remember() keeps one (nothing outside a region's first
+// run); recall() gives them back in the same order while the region is recomputed, and nothing elsewhere.
+void remember(const at::Tensor& value);
+std::optional<at::Tensor> recall();
 
 // Runs `callback` when the outermost backward pass ends (compat::at_end_of_backward's contract). Armed
 // inside a recomputation's nested backward, it is handed to the enclosing pass instead, which would

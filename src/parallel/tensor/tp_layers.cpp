@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "parallel/tensor/tp_layer_kinds.hpp"
+#include "precision/float8_linear.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/nn.hpp"
 
@@ -89,20 +90,26 @@ void LinearImpl::pretty_print(std::ostream& stream) const {
   stream << ")";
 }
 
-at::Tensor LinearImpl::forward(const at::Tensor& input) {
+at::Tensor LinearImpl::product(const at::Tensor& input, const at::Tensor& with_bias) {
   // at::linear, as Python's F.linear: the bias inside the product (one GEMM with its epilogue, forward and
   // backward) for inputs of any rank. LibTorch's torch::nn::functional::linear folds it in only for 2-D inputs
   // and otherwise adds it in a pass of its own (on an H200 that cost the GPT's step 15 % in bf16).
-  if (!slot_ || slot_->group.size() == 1) return at::linear(input, weight, bias);
+  if (!float8_ || !(is_training() || float8_->recipe().use_autocast_during_eval)) return at::linear(input, weight, with_bias);
+  auto out = fp8::linear(input, weight, float8_, is_training());
+  return with_bias.defined() ? out + with_bias.to(out.scalar_type()) : out;
+}
+
+at::Tensor LinearImpl::forward(const at::Tensor& input) {
+  if (!slot_ || slot_->group.size() == 1) return product(input, bias);
   const auto& s = *slot_;
-  if (s.style == tp::Style::Replicate) return at::linear(input, weight, bias);
+  if (s.style == tp::Style::Replicate) return product(input, bias);
   if (s.style == tp::Style::Colwise) {
     auto whole = s.sequence_parallel ? tp::gather_from_sequence_region(input, s.group) : tp::copy_to_tp_region(input, s.group);
-    auto out = at::linear(whole, weight, bias);
+    auto out = product(whole, bias);
     return s.gather_output ? tp::gather_from_tp_region(out, s.group, -1) : out;
   }
   // Rowwise: the bias once, after the partial products are summed (or summed and split on the sequence).
-  auto partial = at::linear(input, weight);
+  auto partial = product(input, at::Tensor());
   auto out = s.sequence_parallel ? tp::reduce_scatter_to_sequence_region(partial, s.group)
                                  : tp::reduce_from_tp_region(partial, s.group);
   return bias.defined() ? out + bias : out;
