@@ -10,6 +10,7 @@
 #include "core/log.hpp"
 #include "accelerate/accelerator_impl.hpp"
 #include "accelerate/portable_state.hpp"
+#include "precision/float8_linear.hpp"
 #include "core/text.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
@@ -82,6 +83,8 @@ void record_training_state(const AcceleratorImpl& s, nlohmann::json& st) {
   st["gradient_accumulation_steps"] = s.gradient_state->num_steps;
   st["last_step_applied"] = s.last_step_applied;
   if (s.scaler) st["scaler"] = s.scaler->state();
+  for (size_t i = 0; i < s.models.size(); ++i)  // fp8's delayed scaling: amax histories and scales, alike on every rank
+    if (auto fp8 = fp8::delayed_state_of(*s.models[i]->module()); !fp8.is_null()) st["fp8"][std::to_string(i)] = fp8;
   for (auto& o : s.optimizers) st["optimizer_steps"].push_back(o->steps);
   for (auto& sc : s.schedulers) st["scheduler_steps"].push_back(sc->steps);
   st["loaders"] = nlohmann::json::array();
@@ -118,6 +121,10 @@ LoadPlan read_and_check(const AcceleratorImpl& s, const checkpoints::Verified& s
                             "kinds, same order); nothing was loaded",
                             source.string(), custom.size(), fmt::join(custom, ", "), fmt::join(registered, ", ")));
   for (size_t i = 0; i < s.custom.size(); ++i) (void)saved.file(custom_file(i));  // present and intact
+  for (size_t i = 0; i < s.models.size(); ++i)
+    fp8::load_delayed_state(*s.models[i]->module(),
+                            st.value("fp8", nlohmann::json::object()).value(std::to_string(i), nlohmann::json()),
+                            source.string(), /*apply=*/false);
   auto sharded = st.value("sharded_optimizers", std::vector<bool>(s.optimizers.size(), false));
   for (size_t i = 0; i < s.optimizers.size(); ++i) {
     if (plan.portable->optimizers[i].portable) continue;
@@ -157,6 +164,10 @@ void apply_training_state(AcceleratorImpl& s, const checkpoints::Verified& saved
   apply_optimizer_state(s, *plan.portable);
   for (size_t i = 0; i < s.custom.size(); ++i)
     s.custom[i].load(saved.file(custom_file(i)), (source / custom_file(i)).string());
+  for (size_t i = 0; i < s.models.size(); ++i)
+    fp8::load_delayed_state(*s.models[i]->module(),
+                            st.value("fp8", nlohmann::json::object()).value(std::to_string(i), nlohmann::json()),
+                            source.string(), /*apply=*/true);
   s.micro_step = st.value("micro_step", int64_t{0});
   s.save_iteration = st.value("save_iteration", int64_t{0});
   s.seed = st.value("seed", uint64_t{0});

@@ -66,7 +66,49 @@ AmaxGroups groups_of(const nn::LinearImpl& layer, const Communicator& batch) {
   return groups;
 }
 
+// The fp8 layers of `model` that keep delayed-scaling state.
+std::vector<LinearState*> delayed_layers(torch::nn::Module& model) {
+  std::vector<LinearState*> out;
+  for (const auto& f : linears_in_order(model))
+    if (f.layer && f.layer->float8() && f.layer->float8()->recipe().scaling == Scaling::Delayed)
+      out.push_back(f.layer->float8().get());
+  return out;
+}
+
 }  // namespace
+
+nlohmann::json delayed_state_of(torch::nn::Module& model) {
+  nlohmann::json out;
+  for (auto* state : delayed_layers(model)) {
+    auto& layer = out[state->path()];
+    for (const auto& [key, t] : state->state_dict()) {
+      auto flat = t.to(at::kDouble).reshape({-1}).contiguous();
+      layer[key] = std::vector<double>(flat.data_ptr<double>(), flat.data_ptr<double>() + flat.numel());
+    }
+  }
+  return out;
+}
+
+void load_delayed_state(torch::nn::Module& model, const nlohmann::json& saved, const std::string& origin, bool apply) {
+  for (auto* state : delayed_layers(model)) {
+    if (!saved.is_object() || !saved.contains(state->path()))
+      throw Error(fmt::format("{}: no fp8 delayed-scaling state for layer {} (saved without mixed_precision fp8 and "
+                              "backend TE, or from another model); resume with the settings it was saved with",
+                              origin, state->path()));
+    std::map<std::string, at::Tensor> tensors;
+    for (const auto& [key, values] : saved[state->path()].items()) {
+      auto numbers = values.get<std::vector<double>>();
+      auto t = at::tensor(numbers, at::kDouble);
+      tensors[key] = key.ends_with(".casts") ? t.to(at::kLong).reshape({}) : t.to(at::kFloat);
+    }
+    if (apply) {
+      state->load_state_dict(tensors);
+    } else {
+      LinearState trial(state->recipe(), state->path());
+      trial.load_state_dict(tensors);
+    }
+  }
+}
 
 std::string ConversionReport::describe() const {
   std::string text = fmt::format("fp8: {} Linear layer(s) compute in fp8, {} stay in the compute dtype", converted.size(),

@@ -2,6 +2,8 @@
 // An fp8 layer's state and its product: the autograd function xlr8::nn::Linear calls in place of at::linear
 // once convert_to_float8_training gave it a LinearState.
 #include <ATen/core/Tensor.h>
+#include <nlohmann/json.hpp>
+#include <torch/nn/module.h>
 
 #include <map>
 #include <memory>
@@ -48,6 +50,12 @@ class LinearState {
   Recipe recipe_;
   std::string path_;
 };
+
+// The delayed-scaling state of every fp8 layer of `model`, by layer path, for a checkpoint's JSON (null when the
+// model has none); and its restoration, which names `origin` and the layer when the checkpoint lacks one or holds
+// another history length. `apply` false checks only (a checkpoint is checked whole before anything changes).
+nlohmann::json delayed_state_of(torch::nn::Module& model);
+void load_delayed_state(torch::nn::Module& model, const nlohmann::json& saved, const std::string& origin, bool apply);
 
 // input @ weight^T in fp8 by the state's recipe (no bias), in the compute dtype: autocast's where it is on for the
 // input's device, else the input's. `training` records delayed amaxes; evaluation uses the scales it has.
