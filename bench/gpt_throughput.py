@@ -23,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # name: layers, width, heads, sequence, batch (windows per step)
 SHAPES = {
     "tiny": (2, 64, 2, 64, 4),
+    "cpu_wide": (4, 256, 4, 128, 8),  # wide enough on the CPU for the gemms to dominate (fp8's cost)
     "small": (12, 768, 12, 1024, 16),  # GPT-2 small's body
     "wide": (24, 2048, 16, 2048, 8),
 }

@@ -79,6 +79,10 @@ at::Tensor cast_to_float8(const at::Tensor& x, const at::Tensor& scale, at::Scal
 // a [M, 1] and b [1, N] per row). `_scaled_mm` where this device has it, else the dequantised product in fp32.
 at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale, const at::Tensor& b_scale,
                      at::ScalarType out_dtype);
+// What scaled_mm computes where the device has no fp8 gemm: the product of the dequantised values in fp32 (every fp8
+// value is exact in fp32, so only the order of the sums differs from the real gemm).
+at::Tensor dequantised_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale,
+                          const at::Tensor& b_scale, at::ScalarType out_dtype);
 // Whether scaled_mm runs a real fp8 gemm on `device` (asked of the device once, with a small product).
 bool has_fp8_gemm(c10::Device device, bool rowwise);
 

@@ -85,6 +85,9 @@ ParallelPlan resolve_plan(const PlanInputs& in, const Env& env) {
     const auto& json = *in.deepspeed;
     if (!in.from_engine) {  // the engine's options carry its JSON's precision and accumulation; it clips itself
       plan.mixed_precision = deepspeed::mixed_precision(json);
+      // fp8's layers run inside the JSON's bf16, which the plugin enabled for it.
+      if (in.precision == MixedPrecision::FP8 && plan.mixed_precision == MixedPrecision::BF16)
+        plan.mixed_precision = MixedPrecision::FP8;
       if (json.gradient_accumulation_steps.value_or(0) > 0)
         plan.gradient_accumulation_steps = static_cast<int>(*json.gradient_accumulation_steps);
       plan.clip_at_step = json.gradient_clipping;

@@ -68,12 +68,14 @@ void mark_leaf_modules(torch::nn::Module& model, const deepspeed::LeafModuleConf
   if (!leaf.name_suffixes.empty()) deepspeed::set_z3_leaf_modules_by_suffix(model, leaf.name_suffixes);
 }
 
-DeepSpeedPlugin::DeepSpeedPlugin(const DeepSpeedSettings& launch, MixedPrecision precision, int accumulation,
+DeepSpeedPlugin::DeepSpeedPlugin(const DeepSpeedSettings& launch, MixedPrecision asked, int accumulation,
                                  int data_parallel_size, bool main_process)
     : config_(deepspeed::load_config(launch.config_file)),
       data_parallel_size_(data_parallel_size),
       main_process_(main_process) {
   const auto& doc = config_.document;
+  // fp8 runs its layers' gemms in fp8 inside DeepSpeed's bf16 (Accelerate's fp8 with DeepSpeed).
+  const auto precision = asked == MixedPrecision::FP8 ? MixedPrecision::BF16 : asked;
   // Accelerate's set_mixed_precision: the launch's precision may not contradict the JSON's other dtype.
   if (precision != MixedPrecision::NO) {
     const char* other = precision == MixedPrecision::FP16 ? "bf16" : "fp16";

@@ -40,14 +40,6 @@ at::Tensor real_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Te
                         std::nullopt, std::nullopt, out_dtype);
 }
 
-// The same rounding of every operand without an fp8 gemm: each fp8 value is exact in fp32, so only the order
-// of the fp32 accumulation differs from the real gemm.
-at::Tensor dequantised_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale,
-                          const at::Tensor& b_scale, at::ScalarType out_dtype) {
-  auto product = at::mm(a.to(at::kFloat), b.to(at::kFloat));
-  return (product * (a_scale.reciprocal() * b_scale.reciprocal())).to(out_dtype);
-}
-
 struct GemmSupport {
   std::mutex mutex;
   std::map<std::tuple<c10::DeviceType, c10::DeviceIndex, bool>, bool> known;
@@ -109,6 +101,12 @@ at::Tensor scale_for(const at::Tensor& amax, at::ScalarType float8, int margin) 
 at::Tensor cast_to_float8(const at::Tensor& x, const at::Tensor& scale, at::ScalarType float8) {
   const double limit = max_finite(float8);
   return (x.to(at::kFloat) * scale).clamp(-limit, limit).to(float8);
+}
+
+at::Tensor dequantised_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale,
+                          const at::Tensor& b_scale, at::ScalarType out_dtype) {
+  auto product = at::mm(a.to(at::kFloat), b.to(at::kFloat));
+  return (product * (a_scale.reciprocal() * b_scale.reciprocal())).to(out_dtype);
 }
 
 bool has_fp8_gemm(c10::Device device, bool rowwise) {

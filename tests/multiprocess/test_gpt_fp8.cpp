@@ -47,19 +47,31 @@ void expect_same_scales(const nlohmann::json& got, const nlohmann::json& want, i
 
 }  // namespace
 
-// Each recipe: DDP 2 and FULL_SHARD 2 on batch 4, tp 2 on batch 8, against one process on batch 8. The fp8 casts
+// Each recipe: DDP 2, FULL_SHARD 2 (with and without every block recomputed), SHARD_GRAD_OP 2, DeepSpeed's ZeRO-3
+// and ZeRO-2 (its JSON in bf16) on batch 4, tp 2 on batch 8, against one process on batch 8. The fp8 casts
 // of slightly different bf16 values round apart now and then, so losses agree within 1e-2 (the bf16 oracle's
 // tolerance is 3e-2); the delayed amaxes of the first step agree within 3 % (without the amax reduction a rank's
 // come from its half of the batch).
-TEST(GptFp8, DdpFullShardAndTensorParallelTrainAsOneProcessWithTheSameScales) {
+TEST(GptFp8, EveryDataParallelStrategyAndTensorParallelTrainAsOneProcessWithTheSameScales) {
   for (const std::string backend : {"AO", "TE"}) {
     SCOPED_TRACE(backend);
     const Args checkpoint_at_end{"--checkpoint_every", "12"};
     const auto one_dir = temp_dir("gpt-fp8-one");
     const auto one = fp8_run(1, 8, backend, one_dir, {}, checkpoint_at_end);
     ASSERT_TRUE(one.contains("final_train_loss"));
+    const auto json = temp_dir("gpt-fp8-ds") + "/zero2.json";  // DeepSpeed's own bf16, which fp8 runs inside
+    std::ofstream(json) << R"({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2},
+                               "bf16": {"enabled": true}})";
     const std::vector<std::tuple<std::string, int, int, Args>> layouts{
-        {"ddp 2", 2, 4, {}}, {"full_shard 2", 2, 4, {"--use_fsdp"}}, {"tp 2", 2, 8, {"--parallelism_config_tp_size", "2"}}};
+        {"ddp 2", 2, 4, {}},
+        {"full_shard 2", 2, 4, {"--use_fsdp"}},
+        {"full_shard 2, every block recomputed", 2, 4,
+         {"--use_fsdp", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap",
+          "Block", "--fsdp_activation_checkpointing", "true"}},
+        {"shard_grad_op 2", 2, 4, {"--use_fsdp", "--fsdp_sharding_strategy", "SHARD_GRAD_OP"}},
+        {"zero 3 (DeepSpeed)", 2, 4, {"--use_deepspeed", "--zero_stage", "3"}},
+        {"zero 2 (a DeepSpeed JSON in bf16)", 2, 4, {"--use_deepspeed", "--deepspeed_config_file", json}},
+        {"tp 2", 2, 8, {"--parallelism_config_tp_size", "2"}}};
     for (const auto& [name, processes, batch, launcher] : layouts) {
       SCOPED_TRACE(name);
       const auto dir = temp_dir("gpt-fp8");

@@ -3,6 +3,7 @@
 // backward against the same products computed here from the definitions.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <cmath>
 #include <limits>
@@ -92,11 +93,16 @@ TEST(Float8ScaledMm, TensorwiseAndRowwiseProductsEqualTheProductOfTheCastValues)
   auto x8 = fp8::cast_to_float8(x, sx, kE4M3), w8 = fp8::cast_to_float8(w, sw, kE4M3);
   auto got = fp8::scaled_mm(x8, w8.t(), sx, sw, at::kFloat);
   EXPECT_TRUE(at::allclose(got.to(at::kDouble), reference_mm(x8, w8.t(), sx, sw), 1e-5, 1e-5));
+  // Without an fp8 gemm: the same values, summed in another order.
+  auto modelled = fp8::dequantised_mm(x8, w8.t(), sx, sw, at::kFloat);
+  EXPECT_TRUE(at::allclose(modelled.to(at::kDouble), reference_mm(x8, w8.t(), sx, sw), 1e-5, 1e-5));
+  EXPECT_TRUE(at::allclose(modelled, got, 1e-5, 1e-5));
   // Rowwise: a scale per row of x and per row of w (a column of the product).
   auto rx = fp8::scale_for(at::amax(x.abs(), {1}, true), kE4M3), rw = fp8::scale_for(at::amax(w.abs(), {1}, true), kE4M3);
   auto xr = fp8::cast_to_float8(x, rx, kE4M3), wr = fp8::cast_to_float8(w, rw, kE4M3);
   got = fp8::scaled_mm(xr, wr.t(), rx, rw.t(), at::kFloat);
   EXPECT_TRUE(at::allclose(got.to(at::kDouble), reference_mm(xr, wr.t(), rx, rw.t()), 1e-5, 1e-5));
+  EXPECT_TRUE(at::allclose(fp8::dequantised_mm(xr, wr.t(), rx, rw.t(), at::kFloat), got, 1e-5, 1e-5));
   // In bf16, the product rounds once at the end.
   auto bf16 = fp8::scaled_mm(x8, w8.t(), sx, sw, at::kBFloat16);
   EXPECT_EQ(bf16.scalar_type(), at::kBFloat16);
@@ -105,6 +111,36 @@ TEST(Float8ScaledMm, TensorwiseAndRowwiseProductsEqualTheProductOfTheCastValues)
   EXPECT_GT((x8.to(at::kFloat) / sx - x).abs().max().item<float>(), 1e-3);
   EXPECT_THROW(fp8::scaled_mm(x, w.t(), sx, sw, at::kFloat), Error);
   std::cout << "fp8 gemm on this CPU: " << (fp8::has_fp8_gemm(at::kCPU, false) ? "_scaled_mm" : "dequantised") << "\n";
+}
+
+// On a lent GPU: the CUDA casts equal the CPU's bit for bit, and the fp8 gemm (cuBLASLt's, from compute capability
+// 8.9) equals the product of the cast values within bf16's rounding of its output.
+TEST(Float8Cast, OnAGpuTheCudaCastsEqualTheCpusAndTheFp8GemmTheProductOfTheCastValues) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(45);
+  auto bits = at::arange(0, 1 << 16, at::kInt).to(at::kShort).view(at::kBFloat16);
+  auto floats = at::cat({at::randn({500000}) * at::pow(2.0, at::randint(-20, 20, {500000}).to(at::kFloat)),
+                         at::randint(-(1LL << 31), (1LL << 31) - 1, {500000}, at::kInt).view(at::kFloat)});
+  const auto scale = at::full({}, 0.75);
+  for (auto float8 : {kE4M3, kE5M2})
+    for (const auto& values : {bits, floats}) {
+      auto cpu = fp8::cast_to_float8(values, scale, float8).view(at::kByte);
+      auto cuda = fp8::cast_to_float8(values.cuda(), scale.cuda(), float8).view(at::kByte).cpu();
+      auto nan = fp8::cast_to_float8(values, scale, float8).to(at::kFloat).isnan();  // NaN's bits may differ
+      EXPECT_TRUE(cpu.masked_select(nan.logical_not()).equal(cuda.masked_select(nan.logical_not())))
+          << c10::toString(float8);
+    }
+  const bool tensor_cores = fp8::has_fp8_gemm(at::Device(at::kCUDA, 0), false);
+  std::cout << "fp8 gemm on this GPU: " << (tensor_cores ? "_scaled_mm" : "dequantised") << "\n";
+  auto x = at::randn({64, 128}, at::kCUDA), w = at::randn({96, 128}, at::kCUDA);
+  auto sx = fp8::scale_for(x.abs().max(), kE4M3), sw = fp8::scale_for(w.abs().max(), kE4M3);
+  auto x8 = fp8::cast_to_float8(x, sx, kE4M3), w8 = fp8::cast_to_float8(w, sw, kE4M3);
+  auto got = fp8::scaled_mm(x8, w8.t(), sx, sw, at::kBFloat16).cpu().to(at::kDouble);
+  EXPECT_TRUE(at::allclose(got, reference_mm(x8.cpu(), w8.t().cpu(), sx.cpu(), sw.cpu()), 1e-2, 1e-2));
+  auto rx = fp8::scale_for(at::amax(x.abs(), {1}, true), kE4M3), rw = fp8::scale_for(at::amax(w.abs(), {1}, true), kE4M3);
+  auto xr = fp8::cast_to_float8(x, rx, kE4M3), wr = fp8::cast_to_float8(w, rw, kE4M3);
+  got = fp8::scaled_mm(xr, wr.t(), rx, rw.t(), at::kBFloat16).cpu().to(at::kDouble);
+  EXPECT_TRUE(at::allclose(got, reference_mm(xr.cpu(), wr.t().cpu(), rx.cpu(), rw.t().cpu()), 1e-2, 1e-2));
 }
 
 // An fp32 layer (no autocast) converted with `recipe`, and its input.
