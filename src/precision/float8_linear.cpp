@@ -46,7 +46,8 @@ Cast cast_dynamic(const at::Tensor& t, at::ScalarType float8, int64_t dim, const
 
 // Records `t`'s amax in the history and, every `interval` records, recomputes the scale from it (kept where the
 // amax is zero or not finite, as Transformer Engine does).
-void record_amax(const at::Tensor& t, at::ScalarType float8, AmaxHistory& h, const Recipe& recipe, const Groups& groups) {
+void record_amax(const at::Tensor& t, at::ScalarType float8, AmaxHistory& h, const Recipe& recipe,
+                 const Groups& groups) {
   auto amax = amax_of(t, -1);
   reduce_max(amax, groups);
   h.history = at::cat({amax.reshape({1}), h.history.narrow(0, 0, h.history.size(0) - 1)});
@@ -56,16 +57,16 @@ void record_amax(const at::Tensor& t, at::ScalarType float8, AmaxHistory& h, con
   h.scale = at::where(usable, scale_for(chosen, float8, recipe.margin), h.scale);
 }
 
-// Delayed scaling: the cast uses the scale earlier amaxes gave (the same again when a checkpointed region is
-// recomputed), then records its own amax when `record`.
-Cast cast_delayed(const at::Tensor& t, at::ScalarType float8, AmaxHistory& h, const Recipe& recipe, const Groups& groups,
-                  bool record) {
+// Delayed scaling: the cast uses the scale earlier amaxes gave, then records its own amax when `record`. A forward
+// cast (`forward`) inside a checkpointed region is recomputed with the scale its first run used.
+Cast cast_delayed(const at::Tensor& t, at::ScalarType float8, AmaxHistory& h, const Recipe& recipe,
+                  const Groups& groups, bool record, bool forward) {
   if (h.history.device() != t.device()) {
     h.history = h.history.to(t.device());
     h.scale = h.scale.to(t.device());
   }
-  auto scale = recompute::recall().value_or(h.scale);
-  recompute::remember(scale);
+  auto scale = forward ? recompute::recall().value_or(h.scale) : h.scale;
+  if (forward) recompute::remember(scale);
   Cast cast{cast_to_float8(t, scale, float8), scale};
   if (record) record_amax(t, float8, h, recipe, groups);
   return cast;
@@ -108,8 +109,8 @@ at::Tensor forward_product(const at::Tensor& x, const at::Tensor& w, Call& call)
     ws = cast_dynamic(w, kE4M3, -1, groups_for(groups, Spread::Weight));
   } else {
     const bool record = call.training && !recompute::recomputing();
-    xs = cast_delayed(x, kE4M3, state.input, recipe, groups_for(groups, Spread::Input), record);
-    ws = cast_delayed(w, kE4M3, state.weight, recipe, groups_for(groups, Spread::Weight), record);
+    xs = cast_delayed(x, kE4M3, state.input, recipe, groups_for(groups, Spread::Input), record, /*forward=*/true);
+    ws = cast_delayed(w, kE4M3, state.weight, recipe, groups_for(groups, Spread::Weight), record, /*forward=*/true);
   }
   call.input_scale = xs.scale;
   call.weight_scale = ws.scale;
@@ -141,15 +142,17 @@ std::pair<at::Tensor, at::Tensor> backward_products(const at::Tensor& g, const a
   const auto grad_groups = groups_for(groups, Spread::Grad);
   auto gs = recipe.scaling == Scaling::Tensorwise
                 ? cast_dynamic(g, grad_type, -1, grad_groups)
-                : cast_delayed(g, grad_type, state.grad_output, recipe, grad_groups, /*record=*/true);
+                : cast_delayed(g, grad_type, state.grad_output, recipe, grad_groups, /*record=*/true,
+                               /*forward=*/false);
+  // The forward's scales cast the saved input and weight again: the same fp8 values the forward multiplied.
+  const auto& sw = call.weight_scale;
+  const auto& sx = call.input_scale;
   if (need_input)
-    gx = recipe.compute_precision[1]
-             ? at::mm(g, w.to(call.compute))
-             : scaled_mm(gs.data, cast_to_float8(w, call.weight_scale, kE4M3), gs.scale, call.weight_scale, call.compute);
+    gx = recipe.compute_precision[1] ? at::mm(g, w.to(call.compute))
+                                     : scaled_mm(gs.data, cast_to_float8(w, sw, kE4M3), gs.scale, sw, call.compute);
   if (need_weight)
-    gw = recipe.compute_precision[2]
-             ? at::mm(g.t(), x)
-             : scaled_mm(gs.data.t(), cast_to_float8(x, call.input_scale, kE4M3), gs.scale, call.input_scale, call.compute);
+    gw = recipe.compute_precision[2] ? at::mm(g.t(), x)
+                                     : scaled_mm(gs.data.t(), cast_to_float8(x, sx, kE4M3), gs.scale, sx, call.compute);
   return {gx, gw};
 }
 
