@@ -13,6 +13,7 @@
 #include "xlr8/autocast.hpp"
 #include "xlr8/float8.hpp"
 #include "xlr8/nn.hpp"
+#include "xlr8/tensor_parallel.hpp"
 
 namespace {
 
@@ -178,6 +179,57 @@ TEST(Float8Ranks, TwoRanksOnHalfTheBatchEqualOneProcessInEveryRecipe) {
   rowwise.scaling = fp8::Scaling::Rowwise;
   rowwise.gradients_e5m2 = false;
   for (const auto& recipe : {fp8::Recipe{}, rowwise, delayed_recipe()}) expect_two_ranks_equal_one(recipe);
+}
+
+struct Pair : torch::nn::Module {
+  Pair() {
+    fc_in = register_module("fc_in", nn::Linear(32, 64));
+    fc_out = register_module("fc_out", nn::Linear(64, 32));
+  }
+  at::Tensor forward(const at::Tensor& x) { return fc_out->forward(at::gelu(fc_in->forward(x))); }
+  nn::Linear fc_in{nullptr}, fc_out{nullptr};
+};
+
+// Two passes of `pair` on x (its output gradient g): the second's output and weight gradients.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> two_passes(Pair& pair, const at::Tensor& x, const at::Tensor& g) {
+  at::Tensor y;
+  for (int pass = 0; pass < 2; ++pass) {
+    pair.zero_grad();
+    y = pair.forward(x);
+    y.backward(g);
+  }
+  return {y.detach(), pair.fc_in->weight.grad().clone(), pair.fc_out->weight.grad().clone()};
+}
+
+// Tensor parallelism: a column-wise fc_in and a row-wise fc_out on 2 ranks equal one process, each rank's gradients
+// its slice of the whole: the amaxes of the split activations, gradients and weights are reduced over the tp group.
+TEST(Float8Ranks, ColumnAndRowWiseLayersOnTwoTensorParallelRanksEqualOneProcessInEveryRecipe) {
+  fp8::Recipe rowwise;
+  rowwise.scaling = fp8::Scaling::Rowwise;
+  rowwise.gradients_e5m2 = false;
+  for (const auto& recipe : {fp8::Recipe{}, rowwise, delayed_recipe()}) {
+    SCOPED_TRACE(fp8::to_string(recipe.scaling));
+    at::manual_seed(14);
+    auto x = at::randn({16, 32}) * at::linspace(0.1, 4, 32), g = at::randn({16, 32});
+    Pair whole;
+    std::map<std::string, at::Tensor> state;  // the initial values, for the ranks' models
+    for (const auto& p : whole.named_parameters()) state[p.key()] = p.value().detach().clone();
+    fp8::convert_to_float8_training(whole, recipe, {.skip_first_and_last = false});
+    const auto [y, grad_in, grad_out] = two_passes(whole, x, g);
+    xlr8::testing::run_ranks(2, [&](Communicator& comm) {
+      Pair pair;
+      {
+        torch::NoGradGuard no_grad;
+        for (auto& p : pair.named_parameters()) p.value().copy_(state.at(p.key()));
+      }
+      tp::parallelize(pair, comm, {{"fc_in", tp::Style::Colwise}, {"fc_out", tp::Style::Rowwise}});
+      fp8::convert_to_float8_training(pair, recipe, {.skip_first_and_last = false});
+      const auto [y_rank, grad_in_rank, grad_out_rank] = two_passes(pair, x, g);
+      EXPECT_TRUE(at::allclose(y_rank, y, 1e-5, 1e-5)) << (y_rank - y).abs().max().item<float>();
+      EXPECT_TRUE(at::allclose(grad_in_rank, grad_in.chunk(2, 0)[comm.rank()], 1e-5, 1e-5));
+      EXPECT_TRUE(at::allclose(grad_out_rank, grad_out.chunk(2, 1)[comm.rank()], 1e-5, 1e-5));
+    });
+  }
 }
 
 // A small regression in bf16 autocast; fp8 = true converts its middle layers.
