@@ -100,7 +100,11 @@ at::Tensor scale_for(const at::Tensor& amax, at::ScalarType float8, int margin) 
 
 at::Tensor cast_to_float8(const at::Tensor& x, const at::Tensor& scale, at::ScalarType float8) {
   const double limit = max_finite(float8);
-  return (x.to(at::kFloat) * scale).clamp(-limit, limit).to(float8);
+  // A scale with a dimension takes part in type promotion: the product is fp32, each element read once and
+  // widened on the way (a 0-dim fp32 scale would leave a bf16 product, rounded twice).
+  auto scaled = at::mul(x, scale.dim() == 0 ? scale.to(at::kFloat).reshape({1}) : scale.to(at::kFloat));
+  if (scaled.scalar_type() != at::kFloat) scaled = scaled.to(at::kFloat);
+  return scaled.clamp_(-limit, limit).to(float8);
 }
 
 at::Tensor dequantised_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale,

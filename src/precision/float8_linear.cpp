@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <torch/autograd.h>
 
+#include <limits>
 #include <vector>
 
 #include "compat/torch_compat.hpp"
@@ -31,10 +32,12 @@ void reduce_max(at::Tensor& amax, const Groups& groups) {
     if (group->valid() && group->size() > 1) group->all_reduce(amax, ReduceOp::MAX);
 }
 
-// The amax of `t` over `dim` (kept, so the scale broadcasts), or of all of it when dim is -1.
+// The amax of `t` over `dim` (kept, so the scale broadcasts), or of all of it when dim is -1: one reduction,
+// no tensor of magnitudes.
 at::Tensor amax_of(const at::Tensor& t, int64_t dim) {
-  auto magnitude = t.abs();
-  return (dim < 0 ? magnitude.max() : at::amax(magnitude, {dim}, /*keepdim=*/true)).to(at::kFloat);
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  if (dim < 0) return at::linalg_vector_norm(t, inf, at::OptionalIntArrayRef(), false, at::kFloat);
+  return at::linalg_vector_norm(t, inf, at::IntArrayRef{dim}, /*keepdim=*/true, at::kFloat);
 }
 
 Cast cast_dynamic(const at::Tensor& t, at::ScalarType float8, int64_t dim, const Groups& groups) {
@@ -77,8 +80,16 @@ struct Call : torch::CustomClassHolder {
   std::shared_ptr<LinearState> state;
   bool training = false;
   at::ScalarType compute = at::kFloat;
-  at::Tensor input_scale, weight_scale;  // tensorwise and delayed: backward casts again with the forward's scales
+  // Tensorwise and delayed: the forward's fp8 input (kept in place of the wider input: 1 byte an element) and the
+  // scales backward casts the weight with again (a sharded weight is gathered again for backward, not kept).
+  at::Tensor input8, input_scale, weight_scale;
 };
+
+// Whether backward needs the input in the compute dtype: row-wise re-casts it along another axis, and
+// override_linear_precision's wgrad multiplies it as it is.
+bool backward_reads_wide_input(const Recipe& recipe) {
+  return recipe.scaling == Scaling::Rowwise || recipe.compute_precision[2];
+}
 
 // Which groups reduce an operand's amax. Per tensor: every group its elements are spread over. Per row: the
 // groups that split the contraction of the gemm it enters.
@@ -112,6 +123,7 @@ at::Tensor forward_product(const at::Tensor& x, const at::Tensor& w, Call& call)
     xs = cast_delayed(x, kE4M3, state.input, recipe, groups_for(groups, Spread::Input), record, /*forward=*/true);
     ws = cast_delayed(w, kE4M3, state.weight, recipe, groups_for(groups, Spread::Weight), record, /*forward=*/true);
   }
+  call.input8 = xs.data;
   call.input_scale = xs.scale;
   call.weight_scale = ws.scale;
   if (recipe.compute_precision[0]) return at::mm(x, w.to(call.compute).t());
@@ -144,15 +156,14 @@ std::pair<at::Tensor, at::Tensor> backward_products(const at::Tensor& g, const a
                 ? cast_dynamic(g, grad_type, -1, grad_groups)
                 : cast_delayed(g, grad_type, state.grad_output, recipe, grad_groups, /*record=*/true,
                                /*forward=*/false);
-  // The forward's scales cast the saved input and weight again: the same fp8 values the forward multiplied.
+  // The forward's fp8 input, and its weight cast again with the forward's scale: the values the forward multiplied.
   const auto& sw = call.weight_scale;
-  const auto& sx = call.input_scale;
   if (need_input)
     gx = recipe.compute_precision[1] ? at::mm(g, w.to(call.compute))
                                      : scaled_mm(gs.data, cast_to_float8(w, sw, kE4M3), gs.scale, sw, call.compute);
   if (need_weight)
     gw = recipe.compute_precision[2] ? at::mm(g.t(), x)
-                                     : scaled_mm(gs.data.t(), cast_to_float8(x, sx, kE4M3), gs.scale, sx, call.compute);
+                                     : scaled_mm(gs.data.t(), call.input8, gs.scale, call.input_scale, call.compute);
   return {gx, gw};
 }
 
@@ -161,7 +172,7 @@ struct Float8Product : torch::autograd::Function<Float8Product> {
                             c10::intrusive_ptr<Call> call) {
     AutocastPause pause;  // the products below are fp8's, in the dtype the call chose
     auto y = forward_product(x, w, *call);
-    ctx->save_for_backward({x, w});
+    ctx->save_for_backward({backward_reads_wide_input(call->state->recipe()) ? x : at::Tensor(), w});
     ctx->saved_data["call"] = c10::IValue::make_capsule(std::move(call));
     return y;
   }
