@@ -24,6 +24,7 @@
 #include "xlr8/parallel_plan.hpp"
 #include "xlr8/parallel_options.hpp"
 #include "xlr8/parallel_strategy.hpp"
+#include "xlr8/pipeline.hpp"
 #include "xlr8/prepared.hpp"
 #include "xlr8/process_state.hpp"
 #include "xlr8/progress.hpp"
@@ -192,6 +193,12 @@ class Accelerator {
   // loss / gradient_accumulation_steps (times the fp16 loss scale), then backward outside autocast.
   // `retain_graph` keeps the graph for another backward through it (as torch's).
   void backward(const at::Tensor& loss, bool retain_graph = false);
+  // Under parallelism_config_pp_size > 1 a step is this call in place of forward and backward(): `input` and
+  // `target` (this step's batch) are split into the plan's micro-batches along their first dimension, run through
+  // the stages by the plan's schedule, and every stage's parameters get the gradients of the mean `loss` over the
+  // batch. Returns that loss on every rank; then optimizer.step() as usual. (The first stage reads `input`, the last
+  // `target`; the others may pass undefined tensors.)
+  double pipeline_step(const at::Tensor& input, const at::Tensor& target, const pp::LossFn& loss);
   // Clamps the gradients to [-clip_value, clip_value] (after unscaling fp16 ones), on the shards when
   // sharded: elementwise, so the result is the same. Off the sync boundary it does nothing.
   void clip_grad_value(const std::vector<at::Tensor>& parameters, double clip_value);

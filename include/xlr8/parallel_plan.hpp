@@ -33,6 +33,12 @@ struct ParallelPlan {
     nlohmann::json deepspeed_rules;  // the engine's JSON tensor_parallel section with partition_config / preset_model
   } tensor;
 
+  // pp: the model (a torch::nn::Sequential) is cut into mesh.pp stages that a schedule runs over micro-batches.
+  struct Pipeline {
+    std::string schedule = "1F1B";  // GPipe | 1F1B
+    int micro_batches = 1;          // per optimizer step
+  } pipeline;
+
   // cp (ring or all-gather attention) or sp (Ulysses) splits every sequence; the model's xlr8::attention follows.
   struct Sequence {
     std::string comm_strategy;            // "allgather" | "alltoall" (cp), "ulysses" (sp); empty: no split

@@ -68,10 +68,14 @@ struct DeepSpeedSettings {
   bool operator==(const DeepSpeedSettings&) const = default;
 };
 
-// Accelerate's ParallelismConfig sizes, in mesh order dp_replicate, dp_shard, cp, sp, tp. cp (context
-// parallelism) and sp (Ulysses sequence parallelism) both split the sequence; at most one is above 1.
+// Accelerate's ParallelismConfig sizes, in mesh order pp, dp_replicate, dp_shard, cp, sp, tp. cp (context
+// parallelism) and sp (Ulysses sequence parallelism) both split the sequence; at most one is above 1. pp (pipeline
+// stages, the outermost) is xlr8's, named as Accelerate names the others, with torchtitan's meaning.
 struct ParallelismSettings {
   int dp_replicate = 1, dp_shard = 1, cp = 1, sp = 1, tp = 1;
+  int pp = 1;
+  std::string pp_schedule = "1F1B";  // GPipe | 1F1B (torch.distributed.pipelining's names)
+  int pp_microbatches = 0;           // micro-batches a step under pp; 0: the gradient accumulation steps
   std::string cp_comm_strategy = "allgather";  // allgather | alltoall (context-parallel attention)
   // parallelism_config_sp_seq_length / _is_variable: with a fixed length, every sharded batch must have it.
   std::optional<long> sp_seq_length;
@@ -79,7 +83,7 @@ struct ParallelismSettings {
   // parallelism_config_tp_head_dim (xlr8's key): the features of one attention head, for the plans prepare()
   // makes (AutoTP, XLR8_TP_PLAN_FILE) and the check of a program's own; a split that cuts a head is refused.
   std::optional<long> tp_head_dim;
-  int total() const { return dp_replicate * dp_shard * cp * sp * tp; }
+  int total() const { return pp * dp_replicate * dp_shard * cp * sp * tp; }
   bool operator==(const ParallelismSettings&) const = default;
 };
 // ConfigError when cp and sp are both above 1: both split the sequence (Accelerate refuses it too).

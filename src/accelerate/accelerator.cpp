@@ -282,6 +282,11 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
     if (values_from_rank0) parallel.zero.values_from_rank0 = true;
   };
   hooks.gradient_state = s.gradient_state;
+  hooks.pipeline_stage = [&](torch::nn::Sequential stage, Communicator& group) {
+    if (s.pipeline) throw ConfigError("prepare(): under pp > 1 one model is prepared (the pipeline's)");
+    s.pipeline = std::make_unique<pp::Pipeline>(std::move(stage), group, pp::parse_schedule(s.plan.pipeline.schedule),
+                                                s.plan.pipeline.micro_batches);
+  };
   s.models.push_back(parallel::parallelize(module, s.plan, s.state->mesh(), hooks));
   auto* strategy = s.models.back().get();
   for (const auto& o : s.optimizers) strategy->bind_optimizer(*o->optimizer);  // prepared before the model

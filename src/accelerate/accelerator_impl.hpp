@@ -40,6 +40,7 @@ struct AcceleratorImpl {
   int64_t micro_step = 0;  // Accelerate's accelerator.step: micro-steps in the current window
   int open_scopes = 0;      // StepScopes alive (accumulate / no_sync): free_memory must not run inside one
   std::vector<std::unique_ptr<ParallelStrategy>> models;  // one per prepared model, in prepare() order
+  std::unique_ptr<pp::Pipeline> pipeline;                  // pp > 1: this rank's stage of the prepared model
   std::vector<std::shared_ptr<PreparedOptimizer::State>> optimizers;
   std::vector<std::shared_ptr<PreparedScheduler::State>> schedulers;
   std::vector<std::weak_ptr<DataLoaderBase>> loaders;

@@ -260,6 +260,11 @@ at::Tensor AcceleratorImpl::loss_for_backward(const at::Tensor& loss) {
 at::Tensor Accelerator::scaled_loss(const at::Tensor& loss) { return impl_->loss_for_backward(loss); }
 
 void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
+  if (impl_->plan.mesh.pp > 1)
+    throw ConfigError(fmt::format("backward(): under parallelism_config_pp_size {} a step is accelerator.pipeline_step("
+                                  "input, target, loss), which runs the schedule's forwards and backwards; one backward "
+                                  "cannot express it",
+                                  impl_->plan.mesh.pp));
   if (impl_->deepspeed)  // everything the JSON needs is prepared by now: no "auto" may be left
     impl_->deepspeed->finish(impl_->gradient_state->num_steps);
   // A forward under cp/sp that never went through xlr8::attention is refused before its backward computes
@@ -275,6 +280,30 @@ void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
                                     "xlr8::sharded(*this, body, inputs...), so they were not checkpointed; write "
                                     "their forward in that form (xlr8/unshard.hpp)",
                                     fmt::join(never, ", ")));
+}
+
+double Accelerator::pipeline_step(const at::Tensor& input, const at::Tensor& target, const pp::LossFn& loss) {
+  auto& s = *impl_;
+  if (!s.pipeline)
+    throw ConfigError("pipeline_step(): no pipeline: set parallelism_config_pp_size above 1 and prepare the model first");
+  if (s.plan.gradient_accumulation_steps > 1)
+    throw ConfigError(fmt::format("pipeline_step(): gradient_accumulation_steps {} under pp: the pipeline's micro-batches "
+                                  "are its accumulation; set parallelism_config_pp_microbatches instead and "
+                                  "gradient_accumulation_steps 1",
+                                  s.plan.gradient_accumulation_steps));
+  const int m = s.plan.pipeline.micro_batches;
+  auto split = [&](const at::Tensor& t, const char* what) {
+    if (!t.defined()) return std::vector<at::Tensor>{};
+    if (t.dim() == 0 || t.size(0) % m != 0)
+      throw ConfigError(fmt::format("pipeline_step(): the {}'s first dimension ({}) does not split into {} equal "
+                                    "micro-batches (parallelism_config_pp_microbatches); give a batch it divides",
+                                    what, t.dim() == 0 ? 0 : t.size(0), m));
+    auto parts = t.to(s.device).chunk(m);
+    return std::vector<at::Tensor>(parts.begin(), parts.end());
+  };
+  s.enter(xlr8::step::StepPhase::gradients, "pipeline_step()");
+  auto scope = autocast();
+  return s.pipeline->step(split(input, "input"), split(target, "target"), loss);
 }
 
 void Accelerator::clip_grad_value(const std::vector<at::Tensor>& parameters, double clip_value) {

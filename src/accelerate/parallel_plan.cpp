@@ -75,6 +75,10 @@ ParallelPlan resolve_plan(const PlanInputs& in, const Env& env) {
   plan.mesh = mesh_of(mesh);
   plan.tensor = tensor_of(*in.options, settings, env);
   plan.sequence = sequence_of(plan.mesh, settings);
+  if (plan.mesh.pp > 1) {
+    const auto& p = *settings.parallelism;
+    plan.pipeline = {.schedule = p.pp_schedule, .micro_batches = p.pp_microbatches > 0 ? p.pp_microbatches : plan.mesh.pp};
+  }
   plan.recompute_units = settings.fsdp && settings.fsdp->activation_checkpointing;
   plan.mixed_precision = in.precision;
   plan.allow_tf32 = in.options->allow_tf32 ? in.options->allow_tf32 : env.get_bool("XLR8_ALLOW_TF32");
@@ -164,6 +168,9 @@ std::string ParallelPlan::describe() const {
                       : fmt::format("sequence split: {} {} ({}){}", mesh.sp > 1 ? "sp" : "cp", std::max(mesh.cp, mesh.sp),
                                     sequence.comm_strategy,
                                     sequence.fixed_length ? fmt::format(", every batch {} tokens", *sequence.fixed_length) : ""));
+  lines.push_back(mesh.pp > 1 ? fmt::format("pipeline: {} stages, {} over {} micro-batches a step", mesh.pp,
+                                             pipeline.schedule, pipeline.micro_batches)
+                              : std::string("pipeline: none"));
   lines.push_back(fmt::format("activation checkpointing: {}", recompute_units ? "every unit of the wrap policy" : "off"));
   lines.push_back(fmt::format("precision: {}{}{}{}", to_string(mixed_precision), fp8 ? fp8_text(*fp8) : "",
                               loss_scaler ? (loss_scaler->static_scale > 0

@@ -48,6 +48,7 @@ const std::vector<std::string> kLauncherDeepSpeedKeys = {
     "deepspeed_inclusion_filter", "deepspeed_moe_layer_cls_names"};
 const std::vector<std::string> kParallelismKeys = {
     "parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size", "parallelism_config_tp_size",
+    "parallelism_config_pp_size", "parallelism_config_pp_schedule", "parallelism_config_pp_microbatches",
     "parallelism_config_cp_size", "parallelism_config_cp_comm_strategy", "parallelism_config_cp_backend",
     "parallelism_config_sp_size", "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
     "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_attn_implementation",
@@ -126,6 +127,10 @@ void read_parallelism(const Section& s, LaunchConfig& c) {
   p.tp = static_cast<int>(s.integer("parallelism_config_tp_size", 1, kMax).value_or(1));
   p.tp_head_dim = s.integer("parallelism_config_tp_head_dim", 1, kMax);
   p.cp = static_cast<int>(s.integer("parallelism_config_cp_size", 1, kMax).value_or(1));
+  p.pp = static_cast<int>(s.integer("parallelism_config_pp_size", 1, kMax).value_or(1));
+  if (auto schedule = s.choice("parallelism_config_pp_schedule", {"gpipe", "1f1b"}, /*upper=*/false))
+    p.pp_schedule = *schedule == "gpipe" ? "GPipe" : "1F1B";  // torch's spelling
+  p.pp_microbatches = static_cast<int>(s.integer("parallelism_config_pp_microbatches", 1, kMax).value_or(0));
   if (auto strategy = s.choice("parallelism_config_cp_comm_strategy", {"allgather", "alltoall"}, /*upper=*/false))
     p.cp_comm_strategy = *strategy;
   // Ulysses (DeepSpeed's ALST, Accelerate's sp_backend deepspeed: the only backend).
@@ -253,10 +258,10 @@ void LaunchConfig::validate() const {
     throw fail(fmt::format("main_process_ip is required when num_machines is {}; set it to the host of machine 0",
                            num_machines));
   if (parallelism && num_processes > 0 && parallelism->total() != num_processes)
-    throw fail(fmt::format("parallelism_config sizes multiply to {} (dp_replicate {} x dp_shard {} x cp {} x sp {} x tp "
-                           "{}) but num_processes is {}",
-                           parallelism->total(), parallelism->dp_replicate, parallelism->dp_shard, parallelism->cp,
-                           parallelism->sp, parallelism->tp, num_processes));
+    throw fail(fmt::format("parallelism_config sizes multiply to {} (pp {} x dp_replicate {} x dp_shard {} x cp {} x sp "
+                           "{} x tp {}) but num_processes is {}",
+                           parallelism->total(), parallelism->pp, parallelism->dp_replicate, parallelism->dp_shard,
+                           parallelism->cp, parallelism->sp, parallelism->tp, num_processes));
   if (distributed_type == DistributedType::DEEPSPEED && deepspeed.offload_optimizer_device == "nvme" &&
       deepspeed.offload_optimizer_nvme_path.empty())
     throw fail("deepspeed_config.offload_optimizer_device is nvme but offload_optimizer_nvme_path is empty");
@@ -335,6 +340,12 @@ std::string to_yaml(const LaunchConfig& c) {
     out << YAML::Key << "parallelism_config_dp_shard_size" << YAML::Value << c.parallelism->dp_shard;
     out << YAML::Key << "parallelism_config_cp_size" << YAML::Value << c.parallelism->cp;
     out << YAML::Key << "parallelism_config_tp_size" << YAML::Value << c.parallelism->tp;
+    if (c.parallelism->pp > 1) {
+      out << YAML::Key << "parallelism_config_pp_size" << YAML::Value << c.parallelism->pp;
+      out << YAML::Key << "parallelism_config_pp_schedule" << YAML::Value << c.parallelism->pp_schedule;
+      if (c.parallelism->pp_microbatches > 0)
+        out << YAML::Key << "parallelism_config_pp_microbatches" << YAML::Value << c.parallelism->pp_microbatches;
+    }
     if (c.parallelism->tp_head_dim)
       out << YAML::Key << "parallelism_config_tp_head_dim" << YAML::Value << *c.parallelism->tp_head_dim;
     if (c.parallelism->cp > 1)

@@ -151,6 +151,11 @@ std::map<std::string, std::string> settings_to_env(const Settings& s) {
     env["PARALLELISM_CONFIG_DP_SHARD_SIZE"] = std::to_string(p->dp_shard);
     env["PARALLELISM_CONFIG_CP_SIZE"] = std::to_string(p->cp);
     env["PARALLELISM_CONFIG_TP_SIZE"] = std::to_string(p->tp);
+    if (p->pp > 1) {
+      env["PARALLELISM_CONFIG_PP_SIZE"] = std::to_string(p->pp);
+      env["PARALLELISM_CONFIG_PP_SCHEDULE"] = p->pp_schedule;
+      if (p->pp_microbatches > 0) env["PARALLELISM_CONFIG_PP_MICROBATCHES"] = std::to_string(p->pp_microbatches);
+    }
     if (p->tp_head_dim) env["PARALLELISM_CONFIG_TP_HEAD_DIM"] = std::to_string(*p->tp_head_dim);
     if (p->cp > 1) env["PARALLELISM_CONFIG_CP_COMM_STRATEGY"] = p->cp_comm_strategy;
     if (p->sp > 1) {
@@ -259,7 +264,7 @@ Settings settings_from_env(const Env& env) {
   if (use_deepspeed) s.deepspeed = deepspeed_from_env(env);
   bool any_parallelism = env.get_bool("ACCELERATE_USE_PARALLELISM_CONFIG").value_or(false);
   for (auto n : {"PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "PARALLELISM_CONFIG_DP_SHARD_SIZE", "PARALLELISM_CONFIG_CP_SIZE",
-                 "PARALLELISM_CONFIG_SP_SIZE", "PARALLELISM_CONFIG_TP_SIZE"})
+                 "PARALLELISM_CONFIG_SP_SIZE", "PARALLELISM_CONFIG_TP_SIZE", "PARALLELISM_CONFIG_PP_SIZE"})
     any_parallelism = any_parallelism || env.has(n);
   if (any_parallelism) {
     ParallelismSettings p;
@@ -267,6 +272,15 @@ Settings settings_from_env(const Env& env) {
     p.dp_shard = static_cast<int>(env.get_positive("PARALLELISM_CONFIG_DP_SHARD_SIZE", 1));
     p.cp = static_cast<int>(env.get_positive("PARALLELISM_CONFIG_CP_SIZE", 1));
     p.tp = static_cast<int>(env.get_positive("PARALLELISM_CONFIG_TP_SIZE", 1));
+    p.pp = static_cast<int>(env.get_positive("PARALLELISM_CONFIG_PP_SIZE", 1));
+    if (auto schedule = env.get("PARALLELISM_CONFIG_PP_SCHEDULE")) {
+      const auto lower = text::lower(*schedule);
+      if (lower != "gpipe" && lower != "1f1b")
+        throw ConfigError(fmt::format("PARALLELISM_CONFIG_PP_SCHEDULE={:?}: allowed values are GPipe and 1F1B", *schedule));
+      p.pp_schedule = lower == "gpipe" ? "GPipe" : "1F1B";
+    }
+    if (env.has("PARALLELISM_CONFIG_PP_MICROBATCHES"))
+      p.pp_microbatches = static_cast<int>(env.get_positive("PARALLELISM_CONFIG_PP_MICROBATCHES", 1));
     if (env.has("PARALLELISM_CONFIG_TP_HEAD_DIM")) p.tp_head_dim = env.get_positive("PARALLELISM_CONFIG_TP_HEAD_DIM", 1);
     if (auto strategy = env.get("PARALLELISM_CONFIG_CP_COMM_STRATEGY")) {
       if (*strategy != "allgather" && *strategy != "alltoall")

@@ -57,7 +57,7 @@ MeshLayout::MeshLayout(std::vector<Dim> dims, int world_size) : dims_(std::move(
 
 MeshLayout MeshLayout::from(const ParallelismSettings& p, int world_size) {
   check_sequence_split(p);
-  return MeshLayout({{MeshDim::pp, 1},
+  return MeshLayout({{MeshDim::pp, p.pp},
                      {MeshDim::dp_replicate, p.dp_replicate},
                      {MeshDim::dp_shard, p.dp_shard},
                      {MeshDim::cp, p.cp},

@@ -8,6 +8,7 @@
 #include "parallel/shard/wrap_policy.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/float8.hpp"
+#include "xlr8/pipeline.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8::parallel {
@@ -64,6 +65,24 @@ void convert_to_float8(torch::nn::Module& module, const Fp8Settings& settings, D
     log::info("prepare(): {}", report.describe());
 }
 
+// pp > 1: the model's layers in order, cut by parameters into one stage a pp rank (the first part of pipeline
+// parallelism: pp alone, a torch::nn::Sequential).
+void cut_into_stages(torch::nn::Module& module, DeviceMesh& mesh, const ParallelizeHooks& hooks) {
+  const int pp = mesh.size(MeshDim::pp);
+  if (pp != mesh.layout().world_size())
+    throw ConfigError(fmt::format("parallelism_config_pp_size {} with other parallelism sizes above 1 ({} processes): "
+                                  "pipelines compose with no other axis yet; give pp the whole job",
+                                  pp, mesh.layout().world_size()));
+  auto* sequential = module.as<torch::nn::SequentialImpl>();
+  if (!sequential || !hooks.pipeline_stage)
+    throw ConfigError(fmt::format("parallelism_config_pp_size {}: a pipeline cuts a torch::nn::Sequential into stages, "
+                                  "and this model is not one; build it as a Sequential of its layers in order",
+                                  pp));
+  auto& group = mesh.group(MeshDim::pp);
+  auto whole = torch::nn::Sequential(std::static_pointer_cast<torch::nn::SequentialImpl>(sequential->shared_from_this()));
+  hooks.pipeline_stage(pp::stage_of(whole, pp, group.rank()), group);
+}
+
 }  // namespace
 
 void split_for_tensor_parallel(torch::nn::Module& module, DeviceMesh& mesh, const ParallelPlan::TensorParallel& tensor) {
@@ -107,9 +126,8 @@ MeshDim data_parallel_dim(const DeviceMesh& mesh) {
 std::unique_ptr<ParallelStrategy> parallelize(std::shared_ptr<torch::nn::Module> module, const ParallelPlan& plan,
                                               DeviceMesh& mesh, const ParallelizeHooks& hooks) {
   if (!module) throw Error("prepare(): the model is null");
-  // 1. Pipeline stages: none until pipeline parallelism lands (the mesh's pp is 1).
-  if (plan.mesh.pp != 1)
-    throw ConfigError(fmt::format("the mesh has pp {} but xlr8 has no pipeline parallelism yet; set pp to 1", plan.mesh.pp));
+  // 1. Pipeline stages.
+  if (plan.mesh.pp > 1) cut_into_stages(*module, mesh, hooks);
   // 2. Tensor parallelism.
   split_for_tensor_parallel(*module, mesh, plan.tensor);
   if (hooks.after_tensor_parallel) hooks.after_tensor_parallel(*module);

@@ -10,6 +10,8 @@
 #include <functional>
 #include <memory>
 
+#include <torch/nn/modules/container/sequential.h>
+
 #include "xlr8/device_mesh.hpp"
 #include "xlr8/gradient_state.hpp"
 #include "xlr8/parallel_plan.hpp"
@@ -26,6 +28,8 @@ struct ParallelizeHooks {
   // JSON's sizes filled from its hidden size, values held by rank 0 only).
   std::function<void(torch::nn::Module&, ParallelOptions&)> data_parallel_options;
   std::shared_ptr<const GradientState> gradient_state;
+  // pp > 1: this rank's stage of the model (its layers, the same modules) and the pp group, for the schedule.
+  std::function<void(torch::nn::Sequential stage, Communicator& pp_group)> pipeline_stage;
 };
 
 // The dimension whose group averages gradients (and FSDP shards over): dp x cp when the sequence is split,
