@@ -26,6 +26,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps);
   app.add_option("--batch_size", batch, "Samples a step (the micro-batches split it)");
   app.add_option("--lr", lr, "SGD's learning rate");
+  std::string save_dir;
+  app.add_option("--save_state", save_dir, "Save the training state there at the end (refused under pp for now)");
   CLI11_PARSE(app, argc, argv);
   xlr8::Accelerator acc;
   acc.set_seed(0);  // the same model on every rank; each keeps its stage's layers
@@ -50,6 +52,7 @@ int main(int argc, char** argv) {
     optimizer.zero_grad();
     losses.push_back(loss);
   }
+  if (!save_dir.empty()) acc.save_state(save_dir);
   if (acc.is_main_process())
     std::cout << nlohmann::json{{"losses", losses}, {"num_processes", acc.num_processes()}, {"pp", acc.plan().mesh.pp}}
               << std::endl;

@@ -122,9 +122,7 @@ LoadPlan read_and_check(const AcceleratorImpl& s, const checkpoints::Verified& s
                             source.string(), custom.size(), fmt::join(custom, ", "), fmt::join(registered, ", ")));
   for (size_t i = 0; i < s.custom.size(); ++i) (void)saved.file(custom_file(i));  // present and intact
   for (size_t i = 0; i < s.models.size(); ++i)
-    fp8::load_delayed_state(*s.models[i]->module(),
-                            st.value("fp8", nlohmann::json::object()).value(std::to_string(i), nlohmann::json()),
-                            source.string(), /*apply=*/false);
+    fp8::load_delayed_state(*s.models[i]->module(), fp8::saved_delayed_state(st, i), source.string(), /*apply=*/false);
   auto sharded = st.value("sharded_optimizers", std::vector<bool>(s.optimizers.size(), false));
   for (size_t i = 0; i < s.optimizers.size(); ++i) {
     if (plan.portable->optimizers[i].portable) continue;
@@ -165,9 +163,7 @@ void apply_training_state(AcceleratorImpl& s, const checkpoints::Verified& saved
   for (size_t i = 0; i < s.custom.size(); ++i)
     s.custom[i].load(saved.file(custom_file(i)), (source / custom_file(i)).string());
   for (size_t i = 0; i < s.models.size(); ++i)
-    fp8::load_delayed_state(*s.models[i]->module(),
-                            st.value("fp8", nlohmann::json::object()).value(std::to_string(i), nlohmann::json()),
-                            source.string(), /*apply=*/true);
+    fp8::load_delayed_state(*s.models[i]->module(), fp8::saved_delayed_state(st, i), source.string(), /*apply=*/true);
   s.micro_step = st.value("micro_step", int64_t{0});
   s.save_iteration = st.value("save_iteration", int64_t{0});
   s.seed = st.value("seed", uint64_t{0});
@@ -182,6 +178,7 @@ void apply_training_state(AcceleratorImpl& s, const checkpoints::Verified& saved
 }  // namespace
 
 std::string Accelerator::save_state(const std::string& dir) {
+  impl_->refuse_under_pipeline("save_state()");
   return checkpoints::filesystem_guard(fmt::format("save_state({:?})", dir), [&] { return save_state_unguarded(dir); });
 }
 
@@ -317,6 +314,7 @@ void Accelerator::load_optimizer_archive(torch::optim::Optimizer& optimizer, con
 }
 
 void Accelerator::save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const {
+  impl_->refuse_under_pipeline("save_model()");
   // The size is parsed on every rank: a bad one fails them all.
   write_full_model(*impl_, module, dir, checkpoints::parse_size(max_shard_size));
 }

@@ -1,5 +1,7 @@
 #pragma once
 // Internal state of xlr8::Accelerator, shared by accelerator.cpp and the checkpoint code.
+#include <fmt/format.h>
+
 #include <fstream>
 #include <map>
 #include <optional>
@@ -13,6 +15,7 @@
 #include "step/training_view.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/context_parallel.hpp"
+#include "xlr8/error.hpp"
 #include "xlr8/loss_scaler.hpp"
 #include "xlr8/parallel_plan.hpp"
 
@@ -41,6 +44,13 @@ struct AcceleratorImpl {
   int open_scopes = 0;      // StepScopes alive (accumulate / no_sync): free_memory must not run inside one
   std::vector<std::unique_ptr<ParallelStrategy>> models;  // one per prepared model, in prepare() order
   std::unique_ptr<pp::Pipeline> pipeline;                  // pp > 1: this rank's stage of the prepared model
+  // Checkpoints and clipping across stages are not built for pipelines yet: refused, never wrong.
+  void refuse_under_pipeline(const char* what) const {
+    if (plan.mesh.pp > 1)
+      throw ConfigError(fmt::format("{} under parallelism_config_pp_size {} is not built yet (each stage holds part of "
+                                    "the model; issue 46)",
+                                    what, plan.mesh.pp));
+  }
   std::vector<std::shared_ptr<PreparedOptimizer::State>> optimizers;
   std::vector<std::shared_ptr<PreparedScheduler::State>> schedulers;
   std::vector<std::weak_ptr<DataLoaderBase>> loaders;

@@ -327,6 +327,7 @@ GradNorm Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, 
 }
 
 GradNorm AcceleratorImpl::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
+  refuse_under_pipeline("clip_grad_norm()");
   auto& s = *this;
   if (!s.gradient_state->sync_gradients) return GradNorm();
   s.unscale_gradients();

@@ -56,6 +56,10 @@ class LinearState {
 // another history length. `apply` false checks only (a checkpoint is checked whole before anything changes).
 nlohmann::json delayed_state_of(torch::nn::Module& model);
 void load_delayed_state(torch::nn::Module& model, const nlohmann::json& saved, const std::string& origin, bool apply);
+// Model `model`'s part of a checkpoint state's "fp8" (null when it has none).
+inline nlohmann::json saved_delayed_state(const nlohmann::json& state, size_t model) {
+  return state.value("fp8", nlohmann::json::object()).value(std::to_string(model), nlohmann::json());
+}
 
 // input @ weight^T in fp8 by the state's recipe (no bias), in the compute dtype: autocast's where it is on for the
 // input's device, else the input's. `training` records delayed amaxes; evaluation uses the scales it has.

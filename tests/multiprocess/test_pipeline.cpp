@@ -54,4 +54,11 @@ TEST(PipelineLaunch, APipelineThatCannotBeFormedIsOneLineBeforeTraining) {
   auto uneven = launch_pipeline(2, {"--parallelism_config_pp_size", "2", "--parallelism_config_pp_microbatches", "5"});
   EXPECT_NE(uneven.exit_code, 0);
   EXPECT_NE(uneven.err.find("does not split into 5 equal micro-batches"), std::string::npos) << uneven.err;
+  // What a pipeline cannot do yet is refused, never done wrong: a checkpoint holds every stage's part.
+  auto save = run({kXlr8, "launch", "--num_processes", "2", "--parallelism_config_pp_size", "2", kPipeline, "--steps",
+                   "1", "--save_state", temp_dir("pp-save")},
+                  120);
+  EXPECT_NE(save.exit_code, 0);
+  EXPECT_NE(save.err.find("save_state() under parallelism_config_pp_size 2 is not built yet"), std::string::npos)
+      << save.err;
 }

@@ -157,7 +157,11 @@ int main(int argc, char** argv) {
   }
   if (mode == "leak-segment") {
     auto segment = xlr8::os::SharedSegment::create(xlr8::os::new_segment_name(), 4096);
-    std::ofstream(fmt::format("{}/segment{}", argv[2], rank())) << segment->name() << std::flush;
+    // Renamed into place: the launcher may stop this rank at any moment once the other one died, and a test that
+    // sees segment<R> must find the whole name in it (an empty file failed the test under load).
+    const auto partial = fmt::format("{}/.segment{}.partial", argv[2], rank());
+    std::ofstream(partial) << segment->name() << std::flush;
+    std::filesystem::rename(partial, fmt::format("{}/segment{}", argv[2], rank()));
     std::raise(SIGKILL);
   }
   if (mode == "matmul-mismatch") {
