@@ -282,6 +282,39 @@ Settings LaunchConfig::settings() const {
   return s;
 }
 
+namespace {
+
+// parallelism_config, as Accelerate writes it, with xlr8's keys (tp_head_dim, pp) where they are set.
+void write_parallelism(YAML::Emitter& out, const ParallelismSettings& p) {
+  out << YAML::Key << "parallelism_config" << YAML::Value << YAML::BeginMap;
+  out << YAML::Key << "parallelism_config_dp_replicate_size" << YAML::Value << p.dp_replicate;
+  out << YAML::Key << "parallelism_config_dp_shard_size" << YAML::Value << p.dp_shard;
+  out << YAML::Key << "parallelism_config_cp_size" << YAML::Value << p.cp;
+  out << YAML::Key << "parallelism_config_tp_size" << YAML::Value << p.tp;
+  if (p.pp > 1) {
+    out << YAML::Key << "parallelism_config_pp_size" << YAML::Value << p.pp;
+    out << YAML::Key << "parallelism_config_pp_schedule" << YAML::Value << p.pp_schedule;
+    if (p.pp_microbatches > 0)
+      out << YAML::Key << "parallelism_config_pp_microbatches" << YAML::Value << p.pp_microbatches;
+  }
+  if (p.tp_head_dim)
+    out << YAML::Key << "parallelism_config_tp_head_dim" << YAML::Value << *p.tp_head_dim;
+  if (p.cp > 1)
+    out << YAML::Key << "parallelism_config_cp_comm_strategy" << YAML::Value << p.cp_comm_strategy;
+  if (p.sp > 1) {
+    out << YAML::Key << "parallelism_config_sp_size" << YAML::Value << p.sp;
+    out << YAML::Key << "parallelism_config_sp_backend" << YAML::Value << "deepspeed";
+    if (p.sp_seq_length)
+      out << YAML::Key << "parallelism_config_sp_seq_length" << YAML::Value << *p.sp_seq_length;
+    out << YAML::Key << "parallelism_config_sp_seq_length_is_variable" << YAML::Value
+        << p.sp_seq_length_is_variable;
+    out << YAML::Key << "parallelism_config_sp_attn_implementation" << YAML::Value << "sdpa";
+  }
+  out << YAML::EndMap;
+}
+
+}  // namespace
+
 std::string to_yaml(const LaunchConfig& c) {
   YAML::Emitter out;
   out << YAML::BeginMap;
@@ -334,33 +367,7 @@ std::string to_yaml(const LaunchConfig& c) {
         << YAML::Value << c.mpirun_hostfile << YAML::EndMap;
   out << YAML::Key << "num_machines" << YAML::Value << c.num_machines;
   out << YAML::Key << "num_processes" << YAML::Value << c.num_processes;
-  if (c.parallelism) {
-    out << YAML::Key << "parallelism_config" << YAML::Value << YAML::BeginMap;
-    out << YAML::Key << "parallelism_config_dp_replicate_size" << YAML::Value << c.parallelism->dp_replicate;
-    out << YAML::Key << "parallelism_config_dp_shard_size" << YAML::Value << c.parallelism->dp_shard;
-    out << YAML::Key << "parallelism_config_cp_size" << YAML::Value << c.parallelism->cp;
-    out << YAML::Key << "parallelism_config_tp_size" << YAML::Value << c.parallelism->tp;
-    if (c.parallelism->pp > 1) {
-      out << YAML::Key << "parallelism_config_pp_size" << YAML::Value << c.parallelism->pp;
-      out << YAML::Key << "parallelism_config_pp_schedule" << YAML::Value << c.parallelism->pp_schedule;
-      if (c.parallelism->pp_microbatches > 0)
-        out << YAML::Key << "parallelism_config_pp_microbatches" << YAML::Value << c.parallelism->pp_microbatches;
-    }
-    if (c.parallelism->tp_head_dim)
-      out << YAML::Key << "parallelism_config_tp_head_dim" << YAML::Value << *c.parallelism->tp_head_dim;
-    if (c.parallelism->cp > 1)
-      out << YAML::Key << "parallelism_config_cp_comm_strategy" << YAML::Value << c.parallelism->cp_comm_strategy;
-    if (c.parallelism->sp > 1) {
-      out << YAML::Key << "parallelism_config_sp_size" << YAML::Value << c.parallelism->sp;
-      out << YAML::Key << "parallelism_config_sp_backend" << YAML::Value << "deepspeed";
-      if (c.parallelism->sp_seq_length)
-        out << YAML::Key << "parallelism_config_sp_seq_length" << YAML::Value << *c.parallelism->sp_seq_length;
-      out << YAML::Key << "parallelism_config_sp_seq_length_is_variable" << YAML::Value
-          << c.parallelism->sp_seq_length_is_variable;
-      out << YAML::Key << "parallelism_config_sp_attn_implementation" << YAML::Value << "sdpa";
-    }
-    out << YAML::EndMap;
-  }
+  if (c.parallelism) write_parallelism(out, *c.parallelism);
   out << YAML::Key << "rdzv_backend" << YAML::Value << c.rdzv_backend;
   out << YAML::Key << "same_network" << YAML::Value << c.same_network;
   out << YAML::Key << "use_cpu" << YAML::Value << c.use_cpu;

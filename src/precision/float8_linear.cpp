@@ -108,20 +108,21 @@ Groups groups_for(AmaxGroups& g, Spread what) {
 at::Tensor forward_product(const at::Tensor& x, const at::Tensor& w, Call& call) {
   auto& state = *call.state;
   const auto& recipe = state.recipe();
-  auto& groups = state.groups;
+  // Evaluation reduces nothing: ranks may evaluate different numbers of batches, and no gradient depends on it.
+  auto spread = [&](Spread what) { return call.training ? groups_for(state.groups, what) : Groups{}; };
   if (recipe.scaling == Scaling::Rowwise) {
-    auto xs = cast_dynamic(x, kE4M3, 1, groups_for(groups, Spread::ContractionIn));
-    auto ws = cast_dynamic(w, kE4M3, 1, groups_for(groups, Spread::ContractionIn));
+    auto xs = cast_dynamic(x, kE4M3, 1, spread(Spread::ContractionIn));
+    auto ws = cast_dynamic(w, kE4M3, 1, spread(Spread::ContractionIn));
     return scaled_mm(xs.data, ws.data.t(), xs.scale, ws.scale.t(), call.compute);
   }
   Cast xs, ws;
   if (recipe.scaling == Scaling::Tensorwise) {
-    xs = cast_dynamic(x, kE4M3, -1, groups_for(groups, Spread::Input));
-    ws = cast_dynamic(w, kE4M3, -1, groups_for(groups, Spread::Weight));
+    xs = cast_dynamic(x, kE4M3, -1, spread(Spread::Input));
+    ws = cast_dynamic(w, kE4M3, -1, spread(Spread::Weight));
   } else {
     const bool record = call.training && !recompute::recomputing();
-    xs = cast_delayed(x, kE4M3, state.input, recipe, groups_for(groups, Spread::Input), record, /*forward=*/true);
-    ws = cast_delayed(w, kE4M3, state.weight, recipe, groups_for(groups, Spread::Weight), record, /*forward=*/true);
+    xs = cast_delayed(x, kE4M3, state.input, recipe, spread(Spread::Input), record, /*forward=*/true);
+    ws = cast_delayed(w, kE4M3, state.weight, recipe, spread(Spread::Weight), record, /*forward=*/true);
   }
   call.input8 = xs.data;
   call.input_scale = xs.scale;

@@ -380,9 +380,7 @@ int advise(const LaunchRequest& request, const AdviseOptions& a) {
   // At least one warm-up step: the first one allocates, and the clock starts at a step's end.
   if (a.steps < 1 || a.warmup < 1) throw ConfigError("--steps and --warmup must be 1 or more");
   const LaunchOptions base = plan_launch(request);
-  if (base.settings.mixed_precision == MixedPrecision::FP8)  // its candidates would lose the fp8_config section
-    throw ConfigError("xlr8 advise does not measure fp8 candidates yet; advise in bf16, then launch the one it chooses "
-                      "with --mixed_precision fp8");
+  if (base.settings.mixed_precision == MixedPrecision::FP8) throw ConfigError("xlr8 advise: fp8 is not measured yet; advise in bf16");
   if (base.elastic || !base.mpirun_hostfile.empty())
     throw ConfigError("xlr8 advise starts each machine's processes itself: give --num_processes N (and on several "
                       "machines --num_machines, --machine_rank, --main_process_ip, --main_process_port on each)");
