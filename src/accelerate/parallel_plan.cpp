@@ -117,7 +117,7 @@ ParallelPlan resolve_plan(const PlanInputs& in, const Env& env) {
 
 namespace {
 
-// ", fp8 tensorwise (AO; bf16 elsewhere)": the recipe the model's Linear layers compute with.
+// " (tensorwise scaling, backend AO; ...)": the recipe the model's Linear layers compute with.
 std::string fp8_text(const Fp8Settings& f) {
   const auto recipe = fp8::recipe_from(f);
   return fmt::format(" ({} scaling, backend {}; bf16 autocast around the fp8 layers)", fp8::to_string(recipe.scaling),

@@ -21,13 +21,21 @@ int tag_of(int micro_batch, Action::Kind kind, bool header) {
 }
 
 at::Tensor header_of(const at::Tensor& t) {
-  if (t.dim() > kMaxDims) throw Error(fmt::format("pipeline: a stage's output has {} dimensions; at most {}", t.dim(), kMaxDims));
+  if (t.dim() > kMaxDims)
+    throw Error(fmt::format("pipeline: a stage's output has {} dimensions; at most {}", t.dim(), kMaxDims));
   auto header = at::zeros({2 + kMaxDims}, at::kLong);
   auto h = header.accessor<int64_t, 1>();
   h[0] = static_cast<int64_t>(t.scalar_type());
   h[1] = t.dim();
   for (int64_t d = 0; d < t.dim(); ++d) h[2 + d] = t.size(d);
   return header;
+}
+
+// Where the stage computes (its parameters' device; the CPU for a stage without any): the transfers' tensors live
+// there, as NCCL sends device tensors only.
+at::Device device_of(const torch::nn::Sequential& stage) {
+  const auto parameters = stage->parameters();
+  return parameters.empty() ? at::Device(at::kCPU) : parameters.front().device();
 }
 
 }  // namespace
@@ -40,7 +48,7 @@ Pipeline::Pipeline(torch::nn::Sequential stage, Communicator group, Schedule sch
 
 void Pipeline::send(const at::Tensor& tensor, int to, int tag) {
   auto values = tensor.detach().contiguous();
-  auto header = header_of(values);
+  auto header = header_of(values).to(values.device());  // NCCL sends device tensors only
   pending_.push_back(group_.send_async(header, to, tag));
   pending_.push_back(group_.send_async(values, to, tag + 1));
   in_flight_.push_back(header);
@@ -50,13 +58,18 @@ void Pipeline::send(const at::Tensor& tensor, int to, int tag) {
 
 at::Tensor Pipeline::receive(int from, int tag, std::vector<int64_t>& agreed, const char* what) {
   const auto started = std::chrono::steady_clock::now();
-  auto header = at::zeros({2 + kMaxDims}, at::kLong);
+  const auto device = device_of(stage_);
+  auto header = at::zeros({2 + kMaxDims}, at::TensorOptions().dtype(at::kLong).device(device));
   group_.recv(header, from, tag);
-  std::vector<int64_t> described(header.data_ptr<int64_t>(), header.data_ptr<int64_t>() + 2 + header[1].item<int64_t>());
+  header = header.cpu();
+  const int64_t* h = header.data_ptr<int64_t>();
+  std::vector<int64_t> described(h, h + 2 + h[1]);
   if (agreed.empty()) {
     agreed = described;
   } else if (described != agreed) {
-    auto sizes = [](const std::vector<int64_t>& d) { return fmt::format("[{}]", fmt::join(d.begin() + 2, d.end(), ", ")); };
+    auto sizes = [](const std::vector<int64_t>& d) {
+      return fmt::format("[{}]", fmt::join(d.begin() + 2, d.end(), ", "));
+    };
     throw Error(fmt::format("pipeline stage {}: the {} from stage {} has shape {} in this micro-batch and {} in the "
                             "step's first; every micro-batch of a step must have the same shape (split the batch "
                             "evenly)",
@@ -64,14 +77,14 @@ at::Tensor Pipeline::receive(int from, int tag, std::vector<int64_t>& agreed, co
   }
   std::vector<int64_t> sizes(described.begin() + 2, described.end());
   const auto dtype = static_cast<at::ScalarType>(described[0]);
-  auto device = stage_->parameters().empty() ? at::Device(at::kCPU) : stage_->parameters().front().device();
   auto values = at::empty(sizes, at::TensorOptions().dtype(dtype).device(device));
   group_.recv(values, from, tag + 1);
   wait_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   return values;
 }
 
-double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, const LossFn& loss) {
+double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+                      const LossFn& loss) {
   const int stages = group_.size(), s = group_.rank(), m = micro_batches_;
   const bool first = s == 0, last = s == stages - 1;
   if (first && static_cast<int>(inputs.size()) != m)
@@ -94,7 +107,8 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
   for (const auto& [kind, k] : actions(schedule_, stages, m, s)) {
     if (kind == Action::Forward) {
       auto x = first ? inputs[k]
-                     : receive(s - 1, tag_of(k, Action::Forward, true), agreed_activation, "activation").requires_grad_(true);
+                     : receive(s - 1, tag_of(k, Action::Forward, true), agreed_activation, "activation")
+                           .requires_grad_(true);
       auto y = stage_->forward(x);
       if (last) {
         auto value = loss(y, targets[k]);
@@ -124,8 +138,9 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
   for (auto& work : pending_) work.wait();
   pending_.clear();
   in_flight_.clear();
-  group_.broadcast(loss_sum, stages - 1);
-  return loss_sum.item<double>() / m;
+  auto on_device = loss_sum.to(device_of(stage_));
+  group_.broadcast(on_device, stages - 1);
+  return on_device.item<double>() / m;
 }
 
 }  // namespace xlr8::pp

@@ -69,7 +69,8 @@ std::vector<std::pair<size_t, size_t>> partition(const std::vector<int64_t>& lay
     running[i + 1] = running[i] + static_cast<double>(std::max<int64_t>(layer_parameters[i], 1));
   size_t begin = 0;
   for (int s = 0; s < stages; ++s) {
-    size_t end = layers - static_cast<size_t>(stages - 1 - s);  // the latest end that leaves a layer for each later stage
+    // The latest end that leaves a layer for each later stage.
+    size_t end = layers - static_cast<size_t>(stages - 1 - s);
     if (s + 1 < stages) {
       const double target = running[layers] * (s + 1) / stages;
       size_t cut = begin + 1;
