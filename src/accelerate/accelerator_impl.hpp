@@ -44,7 +44,7 @@ struct AcceleratorImpl {
   int open_scopes = 0;      // StepScopes alive (accumulate / no_sync): free_memory must not run inside one
   std::vector<std::unique_ptr<ParallelStrategy>> models;  // one per prepared model, in prepare() order
   std::unique_ptr<pp::Pipeline> pipeline;                  // pp > 1: this rank's stage of the prepared model
-  // Checkpoints and clipping across stages are not built for pipelines yet: refused, never wrong.
+  // Checkpoints of a pipeline are not built yet: refused, never wrong.
   void refuse_under_pipeline(const char* what) const {
     if (plan.mesh.pp > 1)
       throw ConfigError(fmt::format("{} under parallelism_config_pp_size {} is not built yet (each stage holds part of "

@@ -13,6 +13,7 @@
 #include "parallel/recompute/recompute.hpp"
 #include "parallel/sequence/cp_ring.hpp"
 #include "accelerate/accelerator_impl.hpp"
+#include "parallel/grad_norm.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
@@ -327,7 +328,14 @@ GradNorm Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, 
 }
 
 GradNorm AcceleratorImpl::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
-  refuse_under_pipeline("clip_grad_norm()");
+  if (pipeline) {  // each stage holds part of the gradients: its total joins the other stages' over the pp group
+    std::vector<at::Tensor> grads;
+    for (const auto& p : parameters)
+      if (p.grad().defined()) grads.push_back(p.grad());
+    auto total = parallel::partial_norm(grads, norm_type, grads.empty() ? device : grads.front().device());
+    state->mesh().group(MeshDim::pp).all_reduce(total, std::isinf(norm_type) ? ReduceOp::MAX : ReduceOp::SUM);
+    return GradNorm(parallel::scale_to_norm(total, {&grads}, max_norm, norm_type));
+  }
   auto& s = *this;
   if (!s.gradient_state->sync_gradients) return GradNorm();
   s.unscale_gradients();

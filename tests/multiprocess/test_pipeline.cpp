@@ -43,6 +43,33 @@ TEST(PipelineLaunch, EachScheduleOnTwoThreeAndFourStagesWithFourAndEightMicroBat
       }
 }
 
+// Clipping spans every stage: the global norm (each stage's part summed over the pp group) is one process's, and
+// clipping at half of it trains as one process does.
+TEST(PipelineLaunch, ClippingTheGradientNormSpansEveryStage) {
+  auto one = launch_pipeline(1, {});
+  Args clip{"--max_grad_norm", "0.05"};
+  auto run_with = [&](int processes, Args launcher) {
+    launcher.push_back(kPipeline);
+    Args command{kXlr8, "launch", "--num_processes", std::to_string(processes)};
+    command.insert(command.end(), launcher.begin(), launcher.end());
+    command.insert(command.end(), clip.begin(), clip.end());
+    auto r = run(command, 120);
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    return r.exit_code == 0 ? last_json(r.out) : nlohmann::json::object();
+  };
+  const auto whole = run_with(1, {});
+  const auto norms = whole.value("grad_norms", std::vector<double>{});
+  ASSERT_EQ(norms.size(), 8u);
+  EXPECT_GT(norms.front(), 0.05);  // clipping acts
+  for (int stages : {2, 3}) {
+    SCOPED_TRACE("pp " + std::to_string(stages));
+    const auto got = run_with(stages, {"--parallelism_config_pp_size", std::to_string(stages)});
+    expect_close(got.value("grad_norms", std::vector<double>{}), norms, 1e-6);
+    expect_close(got.value("losses", std::vector<double>{}), whole.value("losses", std::vector<double>{}), 1e-6);
+  }
+  EXPECT_NE(losses_of(one), whole.value("losses", std::vector<double>{}));  // clipping changed the training
+}
+
 TEST(PipelineLaunch, APipelineThatCannotBeFormedIsOneLineBeforeTraining) {
   auto unknown = launch_pipeline(2, {"--parallelism_config_pp_size", "2", "--parallelism_config_pp_schedule", "zb"});
   EXPECT_NE(unknown.exit_code, 0);
