@@ -37,12 +37,15 @@ std::string env(const char* name) {
   return v ? v : "";
 }
 int rank() { return std::atoi(env("RANK").c_str()); }
-// Written under another name and renamed: a test that sees pid<R> must find the number in it, not an empty file.
-void write_pid(const std::string& dir) {
-  const auto partial = fmt::format("{}/.pid{}.partial", dir, rank());  // not "pid*": tests count those
-  std::ofstream(partial) << getpid();
-  std::filesystem::rename(partial, fmt::format("{}/pid{}", dir, rank()));
+// DIR/<name><R> holding `text`, written under another name and renamed: a test that sees the file must find all of
+// it there, never an empty file of a rank stopped mid-write (the partial name does not start with <name>: tests
+// count those files).
+void write_whole(const std::string& dir, const std::string& name, const std::string& text) {
+  const auto partial = fmt::format("{}/.{}{}.partial", dir, name, rank());
+  std::ofstream(partial) << text << std::flush;
+  std::filesystem::rename(partial, fmt::format("{}/{}{}", dir, name, rank()));
 }
+void write_pid(const std::string& dir) { write_whole(dir, "pid", std::to_string(getpid())); }
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -157,11 +160,7 @@ int main(int argc, char** argv) {
   }
   if (mode == "leak-segment") {
     auto segment = xlr8::os::SharedSegment::create(xlr8::os::new_segment_name(), 4096);
-    // Renamed into place: the launcher may stop this rank at any moment once the other one died, and a test that
-    // sees segment<R> must find the whole name in it (an empty file failed the test under load).
-    const auto partial = fmt::format("{}/.segment{}.partial", argv[2], rank());
-    std::ofstream(partial) << segment->name() << std::flush;
-    std::filesystem::rename(partial, fmt::format("{}/segment{}", argv[2], rank()));
+    write_whole(argv[2], "segment", segment->name());  // the launcher may stop this rank once the other one died
     std::raise(SIGKILL);
   }
   if (mode == "matmul-mismatch") {
