@@ -2,19 +2,35 @@
 //   xlr8 launch --num_processes 4 --parallelism_config_pp_size 4 build/bin/pipeline
 // each of the 4 ranks runs a stage of the layers, and one step's batch flows through them in micro-batches
 // (--parallelism_config_pp_schedule GPipe | 1F1B, --parallelism_config_pp_microbatches M). On one process it is
-// the same training, step for step. Prints one JSON line: every step's loss (and gradient norm with clipping).
+// the same training, step for step, and so it is with each stage data- or tensor-parallel over the other ranks
+// (--parallelism_config_dp_replicate_size, --use_fsdp --parallelism_config_dp_shard_size, _tp_size). Prints one
+// JSON line: every step's loss (and gradient norm with clipping).
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
+#include <xlr8/nn.hpp>
 #include <xlr8/xlr8.hpp>
 
 namespace {
 
-// 9 layers of uneven widths: cut by parameters, the stages hold different numbers of them.
+// A residual block whose layers AutoTP recognises by name (fc1 column-wise, fc2 row-wise), so that a stage can
+// also be tensor-parallel (xlr8::nn::Linear: the layer whose forward takes tp's collectives).
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(int64_t width, int64_t hidden)
+      : fc1(register_module("fc1", xlr8::nn::Linear(width, hidden))),
+        fc2(register_module("fc2", xlr8::nn::Linear(hidden, width))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return x + fc2(torch::tanh(fc1(x))); }
+  xlr8::nn::Linear fc1, fc2;
+};
+TORCH_MODULE(Block);
+
+// Blocks of uneven widths and a head: cut by parameters, the stages hold different numbers of layers.
 torch::nn::Sequential mlp() {
-  return torch::nn::Sequential(torch::nn::Linear(16, 64), torch::nn::Tanh(), torch::nn::Linear(64, 32), torch::nn::Tanh(),
-                               torch::nn::Linear(32, 32), torch::nn::Tanh(), torch::nn::Linear(32, 48), torch::nn::Tanh(),
-                               torch::nn::Linear(48, 4));
+  torch::nn::Sequential model;
+  int index = 0;
+  for (int64_t hidden : {64, 32, 48, 24, 40}) model->push_back("block" + std::to_string(index++), Block(16, hidden));
+  model->push_back("head", xlr8::nn::Linear(16, 4));
+  return model;
 }
 
 }  // namespace
@@ -29,22 +45,33 @@ int main(int argc, char** argv) {
   double max_grad_norm = 0;
   app.add_option("--max_grad_norm", max_grad_norm, "Clip the gradients' global norm to this (0: no clipping)");
   std::string save_dir;
-  app.add_option("--save_state", save_dir, "Save the training state there at the end (refused under pp for now)");
+  app.add_option("--save_state", save_dir, "Save the training state there at the end");
+  std::string load_dir;
+  app.add_option("--load_state", load_dir, "Resume from the training state saved there (any pp x dp x tp layout)");
   CLI11_PARSE(app, argc, argv);
   xlr8::Accelerator acc;
   acc.set_seed(0);  // the same model on every rank; each keeps its stage's layers
   auto model = acc.prepare(mlp());
   auto optimizer = acc.prepare(torch::optim::SGD(model->parameters(), lr));
   const auto teacher = torch::randn({16, 4});  // the function to learn: tanh(x @ teacher)
+  if (!load_dir.empty()) acc.load_state(load_dir);  // the parameters and the optimizer's step count
   const bool pipelined = acc.plan().mesh.pp > 1;
   auto mse = [](const torch::Tensor& y, const torch::Tensor& target) { return torch::mse_loss(y, target); };
   nlohmann::json losses = nlohmann::json::array(), norms = nlohmann::json::array();
   for (int step = 0; step < steps; ++step) {
-    auto x = torch::randn({batch, 16});
+    // Step k's batch comes from a generator of its own (seeded by k, restored from the optimizer's step count on
+    // resume), so every rank draws it alike whatever layout saved or resumed the run.
+    auto data = at::detail::createCPUGenerator(static_cast<uint64_t>(1000 + optimizer.steps_taken()));
+    auto x = torch::randn({batch, 16}, data);
     auto target = torch::tanh(x.matmul(teacher));
     double loss = 0;
     if (pipelined) {
-      loss = acc.pipeline_step(x, target, mse);
+      // Each data-parallel replica of the pipeline takes its share of the batch; the mean over the replicas is
+      // the whole batch's loss (every rank of a replica holds its loss: the mean over all ranks is that mean).
+      const auto& mesh = acc.state().mesh();
+      const auto dp = mesh.size(xlr8::MeshDim::dp), dp_rank = mesh.rank(xlr8::MeshDim::dp);
+      const double mine = acc.pipeline_step(x.chunk(dp)[dp_rank], target.chunk(dp)[dp_rank], mse);
+      loss = acc.reduce(torch::tensor(mine, torch::kDouble)).item<double>() / acc.num_processes();
     } else {
       auto value = mse(model->forward(x.to(acc.device())), target.to(acc.device()));
       acc.backward(value);
@@ -57,6 +84,10 @@ int main(int argc, char** argv) {
   }
   if (!save_dir.empty()) acc.save_state(save_dir);
   if (acc.is_main_process())
-    std::cout << nlohmann::json{{"losses", losses}, {"grad_norms", norms}, {"num_processes", acc.num_processes()}, {"pp", acc.plan().mesh.pp}}
+    std::cout << nlohmann::json{{"losses", losses},
+                                {"grad_norms", norms},
+                                {"num_processes", acc.num_processes()},
+                                {"pp", acc.plan().mesh.pp},
+                                {"parallel", acc.parallel_stats(model)}}
               << std::endl;
 }

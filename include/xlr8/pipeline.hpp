@@ -10,8 +10,9 @@
 //   double loss = pipe.step(inputs, targets, loss_fn);                     // forward and backward of the step
 //   optimizer.step();
 //
-// Not yet: the Accelerator's and the DeepSpeed engine's API, the configuration keys, composition with data and
-// tensor parallelism, checkpoints, interleaved and zero-bubble schedules.
+// Under the Accelerator (parallelism_config_pp_size, Accelerator::pipeline_step) a stage is also data- and
+// tensor-parallel over the ranks that hold the same stage. Not yet: the DeepSpeed engine's API, checkpoints,
+// interleaved and zero-bubble schedules.
 #include <ATen/core/Tensor.h>
 #include <torch/nn/modules/container/sequential.h>
 
@@ -66,6 +67,11 @@ class Pipeline {
   // gradients of the mean loss over the micro-batches. Returns that mean loss on every stage.
   double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, const LossFn& loss);
 
+  // Called before each backward of a step with whether it is this stage's last: the micro-batches are gradient
+  // accumulation steps, so data parallelism reduces the stage's gradients in that one (as torchtitan's FSDP under
+  // pp), not in every micro-batch's.
+  void set_before_backward(std::function<void(bool last_of_step)> hook) { before_backward_ = std::move(hook); }
+
   // Seconds this stage spent waiting for a neighbour in the last step, and the bytes it sent.
   double last_wait_seconds() const { return wait_seconds_; }
   int64_t last_bytes_sent() const { return bytes_sent_; }
@@ -84,6 +90,7 @@ class Pipeline {
   Communicator group_;
   Schedule schedule_;
   int micro_batches_;
+  std::function<void(bool)> before_backward_;
   double wait_seconds_ = 0;
   int64_t bytes_sent_ = 0;
 };

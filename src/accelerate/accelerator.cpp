@@ -25,6 +25,8 @@ namespace xlr8 {
 ParallelStrategy* AcceleratorImpl::strategy_for(const torch::nn::Module* module) const {
   for (const auto& m : models)
     if (m->module().get() == module) return m.get();
+  // Under pp the program holds the whole model; the strategy holds this rank's stage of it.
+  if (pipeline && pipelined_model.get() == module) return models.front().get();
   return nullptr;
 }
 
@@ -282,14 +284,15 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
     if (values_from_rank0) parallel.zero.values_from_rank0 = true;
   };
   hooks.gradient_state = s.gradient_state;
-  hooks.pipeline_stage = [&](torch::nn::Sequential stage, Communicator& group) {
-    if (s.pipeline) throw ConfigError("prepare(): under pp > 1 one model is prepared (the pipeline's)");
-    s.pipeline = std::make_unique<pp::Pipeline>(std::move(stage), group, pp::parse_schedule(s.plan.pipeline.schedule),
-                                                s.plan.pipeline.micro_batches);
-  };
+  if (s.plan.mesh.pp > 1 && !s.models.empty())
+    throw ConfigError("prepare(): under parallelism_config_pp_size > 1 one model is prepared (the pipeline's)");
   s.models.push_back(parallel::parallelize(module, s.plan, s.state->mesh(), hooks));
   auto* strategy = s.models.back().get();
-  for (const auto& o : s.optimizers) strategy->bind_optimizer(*o->optimizer);  // prepared before the model
+  if (s.plan.mesh.pp > 1) s.start_pipeline(module);
+  for (const auto& o : s.optimizers) {  // prepared before the model
+    s.keep_stage_parameters(*o->optimizer);
+    strategy->bind_optimizer(*o->optimizer);
+  }
 }
 
 PreparedOptimizer Accelerator::prepare_optimizer(std::shared_ptr<torch::optim::Optimizer> optimizer) {
@@ -298,6 +301,7 @@ PreparedOptimizer Accelerator::prepare_optimizer(std::shared_ptr<torch::optim::O
   for (const auto& o : s.optimizers)
     if (o->optimizer == optimizer) throw Error("prepare(): this optimizer was already prepared; prepare it once");
   if (s.deepspeed) optimizer = s.deepspeed->optimizer_for(std::move(optimizer));  // a DummyOptim: the JSON's
+  s.keep_stage_parameters(*optimizer);
   // A sharded model's optimizer works on this rank's shards of the parameters it was given.
   for (const auto& model : s.models) model->bind_optimizer(*optimizer);
   auto state = std::make_shared<PreparedOptimizer::State>();

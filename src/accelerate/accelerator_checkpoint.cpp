@@ -178,7 +178,6 @@ void apply_training_state(AcceleratorImpl& s, const checkpoints::Verified& saved
 }  // namespace
 
 std::string Accelerator::save_state(const std::string& dir) {
-  impl_->refuse_under_pipeline("save_state()");
   return checkpoints::filesystem_guard(fmt::format("save_state({:?})", dir), [&] { return save_state_unguarded(dir); });
 }
 
@@ -234,9 +233,9 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
     }
     content.state["sharded_optimizers"] = sharded;
     content.state["models_sharded"] = sharded_models;
-    for (const auto& m : s.models) {  // the order merge-weights writes them in
+    for (const auto& m : s.models) {  // the order merge-weights writes them in (under pp, the whole model's)
       std::vector<std::string> names;
-      for (const auto& [name, t] : module_state_dict(*m->module())) names.push_back(name);
+      for (const auto& [name, t] : module_state_dict(s.pipeline ? *s.pipelined_model : *m->module())) names.push_back(name);
       content.state["model_tensors"].push_back(names);
     }
     record_training_state(s, content.state);

@@ -44,6 +44,13 @@ struct AcceleratorImpl {
   int open_scopes = 0;      // StepScopes alive (accumulate / no_sync): free_memory must not run inside one
   std::vector<std::unique_ptr<ParallelStrategy>> models;  // one per prepared model, in prepare() order
   std::unique_ptr<pp::Pipeline> pipeline;                  // pp > 1: this rank's stage of the prepared model
+  std::shared_ptr<torch::nn::Module> pipelined_model;      // and the whole model the program holds
+  // The pipeline over models.front() (the stage's strategy): its backwards accumulate, the step's last reduces.
+  void start_pipeline(std::shared_ptr<torch::nn::Module> whole);
+  // Under pp an optimizer over the whole model's parameters keeps this stage's only (no state for the others).
+  void keep_stage_parameters(torch::optim::Optimizer& optimizer) const;
+  // Clipping under pp: every stage's gradients, each stage's norm (over its dp and tp peers) joined over the pp group.
+  GradNorm clip_pipeline_grad_norm(double max_norm, double norm_type);
   // Checkpoints of a pipeline are not built yet: refused, never wrong.
   void refuse_under_pipeline(const char* what) const {
     if (plan.mesh.pp > 1)

@@ -283,30 +283,6 @@ void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
                                     fmt::join(never, ", ")));
 }
 
-double Accelerator::pipeline_step(const at::Tensor& input, const at::Tensor& target, const pp::LossFn& loss) {
-  auto& s = *impl_;
-  if (!s.pipeline)
-    throw ConfigError("pipeline_step(): no pipeline: set parallelism_config_pp_size above 1 and prepare the model first");
-  if (s.plan.gradient_accumulation_steps > 1)
-    throw ConfigError(fmt::format("pipeline_step(): gradient_accumulation_steps {} under pp: the pipeline's micro-batches "
-                                  "are its accumulation; set parallelism_config_pp_microbatches instead and "
-                                  "gradient_accumulation_steps 1",
-                                  s.plan.gradient_accumulation_steps));
-  const int m = s.plan.pipeline.micro_batches;
-  auto split = [&](const at::Tensor& t, const char* what) {
-    if (!t.defined()) return std::vector<at::Tensor>{};
-    if (t.dim() == 0 || t.size(0) % m != 0)
-      throw ConfigError(fmt::format("pipeline_step(): the {}'s first dimension ({}) does not split into {} equal "
-                                    "micro-batches (parallelism_config_pp_microbatches); give a batch it divides",
-                                    what, t.dim() == 0 ? 0 : t.size(0), m));
-    auto parts = t.to(s.device).chunk(m);
-    return std::vector<at::Tensor>(parts.begin(), parts.end());
-  };
-  s.enter(xlr8::step::StepPhase::gradients, "pipeline_step()");
-  auto scope = autocast();
-  return s.pipeline->step(split(input, "input"), split(target, "target"), loss);
-}
-
 void Accelerator::clip_grad_value(const std::vector<at::Tensor>& parameters, double clip_value) {
   auto& s = *impl_;
   if (!(clip_value >= 0)) throw ConfigError(fmt::format("clip_grad_value(): clip_value {} must be 0 or more", clip_value));
@@ -328,14 +304,7 @@ GradNorm Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, 
 }
 
 GradNorm AcceleratorImpl::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
-  if (pipeline) {  // each stage holds part of the gradients: its total joins the other stages' over the pp group
-    std::vector<at::Tensor> grads;
-    for (const auto& p : parameters)
-      if (p.grad().defined()) grads.push_back(p.grad());
-    auto total = parallel::partial_norm(grads, norm_type, grads.empty() ? device : grads.front().device());
-    state->mesh().group(MeshDim::pp).all_reduce(total, std::isinf(norm_type) ? ReduceOp::MAX : ReduceOp::SUM);
-    return GradNorm(parallel::scale_to_norm(total, {&grads}, max_norm, norm_type));
-  }
+  if (pipeline) return clip_pipeline_grad_norm(max_norm, norm_type);
   auto& s = *this;
   if (!s.gradient_state->sync_gradients) return GradNorm();
   s.unscale_gradients();

@@ -53,7 +53,10 @@ Placement written_part(const ParallelStrategy& strategy, const ParameterPiece& p
   if (!piece.writes || n == 0) return held.chunk(0, 0);
   if (!strategy.replicated())
     return !sliced && mesh.size(MeshDim::tp) > 1 && mesh.rank(MeshDim::tp) != 0 ? held.chunk(0, 0) : held;
-  const int writers = sliced ? mesh.size(MeshDim::dp_cp) : world.size(), me = sliced ? mesh.rank(MeshDim::dp_cp) : world.rank();
+  // Under pp only the ranks of this stage hold it: pp is the mesh's outermost dimension, so they are consecutive.
+  const int holders = world.size() / mesh.size(MeshDim::pp);
+  const int writers = sliced ? mesh.size(MeshDim::dp_cp) : holders;
+  const int me = sliced ? mesh.rank(MeshDim::dp_cp) : world.rank() % holders;
   const int64_t share = (n + writers - 1) / writers;
   const int64_t begin = std::min(n, share * me);
   return held.chunk(begin, std::min(n, begin + share) - begin);
@@ -83,6 +86,7 @@ std::string shape_text(const std::vector<int64_t>& shape) { return fmt::format("
 }  // namespace
 
 bool models_saved_sharded(const AcceleratorImpl& s) {
+  if (s.pipeline) return true;  // no rank holds the whole model: each stage writes its pieces
   bool sharded = false;
   for (const auto& m : s.models) sharded = sharded || !m->replicated();
   if (!sharded) return false;
@@ -102,7 +106,8 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
         const auto part = written_part(*s.models[i], piece, world, mesh);
         out.add(model_key(i, piece.name), part, mine(piece, part, piece.values));
       }
-      if (world.rank() == 0)  // buffers are the same everywhere: the main process writes them whole
+      // Buffers are the same on every rank of a stage: its first rank writes them whole.
+      if (world.rank() % (world.size() / mesh.size(MeshDim::pp)) == 0)
         for (const auto& item : s.models[i]->module()->named_buffers())
           out.add(model_key(i, item.key()), Placement::whole_tensor(item.value().sizes().vec()), item.value());
     }
@@ -147,6 +152,9 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Ve
     };
     for (const auto& piece : layout.pieces[i]) check(piece.name, piece.placement.whole());
     for (const auto& item : s.models[i]->module()->named_buffers()) check(item.key(), item.value().sizes().vec());
+    // Under pp the stage reads its own tensors; the other stages' are the whole model's, expected in the file.
+    if (s.pipeline)
+      for (const auto& [name, t] : module_state_dict(*s.pipelined_model)) expected.insert(model_key(i, name));
     std::vector<std::string> unexpected;
     const auto prefix = model_key(i, "");
     for (const auto& [key, entry] : reader.tensors())

@@ -50,12 +50,13 @@ void recompute_units(const torch::nn::Module& module, const ZeroOptions& zero) {
 // rows of the batch (dp x cp) and, for a split layer, over its tp group. Refused on a GPU without fp8 gemms.
 void convert_to_float8(torch::nn::Module& module, const Fp8Settings& settings, DeviceMesh& mesh) {
   const auto recipe = fp8::recipe_from(settings);
-  for (const auto& parameter : module.parameters())
-    if (parameter.is_cuda() && !fp8::has_fp8_gemm(parameter.device(), recipe.scaling == fp8::Scaling::Rowwise))
-      throw ConfigError(fmt::format(
-          "mixed_precision fp8: this GPU ({}) has no fp8 gemm (LibTorch's _scaled_mm needs compute capability 8.9, "
-          "Ada or Hopper, and later); use mixed_precision bf16 on it",
-          parameter.device().str()));
+  const auto parameters = module.parameters();  // on the device by now (step 2 placed them)
+  if (!parameters.empty() && parameters.front().is_cuda() &&
+      !fp8::has_fp8_gemm(parameters.front().device(), recipe.scaling == fp8::Scaling::Rowwise))
+    throw ConfigError(fmt::format(
+        "mixed_precision fp8: this GPU ({}) has no fp8 gemm (LibTorch's _scaled_mm needs compute capability 8.9, "
+        "Ada or Hopper, and later); use mixed_precision bf16 on it",
+        parameters.front().device().str()));
   auto report = fp8::convert_to_float8_training(module, recipe, fp8::filter_from(settings), mesh.group(MeshDim::dp_cp));
   if (report.converted.empty())
     throw ConfigError(fmt::format("mixed_precision fp8: no Linear layer of the model can compute in fp8, so it would "
@@ -65,22 +66,21 @@ void convert_to_float8(torch::nn::Module& module, const Fp8Settings& settings, D
     log::info("prepare(): {}", report.describe());
 }
 
-// pp > 1: the model's layers in order, cut by parameters into one stage a pp rank (the first part of pipeline
-// parallelism: pp alone, a torch::nn::Sequential).
-void cut_into_stages(torch::nn::Module& module, DeviceMesh& mesh, const ParallelizeHooks& hooks) {
+// pp > 1: the model's layers in order, cut by parameters into one stage a pp rank; the later steps make that stage
+// parallel over the rank's other axes (its tp group, its dp peers: the ranks holding the same stage).
+std::shared_ptr<torch::nn::Module> cut_into_stages(torch::nn::Module& module, DeviceMesh& mesh) {
   const int pp = mesh.size(MeshDim::pp);
-  if (pp != mesh.layout().world_size())
-    throw ConfigError(fmt::format("parallelism_config_pp_size {} with other parallelism sizes above 1 ({} processes): "
-                                  "pipelines compose with no other axis yet; give pp the whole job",
-                                  pp, mesh.layout().world_size()));
+  if (const int sequence = mesh.size(MeshDim::cp) * mesh.size(MeshDim::sp); sequence > 1)
+    throw ConfigError(fmt::format("parallelism_config_pp_size {} with parallelism_config_cp_size or _sp_size {}: "
+                                  "pipelines do not compose with context parallelism yet; give those ranks to dp or tp",
+                                  pp, sequence));
   auto* sequential = module.as<torch::nn::SequentialImpl>();
-  if (!sequential || !hooks.pipeline_stage)
+  if (!sequential)
     throw ConfigError(fmt::format("parallelism_config_pp_size {}: a pipeline cuts a torch::nn::Sequential into stages, "
                                   "and this model is not one; build it as a Sequential of its layers in order",
                                   pp));
-  auto& group = mesh.group(MeshDim::pp);
   auto whole = torch::nn::Sequential(std::static_pointer_cast<torch::nn::SequentialImpl>(sequential->shared_from_this()));
-  hooks.pipeline_stage(pp::stage_of(whole, pp, group.rank()), group);
+  return pp::stage_of(whole, pp, mesh.rank(MeshDim::pp)).ptr();
 }
 
 }  // namespace
@@ -126,8 +126,8 @@ MeshDim data_parallel_dim(const DeviceMesh& mesh) {
 std::unique_ptr<ParallelStrategy> parallelize(std::shared_ptr<torch::nn::Module> module, const ParallelPlan& plan,
                                               DeviceMesh& mesh, const ParallelizeHooks& hooks) {
   if (!module) throw Error("prepare(): the model is null");
-  // 1. Pipeline stages.
-  if (plan.mesh.pp > 1) cut_into_stages(*module, mesh, hooks);
+  // 1. Pipeline stages: from here on `module` is this rank's stage (the same layer objects as the whole's).
+  if (plan.mesh.pp > 1) module = cut_into_stages(*module, mesh);
   // 2. Tensor parallelism.
   split_for_tensor_parallel(*module, mesh, plan.tensor);
   if (hooks.after_tensor_parallel) hooks.after_tensor_parallel(*module);

@@ -1,6 +1,6 @@
 #pragma once
 // parallelize: the one place a model becomes parallel, in torchtitan's fixed order (models/*/infra/parallelize.py):
-//   1. pipeline stages     (pp; none until pipeline parallelism lands: the plan's mesh has pp 1)
+//   1. pipeline stages     (pp: this rank's layers of a Sequential; the steps below make that stage parallel)
 //   2. tensor parallelism  (tp, with Megatron's sequence parallelism)
 //   3. context parallelism (cp / sp: xlr8::attention follows the process's context; nothing to change in the model)
 //   4. activation checkpointing (recompute)
@@ -9,8 +9,6 @@
 // The Accelerator (and through it deepspeed::Engine) calls it once per prepared model.
 #include <functional>
 #include <memory>
-
-#include <torch/nn/modules/container/sequential.h>
 
 #include "xlr8/device_mesh.hpp"
 #include "xlr8/gradient_state.hpp"
@@ -28,8 +26,6 @@ struct ParallelizeHooks {
   // JSON's sizes filled from its hidden size, values held by rank 0 only).
   std::function<void(torch::nn::Module&, ParallelOptions&)> data_parallel_options;
   std::shared_ptr<const GradientState> gradient_state;
-  // pp > 1: this rank's stage of the model (its layers, the same modules) and the pp group, for the schedule.
-  std::function<void(torch::nn::Sequential stage, Communicator& pp_group)> pipeline_stage;
 };
 
 // The dimension whose group averages gradients (and FSDP shards over): dp x cp when the sequence is split,
@@ -37,7 +33,8 @@ struct ParallelizeHooks {
 // DeepSpeed's sequence-data-parallel group); else dp.
 MeshDim data_parallel_dim(const DeviceMesh& mesh);
 
-// Collective over the mesh's groups the steps use. Returns the strategy that owns the model from now on.
+// Collective over the mesh's groups the steps use. Returns the strategy that owns the model from now on (under pp,
+// its module() is this rank's stage, a torch::nn::Sequential).
 std::unique_ptr<ParallelStrategy> parallelize(std::shared_ptr<torch::nn::Module> module, const ParallelPlan& plan,
                                               DeviceMesh& mesh, const ParallelizeHooks& hooks);
 

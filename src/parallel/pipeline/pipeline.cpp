@@ -9,6 +9,7 @@
 
 #include "xlr8/error.hpp"
 #include "xlr8/pipeline.hpp"
+#include "xlr8/unshard.hpp"
 
 namespace xlr8::pp {
 namespace {
@@ -96,6 +97,7 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
   std::vector<at::Tensor> stage_inputs(m), stage_outputs(m);
   at::Tensor loss_sum = at::zeros({1}, at::kDouble);
   std::vector<int64_t> agreed_activation, agreed_gradient, sent_shape;
+  int backwards = 0;
   // A stage refuses to send an output of another shape than the step's first, before its neighbour waits for it.
   auto check_shape = [&](const at::Tensor& y, std::vector<int64_t>& first_shape, const char* what) {
     if (first_shape.empty()) first_shape = y.sizes().vec();
@@ -109,7 +111,8 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
       auto x = first ? inputs[k]
                      : receive(s - 1, tag_of(k, Action::Forward, true), agreed_activation, "activation")
                            .requires_grad_(true);
-      auto y = stage_->forward(x);
+      // A sharded stage gathers its parameters for this forward and again for its backward (nothing otherwise).
+      auto y = xlr8::sharded(*stage_, [&] { return stage_->forward(x); });
       if (last) {
         auto value = loss(y, targets[k]);
         loss_sum += value.detach().to(at::kDouble).cpu();
@@ -122,6 +125,7 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
       stage_inputs[k] = x;
       continue;
     }
+    if (before_backward_) before_backward_(++backwards == m);
     if (last) {
       stage_outputs[k].backward();
     } else {
