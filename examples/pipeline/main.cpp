@@ -25,11 +25,12 @@ struct BlockImpl : torch::nn::Module {
 TORCH_MODULE(Block);
 
 // Blocks of uneven widths and a head: cut by parameters, the stages hold different numbers of layers.
-torch::nn::Sequential mlp() {
+torch::nn::Sequential mlp(int64_t width) {
   torch::nn::Sequential model;
   int index = 0;
-  for (int64_t hidden : {64, 32, 48, 24, 40}) model->push_back("block" + std::to_string(index++), Block(16, hidden));
-  model->push_back("head", xlr8::nn::Linear(16, 4));
+  for (int64_t hidden : {64, 32, 48, 24, 40})
+    model->push_back("block" + std::to_string(index++), Block(width, hidden * width / 16));
+  model->push_back("head", xlr8::nn::Linear(width, 4));
   return model;
 }
 
@@ -37,32 +38,37 @@ torch::nn::Sequential mlp() {
 
 int main(int argc, char** argv) {
   CLI::App app{"pipeline: a Sequential trained by xlr8's pipeline schedules (or on one process)"};
-  int steps = 8, batch = 24;
+  int steps = 8, batch = 24, width = 16;
   double lr = 0.05;
   app.add_option("--steps", steps);
   app.add_option("--batch_size", batch, "Samples a step (the micro-batches split it)");
+  app.add_option("--width", width, "The blocks' width (bench/pipeline_bubble.py makes them wide)");
   app.add_option("--lr", lr, "SGD's learning rate");
   double max_grad_norm = 0;
   app.add_option("--max_grad_norm", max_grad_norm, "Clip the gradients' global norm to this (0: no clipping)");
   std::string save_dir;
   app.add_option("--save_state", save_dir, "Save the training state there at the end");
+  std::string model_dir;
+  app.add_option("--save_model", model_dir, "Save the whole trained model there (model.safetensors)");
   std::string load_dir;
   app.add_option("--load_state", load_dir, "Resume from the training state saved there (any pp x dp x tp layout)");
   CLI11_PARSE(app, argc, argv);
   xlr8::Accelerator acc;
   acc.set_seed(0);  // the same model on every rank; each keeps its stage's layers
-  auto model = acc.prepare(mlp());
+  auto model = acc.prepare(mlp(width));
   auto optimizer = acc.prepare(torch::optim::SGD(model->parameters(), lr));
-  const auto teacher = torch::randn({16, 4});  // the function to learn: tanh(x @ teacher)
+  const auto teacher = torch::randn({width, 4});  // the function to learn: tanh(x @ teacher)
   if (!load_dir.empty()) acc.load_state(load_dir);  // the parameters and the optimizer's step count
   const bool pipelined = acc.plan().mesh.pp > 1;
   auto mse = [](const torch::Tensor& y, const torch::Tensor& target) { return torch::mse_loss(y, target); };
   nlohmann::json losses = nlohmann::json::array(), norms = nlohmann::json::array();
+  double step_seconds = 0, wait_seconds = 0;  // this rank's, over the steps after the first (warm-up)
+  nlohmann::json pipeline_stats;
   for (int step = 0; step < steps; ++step) {
     // Step k's batch comes from a generator of its own (seeded by k, restored from the optimizer's step count on
     // resume), so every rank draws it alike whatever layout saved or resumed the run.
     auto data = at::detail::createCPUGenerator(static_cast<uint64_t>(1000 + optimizer.steps_taken()));
-    auto x = torch::randn({batch, 16}, data);
+    auto x = torch::randn({batch, width}, data);
     auto target = torch::tanh(x.matmul(teacher));
     double loss = 0;
     if (pipelined) {
@@ -71,6 +77,11 @@ int main(int argc, char** argv) {
       const auto& mesh = acc.state().mesh();
       const auto dp = mesh.size(xlr8::MeshDim::dp), dp_rank = mesh.rank(xlr8::MeshDim::dp);
       const double mine = acc.pipeline_step(x.chunk(dp)[dp_rank], target.chunk(dp)[dp_rank], mse);
+      pipeline_stats = acc.pipeline_stats();
+      if (step > 0) {
+        step_seconds += pipeline_stats["step_seconds"].get<double>();
+        wait_seconds += pipeline_stats["wait_seconds"].get<double>();
+      }
       loss = acc.reduce(torch::tensor(mine, torch::kDouble)).item<double>() / acc.num_processes();
     } else {
       auto value = mse(model->forward(x.to(acc.device())), target.to(acc.device()));
@@ -83,11 +94,19 @@ int main(int argc, char** argv) {
     losses.push_back(loss);
   }
   if (!save_dir.empty()) acc.save_state(save_dir);
+  if (!model_dir.empty()) acc.save_model(model, model_dir);
+  // Every rank's view of its stage: the idle fraction it measured against the schedule's formula (bench/).
+  nlohmann::json stages = nlohmann::json::array();
+  if (pipelined) {
+    pipeline_stats["idle_fraction"] = step_seconds > 0 ? wait_seconds / step_seconds : 0.0;
+    for (const auto& text : acc.gather_object(pipeline_stats.dump())) stages.push_back(nlohmann::json::parse(text));
+  }
   if (acc.is_main_process())
     std::cout << nlohmann::json{{"losses", losses},
                                 {"grad_norms", norms},
                                 {"num_processes", acc.num_processes()},
                                 {"pp", acc.plan().mesh.pp},
-                                {"parallel", acc.parallel_stats(model)}}
+                                {"parallel", acc.parallel_stats(model)},
+                                {"pipeline", stages}}
               << std::endl;
 }

@@ -199,6 +199,9 @@ class Accelerator {
   // batch. Returns that loss on every rank; then optimizer.step() as usual. (The first stage reads `input`, the last
   // `target`; the others may pass undefined tensors.)
   double pipeline_step(const at::Tensor& input, const at::Tensor& target, const pp::LossFn& loss);
+  // This rank's view of the last pipeline_step: {"stage", "stages", "virtual_stages", "schedule", "micro_batches",
+  // "step_seconds", "wait_seconds", "bytes_sent", "peak_held_micro_batches", "bubble_formula"}; null without pp.
+  nlohmann::json pipeline_stats() const;
   // Clamps the gradients to [-clip_value, clip_value] (after unscaling fp16 ones), on the shards when
   // sharded: elementwise, so the result is the same. Off the sync boundary it does nothing.
   void clip_grad_value(const std::vector<at::Tensor>& parameters, double clip_value);

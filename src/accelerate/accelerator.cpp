@@ -284,11 +284,13 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
     if (values_from_rank0) parallel.zero.values_from_rank0 = true;
   };
   hooks.gradient_state = s.gradient_state;
+  std::vector<size_t> chunk_sizes;
+  hooks.stage_chunks = [&](const std::vector<size_t>& sizes) { chunk_sizes = sizes; };
   if (s.plan.mesh.pp > 1 && !s.models.empty())
     throw ConfigError("prepare(): under parallelism_config_pp_size > 1 one model is prepared (the pipeline's)");
   s.models.push_back(parallel::parallelize(module, s.plan, s.state->mesh(), hooks));
   auto* strategy = s.models.back().get();
-  if (s.plan.mesh.pp > 1) s.start_pipeline(module);
+  if (s.plan.mesh.pp > 1) s.start_pipeline(module, std::move(chunk_sizes));
   for (const auto& o : s.optimizers) {  // prepared before the model
     s.keep_stage_parameters(*o->optimizer);
     strategy->bind_optimizer(*o->optimizer);

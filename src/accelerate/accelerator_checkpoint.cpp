@@ -18,6 +18,7 @@
 namespace fs = std::filesystem;
 
 namespace xlr8 {
+
 namespace {
 
 std::string custom_file(size_t i) { return fmt::format("custom_checkpoint_{}.bin", i); }
@@ -25,18 +26,11 @@ std::string custom_file(size_t i) { return fmt::format("custom_checkpoint_{}.bin
 // Streams a module's whole state (a prepared model's through its strategy: collective, one unit gathered
 // at a time) into a writer that exists on the main process only: `open` receives the names, dtypes and
 // shapes, `write` each tensor in that order, `close` ends it. A failure of the writer does not stop the
-// collective; every rank then throws it.
+// collective; every rank then throws it. Under pp the whole model's stages come in turn (accelerator_pipeline.cpp).
 void stream_full_state(const AcceleratorImpl& s, const torch::nn::Module& module, const std::string& what,
                        const std::function<void(std::vector<SafetensorsSpec>)>& open,
                        const std::function<void(const at::Tensor&)>& write, const std::function<void()>& close) {
   const bool main = s.world().rank() == 0;
-  const auto* strategy = s.strategy_for(&module);
-  auto layout = strategy ? strategy->full_state_layout() : module_state_dict(module);
-  // Tensor-parallel slices are written whole: gathered over their tp group as they come.
-  const auto slices = tp::slice_layouts(module);
-  for (auto& [name, t] : layout)
-    if (auto it = slices.find(name); it != slices.end())
-      t = at::empty(it->second.placement.whole(), t.options().device(at::kMeta));
   std::string problem;
   auto guarded = [&](auto&& fn) {
     if (!main || !problem.empty()) return;
@@ -46,19 +40,13 @@ void stream_full_state(const AcceleratorImpl& s, const torch::nn::Module& module
       problem = e.what();
     }
   };
-  guarded([&] {
-    std::vector<SafetensorsSpec> specs;
-    for (const auto& [name, t] : layout) specs.push_back({name, t.scalar_type(), t.sizes().vec()});
-    open(std::move(specs));
-  });
-  auto deliver = [&](size_t i, const at::Tensor& t) {
-    auto it = slices.find(layout[i].first);
-    const auto whole = it == slices.end() ? t : tp::gather_whole(t, it->second);  // collective: outside guarded
-    guarded([&] { write(whole); });
-  };
-  if (strategy) strategy->visit_full_state(deliver);
-  else
-    for (size_t i = 0; i < layout.size(); ++i) deliver(i, layout[i].second);
+  if (s.pipeline && &module == s.pipelined_model.get()) {
+    stream_pipeline_state(s, guarded, open, write);
+  } else {
+    auto whole = whole_state_of(s, module);
+    guarded([&] { open(whole.specs()); });
+    whole.visit([&](size_t, const at::Tensor& t) { guarded([&] { write(t); }); });
+  }
   guarded(close);
   auto outcome = s.world().size() > 1 ? s.world().broadcast_object(problem, 0) : problem;
   if (!outcome.empty()) throw Error(fmt::format("{}: {}", what, outcome));
@@ -313,7 +301,6 @@ void Accelerator::load_optimizer_archive(torch::optim::Optimizer& optimizer, con
 }
 
 void Accelerator::save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const {
-  impl_->refuse_under_pipeline("save_model()");
   // The size is parsed on every rank: a bad one fails them all.
   write_full_model(*impl_, module, dir, checkpoints::parse_size(max_shard_size));
 }

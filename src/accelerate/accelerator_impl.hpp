@@ -18,6 +18,7 @@
 #include "xlr8/error.hpp"
 #include "xlr8/loss_scaler.hpp"
 #include "xlr8/parallel_plan.hpp"
+#include "xlr8/safetensors.hpp"
 
 namespace xlr8 {
 
@@ -46,7 +47,7 @@ struct AcceleratorImpl {
   std::unique_ptr<pp::Pipeline> pipeline;                  // pp > 1: this rank's stage of the prepared model
   std::shared_ptr<torch::nn::Module> pipelined_model;      // and the whole model the program holds
   // The pipeline over models.front() (the stage's strategy): its backwards accumulate, the step's last reduces.
-  void start_pipeline(std::shared_ptr<torch::nn::Module> whole);
+  void start_pipeline(std::shared_ptr<torch::nn::Module> whole, std::vector<size_t> chunk_sizes);
   // Under pp an optimizer over the whole model's parameters keeps this stage's only (no state for the others).
   void keep_stage_parameters(torch::optim::Optimizer& optimizer) const;
   // Clipping under pp: every stage's gradients, each stage's norm (over its dp and tp peers) joined over the pp group.
@@ -124,6 +125,21 @@ struct AcceleratorImpl {
   std::vector<BuiltForTp> built_for_tp_loading;  // by build_model under tensor parallelism, until prepared
   bool installed_cp_context = false;  // this Accelerator set cp's process context (and clears it when it goes)
 };
+
+// A module's whole tensors in state-dict order (tp slices gathered), as save_model and save_state write them.
+struct WholeState {
+  using Visitor = std::function<void(size_t index, const at::Tensor& whole)>;
+  StateDict layout;  // names, dtypes and whole shapes (meta tensors)
+  // Collective over the module's strategy group (and tp group): each tensor whole, at least on its rank 0.
+  std::function<void(const Visitor&)> visit;
+  std::vector<SafetensorsSpec> specs() const;
+};
+WholeState whole_state_of(const AcceleratorImpl& s, const torch::nn::Module& module);
+// Under pp: every stage's whole state in stage order, opened and written on world rank 0 through `on_main` (which
+// runs what it is given there only, keeping the first failure), each stage's tensors sent there point to point.
+void stream_pipeline_state(const AcceleratorImpl& s, const std::function<void(const std::function<void()>&)>& on_main,
+                           const std::function<void(std::vector<SafetensorsSpec>)>& open,
+                           const std::function<void(const at::Tensor&)>& write);
 
 // The whole model (gathered from shards, on rank 0) as Hugging Face safetensors in `dir` (collective): what
 // save_model writes.

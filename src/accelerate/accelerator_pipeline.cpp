@@ -1,6 +1,7 @@
 // The Accelerator under pipeline parallelism (parallelism_config_pp_size > 1): the stage's schedule as one call a
 // step, its gradients reduced over the stage's data-parallel peers once a step, and clipping across stages.
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
@@ -13,12 +14,20 @@
 
 namespace xlr8 {
 
-void AcceleratorImpl::start_pipeline(std::shared_ptr<torch::nn::Module> whole) {
+void AcceleratorImpl::start_pipeline(std::shared_ptr<torch::nn::Module> whole, std::vector<size_t> chunk_sizes) {
   auto* strategy = models.front().get();
   auto stage = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(strategy->module());
   if (!stage) throw Error("prepare(): under pp the prepared stage is not a torch::nn::Sequential");
+  // DDP and ZeRO reduce a stage's gradients in one backward that reaches all of its parameters; an interleaved
+  // stage's chunks finish their backwards apart.
+  if (chunk_sizes.size() > 1 && strategy->name() != "single")
+    throw ConfigError(fmt::format("parallelism_config_pp_schedule Interleaved1F1B with data parallelism over the "
+                                  "stage's ranks ({}) is not built yet (each chunk's gradients are ready in another "
+                                  "backward); use 1F1B or GPipe with dp, or Interleaved1F1B with pp and tp only",
+                                  strategy->name()));
   pipeline = std::make_unique<pp::Pipeline>(torch::nn::Sequential(stage), state->mesh().group(MeshDim::pp),
-                                            pp::parse_schedule(plan.pipeline.schedule), plan.pipeline.micro_batches);
+                                            pp::parse_schedule(plan.pipeline.schedule), plan.pipeline.micro_batches,
+                                            std::move(chunk_sizes));
   pipelined_model = std::move(whole);
   // The micro-batches are the stage's accumulation steps: only the last backward synchronises.
   pipeline->set_before_backward([this, strategy](bool last_of_step) {
@@ -50,6 +59,60 @@ GradNorm AcceleratorImpl::clip_pipeline_grad_norm(double max_norm, double norm_t
   for (const auto& holder : stage.gradient_holders(parameters))
     if (holder.grad().defined()) grads.push_back(holder.grad());
   return GradNorm(parallel::scale_to_norm(part, {&grads}, max_norm, norm_type));
+}
+
+void stream_pipeline_state(const AcceleratorImpl& s, const std::function<void(const std::function<void()>&)>& on_main,
+                           const std::function<void(std::vector<SafetensorsSpec>)>& open,
+                           const std::function<void(const at::Tensor&)>& write) {
+  auto& mesh = s.state->mesh();
+  auto& pp = mesh.group(MeshDim::pp);
+  const auto own = whole_state_of(s, *s.models.front()->module());
+  // World rank 0 learns every stage's names, dtypes and shapes (its pp group: the ranks at dp 0, tp 0 of each).
+  nlohmann::json described = nlohmann::json::array();
+  for (const auto& [name, t] : own.layout) described.push_back({name, static_cast<int>(t.scalar_type()), t.sizes().vec()});
+  const auto stages = pp.all_gather_object(described.dump());
+  std::vector<std::vector<SafetensorsSpec>> specs(stages.size());
+  for (size_t t = 0; t < stages.size(); ++t)
+    for (const auto& d : nlohmann::json::parse(stages[t]))
+      specs[t].push_back({d[0].get<std::string>(), static_cast<at::ScalarType>(d[1].get<int>()), d[2].get<std::vector<int64_t>>()});
+  on_main([&] {
+    std::vector<SafetensorsSpec> all;
+    for (const auto& stage : specs) all.insert(all.end(), stage.begin(), stage.end());
+    open(std::move(all));
+  });
+  // The stage's own tensors (collective over its dp and tp peers); its rank at dp 0, tp 0 holds them whole and, on
+  // a later stage, sends them to world rank 0, which writes the stages in order.
+  const bool holder = mesh.rank(MeshDim::dp_cp) == 0 && mesh.rank(MeshDim::tp) == 0;
+  own.visit([&](size_t i, const at::Tensor& whole) {
+    if (pp.rank() == 0) on_main([&] { write(whole); });
+    else if (holder) pp.send(whole.to(s.device).contiguous(), 0, static_cast<int>(i));  // NCCL sends device tensors
+  });
+  if (pp.rank() != 0 || !holder) return;
+  for (size_t t = 1; t < specs.size(); ++t)
+    for (size_t i = 0; i < specs[t].size(); ++i) {
+      auto whole = at::empty(specs[t][i].shape, at::TensorOptions().dtype(specs[t][i].dtype).device(s.device));
+      pp.recv(whole, static_cast<int>(t), static_cast<int>(i));
+      on_main([&] { write(whole); });
+    }
+}
+
+nlohmann::json Accelerator::pipeline_stats() const {
+  const auto& s = *impl_;
+  if (!s.pipeline) return nullptr;
+  const auto& p = *s.pipeline;
+  const auto& plan = s.plan.pipeline;
+  const int stages = s.plan.mesh.pp;
+  return {{"stage", s.state->mesh().rank(MeshDim::pp)},
+          {"stages", stages},
+          {"virtual_stages", plan.virtual_stages},
+          {"schedule", plan.schedule},
+          {"micro_batches", plan.micro_batches},
+          {"step_seconds", p.last_step_seconds()},
+          {"wait_seconds", p.last_wait_seconds()},
+          {"bytes_sent", p.last_bytes_sent()},
+          {"peak_held_micro_batches", p.last_peak_held()},
+          {"bubble_formula",
+           pp::bubble_fraction(pp::parse_schedule(plan.schedule), stages, plan.micro_batches, plan.virtual_stages)}};
 }
 
 double Accelerator::pipeline_step(const at::Tensor& input, const at::Tensor& target, const pp::LossFn& loss) {

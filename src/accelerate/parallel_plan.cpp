@@ -77,7 +77,10 @@ ParallelPlan resolve_plan(const PlanInputs& in, const Env& env) {
   plan.sequence = sequence_of(plan.mesh, settings);
   if (plan.mesh.pp > 1) {
     const auto& p = *settings.parallelism;
-    plan.pipeline = {.schedule = p.pp_schedule, .micro_batches = p.pp_microbatches > 0 ? p.pp_microbatches : plan.mesh.pp};
+    const int virtual_stages = p.pp_virtual_stages > 0 ? p.pp_virtual_stages : p.pp_schedule == "Interleaved1F1B" ? 2 : 1;
+    plan.pipeline = {.schedule = p.pp_schedule,
+                     .micro_batches = p.pp_microbatches > 0 ? p.pp_microbatches : plan.mesh.pp,
+                     .virtual_stages = virtual_stages};
   }
   plan.recompute_units = settings.fsdp && settings.fsdp->activation_checkpointing;
   plan.mixed_precision = in.precision;
@@ -168,7 +171,8 @@ std::string ParallelPlan::describe() const {
                       : fmt::format("sequence split: {} {} ({}){}", mesh.sp > 1 ? "sp" : "cp", std::max(mesh.cp, mesh.sp),
                                     sequence.comm_strategy,
                                     sequence.fixed_length ? fmt::format(", every batch {} tokens", *sequence.fixed_length) : ""));
-  lines.push_back(mesh.pp > 1 ? fmt::format("pipeline: {} stages, {} over {} micro-batches a step", mesh.pp,
+  lines.push_back(mesh.pp > 1 ? fmt::format("pipeline: {} stages ({} a rank), {} over {} micro-batches a step",
+                                             mesh.pp * pipeline.virtual_stages, pipeline.virtual_stages,
                                              pipeline.schedule, pipeline.micro_batches)
                               : std::string("pipeline: none"));
   lines.push_back(fmt::format("activation checkpointing: {}", recompute_units ? "every unit of the wrap policy" : "off"));
@@ -196,6 +200,10 @@ nlohmann::json ParallelPlan::to_json() const {
            {{"sequence_parallel", tensor.sequence_parallel}, {"head_dim", tensor.head_dim}, {"plan_file", tensor.plan_file},
             {"deepspeed_rules", !tensor.deepspeed_rules.is_null()}}},
           {"sequence", {{"comm_strategy", sequence.comm_strategy}, {"fixed_length", sequence.fixed_length.value_or(0)}}},
+          {"pipeline",
+           {{"schedule", pipeline.schedule},
+            {"micro_batches", pipeline.micro_batches},
+            {"virtual_stages", pipeline.virtual_stages}}},
           {"recompute_units", recompute_units},
           {"mixed_precision", to_string(mixed_precision)},
           {"fp8", fp8 ? nlohmann::json(fp8_text(*fp8)) : nlohmann::json()},

@@ -49,6 +49,7 @@ const std::vector<std::string> kLauncherDeepSpeedKeys = {
 const std::vector<std::string> kParallelismKeys = {
     "parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size", "parallelism_config_tp_size",
     "parallelism_config_pp_size", "parallelism_config_pp_schedule", "parallelism_config_pp_microbatches",
+    "parallelism_config_pp_virtual_stages",
     "parallelism_config_cp_size", "parallelism_config_cp_comm_strategy", "parallelism_config_cp_backend",
     "parallelism_config_sp_size", "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
     "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_attn_implementation",
@@ -128,9 +129,10 @@ void read_parallelism(const Section& s, LaunchConfig& c) {
   p.tp_head_dim = s.integer("parallelism_config_tp_head_dim", 1, kMax);
   p.cp = static_cast<int>(s.integer("parallelism_config_cp_size", 1, kMax).value_or(1));
   p.pp = static_cast<int>(s.integer("parallelism_config_pp_size", 1, kMax).value_or(1));
-  if (auto schedule = s.choice("parallelism_config_pp_schedule", {"gpipe", "1f1b"}, /*upper=*/false))
-    p.pp_schedule = *schedule == "gpipe" ? "GPipe" : "1F1B";  // torch's spelling
+  if (auto schedule = s.choice("parallelism_config_pp_schedule", config::pp_schedules(), /*upper=*/false))
+    p.pp_schedule = config::pp_schedule_spelling(*schedule);
   p.pp_microbatches = static_cast<int>(s.integer("parallelism_config_pp_microbatches", 1, kMax).value_or(0));
+  p.pp_virtual_stages = static_cast<int>(s.integer("parallelism_config_pp_virtual_stages", 1, kMax).value_or(0));
   if (auto strategy = s.choice("parallelism_config_cp_comm_strategy", {"allgather", "alltoall"}, /*upper=*/false))
     p.cp_comm_strategy = *strategy;
   // Ulysses (DeepSpeed's ALST, Accelerate's sp_backend deepspeed: the only backend).
@@ -296,6 +298,8 @@ void write_parallelism(YAML::Emitter& out, const ParallelismSettings& p) {
     out << YAML::Key << "parallelism_config_pp_schedule" << YAML::Value << p.pp_schedule;
     if (p.pp_microbatches > 0)
       out << YAML::Key << "parallelism_config_pp_microbatches" << YAML::Value << p.pp_microbatches;
+    if (p.pp_virtual_stages > 0)
+      out << YAML::Key << "parallelism_config_pp_virtual_stages" << YAML::Value << p.pp_virtual_stages;
   }
   if (p.tp_head_dim)
     out << YAML::Key << "parallelism_config_tp_head_dim" << YAML::Value << *p.tp_head_dim;

@@ -19,6 +19,9 @@ namespace xlr8::config {
 
 // ConfigError "<what>: invalid value "v"; allowed: ..." unless `value` is one of `allowed` (a variable's value).
 void check_choice(const std::string& value, const std::vector<std::string>& allowed, const std::string& what);
+// parallelism_config_pp_schedule's values, lower-case, and torch's spelling of each ("1f1b" -> "1F1B").
+const std::vector<std::string>& pp_schedules();
+std::string pp_schedule_spelling(const std::string& lower);
 
 // One mapping of the YAML file: checks unknown keys and types, naming the full key path.
 class Section {

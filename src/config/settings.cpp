@@ -59,6 +59,15 @@ void config::check_choice(const std::string& value, const std::vector<std::strin
   invalid_value(value, allowed, what);
 }
 
+const std::vector<std::string>& config::pp_schedules() {
+  static const std::vector<std::string> schedules = {"gpipe", "1f1b", "interleaved1f1b"};
+  return schedules;
+}
+
+std::string config::pp_schedule_spelling(const std::string& lower) {
+  return lower == "gpipe" ? "GPipe" : lower == "1f1b" ? "1F1B" : "Interleaved1F1B";
+}
+
 const std::vector<std::string> kAutoWrapPolicies = {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"};
 const std::vector<std::string> kBackwardPrefetchValues = {"BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"};
 const std::vector<std::string> kStateDictTypes = {"FULL_STATE_DICT", "SHARDED_STATE_DICT", "LOCAL_STATE_DICT"};
@@ -155,6 +164,7 @@ std::map<std::string, std::string> settings_to_env(const Settings& s) {
       env["PARALLELISM_CONFIG_PP_SIZE"] = std::to_string(p->pp);
       env["PARALLELISM_CONFIG_PP_SCHEDULE"] = p->pp_schedule;
       if (p->pp_microbatches > 0) env["PARALLELISM_CONFIG_PP_MICROBATCHES"] = std::to_string(p->pp_microbatches);
+      if (p->pp_virtual_stages > 0) env["PARALLELISM_CONFIG_PP_VIRTUAL_STAGES"] = std::to_string(p->pp_virtual_stages);
     }
     if (p->tp_head_dim) env["PARALLELISM_CONFIG_TP_HEAD_DIM"] = std::to_string(*p->tp_head_dim);
     if (p->cp > 1) env["PARALLELISM_CONFIG_CP_COMM_STRATEGY"] = p->cp_comm_strategy;
@@ -275,12 +285,13 @@ Settings settings_from_env(const Env& env) {
     p.pp = static_cast<int>(env.get_positive("PARALLELISM_CONFIG_PP_SIZE", 1));
     if (auto schedule = env.get("PARALLELISM_CONFIG_PP_SCHEDULE")) {
       const auto lower = text::lower(*schedule);
-      if (lower != "gpipe" && lower != "1f1b")
-        throw ConfigError(fmt::format("PARALLELISM_CONFIG_PP_SCHEDULE={:?}: allowed values are GPipe and 1F1B", *schedule));
-      p.pp_schedule = lower == "gpipe" ? "GPipe" : "1F1B";
+      config::check_choice(lower, config::pp_schedules(), "PARALLELISM_CONFIG_PP_SCHEDULE");
+      p.pp_schedule = config::pp_schedule_spelling(lower);
     }
     if (env.has("PARALLELISM_CONFIG_PP_MICROBATCHES"))
       p.pp_microbatches = static_cast<int>(env.get_positive("PARALLELISM_CONFIG_PP_MICROBATCHES", 1));
+    if (env.has("PARALLELISM_CONFIG_PP_VIRTUAL_STAGES"))
+      p.pp_virtual_stages = static_cast<int>(env.get_positive("PARALLELISM_CONFIG_PP_VIRTUAL_STAGES", 1));
     if (env.has("PARALLELISM_CONFIG_TP_HEAD_DIM")) p.tp_head_dim = env.get_positive("PARALLELISM_CONFIG_TP_HEAD_DIM", 1);
     if (auto strategy = env.get("PARALLELISM_CONFIG_CP_COMM_STRATEGY")) {
       if (*strategy != "allgather" && *strategy != "alltoall")

@@ -68,7 +68,8 @@ void convert_to_float8(torch::nn::Module& module, const Fp8Settings& settings, D
 
 // pp > 1: the model's layers in order, cut by parameters into one stage a pp rank; the later steps make that stage
 // parallel over the rank's other axes (its tp group, its dp peers: the ranks holding the same stage).
-std::shared_ptr<torch::nn::Module> cut_into_stages(torch::nn::Module& module, DeviceMesh& mesh) {
+std::shared_ptr<torch::nn::Module> cut_into_stages(torch::nn::Module& module, DeviceMesh& mesh, int virtual_stages,
+                                                   const ParallelizeHooks& hooks) {
   const int pp = mesh.size(MeshDim::pp);
   if (const int sequence = mesh.size(MeshDim::cp) * mesh.size(MeshDim::sp); sequence > 1)
     throw ConfigError(fmt::format("parallelism_config_pp_size {} with parallelism_config_cp_size or _sp_size {}: "
@@ -80,7 +81,9 @@ std::shared_ptr<torch::nn::Module> cut_into_stages(torch::nn::Module& module, De
                                   "and this model is not one; build it as a Sequential of its layers in order",
                                   pp));
   auto whole = torch::nn::Sequential(std::static_pointer_cast<torch::nn::SequentialImpl>(sequential->shared_from_this()));
-  return pp::stage_of(whole, pp, mesh.rank(MeshDim::pp)).ptr();
+  auto stage = pp::stage_layers(whole, pp, mesh.rank(MeshDim::pp), virtual_stages);
+  if (hooks.stage_chunks) hooks.stage_chunks(stage.chunk_sizes);
+  return stage.layers.ptr();
 }
 
 }  // namespace
@@ -127,7 +130,7 @@ std::unique_ptr<ParallelStrategy> parallelize(std::shared_ptr<torch::nn::Module>
                                               DeviceMesh& mesh, const ParallelizeHooks& hooks) {
   if (!module) throw Error("prepare(): the model is null");
   // 1. Pipeline stages: from here on `module` is this rank's stage (the same layer objects as the whole's).
-  if (plan.mesh.pp > 1) module = cut_into_stages(*module, mesh);
+  if (plan.mesh.pp > 1) module = cut_into_stages(*module, mesh, plan.pipeline.virtual_stages, hooks);
   // 2. Tensor parallelism.
   split_for_tensor_parallel(*module, mesh, plan.tensor);
   if (hooks.after_tensor_parallel) hooks.after_tensor_parallel(*module);

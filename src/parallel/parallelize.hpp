@@ -26,6 +26,9 @@ struct ParallelizeHooks {
   // JSON's sizes filled from its hidden size, values held by rank 0 only).
   std::function<void(torch::nn::Module&, ParallelOptions&)> data_parallel_options;
   std::shared_ptr<const GradientState> gradient_state;
+  // pp > 1: how many of the stage's layers each of its chunks has (virtual stages), as cut from the whole model
+  // before tensor parallelism and sharding change its parameter counts.
+  std::function<void(const std::vector<size_t>& chunk_sizes)> stage_chunks;
 };
 
 // The dimension whose group averages gradients (and FSDP shards over): dp x cp when the sequence is split,

@@ -32,7 +32,7 @@ std::vector<double> losses_of(const ProcessResult& r) {
 
 // Losses within 1e-6 of one process's at every step (8 SGD steps): the micro-batches' mean losses are summed in
 // another order than the whole batch's, nothing more.
-TEST(PipelineLaunch, EachScheduleOnTwoThreeAndFourStagesWithFourAndEightMicroBatchesTrainsAsOneProcess) {
+TEST(PipelineLaunch, EachScheduleOnTwoThreeAndFourStagesTrainsAsOneProcess) {
   const auto one = losses_of(launch_pipeline(1, {}));
   ASSERT_EQ(one.size(), 8u);
   EXPECT_LT(one.back(), one.front());  // it learns
@@ -45,6 +45,15 @@ TEST(PipelineLaunch, EachScheduleOnTwoThreeAndFourStagesWithFourAndEightMicroBat
                      "--parallelism_config_pp_microbatches", std::to_string(micro_batches)}));
         expect_close(got, one, 1e-6);
       }
+  // Interleaved1F1B: 2 chunks a rank (the example's 6 layers make at most 3 such stages), micro-batches a multiple of
+  // the stages.
+  for (const auto& [stages, micro_batches] : std::vector<std::pair<int, int>>{{2, 4}, {2, 8}, {3, 6}}) {
+    SCOPED_TRACE("Interleaved1F1B pp " + std::to_string(stages) + ", " + std::to_string(micro_batches));
+    expect_close(losses_of(launch_pipeline(stages, {"--parallelism_config_pp_size", std::to_string(stages),
+                                                    "--parallelism_config_pp_schedule", "Interleaved1F1B",
+                                                    "--parallelism_config_pp_microbatches", std::to_string(micro_batches)})),
+                 one, 1e-6);
+  }
 }
 
 // Clipping spans every stage: the global norm (each stage's part summed over the pp group) is one process's, and
@@ -86,8 +95,13 @@ TEST(PipelineLaunch, StagesDataAndTensorParallelTrainAsOneProcess) {
       {"pp 2 x FULL_SHARD 2, GPipe", 4,
        with(with(pp2, fsdp), {"--parallelism_config_dp_shard_size", "2", "--parallelism_config_pp_schedule", "GPipe"})},
       {"pp 2 x FULL_SHARD 3", 6, with(with(pp2, fsdp), {"--parallelism_config_dp_shard_size", "3"})},
+      {"pp 2 (Interleaved1F1B) x tp 2", 4,
+       with(pp2, {"--parallelism_config_tp_size", "2", "--parallelism_config_pp_schedule", "Interleaved1F1B",
+                  "--parallelism_config_pp_microbatches", "4"})},
       {"pp 2 x SHARD_GRAD_OP 2", 4,
        with(with(pp2, fsdp), {"--fsdp_sharding_strategy", "SHARD_GRAD_OP", "--parallelism_config_dp_shard_size", "2"})},
+      {"pp 2 x ZeRO-3 2 (DeepSpeed)", 4,
+       with(pp2, {"--use_deepspeed", "--zero_stage", "3", "--parallelism_config_dp_shard_size", "2"})},
       {"pp 2 x tp 2", 4, with(pp2, {"--parallelism_config_tp_size", "2"})},
       {"pp 2 x FULL_SHARD 2 x tp 2", 8,
        with(with(pp2, fsdp), {"--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "2"})}};
@@ -110,7 +124,7 @@ TEST(PipelineLaunch, APipelineThatCannotBeFormedIsOneLineBeforeTraining) {
   auto unknown = launch_pipeline(2, {"--parallelism_config_pp_size", "2", "--parallelism_config_pp_schedule", "zb"});
   EXPECT_NE(unknown.exit_code, 0);
   EXPECT_NE(unknown.err.find("parallelism_config_pp_schedule"), std::string::npos) << unknown.err;
-  EXPECT_NE(unknown.err.find("allowed: gpipe, 1f1b"), std::string::npos) << unknown.err;
+  EXPECT_NE(unknown.err.find("allowed: gpipe, 1f1b, interleaved1f1b"), std::string::npos) << unknown.err;
   auto sizes = launch_pipeline(3, {"--parallelism_config_pp_size", "2"});
   EXPECT_NE(sizes.exit_code, 0);
   EXPECT_NE(sizes.err.find("parallelism_config sizes multiply to 2 (pp 2 x"), std::string::npos) << sizes.err;
@@ -122,6 +136,12 @@ TEST(PipelineLaunch, APipelineThatCannotBeFormedIsOneLineBeforeTraining) {
   EXPECT_NE(context.exit_code, 0);
   EXPECT_NE(context.err.find("pipelines do not compose with context parallelism yet"), std::string::npos)
       << context.err;
+  auto interleaved_dp = launch_pipeline(4, {"--parallelism_config_pp_size", "2", "--parallelism_config_dp_replicate_size",
+                                            "2", "--parallelism_config_pp_schedule", "Interleaved1F1B"});
+  EXPECT_NE(interleaved_dp.exit_code, 0);
+  EXPECT_NE(interleaved_dp.err.find("Interleaved1F1B with data parallelism over the stage's ranks (ddp) is not built"),
+            std::string::npos)
+      << interleaved_dp.err;
 }
 
 // Each stage saves its pieces under the whole model's names: a pp 2 checkpoint resumes on one process, and one
@@ -142,4 +162,22 @@ TEST(PipelineLaunch, CheckpointsResumeOnAnyLayout) {
     expect_close(losses_of(launch_pipeline(resumed_by, resume_layout, {"--steps", "4", "--load_state", dir})),
                  last_four, 1e-5);
   }
+}
+
+// save_model under pp writes the whole model (each stage's tensors sent to rank 0), and xlr8 merge-weights makes
+// the whole model of a pp checkpoint: both equal one process's trained model.
+TEST(PipelineLaunch, TheWholeModelIsSavedAndMergedFromEveryStage) {
+  const auto one = temp_dir("pp-one");
+  ASSERT_EQ(launch_pipeline(1, {}, {"--save_model", one + "/model"}).exit_code, 0);
+  const auto staged = temp_dir("pp-staged"), checkpoint = temp_dir("pp-state"), merged = temp_dir("pp-merged");
+  auto r = launch_pipeline(8,
+                           {"--use_fsdp", "--parallelism_config_pp_size", "2", "--parallelism_config_dp_shard_size", "2",
+                            "--parallelism_config_tp_size", "2"},
+                           {"--save_model", staged + "/model", "--save_state", checkpoint});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_EQ(params(staged).size(), params(one).size());
+  expect_same_params(staged, one, 1e-5);
+  auto merge = run({kXlr8, "merge-weights", checkpoint, merged + "/model"}, 60);
+  ASSERT_EQ(merge.exit_code, 0) << merge.err;
+  expect_same_params(merged, one, 1e-5);
 }

@@ -1,5 +1,5 @@
-// Pipeline parallelism's first part (issue 46): the schedules' action lists, the cut of a sequence of layers into
-// stages, and stages on 2, 3 and 4 ranks (threads) running GPipe and 1F1B over 4 and 8 micro-batches that
+// Pipeline parallelism (issue 46): the schedules' action lists (each runs to its end), the cut of a sequence of
+// layers into stages, and stages on 2, 3 and 4 ranks (threads) running GPipe, 1F1B and Interleaved1F1B that
 // accumulate one process's gradients of the same global batch.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -8,6 +8,8 @@
 
 #include <atomic>
 #include <map>
+#include <set>
+#include <tuple>
 
 #include "thread_ranks.hpp"
 #include "xlr8/error.hpp"
@@ -54,8 +56,64 @@ TEST(PipelineSchedule, GPipeHoldsEveryMicroBatchAndOneFOneBAtMostTheStagesAfterI
     pp::parse_schedule("Interleaved");
     FAIL() << "an unknown schedule was accepted";
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("use GPipe or 1F1B"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("use GPipe, 1F1B or Interleaved1F1B"), std::string::npos) << e.what();
   }
+}
+
+// Runs every stage's actions as Pipeline::step does (a forward waits for the previous virtual stage's forward of
+// its micro-batch, a backward for its own forward and the next virtual stage's backward; sends never wait): true
+// when every stage reaches its end, each forward and backward of each virtual stage done once.
+bool runs_to_the_end(pp::Schedule schedule, int stages, int m, int chunks) {
+  using A = pp::Action;
+  const int virtual_stages = stages * chunks;
+  std::vector<std::vector<A>> lists;
+  size_t total = 0;
+  for (int r = 0; r < stages; ++r) {
+    lists.push_back(pp::actions(schedule, stages, m, r, chunks));
+    total += lists.back().size();
+  }
+  std::set<std::tuple<int, int, int>> done;  // (kind, micro-batch, virtual stage)
+  std::vector<size_t> next(stages, 0);
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < stages; ++r)
+      for (; next[r] < lists[r].size(); ++next[r]) {
+        const auto& a = lists[r][next[r]];
+        const int vs = a.chunk * stages + r;
+        const bool ready = a.kind == A::Forward ? vs == 0 || done.count({A::Forward, a.micro_batch, vs - 1})
+                                                : done.count({A::Forward, a.micro_batch, vs}) &&
+                                                      (vs == virtual_stages - 1 || done.count({A::Backward, a.micro_batch, vs + 1}));
+        if (!ready) break;
+        progress = done.insert({a.kind, a.micro_batch, vs}).second || progress;
+      }
+  }
+  for (int r = 0; r < stages; ++r)
+    if (next[r] != lists[r].size()) return false;
+  return done.size() == total && total == static_cast<size_t>(2 * m * virtual_stages);
+}
+
+TEST(PipelineSchedule, EverySchedulesStagesRunToTheEndWithoutWaitingOnEachOther) {
+  for (int stages : {2, 3, 4})
+    for (int m : {stages, 2 * stages, 8}) {
+      for (auto schedule : {pp::Schedule::GPipe, pp::Schedule::OneFOneB})
+        EXPECT_TRUE(runs_to_the_end(schedule, stages, m, 1)) << pp::to_string(schedule) << " " << stages << " " << m;
+      if (m % stages != 0) continue;
+      for (int chunks : {2, 3}) {
+        EXPECT_TRUE(runs_to_the_end(pp::Schedule::Interleaved1F1B, stages, m, chunks))
+            << "interleaved " << stages << " stages, " << m << " micro-batches, " << chunks << " chunks";
+      }
+    }
+  // Stage 0 of 2 with 2 chunks and 4 micro-batches: four forwards fill both chunks' pipes, then the backwards begin
+  // on the later chunk.
+  using A = pp::Action;
+  EXPECT_EQ(pp::actions(pp::Schedule::Interleaved1F1B, 2, 4, 0, 2),
+            (std::vector<A>{{A::Forward, 0, 0}, {A::Forward, 1, 0}, {A::Forward, 0, 1}, {A::Forward, 1, 1},
+                            {A::Forward, 2, 0}, {A::Backward, 0, 1}, {A::Forward, 3, 0}, {A::Backward, 1, 1},
+                            {A::Forward, 2, 1}, {A::Backward, 0, 0}, {A::Forward, 3, 1}, {A::Backward, 1, 0},
+                            {A::Backward, 2, 1}, {A::Backward, 3, 1}, {A::Backward, 2, 0}, {A::Backward, 3, 0}}));
+  EXPECT_DOUBLE_EQ(pp::bubble_fraction(pp::Schedule::Interleaved1F1B, 4, 8, 2), 3.0 / 19);
+  EXPECT_THROW(pp::actions(pp::Schedule::Interleaved1F1B, 4, 6, 0, 2), ConfigError);  // 6 is not a multiple of 4
+  EXPECT_THROW(pp::actions(pp::Schedule::OneFOneB, 4, 8, 0, 2), ConfigError);        // chunks need Interleaved1F1B
 }
 
 TEST(PipelinePartition, UniformAndByParametersKeepALayerForEveryStageAndRefuseMoreStagesThanLayers) {
@@ -74,17 +132,18 @@ TEST(PipelinePartition, UniformAndByParametersKeepALayerForEveryStageAndRefuseMo
   }
 }
 
-// Seven layers of uneven widths (3 stages cut them unevenly).
+// Nine layers of uneven widths (3 stages cut them unevenly; 4 stages of 2 chunks need 8).
 torch::nn::Sequential model() {
   at::manual_seed(46);
   return torch::nn::Sequential(torch::nn::Linear(12, 24), torch::nn::Tanh(), torch::nn::Linear(24, 16),
-                               torch::nn::Tanh(), torch::nn::Linear(16, 16), torch::nn::Tanh(), torch::nn::Linear(16, 4));
+                               torch::nn::Tanh(), torch::nn::Linear(16, 16), torch::nn::Tanh(), torch::nn::Linear(16, 20),
+                               torch::nn::Tanh(), torch::nn::Linear(20, 4));
 }
 
 at::Tensor mse(const at::Tensor& y, const at::Tensor& target) { return at::mse_loss(y, target); }
 
 // Every stage's gradients equal one process's on the global batch, and so does the loss.
-void expect_pipeline_equals_one_process(pp::Schedule schedule, int stages, int micro_batches) {
+void expect_pipeline_equals_one_process(pp::Schedule schedule, int stages, int micro_batches, int chunks = 1) {
   at::manual_seed(7);
   auto x = at::randn({micro_batches * 3, 12}), target = at::randn({micro_batches * 3, 4});
   auto whole = model();
@@ -94,12 +153,13 @@ void expect_pipeline_equals_one_process(pp::Schedule schedule, int stages, int m
   for (const auto& p : whole->named_parameters()) expected[p.key()] = p.value().grad();
   std::atomic<int> compared{0};  // every parameter of the model, each on one stage
   xlr8::testing::run_ranks(stages, [&](Communicator& comm) {
-    torch::nn::Sequential stage;
+    pp::StageLayers layers;
     {
       std::lock_guard<std::mutex> lock(xlr8::testing::generator_lock());
-      stage = pp::stage_of(model(), stages, comm.rank());
+      layers = pp::stage_layers(model(), stages, comm.rank(), chunks);
     }
-    pp::Pipeline pipeline(stage, comm, schedule, micro_batches);
+    auto stage = layers.layers;
+    pp::Pipeline pipeline(stage, comm, schedule, micro_batches, layers.chunk_sizes);
     const auto inputs = x.chunk(micro_batches), targets = target.chunk(micro_batches);
     const double loss = pipeline.step(comm.rank() == 0 ? inputs : std::vector<at::Tensor>{},
                                       comm.rank() == stages - 1 ? targets : std::vector<at::Tensor>{}, mse);
@@ -116,6 +176,13 @@ TEST(Pipeline, EachScheduleOnTwoThreeAndFourStagesWithFourAndEightMicroBatchesEq
   for (auto schedule : {pp::Schedule::GPipe, pp::Schedule::OneFOneB})
     for (int stages : {2, 3, 4})
       for (int micro_batches : {4, 8}) expect_pipeline_equals_one_process(schedule, stages, micro_batches);
+}
+
+TEST(Pipeline, InterleavedOnTwoThreeAndFourStagesOfTwoChunksEqualsOneProcess) {
+  for (int stages : {2, 3, 4})
+    for (int micro_batches : {stages, 2 * stages})
+      expect_pipeline_equals_one_process(pp::Schedule::Interleaved1F1B, stages, micro_batches, 2);
+  expect_pipeline_equals_one_process(pp::Schedule::Interleaved1F1B, 2, 4, 3);
 }
 
 TEST(Pipeline, AMicroBatchOfAnotherShapeIsRefusedByNameBeforeItIsSent) {

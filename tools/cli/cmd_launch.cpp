@@ -92,7 +92,7 @@ static void add_config_section_options(CLI::App* cmd, const std::shared_ptr<Laun
                           "parallelism_config_sp_size", "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
                           "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_attn_implementation",
                           "parallelism_config_tp_head_dim", "parallelism_config_pp_size", "parallelism_config_pp_schedule",
-                          "parallelism_config_pp_microbatches"});
+                          "parallelism_config_pp_microbatches", "parallelism_config_pp_virtual_stages"});
   // Accelerate's fp8 flags (with --mixed_precision fp8): --fp8_<key> is fp8_config's <key>, fp8_format its own.
   add_config_key_options(cmd, req, &LaunchRequest::fp8, "FP8", "fp8, with --mixed_precision fp8: ",
                          {"fp8_backend", "fp8_margin", "fp8_interval", "fp8_format", "fp8_amax_history_len",

@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "xlr8/error.hpp"
@@ -17,8 +18,10 @@ namespace {
 // A transfer's header: dtype, rank, then the sizes (at most kMaxDims).
 constexpr int64_t kMaxDims = 8;
 
-int tag_of(int micro_batch, Action::Kind kind, bool header) {
-  return micro_batch * 4 + (kind == Action::Backward ? 2 : 0) + (header ? 0 : 1);
+// A transfer's tag names the micro-batch, the virtual stage that receives it (of `virtual_stages`), its direction,
+// and whether it is the header or the values.
+int tag_of(int micro_batch, int receiver, int virtual_stages, Action::Kind kind, bool header) {
+  return ((micro_batch * virtual_stages + receiver) * 2 + (kind == Action::Backward ? 1 : 0)) * 2 + (header ? 0 : 1);
 }
 
 at::Tensor header_of(const at::Tensor& t) {
@@ -41,10 +44,27 @@ at::Device device_of(const torch::nn::Sequential& stage) {
 
 }  // namespace
 
-Pipeline::Pipeline(torch::nn::Sequential stage, Communicator group, Schedule schedule, int micro_batches)
+Pipeline::Pipeline(torch::nn::Sequential stage, Communicator group, Schedule schedule, int micro_batches,
+                   std::vector<size_t> chunk_sizes)
     : stage_(std::move(stage)), group_(std::move(group)), schedule_(schedule), micro_batches_(micro_batches) {
   if (micro_batches_ < 1) throw ConfigError(fmt::format("pipeline: {} micro-batches; give 1 or more", micro_batches_));
   if (stage_->size() == 0) throw ConfigError("pipeline: the stage holds no layer");
+  if (chunk_sizes.empty()) chunk_sizes = {stage_->size()};
+  size_t next = 0;
+  const auto named = stage_->named_children();
+  for (const size_t size : chunk_sizes) {
+    if (size == 0 || next + size > stage_->size())
+      throw ConfigError(fmt::format("pipeline: chunks of [{}] layers do not cut a stage of {}", fmt::join(chunk_sizes, ", "),
+                                    stage_->size()));
+    torch::nn::Sequential chunk;
+    for (size_t i = next; i < next + size; ++i) chunk->push_back(named[i].key(), *(stage_->begin() + static_cast<long>(i)));
+    chunks_.push_back(chunk);
+    next += size;
+  }
+  if (next != stage_->size())
+    throw ConfigError(fmt::format("pipeline: chunks of [{}] layers do not cut a stage of {}", fmt::join(chunk_sizes, ", "),
+                                  stage_->size()));
+  (void)actions(schedule_, group_.size(), micro_batches_, group_.rank(), static_cast<int>(chunks_.size()));  // checks
 }
 
 void Pipeline::send(const at::Tensor& tensor, int to, int tag) {
@@ -86,17 +106,21 @@ at::Tensor Pipeline::receive(int from, int tag, std::vector<int64_t>& agreed, co
 
 double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
                       const LossFn& loss) {
-  const int stages = group_.size(), s = group_.rank(), m = micro_batches_;
-  const bool first = s == 0, last = s == stages - 1;
-  if (first && static_cast<int>(inputs.size()) != m)
+  const int stages = group_.size(), r = group_.rank(), m = micro_batches_, v = static_cast<int>(chunks_.size());
+  const int virtual_stages = stages * v, previous = (r + stages - 1) % stages, next = (r + 1) % stages;
+  if (r == 0 && static_cast<int>(inputs.size()) != m)
     throw Error(fmt::format("pipeline: the first stage needs {} input micro-batches, got {}", m, inputs.size()));
-  if (last && static_cast<int>(targets.size()) != m)
+  if (r == stages - 1 && static_cast<int>(targets.size()) != m)
     throw Error(fmt::format("pipeline: the last stage needs {} target micro-batches, got {}", m, targets.size()));
+  const auto started = std::chrono::steady_clock::now();
   wait_seconds_ = 0;
   bytes_sent_ = 0;
-  std::vector<at::Tensor> stage_inputs(m), stage_outputs(m);
+  peak_held_ = 0;
+  int held = 0;
+  // Per chunk: each micro-batch's input and output, and the shapes agreed in the step's first micro-batch.
+  std::vector<std::vector<at::Tensor>> stage_inputs(v, std::vector<at::Tensor>(m)), stage_outputs = stage_inputs;
+  std::vector<std::vector<int64_t>> agreed_activation(v), agreed_gradient(v), sent_shape(v);
   at::Tensor loss_sum = at::zeros({1}, at::kDouble);
-  std::vector<int64_t> agreed_activation, agreed_gradient, sent_shape;
   int backwards = 0;
   // A stage refuses to send an output of another shape than the step's first, before its neighbour waits for it.
   auto check_shape = [&](const at::Tensor& y, std::vector<int64_t>& first_shape, const char* what) {
@@ -104,47 +128,55 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
     if (y.sizes().vec() != first_shape)
       throw Error(fmt::format("pipeline stage {}: its {} has shape [{}] in this micro-batch and [{}] in the step's "
                               "first; every micro-batch of a step must have the same shape (split the batch evenly)",
-                              s, what, fmt::join(y.sizes(), ", "), fmt::join(first_shape, ", ")));
+                              r, what, fmt::join(y.sizes(), ", "), fmt::join(first_shape, ", ")));
   };
-  for (const auto& [kind, k] : actions(schedule_, stages, m, s)) {
+  for (const auto& [kind, k, c] : actions(schedule_, stages, m, r, v)) {
+    const int vs = c * stages + r;  // this chunk's virtual stage
+    const bool first = vs == 0, last = vs == virtual_stages - 1;
     if (kind == Action::Forward) {
       auto x = first ? inputs[k]
-                     : receive(s - 1, tag_of(k, Action::Forward, true), agreed_activation, "activation")
+                     : receive(previous, tag_of(k, vs, virtual_stages, Action::Forward, true), agreed_activation[c],
+                               "activation")
                            .requires_grad_(true);
       // A sharded stage gathers its parameters for this forward and again for its backward (nothing otherwise).
-      auto y = xlr8::sharded(*stage_, [&] { return stage_->forward(x); });
+      auto y = xlr8::sharded(*stage_, [&] { return chunks_[c]->forward(x); });
       if (last) {
         auto value = loss(y, targets[k]);
         loss_sum += value.detach().to(at::kDouble).cpu();
-        stage_outputs[k] = value / m;  // one process's mean over the global batch
+        stage_outputs[c][k] = value / m;  // one process's mean over the global batch
       } else {
-        check_shape(y, sent_shape, "output");
-        send(y, s + 1, tag_of(k, Action::Forward, true));
-        stage_outputs[k] = y;
+        check_shape(y, sent_shape[c], "output");
+        send(y, next, tag_of(k, vs + 1, virtual_stages, Action::Forward, true));
+        stage_outputs[c][k] = y;
       }
-      stage_inputs[k] = x;
+      stage_inputs[c][k] = x;
+      peak_held_ = std::max(peak_held_, ++held);
       continue;
     }
-    if (before_backward_) before_backward_(++backwards == m);
+    if (before_backward_) before_backward_(++backwards == m * v);
     if (last) {
-      stage_outputs[k].backward();
+      stage_outputs[c][k].backward();
     } else {
-      auto g = receive(s + 1, tag_of(k, Action::Backward, true), agreed_gradient, "gradient");
-      torch::autograd::backward({stage_outputs[k]}, {g});
+      auto g = receive(next, tag_of(k, vs, virtual_stages, Action::Backward, true), agreed_gradient[c], "gradient");
+      torch::autograd::backward({stage_outputs[c][k]}, {g});
     }
     if (!first) {
-      auto g_in = stage_inputs[k].grad();
-      send(g_in.defined() ? g_in : at::zeros_like(stage_inputs[k]), s - 1, tag_of(k, Action::Backward, true));
+      auto g_in = stage_inputs[c][k].grad();
+      send(g_in.defined() ? g_in : at::zeros_like(stage_inputs[c][k]), previous,
+           tag_of(k, vs - 1, virtual_stages, Action::Backward, true));
     }
-    stage_inputs[k] = at::Tensor();  // this micro-batch's activations are freed
-    stage_outputs[k] = at::Tensor();
+    stage_inputs[c][k] = at::Tensor();  // this micro-batch's activations are freed
+    stage_outputs[c][k] = at::Tensor();
+    --held;
   }
   for (auto& work : pending_) work.wait();
   pending_.clear();
   in_flight_.clear();
   auto on_device = loss_sum.to(device_of(stage_));
   group_.broadcast(on_device, stages - 1);
-  return on_device.item<double>() / m;
+  const double mean = on_device.item<double>() / m;
+  step_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  return mean;
 }
 
 }  // namespace xlr8::pp

@@ -10,19 +10,60 @@
 
 namespace xlr8::pp {
 
-std::string to_string(Schedule schedule) { return schedule == Schedule::GPipe ? "GPipe" : "1F1B"; }
+std::string to_string(Schedule schedule) {
+  switch (schedule) {
+    case Schedule::GPipe: return "GPipe";
+    case Schedule::OneFOneB: return "1F1B";
+    case Schedule::Interleaved1F1B: return "Interleaved1F1B";
+  }
+  return "?";
+}
 
 Schedule parse_schedule(const std::string& name) {
   const auto lower = text::lower(name);
   if (lower == "gpipe") return Schedule::GPipe;
   if (lower == "1f1b") return Schedule::OneFOneB;
-  throw ConfigError(fmt::format("pipeline schedule {:?} is not one xlr8 has; use GPipe or 1F1B", name));
+  if (lower == "interleaved1f1b") return Schedule::Interleaved1F1B;
+  throw ConfigError(fmt::format("pipeline schedule {:?} is not one xlr8 has; use GPipe, 1F1B or Interleaved1F1B", name));
 }
 
-std::vector<Action> actions(Schedule schedule, int stages, int micro_batches, int stage) {
-  if (stages < 1 || micro_batches < 1 || stage < 0 || stage >= stages)
-    throw Error(fmt::format("pipeline: stage {} of {} stages with {} micro-batches does not exist", stage, stages,
-                            micro_batches));
+namespace {
+
+// Megatron's interleaved 1F1B: the rank's forwards (and backwards) visit its chunks in turn, `stages` micro-batches
+// at a time; it fills the pipe with more forwards the earlier the rank, then alternates one forward and one backward.
+std::vector<Action> interleaved(int stages, int micro_batches, int stage, int chunks) {
+  if (micro_batches % stages != 0)
+    throw ConfigError(fmt::format("pipeline schedule Interleaved1F1B: {} micro-batches are not a multiple of the {} "
+                                  "stages (the micro-batches pass each rank's virtual stages in groups of the stage "
+                                  "count); use a multiple",
+                                  micro_batches, stages));
+  const int total = micro_batches * chunks, group = stages * chunks;
+  auto action = [&](Action::Kind kind, int i) {
+    const int chunk = (i % group) / stages;
+    return Action{kind, (i / group) * stages + i % stages, kind == Action::Forward ? chunk : chunks - 1 - chunk};
+  };
+  const int warmup = micro_batches == stages ? total : std::min((stages - stage - 1) * 2 + (chunks - 1) * stages, total);
+  std::vector<Action> out;
+  for (int i = 0; i < warmup; ++i) out.push_back(action(Action::Forward, i));
+  for (int i = 0; i < total - warmup; ++i) {
+    out.push_back(action(Action::Forward, warmup + i));
+    out.push_back(action(Action::Backward, i));
+  }
+  for (int i = total - warmup; i < total; ++i) out.push_back(action(Action::Backward, i));
+  return out;
+}
+
+}  // namespace
+
+std::vector<Action> actions(Schedule schedule, int stages, int micro_batches, int stage, int chunks) {
+  if (stages < 1 || micro_batches < 1 || stage < 0 || stage >= stages || chunks < 1)
+    throw Error(fmt::format("pipeline: stage {} of {} stages ({} chunks each) with {} micro-batches does not exist",
+                            stage, stages, chunks, micro_batches));
+  if ((chunks > 1) != (schedule == Schedule::Interleaved1F1B))
+    throw ConfigError(fmt::format("pipeline schedule {} with {} virtual stages a rank: Interleaved1F1B runs 2 or more "
+                                  "(parallelism_config_pp_virtual_stages), the others 1",
+                                  to_string(schedule), chunks));
+  if (schedule == Schedule::Interleaved1F1B) return interleaved(stages, micro_batches, stage, chunks);
   std::vector<Action> out;
   const int m = micro_batches;
   if (schedule == Schedule::GPipe) {
@@ -41,8 +82,9 @@ std::vector<Action> actions(Schedule schedule, int stages, int micro_batches, in
   return out;
 }
 
-double bubble_fraction(Schedule, int stages, int micro_batches) {
-  return static_cast<double>(stages - 1) / static_cast<double>(micro_batches + stages - 1);
+double bubble_fraction(Schedule, int stages, int micro_batches, int chunks) {
+  // Idle (p - 1) / v of the m stage-times each rank computes (Megatron's interleaving divides the ramp by v).
+  return static_cast<double>(stages - 1) / static_cast<double>(chunks * micro_batches + stages - 1);
 }
 
 std::vector<std::pair<size_t, size_t>> partition(const std::vector<int64_t>& layer_parameters, int stages,
@@ -83,25 +125,31 @@ std::vector<std::pair<size_t, size_t>> partition(const std::vector<int64_t>& lay
   return out;
 }
 
-torch::nn::Sequential stage_of(const torch::nn::Sequential& whole, int stages, int stage, Partition how) {
+StageLayers stage_layers(const torch::nn::Sequential& whole, int stages, int stage, int chunks, Partition how) {
+  if (stage < 0 || stage >= stages || chunks < 1)
+    throw Error(fmt::format("pipeline: stage {} of {} ({} chunks each) does not exist", stage, stages, chunks));
   std::vector<int64_t> counts;
   for (const auto& layer : whole->children()) {
     int64_t n = 0;
     for (const auto& p : layer->parameters()) n += p.numel();
     counts.push_back(n);
   }
-  const auto cuts = partition(counts, stages, how);
-  if (stage < 0 || stage >= stages) throw Error(fmt::format("pipeline: stage {} of {} does not exist", stage, stages));
+  // Virtual stage c * stages + stage is this rank's chunk c.
+  const auto cuts = partition(counts, stages * chunks, how);
   // The same modules under the whole model's names ("3.weight" stays "3.weight"), as the type-erased layers the
   // Sequential holds.
-  torch::nn::Sequential out;
+  StageLayers out;
   const auto named = whole->named_children();
-  size_t i = 0;
-  for (const auto& layer : *whole) {
-    if (i >= cuts[stage].first && i < cuts[stage].second) out->push_back(named[i].key(), layer);
-    ++i;
+  for (int c = 0; c < chunks; ++c) {
+    const auto [begin, end] = cuts[static_cast<size_t>(c * stages + stage)];
+    for (size_t i = begin; i < end; ++i) out.layers->push_back(named[i].key(), *(whole->begin() + static_cast<long>(i)));
+    out.chunk_sizes.push_back(end - begin);
   }
   return out;
+}
+
+torch::nn::Sequential stage_of(const torch::nn::Sequential& whole, int stages, int stage, Partition how) {
+  return stage_layers(whole, stages, stage, 1, how).layers;
 }
 
 }  // namespace xlr8::pp
