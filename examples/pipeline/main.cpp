@@ -48,6 +48,8 @@ int main(int argc, char** argv) {
   app.add_option("--max_grad_norm", max_grad_norm, "Clip the gradients' global norm to this (0: no clipping)");
   std::string save_dir;
   app.add_option("--save_state", save_dir, "Save the training state there at the end");
+  bool two_groups = false;
+  app.add_flag("--two_groups", two_groups, "Give SGD two parameter groups: the first block's and the rest");
   std::string model_dir;
   app.add_option("--save_model", model_dir, "Save the whole trained model there (model.safetensors)");
   std::string load_dir;
@@ -56,7 +58,18 @@ int main(int argc, char** argv) {
   xlr8::Accelerator acc;
   acc.set_seed(0);  // the same model on every rank; each keeps its stage's layers
   auto model = acc.prepare(mlp(width));
-  auto optimizer = acc.prepare(torch::optim::SGD(model->parameters(), lr));
+  // --two_groups: the first block's parameters in a group of their own (under pp a later stage keeps none of them).
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  if (two_groups) {
+    auto rest = model->parameters();
+    auto first = model->ptr(0)->parameters();
+    rest.erase(rest.begin(), rest.begin() + static_cast<long>(first.size()));
+    groups.emplace_back(first);
+    groups.emplace_back(rest);
+  } else {
+    groups.emplace_back(model->parameters());
+  }
+  auto optimizer = acc.prepare(torch::optim::SGD(groups, lr));
   const auto teacher = torch::randn({width, 4});  // the function to learn: tanh(x @ teacher)
   if (!load_dir.empty()) acc.load_state(load_dir);  // the parameters and the optimizer's step count
   const bool pipelined = acc.plan().mesh.pp > 1;

@@ -286,8 +286,7 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   hooks.gradient_state = s.gradient_state;
   std::vector<size_t> chunk_sizes;
   hooks.stage_chunks = [&](const std::vector<size_t>& sizes) { chunk_sizes = sizes; };
-  if (s.plan.mesh.pp > 1 && !s.models.empty())
-    throw ConfigError("prepare(): under parallelism_config_pp_size > 1 one model is prepared (the pipeline's)");
+  if (s.plan.mesh.pp > 1) s.check_pipeline();  // before anything is prepared
   s.models.push_back(parallel::parallelize(module, s.plan, s.state->mesh(), hooks));
   auto* strategy = s.models.back().get();
   if (s.plan.mesh.pp > 1) s.start_pipeline(module, std::move(chunk_sizes));

@@ -52,8 +52,10 @@ void stream_full_state(const AcceleratorImpl& s, const torch::nn::Module& module
   if (!outcome.empty()) throw Error(fmt::format("{}: {}", what, outcome));
 }
 
-// Whether `optimizer` updates a sharded model's shards (its state then differs on every rank).
+// Whether `optimizer` updates a sharded model's shards, or a pipeline stage's parameters (its state then differs
+// on every rank, or every stage).
 bool optimizer_is_sharded(const AcceleratorImpl& s, const torch::optim::Optimizer& optimizer) {
+  if (s.pipeline) return true;
   for (const auto& group : optimizer.param_groups())
     for (const auto& p : group.params())
       if (auto* owner = s.owner_of(p); owner && !owner->replicated()) return true;
@@ -370,6 +372,7 @@ nlohmann::json plan_load(const std::string& path, const std::map<std::string, Lo
 }  // namespace
 
 void Accelerator::load_module(torch::nn::Module& module, const std::string& path, bool strict) {
+  impl_->refuse_under_pipeline("load_model()");
   auto& s = *impl_;
   auto* strategy = s.strategy_for(&module);
   auto world = s.world();

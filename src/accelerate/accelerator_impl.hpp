@@ -48,11 +48,13 @@ struct AcceleratorImpl {
   std::shared_ptr<torch::nn::Module> pipelined_model;      // and the whole model the program holds
   // The pipeline over models.front() (the stage's strategy): its backwards accumulate, the step's last reduces.
   void start_pipeline(std::shared_ptr<torch::nn::Module> whole, std::vector<size_t> chunk_sizes);
+  // Refuses, before a model is prepared, a pipeline start_pipeline could not make.
+  void check_pipeline() const;
   // Under pp an optimizer over the whole model's parameters keeps this stage's only (no state for the others).
   void keep_stage_parameters(torch::optim::Optimizer& optimizer) const;
   // Clipping under pp: every stage's gradients, each stage's norm (over its dp and tp peers) joined over the pp group.
   GradNorm clip_pipeline_grad_norm(double max_norm, double norm_type);
-  // Checkpoints of a pipeline are not built yet: refused, never wrong.
+  // What a pipeline cannot do yet (load_model: the file's whole model into one stage) is refused, never done wrong.
   void refuse_under_pipeline(const char* what) const {
     if (plan.mesh.pp > 1)
       throw ConfigError(fmt::format("{} under parallelism_config_pp_size {} is not built yet (each stage holds part of "

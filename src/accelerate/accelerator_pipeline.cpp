@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "accelerate/accelerator_impl.hpp"
+#include "parallel/parallelize.hpp"
 #include "parallel/grad_norm.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/error.hpp"
@@ -14,17 +15,26 @@
 
 namespace xlr8 {
 
+void AcceleratorImpl::check_pipeline() const {
+  if (!models.empty())
+    throw ConfigError("prepare(): under parallelism_config_pp_size > 1 one model is prepared (the pipeline's)");
+  const auto& p = plan.pipeline;
+  (void)pp::actions(pp::parse_schedule(p.schedule), plan.mesh.pp, p.micro_batches, 0, p.virtual_stages);
+  // DDP and ZeRO reduce a stage's gradients in one backward that reaches all of its parameters; an interleaved
+  // stage's chunks finish their backwards apart.
+  const int dp = state->mesh().size(parallel::data_parallel_dim(state->mesh()));
+  const bool offloads = plan.data_parallel.zero.offload_optimizer || plan.data_parallel.zero.offload_params;
+  if (p.virtual_stages > 1 && (dp > 1 || offloads))
+    throw ConfigError(fmt::format("parallelism_config_pp_schedule Interleaved1F1B with data parallelism over the "
+                                  "stage's ranks ({} of them{}) is not built yet (each chunk's gradients are ready in "
+                                  "another backward); use 1F1B or GPipe with dp, or Interleaved1F1B with pp and tp only",
+                                  dp, offloads ? ", with offload" : ""));
+}
+
 void AcceleratorImpl::start_pipeline(std::shared_ptr<torch::nn::Module> whole, std::vector<size_t> chunk_sizes) {
   auto* strategy = models.front().get();
   auto stage = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(strategy->module());
   if (!stage) throw Error("prepare(): under pp the prepared stage is not a torch::nn::Sequential");
-  // DDP and ZeRO reduce a stage's gradients in one backward that reaches all of its parameters; an interleaved
-  // stage's chunks finish their backwards apart.
-  if (chunk_sizes.size() > 1 && strategy->name() != "single")
-    throw ConfigError(fmt::format("parallelism_config_pp_schedule Interleaved1F1B with data parallelism over the "
-                                  "stage's ranks ({}) is not built yet (each chunk's gradients are ready in another "
-                                  "backward); use 1F1B or GPipe with dp, or Interleaved1F1B with pp and tp only",
-                                  strategy->name()));
   pipeline = std::make_unique<pp::Pipeline>(torch::nn::Sequential(stage), state->mesh().group(MeshDim::pp),
                                             pp::parse_schedule(plan.pipeline.schedule), plan.pipeline.micro_batches,
                                             std::move(chunk_sizes));

@@ -118,8 +118,10 @@ void skip_step(PreparedOptimizer::State& s, AcceleratorImpl& impl) {
 // unscaled → updated: DeepSpeed's clipping, then the strategy of the model the optimizer updates steps it
 // (sharded strategies step their shards, then gather). True when this was the step's first optimizer.
 bool apply_step(PreparedOptimizer::State& s, AcceleratorImpl& impl) {
-  const auto& groups = s.optimizer->param_groups();
-  auto* owner = groups.empty() || groups.front().params().empty() ? nullptr : impl.owner_of(groups.front().params().front());
+  // The owner of the first parameter of any group (under pp a stage may keep none of a group's parameters).
+  ParallelStrategy* owner = nullptr;
+  for (const auto& group : s.optimizer->param_groups())
+    if (!owner && !group.params().empty()) owner = impl.owner_of(group.params().front());
   const bool first = !impl.optimizers.empty() && impl.optimizers.front().get() == &s;
   if (first && !impl.observers.empty()) {
     const auto parameters = owner ? owner->module()->parameters() : impl.optimized_parameters();

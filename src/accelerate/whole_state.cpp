@@ -14,7 +14,7 @@ WholeState whole_state_of(const AcceleratorImpl& s, const torch::nn::Module& mod
   for (auto& [name, t] : out.layout)
     if (auto it = slices.find(name); it != slices.end())
       t = at::empty(it->second.placement.whole(), t.options().device(at::kMeta));
-  out.visit = [&s, &module, strategy, slices, layout = out.layout](const WholeState::Visitor& fn) {
+  out.visit = [strategy, slices, layout = out.layout](const WholeState::Visitor& fn) {
     auto deliver = [&](size_t i, const at::Tensor& t) {
       auto it = slices.find(layout[i].first);
       fn(i, it == slices.end() ? t : tp::gather_whole(t, it->second));  // collective

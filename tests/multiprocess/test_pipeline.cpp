@@ -90,7 +90,7 @@ TEST(PipelineLaunch, StagesDataAndTensorParallelTrainAsOneProcess) {
     a.insert(a.end(), b.begin(), b.end());
     return a;
   };
-  const std::vector<std::tuple<std::string, int, Args>> layouts = {
+  std::vector<std::tuple<std::string, int, Args>> layouts = {
       {"pp 2 x DDP 2", 4, with(pp2, {"--parallelism_config_dp_replicate_size", "2"})},
       {"pp 2 x FULL_SHARD 2, GPipe", 4,
        with(with(pp2, fsdp), {"--parallelism_config_dp_shard_size", "2", "--parallelism_config_pp_schedule", "GPipe"})},
@@ -105,9 +105,15 @@ TEST(PipelineLaunch, StagesDataAndTensorParallelTrainAsOneProcess) {
       {"pp 2 x tp 2", 4, with(pp2, {"--parallelism_config_tp_size", "2"})},
       {"pp 2 x FULL_SHARD 2 x tp 2", 8,
        with(with(pp2, fsdp), {"--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "2"})}};
+  // A stage that keeps none of an optimizer group's parameters still steps through its strategy (SHARD_GRAD_OP's
+  // whole copies catch up).
+  layouts.push_back({"pp 2 x SHARD_GRAD_OP 2, two optimizer groups", 4,
+                     with(with(pp2, fsdp), {"--fsdp_sharding_strategy", "SHARD_GRAD_OP",
+                                            "--parallelism_config_dp_shard_size", "2"})});
   for (const auto& [name, processes, launcher] : layouts) {
     SCOPED_TRACE(name);
-    auto r = launch_pipeline(processes, launcher, clip);
+    const bool two_groups = name.find("two optimizer groups") != std::string::npos;
+    auto r = launch_pipeline(processes, launcher, two_groups ? with(clip, {"--two_groups"}) : clip);
     ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
     const auto got = last_json(r.out);
     expect_close(got.value("losses", std::vector<double>{}), expected.value("losses", std::vector<double>{}), 1e-5);
@@ -139,7 +145,7 @@ TEST(PipelineLaunch, APipelineThatCannotBeFormedIsOneLineBeforeTraining) {
   auto interleaved_dp = launch_pipeline(4, {"--parallelism_config_pp_size", "2", "--parallelism_config_dp_replicate_size",
                                             "2", "--parallelism_config_pp_schedule", "Interleaved1F1B"});
   EXPECT_NE(interleaved_dp.exit_code, 0);
-  EXPECT_NE(interleaved_dp.err.find("Interleaved1F1B with data parallelism over the stage's ranks (ddp) is not built"),
+  EXPECT_NE(interleaved_dp.err.find("Interleaved1F1B with data parallelism over the stage's ranks (2 of them) is not"),
             std::string::npos)
       << interleaved_dp.err;
 }

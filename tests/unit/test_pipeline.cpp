@@ -92,14 +92,37 @@ bool runs_to_the_end(pp::Schedule schedule, int stages, int m, int chunks) {
   return done.size() == total && total == static_cast<size_t>(2 * m * virtual_stages);
 }
 
+// Whether each rank receives from each neighbour in the order that neighbour sends (NCCL matches a pair's transfers
+// by order, not by tag).
+bool same_order_between_each_pair(pp::Schedule schedule, int stages, int m, int chunks) {
+  using A = pp::Action;
+  using Message = std::tuple<int, int, int>;  // (kind, micro-batch, receiving virtual stage)
+  std::map<std::pair<int, int>, std::vector<Message>> sent, received;
+  const int last = stages * chunks - 1;
+  for (int r = 0; r < stages; ++r)
+    for (const auto& a : pp::actions(schedule, stages, m, r, chunks)) {
+      const int vs = a.chunk * stages + r, previous = (r + stages - 1) % stages, next = (r + 1) % stages;
+      if (a.kind == A::Forward) {
+        if (vs > 0) received[{previous, r}].push_back({A::Forward, a.micro_batch, vs});
+        if (vs < last) sent[{r, next}].push_back({A::Forward, a.micro_batch, vs + 1});
+      } else {
+        if (vs < last) received[{next, r}].push_back({A::Backward, a.micro_batch, vs});
+        if (vs > 0) sent[{r, previous}].push_back({A::Backward, a.micro_batch, vs - 1});
+      }
+    }
+  return sent == received;
+}
+
 TEST(PipelineSchedule, EverySchedulesStagesRunToTheEndWithoutWaitingOnEachOther) {
   for (int stages : {2, 3, 4})
     for (int m : {stages, 2 * stages, 8}) {
       for (auto schedule : {pp::Schedule::GPipe, pp::Schedule::OneFOneB})
-        EXPECT_TRUE(runs_to_the_end(schedule, stages, m, 1)) << pp::to_string(schedule) << " " << stages << " " << m;
+        EXPECT_TRUE(runs_to_the_end(schedule, stages, m, 1) && same_order_between_each_pair(schedule, stages, m, 1))
+            << pp::to_string(schedule) << " " << stages << " " << m;
       if (m % stages != 0) continue;
       for (int chunks : {2, 3}) {
-        EXPECT_TRUE(runs_to_the_end(pp::Schedule::Interleaved1F1B, stages, m, chunks))
+        EXPECT_TRUE(runs_to_the_end(pp::Schedule::Interleaved1F1B, stages, m, chunks) &&
+                    same_order_between_each_pair(pp::Schedule::Interleaved1F1B, stages, m, chunks))
             << "interleaved " << stages << " stages, " << m << " micro-batches, " << chunks << " chunks";
       }
     }
