@@ -108,6 +108,8 @@ int main(int argc, char** argv) {
   }
   if (!save_dir.empty()) acc.save_state(save_dir);
   if (!model_dir.empty()) acc.save_model(model, model_dir);
+  int64_t parameter_bytes = 0;  // what this rank holds of the model (under pp: its stage's layers only)
+  for (const auto& p : model->parameters()) parameter_bytes += p.numel() * static_cast<int64_t>(p.element_size());
   // Every rank's view of its stage: the idle fraction it measured against the schedule's formula (bench/).
   nlohmann::json stages = nlohmann::json::array();
   if (pipelined) {
@@ -120,6 +122,7 @@ int main(int argc, char** argv) {
                                 {"num_processes", acc.num_processes()},
                                 {"pp", acc.plan().mesh.pp},
                                 {"parallel", acc.parallel_stats(model)},
-                                {"pipeline", stages}}
+                                {"pipeline", stages},
+                                {"parameter_bytes", parameter_bytes}}
               << std::endl;
 }

@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include <set>
+
 #include "core/log.hpp"
 #include "parallel/recompute/recompute.hpp"
 #include "parallel/shard/wrap_policy.hpp"
@@ -66,6 +68,19 @@ void convert_to_float8(torch::nn::Module& module, const Fp8Settings& settings, D
     log::info("prepare(): {}", report.describe());
 }
 
+// The layers of other stages give their memory back: this rank never runs them, and what it saves and loads is its
+// stage's (their names stay, for checkpoints of the whole model).
+void release_other_stages(torch::nn::Module& whole, const torch::nn::Module& stage) {
+  std::set<const torch::nn::Module*> mine;
+  for (const auto& layer : stage.children()) mine.insert(layer.get());
+  at::NoGradGuard no_grad;
+  for (const auto& layer : whole.children()) {
+    if (mine.count(layer.get())) continue;
+    for (auto& tensor : layer->parameters()) tensor.set_data(at::empty({0}, tensor.options()));
+    for (auto& tensor : layer->buffers()) tensor.set_data(at::empty({0}, tensor.options()));
+  }
+}
+
 // pp > 1: the model's layers in order, cut by parameters into one stage a pp rank; the later steps make that stage
 // parallel over the rank's other axes (its tp group, its dp peers: the ranks holding the same stage).
 std::shared_ptr<torch::nn::Module> cut_into_stages(torch::nn::Module& module, DeviceMesh& mesh, int virtual_stages,
@@ -83,6 +98,7 @@ std::shared_ptr<torch::nn::Module> cut_into_stages(torch::nn::Module& module, De
   auto whole = torch::nn::Sequential(std::static_pointer_cast<torch::nn::SequentialImpl>(sequential->shared_from_this()));
   auto stage = pp::stage_layers(whole, pp, mesh.rank(MeshDim::pp), virtual_stages);
   if (hooks.stage_chunks) hooks.stage_chunks(stage.chunk_sizes);
+  release_other_stages(*whole, *stage.layers);
   return stage.layers.ptr();
 }
 

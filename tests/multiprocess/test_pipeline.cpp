@@ -33,9 +33,17 @@ std::vector<double> losses_of(const ProcessResult& r) {
 // Losses within 1e-6 of one process's at every step (8 SGD steps): the micro-batches' mean losses are summed in
 // another order than the whole batch's, nothing more.
 TEST(PipelineLaunch, EachScheduleOnTwoThreeAndFourStagesTrainsAsOneProcess) {
-  const auto one = losses_of(launch_pipeline(1, {}));
+  auto whole = launch_pipeline(1, {});
+  const auto one = losses_of(whole);
   ASSERT_EQ(one.size(), 8u);
   EXPECT_LT(one.back(), one.front());  // it learns
+  // A stage keeps only its layers' memory: rank 0 of pp 2 holds less than the whole model, and more than nothing.
+  auto staged = launch_pipeline(2, {"--parallelism_config_pp_size", "2"});
+  ASSERT_EQ(staged.exit_code, 0) << staged.err;
+  const auto whole_bytes = last_json(whole.out)["parameter_bytes"].get<int64_t>();
+  const auto stage_bytes = last_json(staged.out)["parameter_bytes"].get<int64_t>();
+  EXPECT_GT(stage_bytes, 0);
+  EXPECT_LT(stage_bytes, whole_bytes);
   for (const std::string schedule : {"GPipe", "1F1B"})
     for (int stages : {2, 3, 4})
       for (int micro_batches : {4, 8}) {
