@@ -50,20 +50,19 @@ Pipeline::Pipeline(torch::nn::Sequential stage, Communicator group, Schedule sch
   if (micro_batches_ < 1) throw ConfigError(fmt::format("pipeline: {} micro-batches; give 1 or more", micro_batches_));
   if (stage_->size() == 0) throw ConfigError("pipeline: the stage holds no layer");
   if (chunk_sizes.empty()) chunk_sizes = {stage_->size()};
-  size_t next = 0;
+  size_t total = 0;
+  for (const size_t size : chunk_sizes) total += size == 0 ? stage_->size() + 1 : size;  // an empty chunk never fits
+  if (total != stage_->size())
+    throw ConfigError(fmt::format("pipeline: chunks of [{}] layers do not cut a stage of {}", fmt::join(chunk_sizes, ", "),
+                                  stage_->size()));
   const auto named = stage_->named_children();
+  size_t next = 0;
   for (const size_t size : chunk_sizes) {
-    if (size == 0 || next + size > stage_->size())
-      throw ConfigError(fmt::format("pipeline: chunks of [{}] layers do not cut a stage of {}", fmt::join(chunk_sizes, ", "),
-                                    stage_->size()));
     torch::nn::Sequential chunk;
     for (size_t i = next; i < next + size; ++i) chunk->push_back(named[i].key(), *(stage_->begin() + static_cast<long>(i)));
     chunks_.push_back(chunk);
     next += size;
   }
-  if (next != stage_->size())
-    throw ConfigError(fmt::format("pipeline: chunks of [{}] layers do not cut a stage of {}", fmt::join(chunk_sizes, ", "),
-                                  stage_->size()));
   (void)actions(schedule_, group_.size(), micro_batches_, group_.rank(), static_cast<int>(chunks_.size()));  // checks
 }
 
