@@ -45,6 +45,10 @@ struct AcceleratorOptions {
   // default). Default: XLR8_ALLOW_TF32 (true/false), else LibTorch's setting (off).
   std::optional<bool> allow_tf32;
   ParallelOptions parallel;                        // passed to the strategy each prepared model gets (DDP: .ddp)
+  // Under parallelism_config_pp_size > 1, instead of the launch's _pp_schedule and _pp_microbatches (the DeepSpeed
+  // engine's: 1F1B over its accumulation steps, which then are the micro-batches and no accumulation besides).
+  std::optional<std::string> pp_schedule;
+  std::optional<int> pp_microbatches;
   bool split_batches = false;
   bool even_batches = true;
   bool sync_with_dataloader = true;  // an epoch's last batch always syncs
@@ -199,6 +203,9 @@ class Accelerator {
   // batch. Returns that loss on every rank; then optimizer.step() as usual. (The first stage reads `input`, the last
   // `target`; the others may pass undefined tensors.)
   double pipeline_step(const at::Tensor& input, const at::Tensor& target, const pp::LossFn& loss);
+  // The same forwards without gradients: the mean loss over the micro-batches, on every rank (DeepSpeed's
+  // eval_batch). Nothing changes in the model or its gradients.
+  double pipeline_evaluate(const at::Tensor& input, const at::Tensor& target, const pp::LossFn& loss);
   // This rank's view of the last pipeline_step: {"stage", "stages", "virtual_stages", "schedule", "micro_batches",
   // "step_seconds", "wait_seconds", "bytes_sent", "peak_held_micro_batches", "bubble_formula"}; null without pp.
   nlohmann::json pipeline_stats() const;

@@ -14,9 +14,11 @@
 // submodule), fp16 with the JSON's loss scaler, bf16, gradient accumulation and clipping. Micro-steps
 // count as DeepSpeed's do: step() after every backward; only the accumulation boundary updates.
 // Several engines in one process share the process state and count their steps independently.
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "xlr8/accelerator.hpp"
@@ -53,6 +55,15 @@ class Engine {
   // clip to gradient_clipping, step the optimizer (skipped on overflow), step the scheduler only when
   // the optimizer stepped, zero the gradients, count the global step and samples.
   void step();
+
+  // DeepSpeed's pipeline API, for a PipelineModule (deepspeed_pipeline.hpp): gradient_accumulation_steps
+  // micro-batches, each `next()` = {inputs, labels} (a middle stage's are not read: it may pass an empty function),
+  // through the stages (1F1B under pp; forward, backward and step() each in one process), then the optimizer step
+  // as step() takes it on the boundary. Returns the batch's mean loss, on every rank.
+  using MicroBatch = std::pair<at::Tensor, at::Tensor>;
+  double train_batch(const std::function<MicroBatch()>& next);
+  // The same micro-batches' mean loss in eval mode, without gradients; the model returns to train mode.
+  double eval_batch(const std::function<MicroBatch()>& next);
 
   bool is_gradient_accumulation_boundary() const;
   // Overrides the boundary (DeepSpeed's set_gradient_accumulation_boundary) until set again.
@@ -128,6 +139,10 @@ class Engine {
 
  private:
   void open_micro_step();
+  // On the accumulation boundary: clipping, the optimizer, the scheduler, zeroing and the counters.
+  void boundary_step();
+  // train_batch / eval_batch: the batch's micro-batches, concatenated, as {inputs, labels}.
+  MicroBatch gather_micro_batches(const std::function<MicroBatch()>& next, const char* call) const;
   void check_tag(const std::string& tag) const;
   // wall_clock_breakdown: a phase's clock (synchronising the device first, as DeepSpeed's timers do).
   double now_ms() const;

@@ -84,6 +84,15 @@ struct Config {
   bool wall_clock_breakdown = false;
   std::string tag_validation = "Warn";  // checkpoint.tag_validation: Warn | Ignore | Fail
   bool dataloader_drop_last = false;
+  // "pipeline" (deepspeed_pipeline.hpp): DeepSpeed itself takes these from the PipelineModule's arguments and
+  // ignores the section; here `stages` sets the launch's pp size, `partition` must agree with the module's
+  // partition_method ("best", the default, is its "parameters"), and activation_checkpoint_interval applies when
+  // the module sets none.
+  struct Pipeline {
+    std::optional<int64_t> stages;  // unset: "auto" or absent
+    std::string partition = "best";
+    int64_t activation_checkpoint_interval = 0;
+  } pipeline;
   // Dotted paths whose value is "auto" (e.g. "optimizer.params.lr"), in the order they are read.
   std::vector<std::string> auto_keys;
   nlohmann::json document;  // as given
@@ -125,10 +134,10 @@ LossScalerOptions loss_scaler(const Config& config);
 // Its tensor_parallel section when it has partition_config rules or a preset_model (what splits the model);
 // null otherwise (AutoTP splits it).
 nlohmann::json tensor_rules(const Config& config);
-// The mesh the JSON names (sequence_parallel_size, data_parallel_size, tensor_parallel.autotp_size) must be
-// the job's: ConfigError naming the key, both sizes and the launch flag otherwise.
+// The mesh the JSON names (sequence_parallel_size, data_parallel_size, tensor_parallel.autotp_size, pipeline.stages)
+// must be the job's: ConfigError naming the key, both sizes and the launch flag otherwise.
 struct MeshSizes {
-  int dp = 1, sp = 1, tp = 1;
+  int dp = 1, sp = 1, tp = 1, pp = 1;
 };
 void check_mesh(const Config& config, const MeshSizes& mesh);
 // The engine takes its settings from the JSON only: a launch that selects FSDP, or another accumulation, is a

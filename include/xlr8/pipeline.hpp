@@ -11,8 +11,8 @@
 //   optimizer.step();
 //
 // Under the Accelerator (parallelism_config_pp_size, Accelerator::pipeline_step) a stage is also data- and
-// tensor-parallel over the ranks that hold the same stage. Not yet: the DeepSpeed engine's API and zero-bubble
-// schedules.
+// tensor-parallel over the ranks that hold the same stage; deepspeed_pipeline.hpp has DeepSpeed's PipelineModule and
+// engine API over it. Not yet: zero-bubble schedules.
 #include <ATen/core/Tensor.h>
 #include <torch/nn/modules/container/sequential.h>
 
@@ -56,6 +56,26 @@ enum class Partition { Uniform, Parameters };
 // at least one layer (more stages than layers is an error naming both).
 std::vector<std::pair<size_t, size_t>> partition(const std::vector<int64_t>& layer_parameters, int stages,
                                                  Partition how);
+// A Sequential cut where it says rather than by parameters: `part_starts` holds the first layer of each of the
+// stages x chunks parts (0 first, ascending); empty: by parameters. DeepSpeed's PipelineModule is one (its
+// partition_method decides the starts); a program may build one to cut at its own boundaries.
+class PartitionedSequentialImpl : public torch::nn::SequentialImpl {
+ public:
+  using SequentialImpl::SequentialImpl;
+  std::vector<size_t> part_starts;
+  // Layers a recomputed region holds when a pipeline runs its stages (activation checkpointing); 0: none.
+  int activation_checkpoint_interval = 0;
+};
+TORCH_MODULE(PartitionedSequential);
+
+// `layers` in order on `x`; with gradients on and `checkpoint_interval` > 0, each run of that many layers is one
+// checkpointed region (xlr8::checkpoint: its activations recomputed in backward, as DeepSpeed's pipeline does).
+at::Tensor forward_layers(const torch::nn::Sequential& layers, at::Tensor x, int checkpoint_interval);
+
+// The parts `whole` is cut into for `stages` x `chunks` virtual stages: its own starts (PartitionedSequential,
+// checked), else by `how`. Part p is rank p % stages's chunk p / stages.
+std::vector<std::pair<size_t, size_t>> parts_of(const torch::nn::Sequential& whole, int stages, int chunks,
+                                                Partition how = Partition::Parameters);
 // Stage `stage` of `stages` of `whole`: a Sequential of its layers (the same modules, not copies).
 torch::nn::Sequential stage_of(const torch::nn::Sequential& whole, int stages, int stage,
                                Partition how = Partition::Parameters);
@@ -70,6 +90,33 @@ StageLayers stage_layers(const torch::nn::Sequential& whole, int stages, int sta
 
 using LossFn = std::function<at::Tensor(const at::Tensor& output, const at::Tensor& target)>;
 
+// A layer that runs a module another layer of the model also runs (DeepSpeed's TiedLayerSpec: the embedding whose
+// weight is the output head's too). `forward` says how this layer uses it (empty: the module's own forward). The
+// first layer of a key in the whole model owns the module: its parameters are named there ("<layer>.<key>.weight"),
+// trained and saved once. In one process the layers share the module and autograd sums its gradients. Under pp a
+// later stage holding the key runs its own copy, which takes the owner's values at the start of each
+// pipeline_step and hands its gradient to the owner at the end: the copies stay equal and the gradients summed.
+using TiedForward = std::function<at::Tensor(torch::nn::Module& module, const at::Tensor& input)>;
+class TiedLayerImpl : public torch::nn::Module {
+ public:
+  // `key`: a name without dots, the same for every layer of one module.
+  TiedLayerImpl(std::string key, torch::nn::AnyModule module, TiedForward forward, bool owner);
+  at::Tensor forward(const at::Tensor& input);
+  const std::string& key() const { return key_; }
+  bool owner() const { return owner_; }
+  torch::nn::Module& tied() const { return *module_.ptr(); }
+  // A later stage's layer gets its own copy of the module (the owner's may be released with its stage).
+  void take_copy() { module_ = module_.clone(); }
+  void share_module_of(const TiedLayerImpl& other) { module_ = other.module_; }
+
+ private:
+  std::string key_;
+  torch::nn::AnyModule module_;
+  TiedForward forward_;
+  bool owner_;
+};
+TORCH_MODULE(TiedLayer);
+
 class Pipeline {
  public:
   // `group`: the pp group, rank r holding stage r. Activations cross it point to point. Under Interleaved1F1B
@@ -82,11 +129,15 @@ class Pipeline {
   // (a mean over its micro-batch); other stages may pass empty vectors. Every stage's parameters accumulate the
   // gradients of the mean loss over the micro-batches. Returns that mean loss on every stage.
   double step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, const LossFn& loss);
+  // The same forwards without gradients (DeepSpeed's eval_batch): the mean loss, on every stage.
+  double evaluate(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, const LossFn& loss);
 
   // Called before each backward of a step with whether it is this stage's last: the micro-batches are gradient
   // accumulation steps, so data parallelism reduces the stage's gradients in that one (as torchtitan's FSDP under
   // pp), not in every micro-batch's.
   void set_before_backward(std::function<void(bool last_of_step)> hook) { before_backward_ = std::move(hook); }
+  // Each chunk's forward in checkpointed regions of this many layers (forward_layers); 0: none.
+  void set_activation_checkpoint_interval(int layers) { checkpoint_interval_ = layers; }
 
   // The last step as this stage saw it: its seconds in step(), those spent waiting for a neighbour (the idle
   // time the schedule's bubble makes, plus transfers), the bytes it sent, and the most micro-batches whose
@@ -102,6 +153,8 @@ class Pipeline {
   at::Tensor receive(int from, int tag, std::vector<int64_t>& agreed, const char* what);
   // Hands `tensor` to stage `to` without waiting for it to arrive (`in_flight` keeps it alive until the step ends).
   void send(const at::Tensor& tensor, int to, int tag);
+  double run(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, const LossFn& loss,
+             bool train);
 
   std::vector<Work> pending_;
   std::vector<at::Tensor> in_flight_;
@@ -111,6 +164,7 @@ class Pipeline {
   Communicator group_;
   Schedule schedule_;
   int micro_batches_;
+  int checkpoint_interval_ = 0;
   std::function<void(bool)> before_backward_;
   double wait_seconds_ = 0, step_seconds_ = 0;
   int peak_held_ = 0;

@@ -10,6 +10,7 @@
 #include "deepspeed/deepspeed_plugin.hpp"
 #include "diagnostics/advise_recorder.hpp"
 #include "diagnostics/verify_recorder.hpp"
+#include "parallel/pipeline/tied_weights.hpp"
 #include "step/step_observer.hpp"
 #include "step/step_state.hpp"
 #include "step/training_view.hpp"
@@ -46,10 +47,15 @@ struct AcceleratorImpl {
   std::vector<std::unique_ptr<ParallelStrategy>> models;  // one per prepared model, in prepare() order
   std::unique_ptr<pp::Pipeline> pipeline;                  // pp > 1: this rank's stage of the prepared model
   std::shared_ptr<torch::nn::Module> pipelined_model;      // and the whole model the program holds
+  std::unique_ptr<pp::TiedWeights> tied;                   // its TiedLayers' modules across stages, when it has any
   // The pipeline over models.front() (the stage's strategy): its backwards accumulate, the step's last reduces.
   void start_pipeline(std::shared_ptr<torch::nn::Module> whole, std::vector<size_t> chunk_sizes);
   // Refuses, before a model is prepared, a pipeline start_pipeline could not make.
   void check_pipeline() const;
+  // TiedLayers of the whole model: the exchanges that keep the stages' copies one parameter (when it has any).
+  void start_tied_weights(const ParallelStrategy& strategy);
+  // A step's tensor cut into the pipeline's micro-batches (none when undefined: a stage that does not read it).
+  std::vector<at::Tensor> split_micro_batches(const at::Tensor& t, const char* what, const char* call) const;
   // Under pp an optimizer over the whole model's parameters keeps this stage's only (no state for the others).
   void keep_stage_parameters(torch::optim::Optimizer& optimizer) const;
   // Clipping under pp: every stage's gradients, each stage's norm (over its dp and tp peers) joined over the pp group.

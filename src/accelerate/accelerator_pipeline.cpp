@@ -38,13 +38,38 @@ void AcceleratorImpl::start_pipeline(std::shared_ptr<torch::nn::Module> whole, s
   pipeline = std::make_unique<pp::Pipeline>(torch::nn::Sequential(stage), state->mesh().group(MeshDim::pp),
                                             pp::parse_schedule(plan.pipeline.schedule), plan.pipeline.micro_batches,
                                             std::move(chunk_sizes));
+  if (const auto* partitioned = whole->as<pp::PartitionedSequentialImpl>())
+    pipeline->set_activation_checkpoint_interval(partitioned->activation_checkpoint_interval);
   pipelined_model = std::move(whole);
+  start_tied_weights(*strategy);
   // The micro-batches are the stage's accumulation steps: only the last backward synchronises.
   pipeline->set_before_backward([this, strategy](bool last_of_step) {
     if (!last_of_step) return;
     gradient_state->sync_gradients = true;
     strategy->begin_step(/*suspend_sync=*/false);
   });
+}
+
+void AcceleratorImpl::start_tied_weights(const ParallelStrategy& strategy) {
+  auto* whole = pipelined_model->as<torch::nn::SequentialImpl>();
+  if (!whole) return;
+  auto& mesh = state->mesh();
+  const auto sequential = torch::nn::Sequential(std::static_pointer_cast<torch::nn::SequentialImpl>(whole->shared_from_this()));
+  const auto parts = pp::parts_of(sequential, plan.mesh.pp, plan.pipeline.virtual_stages);
+  const auto stage = torch::nn::Sequential(std::static_pointer_cast<torch::nn::SequentialImpl>(strategy.module()));
+  auto weights = std::make_unique<pp::TiedWeights>(sequential, stage, parts, mesh.group(MeshDim::pp),
+                                                   mesh.group(parallel::data_parallel_dim(mesh)), device);
+  if (weights->empty()) return;
+  // The copies' gradients join the owner's whole gradient; a sharded one lives in shards, and a tp split cuts the
+  // owner's module but not its copies.
+  if (!strategy.replicated() || plan.mesh.tp > 1)
+    throw ConfigError(fmt::format("prepare(): tied layers ({}) under pp with {} are not built yet: their "
+                                  "gradients are summed whole; use DDP (ZeRO stage 0, no FSDP sharding) and no tp for "
+                                  "the stages' other axes",
+                                  weights->describe(),
+                                  plan.mesh.tp > 1 ? fmt::format("parallelism_config_tp_size {}", plan.mesh.tp)
+                                                   : fmt::format("the {} strategy", strategy.name())));
+  tied = std::move(weights);
 }
 
 void AcceleratorImpl::keep_stage_parameters(torch::optim::Optimizer& optimizer) const {
@@ -106,6 +131,18 @@ void stream_pipeline_state(const AcceleratorImpl& s, const std::function<void(co
     }
 }
 
+std::vector<at::Tensor> AcceleratorImpl::split_micro_batches(const at::Tensor& t, const char* what,
+                                                             const char* call) const {
+  const int m = plan.pipeline.micro_batches;
+  if (!t.defined()) return {};
+  if (t.dim() == 0 || t.size(0) % m != 0)
+    throw ConfigError(fmt::format("{}: the {}'s first dimension ({}) does not split into {} equal micro-batches "
+                                  "(parallelism_config_pp_microbatches); give a batch it divides",
+                                  call, what, t.dim() == 0 ? 0 : t.size(0), m));
+  auto parts = t.to(device).chunk(m);
+  return {parts.begin(), parts.end()};
+}
+
 nlohmann::json Accelerator::pipeline_stats() const {
   const auto& s = *impl_;
   if (!s.pipeline) return nullptr;
@@ -137,32 +174,40 @@ double Accelerator::pipeline_step(const at::Tensor& input, const at::Tensor& tar
   if (s.scaler)
     throw ConfigError("pipeline_step(): mixed_precision fp16 under pp is not built (its loss scale would have to reach "
                       "every micro-batch's loss); use mixed_precision bf16");
-  const int m = s.plan.pipeline.micro_batches;
-  auto split = [&](const at::Tensor& t, const char* what) {
-    if (!t.defined()) return std::vector<at::Tensor>{};
-    if (t.dim() == 0 || t.size(0) % m != 0)
-      throw ConfigError(fmt::format("pipeline_step(): the {}'s first dimension ({}) does not split into {} equal "
-                                    "micro-batches (parallelism_config_pp_microbatches); give a batch it divides",
-                                    what, t.dim() == 0 ? 0 : t.size(0), m));
-    auto parts = t.to(s.device).chunk(m);
-    return std::vector<at::Tensor>(parts.begin(), parts.end());
-  };
-  auto inputs = split(input, "input");
-  auto targets = split(target, "target");
+  auto inputs = s.split_micro_batches(input, "input", "pipeline_step()");
+  auto targets = s.split_micro_batches(target, "target", "pipeline_step()");
   s.enter(xlr8::step::StepPhase::gradients, "pipeline_step()");
   auto& stage = *s.models.front();
-  s.gradient_state->sync_gradients = false;  // until the stage's last backward (set_before_backward above)
-  stage.begin_step(/*suspend_sync=*/true);
-  struct EndStep {  // the strategy's scope ends however the step does, at the boundary optimizer.step() steps at
-    ParallelStrategy& strategy;
-    GradientState& gradients;
-    ~EndStep() {
-      strategy.end_step();
-      gradients.sync_gradients = true;
-    }
-  } end_step{stage, *s.gradient_state};
+  double mean = 0;
+  {
+    s.gradient_state->sync_gradients = false;  // until the stage's last backward (set_before_backward above)
+    stage.begin_step(/*suspend_sync=*/true);
+    struct EndStep {  // the strategy's scope ends however the step does, at the boundary optimizer.step() steps at
+      ParallelStrategy& strategy;
+      GradientState& gradients;
+      ~EndStep() {
+        strategy.end_step();
+        gradients.sync_gradients = true;
+      }
+    } end_step{stage, *s.gradient_state};
+    auto scope = autocast();
+    if (s.tied) s.tied->share_values();
+    mean = s.pipeline->step(inputs, targets, loss);
+  }
+  if (s.tied) s.tied->sum_gradients();  // into the owner's gradient its data-parallel reduction finished
+  return mean;
+}
+
+double Accelerator::pipeline_evaluate(const at::Tensor& input, const at::Tensor& target, const pp::LossFn& loss) {
+  auto& s = *impl_;
+  if (!s.pipeline)
+    throw ConfigError("pipeline_evaluate(): no pipeline: set parallelism_config_pp_size above 1 and prepare the model "
+                      "first");
+  const auto inputs = s.split_micro_batches(input, "input", "pipeline_evaluate()");
+  const auto targets = s.split_micro_batches(target, "target", "pipeline_evaluate()");
   auto scope = autocast();
-  return s.pipeline->step(inputs, targets, loss);
+  if (s.tied) s.tied->share_values();
+  return s.pipeline->evaluate(inputs, targets, loss);
 }
 
 }  // namespace xlr8

@@ -81,11 +81,13 @@ ParallelPlan resolve_plan(const PlanInputs& in, const Env& env) {
     plan.pipeline = {.schedule = p.pp_schedule,
                      .micro_batches = p.pp_microbatches > 0 ? p.pp_microbatches : plan.mesh.pp,
                      .virtual_stages = virtual_stages};
+    if (in.options->pp_schedule) plan.pipeline.schedule = *in.options->pp_schedule;
+    if (in.options->pp_microbatches) plan.pipeline.micro_batches = *in.options->pp_microbatches;
   }
   plan.recompute_units = settings.fsdp && settings.fsdp->activation_checkpointing;
   plan.mixed_precision = in.precision;
   plan.allow_tf32 = in.options->allow_tf32 ? in.options->allow_tf32 : env.get_bool("XLR8_ALLOW_TF32");
-  plan.gradient_accumulation_steps = in.accumulation;
+  plan.gradient_accumulation_steps = plan.mesh.pp > 1 && in.options->pp_microbatches ? 1 : in.accumulation;
   plan.split_batches = in.options->split_batches || env.get("XLR8_SPLIT_BATCHES") == "1";
   auto parallel = in.options->parallel;
   if (in.deepspeed) {

@@ -206,6 +206,17 @@ TypedSection read_typed(const Reader& r, const char* kind) {
   return section;
 }
 
+void read_pipeline(const Reader& r, Config::Pipeline& p) {
+  r.check(kPipeline);
+  if (r.has("stages") && !Reader::is_auto(r.raw("stages"))) {
+    p.stages = r.get<int64_t>("stages");
+    if (*p.stages < 1) throw r.error(r.key("stages"), "must be at least 1 (or \"auto\": the PipelineModule's)");
+  }
+  r.read("partition", p.partition);
+  r.read("activation_checkpoint_interval", p.activation_checkpoint_interval);
+  if (p.activation_checkpoint_interval < 0) throw r.error(r.key("activation_checkpoint_interval"), "must be 0 or more");
+}
+
 void read_top_level(const Reader& r, Config& c) {
   r.check(kTopLevel);
   c.train_batch_size = r.get<int64_t>("train_batch_size");
@@ -247,6 +258,7 @@ void read_top_level(const Reader& r, Config& c) {
                              fmt::format("{:?} is not a mode; use Warn, Ignore or Fail", c.tag_validation));
     c.tag_validation = lowered == "warn" ? "Warn" : lowered == "ignore" ? "Ignore" : "Fail";
   }
+  if (r.has("pipeline")) read_pipeline(r.child("pipeline"), c.pipeline);
   if (r.has("tensor_parallel")) {
     auto tp = r.child("tensor_parallel");
     tp.check(kTensorParallel);

@@ -26,7 +26,7 @@ const std::vector<Key> kTopLevel = {
     {"memory_breakdown", Use::HINT},
     {"dump_state", Use::HINT},
     {"aio", Use::HINT},
-    {"pipeline", Use::HINT},
+    {"pipeline", Use::READ},
     {"sparse_attention", Use::HINT},
     {"timers", Use::HINT},
     {"prescale_gradients", Use::DEFAULT, "false", "gradient prescaling"},
@@ -169,6 +169,16 @@ const std::vector<Key> kTensorParallel = {
     {"keep_module_on_host", Use::HINT},
     {"injection_policy_tuple", Use::HINT},
     {"dtype", Use::HINT},
+};
+
+const std::vector<Key> kPipeline = {
+    {"stages", Use::READ},                          // the launch's pp size ("auto": the PipelineModule's)
+    {"partition", Use::READ},                       // must agree with the PipelineModule's partition_method
+    {"activation_checkpoint_interval", Use::READ},  // the PipelineModule's when it sets none
+    {"seed_layers", Use::HINT},                     // xlr8 always seeds each layer (the values of every layout agree)
+    {"pipe_partitioned", Use::HINT},
+    {"grad_partitioned", Use::HINT},
+    {"use_reentrant", Use::HINT},
 };
 
 }  // namespace xlr8::deepspeed::keys

@@ -29,5 +29,6 @@ extern const std::vector<Key> kOffloadParam;
 extern const std::vector<Key> kLeafModule;
 extern const std::vector<Key> kCheckpoint;
 extern const std::vector<Key> kTensorParallel;
+extern const std::vector<Key> kPipeline;
 
 }  // namespace xlr8::deepspeed::keys

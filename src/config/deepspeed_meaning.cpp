@@ -39,6 +39,11 @@ void check_mesh(const Config& config, const MeshSizes& mesh) {
                                   "has tp {}; launch it with --parallelism_config_tp_size {} (xlr8 launch sets it "
                                   "itself from a JSON given as --deepspeed_config_file)",
                                   config.origin, autotp, mesh.tp, autotp));
+  if (config.pipeline.stages && *config.pipeline.stages != mesh.pp)
+    throw ConfigError(fmt::format("deepspeed::initialize: {} sets pipeline.stages {} but this job's mesh has pp {}; "
+                                  "launch it with --parallelism_config_pp_size {} (xlr8 launch sets it itself from a "
+                                  "JSON given as --deepspeed_config_file)",
+                                  config.origin, *config.pipeline.stages, mesh.pp, *config.pipeline.stages));
 }
 
 void check_launch(const Settings& settings, const BatchSizes& sizes) {

@@ -18,6 +18,7 @@
 #include "parallel/shard/unit_registry.hpp"
 #include "parallel/shard/wrap_policy.hpp"
 #include "deepspeed/deepspeed_plugin.hpp"
+#include "deepspeed/pipeline_engine.hpp"
 #include "xlr8/deepspeed.hpp"
 #include "xlr8/deepspeed_schedulers.hpp"
 #include "xlr8/error.hpp"
@@ -28,10 +29,15 @@
 namespace xlr8::deepspeed {
 namespace {
 
-AcceleratorOptions accelerator_options(const Config& config, const BatchSizes& sizes) {
+AcceleratorOptions accelerator_options(const Config& config, const BatchSizes& sizes, bool pipelined) {
   AcceleratorOptions o;
   o.mixed_precision = mixed_precision(config);
   o.gradient_accumulation_steps = static_cast<int>(sizes.gradient_accumulation_steps);
+  if (pipelined) {  // DeepSpeed's TrainSchedule: 1F1B over the accumulation steps, which are the micro-batches
+    o.pp_schedule = "1F1B";
+    o.pp_microbatches = static_cast<int>(sizes.gradient_accumulation_steps);
+    o.gradient_accumulation_steps = 1;
+  }
   o.sync_with_dataloader = false;  // DeepSpeed's boundary is its micro-step count alone
   return o;  // the JSON's ZeRO keys: the Accelerator's plan reads them from the config it is given
 }
@@ -97,7 +103,8 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
   require_resolved(config_);
   const auto& state = ProcessState::instance();
   // The mesh before the batch sizes, which a missing sp dimension would upset.
-  check_mesh(config_, {state.mesh().size(MeshDim::dp), state.mesh().size(MeshDim::sp), state.mesh().size(MeshDim::tp)});
+  check_mesh(config_, {state.mesh().size(MeshDim::dp), state.mesh().size(MeshDim::sp), state.mesh().size(MeshDim::tp),
+                       state.mesh().size(MeshDim::pp)});
   sizes_ = resolve_batch_sizes(config_, state.mesh().group(MeshDim::dp).size());
   check_launch(state.settings(), sizes_);
   if (optimizer && config_.optimizer)
@@ -109,7 +116,9 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
                                   "(Adam, AdamW or SGD)",
                                   config_.origin));
   deepspeed::mark_leaf_modules(*module, config_.zero_optimization.leaf_module);
-  accelerator_ = std::make_unique<Accelerator>(config_, accelerator_options(config_, sizes_));
+  const bool pipelined = state.mesh().size(MeshDim::pp) > 1;
+  prepare_pipeline_module(*module, config_);
+  accelerator_ = std::make_unique<Accelerator>(config_, accelerator_options(config_, sizes_, pipelined));
   module_ = accelerator_->prepare(module);
   if (!optimizer) optimizer = make_optimizer(*config_.optimizer, module_->parameters());
   optimizer_ = accelerator_->prepare_optimizer(std::move(optimizer));
@@ -190,6 +199,9 @@ void Engine::end_forward() {
 }
 
 at::Tensor Engine::backward(const at::Tensor& loss, bool retain_graph) {
+  if (accelerator_->pipeline_stats().is_object())
+    throw ConfigError("backward(): under pp the engine's step is train_batch(next), which runs the schedule's forwards "
+                      "and backwards over the micro-batches; one backward cannot express it");
   open_micro_step();
   if (!config_.wall_clock_breakdown) {
     accelerator_->backward(loss, retain_graph);
@@ -215,26 +227,7 @@ void Engine::step() {
   const bool timed = config_.wall_clock_breakdown;
   const double began = timed ? now_ms() : 0;
   const bool boundary = is_gradient_accumulation_boundary();
-  if (boundary) {
-    const auto params = module_->parameters();
-    const double clip = config_.gradient_clipping > 0 ? config_.gradient_clipping : std::numeric_limits<double>::infinity();
-    grad_norm_ = accelerator_->clip_grad_norm(params, clip);
-    optimizer_.step();
-    step_applied_ = !optimizer_.step_was_skipped();  // a boundary is a sync step: skipped only for fp16 overflow
-    if (scheduler_) scheduler_->step();  // only after an applied step (PreparedScheduler)
-    optimizer_.zero_grad();
-    if (!step_applied_) ++skipped_steps_;
-    ++global_steps_;
-    global_samples_ += sizes_.train_batch_size;
-    if (config_.steps_per_print > 0 && global_steps_ % config_.steps_per_print == 0 && ProcessState::instance().is_main_process())
-      log::info("xlr8: [deepspeed] step={}, skipped={}, lr={}, grad_norm={:.4g}, loss_scale={}", global_steps_,
-                skipped_steps_, text::join([&] {
-                  std::vector<std::string> lrs;
-                  for (double lr : get_lr()) lrs.push_back(fmt::format("{:.6g}", lr));
-                  return lrs;
-                }()),
-                grad_norm_.value(), loss_scale());
-  }
+  if (boundary) boundary_step();
   const double stepped = timed ? now_ms() : 0;
   const int64_t waited = timed ? distributed::collective_wait_ns() : 0;
   micro_step_.reset();  // the strategies end their step: a sharded model's reductions are done
@@ -243,6 +236,27 @@ void Engine::step() {
   add_time(&WallClock::step_ms, stepped - began);
   add_backward_time(stepped, waited);  // what ending the micro-step waited for is the backward's reductions
   if (boundary && config_.steps_per_print > 0 && global_steps_ % config_.steps_per_print == 0) print_wall_clock();
+}
+
+void Engine::boundary_step() {
+  const auto params = module_->parameters();
+  const double clip = config_.gradient_clipping > 0 ? config_.gradient_clipping : std::numeric_limits<double>::infinity();
+  grad_norm_ = accelerator_->clip_grad_norm(params, clip);
+  optimizer_.step();
+  step_applied_ = !optimizer_.step_was_skipped();  // a boundary is a sync step: skipped only for fp16 overflow
+  if (scheduler_) scheduler_->step();  // only after an applied step (PreparedScheduler)
+  optimizer_.zero_grad();
+  if (!step_applied_) ++skipped_steps_;
+  ++global_steps_;
+  global_samples_ += sizes_.train_batch_size;
+  if (config_.steps_per_print > 0 && global_steps_ % config_.steps_per_print == 0 && ProcessState::instance().is_main_process())
+    log::info("xlr8: [deepspeed] step={}, skipped={}, lr={}, grad_norm={:.4g}, loss_scale={}", global_steps_,
+              skipped_steps_, text::join([&] {
+                std::vector<std::string> lrs;
+                for (double lr : get_lr()) lrs.push_back(fmt::format("{:.6g}", lr));
+                return lrs;
+              }()),
+              grad_norm_.value(), loss_scale());
 }
 
 std::vector<double> Engine::get_lr() const {

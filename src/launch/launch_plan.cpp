@@ -1,5 +1,6 @@
 // Turning `xlr8 launch` flags plus a config file into validated LaunchOptions.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <yaml-cpp/yaml.h>
 
 #include <filesystem>
@@ -18,7 +19,7 @@
 namespace xlr8 {
 namespace {
 
-// A DeepSpeed JSON's tensor_parallel.autotp_size and sequence_parallel_size as the mesh's tp and sp (the
+// A DeepSpeed JSON's pipeline.stages, tensor_parallel.autotp_size and sequence_parallel_size as the mesh's pp, tp and sp (the
 // other ranks data parallel), and its data_parallel_size checked against what is left; a launch that
 // already names a mesh must agree with the JSON.
 // DeepSpeed's batch relation (train_batch_size = micro x accumulation x data-parallel ranks) when the JSON fixes
@@ -42,16 +43,22 @@ void mesh_from_deepspeed(const deepspeed::Config& ds, int num_processes, std::op
     throw ConfigError(fmt::format("{} sets sequence_parallel_size {} but the launch says parallelism_config_sp_size "
                                   "{}; make them equal",
                                   ds.origin, sp, p->sp));
-  if (!p && (autotp > 1 || sp > 1)) {
-    const int split = std::max(autotp, 1) * sp;
-    if (num_processes % split != 0)
+  const int stages = static_cast<int>(ds.pipeline.stages.value_or(1));
+  if (p && ds.pipeline.stages && p->pp != stages)
+    throw ConfigError(fmt::format("{} sets pipeline.stages {} but the launch says parallelism_config_pp_size {}; make "
+                                  "them equal",
+                                  ds.origin, stages, p->pp));
+  if (!p && (autotp > 1 || sp > 1 || stages > 1)) {
+    const int split = std::max(autotp, 1) * sp * stages;
+    if (num_processes % split != 0) {
+      std::vector<std::string> parts;
+      if (stages > 1) parts.push_back(fmt::format("pipeline.stages {}", stages));
+      if (autotp > 1) parts.push_back(fmt::format("tensor_parallel.autotp_size {}", autotp));
+      if (sp > 1) parts.push_back(fmt::format("sequence_parallel_size {}", sp));
       throw ConfigError(fmt::format("{} sets {}, which does not divide the {} processes", ds.origin,
-                                    autotp > 1 && sp > 1 ? fmt::format("tensor_parallel.autotp_size {} x "
-                                                                       "sequence_parallel_size {}", autotp, sp)
-                                    : autotp > 1     ? fmt::format("tensor_parallel.autotp_size {}", autotp)
-                                                     : fmt::format("sequence_parallel_size {}", sp),
-                                    num_processes));
-    p = ParallelismSettings{.dp_shard = num_processes / split, .sp = sp, .tp = std::max(autotp, 1)};
+                                    fmt::join(parts, " x "), num_processes));
+    }
+    p = ParallelismSettings{.dp_shard = num_processes / split, .sp = sp, .tp = std::max(autotp, 1), .pp = stages};
   }
   const int dp = p ? p->dp_replicate * p->dp_shard : num_processes;
   if (ds.data_parallel_size && *ds.data_parallel_size != dp)

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "core/log.hpp"
+#include "parallel/pipeline/tied_weights.hpp"
 #include "parallel/recompute/recompute.hpp"
 #include "parallel/shard/wrap_policy.hpp"
 #include "xlr8/error.hpp"
@@ -98,6 +99,7 @@ std::shared_ptr<torch::nn::Module> cut_into_stages(torch::nn::Module& module, De
   auto whole = torch::nn::Sequential(std::static_pointer_cast<torch::nn::SequentialImpl>(sequential->shared_from_this()));
   auto stage = pp::stage_layers(whole, pp, mesh.rank(MeshDim::pp), virtual_stages);
   if (hooks.stage_chunks) hooks.stage_chunks(stage.chunk_sizes);
+  pp::copy_tied_modules(stage.layers);  // before the owner's layer, on another stage, gives its memory back
   release_other_stages(*whole, *stage.layers);
   return stage.layers.ptr();
 }

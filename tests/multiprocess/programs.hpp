@@ -11,5 +11,6 @@ inline const std::string kGpt = GPT_BIN;
 inline const std::string kGptDeepSpeed = GPT_DEEPSPEED_BIN;
 inline const std::string kTrainer = TRAINER_BIN;
 inline const std::string kPipeline = PIPELINE_BIN;
+inline const std::string kPipelineDeepSpeed = PIPELINE_DEEPSPEED_BIN;
 inline const std::string kCompare = COMPARE_SAFETENSORS;
 inline const std::string kSource = XLR8_SOURCE_DIR;

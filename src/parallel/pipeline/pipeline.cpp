@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "xlr8/activation_checkpoint.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/pipeline.hpp"
 #include "xlr8/unshard.hpp"
@@ -43,6 +44,23 @@ at::Device device_of(const torch::nn::Sequential& stage) {
 }
 
 }  // namespace
+
+at::Tensor forward_layers(const torch::nn::Sequential& layers, at::Tensor x, int checkpoint_interval) {
+  const std::shared_ptr<torch::nn::SequentialImpl> all = layers.ptr();
+  if (checkpoint_interval <= 0 || !at::GradMode::is_enabled()) return all->forward(x);
+  const auto interval = static_cast<size_t>(checkpoint_interval);
+  for (size_t begin = 0; begin < all->size(); begin += interval) {
+    const size_t end = std::min(all->size(), begin + interval);
+    x = xlr8::checkpoint(
+        [all, begin, end](const at::Tensor& in) {
+          auto y = in;
+          for (size_t i = begin; i < end; ++i) y = (all->begin() + static_cast<long>(i))->forward(y);
+          return y;
+        },
+        x);
+  }
+  return x;
+}
 
 Pipeline::Pipeline(torch::nn::Sequential stage, Communicator group, Schedule schedule, int micro_batches,
                    std::vector<size_t> chunk_sizes)
@@ -105,6 +123,17 @@ at::Tensor Pipeline::receive(int from, int tag, std::vector<int64_t>& agreed, co
 
 double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
                       const LossFn& loss) {
+  return run(inputs, targets, loss, /*train=*/true);
+}
+
+double Pipeline::evaluate(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
+                          const LossFn& loss) {
+  at::NoGradGuard no_grad;
+  return run(inputs, targets, loss, /*train=*/false);
+}
+
+double Pipeline::run(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, const LossFn& loss,
+                     bool train) {
   const int stages = group_.size(), r = group_.rank(), m = micro_batches_, v = static_cast<int>(chunks_.size());
   const int virtual_stages = stages * v, previous = (r + stages - 1) % stages, next = (r + 1) % stages;
   if (r == 0 && static_cast<int>(inputs.size()) != m)
@@ -136,9 +165,9 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
       auto x = first ? inputs[k]
                      : receive(previous, tag_of(k, vs, virtual_stages, Action::Forward, true), agreed_activation[c],
                                "activation")
-                           .requires_grad_(true);
+                           .requires_grad_(train);
       // A sharded stage gathers its parameters for this forward and again for its backward (nothing otherwise).
-      auto y = xlr8::sharded(*stage_, [&] { return chunks_[c]->forward(x); });
+      auto y = xlr8::sharded(*stage_, [&] { return forward_layers(chunks_[c], x, checkpoint_interval_); });
       if (last) {
         auto value = loss(y, targets[k]);
         loss_sum += value.detach().to(at::kDouble).cpu();
@@ -148,10 +177,15 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
         send(y, next, tag_of(k, vs + 1, virtual_stages, Action::Forward, true));
         stage_outputs[c][k] = y;
       }
+      if (!train) {  // evaluation holds nothing after the forward
+        stage_outputs[c][k] = at::Tensor();
+        continue;
+      }
       stage_inputs[c][k] = x;
       peak_held_ = std::max(peak_held_, ++held);
       continue;
     }
+    if (!train) continue;
     if (before_backward_) before_backward_(++backwards == m * v);
     if (last) {
       stage_outputs[c][k].backward();

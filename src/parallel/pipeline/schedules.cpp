@@ -1,7 +1,9 @@
 // Pipeline schedules as lists of actions, and the cut of a sequence of layers into stages (xlr8/pipeline.hpp).
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 
 #include "core/text.hpp"
@@ -125,17 +127,35 @@ std::vector<std::pair<size_t, size_t>> partition(const std::vector<int64_t>& lay
   return out;
 }
 
+std::vector<std::pair<size_t, size_t>> parts_of(const torch::nn::Sequential& whole, int stages, int chunks,
+                                                Partition how) {
+  const size_t layers = whole->size(), parts = static_cast<size_t>(stages * chunks);
+  const auto* partitioned = dynamic_cast<const PartitionedSequentialImpl*>(whole.get());
+  if (!partitioned || partitioned->part_starts.empty()) {
+    std::vector<int64_t> counts;
+    for (const auto& layer : whole->children()) {
+      int64_t n = 0;
+      for (const auto& p : layer->parameters()) n += p.numel();
+      counts.push_back(n);
+    }
+    return partition(counts, static_cast<int>(parts), how);
+  }
+  const auto& starts = partitioned->part_starts;
+  const bool ascending = std::adjacent_find(starts.begin(), starts.end(), std::greater_equal<>()) == starts.end();
+  if (starts.size() != parts || starts.front() != 0 || !ascending || starts.back() >= layers)
+    throw ConfigError(fmt::format("pipeline: the model's part starts [{}] do not cut its {} layers into {} parts "
+                                  "({} stages x {} chunks): give one start a part, 0 first, ascending, each below {}",
+                                  fmt::join(starts, ", "), layers, parts, stages, chunks, layers));
+  std::vector<std::pair<size_t, size_t>> out;
+  for (size_t p = 0; p < parts; ++p) out.emplace_back(starts[p], p + 1 < parts ? starts[p + 1] : layers);
+  return out;
+}
+
 StageLayers stage_layers(const torch::nn::Sequential& whole, int stages, int stage, int chunks, Partition how) {
   if (stage < 0 || stage >= stages || chunks < 1)
     throw Error(fmt::format("pipeline: stage {} of {} ({} chunks each) does not exist", stage, stages, chunks));
-  std::vector<int64_t> counts;
-  for (const auto& layer : whole->children()) {
-    int64_t n = 0;
-    for (const auto& p : layer->parameters()) n += p.numel();
-    counts.push_back(n);
-  }
   // Virtual stage c * stages + stage is this rank's chunk c.
-  const auto cuts = partition(counts, stages * chunks, how);
+  const auto cuts = parts_of(whole, stages, chunks, how);
   // The same modules under the whole model's names ("3.weight" stays "3.weight"), as the type-erased layers the
   // Sequential holds.
   StageLayers out;

@@ -1,0 +1,147 @@
+// Layers that share a module, and under pp the exchanges that keep the stages' copies of it one parameter
+// (tied_weights.hpp, xlr8/pipeline.hpp).
+#include "parallel/pipeline/tied_weights.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "xlr8/error.hpp"
+#include "xlr8/pipeline.hpp"
+
+namespace xlr8::pp {
+namespace {
+
+// Tags far above the schedule's (which count micro-batches and stages) for the exchanges' transfers.
+constexpr int kTiedTagBase = 1 << 24;
+
+int tied_tag(size_t key, size_t parameter) { return kTiedTagBase + static_cast<int>(key * 4096 + parameter); }
+
+// The part of `parts` holding layer `index`.
+size_t part_holding(const std::vector<std::pair<size_t, size_t>>& parts, size_t index) {
+  for (size_t p = 0; p < parts.size(); ++p)
+    if (index >= parts[p].first && index < parts[p].second) return p;
+  throw Error(fmt::format("pipeline: layer {} is in no stage", index));
+}
+
+}  // namespace
+
+TiedLayerImpl::TiedLayerImpl(std::string key, torch::nn::AnyModule module, TiedForward forward, bool owner)
+    : key_(std::move(key)), module_(std::move(module)), forward_(std::move(forward)), owner_(owner) {
+  if (key_.empty() || key_.find('.') != std::string::npos)
+    throw ConfigError(fmt::format("TiedLayer: key {:?} must be a non-empty name without dots", key_));
+  if (module_.is_empty()) throw ConfigError(fmt::format("TiedLayer {:?}: the module is empty", key_));
+  if (owner_) register_module(key_, module_.ptr());
+}
+
+at::Tensor TiedLayerImpl::forward(const at::Tensor& input) {
+  return forward_ ? forward_(*module_.ptr(), input) : module_.forward(input);
+}
+
+void copy_tied_modules(const torch::nn::Sequential& stage) {
+  std::set<std::string> owned;
+  for (const auto& layer : stage->children())
+    if (const auto* tied = layer->as<TiedLayerImpl>(); tied && tied->owner()) owned.insert(tied->key());
+  std::map<std::string, const TiedLayerImpl*> copied;  // this stage's layers of one key share one copy
+  for (const auto& layer : stage->children()) {
+    auto* tied = layer->as<TiedLayerImpl>();
+    if (!tied || tied->owner() || owned.count(tied->key())) continue;
+    if (auto it = copied.find(tied->key()); it != copied.end()) {
+      tied->share_module_of(*it->second);
+    } else {
+      tied->take_copy();
+      copied.emplace(tied->key(), tied);
+    }
+  }
+}
+
+TiedWeights::TiedWeights(const torch::nn::Sequential& whole, const torch::nn::Sequential& stage,
+                         const std::vector<std::pair<size_t, size_t>>& parts, Communicator pipeline,
+                         Communicator data_parallel, const at::Device& device)
+    : pipeline_(std::move(pipeline)), data_parallel_(std::move(data_parallel)) {
+  const int stages = pipeline_.size();
+  std::map<std::string, size_t> index;
+  const auto layers = whole->children();
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const auto* tied = layers[i]->as<TiedLayerImpl>();
+    if (!tied) continue;
+    const int rank = static_cast<int>(part_holding(parts, i) % static_cast<size_t>(stages));
+    auto [it, added] = index.emplace(tied->key(), keys_.size());
+    if (added) keys_.push_back({tied->key(), rank, {}, nullptr});
+    auto& holders = keys_[it->second].holders;
+    if (std::find(holders.begin(), holders.end(), rank) == holders.end()) holders.push_back(rank);
+  }
+  for (auto& key : keys_) std::sort(key.holders.begin(), key.holders.end());
+  for (const auto& layer : stage->children())
+    if (auto* tied = layer->as<TiedLayerImpl>()) {
+      auto& key = keys_.at(index.at(tied->key()));
+      key.module = &tied->tied();
+      if (key.owner != pipeline_.rank()) key.module->to(device);  // a copy: not the strategy's to place
+    }
+  // A key on one stage only is an ordinary shared module there: nothing to exchange.
+  std::erase_if(keys_, [](const Key& key) { return key.holders.size() < 2; });
+}
+
+std::string TiedWeights::describe() const {
+  std::vector<std::string> lines;
+  for (const auto& key : keys_)
+    lines.push_back(fmt::format("{}: stage {} owns it, stages {} run it", key.name, key.owner, fmt::join(key.holders, ", ")));
+  return fmt::format("{}", fmt::join(lines, "; "));
+}
+
+void TiedWeights::share_values() {
+  at::NoGradGuard no_grad;
+  const int rank = pipeline_.rank();
+  for (size_t k = 0; k < keys_.size(); ++k) {
+    const auto& key = keys_[k];
+    if (!key.module) continue;
+    const auto parameters = key.module->parameters();
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      if (rank == key.owner) {
+        const auto values = parameters[i].detach().contiguous();
+        for (const int holder : key.holders)
+          if (holder != rank) pipeline_.send(values, holder, tied_tag(k, i));
+      } else {
+        auto values = at::empty_like(parameters[i]);
+        pipeline_.recv(values, key.owner, tied_tag(k, i));
+        parameters[i].copy_(values);
+      }
+    }
+  }
+}
+
+void TiedWeights::sum_gradients() {
+  at::NoGradGuard no_grad;
+  const int rank = pipeline_.rank();
+  for (size_t k = 0; k < keys_.size(); ++k) {
+    const auto& key = keys_[k];
+    if (!key.module) continue;
+    auto parameters = key.module->parameters();
+    for (size_t i = 0; i < parameters.size(); ++i) {
+      auto& p = parameters[i];
+      if (rank != key.owner) {
+        auto g = p.grad().defined() ? p.grad().detach().clone() : at::zeros_like(p);
+        if (data_parallel_.size() > 1) {  // as the owner's strategy averages its gradients over the same peers
+          data_parallel_.all_reduce(g);
+          g.div_(data_parallel_.size());
+        }
+        pipeline_.send(g, key.owner, tied_tag(k, i));
+        p.mutable_grad() = at::Tensor();
+        continue;
+      }
+      for (const int holder : key.holders) {
+        if (holder == rank) continue;
+        auto g = at::empty_like(p);
+        pipeline_.recv(g, holder, tied_tag(k, i));
+        if (p.grad().defined()) p.mutable_grad().add_(g);
+        else p.mutable_grad() = g;
+      }
+    }
+  }
+}
+
+}  // namespace xlr8::pp

@@ -1,0 +1,47 @@
+#pragma once
+// Under pp, the modules TiedLayers share across stages (xlr8/pipeline.hpp): which stage owns each key, and the two
+// exchanges a step makes over the pp group: the owner's values into the other stages' copies before the schedule,
+// and their gradients into the owner's after it.
+#include <torch/nn/modules/container/sequential.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "xlr8/communicator.hpp"
+
+namespace xlr8::pp {
+
+// Before a cut releases the other stages' layers: each of `stage`'s TiedLayers whose key has no owner on this stage
+// takes its own copy of the module (the one it shared may be the owner's, on a stage this rank does not hold).
+void copy_tied_modules(const torch::nn::Sequential& stage);
+
+class TiedWeights {
+ public:
+  // `whole`: the model as the program built it; `stage`: this rank's layers of it; `parts`: parts_of(whole).
+  // `data_parallel`: the ranks holding the same stage, which average its gradients. Moves the copies to `device`.
+  TiedWeights(const torch::nn::Sequential& whole, const torch::nn::Sequential& stage,
+              const std::vector<std::pair<size_t, size_t>>& parts, Communicator pipeline, Communicator data_parallel,
+              const at::Device& device);
+  // No module is run by two stages (a key of one stage is an ordinary shared module there).
+  bool empty() const { return keys_.empty(); }
+  // The keys' names, owner stages and holders, for errors and logs ("embed: stage 0 owns it, stages 0, 3 run it").
+  std::string describe() const;
+  // Collective over the pp group: every copy takes its owner's values (before a step's schedule).
+  void share_values();
+  // Collective over the pp group: every copy's gradient, averaged over its data-parallel peers as the owner's is,
+  // is added to the owner's, and the copy's cleared (after the step's last backward).
+  void sum_gradients();
+
+ private:
+  struct Key {
+    std::string name;
+    int owner = 0;             // the pp rank of the key's first layer in the whole model
+    std::vector<int> holders;  // every pp rank running one of its layers, ascending
+    torch::nn::Module* module = nullptr;  // this rank's instance (owner's or copy), when it holds the key
+  };
+  std::vector<Key> keys_;
+  Communicator pipeline_, data_parallel_;
+};
+
+}  // namespace xlr8::pp
