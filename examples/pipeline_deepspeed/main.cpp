@@ -3,7 +3,7 @@
 //   xlr8 launch --num_processes 4 --parallelism_config_pp_size 2 build/bin/pipeline_deepspeed --config ds_pipeline.json
 // (or the JSON's "pipeline": {"stages": 2}) each pair of stages is a pipeline and the two pipelines are data
 // parallel; each rank builds only its stage's layers. One process trains the same steps. Prints one JSON line:
-// every step's loss, the last evaluation's, and the stages' first layers.
+// every step's loss, the last evaluation's, the stages' first layers, and rank 0's block forwards in training.
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
@@ -13,11 +13,17 @@
 
 namespace {
 
+// This rank's block forwards: a recomputed region runs its blocks' forwards again in backward.
+int64_t block_forwards = 0;
+
 struct BlockImpl : torch::nn::Module {
   BlockImpl(int64_t width, int64_t hidden)
       : fc1(register_module("fc1", xlr8::nn::Linear(width, hidden))),
         fc2(register_module("fc2", xlr8::nn::Linear(hidden, width))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return x + fc2(torch::tanh(fc1(x))); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    ++block_forwards;
+    return x + fc2(torch::tanh(fc1(x)));
+  }
   xlr8::nn::Linear fc1, fc2;
 };
 TORCH_MODULE(Block);
@@ -85,6 +91,7 @@ int main(int argc, char** argv) {
     losses.push_back(engine->accelerator().reduce(torch::tensor(loss, torch::kDouble)).item<double>() /
                      engine->accelerator().num_processes());
   }
+  const int64_t training_block_forwards = block_forwards;
   const double eval = engine->eval_batch(micro_batches(batch(1 << 20)));
   const double eval_loss =
       engine->accelerator().reduce(torch::tensor(eval, torch::kDouble)).item<double>() / engine->accelerator().num_processes();
@@ -98,6 +105,7 @@ int main(int argc, char** argv) {
                                 {"global_steps", engine->global_steps()},
                                 {"num_processes", engine->accelerator().num_processes()},
                                 {"stage_starts", model->stage_starts()},
+                                {"block_forwards", training_block_forwards},  // rank 0's, in training
                                 {"parameter_bytes", parameter_bytes}}
               << std::endl;
 }

@@ -90,7 +90,17 @@ TEST(DeepSpeedPipeline, PartitionMethodsRecomputationAndDataParallelPipelinesEqu
   const auto uniform = ds_result(launch_ds_pipeline(3, pp_flags(3), {"--partition_method", "uniform"}));
   expect_as_ds_one_process(uniform, one);
   EXPECT_EQ(uniform["stage_starts"], nlohmann::json({0, 3, 5}));  // 7 layers: 3, 2, 2
-  expect_as_ds_one_process(ds_result(launch_ds_pipeline(2, pp_flags(2), {"--activation_checkpoint_interval", "2"})), one);
+  // Recomputed regions of 2 layers: the first stage's blocks run each forward twice (again in backward).
+  const auto plain = ds_result(launch_ds_pipeline(2, pp_flags(2)));
+  const auto recomputed = ds_result(launch_ds_pipeline(2, pp_flags(2), {"--activation_checkpoint_interval", "2"}));
+  expect_as_ds_one_process(recomputed, one);
+  EXPECT_GT(plain["block_forwards"].get<int64_t>(), 0);
+  EXPECT_EQ(recomputed["block_forwards"].get<int64_t>(), 2 * plain["block_forwards"].get<int64_t>());
+  // The JSON's interval, when the module sets none, does the same.
+  EXPECT_EQ(ds_result(launch_ds_pipeline(2, pp_flags(2), {},
+                                         ds_json_with({{"pipeline", {{"activation_checkpoint_interval", 1}}}})))
+                ["block_forwards"],
+            recomputed["block_forwards"]);
   expect_as_ds_one_process(ds_result(launch_ds_pipeline(4, kTwoPipelines)), one);  // pp 2 x dp 2 (DDP), tied
   const auto untied = ds_result(launch_ds_pipeline(1, {}, {"--untied"}));
   for (int zero : {1, 2, 3}) {  // DeepSpeed refuses ZeRO-2 and 3 with pipelines; here the stages shard
