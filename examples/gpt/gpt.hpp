@@ -9,6 +9,7 @@
 // arange until context parallelism splits the sequence): the model holds no parallel logic.
 #include <torch/torch.h>
 
+#include "xlr8/deepspeed_pipeline.hpp"
 #include "xlr8/nn.hpp"
 #include "xlr8/unshard.hpp"
 
@@ -78,6 +79,11 @@ TORCH_MODULE(Gpt);
 // tied head follows wte through Embedding::attend). Throws xlr8::ConfigError when tp_size does not
 // divide the query or key/value heads, with both numbers.
 xlr8::tp::Plan tp_plan(const Config& c, int tp_size, bool sequence_parallel = false);
+
+// The same GPT as DeepSpeed's layer specs, for a PipelineModule (gpt_deepspeed --pipeline): the token and position
+// embeddings, the blocks, the final norm, and the head (the token embedding's weight again when c.tied_head, a
+// TiedLayerSpec; else a Linear of its own), each with GPT-2's initialisation.
+std::vector<xlr8::deepspeed::PipeLayer> pipeline_layers(const Config& c);
 
 // Fine-tuning: stops gradients (requires_grad false) for every parameter under one of the
 // comma-separated module paths, matched on whole dotted segments ("attn" freezes blocks.*.attn.*,

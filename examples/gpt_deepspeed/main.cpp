@@ -11,9 +11,52 @@
 #include "../gpt/gpt.hpp"
 #include "xlr8/tensor_parallel.hpp"
 #include "xlr8/deepspeed.hpp"
+#include "xlr8/process_state.hpp"
 #include "xlr8/error.hpp"
 
 namespace F = torch::nn::functional;
+
+namespace {
+
+// --pipeline: the GPT as DeepSpeed's layer specs in a PipelineModule, each batch one engine->train_batch() over
+// the accumulation steps' micro-batches (through the stages by 1F1B under --parallelism_config_pp_size).
+nlohmann::json train_pipeline(const gpt::Config& config, const std::string& ds_config, const torch::Tensor& text,
+                              int64_t max_steps, uint64_t seed) {
+  auto loss_fn = [](const torch::Tensor& logits, const torch::Tensor& target) {
+    return F::cross_entropy(logits.flatten(0, 1), target.flatten());
+  };
+  xlr8::deepspeed::PipelineModule model(gpt::pipeline_layers(config),
+                                        xlr8::deepspeed::PipelineModuleOptions{.loss_fn = loss_fn, .base_seed = seed});
+  auto [engine, optimizer, scheduler] = xlr8::deepspeed::initialize(model, ds_config);
+  auto& acc = engine->accelerator();
+  auto train = acc.prepare_data_loader(gpt::TextWindows(text.narrow(0, 0, text.numel() * 9 / 10), config.seq_len),
+                                       {.batch_size = engine->train_micro_batch_size_per_gpu(), .shuffle = true,
+                                        .seed = seed});
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<double> losses;
+  std::vector<xlr8::deepspeed::Engine::MicroBatch> pending;
+  while (engine->global_steps() < max_steps)
+    for (auto& batch : *train) {
+      pending.push_back({batch.data, batch.target});
+      if (static_cast<int64_t>(pending.size()) < engine->gradient_accumulation_steps()) continue;
+      size_t next = 0;
+      const double loss = engine->train_batch([&] { return pending[next++]; });
+      pending.clear();
+      losses.push_back(acc.reduce(at::full({1}, loss, at::kDouble), xlr8::ReduceOp::AVG).item<double>());
+      if (engine->global_steps() >= max_steps) break;
+    }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const auto tokens = static_cast<double>(engine->global_samples() * config.seq_len);
+  return {{"losses", losses},
+          {"final_train_loss", losses.empty() ? 0.0 : losses.back()},
+          {"global_steps", engine->global_steps()},
+          {"num_processes", acc.num_processes()},
+          {"pp_size", acc.state().mesh().size(xlr8::MeshDim::pp)},
+          {"stage_starts", model->stage_starts()},
+          {"tokens_per_s", tokens / std::max(seconds, 1e-9)}};
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"GPT through xlr8::deepspeed::initialize"};
@@ -30,10 +73,17 @@ int main(int argc, char** argv) {
   app.add_option("--data_dir", data_dir);
   app.add_option("--log_every", log_every);
   app.add_option("--save_dir", save_dir, "save_checkpoint here at the end");
+  bool pipeline = false;
+  app.add_flag("--pipeline", pipeline, "Train the GPT as a PipelineModule by train_batch (pipeline parallel under pp)");
   CLI11_PARSE(app, argc, argv);
   try {
     torch::manual_seed(seed);
     gpt::Config config{.seq_len = seq_len, .n_layer = n_layer, .d_model = d_model, .n_head = n_head};
+    if (pipeline) {
+      const auto result = train_pipeline(config, ds_config, gpt::load_text(data_dir), max_steps, seed);
+      if (xlr8::ProcessState::instance().is_main_process()) fmt::print("{}\n", result.dump());
+      return 0;
+    }
     auto [engine, optimizer, scheduler] = xlr8::deepspeed::initialize(gpt::Gpt(config), ds_config);
     auto& acc = engine->accelerator();
     auto text = gpt::load_text(data_dir);

@@ -14,22 +14,36 @@
 namespace {
 
 // A residual block whose layers AutoTP recognises by name (fc1 column-wise, fc2 row-wise), so that a stage can
-// also be tensor-parallel (xlr8::nn::Linear: the layer whose forward takes tp's collectives).
-struct BlockImpl : torch::nn::Module {
-  BlockImpl(int64_t width, int64_t hidden)
-      : fc1(register_module("fc1", xlr8::nn::Linear(width, hidden))),
-        fc2(register_module("fc2", xlr8::nn::Linear(hidden, width))) {}
+// also be tensor-parallel (xlr8::nn::Linear: the layer whose forward takes tp's collectives). Cloneable: a stage
+// that runs a block another stage owns (--share_block) gets its own copy.
+struct BlockImpl : torch::nn::Cloneable<BlockImpl> {
+  BlockImpl(int64_t width, int64_t hidden) : width(width), hidden(hidden) { reset(); }
+  void reset() override {
+    fc1 = register_module("fc1", xlr8::nn::Linear(width, hidden));
+    fc2 = register_module("fc2", xlr8::nn::Linear(hidden, width));
+  }
   torch::Tensor forward(const torch::Tensor& x) { return x + fc2(torch::tanh(fc1(x))); }
-  xlr8::nn::Linear fc1, fc2;
+  int64_t width, hidden;
+  xlr8::nn::Linear fc1{nullptr}, fc2{nullptr};
 };
 TORCH_MODULE(Block);
 
-// Blocks of uneven widths and a head: cut by parameters, the stages hold different numbers of layers.
-torch::nn::Sequential mlp(int64_t width) {
+// Blocks of uneven widths and a head: cut by parameters, the stages hold different numbers of layers. With
+// `share_block`, the fourth block runs the second's module again (a xlr8::pp::TiedLayer, weights shared as
+// ALBERT's layers are), which under pp lies on another stage.
+torch::nn::Sequential mlp(int64_t width, bool share_block) {
   torch::nn::Sequential model;
   int index = 0;
-  for (int64_t hidden : {64, 32, 48, 24, 40})
-    model->push_back("block" + std::to_string(index++), Block(width, hidden * width / 16));
+  torch::nn::AnyModule shared;
+  for (int64_t hidden : {64, 32, 48, 24, 40}) {
+    const auto name = "block" + std::to_string(index++);
+    if (!share_block || (index != 2 && index != 4)) {
+      model->push_back(std::string(name), Block(width, hidden * width / 16));
+      continue;
+    }
+    if (shared.is_empty()) shared = torch::nn::AnyModule(Block(width, hidden * width / 16));
+    model->push_back(std::string(name), xlr8::pp::TiedLayer("shared", shared, xlr8::pp::TiedForward{}, /*owner=*/index == 2));
+  }
   model->push_back("head", xlr8::nn::Linear(width, 4));
   return model;
 }
@@ -50,6 +64,8 @@ int main(int argc, char** argv) {
   app.add_option("--save_state", save_dir, "Save the training state there at the end");
   bool two_groups = false;
   app.add_flag("--two_groups", two_groups, "Give SGD two parameter groups: the first block's and the rest");
+  bool share_block = false;
+  app.add_flag("--share_block", share_block, "The fourth block runs the second's module (a TiedLayer)");
   std::string model_dir;
   app.add_option("--save_model", model_dir, "Save the whole trained model there (model.safetensors)");
   std::string load_dir;
@@ -57,7 +73,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   xlr8::Accelerator acc;
   acc.set_seed(0);  // the same model on every rank; each keeps its stage's layers
-  auto model = acc.prepare(mlp(width));
+  auto model = acc.prepare(mlp(width, share_block));
   // --two_groups: the first block's parameters in a group of their own (under pp a later stage keeps none of them).
   std::vector<torch::optim::OptimizerParamGroup> groups;
   if (two_groups) {

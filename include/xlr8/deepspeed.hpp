@@ -59,7 +59,8 @@ class Engine {
   // DeepSpeed's pipeline API, for a PipelineModule (deepspeed_pipeline.hpp): gradient_accumulation_steps
   // micro-batches, each `next()` = {inputs, labels} (a middle stage's are not read: it may pass an empty function),
   // through the stages (1F1B under pp; forward, backward and step() each in one process), then the optimizer step
-  // as step() takes it on the boundary. Returns the batch's mean loss, on every rank.
+  // as step() takes it on the boundary. Returns the batch's mean loss over every data-parallel replica (as
+  // DeepSpeed's aggregated loss), on every rank.
   using MicroBatch = std::pair<at::Tensor, at::Tensor>;
   double train_batch(const std::function<MicroBatch()>& next);
   // The same micro-batches' mean loss in eval mode, without gradients; the model returns to train mode.
@@ -143,6 +144,7 @@ class Engine {
   void boundary_step();
   // train_batch / eval_batch: the batch's micro-batches, concatenated, as {inputs, labels}.
   MicroBatch gather_micro_batches(const std::function<MicroBatch()>& next, const char* call) const;
+  double replicas_mean(double loss) const;
   void check_tag(const std::string& tag) const;
   // wall_clock_breakdown: a phase's clock (synchronising the device first, as DeepSpeed's timers do).
   double now_ms() const;

@@ -84,6 +84,7 @@ torch::nn::Sequential stage_of(const torch::nn::Sequential& whole, int stages, i
 struct StageLayers {
   torch::nn::Sequential layers;
   std::vector<size_t> chunk_sizes;
+  std::vector<std::pair<size_t, size_t>> parts;  // the whole model's parts (parts_of), as cut
 };
 StageLayers stage_layers(const torch::nn::Sequential& whole, int stages, int stage, int chunks,
                          Partition how = Partition::Parameters);
@@ -102,6 +103,8 @@ class TiedLayerImpl : public torch::nn::Module {
   // `key`: a name without dots, the same for every layer of one module.
   TiedLayerImpl(std::string key, torch::nn::AnyModule module, TiedForward forward, bool owner);
   at::Tensor forward(const at::Tensor& input);
+  // A layer that does not own its module (not registered under it) still switches it between train and eval.
+  void train(bool on = true) override;
   const std::string& key() const { return key_; }
   bool owner() const { return owner_; }
   torch::nn::Module& tied() const { return *module_.ptr(); }

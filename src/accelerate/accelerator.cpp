@@ -284,12 +284,12 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
     if (values_from_rank0) parallel.zero.values_from_rank0 = true;
   };
   hooks.gradient_state = s.gradient_state;
-  std::vector<size_t> chunk_sizes;
-  hooks.stage_chunks = [&](const std::vector<size_t>& sizes) { chunk_sizes = sizes; };
+  pp::StageLayers cut;
+  hooks.stage_cut = [&](const pp::StageLayers& made) { cut = made; };
   if (s.plan.mesh.pp > 1) s.check_pipeline();  // before anything is prepared
   s.models.push_back(parallel::parallelize(module, s.plan, s.state->mesh(), hooks));
   auto* strategy = s.models.back().get();
-  if (s.plan.mesh.pp > 1) s.start_pipeline(module, std::move(chunk_sizes));
+  if (s.plan.mesh.pp > 1) s.start_pipeline(module, cut);
   for (const auto& o : s.optimizers) {  // prepared before the model
     s.keep_stage_parameters(*o->optimizer);
     strategy->bind_optimizer(*o->optimizer);

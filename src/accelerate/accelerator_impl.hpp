@@ -49,11 +49,11 @@ struct AcceleratorImpl {
   std::shared_ptr<torch::nn::Module> pipelined_model;      // and the whole model the program holds
   std::unique_ptr<pp::TiedWeights> tied;                   // its TiedLayers' modules across stages, when it has any
   // The pipeline over models.front() (the stage's strategy): its backwards accumulate, the step's last reduces.
-  void start_pipeline(std::shared_ptr<torch::nn::Module> whole, std::vector<size_t> chunk_sizes);
+  void start_pipeline(std::shared_ptr<torch::nn::Module> whole, const pp::StageLayers& cut);
   // Refuses, before a model is prepared, a pipeline start_pipeline could not make.
   void check_pipeline() const;
   // TiedLayers of the whole model: the exchanges that keep the stages' copies one parameter (when it has any).
-  void start_tied_weights(const ParallelStrategy& strategy);
+  void start_tied_weights(const ParallelStrategy& strategy, const std::vector<std::pair<size_t, size_t>>& parts);
   // A step's tensor cut into the pipeline's micro-batches (none when undefined: a stage that does not read it).
   std::vector<at::Tensor> split_micro_batches(const at::Tensor& t, const char* what, const char* call) const;
   // Under pp an optimizer over the whole model's parameters keeps this stage's only (no state for the others).

@@ -31,17 +31,17 @@ void AcceleratorImpl::check_pipeline() const {
                                   dp, offloads ? ", with offload" : ""));
 }
 
-void AcceleratorImpl::start_pipeline(std::shared_ptr<torch::nn::Module> whole, std::vector<size_t> chunk_sizes) {
+void AcceleratorImpl::start_pipeline(std::shared_ptr<torch::nn::Module> whole, const pp::StageLayers& cut) {
   auto* strategy = models.front().get();
   auto stage = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(strategy->module());
   if (!stage) throw Error("prepare(): under pp the prepared stage is not a torch::nn::Sequential");
   pipeline = std::make_unique<pp::Pipeline>(torch::nn::Sequential(stage), state->mesh().group(MeshDim::pp),
                                             pp::parse_schedule(plan.pipeline.schedule), plan.pipeline.micro_batches,
-                                            std::move(chunk_sizes));
+                                            cut.chunk_sizes);
   if (const auto* partitioned = whole->as<pp::PartitionedSequentialImpl>())
     pipeline->set_activation_checkpoint_interval(partitioned->activation_checkpoint_interval);
   pipelined_model = std::move(whole);
-  start_tied_weights(*strategy);
+  start_tied_weights(*strategy, cut.parts);
   // The micro-batches are the stage's accumulation steps: only the last backward synchronises.
   pipeline->set_before_backward([this, strategy](bool last_of_step) {
     if (!last_of_step) return;
@@ -50,12 +50,12 @@ void AcceleratorImpl::start_pipeline(std::shared_ptr<torch::nn::Module> whole, s
   });
 }
 
-void AcceleratorImpl::start_tied_weights(const ParallelStrategy& strategy) {
+void AcceleratorImpl::start_tied_weights(const ParallelStrategy& strategy,
+                                         const std::vector<std::pair<size_t, size_t>>& parts) {
   auto* whole = pipelined_model->as<torch::nn::SequentialImpl>();
   if (!whole) return;
   auto& mesh = state->mesh();
   const auto sequential = torch::nn::Sequential(std::static_pointer_cast<torch::nn::SequentialImpl>(whole->shared_from_this()));
-  const auto parts = pp::parts_of(sequential, plan.mesh.pp, plan.pipeline.virtual_stages);
   const auto stage = torch::nn::Sequential(std::static_pointer_cast<torch::nn::SequentialImpl>(strategy.module()));
   auto weights = std::make_unique<pp::TiedWeights>(sequential, stage, parts, mesh.group(MeshDim::pp),
                                                    mesh.group(parallel::data_parallel_dim(mesh)), device);

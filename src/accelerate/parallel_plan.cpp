@@ -81,7 +81,10 @@ ParallelPlan resolve_plan(const PlanInputs& in, const Env& env) {
     plan.pipeline = {.schedule = p.pp_schedule,
                      .micro_batches = p.pp_microbatches > 0 ? p.pp_microbatches : plan.mesh.pp,
                      .virtual_stages = virtual_stages};
-    if (in.options->pp_schedule) plan.pipeline.schedule = *in.options->pp_schedule;
+    if (in.options->pp_schedule) {
+      plan.pipeline.schedule = *in.options->pp_schedule;
+      if (plan.pipeline.schedule != "Interleaved1F1B") plan.pipeline.virtual_stages = 1;
+    }
     if (in.options->pp_microbatches) plan.pipeline.micro_batches = *in.options->pp_microbatches;
   }
   plan.recompute_units = settings.fsdp && settings.fsdp->activation_checkpointing;

@@ -117,6 +117,7 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
                                   config_.origin));
   deepspeed::mark_leaf_modules(*module, config_.zero_optimization.leaf_module);
   const bool pipelined = state.mesh().size(MeshDim::pp) > 1;
+  if (pipelined) check_pipeline_launch(config_, state.settings(), sizes_);
   prepare_pipeline_module(*module, config_);
   accelerator_ = std::make_unique<Accelerator>(config_, accelerator_options(config_, sizes_, pipelined));
   module_ = accelerator_->prepare(module);
@@ -221,6 +222,8 @@ at::Tensor Engine::scale(const at::Tensor& loss) {
 }
 
 void Engine::step() {
+  if (accelerator_->pipeline_stats().is_object())
+    throw ConfigError("step(): under pp the engine's step is train_batch(next), which steps the optimizer itself");
   if (no_sync_depth_ > 0)
     throw Error("step() inside no_sync(): gradients are not reduced there, so no step may be taken (DeepSpeed's rule)");
   open_micro_step();

@@ -6,6 +6,7 @@
 #include <map>
 #include <regex>
 
+#include "core/log.hpp"
 #include "core/text.hpp"
 #include "deepspeed/pipeline_engine.hpp"
 #include "xlr8/deepspeed.hpp"
@@ -13,6 +14,7 @@
 #include "xlr8/empty_init.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/process_state.hpp"
+#include "xlr8/unshard.hpp"
 
 namespace xlr8::deepspeed {
 namespace {
@@ -125,6 +127,8 @@ PipelineModuleImpl::PipelineModuleImpl(const std::vector<PipeLayer>& layers, Pip
   const size_t begin = part_starts[static_cast<size_t>(stage_)];
   const size_t end = stage_ + 1 < options_.num_stages ? part_starts[static_cast<size_t>(stage_ + 1)] : layers.size();
   // This stage's layers for real, each after seeding with its index (a tied key's module: its first layer's).
+  auto generator = at::detail::getDefaultCPUGenerator();
+  const auto program_state = generator.get_state();  // the program's random stream goes on as if nothing was built
   auto build_real = [&](size_t i) {
     at::manual_seed(options_.base_seed + i);
     return spec_of(layers[i]).build();
@@ -146,6 +150,7 @@ PipelineModuleImpl::PipelineModuleImpl(const std::vector<PipeLayer>& layers, Pip
     }
     push_back(std::to_string(i), pp::TiedLayer(tied->key, module, tied->forward, /*owner=*/first == i));
   }
+  generator.set_state(program_state);
 }
 
 at::Tensor PipelineModuleImpl::forward(at::Tensor x) {
@@ -153,7 +158,21 @@ at::Tensor PipelineModuleImpl::forward(at::Tensor x) {
     throw Error("PipelineModule::forward: under pp no rank holds the whole model; the engine's train_batch and "
                 "eval_batch run the stages");
   const auto all = torch::nn::Sequential(std::static_pointer_cast<torch::nn::SequentialImpl>(shared_from_this()));
-  return pp::forward_layers(all, std::move(x), activation_checkpoint_interval);
+  // The whole model is ZeRO-3's root unit in one process: gathered around the forward (nothing otherwise).
+  return xlr8::sharded(*this, [&] { return pp::forward_layers(all, x, activation_checkpoint_interval); });
+}
+
+void check_pipeline_launch(const Config& config, const Settings& settings, const BatchSizes& sizes) {
+  if (config.fp16.enabled)
+    throw ConfigError(fmt::format("deepspeed::initialize: {} sets fp16.enabled under pp, which is not built (its loss "
+                                  "scale would have to reach every micro-batch's loss); use bf16.enabled",
+                                  config.origin));
+  const auto& p = *settings.parallelism;
+  if (p.pp_schedule != "1F1B" || (p.pp_microbatches > 0 && p.pp_microbatches != sizes.gradient_accumulation_steps))
+    throw ConfigError(fmt::format("deepspeed::initialize: the launch says parallelism_config_pp_schedule {} with {} "
+                                  "micro-batches, but the DeepSpeed engine runs 1F1B over its gradient_accumulation_steps "
+                                  "({}); drop the launch's pp schedule and micro-batches",
+                                  p.pp_schedule, p.pp_microbatches, sizes.gradient_accumulation_steps));
 }
 
 void prepare_pipeline_module(torch::nn::Module& module, const Config& config) {
@@ -174,19 +193,34 @@ void prepare_pipeline_module(torch::nn::Module& module, const Config& config) {
 // ------------------------------------------------------------------------------------------ the engine's API
 
 Engine::MicroBatch Engine::gather_micro_batches(const std::function<MicroBatch()>& next, const char* call) const {
-  if (micro_step_)
-    throw Error(fmt::format("{}: a micro-step is under way (a forward or backward since the last step()); finish it "
-                            "with step() first",
-                            call));
+  if (micro_step_ || no_sync_depth_ > 0 || micro_steps_ % sizes_.gradient_accumulation_steps != 0)
+    throw Error(fmt::format("{}: the forward/backward/step() loop is mid-batch (a micro-step under way, no_sync, or "
+                            "{} micro-steps since the last boundary); a batch starts at a boundary",
+                            call, micro_steps_ % sizes_.gradient_accumulation_steps));
   if (!next) return {};
   std::vector<at::Tensor> inputs, labels;
   for (int64_t k = 0; k < sizes_.gradient_accumulation_steps; ++k) {
     auto [x, y] = next();
-    if (x.defined()) inputs.push_back(x);
-    if (y.defined()) labels.push_back(y);
+    for (auto [tensor, into] : {std::pair{&x, &inputs}, std::pair{&y, &labels}}) {
+      if (!tensor->defined()) continue;
+      if (!into->empty() && (tensor->dim() == 0 || tensor->size(0) != into->front().size(0)))
+        throw ConfigError(fmt::format("{}: micro-batch {} has {} rows and the first {}; every micro-batch of a batch "
+                                      "must have train_micro_batch_size_per_gpu rows",
+                                      call, k, tensor->dim() == 0 ? 0 : tensor->size(0), into->front().size(0)));
+      into->push_back(*tensor);
+    }
   }
   auto joined = [](const std::vector<at::Tensor>& parts) { return parts.empty() ? at::Tensor() : at::cat(parts); };
   return {joined(inputs), joined(labels)};
+}
+
+// The batch's mean loss over the data-parallel replicas (DeepSpeed's aggregated loss).
+double Engine::replicas_mean(double loss) const {
+  auto& dp = accelerator_->state().mesh().group(MeshDim::dp);
+  if (dp.size() == 1) return loss;
+  auto value = at::full({1}, loss, at::TensorOptions().dtype(at::kDouble).device(accelerator_->device()));
+  dp.all_reduce(value, ReduceOp::AVG);
+  return value.item<double>();
 }
 
 double Engine::train_batch(const std::function<MicroBatch()>& next) {
@@ -197,10 +231,13 @@ double Engine::train_batch(const std::function<MicroBatch()>& next) {
   const int64_t m = sizes_.gradient_accumulation_steps;
   const auto [inputs, labels] = gather_micro_batches(next, "train_batch()");
   if (pipe->num_stages() > 1) {
+    if (config_.wall_clock_breakdown && global_steps_ == 0 && ProcessState::instance().is_main_process())
+      log::warning("xlr8: wall_clock_breakdown under pp: the phases interleave in the schedule; "
+                   "accelerator().pipeline_stats() gives each stage's step and waiting seconds instead");
     const double loss = accelerator_->pipeline_step(inputs, labels, pipe->options().loss_fn);
     boundary_step();
     micro_steps_ += m;
-    return loss;
+    return replicas_mean(loss);
   }
   if (!inputs.defined() || !labels.defined())
     throw ConfigError("train_batch(): in one process every micro-batch needs its inputs and labels");
@@ -218,7 +255,7 @@ double Engine::train_batch(const std::function<MicroBatch()>& next) {
     sum += loss.item<double>();
     step();
   }
-  return sum / static_cast<double>(m);
+  return replicas_mean(sum / static_cast<double>(m));
 }
 
 double Engine::eval_batch(const std::function<MicroBatch()>& next) {
@@ -227,18 +264,22 @@ double Engine::eval_batch(const std::function<MicroBatch()>& next) {
     throw ConfigError("eval_batch(): the model is not a PipelineModule (its loss_fn is what the last stage computes)");
   const int64_t m = sizes_.gradient_accumulation_steps;
   const auto [inputs, labels] = gather_micro_batches(next, "eval_batch()");
-  module_->eval();
-  struct BackToTraining {
+  struct RestoreMode {  // eval mode for the batch, then the mode the model was in
     torch::nn::Module& module;
-    ~BackToTraining() { module.train(); }
-  } back{*module_};
-  if (pipe->num_stages() > 1) return accelerator_->pipeline_evaluate(inputs, labels, pipe->options().loss_fn);
+    bool training = module.is_training();
+    ~RestoreMode() { module.train(training); }
+  } restore{*module_};
+  module_->eval();
+  if (pipe->num_stages() > 1)
+    return replicas_mean(accelerator_->pipeline_evaluate(inputs, labels, pipe->options().loss_fn));
+  if (!inputs.defined() || !labels.defined())
+    throw ConfigError("eval_batch(): in one process every micro-batch needs its inputs and labels");
   at::NoGradGuard no_grad;
   auto autocast = accelerator_->autocast();
   const auto xs = inputs.to(accelerator_->device()).chunk(m), ys = labels.to(accelerator_->device()).chunk(m);
   double sum = 0;
   for (int64_t k = 0; k < m; ++k) sum += pipe->options().loss_fn(pipe->forward(xs[k]), ys[k]).item<double>();
-  return sum / static_cast<double>(m);
+  return replicas_mean(sum / static_cast<double>(m));
 }
 
 }  // namespace xlr8::deepspeed

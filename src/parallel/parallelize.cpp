@@ -98,8 +98,8 @@ std::shared_ptr<torch::nn::Module> cut_into_stages(torch::nn::Module& module, De
                                   pp));
   auto whole = torch::nn::Sequential(std::static_pointer_cast<torch::nn::SequentialImpl>(sequential->shared_from_this()));
   auto stage = pp::stage_layers(whole, pp, mesh.rank(MeshDim::pp), virtual_stages);
-  if (hooks.stage_chunks) hooks.stage_chunks(stage.chunk_sizes);
-  pp::copy_tied_modules(stage.layers);  // before the owner's layer, on another stage, gives its memory back
+  if (hooks.stage_cut) hooks.stage_cut(stage);
+  pp::copy_tied_modules(whole, stage.layers);  // before the owner's layer, on another stage, gives its memory back
   release_other_stages(*whole, *stage.layers);
   return stage.layers.ptr();
 }

@@ -14,6 +14,7 @@
 #include "xlr8/gradient_state.hpp"
 #include "xlr8/parallel_plan.hpp"
 #include "xlr8/parallel_strategy.hpp"
+#include "xlr8/pipeline.hpp"
 
 namespace xlr8::parallel {
 
@@ -26,9 +27,10 @@ struct ParallelizeHooks {
   // JSON's sizes filled from its hidden size, values held by rank 0 only).
   std::function<void(torch::nn::Module&, ParallelOptions&)> data_parallel_options;
   std::shared_ptr<const GradientState> gradient_state;
-  // pp > 1: how many of the stage's layers each of its chunks has (virtual stages), as cut from the whole model
-  // before tensor parallelism and sharding change its parameter counts.
-  std::function<void(const std::vector<size_t>& chunk_sizes)> stage_chunks;
+  // pp > 1: the cut, as made from the whole model before tensor parallelism and sharding change its parameter
+  // counts (and before the other stages' layers give their memory back): how many of the stage's layers each of
+  // its chunks (virtual stages) has, and the whole model's parts.
+  std::function<void(const pp::StageLayers& cut)> stage_cut;
 };
 
 // The dimension whose group averages gradients (and FSDP shards over): dp x cp when the sequence is split,

@@ -195,3 +195,27 @@ TEST(PipelineLaunch, TheWholeModelIsSavedAndMergedFromEveryStage) {
   ASSERT_EQ(merge.exit_code, 0) << merge.err;
   expect_same_params(merged, one, 1e-5);
 }
+
+// A plain Sequential whose fourth block runs the second's module (xlr8::pp::TiedLayer), cut by parameters so that
+// the two lie on different stages: the copy takes the owner's values and gives back its gradient, and every layout
+// trains as one process; a sharded stage is refused in one line (its gradient lives in shards).
+TEST(PipelineLaunch, ABlockSharedAcrossStagesTrainsAsOneProcess) {
+  const Args shared{"--share_block"};
+  const auto one = losses_of(launch_pipeline(1, {}, shared));
+  ASSERT_EQ(one.size(), 8u);
+  EXPECT_LT(one.back(), one.front());
+  EXPECT_GT(std::abs(one.back() - losses_of(launch_pipeline(1, {})).back()), 1e-6);  // another model than unshared
+  for (const auto& [name, processes, launcher] : std::vector<std::tuple<std::string, int, Args>>{
+           {"pp 2", 2, {"--parallelism_config_pp_size", "2"}},
+           {"pp 3", 3, {"--parallelism_config_pp_size", "3"}},
+           {"pp 2 x DDP 2", 4, {"--parallelism_config_pp_size", "2", "--parallelism_config_dp_replicate_size", "2"}}}) {
+    SCOPED_TRACE(name);
+    expect_close(losses_of(launch_pipeline(processes, launcher, shared)), one, 1e-6);
+  }
+  const auto r = launch_pipeline(4,
+                                 {"--parallelism_config_pp_size", "2", "--use_fsdp", "--parallelism_config_dp_shard_size",
+                                  "2"},
+                                 shared);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("tied layers (shared: stage 0 owns it"), std::string::npos) << r.err;
+}

@@ -139,12 +139,43 @@ TEST(DeepSpeedPipeline, WhatCannotRunIsOneLineBeforeTraining) {
       {"partition disagrees", 2, pp_flags(2), {"--partition_method", "uniform"},
        ds_json_with({{"pipeline", {{"partition", "parameters"}}}}), "pipeline.partition \"parameters\""},
       {"tied under ZeRO-3", 4, kTwoPipelines, {}, ds_json_with({{"zero_optimization", {{"stage", 3}}}}), "tied layers"},
-      {"more stages than layers", 8, pp_flags(8), {}, kDsPipelineJson, "8 stages"}};
+      {"more stages than layers", 8, pp_flags(8), {}, kDsPipelineJson, "8 stages"},
+      {"fp16", 2, pp_flags(2), {}, ds_json_with({{"fp16", {{"enabled", true}}}}), "fp16.enabled under pp"},
+      {"another schedule", 2, {"--parallelism_config_pp_size", "2", "--parallelism_config_pp_schedule", "GPipe"}, {},
+       kDsPipelineJson, "runs 1F1B over its gradient_accumulation_steps"}};
   for (const auto& [name, processes, launcher, program, json, expected] : cases) {
     SCOPED_TRACE(name);
     const auto r = launch_ds_pipeline(processes, launcher, program, json);
     EXPECT_NE(r.exit_code, 0);
     EXPECT_NE((r.out + r.err).find(expected), std::string::npos) << r.out << r.err;
     EXPECT_EQ((r.out + r.err).find("\"losses\""), std::string::npos);
+  }
+}
+
+// examples/gpt_deepspeed --pipeline: the GPT as layer specs (embeddings tied to the head, blocks, final norm) in a
+// PipelineModule, on the fortunes text, trains on pp 2 and 4 and on two pipelines of 2 (DDP) as on one process.
+TEST(DeepSpeedPipeline, TheGptAsLayerSpecsTrainsOnEveryLayoutAsOneProcess) {
+  const auto json = temp_dir("ds-pipe-gpt") + "/ds.json";
+  std::ofstream(json) << R"({"train_batch_size": 8, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
+                             "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}})";
+  auto train = [&](int processes, const Args& launcher) {
+    Args command{kXlr8, "launch", "--num_processes", std::to_string(processes)};
+    command.insert(command.end(), launcher.begin(), launcher.end());
+    command.insert(command.end(), {kGptDeepSpeed, "--deepspeed_config", json, "--pipeline", "--max_steps", "6",
+                                   "--n_layer", "2", "--d_model", "32", "--n_head", "2", "--seq_len", "32"});
+    return ds_result(run(command, 180));
+  };
+  const auto one = train(1, {});
+  ASSERT_TRUE(one.contains("losses"));
+  const auto losses = one["losses"].get<std::vector<double>>();
+  ASSERT_EQ(losses.size(), 6u);
+  EXPECT_LT(losses.back(), losses.front());
+  for (const auto& [name, processes, launcher] : std::vector<std::tuple<std::string, int, Args>>{
+           {"pp 2", 2, pp_flags(2)}, {"pp 4", 4, pp_flags(4)}, {"pp 2 x DDP 2", 4, kTwoPipelines}}) {
+    SCOPED_TRACE(name);
+    const auto got = train(processes, launcher);
+    ASSERT_TRUE(got.contains("losses"));
+    EXPECT_EQ(got["stage_starts"].size(), static_cast<size_t>(got["pp_size"].get<int>()));
+    expect_close(got["losses"].get<std::vector<double>>(), losses, 1e-5);
   }
 }

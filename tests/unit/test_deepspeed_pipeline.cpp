@@ -133,7 +133,7 @@ TEST(TiedWeights, TheOwnerGetsBothStagesGradientAndTheCopyItsValues) {
     whole->part_starts = {0, 2};
     const auto all = as_sequential(whole);
     auto stage = pp::stage_of(all, 2, comm.rank());
-    pp::copy_tied_modules(stage);
+    pp::copy_tied_modules(all, stage);
     const auto alone = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);  // no data parallelism
     pp::TiedWeights tied(all, stage, pp::parts_of(all, 2, 1), comm, alone, at::kCPU);
     EXPECT_FALSE(tied.empty());

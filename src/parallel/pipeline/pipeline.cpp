@@ -40,7 +40,11 @@ at::Tensor header_of(const at::Tensor& t) {
 // there, as NCCL sends device tensors only.
 at::Device device_of(const torch::nn::Sequential& stage) {
   const auto parameters = stage->parameters();
-  return parameters.empty() ? at::Device(at::kCPU) : parameters.front().device();
+  if (!parameters.empty()) return parameters.front().device();
+  for (const auto& layer : stage->children())  // a stage of tied copies only: theirs
+    if (const auto* tied = layer->as<TiedLayerImpl>(); tied && !tied->tied().parameters().empty())
+      return tied->tied().parameters().front().device();
+  return at::kCPU;
 }
 
 }  // namespace

@@ -159,6 +159,7 @@ StageLayers stage_layers(const torch::nn::Sequential& whole, int stages, int sta
   // The same modules under the whole model's names ("3.weight" stays "3.weight"), as the type-erased layers the
   // Sequential holds.
   StageLayers out;
+  out.parts = cuts;
   const auto named = whole->named_children();
   for (int c = 0; c < chunks; ++c) {
     const auto [begin, end] = cuts[static_cast<size_t>(c * stages + stage)];

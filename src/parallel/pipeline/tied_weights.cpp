@@ -38,24 +38,47 @@ TiedLayerImpl::TiedLayerImpl(std::string key, torch::nn::AnyModule module, TiedF
   if (owner_) register_module(key_, module_.ptr());
 }
 
+void TiedLayerImpl::train(bool on) {
+  torch::nn::Module::train(on);
+  if (!owner_) module_.ptr()->train(on);
+}
+
 at::Tensor TiedLayerImpl::forward(const at::Tensor& input) {
   return forward_ ? forward_(*module_.ptr(), input) : module_.forward(input);
 }
 
-void copy_tied_modules(const torch::nn::Sequential& stage) {
+void copy_tied_modules(const torch::nn::Sequential& whole, const torch::nn::Sequential& stage) {
   std::set<std::string> owned;
-  for (const auto& layer : stage->children())
+  std::set<const torch::nn::Module*> on_stage;
+  for (const auto& layer : stage->children()) {
+    on_stage.insert(layer.get());
     if (const auto* tied = layer->as<TiedLayerImpl>(); tied && tied->owner()) owned.insert(tied->key());
+  }
+  std::set<const torch::nn::Module*> elsewhere;  // modules that layers of other stages run
+  for (const auto& layer : whole->children())
+    if (const auto* tied = layer->as<TiedLayerImpl>(); tied && !on_stage.count(layer.get())) elsewhere.insert(&tied->tied());
   std::map<std::string, const TiedLayerImpl*> copied;  // this stage's layers of one key share one copy
   for (const auto& layer : stage->children()) {
     auto* tied = layer->as<TiedLayerImpl>();
-    if (!tied || tied->owner() || owned.count(tied->key())) continue;
+    if (!tied || tied->owner() || owned.count(tied->key()) || !elsewhere.count(&tied->tied())) continue;
     if (auto it = copied.find(tied->key()); it != copied.end()) {
       tied->share_module_of(*it->second);
-    } else {
-      tied->take_copy();
-      copied.emplace(tied->key(), tied);
+      continue;
     }
+    // A clone builds the module again (its reset() runs the initialisers): the program's random stream must not
+    // move on this rank alone (a later draw would differ between the stages).
+    auto generator = at::detail::getDefaultCPUGenerator();
+    const auto program_state = generator.get_state();
+    try {
+      tied->take_copy();
+      generator.set_state(program_state);
+    } catch (const c10::Error& e) {
+      throw ConfigError(fmt::format("TiedLayer {:?}: this stage runs the module a layer of another stage owns, and it "
+                                    "cannot be copied ({}); derive it from torch::nn::Cloneable, or give this stage's "
+                                    "layer a module of its own with the same values (DeepSpeed's PipelineModule does)",
+                                    tied->key(), e.what_without_backtrace()));
+    }
+    copied.emplace(tied->key(), tied);
   }
 }
 
@@ -84,6 +107,34 @@ TiedWeights::TiedWeights(const torch::nn::Sequential& whole, const torch::nn::Se
     }
   // A key on one stage only is an ordinary shared module there: nothing to exchange.
   std::erase_if(keys_, [](const Key& key) { return key.holders.size() < 2; });
+  check_copies_match();
+}
+
+// Every holder's module must have the owner's parameters (dtype and shape), or the exchanges would read the wrong
+// bytes: one line naming the key, checked once over the pp group.
+void TiedWeights::check_copies_match() {
+  std::string described;
+  for (const auto& key : keys_) {
+    if (!key.module) continue;
+    described += key.name + ":";
+    for (const auto& p : key.module->parameters())
+      described += fmt::format("{}[{}];", c10::toString(p.scalar_type()), fmt::join(p.sizes(), ","));
+    described += "\n";
+  }
+  const auto all = pipeline_.all_gather_object(described);
+  for (const auto& key : keys_) {
+    auto line_of = [&](int rank) {
+      const auto& text = all[static_cast<size_t>(rank)];
+      const auto at = text.find(key.name + ":");
+      return at == std::string::npos ? std::string() : text.substr(at, text.find('\n', at) - at);
+    };
+    for (const int holder : key.holders)
+      if (line_of(holder) != line_of(key.owner))
+        throw ConfigError(fmt::format("TiedLayer {:?}: stage {} runs a module of other parameters than its owner, "
+                                      "stage {} ({} against {}); every layer of a key must run one module (the same "
+                                      "dtype and shapes)",
+                                      key.name, holder, key.owner, line_of(holder), line_of(key.owner)));
+  }
 }
 
 std::string TiedWeights::describe() const {

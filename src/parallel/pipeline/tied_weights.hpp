@@ -13,8 +13,9 @@
 namespace xlr8::pp {
 
 // Before a cut releases the other stages' layers: each of `stage`'s TiedLayers whose key has no owner on this stage
-// takes its own copy of the module (the one it shared may be the owner's, on a stage this rank does not hold).
-void copy_tied_modules(const torch::nn::Sequential& stage);
+// and whose module a layer of another stage of `whole` runs too takes its own copy of it (that layer's memory is
+// about to be given back).
+void copy_tied_modules(const torch::nn::Sequential& whole, const torch::nn::Sequential& stage);
 
 class TiedWeights {
  public:
@@ -40,6 +41,8 @@ class TiedWeights {
     std::vector<int> holders;  // every pp rank running one of its layers, ascending
     torch::nn::Module* module = nullptr;  // this rank's instance (owner's or copy), when it holds the key
   };
+  void check_copies_match();
+
   std::vector<Key> keys_;
   Communicator pipeline_, data_parallel_;
 };

@@ -1,0 +1,59 @@
+// The GPT as a list of layer specs for DeepSpeed's PipelineModule (gpt.hpp's pipeline_layers).
+#include "gpt.hpp"
+#include "xlr8/context_parallel.hpp"
+
+namespace gpt {
+namespace {
+
+// GPT-2's initialisation, as GptImpl's: N(0, 0.02) weights, zero biases, LayerNorms left as built.
+void gpt2_init(torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  for (auto& item : module.named_parameters()) {
+    const auto& name = item.key();
+    if (name.find("ln") != std::string::npos) continue;
+    if (name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0) item.value().zero_();
+    else item.value().normal_(0.0, 0.02);
+  }
+}
+
+// The first layer: token plus position embeddings (GptImpl's wte and wpe).
+struct EmbeddingsImpl : torch::nn::Module {
+  explicit EmbeddingsImpl(const Config& c)
+      : wte(register_module("wte", xlr8::nn::Embedding(c.vocab_size, c.d_model))),
+        wpe(register_module("wpe", xlr8::nn::Embedding(c.seq_len, c.d_model))) {
+    gpt2_init(*this);
+  }
+  torch::Tensor forward(const torch::Tensor& tokens) {
+    return wte(tokens) + wpe(xlr8::cp::local_positions(tokens.size(1), tokens.device()));
+  }
+  xlr8::nn::Embedding wte, wpe;
+};
+TORCH_MODULE(Embeddings);
+
+template <class Holder, class... Args>
+xlr8::deepspeed::LayerSpec initialised(Args... args) {
+  return xlr8::deepspeed::LayerSpec([=] {
+    Holder layer(args...);
+    gpt2_init(*layer);
+    return torch::nn::AnyModule(layer);
+  });
+}
+
+}  // namespace
+
+std::vector<xlr8::deepspeed::PipeLayer> pipeline_layers(const Config& c) {
+  using namespace xlr8::deepspeed;
+  const auto embeddings = LayerSpec::of<Embeddings>(c);
+  std::vector<PipeLayer> layers{TiedLayerSpec("embeddings", embeddings)};
+  for (int64_t i = 0; i < c.n_layer; ++i) layers.push_back(initialised<Block>(c));
+  layers.push_back(LayerSpec::of<torch::nn::LayerNorm>(torch::nn::LayerNormOptions({c.d_model})));
+  if (c.tied_head)
+    layers.push_back(TiedLayerSpec("embeddings", embeddings, [](torch::nn::Module& m, const torch::Tensor& x) {
+      return m.as<Embeddings>()->wte->attend(x);  // the logits against the token embedding's weight
+    }));
+  else
+    layers.push_back(initialised<xlr8::nn::Linear>(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
+  return layers;
+}
+
+}  // namespace gpt
