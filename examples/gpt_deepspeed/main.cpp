@@ -47,12 +47,17 @@ nlohmann::json train_pipeline(const gpt::Config& config, const std::string& ds_c
     }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const auto tokens = static_cast<double>(engine->global_samples() * config.seq_len);
+  int64_t held = 0;  // the parameters this rank's stage holds (a tied copy, unregistered, apart)
+  for (const auto& p : model->parameters()) held += p.numel();
+  nlohmann::json parameters_by_rank = nlohmann::json::array();
+  for (const auto& text : acc.gather_object(std::to_string(held))) parameters_by_rank.push_back(std::stoll(text));
   return {{"losses", losses},
           {"final_train_loss", losses.empty() ? 0.0 : losses.back()},
           {"global_steps", engine->global_steps()},
           {"num_processes", acc.num_processes()},
           {"pp_size", acc.state().mesh().size(xlr8::MeshDim::pp)},
           {"stage_starts", model->stage_starts()},
+          {"parameters_by_rank", parameters_by_rank},
           {"tokens_per_s", tokens / std::max(seconds, 1e-9)}};
 }
 

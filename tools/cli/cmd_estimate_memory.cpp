@@ -15,6 +15,7 @@
 #include "cli/commands.hpp"
 #include "cli/memory_formulas.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/pipeline.hpp"
 #include "xlr8/safetensors.hpp"
 
 namespace xlr8::cli {
@@ -22,6 +23,11 @@ namespace {
 
 struct Model {
   double parameters = 0;
+  // The layers in order (the GPT shape: as examples/gpt's pipeline_layers, a tied head counted again as its
+  // PipelineModule counts it), for the cut under pp; empty when unknown.
+  std::vector<int64_t> layers;
+  std::vector<bool> blocks;   // which of them are transformer blocks (they hold the activations)
+  int64_t tied_copy = 0;      // parameters of the last stage's copy of the tied embeddings (no optimizer state)
   double largest_layer = 0;  // parameters of the largest layer (tensor, for a file), 0 when unknown
   std::string largest_name;
   bool has_shape = false;    // layers, hidden size and heads known: activations can be estimated
@@ -55,6 +61,14 @@ Model model_of_gpt(int64_t layers, int64_t d, int64_t heads, int64_t vocab, int6
   m.largest_name = block >= embedding ? "a block" : "the token embedding";
   m.has_shape = true;
   m.n_layer = layers, m.d_model = d, m.n_head = heads;
+  const auto embeddings = static_cast<int64_t>(vocab * d + seq * d);
+  m.layers.push_back(embeddings);
+  for (int64_t i = 0; i < layers; ++i) m.layers.push_back(static_cast<int64_t>(block));
+  m.layers.push_back(2 * d);
+  m.layers.push_back(untied ? vocab * d : embeddings);
+  m.blocks.assign(m.layers.size(), false);
+  for (int64_t i = 0; i < layers; ++i) m.blocks[static_cast<size_t>(i + 1)] = true;
+  m.tied_copy = untied ? 0 : embeddings;
   return m;
 }
 
@@ -64,6 +78,8 @@ struct EstimateArgs {
   int64_t n_layer = 0, d_model = 0, n_head = 0, vocab_size = 256, seq_len = 0, batch_size = 1;
   bool untied_head = false, json = false;
   int num_processes = 1;
+  int pp_size = 1, pp_microbatches = 0;  // 0: pp_size
+  std::string pp_schedule = "1F1B";
   std::vector<std::string> dtypes{"float32", "bfloat16"};
   std::vector<std::string> strategies{"ddp", "zero1", "zero2", "zero3"};
 };
@@ -78,6 +94,14 @@ Model model_of_args(const EstimateArgs& a) {
   if (a.num_processes < 1)
     throw ConfigError(fmt::format("--num_processes {} must be 1 or more", a.num_processes));
   if (a.batch_size < 1) throw ConfigError(fmt::format("--batch_size {} must be 1 or more", a.batch_size));
+  if (a.pp_size < 1 || a.num_processes % a.pp_size != 0)
+    throw ConfigError(fmt::format("--pp_size {} must be 1 or more and divide --num_processes {} (the stages' data "
+                                  "parallelism is num_processes / pp_size)",
+                                  a.pp_size, a.num_processes));
+  if (pp::parse_schedule(a.pp_schedule) == pp::Schedule::Interleaved1F1B)
+    throw ConfigError("--pp_schedule Interleaved1F1B is not estimated (its chunks hold another number of "
+                      "micro-batches); give GPipe or 1F1B");
+  if (a.pp_microbatches < 0) throw ConfigError(fmt::format("--pp_microbatches {} must be 1 or more", a.pp_microbatches));
   Model m;
   if (a.params > 0) m.parameters = a.params;
   else if (!a.model.empty()) m = model_of_file(a.model);
@@ -94,24 +118,73 @@ Model model_of_args(const EstimateArgs& a) {
   return m;
 }
 
-// Bytes per rank by dtype and strategy, with the activations when the shape is known.
+// One pipeline stage of the model: its own parameters, the tied embeddings' copy it runs (parameters and
+// gradients, no optimizer state), its blocks, and the most micro-batches whose activations it holds.
+struct Stage {
+  double parameters = 0, copy = 0, blocks = 0, held = 1;
+};
+
+// The stages a PipelineModule of the GPT shape cuts by parameters (pp::partition, as it does); without the layers,
+// an even split. One stage without pp.
+std::vector<Stage> stages_of(const EstimateArgs& a, const Model& m) {
+  const int p = a.pp_size, micro = a.pp_microbatches > 0 ? a.pp_microbatches : p;
+  std::vector<Stage> out(static_cast<size_t>(p));
+  for (int s = 0; s < p; ++s)  // GPipe holds every micro-batch, 1F1B at most p - s of them
+    out[static_cast<size_t>(s)].held = a.pp_schedule == "GPipe" ? micro : std::min(micro, p - s);
+  if (p == 1 || m.layers.empty()) {
+    for (auto& stage : out) stage.parameters = m.parameters / p, stage.blocks = static_cast<double>(m.n_layer) / p;
+    return out;
+  }
+  const auto parts = pp::partition(m.layers, p, pp::Partition::Parameters);
+  for (size_t s = 0; s < parts.size(); ++s)
+    for (size_t i = parts[s].first; i < parts[s].second; ++i) {
+      const bool copy = m.tied_copy > 0 && i + 1 == m.layers.size();
+      (copy ? out[s].copy : out[s].parameters) += static_cast<double>(m.layers[i]);
+      out[s].blocks += m.blocks[i] ? 1 : 0;
+    }
+  return out;
+}
+
+// Bytes per rank by dtype and strategy (the largest stage's under pp, sharded over its data-parallel ranks), with
+// the activations when the shape is known.
 nlohmann::json estimate(const EstimateArgs& a, const Model& m) {
   nlohmann::json out{{"parameters", m.parameters}, {"num_processes", a.num_processes}, {"rows", nlohmann::json::array()}};
   if (m.largest_layer > 0) out["largest_layer"] = {{"name", m.largest_name}, {"parameters", m.largest_layer}};
+  const auto stages = stages_of(a, m);
+  const int dp = a.num_processes / a.pp_size, micro = a.pp_microbatches > 0 ? a.pp_microbatches : a.pp_size;
+  if (a.pp_size > 1) {
+    out["pp"] = {{"size", a.pp_size}, {"schedule", a.pp_schedule}, {"micro_batches", micro}, {"data_parallel", dp},
+                 {"stage_parameters", nlohmann::json::array()}, {"stage_blocks", nlohmann::json::array()},
+                 {"tied_copy_parameters", m.tied_copy}};
+    for (const auto& stage : stages) {
+      out["pp"]["stage_parameters"].push_back(stage.parameters);
+      out["pp"]["stage_blocks"].push_back(stage.blocks);
+    }
+  }
   for (const auto& text : a.dtypes) {
     const auto d = dtype_bytes(text);
     nlohmann::json row{{"dtype", d.name},
                        {"total_size_bytes", d.param * m.parameters},
                        {"training_bytes_per_rank", nlohmann::json::object()}};
     if (m.largest_layer > 0) row["largest_layer_bytes"] = d.param * m.largest_layer;
-    for (const auto& s : a.strategies) row["training_bytes_per_rank"][s] = per_rank(s, d, m.parameters, a.num_processes);
-    if (m.has_shape) {
-      const double s = static_cast<double>(a.seq_len), b = static_cast<double>(a.batch_size);
-      const double h = static_cast<double>(m.d_model), heads = static_cast<double>(m.n_head);
-      const double scale = d.activation / 2;  // the formula counts 2-byte activations
+    for (const auto& s : a.strategies) {
+      double most = 0;
+      for (const auto& stage : stages)
+        most = std::max(most, per_rank(s, d, stage.parameters, dp) + (d.param + d.grad) * stage.copy);
+      row["training_bytes_per_rank"][s] = most;
+    }
+    if (m.has_shape) {  // a stage holds `held` micro-batches of batch / micro samples through its blocks
+      const double s = static_cast<double>(a.seq_len), h = static_cast<double>(m.d_model);
+      const double b = static_cast<double>(a.batch_size) / (a.pp_size > 1 ? micro : 1);  // a micro-batch under pp
+      const double heads = static_cast<double>(m.n_head), scale = d.activation / 2;  // the formula's 2-byte values
       const double layer = s * b * h * (34 + 5 * heads * s / h) * scale;
-      row["activation_bytes"] = m.n_layer * layer;
-      row["activation_bytes_checkpointed"] = m.n_layer * s * b * h * d.activation + layer;
+      double plain = 0, checkpointed = 0;
+      for (const auto& stage : stages) {
+        plain = std::max(plain, stage.blocks * layer * stage.held);
+        checkpointed = std::max(checkpointed, stage.blocks * s * b * h * d.activation * stage.held + layer);
+      }
+      row["activation_bytes"] = plain;
+      row["activation_bytes_checkpointed"] = checkpointed;
     }
     out["rows"].push_back(row);
   }
@@ -132,6 +205,11 @@ void print_estimate(const EstimateArgs& a, const Model& m, const nlohmann::json&
     if (m.has_shape) fmt::print(" {:>12} {:>12}", human(row["activation_bytes"]), human(row["activation_bytes_checkpointed"]));
     fmt::print("\n");
   }
+  if (out.contains("pp"))
+    fmt::print("\npp {} ({} over {} micro-batches): the largest stage's state, each stage's over {} data-parallel "
+               "rank(s); stages of {} parameters.\n",
+               a.pp_size, a.pp_schedule, out["pp"]["micro_batches"].get<int>(), out["pp"]["data_parallel"].get<int>(),
+               out["pp"]["stage_parameters"].dump());
   fmt::print("\nPer rank: parameters, gradients and Adam state (fp32 master weights in bf16/fp16); add the "
              "activations{} and framework overhead.\n",
              m.has_shape ? fmt::format(" (batch {} x sequence {})", a.batch_size, a.seq_len) : "");
@@ -148,7 +226,11 @@ Handler add_estimate_memory(CLI::App& app) {
       "  ddp (p+g+K)Ψ   zero1 (p+g)Ψ + KΨ/N   zero2 pΨ + (g+K)Ψ/N   zero3 (p+g+K)Ψ/N\n"
       "Activations of L layers, hidden h, a heads, sequence s, batch b: L·s·b·h·(34 + 5·a·s/h) bytes with\n"
       "2-byte activations (twice in float32); with full activation checkpointing each layer keeps its input\n"
-      "(s·b·h values) and one layer's activations are recomputed at a time.");
+      "(s·b·h values) and one layer's activations are recomputed at a time.\n"
+      "Under --pp_size P: the model cut by parameters as a PipelineModule cuts it (the GPT shape; else an even\n"
+      "split), each stage's state sharded over num_processes / P ranks, the largest stage's shown (a tied head's\n"
+      "copy on the last stage adds its parameters and gradients); a stage holds M micro-batches of b / M under\n"
+      "GPipe and at most P - stage of them under 1F1B.");
   auto a = std::make_shared<EstimateArgs>();
   cmd->add_option("--params", a->params, "Number of parameters, such as 7e9");
   cmd->add_option("--model", a->model, "A safetensors file, a model.safetensors.index.json, or a directory with one");
@@ -160,6 +242,10 @@ Handler add_estimate_memory(CLI::App& app) {
   cmd->add_option("--batch_size", a->batch_size, "Per-process batch, for the activations (default 1)");
   cmd->add_flag("--untied_head", a->untied_head, "GPT shape: an LM head of its own");
   cmd->add_option("--num_processes", a->num_processes, "Ranks the model is sharded over (default 1)");
+  cmd->add_option("--pp_size", a->pp_size,
+                  "Pipeline stages (default 1): each rank holds its stage, sharded over num_processes / pp_size ranks");
+  cmd->add_option("--pp_microbatches", a->pp_microbatches, "Micro-batches a step under pp (default pp_size)");
+  cmd->add_option("--pp_schedule", a->pp_schedule, "GPipe or 1F1B (default): the micro-batches a stage holds");
   cmd->add_option("--dtypes", a->dtypes, "Training dtypes: float32, bfloat16, float16 (default float32 bfloat16)");
   cmd->add_option("--strategies", a->strategies, "Any of ddp zero1 zero2 zero3 (default all)");
   cmd->add_flag("--json", a->json, "One JSON object instead of the tables");
