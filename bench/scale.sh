@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The scale headline: does a GPT of a given shape train 3 steps with 4 ranks on this machine under a
 # strategy? Prints one line per try with the parameter count, peak RSS per rank and the outcome.
-#   bench/scale.sh ddp 2048 6        # strategy (ddp | zero2 | full_shard), d_model, n_layer
+#   bench/scale.sh ddp 2048 6        # strategy (ddp | zero2 | full_shard | pp4), d_model, n_layer
 set -uo pipefail
 cd "$(dirname "$0")/.."
 strategy=$1 d_model=$2 n_layer=$3
@@ -10,8 +10,24 @@ case $strategy in
   zero2) flags=(--use_fsdp --fsdp_sharding_strategy SHARD_GRAD_OP) ;;
   full_shard) flags=(--use_fsdp --fsdp_sharding_strategy FULL_SHARD --fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP
                      --fsdp_transformer_layer_cls_to_wrap Block) ;;
+  pp4) ;;  # 4 pipeline stages of examples/gpt_deepspeed --pipeline, each rank building only its stage's layers
   *) echo "unknown strategy $strategy" >&2; exit 2 ;;
 esac
+if [ "$strategy" = pp4 ]; then
+  json=$(mktemp)
+  echo '{"train_batch_size": 4, "gradient_accumulation_steps": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+         "steps_per_print": 1000}' >"$json"
+  start=$(date +%s)
+  # GNU time's maximum resident set: the largest worker's (the launcher waits for each).
+  log=$( { /usr/bin/time -f "max_rss_kb=%M" build/bin/xlr8 launch --num_processes 4 --num_cpu_threads_per_process 1 \
+    --parallelism_config_pp_size 4 build/bin/gpt_deepspeed --deepspeed_config "$json" --pipeline --max_steps 3 \
+    --d_model "$d_model" --n_layer "$n_layer" --n_head $((d_model / 64)) --seq_len 32; } 2>&1)
+  rc=$?
+  echo "strategy=pp4 d_model=$d_model n_layer=$n_layer exit=$rc seconds=$(( $(date +%s) - start ))" \
+    "$(grep -o 'max_rss_kb=[0-9]*' <<<"$log") $(grep -o '{.*"losses".*' <<<"$log" | tail -1)"
+  rm -f "$json"
+  exit 0
+fi
 out=$(mktemp -d)
 start=$(date +%s)
 log=$(build/bin/xlr8 launch --num_processes 4 --num_cpu_threads_per_process 1 "${flags[@]}" build/bin/gpt \
