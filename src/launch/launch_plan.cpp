@@ -55,8 +55,9 @@ void mesh_from_deepspeed(const deepspeed::Config& ds, int num_processes, std::op
       if (stages > 1) parts.push_back(fmt::format("pipeline.stages {}", stages));
       if (autotp > 1) parts.push_back(fmt::format("tensor_parallel.autotp_size {}", autotp));
       if (sp > 1) parts.push_back(fmt::format("sequence_parallel_size {}", sp));
-      throw ConfigError(fmt::format("{} sets {}, which does not divide the {} processes", ds.origin,
-                                    fmt::join(parts, " x "), num_processes));
+      throw ConfigError(fmt::format("{} sets {}, which does not divide the {} processes; launch a multiple of {} "
+                                    "processes",
+                                    ds.origin, fmt::join(parts, " x "), num_processes, split));
     }
     p = ParallelismSettings{.dp_shard = num_processes / split, .sp = sp, .tp = std::max(autotp, 1), .pp = stages};
   }
@@ -65,7 +66,8 @@ void mesh_from_deepspeed(const deepspeed::Config& ds, int num_processes, std::op
     throw ConfigError(fmt::format("{} sets data_parallel_size {} but this launch has {} data-parallel ranks ({} "
                                   "processes{}); make them agree",
                                   ds.origin, *ds.data_parallel_size, dp, num_processes,
-                                  p ? fmt::format(" over tp {} x sp {} x cp {}", p->tp, p->sp, p->cp) : ""));
+                                  p ? fmt::format(" over pp {} x tp {} x sp {} x cp {}", p->pp, p->tp, p->sp, p->cp)
+                                    : ""));
   if (!elastic) check_batch_sizes(ds, dp);  // an elastic job's world size is known only at each rendezvous
 }
 
