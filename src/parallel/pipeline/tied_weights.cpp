@@ -113,7 +113,7 @@ TiedWeights::TiedWeights(const torch::nn::Sequential& whole, const torch::nn::Se
 // Every holder's module must have the owner's parameters (dtype and shape), or the exchanges would read the wrong
 // bytes: one line naming the key, checked once over the pp group.
 void TiedWeights::check_copies_match() {
-  std::string described;
+  std::string described = "\n";  // one line a key, "<key>:<dtype>[<shape>];...", found by its whole name
   for (const auto& key : keys_) {
     if (!key.module) continue;
     described += key.name + ":";
@@ -125,8 +125,8 @@ void TiedWeights::check_copies_match() {
   for (const auto& key : keys_) {
     auto line_of = [&](int rank) {
       const auto& text = all[static_cast<size_t>(rank)];
-      const auto at = text.find(key.name + ":");
-      return at == std::string::npos ? std::string() : text.substr(at, text.find('\n', at) - at);
+      const auto at = text.find("\n" + key.name + ":");
+      return at == std::string::npos ? std::string() : text.substr(at + 1, text.find('\n', at + 1) - at - 1);
     };
     for (const int holder : key.holders)
       if (line_of(holder) != line_of(key.owner))
