@@ -76,9 +76,12 @@ GptImpl::GptImpl(const Config& c) : config(c) {
   for (int64_t i = 0; i < c.n_layer; ++i) blocks->push_back(Block(c));
   ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.d_model})));
   if (!c.tied_head) head = register_module("head", xlr8::nn::Linear(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
-  // GPT-2's initialisation: N(0, 0.02) weights, zero biases (LayerNorms keep ones and zeros).
+  gpt2_init(*this);
+}
+
+void gpt2_init(torch::nn::Module& module) {
   torch::NoGradGuard no_grad;
-  for (auto& item : named_parameters()) {
+  for (auto& item : module.named_parameters()) {
     const auto& name = item.key();
     if (name.find("ln") != std::string::npos) continue;
     if (name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0) item.value().zero_();

@@ -80,6 +80,10 @@ TORCH_MODULE(Gpt);
 // divide the query or key/value heads, with both numbers.
 xlr8::tp::Plan tp_plan(const Config& c, int tp_size, bool sequence_parallel = false);
 
+// GPT-2's initialisation of `module`'s parameters: N(0, 0.02) weights, zero biases, LayerNorms ("ln" in the name) as
+// built. GptImpl and pipeline_layers' layers take it.
+void gpt2_init(torch::nn::Module& module);
+
 // The same GPT as DeepSpeed's layer specs, for a PipelineModule (gpt_deepspeed --pipeline): the token and position
 // embeddings, the blocks, the final norm, and the head (the token embedding's weight again when c.tied_head, a
 // TiedLayerSpec; else a Linear of its own), each with GPT-2's initialisation.

@@ -5,17 +5,6 @@
 namespace gpt {
 namespace {
 
-// GPT-2's initialisation, as GptImpl's: N(0, 0.02) weights, zero biases, LayerNorms left as built.
-void gpt2_init(torch::nn::Module& module) {
-  torch::NoGradGuard no_grad;
-  for (auto& item : module.named_parameters()) {
-    const auto& name = item.key();
-    if (name.find("ln") != std::string::npos) continue;
-    if (name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0) item.value().zero_();
-    else item.value().normal_(0.0, 0.02);
-  }
-}
-
 // The first layer: token plus position embeddings (GptImpl's wte and wpe).
 struct EmbeddingsImpl : torch::nn::Module {
   explicit EmbeddingsImpl(const Config& c)

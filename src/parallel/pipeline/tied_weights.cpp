@@ -144,55 +144,51 @@ std::string TiedWeights::describe() const {
   return fmt::format("{}", fmt::join(lines, "; "));
 }
 
-void TiedWeights::share_values() {
+void TiedWeights::for_each_held(const std::function<void(const Key&, int tag, at::Tensor& parameter)>& fn) {
   at::NoGradGuard no_grad;
-  const int rank = pipeline_.rank();
   for (size_t k = 0; k < keys_.size(); ++k) {
-    const auto& key = keys_[k];
-    if (!key.module) continue;
-    const auto parameters = key.module->parameters();
-    for (size_t i = 0; i < parameters.size(); ++i) {
-      if (rank == key.owner) {
-        const auto values = parameters[i].detach().contiguous();
-        for (const int holder : key.holders)
-          if (holder != rank) pipeline_.send(values, holder, tied_tag(k, i));
-      } else {
-        auto values = at::empty_like(parameters[i]);
-        pipeline_.recv(values, key.owner, tied_tag(k, i));
-        parameters[i].copy_(values);
-      }
-    }
+    if (!keys_[k].module) continue;  // this stage runs none of the key's layers
+    auto parameters = keys_[k].module->parameters();
+    for (size_t i = 0; i < parameters.size(); ++i) fn(keys_[k], tied_tag(k, i), parameters[i]);
   }
 }
 
-void TiedWeights::sum_gradients() {
-  at::NoGradGuard no_grad;
+void TiedWeights::share_values() {
   const int rank = pipeline_.rank();
-  for (size_t k = 0; k < keys_.size(); ++k) {
-    const auto& key = keys_[k];
-    if (!key.module) continue;
-    auto parameters = key.module->parameters();
-    for (size_t i = 0; i < parameters.size(); ++i) {
-      auto& p = parameters[i];
-      if (rank != key.owner) {
-        auto g = p.grad().defined() ? p.grad().detach().clone() : at::zeros_like(p);
-        if (data_parallel_.size() > 1) {  // as the owner's strategy averages its gradients over the same peers
-          data_parallel_.all_reduce(g);
-          g.div_(data_parallel_.size());
-        }
-        pipeline_.send(g, key.owner, tied_tag(k, i));
-        p.mutable_grad() = at::Tensor();
-        continue;
-      }
-      for (const int holder : key.holders) {
-        if (holder == rank) continue;
-        auto g = at::empty_like(p);
-        pipeline_.recv(g, holder, tied_tag(k, i));
-        if (p.grad().defined()) p.mutable_grad().add_(g);
-        else p.mutable_grad() = g;
-      }
+  for_each_held([&](const Key& key, int tag, at::Tensor& p) {
+    if (rank == key.owner) {
+      const auto values = p.detach().contiguous();
+      for (const int holder : key.holders)
+        if (holder != rank) pipeline_.send(values, holder, tag);
+      return;
     }
-  }
+    auto values = at::empty_like(p);
+    pipeline_.recv(values, key.owner, tag);
+    p.copy_(values);
+  });
+}
+
+void TiedWeights::sum_gradients() {
+  const int rank = pipeline_.rank();
+  for_each_held([&](const Key& key, int tag, at::Tensor& p) {
+    if (rank != key.owner) {
+      auto g = p.grad().defined() ? p.grad().detach().clone() : at::zeros_like(p);
+      if (data_parallel_.size() > 1) {  // as the owner's strategy averages its gradients over the same peers
+        data_parallel_.all_reduce(g);
+        g.div_(data_parallel_.size());
+      }
+      pipeline_.send(g, key.owner, tag);
+      p.mutable_grad() = at::Tensor();
+      return;
+    }
+    for (const int holder : key.holders) {
+      if (holder == rank) continue;
+      auto g = at::empty_like(p);
+      pipeline_.recv(g, holder, tag);
+      if (p.grad().defined()) p.mutable_grad().add_(g);
+      else p.mutable_grad() = g;
+    }
+  });
 }
 
 }  // namespace xlr8::pp

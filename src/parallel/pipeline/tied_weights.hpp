@@ -4,6 +4,7 @@
 // and their gradients into the owner's after it.
 #include <torch/nn/modules/container/sequential.h>
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -42,6 +43,9 @@ class TiedWeights {
     torch::nn::Module* module = nullptr;  // this rank's instance (owner's or copy), when it holds the key
   };
   void check_copies_match();
+  // fn(key, its parameter's transfer tag, the parameter) for each parameter of each key this stage runs, in one
+  // order on every rank (the exchanges match by it), without recording gradients.
+  void for_each_held(const std::function<void(const Key&, int tag, at::Tensor& parameter)>& fn);
 
   std::vector<Key> keys_;
   Communicator pipeline_, data_parallel_;
