@@ -68,6 +68,9 @@ int main(int argc, char** argv) {
   app.add_flag("--share_block", share_block, "The fourth block runs the second's module (a TiedLayer)");
   std::string model_dir;
   app.add_option("--save_model", model_dir, "Save the whole trained model there (model.safetensors)");
+  bool always_pipeline_step = false;
+  app.add_flag("--always_pipeline_step", always_pipeline_step,
+               "Step through pipeline_step() on any layout, one process included (xlr8 verify compares such runs)");
   std::string load_dir;
   app.add_option("--load_state", load_dir, "Resume from the training state saved there (any pp x dp x tp layout)");
   CLI11_PARSE(app, argc, argv);
@@ -88,7 +91,7 @@ int main(int argc, char** argv) {
   auto optimizer = acc.prepare(torch::optim::SGD(groups, lr));
   const auto teacher = torch::randn({width, 4});  // the function to learn: tanh(x @ teacher)
   if (!load_dir.empty()) acc.load_state(load_dir);  // the parameters and the optimizer's step count
-  const bool pipelined = acc.plan().mesh.pp > 1;
+  const bool pipelined = acc.plan().mesh.pp > 1 || always_pipeline_step;
   auto mse = [](const torch::Tensor& y, const torch::Tensor& target) { return torch::mse_loss(y, target); };
   nlohmann::json losses = nlohmann::json::array(), norms = nlohmann::json::array();
   double step_seconds = 0, wait_seconds = 0;  // this rank's, over the steps after the first (warm-up)
@@ -107,7 +110,7 @@ int main(int argc, char** argv) {
       const auto dp = mesh.size(xlr8::MeshDim::dp), dp_rank = mesh.rank(xlr8::MeshDim::dp);
       const double mine = acc.pipeline_step(x.chunk(dp)[dp_rank], target.chunk(dp)[dp_rank], mse);
       pipeline_stats = acc.pipeline_stats();
-      if (step > 0) {
+      if (step > 0 && !pipeline_stats.is_null()) {
         step_seconds += pipeline_stats["step_seconds"].get<double>();
         wait_seconds += pipeline_stats["wait_seconds"].get<double>();
       }
@@ -128,7 +131,7 @@ int main(int argc, char** argv) {
   for (const auto& p : model->parameters()) parameter_bytes += p.numel() * static_cast<int64_t>(p.element_size());
   // Every rank's view of its stage: the idle fraction it measured against the schedule's formula (bench/).
   nlohmann::json stages = nlohmann::json::array();
-  if (pipelined) {
+  if (!pipeline_stats.is_null()) {
     pipeline_stats["idle_fraction"] = step_seconds > 0 ? wait_seconds / step_seconds : 0.0;
     for (const auto& text : acc.gather_object(pipeline_stats.dump())) stages.push_back(nlohmann::json::parse(text));
   }

@@ -201,7 +201,9 @@ class Accelerator {
   // `target` (this step's batch) are split into the plan's micro-batches along their first dimension, run through
   // the stages by the plan's schedule, and every stage's parameters get the gradients of the mean `loss` over the
   // batch. Returns that loss on every rank; then optimizer.step() as usual. (The first stage reads `input`, the last
-  // `target`; the others may pass undefined tensors.)
+  // `target`; the others may pass undefined tensors.) Without stages (pp 1: one process, or dp / tp alone) the
+  // prepared Sequential runs the same micro-batches accumulated, so one program trains on every layout and
+  // `xlr8 verify` compares its pipelines with one process.
   double pipeline_step(const at::Tensor& input, const at::Tensor& target, const pp::LossFn& loss);
   // The same forwards without gradients: the mean loss over the micro-batches, on every rank (DeepSpeed's
   // eval_batch). Nothing changes in the model or its gradients.

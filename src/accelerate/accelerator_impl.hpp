@@ -55,7 +55,13 @@ struct AcceleratorImpl {
   // TiedLayers of the whole model: the exchanges that keep the stages' copies one parameter (when it has any).
   void start_tied_weights(const ParallelStrategy& strategy, const std::vector<std::pair<size_t, size_t>>& parts);
   // A step's tensor cut into the pipeline's micro-batches (none when undefined: a stage that does not read it).
-  std::vector<at::Tensor> split_micro_batches(const at::Tensor& t, const char* what, const char* call) const;
+  std::vector<at::Tensor> split_micro_batches(const at::Tensor& t, const char* what, const char* call,
+                                              int count) const;
+  // pipeline_step() with no stages (pp 1: one process, or data parallelism alone): the same micro-batches
+  // accumulated through the prepared Sequential, so that a program written for pp runs on any layout.
+  double accumulate_micro_batches(const at::Tensor& input, const at::Tensor& target, const pp::LossFn& loss,
+                                  const std::function<AutocastScope()>& autocast);
+  int64_t pipeline_steps = 0;  // pipeline_step() calls (xlr8 advise tries pp for a program that makes them)
   // Under pp an optimizer over the whole model's parameters keeps this stage's only (no state for the others).
   void keep_stage_parameters(torch::optim::Optimizer& optimizer) const;
   // Clipping under pp: every stage's gradients, each stage's norm (over its dp and tp peers) joined over the pp group.
@@ -87,7 +93,7 @@ struct AcceleratorImpl {
     for (auto* observer : observers) event(*observer);
   }
   // What observers read of this training (step/training_view.hpp): built for the events that carry it.
-  xlr8::step::TrainingView view() const;
+  xlr8::step::TrainingView view();
   // The step moves to `next` (StepState::enter's check, then every observer's on_phase).
   void enter(xlr8::step::StepPhase next, const char* caller);
 

@@ -15,6 +15,15 @@
 
 namespace xlr8 {
 
+namespace {
+// Inside a step the stage's backwards decide when gradients synchronise; after it, however it ends, the next
+// optimizer.step() is at the boundary.
+struct SyncAfterwards {
+  GradientState& gradients;
+  ~SyncAfterwards() { gradients.sync_gradients = true; }
+};
+}  // namespace
+
 void AcceleratorImpl::check_pipeline() const {
   if (!models.empty())
     throw ConfigError("prepare(): under parallelism_config_pp_size > 1 one model is prepared (the pipeline's)");
@@ -69,6 +78,7 @@ void AcceleratorImpl::start_tied_weights(const ParallelStrategy& strategy,
                                   weights->describe(),
                                   plan.mesh.tp > 1 ? fmt::format("parallelism_config_tp_size {}", plan.mesh.tp)
                                                    : fmt::format("the {} strategy", strategy.name())));
+  weights->check_copies_match();
   tied = std::move(weights);
 }
 
@@ -131,16 +141,69 @@ void stream_pipeline_state(const AcceleratorImpl& s, const std::function<void(co
     }
 }
 
-std::vector<at::Tensor> AcceleratorImpl::split_micro_batches(const at::Tensor& t, const char* what,
-                                                             const char* call) const {
-  const int m = plan.pipeline.micro_batches;
+std::vector<at::Tensor> AcceleratorImpl::split_micro_batches(const at::Tensor& t, const char* what, const char* call,
+                                                             int count) const {
   if (!t.defined()) return {};
-  if (t.dim() == 0 || t.size(0) % m != 0)
+  if (t.dim() == 0 || t.size(0) % count != 0)
     throw ConfigError(fmt::format("{}: the {}'s first dimension ({}) does not split into {} equal micro-batches "
                                   "(parallelism_config_pp_microbatches); give a batch it divides",
-                                  call, what, t.dim() == 0 ? 0 : t.size(0), m));
-  auto parts = t.to(device).chunk(m);
+                                  call, what, t.dim() == 0 ? 0 : t.size(0), count));
+  auto parts = t.to(device).chunk(count);
   return {parts.begin(), parts.end()};
+}
+
+double AcceleratorImpl::accumulate_micro_batches(const at::Tensor& input, const at::Tensor& target,
+                                                 const pp::LossFn& loss,
+                                                 const std::function<AutocastScope()>& autocast) {
+  if (models.size() != 1)
+    throw ConfigError(fmt::format("pipeline_step(): {} models are prepared; the step runs one (prepare the pipeline's "
+                                  "model alone)",
+                                  models.size()));
+  auto& strategy = *models.front();
+  auto layers = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(strategy.module());
+  if (!layers)
+    throw ConfigError("pipeline_step(): the prepared model is not a torch::nn::Sequential, which a pipeline cuts into "
+                      "stages; build it as a Sequential of its layers in order (or train with backward())");
+  if (const int sequence = plan.mesh.cp * plan.mesh.sp; sequence > 1)
+    throw ConfigError(fmt::format("pipeline_step() with parallelism_config_cp_size or _sp_size {}: pipelines do not "
+                                  "compose with context parallelism yet",
+                                  sequence));
+  // In xlr8 verify's third run this process repeats N ranks: each rank's share is `per_share` micro-batches.
+  const int shares = verify ? verify->micro_split() : 1, per_share = plan.pipeline.micro_batches;
+  const int count = shares * per_share;
+  const auto inputs = split_micro_batches(input, "input", "pipeline_step()", count);
+  const auto targets = split_micro_batches(target, "target", "pipeline_step()", count);
+  if (inputs.empty() || targets.empty())
+    throw ConfigError("pipeline_step(): without pipeline stages this process is the first and the last: give both "
+                      "the input and the target");
+  const auto* partitioned = layers->as<pp::PartitionedSequentialImpl>();
+  const int interval = partitioned ? partitioned->activation_checkpoint_interval : 0;
+  if (deepspeed) deepspeed->finish(gradient_state->num_steps);  // no "auto" left in the JSON by now
+  double total = 0, share = 0;
+  SyncAfterwards sync_afterwards{*gradient_state};
+  for (int i = 0; i < count; ++i) {
+    const bool last = i == count - 1;
+    gradient_state->sync_gradients = last;  // as under accumulate(): only the last backward reduces
+    StepScope micro(this, {&strategy}, /*suspend_sync=*/!last, AutocastScope());
+    at::Tensor value;
+    {
+      auto scope = autocast();
+      value = loss(pp::forward_layers(torch::nn::Sequential(layers), inputs[i], interval), targets[i]);
+    }
+    const auto scaled = loss_for_backward(value / count);
+    {
+      AutocastPause outside_autocast;
+      scaled.backward();
+    }
+    const double v = value.detach().to(at::kDouble).item<double>();
+    total += v, share += v;
+    if ((i + 1) % per_share == 0) {  // the recorders see one loss a rank's share, as a pipeline gives it
+      const auto mean = at::scalar_tensor(share / per_share, at::kDouble);
+      notify([&](xlr8::step::StepObserver& o) { o.on_backward(mean); });
+      share = 0;
+    }
+  }
+  return total / count;
 }
 
 nlohmann::json Accelerator::pipeline_stats() const {
@@ -164,50 +227,57 @@ nlohmann::json Accelerator::pipeline_stats() const {
 
 double Accelerator::pipeline_step(const at::Tensor& input, const at::Tensor& target, const pp::LossFn& loss) {
   auto& s = *impl_;
-  if (!s.pipeline)
-    throw ConfigError("pipeline_step(): no pipeline: set parallelism_config_pp_size above 1 and prepare the model first");
+  if (s.models.empty()) throw ConfigError("pipeline_step(): no model is prepared; prepare the model first");
   if (s.plan.gradient_accumulation_steps > 1)
     throw ConfigError(fmt::format("pipeline_step(): gradient_accumulation_steps {} under pp: the pipeline's micro-batches "
                                   "are its accumulation; set parallelism_config_pp_microbatches instead and "
                                   "gradient_accumulation_steps 1",
                                   s.plan.gradient_accumulation_steps));
+  ++s.pipeline_steps;
+  if (!s.pipeline) return s.accumulate_micro_batches(input, target, loss, [this] { return autocast(); });
   if (s.scaler)
     throw ConfigError("pipeline_step(): mixed_precision fp16 under pp is not built (its loss scale would have to reach "
                       "every micro-batch's loss); use mixed_precision bf16");
-  auto inputs = s.split_micro_batches(input, "input", "pipeline_step()");
-  auto targets = s.split_micro_batches(target, "target", "pipeline_step()");
+  const int m = s.plan.pipeline.micro_batches;
+  auto inputs = s.split_micro_batches(input, "input", "pipeline_step()", m);
+  auto targets = s.split_micro_batches(target, "target", "pipeline_step()", m);
   s.enter(xlr8::step::StepPhase::gradients, "pipeline_step()");
   auto& stage = *s.models.front();
   double mean = 0;
   {
     s.gradient_state->sync_gradients = false;  // until the stage's last backward (set_before_backward above)
-    stage.begin_step(/*suspend_sync=*/true);
-    struct EndStep {  // the strategy's scope ends however the step does, at the boundary optimizer.step() steps at
-      ParallelStrategy& strategy;
-      GradientState& gradients;
-      ~EndStep() {
-        strategy.end_step();
-        gradients.sync_gradients = true;
-      }
-    } end_step{stage, *s.gradient_state};
+    SyncAfterwards sync_afterwards{*s.gradient_state};
+    StepScope scope_of_step(&s, {&stage}, /*suspend_sync=*/true, AutocastScope());
     auto scope = autocast();
     if (s.tied) s.tied->share_values();
     mean = s.pipeline->step(inputs, targets, loss);
   }
   if (s.tied) s.tied->sum_gradients();  // into the owner's gradient its data-parallel reduction finished
+  const auto recorded = at::scalar_tensor(mean, at::kDouble);  // the step's loss, as backward() would see it
+  s.notify([&](xlr8::step::StepObserver& o) { o.on_backward(recorded); });
   return mean;
 }
 
 double Accelerator::pipeline_evaluate(const at::Tensor& input, const at::Tensor& target, const pp::LossFn& loss) {
   auto& s = *impl_;
-  if (!s.pipeline)
-    throw ConfigError("pipeline_evaluate(): no pipeline: set parallelism_config_pp_size above 1 and prepare the model "
-                      "first");
-  const auto inputs = s.split_micro_batches(input, "input", "pipeline_evaluate()");
-  const auto targets = s.split_micro_batches(target, "target", "pipeline_evaluate()");
+  if (s.models.empty()) throw ConfigError("pipeline_evaluate(): no model is prepared; prepare the model first");
+  const int m = s.plan.pipeline.micro_batches;
+  const auto inputs = s.split_micro_batches(input, "input", "pipeline_evaluate()", m);
+  const auto targets = s.split_micro_batches(target, "target", "pipeline_evaluate()", m);
   auto scope = autocast();
-  if (s.tied) s.tied->share_values();
-  return s.pipeline->evaluate(inputs, targets, loss);
+  if (s.pipeline) {
+    if (s.tied) s.tied->share_values();
+    return s.pipeline->evaluate(inputs, targets, loss);
+  }
+  auto layers = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(s.models.front()->module());
+  if (!layers || inputs.empty() || targets.empty())
+    throw ConfigError("pipeline_evaluate(): without pipeline stages the prepared model must be a torch::nn::Sequential "
+                      "and both the input and the target given");
+  at::NoGradGuard no_grad;
+  double total = 0;
+  for (size_t i = 0; i < inputs.size(); ++i)
+    total += loss(pp::forward_layers(torch::nn::Sequential(layers), inputs[i], 0), targets[i]).item<double>();
+  return total / static_cast<double>(inputs.size());
 }
 
 }  // namespace xlr8

@@ -50,15 +50,21 @@ void AcceleratorImpl::check_attention_went_through_cp() {
       suspects.empty() ? std::string("the model's attention module") : text::capped(suspects)));
 }
 
-xlr8::step::TrainingView AcceleratorImpl::view() const {
+xlr8::step::TrainingView AcceleratorImpl::view() {
   xlr8::step::TrainingView v{*state, device, plan, gradient_state->num_steps, {}, {}, {}, {}};
   for (const auto& m : models) v.models.push_back(m.get());
   for (const auto& o : optimizers) v.optimizers.push_back(o->optimizer.get());
   for (const auto& weak : loaders)
     if (auto loader = weak.lock()) v.loaders.push_back(std::move(loader));
   v.write_full_model = [this](const torch::nn::Module& module, const std::string& dir) {
-    write_full_model(*this, module, dir);
+    // Under pp a stage stands for the whole model, which every stage writes its part of.
+    const bool stage = pipeline && &module == models.front()->module().get();
+    write_full_model(*this, stage ? *pipelined_model : module, dir);
   };
+  if (pipeline)
+    v.pipeline_grad_norm = [this](double norm_type) {
+      return clip_pipeline_grad_norm(std::numeric_limits<double>::infinity(), norm_type).value();
+    };
   return v;
 }
 

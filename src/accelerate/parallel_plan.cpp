@@ -86,6 +86,10 @@ ParallelPlan resolve_plan(const PlanInputs& in, const Env& env) {
       if (plan.pipeline.schedule != "Interleaved1F1B") plan.pipeline.virtual_stages = 1;
     }
     if (in.options->pp_microbatches) plan.pipeline.micro_batches = *in.options->pp_microbatches;
+  } else if (in.options->pp_microbatches) {  // pipeline_step() without stages accumulates as many micro-batches
+    plan.pipeline.micro_batches = *in.options->pp_microbatches;
+  } else if (settings.parallelism && settings.parallelism->pp_microbatches > 0) {
+    plan.pipeline.micro_batches = settings.parallelism->pp_microbatches;
   }
   plan.recompute_units = settings.fsdp && settings.fsdp->activation_checkpointing;
   plan.mixed_precision = in.precision;

@@ -160,10 +160,11 @@ std::map<std::string, std::string> settings_to_env(const Settings& s) {
     env["PARALLELISM_CONFIG_DP_SHARD_SIZE"] = std::to_string(p->dp_shard);
     env["PARALLELISM_CONFIG_CP_SIZE"] = std::to_string(p->cp);
     env["PARALLELISM_CONFIG_TP_SIZE"] = std::to_string(p->tp);
+    // Without stages pipeline_step() still accumulates the micro-batches.
+    if (p->pp_microbatches > 0) env["PARALLELISM_CONFIG_PP_MICROBATCHES"] = std::to_string(p->pp_microbatches);
     if (p->pp > 1) {
       env["PARALLELISM_CONFIG_PP_SIZE"] = std::to_string(p->pp);
       env["PARALLELISM_CONFIG_PP_SCHEDULE"] = p->pp_schedule;
-      if (p->pp_microbatches > 0) env["PARALLELISM_CONFIG_PP_MICROBATCHES"] = std::to_string(p->pp_microbatches);
       if (p->pp_virtual_stages > 0) env["PARALLELISM_CONFIG_PP_VIRTUAL_STAGES"] = std::to_string(p->pp_virtual_stages);
     }
     if (p->tp_head_dim) env["PARALLELISM_CONFIG_TP_HEAD_DIM"] = std::to_string(*p->tp_head_dim);

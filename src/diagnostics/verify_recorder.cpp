@@ -51,28 +51,37 @@ void VerifyRecorder::on_prepare(const step::TrainingView& training, torch::nn::M
     if (type.find("BatchNorm") != std::string::npos) record_["batchnorm"].push_back(fmt::format("{} ({})", name, type));
   }
   // Two sums per parameter, compared by MIN and MAX over the ranks: equal everywhere, or not. A tensor-parallel
-  // slice is compared with the same slice on the other replicas only (the ranks outside its tp group).
+  // slice is compared with the same slice on the other replicas only (the ranks outside its tp group). Under pp a
+  // rank holds its stage's parameters and empty stand-ins for the others': only holders take part (one that does
+  // not offers +inf to MIN and -inf to MAX), and every rank's verdicts are joined.
   auto params = module.named_parameters();
   if (params.size() == 0 || !values_everywhere) return;
-  std::vector<at::Tensor> sums;
+  const auto sliced = tp::sliced_parameters(module);
+  std::vector<at::Tensor> sums, held, held_sliced;
   for (const auto& p : params) {
     auto values = p.value().detach().to(at::kCPU, at::kDouble);
     sums.push_back(at::stack({values.sum(), values.pow(2).sum()}));
+    const bool holds = values.numel() > 0, slice = sliced.contains(p.value());
+    held.push_back(at::full({2}, holds && !slice, at::kBool));
+    held_sliced.push_back(at::full({2}, holds && slice, at::kBool));
   }
-  auto differs_over = [&](Communicator& group) {
-    auto low = at::stack(sums).to(training.device), high = low.clone();
+  const double inf = std::numeric_limits<double>::infinity();
+  const auto mine = at::stack(sums);
+  auto differs_over = [&](Communicator& group, const std::vector<at::Tensor>& holding) {
+    const auto holds = at::stack(holding);
+    auto low = at::where(holds, mine, inf).to(training.device), high = at::where(holds, mine, -inf).to(training.device);
     group.all_reduce(low, ReduceOp::MIN);
     group.all_reduce(high, ReduceOp::MAX);
-    return low.ne(high).any(1).cpu();
+    return low.ne(high).logical_and(low.le(high)).any(1);  // nobody holds it: low +inf above high -inf
   };
   auto& mesh = training.process.mesh();
-  const auto sliced = tp::sliced_parameters(module);
-  const auto over_world = differs_over(training.world());
-  const auto over_replicas = mesh.size(MeshDim::tp) > 1 ? differs_over(mesh.group(MeshDim::dp_cp)) : over_world;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const auto& differs = sliced.contains(params[i].value()) ? over_replicas : over_world;
-    if (differs[static_cast<int64_t>(i)].item<bool>()) record_["differs_at_start"].push_back(prefix + params[i].key());
-  }
+  auto differs = differs_over(training.world(), held);
+  if (mesh.size(MeshDim::tp) > 1) differs.logical_or_(differs_over(mesh.group(MeshDim::dp_cp), held_sliced));
+  auto verdicts = differs.to(at::kInt);
+  training.world().all_reduce(verdicts, ReduceOp::MAX);
+  verdicts = verdicts.cpu();
+  for (size_t i = 0; i < params.size(); ++i)
+    if (verdicts[static_cast<int64_t>(i)].item<int>() != 0) record_["differs_at_start"].push_back(prefix + params[i].key());
 }
 
 void VerifyRecorder::on_backward(const at::Tensor& loss) {
@@ -111,9 +120,11 @@ void VerifyRecorder::before_update(const step::TrainingView& training, const std
       }
   // The norm the program clipped from, else the gradients' own (an infinite max_norm measures without clipping).
   const double inf = std::numeric_limits<double>::infinity();
-  grad_norm_ = clipped_from_ ? *clipped_from_
-                             : (owner ? owner->clip_grad_norm(parameters, inf, 2.0)
-                                      : tp::clip_grad_norm(parameters, tp::SlicedParameters{}, inf, 2.0)).value();
+  if (clipped_from_) grad_norm_ = *clipped_from_;
+  else if (training.pipeline_grad_norm) grad_norm_ = training.pipeline_grad_norm(2.0);  // every stage's gradients
+  else
+    grad_norm_ = (owner ? owner->clip_grad_norm(parameters, inf, 2.0)
+                        : tp::clip_grad_norm(parameters, tp::SlicedParameters{}, inf, 2.0)).value();
   clipped_from_.reset();
 }
 

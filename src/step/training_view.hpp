@@ -26,6 +26,9 @@ struct TrainingView {
   std::vector<std::shared_ptr<DataLoaderBase>> loaders;  // prepared and still alive, in order
   // The whole model (gathered from shards) as Hugging Face safetensors in `dir` (collective): save_model's files.
   std::function<void(const torch::nn::Module&, const std::string&)> write_full_model;
+  // Under pp: the global gradient norm over every stage (collective over the world); empty otherwise, where the
+  // strategy of each model measures its own.
+  std::function<double(double norm_type)> pipeline_grad_norm;
 
   Communicator& world() const { return process.world(); }
 };

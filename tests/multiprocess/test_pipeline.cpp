@@ -219,3 +219,26 @@ TEST(PipelineLaunch, ABlockSharedAcrossStagesTrainsAsOneProcess) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("tied layers (shared: stage 0 owns it"), std::string::npos) << r.err;
 }
+
+// pipeline_step() without stages (pp 1) accumulates the micro-batches through the prepared Sequential: on one
+// process and under DDP alone it trains as one process's plain forward and backward() does, so one program runs on
+// every layout. Its own refusals are one line.
+TEST(PipelineLaunch, PipelineStepWithoutStagesTrainsAsPlainBackward) {
+  const auto one = losses_of(launch_pipeline(1, {}));
+  ASSERT_EQ(one.size(), 8u);
+  const Args always{"--always_pipeline_step", "--share_block"};
+  const auto tied_plain = losses_of(launch_pipeline(1, {}, {"--share_block"}));
+  for (const auto& [n, flags] : std::vector<std::pair<int, Args>>{
+           {1, {"--parallelism_config_pp_microbatches", "4"}},
+           {2, {}},
+           {2, {"--parallelism_config_pp_microbatches", "3", "--parallelism_config_dp_replicate_size", "2"}}}) {
+    SCOPED_TRACE(std::to_string(n) + " processes " + (flags.empty() ? "" : flags[1] + " micro-batches"));
+    expect_close(losses_of(launch_pipeline(n, flags, {"--always_pipeline_step"})), one, 1e-6);
+    expect_close(losses_of(launch_pipeline(n, flags, always)), tied_plain, 1e-6);
+  }
+  auto uneven = launch_pipeline(1, {"--parallelism_config_pp_microbatches", "5"}, {"--always_pipeline_step"});
+  EXPECT_NE(uneven.exit_code, 0);
+  EXPECT_NE(uneven.err.find("does not split into 5 equal micro-batches (parallelism_config_pp_microbatches)"),
+            std::string::npos)
+      << uneven.err;
+}

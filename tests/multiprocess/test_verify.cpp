@@ -66,6 +66,34 @@ TEST(Verify, EveryOtherStrategyAndGradientAccumulationPassOnThreeRanks) {
   }
 }
 
+// A program that steps through pipeline_step() runs on one process too (its micro-batches accumulated), so verify
+// compares pipelines with it: the losses, the norm over every stage and every stage's parameters under the whole
+// model's names (a stage's norm would differ; a parameter missing from run 1 fails). A block tied across stages, an uneven cut
+// (pp 3 of 6 layers by parameters), pp x DDP, pp x FULL_SHARD, pp x tp and the interleaved schedule.
+TEST(Verify, PipelinesPassAgainstOneProcessThatAccumulatesTheMicroBatches) {
+  const Args tied{kPipeline, "--always_pipeline_step", "--share_block"};
+  const Args plain{kPipeline, "--always_pipeline_step"};
+  struct Layout {
+    int n;
+    Args flags, program;
+  };
+  const std::vector<Layout> layouts{
+      {2, {"--parallelism_config_pp_size", "2"}, tied},
+      {3, {"--parallelism_config_pp_size", "3"}, tied},
+      {4, {"--parallelism_config_pp_size", "2", "--parallelism_config_dp_replicate_size", "2"}, tied},
+      {4, {"--parallelism_config_pp_size", "2", "--use_fsdp", "--parallelism_config_dp_shard_size", "2"}, plain},
+      {4, {"--parallelism_config_pp_size", "2", "--parallelism_config_tp_size", "2"}, plain},  // no false "differs at start"
+      {2, {"--parallelism_config_pp_size", "2", "--parallelism_config_pp_schedule", "Interleaved1F1B",
+           "--parallelism_config_pp_microbatches", "4"},
+       tied}};
+  for (const auto& [n, flags, program] : layouts) {
+    SCOPED_TRACE(fmt::format("{} ranks: {}", n, fmt::join(flags, " ")));
+    auto r = verify(n, flags, program);
+    EXPECT_TRUE(passed(r)) << r.out << r.err;
+    EXPECT_EQ(r.out.find("differed across ranks"), std::string::npos) << r.out;
+  }
+}
+
 // The GPT example: its attention key bias has only rounding for a gradient (softmax ignores it), which Adam
 // turns into learning-rate-sized steps in both runs; verify must not call that a difference. Tensor slices
 // differ across tp ranks by design, which is no "model that differs at start". Every mesh layout is compared

@@ -136,6 +136,7 @@ TEST(TiedWeights, TheOwnerGetsBothStagesGradientAndTheCopyItsValues) {
     pp::copy_tied_modules(all, stage);
     const auto alone = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);  // no data parallelism
     pp::TiedWeights tied(all, stage, pp::parts_of(all, 2, 1), comm, alone, at::kCPU);
+    tied.check_copies_match();
     EXPECT_FALSE(tied.empty());
     pp::Pipeline pipeline(stage, comm, pp::Schedule::OneFOneB, 2);
     tied.share_values();

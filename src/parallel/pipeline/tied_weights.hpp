@@ -29,6 +29,9 @@ class TiedWeights {
   bool empty() const { return keys_.empty(); }
   // The keys' names, owner stages and holders, for errors and logs ("embed: stage 0 owns it, stages 0, 3 run it").
   std::string describe() const;
+  // Collective over the pp group, once before the first exchange: each key's copies have its owner's parameters
+  // (dtypes and shapes), or one line names the key.
+  void check_copies_match();
   // Collective over the pp group: every copy takes its owner's values (before a step's schedule).
   void share_values();
   // Collective over the pp group: every copy's gradient, averaged over its data-parallel peers as the owner's is,
@@ -42,7 +45,6 @@ class TiedWeights {
     std::vector<int> holders;  // every pp rank running one of its layers, ascending
     torch::nn::Module* module = nullptr;  // this rank's instance (owner's or copy), when it holds the key
   };
-  void check_copies_match();
   // fn(key, its parameter's transfer tag, the parameter) for each parameter of each key this stage runs, in one
   // order on every rank (the exchanges match by it), without recording gradients.
   void for_each_held(const std::function<void(const Key&, int tag, at::Tensor& parameter)>& fn);
