@@ -9,6 +9,7 @@
 #include <fstream>
 #include <set>
 
+#include "args.hpp"
 #include "gpt.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/context_parallel.hpp"
@@ -21,33 +22,7 @@ namespace {
 
 namespace F = torch::nn::functional;
 
-struct Args {
-  int64_t max_steps = 300;
-  int64_t batch_size = 16;
-  int64_t seq_len = 128;
-  int64_t n_layer = 4;
-  int64_t d_model = 128;
-  int64_t n_head = 4;
-  int64_t n_kv_head = 0;  // grouped-query attention (0: n_head)
-  uint64_t seed = 1234;
-  double lr = 3e-4;  // 1e-3 stalls at the unigram loss (~3.3) for hundreds of steps
-  double weight_decay = 0.01;  // AdamW's default
-  int64_t warmup_steps = 0;    // a DeepSpeed config's scheduler warms up over these (DummyScheduler)
-  std::string output_dir = "gpt_output";
-  int64_t checkpoint_every = 0;
-  std::string resume_from;
-  std::string init_from;  // weights save_model wrote (another run's output_dir/model)
-  int gradient_accumulation_steps = 1;
-  std::string data_dir = "/usr/share/games/fortunes";
-  int64_t val_windows = 256;  // held-out windows scored at the end
-  bool untied_head = false;
-  int64_t log_every = 25;
-  std::string freeze;  // module paths to fine-tune around (gpt::freeze)
-  double dropout = 0.0;  // attention dropout; 0 keeps runs on any number of processes comparable
-  bool autotp = false;   // under parallelism_config_tp_size: let prepare()'s AutoTP split the model
-  bool sequence_parallel = false;  // under parallelism_config_tp_size: split activations on the sequence too
-  double max_grad_norm = 0;  // > 0: clip the global gradient norm to this before each optimizer step
-};
+using gpt::Args;
 
 // Bytes of parameters, gradients and optimizer state this process holds, each storage counted once
 // (DDP's gradients are views of its buckets; sharded strategies' optimizers hold this rank's shards,
@@ -140,6 +115,7 @@ int run(const Args& args) {
   options.total_limit = 2;
   xlr8::Accelerator acc(options);
   acc.set_seed(args.seed);
+  if (args.pipeline || acc.plan().mesh.pp > 1) return gpt::train_pipeline(acc, args);
 
   gpt::Config config{.seq_len = args.seq_len, .n_layer = args.n_layer, .d_model = args.d_model,
                      .n_head = args.n_head, .n_kv_head = args.n_kv_head, .dropout = args.dropout, .tied_head = !args.untied_head};
@@ -376,6 +352,9 @@ int main(int argc, char** argv) {
                "--autotp, AutoTP places it at prepare())");
   app.add_flag("--autotp", a.autotp, "Under parallelism_config_tp_size, let AutoTP split the model instead of gpt::tp_plan");
   app.add_option("--log_every", a.log_every, "Print progress every N steps");
+  app.add_flag("--pipeline", a.pipeline,
+               "Train the GPT as layer specs cut into stages, a step one pipeline_step (implied under "
+               "parallelism_config_pp_size; on one process the same micro-batches accumulated)");
   CLI11_PARSE(app, argc, argv);
   try {
     return run(a);

@@ -36,6 +36,9 @@ class DistributedDataParallel {
   // false: backward accumulates locally (no_sync); the next backward with true averages the sum.
   void set_sync(bool enabled);
   bool sync_enabled() const;
+  // Outside a backward: averages now the gradients accumulated under set_sync(false), every parameter's (a
+  // parameter no backward reached counts as a zero gradient).
+  void reduce_accumulated_now();
   // Broadcasts buffers (e.g. batch-norm statistics) from rank 0, when broadcast_buffers is set.
   void sync_buffers();
 

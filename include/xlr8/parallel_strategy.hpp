@@ -62,6 +62,10 @@ class ParallelStrategy {
   virtual void begin_step(bool suspend_sync) {}
   // At the end of the scope: outside scopes every backward synchronises, as DDP without no_sync.
   virtual void end_step() {}
+  // Outside any backward: reduces now the gradients backwards accumulated with sync suspended, as a synchronising
+  // backward would have at its end (an interleaved pipeline's chunks finish their backwards apart). Nothing to do
+  // without data parallelism.
+  virtual void reduce_accumulated_gradients() {}
   // The tensors the optimizer updates: the full parameters for replicas, this rank's shards when sharded.
   virtual std::vector<at::Tensor> optimizer_parameters() const { return module_->parameters(); }
   // Whether `tensor` is one of this strategy's parameters: the module's, or one optimizer_parameters()

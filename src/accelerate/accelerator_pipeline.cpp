@@ -29,15 +29,6 @@ void AcceleratorImpl::check_pipeline() const {
     throw ConfigError("prepare(): under parallelism_config_pp_size > 1 one model is prepared (the pipeline's)");
   const auto& p = plan.pipeline;
   (void)pp::actions(pp::parse_schedule(p.schedule), plan.mesh.pp, p.micro_batches, 0, p.virtual_stages);
-  // DDP and ZeRO reduce a stage's gradients in one backward that reaches all of its parameters; an interleaved
-  // stage's chunks finish their backwards apart.
-  const int dp = state->mesh().size(parallel::data_parallel_dim(state->mesh()));
-  const bool offloads = plan.data_parallel.zero.offload_optimizer || plan.data_parallel.zero.offload_params;
-  if (p.virtual_stages > 1 && (dp > 1 || offloads))
-    throw ConfigError(fmt::format("parallelism_config_pp_schedule Interleaved1F1B with data parallelism over the "
-                                  "stage's ranks ({} of them{}) is not built yet (each chunk's gradients are ready in "
-                                  "another backward); use 1F1B or GPipe with dp, or Interleaved1F1B with pp and tp only",
-                                  dp, offloads ? ", with offload" : ""));
 }
 
 void AcceleratorImpl::start_pipeline(std::shared_ptr<torch::nn::Module> whole, const pp::StageLayers& cut) {
@@ -51,7 +42,10 @@ void AcceleratorImpl::start_pipeline(std::shared_ptr<torch::nn::Module> whole, c
     pipeline->set_activation_checkpoint_interval(partitioned->activation_checkpoint_interval);
   pipelined_model = std::move(whole);
   start_tied_weights(*strategy, cut.parts);
-  // The micro-batches are the stage's accumulation steps: only the last backward synchronises.
+  // The micro-batches are the stage's accumulation steps: only the last backward synchronises, overlapping it.
+  // An interleaved rank's chunks finish their backwards apart, so it reduces after the schedule instead
+  // (pipeline_step).
+  if (plan.pipeline.virtual_stages > 1) return;
   pipeline->set_before_backward([this, strategy](bool last_of_step) {
     if (!last_of_step) return;
     gradient_state->sync_gradients = true;
@@ -251,6 +245,7 @@ double Accelerator::pipeline_step(const at::Tensor& input, const at::Tensor& tar
     auto scope = autocast();
     if (s.tied) s.tied->share_values();
     mean = s.pipeline->step(inputs, targets, loss);
+    if (s.plan.pipeline.virtual_stages > 1) stage.reduce_accumulated_gradients();  // its chunks' backwards ended apart
   }
   if (s.tied) s.tied->sum_gradients();  // into the owner's gradient its data-parallel reduction finished
   const auto recorded = at::scalar_tensor(mean, at::kDouble);  // the step's loss, as backward() would see it

@@ -51,7 +51,7 @@ void AcceleratorImpl::check_attention_went_through_cp() {
 }
 
 xlr8::step::TrainingView AcceleratorImpl::view() {
-  xlr8::step::TrainingView v{*state, device, plan, gradient_state->num_steps, {}, {}, {}, {}};
+  xlr8::step::TrainingView v{*state, device, plan, gradient_state->num_steps, pipeline_steps, {}, {}, {}, {}};
   for (const auto& m : models) v.models.push_back(m.get());
   for (const auto& o : optimizers) v.optimizers.push_back(o->optimizer.get());
   for (const auto& weak : loaders)

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <numeric>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -20,6 +21,7 @@
 #include "step/training_view.hpp"
 #include "diagnostics/memory_meter.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/pipeline.hpp"
 #include "xlr8/tensor_parallel.hpp"
 #include "xlr8/env.hpp"
 
@@ -110,6 +112,29 @@ nlohmann::json tensor_parallel_options(const torch::nn::Module& module, int worl
   return out;
 }
 
+// For each pp size the world allows (2 and 4, dividing it, at most the layers): the largest stage's parameters when
+// a pipeline cuts the model, a torch::nn::Sequential, by parameters ({"2": N, ...}); empty for another model.
+nlohmann::json pipeline_options(const torch::nn::Module& module, int world) {
+  nlohmann::json out = nlohmann::json::object();
+  const auto* sequential = dynamic_cast<const torch::nn::SequentialImpl*>(&module);
+  if (!sequential) return out;
+  std::vector<int64_t> counts;
+  for (const auto& layer : sequential->children()) {
+    int64_t n = 0;
+    for (const auto& p : layer->parameters()) n += p.numel();
+    counts.push_back(n);
+  }
+  for (int stages : {2, 4}) {
+    if (world % stages != 0 || stages > static_cast<int>(counts.size())) continue;
+    int64_t largest = 0;
+    for (const auto& [first, last] : pp::partition(counts, stages, pp::Partition::Parameters))
+      largest = std::max(largest, std::accumulate(counts.begin() + static_cast<long>(first),
+                                                  counts.begin() + static_cast<long>(last), int64_t{0}));
+    out[std::to_string(stages)] = largest;
+  }
+  return out;
+}
+
 }  // namespace
 
 std::unique_ptr<AdviseRecorder> AdviseRecorder::from_env() {
@@ -145,7 +170,9 @@ void AdviseRecorder::on_prepare(const step::TrainingView& training, torch::nn::M
     parameters_ += static_cast<double>(placement.whole_numel());
   if (std::exchange(probed_, true)) return;
   const std::string probe =
-      nlohmann::json{{"parameters", parameters_}, {"tensor_parallel", tensor_parallel_options(module, training.world().size())}}
+      nlohmann::json{{"parameters", parameters_},
+                     {"tensor_parallel", tensor_parallel_options(module, training.world().size())},
+                     {"pipeline", pipeline_options(module, training.world().size())}}
           .dump();
   if (steps_ == 0) return finish(training, "probe.json", probe);
   if (training.process.local_rank() == 0) files::write_durably(fmt::format("{}/probe.json", dir_), probe);
@@ -214,6 +241,7 @@ void AdviseRecorder::conclude(const step::TrainingView& training, double verdict
                         {"samples_per_step", samples_per_step(training)},
                         {"cut", verdict == 1},
                         {"attention_calls", cp::detail::entry_calls()},
+                        {"pipeline_steps", training.pipeline_steps},
                         {"static_bytes", measured[0].item<double>()},
                         {"peak_rss", measured[1].item<double>()},
                         {"peak_tensor_bytes", measured[2].item<double>()},

@@ -87,6 +87,7 @@ class DataParallelReplicas final : public ParallelStrategy {
     ddp_.sync_buffers();  // as PyTorch DDP's broadcast_buffers: rank 0's buffers before each forward
   }
   void end_step() override { ddp_.set_sync(true); }
+  void reduce_accumulated_gradients() override { ddp_.reduce_accumulated_now(); }
   nlohmann::json stats() const override {
     return {{"strategy", name()},
             {"buckets", ddp_.bucket_layout().size()},

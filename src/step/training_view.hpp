@@ -21,6 +21,7 @@ struct TrainingView {
   at::Device device;
   const ParallelPlan& plan;
   int accumulation_steps = 1;                            // micro-steps per optimizer step, as the gradient state has it
+  int64_t pipeline_steps = 0;                            // Accelerator::pipeline_step calls so far
   std::vector<ParallelStrategy*> models;                 // prepared, in order
   std::vector<torch::optim::Optimizer*> optimizers;      // prepared, in order
   std::vector<std::shared_ptr<DataLoaderBase>> loaders;  // prepared and still alive, in order

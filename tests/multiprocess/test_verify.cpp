@@ -69,10 +69,13 @@ TEST(Verify, EveryOtherStrategyAndGradientAccumulationPassOnThreeRanks) {
 // A program that steps through pipeline_step() runs on one process too (its micro-batches accumulated), so verify
 // compares pipelines with it: the losses, the norm over every stage and every stage's parameters under the whole
 // model's names (a stage's norm would differ; a parameter missing from run 1 fails). A block tied across stages, an uneven cut
-// (pp 3 of 6 layers by parameters), pp x DDP, pp x FULL_SHARD, pp x tp and the interleaved schedule.
+// (pp 3 of 6 layers by parameters), pp x DDP, pp x FULL_SHARD, pp x tp and the interleaved schedule; and examples/gpt
+// --pipeline on pp 2 and pp 2 x DDP 2.
 TEST(Verify, PipelinesPassAgainstOneProcessThatAccumulatesTheMicroBatches) {
   const Args tied{kPipeline, "--always_pipeline_step", "--share_block"};
   const Args plain{kPipeline, "--always_pipeline_step"};
+  const Args gpt{kGpt, "--pipeline", "--n_layer", "2", "--d_model", "64", "--n_head", "4", "--seq_len", "32",
+                 "--batch_size", "8", "--output_dir", temp_dir("verify-gpt-pp")};
   struct Layout {
     int n;
     Args flags, program;
@@ -85,7 +88,10 @@ TEST(Verify, PipelinesPassAgainstOneProcessThatAccumulatesTheMicroBatches) {
       {4, {"--parallelism_config_pp_size", "2", "--parallelism_config_tp_size", "2"}, plain},  // no false "differs at start"
       {2, {"--parallelism_config_pp_size", "2", "--parallelism_config_pp_schedule", "Interleaved1F1B",
            "--parallelism_config_pp_microbatches", "4"},
-       tied}};
+       tied},
+      // examples/gpt's pipeline path: its embedding tied to the head across stages, the stages' layers seeded each.
+      {2, {"--parallelism_config_pp_size", "2", "--steps", "4"}, gpt},
+      {4, {"--parallelism_config_pp_size", "2", "--parallelism_config_dp_replicate_size", "2", "--steps", "4"}, gpt}};
   for (const auto& [n, flags, program] : layouts) {
     SCOPED_TRACE(fmt::format("{} ranks: {}", n, fmt::join(flags, " ")));
     auto r = verify(n, flags, program);
@@ -470,6 +476,32 @@ TEST(Advise, MeshCandidatesPredictTheirStateExactlyTheWinnersMeshLaunchesAndAMod
       << r.out;
   EXPECT_NE(r.out.find("not tried: the model's attention does not call xlr8::attention"), std::string::npos) << r.out;
   EXPECT_EQ(r.err.find("tp 2, bf16: 2 warm-up"), std::string::npos) << r.err;  // nothing was launched for them
+}
+
+// Pipeline candidates: tried for a Sequential that the program steps through pipeline_step (measured, its row a
+// throughput), not tried with the reason for a program that trains with backward() or a model that is no Sequential.
+TEST(Advise, PipelineCandidatesAreTriedForASequentialSteppedByPipelineStepAndOtherwiseSayWhyNot) {
+  auto advise = [](const Args& program) {
+    Args a{kXlr8, "advise", "--num_processes", "2", "--min_seconds", "0.2", "--try", "DDP", "--try", "pp 2, bf16"};
+    a.insert(a.end(), program.begin(), program.end());
+    return run(a, 85);
+  };
+  auto r = advise({kPipeline, "--always_pipeline_step", "--steps", "100000", "--width", "64"});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  const auto row = table_row(r.out, "pp 2, bf16");
+  EXPECT_NE(row, "") << r.out;
+  EXPECT_EQ(row.find("not tried"), std::string::npos) << row;
+  EXPECT_EQ(row.find("failed"), std::string::npos) << row;
+  EXPECT_NE(r.err.find("xlr8 advise: pp 2, bf16: "), std::string::npos) << r.err;  // it was launched
+  r = advise({kPipeline, "--steps", "100000"});  // plain backward() on one process and under DDP
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(table_row(r.out, "pp 2, bf16").find("not tried: the program does not step through Accelerator::pipeline_step"),
+            std::string::npos)
+      << r.out;
+  r = advise({kTrain, "--batch", "12", "--steps", "100000", "--out", temp_dir("advise-pp-plain")});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(table_row(r.out, "pp 2, bf16").find("not tried: a pipeline cuts a torch::nn::Sequential"), std::string::npos)
+      << r.out;
 }
 
 TEST(Advise, OnTwoMachinesMachineZeroDecidesForBothHybridShardIsACandidateAndEachMachinesConfigLaunches) {

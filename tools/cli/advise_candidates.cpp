@@ -7,7 +7,7 @@ namespace xlr8::cli {
 
 namespace {
 
-// Tensor, context and sequence parallelism of 2 on n ranks (n even): the rest of the ranks data-parallel.
+// Tensor, context, sequence and pipeline parallelism of 2 on n ranks (n even): the rest of the ranks data-parallel.
 std::vector<Candidate> mesh_candidates(int n, const std::map<std::string, std::string>& full_shard) {
   if (n % 2 != 0) return {};
   const std::string rest = std::to_string(n / 2);
@@ -26,7 +26,14 @@ std::vector<Candidate> mesh_candidates(int n, const std::map<std::string, std::s
       {.name = "sp 2 (Ulysses), FULL_SHARD, bf16", .formula = "zero3", .use_fsdp = true, .fsdp = full_shard,
        .mixed_precision = "bf16",
        .parallelism = mesh({{"parallelism_config_sp_size", "2"}}, "parallelism_config_dp_shard_size"),
-       .needs_attention = true}};
+       .needs_attention = true},
+      {.name = "pp 2, bf16", .formula = "ddp", .mixed_precision = "bf16",
+       .parallelism = mesh({{"parallelism_config_pp_size", "2"}}, "parallelism_config_dp_replicate_size"), .pp = 2}};
+  if (n >= 4)
+    out.push_back({.name = "pp 2 x FULL_SHARD, bf16", .formula = "zero3", .use_fsdp = true, .fsdp = full_shard,
+                   .mixed_precision = "bf16",
+                   .parallelism = mesh({{"parallelism_config_pp_size", "2"}}, "parallelism_config_dp_shard_size"),
+                   .pp = 2, .formula_ranks = n / 2});
   if (n >= 4)
     out.insert(out.begin() + 1, Candidate{.name = "FULL_SHARD x tp 2, bf16", .formula = "zero3", .use_fsdp = true,
                                           .fsdp = full_shard, .mixed_precision = "bf16",
@@ -106,7 +113,7 @@ std::optional<LaunchRequest> without_recompute(LaunchRequest r) {
 }
 
 // What decides the bytes a step holds above the training state (activations, autocast copies, gathered units):
-// the precision, recomputation, and how tp, cp or sp split the activations. Strategies of the same kind differ
+// the precision, recomputation, how tp, cp or sp split the activations, and the stages a pipeline holds. Strategies of the same kind differ
 // by their gathered units and buckets alone.
 std::string activation_kind(const LaunchRequest& r) {
   auto value = [](const std::map<std::string, std::string>& m, const std::string& key) {
@@ -114,10 +121,11 @@ std::string activation_kind(const LaunchRequest& r) {
     return at == m.end() ? std::string("-") : at->second;
   };
   const std::string cp = value(r.parallelism, "parallelism_config_cp_size");  // cp and sp split the sequence alike
-  return fmt::format("{}|ac {}|tp {}|sequence / {}", r.mixed_precision.value_or(""),
+  return fmt::format("{}|ac {}|tp {}|sequence / {}|pp {}", r.mixed_precision.value_or(""),
                      value(r.fsdp, "fsdp_activation_checkpointing") == "true",
                      value(r.parallelism, "parallelism_config_tp_size"),
-                     cp != "-" ? cp : value(r.parallelism, "parallelism_config_sp_size"));
+                     cp != "-" ? cp : value(r.parallelism, "parallelism_config_sp_size"),
+                     value(r.parallelism, "parallelism_config_pp_size"));
 }
 
 std::string compute_kind(const LaunchRequest& r, MixedPrecision precision) {

@@ -18,6 +18,7 @@ struct Candidate {
   std::map<std::string, std::string> parallelism;  // the mesh (parallelism_config keys); empty: none
   int tp = 1;                    // > 1: AutoTP must split the model (the first run tells)
   bool needs_attention = false;  // cp / sp: the model's attention must go through xlr8::attention
+  int pp = 1;                    // > 1: a Sequential the program steps through pipeline_step (the runs tell)
   int formula_ranks = 0;         // the ranks the formula shares state over (0: all)
 };
 

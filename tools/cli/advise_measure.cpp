@@ -55,11 +55,20 @@ std::optional<nlohmann::json> measure(LaunchOptions o, const fs::path& dir, cons
 }
 
 ModelFacts facts_of(const nlohmann::json& probe) {
-  return {.parameters = probe["parameters"], .tensor_parallel = probe["tensor_parallel"]};
+  return {.parameters = probe["parameters"],
+          .tensor_parallel = probe["tensor_parallel"],
+          .pipeline = probe.value("pipeline", nlohmann::json::object())};
+}
+
+void learn_from_steps(ModelFacts& facts, const nlohmann::json& result) {
+  if (!facts.attention) facts.attention = result["attention_calls"].get<int64_t>() > 0;
+  if (!facts.pipeline_step) facts.pipeline_step = result.value("pipeline_steps", int64_t{0}) > 0;
 }
 
 double predicted_bytes(const Candidate& c, const ModelFacts& m, int n) {
   double psi = m.parameters;
+  if (const auto pp = std::to_string(c.pp); c.pp > 1 && m.pipeline.contains(pp))
+    psi = m.pipeline[pp].get<double>();  // the largest stage's (a tied copy's apart)
   if (const auto tp = std::to_string(c.tp); c.tp > 1 && m.tensor_parallel.contains(tp)) {
     const double sliced = m.tensor_parallel[tp]["sliced"];
     psi += sliced / c.tp - sliced;
@@ -72,6 +81,12 @@ std::string unmet_need(const Candidate& c, const ModelFacts& m) {
     return m.tensor_parallel.contains("error")
                ? fmt::format("not tried: {}", text::first_line(m.tensor_parallel["error"].get<std::string>()))
                : fmt::format("not tried: tp {} does not divide the processes", c.tp);
+  if (c.pp > 1 && !m.pipeline.contains(std::to_string(c.pp)))
+    return fmt::format("not tried: a pipeline cuts a torch::nn::Sequential of {} or more layers into stages, and the "
+                       "model is not one",
+                       c.pp);
+  if (c.pp > 1 && m.pipeline_step == false)
+    return "not tried: the program does not step through Accelerator::pipeline_step, which pipeline parallelism needs";
   if (c.needs_attention && m.attention == false)
     return "not tried: the model's attention does not call xlr8::attention, which context and sequence parallelism need";
   return "";

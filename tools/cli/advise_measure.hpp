@@ -40,9 +40,13 @@ struct ModelFacts {
   double parameters = 0;
   nlohmann::json tensor_parallel = nlohmann::json::object();  // by tp size: {"sliced": N}, or {"error": why}
   std::optional<bool> attention;  // a forward went through xlr8::attention (known once a run measured steps)
+  nlohmann::json pipeline = nlohmann::json::object();  // by pp size: the largest stage's parameters (a Sequential)
+  std::optional<bool> pipeline_step;  // the program steps through Accelerator::pipeline_step (likewise)
 };
 
 ModelFacts facts_of(const nlohmann::json& probe);
+// What a run that measured steps tells (its result.json): whether attention and pipeline_step were used.
+void learn_from_steps(ModelFacts& facts, const nlohmann::json& result);
 
 // Training state per rank by the formulas; tensor parallelism divides the parameters AutoTP slices.
 double predicted_bytes(const Candidate& c, const ModelFacts& m, int n);

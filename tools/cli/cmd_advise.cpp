@@ -148,7 +148,7 @@ class Advisor {
       last_failure_ = row.verdict;
       return row;
     }
-    if (result && !facts_->attention) facts_->attention = (*result)["attention_calls"].get<int64_t>() > 0;
+    if (result) learn_from_steps(*facts_, *result);
     row.predicted = predicted_bytes(c, *facts_, n_);
     const std::string kind = activation_kind(changed);
     if (excess_.count(kind)) row.predicted_peak = row.predicted + excess_.at(kind);

@@ -167,6 +167,12 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
     // in place and nothing needs copying. Otherwise it is a fresh tensor: over shared memory the bucket's
     // all_reduce_into reads it directly (this rank's shard) on the communication thread; elsewhere it is
     // copied in here.
+    take_gradient(k);
+  }
+
+  // Parameter k's gradient into its bucket (or, on shared memory, held as the bucket's source); then (`launch`)
+  // the buckets whose every gradient is in start their all-reduces, in order.
+  void take_gradient(size_t k, bool launch = true) {
     const auto& grad = params[k].grad();
     auto& b = buckets[bucket_of[k]];
     auto view = view_of(k);
@@ -179,7 +185,7 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
     ready[k] = true;
     ++ready_count;
     --b.pending;
-    launch_ready();
+    if (launch) launch_ready();
   }
 
   void finish_backward() {
@@ -203,6 +209,19 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
         }
       launch_ready();
     }
+    complete_reduction();
+  }
+
+  void reduce_accumulated_now() {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (in_backward) throw Error("DDP: reduce_accumulated_now() during a backward; call it after the backwards");
+    for (size_t k = 0; k < params.size(); ++k) take_gradient(k, /*launch=*/false);
+    launch_ready();  // every bucket, none of them overlapping a backward
+    complete_reduction();
+  }
+
+  // Waits for every bucket's all-reduce; each parameter's .grad becomes its averaged view of the bucket.
+  void complete_reduction() {
     const auto waiting_since = std::chrono::steady_clock::now();
     for (auto& b : buckets) {
       b.work.wait();
@@ -255,6 +274,8 @@ void DistributedDataParallel::set_sync(bool enabled) {
 }
 
 bool DistributedDataParallel::sync_enabled() const { return core_->sync; }
+
+void DistributedDataParallel::reduce_accumulated_now() { core_->reduce_accumulated_now(); }
 
 void DistributedDataParallel::sync_buffers() {
   if (!core_->options.broadcast_buffers || core_->comm.size() == 1) return;

@@ -333,6 +333,28 @@ void ShardedModel::finish_backward() {
   if (failed) std::rethrow_exception(failed);
 }
 
+void ShardedModel::reduce_accumulated_now() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (in_backward_) throw Error("reduce_accumulated_now() during a backward; call it after the backwards");
+  sync_ = true;
+  try {
+    // Every backward has ended: no unit's gradients are awaited (group_complete's resharding is done), only moved.
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      for (size_t i = 0; i < group(g).params.size(); ++i)
+        if (!ready_[g][i]) {
+          ready_[g][i] = true;
+          stash_gradient(g, i);
+        }
+      pending_[g] = 0;
+    }
+    hand_over_reduced();
+  } catch (...) {
+    drop_backward_state();
+    throw;
+  }
+  reset_backward_state();
+}
+
 void ShardedModel::reduce_and_hand_over() {
   if (sync_) {
     std::vector<std::string> unused;
@@ -347,23 +369,28 @@ void ShardedModel::reduce_and_hand_over() {
           stash_gradient(g, i);
           if (--pending_[g] == 0) group_complete(g);
         }
-    launch_ready();
-    while (!in_flight_.empty()) retire_oldest();
-    // The optimizer's leaves get their parts of the averaged chunks.
-    for (size_t g = 0; g < groups_.size(); ++g) {
-      auto& flat = group(g);
-      if (flat.frozen) continue;
-      at::Tensor chunk = policy_.shards_gradients
-                             ? grad_shards_[g]
-                             : flat.grad_full.narrow(0, static_cast<int64_t>(flat.rank) * flat.shard_numel, flat.shard_numel);
-      // In the master's dtype, and (offload) in host memory, where the optimizer steps.
-      chunk = chunk.to(flat.master.device(), flat.master.scalar_type());
-      for (size_t i = 0; i < flat.params.size(); ++i) {
-        auto part = flat.owned_part(i);
-        flat.shard_params[i].mutable_grad() = chunk.narrow(0, part.in_shard, part.count);
-      }
-      grad_shards_[g] = at::Tensor();  // owned by the leaves' gradients now: zero_grad(set_to_none) frees it
+    hand_over_reduced();
+  }
+}
+
+// The groups' reductions launched (in the one order) and awaited, and the optimizer's leaves given their parts.
+void ShardedModel::hand_over_reduced() {
+  launch_ready();
+  while (!in_flight_.empty()) retire_oldest();
+  // The optimizer's leaves get their parts of the averaged chunks.
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    auto& flat = group(g);
+    if (flat.frozen) continue;
+    at::Tensor chunk = policy_.shards_gradients
+                           ? grad_shards_[g]
+                           : flat.grad_full.narrow(0, static_cast<int64_t>(flat.rank) * flat.shard_numel, flat.shard_numel);
+    // In the master's dtype, and (offload) in host memory, where the optimizer steps.
+    chunk = chunk.to(flat.master.device(), flat.master.scalar_type());
+    for (size_t i = 0; i < flat.params.size(); ++i) {
+      auto part = flat.owned_part(i);
+      flat.shard_params[i].mutable_grad() = chunk.narrow(0, part.in_shard, part.count);
     }
+    grad_shards_[g] = at::Tensor();  // owned by the leaves' gradients now: zero_grad(set_to_none) frees it
   }
 }
 

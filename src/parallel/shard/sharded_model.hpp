@@ -44,6 +44,9 @@ class ShardedModel : public std::enable_shared_from_this<ShardedModel> {
   int stage() const { return policy_.stage; }
   void begin_step(bool suspend_sync);
   void end_step();
+  // Outside a backward: reduces (and hands to the shards) now the whole gradients backwards accumulated with sync
+  // suspended, as a synchronising backward's end would.
+  void reduce_accumulated_now();
   std::vector<at::Tensor> optimizer_parameters() const;
   bool owns(const at::Tensor& tensor) const;  // either identity of a sharded parameter, or a whole frozen one
   void bind_optimizer(torch::optim::Optimizer& optimizer) const;
@@ -91,6 +94,7 @@ class ShardedModel : public std::enable_shared_from_this<ShardedModel> {
   // At the end of a synchronised backward: the gradients no hook saw, the reductions still to launch
   // and wait for, and each chunk handed to the optimizer's leaves.
   void reduce_and_hand_over();
+  void hand_over_reduced();  // launches what is pending, awaits every reduction, gives the leaves their parts
   void stash_gradient(size_t group, size_t index);
   void group_complete(size_t group);
   void launch_ready();

@@ -18,6 +18,7 @@ class ShardedDataParallel final : public ParallelStrategy {
   std::string name() const override { return fmt::format("zero{}", sharded_->stage()); }
   void begin_step(bool suspend_sync) override { sharded_->begin_step(suspend_sync); }
   void end_step() override { sharded_->end_step(); }
+  void reduce_accumulated_gradients() override { sharded_->reduce_accumulated_now(); }
   std::vector<at::Tensor> optimizer_parameters() const override { return sharded_->optimizer_parameters(); }
   bool owns(const at::Tensor& tensor) const override { return sharded_->owns(tensor); }
   void bind_optimizer(torch::optim::Optimizer& optimizer) const override { sharded_->bind_optimizer(optimizer); }
