@@ -9,6 +9,7 @@
 #include "accelerate/accelerator_impl.hpp"
 #include "parallel/parallelize.hpp"
 #include "parallel/grad_norm.hpp"
+#include "parallel/pipeline/owner_pieces.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/pipeline.hpp"
@@ -63,15 +64,15 @@ void AcceleratorImpl::start_tied_weights(const ParallelStrategy& strategy,
   auto weights = std::make_unique<pp::TiedWeights>(sequential, stage, parts, mesh.group(MeshDim::pp),
                                                    mesh.group(parallel::data_parallel_dim(mesh)), device);
   if (weights->empty()) return;
-  // The copies' gradients join the owner's whole gradient; a sharded one lives in shards, and a tp split cuts the
-  // owner's module but not its copies.
+  // A copy's gradient joins the owner's where the optimizer reads it: on a sharded or tensor-split stage, this rank's
+  // piece of the owner's parameter (whose whole values the copies take from the pieces of the stage's ranks).
+  if (plan.mesh.tp > 1 && plan.tensor.sequence_parallel)
+    throw ConfigError(fmt::format("prepare(): tied layers ({}) under pp with tp's sequence parallelism are not built "
+                                  "yet (a copy would see a share of the sequence); turn off tp_sequence_parallel",
+                                  weights->describe()));
   if (!strategy.replicated() || plan.mesh.tp > 1)
-    throw ConfigError(fmt::format("prepare(): tied layers ({}) under pp with {} are not built yet: their "
-                                  "gradients are summed whole; use DDP (ZeRO stage 0, no FSDP sharding) and no tp for "
-                                  "the stages' other axes",
-                                  weights->describe(),
-                                  plan.mesh.tp > 1 ? fmt::format("parallelism_config_tp_size {}", plan.mesh.tp)
-                                                   : fmt::format("the {} strategy", strategy.name())));
+    weights->use_owner_pieces(std::make_shared<pp::OwnerPieces>(strategy, mesh.group(parallel::data_parallel_dim(mesh)),
+                                                                mesh.group(MeshDim::tp)));
   weights->check_copies_match();
   tied = std::move(weights);
 }

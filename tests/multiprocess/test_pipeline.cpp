@@ -203,25 +203,50 @@ TEST(PipelineLaunch, TheWholeModelIsSavedAndMergedFromEveryStage) {
 // A plain Sequential whose fourth block runs the second's module (xlr8::pp::TiedLayer), cut by parameters so that
 // the two lie on different stages: the copy takes the owner's values and gives back its gradient, and every layout
 // trains as one process; a sharded stage is refused in one line (its gradient lives in shards).
+// On a sharded or tensor-split owner stage the copies take the whole values from the pieces the stage's ranks hold,
+// and a copy's gradient joins this rank's piece of the owner's: every strategy, uneven shards (FULL_SHARD 3), HSDP
+// (each element once, from the first replica) and tp.
 TEST(PipelineLaunch, ABlockSharedAcrossStagesTrainsAsOneProcess) {
-  const Args shared{"--share_block"};
-  const auto one = losses_of(launch_pipeline(1, {}, shared));
+  const Args shared{"--share_block", "--max_grad_norm", "0.05"};
+  const auto whole = launch_pipeline(1, {}, shared);
+  const auto one = losses_of(whole);
   ASSERT_EQ(one.size(), 8u);
   EXPECT_LT(one.back(), one.front());
-  EXPECT_GT(std::abs(one.back() - losses_of(launch_pipeline(1, {})).back()), 1e-6);  // another model than unshared
+  EXPECT_GT(std::abs(one.back() - losses_of(launch_pipeline(1, {}, {"--max_grad_norm", "0.05"})).back()),
+            1e-6);  // another model than unshared
+  const auto norms = last_json(whole.out).value("grad_norms", std::vector<double>{});
+  const Args pp2{"--parallelism_config_pp_size", "2"};
+  auto with = [](Args a, const Args& b) { return a.insert(a.end(), b.begin(), b.end()), a; };
   for (const auto& [name, processes, launcher] : std::vector<std::tuple<std::string, int, Args>>{
-           {"pp 2", 2, {"--parallelism_config_pp_size", "2"}},
+           {"pp 2", 2, pp2},
            {"pp 3", 3, {"--parallelism_config_pp_size", "3"}},
-           {"pp 2 x DDP 2", 4, {"--parallelism_config_pp_size", "2", "--parallelism_config_dp_replicate_size", "2"}}}) {
+           {"pp 2 x DDP 2", 4, with(pp2, {"--parallelism_config_dp_replicate_size", "2"})},
+           {"pp 2 x FULL_SHARD 2", 4, with(pp2, {"--use_fsdp", "--parallelism_config_dp_shard_size", "2"})},
+           {"pp 2 x FULL_SHARD 3", 6, with(pp2, {"--use_fsdp", "--parallelism_config_dp_shard_size", "3"})},
+           {"pp 2 x SHARD_GRAD_OP 2", 4,
+            with(pp2, {"--use_fsdp", "--fsdp_sharding_strategy", "SHARD_GRAD_OP", "--parallelism_config_dp_shard_size", "2"})},
+           {"pp 2 x ZeRO-1 2 (DeepSpeed)", 4,
+            with(pp2, {"--use_deepspeed", "--zero_stage", "1", "--parallelism_config_dp_shard_size", "2"})},
+           {"pp 2 x tp 2", 4, with(pp2, {"--parallelism_config_tp_size", "2"})},
+           {"pp 2 x HYBRID_SHARD 2 x 2", 8,
+            with(pp2, {"--use_fsdp", "--fsdp_sharding_strategy", "HYBRID_SHARD", "--parallelism_config_dp_replicate_size",
+                       "2", "--parallelism_config_dp_shard_size", "2"})},
+           {"pp 2 x FULL_SHARD 2 x tp 2", 8,
+            with(pp2, {"--use_fsdp", "--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "2"})}}) {
     SCOPED_TRACE(name);
-    expect_close(losses_of(launch_pipeline(processes, launcher, shared)), one, 1e-6);
+    const auto r = launch_pipeline(processes, launcher, shared);
+    expect_close(losses_of(r), one, 1e-5);
+    if (r.exit_code == 0) expect_close(last_json(r.out).value("grad_norms", std::vector<double>{}), norms, 1e-5);
   }
-  const auto r = launch_pipeline(4,
-                                 {"--parallelism_config_pp_size", "2", "--use_fsdp", "--parallelism_config_dp_shard_size",
-                                  "2"},
-                                 shared);
+  // A copy would see a share of the sequence under tp's sequence parallelism: refused in one line.
+  Args sp{kXlr8, "launch", "--num_processes", "4", "--parallelism_config_pp_size", "2", "--parallelism_config_tp_size",
+          "2", kPipeline, "--share_block"};
+  const auto r = run(sp, 120, {{"XLR8_TP_SEQUENCE_PARALLEL", "1"}});
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.err.find("tied layers (shared: stage 0 owns it"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("tied layers (shared: stage 0 owns it, stages 0, 1 run it) under pp with tp's sequence "
+                       "parallelism"),
+            std::string::npos)
+      << r.err;
 }
 
 // pipeline_step() without stages (pp 1) accumulates the micro-batches through the prepared Sequential: on one

@@ -70,7 +70,7 @@ TEST(Verify, EveryOtherStrategyAndGradientAccumulationPassOnThreeRanks) {
 // compares pipelines with it: the losses, the norm over every stage and every stage's parameters under the whole
 // model's names (a stage's norm would differ; a parameter missing from run 1 fails). A block tied across stages, an uneven cut
 // (pp 3 of 6 layers by parameters), pp x DDP, pp x FULL_SHARD, pp x tp and the interleaved schedule; and examples/gpt
-// --pipeline on pp 2 and pp 2 x DDP 2.
+// --pipeline (its embedding tied to the head across stages) on pp 2, pp 2 x DDP 2 and pp 2 x FULL_SHARD 2.
 TEST(Verify, PipelinesPassAgainstOneProcessThatAccumulatesTheMicroBatches) {
   const Args tied{kPipeline, "--always_pipeline_step", "--share_block"};
   const Args plain{kPipeline, "--always_pipeline_step"};
@@ -84,14 +84,16 @@ TEST(Verify, PipelinesPassAgainstOneProcessThatAccumulatesTheMicroBatches) {
       {2, {"--parallelism_config_pp_size", "2"}, tied},
       {3, {"--parallelism_config_pp_size", "3"}, tied},
       {4, {"--parallelism_config_pp_size", "2", "--parallelism_config_dp_replicate_size", "2"}, tied},
-      {4, {"--parallelism_config_pp_size", "2", "--use_fsdp", "--parallelism_config_dp_shard_size", "2"}, plain},
+      {4, {"--parallelism_config_pp_size", "2", "--use_fsdp", "--parallelism_config_dp_shard_size", "2"}, tied},
       {4, {"--parallelism_config_pp_size", "2", "--parallelism_config_tp_size", "2"}, plain},  // no false "differs at start"
       {2, {"--parallelism_config_pp_size", "2", "--parallelism_config_pp_schedule", "Interleaved1F1B",
            "--parallelism_config_pp_microbatches", "4"},
        tied},
       // examples/gpt's pipeline path: its embedding tied to the head across stages, the stages' layers seeded each.
       {2, {"--parallelism_config_pp_size", "2", "--steps", "4"}, gpt},
-      {4, {"--parallelism_config_pp_size", "2", "--parallelism_config_dp_replicate_size", "2", "--steps", "4"}, gpt}};
+      {4, {"--parallelism_config_pp_size", "2", "--parallelism_config_dp_replicate_size", "2", "--steps", "4"}, gpt},
+      {4, {"--parallelism_config_pp_size", "2", "--use_fsdp", "--parallelism_config_dp_shard_size", "2", "--steps", "4"},
+       gpt}};
   for (const auto& [n, flags, program] : layouts) {
     SCOPED_TRACE(fmt::format("{} ranks: {}", n, fmt::join(flags, " ")));
     auto r = verify(n, flags, program);

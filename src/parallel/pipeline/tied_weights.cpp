@@ -99,11 +99,12 @@ TiedWeights::TiedWeights(const torch::nn::Sequential& whole, const torch::nn::Se
     if (std::find(holders.begin(), holders.end(), rank) == holders.end()) holders.push_back(rank);
   }
   for (auto& key : keys_) std::sort(key.holders.begin(), key.holders.end());
-  for (const auto& layer : stage->children())
-    if (auto* tied = layer->as<TiedLayerImpl>()) {
+  for (const auto& layer : stage->named_children())
+    if (auto* tied = layer.value()->as<TiedLayerImpl>()) {
       auto& key = keys_.at(index.at(tied->key()));
       key.module = &tied->tied();
       if (key.owner != pipeline_.rank()) key.module->to(device);  // a copy: not the strategy's to place
+      else if (tied->owner()) key.prefix = layer.key() + "." + key.name + ".";
     }
   // A key on one stage only is an ordinary shared module there: nothing to exchange.
   std::erase_if(keys_, [](const Key& key) { return key.holders.size() < 2; });
@@ -116,8 +117,10 @@ void TiedWeights::check_copies_match() {
   for (const auto& key : keys_) {
     if (!key.module) continue;
     described += key.name + ":";
-    for (const auto& p : key.module->parameters())
-      described += fmt::format("{}[{}];", c10::toString(p.scalar_type()), fmt::join(p.sizes(), ","));
+    for (const auto& p : key.module->named_parameters())
+      described += (owner_pieces_ && key.owner == pipeline_.rank())
+                       ? owner_pieces_->describe(key.prefix + p.key()) + ";"  // the whole parameter's
+                       : fmt::format("{}[{}];", c10::toString(p.value().scalar_type()), fmt::join(p.value().sizes(), ","));
     described += "\n";
   }
   const auto all = pipeline_.all_gather_object(described);
@@ -143,20 +146,32 @@ std::string TiedWeights::describe() const {
   return fmt::format("{}", fmt::join(lines, "; "));
 }
 
-void TiedWeights::for_each_held(const std::function<void(const Key&, int tag, at::Tensor& parameter)>& fn) {
+void TiedWeights::for_each_held(
+    const std::function<void(const Key&, int tag, const std::string& name, at::Tensor& parameter)>& fn) {
   at::NoGradGuard no_grad;
   for (size_t k = 0; k < keys_.size(); ++k) {
     if (!keys_[k].module) continue;  // this stage runs none of the key's layers
-    auto parameters = keys_[k].module->parameters();
-    for (size_t i = 0; i < parameters.size(); ++i) fn(keys_[k], tied_tag(k, i), parameters[i]);
+    auto parameters = keys_[k].module->named_parameters();
+    for (size_t i = 0; i < parameters.size(); ++i) fn(keys_[k], tied_tag(k, i), parameters[i].key(), parameters[i].value());
   }
+}
+
+at::Tensor TiedWeights::owner_values(const Key& key, const std::string& name, const at::Tensor& parameter) const {
+  return owner_pieces_ ? owner_pieces_->whole(key.prefix + name) : parameter.detach().contiguous();
+}
+
+void TiedWeights::add_to_owner(const Key& key, const std::string& name, at::Tensor& parameter,
+                               const at::Tensor& grad) const {
+  if (owner_pieces_) return owner_pieces_->add_gradient(key.prefix + name, grad);
+  if (parameter.grad().defined()) parameter.mutable_grad().add_(grad);
+  else parameter.mutable_grad() = grad;
 }
 
 void TiedWeights::share_values() {
   const int rank = pipeline_.rank();
-  for_each_held([&](const Key& key, int tag, at::Tensor& p) {
+  for_each_held([&](const Key& key, int tag, const std::string& name, at::Tensor& p) {
     if (rank == key.owner) {
-      const auto values = p.detach().contiguous();
+      const auto values = owner_values(key, name, p);  // collective over the stage when it holds pieces
       for (const int holder : key.holders)
         if (holder != rank) pipeline_.send(values, holder, tag);
       return;
@@ -169,7 +184,7 @@ void TiedWeights::share_values() {
 
 void TiedWeights::sum_gradients() {
   const int rank = pipeline_.rank();
-  for_each_held([&](const Key& key, int tag, at::Tensor& p) {
+  for_each_held([&](const Key& key, int tag, const std::string& name, at::Tensor& p) {
     if (rank != key.owner) {
       auto g = p.grad().defined() ? p.grad().detach().clone() : at::zeros_like(p);
       if (data_parallel_.size() > 1) {  // as the owner's strategy averages its gradients over the same peers
@@ -182,10 +197,9 @@ void TiedWeights::sum_gradients() {
     }
     for (const int holder : key.holders) {
       if (holder == rank) continue;
-      auto g = at::empty_like(p);
+      auto g = owner_pieces_ ? owner_pieces_->empty_whole(key.prefix + name) : at::empty_like(p);
       pipeline_.recv(g, holder, tag);
-      if (p.grad().defined()) p.mutable_grad().add_(g);
-      else p.mutable_grad() = g;
+      add_to_owner(key, name, p, g);
     }
   });
 }

@@ -5,10 +5,12 @@
 #include <torch/nn/modules/container/sequential.h>
 
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "parallel/pipeline/owner_pieces.hpp"
 #include "xlr8/communicator.hpp"
 
 namespace xlr8::pp {
@@ -29,6 +31,9 @@ class TiedWeights {
   bool empty() const { return keys_.empty(); }
   // The keys' names, owner stages and holders, for errors and logs ("embed: stage 0 owns it, stages 0, 3 run it").
   std::string describe() const;
+  // When the owner stages' strategies shard or tensor-split their parameters (before check_copies_match): the
+  // owner's values and gradients are their pieces on the stage's ranks (none: the parameters themselves).
+  void use_owner_pieces(std::shared_ptr<const OwnerPieces> pieces) { owner_pieces_ = std::move(pieces); }
   // Collective over the pp group, once before the first exchange: each key's copies have its owner's parameters
   // (dtypes and shapes), or one line names the key.
   void check_copies_match();
@@ -44,12 +49,17 @@ class TiedWeights {
     int owner = 0;             // the pp rank of the key's first layer in the whole model
     std::vector<int> holders;  // every pp rank running one of its layers, ascending
     torch::nn::Module* module = nullptr;  // this rank's instance (owner's or copy), when it holds the key
+    std::string prefix;        // on the owner: its parameters' names in the stage ("<layer>.<key>.")
   };
-  // fn(key, its parameter's transfer tag, the parameter) for each parameter of each key this stage runs, in one
-  // order on every rank (the exchanges match by it), without recording gradients.
-  void for_each_held(const std::function<void(const Key&, int tag, at::Tensor& parameter)>& fn);
+  // fn(key, its parameter's transfer tag, its name in the module, the parameter) for each parameter of each key
+  // this stage runs, in one order on every rank (the exchanges match by it), without recording gradients.
+  void for_each_held(const std::function<void(const Key&, int tag, const std::string& name, at::Tensor& parameter)>& fn);
+  // The owner's parameter `name` (of key's module) as the copies take it, and where a copy's gradient goes.
+  at::Tensor owner_values(const Key& key, const std::string& name, const at::Tensor& parameter) const;
+  void add_to_owner(const Key& key, const std::string& name, at::Tensor& parameter, const at::Tensor& grad) const;
 
   std::vector<Key> keys_;
+  std::shared_ptr<const OwnerPieces> owner_pieces_;
   Communicator pipeline_, data_parallel_;
 };
 
