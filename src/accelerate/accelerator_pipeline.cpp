@@ -72,7 +72,7 @@ void AcceleratorImpl::start_tied_weights(const ParallelStrategy& strategy,
                                   weights->describe()));
   if (!strategy.replicated() || plan.mesh.tp > 1)
     weights->use_owner_pieces(std::make_shared<pp::OwnerPieces>(strategy, mesh.group(parallel::data_parallel_dim(mesh)),
-                                                                mesh.group(MeshDim::tp)));
+                                                                mesh.group(MeshDim::tp), device));
   weights->check_copies_match();
   tied = std::move(weights);
 }

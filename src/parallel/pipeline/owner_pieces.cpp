@@ -25,9 +25,11 @@ void put(const Placement& placement, const at::Tensor& chunk, at::Tensor& whole)
 
 }  // namespace
 
-OwnerPieces::OwnerPieces(const ParallelStrategy& strategy, Communicator data_parallel, Communicator tensor_parallel)
+OwnerPieces::OwnerPieces(const ParallelStrategy& strategy, Communicator data_parallel, Communicator tensor_parallel,
+                         at::Device device)
     : data_parallel_(std::move(data_parallel)),
       tensor_parallel_(std::move(tensor_parallel)),
+      device_(device),
       replicated_(strategy.replicated()) {
   for (auto& p : strategy.parameter_pieces()) {
     const auto name = p.name;
@@ -44,12 +46,12 @@ const ParameterPiece& OwnerPieces::piece(const std::string& name) const {
 at::Tensor OwnerPieces::whole(const std::string& name) const {
   at::NoGradGuard no_grad;
   const auto& p = piece(name);
-  auto whole = at::zeros(p.placement.whole(), p.values.options().requires_grad(false));
+  auto whole = at::zeros(p.placement.whole(), p.values.options().device(device_).requires_grad(false));
   // Each element once over the stage: a replica's from dp rank 0, a shard's from its writer (HSDP's first replica),
   // and a tensor tp does not split (a row-wise layer's bias) from tp rank 0.
   const bool contributes = (replicated_ ? data_parallel_.rank() == 0 : p.writes) &&
                            (!p.placement.unsplit() || tensor_parallel_.rank() == 0);
-  if (contributes && p.placement.count() > 0) put(p.placement, p.values.detach().reshape(-1), whole);
+  if (contributes && p.placement.count() > 0) put(p.placement, p.values.detach().reshape(-1).to(device_), whole);
   if (data_parallel_.size() > 1) data_parallel_.all_reduce(whole, ReduceOp::SUM);
   if (tensor_parallel_.size() > 1) tensor_parallel_.all_reduce(whole, ReduceOp::SUM);
   return whole;
@@ -57,14 +59,14 @@ at::Tensor OwnerPieces::whole(const std::string& name) const {
 
 at::Tensor OwnerPieces::empty_whole(const std::string& name) const {
   const auto& p = piece(name);
-  return at::empty(p.placement.whole(), p.values.options().requires_grad(false));
+  return at::empty(p.placement.whole(), p.values.options().device(device_).requires_grad(false));
 }
 
 void OwnerPieces::add_gradient(const std::string& name, const at::Tensor& whole_grad) const {
   at::NoGradGuard no_grad;
   const auto& p = piece(name);
   if (p.placement.count() == 0) return;
-  auto part = p.placement.take(whole_grad).to(p.values.scalar_type()).view(p.values.sizes());
+  auto part = p.placement.take(whole_grad).to(p.values.device(), p.values.scalar_type()).view(p.values.sizes());
   auto& grad = p.values.mutable_grad();
   if (grad.defined()) grad.add_(part);
   else grad = part.clone();

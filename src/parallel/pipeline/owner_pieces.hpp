@@ -14,8 +14,10 @@ namespace xlr8::pp {
 
 class OwnerPieces {
  public:
-  // `data_parallel`, `tensor_parallel`: the stage's groups its pieces are spread over (size 1 when not).
-  OwnerPieces(const ParallelStrategy& strategy, Communicator data_parallel, Communicator tensor_parallel);
+  // `data_parallel`, `tensor_parallel`: the stage's groups its pieces are spread over (size 1 when not). `device`:
+  // where the whole values and gradients travel (the communicators'), wherever the pieces live (offload: the host).
+  OwnerPieces(const ParallelStrategy& strategy, Communicator data_parallel, Communicator tensor_parallel,
+              at::Device device);
   // The parameter `name` (the stage's name for it) whole, in the dtype the optimizer steps, on every rank of the
   // stage. Collective over the stage's dp and tp groups: called in one order on all of them.
   at::Tensor whole(const std::string& name) const;
@@ -30,6 +32,7 @@ class OwnerPieces {
   const ParameterPiece& piece(const std::string& name) const;
   std::map<std::string, ParameterPiece> pieces_;
   mutable Communicator data_parallel_, tensor_parallel_;  // handles: collectives do not change what they name
+  at::Device device_;
   bool replicated_;  // every dp peer holds the same piece: its dp rank 0's counts once
 };
 
