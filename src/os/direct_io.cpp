@@ -1,0 +1,132 @@
+// O_DIRECT scratch files and a thread pool that moves aligned blocks to and from them (direct_io.hpp).
+#include "os/direct_io.hpp"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "core/worker_pool.hpp"
+#include "xlr8/error.hpp"
+
+namespace xlr8::os {
+
+namespace {
+
+int64_t aligned_up(int64_t bytes) {
+  return (bytes + AlignedBuffer::kAlignment - 1) / AlignedBuffer::kAlignment * AlignedBuffer::kAlignment;
+}
+
+}  // namespace
+
+AlignedBuffer::AlignedBuffer(int64_t bytes) : size_(aligned_up(std::max<int64_t>(bytes, 1))) {
+  if (posix_memalign(&data_, kAlignment, static_cast<size_t>(size_)) != 0)
+    throw Error(fmt::format("direct I/O: cannot allocate an aligned buffer of {} bytes", size_));
+}
+
+AlignedBuffer::~AlignedBuffer() { std::free(data_); }
+
+SwapFile::SwapFile(std::filesystem::path path, int64_t bytes) : path_(std::move(path)), size_(aligned_up(bytes)) {
+  fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0600);
+  if (fd_ < 0)
+    throw Error(fmt::format("offload to disk: cannot create the swap file {} ({}); give a writable nvme_path on a "
+                            "file system with O_DIRECT (not tmpfs)",
+                            path_.string(), std::strerror(errno)));
+  // Every block now: a disk without room says so before training, not in the middle of a swap.
+  if (const int e = ::posix_fallocate(fd_, 0, size_); e != 0) {
+    ::close(fd_);
+    std::filesystem::remove(path_);
+    throw Error(fmt::format("offload to disk: cannot reserve {} bytes for the swap file {} ({}); free space under "
+                            "nvme_path or point it at a larger disk",
+                            size_, path_.string(), std::strerror(e)));
+  }
+}
+
+SwapFile::~SwapFile() {
+  ::close(fd_);
+  std::error_code ignored;  // scratch: gone at exit however the run ends normally
+  std::filesystem::remove(path_, ignored);
+}
+
+struct IoTicket::State {
+  std::mutex mutex;
+  std::condition_variable cv;
+  int64_t pending = 0;
+  std::string error;  // the first piece's failure
+};
+
+void IoTicket::wait() const {
+  if (!state_) return;
+  std::unique_lock<std::mutex> lock(state_->mutex);
+  state_->cv.wait(lock, [&] { return state_->pending == 0; });
+  if (!state_->error.empty()) throw Error(state_->error);
+}
+
+bool IoTicket::done() const {
+  if (!state_) return true;
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  return state_->pending == 0;
+}
+
+DirectIo::DirectIo(AioOptions options) : options_(options) {
+  if (options_.block_size <= 0 || options_.block_size % AlignedBuffer::kAlignment != 0)
+    throw ConfigError(fmt::format("aio.block_size {} must be a positive multiple of {}", options_.block_size,
+                                  AlignedBuffer::kAlignment));
+  if (options_.intra_op_parallelism < 1)
+    throw ConfigError(fmt::format("aio.intra_op_parallelism {} must be 1 or more", options_.intra_op_parallelism));
+  pool_ = std::make_unique<WorkerPool>(options_.intra_op_parallelism);
+}
+
+DirectIo::~DirectIo() = default;  // the pool finishes its queue before the threads join
+
+IoTicket DirectIo::write(const SwapFile& file, int64_t offset, const AlignedBuffer& buffer, int64_t bytes) {
+  if (bytes > buffer.size()) throw Error(fmt::format("direct I/O: writing {} bytes from a buffer of {}", bytes, buffer.size()));
+  return submit(true, file, offset, buffer.data(), bytes);
+}
+
+IoTicket DirectIo::read(const SwapFile& file, int64_t offset, AlignedBuffer& buffer, int64_t bytes) {
+  if (bytes > buffer.size()) throw Error(fmt::format("direct I/O: reading {} bytes into a buffer of {}", bytes, buffer.size()));
+  return submit(false, file, offset, buffer.data(), bytes);
+}
+
+IoTicket DirectIo::submit(bool writing, const SwapFile& file, int64_t offset, void* data, int64_t bytes) {
+  const int64_t a = AlignedBuffer::kAlignment;
+  if (offset % a != 0 || bytes % a != 0 || offset < 0 || offset + bytes > file.size())
+    throw Error(fmt::format("direct I/O: {} bytes at offset {} of {} ({} bytes) are not aligned to {} or lie outside",
+                            bytes, offset, file.path().string(), file.size(), a));
+  auto state = std::make_shared<IoTicket::State>();
+  state->pending = (bytes + options_.block_size - 1) / options_.block_size;
+  if (state->pending == 0) return IoTicket(state);
+  const int fd = file.fd();
+  const std::string path = file.path().string();
+  for (int64_t at = 0; at < bytes; at += options_.block_size) {
+    const int64_t count = std::min(options_.block_size, bytes - at);
+    auto* base = static_cast<char*>(data) + at;
+    pool_->submit([this, state, writing, fd, path, base, off = offset + at, count] {
+      int64_t moved = 0;
+      std::string failure;
+      while (moved < count && failure.empty()) {  // a short transfer goes on where it stopped
+        const auto n = writing ? ::pwrite(fd, base + moved, static_cast<size_t>(count - moved), off + moved)
+                               : ::pread(fd, base + moved, static_cast<size_t>(count - moved), off + moved);
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0)
+          failure = fmt::format("offload to disk: {} {} bytes at offset {} of {} failed ({})",
+                                writing ? "writing" : "reading", count, off, path,
+                                n < 0 ? std::strerror(errno) : "end of file");
+        else moved += n;
+      }
+      (writing ? written_ : read_) += moved;
+      std::lock_guard<std::mutex> lock(state->mutex);
+      if (!failure.empty() && state->error.empty()) state->error = failure;
+      if (--state->pending == 0) state->cv.notify_all();
+    });
+  }
+  return IoTicket(state);
+}
+
+}  // namespace xlr8::os

@@ -1,0 +1,113 @@
+// Offload's disk tier, its I/O layer (src/os/direct_io.hpp): real O_DIRECT files on this machine's disk, read back
+// byte for byte through the thread pool; what cannot be written fails before anything is swapped, naming the path.
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+
+#include <csignal>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <random>
+#include <unistd.h>
+
+#include "os/direct_io.hpp"
+#include "xlr8/error.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+using xlr8::os::AlignedBuffer;
+using xlr8::os::DirectIo;
+using xlr8::os::SwapFile;
+
+// A scratch directory on the disk (not /tmp, which may be tmpfs), removed afterwards.
+struct DiskDir {
+  fs::path path = fs::current_path() / ("direct_io_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+  DiskDir() { fs::create_directories(path); }
+  ~DiskDir() { fs::remove_all(path); }
+};
+
+void fill_random(AlignedBuffer& b, unsigned seed) {
+  std::mt19937 gen(seed);
+  auto* bytes = static_cast<unsigned char*>(b.data());
+  for (int64_t i = 0; i < b.size(); ++i) bytes[i] = static_cast<unsigned char>(gen());
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const xlr8::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+// 3.5 MiB in 1 MiB blocks (a partial last one) over four threads, two files, written then read back into other
+// buffers: every byte equal, the byte counts exact, the files gone with their owners.
+TEST(DirectIo, WhatIsWrittenReadsBackByteForByteAndTheFilesAreRemoved) {
+  DiskDir dir;
+  const int64_t bytes = 3 * (1 << 20) + (1 << 19);
+  fs::path first_path;
+  {
+    DirectIo io({.block_size = 1 << 20, .intra_op_parallelism = 4});
+    SwapFile a(dir.path / "a.swp", bytes), b(dir.path / "b.swp", 2 * bytes);
+    first_path = a.path();
+    EXPECT_EQ(fs::file_size(a.path()), static_cast<uintmax_t>(bytes));  // reserved at creation
+    AlignedBuffer out1(bytes), out2(bytes), in1(bytes), in2(bytes);
+    fill_random(out1, 1);
+    fill_random(out2, 2);
+    auto w1 = io.write(a, 0, out1, bytes);
+    auto w2 = io.write(b, bytes, out2, bytes);  // the second half of the larger file
+    w1.wait();
+    w2.wait();
+    EXPECT_TRUE(w1.done());
+    auto r2 = io.read(b, bytes, in2, bytes);
+    auto r1 = io.read(a, 0, in1, bytes);
+    r1.wait();
+    r2.wait();
+    EXPECT_EQ(std::memcmp(out1.data(), in1.data(), static_cast<size_t>(bytes)), 0);
+    EXPECT_EQ(std::memcmp(out2.data(), in2.data(), static_cast<size_t>(bytes)), 0);
+    EXPECT_EQ(io.bytes_written(), 2 * bytes);
+    EXPECT_EQ(io.bytes_read(), 2 * bytes);
+  }
+  EXPECT_FALSE(fs::exists(first_path));
+}
+
+TEST(DirectIo, AMisalignedOrOutOfRangeTransferIsRefusedNamingIt) {
+  DiskDir dir;
+  DirectIo io;
+  SwapFile file(dir.path / "x.swp", 1 << 16);
+  AlignedBuffer buffer(1 << 16);
+  EXPECT_NE(error_of([&] { io.write(file, 100, buffer, 4096); }).find("are not aligned to 4096"), std::string::npos);
+  EXPECT_NE(error_of([&] { io.read(file, 1 << 16, buffer, 4096); }).find("or lie outside"), std::string::npos);
+  EXPECT_NE(error_of([&] { io.write(file, 0, buffer, 1 << 17); }).find("from a buffer of 65536"), std::string::npos);
+  EXPECT_NE(error_of([] { DirectIo bad({.block_size = 1000}); }).find("aio.block_size 1000"), std::string::npos);
+}
+
+// A path that cannot hold a file, and a disk without room for the reservation (a file-size limit makes the
+// allocation fail as a full disk does): one error each, before any transfer, naming the path and what to do.
+TEST(DirectIo, AnUnwritablePathOrADiskWithoutRoomFailsAtCreationNamingThePath) {
+  DiskDir dir;
+  const auto not_a_dir = dir.path / "file";
+  { std::ofstream(not_a_dir) << "x"; }
+  const auto unwritable = error_of([&] { SwapFile f(not_a_dir / "a.swp", 4096); });
+  EXPECT_NE(unwritable.find("cannot create the swap file " + (not_a_dir / "a.swp").string()), std::string::npos)
+      << unwritable;
+  EXPECT_NE(unwritable.find("give a writable nvme_path"), std::string::npos) << unwritable;
+  rlimit saved{};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &saved), 0);
+  const auto previous = std::signal(SIGXFSZ, SIG_IGN);  // the limit reports EFBIG instead of a signal
+  rlimit small = saved;
+  small.rlim_cur = 1 << 20;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &small), 0);
+  const auto full = error_of([&] { SwapFile f(dir.path / "big.swp", 8 << 20); });
+  setrlimit(RLIMIT_FSIZE, &saved);
+  std::signal(SIGXFSZ, previous);
+  EXPECT_NE(full.find("cannot reserve 8388608 bytes for the swap file"), std::string::npos) << full;
+  EXPECT_NE(full.find("free space under nvme_path"), std::string::npos) << full;
+  EXPECT_FALSE(fs::exists(dir.path / "big.swp"));
+}
