@@ -31,7 +31,7 @@ TORCH_MODULE(Block);
 // Blocks of uneven widths and a head: cut by parameters, the stages hold different numbers of layers. With
 // `share_block`, the fourth block runs the second's module again (a xlr8::pp::TiedLayer, weights shared as
 // ALBERT's layers are), which under pp lies on another stage.
-torch::nn::Sequential mlp(int64_t width, bool share_block) {
+torch::nn::Sequential mlp(int64_t width, bool share_block, bool freeze_shared) {
   torch::nn::Sequential model;
   int index = 0;
   torch::nn::AnyModule shared;
@@ -41,7 +41,11 @@ torch::nn::Sequential mlp(int64_t width, bool share_block) {
       model->push_back(std::string(name), Block(width, hidden * width / 16));
       continue;
     }
-    if (shared.is_empty()) shared = torch::nn::AnyModule(Block(width, hidden * width / 16));
+    if (shared.is_empty()) {
+      shared = torch::nn::AnyModule(Block(width, hidden * width / 16));
+      if (freeze_shared)  // fine-tuning around it: no stage may change it
+        for (auto& p : shared.ptr()->parameters()) p.set_requires_grad(false);
+    }
     model->push_back(std::string(name), xlr8::pp::TiedLayer("shared", shared, xlr8::pp::TiedForward{}, /*owner=*/index == 2));
   }
   model->push_back("head", xlr8::nn::Linear(width, 4));
@@ -66,6 +70,8 @@ int main(int argc, char** argv) {
   app.add_flag("--two_groups", two_groups, "Give SGD two parameter groups: the first block's and the rest");
   bool share_block = false;
   app.add_flag("--share_block", share_block, "The fourth block runs the second's module (a TiedLayer)");
+  bool freeze_shared = false;
+  app.add_flag("--freeze_shared", freeze_shared, "With --share_block: the shared block's parameters do not train");
   std::string model_dir;
   app.add_option("--save_model", model_dir, "Save the whole trained model there (model.safetensors)");
   bool always_pipeline_step = false;
@@ -76,7 +82,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   xlr8::Accelerator acc;
   acc.set_seed(0);  // the same model on every rank; each keeps its stage's layers
-  auto model = acc.prepare(mlp(width, share_block));
+  auto model = acc.prepare(mlp(width, share_block, freeze_shared));
   // --two_groups: the first block's parameters in a group of their own (under pp a later stage keeps none of them).
   std::vector<torch::optim::OptimizerParamGroup> groups;
   if (two_groups) {

@@ -266,9 +266,9 @@ double Accelerator::pipeline_evaluate(const at::Tensor& input, const at::Tensor&
     return s.pipeline->evaluate(inputs, targets, loss);
   }
   auto layers = std::dynamic_pointer_cast<torch::nn::SequentialImpl>(s.models.front()->module());
-  if (!layers || inputs.empty() || targets.empty())
-    throw ConfigError("pipeline_evaluate(): without pipeline stages the prepared model must be a torch::nn::Sequential "
-                      "and both the input and the target given");
+  if (s.models.size() != 1 || !layers || inputs.empty() || targets.empty())
+    throw ConfigError("pipeline_evaluate(): without pipeline stages one prepared model, a torch::nn::Sequential, runs "
+                      "the batch: prepare that model alone and give both the input and the target");
   at::NoGradGuard no_grad;
   double total = 0;
   for (size_t i = 0; i < inputs.size(); ++i)

@@ -113,8 +113,9 @@ nlohmann::json tensor_parallel_options(const torch::nn::Module& module, int worl
 }
 
 // For each pp size the world allows (2 and 4, dividing it, at most the layers): the largest stage's parameters when
-// a pipeline cuts the model, a torch::nn::Sequential, by parameters ({"2": N, ...}); empty for another model.
-nlohmann::json pipeline_options(const torch::nn::Module& module, int world) {
+// a pipeline cuts the model, a torch::nn::Sequential, by parameters ({"2": N, ...}); empty for another model. Under
+// a pipeline (`stages`: its group) each layer's count comes from the stage that holds it.
+nlohmann::json pipeline_options(const torch::nn::Module& module, int world, Communicator* stages, at::Device device) {
   nlohmann::json out = nlohmann::json::object();
   const auto* sequential = dynamic_cast<const torch::nn::SequentialImpl*>(&module);
   if (!sequential) return out;
@@ -123,6 +124,12 @@ nlohmann::json pipeline_options(const torch::nn::Module& module, int world) {
     int64_t n = 0;
     for (const auto& p : layer->parameters()) n += p.numel();
     counts.push_back(n);
+  }
+  if (stages && !counts.empty()) {
+    auto summed = at::tensor(counts, at::kLong).to(device);
+    stages->all_reduce(summed, ReduceOp::SUM);
+    summed = summed.cpu();
+    counts.assign(summed.data_ptr<int64_t>(), summed.data_ptr<int64_t>() + summed.numel());
   }
   for (int stages : {2, 4}) {
     if (world % stages != 0 || stages > static_cast<int>(counts.size())) continue;
@@ -165,14 +172,23 @@ void AdviseRecorder::finish(const step::TrainingView& training, const std::strin
 
 void AdviseRecorder::on_prepare(const step::TrainingView& training, torch::nn::Module& module, bool) {
   if (steps_ > 0) memory_meter::install(training.device);  // before the strategy allocates its buffers
-  // Whole sizes: a tensor-parallel run holds slices.
-  for (const auto& [name, placement] : tp::parameter_placements(module))
-    parameters_ += static_cast<double>(placement.whole_numel());
+  // Whole sizes: a tensor-parallel run holds slices; a pipeline's stage holds its layers (the others' are empty
+  // stand-ins), so its stages' counts are summed.
+  auto& mesh = training.process.mesh();
+  Communicator* stages = mesh.size(MeshDim::pp) > 1 ? &mesh.group(MeshDim::pp) : nullptr;
+  double own = 0;
+  for (const auto& [name, placement] : tp::parameter_placements(module)) own += static_cast<double>(placement.whole_numel());
+  if (stages) {
+    auto sum = at::full({1}, own, at::kDouble).to(training.device);
+    stages->all_reduce(sum, ReduceOp::SUM);
+    own = sum.item<double>();
+  }
+  parameters_ += own;
   if (std::exchange(probed_, true)) return;
   const std::string probe =
       nlohmann::json{{"parameters", parameters_},
                      {"tensor_parallel", tensor_parallel_options(module, training.world().size())},
-                     {"pipeline", pipeline_options(module, training.world().size())}}
+                     {"pipeline", pipeline_options(module, training.world().size(), stages, training.device)}}
           .dump();
   if (steps_ == 0) return finish(training, "probe.json", probe);
   if (training.process.local_rank() == 0) files::write_durably(fmt::format("{}/probe.json", dir_), probe);

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <system_error>
 
 #include "core/worker_pool.hpp"
 #include "xlr8/error.hpp"
@@ -17,6 +18,9 @@
 namespace xlr8::os {
 
 namespace {
+
+// strerror is not safe on the pool's threads.
+std::string reason(int error) { return std::system_category().message(error); }
 
 int64_t aligned_up(int64_t bytes) {
   return (bytes + AlignedBuffer::kAlignment - 1) / AlignedBuffer::kAlignment * AlignedBuffer::kAlignment;
@@ -36,14 +40,17 @@ SwapFile::SwapFile(std::filesystem::path path, int64_t bytes) : path_(std::move(
   if (fd_ < 0)
     throw Error(fmt::format("offload to disk: cannot create the swap file {} ({}); give a writable nvme_path on a "
                             "file system with O_DIRECT (not tmpfs)",
-                            path_.string(), std::strerror(errno)));
-  // Every block now: a disk without room says so before training, not in the middle of a swap.
-  if (const int e = ::posix_fallocate(fd_, 0, size_); e != 0) {
+                            path_.string(), reason(errno)));
+  // Every block now: a disk without room says so before training, not in the middle of a swap. (fallocate, not
+  // posix_fallocate: glibc's fallback writes single bytes, which O_DIRECT refuses.)
+  if (::fallocate(fd_, 0, 0, size_) != 0) {
+    const int e = errno;
     ::close(fd_);
     std::filesystem::remove(path_);
-    throw Error(fmt::format("offload to disk: cannot reserve {} bytes for the swap file {} ({}); free space under "
-                            "nvme_path or point it at a larger disk",
-                            size_, path_.string(), std::strerror(e)));
+    throw Error(fmt::format("offload to disk: cannot reserve {} bytes for the swap file {} ({}); {}", size_,
+                            path_.string(), reason(e),
+                            e == EOPNOTSUPP ? "its file system cannot reserve blocks: give an nvme_path on ext4 or xfs"
+                                            : "free space under nvme_path or point it at a larger disk"));
   }
 }
 
@@ -96,9 +103,10 @@ IoTicket DirectIo::read(const SwapFile& file, int64_t offset, AlignedBuffer& buf
 
 IoTicket DirectIo::submit(bool writing, const SwapFile& file, int64_t offset, void* data, int64_t bytes) {
   const int64_t a = AlignedBuffer::kAlignment;
-  if (offset % a != 0 || bytes % a != 0 || offset < 0 || offset + bytes > file.size())
-    throw Error(fmt::format("direct I/O: {} bytes at offset {} of {} ({} bytes) are not aligned to {} or lie outside",
-                            bytes, offset, file.path().string(), file.size(), a));
+  if (offset % a != 0 || bytes % a != 0 || offset < 0 || bytes < 0 || offset + bytes > file.size())
+    throw Error(fmt::format("direct I/O: {} bytes at offset {} of {} ({} bytes) are not aligned to {} or lie outside; "
+                            "transfers of O_DIRECT files start and end on {}-byte boundaries inside the file",
+                            bytes, offset, file.path().string(), file.size(), a, a));
   auto state = std::make_shared<IoTicket::State>();
   state->pending = (bytes + options_.block_size - 1) / options_.block_size;
   if (state->pending == 0) return IoTicket(state);
@@ -110,15 +118,19 @@ IoTicket DirectIo::submit(bool writing, const SwapFile& file, int64_t offset, vo
     pool_->submit([this, state, writing, fd, path, base, off = offset + at, count] {
       int64_t moved = 0;
       std::string failure;
-      while (moved < count && failure.empty()) {  // a short transfer goes on where it stopped
-        const auto n = writing ? ::pwrite(fd, base + moved, static_cast<size_t>(count - moved), off + moved)
-                               : ::pread(fd, base + moved, static_cast<size_t>(count - moved), off + moved);
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0)
-          failure = fmt::format("offload to disk: {} {} bytes at offset {} of {} failed ({})",
-                                writing ? "writing" : "reading", count, off, path,
-                                n < 0 ? std::strerror(errno) : "end of file");
-        else moved += n;
+      try {
+        while (moved < count && failure.empty()) {  // a short transfer goes on where it stopped
+          const auto n = writing ? ::pwrite(fd, base + moved, static_cast<size_t>(count - moved), off + moved)
+                                 : ::pread(fd, base + moved, static_cast<size_t>(count - moved), off + moved);
+          if (n < 0 && errno == EINTR) continue;
+          if (n <= 0)
+            failure = fmt::format("offload to disk: {} {} bytes at offset {} of {} failed ({})",
+                                  writing ? "writing" : "reading", count, off, path,
+                                  n < 0 ? reason(errno) : std::string("end of file"));
+          else moved += n;
+        }
+      } catch (const std::exception& e) {  // nothing may escape a pool thread
+        failure = e.what();
       }
       (writing ? written_ : read_) += moved;
       std::lock_guard<std::mutex> lock(state->mutex);

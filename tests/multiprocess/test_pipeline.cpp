@@ -241,6 +241,18 @@ TEST(PipelineLaunch, ABlockSharedAcrossStagesTrainsAsOneProcess) {
     expect_close(losses_of(r), one, 1e-5);
     if (r.exit_code == 0) expect_close(last_json(r.out).value("grad_norms", std::vector<double>{}), norms, 1e-5);
   }
+  // A frozen shared block stays frozen on every stage (a copy made by clone() would train): as one process, whose
+  // losses differ from the trained block's.
+  const Args frozen{"--share_block", "--freeze_shared", "--max_grad_norm", "0.05"};
+  const auto frozen_one = losses_of(launch_pipeline(1, {}, frozen));
+  ASSERT_EQ(frozen_one.size(), 8u);
+  EXPECT_GT(std::abs(frozen_one.back() - one.back()), 1e-6);
+  for (const auto& [name, processes, launcher] : std::vector<std::tuple<std::string, int, Args>>{
+           {"pp 2, frozen", 2, pp2},
+           {"pp 2 x FULL_SHARD 2, frozen", 4, with(pp2, {"--use_fsdp", "--parallelism_config_dp_shard_size", "2"})}}) {
+    SCOPED_TRACE(name);
+    expect_close(losses_of(launch_pipeline(processes, launcher, frozen)), frozen_one, 1e-5);
+  }
   // A copy would see a share of the sequence under tp's sequence parallelism: refused in one line.
   Args sp{kXlr8, "launch", "--num_processes", "4", "--parallelism_config_pp_size", "2", "--parallelism_config_tp_size",
           "2", kPipeline, "--share_block"};

@@ -82,8 +82,8 @@ std::string unmet_need(const Candidate& c, const ModelFacts& m) {
                ? fmt::format("not tried: {}", text::first_line(m.tensor_parallel["error"].get<std::string>()))
                : fmt::format("not tried: tp {} does not divide the processes", c.tp);
   if (c.pp > 1 && !m.pipeline.contains(std::to_string(c.pp)))
-    return fmt::format("not tried: a pipeline cuts a torch::nn::Sequential of {} or more layers into stages, and the "
-                       "model is not one",
+    return fmt::format("not tried: a pipeline cuts a torch::nn::Sequential into stages of a layer or more, and the "
+                       "model is not a Sequential of {} or more layers",
                        c.pp);
   if (c.pp > 1 && m.pipeline_step == false)
     return "not tried: the program does not step through Accelerator::pipeline_step, which pipeline parallelism needs";

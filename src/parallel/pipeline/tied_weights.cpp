@@ -70,8 +70,13 @@ void copy_tied_modules(const torch::nn::Sequential& whole, const torch::nn::Sequ
     auto generator = at::detail::getDefaultCPUGenerator();
     const auto program_state = generator.get_state();
     try {
+      const auto owner_parameters = tied->tied().parameters();
       tied->take_copy();
       generator.set_state(program_state);
+      // A clone copies values, not whether they train: a frozen owner's copy stays frozen.
+      const auto copy_parameters = tied->tied().parameters();
+      for (size_t i = 0; i < copy_parameters.size() && i < owner_parameters.size(); ++i)
+        copy_parameters[i].set_requires_grad(owner_parameters[i].requires_grad());
     } catch (const c10::Error& e) {
       throw ConfigError(fmt::format("TiedLayer {:?}: this stage runs the module a layer of another stage owns, and it "
                                     "cannot be copied ({}); derive it from torch::nn::Cloneable, or give this stage's "
@@ -118,9 +123,10 @@ void TiedWeights::check_copies_match() {
     if (!key.module) continue;
     described += key.name + ":";
     for (const auto& p : key.module->named_parameters())
-      described += (owner_pieces_ && key.owner == pipeline_.rank())
-                       ? owner_pieces_->describe(key.prefix + p.key()) + ";"  // the whole parameter's
-                       : fmt::format("{}[{}];", c10::toString(p.value().scalar_type()), fmt::join(p.value().sizes(), ","));
+      described += ((owner_pieces_ && key.owner == pipeline_.rank())
+                        ? owner_pieces_->describe(key.prefix + p.key())  // the whole parameter's
+                        : fmt::format("{}[{}]", c10::toString(p.value().scalar_type()), fmt::join(p.value().sizes(), ","))) +
+                   (p.value().requires_grad() ? ";" : " frozen;");
     described += "\n";
   }
   const auto all = pipeline_.all_gather_object(described);
@@ -185,6 +191,7 @@ void TiedWeights::share_values() {
 void TiedWeights::sum_gradients() {
   const int rank = pipeline_.rank();
   for_each_held([&](const Key& key, int tag, const std::string& name, at::Tensor& p) {
+    if (!p.requires_grad()) return;  // frozen on every holder alike (check_copies_match): no gradient to join
     if (rank != key.owner) {
       auto g = p.grad().defined() ? p.grad().detach().clone() : at::zeros_like(p);
       if (data_parallel_.size() > 1) {  // as the owner's strategy averages its gradients over the same peers

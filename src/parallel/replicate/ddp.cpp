@@ -215,9 +215,14 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
   void reduce_accumulated_now() {
     std::lock_guard<std::mutex> lock(mutex);
     if (in_backward) throw Error("DDP: reduce_accumulated_now() during a backward; call it after the backwards");
-    for (size_t k = 0; k < params.size(); ++k) take_gradient(k, /*launch=*/false);
-    launch_ready();  // every bucket, none of them overlapping a backward
-    complete_reduction();
+    try {
+      for (size_t k = 0; k < params.size(); ++k) take_gradient(k, /*launch=*/false);
+      launch_ready();  // every bucket, none of them overlapping a backward
+      complete_reduction();
+    } catch (...) {  // a collective failed: the next backward must not find this reduction's half-counted state
+      reset_backward_state();
+      throw;
+    }
   }
 
   // Waits for every bucket's all-reduce; each parameter's .grad becomes its averaged view of the bucket.
