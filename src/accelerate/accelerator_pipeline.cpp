@@ -1,6 +1,7 @@
 // The Accelerator under pipeline parallelism (parallelism_config_pp_size > 1): the stage's schedule as one call a
 // step, its gradients reduced over the stage's data-parallel peers once a step, and clipping across stages.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include "parallel/parallelize.hpp"
 #include "parallel/grad_norm.hpp"
 #include "parallel/pipeline/owner_pieces.hpp"
+#include "parallel/recompute/recompute.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/pipeline.hpp"
@@ -198,6 +200,11 @@ double AcceleratorImpl::accumulate_micro_batches(const at::Tensor& input, const 
       share = 0;
     }
   }
+  if (auto never = recompute::recomputed_units_never_run(*strategy.module()); !never.empty())
+    throw ConfigError(fmt::format("fsdp_activation_checkpointing: unit(s) {} ran no forward through "
+                                  "xlr8::sharded(*this, body, inputs...), so they were not checkpointed; write "
+                                  "their forward in that form (xlr8/unshard.hpp)",
+                                  fmt::join(never, ", ")));
   return total / count;
 }
 

@@ -9,6 +9,7 @@
 #include <fstream>
 #include <functional>
 #include <random>
+#include <fcntl.h>
 #include <unistd.h>
 
 #include "os/direct_io.hpp"
@@ -26,6 +27,12 @@ struct DiskDir {
   fs::path path = fs::current_path() / ("direct_io_" + std::to_string(::getpid()) + "_" +
                                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
   DiskDir() { fs::create_directories(path); }
+  // Whether its file system takes O_DIRECT (tmpfs before Linux 6.6 does not).
+  bool direct_io() const {
+    const int fd = ::open((path / "probe").c_str(), O_RDWR | O_CREAT | O_DIRECT, 0600);
+    if (fd >= 0) ::close(fd);
+    return fd >= 0;
+  }
   ~DiskDir() { fs::remove_all(path); }
 };
 
@@ -50,6 +57,7 @@ std::string error_of(const std::function<void()>& fn) {
 // buffers: every byte equal, the byte counts exact, the files gone with their owners.
 TEST(DirectIo, WhatIsWrittenReadsBackByteForByteAndTheFilesAreRemoved) {
   DiskDir dir;
+  if (!dir.direct_io()) GTEST_SKIP() << dir.path << " is on a file system without O_DIRECT";
   const int64_t bytes = 3 * (1 << 20) + (1 << 19);
   fs::path first_path;
   {
@@ -79,6 +87,7 @@ TEST(DirectIo, WhatIsWrittenReadsBackByteForByteAndTheFilesAreRemoved) {
 
 TEST(DirectIo, AMisalignedOrOutOfRangeTransferIsRefusedNamingIt) {
   DiskDir dir;
+  if (!dir.direct_io()) GTEST_SKIP() << dir.path << " is on a file system without O_DIRECT";
   DirectIo io;
   SwapFile file(dir.path / "x.swp", 1 << 16);
   AlignedBuffer buffer(1 << 16);
@@ -92,6 +101,7 @@ TEST(DirectIo, AMisalignedOrOutOfRangeTransferIsRefusedNamingIt) {
 // allocation fail as a full disk does): one error each, before any transfer, naming the path and what to do.
 TEST(DirectIo, AnUnwritablePathOrADiskWithoutRoomFailsAtCreationNamingThePath) {
   DiskDir dir;
+  if (!dir.direct_io()) GTEST_SKIP() << dir.path << " is on a file system without O_DIRECT";
   const auto not_a_dir = dir.path / "file";
   { std::ofstream(not_a_dir) << "x"; }
   const auto unwritable = error_of([&] { SwapFile f(not_a_dir / "a.swp", 4096); });

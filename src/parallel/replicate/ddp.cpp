@@ -215,6 +215,11 @@ struct DistributedDataParallel::Core : std::enable_shared_from_this<Core> {
   void reduce_accumulated_now() {
     std::lock_guard<std::mutex> lock(mutex);
     if (in_backward) throw Error("DDP: reduce_accumulated_now() during a backward; call it after the backwards");
+    std::vector<std::string> unused;  // as a synchronising backward would say of them
+    for (size_t k = 0; k < params.size(); ++k)
+      if (!params[k].grad().defined()) unused.push_back(names[k]);
+    if (!unused.empty() && !options.find_unused_parameters)
+      throw replicate::unused_parameters_error(comm.rank(), unused, "all-reduce");
     try {
       for (size_t k = 0; k < params.size(); ++k) take_gradient(k, /*launch=*/false);
       launch_ready();  // every bucket, none of them overlapping a backward

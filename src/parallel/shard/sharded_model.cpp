@@ -336,6 +336,11 @@ void ShardedModel::finish_backward() {
 void ShardedModel::reduce_accumulated_now() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (in_backward_) throw Error("reduce_accumulated_now() during a backward; call it after the backwards");
+  std::vector<std::string> unused;  // as a synchronising backward would say of them
+  for (size_t g = 0; g < groups_.size(); ++g)
+    for (size_t i = 0; i < group(g).params.size(); ++i)
+      if (!ready_[g][i] && !group(g).params[i].grad().defined()) unused.push_back(group(g).names[i]);
+  if (!unused.empty() && !find_unused_) throw replicate::unused_parameters_error(comm_.rank(), unused, "reduction");
   sync_ = true;
   try {
     // Every backward has ended: no unit's gradients are awaited (group_complete's resharding is done), only moved.
