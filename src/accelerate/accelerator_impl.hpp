@@ -61,6 +61,8 @@ struct AcceleratorImpl {
   // accumulated through the prepared Sequential, so that a program written for pp runs on any layout.
   double accumulate_micro_batches(const at::Tensor& input, const at::Tensor& target, const pp::LossFn& loss,
                                   const std::function<AutocastScope()>& autocast);
+  // After a backward: every unit fsdp_activation_checkpointing recomputes ran its forward through xlr8::sharded.
+  void check_units_recomputed() const;
   int64_t pipeline_steps = 0;  // pipeline_step() calls (xlr8 advise tries pp for a program that makes them)
   // Under pp an optimizer over the whole model's parameters keeps this stage's only (no state for the others).
   void keep_stage_parameters(torch::optim::Optimizer& optimizer) const;

@@ -1,7 +1,6 @@
 // The Accelerator under pipeline parallelism (parallelism_config_pp_size > 1): the stage's schedule as one call a
 // step, its gradients reduced over the stage's data-parallel peers once a step, and clipping across stages.
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -11,7 +10,6 @@
 #include "parallel/parallelize.hpp"
 #include "parallel/grad_norm.hpp"
 #include "parallel/pipeline/owner_pieces.hpp"
-#include "parallel/recompute/recompute.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/pipeline.hpp"
@@ -176,7 +174,8 @@ double AcceleratorImpl::accumulate_micro_batches(const at::Tensor& input, const 
   const auto* partitioned = layers->as<pp::PartitionedSequentialImpl>();
   const int interval = partitioned ? partitioned->activation_checkpoint_interval : 0;
   if (deepspeed) deepspeed->finish(gradient_state->num_steps);  // no "auto" left in the JSON by now
-  double total = 0, share = 0;
+  // Sums stay on the device: the micro-batches do not wait for it (the recorders, when on, read their losses).
+  auto total = at::zeros({}, at::TensorOptions().dtype(at::kDouble).device(device)), share = total.clone();
   SyncAfterwards sync_afterwards{*gradient_state};
   for (int i = 0; i < count; ++i) {
     const bool last = i == count - 1;
@@ -192,20 +191,16 @@ double AcceleratorImpl::accumulate_micro_batches(const at::Tensor& input, const 
       AutocastPause outside_autocast;
       scaled.backward();
     }
-    const double v = value.detach().to(at::kDouble).item<double>();
-    total += v, share += v;
+    const auto v = value.detach().to(at::kDouble);
+    total.add_(v), share.add_(v);
     if ((i + 1) % per_share == 0) {  // the recorders see one loss a rank's share, as a pipeline gives it
-      const auto mean = at::scalar_tensor(share / per_share, at::kDouble);
+      const auto mean = share / per_share;
       notify([&](xlr8::step::StepObserver& o) { o.on_backward(mean); });
-      share = 0;
+      share.zero_();
     }
   }
-  if (auto never = recompute::recomputed_units_never_run(*strategy.module()); !never.empty())
-    throw ConfigError(fmt::format("fsdp_activation_checkpointing: unit(s) {} ran no forward through "
-                                  "xlr8::sharded(*this, body, inputs...), so they were not checkpointed; write "
-                                  "their forward in that form (xlr8/unshard.hpp)",
-                                  fmt::join(never, ", ")));
-  return total / count;
+  check_units_recomputed();
+  return total.item<double>() / count;  // the step's one wait for the device
 }
 
 nlohmann::json Accelerator::pipeline_stats() const {

@@ -283,7 +283,11 @@ void Accelerator::backward(const at::Tensor& loss, bool retain_graph) {
   impl_->notify([&](xlr8::step::StepObserver& o) { o.on_backward(loss); });
   AutocastPause outside_autocast;
   scaled.backward({}, retain_graph);
-  for (const auto& model : impl_->models)
+  impl_->check_units_recomputed();
+}
+
+void AcceleratorImpl::check_units_recomputed() const {
+  for (const auto& model : models)
     if (auto never = recompute::recomputed_units_never_run(*model->module()); !never.empty())
       throw ConfigError(fmt::format("fsdp_activation_checkpointing: unit(s) {} ran no forward through "
                                     "xlr8::sharded(*this, body, inputs...), so they were not checkpointed; write "
