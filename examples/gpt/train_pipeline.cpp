@@ -87,17 +87,21 @@ int train_pipeline(xlr8::Accelerator& acc, const Args& args) {
       if (args.max_grad_norm > 0) acc.clip_grad_norm(model->parameters(), args.max_grad_norm);
       opt.step();
       opt.zero_grad();
-      // Every rank of a replica holds its loss: the mean over all ranks is the mean over the replicas.
-      losses.push_back(acc.reduce(at::full({1}, loss, at::kDouble), xlr8::ReduceOp::AVG).item<double>());
+      losses.push_back(loss);  // this replica's; averaged over the replicas once, at the end
       tokens += batch.data.numel() * replicas;
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      bar.set_postfix({{"loss", losses.back()}, {"tokens/s", std::round(tokens / std::max(seconds, 1e-9))}});
+      bar.set_postfix({{"loss", loss}, {"tokens/s", std::round(tokens / std::max(seconds, 1e-9))}});
       bar.update();
       if (args.checkpoint_every > 0 && acc.step() % args.checkpoint_every == 0) acc.print("saved {}", acc.save_state());
       if (acc.step() >= args.max_steps) break;
     }
   bar.close();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // Every rank of a replica holds its loss: the mean over all ranks is the mean over the replicas.
+  if (!losses.empty()) {
+    const auto mean = acc.reduce(at::tensor(losses, at::kDouble), xlr8::ReduceOp::AVG);
+    losses.assign(mean.data_ptr<double>(), mean.data_ptr<double>() + mean.numel());
+  }
   const double val_loss = held_out_loss(acc, *val);
   nlohmann::json held_by_rank = nlohmann::json::array();
   for (const auto& count : acc.gather_object(std::to_string(held))) held_by_rank.push_back(std::stoll(count));
