@@ -116,15 +116,13 @@ TEST(PipelineLaunch, StagesDataAndTensorParallelTrainAsOneProcess) {
       {"pp 2 (Interleaved1F1B) x ZeRO-1 2 (DeepSpeed)", 4,
        with(pp2, {"--use_deepspeed", "--zero_stage", "1", "--parallelism_config_dp_shard_size", "2",
                   "--parallelism_config_pp_schedule", "Interleaved1F1B", "--parallelism_config_pp_microbatches", "4"})},
-      {"pp 2 x SHARD_GRAD_OP 2", 4,
-       with(with(pp2, fsdp), {"--fsdp_sharding_strategy", "SHARD_GRAD_OP", "--parallelism_config_dp_shard_size", "2"})},
       {"pp 2 x ZeRO-3 2 (DeepSpeed)", 4,
        with(pp2, {"--use_deepspeed", "--zero_stage", "3", "--parallelism_config_dp_shard_size", "2"})},
-      {"pp 2 x tp 2", 4, with(pp2, {"--parallelism_config_tp_size", "2"})},
       {"pp 2 x FULL_SHARD 2 x tp 2", 8,
        with(with(pp2, fsdp), {"--parallelism_config_dp_shard_size", "2", "--parallelism_config_tp_size", "2"})}};
-  // A stage that keeps none of an optimizer group's parameters still steps through its strategy (SHARD_GRAD_OP's
-  // whole copies catch up).
+  // SHARD_GRAD_OP with two optimizer groups (one group is SHARD_GRAD_OP's plain case, and tp alone is in the
+  // interleaved and three-dimensional layouts): a stage that keeps none of a group's parameters still steps
+  // through its strategy (SHARD_GRAD_OP's whole copies catch up).
   layouts.push_back({"pp 2 x SHARD_GRAD_OP 2, two optimizer groups", 4,
                      with(with(pp2, fsdp), {"--fsdp_sharding_strategy", "SHARD_GRAD_OP",
                                             "--parallelism_config_dp_shard_size", "2"})});
@@ -226,8 +224,7 @@ TEST(PipelineLaunch, ABlockSharedAcrossStagesTrainsAsOneProcess) {
            {"pp 2 x ZeRO-3 2, parameters and optimizer offloaded (DeepSpeed)", 4,
             with(pp2, {"--use_deepspeed", "--zero_stage", "3", "--offload_param_device", "cpu",
                        "--offload_optimizer_device", "cpu", "--parallelism_config_dp_shard_size", "2"})},
-           {"pp 2 x tp 2", 4, with(pp2, {"--parallelism_config_tp_size", "2"})},
-           {"pp 2 x HYBRID_SHARD 2 x 2", 8,
+                {"pp 2 x HYBRID_SHARD 2 x 2", 8,
             with(pp2, {"--use_fsdp", "--fsdp_sharding_strategy", "HYBRID_SHARD", "--parallelism_config_dp_replicate_size",
                        "2", "--parallelism_config_dp_shard_size", "2"})},
            {"pp 2 x FULL_SHARD 2 x tp 2", 8,
