@@ -1,7 +1,9 @@
 // Offload's disk tier, its I/O layer against the disk itself (issue 47): `bytes` written to and read back from an
 // O_DIRECT swap file through xlr8::os::DirectIo (block_size pieces over `threads` threads), against `dd` with
-// oflag=direct / iflag=direct on a file of the same size in the same directory, alternating over rounds; medians.
+// oflag=direct / iflag=direct on a file of the same size in the same directory, alternating over rounds; medians. The
+// swapper's rows move the same bytes as tensors through xlr8::shard::TensorSwapper (copies into its pool included).
 //   build/bin/xlr8-direct-io-bench --dir /var/tmp --gib 2 --threads 1,2,4 --rounds 3
+#include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -14,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "os/direct_io.hpp"
+#include "parallel/shard/tensor_swapper.hpp"
 
 namespace {
 
@@ -57,6 +60,30 @@ std::pair<double, double> direct_io_gbps(const fs::path& file, int64_t bytes, in
   return {w, r};
 }
 
+// GB/s of the swapper (what offload's optimizer tier moves through): `bytes` as 64 MiB tensors swapped out (copied
+// into the pool, written behind) then swapped in, the next read ahead while one is taken.
+std::pair<double, double> swapper_gbps(const fs::path& file, int64_t bytes, int threads) {
+  const int64_t each = int64_t{64} << 20;
+  std::vector<xlr8::shard::TensorSwapper::Slot> slots;
+  for (int64_t at = 0; at < bytes; at += each)
+    slots.push_back({fmt::format("t{}", slots.size()), at::kFloat, {each / 4}});
+  xlr8::shard::TensorSwapper swapper({.file = file, .buffer_size = each, .buffer_count = 4,
+                                      .aio = {.block_size = 1 << 20, .intra_op_parallelism = threads}},
+                                     slots);
+  const auto values = at::full({each / 4}, 7.0f);
+  auto start = Clock::now();
+  for (const auto& slot : slots) swapper.swap_out(slot.name, values);
+  swapper.flush();
+  const double w = static_cast<double>(bytes) / seconds_since(start) / 1e9;
+  start = Clock::now();
+  swapper.prefetch(slots.front().name);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (i + 1 < slots.size()) swapper.prefetch(slots[i + 1].name);
+    (void)swapper.swap_in(slots[i].name);  // freed at once: its buffer goes back to the pool
+  }
+  return {w, static_cast<double>(bytes) / seconds_since(start) / 1e9};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -83,6 +110,9 @@ int main(int argc, char** argv) {
       const auto [w, rd] = direct_io_gbps(file, bytes, int64_t{64} << 20, t);
       runs[fmt::format("xlr8 write, {} thread(s)", t)].push_back(w);
       runs[fmt::format("xlr8 read, {} thread(s)", t)].push_back(rd);
+      const auto [sw, sr] = swapper_gbps(file, bytes, t);
+      runs[fmt::format("swapper write, {} thread(s)", t)].push_back(sw);
+      runs[fmt::format("swapper read, {} thread(s)", t)].push_back(sr);
     }
   }
   nlohmann::json out;
@@ -91,7 +121,7 @@ int main(int argc, char** argv) {
     const double m = median(values);
     const bool writing = name.find("write") != std::string::npos;
     out[name] = {{"gb_per_s", m}, {"vs_dd", m / (writing ? dd_w : dd_r)}, {"runs", values}};
-    fmt::print("{:<26} {:7.3f} GB/s  {:5.2f}x dd  (runs {:.3f})\n", name, m, m / (writing ? dd_w : dd_r),
+    fmt::print("{:<29} {:7.3f} GB/s  {:5.2f}x dd  (runs {:.3f})\n", name, m, m / (writing ? dd_w : dd_r),
                fmt::join(values, ", "));
   }
   fmt::print("{}\n", out.dump());

@@ -38,6 +38,22 @@ struct OffloadConfig {
   std::string nvme_path;
   bool pin_memory = true;
   double ratio = 1.0;
+  // device nvme: the pool of aligned host buffers the state moves through (DeepSpeed's defaults: 4 for the
+  // optimizer, 5 for parameters; 0 here means that default).
+  int buffer_count = 0;
+  int64_t buffer_size = 100'000'000;   // offload_param: elements of each buffer
+  int64_t max_in_cpu = 1'000'000'000;  // offload_param: elements kept in host memory
+  bool pipeline_read = false, pipeline_write = false;  // offload_optimizer: reads ahead / writes behind
+};
+
+// The top-level "aio" section: how the disk tier's transfers are issued.
+struct AioConfig {
+  int64_t block_size = 1'048'576;
+  int queue_depth = 8;
+  int intra_op_parallelism = 1;  // its old name thread_count is read too
+  bool single_submit = false;
+  bool overlap_events = true;
+  bool use_gds = false;  // GPUDirect Storage: refused
 };
 
 // "zero_optimization.leaf_module": under ZeRO-3 a leaf module is one unit, gathered whole.
@@ -58,6 +74,7 @@ struct ZeroConfig {
   bool stage3_gather_16bit_weights_on_model_save = false;
   bool ignore_unused_parameters = true;
   OffloadConfig offload_optimizer, offload_param;
+  AioConfig aio;  // the top-level "aio" section, kept here beside the offload it serves
   LeafModuleConfig leaf_module;
   bool offloads() const { return offload_optimizer.device != "none" || offload_param.device != "none"; }
 };

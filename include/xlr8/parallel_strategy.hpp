@@ -76,6 +76,9 @@ class ParallelStrategy {
   virtual void bind_optimizer(torch::optim::Optimizer& optimizer) const {}
   // One optimizer step: plain for replicas; shard step plus all-gather when sharded.
   virtual void optimizer_step(torch::optim::Optimizer& optimizer) { optimizer.step(); }
+  // Offload's disk tier: the optimizer state this strategy keeps on disk, all in memory (true: a checkpoint
+  // reads or replaces it) or back on disk (false: what the optimizer holds then is written out).
+  virtual void optimizer_state_in_memory(torch::optim::Optimizer& optimizer, bool in_memory) {}
   // Clips `parameters` (of this strategy's module) to the global gradient norm and returns it. Replicas
   // hold identical synchronised gradients, so their local norm is the global one; sharded strategies
   // reduce partial norms over the groups that hold different parts. Nothing is read back (GradNorm).

@@ -98,6 +98,19 @@ struct ZeroOptions {
   bool offload_params = false;
   double offload_ratio = 1.0;
   bool offload_pin_memory = true;
+  // Offload's disk tier (DeepSpeed's offload_optimizer.device "nvme", ZeRO-Infinity), on any device, the CPU
+  // too: the optimizer's state (Adam's moments, SGD's momentum...) lives in a scratch file under `path` and
+  // comes into memory one parameter group at a time, the next group's read while the current one steps and
+  // the previous one's written back. Parameters on disk (offload_param "nvme") are not built yet.
+  struct Disk {
+    std::string path;                  // nvme_path; empty: nothing on disk
+    int buffer_count = 4;              // aligned host buffers the state moves through
+    bool read_ahead = false;           // the next group's state read while this one steps (pipeline_read)
+    bool write_behind = false;         // a group's state written while the next one steps (pipeline_write)
+    int64_t aio_block_size = 1 << 20;  // bytes one read or write call moves
+    int aio_threads = 1;               // threads issuing them (aio.intra_op_parallelism)
+    bool enabled() const { return !path.empty(); }
+  } optimizer_on_disk;
 };
 
 }  // namespace xlr8

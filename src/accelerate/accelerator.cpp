@@ -132,6 +132,11 @@ void AcceleratorImpl::check_sequence_length(int64_t length) const {
 void AcceleratorImpl::report_offload() {
   if (offload_reported || !state->is_main_process()) return;
   offload_reported = true;
+  if (const auto& disk = plan.data_parallel.zero.optimizer_on_disk; disk.enabled())
+    log::info("xlr8: offload: the optimizer's state lives in swap files under {} between steps and comes into memory "
+              "one parameter group at a time to step (parallel_stats: optimizer_on_disk)",
+              disk.path);
+  if (device.is_cpu() && plan.data_parallel.zero.optimizer_on_disk.enabled()) return;
   if (device.is_cpu())
     log::info("xlr8: offload requested: shards, gradients and optimizer state stay on the training device, which on a "
               "CPU-only run is host memory already, so nothing moves");

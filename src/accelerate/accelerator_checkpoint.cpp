@@ -149,7 +149,10 @@ void apply_training_state(AcceleratorImpl& s, const checkpoints::Verified& saved
       checkpoints::load_optimizer(*s.optimizers[i]->optimizer, plan.optimizer_archives[i], plan.optimizer_paths[i]);
     s.optimizers[i]->steps = optimizer_steps[i].get<int64_t>();
   }
-  apply_optimizer_state(s, *plan.portable);
+  {
+    const OptimizerStateInMemory replaced(s);  // then what was loaded goes to disk
+    apply_optimizer_state(s, *plan.portable);
+  }
   for (size_t i = 0; i < s.custom.size(); ++i)
     s.custom[i].load(saved.file(custom_file(i)), (source / custom_file(i)).string());
   for (size_t i = 0; i < s.models.size(); ++i)
@@ -208,6 +211,7 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
       }
       return names;
     };
+  const OptimizerStateInMemory state_from_disk(s);  // until the checkpoint is written
   const auto portable = collect_portable_state(s, sharded_models, content.pieces, content.state);
   std::vector<bool> sharded;
   for (size_t i = 0; i < s.optimizers.size(); ++i) {

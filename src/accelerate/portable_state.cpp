@@ -9,6 +9,7 @@
 
 #include "checkpoint/sharded_pieces.hpp"
 #include "compat/torch_compat.hpp"
+#include "core/log.hpp"
 #include "core/text.hpp"
 #include "xlr8/error.hpp"
 
@@ -227,6 +228,22 @@ void apply_optimizer_state(AcceleratorImpl& s, const PortableLoad& load) {
     }
     for (size_t g = 0; g < target.lrs.size(); ++g) optimizer.param_groups()[g].options().set_lr(target.lrs[g]);
   }
+}
+
+OptimizerStateInMemory::OptimizerStateInMemory(AcceleratorImpl& s) : s_(s) { each(true); }
+
+OptimizerStateInMemory::~OptimizerStateInMemory() {
+  try {
+    each(false);
+  } catch (const std::exception& e) {  // the state stays in memory, where the next step still finds it
+    log::warning("xlr8: the optimizer state could not go back to disk after the checkpoint ({}); it stays in memory",
+                 e.what());
+  }
+}
+
+void OptimizerStateInMemory::each(bool in_memory) {
+  for (const auto& o : s_.optimizers)
+    for (const auto& m : s_.models) m->optimizer_state_in_memory(*o->optimizer, in_memory);
 }
 
 }  // namespace xlr8

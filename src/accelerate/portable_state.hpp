@@ -44,4 +44,18 @@ void apply_model_state(AcceleratorImpl& s, const PortableLoad& load);
 // Optimizer states and learning rates, after the schedulers replayed their steps.
 void apply_optimizer_state(AcceleratorImpl& s, const PortableLoad& load);
 
+// Offload's disk tier: the optimizer state strategies keep on disk, in memory while this lives (a checkpoint reads
+// or replaces it) and written out again when it ends, however the checkpoint ends.
+class OptimizerStateInMemory {
+ public:
+  explicit OptimizerStateInMemory(AcceleratorImpl& s);
+  ~OptimizerStateInMemory();
+  OptimizerStateInMemory(const OptimizerStateInMemory&) = delete;
+  OptimizerStateInMemory& operator=(const OptimizerStateInMemory&) = delete;
+
+ private:
+  void each(bool in_memory);
+  AcceleratorImpl& s_;
+};
+
 }  // namespace xlr8

@@ -7,6 +7,8 @@
 #include <torch/optim/rmsprop.h>
 #include <torch/optim/sgd.h>
 
+#include <algorithm>
+
 #include "compat/torch_compat.hpp"
 #include "xlr8/error.hpp"
 
@@ -117,6 +119,42 @@ std::vector<std::string> state_tensor_names(const std::string& kind) {
   if (kind == "rmsprop") return {"square_avg", "momentum_buffer", "grad_avg"};
   if (kind == "adagrad") return {"sum"};
   return {};
+}
+
+namespace {
+
+// Whether any of `optimizer`'s groups, whose options are `Options`, says `yes`.
+template <class Options, class Test>
+bool any_group(const torch::optim::Optimizer& optimizer, Test yes) {
+  const auto& groups = optimizer.param_groups();
+  return std::any_of(groups.begin(), groups.end(),
+                     [&](const auto& g) { return yes(static_cast<const Options&>(g.options())); });
+}
+
+}  // namespace
+
+std::vector<std::string> kept_state_names(const torch::optim::Optimizer& optimizer) {
+  using namespace torch::optim;
+  const auto kind = portable_optimizer_kind(optimizer);
+  if (kind == "adamw" || kind == "adam") {
+    const bool amsgrad = kind == "adamw" ? any_group<AdamWOptions>(optimizer, [](const auto& o) { return o.amsgrad(); })
+                                         : any_group<AdamOptions>(optimizer, [](const auto& o) { return o.amsgrad(); });
+    if (amsgrad) return {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+    return {"exp_avg", "exp_avg_sq"};
+  }
+  if (kind == "sgd") {
+    if (any_group<SGDOptions>(optimizer, [](const auto& o) { return o.momentum() != 0; })) return {"momentum_buffer"};
+    return {};
+  }
+  if (kind == "rmsprop") {
+    std::vector<std::string> names{"square_avg"};
+    if (any_group<RMSpropOptions>(optimizer, [](const auto& o) { return o.momentum() > 0; }))
+      names.push_back("momentum_buffer");
+    if (any_group<RMSpropOptions>(optimizer, [](const auto& o) { return o.centered(); })) names.push_back("grad_avg");
+    return names;
+  }
+  if (kind == "adagrad") return {"sum"};
+  throw Error("kept_state_names: the optimizer's type has no portable state");
 }
 
 std::optional<ParameterState> read_parameter_state(const torch::optim::Optimizer& optimizer, const at::Tensor& leaf) {

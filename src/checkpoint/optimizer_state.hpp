@@ -25,5 +25,8 @@ std::optional<ParameterState> read_parameter_state(const torch::optim::Optimizer
 void write_parameter_state(torch::optim::Optimizer& optimizer, const at::Tensor& leaf, const ParameterState& state);
 // The names of the tensors and counters `kind` keeps per parameter (for checking a checkpoint).
 std::vector<std::string> state_tensor_names(const std::string& kind);
+// Those `optimizer` will keep given its groups' options (Adam's max_exp_avg_sq only with amsgrad, SGD's momentum
+// buffer only with momentum...): what a swap file laid out before the first step holds. Requires a portable kind.
+std::vector<std::string> kept_state_names(const torch::optim::Optimizer& optimizer);
 
 }  // namespace xlr8::checkpoints

@@ -143,9 +143,36 @@ void read_offload(const Reader& r, OffloadConfig& o, const std::vector<Key>& key
   r.read("nvme_path", o.nvme_path);
   r.read("pin_memory", o.pin_memory);
   r.read("ratio", o.ratio);
+  r.read("buffer_count", o.buffer_count);
+  r.read("buffer_size", o.buffer_size);
+  r.read("max_in_cpu", o.max_in_cpu);
+  r.read("pipeline_read", o.pipeline_read);
+  r.read("pipeline_write", o.pipeline_write);
   o.device = text::lower(o.device);
   if (o.device != "none" && o.device != "cpu" && o.device != "nvme")
     throw r.error(r.key("device"), fmt::format("{:?} is not a device; use none, cpu or nvme", o.device));
+  if (o.device == "nvme" && o.nvme_path.empty())
+    throw r.error(r.key("nvme_path"), "is required with device \"nvme\": the directory of the swap files (a local disk)");
+  if (r.has("buffer_count") && o.buffer_count < 1) throw r.error(r.key("buffer_count"), "must be 1 or more");
+  if (o.buffer_size < 1) throw r.error(r.key("buffer_size"), "must be 1 or more (it counts elements)");
+}
+
+void read_aio(const Reader& r, AioConfig& a) {
+  r.check(kAio);
+  r.read("block_size", a.block_size);
+  r.read("queue_depth", a.queue_depth);
+  r.read("thread_count", a.intra_op_parallelism);  // the old name; the new one wins when both are given
+  r.read("intra_op_parallelism", a.intra_op_parallelism);
+  r.read("single_submit", a.single_submit);
+  r.read("overlap_events", a.overlap_events);
+  r.read("use_gds", a.use_gds);
+  if (a.block_size <= 0 || a.block_size % 4096 != 0)
+    throw r.error(r.key("block_size"), fmt::format("{} must be a positive multiple of 4096 (direct I/O's alignment)", a.block_size));
+  if (a.queue_depth < 1) throw r.error(r.key("queue_depth"), "must be 1 or more");
+  if (a.intra_op_parallelism < 1) throw r.error(r.key("intra_op_parallelism"), "must be 1 or more");
+  if (a.use_gds)
+    throw r.error(r.key("use_gds"), "is true: GPUDirect Storage is not supported; set it to false (swaps go through host "
+                                    "buffers)");
 }
 
 void read_zero(const Reader& r, ZeroConfig& z) {
@@ -259,6 +286,7 @@ void read_top_level(const Reader& r, Config& c) {
     c.tag_validation = lowered == "warn" ? "Warn" : lowered == "ignore" ? "Ignore" : "Fail";
   }
   if (r.has("pipeline")) read_pipeline(r.child("pipeline"), c.pipeline);
+  if (r.has("aio")) read_aio(r.child("aio"), c.zero_optimization.aio);
   if (r.has("tensor_parallel")) {
     auto tp = r.child("tensor_parallel");
     tp.check(kTensorParallel);

@@ -25,7 +25,7 @@ const std::vector<Key> kTopLevel = {
     {"zero_force_ds_cpu_optimizer", Use::HINT},
     {"memory_breakdown", Use::HINT},
     {"dump_state", Use::HINT},
-    {"aio", Use::HINT},
+    {"aio", Use::READ},
     {"pipeline", Use::READ},
     {"sparse_attention", Use::HINT},
     {"timers", Use::HINT},
@@ -140,15 +140,23 @@ const std::vector<Key> kZero = {
 };
 
 const std::vector<Key> kOffloadOptimizer = {
-    {"device", Use::READ},          {"nvme_path", Use::READ},      {"pin_memory", Use::READ},
-    {"ratio", Use::READ},           {"buffer_count", Use::HINT},   {"pipeline_read", Use::HINT},
-    {"pipeline_write", Use::HINT},  {"fast_init", Use::HINT},      {"cpuadam_cores_perc", Use::HINT},
+    {"device", Use::READ},         {"nvme_path", Use::READ},      {"pin_memory", Use::READ},
+    {"ratio", Use::READ},          {"buffer_count", Use::READ},   {"pipeline_read", Use::READ},
+    {"pipeline_write", Use::READ}, {"fast_init", Use::HINT},      {"cpuadam_cores_perc", Use::HINT},
     {"super_offload", Use::DEFAULT, "false", "SuperOffload"},
 };
 
 const std::vector<Key> kOffloadParam = {
     {"device", Use::READ},       {"nvme_path", Use::READ},   {"pin_memory", Use::READ},
-    {"buffer_count", Use::HINT}, {"buffer_size", Use::HINT}, {"max_in_cpu", Use::HINT},
+    {"buffer_count", Use::READ}, {"buffer_size", Use::READ}, {"max_in_cpu", Use::READ},
+};
+
+// The transfers of offload's disk tier (DeepSpeed's runtime/swap_tensor/aio_config.py); thread_count is
+// intra_op_parallelism's old name.
+const std::vector<Key> kAio = {
+    {"block_size", Use::READ},     {"queue_depth", Use::READ},    {"intra_op_parallelism", Use::READ},
+    {"thread_count", Use::READ},   {"single_submit", Use::READ},  {"overlap_events", Use::READ},
+    {"use_gds", Use::READ},
 };
 
 const std::vector<Key> kLeafModule = {{"classes", Use::READ}, {"names", Use::READ}, {"name_suffixes", Use::READ}};

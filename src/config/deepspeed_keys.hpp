@@ -26,6 +26,7 @@ extern const std::vector<Key> kBf16;
 extern const std::vector<Key> kZero;
 extern const std::vector<Key> kOffloadOptimizer;
 extern const std::vector<Key> kOffloadParam;
+extern const std::vector<Key> kAio;
 extern const std::vector<Key> kLeafModule;
 extern const std::vector<Key> kCheckpoint;
 extern const std::vector<Key> kTensorParallel;

@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -41,6 +42,12 @@ SwapFile::SwapFile(std::filesystem::path path, int64_t bytes) : path_(std::move(
     throw Error(fmt::format("offload to disk: cannot create the swap file {} ({}); give a writable nvme_path on a "
                             "file system with O_DIRECT (not tmpfs)",
                             path_.string(), reason(errno)));
+  // Held while the file lives: whoever finds it unlocked knows its maker died (swap_directory.hpp).
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    const int e = errno;
+    ::close(fd_);
+    throw Error(fmt::format("offload to disk: cannot lock the swap file {} ({})", path_.string(), reason(e)));
+  }
   // Every block now: a disk without room says so before training, not in the middle of a swap. (fallocate, not
   // posix_fallocate: glibc's fallback writes single bytes, which O_DIRECT refuses.)
   if (::fallocate(fd_, 0, 0, size_) != 0) {

@@ -40,7 +40,8 @@ class AlignedBuffer {
 };
 
 // One scratch file of a fixed size, its blocks allocated now: an unwritable directory or a disk without room fails
-// here (Error naming the path, the size and the system's reason), before training. Removed when destroyed.
+// here (Error naming the path, the size and the system's reason), before training. Locked (flock) while it lives;
+// removed when destroyed.
 class SwapFile {
  public:
   SwapFile(std::filesystem::path path, int64_t bytes);

@@ -107,9 +107,10 @@ std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::
                                                          Communicator data_parallel, const ParallelOptions& options,
                                                          std::shared_ptr<const GradientState> gradient_state) {
   if (!module) throw Error("prepare(): the model is null");
-  const bool offloads = options.zero.offload_optimizer || options.zero.offload_params;
+  const bool offloads =
+      options.zero.offload_optimizer || options.zero.offload_params || options.zero.optimizer_on_disk.enabled();
   if (offloads && options.zero.stage < 1)
-    throw ConfigError("offload (offload_optimizer / offload_param, fsdp_offload_params) needs ZeRO stage 1, 2 or 3 "
+    throw ConfigError("offload (offload_optimizer / offload_param, fsdp_offload_params, nvme) needs ZeRO stage 1, 2 or 3 "
                       "(FSDP: FULL_SHARD or SHARD_GRAD_OP); the strategy is DDP: set a stage, or turn offload off");
   // One process offloads too (ZeRO-Offload's single-GPU case): the sharded model over a group of one.
   if (data_parallel.size() == 1 && !offloads) return std::make_unique<SingleProcess>(std::move(module));

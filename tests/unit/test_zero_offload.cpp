@@ -151,7 +151,7 @@ TEST(ZeroOffload, WhatCannotBeOffloadedIsRefusedNamingTheFix) {
   auto ddp = offloading(0, false);
   EXPECT_NE(error_of([&] {
               make_parallel_strategy(make_model(), Communicator::in_process(xlr8::testing::unique_key(), 0, 1), ddp);
-            }).find("offload (offload_optimizer / offload_param, fsdp_offload_params) needs ZeRO stage 1, 2 or 3"),
+            }).find("offload (offload_optimizer / offload_param, fsdp_offload_params, nvme) needs ZeRO stage 1, 2 or 3"),
             std::string::npos);
 }
 
@@ -182,7 +182,6 @@ TEST(ZeroOffload, DeepSpeedsOffloadSectionsMapOntoTheEngine) {
   z.offload_param.device = "nvme";
   ParallelOptions refused;
   EXPECT_NE(error_of([&] { xlr8::shard::apply_zero_config(z, refused); })
-                .find("zero_optimization.offload_param.device is \"nvme\" (ZeRO-Infinity), which xlr8 does not implement; "
-                      "use \"cpu\""),
+                .find("zero_optimization.offload_param.device is \"nvme\": parameters on disk are not built yet"),
             std::string::npos);
 }

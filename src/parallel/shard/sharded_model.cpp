@@ -10,6 +10,7 @@
 
 #include "os/memory.hpp"
 #include "parallel/recompute/recompute.hpp"
+#include "parallel/shard/optimizer_swap.hpp"
 #include "parallel/replicate/gradient_ready.hpp"
 #include "parallel/replicate/replica_sync.hpp"
 #include "parallel/shard/unit_registry.hpp"

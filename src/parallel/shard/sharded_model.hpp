@@ -7,6 +7,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <deque>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -24,6 +25,8 @@
 namespace xlr8::shard {
 
 // What a ZeRO stage changes, as data rather than branches.
+class OptimizerSwap;
+
 struct StagePolicy {
   int stage = 1;
   bool shards_parameters = false;  // 3: units are modules whose groups own their shards and are freed between uses
@@ -49,8 +52,11 @@ class ShardedModel : public std::enable_shared_from_this<ShardedModel> {
   void reduce_accumulated_now();
   std::vector<at::Tensor> optimizer_parameters() const;
   bool owns(const at::Tensor& tensor) const;  // either identity of a sharded parameter, or a whole frozen one
-  void bind_optimizer(torch::optim::Optimizer& optimizer) const;
+  // Gives `optimizer` this rank's leaves for the parameters it was given (and, with the optimizer's state on disk,
+  // reserves its swap file).
+  void bind_optimizer(torch::optim::Optimizer& optimizer);
   void optimizer_step(torch::optim::Optimizer& optimizer);
+  void optimizer_state_in_memory(torch::optim::Optimizer& optimizer, bool in_memory);
   GradNorm clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
   StateDict state_dict(StateDictKind kind);
   void load_state_dict(const StateDict& state, StateDictKind kind);
@@ -171,6 +177,8 @@ class ShardedModel : public std::enable_shared_from_this<ShardedModel> {
   UnitOrder forward_order_, backward_order_;
 
   int64_t launches_ = 0, overlapped_ = 0;
+  // Offload's disk tier: per optimizer, its state's swap file (ZeroOptions::optimizer_on_disk).
+  std::map<const torch::optim::Optimizer*, std::unique_ptr<OptimizerSwap>> swaps_;
 };
 
 }  // namespace xlr8::shard

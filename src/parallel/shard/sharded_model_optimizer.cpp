@@ -5,9 +5,11 @@
 
 #include <cmath>
 #include <map>
+#include <set>
 
 #include "compat/torch_compat.hpp"
 #include "parallel/grad_norm.hpp"
+#include "parallel/shard/optimizer_swap.hpp"
 #include "parallel/shard/sharded_model.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
@@ -22,17 +24,31 @@ std::vector<at::Tensor> ShardedModel::optimizer_parameters() const {
   return out;
 }
 
-void ShardedModel::bind_optimizer(torch::optim::Optimizer& optimizer) const {
+void ShardedModel::bind_optimizer(torch::optim::Optimizer& optimizer) {
+  std::set<size_t> bound;  // the groups whose leaves the optimizer updates
   for (auto& param_group : optimizer.param_groups())
     for (auto& p : param_group.params()) {
       auto it = slots_.find(p.unsafeGetTensorImpl());
-      if (it == slots_.end() || it->second.is_leaf) continue;
+      if (it == slots_.end()) continue;
+      if (!group(it->second.group).frozen) bound.insert(it->second.group);
+      if (it->second.is_leaf) continue;
       if (optimizer.state().count(compat::optimizer_state_key(p)))
         throw Error(fmt::format("prepare(): the optimizer already holds state for parameter {}; prepare the "
                                 "optimizer before its first step so that it can work on this rank's shards",
                                 group(it->second.group).names[it->second.index]));
       p = group(it->second.group).shard_params[it->second.index];
     }
+  if (!options_.optimizer_on_disk.enabled() || bound.empty() || swaps_.count(&optimizer)) return;
+  std::vector<const FlatGroup*> groups;
+  for (size_t g : bound) groups.push_back(&group(g));
+  swaps_[&optimizer] = std::make_unique<OptimizerSwap>(options_.optimizer_on_disk, optimizer, groups);
+}
+
+void ShardedModel::optimizer_state_in_memory(torch::optim::Optimizer& optimizer, bool in_memory) {
+  const auto it = swaps_.find(&optimizer);
+  if (it == swaps_.end()) return;
+  if (in_memory) it->second->bring_in(optimizer);
+  else it->second->put_away(optimizer);
 }
 
 void ShardedModel::optimizer_step(torch::optim::Optimizer& optimizer) {
@@ -47,7 +63,8 @@ void ShardedModel::optimizer_step(torch::optim::Optimizer& optimizer) {
     std::lock_guard<std::mutex> lock(mutex_);
     drop_prefetches();  // one the order mispredicted: it reads the shards the step is about to change
   }
-  optimizer.step();
+  if (const auto swap = swaps_.find(&optimizer); swap != swaps_.end()) swap->second->step(optimizer);
+  else optimizer.step();
   std::lock_guard<std::mutex> lock(mutex_);
   // Stages 1-2: every rank updated its chunk of the whole parameters; gather the others' in place.
   // Stage 3: the shards are the parameters; only groups held whole (no guard, or gathered now) refresh.
@@ -166,7 +183,8 @@ nlohmann::json ShardedModel::stats() const {
           {"overlapped_launches", overlapped_},
           {"gathered_bytes", c.gathered_bytes},
           {"peak_gathered_bytes", c.peak_gathered_bytes},
-          {"step_peak_gathered_bytes", c.step_peak_gathered_bytes}};
+          {"step_peak_gathered_bytes", c.step_peak_gathered_bytes},
+          {"optimizer_on_disk", swaps_.empty() ? nlohmann::json(nullptr) : swaps_.begin()->second->stats()}};
 }
 
 }  // namespace xlr8::shard

@@ -170,4 +170,16 @@ at::Tensor TensorSwapper::swap_in(const std::string& name) {
       at::TensorOptions().dtype(p.slot.dtype));
 }
 
+void TensorSwapper::flush() {
+  std::lock_guard<std::mutex> lock(pool_->mutex);
+  auto& pool = *pool_;
+  for (size_t i = 0; i < pool.buffers.size(); ++i) {
+    auto& b = pool.buffers[i];
+    if (b.state != Pool::Buffer::Writing) continue;
+    b.ticket.wait();
+    b.state = Pool::Buffer::Free;
+    std::erase(pool.busy, i);
+  }
+}
+
 }  // namespace xlr8::shard

@@ -43,8 +43,12 @@ class TensorSwapper {
   void prefetch(const std::string& name);
   // The slot's values, in a buffer of the pool until the returned tensor (and every view of it) is freed.
   at::Tensor swap_in(const std::string& name);
+  // Waits until every write so far is on disk (their buffers are free again).
+  void flush();
 
   int64_t file_bytes() const { return file_.size(); }
+  const std::filesystem::path& file_path() const { return file_.path(); }
+  int64_t pool_bytes() const { return options_.buffer_size * options_.buffer_count; }
   int64_t bytes_written() const { return io_.bytes_written(); }
   int64_t bytes_read() const { return io_.bytes_read(); }
 

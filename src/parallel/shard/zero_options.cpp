@@ -34,6 +34,22 @@ bool hybrid(const FsdpSettings& f, const std::optional<ParallelismSettings>& mes
 // DeepSpeed counts bucket sizes in elements; the strategies take megabytes (of float32 gradients).
 double megabytes_of(int64_t elements) { return static_cast<double>(elements) * 4.0 / (1024.0 * 1024.0); }
 
+// offload_optimizer.device "nvme" with the section's buffers and the "aio" section's transfers.
+void apply_optimizer_on_disk(const deepspeed::ZeroConfig& z, ZeroOptions& zero) {
+  const auto& o = z.offload_optimizer;
+  if (o.ratio < 1.0)
+    throw ConfigError(fmt::format("zero_optimization.offload_optimizer.ratio is {} with device \"nvme\": partial offload "
+                                  "keeps the rest on the accelerator, which the disk tier does not; use ratio 1 or "
+                                  "device \"cpu\"",
+                                  o.ratio));
+  zero.optimizer_on_disk.path = o.nvme_path;
+  zero.optimizer_on_disk.buffer_count = o.buffer_count > 0 ? o.buffer_count : 4;  // DeepSpeed's default
+  zero.optimizer_on_disk.read_ahead = o.pipeline_read;
+  zero.optimizer_on_disk.write_behind = o.pipeline_write;
+  zero.optimizer_on_disk.aio_block_size = z.aio.block_size;
+  zero.optimizer_on_disk.aio_threads = z.aio.intra_op_parallelism;
+}
+
 }  // namespace
 
 ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings, int node_size,
@@ -70,19 +86,27 @@ ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings, 
   }
   if (settings.deepspeed) {
     const auto& d = *settings.deepspeed;
-    for (const auto& [device, key] : {std::pair{&d.offload_optimizer_device, "offload_optimizer_device"},
-                                      std::pair{&d.offload_param_device, "offload_param_device"}})
-      if (*device == "nvme")
-        throw ConfigError(fmt::format("deepspeed_config.{} is nvme (ZeRO-Infinity), which xlr8 does not implement; use "
-                                      "cpu (host memory) or none",
-                                      key));
-    options.offload_optimizer = options.offload_optimizer || d.offload_optimizer_device == "cpu";
+    if (d.offload_param_device == "nvme")
+      throw ConfigError("deepspeed_config.offload_param_device is nvme: parameters on disk are not built yet (the "
+                        "optimizer's state can be: offload_optimizer_device nvme); use cpu (host memory) or none");
+    if (d.offload_optimizer_device == "nvme" && !options.optimizer_on_disk.enabled()) {
+      if (d.offload_optimizer_nvme_path.empty())
+        throw ConfigError("deepspeed_config.offload_optimizer_device is nvme but offload_optimizer_nvme_path "
+                          "(ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH) is empty; set it to a directory on a local "
+                          "disk");
+      options.optimizer_on_disk.path = d.offload_optimizer_nvme_path;
+    }
+    // On disk means through host memory: the optimizer steps there, as with cpu.
+    options.offload_optimizer = options.offload_optimizer || d.offload_optimizer_device != "none";
     options.offload_params = options.offload_params || d.offload_param_device == "cpu";
     if (options.stage < 0) options.stage = d.zero_stage;
     // DeepSpeed gathers submodule by submodule, never the whole model at once.
     if (options.auto_wrap_policy == AutoWrapPolicy::NO_WRAP) options.auto_wrap_policy = AutoWrapPolicy::GUARDED_MODULES;
   }
   if (options.stage < 0) options.stage = 0;
+  if (options.optimizer_on_disk.enabled() && options.stage == 0)
+    throw ConfigError("offload_optimizer device nvme at ZeRO stage 0: the optimizer's state goes to disk from a sharded "
+                      "optimizer; use ZeRO stage 1, 2 or 3 (zero_stage, or zero_optimization.stage)");
   if (parameters_in_host_memory) options.offload_optimizer = options.offload_params = false;
   return options;
 }
@@ -106,13 +130,13 @@ void apply_zero_config(const deepspeed::ZeroConfig& z, ParallelOptions& parallel
   if (parallel.zero.stage == 3 && parallel.zero.auto_wrap_policy == AutoWrapPolicy::NO_WRAP)
     parallel.zero.auto_wrap_policy = AutoWrapPolicy::GUARDED_MODULES;  // DeepSpeed gathers submodule by submodule
   apply_zero_sizes(z, parallel);
-  // Offload to the CPU (ZeRO-Offload); NVMe (ZeRO-Infinity) is not built.
-  for (const auto& [o, key] : {std::pair{&z.offload_optimizer, "offload_optimizer"}, std::pair{&z.offload_param, "offload_param"}})
-    if (o->device == "nvme")
-      throw ConfigError(fmt::format("zero_optimization.{}.device is \"nvme\" (ZeRO-Infinity), which xlr8 does not "
-                                    "implement; use \"cpu\" (host memory) or \"none\"",
-                                    key));
-  parallel.zero.offload_optimizer = parallel.zero.offload_optimizer || z.offload_optimizer.device == "cpu";
+  // Offload to the CPU (ZeRO-Offload), and the optimizer's state on disk (ZeRO-Infinity's NVMe tier).
+  if (z.offload_param.device == "nvme")
+    throw ConfigError("zero_optimization.offload_param.device is \"nvme\": parameters on disk are not built yet (the "
+                      "optimizer's state can be: offload_optimizer.device \"nvme\"); use \"cpu\" (host memory) or "
+                      "\"none\"");
+  if (z.offload_optimizer.device == "nvme") apply_optimizer_on_disk(z, parallel.zero);
+  parallel.zero.offload_optimizer = parallel.zero.offload_optimizer || z.offload_optimizer.device != "none";
   parallel.zero.offload_params = parallel.zero.offload_params || z.offload_param.device == "cpu";
   parallel.zero.offload_ratio = z.offload_optimizer.ratio;
   // Each section's pin_memory counts only when that section offloads.

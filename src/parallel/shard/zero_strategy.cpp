@@ -23,6 +23,9 @@ class ShardedDataParallel final : public ParallelStrategy {
   bool owns(const at::Tensor& tensor) const override { return sharded_->owns(tensor); }
   void bind_optimizer(torch::optim::Optimizer& optimizer) const override { sharded_->bind_optimizer(optimizer); }
   void optimizer_step(torch::optim::Optimizer& optimizer) override { sharded_->optimizer_step(optimizer); }
+  void optimizer_state_in_memory(torch::optim::Optimizer& optimizer, bool in_memory) override {
+    sharded_->optimizer_state_in_memory(optimizer, in_memory);
+  }
   GradNorm clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) override {
     return sharded_->clip_grad_norm(parameters, max_norm, norm_type);
   }

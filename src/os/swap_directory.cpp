@@ -1,0 +1,79 @@
+// Claiming a swap file in a shared directory, and removing what dead processes left there (swap_directory.hpp).
+#include "os/swap_directory.hpp"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <system_error>
+#include <thread>
+
+#include "xlr8/error.hpp"
+
+namespace xlr8::os {
+
+namespace {
+
+bool is_swap_file(const std::filesystem::path& p) {
+  const auto name = p.filename().string();
+  return name.starts_with("xlr8-") && name.ends_with(".swap");
+}
+
+// True when nobody holds `path`'s lock: its maker is gone. The file is removed while this process holds it.
+bool remove_if_unlocked(const std::filesystem::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;  // gone meanwhile, or not ours to read
+  const bool stale = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
+  if (stale) ::unlink(path.c_str());
+  ::close(fd);
+  return stale;
+}
+
+}  // namespace
+
+SwapDirectoryClaim::SwapDirectoryClaim(const std::filesystem::path& dir, double wait_s) : dir_(dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir_, ec);
+  if (ec)
+    throw Error(fmt::format("offload to disk: cannot create the nvme_path directory {} ({}); give a writable directory "
+                            "on a local disk",
+                            dir_.string(), ec.message()));
+  const auto lock_path = dir_ / ".xlr8-swap.lock";
+  lock_fd_ = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (lock_fd_ < 0)
+    throw Error(fmt::format("offload to disk: cannot create {} ({}); give a writable nvme_path", lock_path.string(),
+                            std::system_category().message(errno)));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_s);
+  while (::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {  // held for a directory scan: moments
+    if (std::chrono::steady_clock::now() > deadline) {
+      ::close(lock_fd_);
+      throw Error(fmt::format("offload to disk: {} stayed locked for {} s by another process claiming a swap file "
+                              "there; is a process stuck with it open?",
+                              lock_path.string(), wait_s));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  for (const auto& entry : std::filesystem::directory_iterator(dir_, ec)) {
+    if (!entry.is_regular_file(ec) || !is_swap_file(entry.path())) continue;
+    const auto bytes = static_cast<int64_t>(entry.file_size(ec));
+    if (!remove_if_unlocked(entry.path())) continue;
+    removed_.push_back(entry.path());
+    removed_bytes_ += ec ? 0 : bytes;
+  }
+}
+
+SwapDirectoryClaim::~SwapDirectoryClaim() {
+  ::flock(lock_fd_, LOCK_UN);
+  ::close(lock_fd_);
+}
+
+std::filesystem::path SwapDirectoryClaim::new_file(const std::string& stem) const {
+  static std::atomic<int> made{0};
+  return dir_ / fmt::format("xlr8-{}-{}-{}.swap", stem, ::getpid(), made++);
+}
+
+}  // namespace xlr8::os

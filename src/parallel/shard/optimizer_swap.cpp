@@ -1,0 +1,217 @@
+// The optimizer's state on disk between steps, stepped group by group (optimizer_swap.hpp).
+#include "parallel/shard/optimizer_swap.hpp"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <optional>
+#include <unordered_set>
+
+#include "checkpoint/optimizer_state.hpp"
+#include "core/log.hpp"
+#include "os/swap_directory.hpp"
+#include "parallel/shard/flat_group.hpp"
+#include "xlr8/error.hpp"
+
+namespace xlr8::shard {
+
+namespace {
+
+int64_t aligned_to_block(int64_t bytes) {
+  const int64_t a = os::AlignedBuffer::kAlignment;
+  return (bytes + a - 1) / a * a;
+}
+
+std::vector<int64_t> dense_strides(at::IntArrayRef sizes) {
+  std::vector<int64_t> strides(sizes.size(), 1);
+  for (size_t i = sizes.size(); i > 1; --i) strides[i - 2] = strides[i - 1] * std::max<int64_t>(sizes[i - 1], 1);
+  return strides;
+}
+
+// Each group's parameter lists put back however the step ends.
+struct RestoreParameterLists {
+  torch::optim::Optimizer& optimizer;
+  const std::vector<std::vector<at::Tensor>>& lists;
+  ~RestoreParameterLists() {
+    for (size_t j = 0; j < lists.size(); ++j) optimizer.param_groups()[j].params() = lists[j];
+  }
+};
+
+}  // namespace
+
+OptimizerSwap::OptimizerSwap(const ZeroOptions::Disk& disk, const torch::optim::Optimizer& optimizer,
+                             const std::vector<const FlatGroup*>& groups)
+    : disk_(disk) {
+  if (!checkpoints::portable_optimizer_kind(optimizer))
+    throw ConfigError("offload_optimizer device nvme: the disk tier swaps the optimizer's state by name, which it knows "
+                      "for LibTorch's Adam, AdamW, SGD, RMSprop and Adagrad (and xlr8's fused Adam and AdamW); use one "
+                      "of them, or offload to cpu");
+  names_ = checkpoints::kept_state_names(optimizer);
+  std::vector<TensorSwapper::Slot> slots;
+  int64_t largest = 0;
+  for (const auto* flat : groups) {
+    Group g{.members = {}, .numel = flat->shard_numel, .dtype = flat->master.scalar_type()};
+    for (size_t i = 0; i < flat->shard_params.size(); ++i)
+      if (const auto part = flat->owned_part(i); part.count > 0) g.members.push_back({flat->shard_params[i], part.in_shard});
+    if (g.members.empty()) continue;
+    for (const auto& name : names_)
+      slots.push_back({slot(groups_.size(), name), g.dtype, {g.numel}});
+    largest = std::max<int64_t>(largest, g.numel * static_cast<int64_t>(c10::elementSize(g.dtype)));
+    groups_.push_back(std::move(g));
+  }
+  if (slots.empty()) return;  // no state kept (SGD without momentum), or nothing of it on this rank
+  os::SwapDirectoryClaim claim(disk_.path);
+  for (const auto& stale : claim.removed()) stale_removed_.push_back(stale.string());
+  if (!claim.removed().empty())
+    log::info("xlr8: removed {} stale swap file(s) ({} bytes) from {}: runs that ended without removing them",
+              claim.removed().size(), claim.removed_bytes(), disk_.path);
+  // A group's state lent out while it steps, and as much again for its write (and the next group's read ahead):
+  // fewer buffers would leave a swap nothing to move through.
+  const int per_group = static_cast<int>(names_.size());
+  SwapOptions options{.file = claim.new_file("optimizer"),
+                      .buffer_size = aligned_to_block(largest),
+                      .buffer_count = std::max(disk_.buffer_count, per_group * (disk_.read_ahead ? 3 : 2)),
+                      .aio = {.block_size = disk_.aio_block_size, .intra_op_parallelism = disk_.aio_threads}};
+  swapper_ = std::make_unique<TensorSwapper>(std::move(options), slots);
+}
+
+OptimizerSwap::~OptimizerSwap() = default;
+
+std::string OptimizerSwap::slot(size_t group, const std::string& name) const { return fmt::format("{}/{}", group, name); }
+
+void OptimizerSwap::step(torch::optim::Optimizer& optimizer) {
+  if (!swapper_) {
+    optimizer.step();
+    return;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<std::vector<at::Tensor>> lists;
+  for (const auto& g : optimizer.param_groups()) lists.push_back(g.params());
+  RestoreParameterLists restore{optimizer, lists};
+  std::unordered_set<const c10::TensorImpl*> stepped;
+  for (size_t k = 0; k < groups_.size(); ++k) {
+    if (disk_.read_ahead && k + 1 < groups_.size() && groups_[k + 1].on_disk)
+      for (const auto& name : names_) swapper_->prefetch(slot(k + 1, name));
+    auto lent = swap_in(k, optimizer);
+    std::vector<const c10::TensorImpl*> leaves;
+    for (const auto& m : groups_[k].members) leaves.push_back(m.leaf.unsafeGetTensorImpl());
+    stepped.insert(leaves.begin(), leaves.end());
+    step_only(optimizer, lists, leaves);
+    swap_out(k, optimizer, std::move(lent));
+    if (!disk_.write_behind) swapper_->flush();
+  }
+  std::vector<const c10::TensorImpl*> rest;  // the optimizer's other parameters (another model's, a frozen whole one)
+  for (const auto& list : lists)
+    for (const auto& p : list)
+      if (!stepped.count(p.unsafeGetTensorImpl())) rest.push_back(p.unsafeGetTensorImpl());
+  if (!rest.empty()) step_only(optimizer, lists, rest);
+  steps_ += 1;
+  step_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+void OptimizerSwap::step_only(torch::optim::Optimizer& optimizer, const std::vector<std::vector<at::Tensor>>& all,
+                              const std::vector<const c10::TensorImpl*>& leaves) {
+  const std::unordered_set<const c10::TensorImpl*> wanted(leaves.begin(), leaves.end());
+  auto& groups = optimizer.param_groups();
+  for (size_t j = 0; j < all.size(); ++j) {
+    std::vector<at::Tensor> kept;
+    for (const auto& p : all[j])
+      if (wanted.count(p.unsafeGetTensorImpl())) kept.push_back(p);
+    groups[j].params() = std::move(kept);
+  }
+  optimizer.step();
+}
+
+std::map<std::string, at::Tensor> OptimizerSwap::swap_in(size_t k, torch::optim::Optimizer& optimizer) {
+  auto& g = groups_[k];
+  std::map<std::string, at::Tensor> lent;
+  if (!g.on_disk) return lent;
+  for (const auto& name : names_) lent[name] = swapper_->swap_in(slot(k, name));
+  at::NoGradGuard no_grad;
+  for (const auto& m : g.members) {
+    auto state = checkpoints::read_parameter_state(optimizer, m.leaf);
+    if (!state) continue;
+    for (auto& [name, t] : state->tensors) {
+      const auto it = emptied_.find(t.unsafeGetTensorImpl());
+      if (it == emptied_.end() || !lent.count(name)) continue;
+      t.set_(lent[name].storage(), m.offset, m.leaf.sizes(), dense_strides(m.leaf.sizes()));
+      emptied_.erase(it);
+    }
+  }
+  g.on_disk = false;
+  return lent;
+}
+
+void OptimizerSwap::swap_out(size_t k, torch::optim::Optimizer& optimizer, std::map<std::string, at::Tensor> lent) {
+  auto& g = groups_[k];
+  std::vector<std::optional<checkpoints::ParameterState>> states;
+  for (const auto& m : g.members) states.push_back(checkpoints::read_parameter_state(optimizer, m.leaf));
+  std::vector<at::Tensor> written;
+  at::NoGradGuard no_grad;
+  for (const auto& name : names_) {
+    at::Tensor staging = lent.count(name) ? lent[name] : at::Tensor();
+    bool any = false;
+    for (size_t i = 0; i < g.members.size(); ++i) {
+      if (!states[i]) continue;  // no step reached this leaf yet
+      const auto it = states[i]->tensors.find(name);
+      if (it == states[i]->tensors.end()) continue;
+      const auto& t = it->second;
+      const auto& leaf = g.members[i].leaf;
+      if (t.scalar_type() != g.dtype || t.numel() != leaf.numel() || !t.device().is_cpu())
+        throw Error(fmt::format("offload to disk: the optimizer's {} of a parameter in group {} is a {} tensor of {} "
+                                "elements on {}; the swap file holds {} of {} on the CPU",
+                                name, k, c10::toString(t.scalar_type()), t.numel(), t.device().str(),
+                                c10::toString(g.dtype), leaf.numel()));
+      if (!staging.defined()) staging = at::zeros({g.numel}, at::TensorOptions().dtype(g.dtype));
+      auto into = staging.narrow(0, g.members[i].offset, t.numel());
+      if (t.data_ptr() != into.data_ptr()) into.copy_(t.reshape({-1}));
+      written.push_back(t);
+      any = true;
+    }
+    if (any) swapper_->swap_out(slot(k, name), staging);
+  }
+  for (auto& t : written) {
+    t.set_();  // empty: its values are on disk, and the buffer it viewed goes back to the pool
+    emptied_.emplace(t.unsafeGetTensorImpl(), t);
+  }
+  g.on_disk = !written.empty();
+}
+
+void OptimizerSwap::bring_in(torch::optim::Optimizer& optimizer) {
+  if (!swapper_) return;
+  at::NoGradGuard no_grad;
+  for (size_t k = 0; k < groups_.size(); ++k) {
+    auto lent = swap_in(k, optimizer);
+    if (lent.empty()) continue;
+    for (const auto& m : groups_[k].members)
+      if (auto state = checkpoints::read_parameter_state(optimizer, m.leaf))
+        for (auto& [name, t] : state->tensors)
+          if (lent.count(name) && t.is_alias_of(lent[name])) t.set_(t.clone());
+  }
+}
+
+void OptimizerSwap::put_away(torch::optim::Optimizer& optimizer) {
+  if (!swapper_) return;
+  for (size_t k = 0; k < groups_.size(); ++k)
+    if (!groups_[k].on_disk) swap_out(k, optimizer, {});
+  swapper_->flush();
+}
+
+nlohmann::json OptimizerSwap::stats() const {
+  if (!swapper_) return {{"optimizer_state_on_disk", false}};
+  const double moved = static_cast<double>(swapper_->bytes_read() + swapper_->bytes_written());
+  return {{"optimizer_state_on_disk", true},
+          {"swap_file", swapper_->file_path().string()},
+          {"swap_file_bytes", swapper_->file_bytes()},
+          {"swap_pool_bytes", swapper_->pool_bytes()},
+          {"swap_bytes_read", swapper_->bytes_read()},
+          {"swap_bytes_written", swapper_->bytes_written()},
+          {"swapped_steps", steps_},
+          {"swapped_step_seconds", step_seconds_},
+          {"swapped_step_gb_per_s", step_seconds_ > 0 ? moved / step_seconds_ / 1e9 : 0.0},
+          {"stale_swap_files_removed", stale_removed_.size()}};
+}
+
+}  // namespace xlr8::shard

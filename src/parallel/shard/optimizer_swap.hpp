@@ -1,0 +1,76 @@
+#pragma once
+// Offload's disk tier for the optimizer (ZeroOptions::optimizer_on_disk, DeepSpeed's offload_optimizer.device
+// "nvme"; issue 47). The state a LibTorch optimizer keeps per parameter (Adam's moments, SGD's momentum...) lives
+// in a swap file between steps, and a step runs one flat group at a time: the group's state is read into the
+// swapper's buffers (the next group's read ahead with pipeline_read), the optimizer steps over that group's
+// leaves alone, and the state is written back (waited for unless pipeline_write) and its memory given up. Between
+// steps every state tensor the optimizer holds for these leaves is empty; their step counters stay in memory.
+// Host memory for the state is the swapper's pool, whatever the model's size.
+#include <torch/optim/optimizer.h>
+
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "parallel/shard/tensor_swapper.hpp"
+#include "xlr8/zero.hpp"
+
+namespace xlr8::shard {
+
+struct FlatGroup;
+
+class OptimizerSwap {
+ public:
+  // `groups`: the trainable groups whose leaves `optimizer` updates. Lays out and reserves the swap file now, so
+  // that a full or unwritable nvme_path fails before training (the stale files of runs that died there are
+  // removed first). ConfigError for an optimizer whose state the disk tier cannot name.
+  OptimizerSwap(const ZeroOptions::Disk& disk, const torch::optim::Optimizer& optimizer,
+                const std::vector<const FlatGroup*>& groups);
+  ~OptimizerSwap();
+  OptimizerSwap(const OptimizerSwap&) = delete;
+  OptimizerSwap& operator=(const OptimizerSwap&) = delete;
+
+  // optimizer.step(), group by group, with each group's state in memory only while it steps. Parameters of the
+  // optimizer outside these groups step last, as usual.
+  void step(torch::optim::Optimizer& optimizer);
+  // Every group's state in memory of its own (a checkpoint reads or replaces it), or written out again.
+  void bring_in(torch::optim::Optimizer& optimizer);
+  void put_away(torch::optim::Optimizer& optimizer);
+  // Where the state lives and what moved: the swap file, bytes read and written, seconds the steps took.
+  nlohmann::json stats() const;
+
+ private:
+  struct Member {
+    at::Tensor leaf;
+    int64_t offset = 0;  // in the group's chunk
+  };
+  struct Group {
+    std::vector<Member> members;  // leaves with elements
+    int64_t numel = 0;            // the chunk's
+    at::ScalarType dtype;
+    bool on_disk = false;  // its state was written out and is not in memory
+  };
+  std::string slot(size_t group, const std::string& name) const;
+  // The group's state read back: each state tensor the optimizer holds for its leaves views the returned buffers.
+  std::map<std::string, at::Tensor> swap_in(size_t group, torch::optim::Optimizer& optimizer);
+  // The group's state, wherever it is (`lent`'s buffers, or tensors of the optimizer's own), written out and its
+  // tensors emptied.
+  void swap_out(size_t group, torch::optim::Optimizer& optimizer, std::map<std::string, at::Tensor> lent);
+  // Steps the optimizer over `leaves` alone (`all`: every group's own parameter list, restored after).
+  void step_only(torch::optim::Optimizer& optimizer, const std::vector<std::vector<at::Tensor>>& all,
+                 const std::vector<const c10::TensorImpl*>& leaves);
+
+  ZeroOptions::Disk disk_;
+  std::vector<std::string> names_;  // the state tensors kept per parameter
+  std::vector<Group> groups_;
+  std::unordered_map<const c10::TensorImpl*, at::Tensor> emptied_;  // state tensors whose values are on disk
+  std::unique_ptr<TensorSwapper> swapper_;
+  std::vector<std::string> stale_removed_;
+  int64_t steps_ = 0;
+  double step_seconds_ = 0;
+};
+
+}  // namespace xlr8::shard

@@ -1,0 +1,117 @@
+// examples/gpt with its optimizer's state on disk (issue 47; DeepSpeed's offload_optimizer device nvme through
+// Accelerate's keys and through a JSON), launched for real: the same training as in memory, bitwise; checkpoints
+// hold the real state; a job killed with SIGKILL leaves its swap files, which the resumed job removes, and ends as
+// the straight run.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "gpt_runs.hpp"
+
+namespace {
+
+using namespace gpt_runs;
+namespace fs = std::filesystem;
+
+Args tiny_gpt(const std::string& dir, int steps, Args more = {}) {
+  return concat({"--n_layer", "2", "--d_model", "32", "--n_head", "2", "--seq_len", "32", "--batch_size", "2",
+                 "--lr", "3e-3", "--val_windows", "16", "--gradient_accumulation_steps", "2", "--max_grad_norm",
+                 "0.5", "--output_dir", dir, "--max_steps", std::to_string(steps)},
+                more);
+}
+
+Args on_disk(const std::string& swap_dir) {
+  return {"--offload_optimizer_device", "nvme", "--offload_optimizer_nvme_path", swap_dir};
+}
+
+size_t swap_files_in(const std::string& dir) {
+  size_t n = 0;
+  if (fs::exists(dir))
+    for (const auto& e : fs::directory_iterator(dir)) n += e.path().extension() == ".swap";
+  return n;
+}
+
+void expect_same_training(const nlohmann::json& got, const nlohmann::json& want, const std::string& got_dir,
+                          const std::string& want_dir) {
+  ASSERT_TRUE(got.contains("final_train_loss") && want.contains("final_train_loss")) << got << want;
+  EXPECT_EQ(got["final_train_loss"], want["final_train_loss"]);
+  EXPECT_EQ(got["val_loss"], want["val_loss"]);
+  expect_same_params(got_dir, want_dir, 0.0);
+}
+
+}  // namespace
+
+// ZeRO-3 on 1, 2 and 3 ranks and ZeRO-2 (a JSON with its buffers and aio section) on 2, with accumulation and
+// clipping: the run with the state on disk equals the one in memory; the swap files are gone at exit.
+TEST(GptOffloadDisk, ZeroThreeAndTwoOnOneTwoAndThreeRanksEqualTheRunInMemory) {
+  // The same JSON in memory: nothing but the offload differs (bucket sizes would change the reductions' rounding).
+  const auto json = temp_dir("gpt-disk-json") + "/zero2.json", json_in_memory = temp_dir("gpt-disk-json") + "/mem.json";
+  const auto json_swap = temp_dir("gpt-disk-json-swap");
+  const std::string head = R"({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+      "zero_optimization": {"stage": 2)";
+  std::ofstream(json) << head << R"(, "offload_optimizer": {"device": "nvme", "nvme_path": ")" << json_swap
+                      << R"(", "buffer_count": 8, "pipeline_read": true, "pipeline_write": true}},
+      "aio": {"block_size": 262144, "intra_op_parallelism": 2}})";
+  std::ofstream(json_in_memory) << head << "}}";
+  struct Layout {
+    std::string name;
+    int ranks;
+    Args in_memory, with_disk;
+  };
+  const auto swap = temp_dir("gpt-disk-swap");
+  std::vector<Layout> layouts;
+  for (int ranks : {1, 2, 3})
+    layouts.push_back({fmt::format("zero 3 on {}", ranks), ranks, {"--use_deepspeed", "--zero_stage", "3"},
+                       concat({"--use_deepspeed", "--zero_stage", "3"}, on_disk(swap))});
+  layouts.push_back({"zero 2 (JSON) on 2", 2, {"--use_deepspeed", "--deepspeed_config_file", json_in_memory},
+                     {"--use_deepspeed", "--deepspeed_config_file", json}});
+  for (const auto& [name, ranks, in_memory, with_disk] : layouts) {
+    SCOPED_TRACE(name);
+    const auto memory_dir = temp_dir("gpt-disk-off"), disk_dir = temp_dir("gpt-disk-on");
+    const auto want = json_of(launch_gpt(ranks, in_memory, tiny_gpt(memory_dir, 6)));
+    const auto got = json_of(launch_gpt(ranks, with_disk, tiny_gpt(disk_dir, 6)));
+    expect_same_training(got, want, disk_dir, memory_dir);
+    const auto disk = got.value("optimizer_on_disk", nlohmann::json());
+    ASSERT_TRUE(disk.is_object()) << got.dump();
+    EXPECT_EQ(disk["swapped_steps"], 6);
+    EXPECT_GT(disk["swap_bytes_read"].get<int64_t>(), 0);
+    EXPECT_GT(disk["swap_bytes_written"].get<int64_t>(), 0);
+    EXPECT_EQ(swap_files_in(swap) + swap_files_in(json_swap), 0u);
+  }
+}
+
+// Saved at step 3 and resumed to 6: the checkpoint held the moments from disk, and the resumed run's state went
+// back there. Killed with SIGKILL mid-run, the job leaves its swap files; the resumed one removes them and ends as
+// the straight run.
+TEST(GptOffloadDisk, ACheckpointHoldsTheStateAndAJobKilledMidRunResumesAsTheStraightOne) {
+  const Args zero3{"--use_deepspeed", "--zero_stage", "3"};
+  const auto swap = temp_dir("gpt-disk-resume-swap");
+  const auto straight_dir = temp_dir("gpt-disk-straight");
+  const auto straight = json_of(launch_gpt(2, concat(zero3, on_disk(swap)), tiny_gpt(straight_dir, 40)));
+  const auto split_dir = temp_dir("gpt-disk-split");
+  launch_gpt(2, concat(zero3, on_disk(swap)), tiny_gpt(split_dir, 3, {"--checkpoint_every", "3"}));
+  const auto resumed = json_of(launch_gpt(2, concat(zero3, on_disk(swap)), tiny_gpt(split_dir, 40, {"--resume_from", "latest"})));
+  expect_same_training(resumed, straight, split_dir, straight_dir);
+
+  const auto killed_dir = temp_dir("gpt-disk-killed");
+  {
+    auto command = concat(concat({kXlr8, "launch", "--num_processes", "2"}, concat(zero3, on_disk(swap))), {kGpt});
+    Process job(concat(command, tiny_gpt(killed_dir, 40, {"--checkpoint_every", "2"})));
+    const auto first = killed_dir + "/checkpoints/checkpoint_0/MANIFEST.json";
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    while (!fs::exists(first) && std::chrono::steady_clock::now() < deadline)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    ASSERT_TRUE(fs::exists(first));
+    kill(-job.pid(), SIGKILL);
+    job.wait(30);
+  }
+  EXPECT_EQ(swap_files_in(swap), 2u);  // each rank's, left by the kill
+  auto r = launch_gpt(2, concat(zero3, on_disk(swap)), tiny_gpt(killed_dir, 40, {"--resume_from", "latest"}));
+  EXPECT_NE((r.out + r.err).find("stale swap file(s)"), std::string::npos) << r.err;
+  expect_same_training(json_of(r), straight, killed_dir, straight_dir);
+  EXPECT_EQ(swap_files_in(swap), 0u);
+}

@@ -1,0 +1,271 @@
+// Offload's disk tier for the optimizer (ZeroOptions::optimizer_on_disk; src/parallel/shard/optimizer_swap.hpp):
+// the optimizer's state in a real O_DIRECT swap file between steps, stepped group by group. The same arithmetic
+// as in memory, so every run is compared bitwise with the same layout in memory, and with one process.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <sys/file.h>
+#include <torch/torch.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "checkpoint/optimizer_state.hpp"
+#include "compat/torch_compat.hpp"
+#include "parallel/shard/zero_options.hpp"
+#include "xlr8/deepspeed_config.hpp"
+#include "xlr8/error.hpp"
+#include "zero_fixture.hpp"
+
+using namespace xlr8;
+using namespace xlr8::testing::zero;
+using xlr8::testing::run_ranks;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A directory of this test's own beside the build's files (ext4 here: O_DIRECT works).
+fs::path swap_dir(const std::string& name) {
+  auto dir = fs::current_path() / fmt::format("zero_disk_{}_{}", ::getpid(), name);
+  fs::remove_all(dir);
+  return dir;
+}
+
+bool direct_io_works(const fs::path& dir) {
+  fs::create_directories(dir);
+  const auto probe = dir / "probe";
+  const int fd = ::open(probe.c_str(), O_RDWR | O_CREAT | O_DIRECT, 0600);
+  if (fd >= 0) ::close(fd);
+  fs::remove(probe);
+  return fd >= 0;
+}
+
+ParallelOptions on_disk(int stage, const fs::path& dir, bool pipelined = true) {
+  auto o = stage_options(stage);
+  o.zero.optimizer_on_disk.path = dir.string();
+  o.zero.optimizer_on_disk.read_ahead = o.zero.optimizer_on_disk.write_behind = pipelined;
+  return o;
+}
+
+std::string disk_error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// Every state tensor `optimizer` keeps for the leaves of `strategy`, by leaf and name.
+std::vector<at::Tensor> state_tensors(const torch::optim::Optimizer& optimizer, ParallelStrategy& strategy) {
+  std::vector<at::Tensor> out;
+  for (const auto& leaf : strategy.optimizer_parameters())
+    if (auto state = checkpoints::read_parameter_state(optimizer, leaf))
+      for (const auto& [name, t] : state->tensors) out.push_back(t);
+  return out;
+}
+
+// `steps` plain steps of `optimizer` over the strategy's model on the fixture's batches (one rank).
+void step_through(ParallelStrategy& strategy, torch::optim::Optimizer& optimizer, int from, int steps) {
+  auto& net = dynamic_cast<TinyNetImpl&>(*strategy.module());
+  for (int s = from; s < from + steps; ++s) {
+    const auto batch = global_batch(s);
+    strategy.begin_step(false);
+    torch::nll_loss(torch::log_softmax(net.forward(batch.x), 1), batch.y).backward();
+    strategy.end_step();
+    strategy.optimizer_step(optimizer);
+    for (auto& group : optimizer.param_groups())  // the leaves' gradients are views of the reduced chunks
+      for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
+  }
+}
+
+}  // namespace
+
+// Stages 1-3 (stage 3's units as FULL_SHARD's transformer wrap makes them) on 1, 2 and 3 ranks, with accumulation
+// and clipping: bitwise the same run as in memory, and the one-process run within float rounding. The state went
+// to disk and came back every step; the swap file is gone with the model.
+TEST(ZeroDisk, EveryStageOnOneTwoAndThreeRanksEqualsTheRunInMemoryBitwise) {
+  const auto dir = swap_dir("stages");
+  if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
+  const auto expected = single_run(3, /*micro=*/2, /*max_norm=*/0.05);
+  for (int stage : {1, 2, 3})
+    for (int ranks : {1, 2, 3}) {
+      std::vector<TrainRun> in_memory(ranks);
+      run_ranks(ranks, [&](Communicator& comm) {
+        auto strategy = make_parallel_strategy(make_model(), comm, stage_options(stage));
+        in_memory[comm.rank()] = train(*strategy, comm.rank(), ranks, 3, 2, 0.05);
+      });
+      run_ranks(ranks, [&](Communicator& comm) {
+        const auto what = fmt::format("stage {} on {} ranks, rank {}", stage, ranks, comm.rank());
+        // Read ahead and write behind on odd ranks only: both ways are the same arithmetic.
+        auto strategy = make_parallel_strategy(make_model(), comm, on_disk(stage, dir, comm.rank() % 2 == 1));
+        auto got = train(*strategy, comm.rank(), ranks, 3, 2, 0.05);
+        expect_same_run(got, in_memory[comm.rank()], 0.0, what);
+        expect_same_run(got, expected, 2e-6, what);
+        const auto disk = strategy->stats()["optimizer_on_disk"];
+        ASSERT_TRUE(disk.is_object()) << what;
+        EXPECT_TRUE(disk["optimizer_state_on_disk"].get<bool>()) << what;
+        EXPECT_EQ(disk["swapped_steps"], 3) << what;
+        // AdamW's two moments of this rank's chunk: written every step, read back on the second and third.
+        EXPECT_GE(disk["swap_bytes_written"].get<int64_t>(), 3 * disk["swap_file_bytes"].get<int64_t>()) << what;
+        EXPECT_GE(disk["swap_bytes_read"].get<int64_t>(), 2 * disk["swap_file_bytes"].get<int64_t>()) << what;
+        const fs::path file = disk["swap_file"].get<std::string>();
+        EXPECT_TRUE(fs::exists(file)) << what;
+        strategy.reset();
+        EXPECT_FALSE(fs::exists(file)) << what;
+      });
+    }
+  fs::remove_all(dir);
+}
+
+// Between steps each moment the optimizer holds is empty (on disk) and its step count is kept; a checkpoint's
+// window brings every moment into memory with its values, and state written there (a load) goes to disk after.
+TEST(ZeroDisk, BetweenStepsTheStateIsOnDiskAndACheckpointsWindowBringsItIn) {
+  const auto dir = swap_dir("window");
+  if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
+  auto comm = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
+  auto sharded = stage_options(3);
+  sharded.zero.offload_optimizer = true;  // one process sharded over a group of one, its leaves laid out as below
+  auto reference = make_parallel_strategy(make_model(), comm, sharded);
+  torch::optim::AdamW ref_opt(reference->module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  reference->bind_optimizer(ref_opt);
+  step_through(*reference, ref_opt, 0, 2);
+
+  auto comm2 = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
+  auto strategy = make_parallel_strategy(make_model(), comm2, on_disk(3, dir));
+  torch::optim::AdamW opt(strategy->module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  strategy->bind_optimizer(opt);
+  step_through(*strategy, opt, 0, 2);
+  const auto held = state_tensors(opt, *strategy);
+  ASSERT_FALSE(held.empty());
+  for (const auto& t : held) EXPECT_EQ(t.numel(), 0);
+  for (const auto& leaf : strategy->optimizer_parameters())
+    if (leaf.numel() > 0) {
+      EXPECT_EQ(checkpoints::read_parameter_state(opt, leaf)->counters.at("step"), 2);
+    }
+
+  strategy->optimizer_state_in_memory(opt, true);
+  const auto want = state_tensors(ref_opt, *reference), got = state_tensors(opt, *strategy);
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(at::equal(got[i], want[i])) << i;
+  // A load replaces one leaf's state with the reference's: it reaches disk, and the next step reads it.
+  const auto first = strategy->optimizer_parameters().front();
+  checkpoints::write_parameter_state(opt, first, *checkpoints::read_parameter_state(ref_opt, reference->optimizer_parameters().front()));
+  strategy->optimizer_state_in_memory(opt, false);
+  for (const auto& t : state_tensors(opt, *strategy)) EXPECT_EQ(t.numel(), 0);
+
+  step_through(*reference, ref_opt, 2, 1);
+  step_through(*strategy, opt, 2, 1);
+  const auto a = strategy->state_dict(StateDictKind::FULL), b = reference->state_dict(StateDictKind::FULL);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+  fs::remove_all(dir);
+}
+
+// SGD's momentum and Adam's amsgrad maximum are swapped like AdamW's moments; SGD without momentum keeps no state
+// and needs no file.
+TEST(ZeroDisk, EveryStateTheOptimizerKeepsIsSwappedAndNoStateNeedsNoFile) {
+  const auto dir = swap_dir("kinds");
+  if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
+  using Factory = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<at::Tensor>)>;
+  const std::vector<std::tuple<std::string, Factory, size_t>> kinds{
+      {"sgd with momentum",
+       [](auto p) { return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1).momentum(0.9)); }, 1},
+      {"adam with amsgrad",
+       [](auto p) { return std::make_unique<torch::optim::Adam>(p, torch::optim::AdamOptions(1e-2).amsgrad(true)); }, 3},
+      {"sgd", [](auto p) { return std::make_unique<torch::optim::SGD>(p, torch::optim::SGDOptions(0.1)); }, 0}};
+  for (const auto& [what, make, names] : kinds) {
+    std::vector<StateDict> params;
+    for (bool disk : {false, true}) {
+      auto comm = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
+      auto strategy = make_parallel_strategy(make_model(), comm, disk ? on_disk(2, dir) : stage_options(2));
+      auto opt = make(strategy->module()->parameters());
+      strategy->bind_optimizer(*opt);
+      EXPECT_EQ(checkpoints::kept_state_names(*opt).size(), names) << what;
+      step_through(*strategy, *opt, 0, 3);
+      params.push_back(strategy->state_dict(StateDictKind::FULL));
+      if (disk) {
+        EXPECT_EQ(strategy->stats()["optimizer_on_disk"]["optimizer_state_on_disk"], names > 0) << what;
+      }
+    }
+    for (size_t i = 0; i < params[0].size(); ++i)
+      EXPECT_TRUE(at::equal(params[0][i].second, params[1][i].second)) << what << " " << params[0][i].first;
+  }
+  fs::remove_all(dir);
+}
+
+// A swap file nobody holds was left by a process that died: the next claim removes it. One a live process holds
+// (locked) stays. An nvme_path that cannot be a directory fails when the optimizer is prepared, naming it.
+TEST(ZeroDisk, StaleSwapFilesAreRemovedLiveOnesKeptAndABadPathFailsAtPrepare) {
+  const auto dir = swap_dir("stale");
+  if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
+  const auto stale = dir / "xlr8-optimizer-999999-0.swap", live = dir / "xlr8-optimizer-999998-0.swap";
+  std::ofstream(stale) << std::string(8192, 'x');
+  std::ofstream(live) << "held";
+  const int held = ::open(live.c_str(), O_RDONLY);
+  ASSERT_EQ(::flock(held, LOCK_EX | LOCK_NB), 0);
+  {
+    auto comm = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
+    auto strategy = make_parallel_strategy(make_model(), comm, on_disk(3, dir));
+    torch::optim::AdamW opt(strategy->module()->parameters());
+    strategy->bind_optimizer(opt);
+    EXPECT_FALSE(fs::exists(stale));
+    EXPECT_TRUE(fs::exists(live));
+    EXPECT_EQ(strategy->stats()["optimizer_on_disk"]["stale_swap_files_removed"], 1);
+  }
+  ::close(held);
+  const auto file = dir / "a-file";
+  std::ofstream(file) << "not a directory";
+  auto comm = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
+  auto strategy = make_parallel_strategy(make_model(), comm, on_disk(3, file / "swap"));
+  torch::optim::AdamW opt(strategy->module()->parameters());
+  const auto error = disk_error_of([&] { strategy->bind_optimizer(opt); });
+  EXPECT_NE(error.find("cannot create the nvme_path directory " + (file / "swap").string()), std::string::npos) << error;
+  fs::remove_all(dir);
+}
+
+// DeepSpeed's JSON: offload_optimizer nvme with its buffers and the aio section become the options; what cannot
+// run is one ConfigError naming the key. Accelerate's keys reach the same options.
+TEST(ZeroDiskConfig, DeepSpeedsNvmeSectionsAndAccelerateKeysMapOntoTheOptions) {
+  auto parse = [](const std::string& json) { return deepspeed::parse_config(nlohmann::json::parse(json)); };
+  auto config = parse(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/d",
+                          "buffer_count": 6, "pipeline_read": true, "pipeline_write": true}},
+                          "aio": {"block_size": 2097152, "queue_depth": 16, "thread_count": 3, "single_submit": true,
+                          "overlap_events": false}})");
+  ParallelOptions parallel;
+  shard::apply_zero_config(config.zero_optimization, parallel);
+  const auto& disk = parallel.zero.optimizer_on_disk;
+  EXPECT_EQ(disk.path, "/d");
+  EXPECT_EQ(disk.buffer_count, 6);
+  EXPECT_TRUE(disk.read_ahead && disk.write_behind);
+  EXPECT_EQ(disk.aio_block_size, 2097152);
+  EXPECT_EQ(disk.aio_threads, 3);  // thread_count, intra_op_parallelism's old name
+  EXPECT_TRUE(parallel.zero.offload_optimizer);
+  const std::vector<std::pair<std::string, std::string>> refused{
+      {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}})", "nvme_path"},
+      {R"({"aio": {"use_gds": true}})", "GPUDirect Storage is not supported"},
+      {R"({"aio": {"block_size": 1000}})", "aio.block_size"},
+      {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/d", "ratio": 0.5}}})",
+       "offload_optimizer.ratio is 0.5 with device \"nvme\""},
+      {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/d"}}})",
+       "offload_param.device is \"nvme\": parameters on disk are not built yet"}};
+  for (const auto& [json, needle] : refused) {
+    const auto error = disk_error_of([&] {
+      ParallelOptions p;
+      shard::apply_zero_config(parse(json).zero_optimization, p);
+    });
+    EXPECT_NE(error.find(needle), std::string::npos) << json << "\n" << error;
+  }
+  Settings settings;
+  settings.deepspeed.emplace();
+  settings.deepspeed->zero_stage = 2;
+  settings.deepspeed->offload_optimizer_device = "nvme";
+  EXPECT_NE(disk_error_of([&] { shard::resolve_zero_options({}, settings, 1); }).find("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH"),
+            std::string::npos);
+  settings.deepspeed->offload_optimizer_nvme_path = "/nvme2";
+  const auto resolved = shard::resolve_zero_options({}, settings, 1, /*parameters_in_host_memory=*/true);
+  EXPECT_EQ(resolved.optimizer_on_disk.path, "/nvme2");  // on a CPU the disk tier stays; host offload has no meaning
+  EXPECT_FALSE(resolved.offload_optimizer);
+  settings.deepspeed->zero_stage = 0;
+  EXPECT_NE(disk_error_of([&] { shard::resolve_zero_options({}, settings, 1); }).find("at ZeRO stage 0"), std::string::npos);
+}
