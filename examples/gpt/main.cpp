@@ -300,6 +300,7 @@ int run(const Args& args) {
                           {"offload_pinned", stats.value("offload_pinned", false)},
                           // The disk tier (offload_optimizer nvme): rank 0's swap file, what moved, how fast.
                           {"optimizer_on_disk", stats.value("optimizer_on_disk", nlohmann::json())},
+                          {"parameters_on_disk", stats.value("parameters_on_disk", nlohmann::json())},
                           {"save_state_seconds", save_seconds},
                           {"load_state_seconds", load_seconds}};
     // How a sharding strategy split the model: its units (stage 3; the blocks under TRANSFORMER_BASED_WRAP)

@@ -98,10 +98,12 @@ struct ZeroOptions {
   bool offload_params = false;
   double offload_ratio = 1.0;
   bool offload_pin_memory = true;
-  // Offload's disk tier (DeepSpeed's offload_optimizer.device "nvme", ZeRO-Infinity), on any device, the CPU
-  // too: the optimizer's state (Adam's moments, SGD's momentum...) lives in a scratch file under `path` and
-  // comes into memory one parameter group at a time, the next group's read while the current one steps and
-  // the previous one's written back. Parameters on disk (offload_param "nvme") are not built yet.
+  // Offload's disk tier (DeepSpeed's device "nvme", ZeRO-Infinity), on any device, the CPU too.
+  // optimizer_on_disk: the optimizer's state (Adam's moments, SGD's momentum...) lives in a scratch file under
+  // `path` and comes into memory one parameter group at a time to step (the next group's read ahead, the
+  // previous one's written behind when asked). params_on_disk (stage 3, with optimizer_on_disk): each unit's
+  // parameter shard lives in a scratch file too, read for its gathers and its group's step and written back
+  // after the step; in memory stay the gathered units, the gradients' shards and the optimizer's step counts.
   struct Disk {
     std::string path;                  // nvme_path; empty: nothing on disk
     int buffer_count = 4;              // aligned host buffers the state moves through
@@ -110,7 +112,7 @@ struct ZeroOptions {
     int64_t aio_block_size = 1 << 20;  // bytes one read or write call moves
     int aio_threads = 1;               // threads issuing them (aio.intra_op_parallelism)
     bool enabled() const { return !path.empty(); }
-  } optimizer_on_disk;
+  } optimizer_on_disk, params_on_disk;
 };
 
 }  // namespace xlr8

@@ -24,8 +24,9 @@ Args tiny_gpt(const std::string& dir, int steps, Args more = {}) {
                 more);
 }
 
-Args on_disk(const std::string& swap_dir) {
-  return {"--offload_optimizer_device", "nvme", "--offload_optimizer_nvme_path", swap_dir};
+Args on_disk(const std::string& swap_dir, bool params = false) {
+  Args a{"--offload_optimizer_device", "nvme", "--offload_optimizer_nvme_path", swap_dir};
+  return params ? concat(a, {"--offload_param_device", "nvme", "--offload_param_nvme_path", swap_dir}) : a;
 }
 
 size_t swap_files_in(const std::string& dir) {
@@ -45,8 +46,9 @@ void expect_same_training(const nlohmann::json& got, const nlohmann::json& want,
 
 }  // namespace
 
-// ZeRO-3 on 1, 2 and 3 ranks and ZeRO-2 (a JSON with its buffers and aio section) on 2, with accumulation and
-// clipping: the run with the state on disk equals the one in memory; the swap files are gone at exit.
+// ZeRO-3 on 1, 2 and 3 ranks with the parameters on disk too, ZeRO-3 and ZeRO-2 (a JSON with its buffers and aio
+// section) on 2, with accumulation and clipping: the run with the state on disk equals the one in memory; the swap
+// files are gone at exit.
 TEST(GptOffloadDisk, ZeroThreeAndTwoOnOneTwoAndThreeRanksEqualTheRunInMemory) {
   // The same JSON in memory: nothing but the offload differs (bucket sizes would change the reductions' rounding).
   const auto json = temp_dir("gpt-disk-json") + "/zero2.json", json_in_memory = temp_dir("gpt-disk-json") + "/mem.json";
@@ -64,9 +66,11 @@ TEST(GptOffloadDisk, ZeroThreeAndTwoOnOneTwoAndThreeRanksEqualTheRunInMemory) {
   };
   const auto swap = temp_dir("gpt-disk-swap");
   std::vector<Layout> layouts;
+  const Args zero3{"--use_deepspeed", "--zero_stage", "3"};
   for (int ranks : {1, 2, 3})
-    layouts.push_back({fmt::format("zero 3 on {}", ranks), ranks, {"--use_deepspeed", "--zero_stage", "3"},
-                       concat({"--use_deepspeed", "--zero_stage", "3"}, on_disk(swap))});
+    layouts.push_back({fmt::format("zero 3 on {}, parameters on disk too", ranks), ranks, zero3,
+                       concat(zero3, on_disk(swap, /*params=*/true))});
+  layouts.push_back({"zero 3 on 2", 2, zero3, concat(zero3, on_disk(swap))});
   layouts.push_back({"zero 2 (JSON) on 2", 2, {"--use_deepspeed", "--deepspeed_config_file", json_in_memory},
                      {"--use_deepspeed", "--deepspeed_config_file", json}});
   for (const auto& [name, ranks, in_memory, with_disk] : layouts) {
@@ -80,26 +84,30 @@ TEST(GptOffloadDisk, ZeroThreeAndTwoOnOneTwoAndThreeRanksEqualTheRunInMemory) {
     EXPECT_EQ(disk["swapped_steps"], 6);
     EXPECT_GT(disk["swap_bytes_read"].get<int64_t>(), 0);
     EXPECT_GT(disk["swap_bytes_written"].get<int64_t>(), 0);
+    if (name.find("parameters on disk") != std::string::npos) {
+      EXPECT_GT(got.value("parameters_on_disk", nlohmann::json::object()).value("shard_reads", 0), 0) << got.dump();
+    }
     EXPECT_EQ(swap_files_in(swap) + swap_files_in(json_swap), 0u);
   }
 }
 
-// Saved at step 3 and resumed to 6: the checkpoint held the moments from disk, and the resumed run's state went
-// back there. Killed with SIGKILL mid-run, the job leaves its swap files; the resumed one removes them and ends as
+// Parameters and state on disk. Saved at step 3 and resumed to 40: the checkpoint held what was on disk, and the
+// resumed run's went back there. Killed with SIGKILL mid-run, the job leaves its swap files; the resumed one removes them and ends as
 // the straight run.
 TEST(GptOffloadDisk, ACheckpointHoldsTheStateAndAJobKilledMidRunResumesAsTheStraightOne) {
   const Args zero3{"--use_deepspeed", "--zero_stage", "3"};
   const auto swap = temp_dir("gpt-disk-resume-swap");
   const auto straight_dir = temp_dir("gpt-disk-straight");
-  const auto straight = json_of(launch_gpt(2, concat(zero3, on_disk(swap)), tiny_gpt(straight_dir, 40)));
+  const auto both = on_disk(swap, /*params=*/true);
+  const auto straight = json_of(launch_gpt(2, concat(zero3, both), tiny_gpt(straight_dir, 40)));
   const auto split_dir = temp_dir("gpt-disk-split");
-  launch_gpt(2, concat(zero3, on_disk(swap)), tiny_gpt(split_dir, 3, {"--checkpoint_every", "3"}));
-  const auto resumed = json_of(launch_gpt(2, concat(zero3, on_disk(swap)), tiny_gpt(split_dir, 40, {"--resume_from", "latest"})));
+  launch_gpt(2, concat(zero3, both), tiny_gpt(split_dir, 3, {"--checkpoint_every", "3"}));
+  const auto resumed = json_of(launch_gpt(2, concat(zero3, both), tiny_gpt(split_dir, 40, {"--resume_from", "latest"})));
   expect_same_training(resumed, straight, split_dir, straight_dir);
 
   const auto killed_dir = temp_dir("gpt-disk-killed");
   {
-    auto command = concat(concat({kXlr8, "launch", "--num_processes", "2"}, concat(zero3, on_disk(swap))), {kGpt});
+    auto command = concat(concat({kXlr8, "launch", "--num_processes", "2"}, concat(zero3, both)), {kGpt});
     Process job(concat(command, tiny_gpt(killed_dir, 40, {"--checkpoint_every", "2"})));
     const auto first = killed_dir + "/checkpoints/checkpoint_0/MANIFEST.json";
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
@@ -109,8 +117,8 @@ TEST(GptOffloadDisk, ACheckpointHoldsTheStateAndAJobKilledMidRunResumesAsTheStra
     kill(-job.pid(), SIGKILL);
     job.wait(30);
   }
-  EXPECT_EQ(swap_files_in(swap), 2u);  // each rank's, left by the kill
-  auto r = launch_gpt(2, concat(zero3, on_disk(swap)), tiny_gpt(killed_dir, 40, {"--resume_from", "latest"}));
+  EXPECT_EQ(swap_files_in(swap), 4u);  // each rank's two (state and parameters), left by the kill
+  auto r = launch_gpt(2, concat(zero3, both), tiny_gpt(killed_dir, 40, {"--resume_from", "latest"}));
   EXPECT_NE((r.out + r.err).find("stale swap file(s)"), std::string::npos) << r.err;
   expect_same_training(json_of(r), straight, killed_dir, straight_dir);
   EXPECT_EQ(swap_files_in(swap), 0u);

@@ -40,10 +40,11 @@ bool direct_io_works(const fs::path& dir) {
   return fd >= 0;
 }
 
-ParallelOptions on_disk(int stage, const fs::path& dir, bool pipelined = true) {
+ParallelOptions on_disk(int stage, const fs::path& dir, bool pipelined = true, bool params = false) {
   auto o = stage_options(stage);
   o.zero.optimizer_on_disk.path = dir.string();
   o.zero.optimizer_on_disk.read_ahead = o.zero.optimizer_on_disk.write_behind = pipelined;
+  if (params) o.zero.params_on_disk.path = dir.string();
   return o;
 }
 
@@ -113,6 +114,42 @@ TEST(ZeroDisk, EveryStageOnOneTwoAndThreeRanksEqualsTheRunInMemoryBitwise) {
         EXPECT_TRUE(fs::exists(file)) << what;
         strategy.reset();
         EXPECT_FALSE(fs::exists(file)) << what;
+      });
+    }
+  fs::remove_all(dir);
+}
+
+// Stage 3 with the parameter shards on disk too, in fp32 and with bf16 parameters over fp32 masters, on 1, 2 and 3
+// ranks with accumulation and clipping: bitwise the run in memory. Between steps no shard holds memory; the
+// gathers and the steps read them, the steps write them.
+TEST(ZeroDisk, ParametersOnDiskTooAtStageThreeOnOneTwoAndThreeRanksEqualTheRunInMemoryBitwise) {
+  const auto dir = swap_dir("params");
+  if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
+  for (bool bf16 : {false, true})
+    for (int ranks : {1, 2, 3}) {
+      auto memory = stage_options(3);
+      memory.zero.offload_optimizer = true;  // one process sharded over a group of one, as on disk
+      auto disk = on_disk(3, dir, ranks == 2, /*params=*/true);
+      if (bf16) memory.zero.param_dtype = disk.zero.param_dtype = at::kBFloat16;
+      std::vector<TrainRun> in_memory(ranks);
+      run_ranks(ranks, [&](Communicator& comm) {
+        auto strategy = make_parallel_strategy(make_model(), comm, memory);
+        in_memory[comm.rank()] = train(*strategy, comm.rank(), ranks, 3, 2, 0.05, bf16);
+      });
+      run_ranks(ranks, [&](Communicator& comm) {
+        const auto what = fmt::format("{} on {} ranks, rank {}", bf16 ? "bf16" : "fp32", ranks, comm.rank());
+        auto strategy = make_parallel_strategy(make_model(), comm, disk);
+        auto got = train(*strategy, comm.rank(), ranks, 3, 2, 0.05, bf16);
+        expect_same_run(got, in_memory[comm.rank()], 0.0, what);
+        if (!bf16) {
+          for (const auto& leaf : strategy->optimizer_parameters()) EXPECT_EQ(leaf.storage().nbytes(), 0u) << what;
+        }
+        const auto params = strategy->stats()["parameters_on_disk"];
+        ASSERT_TRUE(params.is_object()) << what;
+        // Written at prepare and after every step, read for every gather and step.
+        EXPECT_GT(params["shard_writes"].get<int64_t>(), 3) << what;
+        EXPECT_GT(params["shard_reads"].get<int64_t>(), params["shard_writes"].get<int64_t>()) << what;
+        EXPECT_GT(params["swap_bytes_read"].get<int64_t>(), 0) << what;
       });
     }
   fs::remove_all(dir);
@@ -247,8 +284,7 @@ TEST(ZeroDiskConfig, DeepSpeedsNvmeSectionsAndAccelerateKeysMapOntoTheOptions) {
       {R"({"aio": {"block_size": 1000}})", "aio.block_size"},
       {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/d", "ratio": 0.5}}})",
        "offload_optimizer.ratio is 0.5 with device \"nvme\""},
-      {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/d"}}})",
-       "offload_param.device is \"nvme\": parameters on disk are not built yet"}};
+      {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})", "nvme_path"}};
   for (const auto& [json, needle] : refused) {
     const auto error = disk_error_of([&] {
       ParallelOptions p;
@@ -256,6 +292,13 @@ TEST(ZeroDiskConfig, DeepSpeedsNvmeSectionsAndAccelerateKeysMapOntoTheOptions) {
     });
     EXPECT_NE(error.find(needle), std::string::npos) << json << "\n" << error;
   }
+  auto both = parse(R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/p",
+                        "buffer_count": 7}, "offload_optimizer": {"device": "nvme", "nvme_path": "/o"}}})");
+  ParallelOptions with_params;
+  shard::apply_zero_config(both.zero_optimization, with_params);
+  EXPECT_EQ(with_params.zero.params_on_disk.path, "/p");
+  EXPECT_EQ(with_params.zero.params_on_disk.buffer_count, 7);
+  EXPECT_EQ(with_params.zero.optimizer_on_disk.path, "/o");
   Settings settings;
   settings.deepspeed.emplace();
   settings.deepspeed->zero_stage = 2;
@@ -266,6 +309,20 @@ TEST(ZeroDiskConfig, DeepSpeedsNvmeSectionsAndAccelerateKeysMapOntoTheOptions) {
   const auto resolved = shard::resolve_zero_options({}, settings, 1, /*parameters_in_host_memory=*/true);
   EXPECT_EQ(resolved.optimizer_on_disk.path, "/nvme2");  // on a CPU the disk tier stays; host offload has no meaning
   EXPECT_FALSE(resolved.offload_optimizer);
+  settings.deepspeed->offload_param_device = "nvme";
+  EXPECT_NE(disk_error_of([&] { shard::resolve_zero_options({}, settings, 1); }).find("offload_param_nvme_path"),
+            std::string::npos);
+  settings.deepspeed->offload_param_nvme_path = "/nvme";
+  EXPECT_NE(disk_error_of([&] { shard::resolve_zero_options({}, settings, 1); }).find("offload_param device nvme at ZeRO stage 2"),
+            std::string::npos);
+  settings.deepspeed->zero_stage = 3;
+  EXPECT_EQ(shard::resolve_zero_options({}, settings, 1).params_on_disk.path, "/nvme");
+  settings.deepspeed->offload_optimizer_device = "cpu";
+  EXPECT_NE(disk_error_of([&] { shard::resolve_zero_options({}, settings, 1); })
+                .find("offload_param device nvme without offload_optimizer device nvme"),
+            std::string::npos);
+  settings.deepspeed->offload_param_device = "none";
+  settings.deepspeed->offload_optimizer_device = "nvme";
   settings.deepspeed->zero_stage = 0;
   EXPECT_NE(disk_error_of([&] { shard::resolve_zero_options({}, settings, 1); }).find("at ZeRO stage 0"), std::string::npos);
 }

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include "parallel/shard/shard_store.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8::shard {
@@ -25,25 +26,85 @@ at::Tensor FlatGroup::shard_on_device() const {
 
 void FlatGroup::gather(Communicator& comm) { gather_async(comm).wait(); }
 
+namespace {
+
+// New memory for `t`'s storage (every view of it sees it), or none.
+void fill_storage_anew(const at::Tensor& t, int64_t bytes) {
+  auto storage = t.storage();
+  storage.set_data_ptr_noswap(storage.allocator()->allocate(static_cast<size_t>(bytes)));
+  storage.set_nbytes(static_cast<size_t>(bytes));
+}
+void free_storage(const at::Tensor& t) {
+  auto storage = t.storage();
+  storage.set_data_ptr_noswap(at::DataPtr(nullptr, t.device()));
+  storage.set_nbytes(0);
+}
+
+}  // namespace
+
 Work FlatGroup::gather_async(Communicator& comm) {
   if (!owns_shard || gathered()) return Work();
   // Same storage object, new memory: every parameter view (and every tensor autograd saved from them
   // during forward) sees the gathered values.
-  auto storage = full.storage();
-  const auto bytes = static_cast<size_t>(full_bytes());
-  storage.set_data_ptr_noswap(storage.allocator()->allocate(bytes));
-  storage.set_nbytes(bytes);
-  return comm.all_gather_async(full, shard_on_device());
+  fill_storage_anew(full, full_bytes());
+  if (!disk) return comm.all_gather_async(full, shard_on_device());
+  // From disk: the shard is read, gathered from and let go (a gather changes nothing).
+  const bool was_on_disk = shard_on_disk;
+  load_shard();
+  comm.all_gather_async(full, shard_on_device()).wait();
+  if (was_on_disk) drop_shard();
+  return Work();
+}
+
+void FlatGroup::load_shard() {
+  if (!disk || !shard_on_disk) return;
+  fill_storage_anew(shard, shard_numel * static_cast<int64_t>(shard.element_size()));
+  disk->read(disk_slot, shard);
+  shard_on_disk = false;
+}
+
+void FlatGroup::store_shard() {
+  if (!disk) return;
+  if (mixed()) {  // the shard follows its master, whose values are in memory: no read needed
+    if (shard_on_disk) fill_storage_anew(shard, shard_numel * static_cast<int64_t>(shard.element_size()));
+    at::NoGradGuard no_grad;
+    shard.copy_(master);
+  } else if (shard_on_disk) {
+    return;
+  }
+  disk->write(disk_slot, shard);
+  free_storage(shard);
+  shard_on_disk = true;
+}
+
+void FlatGroup::drop_shard() {
+  if (!disk || shard_on_disk) return;
+  free_storage(shard);
+  shard_on_disk = true;
 }
 
 void FlatGroup::release() {
   if (!owns_shard || !gathered()) return;
-  auto storage = full.storage();
-  storage.set_data_ptr_noswap(at::DataPtr(nullptr, full.device()));
-  storage.set_nbytes(0);
+  free_storage(full);
 }
 
 Work FlatGroup::refresh_async(Communicator& comm) {
+  if (disk) {  // synchronous: the shard is in memory only while it is needed
+    if (owns_shard && !gathered()) {
+      if (!shard_on_disk) store_shard();  // changed in memory (a load): to disk
+      return Work();
+    }
+    const bool was_on_disk = shard_on_disk;
+    load_shard();
+    if (!was_on_disk && mixed()) {
+      at::NoGradGuard no_grad;
+      shard.copy_(master);
+    }
+    comm.all_gather_async(full, shard_on_device()).wait();
+    if (was_on_disk) drop_shard();
+    else store_shard();
+    return Work();
+  }
   if (mixed()) {
     at::NoGradGuard no_grad;
     shard.copy_(master);
@@ -52,12 +113,15 @@ Work FlatGroup::refresh_async(Communicator& comm) {
   return comm.all_gather_async(full, shard_on_device());  // stages 1-2: `shard` is this rank's chunk of `full`: in place
 }
 
-at::Tensor FlatGroup::gather_master(Communicator& comm) const {
+at::Tensor FlatGroup::gather_master(Communicator& comm) {
   if (!mixed() && gathered()) return full;
   // Offloaded masters are gathered in host memory (the host's collectives): a checkpoint of an offloaded
   // model must not need the whole fp32 model in device memory.
   auto whole = at::empty({padded()}, master.options());
+  const bool was_on_disk = shard_on_disk && !mixed();  // the master is the shard
+  if (was_on_disk) load_shard();
   comm.all_gather(whole, master);
+  if (was_on_disk) drop_shard();
   return whole;
 }
 

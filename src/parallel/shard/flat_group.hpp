@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -26,6 +27,8 @@ struct HostPlacement {
   bool shard = false;
   bool pin = true;
 };
+
+class ShardStore;
 
 struct FlatGroup {
   std::string label;                         // the unit's module path, "(root)", or "bucket k"
@@ -46,6 +49,12 @@ struct FlatGroup {
   at::Tensor grad_full;                      // gradients laid out like `full` (while reducing; stage 1 keeps it)
   std::vector<at::Tensor> shard_params;      // per parameter: the leaf the optimizer updates (a view of `master`;
                                              // frozen: a leaf that requires no gradient, which optimizers skip)
+  // Parameters on disk (stage 3, ZeroOptions::params_on_disk): `shard` (and `master`, when it is `shard`) holds
+  // memory only while resident; otherwise its values are in `disk`'s slot and its storage is empty. Whoever
+  // changes the shard makes it resident first; storing a resident shard writes it back.
+  std::shared_ptr<ShardStore> disk;
+  std::string disk_slot;  // its name in `disk`
+  bool shard_on_disk = false;
 
   bool mixed() const { return !master.is_same(shard); }
 
@@ -71,7 +80,13 @@ struct FlatGroup {
   // chunk into `full` (in place for stages 1-2; stage 3 only when gathered).
   Work refresh_async(Communicator& comm);
   // The whole parameters in the master dtype, whatever `full` holds now (collective).
-  at::Tensor gather_master(Communicator& comm) const;
+  at::Tensor gather_master(Communicator& comm);
+
+  // Parameters on disk (no-ops without): the shard read back into memory of its own; written back (after
+  // `master`'s values are copied into it when they differ) and its memory freed; freed unchanged.
+  void load_shard();
+  void store_shard();
+  void drop_shard();
 };
 
 // Lays `params` (same dtype and device; all requiring gradients, or none: a frozen group) out in a new group. With a

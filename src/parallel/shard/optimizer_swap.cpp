@@ -42,7 +42,7 @@ struct RestoreParameterLists {
 }  // namespace
 
 OptimizerSwap::OptimizerSwap(const ZeroOptions::Disk& disk, const torch::optim::Optimizer& optimizer,
-                             const std::vector<const FlatGroup*>& groups)
+                             const std::vector<FlatGroup*>& groups)
     : disk_(disk) {
   if (!checkpoints::portable_optimizer_kind(optimizer))
     throw ConfigError("offload_optimizer device nvme: the disk tier swaps the optimizer's state by name, which it knows "
@@ -51,8 +51,9 @@ OptimizerSwap::OptimizerSwap(const ZeroOptions::Disk& disk, const torch::optim::
   names_ = checkpoints::kept_state_names(optimizer);
   std::vector<TensorSwapper::Slot> slots;
   int64_t largest = 0;
-  for (const auto* flat : groups) {
-    Group g{.members = {}, .numel = flat->shard_numel, .dtype = flat->master.scalar_type()};
+  for (auto* flat : groups) {
+    shards_on_disk_ = shards_on_disk_ || flat->disk != nullptr;
+    Group g{.flat = flat, .members = {}, .numel = flat->shard_numel, .dtype = flat->master.scalar_type()};
     for (size_t i = 0; i < flat->shard_params.size(); ++i)
       if (const auto part = flat->owned_part(i); part.count > 0) g.members.push_back({flat->shard_params[i], part.in_shard});
     if (g.members.empty()) continue;
@@ -82,7 +83,7 @@ OptimizerSwap::~OptimizerSwap() = default;
 std::string OptimizerSwap::slot(size_t group, const std::string& name) const { return fmt::format("{}/{}", group, name); }
 
 void OptimizerSwap::step(torch::optim::Optimizer& optimizer) {
-  if (!swapper_) {
+  if (!swapper_ && !shards_on_disk_) {
     optimizer.step();
     return;
   }
@@ -92,15 +93,18 @@ void OptimizerSwap::step(torch::optim::Optimizer& optimizer) {
   RestoreParameterLists restore{optimizer, lists};
   std::unordered_set<const c10::TensorImpl*> stepped;
   for (size_t k = 0; k < groups_.size(); ++k) {
-    if (disk_.read_ahead && k + 1 < groups_.size() && groups_[k + 1].on_disk)
+    if (swapper_ && disk_.read_ahead && k + 1 < groups_.size() && groups_[k + 1].on_disk)
       for (const auto& name : names_) swapper_->prefetch(slot(k + 1, name));
     auto lent = swap_in(k, optimizer);
+    auto* flat = groups_[k].flat;
+    if (!flat->mixed()) flat->load_shard();  // the leaves view the shard (parameters on disk)
     std::vector<const c10::TensorImpl*> leaves;
     for (const auto& m : groups_[k].members) leaves.push_back(m.leaf.unsafeGetTensorImpl());
     stepped.insert(leaves.begin(), leaves.end());
     step_only(optimizer, lists, leaves);
+    flat->store_shard();  // the stepped values to disk (a no-op for parameters in memory)
     swap_out(k, optimizer, std::move(lent));
-    if (!disk_.write_behind) swapper_->flush();
+    if (swapper_ && !disk_.write_behind) swapper_->flush();
   }
   std::vector<const c10::TensorImpl*> rest;  // the optimizer's other parameters (another model's, a frozen whole one)
   for (const auto& list : lists)
@@ -127,7 +131,7 @@ void OptimizerSwap::step_only(torch::optim::Optimizer& optimizer, const std::vec
 std::map<std::string, at::Tensor> OptimizerSwap::swap_in(size_t k, torch::optim::Optimizer& optimizer) {
   auto& g = groups_[k];
   std::map<std::string, at::Tensor> lent;
-  if (!g.on_disk) return lent;
+  if (!swapper_ || !g.on_disk) return lent;
   for (const auto& name : names_) lent[name] = swapper_->swap_in(slot(k, name));
   at::NoGradGuard no_grad;
   for (const auto& m : g.members) {
@@ -145,6 +149,7 @@ std::map<std::string, at::Tensor> OptimizerSwap::swap_in(size_t k, torch::optim:
 }
 
 void OptimizerSwap::swap_out(size_t k, torch::optim::Optimizer& optimizer, std::map<std::string, at::Tensor> lent) {
+  if (!swapper_) return;
   auto& g = groups_[k];
   std::vector<std::optional<checkpoints::ParameterState>> states;
   for (const auto& m : g.members) states.push_back(checkpoints::read_parameter_state(optimizer, m.leaf));

@@ -28,13 +28,13 @@ class OptimizerSwap {
   // that a full or unwritable nvme_path fails before training (the stale files of runs that died there are
   // removed first). ConfigError for an optimizer whose state the disk tier cannot name.
   OptimizerSwap(const ZeroOptions::Disk& disk, const torch::optim::Optimizer& optimizer,
-                const std::vector<const FlatGroup*>& groups);
+                const std::vector<FlatGroup*>& groups);
   ~OptimizerSwap();
   OptimizerSwap(const OptimizerSwap&) = delete;
   OptimizerSwap& operator=(const OptimizerSwap&) = delete;
 
-  // optimizer.step(), group by group, with each group's state in memory only while it steps. Parameters of the
-  // optimizer outside these groups step last, as usual.
+  // optimizer.step(), group by group, with each group's state (and, parameters on disk, its shard) in memory only
+  // while it steps. Parameters of the optimizer outside these groups step last, as usual.
   void step(torch::optim::Optimizer& optimizer);
   // Every group's state in memory of its own (a checkpoint reads or replaces it), or written out again.
   void bring_in(torch::optim::Optimizer& optimizer);
@@ -48,6 +48,7 @@ class OptimizerSwap {
     int64_t offset = 0;  // in the group's chunk
   };
   struct Group {
+    FlatGroup* flat = nullptr;
     std::vector<Member> members;  // leaves with elements
     int64_t numel = 0;            // the chunk's
     at::ScalarType dtype;
@@ -67,7 +68,8 @@ class OptimizerSwap {
   std::vector<std::string> names_;  // the state tensors kept per parameter
   std::vector<Group> groups_;
   std::unordered_map<const c10::TensorImpl*, at::Tensor> emptied_;  // state tensors whose values are on disk
-  std::unique_ptr<TensorSwapper> swapper_;
+  std::unique_ptr<TensorSwapper> swapper_;  // none when the optimizer keeps no state
+  bool shards_on_disk_ = false;             // the groups' parameters are on disk too
   std::vector<std::string> stale_removed_;
   int64_t steps_ = 0;
   double step_seconds_ = 0;

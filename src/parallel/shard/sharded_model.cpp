@@ -11,6 +11,7 @@
 #include "os/memory.hpp"
 #include "parallel/recompute/recompute.hpp"
 #include "parallel/shard/optimizer_swap.hpp"
+#include "parallel/shard/shard_store.hpp"
 #include "parallel/replicate/gradient_ready.hpp"
 #include "parallel/replicate/replica_sync.hpp"
 #include "parallel/shard/unit_registry.hpp"
@@ -44,7 +45,8 @@ class UnitHandle final : public UnitHooks {
 class OffloadBudget {
  public:
   OffloadBudget(const ZeroOptions& options, const StagePolicy& policy, const std::vector<UnitPlan>& plans)
-      : params_(options.offload_params && policy.shards_parameters),
+      // Parameters on disk pass through host memory: their groups are placed as offloaded ones.
+      : params_((options.offload_params || options.params_on_disk.enabled()) && policy.shards_parameters),
         optimizer_(options.offload_optimizer || params_),
         pin_(options.offload_pin_memory) {
     if (options.offload_params && !policy.shards_parameters)
@@ -112,6 +114,8 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
   auto plans = policy_.shards_parameters ? plan_units(*module_, options_)
                                          : plan_buckets(*module_, options_.first_bucket_mb, options_.bucket_cap_mb);
   OffloadBudget offload(options_, policy_, plans);
+  shard_store_ = make_shard_store(plans);
+  size_t disk_slots = 0;
   for (auto& plan : plans) {
     const bool root = plan.module == module_.get();
     std::vector<FlatGroup> groups;
@@ -121,6 +125,11 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
       groups.push_back(make_flat_group(frozen ? plan.label + " (frozen)" : plan.label, std::move(g.names),
                                        std::move(g.params), comm_, /*owns_shard=*/policy_.shards_parameters,
                                        options_.param_dtype, from_rank0, host));
+      if (shard_store_) {  // to disk at once: at most one group's shard in memory while the model is prepared
+        groups.back().disk = shard_store_;
+        groups.back().disk_slot = std::to_string(disk_slots++);
+        groups.back().store_shard();
+      }
       os::return_free_memory_to_system();  // the group's original parameter storage, now replaced
     }
     // Units start freed under rank-0 loading (their guards gather them); the root stays whole until
@@ -153,6 +162,33 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
   works_.resize(groups_.size());
   context_.peak_gathered_bytes = context_.step_peak_gathered_bytes = context_.gathered_bytes;
   reset_backward_state();
+}
+
+std::shared_ptr<ShardStore> ShardedModel::make_shard_store(const std::vector<UnitPlan>& plans) const {
+  if (!options_.params_on_disk.enabled()) return nullptr;
+  if (!policy_.shards_parameters || !options_.optimizer_on_disk.enabled())
+    throw ConfigError(fmt::format("parameters on disk (offload_param nvme) need ZeRO stage 3 (stage is {}) with the "
+                                  "optimizer's state on disk too (offload_optimizer nvme)",
+                                  policy_.stage));
+  // One slot a group, in the order the groups are made (make_flat_group's shard size and dtype).
+  std::vector<ShardStore::Shard> shards;
+  const int64_t ranks = comm_.size();
+  for (const auto& plan : plans)
+    for (const auto& g : plan.groups) {
+      int64_t numel = 0;
+      for (const auto& p : g.params) numel += p.numel();
+      shards.push_back({std::to_string(shards.size()), options_.param_dtype.value_or(g.params.front().scalar_type()),
+                        (numel + ranks - 1) / ranks});
+    }
+  return std::make_shared<ShardStore>(options_.params_on_disk, shards);
+}
+
+void ShardedModel::all_shards_in_memory(bool in_memory) {
+  if (!shard_store_) return;
+  for (auto* flat : groups_) {
+    if (in_memory) flat->load_shard();
+    else flat->store_shard();
+  }
 }
 
 void ShardedModel::attach() {

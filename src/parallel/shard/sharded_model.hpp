@@ -26,6 +26,8 @@ namespace xlr8::shard {
 
 // What a ZeRO stage changes, as data rather than branches.
 class OptimizerSwap;
+class ShardStore;
+struct UnitPlan;
 
 struct StagePolicy {
   int stage = 1;
@@ -177,8 +179,14 @@ class ShardedModel : public std::enable_shared_from_this<ShardedModel> {
   UnitOrder forward_order_, backward_order_;
 
   int64_t launches_ = 0, overlapped_ = 0;
-  // Offload's disk tier: per optimizer, its state's swap file (ZeroOptions::optimizer_on_disk).
+  // Offload's disk tier: per optimizer, its state's swap file (ZeroOptions::optimizer_on_disk); the parameter
+  // shards' (ZeroOptions::params_on_disk), shared with every group.
   std::map<const torch::optim::Optimizer*, std::unique_ptr<OptimizerSwap>> swaps_;
+  std::shared_ptr<ShardStore> shard_store_;
+  std::shared_ptr<ShardStore> make_shard_store(const std::vector<UnitPlan>& plans) const;
+  // Parameters on disk: every group's shard read into memory (a checkpoint or a state dict reads or writes it), or
+  // written back and let go.
+  void all_shards_in_memory(bool in_memory);
 };
 
 }  // namespace xlr8::shard

@@ -10,6 +10,7 @@
 #include "compat/torch_compat.hpp"
 #include "parallel/grad_norm.hpp"
 #include "parallel/shard/optimizer_swap.hpp"
+#include "parallel/shard/shard_store.hpp"
 #include "parallel/shard/sharded_model.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
@@ -39,12 +40,13 @@ void ShardedModel::bind_optimizer(torch::optim::Optimizer& optimizer) {
       p = group(it->second.group).shard_params[it->second.index];
     }
   if (!options_.optimizer_on_disk.enabled() || bound.empty() || swaps_.count(&optimizer)) return;
-  std::vector<const FlatGroup*> groups;
+  std::vector<FlatGroup*> groups;
   for (size_t g : bound) groups.push_back(&group(g));
   swaps_[&optimizer] = std::make_unique<OptimizerSwap>(options_.optimizer_on_disk, optimizer, groups);
 }
 
 void ShardedModel::optimizer_state_in_memory(torch::optim::Optimizer& optimizer, bool in_memory) {
+  all_shards_in_memory(in_memory);  // a checkpoint reads (or a load writes) the parameters' pieces too
   const auto it = swaps_.find(&optimizer);
   if (it == swaps_.end()) return;
   if (in_memory) it->second->bring_in(optimizer);
@@ -184,7 +186,8 @@ nlohmann::json ShardedModel::stats() const {
           {"gathered_bytes", c.gathered_bytes},
           {"peak_gathered_bytes", c.peak_gathered_bytes},
           {"step_peak_gathered_bytes", c.step_peak_gathered_bytes},
-          {"optimizer_on_disk", swaps_.empty() ? nlohmann::json(nullptr) : swaps_.begin()->second->stats()}};
+          {"optimizer_on_disk", swaps_.empty() ? nlohmann::json(nullptr) : swaps_.begin()->second->stats()},
+          {"parameters_on_disk", shard_store_ ? shard_store_->stats() : nlohmann::json(nullptr)}};
 }
 
 }  // namespace xlr8::shard

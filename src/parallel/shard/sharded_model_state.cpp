@@ -11,6 +11,7 @@ namespace xlr8::shard {
 StateDict ShardedModel::state_dict(StateDictKind kind) {
   StateDict out;
   if (kind == StateDictKind::SHARDED) {
+    all_shards_in_memory(true);  // the leaves returned view the shards
     for (const auto& item : module_->named_parameters()) {
       const auto* slot = slot_of(item.value());
       out.emplace_back(item.key(), slot ? group(slot->group).shard_params[slot->index].detach() : item.value());
@@ -72,6 +73,7 @@ void ShardedModel::load_state_dict(const StateDict& state, StateDictKind kind) {
   for (const auto& item : module_->named_buffers()) own[item.key()] = item.value();
   std::lock_guard<std::mutex> lock(mutex_);
   drop_prefetches();
+  all_shards_in_memory(true);  // written below; the refresh at the end stores them again
   at::NoGradGuard no_grad;
   for (const auto& [name, tensor] : state) {
     const auto& target = own.at(name);
@@ -96,6 +98,7 @@ std::vector<ParameterPiece> ShardedModel::parameter_pieces() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     drop_prefetches();  // a mispredicted one would all-gather the shards while a load writes them
+    all_shards_in_memory(true);  // the pieces view them (parameter_pieces_loaded stores them again)
   }
   // Under hybrid sharding every replica holds the same shards: the first one writes them.
   const bool writer = !replicate_.valid() || replicate_.rank() == 0;
@@ -154,7 +157,8 @@ void ShardedModel::parameter_pieces_loaded(bool whole_parameters_written) {
   at::NoGradGuard no_grad;
   for (auto* flat : groups_) {
     if (whole_parameters_written) {
-      if (flat->mixed()) flat->shard.copy_(flat->master);
+      if (flat->disk) flat->store_shard();  // copies the master when it is another tensor
+      else if (flat->mixed()) flat->shard.copy_(flat->master);
       continue;
     }
     // One group at a time (unlike after a step, where they overlap): the transient stays one group's.

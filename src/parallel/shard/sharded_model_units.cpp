@@ -311,8 +311,10 @@ void ShardedModel::release_full_parameters(bool writeback) {
     for (auto& group : unit->groups())
       if (writeback && group.gathered()) {
         auto own = group.full.narrow(0, static_cast<int64_t>(group.rank) * group.shard_numel, group.shard_numel);
+        group.load_shard();
         if (group.owns_shard) group.shard.copy_(own);
         if (group.mixed()) group.master.copy_(own);
+        group.store_shard();
       }
     unit->release(ShardingUnit::Which::ALL);
   }

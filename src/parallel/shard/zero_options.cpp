@@ -86,9 +86,14 @@ ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings, 
   }
   if (settings.deepspeed) {
     const auto& d = *settings.deepspeed;
-    if (d.offload_param_device == "nvme")
-      throw ConfigError("deepspeed_config.offload_param_device is nvme: parameters on disk are not built yet (the "
-                        "optimizer's state can be: offload_optimizer_device nvme); use cpu (host memory) or none");
+    if (d.offload_param_device == "nvme" && !options.params_on_disk.enabled()) {
+      if (d.offload_param_nvme_path.empty())
+        throw ConfigError("deepspeed_config.offload_param_device is nvme but offload_param_nvme_path "
+                          "(ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH) is empty; set it to a directory on a local "
+                          "disk");
+      options.params_on_disk.path = d.offload_param_nvme_path;
+      options.params_on_disk.buffer_count = 5;  // DeepSpeed's default for parameters
+    }
     if (d.offload_optimizer_device == "nvme" && !options.optimizer_on_disk.enabled()) {
       if (d.offload_optimizer_nvme_path.empty())
         throw ConfigError("deepspeed_config.offload_optimizer_device is nvme but offload_optimizer_nvme_path "
@@ -98,7 +103,7 @@ ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings, 
     }
     // On disk means through host memory: the optimizer steps there, as with cpu.
     options.offload_optimizer = options.offload_optimizer || d.offload_optimizer_device != "none";
-    options.offload_params = options.offload_params || d.offload_param_device == "cpu";
+    options.offload_params = options.offload_params || d.offload_param_device != "none";
     if (options.stage < 0) options.stage = d.zero_stage;
     // DeepSpeed gathers submodule by submodule, never the whole model at once.
     if (options.auto_wrap_policy == AutoWrapPolicy::NO_WRAP) options.auto_wrap_policy = AutoWrapPolicy::GUARDED_MODULES;
@@ -107,6 +112,14 @@ ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings, 
   if (options.optimizer_on_disk.enabled() && options.stage == 0)
     throw ConfigError("offload_optimizer device nvme at ZeRO stage 0: the optimizer's state goes to disk from a sharded "
                       "optimizer; use ZeRO stage 1, 2 or 3 (zero_stage, or zero_optimization.stage)");
+  if (options.params_on_disk.enabled() && options.stage != 3)
+    throw ConfigError(fmt::format("offload_param device nvme at ZeRO stage {}: parameters are sharded, and so can live "
+                                  "on disk, at stage 3 only; use ZeRO stage 3 (FULL_SHARD)",
+                                  options.stage));
+  if (options.params_on_disk.enabled() && !options.optimizer_on_disk.enabled())
+    throw ConfigError("offload_param device nvme without offload_optimizer device nvme: a group's parameters and its "
+                      "optimizer state come in from disk together to step; set offload_optimizer_device nvme too "
+                      "(offload_optimizer_nvme_path may be the same directory)");
   if (parameters_in_host_memory) options.offload_optimizer = options.offload_params = false;
   return options;
 }
@@ -131,13 +144,16 @@ void apply_zero_config(const deepspeed::ZeroConfig& z, ParallelOptions& parallel
     parallel.zero.auto_wrap_policy = AutoWrapPolicy::GUARDED_MODULES;  // DeepSpeed gathers submodule by submodule
   apply_zero_sizes(z, parallel);
   // Offload to the CPU (ZeRO-Offload), and the optimizer's state on disk (ZeRO-Infinity's NVMe tier).
-  if (z.offload_param.device == "nvme")
-    throw ConfigError("zero_optimization.offload_param.device is \"nvme\": parameters on disk are not built yet (the "
-                      "optimizer's state can be: offload_optimizer.device \"nvme\"); use \"cpu\" (host memory) or "
-                      "\"none\"");
   if (z.offload_optimizer.device == "nvme") apply_optimizer_on_disk(z, parallel.zero);
+  if (z.offload_param.device == "nvme") {
+    auto& disk = parallel.zero.params_on_disk;
+    disk.path = z.offload_param.nvme_path;
+    disk.buffer_count = z.offload_param.buffer_count > 0 ? z.offload_param.buffer_count : 5;  // DeepSpeed's default
+    disk.aio_block_size = z.aio.block_size;
+    disk.aio_threads = z.aio.intra_op_parallelism;
+  }
   parallel.zero.offload_optimizer = parallel.zero.offload_optimizer || z.offload_optimizer.device != "none";
-  parallel.zero.offload_params = parallel.zero.offload_params || z.offload_param.device == "cpu";
+  parallel.zero.offload_params = parallel.zero.offload_params || z.offload_param.device != "none";
   parallel.zero.offload_ratio = z.offload_optimizer.ratio;
   // Each section's pin_memory counts only when that section offloads.
   parallel.zero.offload_pin_memory = (z.offload_optimizer.device != "cpu" || z.offload_optimizer.pin_memory) &&

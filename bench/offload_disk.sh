@@ -1,0 +1,38 @@
+#!/bin/sh
+# Offload's disk tier, the headline of issue 47: a GPT whose fp32 training state (parameters, gradients and AdamW's
+# two moments: 16 bytes a parameter) is larger than this machine's memory trains with its parameter shards and
+# optimizer state on disk (ZeRO-3, offload_param and offload_optimizer device nvme), one process. Reported: the
+# state's bytes, the process's peak RSS (/usr/bin/time), the swap files' size and the bytes moved, and the disk's
+# own direct-I/O speed (dd) against the swap's in the same run.
+# Usage: [LAYERS=40 WIDTH=2048 STEPS=3 SWAP=/var/tmp/xlr8-swap] bench/offload_disk.sh [build-dir]
+set -eu
+. "$(dirname "$0")/common.sh"
+LAYERS=${LAYERS:-40}; WIDTH=${WIDTH:-2048}; STEPS=${STEPS:-3}; SWAP=${SWAP:-/var/tmp/xlr8-swap-bench}
+mkdir -p "$SWAP"
+trap 'rm -rf "$OUT" "$SWAP"' EXIT
+echo "disk: dd with direct I/O, 2 GiB each way, in $SWAP"
+dd if=/dev/zero of="$SWAP/dd.bin" bs=1M count=2048 oflag=direct 2>&1 | tail -1
+dd if="$SWAP/dd.bin" of=/dev/null bs=1M iflag=direct 2>&1 | tail -1
+rm -f "$SWAP/dd.bin"
+/usr/bin/time -v "$X" launch --num_processes 1 --use_deepspeed --zero_stage 3 \
+  --offload_optimizer_device nvme --offload_optimizer_nvme_path "$SWAP" \
+  --offload_param_device nvme --offload_param_nvme_path "$SWAP" \
+  "$G" --n_layer "$LAYERS" --d_model "$WIDTH" --n_head 16 --seq_len 64 --batch_size 1 --max_steps "$STEPS" \
+  --val_windows 4 --log_every 1 --output_dir "$OUT/run" >"$OUT/stdout" 2>"$OUT/stderr" || {
+  tail -30 "$OUT/stderr"; exit 1; }
+grep -E "step|loss" "$OUT/stdout" | tail -8
+RESULT=$(grep '^{' "$OUT/stdout" | tail -1)
+python3 - "$RESULT" <<'EOF'
+import json, sys
+r = json.loads(sys.argv[1])
+n = r["parameters"]
+o, p = r.get("optimizer_on_disk") or {}, r.get("parameters_on_disk") or {}
+print(f"parameters {n/1e9:.3f} G: fp32 training state {16*n/1e9:.1f} GB (parameters, gradients, 2 moments)")
+print(f"final train loss {r['final_train_loss']:.4f}, val {r['val_loss']:.4f}, tokens/s {r['tokens_per_s']:.1f}")
+print(f"swap files: state {o.get('swap_file_bytes',0)/1e9:.1f} GB, parameters {p.get('swap_file_bytes',0)/1e9:.1f} GB")
+read = o.get("swap_bytes_read", 0) + p.get("swap_bytes_read", 0)
+written = o.get("swap_bytes_written", 0) + p.get("swap_bytes_written", 0)
+print(f"moved: read {read/1e9:.1f} GB, written {written/1e9:.1f} GB; optimizer steps' swap GB/s "
+      f"{o.get('swapped_step_gb_per_s',0):.2f} over {o.get('swapped_step_seconds',0):.0f} s")
+EOF
+grep -E "Maximum resident set size|Elapsed \(wall" "$OUT/stderr"
