@@ -4,7 +4,7 @@
 # optimizer state on disk (ZeRO-3, offload_param and offload_optimizer device nvme), one process. Reported: the
 # state's bytes, the process's peak RSS (/usr/bin/time), the swap files' size and the bytes moved, and the disk's
 # own direct-I/O speed (dd) against the swap's in the same run.
-# Usage: [LAYERS=40 WIDTH=2048 STEPS=3 SWAP=/var/tmp/xlr8-swap] bench/offload_disk.sh [build-dir]
+# Usage: [LAYERS=40 WIDTH=2048 HEADS=16 STEPS=3 MAX_LIVE=100000000 SWAP=/var/tmp/xlr8-swap-bench] bench/offload_disk.sh [build-dir]
 set -eu
 . "$(dirname "$0")/common.sh"
 LAYERS=${LAYERS:-40}; WIDTH=${WIDTH:-2048}; STEPS=${STEPS:-3}; SWAP=${SWAP:-/var/tmp/xlr8-swap-bench}
@@ -14,11 +14,18 @@ echo "disk: dd with direct I/O, 2 GiB each way, in $SWAP"
 dd if=/dev/zero of="$SWAP/dd.bin" bs=1M count=2048 oflag=direct 2>&1 | tail -1
 dd if="$SWAP/dd.bin" of=/dev/null bs=1M iflag=direct 2>&1 | tail -1
 rm -f "$SWAP/dd.bin"
-/usr/bin/time -v "$X" launch --num_processes 1 --use_deepspeed --zero_stage 3 \
-  --offload_optimizer_device nvme --offload_optimizer_nvme_path "$SWAP" \
-  --offload_param_device nvme --offload_param_nvme_path "$SWAP" \
-  "$G" --n_layer "$LAYERS" --d_model "$WIDTH" --n_head 16 --seq_len 64 --batch_size 1 --max_steps "$STEPS" \
-  --val_windows 4 --log_every 1 --output_dir "$OUT/run" >"$OUT/stdout" 2>"$OUT/stderr" || {
+# DeepSpeed's JSON: both sections on disk, two parameter buffers, and at most 1e8 gathered parameters kept live
+# (DeepSpeed's default, 1e9, would keep 4 GB of gathered units in memory between uses).
+cat >"$OUT/ds.json" <<JSON
+{"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+ "zero_optimization": {"stage": 3, "stage3_max_live_parameters": ${MAX_LIVE:-100000000},
+   "offload_optimizer": {"device": "nvme", "nvme_path": "$SWAP", "buffer_count": 4},
+   "offload_param": {"device": "nvme", "nvme_path": "$SWAP", "buffer_count": 2}},
+ "aio": {"block_size": 1048576, "intra_op_parallelism": 2}}
+JSON
+/usr/bin/time -v "$X" launch --num_processes 1 --use_deepspeed --deepspeed_config_file "$OUT/ds.json" \
+  "$G" --n_layer "$LAYERS" --d_model "$WIDTH" --n_head "${HEADS:-16}" --seq_len 64 --batch_size 1 --max_steps "$STEPS" \
+  --lr 3e-5 --val_windows 4 --log_every 1 --output_dir "$OUT/run" >"$OUT/stdout" 2>"$OUT/stderr" || {
   tail -30 "$OUT/stderr"; exit 1; }
 grep -E "step|loss" "$OUT/stdout" | tail -8
 RESULT=$(grep '^{' "$OUT/stdout" | tail -1)

@@ -136,6 +136,10 @@ void AcceleratorImpl::report_offload() {
     log::info("xlr8: offload: the optimizer's state lives in swap files under {} between steps and comes into memory "
               "one parameter group at a time to step (parallel_stats: optimizer_on_disk)",
               disk.path);
+  if (const auto& disk = plan.data_parallel.zero.params_on_disk; disk.enabled())
+    log::info("xlr8: offload: the parameter shards live in swap files under {}, read for each gather and step "
+              "(parallel_stats: parameters_on_disk)",
+              disk.path);
   if (device.is_cpu() && plan.data_parallel.zero.optimizer_on_disk.enabled()) return;
   if (device.is_cpu())
     log::info("xlr8: offload requested: shards, gradients and optimizer state stay on the training device, which on a "

@@ -148,14 +148,18 @@ const std::vector<Key> kOffloadOptimizer = {
 
 const std::vector<Key> kOffloadParam = {
     {"device", Use::READ},       {"nvme_path", Use::READ},   {"pin_memory", Use::READ},
-    {"buffer_count", Use::READ}, {"buffer_size", Use::READ}, {"max_in_cpu", Use::READ},
+    // buffer_size and max_in_cpu: xlr8's buffers are the largest shard's size, and it caches no shard in host
+    // memory between uses.
+    {"buffer_count", Use::READ}, {"buffer_size", Use::HINT}, {"max_in_cpu", Use::HINT},
 };
 
 // The transfers of offload's disk tier (DeepSpeed's runtime/swap_tensor/aio_config.py); thread_count is
 // intra_op_parallelism's old name.
 const std::vector<Key> kAio = {
-    {"block_size", Use::READ},     {"queue_depth", Use::READ},    {"intra_op_parallelism", Use::READ},
-    {"thread_count", Use::READ},   {"single_submit", Use::READ},  {"overlap_events", Use::READ},
+    // queue_depth, single_submit, overlap_events tune libaio's submissions; xlr8's threads issue one blocking call
+    // each (their count is the queue's depth).
+    {"block_size", Use::READ},     {"queue_depth", Use::HINT},    {"intra_op_parallelism", Use::READ},
+    {"thread_count", Use::READ},   {"single_submit", Use::HINT},  {"overlap_events", Use::HINT},
     {"use_gds", Use::READ},
 };
 

@@ -151,8 +151,10 @@ nlohmann::json ShardedModel::stats() const {
       // and the gradients handed to it are there too, counted by whoever reads the optimizer).
       offloaded_masters += g.host.master;
       offloaded_shards += g.host.shard;
-      if (g.host.master) host_bytes += static_cast<int64_t>(g.master.nbytes());
-      if (g.host.shard && g.mixed()) host_bytes += static_cast<int64_t>(g.shard.nbytes());
+      // A shard on disk (and the master that is it) holds no host memory.
+      const bool master_on_disk = g.shard_on_disk && !g.mixed();
+      if (g.host.master && !master_on_disk) host_bytes += static_cast<int64_t>(g.master.nbytes());
+      if (g.host.shard && g.mixed() && !g.shard_on_disk) host_bytes += static_cast<int64_t>(g.shard.nbytes());
       pinned = pinned || (g.host.master && g.master.is_pinned());
       shard_elements += g.shard_numel;
       elements += g.numel;
