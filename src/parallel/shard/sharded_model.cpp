@@ -165,33 +165,6 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
   reset_backward_state();
 }
 
-std::shared_ptr<ShardStore> ShardedModel::make_shard_store(const std::vector<UnitPlan>& plans) const {
-  if (!options_.params_on_disk.enabled()) return nullptr;
-  if (!policy_.shards_parameters || !options_.optimizer_on_disk.enabled())
-    throw ConfigError(fmt::format("parameters on disk (offload_param nvme) need ZeRO stage 3 (stage is {}) with the "
-                                  "optimizer's state on disk too (offload_optimizer nvme)",
-                                  policy_.stage));
-  // One slot a group, in the order the groups are made (make_flat_group's shard size and dtype).
-  std::vector<ShardStore::Shard> shards;
-  const int64_t ranks = comm_.size();
-  for (const auto& plan : plans)
-    for (const auto& g : plan.groups) {
-      int64_t numel = 0;
-      for (const auto& p : g.params) numel += p.numel();
-      shards.push_back({std::to_string(shards.size()), options_.param_dtype.value_or(g.params.front().scalar_type()),
-                        (numel + ranks - 1) / ranks});
-    }
-  return std::make_shared<ShardStore>(options_.params_on_disk, shards);
-}
-
-void ShardedModel::all_shards_in_memory(bool in_memory) {
-  if (!shard_store_) return;
-  for (auto* flat : groups_) {
-    if (in_memory) flat->load_shard();
-    else flat->store_shard();
-  }
-}
-
 void ShardedModel::attach() {
   std::weak_ptr<ShardedModel> self = shared_from_this();
   for (size_t g = 0; g < groups_.size(); ++g) {

@@ -1,9 +1,14 @@
 // ShardedModel's state for checkpoints: whole and sharded state dicts, the pieces each rank holds, the
-// streamed visit of the whole model, and catching whole copies up after a load.
+// streamed visit of the whole model, catching whole copies up after a load, and the shards' swap file.
+#include <fmt/format.h>
+
 #include <map>
 
 #include "parallel/state_dict_check.hpp"
 #include "parallel/shard/sharded_model.hpp"
+#include "parallel/shard/shard_store.hpp"
+#include "parallel/shard/wrap_policy.hpp"
+#include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
 namespace xlr8::shard {
@@ -180,6 +185,33 @@ StateDict ShardedModel::full_state_layout(StateDictKind kind) const {
   for (const auto& item : module_->named_buffers())
     out.emplace_back(item.key(), at::empty(item.value().sizes(), item.value().options().device(at::kMeta)));
   return out;
+}
+
+std::shared_ptr<ShardStore> ShardedModel::make_shard_store(const std::vector<UnitPlan>& plans) const {
+  if (!options_.params_on_disk.enabled()) return nullptr;
+  if (!policy_.shards_parameters || !options_.optimizer_on_disk.enabled())
+    throw ConfigError(fmt::format("parameters on disk (offload_param nvme) need ZeRO stage 3 (stage is {}) with the "
+                                  "optimizer's state on disk too (offload_optimizer nvme)",
+                                  policy_.stage));
+  // One slot a group, in the order the groups are made (make_flat_group's shard size and dtype).
+  std::vector<ShardStore::Shard> shards;
+  const int64_t ranks = comm_.size();
+  for (const auto& plan : plans)
+    for (const auto& g : plan.groups) {
+      int64_t numel = 0;
+      for (const auto& p : g.params) numel += p.numel();
+      shards.push_back({std::to_string(shards.size()), options_.param_dtype.value_or(g.params.front().scalar_type()),
+                        (numel + ranks - 1) / ranks});
+    }
+  return std::make_shared<ShardStore>(options_.params_on_disk, shards);
+}
+
+void ShardedModel::all_shards_in_memory(bool in_memory) {
+  if (!shard_store_) return;
+  for (auto* flat : groups_) {
+    if (in_memory) flat->load_shard();
+    else flat->store_shard();
+  }
 }
 
 }  // namespace xlr8::shard
