@@ -14,11 +14,14 @@ echo "disk: dd with direct I/O, 2 GiB each way, in $SWAP"
 dd if=/dev/zero of="$SWAP/dd.bin" bs=1M count=2048 oflag=direct 2>&1 | tail -1
 dd if="$SWAP/dd.bin" of=/dev/null bs=1M iflag=direct 2>&1 | tail -1
 rm -f "$SWAP/dd.bin"
-# DeepSpeed's JSON: both sections on disk, two parameter buffers, and at most 1e8 gathered parameters kept live
-# (DeepSpeed's default, 1e9, would keep 4 GB of gathered units in memory between uses).
+# DeepSpeed's JSON: both sections on disk, two parameter buffers, at most 1e8 gathered parameters kept live
+# (DeepSpeed's default, 1e9, would keep 4 GB of gathered units in memory between uses), and each Block one unit
+# (leaf_module): its attention and MLP open no guard of their own, so as units of their own they would stay
+# gathered through the whole first step (until the first backward shows they ride with their block).
 cat >"$OUT/ds.json" <<JSON
 {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
  "zero_optimization": {"stage": 3, "stage3_max_live_parameters": ${MAX_LIVE:-100000000},
+   "leaf_module": {"classes": ["Block"]},
    "offload_optimizer": {"device": "nvme", "nvme_path": "$SWAP", "buffer_count": 4},
    "offload_param": {"device": "nvme", "nvme_path": "$SWAP", "buffer_count": 2}},
  "aio": {"block_size": 1048576, "intra_op_parallelism": 2}}
