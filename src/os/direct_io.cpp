@@ -37,7 +37,8 @@ AlignedBuffer::AlignedBuffer(int64_t bytes) : size_(aligned_up(std::max<int64_t>
 AlignedBuffer::~AlignedBuffer() { std::free(data_); }
 
 SwapFile::SwapFile(std::filesystem::path path, int64_t bytes) : path_(std::move(path)), size_(aligned_up(bytes)) {
-  fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0600);
+  // O_EXCL, never O_TRUNC: a name that exists is someone else's file, perhaps alive (another PID namespace).
+  fd_ = ::open(path_.c_str(), O_RDWR | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0600);
   if (fd_ < 0)
     throw Error(fmt::format("offload to disk: cannot create the swap file {} ({}); give a writable nvme_path on a "
                             "file system with O_DIRECT (not tmpfs)",
@@ -46,6 +47,7 @@ SwapFile::SwapFile(std::filesystem::path path, int64_t bytes) : path_(std::move(
   if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
     const int e = errno;
     ::close(fd_);
+    std::filesystem::remove(path_);
     throw Error(fmt::format("offload to disk: cannot lock the swap file {} ({})", path_.string(), reason(e)));
   }
   // Every block now: a disk without room says so before training, not in the middle of a swap. (fallocate, not

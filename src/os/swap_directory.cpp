@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <random>
 #include <system_error>
 #include <thread>
 
@@ -57,12 +58,26 @@ SwapDirectoryClaim::SwapDirectoryClaim(const std::filesystem::path& dir, double 
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  for (const auto& entry : std::filesystem::directory_iterator(dir_, ec)) {
-    if (!entry.is_regular_file(ec) || !is_swap_file(entry.path())) continue;
-    const auto bytes = static_cast<int64_t>(entry.file_size(ec));
+  try {
+    remove_stale_files();
+  } catch (...) {  // the destructor will not run: no lock may outlive a failed claim
+    ::flock(lock_fd_, LOCK_UN);
+    ::close(lock_fd_);
+    throw;
+  }
+}
+
+void SwapDirectoryClaim::remove_stale_files() {
+  std::error_code ec;
+  for (auto it = std::filesystem::directory_iterator(dir_, ec); !ec && it != std::filesystem::directory_iterator();
+       it.increment(ec)) {
+    const auto& entry = *it;
+    std::error_code entry_ec;
+    if (!entry.is_regular_file(entry_ec) || !is_swap_file(entry.path())) continue;
+    const auto bytes = static_cast<int64_t>(entry.file_size(entry_ec));
     if (!remove_if_unlocked(entry.path())) continue;
     removed_.push_back(entry.path());
-    removed_bytes_ += ec ? 0 : bytes;
+    removed_bytes_ += entry_ec ? 0 : bytes;
   }
 }
 
@@ -72,8 +87,11 @@ SwapDirectoryClaim::~SwapDirectoryClaim() {
 }
 
 std::filesystem::path SwapDirectoryClaim::new_file(const std::string& stem) const {
+  // The pid alone may repeat across PID namespaces sharing the directory: a random part makes a clash unlikely,
+  // and SwapFile's O_EXCL turns one into an error instead of a lost file.
   static std::atomic<int> made{0};
-  return dir_ / fmt::format("xlr8-{}-{}-{}.swap", stem, ::getpid(), made++);
+  static const unsigned token = std::random_device{}();
+  return dir_ / fmt::format("xlr8-{}-{}-{:08x}-{}.swap", stem, ::getpid(), token, made++);
 }
 
 }  // namespace xlr8::os

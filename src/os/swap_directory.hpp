@@ -18,13 +18,14 @@ class SwapDirectoryClaim {
   SwapDirectoryClaim(const SwapDirectoryClaim&) = delete;
   SwapDirectoryClaim& operator=(const SwapDirectoryClaim&) = delete;
 
-  // A name no live file has: <dir>/xlr8-<stem>-<pid>-<n>.swap.
+  // A name no live file has: <dir>/xlr8-<stem>-<pid>-<random>-<n>.swap.
   std::filesystem::path new_file(const std::string& stem) const;
   // The stale files removed, and their bytes.
   const std::vector<std::filesystem::path>& removed() const { return removed_; }
   int64_t removed_bytes() const { return removed_bytes_; }
 
  private:
+  void remove_stale_files();
   std::filesystem::path dir_;
   int lock_fd_ = -1;
   std::vector<std::filesystem::path> removed_;

@@ -57,6 +57,10 @@ OptimizerSwap::OptimizerSwap(const ZeroOptions::Disk& disk, const torch::optim::
     for (size_t i = 0; i < flat->shard_params.size(); ++i)
       if (const auto part = flat->owned_part(i); part.count > 0) g.members.push_back({flat->shard_params[i], part.in_shard});
     if (g.members.empty()) continue;
+    if (!flat->master.device().is_cpu())
+      throw ConfigError(fmt::format("offload_optimizer nvme: group {}'s optimizer state would live on {}; the disk tier "
+                                    "swaps it through host memory: offload the optimizer to the host too (ratio 1)",
+                                    flat->label, flat->master.device().str()));
     for (const auto& name : names_)
       slots.push_back({slot(groups_.size(), name), g.dtype, {g.numel}});
     largest = std::max<int64_t>(largest, g.numel * static_cast<int64_t>(c10::elementSize(g.dtype)));
@@ -104,7 +108,6 @@ void OptimizerSwap::step(torch::optim::Optimizer& optimizer) {
     step_only(optimizer, lists, leaves);
     flat->store_shard();  // the stepped values to disk (a no-op for parameters in memory)
     swap_out(k, optimizer, std::move(lent));
-    if (swapper_ && !disk_.write_behind) swapper_->flush();
   }
   std::vector<const c10::TensorImpl*> rest;  // the optimizer's other parameters (another model's, a frozen whole one)
   for (const auto& list : lists)
@@ -177,6 +180,9 @@ void OptimizerSwap::swap_out(size_t k, torch::optim::Optimizer& optimizer, std::
     }
     if (any) swapper_->swap_out(slot(k, name), staging);
   }
+  // Without write-behind the state leaves memory only once it is on disk: a failed write throws here, with the state
+  // still in memory.
+  if (!disk_.write_behind) swapper_->flush();
   for (auto& t : written) {
     t.set_();  // empty: its values are on disk, and the buffer it viewed goes back to the pool
     emptied_.emplace(t.unsafeGetTensorImpl(), t);

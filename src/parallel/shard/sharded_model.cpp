@@ -47,7 +47,8 @@ class OffloadBudget {
   OffloadBudget(const ZeroOptions& options, const StagePolicy& policy, const std::vector<UnitPlan>& plans)
       // Parameters on disk pass through host memory: their groups are placed as offloaded ones.
       : params_((options.offload_params || options.params_on_disk.enabled()) && policy.shards_parameters),
-        optimizer_(options.offload_optimizer || params_),
+        // The disk tier steps on the host too: the masters it swaps must be there.
+        optimizer_(options.offload_optimizer || options.optimizer_on_disk.enabled() || params_),
         pin_(options.offload_pin_memory) {
     if (options.offload_params && !policy.shards_parameters)
       throw ConfigError(fmt::format("offloading parameters needs ZeRO stage 3 (FULL_SHARD); stage {} keeps them whole "
