@@ -13,6 +13,7 @@
 #include <system_error>
 #include <thread>
 
+#include "core/log.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8::os {
@@ -60,6 +61,9 @@ SwapDirectoryClaim::SwapDirectoryClaim(const std::filesystem::path& dir, double 
   }
   try {
     remove_stale_files();
+    if (!removed_.empty())
+      log::info("xlr8: removed {} stale swap file(s) ({} bytes) from {}: runs that ended without removing them",
+                removed_.size(), removed_bytes_, dir_.string());
   } catch (...) {  // the destructor will not run: no lock may outlive a failed claim
     ::flock(lock_fd_, LOCK_UN);
     ::close(lock_fd_);

@@ -12,7 +12,7 @@ namespace xlr8::os {
 class SwapDirectoryClaim {
  public:
   // Creates `dir` when missing, takes its lock (waiting up to `wait_s` for another process's claim; Error naming the
-  // directory then) and removes the stale swap files in it.
+  // directory then) and removes the stale swap files in it, saying so in the log.
   explicit SwapDirectoryClaim(const std::filesystem::path& dir, double wait_s = 60);
   ~SwapDirectoryClaim();  // releases the lock: create the new file (SwapFile) before
   SwapDirectoryClaim(const SwapDirectoryClaim&) = delete;

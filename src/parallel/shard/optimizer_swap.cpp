@@ -10,7 +10,6 @@
 #include <unordered_set>
 
 #include "checkpoint/optimizer_state.hpp"
-#include "core/log.hpp"
 #include "os/swap_directory.hpp"
 #include "parallel/shard/flat_group.hpp"
 #include "xlr8/error.hpp"
@@ -18,11 +17,6 @@
 namespace xlr8::shard {
 
 namespace {
-
-int64_t aligned_to_block(int64_t bytes) {
-  const int64_t a = os::AlignedBuffer::kAlignment;
-  return (bytes + a - 1) / a * a;
-}
 
 std::vector<int64_t> dense_strides(at::IntArrayRef sizes) {
   std::vector<int64_t> strides(sizes.size(), 1);
@@ -50,7 +44,6 @@ OptimizerSwap::OptimizerSwap(const ZeroOptions::Disk& disk, const torch::optim::
                       "of them, or offload to cpu");
   names_ = checkpoints::kept_state_names(optimizer);
   std::vector<TensorSwapper::Slot> slots;
-  int64_t largest = 0;
   for (auto* flat : groups) {
     shards_on_disk_ = shards_on_disk_ || flat->disk != nullptr;
     Group g{.flat = flat, .members = {}, .numel = flat->shard_numel, .dtype = flat->master.scalar_type()};
@@ -63,20 +56,16 @@ OptimizerSwap::OptimizerSwap(const ZeroOptions::Disk& disk, const torch::optim::
                                     flat->label, flat->master.device().str()));
     for (const auto& name : names_)
       slots.push_back({slot(groups_.size(), name), g.dtype, {g.numel}});
-    largest = std::max<int64_t>(largest, g.numel * static_cast<int64_t>(c10::elementSize(g.dtype)));
     groups_.push_back(std::move(g));
   }
   if (slots.empty()) return;  // no state kept (SGD without momentum), or nothing of it on this rank
   os::SwapDirectoryClaim claim(disk_.path);
-  for (const auto& stale : claim.removed()) stale_removed_.push_back(stale.string());
-  if (!claim.removed().empty())
-    log::info("xlr8: removed {} stale swap file(s) ({} bytes) from {}: runs that ended without removing them",
-              claim.removed().size(), claim.removed_bytes(), disk_.path);
+  stale_removed_ = claim.removed().size();
   // A group's state lent out while it steps, and as much again for its write (and the next group's read ahead):
   // fewer buffers would leave a swap nothing to move through.
   const int per_group = static_cast<int>(names_.size());
   SwapOptions options{.file = claim.new_file("optimizer"),
-                      .buffer_size = aligned_to_block(largest),
+                      .buffer_size = 0,  // the largest group's
                       .buffer_count = std::max(disk_.buffer_count, per_group * (disk_.read_ahead ? 3 : 2)),
                       .aio = {.block_size = disk_.aio_block_size, .intra_op_parallelism = disk_.aio_threads}};
   swapper_ = std::make_unique<TensorSwapper>(std::move(options), slots);
@@ -213,16 +202,13 @@ void OptimizerSwap::put_away(torch::optim::Optimizer& optimizer) {
 nlohmann::json OptimizerSwap::stats() const {
   if (!swapper_) return {{"optimizer_state_on_disk", false}};
   const double moved = static_cast<double>(swapper_->bytes_read() + swapper_->bytes_written());
-  return {{"optimizer_state_on_disk", true},
-          {"swap_file", swapper_->file_path().string()},
-          {"swap_file_bytes", swapper_->file_bytes()},
-          {"swap_pool_bytes", swapper_->pool_bytes()},
-          {"swap_bytes_read", swapper_->bytes_read()},
-          {"swap_bytes_written", swapper_->bytes_written()},
-          {"swapped_steps", steps_},
-          {"swapped_step_seconds", step_seconds_},
-          {"swapped_step_gb_per_s", step_seconds_ > 0 ? moved / step_seconds_ / 1e9 : 0.0},
-          {"stale_swap_files_removed", stale_removed_.size()}};
+  auto out = swapper_->stats();
+  out.update({{"optimizer_state_on_disk", true},
+              {"swapped_steps", steps_},
+              {"swapped_step_seconds", step_seconds_},
+              {"swapped_step_gb_per_s", step_seconds_ > 0 ? moved / step_seconds_ / 1e9 : 0.0},
+              {"stale_swap_files_removed", stale_removed_}});
+  return out;
 }
 
 }  // namespace xlr8::shard

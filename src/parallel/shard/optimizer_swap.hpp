@@ -70,7 +70,7 @@ class OptimizerSwap {
   std::unordered_map<const c10::TensorImpl*, at::Tensor> emptied_;  // state tensors whose values are on disk
   std::unique_ptr<TensorSwapper> swapper_;  // none when the optimizer keeps no state
   bool shards_on_disk_ = false;             // the groups' parameters are on disk too
-  std::vector<std::string> stale_removed_;
+  size_t stale_removed_ = 0;  // swap files of dead runs removed when this one's was claimed
   int64_t steps_ = 0;
   double step_seconds_ = 0;
 };

@@ -51,6 +51,8 @@ TensorSwapper::TensorSwapper(SwapOptions options, const std::vector<Slot>& slots
       pool_(std::make_shared<Pool>()) {
   if (options_.buffer_count < 1)
     throw ConfigError(fmt::format("offload: buffer_count {} must be 1 or more", options_.buffer_count));
+  if (options_.buffer_size == 0)
+    for (const auto& s : slots) options_.buffer_size = std::max(options_.buffer_size, aligned(bytes_of(s)));
   int64_t offset = 0;
   for (const auto& s : slots) {
     const int64_t bytes = aligned(bytes_of(s));
@@ -168,6 +170,14 @@ at::Tensor TensorSwapper::swap_in(const std::string& name) {
         keep->buffers[i].state = Pool::Buffer::Free;
       },
       at::TensorOptions().dtype(p.slot.dtype));
+}
+
+nlohmann::json TensorSwapper::stats() const {
+  return {{"swap_file", file_.path().string()},
+          {"swap_file_bytes", file_bytes()},
+          {"swap_pool_bytes", pool_bytes()},
+          {"swap_bytes_read", bytes_read()},
+          {"swap_bytes_written", bytes_written()}};
 }
 
 void TensorSwapper::flush() {

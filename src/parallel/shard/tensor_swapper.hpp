@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -20,7 +21,7 @@ namespace xlr8::shard {
 
 struct SwapOptions {
   std::filesystem::path file;  // this rank's swap file (created, reserved, and removed with the swapper)
-  int64_t buffer_size = 0;     // bytes of each buffer (DeepSpeed's buffer_size): at least the largest tensor's
+  int64_t buffer_size = 0;     // bytes of each buffer (DeepSpeed's buffer_size): at least the largest tensor's; 0: that
   int buffer_count = 4;        // reads ahead plus writes behind (DeepSpeed's buffer_count)
   os::AioOptions aio;
 };
@@ -49,6 +50,8 @@ class TensorSwapper {
   int64_t file_bytes() const { return file_.size(); }
   const std::filesystem::path& file_path() const { return file_.path(); }
   int64_t pool_bytes() const { return options_.buffer_size * options_.buffer_count; }
+  // The file, its bytes, the pool's and the bytes moved so far (each counted once on disk).
+  nlohmann::json stats() const;
   int64_t bytes_written() const { return io_.bytes_written(); }
   int64_t bytes_read() const { return io_.bytes_read(); }
 

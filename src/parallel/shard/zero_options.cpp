@@ -34,6 +34,17 @@ bool hybrid(const FsdpSettings& f, const std::optional<ParallelismSettings>& mes
 // DeepSpeed counts bucket sizes in elements; the strategies take megabytes (of float32 gradients).
 double megabytes_of(int64_t elements) { return static_cast<double>(elements) * 4.0 / (1024.0 * 1024.0); }
 
+// An offload section with device "nvme": its path and buffers (DeepSpeed's default count when it gives none), and
+// the "aio" section's transfers.
+ZeroOptions::Disk disk_of(const deepspeed::OffloadConfig& o, const deepspeed::AioConfig& aio, int default_buffers) {
+  ZeroOptions::Disk disk;
+  disk.path = o.nvme_path;
+  disk.buffer_count = o.buffer_count > 0 ? o.buffer_count : default_buffers;
+  disk.aio_block_size = aio.block_size;
+  disk.aio_threads = aio.intra_op_parallelism;
+  return disk;
+}
+
 // offload_optimizer.device "nvme" with the section's buffers and the "aio" section's transfers.
 void apply_optimizer_on_disk(const deepspeed::ZeroConfig& z, ZeroOptions& zero) {
   const auto& o = z.offload_optimizer;
@@ -42,12 +53,9 @@ void apply_optimizer_on_disk(const deepspeed::ZeroConfig& z, ZeroOptions& zero) 
                                   "keeps the rest on the accelerator, which the disk tier does not; use ratio 1 or "
                                   "device \"cpu\"",
                                   o.ratio));
-  zero.optimizer_on_disk.path = o.nvme_path;
-  zero.optimizer_on_disk.buffer_count = o.buffer_count > 0 ? o.buffer_count : 4;  // DeepSpeed's default
+  zero.optimizer_on_disk = disk_of(o, z.aio, /*default_buffers=*/4);
   zero.optimizer_on_disk.read_ahead = o.pipeline_read;
   zero.optimizer_on_disk.write_behind = o.pipeline_write;
-  zero.optimizer_on_disk.aio_block_size = z.aio.block_size;
-  zero.optimizer_on_disk.aio_threads = z.aio.intra_op_parallelism;
 }
 
 }  // namespace
@@ -145,13 +153,8 @@ void apply_zero_config(const deepspeed::ZeroConfig& z, ParallelOptions& parallel
   apply_zero_sizes(z, parallel);
   // Offload to the CPU (ZeRO-Offload), and the optimizer's state on disk (ZeRO-Infinity's NVMe tier).
   if (z.offload_optimizer.device == "nvme") apply_optimizer_on_disk(z, parallel.zero);
-  if (z.offload_param.device == "nvme") {
-    auto& disk = parallel.zero.params_on_disk;
-    disk.path = z.offload_param.nvme_path;
-    disk.buffer_count = z.offload_param.buffer_count > 0 ? z.offload_param.buffer_count : 5;  // DeepSpeed's default
-    disk.aio_block_size = z.aio.block_size;
-    disk.aio_threads = z.aio.intra_op_parallelism;
-  }
+  if (z.offload_param.device == "nvme")
+    parallel.zero.params_on_disk = disk_of(z.offload_param, z.aio, /*default_buffers=*/5);
   parallel.zero.offload_optimizer = parallel.zero.offload_optimizer || z.offload_optimizer.device != "none";
   parallel.zero.offload_params = parallel.zero.offload_params || z.offload_param.device != "none";
   parallel.zero.offload_ratio = z.offload_optimizer.ratio;
