@@ -153,7 +153,8 @@ int main(int argc, char** argv) {
   std::string workers = "1";
   app.add_option("--num_workers", workers, "Worker processes, N or MIN:MAX (elastic)");
   app.add_option("--rdzv_endpoint", scaling.rendezvous_endpoint,
-                 "Several machines: host:port of the rendezvous (each machine runs this program)");
+                 "Several machines: host:port of the rendezvous, or etcd://host:port[,...] of an etcd cluster (each "
+                 "machine runs this program)");
   app.add_option("--workers_per_machine", scaling.workers_per_machine, "Several machines: workers on each");
   app.add_option("--cpus_per_worker", scaling.resources_per_worker.cpus, "Cores per worker (a range of workers: "
                  "as many as the cores allow)");

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "xlr8/deepspeed_elasticity.hpp"
 #include "xlr8/loss_scaler.hpp"
 #include "xlr8/settings.hpp"
 
@@ -110,6 +111,8 @@ struct Config {
     std::string partition = "best";
     int64_t activation_checkpoint_interval = 0;
   } pipeline;
+  // "elasticity": when enabled, resolve_batch_sizes takes the batch terms from compute_elastic_batch.
+  ElasticityConfig elasticity;
   // Dotted paths whose value is "auto" (e.g. "optimizer.params.lr"), in the order they are read.
   std::vector<std::string> auto_keys;
   nlohmann::json document;  // as given
@@ -132,7 +135,8 @@ Config fill_auto(const Config& config, const std::map<std::string, nlohmann::jso
 void require_resolved(const Config& config);
 
 // DeepSpeed's batch-size relation train_batch_size = micro × accumulation × data-parallel ranks: any two
-// derive the third, one alone takes accumulation 1; values that disagree are DeepSpeed's error.
+// derive the third, one alone takes accumulation 1; values that disagree are DeepSpeed's error. With
+// elasticity enabled, all three come from compute_elastic_batch for this data-parallel size.
 struct BatchSizes {
   int64_t train_batch_size = 0, micro_batch_per_gpu = 0, gradient_accumulation_steps = 0;
 };

@@ -26,6 +26,12 @@ struct ElasticOptions {
   double keep_alive_interval_s = 5;      // agents and the rendezvous ping each other this often...
   int keep_alive_max_attempt = 3;        // ...and one silent for this many intervals is gone
   double close_timeout_s = 300;          // the hosting machine, done, waits this long for the others to finish
+  // "c10d": one machine's `xlr8 launch` serves the rendezvous (endpoint_*). "etcd" (--rdzv_backend etcd or
+  // etcd-v2): an etcd cluster keeps it, so no machine of the job is a single point of failure.
+  std::string backend = "c10d";
+  std::vector<std::string> etcd_endpoints;      // the members' client addresses, host:port (--rdzv_endpoint a,b,c)
+  std::string etcd_key_prefix = "/xlr8/rdzv";   // --rdzv_conf etcd_prefix: the job's keys go under <prefix>/<rdzv_id>/
+  double etcd_timeout_s = 3;                    // --rdzv_conf read_timeout: one request to one member
 };
 
 struct LaunchOptions {

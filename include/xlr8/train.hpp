@@ -44,8 +44,10 @@ struct ScalingConfig {
   } resources_per_worker;
   // Several machines: each runs this same program, whose fit() drives that machine's workers_per_machine
   // workers; they meet at the c10d rendezvous on `rendezvous_endpoint` (host[:port], served by the machine
-  // owning that address, as `xlr8 launch --rdzv_backend c10d` does) under the run's name. storage_path must
-  // be shared by every machine. `rendezvous_conf`: torchrun's --rdzv_conf (keep_alive_interval=1,...).
+  // owning that address, as `xlr8 launch --rdzv_backend c10d` does) under the run's name, or, given as
+  // "etcd://host:port[,host:port...]", at a rendezvous kept by that etcd cluster (`--rdzv_backend etcd`: no
+  // machine of the job is then a single point of failure). storage_path must be shared by every machine.
+  // `rendezvous_conf`: torchrun's --rdzv_conf (keep_alive_interval=1,...).
   std::string rendezvous_endpoint;
   int workers_per_machine = 0;
   std::string rendezvous_conf;

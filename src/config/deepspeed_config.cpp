@@ -52,6 +52,7 @@ class Reader {
     }
   }
 
+  const std::string& origin() const { return origin_; }
   bool has(const std::string& name) const { return node_.contains(name) && !node_.at(name).is_null(); }
   std::string key(const std::string& name) const { return path_.empty() ? name : path_ + "." + name; }
   Reader child(const std::string& name) const { return Reader(node_.at(name), key(name), origin_, autos_); }
@@ -286,6 +287,7 @@ void read_top_level(const Reader& r, Config& c) {
     c.tag_validation = lowered == "warn" ? "Warn" : lowered == "ignore" ? "Ignore" : "Fail";
   }
   if (r.has("pipeline")) read_pipeline(r.child("pipeline"), c.pipeline);
+  if (r.has("elasticity")) c.elasticity = read_elasticity(r.raw("elasticity"), r.origin());
   if (r.has("aio")) read_aio(r.child("aio"), c.zero_optimization.aio);
   if (r.has("tensor_parallel")) {
     auto tp = r.child("tensor_parallel");
@@ -367,9 +369,30 @@ void require_resolved(const Config& config) {
                                 config.origin, text::join(config.auto_keys)));
 }
 
+namespace {
+
+// DeepSpeed's elastic batch for `world` data-parallel ranks, which overrides the JSON's own batch keys (their mere
+// presence is an error unless ignore_non_elastic_batch_info, as DeepSpeed's runtime config has it).
+BatchSizes elastic_batch_sizes(const Config& config, int world) {
+  const ElasticBatch b = compute_elastic_batch(config.elasticity, world);
+  for (const char* key : {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"})
+    if (config.document.contains(key) && !config.elasticity.ignore_non_elastic_batch_info)
+      throw ConfigError(fmt::format("{}: {} is set, but elasticity is enabled and chooses the batch sizes itself; remove "
+                                    "the batch keys, or set elasticity.ignore_non_elastic_batch_info to true to have them "
+                                    "ignored",
+                                    config.origin, key));
+  return {b.train_batch_size, b.micro_batch_size, b.gradient_accumulation_steps};
+}
+
+}  // namespace
+
 BatchSizes resolve_batch_sizes(const Config& config, int world) {
   auto tbs = config.train_batch_size, micro = config.train_micro_batch_size_per_gpu,
        gas = config.gradient_accumulation_steps;
+  if (config.elasticity.enabled) {
+    const BatchSizes elastic = elastic_batch_sizes(config, world);
+    tbs = elastic.train_batch_size, micro = elastic.micro_batch_per_gpu, gas = elastic.gradient_accumulation_steps;
+  }
   // DeepSpeed's _set_batch_related_parameters, integer divisions included.
   if (tbs && micro && !gas) gas = *tbs / *micro / world;
   else if (tbs && gas && !micro) micro = *tbs / world / *gas;

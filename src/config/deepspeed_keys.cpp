@@ -49,7 +49,7 @@ const std::vector<Key> kTopLevel = {
     {"comms_logger", Use::FEATURE, "", "the communication logger"},
     {"autotuning", Use::FEATURE, "", "the autotuner"},
     {"nebula", Use::FEATURE, "", "Nebula checkpointing"},
-    {"elasticity", Use::FEATURE, "", "DeepSpeed elasticity"},
+    {"elasticity", Use::READ},
     {"curriculum_learning", Use::FEATURE, "", "curriculum learning"},
     {"data_efficiency", Use::FEATURE, "", "data efficiency"},
     {"progressive_layer_drop", Use::FEATURE, "", "progressive layer drop"},

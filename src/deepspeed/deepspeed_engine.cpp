@@ -130,10 +130,11 @@ Engine::Engine(std::shared_ptr<torch::nn::Module> module, Config config, std::sh
   if (scheduler) scheduler_ = accelerator_->prepare_scheduler(std::move(scheduler));
   accelerator_->register_for_checkpointing(counters_);
   if (state.is_main_process())
-    log::info("xlr8: DeepSpeed engine: ZeRO stage {}, train_batch_size {} = {} per rank x {} accumulation x {} ranks, "
+    log::info("xlr8: DeepSpeed engine: ZeRO stage {}, train_batch_size {} = {} per rank x {} accumulation x {} ranks{}, "
               "{}, gradient_clipping {}",
               config_.zero_optimization.stage, sizes_.train_batch_size, sizes_.micro_batch_per_gpu,
               sizes_.gradient_accumulation_steps, state.mesh().group(MeshDim::dp).size(),
+              config_.elasticity.enabled ? " (elasticity's choice for this world size)" : "",
               config_.fp16.enabled ? "fp16" : config_.bf16 ? "bf16" : "fp32", config_.gradient_clipping);
 }
 

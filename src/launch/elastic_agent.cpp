@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "core/log.hpp"
+#include "launch/etcd_rendezvous.hpp"
 #include "launch/rendezvous_client.hpp"
 #include "launch/rendezvous_server.hpp"
 #include "launch/supervisor.hpp"
@@ -68,9 +69,13 @@ LaunchOutcome launch_elastic(const LaunchOptions& o, const std::string& program)
     if (!interrupted) interrupted = group->wait_signal(0);
     return interrupted != 0;
   };
-  auto server = RendezvousServer::host(e);
+  // etcd keeps the rendezvous itself; c10d's is served by the machine that owns the endpoint.
+  const bool etcd = e.backend == "etcd";
+  auto server = etcd ? nullptr : RendezvousServer::host(e);
   if (server) log::info("xlr8 launch: serving the rendezvous for --rdzv_id {} on {}:{}", e.run_id, e.endpoint_host, e.endpoint_port);
-  RendezvousClient client(e, cancelled);
+  const std::unique_ptr<Rendezvous> rendezvous = etcd ? make_etcd_rendezvous(e, cancelled)
+                                                      : std::make_unique<RendezvousClient>(e, cancelled);
+  Rendezvous& client = *rendezvous;
   // Leaves the rendezvous for good: the job cannot go on with this machine.
   auto give_up = [&](const std::string& why, LaunchOutcome outcome) {
     client.leave(why);

@@ -28,7 +28,8 @@ void check_batch_sizes(const deepspeed::Config& ds, int data_parallel) {
   for (const auto& key : ds.auto_keys)
     if (key == "train_batch_size" || key == "train_micro_batch_size_per_gpu" || key == "gradient_accumulation_steps")
       return;
-  if (ds.train_batch_size || ds.train_micro_batch_size_per_gpu) deepspeed::resolve_batch_sizes(ds, data_parallel);
+  if (ds.elasticity.enabled || ds.train_batch_size || ds.train_micro_batch_size_per_gpu)
+    deepspeed::resolve_batch_sizes(ds, data_parallel);
 }
 
 void mesh_from_deepspeed(const deepspeed::Config& ds, int num_processes, std::optional<ParallelismSettings>& p,
@@ -88,6 +89,48 @@ std::pair<int, int> parse_nnodes(const std::string& text) {
   return {lo, hi};
 }
 
+// torchrun's etcd keys of --rdzv_conf; false for a key that is not one of them.
+bool etcd_conf(const std::string& key, const std::string& value, ElasticOptions& e) {
+  if (key == "protocol") {
+    if (value != "http")
+      throw ConfigError(fmt::format("--rdzv_conf protocol={:?}: only http is supported (no TLS: keep etcd's client "
+                                    "port on the cluster's private network)",
+                                    value));
+  } else if (key == "cacert" || key == "cert" || key == "key") {
+    throw ConfigError(fmt::format("--rdzv_conf {}: TLS to etcd is not supported; use protocol=http on the cluster's "
+                                  "private network",
+                                  key));
+  } else if (key == "read_timeout") {
+    char* end = nullptr;
+    e.etcd_timeout_s = std::strtod(value.c_str(), &end);
+    if (value.empty() || *end != '\0' || !(e.etcd_timeout_s > 0))
+      throw ConfigError(fmt::format("--rdzv_conf read_timeout={:?}: give a positive number of seconds", value));
+  } else if (key == "etcd_prefix") {
+    if (value.empty() || value[0] != '/')
+      throw ConfigError(fmt::format("--rdzv_conf etcd_prefix={:?}: give a key path starting with '/'", value));
+    e.etcd_key_prefix = value.back() == '/' ? value.substr(0, value.size() - 1) : value;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// --rdzv_endpoint for etcd: "host:port[,host:port...]" (an http:// in front is accepted).
+std::vector<std::string> etcd_endpoints(const std::string& text) {
+  std::vector<std::string> out;
+  std::stringstream items(text);
+  for (std::string item; std::getline(items, item, ',');) {
+    if (item.rfind("https://", 0) == 0)
+      throw ConfigError(fmt::format("--rdzv_endpoint {:?}: TLS to etcd is not supported; give its http client address",
+                                    item));
+    if (item.rfind("http://", 0) == 0) item = item.substr(7);
+    if (!item.empty() && item.back() == '/') item.pop_back();
+    out.push_back(os::parse_host_port(item, 2379, "--rdzv_endpoint").str());
+  }
+  if (out.empty()) throw ConfigError(fmt::format("--rdzv_endpoint {:?} names no etcd member", text));
+  return out;
+}
+
 // --rdzv_conf "key=value,...", torchrun's keys.
 void apply_rdzv_conf(const std::string& text, ElasticOptions& e) {
   std::map<std::string, double*> seconds{{"join_timeout", &e.join_timeout_s},
@@ -107,13 +150,14 @@ void apply_rdzv_conf(const std::string& text, ElasticOptions& e) {
       if (!positive || number != static_cast<int>(number) || number < 2)
         throw ConfigError(fmt::format("--rdzv_conf {}={:?}: give a whole number of 2 or more", key, value));
       e.keep_alive_max_attempt = static_cast<int>(number);
+    } else if (e.backend == "etcd" && etcd_conf(key, value, e)) {
     } else if (auto it = seconds.find(key); it != seconds.end()) {
       if (!positive) throw ConfigError(fmt::format("--rdzv_conf {}={:?}: give a positive number of seconds", key, value));
       *it->second = number;
     } else {
       throw ConfigError(fmt::format("--rdzv_conf: unknown key {:?}; known: join_timeout, last_call_timeout, "
-                                    "close_timeout, keep_alive_interval, keep_alive_max_attempt",
-                                    key));
+                                    "close_timeout, keep_alive_interval, keep_alive_max_attempt{}",
+                                    key, e.backend == "etcd" ? ", and with etcd: protocol, read_timeout, etcd_prefix" : ""));
     }
   }
 }
@@ -122,9 +166,10 @@ void apply_rdzv_conf(const std::string& text, ElasticOptions& e) {
 // An elastic launch describes this machine alone: `yaml` gets num_machines 1 and its processes.
 std::optional<ElasticOptions> plan_rendezvous(const LaunchRequest& r, YAML::Node& yaml) {
   const auto [min_nodes, max_nodes] = r.nnodes ? parse_nnodes(*r.nnodes) : std::pair<int, int>{0, 0};
-  const std::string backend = r.rdzv_backend.value_or("static");
-  if (backend != "static" && backend != "c10d")
-    throw ConfigError(fmt::format("--rdzv_backend {:?} is not supported: use c10d (elastic) or static", backend));
+  std::string backend = r.rdzv_backend.value_or("static");
+  if (backend == "etcd-v2") backend = "etcd";  // torchrun's two etcd handlers; here one (etcd's v3 API)
+  if (backend != "static" && backend != "c10d" && backend != "etcd")
+    throw ConfigError(fmt::format("--rdzv_backend {:?} is not supported: use c10d or etcd (elastic) or static", backend));
   if (backend == "static") {
     if (min_nodes != max_nodes)
       throw ConfigError(fmt::format("--nnodes {} is a range, which needs the elastic rendezvous: add --rdzv_backend "
@@ -140,14 +185,23 @@ std::optional<ElasticOptions> plan_rendezvous(const LaunchRequest& r, YAML::Node
     return std::nullopt;
   }
   if (r.machine_rank)
-    throw ConfigError("--node_rank/--machine_rank: with --rdzv_backend c10d the rendezvous assigns machine ranks; remove it");
+    throw ConfigError(fmt::format("--node_rank/--machine_rank: with --rdzv_backend {} the rendezvous assigns machine "
+                                  "ranks; remove it",
+                                  backend));
   if (!r.nproc_per_node)
-    throw ConfigError("--rdzv_backend c10d places machines at run time: give --nproc_per_node (the processes on this "
-                      "machine) instead of a total --num_processes");
+    throw ConfigError(fmt::format("--rdzv_backend {} places machines at run time: give --nproc_per_node (the processes "
+                                  "on this machine) instead of a total --num_processes",
+                                  backend));
   ElasticOptions e;
   e.min_nodes = std::max(min_nodes, 1);
   e.max_nodes = std::max(max_nodes, 1);
-  if (r.rdzv_endpoint) {
+  e.backend = backend;
+  if (backend == "etcd") {
+    if (!r.rdzv_endpoint)
+      throw ConfigError("--rdzv_backend etcd needs --rdzv_endpoint host:port[,host:port...]: the etcd members' client "
+                        "addresses (port 2379 by default); list several so that losing one is survived");
+    e.etcd_endpoints = etcd_endpoints(*r.rdzv_endpoint);
+  } else if (r.rdzv_endpoint) {
     const auto endpoint = os::parse_host_port(*r.rdzv_endpoint, 29400, "--rdzv_endpoint");
     e.endpoint_host = endpoint.host;
     e.endpoint_port = endpoint.port;

@@ -110,19 +110,25 @@ RendezvousClient::RendezvousClient(const ElasticOptions& options, const std::fun
   }
   s.line = os::JsonLines(fd);
   s.last_heard = s.last_sent = Clock::now();  // silence counts from the connection, not from the first try
-  char host[256] = "?";
-  gethostname(host, sizeof(host) - 1);
-  s.address = os::local_address_toward(options.endpoint_host);
-  // A host name that resolves to loopback here (Debian's 127.0.1.1) is no address for the other machines.
-  if (options.max_nodes > 1 && s.address.rfind("127.", 0) == 0)
-    if (auto routable = os::first_routable_address(); !routable.empty()) s.address = routable;
-  s.node = fmt::format("{} ({}, pid {})", host, s.address, ::getpid());
+  const ThisMachine me = this_machine(options.endpoint_host, options.max_nodes);
+  s.node = me.node;
+  s.address = me.address;
   s.thread = std::thread([p = impl_.get()] { p->pump(); });
 }
 
 RendezvousClient::~RendezvousClient() {
   impl_->stop = true;
   impl_->thread.join();
+}
+
+ThisMachine this_machine(const std::string& peer_host, int max_nodes) {
+  char host[256] = "?";
+  gethostname(host, sizeof(host) - 1);
+  std::string address = os::local_address_toward(peer_host);
+  // A host name that resolves to loopback here (Debian's 127.0.1.1) is no address for the other machines.
+  if (max_nodes > 1 && address.rfind("127.", 0) == 0)
+    if (auto routable = os::first_routable_address(); !routable.empty()) address = routable;
+  return {.node = fmt::format("{} ({}, pid {})", host, address, ::getpid()), .address = address};
 }
 
 const std::string& RendezvousClient::node() const { return impl_->node; }

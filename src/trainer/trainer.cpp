@@ -251,8 +251,11 @@ LaunchRequest launch_request(const ScalingConfig& scaling, const RunConfig& run,
     const int per = scaling.workers_per_machine;
     request.nproc_per_node = per;
     request.nnodes = fmt::format("{}:{}", (scaling.num_workers.min + per - 1) / per, scaling.num_workers.max / per);
-    request.rdzv_backend = "c10d";
-    request.rdzv_endpoint = scaling.rendezvous_endpoint;
+    // "etcd://a:2379,b:2379,...": the rendezvous kept by an etcd cluster; otherwise c10d's, served by a machine.
+    const std::string etcd = "etcd://";
+    const bool in_etcd = scaling.rendezvous_endpoint.rfind(etcd, 0) == 0;
+    request.rdzv_backend = in_etcd ? "etcd" : "c10d";
+    request.rdzv_endpoint = in_etcd ? scaling.rendezvous_endpoint.substr(etcd.size()) : scaling.rendezvous_endpoint;
     request.rdzv_id = name;
     if (!scaling.rendezvous_conf.empty()) request.rdzv_conf = scaling.rendezvous_conf;
   } else {

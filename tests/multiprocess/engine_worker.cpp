@@ -4,12 +4,17 @@
 // (mean over ranks and micro-steps) and writes the final parameters with save_model.
 //   engine_worker --config ds.json --steps S --out DIR [--save_at N] [--resume CHECKPOINT_DIR]
 //   engine_worker --accelerate --steps S --out DIR  (under xlr8 launch --use_deepspeed --deepspeed_config_file)
-// --save_at: save_checkpoint(DIR/ckpt) after step N; --resume: load_checkpoint and go on from its step.
+// --save_at: save_checkpoint(DIR/ckpt) after step N; --resume: load_checkpoint and go on from its step;
+// --save_every N --resume_latest: an elastic job's checkpoints, and each start resuming from the latest.
 // --accelerate: the same model, rows and optimizer through Accelerator, as Accelerate drives DeepSpeed: the
 // launch's JSON may leave batch sizes, accumulation, clipping, optimizer and scheduler values "auto".
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <torch/torch.h>
+
+#include <chrono>
+#include <filesystem>
+#include <thread>
 
 #include "xlr8/deepspeed.hpp"
 #include "xlr8/deepspeed_dummy.hpp"
@@ -118,12 +123,16 @@ int main(int argc, char** argv) {
   app.add_option("--config", config);
   app.add_option("--steps", steps);
   app.add_option("--out", out);
-  int64_t save_at = 0;
+  int64_t save_at = 0, save_every = 0, step_sleep_ms = 0;
   std::string resume;
-  bool accelerate = false;
+  bool accelerate = false, resume_latest = false;
   app.add_flag("--accelerate", accelerate);
   app.add_option("--save_at", save_at);
   app.add_option("--resume", resume);
+  // An elastic job's restarts: a checkpoint every N steps in DIR/ckpt, resumed from its latest at each start.
+  app.add_option("--save_every", save_every);
+  app.add_flag("--resume_latest", resume_latest);
+  app.add_option("--step_sleep_ms", step_sleep_ms);
   CLI11_PARSE(app, argc, argv);
   try {
     if (accelerate) return accelerate_path(steps, out);
@@ -139,12 +148,15 @@ int main(int argc, char** argv) {
     auto x = at::randn({16 * engine->train_batch_size(), 8}, gen);
     auto y = at::randint(0, 4, {16 * engine->train_batch_size()}, gen);
     int64_t first = 0;
+    if (resume_latest && std::filesystem::exists(out + "/ckpt/latest")) resume = out + "/ckpt";
     if (!resume.empty()) {
       auto loaded = engine->load_checkpoint(resume);
       if (!loaded) throw xlr8::Error("engine_worker: nothing to resume in " + resume);
       first = loaded->second.at("step").get<int64_t>();
       if (first != engine->global_steps()) throw xlr8::Error("engine_worker: the client state disagrees with global_steps");
     }
+    if (acc.is_main_process())
+      fmt::print("start at step {} on {} processes: {} per rank x {} accumulation\n", first, world, micro, gas);
     std::vector<double> losses;
     for (int64_t s = first; s < steps; ++s) {
       double total = 0;
@@ -156,7 +168,10 @@ int main(int argc, char** argv) {
         engine->step();
       }
       losses.push_back(acc.reduce(at::full({1}, total, at::kDouble), xlr8::ReduceOp::AVG).item<double>());
-      if (s + 1 == save_at) engine->save_checkpoint(out + "/ckpt", "", {{"step", s + 1}});
+      if (s + 1 == save_at || (save_every > 0 && (s + 1) % save_every == 0))
+        engine->save_checkpoint(out + "/ckpt", "", {{"step", s + 1}});
+      if (acc.is_main_process() && resume_latest) fmt::print("step {}\n", s + 1), std::fflush(stdout);
+      std::this_thread::sleep_for(std::chrono::milliseconds(step_sleep_ms));
     }
     acc.save_model(engine->model(), out + "/model");
     if (acc.is_main_process())

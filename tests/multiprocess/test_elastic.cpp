@@ -7,28 +7,18 @@
 
 #include <chrono>
 #include <filesystem>
-#include <regex>
 #include <thread>
 
+#include "elastic_runs.hpp"
 #include "netns_hosts.hpp"
-#include "oracle.hpp"
 #include "process_runner.hpp"
 #include "programs.hpp"
 #include "xlr8/launcher.hpp"
 
-using Args = std::vector<std::string>;
-
 namespace {
-
 
 #define SKIP_WITHOUT_HOSTS()                                                      \
   if (const std::string why = NetnsHosts::unavailable(); !why.empty()) GTEST_SKIP() << why
-
-Args worker(const std::string& out, int steps, Args extra = {}) {
-  Args a{kTrain, "--split_batches", "--batch", "12", "--steps", std::to_string(steps), "--out", out};
-  a.insert(a.end(), extra.begin(), extra.end());
-  return a;
-}
 
 // One host's agent: 2 ranks, the rendezvous served by host 0.
 Args agent(const NetnsHosts& hosts, int host, const std::string& nnodes, const Args& program, Args extra = {}) {
@@ -40,57 +30,15 @@ Args agent(const NetnsHosts& hosts, int host, const std::string& nnodes, const A
   return hosts.on(host, a);
 }
 
-// Waits until `p`'s output matches `pattern`; the last match's first group as a number, or -1 at the deadline.
-int wait_for(const Process& p, const std::string& pattern, double timeout_s, bool stderr_too = false) {
-  const std::regex re(pattern);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
-  while (std::chrono::steady_clock::now() < deadline) {
-    const std::string text = p.out_so_far() + (stderr_too ? p.err_so_far() : "");
-    int last = -1;
-    for (auto it = std::sregex_iterator(text.begin(), text.end(), re); it != std::sregex_iterator(); ++it)
-      last = it->size() > 1 && (*it)[1].matched ? std::stoi((*it)[1]) : 0;
-    if (last >= 0) return last;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return -1;
-}
-
-// Every "start at step S on N processes" line of a job's rank 0, in order.
-std::vector<std::pair<int, int>> starts(const std::string& out) {
-  static const std::regex re(R"(start at step (\d+) on (\d+) processes)");
-  std::vector<std::pair<int, int>> found;
-  for (auto it = std::sregex_iterator(out.begin(), out.end(), re); it != std::sregex_iterator(); ++it)
-    found.emplace_back(std::stoi((*it)[1]), std::stoi((*it)[2]));
-  return found;
-}
-
-// The highest "step N" a job's rank 0 printed before `marker` (the whole output without one).
-int last_step_before(const std::string& out, const std::string& marker) {
-  const std::string head = out.substr(0, out.find(marker));
-  static const std::regex re(R"(\bstep (\d+)\n)");
-  int last = 0;
-  for (auto it = std::sregex_iterator(head.begin(), head.end(), re); it != std::sregex_iterator(); ++it)
-    last = std::max(last, std::stoi((*it)[1]));
-  return last;
-}
-
-::Run one_process(int steps) {
-  const auto dir = temp_dir("elastic-oracle");
-  Args command{kXlr8, "launch", "--num_processes", "1"};
-  const Args w = worker(dir, steps);
-  command.insert(command.end(), w.begin(), w.end());
-  return oracle_command(command, dir);
-}
-
 }  // namespace
 
 TEST(Elastic, TwoHostsOfTwoRanksTrainToTheOracle) {
   SKIP_WITHOUT_HOSTS();
   NetnsHosts hosts(2);
   const auto out = temp_dir("elastic-2x2");
-  Process first(agent(hosts, 0, "2", worker(out, 12)));
+  Process first(agent(hosts, 0, "2", elastic_worker(out, 12)));
   ASSERT_GE(wait_for(first, "serving the rendezvous", 30, true), 0) << first.err_so_far();
-  Process second(agent(hosts, 1, "2", worker(out, 12)));
+  Process second(agent(hosts, 1, "2", elastic_worker(out, 12)));
   auto r0 = first.wait(120), r1 = second.wait(120);
   ASSERT_EQ(r0.exit_code, 0) << r0.out << r0.err;
   ASSERT_EQ(r1.exit_code, 0) << r1.out << r1.err;
@@ -98,7 +46,7 @@ TEST(Elastic, TwoHostsOfTwoRanksTrainToTheOracle) {
   EXPECT_NE(r1.err.find(fmt::format("node 1 of 2 (ranks 2-3 of 4), master {}:", hosts.address(0))), std::string::npos) << r1.err;
   const auto result = last_json(r0.out);
   EXPECT_EQ(result["num_processes"], 4);
-  const ::Run oracle = one_process(12);
+  const ::Run oracle = elastic_oracle(12);
   expect_close(result["losses"].get<std::vector<double>>(), oracle.losses, 1e-5);
   expect_same_params(out, oracle.dir, 1e-5);
 }
@@ -111,7 +59,7 @@ void host_dies(bool link_down, bool comes_back) {
   NetnsHosts hosts(2);
   const int steps = 60, every = 5;
   const auto out = temp_dir("elastic-dies");
-  const Args program = worker(out, steps, {"--save_every", std::to_string(every), "--resume_latest", "--print_steps",
+  const Args program = elastic_worker(out, steps, {"--save_every", std::to_string(every), "--resume_latest", "--print_steps",
                                            "--step_sleep_ms", "100"});
   Process first(agent(hosts, 0, "1:2", program));
   ASSERT_GE(wait_for(first, "serving the rendezvous", 30, true), 0) << first.err_so_far();
@@ -150,7 +98,7 @@ void host_dies(bool link_down, bool comes_back) {
   }
   // The reason the survivors restarted is named.
   EXPECT_NE(r0.err.find(link_down ? "sent nothing for" : "xlr8 launch: rendezvous: machine"), std::string::npos) << r0.err;
-  const ::Run oracle = one_process(steps);
+  const ::Run oracle = elastic_oracle(steps);
   expect_same_params(out, oracle.dir, 1e-5);
 }
 
@@ -181,7 +129,7 @@ Args local_agent(int port, const std::string& nnodes, const Args& program, Args 
 TEST(Elastic, AWorkerThatDiesOnOneMachineRestartsEveryMachinesWorkersFromTheCheckpoint) {
   const int port = xlr8::pick_free_port();
   const auto out = temp_dir("elastic-worker-dies");
-  const Args program = worker(out, 30, {"--save_every", "5", "--resume_latest", "--print_steps", "--die_at", "12",
+  const Args program = elastic_worker(out, 30, {"--save_every", "5", "--resume_latest", "--print_steps", "--die_at", "12",
                                         "--die_rank", "3"});
   Process first(local_agent(port, "2", program, {"--max_restarts", "1"}));
   ASSERT_GE(wait_for(first, "serving the rendezvous", 30, true), 0) << first.err_so_far();
@@ -192,7 +140,7 @@ TEST(Elastic, AWorkerThatDiesOnOneMachineRestartsEveryMachinesWorkersFromTheChec
   // Rank 3 (the second machine's) died at step 12: both machines' workers restarted from step 10.
   EXPECT_NE(r1.err.find("rank 3 (local rank 1"), std::string::npos) << r1.err;
   EXPECT_EQ(starts(r0.out), (std::vector<std::pair<int, int>>{{0, 4}, {10, 4}})) << r0.out;
-  expect_same_params(out, one_process(30).dir, 1e-5);
+  expect_same_params(out, elastic_oracle(30).dir, 1e-5);
 }
 
 TEST(Elastic, AMachineThatDisagreesOnTheJobIsRefusedNamingTheFlag) {
@@ -267,10 +215,10 @@ TEST(Elastic, AMachineStartedBeforeTheServingOneWaitsForItAndBothTrain) {
   SKIP_WITHOUT_HOSTS();
   NetnsHosts hosts(2);
   const auto out = temp_dir("elastic-late");
-  Process early(agent(hosts, 1, "2", worker(out, 4)));
+  Process early(agent(hosts, 1, "2", elastic_worker(out, 4)));
   ASSERT_GE(wait_for(early, "waiting for the rendezvous", 30, true), 0) << early.err_so_far();
   std::this_thread::sleep_for(std::chrono::seconds(5));  // more than keep_alive_interval 1 s x 3
-  Process serving(agent(hosts, 0, "2", worker(out, 4)));
+  Process serving(agent(hosts, 0, "2", elastic_worker(out, 4)));
   auto r0 = serving.wait(120), r1 = early.wait(120);
   ASSERT_EQ(r0.exit_code, 0) << r0.out << r0.err;
   ASSERT_EQ(r1.exit_code, 0) << r1.out << r1.err;

@@ -313,8 +313,27 @@ TEST(LaunchPlan, ElasticRendezvousFlagsAsTorchrunHasThemAndTheirErrors) {
   r.num_processes = 4;
   EXPECT_NE(plan_error(r).find("give --nproc_per_node"), std::string::npos);
   r.nproc_per_node = 2;
-  r.rdzv_backend = "etcd";
-  EXPECT_NE(plan_error(r).find("--rdzv_backend \"etcd\" is not supported: use c10d"), std::string::npos);
+  r.rdzv_backend = "zookeeper";
+  EXPECT_NE(plan_error(r).find("--rdzv_backend \"zookeeper\" is not supported: use c10d or etcd (elastic) or static"),
+            std::string::npos);
+  // etcd (torchrun's etcd-v2 name too): the members' addresses, and torchrun's etcd keys of --rdzv_conf.
+  r.rdzv_backend = "etcd-v2";
+  r.rdzv_endpoint = "http://10.0.0.1:2379/,10.0.0.2";
+  r.rdzv_conf = "read_timeout=1.5,etcd_prefix=/jobs/,protocol=http,keep_alive_interval=2";
+  o = plan_launch(r);
+  ASSERT_TRUE(o.elastic);
+  EXPECT_EQ(o.elastic->backend, "etcd");
+  EXPECT_EQ(o.elastic->etcd_endpoints, (std::vector<std::string>{"10.0.0.1:2379", "10.0.0.2:2379"}));
+  EXPECT_EQ(o.elastic->etcd_timeout_s, 1.5);
+  EXPECT_EQ(o.elastic->etcd_key_prefix, "/jobs");
+  EXPECT_EQ(o.elastic->keep_alive_interval_s, 2);
+  r.rdzv_conf = "cacert=/etc/ca.pem";
+  EXPECT_NE(plan_error(r).find("--rdzv_conf cacert: TLS to etcd is not supported"), std::string::npos);
+  r.rdzv_conf.reset();
+  r.rdzv_endpoint = "https://10.0.0.1:2379";
+  EXPECT_NE(plan_error(r).find("TLS to etcd is not supported; give its http client address"), std::string::npos);
+  r.rdzv_endpoint.reset();
+  EXPECT_NE(plan_error(r).find("--rdzv_backend etcd needs --rdzv_endpoint"), std::string::npos);
   // A fixed --nnodes N with the static backend is torchrun's plain multi-machine launch.
   r = LaunchRequest{};
   r.config_file = "";
