@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <chrono>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -15,6 +16,12 @@
 
 namespace xlr8::fp8 {
 namespace {
+
+at::Tensor dequantised(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale, const at::Tensor& b_scale,
+                       at::ScalarType out_dtype) {
+  auto product = at::mm(a.to(at::kFloat), b.to(at::kFloat));
+  return (product * (a_scale.reciprocal() * b_scale.reciprocal())).to(out_dtype);
+}
 
 bool is_float8(at::ScalarType t) { return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2; }
 
@@ -38,6 +45,32 @@ at::Tensor real_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Te
   right = right.t().contiguous().t();
   return at::_scaled_mm(left, right, a_scale.reciprocal().to(at::kFloat), b_scale.reciprocal().to(at::kFloat),
                         std::nullopt, std::nullopt, out_dtype);
+}
+
+// Seconds for `reps` runs of `gemm` after one warm-up.
+template <class Gemm>
+double seconds_of(int reps, Gemm&& gemm) {
+  gemm();
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < reps; ++i) gemm();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// On some CPUs (AVX512-FP16/AMX ones, with LibTorch 2.15) _scaled_mm reaches oneDNN's reference matmul, about
+// 60x slower than widening to fp32 and multiplying: an fp8 GPT ran 0.17 steps/s where bf16 ran 78. Both give
+// the product of the cast values (up to the order of the fp32 sums), so a CPU whose fp8 gemm is over 4x slower
+// than the dequantised product uses the latter. The margin is wide so that every rank of a job decides alike (the two differ by 60x or by little).
+bool cpu_gemm_is_slow(bool rowwise) {
+  const auto options = at::TensorOptions().dtype(at::kFloat);
+  auto a = at::randn({128, 128}, options).to(at::kFloat8_e4m3fn);
+  auto one = at::ones(rowwise ? std::vector<int64_t>{128, 1} : std::vector<int64_t>{}, options);
+  const double real = seconds_of(2, [&] { real_scaled_mm(a, a.t(), one, rowwise ? one.t() : one, at::kBFloat16); });
+  const double widened = seconds_of(2, [&] { dequantised(a, a.t(), one, rowwise ? one.t() : one, at::kBFloat16); });
+  if (real <= 4 * widened) return false;
+  log::info("xlr8: fp8 on this CPU: LibTorch's _scaled_mm takes {:.0f}x the time of the dequantised product (oneDNN's "
+            "reference kernel); using the dequantised product (the same product of the cast values)",
+            real / widened);
+  return true;
 }
 
 struct GemmSupport {
@@ -109,8 +142,7 @@ at::Tensor cast_to_float8(const at::Tensor& x, const at::Tensor& scale, at::Scal
 
 at::Tensor dequantised_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale,
                           const at::Tensor& b_scale, at::ScalarType out_dtype) {
-  auto product = at::mm(a.to(at::kFloat), b.to(at::kFloat));
-  return (product * (a_scale.reciprocal() * b_scale.reciprocal())).to(out_dtype);
+  return dequantised(a, b, a_scale, b_scale, out_dtype);
 }
 
 bool has_fp8_gemm(c10::Device device, bool rowwise) {
@@ -126,6 +158,7 @@ bool has_fp8_gemm(c10::Device device, bool rowwise) {
     auto one = at::ones(rowwise ? std::vector<int64_t>{16, 1} : std::vector<int64_t>{}, a.options().dtype(at::kFloat));
     auto product = real_scaled_mm(a, a.t(), one, rowwise ? one.t() : one, at::kBFloat16);
     works = product.to(at::kFloat).eq(16).all().item<bool>();
+    if (works && device.is_cpu()) works = !cpu_gemm_is_slow(rowwise);
   } catch (const c10::Error&) {
     works = false;
   }
