@@ -87,7 +87,7 @@ TEST(DeepSpeedElasticity, AJobThatLosesAMachineKeepsItsGlobalBatchAndEndsAsOnePr
   EtcdCluster etcd(1);
   const auto dir = temp_dir("ds-elastic-job");
   const Args program{kEngine, "--config", write_elastic_config(dir), "--steps", "12", "--out", dir,
-                     "--save_every", "2", "--resume_latest", "--step_sleep_ms", "300"};
+                     "--save_every", "2", "--resume_latest", "--step_sleep_ms", "200"};
   auto agent = [&] {
     Args a{kXlr8, "launch", "--nnodes", "1:2", "--nproc_per_node", "2", "--rdzv_backend", "etcd", "--rdzv_endpoint",
            etcd.endpoint(0), "--rdzv_id", "ds-elastic", "--rdzv_conf",
