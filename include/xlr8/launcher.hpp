@@ -31,7 +31,9 @@ struct ElasticOptions {
   std::string backend = "c10d";
   std::vector<std::string> etcd_endpoints;      // the members' client addresses, host:port (--rdzv_endpoint a,b,c)
   std::string etcd_key_prefix = "/xlr8/rdzv";   // --rdzv_conf etcd_prefix: the job's keys go under <prefix>/<rdzv_id>/
-  double etcd_timeout_s = 3;                    // --rdzv_conf read_timeout: one request to one member
+  // --rdzv_conf read_timeout: one request to one member. 0: 3 s, or a third of the lease's life
+  // (keep_alive_interval x keep_alive_max_attempt) when that is shorter; given, it must be below that life.
+  double etcd_timeout_s = 0;
 };
 
 struct LaunchOptions {

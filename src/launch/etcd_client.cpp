@@ -20,17 +20,20 @@ constexpr char kAlphabet[] = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwx
 
 // The gateway writes 64-bit numbers as strings, and leaves out fields at their zero value.
 int64_t number(const json& object, const char* field) {
-  if (!object.contains(field)) return 0;
+  if (!object.is_object() || !object.contains(field)) return 0;
   const json& v = object.at(field);
-  return v.is_string() ? std::stoll(v.get<std::string>()) : v.get<int64_t>();
+  if (v.is_number_integer()) return v.get<int64_t>();
+  return v.is_string() ? std::strtoll(v.get<std::string>().c_str(), nullptr, 10) : 0;
 }
 
 std::vector<EtcdKeyValue> key_values(const json& answer) {
   std::vector<EtcdKeyValue> out;
-  for (const json& kv : answer.value("kvs", json::array()))
-    out.push_back({.key = base64_decode(kv.value("key", "")),
-                   .value = base64_decode(kv.value("value", "")),
-                   .mod_revision = number(kv, "mod_revision")});
+  if (!answer.is_object() || !answer.contains("kvs") || !answer["kvs"].is_array()) return out;
+  for (const json& kv : answer["kvs"])
+    if (kv.is_object())
+      out.push_back({.key = base64_decode(kv.value("key", "")),
+                     .value = base64_decode(kv.value("value", "")),
+                     .mod_revision = number(kv, "mod_revision")});
   return out;
 }
 
@@ -86,34 +89,40 @@ std::string EtcdClient::current() const {
   return endpoints_[current_].str();
 }
 
-std::string EtcdClient::call(const std::string& path, const std::string& body, bool* not_found) {
+json EtcdClient::call(const std::string& path, const json& body, bool* not_found) {
   std::lock_guard lock(mutex_);
   std::vector<std::string> failures;
   for (size_t tried = 0; tried < endpoints_.size(); ++tried, current_ = (current_ + 1) % endpoints_.size()) {
     const os::HostPort& to = endpoints_[current_];
-    const os::HttpResponse r = os::http_post(to, path, body, timeout_s_);
-    if (r.status == 200) return r.body;
-    json error = r.status ? json::parse(r.body, nullptr, false) : json();
-    const std::string message = error.is_object() ? error.value("message", r.body) : r.error;
+    const os::HttpResponse r = os::http_post(to, path, body.dump(), timeout_s_);
+    json answer = r.status ? json::parse(r.body, nullptr, /*allow_exceptions=*/false) : json();
+    if (r.status == 200 && answer.is_object()) return answer;
+    std::string message = r.status ? r.body : r.error;
+    int code = -1;
+    if (answer.is_object()) {
+      // Unary calls answer {"code", "message"}; streaming ones (keepalive) {"error": {"grpc_code", "message"}}.
+      const json& e = answer.contains("error") && answer["error"].is_object() ? answer["error"] : answer;
+      message = e.value("message", message);
+      code = e.value("code", e.value("grpc_code", -1));
+    }
     // gRPC's NOT_FOUND (5): a lease that expired; an answer, not a failing member.
-    if (not_found && error.is_object() && error.value("code", 0) == 5) return *not_found = true, std::string();
+    if (not_found && code == 5) return *not_found = true, json::object();
     // INVALID_ARGUMENT and the like are this program's fault: another member would say the same.
-    if (r.status == 400 || (error.is_object() && error.value("code", 0) == 3))
-      throw Error(fmt::format("etcd at {} refused {}: {}", to.str(), path, message));
+    if (r.status == 400 || code == 3) throw Error(fmt::format("etcd at {} refused {}: {}", to.str(), path, message));
+    if (r.status == 200) message = fmt::format("answered something that is not etcd's JSON ({} bytes)", r.body.size());
     failures.push_back(fmt::format("{}: {}", to.str(), r.status ? fmt::format("HTTP {} {}", r.status, message) : message));
   }
   throw Error(fmt::format("no etcd member answered ({})", fmt::join(failures, "; ")));
 }
 
 std::optional<EtcdKeyValue> EtcdClient::get(const std::string& key) {
-  auto found = key_values(json::parse(call("/v3/kv/range", json{{"key", base64_encode(key)}}.dump())));
+  auto found = key_values(call("/v3/kv/range", json{{"key", base64_encode(key)}}));
   if (found.empty()) return std::nullopt;
   return found.front();
 }
 
 std::vector<EtcdKeyValue> EtcdClient::get_prefix(const std::string& prefix) {
-  const json request{{"key", base64_encode(prefix)}, {"range_end", base64_encode(prefix_end(prefix))}};
-  return key_values(json::parse(call("/v3/kv/range", request.dump())));
+  return key_values(call("/v3/kv/range", json{{"key", base64_encode(prefix)}, {"range_end", base64_encode(prefix_end(prefix))}}));
 }
 
 bool EtcdClient::compare_and_put(const std::string& key, const std::string& value, int64_t expected) {
@@ -123,31 +132,30 @@ bool EtcdClient::compare_and_put(const std::string& key, const std::string& valu
       : json{{"key", k}, {"target", "MOD"}, {"result", "EQUAL"}, {"mod_revision", std::to_string(expected)}};
   const json request{{"compare", json::array({compare})},
                      {"success", json::array({json{{"requestPut", {{"key", k}, {"value", base64_encode(value)}}}}})}};
-  return json::parse(call("/v3/kv/txn", request.dump())).value("succeeded", false);
+  return call("/v3/kv/txn", request).value("succeeded", false);
 }
 
 bool EtcdClient::put_with_lease(const std::string& key, const std::string& value, int64_t lease) {
   bool gone = false;
-  call("/v3/kv/put",
-       json{{"key", base64_encode(key)}, {"value", base64_encode(value)}, {"lease", std::to_string(lease)}}.dump(),
+  call("/v3/kv/put", json{{"key", base64_encode(key)}, {"value", base64_encode(value)}, {"lease", std::to_string(lease)}},
        &gone);
   return !gone;
 }
 
 int64_t EtcdClient::grant_lease(int64_t ttl_s) {
-  return number(json::parse(call("/v3/lease/grant", json{{"TTL", std::to_string(ttl_s)}}.dump())), "ID");
+  return number(call("/v3/lease/grant", json{{"TTL", std::to_string(ttl_s)}}), "ID");
 }
 
 bool EtcdClient::keep_alive(int64_t lease) {
   bool gone = false;
-  const std::string answer = call("/v3/lease/keepalive", json{{"ID", std::to_string(lease)}}.dump(), &gone);
+  const json answer = call("/v3/lease/keepalive", json{{"ID", std::to_string(lease)}}, &gone);
   // An expired lease is answered without a TTL.
-  return !gone && number(json::parse(answer).value("result", json::object()), "TTL") > 0;
+  return !gone && number(answer.value("result", json::object()), "TTL") > 0;
 }
 
 void EtcdClient::revoke(int64_t lease) {
   bool gone = false;
-  call("/v3/lease/revoke", json{{"ID", std::to_string(lease)}}.dump(), &gone);
+  call("/v3/lease/revoke", json{{"ID", std::to_string(lease)}}, &gone);
 }
 
 }  // namespace xlr8::launcher

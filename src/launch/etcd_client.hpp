@@ -5,6 +5,7 @@
 // costs one timeout, not the job. Thread-safe: requests are serialised.
 #include <cstdint>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <vector>
@@ -42,7 +43,7 @@ class EtcdClient {
 
  private:
   // The JSON answer of the first member to answer `path`; an etcd error other than "not found" throws.
-  std::string call(const std::string& path, const std::string& body, bool* not_found = nullptr);
+  nlohmann::json call(const std::string& path, const nlohmann::json& body, bool* not_found = nullptr);
   std::vector<os::HostPort> endpoints_;
   double timeout_s_;
   mutable std::mutex mutex_;

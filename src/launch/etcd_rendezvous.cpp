@@ -36,11 +36,13 @@ class EtcdRendezvous final : public Rendezvous {
  public:
   EtcdRendezvous(const ElasticOptions& o, const std::function<bool()>& cancelled)
       : o_(o),
-        etcd_(hosts_of(o), o.etcd_timeout_s),
+        etcd_(hosts_of(o), o.etcd_timeout_s > 0 ? o.etcd_timeout_s
+                                                : std::min(3.0, o.keep_alive_interval_s * o.keep_alive_max_attempt / 3)),
         prefix_(fmt::format("{}/{}/", o.etcd_key_prefix, o.run_id)),
         me_(this_machine(hosts_of(o).front().host, o.max_nodes)),
-        ttl_s_(static_cast<int64_t>(std::ceil(o.keep_alive_interval_s * o.keep_alive_max_attempt))) {
-    register_machine(after(o.join_timeout_s), cancelled);
+        ttl_s_(static_cast<int64_t>(std::ceil(o.keep_alive_interval_s * o.keep_alive_max_attempt))),
+        cancelled_(cancelled) {
+    register_machine(after(o.join_timeout_s));
     thread_ = std::thread([this] { watch(); });
   }
 
@@ -48,30 +50,42 @@ class EtcdRendezvous final : public Rendezvous {
     stop_ = true;
     thread_.join();
     try {
-      etcd_.revoke(lease_);  // the others need not wait for the lease to expire
+      etcd_.revoke(lease());  // the others need not wait for the lease to expire
     } catch (const Error&) {
     }
   }
 
   void join(int nproc, int port, const std::string& reason, const std::string& kind) override {
+    const auto deadline = after(o_.join_timeout_s);
     std::string lost;
     {
       std::lock_guard lock(mutex_);
       lost = lost_;
       restart_.clear();
+      last_join_ = {.nproc = nproc, .port = port, .reason = reason, .kind = kind};
     }
-    // Cut off long enough for the others to drop it: this machine comes back as a new one.
-    if (lost.empty() && !etcd_.keep_alive(lease_)) lost = "its etcd lease expired";
+    if (lost.empty() && !retrying(deadline, [&] { return etcd_.keep_alive(lease()); })) lost = "its etcd lease expired";
+    // Cut off long enough for the others to drop it: this machine comes back as a new one, and its old self
+    // leaves (a failure, as the c10d server counts a lost machine).
+    std::string old_id;
     if (!lost.empty()) {
       log::warning("xlr8 launch: rejoining the etcd rendezvous ({})", lost);
-      register_machine(after(o_.join_timeout_s), [] { return false; });
+      old_id = id();
+      try {
+        etcd_.revoke(lease());
+      } catch (const Error&) {
+      }
+      register_machine(deadline);
     }
-    RoundMachine self{.id = id(), .node = me_.node, .addr = me_.address, .nproc = nproc, .port = port};
+    const RoundMachine self{.id = id(), .node = me_.node, .addr = me_.address, .nproc = nproc, .port = port};
     std::string note;
-    const RoundsState s = update([&](RoundsState& state) {
-      if (state.finishing) return false;
-      note = join_round(state, self, reason, kind);
-      return true;
+    const RoundsState s = retrying(deadline, [&] {
+      return update([&](RoundsState& state) {
+        if (state.finishing) return false;
+        if (!old_id.empty()) leave_rounds(state, old_id, lost);
+        note = join_round(state, self, reason, kind);
+        return true;
+      });
     });
     std::lock_guard lock(mutex_);
     if (s.finishing && round_ == 0)
@@ -81,7 +95,7 @@ class EtcdRendezvous final : public Rendezvous {
     if (round_ == 0 && !waiting_)
       log::info("xlr8 launch: joined the etcd rendezvous of --rdzv_id {} at {} as {}", o_.run_id, etcd_.endpoints(), me_.node);
     if (!note.empty()) log::info("xlr8 launch: waiting: {}", note);
-    lost_.clear();
+    if (lost_for_lease_ != lease_) lost_.clear();  // what was lost belonged to the lease this machine left
     latest_ = s;
     waiting_ = true;
   }
@@ -90,8 +104,16 @@ class EtcdRendezvous final : public Rendezvous {
     const auto deadline = after(o_.join_timeout_s);
     std::unique_lock lock(mutex_);
     for (;;) {
-      if (!lost_.empty()) throw Error(fmt::format("lost the etcd rendezvous: {}", lost_));
-      if (latest_ && latest_->round > round_)
+      if (!fatal_.empty()) throw ConfigError(fatal_);
+      if (!lost_.empty()) {  // dropped while waiting: ask again, as a new machine
+        const JoinRequest again = last_join_;
+        lock.unlock();
+        join(again.nproc, again.port, again.reason, again.kind);
+        lock.lock();
+        continue;
+      }
+      // Another round than the last one this machine ran (a document made anew starts again at 1).
+      if (latest_ && latest_->round != round_)
         if (auto a = assignment_of(*latest_, id_)) {
           round_ = a->round;
           waiting_ = false;
@@ -114,7 +136,9 @@ class EtcdRendezvous final : public Rendezvous {
 
   std::string restart_request() const override {
     std::lock_guard lock(mutex_);
-    return restart_.empty() && !lost_.empty() ? fmt::format("lost the etcd rendezvous: {}", lost_) : restart_;
+    if (!restart_.empty()) return restart_;
+    const std::string& why = fatal_.empty() ? lost_ : fatal_;
+    return why.empty() ? "" : fmt::format("lost the etcd rendezvous: {}", why);
   }
 
   std::string restart_kind() const override {
@@ -122,8 +146,9 @@ class EtcdRendezvous final : public Rendezvous {
     return restart_.empty() ? "failure" : restart_kind_;
   }
 
+  // Retried through a short loss of etcd (an election, a member restarting): a finished job must say so.
   void done() override {
-    update([&](RoundsState& s) { return finish_round(s, id()), true; });
+    retrying(after(o_.close_timeout_s), [&] { return update([&](RoundsState& s) { return finish_round(s, id()), true; }); });
   }
 
   void leave(const std::string& reason) override {
@@ -138,10 +163,31 @@ class EtcdRendezvous final : public Rendezvous {
   }
 
  private:
+  struct JoinRequest {
+    int nproc = 1, port = 0;
+    std::string reason, kind;
+  };
+
+  // `call` until it answers, through etcd errors (not refusals) until `deadline` or an interrupt.
+  template <typename Call>
+  auto retrying(Clock::time_point deadline, Call&& call) -> decltype(call()) {
+    for (bool said = false;;) {
+      try {
+        return call();
+      } catch (const ConfigError&) {
+        throw;
+      } catch (const Error& e) {
+        if (Clock::now() >= deadline || cancelled_()) throw;
+        if (!said) log::warning("xlr8 launch: etcd did not answer ({}); trying again", e.what()), said = true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  }
+
   // A lease and this machine's key under alive/ (bound to it), retried until `deadline`.
-  void register_machine(Clock::time_point deadline, const std::function<bool()>& cancelled) {
-    bool said = false;
-    for (;;) {
+  void register_machine(Clock::time_point deadline) {
+    for (bool said = false;;) {
+      std::string why;
       try {
         const int64_t lease = etcd_.grant_lease(ttl_s_);
         const std::string id = fmt::format("{:x}", lease);
@@ -150,17 +196,19 @@ class EtcdRendezvous final : public Rendezvous {
           lease_ = lease, id_ = id, last_answer_ = last_beat_ = Clock::now();
           return;
         }
+        why = "the new lease expired before this machine's key was written";
       } catch (const ConfigError&) {
         throw;
       } catch (const Error& e) {
-        if (Clock::now() >= deadline)
-          throw TimeoutError(fmt::format("cannot reach the etcd rendezvous at {} within join_timeout {} s ({}): start "
-                                         "the etcd cluster, or check --rdzv_endpoint",
-                                         etcd_.endpoints(), o_.join_timeout_s, e.what()));
-        if (!said) log::info("xlr8 launch: waiting for etcd at {} ({})", etcd_.endpoints(), e.what()), said = true;
+        why = e.what();
       }
+      if (Clock::now() >= deadline)
+        throw TimeoutError(fmt::format("cannot reach the etcd rendezvous at {} within join_timeout {} s ({}): start "
+                                       "the etcd cluster, or check --rdzv_endpoint",
+                                       etcd_.endpoints(), o_.join_timeout_s, why));
+      if (!said) log::info("xlr8 launch: waiting for etcd at {} ({})", etcd_.endpoints(), why), said = true;
       for (int i = 0; i < 5; ++i) {
-        if (cancelled()) throw Error("interrupted while waiting for the etcd rendezvous");
+        if (cancelled_()) throw Error("interrupted while waiting for the etcd rendezvous");
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
       }
     }
@@ -183,8 +231,9 @@ class EtcdRendezvous final : public Rendezvous {
       }
       if (s.min_nodes != o_.min_nodes || s.max_nodes != o_.max_nodes)
         throw ConfigError(fmt::format("--nnodes {}:{} on this machine, but the job --rdzv_id {:?} on etcd has --nnodes "
-                                      "{}:{}; give every machine the same --nnodes",
-                                      o_.min_nodes, o_.max_nodes, o_.run_id, s.min_nodes, s.max_nodes));
+                                      "{}:{}; give every machine the same --nnodes (or, if etcd key {} is left from an "
+                                      "earlier job, give this one a new --rdzv_id)",
+                                      o_.min_nodes, o_.max_nodes, o_.run_id, s.min_nodes, s.max_nodes, key));
       if (!change(s)) return s;
       if (etcd_.compare_and_put(key, s.to_json().dump(), kv ? kv->mod_revision : 0)) return s;
       if (attempt == 1000) throw Error(fmt::format("the etcd rendezvous key {} changes faster than it can be written", key));
@@ -228,22 +277,22 @@ class EtcdRendezvous final : public Rendezvous {
   void beat() {
     if (Clock::now() < last_beat() + std::chrono::milliseconds(static_cast<int64_t>(o_.keep_alive_interval_s * 1000)))
       return;
-    int64_t lease = 0;
-    {
-      std::lock_guard lock(mutex_);
-      lease = lease_;
-    }
-    if (!etcd_.keep_alive(lease)) {
-      std::lock_guard lock(mutex_);
-      if (lost_.empty()) lost_ = fmt::format("this machine's etcd lease expired (no keep-alive for {} s)", ttl_s_);
-    }
+    const int64_t checked = lease();
+    const bool alive = etcd_.keep_alive(checked);
     std::lock_guard lock(mutex_);
     last_beat_ = Clock::now();
+    // Only about the lease this machine still holds (join may have registered anew meanwhile).
+    if (!alive && lease_ == checked && lost_.empty())
+      lost_ = fmt::format("this machine's etcd lease expired (no keep-alive for {} s)", ttl_s_), lost_for_lease_ = checked;
   }
 
   std::string id() const {
     std::lock_guard lock(mutex_);
     return id_;
+  }
+  int64_t lease() const {
+    std::lock_guard lock(mutex_);
+    return lease_;
   }
   Clock::time_point last_beat() const {
     std::lock_guard lock(mutex_);
@@ -262,14 +311,14 @@ class EtcdRendezvous final : public Rendezvous {
         if (round_ > 0 && s.restart_round == round_ && restart_.empty() && lost_.empty())
           restart_ = s.restart_reason, restart_kind_ = s.restart_kind;
         if (!is_member(s, id_) && !waiting_ && round_ > 0 && restart_.empty() && lost_.empty() && !s.finishing)
-          lost_ = "the others dropped this machine from the round";
+          lost_ = "the others dropped this machine from the round", lost_for_lease_ = lease_;
       } catch (const ConfigError& e) {
         std::lock_guard lock(mutex_);
-        lost_ = e.what();
+        fatal_ = e.what();
       } catch (const std::exception& e) {
         std::lock_guard lock(mutex_);
         if (lost_.empty() && Clock::now() > last_answer_ + std::chrono::seconds(ttl_s_))
-          lost_ = fmt::format("no etcd member answered for {} s: {}", ttl_s_, e.what());
+          lost_ = fmt::format("no etcd member answered for {} s: {}", ttl_s_, e.what()), lost_for_lease_ = lease_;
       }
       changed_.notify_all();
       std::this_thread::sleep_for(tick);
@@ -281,14 +330,19 @@ class EtcdRendezvous final : public Rendezvous {
   std::string prefix_;
   ThisMachine me_;
   int64_t ttl_s_;
+  std::function<bool()> cancelled_;
   mutable std::mutex mutex_;  // guards the fields below
   std::condition_variable changed_;
   int64_t lease_ = 0;
   std::string id_;
   int round_ = 0;       // the round this machine was last assigned to
   bool waiting_ = false;  // asked for a place and not yet given one
+  JoinRequest last_join_;
   std::optional<RoundsState> latest_;
-  std::string restart_, restart_kind_, lost_;
+  std::string restart_, restart_kind_;
+  std::string lost_;          // this machine's registration is gone (set: join registers it anew)
+  int64_t lost_for_lease_ = 0;  // the lease `lost_` is about
+  std::string fatal_;         // the rendezvous refused this machine (ConfigError)
   std::optional<Clock::time_point> enough_since_;  // only the watching thread uses it
   Clock::time_point last_answer_, last_beat_;
   std::atomic<bool> stop_{false};

@@ -31,7 +31,6 @@ std::optional<RoundMachine> take(std::vector<RoundMachine>& list, const std::str
   auto it = std::find_if(list.begin(), list.end(), [&](const RoundMachine& m) { return m.id == id; });
   if (it == list.end()) return std::nullopt;
   RoundMachine m = *it;
-  m.prev_rank = static_cast<int>(it - list.begin());
   list.erase(it);
   return m;
 }
@@ -131,6 +130,7 @@ bool form_round(RoundsState& s, bool last_call_over) {
   const size_t n = std::min(s.waiting.size(), static_cast<size_t>(s.max_nodes));
   s.members.assign(s.waiting.begin(), s.waiting.begin() + static_cast<std::ptrdiff_t>(n));
   s.waiting.erase(s.waiting.begin(), s.waiting.begin() + static_cast<std::ptrdiff_t>(n));
+  for (size_t i = 0; i < n; ++i) s.members[i].prev_rank = static_cast<int>(i);  // the next round keeps the order
   ++s.round;
   return true;
 }

@@ -23,7 +23,7 @@ struct RoundMachine {
   std::string node, addr;
   int nproc = 1, port = 0;
   int64_t order = 0;        // when it joined
-  int prev_rank = INT_MAX;  // its node rank in the last round it ran
+  int prev_rank = INT_MAX;  // its node rank in the last round it ran (INT_MAX: none yet)
 };
 
 struct RoundsState {

@@ -5,8 +5,10 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 
 namespace xlr8::os {
@@ -83,6 +85,9 @@ HttpResponse parse(const std::string& raw) {
   const std::string body = raw.substr(head_end + 4);
   if (head.find("transfer-encoding: chunked") != std::string::npos) {
     if (!dechunk(body, r.body)) r.status = 0, r.error = "a chunked answer cut short";
+  } else if (const size_t at = head.find("content-length:"); at != std::string::npos &&
+                                                              std::strtoull(head.c_str() + at + 15, nullptr, 10) > body.size()) {
+    r.status = 0, r.error = "an answer cut short";
   } else {
     r.body = body;
   }
@@ -94,7 +99,8 @@ HttpResponse parse(const std::string& raw) {
 HttpResponse http_post(const HostPort& to, const std::string& path, const std::string& body, double timeout_s) {
   const auto deadline = Clock::now() + std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000));
   HttpResponse failed;
-  const int fd = connect_tcp(to, timeout_s, failed.error);
+  // A member on the same network accepts at once (the kernel does); a silent one must not cost the whole timeout.
+  const int fd = connect_tcp(to, std::min(timeout_s, 1.0), failed.error);
   if (fd < 0) return failed;
   const std::string request = fmt::format(
       "POST {} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{}",

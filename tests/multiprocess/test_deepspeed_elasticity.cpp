@@ -91,7 +91,7 @@ TEST(DeepSpeedElasticity, AJobThatLosesAMachineKeepsItsGlobalBatchAndEndsAsOnePr
   auto agent = [&] {
     Args a{kXlr8, "launch", "--nnodes", "1:2", "--nproc_per_node", "2", "--rdzv_backend", "etcd", "--rdzv_endpoint",
            etcd.endpoint(0), "--rdzv_id", "ds-elastic", "--rdzv_conf",
-           "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=60", "--max_restarts", "2"};
+           "last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3,join_timeout=60,read_timeout=1", "--max_restarts", "2"};
     a.insert(a.end(), program.begin(), program.end());
     return a;
   };

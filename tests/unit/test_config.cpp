@@ -327,6 +327,10 @@ TEST(LaunchPlan, ElasticRendezvousFlagsAsTorchrunHasThemAndTheirErrors) {
   EXPECT_EQ(o.elastic->etcd_timeout_s, 1.5);
   EXPECT_EQ(o.elastic->etcd_key_prefix, "/jobs");
   EXPECT_EQ(o.elastic->keep_alive_interval_s, 2);
+  r.rdzv_conf = "read_timeout=3,keep_alive_interval=1";  // a lease of 3 s: one request could outlast it
+  EXPECT_NE(plan_error(r).find("read_timeout=3 must be below the etcd lease's life"), std::string::npos);
+  r.rdzv_conf = "keep_alive_interval=1";  // not given: a third of the lease's life
+  EXPECT_EQ(plan_launch(r).elastic->etcd_timeout_s, 1);
   r.rdzv_conf = "cacert=/etc/ca.pem";
   EXPECT_NE(plan_error(r).find("--rdzv_conf cacert: TLS to etcd is not supported"), std::string::npos);
   r.rdzv_conf.reset();
