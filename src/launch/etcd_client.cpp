@@ -84,11 +84,6 @@ std::string EtcdClient::endpoints() const {
   return fmt::format("{}", fmt::join(names, ", "));
 }
 
-std::string EtcdClient::current() const {
-  std::lock_guard lock(mutex_);
-  return endpoints_[current_].str();
-}
-
 json EtcdClient::call(const std::string& path, const json& body, bool* not_found) {
   std::lock_guard lock(mutex_);
   std::vector<std::string> failures;

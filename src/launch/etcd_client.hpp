@@ -39,7 +39,6 @@ class EtcdClient {
   void revoke(int64_t lease);
 
   std::string endpoints() const;  // "host:port, host:port" as given
-  std::string current() const;    // the member in use
 
  private:
   // The JSON answer of the first member to answer `path`; an etcd error other than "not found" throws.

@@ -36,8 +36,7 @@ class EtcdRendezvous final : public Rendezvous {
  public:
   EtcdRendezvous(const ElasticOptions& o, const std::function<bool()>& cancelled)
       : o_(o),
-        etcd_(hosts_of(o), o.etcd_timeout_s > 0 ? o.etcd_timeout_s
-                                                : std::min(3.0, o.keep_alive_interval_s * o.keep_alive_max_attempt / 3)),
+        etcd_(hosts_of(o), etcd_request_timeout_s(o)),
         prefix_(fmt::format("{}/{}/", o.etcd_key_prefix, o.run_id)),
         me_(this_machine(hosts_of(o).front().host, o.max_nodes)),
         ttl_s_(static_cast<int64_t>(std::ceil(o.keep_alive_interval_s * o.keep_alive_max_attempt))),
@@ -350,6 +349,10 @@ class EtcdRendezvous final : public Rendezvous {
 };
 
 }  // namespace
+
+double etcd_request_timeout_s(const ElasticOptions& o) {
+  return o.etcd_timeout_s > 0 ? o.etcd_timeout_s : std::min(3.0, o.keep_alive_interval_s * o.keep_alive_max_attempt / 3);
+}
 
 std::unique_ptr<Rendezvous> make_etcd_rendezvous(const ElasticOptions& options, const std::function<bool()>& cancelled) {
   return std::make_unique<EtcdRendezvous>(options, cancelled);

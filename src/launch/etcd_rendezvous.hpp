@@ -12,6 +12,9 @@
 
 namespace xlr8::launcher {
 
+// One request to one member: --rdzv_conf read_timeout, or (0) 3 s or a third of the lease's life when shorter.
+double etcd_request_timeout_s(const ElasticOptions& options);
+
 // Registers this machine with etcd, retrying until join_timeout (then one TimeoutError naming the members
 // tried and why each failed).
 std::unique_ptr<Rendezvous> make_etcd_rendezvous(const ElasticOptions& options, const std::function<bool()>& cancelled);

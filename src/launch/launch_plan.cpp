@@ -10,6 +10,7 @@
 
 #include "core/log.hpp"
 #include "launch/mpirun_launch.hpp"
+#include "launch/etcd_rendezvous.hpp"
 #include "os/net.hpp"
 #include "xlr8/deepspeed_config.hpp"
 #include "xlr8/env.hpp"
@@ -214,7 +215,7 @@ std::optional<ElasticOptions> plan_rendezvous(const LaunchRequest& r, YAML::Node
   if (r.rdzv_id) e.run_id = *r.rdzv_id;
   if (r.rdzv_conf) apply_rdzv_conf(*r.rdzv_conf, e);
   const double life = e.keep_alive_interval_s * e.keep_alive_max_attempt;
-  if (e.backend == "etcd" && e.etcd_timeout_s == 0) e.etcd_timeout_s = std::min(3.0, life / 3);
+  if (e.backend == "etcd") e.etcd_timeout_s = launcher::etcd_request_timeout_s(e);
   if (e.backend == "etcd" && e.etcd_timeout_s >= life)
     throw ConfigError(fmt::format("--rdzv_conf read_timeout={} must be below the etcd lease's life (keep_alive_interval "
                                   "x keep_alive_max_attempt = {} s): one request to a dead member would outlast it",
