@@ -7,6 +7,9 @@ set(XLR8_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/xlr8)
 install(TARGETS xlr8 xlr8_base EXPORT xlr8Targets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+if(XLR8_WITH_NCCL)  # the CUDA plugin (src/compat/cuda_on_demand.hpp): consumers link it
+  install(TARGETS xlr8_cuda EXPORT xlr8Targets LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR})
+endif()
 install(TARGETS xlr8_cli RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
 install(TARGETS xlr8_full RUNTIME DESTINATION ${CMAKE_INSTALL_LIBEXECDIR}/xlr8)  # found by xlr8 through ../libexec/xlr8
 # Only include/xlr8 is public; src/ headers stay private.

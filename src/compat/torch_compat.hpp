@@ -16,10 +16,8 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef XLR8_WITH_NCCL
-#include "compat/abort_at_exit.hpp"
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
-#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
 #include <chrono>
@@ -31,6 +29,8 @@
 #include <utility>
 #include <vector>
 
+#include "compat/cuda_on_demand.hpp"
+#include "compat/cuda_plugin.hpp"
 #include "xlr8/env.hpp"
 
 #define XLR8_TORCH_AT_LEAST(major, minor) \
@@ -51,7 +51,11 @@ constexpr bool kHaveNccl = true;
 constexpr bool kHaveNccl = false;
 #endif
 
-inline int cuda_device_count() { return static_cast<int>(at::detail::getCUDAHooks().getNumGPUs()); }
+// The GPUs LibTorch sees, its CUDA half loaded where the driver is (compat/cuda_on_demand.hpp).
+inline int cuda_device_count() {
+  require_cuda_where_it_can_run();
+  return static_cast<int>(at::detail::getCUDAHooks().getNumGPUs());
+}
 
 inline std::string torch_version() { return TORCH_VERSION; }
 
@@ -87,19 +91,15 @@ inline BackendPtr make_gloo(const StorePtr& store, int rank, int size, std::chro
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, options);
 }
 
-#ifdef XLR8_WITH_NCCL
-using NcclGroupsAtExit = compat::AbortAtExit<c10d::ProcessGroupNCCL>;
-
-// `at_exit`: the group's registration for exit (compat/abort_at_exit.hpp; keep it beside the group, drop it first).
+// A ProcessGroupNCCL, made by xlr8's CUDA plugin (compat/cuda_plugin.hpp); `at_exit`: the group's registration for
+// exit (compat/abort_at_exit.hpp; keep it beside the group, drop it first).
 inline BackendPtr make_nccl(const StorePtr& store, int rank, int size, std::chrono::milliseconds timeout,
                             std::shared_ptr<void>& at_exit) {
-  auto options = c10d::ProcessGroupNCCL::Options::create();
-  options->timeout = timeout;
-  auto group = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, options);
-  at_exit = NcclGroupsAtExit::instance().add(group);
-  return group;
+  return cuda_plugin().make_nccl(store, rank, size, timeout, at_exit);
 }
-#endif
+
+// Arms the exit handler that aborts the NCCL groups before CUDA's teardown.
+inline void abort_nccl_groups_at_exit() { cuda_plugin().abort_nccl_groups_at_exit(); }
 
 // ------------------------------------------------------------------ autograd
 // Autograd nodes (Tensor::grad_fn(), Edge::function) are held by std::shared_ptr<Node> up to 2.11 at least and

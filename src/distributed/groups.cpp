@@ -79,7 +79,7 @@ auto record_object_collective(CommState& s, const std::string& op, const std::st
 
 void detail::CommState::nccl_in_use() {
 #ifdef XLR8_WITH_NCCL
-  compat::NcclGroupsAtExit::arm();
+  compat::abort_nccl_groups_at_exit();
 #endif
 }
 

@@ -2,6 +2,7 @@
 // loopback, and configure_environment.
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <thread>
 
 #include "compat/torch_compat.hpp"
@@ -204,4 +205,48 @@ TEST(AbortAtExitDeathTest, RunsAtExitBeforeTheStaticsThatOwnTheGroups) {
         std::exit(0);
       },
       ::testing::ExitedWithCode(0), "owner gone: aborted 1, destroyed 0\n");
+}
+
+// ------------------------------------------------------------------ LibTorch's CUDA half on demand
+// compat/cuda_on_demand.hpp: libtorch_cuda.so is in this process exactly where the NVIDIA driver's library
+// loads; xlr8's plugin brings it, and makes NCCL groups through it.
+namespace {
+bool mapped(const std::string& library) {
+  std::ifstream maps("/proc/self/maps");
+  std::string line;
+  while (std::getline(maps, line))
+    if (line.find("/" + library) != std::string::npos) return true;
+  return false;
+}
+}  // namespace
+
+TEST(CudaOnDemand, LibTorchsCudaHalfIsLoadedExactlyWhereTheDriverLoads) {
+  if (!compat::kHaveNccl) GTEST_SKIP() << "a LibTorch without CUDA: nothing to load";
+  EXPECT_EQ(mapped("libtorch_cuda.so"), compat::cuda_driver_loads());
+  if (!compat::cuda_driver_loads()) {
+    EXPECT_EQ(compat::cuda_device_count(), 0);
+  }
+}
+
+TEST(CudaOnDemandDeathTest, ThePluginLoadsLibTorchsCudaHalfAndMakesNcclGroups) {
+  if (!compat::kHaveNccl) GTEST_SKIP() << "a LibTorch without CUDA: no plugin";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  // In a child: what the plugin loads stays loaded.
+  EXPECT_EXIT(
+      {
+        const auto& plugin = compat::cuda_plugin();
+        std::fprintf(stderr, "cuda half mapped: %d\n", mapped("libtorch_cuda.so"));
+        std::shared_ptr<void> at_exit;
+        try {
+          auto group = plugin.make_nccl(c10::make_intrusive<c10d::HashStore>(), 0, 1, 5s, at_exit);
+          std::fprintf(stderr, "nccl group made on %d GPUs\n", compat::cuda_device_count());
+        } catch (const std::exception& e) {  // no GPU here: ProcessGroupNCCL's own refusal
+          std::fprintf(stderr, "nccl refused: %s\n", e.what());
+        }
+        std::fflush(stderr);
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0),
+      compat::cuda_driver_loads() ? "cuda half mapped: 1\n(.|\n)*nccl group made"
+                                  : "cuda half mapped: 1\n(.|\n)*nccl refused: (.|\n)*GPU");
 }

@@ -1,0 +1,103 @@
+// Loading xlr8's CUDA plugin where CUDA can run (cuda_on_demand.hpp).
+#include "compat/cuda_on_demand.hpp"
+
+#include <dlfcn.h>
+#include <fmt/format.h>
+#include <torch/version.h>
+
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include "compat/cuda_plugin.hpp"
+#include "xlr8/error.hpp"
+
+namespace xlr8::compat {
+namespace {
+
+struct PluginState {
+  std::mutex mutex;
+  const CudaPlugin* plugin = nullptr;
+  std::string failure;  // why the last attempt failed
+};
+
+PluginState& plugin_state() {
+  static auto* state = new PluginState;  // never destroyed: used while the program starts and exits
+  return *state;
+}
+
+#ifdef XLR8_WITH_NCCL
+using PluginEntry = const CudaPlugin* (*)();
+
+// Linked into the program (an installed package's consumers), or loaded from where this build put it.
+const CudaPlugin* open_plugin(std::string& failure) {
+  auto entry = reinterpret_cast<PluginEntry>(::dlsym(RTLD_DEFAULT, kCudaPluginEntry));
+  const char* path = XLR8_CUDA_PLUGIN_PATH;
+  if (!entry) {
+    // Global: the CUDA kernels and hooks libtorch_cuda.so registers serve every library of the process.
+    void* handle = ::dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+    if (!handle) {
+      failure = fmt::format("cannot load xlr8's CUDA plugin {}: {}", path, ::dlerror());
+      return nullptr;
+    }
+    entry = reinterpret_cast<PluginEntry>(::dlsym(handle, kCudaPluginEntry));
+    if (!entry) {
+      failure = fmt::format("{} has no {}: not xlr8's CUDA plugin", path, kCudaPluginEntry);
+      return nullptr;
+    }
+  }
+  const CudaPlugin* plugin = entry();
+  if (std::strcmp(plugin->torch_version, TORCH_VERSION) != 0 || plugin->layout != kCudaPluginLayout) {
+    failure = fmt::format("xlr8's CUDA plugin ({}) was built against LibTorch {} (layout {}), this program against {} "
+                          "(layout {}): rebuild both from one build",
+                          path, plugin->torch_version, plugin->layout, TORCH_VERSION, kCudaPluginLayout);
+    return nullptr;
+  }
+  return plugin;
+}
+#else
+const CudaPlugin* open_plugin(std::string& failure) {
+  failure = "this xlr8 build has no CUDA support (it was built against a LibTorch without CUDA or without nccl.h)";
+  return nullptr;
+}
+#endif
+
+const CudaPlugin* load_plugin() {
+  auto& s = plugin_state();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  if (!s.plugin) s.plugin = open_plugin(s.failure);
+  return s.plugin;
+}
+
+// While the program starts: before main() asks LibTorch for its GPUs.
+[[maybe_unused]] const bool g_loaded_at_start = (load_cuda_where_it_can_run(), true);
+
+}  // namespace
+
+bool cuda_driver_loads() {
+#ifdef XLR8_WITH_NCCL
+  // Kept loaded: CUDA's runtime opens it again.
+  static const bool loads = ::dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL) != nullptr;
+  return loads;
+#else
+  return false;  // a LibTorch without CUDA, or one linked whole (no plugin to load)
+#endif
+}
+
+void load_cuda_where_it_can_run() noexcept {
+  if (cuda_driver_loads()) (void)load_plugin();
+}
+
+void require_cuda_where_it_can_run() {
+  if (cuda_driver_loads() && !load_plugin())
+    throw Error(fmt::format("the NVIDIA driver loads (libcuda.so.1), but {}; without it LibTorch sees no GPU. Set "
+                            "use_cpu to run on the CPU",
+                            plugin_state().failure));
+}
+
+const CudaPlugin& cuda_plugin() {
+  if (const auto* plugin = load_plugin()) return *plugin;
+  throw Error(plugin_state().failure);
+}
+
+}  // namespace xlr8::compat
