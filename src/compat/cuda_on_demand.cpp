@@ -57,7 +57,7 @@ const CudaPlugin* open_plugin(std::string& failure) {
 }
 #else
 const CudaPlugin* open_plugin(std::string& failure) {
-  failure = "this xlr8 build has no CUDA support (it was built against a LibTorch without CUDA or without nccl.h)";
+  failure = "this xlr8 build has no NCCL support (it was built against a LibTorch without CUDA, or without nccl.h)";
   return nullptr;
 }
 #endif
