@@ -69,8 +69,12 @@ const CudaPlugin* load_plugin() {
   return s.plugin;
 }
 
-// While the program starts: before main() asks LibTorch for its GPUs.
-[[maybe_unused]] const bool g_loaded_at_start = (load_cuda_where_it_can_run(), true);
+// While the program starts, before the program's other statics: LibTorch answers "no CUDA" for good to a question
+// asked before its CUDA half is loaded (getCUDAHooks() keeps the first answer), and main() may ask.
+struct LoadWhereItCanRun {
+  LoadWhereItCanRun() { load_cuda_where_it_can_run(); }
+};
+[[maybe_unused]] const LoadWhereItCanRun g_loaded_at_start __attribute__((init_priority(101)));
 
 }  // namespace
 
