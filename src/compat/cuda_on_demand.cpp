@@ -27,6 +27,9 @@ PluginState& plugin_state() {
 }
 
 #ifdef XLR8_WITH_NCCL
+#ifndef XLR8_CUDA_PLUGIN_PATH  // CMake sets the build's path; otherwise the dynamic loader's search finds it
+#define XLR8_CUDA_PLUGIN_PATH "libxlr8_cuda.so"
+#endif
 using PluginEntry = const CudaPlugin* (*)();
 
 // Linked into the program (an installed package's consumers), or loaded from where this build put it.
