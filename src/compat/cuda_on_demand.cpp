@@ -65,17 +65,24 @@ const CudaPlugin* open_plugin(std::string& failure) {
 }
 #endif
 
-const CudaPlugin* load_plugin() {
+// The plugin, or null with `why` it did not load.
+const CudaPlugin* load_plugin(std::string& why) {
   auto& s = plugin_state();
   std::lock_guard<std::mutex> lock(s.mutex);
   if (!s.plugin) s.plugin = open_plugin(s.failure);
+  if (!s.plugin) why = s.failure;
   return s.plugin;
 }
 
 // While the program starts, before the program's other statics: LibTorch answers "no CUDA" for good to a question
 // asked before its CUDA half is loaded (getCUDAHooks() keeps the first answer), and main() may ask.
 struct LoadWhereItCanRun {
-  LoadWhereItCanRun() { load_cuda_where_it_can_run(); }
+  LoadWhereItCanRun() {
+    try {
+      require_cuda_where_it_can_run();
+    } catch (const Error&) {  // kept, and reported when the program asks for its GPUs
+    }
+  }
 };
 [[maybe_unused]] const LoadWhereItCanRun g_loaded_at_start __attribute__((init_priority(101)));
 
@@ -91,20 +98,18 @@ bool cuda_driver_loads() {
 #endif
 }
 
-void load_cuda_where_it_can_run() noexcept {
-  if (cuda_driver_loads()) (void)load_plugin();
-}
-
 void require_cuda_where_it_can_run() {
-  if (cuda_driver_loads() && !load_plugin())
+  std::string why;
+  if (cuda_driver_loads() && !load_plugin(why))
     throw Error(fmt::format("the NVIDIA driver loads (libcuda.so.1), but {}; without it LibTorch sees no GPU. Set "
                             "use_cpu to run on the CPU",
-                            plugin_state().failure));
+                            why));
 }
 
 const CudaPlugin& cuda_plugin() {
-  if (const auto* plugin = load_plugin()) return *plugin;
-  throw Error(plugin_state().failure);
+  std::string why;
+  if (const auto* plugin = load_plugin(why)) return *plugin;
+  throw Error(why);
 }
 
 }  // namespace xlr8::compat

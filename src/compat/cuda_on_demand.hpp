@@ -16,11 +16,8 @@ struct CudaPlugin;
 // Whether the NVIDIA driver's library loads (then CUDA's half of LibTorch is loaded while the program starts).
 bool cuda_driver_loads();
 
-// Loads the plugin, and with it libtorch_cuda.so, where the driver loads; never throws (the failure is kept and
-// reported by require_cuda_where_it_can_run). Called while the program starts.
-void load_cuda_where_it_can_run() noexcept;
-
-// As above, but a driver whose plugin did not load is an xlr8::Error naming the plugin and the reason.
+// Loads the plugin, and with it libtorch_cuda.so, where the driver loads (done while the program starts; cheap
+// after): a driver whose plugin does not load is an xlr8::Error naming the plugin and the reason.
 void require_cuda_where_it_can_run();
 
 // The plugin, loading it (and libtorch_cuda.so) if it is not yet: on a machine without a driver too (tests);
