@@ -242,7 +242,7 @@ struct Blocks {  // sample i: a 1 MiB block of i, and i as its target
 
 // The copies run on the loader's stream while the step's stream is busy: a batch read before its copy
 // ended, or memory reused while the step still read it, shows as a block that differs from its target.
-TEST(DataLoader, PinnedBatchesReachTheGpuWholeWhileTheStepKeepsItsStreamBusy) {
+TEST(DataLoaderOnAGpu, PinnedBatchesReachTheGpuWholeWhileTheStepKeepsItsStreamBusy) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const at::Device gpu("cuda:0");
   DataLoader<Blocks> loader(Blocks{}, {.batch_size = 4, .shuffle = true, .num_workers = 2, .pin_memory = true, .seed = 1},

@@ -115,7 +115,7 @@ TEST(Float8ScaledMm, TensorwiseAndRowwiseProductsEqualTheProductOfTheCastValues)
 
 // On a lent GPU: the CUDA casts equal the CPU's bit for bit, and the fp8 gemm (cuBLASLt's, from compute capability
 // 8.9) equals the product of the cast values within bf16's rounding of its output.
-TEST(Float8Cast, OnAGpuTheCudaCastsEqualTheCpusAndTheFp8GemmTheProductOfTheCastValues) {
+TEST(Float8CastOnAGpu, TheCudaCastsEqualTheCpusAndTheFp8GemmTheProductOfTheCastValues) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(45);
   auto bits = at::arange(0, 1 << 16, at::kInt).to(at::kShort).view(at::kBFloat16);
