@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Pipeline schedules (issue 46): each stage's idle fraction measured from its own trace (the seconds
 Pipeline::step spent waiting for a neighbour over its seconds in the step, steps after the first) against the
-schedule's formula (p - 1) / (v m + p - 1); the most micro-batches whose activations a stage held at once (1F1B: at
-most p - stage, GPipe: all m); and the point-to-point bytes a stage sent in a step against the formula
+schedule's formula (p - 1) / (v m + p - 1) (InterleavedZeroBubble's (p - 1) / (3 v m + p - 1)); the most
+micro-batches whose activations a stage held at once (1F1B: at most p - stage, GPipe: all m, InterleavedZeroBubble:
+p); and the point-to-point bytes a stage sent in a step against the formula
 (2 x micro-batches x chunks' boundary tensors, plus their headers). examples/pipeline through `xlr8 launch`, every
 schedule in one invocation, alternating over rounds; medians.
 
@@ -20,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_common import BUILD  # noqa: E402
 
-SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B"]
+SCHEDULES = ["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"]
 
 
 def run(a, schedule, m):

@@ -35,7 +35,7 @@ struct ParallelPlan {
 
   // pp: the model (a torch::nn::Sequential) is cut into mesh.pp stages that a schedule runs over micro-batches.
   struct Pipeline {
-    std::string schedule = "1F1B";  // GPipe | 1F1B | Interleaved1F1B
+    std::string schedule = "1F1B";  // GPipe | 1F1B | Interleaved1F1B | InterleavedZeroBubble
     int micro_batches = 1;          // per optimizer step
     int virtual_stages = 1;         // chunks a rank (Interleaved1F1B: 2 or more)
   } pipeline;

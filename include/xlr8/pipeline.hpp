@@ -12,7 +12,8 @@
 //
 // Under the Accelerator (parallelism_config_pp_size, Accelerator::pipeline_step) a stage is also data- and
 // tensor-parallel over the ranks that hold the same stage; deepspeed_pipeline.hpp has DeepSpeed's PipelineModule and
-// engine API over it. Not yet: zero-bubble schedules.
+// engine API over it. InterleavedZeroBubble splits each backward into its inputs' part and its parameters' part,
+// the latter deferred to fill the bubble.
 #include <ATen/core/Tensor.h>
 #include <torch/nn/modules/container/sequential.h>
 
@@ -26,15 +27,17 @@
 
 namespace xlr8::pp {
 
-enum class Schedule { GPipe, OneFOneB, Interleaved1F1B };
-std::string to_string(Schedule schedule);  // "GPipe", "1F1B", "Interleaved1F1B"
+enum class Schedule { GPipe, OneFOneB, Interleaved1F1B, InterleavedZeroBubble };
+std::string to_string(Schedule schedule);  // "GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble"
 // torch's names (case-insensitive); another is an error naming the valid ones.
 Schedule parse_schedule(const std::string& name);
 
 // One thing a stage does: the forward or the backward of a micro-batch, through one of its chunks (its virtual
-// stages under Interleaved1F1B: chunk c of rank r is stage c * stages + r of stages * chunks; 0 otherwise).
+// stages under the interleaved schedules: chunk c of rank r is stage c * stages + r of stages * chunks; 0 otherwise).
+// Under InterleavedZeroBubble a Backward computes the gradients of the chunk's input only (what the previous stage
+// waits for) and a later Weight those of its parameters.
 struct Action {
-  enum Kind { Forward, Backward } kind;
+  enum Kind { Forward, Backward, Weight } kind;
   int micro_batch;
   int chunk = 0;
   bool operator==(const Action&) const = default;
@@ -44,9 +47,14 @@ struct Action {
 // remaining backwards: a stage holds at most stages - stage micro-batches' activations instead of all of them.
 // Interleaved1F1B (Megatron's; `chunks` of 2 or more, micro_batches a multiple of stages): the same through each
 // rank's chunks in turn, `stages` micro-batches at a time, which divides the ramp's idle time by `chunks`.
+// InterleavedZeroBubble (`chunks` 1 or more): the order of 1F1B (or Interleaved1F1B), each Backward the inputs' part
+// alone, and each Weight `stage` backwards after its Backward (the zero-bubble paper's ZB-H1 placement: a later
+// stage defers more, so the gradients travel back sooner and the deferred weights fill the ramp): a stage holds at
+// most `stages` micro-batches' activations, as 1F1B's first stage does.
 std::vector<Action> actions(Schedule schedule, int stages, int micro_batches, int stage, int chunks = 1);
 // The idle fraction the schedule's shape gives with equal stages: (p - 1) / (v m + p - 1), v = chunks (1 but for
-// Interleaved1F1B).
+// the interleaved schedules); for InterleavedZeroBubble, with a forward, an inputs' part and a weights' part of
+// equal time, (p - 1) / (3 v m + p - 1) of the whole.
 double bubble_fraction(Schedule schedule, int stages, int micro_batches, int chunks = 1);
 
 // How a sequence of layers is cut: equal numbers of layers, or equal numbers of parameters (DeepSpeed's

@@ -74,9 +74,10 @@ struct DeepSpeedSettings {
 struct ParallelismSettings {
   int dp_replicate = 1, dp_shard = 1, cp = 1, sp = 1, tp = 1;
   int pp = 1;
-  std::string pp_schedule = "1F1B";  // GPipe | 1F1B | Interleaved1F1B (torch.distributed.pipelining's names)
+  // GPipe | 1F1B | Interleaved1F1B | InterleavedZeroBubble (torch.distributed.pipelining's names)
+  std::string pp_schedule = "1F1B";
   int pp_microbatches = 0;           // micro-batches a step under pp; 0: the pp size
-  int pp_virtual_stages = 0;         // chunks a rank under Interleaved1F1B; 0: 2 there, 1 otherwise
+  int pp_virtual_stages = 0;         // chunks a rank (interleaved schedules); 0: 2 under Interleaved1F1B, else 1
   std::string cp_comm_strategy = "allgather";  // allgather | alltoall (context-parallel attention)
   // parallelism_config_sp_seq_length / _is_variable: with a fixed length, every sharded batch must have it.
   std::optional<long> sp_seq_length;

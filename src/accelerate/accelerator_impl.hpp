@@ -52,6 +52,12 @@ struct AcceleratorImpl {
   void start_pipeline(std::shared_ptr<torch::nn::Module> whole, const pp::StageLayers& cut);
   // Refuses, before a model is prepared, a pipeline start_pipeline could not make.
   void check_pipeline() const;
+  // Whether the stage's gradients reduce once after the schedule rather than in its last backward: the backwards
+  // of an interleaved rank's chunks end apart, and a zero-bubble schedule accumulates weights after its backwards.
+  bool reduces_after_schedule() const {
+    return plan.pipeline.virtual_stages > 1 ||
+           pp::parse_schedule(plan.pipeline.schedule) == pp::Schedule::InterleavedZeroBubble;
+  }
   // TiedLayers of the whole model: the exchanges that keep the stages' copies one parameter (when it has any).
   void start_tied_weights(const ParallelStrategy& strategy, const std::vector<std::pair<size_t, size_t>>& parts);
   // A step's tensor cut into the pipeline's micro-batches (none when undefined: a stage that does not read it).

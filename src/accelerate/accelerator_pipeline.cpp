@@ -30,6 +30,12 @@ void AcceleratorImpl::check_pipeline() const {
     throw ConfigError("prepare(): under parallelism_config_pp_size > 1 one model is prepared (the pipeline's)");
   const auto& p = plan.pipeline;
   (void)pp::actions(pp::parse_schedule(p.schedule), plan.mesh.pp, p.micro_batches, 0, p.virtual_stages);
+  // A sharded unit frees its gathered parameters when every node of its forward's graph has run backward (a
+  // countdown); a split backward runs some of them twice and the rest a schedule later, which it does not know.
+  if (pp::parse_schedule(p.schedule) == pp::Schedule::InterleavedZeroBubble && plan.strategy == "zero3")
+    throw ConfigError("parallelism_config_pp_schedule InterleavedZeroBubble with parameters sharded between forwards "
+                      "(FULL_SHARD, HYBRID_SHARD, ZeRO-3) is not built yet; use SHARD_GRAD_OP or ZeRO-1/2, DDP, or "
+                      "the schedule 1F1B or Interleaved1F1B");
 }
 
 void AcceleratorImpl::start_pipeline(std::shared_ptr<torch::nn::Module> whole, const pp::StageLayers& cut) {
@@ -44,9 +50,9 @@ void AcceleratorImpl::start_pipeline(std::shared_ptr<torch::nn::Module> whole, c
   pipelined_model = std::move(whole);
   start_tied_weights(*strategy, cut.parts);
   // The micro-batches are the stage's accumulation steps: only the last backward synchronises, overlapping it.
-  // An interleaved rank's chunks finish their backwards apart, so it reduces after the schedule instead
-  // (pipeline_step).
-  if (plan.pipeline.virtual_stages > 1) return;
+  // An interleaved rank's chunks finish their backwards apart, and a zero-bubble schedule's weight gradients come
+  // after its backwards, so those reduce after the schedule instead (pipeline_step).
+  if (reduces_after_schedule()) return;
   pipeline->set_before_backward([this, strategy](bool last_of_step) {
     if (!last_of_step) return;
     gradient_state->sync_gradients = true;
@@ -248,7 +254,7 @@ double Accelerator::pipeline_step(const at::Tensor& input, const at::Tensor& tar
     auto scope = autocast();
     if (s.tied) s.tied->share_values();
     mean = s.pipeline->step(inputs, targets, loss);
-    if (s.plan.pipeline.virtual_stages > 1) stage.reduce_accumulated_gradients();  // its chunks' backwards ended apart
+    if (s.reduces_after_schedule()) stage.reduce_accumulated_gradients();
   }
   if (s.tied) s.tied->sum_gradients();  // into the owner's gradient its data-parallel reduction finished
   const auto recorded = at::scalar_tensor(mean, at::kDouble);  // the step's loss, as backward() would see it

@@ -9,6 +9,7 @@
 #include "xlr8/context_parallel.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/float8.hpp"
+#include "xlr8/pipeline.hpp"
 
 namespace xlr8 {
 namespace accelerate {
@@ -83,7 +84,9 @@ ParallelPlan resolve_plan(const PlanInputs& in, const Env& env) {
                      .virtual_stages = virtual_stages};
     if (in.options->pp_schedule) {
       plan.pipeline.schedule = *in.options->pp_schedule;
-      if (plan.pipeline.schedule != "Interleaved1F1B") plan.pipeline.virtual_stages = 1;
+      if (const auto given = pp::parse_schedule(plan.pipeline.schedule);
+          given != pp::Schedule::Interleaved1F1B && given != pp::Schedule::InterleavedZeroBubble)
+        plan.pipeline.virtual_stages = 1;
     }
     if (in.options->pp_microbatches) plan.pipeline.micro_batches = *in.options->pp_microbatches;
   } else if (in.options->pp_microbatches) {  // pipeline_step() without stages accumulates as many micro-batches

@@ -60,12 +60,15 @@ void config::check_choice(const std::string& value, const std::vector<std::strin
 }
 
 const std::vector<std::string>& config::pp_schedules() {
-  static const std::vector<std::string> schedules = {"gpipe", "1f1b", "interleaved1f1b"};
+  static const std::vector<std::string> schedules = {"gpipe", "1f1b", "interleaved1f1b", "interleavedzerobubble"};
   return schedules;
 }
 
 std::string config::pp_schedule_spelling(const std::string& lower) {
-  return lower == "gpipe" ? "GPipe" : lower == "1f1b" ? "1F1B" : "Interleaved1F1B";
+  return lower == "gpipe"             ? "GPipe"
+         : lower == "1f1b"            ? "1F1B"
+         : lower == "interleaved1f1b" ? "Interleaved1F1B"
+                                      : "InterleavedZeroBubble";
 }
 
 const std::vector<std::string> kAutoWrapPolicies = {"TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"};

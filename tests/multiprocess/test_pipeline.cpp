@@ -1,5 +1,5 @@
-// Pipeline parallelism through the real launcher (issue 46): examples/pipeline on 2, 3 and 4 stages with GPipe and
-// 1F1B over 4 and 8 micro-batches trains step for step as one process, and so do stages that are data- or
+// Pipeline parallelism through the real launcher (issue 46): examples/pipeline on 2, 3 and 4 stages with GPipe,
+// 1F1B and InterleavedZeroBubble over 4 and 8 micro-batches trains step for step as one process, and so do stages that are data- or
 // tensor-parallel over other ranks; a pipeline that cannot be formed is one line before training.
 #include <gtest/gtest.h>
 
@@ -140,6 +140,47 @@ TEST(PipelineLaunch, StagesDataAndTensorParallelTrainAsOneProcess) {
       EXPECT_EQ(got["parallel"]["launches"], 8 * got["parallel"]["buckets"].get<int>()) << got.dump();
     }
   }
+}
+
+// InterleavedZeroBubble (each backward's weights part deferred) on 2, 3 and 4 stages, with 2 chunks a rank, and
+// with stages data- and tensor-parallel, with clipping: one process's losses and norms. Sharding the parameters
+// between forwards is refused in one line.
+TEST(PipelineLaunch, ZeroBubbleTrainsAsOneProcessAloneAndWithDataAndTensorParallelStages) {
+  const Args clip{"--max_grad_norm", "0.05"};
+  auto whole = launch_pipeline(1, {}, clip);
+  ASSERT_EQ(whole.exit_code, 0) << whole.err;
+  const auto expected = last_json(whole.out);
+  auto zero_bubble = [](int stages, int micro_batches, Args more) {
+    Args a{"--parallelism_config_pp_size", std::to_string(stages), "--parallelism_config_pp_schedule",
+           "InterleavedZeroBubble", "--parallelism_config_pp_microbatches", std::to_string(micro_batches)};
+    a.insert(a.end(), more.begin(), more.end());
+    return a;
+  };
+  const std::vector<std::tuple<std::string, int, Args>> layouts = {
+      {"pp 2", 2, zero_bubble(2, 4, {})},
+      {"pp 3", 3, zero_bubble(3, 6, {})},
+      {"pp 4", 4, zero_bubble(4, 8, {})},
+      {"pp 2, 2 chunks", 2, zero_bubble(2, 4, {"--parallelism_config_pp_virtual_stages", "2"})},
+      {"pp 2 x DDP 2", 4, zero_bubble(2, 4, {"--parallelism_config_dp_replicate_size", "2"})},
+      {"pp 2 x SHARD_GRAD_OP 2", 4,
+       zero_bubble(2, 4, {"--use_fsdp", "--fsdp_sharding_strategy", "SHARD_GRAD_OP",
+                          "--parallelism_config_dp_shard_size", "2"})},
+      {"pp 2 x tp 2", 4, zero_bubble(2, 4, {"--parallelism_config_tp_size", "2"})}};
+  for (const auto& [name, processes, launcher] : layouts) {
+    SCOPED_TRACE(name);
+    auto r = launch_pipeline(processes, launcher, clip);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    const auto got = last_json(r.out);
+    expect_close(got.value("losses", std::vector<double>{}), expected.value("losses", std::vector<double>{}), 1e-5);
+    expect_close(got.value("grad_norms", std::vector<double>{}), expected.value("grad_norms", std::vector<double>{}),
+                 1e-5);
+  }
+  auto sharded = launch_pipeline(4, zero_bubble(2, 4, {"--use_fsdp", "--parallelism_config_dp_shard_size", "2"}));
+  EXPECT_NE(sharded.exit_code, 0);
+  EXPECT_NE(sharded.err.find("InterleavedZeroBubble with parameters sharded between forwards (FULL_SHARD, "
+                             "HYBRID_SHARD, ZeRO-3) is not built yet"),
+            std::string::npos)
+      << sharded.err;
 }
 
 TEST(PipelineLaunch, APipelineThatCannotBeFormedIsOneLineBeforeTraining) {

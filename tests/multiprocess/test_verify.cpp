@@ -69,8 +69,9 @@ TEST(Verify, EveryOtherStrategyAndGradientAccumulationPassOnThreeRanks) {
 // A program that steps through pipeline_step() runs on one process too (its micro-batches accumulated), so verify
 // compares pipelines with it: the losses, the norm over every stage and every stage's parameters under the whole
 // model's names (a stage's norm would differ; a parameter missing from run 1 fails). A block tied across stages, an uneven cut
-// (pp 3 of 6 layers by parameters), pp x DDP, pp x FULL_SHARD, pp x tp and the interleaved schedule; and examples/gpt
-// --pipeline (its embedding tied to the head across stages) on pp 2, pp 2 x DDP 2 and pp 2 x FULL_SHARD 2.
+// (pp 3 of 6 layers by parameters), pp x DDP, pp x FULL_SHARD, pp x tp, the interleaved and zero-bubble schedules; and
+// examples/gpt --pipeline (its embedding tied to the head across stages) on pp 2 (also zero-bubble), pp 2 x DDP 2 and
+// pp 2 x FULL_SHARD 2.
 TEST(Verify, PipelinesPassAgainstOneProcessThatAccumulatesTheMicroBatches) {
   const Args tied{kPipeline, "--always_pipeline_step", "--share_block"};
   const Args plain{kPipeline, "--always_pipeline_step"};
@@ -89,8 +90,13 @@ TEST(Verify, PipelinesPassAgainstOneProcessThatAccumulatesTheMicroBatches) {
       {2, {"--parallelism_config_pp_size", "2", "--parallelism_config_pp_schedule", "Interleaved1F1B",
            "--parallelism_config_pp_microbatches", "4"},
        tied},
+      {2, {"--parallelism_config_pp_size", "2", "--parallelism_config_pp_schedule", "InterleavedZeroBubble",
+           "--parallelism_config_pp_microbatches", "4"},
+       tied},
       // examples/gpt's pipeline path: its embedding tied to the head across stages, the stages' layers seeded each.
       {2, {"--parallelism_config_pp_size", "2", "--steps", "4"}, gpt},
+      {2, {"--parallelism_config_pp_size", "2", "--parallelism_config_pp_schedule", "InterleavedZeroBubble", "--steps", "4"},
+       gpt},
       {4, {"--parallelism_config_pp_size", "2", "--parallelism_config_dp_replicate_size", "2", "--steps", "4"}, gpt},
       {4, {"--parallelism_config_pp_size", "2", "--use_fsdp", "--parallelism_config_dp_shard_size", "2", "--steps", "4"},
        gpt}};

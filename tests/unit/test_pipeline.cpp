@@ -1,6 +1,6 @@
 // Pipeline parallelism (issue 46): the schedules' action lists (each runs to its end), the cut of a sequence of
-// layers into stages, and stages on 2, 3 and 4 ranks (threads) running GPipe, 1F1B and Interleaved1F1B that
-// accumulate one process's gradients of the same global batch.
+// layers into stages, and stages on 2, 3 and 4 ranks (threads) running GPipe, 1F1B, Interleaved1F1B and
+// InterleavedZeroBubble that accumulate one process's gradients of the same global batch.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/nn/modules/activation.h>
@@ -19,22 +19,30 @@ namespace {
 
 using namespace xlr8;
 
-// Each micro-batch's forward comes before its backward, each once; and the most micro-batches whose activations a
-// stage holds at once.
+// Each micro-batch's forward comes before its backward (and that before its weights' part, in a split list), each
+// once; and the most micro-batches whose activations a stage holds at once (until its backward, or its weights').
 int most_in_flight(const std::vector<pp::Action>& actions, int micro_batches) {
-  std::vector<int> forward(micro_batches, 0), backward(micro_batches, 0);
+  std::vector<int> forward(micro_batches, 0), backward(micro_batches, 0), weight(micro_batches, 0);
+  const bool split = std::any_of(actions.begin(), actions.end(), [](const auto& a) { return a.kind == pp::Action::Weight; });
   int held = 0, most = 0;
   for (const auto& a : actions) {
     if (a.kind == pp::Action::Forward) {
       ++forward[a.micro_batch];
       most = std::max(most, ++held);
-    } else {
+    } else if (a.kind == pp::Action::Backward) {
       EXPECT_EQ(forward[a.micro_batch], 1) << "backward before forward, micro-batch " << a.micro_batch;
       ++backward[a.micro_batch];
+      if (!split) --held;
+    } else {
+      EXPECT_EQ(backward[a.micro_batch], 1) << "weights before backward, micro-batch " << a.micro_batch;
+      ++weight[a.micro_batch];
       --held;
     }
   }
-  for (int k = 0; k < micro_batches; ++k) EXPECT_TRUE(forward[k] == 1 && backward[k] == 1) << "micro-batch " << k;
+  for (int k = 0; k < micro_batches; ++k) {
+    EXPECT_TRUE(forward[k] == 1 && backward[k] == 1) << "micro-batch " << k;
+    EXPECT_EQ(weight[k], split ? 1 : 0) << "micro-batch " << k;
+  }
   return most;
 }
 
@@ -56,7 +64,8 @@ TEST(PipelineSchedule, GPipeHoldsEveryMicroBatchAndOneFOneBAtMostTheStagesAfterI
     pp::parse_schedule("Interleaved");
     FAIL() << "an unknown schedule was accepted";
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("use GPipe, 1F1B or Interleaved1F1B"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("use GPipe, 1F1B, Interleaved1F1B or InterleavedZeroBubble"), std::string::npos)
+        << e.what();
   }
 }
 
@@ -80,16 +89,19 @@ bool runs_to_the_end(pp::Schedule schedule, int stages, int m, int chunks) {
       for (; next[r] < lists[r].size(); ++next[r]) {
         const auto& a = lists[r][next[r]];
         const int vs = a.chunk * stages + r;
-        const bool ready = a.kind == A::Forward ? vs == 0 || done.count({A::Forward, a.micro_batch, vs - 1})
-                                                : done.count({A::Forward, a.micro_batch, vs}) &&
-                                                      (vs == virtual_stages - 1 || done.count({A::Backward, a.micro_batch, vs + 1}));
+        const bool ready = a.kind == A::Forward  ? vs == 0 || done.count({A::Forward, a.micro_batch, vs - 1})
+                           : a.kind == A::Weight ? done.count({A::Backward, a.micro_batch, vs}) > 0
+                                                 : done.count({A::Forward, a.micro_batch, vs}) &&
+                                                       (vs == virtual_stages - 1 ||
+                                                        done.count({A::Backward, a.micro_batch, vs + 1}));
         if (!ready) break;
         progress = done.insert({a.kind, a.micro_batch, vs}).second || progress;
       }
   }
   for (int r = 0; r < stages; ++r)
     if (next[r] != lists[r].size()) return false;
-  return done.size() == total && total == static_cast<size_t>(2 * m * virtual_stages);
+  const int parts = schedule == pp::Schedule::InterleavedZeroBubble ? 3 : 2;
+  return done.size() == total && total == static_cast<size_t>(parts * m * virtual_stages);
 }
 
 // Whether each rank receives from each neighbour in the order that neighbour sends (NCCL matches a pair's transfers
@@ -105,7 +117,7 @@ bool same_order_between_each_pair(pp::Schedule schedule, int stages, int m, int 
       if (a.kind == A::Forward) {
         if (vs > 0) received[{previous, r}].push_back({A::Forward, a.micro_batch, vs});
         if (vs < last) sent[{r, next}].push_back({A::Forward, a.micro_batch, vs + 1});
-      } else {
+      } else if (a.kind == A::Backward) {  // a Weight sends nothing
         if (vs < last) received[{next, r}].push_back({A::Backward, a.micro_batch, vs});
         if (vs > 0) sent[{r, previous}].push_back({A::Backward, a.micro_batch, vs - 1});
       }
@@ -119,12 +131,16 @@ TEST(PipelineSchedule, EverySchedulesStagesRunToTheEndWithoutWaitingOnEachOther)
       for (auto schedule : {pp::Schedule::GPipe, pp::Schedule::OneFOneB})
         EXPECT_TRUE(runs_to_the_end(schedule, stages, m, 1) && same_order_between_each_pair(schedule, stages, m, 1))
             << pp::to_string(schedule) << " " << stages << " " << m;
+      EXPECT_TRUE(runs_to_the_end(pp::Schedule::InterleavedZeroBubble, stages, m, 1) &&
+                  same_order_between_each_pair(pp::Schedule::InterleavedZeroBubble, stages, m, 1))
+          << "zero bubble " << stages << " " << m;
       if (m % stages != 0) continue;
-      for (int chunks : {2, 3}) {
-        EXPECT_TRUE(runs_to_the_end(pp::Schedule::Interleaved1F1B, stages, m, chunks) &&
-                    same_order_between_each_pair(pp::Schedule::Interleaved1F1B, stages, m, chunks))
-            << "interleaved " << stages << " stages, " << m << " micro-batches, " << chunks << " chunks";
-      }
+      for (int chunks : {2, 3})
+        for (auto schedule : {pp::Schedule::Interleaved1F1B, pp::Schedule::InterleavedZeroBubble})
+          EXPECT_TRUE(runs_to_the_end(schedule, stages, m, chunks) &&
+                      same_order_between_each_pair(schedule, stages, m, chunks))
+              << pp::to_string(schedule) << " " << stages << " stages, " << m << " micro-batches, " << chunks
+              << " chunks";
     }
   // Stage 0 of 2 with 2 chunks and 4 micro-batches: four forwards fill both chunks' pipes, then the backwards begin
   // on the later chunk.
@@ -137,6 +153,37 @@ TEST(PipelineSchedule, EverySchedulesStagesRunToTheEndWithoutWaitingOnEachOther)
   EXPECT_DOUBLE_EQ(pp::bubble_fraction(pp::Schedule::Interleaved1F1B, 4, 8, 2), 3.0 / 19);
   EXPECT_THROW(pp::actions(pp::Schedule::Interleaved1F1B, 4, 6, 0, 2), ConfigError);  // 6 is not a multiple of 4
   EXPECT_THROW(pp::actions(pp::Schedule::OneFOneB, 4, 8, 0, 2), ConfigError);        // chunks need Interleaved1F1B
+}
+
+// The zero-bubble lists are 1F1B's (or Interleaved1F1B's) with each backward's weights `stage` backwards later: a
+// stage holds at most `stages` micro-batches, and the bubble is a third of the part times' ramp.
+TEST(PipelineSchedule, ZeroBubbleDefersEachStagesWeightsByItsIndexAndHoldsAtMostTheStageCount) {
+  using A = pp::Action;
+  for (int stages : {2, 3, 4})
+    for (int m : {4, 8})
+      for (int s = 0; s < stages; ++s)
+        for (int chunks : {1, 2}) {
+          if (chunks > 1 && m % stages != 0) continue;
+          auto split = pp::actions(pp::Schedule::InterleavedZeroBubble, stages, m, s, chunks);
+          if (chunks == 1) {
+            EXPECT_EQ(most_in_flight(split, m), std::min(stages, m)) << stages << " " << m << " " << s;
+          }
+          std::erase_if(split, [](const A& a) { return a.kind == A::Weight; });
+          const auto base = chunks == 1 ? pp::Schedule::OneFOneB : pp::Schedule::Interleaved1F1B;
+          EXPECT_EQ(split, pp::actions(base, stages, m, s, chunks)) << stages << " " << m << " " << s;
+        }
+  // Stage 1 of 3 with 4 micro-batches: 1F1B's order, each Weight one backward late, the last at the end.
+  EXPECT_EQ(pp::actions(pp::Schedule::InterleavedZeroBubble, 3, 4, 1),
+            (std::vector<A>{{A::Forward, 0}, {A::Forward, 1}, {A::Backward, 0}, {A::Forward, 2}, {A::Backward, 1},
+                            {A::Weight, 0}, {A::Forward, 3}, {A::Backward, 2}, {A::Weight, 1}, {A::Backward, 3},
+                            {A::Weight, 2}, {A::Weight, 3}}));
+  // The first stage, whose backwards nobody waits for, weighs each at once.
+  EXPECT_EQ(pp::actions(pp::Schedule::InterleavedZeroBubble, 2, 2, 0),
+            (std::vector<A>{{A::Forward, 0}, {A::Forward, 1}, {A::Backward, 0}, {A::Weight, 0}, {A::Backward, 1},
+                            {A::Weight, 1}}));
+  EXPECT_DOUBLE_EQ(pp::bubble_fraction(pp::Schedule::InterleavedZeroBubble, 4, 8), 3.0 / 27);
+  EXPECT_DOUBLE_EQ(pp::bubble_fraction(pp::Schedule::InterleavedZeroBubble, 4, 8, 2), 3.0 / 51);
+  EXPECT_EQ(pp::parse_schedule("interleavedzerobubble"), pp::Schedule::InterleavedZeroBubble);
 }
 
 TEST(PipelinePartition, UniformAndByParametersKeepALayerForEveryStageAndRefuseMoreStagesThanLayers) {
@@ -206,6 +253,13 @@ TEST(Pipeline, InterleavedOnTwoThreeAndFourStagesOfTwoChunksEqualsOneProcess) {
     for (int micro_batches : {stages, 2 * stages})
       expect_pipeline_equals_one_process(pp::Schedule::Interleaved1F1B, stages, micro_batches, 2);
   expect_pipeline_equals_one_process(pp::Schedule::Interleaved1F1B, 2, 4, 3);
+}
+
+TEST(Pipeline, ZeroBubbleOnTwoThreeAndFourStagesOfOneAndTwoChunksEqualsOneProcess) {
+  for (int stages : {2, 3, 4})
+    for (int micro_batches : {4, 8}) expect_pipeline_equals_one_process(pp::Schedule::InterleavedZeroBubble, stages, micro_batches);
+  for (int stages : {2, 3, 4})
+    expect_pipeline_equals_one_process(pp::Schedule::InterleavedZeroBubble, stages, 2 * stages, 2);
 }
 
 TEST(Pipeline, AMicroBatchOfAnotherShapeIsRefusedByNameBeforeItIsSent) {

@@ -100,7 +100,7 @@ Model model_of_args(const EstimateArgs& a) {
                                   a.pp_size, a.num_processes));
   if (pp::parse_schedule(a.pp_schedule) == pp::Schedule::Interleaved1F1B)
     throw ConfigError("--pp_schedule Interleaved1F1B is not estimated (its chunks hold another number of "
-                      "micro-batches); give GPipe or 1F1B");
+                      "micro-batches); give GPipe, 1F1B or InterleavedZeroBubble");
   if (a.pp_microbatches < 0) throw ConfigError(fmt::format("--pp_microbatches {} must be 1 or more", a.pp_microbatches));
   Model m;
   if (a.params > 0) m.parameters = a.params;
@@ -129,8 +129,13 @@ struct Stage {
 std::vector<Stage> stages_of(const EstimateArgs& a, const Model& m) {
   const int p = a.pp_size, micro = a.pp_microbatches > 0 ? a.pp_microbatches : p;
   std::vector<Stage> out(static_cast<size_t>(p));
-  for (int s = 0; s < p; ++s)  // GPipe holds every micro-batch, 1F1B at most p - s of them
-    out[static_cast<size_t>(s)].held = a.pp_schedule == "GPipe" ? micro : std::min(micro, p - s);
+  // GPipe holds every micro-batch, 1F1B at most p - s of them, InterleavedZeroBubble (one chunk) at most p: stage s
+  // defers s micro-batches' weight gradients.
+  const auto schedule = pp::parse_schedule(a.pp_schedule);
+  for (int s = 0; s < p; ++s)
+    out[static_cast<size_t>(s)].held = schedule == pp::Schedule::GPipe                  ? micro
+                                       : schedule == pp::Schedule::InterleavedZeroBubble ? std::min(micro, p)
+                                                                                         : std::min(micro, p - s);
   if (p == 1 || m.layers.empty()) {
     for (auto& stage : out) stage.parameters = m.parameters / p, stage.blocks = static_cast<double>(m.n_layer) / p;
     return out;
@@ -230,7 +235,7 @@ Handler add_estimate_memory(CLI::App& app) {
       "Under --pp_size P: the model cut by parameters as a PipelineModule cuts it (the GPT shape; else an even\n"
       "split), each stage's state sharded over num_processes / P ranks, the largest stage's shown (a tied head's\n"
       "copy on the last stage adds its parameters and gradients); a stage holds M micro-batches of b / M under\n"
-      "GPipe and at most P - stage of them under 1F1B.");
+      "GPipe, at most P - stage of them under 1F1B and P under InterleavedZeroBubble.");
   auto a = std::make_shared<EstimateArgs>();
   cmd->add_option("--params", a->params, "Number of parameters, such as 7e9");
   cmd->add_option("--model", a->model, "A safetensors file, a model.safetensors.index.json, or a directory with one");
@@ -245,7 +250,7 @@ Handler add_estimate_memory(CLI::App& app) {
   cmd->add_option("--pp_size", a->pp_size,
                   "Pipeline stages (default 1): each rank holds its stage, sharded over num_processes / pp_size ranks");
   cmd->add_option("--pp_microbatches", a->pp_microbatches, "Micro-batches a step under pp (default pp_size)");
-  cmd->add_option("--pp_schedule", a->pp_schedule, "GPipe or 1F1B (default): the micro-batches a stage holds");
+  cmd->add_option("--pp_schedule", a->pp_schedule, "GPipe, 1F1B (default) or InterleavedZeroBubble: the micro-batches a stage holds");
   cmd->add_option("--dtypes", a->dtypes, "Training dtypes: float32, bfloat16, float16 (default float32 bfloat16)");
   cmd->add_option("--strategies", a->strategies, "Any of ddp zero1 zero2 zero3 (default all)");
   cmd->add_flag("--json", a->json, "One JSON object instead of the tables");

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "parallel/pipeline/split_backward.hpp"
 #include "xlr8/activation_checkpoint.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/pipeline.hpp"
@@ -154,6 +155,9 @@ double Pipeline::run(const std::vector<at::Tensor>& inputs, const std::vector<at
   std::vector<std::vector<int64_t>> agreed_activation(v), agreed_gradient(v), sent_shape(v);
   at::Tensor loss_sum = at::zeros({1}, at::kDouble);
   int backwards = 0;
+  // Zero-bubble schedules: each micro-batch's backward in two parts, the graph kept between them.
+  const bool splits = schedule_ == Schedule::InterleavedZeroBubble;
+  std::vector<std::vector<SplitBackward>> split(splits ? v : 0, std::vector<SplitBackward>(m));
   // A stage refuses to send an output of another shape than the step's first, before its neighbour waits for it.
   auto check_shape = [&](const at::Tensor& y, std::vector<int64_t>& first_shape, const char* what) {
     if (first_shape.empty()) first_shape = y.sizes().vec();
@@ -190,21 +194,30 @@ double Pipeline::run(const std::vector<at::Tensor>& inputs, const std::vector<at
       continue;
     }
     if (!train) continue;
-    if (before_backward_) before_backward_(++backwards == m * v);
-    if (last) {
-      stage_outputs[c][k].backward();
-    } else {
-      auto g = receive(next, tag_of(k, vs, virtual_stages, Action::Backward, true), agreed_gradient[c], "gradient");
-      torch::autograd::backward({stage_outputs[c][k]}, {g});
+    if (kind == Action::Weight) {  // the parameters' part of a split backward (zero-bubble schedules)
+      if (before_backward_) before_backward_(++backwards == m * v);
+      split[c][k].backward_weight();
+      --held;
+      continue;
     }
-    if (!first) {
-      auto g_in = stage_inputs[c][k].grad();
+    if (before_backward_ && !splits) before_backward_(++backwards == m * v);
+    const auto g = last ? at::Tensor()
+                        : receive(next, tag_of(k, vs, virtual_stages, Action::Backward, true), agreed_gradient[c],
+                                  "gradient");
+    at::Tensor g_in;
+    if (splits) {
+      g_in = split[c][k].backward_input({stage_outputs[c][k]}, {g}, {first ? at::Tensor() : stage_inputs[c][k]})[0];
+    } else {
+      if (last) stage_outputs[c][k].backward();
+      else torch::autograd::backward({stage_outputs[c][k]}, {g});
+      if (!first) g_in = stage_inputs[c][k].grad();
+    }
+    if (!first)
       send(g_in.defined() ? g_in : at::zeros_like(stage_inputs[c][k]), previous,
            tag_of(k, vs - 1, virtual_stages, Action::Backward, true));
-    }
-    stage_inputs[c][k] = at::Tensor();  // this micro-batch's activations are freed
+    stage_inputs[c][k] = at::Tensor();  // this micro-batch's activations are freed (a split one's at its Weight)
     stage_outputs[c][k] = at::Tensor();
-    --held;
+    if (!splits) --held;
   }
   for (auto& work : pending_) work.wait();
   pending_.clear();

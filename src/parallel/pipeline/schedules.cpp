@@ -17,6 +17,7 @@ std::string to_string(Schedule schedule) {
     case Schedule::GPipe: return "GPipe";
     case Schedule::OneFOneB: return "1F1B";
     case Schedule::Interleaved1F1B: return "Interleaved1F1B";
+    case Schedule::InterleavedZeroBubble: return "InterleavedZeroBubble";
   }
   return "?";
 }
@@ -26,19 +27,22 @@ Schedule parse_schedule(const std::string& name) {
   if (lower == "gpipe") return Schedule::GPipe;
   if (lower == "1f1b") return Schedule::OneFOneB;
   if (lower == "interleaved1f1b") return Schedule::Interleaved1F1B;
-  throw ConfigError(fmt::format("pipeline schedule {:?} is not one xlr8 has; use GPipe, 1F1B or Interleaved1F1B", name));
+  if (lower == "interleavedzerobubble") return Schedule::InterleavedZeroBubble;
+  throw ConfigError(fmt::format("pipeline schedule {:?} is not one xlr8 has; use GPipe, 1F1B, Interleaved1F1B or "
+                                "InterleavedZeroBubble",
+                                name));
 }
 
 namespace {
 
 // Megatron's interleaved 1F1B: the rank's forwards (and backwards) visit its chunks in turn, `stages` micro-batches
 // at a time; it fills the pipe with more forwards the earlier the rank, then alternates one forward and one backward.
-std::vector<Action> interleaved(int stages, int micro_batches, int stage, int chunks) {
+std::vector<Action> interleaved(int stages, int micro_batches, int stage, int chunks, Schedule schedule) {
   if (micro_batches % stages != 0)
-    throw ConfigError(fmt::format("pipeline schedule Interleaved1F1B: {} micro-batches are not a multiple of the {} "
+    throw ConfigError(fmt::format("pipeline schedule {}: {} micro-batches are not a multiple of the {} "
                                   "stages (the micro-batches pass each rank's virtual stages in groups of the stage "
                                   "count); use a multiple",
-                                  micro_batches, stages));
+                                  to_string(schedule), micro_batches, stages));
   const int total = micro_batches * chunks, group = stages * chunks;
   auto action = [&](Action::Kind kind, int i) {
     const int chunk = (i % group) / stages;
@@ -55,26 +59,10 @@ std::vector<Action> interleaved(int stages, int micro_batches, int stage, int ch
   return out;
 }
 
-}  // namespace
-
-std::vector<Action> actions(Schedule schedule, int stages, int micro_batches, int stage, int chunks) {
-  if (stages < 1 || micro_batches < 1 || stage < 0 || stage >= stages || chunks < 1)
-    throw Error(fmt::format("pipeline: stage {} of {} stages ({} chunks each) with {} micro-batches does not exist",
-                            stage, stages, chunks, micro_batches));
-  if ((chunks > 1) != (schedule == Schedule::Interleaved1F1B))
-    throw ConfigError(fmt::format("pipeline schedule {} with {} virtual stages a rank: Interleaved1F1B runs 2 or more "
-                                  "(parallelism_config_pp_virtual_stages), the others 1",
-                                  to_string(schedule), chunks));
-  if (schedule == Schedule::Interleaved1F1B) return interleaved(stages, micro_batches, stage, chunks);
+std::vector<Action> one_f_one_b(int stages, int micro_batches, int stage) {
+  // The later a stage, the sooner its first backward can start.
   std::vector<Action> out;
-  const int m = micro_batches;
-  if (schedule == Schedule::GPipe) {
-    for (int k = 0; k < m; ++k) out.push_back({Action::Forward, k});
-    for (int k = 0; k < m; ++k) out.push_back({Action::Backward, k});
-    return out;
-  }
-  // 1F1B: the later a stage, the sooner its first backward can start.
-  const int warmup = std::min(stages - 1 - stage, m);
+  const int m = micro_batches, warmup = std::min(stages - 1 - stage, m);
   for (int k = 0; k < warmup; ++k) out.push_back({Action::Forward, k});
   for (int k = 0; k < m - warmup; ++k) {
     out.push_back({Action::Forward, warmup + k});
@@ -84,9 +72,51 @@ std::vector<Action> actions(Schedule schedule, int stages, int micro_batches, in
   return out;
 }
 
-double bubble_fraction(Schedule, int stages, int micro_batches, int chunks) {
-  // Idle (p - 1) / v of the m stage-times each rank computes (Megatron's interleaving divides the ramp by v).
-  return static_cast<double>(stages - 1) / static_cast<double>(chunks * micro_batches + stages - 1);
+// Each backward's weights `lag` backwards later, the rest at the end.
+std::vector<Action> with_deferred_weights(const std::vector<Action>& order, int lag) {
+  std::vector<Action> out, waiting;
+  for (const auto& action : order) {
+    out.push_back(action);
+    if (action.kind != Action::Backward) continue;
+    waiting.push_back({Action::Weight, action.micro_batch, action.chunk});
+    if (static_cast<int>(waiting.size()) > lag) {
+      out.push_back(waiting.front());
+      waiting.erase(waiting.begin());
+    }
+  }
+  out.insert(out.end(), waiting.begin(), waiting.end());
+  return out;
+}
+
+}  // namespace
+
+std::vector<Action> actions(Schedule schedule, int stages, int micro_batches, int stage, int chunks) {
+  if (stages < 1 || micro_batches < 1 || stage < 0 || stage >= stages || chunks < 1)
+    throw Error(fmt::format("pipeline: stage {} of {} stages ({} chunks each) with {} micro-batches does not exist",
+                            stage, stages, chunks, micro_batches));
+  if (schedule != Schedule::InterleavedZeroBubble && (chunks > 1) != (schedule == Schedule::Interleaved1F1B))
+    throw ConfigError(fmt::format("pipeline schedule {} with {} virtual stages a rank: Interleaved1F1B runs 2 or more "
+                                  "(parallelism_config_pp_virtual_stages), InterleavedZeroBubble 1 or more, the "
+                                  "others 1",
+                                  to_string(schedule), chunks));
+  if (schedule == Schedule::InterleavedZeroBubble) {
+    const auto order = chunks > 1 ? interleaved(stages, micro_batches, stage, chunks, schedule)
+                                  : one_f_one_b(stages, micro_batches, stage);
+    return with_deferred_weights(order, stage);
+  }
+  if (schedule == Schedule::Interleaved1F1B) return interleaved(stages, micro_batches, stage, chunks, schedule);
+  if (schedule == Schedule::OneFOneB) return one_f_one_b(stages, micro_batches, stage);
+  std::vector<Action> out;
+  for (int k = 0; k < micro_batches; ++k) out.push_back({Action::Forward, k});
+  for (int k = 0; k < micro_batches; ++k) out.push_back({Action::Backward, k});
+  return out;
+}
+
+double bubble_fraction(Schedule schedule, int stages, int micro_batches, int chunks) {
+  // Idle (p - 1) / v of the m stage-times each rank computes (Megatron's interleaving divides the ramp by v); the
+  // zero-bubble placement leaves one part's time of each of the p - 1 ramp steps where 1F1B leaves three.
+  const int parts = schedule == Schedule::InterleavedZeroBubble ? 3 : 1;
+  return static_cast<double>(stages - 1) / static_cast<double>(parts * chunks * micro_batches + stages - 1);
 }
 
 std::vector<std::pair<size_t, size_t>> partition(const std::vector<int64_t>& layer_parameters, int stages,

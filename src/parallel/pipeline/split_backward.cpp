@@ -1,0 +1,236 @@
+// A micro-batch's backward in an input part and a weight part (split_backward.hpp).
+#include "parallel/pipeline/split_backward.hpp"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+
+#include <numeric>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+
+namespace xlr8::pp {
+
+// shared_ptr<Node> before LibTorch 2.15, intrusive_ptr<Node> since.
+using SplitNodeRef = decltype(torch::autograd::Edge::function);  // compat::NodePtr, as an Edge holds it
+
+struct SplitBackward::Group {
+  std::vector<SplitNodeRef> nodes;  // boundary nodes on the input path
+  std::vector<std::shared_ptr<torch::autograd::variable_list>> received;  // what each received in backward_input
+  torch::autograd::edge_list root_edges;  // stage outputs off the input path, with their gradients
+  std::vector<at::Tensor> root_gradients;
+  torch::autograd::edge_list parameters;  // the leaves only this group reaches (their AccumulateGrad nodes)
+  bool from_outputs = false;
+};
+
+namespace {
+
+using torch::autograd::edge_list;
+using torch::autograd::Node;
+using torch::autograd::variable_list;
+
+bool is_grad_accumulator(const Node* node) { return node->name() == "torch::autograd::AccumulateGrad"; }
+
+// Keeps the gradients a node receives the first time it runs (backward_input's run; the weight part runs it again).
+struct KeepReceived : torch::autograd::FunctionPreHook {
+  explicit KeepReceived(std::weak_ptr<variable_list> slot) : slot(std::move(slot)) {}
+  variable_list operator()(const variable_list& gradients) override {
+    if (auto kept = slot.lock(); kept && kept->empty()) *kept = gradients;
+    return gradients;
+  }
+  std::weak_ptr<variable_list> slot;
+};
+
+// The graph below the roots: every node, children before parents, and whether each reaches an input or a weight.
+struct BackwardGraph {
+  std::vector<Node*> order;
+  std::unordered_map<Node*, SplitNodeRef> refs;
+  std::unordered_set<Node*> to_input, to_weight;
+
+  BackwardGraph(const edge_list& roots, const std::unordered_set<Node*>& inputs) {
+    std::vector<std::pair<Node*, size_t>> stack;
+    auto visit = [&](const SplitNodeRef& ref) {
+      if (ref && refs.emplace(ref.get(), ref).second) stack.emplace_back(ref.get(), 0);
+    };
+    for (const auto& root : roots) {
+      visit(root.function);
+      while (!stack.empty()) {
+        auto& [node, next] = stack.back();
+        if (next < node->next_edges().size()) {
+          visit(node->next_edge(next++).function);
+          continue;
+        }
+        order.push_back(node);
+        stack.pop_back();
+      }
+    }
+    for (Node* node : order) {
+      bool input = inputs.count(node) > 0, weight = !input && is_grad_accumulator(node);
+      for (const auto& edge : node->next_edges()) {
+        if (!edge.function) continue;
+        input = input || to_input.count(edge.function.get());
+        weight = weight || to_weight.count(edge.function.get());
+      }
+      if (input) to_input.insert(node);
+      if (weight) to_weight.insert(node);
+    }
+  }
+
+  bool off_path_to_weight(const Node* node) const {
+    return node && !to_input.count(const_cast<Node*>(node)) && to_weight.count(const_cast<Node*>(node));
+  }
+
+  // The weights reached from `starts` through nodes off the input path.
+  std::vector<Node*> weights_from(const std::vector<Node*>& starts) const {
+    std::vector<Node*> stack(starts), found;
+    std::unordered_set<Node*> seen(starts.begin(), starts.end());
+    while (!stack.empty()) {
+      Node* node = stack.back();
+      stack.pop_back();
+      if (is_grad_accumulator(node)) found.push_back(node);
+      for (const auto& edge : node->next_edges())
+        if (Node* child = edge.function.get(); off_path_to_weight(child) && seen.insert(child).second)
+          stack.push_back(child);
+    }
+    return found;
+  }
+
+  // Whether any of `weights` is reached from `node`'s children on the input path (a weight used at two depths).
+  bool reached_through_input_path(Node* node, const std::unordered_set<Node*>& weights) const {
+    std::vector<Node*> stack;
+    std::unordered_set<Node*> seen;
+    for (const auto& edge : node->next_edges())
+      if (Node* child = edge.function.get(); child && to_input.count(child) && seen.insert(child).second)
+        stack.push_back(child);
+    while (!stack.empty()) {
+      Node* at = stack.back();
+      stack.pop_back();
+      if (weights.count(at)) return true;
+      for (const auto& edge : at->next_edges())
+        if (Node* child = edge.function.get(); child && to_weight.count(child) && seen.insert(child).second)
+          stack.push_back(child);
+    }
+    return false;
+  }
+};
+
+// A boundary: a node on the input path with children off it that reach weights, or a root off the path.
+struct WeightBoundary {
+  Node* node;
+  int root = -1;  // index into the roots for a root boundary
+  std::vector<Node*> weights;
+};
+
+int set_root(std::vector<int>& parent, int i) {
+  while (parent[i] != i) i = parent[i] = parent[parent[i]];
+  return i;
+}
+
+std::vector<WeightBoundary> weight_boundaries(const BackwardGraph& graph, const edge_list& roots) {
+  std::vector<WeightBoundary> out;
+  for (Node* node : graph.order) {
+    if (!graph.to_input.count(node)) continue;
+    std::vector<Node*> off;
+    for (const auto& edge : node->next_edges())
+      if (graph.off_path_to_weight(edge.function.get())) off.push_back(edge.function.get());
+    if (!off.empty()) out.push_back({node, -1, graph.weights_from(off)});
+  }
+  for (size_t r = 0; r < roots.size(); ++r)
+    if (Node* node = roots[r].function.get(); graph.off_path_to_weight(node))
+      out.push_back({node, static_cast<int>(r), graph.weights_from({node})});
+  return out;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> SplitBackward::backward_input(const std::vector<at::Tensor>& outputs,
+                                                      const std::vector<at::Tensor>& gradients,
+                                                      const std::vector<at::Tensor>& inputs) {
+  groups_.clear();
+  roots_.clear();
+  root_gradients_.clear();
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (!outputs[i].requires_grad()) continue;
+    roots_.push_back(torch::autograd::impl::gradient_edge(outputs[i]));
+    root_gradients_.push_back(i < gradients.size() && gradients[i].defined() ? gradients[i] : at::ones_like(outputs[i]));
+  }
+  edge_list input_edges;
+  std::vector<size_t> input_index;
+  std::unordered_set<Node*> input_nodes;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined() || !inputs[i].requires_grad()) continue;
+    input_edges.push_back(torch::autograd::impl::gradient_edge(inputs[i]));
+    input_nodes.insert(input_edges.back().function.get());
+    input_index.push_back(i);
+  }
+  const BackwardGraph graph(roots_, input_nodes);
+  const auto boundaries = weight_boundaries(graph, roots_);
+  // Boundaries that reach a common weight share a group: its gradient is summed in one run.
+  std::vector<int> parent(boundaries.size());
+  std::iota(parent.begin(), parent.end(), 0);
+  std::unordered_map<Node*, int> owner;
+  for (size_t b = 0; b < boundaries.size(); ++b)
+    for (Node* weight : boundaries[b].weights)
+      if (auto [it, fresh] = owner.emplace(weight, static_cast<int>(b)); !fresh)
+        parent[set_root(parent, static_cast<int>(b))] = set_root(parent, it->second);
+  std::unordered_map<int, std::shared_ptr<Group>> by_root;
+  std::unordered_map<int, std::unordered_set<Node*>> weights_of;
+  for (size_t b = 0; b < boundaries.size(); ++b) {
+    const int g = set_root(parent, static_cast<int>(b));
+    auto& group = by_root[g];
+    if (!group) {
+      group = std::make_shared<Group>();
+      groups_.push_back(group);
+    }
+    const auto& boundary = boundaries[b];
+    if (boundary.root >= 0) {
+      group->root_edges.push_back(roots_[static_cast<size_t>(boundary.root)]);
+      group->root_gradients.push_back(root_gradients_[static_cast<size_t>(boundary.root)]);
+    } else {
+      group->nodes.push_back(graph.refs.at(boundary.node));
+      group->received.push_back(std::make_shared<variable_list>());
+      boundary.node->add_pre_hook(std::make_unique<KeepReceived>(group->received.back()));
+    }
+    for (Node* weight : boundary.weights)
+      if (weights_of[g].insert(weight).second) group->parameters.emplace_back(graph.refs.at(weight), 0);
+  }
+  for (auto& [g, group] : by_root)
+    for (const auto& node : group->nodes)
+      group->from_outputs = group->from_outputs || graph.reached_through_input_path(node.get(), weights_of[g]);
+  std::vector<at::Tensor> out(inputs.size());
+  if (input_edges.empty()) return out;
+  auto found = torch::autograd::Engine::get_default_engine().execute(roots_, root_gradients_, /*keep_graph=*/true,
+                                                                      /*create_graph=*/false,
+                                                                      /*accumulate_grad=*/false, input_edges);
+  for (size_t i = 0; i < input_index.size(); ++i) out[input_index[i]] = found[i];
+  return out;
+}
+
+void SplitBackward::backward_weight() {
+  auto& engine = torch::autograd::Engine::get_default_engine();
+  for (const auto& group : groups_) {
+    edge_list roots = group->from_outputs ? roots_ : group->root_edges;
+    std::vector<at::Tensor> gradients = group->from_outputs ? root_gradients_ : group->root_gradients;
+    if (!group->from_outputs) {
+      for (size_t n = 0; n < group->nodes.size(); ++n) {
+        const auto& received = *group->received[n];
+        for (size_t i = 0; i < received.size(); ++i) {
+          if (!received[i].defined()) continue;
+          roots.emplace_back(group->nodes[n], static_cast<uint32_t>(i));
+          gradients.push_back(received[i]);
+        }
+      }
+    }
+    if (roots.empty()) continue;  // no gradient reached this group's boundary
+    engine.execute(roots, gradients, /*keep_graph=*/true, /*create_graph=*/false, /*accumulate_grad=*/true,
+                   group->parameters);
+  }
+  groups_.clear();
+  roots_.clear();
+  root_gradients_.clear();
+}
+
+}  // namespace xlr8::pp
