@@ -70,11 +70,12 @@ def main():
             mine = [next(x for x in rnd if x["stage"] == stage) for rnd in rounds]
             row = {"schedule": schedule, "micro_batches": m, "stage": stage,
                    "idle_measured": statistics.median(x["idle_fraction"] for x in mine),
+                   "step_seconds": statistics.median(x["mean_step_seconds"] for x in mine),
                    "idle_formula": mine[0]["bubble_formula"],
                    "peak_held": mine[0]["peak_held_micro_batches"],
                    "bytes_sent": mine[0]["bytes_sent"], "bytes_formula": boundary_bytes(a, schedule, m, stage)}
             table.append(row)
-            print(f"{schedule:16} m {m:2} stage {stage}: idle {row['idle_measured']:.3f} (formula "
+            print(f"{schedule:21} m {m:2} stage {stage}: step {row['step_seconds']:.4f} s, idle {row['idle_measured']:.3f} (formula "
                   f"{row['idle_formula']:.3f}), held {row['peak_held']:2} micro-batches, sent {row['bytes_sent']} B "
                   f"(formula {row['bytes_formula']})", flush=True)
     if a.json:

@@ -139,6 +139,7 @@ int main(int argc, char** argv) {
   nlohmann::json stages = nlohmann::json::array();
   if (!pipeline_stats.is_null()) {
     pipeline_stats["idle_fraction"] = step_seconds > 0 ? wait_seconds / step_seconds : 0.0;
+    pipeline_stats["mean_step_seconds"] = steps > 1 ? step_seconds / (steps - 1) : 0.0;  // steps after the first
     for (const auto& text : acc.gather_object(pipeline_stats.dump())) stages.push_back(nlohmann::json::parse(text));
   }
   if (acc.is_main_process())

@@ -165,6 +165,8 @@ TEST(PipelineLaunch, ZeroBubbleTrainsAsOneProcessAloneAndWithDataAndTensorParall
       {"pp 2 x SHARD_GRAD_OP 2", 4,
        zero_bubble(2, 4, {"--use_fsdp", "--fsdp_sharding_strategy", "SHARD_GRAD_OP",
                           "--parallelism_config_dp_shard_size", "2"})},
+      {"pp 2 x ZeRO-1 2 (DeepSpeed)", 4,
+       zero_bubble(2, 4, {"--use_deepspeed", "--zero_stage", "1", "--parallelism_config_dp_shard_size", "2"})},
       {"pp 2 x tp 2", 4, zero_bubble(2, 4, {"--parallelism_config_tp_size", "2"})}};
   for (const auto& [name, processes, launcher] : layouts) {
     SCOPED_TRACE(name);
