@@ -31,7 +31,7 @@ class SplitBackward {
 
  private:
   std::vector<std::shared_ptr<Group>> groups_;
-  torch::autograd::edge_list roots_;
+  std::vector<torch::autograd::Edge> roots_;  // edge_list, which edge.h does not declare in every LibTorch
   std::vector<at::Tensor> root_gradients_;
 };
 
