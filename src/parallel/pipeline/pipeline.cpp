@@ -48,6 +48,25 @@ at::Device device_of(const torch::nn::Sequential& stage) {
   return at::kCPU;
 }
 
+// A stage refuses to send an output of another shape than the step's first, before its neighbour waits for it.
+void check_same_shape(int stage, const at::Tensor& y, std::vector<int64_t>& first_shape, const char* what) {
+  if (first_shape.empty()) first_shape = y.sizes().vec();
+  if (y.sizes().vec() != first_shape)
+    throw Error(fmt::format("pipeline stage {}: its {} has shape [{}] in this micro-batch and [{}] in the step's "
+                            "first; every micro-batch of a step must have the same shape (split the batch evenly)",
+                            stage, what, fmt::join(y.sizes(), ", "), fmt::join(first_shape, ", ")));
+}
+
+// A micro-batch's backward through a chunk, from its output (`gradient` undefined: the loss) to its input (undefined
+// on the first stage), whose gradient it returns: whole, or with `split` its input's part alone.
+at::Tensor backward_to_input(const at::Tensor& output, const at::Tensor& gradient, const at::Tensor& input,
+                             SplitBackward* split) {
+  if (split) return split->backward_input({output}, {gradient}, {input})[0];
+  if (gradient.defined()) torch::autograd::backward({output}, {gradient});
+  else output.backward();
+  return input.defined() ? input.grad() : at::Tensor();
+}
+
 }  // namespace
 
 at::Tensor forward_layers(const torch::nn::Sequential& layers, at::Tensor x, int checkpoint_interval) {
@@ -158,14 +177,6 @@ double Pipeline::run(const std::vector<at::Tensor>& inputs, const std::vector<at
   // Zero-bubble schedules: each micro-batch's backward in two parts, the graph kept between them.
   const bool splits = schedule_ == Schedule::InterleavedZeroBubble;
   std::vector<std::vector<SplitBackward>> split(splits ? v : 0, std::vector<SplitBackward>(m));
-  // A stage refuses to send an output of another shape than the step's first, before its neighbour waits for it.
-  auto check_shape = [&](const at::Tensor& y, std::vector<int64_t>& first_shape, const char* what) {
-    if (first_shape.empty()) first_shape = y.sizes().vec();
-    if (y.sizes().vec() != first_shape)
-      throw Error(fmt::format("pipeline stage {}: its {} has shape [{}] in this micro-batch and [{}] in the step's "
-                              "first; every micro-batch of a step must have the same shape (split the batch evenly)",
-                              r, what, fmt::join(y.sizes(), ", "), fmt::join(first_shape, ", ")));
-  };
   for (const auto& [kind, k, c] : actions(schedule_, stages, m, r, v)) {
     const int vs = c * stages + r;  // this chunk's virtual stage
     const bool first = vs == 0, last = vs == virtual_stages - 1;
@@ -181,7 +192,7 @@ double Pipeline::run(const std::vector<at::Tensor>& inputs, const std::vector<at
         loss_sum += value.detach().to(at::kDouble).cpu();
         stage_outputs[c][k] = value / m;  // one process's mean over the global batch
       } else {
-        check_shape(y, sent_shape[c], "output");
+        check_same_shape(r, y, sent_shape[c], "output");
         send(y, next, tag_of(k, vs + 1, virtual_stages, Action::Forward, true));
         stage_outputs[c][k] = y;
       }
@@ -204,14 +215,8 @@ double Pipeline::run(const std::vector<at::Tensor>& inputs, const std::vector<at
     const auto g = last ? at::Tensor()
                         : receive(next, tag_of(k, vs, virtual_stages, Action::Backward, true), agreed_gradient[c],
                                   "gradient");
-    at::Tensor g_in;
-    if (splits) {
-      g_in = split[c][k].backward_input({stage_outputs[c][k]}, {g}, {first ? at::Tensor() : stage_inputs[c][k]})[0];
-    } else {
-      if (last) stage_outputs[c][k].backward();
-      else torch::autograd::backward({stage_outputs[c][k]}, {g});
-      if (!first) g_in = stage_inputs[c][k].grad();
-    }
+    const auto g_in = backward_to_input(stage_outputs[c][k], g, first ? at::Tensor() : stage_inputs[c][k],
+                                        splits ? &split[c][k] : nullptr);
     if (!first)
       send(g_in.defined() ? g_in : at::zeros_like(stage_inputs[c][k]), previous,
            tag_of(k, vs - 1, virtual_stages, Action::Backward, true));
