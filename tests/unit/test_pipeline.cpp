@@ -213,7 +213,8 @@ torch::nn::Sequential model() {
 at::Tensor mse(const at::Tensor& y, const at::Tensor& target) { return at::mse_loss(y, target); }
 
 // Every stage's gradients equal one process's on the global batch, and so does the loss.
-void expect_pipeline_equals_one_process(pp::Schedule schedule, int stages, int micro_batches, int chunks = 1) {
+void expect_pipeline_equals_one_process(pp::Schedule schedule, int stages, int micro_batches, int chunks = 1,
+                                        int checkpoint_interval = 0) {
   at::manual_seed(7);
   auto x = at::randn({micro_batches * 3, 12}), target = at::randn({micro_batches * 3, 4});
   auto whole = model();
@@ -230,6 +231,7 @@ void expect_pipeline_equals_one_process(pp::Schedule schedule, int stages, int m
     }
     auto stage = layers.layers;
     pp::Pipeline pipeline(stage, comm, schedule, micro_batches, layers.chunk_sizes);
+    pipeline.set_activation_checkpoint_interval(checkpoint_interval);
     const auto inputs = x.chunk(micro_batches), targets = target.chunk(micro_batches);
     const double loss = pipeline.step(comm.rank() == 0 ? inputs : std::vector<at::Tensor>{},
                                       comm.rank() == stages - 1 ? targets : std::vector<at::Tensor>{}, mse);
@@ -260,6 +262,8 @@ TEST(Pipeline, ZeroBubbleOnTwoThreeAndFourStagesOfOneAndTwoChunksEqualsOneProces
     for (int micro_batches : {4, 8}) expect_pipeline_equals_one_process(pp::Schedule::InterleavedZeroBubble, stages, micro_batches);
   for (int stages : {2, 3, 4})
     expect_pipeline_equals_one_process(pp::Schedule::InterleavedZeroBubble, stages, 2 * stages, 2);
+  // Checkpointed regions of 2 layers: their recomputation runs in the input's part, which gives their weights too.
+  expect_pipeline_equals_one_process(pp::Schedule::InterleavedZeroBubble, 2, 4, 1, 2);
 }
 
 TEST(Pipeline, AMicroBatchOfAnotherShapeIsRefusedByNameBeforeItIsSent) {

@@ -7,10 +7,13 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <algorithm>
 #include <numeric>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
+
+#include "parallel/recompute/recompute.hpp"
 
 namespace xlr8::pp {
 
@@ -32,7 +35,6 @@ using torch::autograd::edge_list;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
-bool is_grad_accumulator(const Node* node) { return node->name() == "torch::autograd::AccumulateGrad"; }
 
 // Keeps the gradients a node receives the first time it runs (backward_input's run; the weight part runs it again).
 struct KeepReceived : torch::autograd::FunctionPreHook {
@@ -48,7 +50,7 @@ struct KeepReceived : torch::autograd::FunctionPreHook {
 struct BackwardGraph {
   std::vector<Node*> order;
   std::unordered_map<Node*, SplitNodeRef> refs;
-  std::unordered_set<Node*> to_input, to_weight;
+  std::unordered_set<Node*> weights, to_input, to_weight;
 
   BackwardGraph(const edge_list& roots, const std::unordered_set<Node*>& inputs) {
     std::vector<std::pair<Node*, size_t>> stack;
@@ -67,8 +69,16 @@ struct BackwardGraph {
         stack.pop_back();
       }
     }
+    // The leaves' accumulators, but the inputs' and checkpointing's anchors (never given a gradient).
+    std::unordered_set<Node*> anchors;
+    for (Node* node : order)
+      if (recompute::is_checkpoint_node(*node) && !node->next_edges().empty())
+        anchors.insert(node->next_edges().back().function.get());
+    for (Node* node : order)
+      if (!inputs.count(node) && !anchors.count(node) && node->name() == "torch::autograd::AccumulateGrad")
+        weights.insert(node);
     for (Node* node : order) {
-      bool input = inputs.count(node) > 0, weight = !input && is_grad_accumulator(node);
+      bool input = inputs.count(node) > 0, weight = weights.count(node) > 0;
       for (const auto& edge : node->next_edges()) {
         if (!edge.function) continue;
         input = input || to_input.count(edge.function.get());
@@ -90,7 +100,7 @@ struct BackwardGraph {
     while (!stack.empty()) {
       Node* node = stack.back();
       stack.pop_back();
-      if (is_grad_accumulator(node)) found.push_back(node);
+      if (weights.count(node)) found.push_back(node);
       for (const auto& edge : node->next_edges())
         if (Node* child = edge.function.get(); off_path_to_weight(child) && seen.insert(child).second)
           stack.push_back(child);
@@ -159,6 +169,9 @@ std::vector<at::Tensor> SplitBackward::backward_input(const std::vector<at::Tens
   }
   edge_list input_edges;
   std::vector<size_t> input_index;
+  whole_in_weight_part_ = std::none_of(inputs.begin(), inputs.end(),
+                                       [](const at::Tensor& x) { return x.defined() && x.requires_grad(); });
+  if (whole_in_weight_part_) return std::vector<at::Tensor>(inputs.size());  // nothing to wait for: all later
   std::unordered_set<Node*> input_nodes;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].defined() || !inputs[i].requires_grad()) continue;
@@ -211,6 +224,8 @@ std::vector<at::Tensor> SplitBackward::backward_input(const std::vector<at::Tens
 
 void SplitBackward::backward_weight() {
   auto& engine = torch::autograd::Engine::get_default_engine();
+  if (whole_in_weight_part_ && !roots_.empty())  // the first stage: its backward as one
+    engine.execute(roots_, root_gradients_, /*keep_graph=*/false, /*create_graph=*/false, /*accumulate_grad=*/true);
   for (const auto& group : groups_) {
     edge_list roots = group->from_outputs ? roots_ : group->root_edges;
     std::vector<at::Tensor> gradients = group->from_outputs ? root_gradients_ : group->root_gradients;

@@ -278,6 +278,10 @@ bool note_unit_ran(const torch::nn::Module& unit) {
 
 }  // namespace
 
+bool is_checkpoint_node(const torch::autograd::Node& node) {
+  return dynamic_cast<const torch::autograd::CppNode<CheckpointFunction>*>(&node) != nullptr;
+}
+
 bool recomputing() { return recompute_depth > 0; }
 
 void remember(const at::Tensor& value) {

@@ -11,6 +11,10 @@
 #include <string>
 #include <vector>
 
+namespace torch::autograd {
+struct Node;
+}
+
 namespace xlr8::recompute {
 
 // fsdp_activation_checkpointing: `module` (at `label` in the model `root`) is checkpointed through its
@@ -42,5 +46,10 @@ void at_end_of_backward(std::function<void()> callback, std::function<void()> ab
 // region's nested backward accumulates it on its own): after the first arrival its reduction is under
 // way, so the second would be lost.
 std::string accumulated_twice(const std::string& parameter);
+
+// Whether `node` is a checkpointed region's (xlr8::checkpoint's). Its last input is an anchor: a fresh leaf that
+// keeps the node in the graph when no input requires gradients, and never receives one. Its region's parameters
+// get theirs from the nested backward that the node runs.
+bool is_checkpoint_node(const torch::autograd::Node& node);
 
 }  // namespace xlr8::recompute
