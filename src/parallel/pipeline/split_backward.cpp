@@ -17,8 +17,8 @@
 
 namespace xlr8::pp {
 
-// shared_ptr<Node> before LibTorch 2.15, intrusive_ptr<Node> since.
-using SplitNodeRef = decltype(torch::autograd::Edge::function);  // compat::NodePtr, as an Edge holds it
+// An Edge's node pointer: shared_ptr<Node> before LibTorch 2.15, intrusive_ptr<Node> since (compat::NodePtr).
+using SplitNodeRef = decltype(torch::autograd::Edge::function);
 
 struct SplitBackward::Group {
   std::vector<SplitNodeRef> nodes;  // boundary nodes on the input path
@@ -34,7 +34,6 @@ namespace {
 using torch::autograd::edge_list;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
-
 
 // Keeps the gradients a node receives the first time it runs (backward_input's run; the weight part runs it again).
 struct KeepReceived : torch::autograd::FunctionPreHook {
@@ -89,9 +88,7 @@ struct BackwardGraph {
     }
   }
 
-  bool off_path_to_weight(const Node* node) const {
-    return node && !to_input.count(const_cast<Node*>(node)) && to_weight.count(const_cast<Node*>(node));
-  }
+  bool off_path_to_weight(Node* node) const { return node && !to_input.count(node) && to_weight.count(node); }
 
   // The weights reached from `starts` through nodes off the input path.
   std::vector<Node*> weights_from(const std::vector<Node*>& starts) const {
@@ -108,18 +105,19 @@ struct BackwardGraph {
     return found;
   }
 
-  // Whether any of `weights` is reached from `node`'s children on the input path (a weight used at two depths).
-  bool reached_through_input_path(Node* node, const std::unordered_set<Node*>& weights) const {
+  // Whether any of `group_weights` is reached from `node`'s children on the input path (a weight used at two
+  // depths).
+  bool reached_through_input_path(Node* node, const std::unordered_set<Node*>& group_weights) const {
     std::vector<Node*> stack;
     std::unordered_set<Node*> seen;
     for (const auto& edge : node->next_edges())
       if (Node* child = edge.function.get(); child && to_input.count(child) && seen.insert(child).second)
         stack.push_back(child);
     while (!stack.empty()) {
-      Node* at = stack.back();
+      Node* below = stack.back();
       stack.pop_back();
-      if (weights.count(at)) return true;
-      for (const auto& edge : at->next_edges())
+      if (group_weights.count(below)) return true;
+      for (const auto& edge : below->next_edges())
         if (Node* child = edge.function.get(); child && to_weight.count(child) && seen.insert(child).second)
           stack.push_back(child);
     }
@@ -167,11 +165,11 @@ std::vector<at::Tensor> SplitBackward::backward_input(const std::vector<at::Tens
     roots_.push_back(torch::autograd::impl::gradient_edge(outputs[i]));
     root_gradients_.push_back(i < gradients.size() && gradients[i].defined() ? gradients[i] : at::ones_like(outputs[i]));
   }
-  edge_list input_edges;
-  std::vector<size_t> input_index;
   whole_in_weight_part_ = std::none_of(inputs.begin(), inputs.end(),
                                        [](const at::Tensor& x) { return x.defined() && x.requires_grad(); });
   if (whole_in_weight_part_) return std::vector<at::Tensor>(inputs.size());  // nothing to wait for: all later
+  edge_list input_edges;
+  std::vector<size_t> input_index;
   std::unordered_set<Node*> input_nodes;
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].defined() || !inputs[i].requires_grad()) continue;
@@ -214,7 +212,6 @@ std::vector<at::Tensor> SplitBackward::backward_input(const std::vector<at::Tens
     for (const auto& node : group->nodes)
       group->from_outputs = group->from_outputs || graph.reached_through_input_path(node.get(), weights_of[g]);
   std::vector<at::Tensor> out(inputs.size());
-  if (input_edges.empty()) return out;
   auto found = torch::autograd::Engine::get_default_engine().execute(roots_, root_gradients_, /*keep_graph=*/true,
                                                                       /*create_graph=*/false,
                                                                       /*accumulate_grad=*/false, input_edges);
