@@ -1,6 +1,7 @@
 // The zero-bubble schedules' backward in two parts (src/parallel/pipeline/split_backward.hpp): the inputs' part
-// leaves the parameters untouched, the weights' part then gives them what one backward gives, and neither part
-// runs a node of the inputs' path twice but where a weight is used at two depths.
+// leaves the parameters untouched, the weights' part then gives them what one backward gives (also for a weight
+// used at two depths), and a node above the weights' boundary runs once; a micro-batch whose boundary nodes
+// cannot run twice is one whole backward.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 #include <torch/autograd.h>
@@ -9,6 +10,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "parallel/pipeline/split_backward.hpp"
 
@@ -26,11 +28,11 @@ struct CountedIdentity : torch::autograd::Function<CountedIdentity> {
 
 struct Net {
   torch::nn::Linear first{12, 16}, second{16, 16}, third{16, 4};
-  bool shared = false;  // `second` used twice, at two depths
+  bool shared = false;  // `second` used twice, at two depths (then no custom Function, which would not be split)
   at::Tensor forward(const at::Tensor& x) {
     auto h = at::tanh(first->forward(x));
-    h = CountedIdentity::apply(at::tanh(second->forward(h)));
-    if (shared) h = at::tanh(second->forward(h));
+    h = at::tanh(second->forward(h));
+    h = shared ? at::tanh(second->forward(h)) : CountedIdentity::apply(h);
     return third->forward(h);
   }
   std::map<std::string, at::Tensor> grads() const {
@@ -64,23 +66,85 @@ void expect_split_equals_whole(bool shared, bool input_needs_gradient) {
   for (const auto& [name, g] : net.grads()) EXPECT_FALSE(g.defined()) << name << " has a gradient before its part";
   if (input_needs_gradient) {
     EXPECT_TRUE(at::allclose(input_gradient, expected_input, 1e-6, 1e-7));
-    EXPECT_EQ(identity_backwards, 1);
   } else {
     EXPECT_FALSE(input_gradient.defined());
-    EXPECT_EQ(identity_backwards, 0);
   }
+  EXPECT_EQ(identity_backwards, input_needs_gradient && !shared ? 1 : 0);
   split.backward_weight();
   for (const auto& [name, g] : net.grads())
     EXPECT_TRUE(g.defined() && at::allclose(g, expected.at(name), 1e-6, 1e-7)) << name;
-  // The weights' part starts where the weights' graph leaves the inputs' path; only a weight used at two depths
-  // (the shared layer) makes it run that path again, from the outputs, for that weight alone.
-  EXPECT_EQ(identity_backwards, shared || !input_needs_gradient ? 2 - !input_needs_gradient : 1)
-      << "shared " << shared << " input " << input_needs_gradient;
+  EXPECT_EQ(split.whole_backwards(), 0) << "shared " << shared << " input " << input_needs_gradient;
+  // The weights' part starts where the weights' graph leaves the inputs' path: the identity above those layers
+  // ran once in all (in the input part, or in the first stage's one backward).
+  if (!shared) {
+    EXPECT_EQ(identity_backwards, 1);
+  }
 }
 
 TEST(SplitBackward, TheTwoPartsGiveOneBackwardsGradientsWithoutRunningTheInputPathTwice) {
   expect_split_equals_whole(/*shared=*/false, /*input_needs_gradient=*/true);
   expect_split_equals_whole(/*shared=*/false, /*input_needs_gradient=*/false);
+}
+
+// x * w for a weight w of one value a feature, as a custom Function, counting its backwards.
+int scale_backwards = 0;
+struct Scale : torch::autograd::Function<Scale> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w) {
+    ctx->save_for_backward({x, w});
+    return x * w;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list g) {
+    ++scale_backwards;
+    const auto saved = ctx->get_saved_variables();
+    return {g[0] * saved[1], (g[0] * saved[0]).sum(0)};
+  }
+};
+
+// A boundary node the weight part could not run again without counting twice (a custom Function taking a weight, a
+// hook on a layer's output) makes that micro-batch's backward whole, in the input part: one backward's gradients.
+TEST(SplitBackward, ABoundaryThatCannotRunTwiceMakesTheBackwardWholeInTheInputPart) {
+  for (const bool custom : {true, false}) {
+    at::manual_seed(5);
+    torch::nn::Linear first(12, 16), last(16, 4);
+    auto w = at::randn({16}).requires_grad_(true);
+    const auto data = at::randn({5, 12}), upstream = at::randn({5, 4});
+    auto forward = [&](const at::Tensor& x) {
+      auto h = first->forward(x);
+      if (custom) {
+        h = Scale::apply(h, w);
+      } else {
+        h.register_hook([](const at::Tensor& g) { return g * 2; });
+      }
+      return last->forward(at::tanh(h));
+    };
+    auto input = data.clone().requires_grad_(true);
+    torch::autograd::backward({forward(input)}, {upstream});
+    std::vector<at::Tensor> expected{input.grad().clone(), w.grad().defined() ? w.grad().clone() : at::Tensor()};
+    for (auto& p : first->parameters()) expected.push_back(p.grad().clone()), p.mutable_grad() = at::Tensor();
+    for (auto& p : last->parameters()) expected.push_back(p.grad().clone()), p.mutable_grad() = at::Tensor();
+    w.mutable_grad() = at::Tensor();
+
+    auto again = data.clone().requires_grad_(true);
+    const auto output = forward(again);
+    scale_backwards = 0;
+    xlr8::pp::SplitBackward split;
+    const auto input_gradient = split.backward_input({output}, {upstream}, {again})[0];
+    split.backward_weight();
+    EXPECT_EQ(split.whole_backwards(), 1) << "custom " << custom;
+    if (custom) {
+      EXPECT_EQ(scale_backwards, 1);
+    }
+    std::vector<at::Tensor> got{input_gradient, w.grad()};
+    for (auto& p : first->parameters()) got.push_back(p.grad());
+    for (auto& p : last->parameters()) got.push_back(p.grad());
+    ASSERT_EQ(got.size(), expected.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].defined(), expected[i].defined()) << "custom " << custom << ", gradient " << i;
+      if (got[i].defined() && expected[i].defined()) {
+        EXPECT_TRUE(at::allclose(got[i], expected[i], 1e-6, 1e-7)) << "custom " << custom << ", gradient " << i;
+      }
+    }
+  }
 }
 
 TEST(SplitBackward, AWeightUsedAtTwoDepthsGetsBothUsesGradients) {

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <numeric>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -68,22 +69,23 @@ struct BackwardGraph {
         stack.pop_back();
       }
     }
-    // The leaves' accumulators, but the inputs' and checkpointing's anchors (never given a gradient).
+    for (Node* node : order) {
+      bool input = inputs.count(node) > 0;
+      for (const auto& edge : node->next_edges()) input = input || to_input.count(edge.function.get());
+      if (input) to_input.insert(node);
+    }
+    // The leaves' accumulators, but the inputs' and the anchors of checkpointed regions on the input path (a region
+    // off it keeps its anchor, so that the weight part runs its node once).
     std::unordered_set<Node*> anchors;
     for (Node* node : order)
-      if (recompute::is_checkpoint_node(*node) && !node->next_edges().empty())
+      if (to_input.count(node) && recompute::is_checkpoint_node(*node) && !node->next_edges().empty())
         anchors.insert(node->next_edges().back().function.get());
     for (Node* node : order)
       if (!inputs.count(node) && !anchors.count(node) && node->name() == "torch::autograd::AccumulateGrad")
         weights.insert(node);
     for (Node* node : order) {
-      bool input = inputs.count(node) > 0, weight = weights.count(node) > 0;
-      for (const auto& edge : node->next_edges()) {
-        if (!edge.function) continue;
-        input = input || to_input.count(edge.function.get());
-        weight = weight || to_weight.count(edge.function.get());
-      }
-      if (input) to_input.insert(node);
+      bool weight = weights.count(node) > 0;
+      for (const auto& edge : node->next_edges()) weight = weight || to_weight.count(edge.function.get());
       if (weight) to_weight.insert(node);
     }
   }
@@ -124,6 +126,19 @@ struct BackwardGraph {
     return false;
   }
 };
+
+// Whether `node` can run in both parts without counting anything twice: one of LibTorch's derivative formulas
+// (which compute only the gradients asked for), with no hooks. A checkpointed region's node would run its nested
+// backward again, another custom Function may compute (or record, as fp8's scaling does) whatever it computes.
+bool runs_twice_safely(Node* node) {
+  const auto name = node->name();
+  const auto formula = name.find("Backward");
+  const bool generated = name == "torch::autograd::CopySlices" ||  // an in-place op on a view: its formula inside
+                         (formula != std::string::npos &&
+                          name.find_first_not_of("0123456789", formula + 8) == std::string::npos);
+  return generated && node->pre_hooks().empty() && node->tensor_pre_hooks().empty() &&
+         node->retains_grad_hooks().empty() && node->post_hooks().empty();
+}
 
 // A boundary: a node on the input path with children off it that reach weights, or a root off the path.
 struct WeightBoundary {
@@ -203,19 +218,48 @@ std::vector<at::Tensor> SplitBackward::backward_input(const std::vector<at::Tens
     } else {
       group->nodes.push_back(graph.refs.at(boundary.node));
       group->received.push_back(std::make_shared<variable_list>());
-      boundary.node->add_pre_hook(std::make_unique<KeepReceived>(group->received.back()));
     }
     for (Node* weight : boundary.weights)
       if (weights_of[g].insert(weight).second) group->parameters.emplace_back(graph.refs.at(weight), 0);
   }
-  for (auto& [g, group] : by_root)
+  bool any_from_outputs = false;
+  for (auto& [g, group] : by_root) {
     for (const auto& node : group->nodes)
       group->from_outputs = group->from_outputs || graph.reached_through_input_path(node.get(), weights_of[g]);
+    any_from_outputs = any_from_outputs || group->from_outputs;
+  }
+  // Nodes the weight part runs again: the boundaries, and under a run from the outputs every node of the input path.
+  bool safe = true;
+  for (const auto& group : groups_)
+    for (const auto& node : group->nodes) safe = safe && runs_twice_safely(node.get());
+  if (any_from_outputs)  // (the inputs' accumulators are not run: the weight part asks for parameters only)
+    for (Node* node : graph.order)
+      if (graph.to_input.count(node) && !input_nodes.count(node)) safe = safe && runs_twice_safely(node);
+  if (!safe) return whole_backward(inputs);
+  for (const auto& group : groups_)
+    for (size_t n = 0; n < group->nodes.size(); ++n)
+      group->nodes[n]->add_pre_hook(std::make_unique<KeepReceived>(group->received[n]));
   std::vector<at::Tensor> out(inputs.size());
   auto found = torch::autograd::Engine::get_default_engine().execute(roots_, root_gradients_, /*keep_graph=*/true,
                                                                       /*create_graph=*/false,
                                                                       /*accumulate_grad=*/false, input_edges);
   for (size_t i = 0; i < input_index.size(); ++i) out[input_index[i]] = found[i];
+  if (!any_from_outputs) {  // only the groups' own edges and gradients are needed from here on
+    roots_.clear();
+    root_gradients_.clear();
+  }
+  return out;
+}
+
+std::vector<at::Tensor> SplitBackward::whole_backward(const std::vector<at::Tensor>& inputs) {
+  groups_.clear();
+  torch::autograd::Engine::get_default_engine().execute(roots_, root_gradients_, /*keep_graph=*/false,
+                                                        /*create_graph=*/false, /*accumulate_grad=*/true);
+  roots_.clear();
+  root_gradients_.clear();
+  ++whole_backwards_;
+  std::vector<at::Tensor> out;
+  for (const auto& input : inputs) out.push_back(input.defined() && input.requires_grad() ? input.grad() : at::Tensor());
   return out;
 }
 

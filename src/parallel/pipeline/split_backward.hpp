@@ -2,14 +2,15 @@
 // One micro-batch's backward through a pipeline stage in two parts, for the zero-bubble schedules: the inputs'
 // gradients first (what the previous stage waits for), the parameters' gradients later (what fills the bubble).
 //
-// Nothing is computed twice. The input part runs the autograd graph only as far as the stage's inputs need: a node
-// there computes only its inputs' gradients (autograd asks each node for the outputs that lead somewhere needed).
-// Where the parameters' part of the graph leaves that path, a hook keeps the gradient the node received; the weight
-// part starts from those nodes with those gradients and runs only towards the parameters, accumulating into their
-// .grad as a backward does (their hooks run). The boundary nodes are grouped so that each group's parameters are
-// reached from its own nodes only; a group whose parameters are also reached through the input path (a weight used
-// at two depths of one stage) runs from the stage's outputs instead, for those parameters alone. Where no input needs
-// a gradient (the first stage) the weight part is the whole backward.
+// Nothing is computed twice: the input part runs the autograd graph only as far as the stage's inputs need, each node
+// computing only the gradients asked of it. Where the parameters' part of the graph leaves that path, a hook keeps
+// the gradient the boundary node received; the weight part runs those nodes again with it, now for their other
+// gradients, and on towards the parameters only, accumulating into their .grad as a backward does (their hooks
+// run). The boundary nodes are grouped so that each group's parameters are reached from its own nodes only; a group
+// whose parameters are also reached through the input path (a weight used at two depths of one stage) runs from the
+// stage's outputs instead, for those parameters alone. Where no input needs a gradient (the first stage) the weight
+// part is the whole backward; where a node the weight part would run again is not one of LibTorch's derivative
+// formulas without hooks, the input part is (whole_backwards()).
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/edge.h>
 
@@ -29,6 +30,10 @@ class SplitBackward {
                                          const std::vector<at::Tensor>& inputs);
   // The parameters' gradients of the same micro-batch, accumulated; then the graph is let go.
   void backward_weight();
+  // How many of this object's micro-batches were not split: a node the weight part would run again could count
+  // something twice (a checkpointed region's, a custom Function's, one with hooks), so backward_input ran the
+  // whole backward and backward_weight had nothing left.
+  int whole_backwards() const { return whole_backwards_; }
 
   struct Group;  // a set of boundary edges and the parameters only they reach
 
@@ -37,6 +42,9 @@ class SplitBackward {
   std::vector<torch::autograd::Edge> roots_;  // edge_list, which edge.h does not declare in every LibTorch
   std::vector<at::Tensor> root_gradients_;
   bool whole_in_weight_part_ = false;  // no input needs a gradient (the first stage): one backward, later
+  int whole_backwards_ = 0;
+
+  std::vector<at::Tensor> whole_backward(const std::vector<at::Tensor>& inputs);
 };
 
 }  // namespace xlr8::pp
