@@ -167,6 +167,19 @@ std::vector<WeightBoundary> weight_boundaries(const BackwardGraph& graph, const 
   return out;
 }
 
+// Whether the nodes the weight part runs again can run twice: the boundaries, and under a run from the outputs every
+// node of the input path (but the inputs' accumulators, which it does not run: it asks for parameters only).
+bool runs_again_safely(const BackwardGraph& graph, const std::vector<std::shared_ptr<SplitBackward::Group>>& groups,
+                       const std::unordered_set<Node*>& input_nodes, bool any_from_outputs) {
+  for (const auto& group : groups)
+    for (const auto& node : group->nodes)
+      if (!runs_twice_safely(node.get())) return false;
+  if (any_from_outputs)
+    for (Node* node : graph.order)
+      if (graph.to_input.count(node) && !input_nodes.count(node) && !runs_twice_safely(node)) return false;
+  return true;
+}
+
 }  // namespace
 
 std::vector<at::Tensor> SplitBackward::backward_input(const std::vector<at::Tensor>& outputs,
@@ -228,14 +241,7 @@ std::vector<at::Tensor> SplitBackward::backward_input(const std::vector<at::Tens
       group->from_outputs = group->from_outputs || graph.reached_through_input_path(node.get(), weights_of[g]);
     any_from_outputs = any_from_outputs || group->from_outputs;
   }
-  // Nodes the weight part runs again: the boundaries, and under a run from the outputs every node of the input path.
-  bool safe = true;
-  for (const auto& group : groups_)
-    for (const auto& node : group->nodes) safe = safe && runs_twice_safely(node.get());
-  if (any_from_outputs)  // (the inputs' accumulators are not run: the weight part asks for parameters only)
-    for (Node* node : graph.order)
-      if (graph.to_input.count(node) && !input_nodes.count(node)) safe = safe && runs_twice_safely(node);
-  if (!safe) return whole_backward(inputs);
+  if (!runs_again_safely(graph, groups_, input_nodes, any_from_outputs)) return whole_backward(inputs);
   for (const auto& group : groups_)
     for (size_t n = 0; n < group->nodes.size(); ++n)
       group->nodes[n]->add_pre_hook(std::make_unique<KeepReceived>(group->received[n]));
