@@ -29,10 +29,11 @@ void AcceleratorImpl::check_pipeline() const {
   if (!models.empty())
     throw ConfigError("prepare(): under parallelism_config_pp_size > 1 one model is prepared (the pipeline's)");
   const auto& p = plan.pipeline;
-  (void)pp::actions(pp::parse_schedule(p.schedule), plan.mesh.pp, p.micro_batches, 0, p.virtual_stages);
+  const auto schedule = pp::parse_schedule(p.schedule);
+  (void)pp::actions(schedule, plan.mesh.pp, p.micro_batches, 0, p.virtual_stages);
   // A sharded unit frees its gathered parameters when every node of its forward's graph has run backward (a
   // countdown); a split backward runs some of them twice and the rest a schedule later, which it does not know.
-  if (pp::parse_schedule(p.schedule) == pp::Schedule::InterleavedZeroBubble && plan.strategy == "zero3")
+  if (schedule == pp::Schedule::InterleavedZeroBubble && plan.strategy == "zero3")
     throw ConfigError("parallelism_config_pp_schedule InterleavedZeroBubble with parameters sharded between forwards "
                       "(FULL_SHARD, HYBRID_SHARD, ZeRO-3) is not built yet; use SHARD_GRAD_OP or ZeRO-1/2, DDP, or "
                       "the schedule 1F1B or Interleaved1F1B");

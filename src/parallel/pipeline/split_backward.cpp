@@ -242,8 +242,8 @@ std::vector<at::Tensor> SplitBackward::backward_input(const std::vector<at::Tens
     any_from_outputs = any_from_outputs || group->from_outputs;
   }
   if (!runs_again_safely(graph, groups_, input_nodes, any_from_outputs)) return whole_backward(inputs);
-  for (const auto& group : groups_)
-    for (size_t n = 0; n < group->nodes.size(); ++n)
+  for (const auto& group : groups_)  // a group run from the outputs needs no boundary's gradient
+    for (size_t n = 0; n < group->nodes.size() && !group->from_outputs; ++n)
       group->nodes[n]->add_pre_hook(std::make_unique<KeepReceived>(group->received[n]));
   std::vector<at::Tensor> out(inputs.size());
   auto found = torch::autograd::Engine::get_default_engine().execute(roots_, root_gradients_, /*keep_graph=*/true,
