@@ -16,33 +16,41 @@ namespace {
 // A residual block whose layers AutoTP recognises by name (fc1 column-wise, fc2 row-wise), so that a stage can
 // also be tensor-parallel (xlr8::nn::Linear: the layer whose forward takes tp's collectives). Cloneable: a stage
 // that runs a block another stage owns (--share_block) gets its own copy.
+// With `gain`, the branch is scaled by softplus of a parameter of its own, whose gradient reads that parameter
+// (as a learned temperature's does), where most layers' weight gradients read only their inputs.
 struct BlockImpl : torch::nn::Cloneable<BlockImpl> {
-  BlockImpl(int64_t width, int64_t hidden) : width(width), hidden(hidden) { reset(); }
+  BlockImpl(int64_t width, int64_t hidden, bool gain) : width(width), hidden(hidden), with_gain(gain) { reset(); }
   void reset() override {
     fc1 = register_module("fc1", xlr8::nn::Linear(width, hidden));
     fc2 = register_module("fc2", xlr8::nn::Linear(hidden, width));
+    if (with_gain) gain = register_parameter("gain", torch::zeros({1}));
   }
-  torch::Tensor forward(const torch::Tensor& x) { return x + fc2(torch::tanh(fc1(x))); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto branch = fc2(torch::tanh(fc1(x)));
+    return x + (with_gain ? branch * torch::softplus(gain) : branch);
+  }
   int64_t width, hidden;
+  bool with_gain;
   xlr8::nn::Linear fc1{nullptr}, fc2{nullptr};
+  torch::Tensor gain;
 };
 TORCH_MODULE(Block);
 
 // Blocks of uneven widths and a head: cut by parameters, the stages hold different numbers of layers. With
 // `share_block`, the fourth block runs the second's module again (a xlr8::pp::TiedLayer, weights shared as
 // ALBERT's layers are), which under pp lies on another stage.
-torch::nn::Sequential mlp(int64_t width, bool share_block, bool freeze_shared) {
+torch::nn::Sequential mlp(int64_t width, bool share_block, bool freeze_shared, bool gain) {
   torch::nn::Sequential model;
   int index = 0;
   torch::nn::AnyModule shared;
   for (int64_t hidden : {64, 32, 48, 24, 40}) {
     const auto name = "block" + std::to_string(index++);
     if (!share_block || (index != 2 && index != 4)) {
-      model->push_back(std::string(name), Block(width, hidden * width / 16));
+      model->push_back(std::string(name), Block(width, hidden * width / 16, gain));
       continue;
     }
     if (shared.is_empty()) {
-      shared = torch::nn::AnyModule(Block(width, hidden * width / 16));
+      shared = torch::nn::AnyModule(Block(width, hidden * width / 16, gain));
       if (freeze_shared)  // fine-tuning around it: no stage may change it
         for (auto& p : shared.ptr()->parameters()) p.set_requires_grad(false);
     }
@@ -72,6 +80,8 @@ int main(int argc, char** argv) {
   app.add_flag("--share_block", share_block, "The fourth block runs the second's module (a TiedLayer)");
   bool freeze_shared = false;
   app.add_flag("--freeze_shared", freeze_shared, "With --share_block: the shared block's parameters do not train");
+  bool gain = false;
+  app.add_flag("--gain", gain, "Each block scales its branch by softplus of a parameter of its own");
   std::string model_dir;
   app.add_option("--save_model", model_dir, "Save the whole trained model there (model.safetensors)");
   bool always_pipeline_step = false;
@@ -82,7 +92,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   xlr8::Accelerator acc;
   acc.set_seed(0);  // the same model on every rank; each keeps its stage's layers
-  auto model = acc.prepare(mlp(width, share_block, freeze_shared));
+  auto model = acc.prepare(mlp(width, share_block, freeze_shared, gain));
   // --two_groups: the first block's parameters in a group of their own (under pp a later stage keeps none of them).
   std::vector<torch::optim::OptimizerParamGroup> groups;
   if (two_groups) {

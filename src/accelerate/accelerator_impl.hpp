@@ -58,6 +58,12 @@ struct AcceleratorImpl {
     return plan.pipeline.virtual_stages > 1 ||
            pp::parse_schedule(plan.pipeline.schedule) == pp::Schedule::InterleavedZeroBubble;
   }
+  // Whether the stage's sharded units stay gathered through the whole schedule (a zero-bubble schedule over
+  // parameters sharded between forwards: FULL_SHARD, HYBRID_SHARD, ZeRO-3; accelerator_pipeline.cpp says why).
+  bool keeps_stage_gathered() const {
+    return plan.strategy == "zero3" &&
+           pp::parse_schedule(plan.pipeline.schedule) == pp::Schedule::InterleavedZeroBubble;
+  }
   // TiedLayers of the whole model: the exchanges that keep the stages' copies one parameter (when it has any).
   void start_tied_weights(const ParallelStrategy& strategy, const std::vector<std::pair<size_t, size_t>>& parts);
   // A step's tensor cut into the pipeline's micro-batches (none when undefined: a stage that does not read it).

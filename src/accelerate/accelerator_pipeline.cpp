@@ -23,6 +23,24 @@ struct SyncAfterwards {
   GradientState& gradients;
   ~SyncAfterwards() { gradients.sync_gradients = true; }
 };
+
+// A zero-bubble schedule runs a micro-batch's backward in two parts, a schedule apart, and its boundary nodes twice:
+// a sharded unit cannot tell when the last node reading its parameters has run (a weight gradient may read the
+// weight: softplus's, a norm's), which is when it may free them. So the stage's units stay gathered from the
+// schedule's start to its end, as torch.distributed.pipelining keeps FSDP's units unsharded between micro-batches:
+// for the step, the stage's whole parameters on each of its ranks (SHARD_GRAD_OP's memory); gradients and optimizer
+// state stay sharded.
+struct GatheredThroughSchedule {
+  explicit GatheredThroughSchedule(ParallelStrategy* stage) : stage(stage) {
+    if (stage) stage->gather_full_parameters();
+  }
+  ~GatheredThroughSchedule() {
+    if (stage) stage->release_full_parameters(/*writeback=*/false);
+  }
+  GatheredThroughSchedule(const GatheredThroughSchedule&) = delete;
+  GatheredThroughSchedule& operator=(const GatheredThroughSchedule&) = delete;
+  ParallelStrategy* stage;
+};
 }  // namespace
 
 void AcceleratorImpl::check_pipeline() const {
@@ -31,12 +49,6 @@ void AcceleratorImpl::check_pipeline() const {
   const auto& p = plan.pipeline;
   const auto schedule = pp::parse_schedule(p.schedule);
   (void)pp::actions(schedule, plan.mesh.pp, p.micro_batches, 0, p.virtual_stages);
-  // A sharded unit frees its gathered parameters when every node of its forward's graph has run backward (a
-  // countdown); a split backward runs some of them twice and the rest a schedule later, which it does not know.
-  if (schedule == pp::Schedule::InterleavedZeroBubble && plan.strategy == "zero3")
-    throw ConfigError("parallelism_config_pp_schedule InterleavedZeroBubble with parameters sharded between forwards "
-                      "(FULL_SHARD, HYBRID_SHARD, ZeRO-3) is not built yet; use SHARD_GRAD_OP or ZeRO-1/2, DDP, or "
-                      "the schedule 1F1B or Interleaved1F1B");
 }
 
 void AcceleratorImpl::start_pipeline(std::shared_ptr<torch::nn::Module> whole, const pp::StageLayers& cut) {
@@ -254,6 +266,7 @@ double Accelerator::pipeline_step(const at::Tensor& input, const at::Tensor& tar
     StepScope scope_of_step(&s, {&stage}, /*suspend_sync=*/true, AutocastScope());
     auto scope = autocast();
     if (s.tied) s.tied->share_values();
+    GatheredThroughSchedule gathered(s.keeps_stage_gathered() ? &stage : nullptr);
     mean = s.pipeline->step(inputs, targets, loss);
     if (s.reduces_after_schedule()) stage.reduce_accumulated_gradients();
   }

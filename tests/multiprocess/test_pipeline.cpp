@@ -143,8 +143,8 @@ TEST(PipelineLaunch, StagesDataAndTensorParallelTrainAsOneProcess) {
 }
 
 // InterleavedZeroBubble (each backward's weights part deferred) on 2, 3 and 4 stages, with 2 chunks a rank, and
-// with stages data- and tensor-parallel, with clipping: one process's losses and norms. Sharding the parameters
-// between forwards is refused in one line.
+// with stages data- and tensor-parallel (parameters sharded between forwards included: their units stay gathered
+// through the schedule), with clipping: one process's losses and norms.
 TEST(PipelineLaunch, ZeroBubbleTrainsAsOneProcessAloneAndWithDataAndTensorParallelStages) {
   const Args clip{"--max_grad_norm", "0.05"};
   auto whole = launch_pipeline(1, {}, clip);
@@ -167,6 +167,7 @@ TEST(PipelineLaunch, ZeroBubbleTrainsAsOneProcessAloneAndWithDataAndTensorParall
                           "--parallelism_config_dp_shard_size", "2"})},
       {"pp 2 x ZeRO-1 2 (DeepSpeed)", 4,
        zero_bubble(2, 4, {"--use_deepspeed", "--zero_stage", "1", "--parallelism_config_dp_shard_size", "2"})},
+      {"pp 2 x FULL_SHARD 2", 4, zero_bubble(2, 4, {"--use_fsdp", "--parallelism_config_dp_shard_size", "2"})},
       {"pp 2 x tp 2", 4, zero_bubble(2, 4, {"--parallelism_config_tp_size", "2"})}};
   for (const auto& [name, processes, launcher] : layouts) {
     SCOPED_TRACE(name);
@@ -177,12 +178,25 @@ TEST(PipelineLaunch, ZeroBubbleTrainsAsOneProcessAloneAndWithDataAndTensorParall
     expect_close(got.value("grad_norms", std::vector<double>{}), expected.value("grad_norms", std::vector<double>{}),
                  1e-5);
   }
-  auto sharded = launch_pipeline(4, zero_bubble(2, 4, {"--use_fsdp", "--parallelism_config_dp_shard_size", "2"}));
-  EXPECT_NE(sharded.exit_code, 0);
-  EXPECT_NE(sharded.err.find("InterleavedZeroBubble with parameters sharded between forwards (FULL_SHARD, "
-                             "HYBRID_SHARD, ZeRO-3) is not built yet"),
-            std::string::npos)
-      << sharded.err;
+  // Blocks whose gain's gradient reads the gain itself (softplus), in the weights' part a schedule after the
+  // inputs' part: the stage's sharded units must still hold it then.
+  const Args gain{"--max_grad_norm", "0.05", "--gain"};
+  auto gained = launch_pipeline(1, {}, gain);
+  ASSERT_EQ(gained.exit_code, 0) << gained.err;
+  const auto with_gain = last_json(gained.out);
+  for (const auto& [name, launcher] : std::vector<std::pair<std::string, Args>>{
+           {"pp 2 x FULL_SHARD 2", zero_bubble(2, 4, {"--use_fsdp", "--parallelism_config_dp_shard_size", "2"})},
+           {"pp 2 x ZeRO-3 2 (DeepSpeed), 2 chunks",
+            zero_bubble(2, 4, {"--use_deepspeed", "--zero_stage", "3", "--parallelism_config_dp_shard_size", "2",
+                               "--parallelism_config_pp_virtual_stages", "2"})}}) {
+    SCOPED_TRACE(name + " with --gain");
+    auto r = launch_pipeline(4, launcher, gain);
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    const auto got = last_json(r.out);
+    expect_close(got.value("losses", std::vector<double>{}), with_gain.value("losses", std::vector<double>{}), 1e-5);
+    expect_close(got.value("grad_norms", std::vector<double>{}), with_gain.value("grad_norms", std::vector<double>{}),
+                 1e-5);
+  }
 }
 
 TEST(PipelineLaunch, APipelineThatCannotBeFormedIsOneLineBeforeTraining) {

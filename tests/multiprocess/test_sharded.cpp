@@ -534,6 +534,17 @@ TEST(EstimateMemory, CountsAModelFileOrShardedIndexAndNamesBadArguments) {
     EXPECT_EQ(out["parameters"], got["parameters"]) << model;
     EXPECT_EQ(out["rows"][0]["training_bytes_per_rank"]["zero3"].get<double>(), 4 * got["parameters"].get<double>());
   }
+  // Under pp a zero-bubble schedule keeps zero3's units gathered through the step: its parameters are zero2's.
+  for (const std::string schedule : {"1F1B", "InterleavedZeroBubble"}) {
+    r = run({kXlr8, "estimate-memory", "--params", "1e9", "--num_processes", "4", "--pp_size", "2", "--pp_schedule",
+             schedule, "--dtypes", "fp32", "--json"},
+            30);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto bytes = last_json(r.out)["rows"][0]["training_bytes_per_rank"];
+    // A stage of 5e8 parameters over 2 ranks: zero2 holds 4 bytes of each whole, 12 of each half; zero3 16 of each half.
+    EXPECT_EQ(bytes["zero2"].get<double>(), 5e9) << schedule;
+    EXPECT_EQ(bytes["zero3"].get<double>(), schedule == "1F1B" ? 4e9 : 5e9) << schedule;
+  }
   const std::vector<std::pair<Args, std::string>> bad{
       {{"--params", "1e9", "--n_layer", "2"}, "give exactly one of --params"},
       {{"--params", "1e9", "--num_processes", "0"}, "--num_processes 0 must be 1 or more"},

@@ -172,10 +172,14 @@ nlohmann::json estimate(const EstimateArgs& a, const Model& m) {
                        {"total_size_bytes", d.param * m.parameters},
                        {"training_bytes_per_rank", nlohmann::json::object()}};
     if (m.largest_layer > 0) row["largest_layer_bytes"] = d.param * m.largest_layer;
+    // A zero-bubble schedule keeps ZeRO-3's units gathered through the step: its parameters are ZeRO-2's.
+    const bool gathered_through_step =
+        a.pp_size > 1 && pp::parse_schedule(a.pp_schedule) == pp::Schedule::InterleavedZeroBubble;
     for (const auto& s : a.strategies) {
+      const std::string& held_as = gathered_through_step && s == "zero3" ? "zero2" : s;
       double most = 0;
       for (const auto& stage : stages)
-        most = std::max(most, per_rank(s, d, stage.parameters, dp) + (d.param + d.grad) * stage.copy);
+        most = std::max(most, per_rank(held_as, d, stage.parameters, dp) + (d.param + d.grad) * stage.copy);
       row["training_bytes_per_rank"][s] = most;
     }
     if (m.has_shape) {  // a stage holds `held` micro-batches of batch / micro samples through its blocks
@@ -235,7 +239,8 @@ Handler add_estimate_memory(CLI::App& app) {
       "Under --pp_size P: the model cut by parameters as a PipelineModule cuts it (the GPT shape; else an even\n"
       "split), each stage's state sharded over num_processes / P ranks, the largest stage's shown (a tied head's\n"
       "copy on the last stage adds its parameters and gradients); a stage holds M micro-batches of b / M under\n"
-      "GPipe, at most P - stage of them under 1F1B and P under InterleavedZeroBubble.");
+      "GPipe, at most P - stage of them under 1F1B and P under InterleavedZeroBubble, which also keeps zero3's\n"
+      "parameters gathered through the step (zero3 then holds zero2's pΨ).");
   auto a = std::make_shared<EstimateArgs>();
   cmd->add_option("--params", a->params, "Number of parameters, such as 7e9");
   cmd->add_option("--model", a->model, "A safetensors file, a model.safetensors.index.json, or a directory with one");
