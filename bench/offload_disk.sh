@@ -4,7 +4,9 @@
 # optimizer state on disk (ZeRO-3, offload_param and offload_optimizer device nvme), one process. Reported: the
 # state's bytes, the process's peak RSS (/usr/bin/time), the swap files' size and the bytes moved, and the disk's
 # own direct-I/O speed (dd) against the swap's in the same run.
-# Usage: [LAYERS=40 WIDTH=2048 HEADS=16 STEPS=3 MAX_LIVE=100000000 SWAP=/var/tmp/xlr8-swap-bench] bench/offload_disk.sh [build-dir]
+# PREFETCH_BUCKET=0 (stage3_prefetch_bucket_size; DeepSpeed's default 5e7 when unset) turns off fetching ahead,
+# the parameter shards' read-ahead from disk included.
+# Usage: [LAYERS=40 WIDTH=2048 HEADS=16 STEPS=3 MAX_LIVE=100000000 PREFETCH_BUCKET=50000000 SWAP=/var/tmp/xlr8-swap-bench] bench/offload_disk.sh [build-dir]
 set -eu
 . "$(dirname "$0")/common.sh"
 LAYERS=${LAYERS:-40}; WIDTH=${WIDTH:-2048}; STEPS=${STEPS:-3}; SWAP=${SWAP:-/var/tmp/xlr8-swap-bench}
@@ -21,6 +23,7 @@ rm -f "$SWAP/dd.bin"
 cat >"$OUT/ds.json" <<JSON
 {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
  "zero_optimization": {"stage": 3, "stage3_max_live_parameters": ${MAX_LIVE:-100000000},
+   "stage3_prefetch_bucket_size": ${PREFETCH_BUCKET:-50000000},
    "leaf_module": {"classes": ["Block"]},
    "offload_optimizer": {"device": "nvme", "nvme_path": "$SWAP", "buffer_count": 4},
    "offload_param": {"device": "nvme", "nvme_path": "$SWAP", "buffer_count": 2}},
@@ -42,6 +45,8 @@ print(f"final train loss {r['final_train_loss']:.4f}, val {r['val_loss']:.4f}, t
 print(f"swap files: state {o.get('swap_file_bytes',0)/1e9:.1f} GB, parameters {p.get('swap_file_bytes',0)/1e9:.1f} GB")
 read = o.get("swap_bytes_read", 0) + p.get("swap_bytes_read", 0)
 written = o.get("swap_bytes_written", 0) + p.get("swap_bytes_written", 0)
+print(f"parameter shards: {p.get('shard_reads',0)} reads, {p.get('swap_reads_ahead',0)} started ahead, "
+      f"{p.get('swap_reads_found_ahead',0)} found coming")
 print(f"moved: read {read/1e9:.1f} GB, written {written/1e9:.1f} GB; optimizer steps' swap GB/s "
       f"{o.get('swapped_step_gb_per_s',0):.2f} over {o.get('swapped_step_seconds',0):.0f} s")
 EOF

@@ -153,6 +153,9 @@ TEST(ZeroDisk, ParametersOnDiskTooAtStageThreeOnOneTwoAndThreeRanksEqualTheRunIn
         EXPECT_GT(params["shard_writes"].get<int64_t>(), 3) << what;
         EXPECT_GT(params["shard_reads"].get<int64_t>(), params["shard_writes"].get<int64_t>()) << what;
         EXPECT_GT(params["swap_bytes_read"].get<int64_t>(), 0) << what;
+        // From the second step on, the unit before each one read its shards ahead, and its gather found them coming.
+        EXPECT_GT(params["swap_reads_ahead"].get<int64_t>(), 0) << what;
+        EXPECT_GT(params["swap_reads_found_ahead"].get<int64_t>(), 0) << what;
       });
     }
   fs::remove_all(dir);

@@ -83,6 +83,10 @@ void FlatGroup::drop_shard() {
   shard_on_disk = true;
 }
 
+void FlatGroup::read_ahead() const {
+  if (disk && shard_on_disk) disk->prefetch(disk_slot);
+}
+
 void FlatGroup::release() {
   if (!owns_shard || !gathered()) return;
   free_storage(full);

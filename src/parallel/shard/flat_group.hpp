@@ -87,6 +87,8 @@ struct FlatGroup {
   void load_shard();
   void store_shard();
   void drop_shard();
+  // Starts reading the shard back from disk (when it is there), for a load_shard soon to find it in memory.
+  void read_ahead() const;
 };
 
 // Lays `params` (same dtype and device; all requiring gradients, or none: a frozen group) out in a new group. With a

@@ -189,6 +189,11 @@ bool ShardingUnit::release(Which which) {
   return freed;
 }
 
+void ShardingUnit::read_ahead() const {
+  for (const auto& group : groups_) group.read_ahead();
+  for (const auto* rider : riders_) rider->read_ahead();
+}
+
 bool ShardingUnit::prefetch(bool in_backward) {
   if (!managed_ || !prefetch_.empty()) return false;
   bool issued = issue_prefetch();

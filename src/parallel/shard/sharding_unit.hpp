@@ -101,6 +101,8 @@ class ShardingUnit {
   bool prefetch(bool in_backward);
   bool wait_prefetch();
   bool prefetching() const { return !prefetch_.empty(); }
+  // Parameters on disk: its groups' and riders' shards start coming back from disk (no collective, no wait).
+  void read_ahead() const;
 
   // Frozen parameters have no gradient to say when backward is done with them: the unit's own autograd
   // nodes do. `forward_start` is where the unit's last forward began in the graph; each forward whose

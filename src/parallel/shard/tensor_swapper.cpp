@@ -148,6 +148,7 @@ void TensorSwapper::prefetch(const std::string& name) {
   for (const auto& b : pool_->buffers)
     if (b.state == Pool::Buffer::Reading && b.name == name) return;
   start_read(p, lock);
+  ++reads_ahead_;
 }
 
 at::Tensor TensorSwapper::swap_in(const std::string& name) {
@@ -158,6 +159,7 @@ at::Tensor TensorSwapper::swap_in(const std::string& name) {
   for (size_t k = 0; k < buffers.size(); ++k)
     if (buffers[k].state == Pool::Buffer::Reading && buffers[k].name == name) i = k;
   if (i == buffers.size()) i = start_read(p, lock);
+  else ++found_ahead_;
   std::erase(pool_->busy, i);
   buffers[i].ticket.wait();
   buffers[i].state = Pool::Buffer::Lent;
@@ -173,7 +175,10 @@ at::Tensor TensorSwapper::swap_in(const std::string& name) {
 }
 
 nlohmann::json TensorSwapper::stats() const {
+  std::lock_guard<std::mutex> lock(pool_->mutex);
   return {{"swap_file", file_.path().string()},
+          {"swap_reads_ahead", reads_ahead_},
+          {"swap_reads_found_ahead", found_ahead_},
           {"swap_file_bytes", file_bytes()},
           {"swap_pool_bytes", pool_bytes()},
           {"swap_bytes_read", bytes_read()},

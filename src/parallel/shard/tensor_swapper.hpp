@@ -73,6 +73,8 @@ class TensorSwapper {
   os::DirectIo io_;
   os::SwapFile file_;
   std::shared_ptr<Pool> pool_;
+  // Reads started ahead by prefetch, and swap_ins that found their read already started (under pool_'s mutex).
+  int64_t reads_ahead_ = 0, found_ahead_ = 0;
 };
 
 }  // namespace xlr8::shard
