@@ -29,15 +29,18 @@ void ShardedModel::prefetch(size_t u, bool in_backward) {
   unit.prefetch(in_backward);
 }
 
-// The order is what every rank's model did in its last pass (checked alike on every rank), so every
-// rank prefetches the same unit at the same moment and the collective sequences stay identical.
 void ShardedModel::read_ahead_after(const UnitOrder& order, size_t u) const {
   // DeepSpeed's stage3_prefetch_bucket_size 0 fetches nothing ahead, from the disk neither.
   if (!shard_store_ || (options_.max_live_elements > 0 && options_.prefetch_bucket_elements == 0)) return;
   auto it = std::find(order.last.begin(), order.last.end(), u);
-  if (it != order.last.end() && it + 1 != order.last.end()) units_[*(it + 1)]->read_ahead();
+  if (it == order.last.end()) return;
+  // The next gather's: past the units gathered already (by prefetches), whose shards a read would bring in vain.
+  for (++it; it != order.last.end(); ++it)
+    if (!units_[*it]->any_gathered() && !units_[*it]->prefetching()) return units_[*it]->read_ahead();
 }
 
+// The order is what every rank's model did in its last pass (checked alike on every rank), so every
+// rank prefetches the same unit at the same moment and the collective sequences stay identical.
 void ShardedModel::prefetch_after(const UnitOrder& order, size_t u, bool in_backward) {
   if (!prefetch_allowed()) return;
   auto it = std::find(order.last.begin(), order.last.end(), u);
@@ -119,8 +122,8 @@ void ShardedModel::unit_forward_begins(size_t u) {
   unit.forward_start = autograd_position();
   if (recompute::recomputing()) return;  // activation checkpointing, in backward: not a forward of the step
   forward_order_.record(u);
-  read_ahead_after(forward_order_, u);
   if (options_.forward_prefetch) prefetch_after(forward_order_, u, /*in_backward=*/false);
+  read_ahead_after(forward_order_, u);  // read while this unit computes
 }
 
 std::vector<at::Tensor> ShardedModel::unit_forward_ends(size_t u, const std::vector<at::Tensor>& outputs) {
@@ -193,9 +196,9 @@ void ShardedModel::unit_backward_begins(size_t u) {
   arm_end_of_backward();
   if (!units_[u]->backward_begins()) return;  // another of its outputs got there first
   backward_order_.record(u);
-  read_ahead_after(backward_order_, u);
   if (options_.backward_prefetch == BackwardPrefetch::BACKWARD_PRE)
     prefetch_after(backward_order_, u, /*in_backward=*/true);
+  read_ahead_after(backward_order_, u);
 }
 
 void ShardedModel::unit_backward_done(size_t u, uint64_t generation) {
