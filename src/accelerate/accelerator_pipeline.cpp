@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "accelerate/accelerator_impl.hpp"
 #include "parallel/parallelize.hpp"
@@ -34,8 +35,15 @@ struct GatheredThroughSchedule {
   explicit GatheredThroughSchedule(ParallelStrategy* stage) : stage(stage) {
     if (stage) stage->gather_full_parameters();
   }
+  void release() {
+    if (auto* gathered = std::exchange(stage, nullptr)) gathered->release_full_parameters(/*writeback=*/false);
+  }
+  // Reached unreleased only when the schedule threw: its error is the one to report.
   ~GatheredThroughSchedule() {
-    if (stage) stage->release_full_parameters(/*writeback=*/false);
+    try {
+      release();
+    } catch (const std::exception&) {
+    }
   }
   GatheredThroughSchedule(const GatheredThroughSchedule&) = delete;
   GatheredThroughSchedule& operator=(const GatheredThroughSchedule&) = delete;
@@ -269,6 +277,7 @@ double Accelerator::pipeline_step(const at::Tensor& input, const at::Tensor& tar
     GatheredThroughSchedule gathered(s.keeps_stage_gathered() ? &stage : nullptr);
     mean = s.pipeline->step(inputs, targets, loss);
     if (s.reduces_after_schedule()) stage.reduce_accumulated_gradients();
+    gathered.release();
   }
   if (s.tied) s.tied->sum_gradients();  // into the owner's gradient its data-parallel reduction finished
   const auto recorded = at::scalar_tensor(mean, at::kDouble);  // the step's loss, as backward() would see it

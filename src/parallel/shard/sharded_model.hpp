@@ -121,8 +121,8 @@ class ShardedModel : public std::enable_shared_from_this<ShardedModel> {
   };
   void prefetch(size_t unit, bool in_backward);  // within FSDP's limit of gathered units
   void prefetch_after(const UnitOrder& order, size_t unit, bool in_backward);
-  // Parameters on disk: the unit that followed `unit` in `order` last time starts reading its shards from disk, so
-  // that its gather (soon, or a prefetch's) finds them in memory rather than waiting for the disk.
+  // Parameters on disk: the first unit after `unit` in `order` (the last pass's) that is not gathered or being
+  // prefetched starts reading its shards from disk, so that its gather finds them in memory, not on the disk.
   void read_ahead_after(const UnitOrder& order, size_t unit) const;
   // DeepSpeed's bounds (ZeroOptions::max_live_elements): the units after `next`'s place, within the bucket.
   void prefetch_within_bounds(const UnitOrder& order, std::vector<size_t>::const_iterator next, bool in_backward);
