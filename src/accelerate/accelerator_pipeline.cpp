@@ -5,7 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <utility>
+#include <optional>
 
 #include "accelerate/accelerator_impl.hpp"
 #include "parallel/parallelize.hpp"
@@ -23,31 +23,6 @@ namespace {
 struct SyncAfterwards {
   GradientState& gradients;
   ~SyncAfterwards() { gradients.sync_gradients = true; }
-};
-
-// A zero-bubble schedule runs a micro-batch's backward in two parts, a schedule apart, and its boundary nodes twice:
-// a sharded unit cannot tell when the last node reading its parameters has run (a weight gradient may read the
-// weight: softplus's, a norm's), which is when it may free them. So the stage's units stay gathered from the
-// schedule's start to its end, as torch.distributed.pipelining keeps FSDP's units unsharded between micro-batches:
-// for the step, the stage's whole parameters on each of its ranks (SHARD_GRAD_OP's memory); gradients and optimizer
-// state stay sharded.
-struct GatheredThroughSchedule {
-  explicit GatheredThroughSchedule(ParallelStrategy* stage) : stage(stage) {
-    if (stage) stage->gather_full_parameters();
-  }
-  void release() {
-    if (auto* gathered = std::exchange(stage, nullptr)) gathered->release_full_parameters(/*writeback=*/false);
-  }
-  // Reached unreleased only when the schedule threw: its error is the one to report.
-  ~GatheredThroughSchedule() {
-    try {
-      release();
-    } catch (const std::exception&) {
-    }
-  }
-  GatheredThroughSchedule(const GatheredThroughSchedule&) = delete;
-  GatheredThroughSchedule& operator=(const GatheredThroughSchedule&) = delete;
-  ParallelStrategy* stage;
 };
 }  // namespace
 
@@ -274,10 +249,16 @@ double Accelerator::pipeline_step(const at::Tensor& input, const at::Tensor& tar
     StepScope scope_of_step(&s, {&stage}, /*suspend_sync=*/true, AutocastScope());
     auto scope = autocast();
     if (s.tied) s.tied->share_values();
-    GatheredThroughSchedule gathered(s.keeps_stage_gathered() ? &stage : nullptr);
+    // A zero-bubble schedule runs a micro-batch's backward in two parts, a schedule apart, and its boundary nodes
+    // twice: a sharded unit cannot tell when the last node reading its parameters has run (a weight gradient may
+    // read the weight: softplus's, a norm's), which is when it may free them. So the stage's units stay gathered
+    // through the schedule, as torch.distributed.pipelining keeps FSDP's units unsharded between micro-batches:
+    // SHARD_GRAD_OP's memory for the step; gradients and optimizer state stay sharded.
+    std::optional<FullParametersScope> gathered;
+    if (s.keeps_stage_gathered()) gathered.emplace(&stage, /*writeback=*/false);
     mean = s.pipeline->step(inputs, targets, loss);
     if (s.reduces_after_schedule()) stage.reduce_accumulated_gradients();
-    gathered.release();
+    gathered.reset();
   }
   if (s.tied) s.tied->sum_gradients();  // into the owner's gradient its data-parallel reduction finished
   const auto recorded = at::scalar_tensor(mean, at::kDouble);  // the step's loss, as backward() would see it

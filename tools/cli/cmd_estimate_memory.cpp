@@ -166,17 +166,17 @@ nlohmann::json estimate(const EstimateArgs& a, const Model& m) {
       out["pp"]["stage_blocks"].push_back(stage.blocks);
     }
   }
+  // A zero-bubble schedule keeps ZeRO-3's units gathered through the step: its parameters are ZeRO-2's.
+  const bool gathered_through_step =
+      a.pp_size > 1 && pp::parse_schedule(a.pp_schedule) == pp::Schedule::InterleavedZeroBubble;
   for (const auto& text : a.dtypes) {
     const auto d = dtype_bytes(text);
     nlohmann::json row{{"dtype", d.name},
                        {"total_size_bytes", d.param * m.parameters},
                        {"training_bytes_per_rank", nlohmann::json::object()}};
     if (m.largest_layer > 0) row["largest_layer_bytes"] = d.param * m.largest_layer;
-    // A zero-bubble schedule keeps ZeRO-3's units gathered through the step: its parameters are ZeRO-2's.
-    const bool gathered_through_step =
-        a.pp_size > 1 && pp::parse_schedule(a.pp_schedule) == pp::Schedule::InterleavedZeroBubble;
     for (const auto& s : a.strategies) {
-      const std::string& held_as = gathered_through_step && s == "zero3" ? "zero2" : s;
+      const std::string held_as = gathered_through_step && s == "zero3" ? "zero2" : s;
       double most = 0;
       for (const auto& stage : stages)
         most = std::max(most, per_rank(held_as, d, stage.parameters, dp) + (d.param + d.grad) * stage.copy);
