@@ -76,14 +76,16 @@ at::Tensor scale_for(const at::Tensor& amax, at::ScalarType float8, int margin =
 // ±inf becomes ±max). Within the range it equals LibTorch's own conversion of x * scale.
 at::Tensor cast_to_float8(const at::Tensor& x, const at::Tensor& scale, at::ScalarType float8);
 // (a / a_scale) @ (b / b_scale) in `out_dtype`: a [M, K] and b [K, N] float8; scales are the cast's (scalars, or
-// a [M, 1] and b [1, N] per row). `_scaled_mm` where this device has it, else the dequantised product in fp32.
+// a [M, 1] and b [1, N] per row). `_scaled_mm` on a GPU that has it, else (and always on the CPU) the dequantised
+// product in fp32.
 at::Tensor scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale, const at::Tensor& b_scale,
                      at::ScalarType out_dtype);
 // What scaled_mm computes where the device has no fp8 gemm: the product of the dequantised values in fp32 (every fp8
 // value is exact in fp32, so only the order of the sums differs from the real gemm).
 at::Tensor dequantised_mm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& a_scale,
                           const at::Tensor& b_scale, at::ScalarType out_dtype);
-// Whether scaled_mm runs a real fp8 gemm on `device` (asked of the device once, with a small product).
+// Whether scaled_mm runs a real fp8 gemm on `device` (asked of a GPU once, with a small product; never on the CPU,
+// so that a CPU run does not depend on a timing).
 bool has_fp8_gemm(c10::Device device, bool rowwise);
 
 }  // namespace xlr8::fp8

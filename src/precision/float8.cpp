@@ -4,14 +4,12 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
-#include <chrono>
 #include <cmath>
 #include <limits>
 #include <map>
 #include <mutex>
 #include <tuple>
 
-#include "core/log.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8::fp8 {
@@ -45,33 +43,6 @@ at::Tensor real_scaled_mm(const at::Tensor& a, const at::Tensor& b, const at::Te
   right = right.t().contiguous().t();
   return at::_scaled_mm(left, right, a_scale.reciprocal().to(at::kFloat), b_scale.reciprocal().to(at::kFloat),
                         std::nullopt, std::nullopt, out_dtype);
-}
-
-// Seconds for `reps` runs of `gemm` after one warm-up.
-template <class Gemm>
-double seconds_of(int reps, Gemm&& gemm) {
-  gemm();
-  const auto start = std::chrono::steady_clock::now();
-  for (int i = 0; i < reps; ++i) gemm();
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-// On some CPUs (AVX512-FP16/AMX ones, with LibTorch 2.15) _scaled_mm reaches oneDNN's reference matmul, about
-// 60x slower than widening to fp32 and multiplying: an fp8 GPT ran 0.17 steps/s where bf16 ran 78. Both give
-// the product of the cast values (up to the order of the fp32 sums), so a CPU whose fp8 gemm is over 4x slower
-// than the dequantised product uses the latter. The margin is wide so that every rank of a job decides alike (the two differ by 60x or by little).
-bool cpu_gemm_is_slow(bool rowwise) {
-  // A fixed pattern, not the random generator: a resumed run's random stream must not depend on this probe.
-  const auto options = at::TensorOptions().dtype(at::kFloat);
-  auto a = at::arange(128 * 128, options).remainder(17).sub(8).reshape({128, 128}).to(at::kFloat8_e4m3fn);
-  auto one = at::ones(rowwise ? std::vector<int64_t>{128, 1} : std::vector<int64_t>{}, options);
-  const double real = seconds_of(2, [&] { real_scaled_mm(a, a.t(), one, rowwise ? one.t() : one, at::kBFloat16); });
-  const double widened = seconds_of(2, [&] { dequantised(a, a.t(), one, rowwise ? one.t() : one, at::kBFloat16); });
-  if (real <= 4 * widened) return false;
-  log::info("xlr8: fp8 on this CPU: LibTorch's _scaled_mm takes {:.0f}x the time of the dequantised product (oneDNN's "
-            "reference kernel); using the dequantised product (the same product of the cast values)",
-            real / widened);
-  return true;
 }
 
 struct GemmSupport {
@@ -147,6 +118,11 @@ at::Tensor dequantised_mm(const at::Tensor& a, const at::Tensor& b, const at::Te
 }
 
 bool has_fp8_gemm(c10::Device device, bool rowwise) {
+  // A CPU has no fp8 arithmetic: LibTorch's CPU _scaled_mm widens too, as fast as our product at best (1.1x its time
+  // on an AVX2 EPYC) and 60x slower on AVX512-FP16/AMX ones (oneDNN's reference kernel). The two sum in different
+  // orders, so choosing between them by timing them made runs differ under load (a resumed run missed the straight
+  // one by 6e-5): the CPU always takes the dequantised product.
+  if (device.is_cpu()) return false;
   auto& support = gemm_support();
   const auto key = std::tuple{device.type(), device.index(), rowwise};
   {
@@ -159,7 +135,6 @@ bool has_fp8_gemm(c10::Device device, bool rowwise) {
     auto one = at::ones(rowwise ? std::vector<int64_t>{16, 1} : std::vector<int64_t>{}, a.options().dtype(at::kFloat));
     auto product = real_scaled_mm(a, a.t(), one, rowwise ? one.t() : one, at::kBFloat16);
     works = product.to(at::kFloat).eq(16).all().item<bool>();
-    if (works && device.is_cpu()) works = !cpu_gemm_is_slow(rowwise);
   } catch (const c10::Error&) {
     works = false;
   }
