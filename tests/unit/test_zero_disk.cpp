@@ -142,8 +142,19 @@ TEST(ZeroDisk, ParametersOnDiskTooAtStageThreeOnOneTwoAndThreeRanksEqualTheRunIn
       run_ranks(ranks, [&](Communicator& comm) {
         const auto what = fmt::format("{} on {} ranks, rank {}", bf16 ? "bf16" : "fp32", ranks, comm.rank());
         auto strategy = make_parallel_strategy(make_model(), comm, disk);
-        auto got = train(*strategy, comm.rank(), ranks, 3, 2, 0.05, bf16);
+        // Reads found ahead during each optimizer step: the step reads the next group's shard while one steps.
+        std::vector<int64_t> found_in_steps;
+        int64_t found_before = 0;
+        auto got = train(*strategy, comm.rank(), ranks, 3, 2, 0.05, bf16, [&](bool after) {
+          const auto found = strategy->stats()["parameters_on_disk"]["swap_reads_found_ahead"].get<int64_t>();
+          if (after) found_in_steps.push_back(found - found_before);
+          found_before = found;
+        });
         expect_same_run(got, in_memory[comm.rank()], 0.0, what);
+        // fp32: every group's shard is read in the step, all but the first while the one before steps; a bf16
+        // group's shard follows its master (in memory) and is not read.
+        const auto groups = strategy->stats()["offloaded_parameter_groups"].get<int64_t>();
+        EXPECT_EQ(found_in_steps, std::vector<int64_t>(3, bf16 ? 0 : groups - 1)) << what;
         if (!bf16) {
           for (const auto& leaf : strategy->optimizer_parameters()) EXPECT_EQ(leaf.storage().nbytes(), 0u) << what;
         }

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <functional>
 #include <mutex>
 
 #include "thread_ranks.hpp"
@@ -104,8 +105,9 @@ struct TrainRun {
 };
 
 // AdamW steps on this rank's rows (accumulating `micro` micro-batches per step); clipping when max_norm > 0.
+// `around_step`, when given, is called just before each optimizer step (false) and just after it (true).
 inline TrainRun train(ParallelStrategy& strategy, int rank, int ranks, int steps, int micro = 1, double max_norm = 0,
-          bool bf16 = false) {
+          bool bf16 = false, const std::function<void(bool after)>& around_step = {}) {
   auto gs = std::make_shared<GradientState>();
   torch::optim::AdamW opt(strategy.module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   strategy.bind_optimizer(opt);
@@ -128,7 +130,9 @@ inline TrainRun train(ParallelStrategy& strategy, int rank, int ranks, int steps
       loss_sum += loss.item<double>();
     }
     if (max_norm > 0) run.norms.push_back(strategy.clip_grad_norm(strategy.module()->parameters(), max_norm, 2.0));
+    if (around_step) around_step(false);
     strategy.optimizer_step(opt);
+    if (around_step) around_step(true);
     for (auto& group : opt.param_groups())
       for (auto& p : group.params()) p.mutable_grad() = at::Tensor();
     run.losses.push_back(loss_sum / micro);

@@ -91,6 +91,8 @@ void OptimizerSwap::step(torch::optim::Optimizer& optimizer) {
     auto lent = swap_in(k, optimizer);
     auto* flat = groups_[k].flat;
     if (!flat->mixed()) flat->load_shard();  // the leaves view the shard (parameters on disk)
+    // The next group's shard read while this one steps (a mixed group's follows its master: nothing to read).
+    if (k + 1 < groups_.size() && !groups_[k + 1].flat->mixed()) groups_[k + 1].flat->read_ahead();
     std::vector<const c10::TensorImpl*> leaves;
     for (const auto& m : groups_[k].members) leaves.push_back(m.leaf.unsafeGetTensorImpl());
     stepped.insert(leaves.begin(), leaves.end());
