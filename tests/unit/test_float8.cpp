@@ -93,10 +93,18 @@ TEST(Float8ScaledMm, TensorwiseAndRowwiseProductsEqualTheProductOfTheCastValues)
   auto x8 = fp8::cast_to_float8(x, sx, kE4M3), w8 = fp8::cast_to_float8(w, sw, kE4M3);
   auto got = fp8::scaled_mm(x8, w8.t(), sx, sw, at::kFloat);
   EXPECT_TRUE(at::allclose(got.to(at::kDouble), reference_mm(x8, w8.t(), sx, sw), 1e-5, 1e-5));
-  // Without an fp8 gemm: the same values, summed in another order.
+  // Without an fp8 gemm (the CPU's choice): the same values, summed in another order than LibTorch's own CPU
+  // _scaled_mm sums them, where this LibTorch has one.
   auto modelled = fp8::dequantised_mm(x8, w8.t(), sx, sw, at::kFloat);
   EXPECT_TRUE(at::allclose(modelled.to(at::kDouble), reference_mm(x8, w8.t(), sx, sw), 1e-5, 1e-5));
   EXPECT_TRUE(at::allclose(modelled, got, 1e-5, 1e-5));
+  EXPECT_FALSE(fp8::has_fp8_gemm(at::kCPU, false));  // so that a CPU run never depends on timing two gemms
+  try {
+    auto libtorch = at::_scaled_mm(x8, w8.t(), sx.reciprocal(), sw.reciprocal(), std::nullopt, std::nullopt, at::kFloat);
+    EXPECT_TRUE(at::allclose(libtorch, modelled, 1e-5, 1e-5));
+  } catch (const c10::Error& e) {
+    std::cout << "this LibTorch has no CPU _scaled_mm: " << std::string(e.what()).substr(0, 120) << "\n";
+  }
   // Rowwise: a scale per row of x and per row of w (a column of the product).
   auto rx = fp8::scale_for(at::amax(x.abs(), {1}, true), kE4M3), rw = fp8::scale_for(at::amax(w.abs(), {1}, true), kE4M3);
   auto xr = fp8::cast_to_float8(x, rx, kE4M3), wr = fp8::cast_to_float8(w, rw, kE4M3);
@@ -110,7 +118,6 @@ TEST(Float8ScaledMm, TensorwiseAndRowwiseProductsEqualTheProductOfTheCastValues)
   // The fp8 values differ from the input: the cast really rounded (3 mantissa bits).
   EXPECT_GT((x8.to(at::kFloat) / sx - x).abs().max().item<float>(), 1e-3);
   EXPECT_THROW(fp8::scaled_mm(x, w.t(), sx, sw, at::kFloat), Error);
-  std::cout << "fp8 gemm on this CPU: " << (fp8::has_fp8_gemm(at::kCPU, false) ? "_scaled_mm" : "dequantised") << "\n";
 }
 
 // On a lent GPU: the CUDA casts equal the CPU's bit for bit, and the fp8 gemm (cuBLASLt's, from compute capability
