@@ -7,8 +7,11 @@
 #include <torch/torch.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <filesystem>
 #include <fstream>
+#include <new>
 
 #include "checkpoint/optimizer_state.hpp"
 #include "compat/torch_compat.hpp"
@@ -213,6 +216,48 @@ TEST(ZeroDisk, BetweenStepsTheStateIsOnDiskAndACheckpointsWindowBringsItIn) {
   const auto a = strategy->state_dict(StateDictKind::FULL), b = reference->state_dict(StateDictKind::FULL);
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+  fs::remove_all(dir);
+}
+
+// An optimizer made where a freed one lived (the same address) and bound to the same model is another optimizer: its
+// state gets a swap of its own (SGD's momentum, not the AdamW moments the first laid out), on disk between steps, and
+// the run equals the same sequence in memory.
+TEST(ZeroDisk, AnOptimizerMadeAtAFreedOnesAddressSwapsItsOwnState) {
+  const auto dir = swap_dir("again");
+  if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
+  auto comm = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
+  auto sharded = stage_options(3);
+  sharded.zero.offload_optimizer = true;
+  auto reference = make_parallel_strategy(make_model(), comm, sharded);
+  auto comm2 = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
+  auto strategy = make_parallel_strategy(make_model(), comm2, on_disk(3, dir));
+  using torch::optim::AdamW, torch::optim::SGD;
+  const auto adamw = [](ParallelStrategy& s) { return AdamW(s.module()->parameters(), torch::optim::AdamWOptions(1e-2)); };
+  const auto sgd = [](ParallelStrategy& s) { return SGD(s.module()->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9)); };
+  {
+    auto first = adamw(*reference);
+    reference->bind_optimizer(first);
+    step_through(*reference, first, 0, 1);
+  }
+  auto then = sgd(*reference);
+  reference->bind_optimizer(then);
+  step_through(*reference, then, 1, 2);
+
+  alignas(AdamW) alignas(SGD) std::byte place[std::max(sizeof(AdamW), sizeof(SGD))];
+  auto* first = new (place) AdamW(adamw(*strategy));
+  strategy->bind_optimizer(*first);
+  step_through(*strategy, *first, 0, 1);
+  first->~AdamW();
+  auto* second = new (place) SGD(sgd(*strategy));
+  strategy->bind_optimizer(*second);
+  step_through(*strategy, *second, 1, 2);
+  const auto held = state_tensors(*second, *strategy);
+  EXPECT_FALSE(held.empty());
+  for (const auto& t : held) EXPECT_EQ(t.numel(), 0);  // the momentum is on disk
+  const auto a = strategy->state_dict(StateDictKind::FULL), b = reference->state_dict(StateDictKind::FULL);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+  second->~SGD();
   fs::remove_all(dir);
 }
 

@@ -73,6 +73,17 @@ OptimizerSwap::OptimizerSwap(const ZeroOptions::Disk& disk, const torch::optim::
 
 OptimizerSwap::~OptimizerSwap() = default;
 
+bool OptimizerSwap::serves(const torch::optim::Optimizer& optimizer) const {
+  if (!checkpoints::portable_optimizer_kind(optimizer) || checkpoints::kept_state_names(optimizer) != names_) return false;
+  if (emptied_.empty()) return true;
+  for (const auto& g : groups_)
+    for (const auto& m : g.members)
+      if (const auto state = checkpoints::read_parameter_state(optimizer, m.leaf))
+        for (const auto& [name, t] : state->tensors)
+          if (emptied_.count(t.unsafeGetTensorImpl())) return true;
+  return false;
+}
+
 std::string OptimizerSwap::slot(size_t group, const std::string& name) const { return fmt::format("{}/{}", group, name); }
 
 void OptimizerSwap::step(torch::optim::Optimizer& optimizer) {

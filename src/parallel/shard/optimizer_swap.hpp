@@ -39,6 +39,9 @@ class OptimizerSwap {
   // Every group's state in memory of its own (a checkpoint reads or replaces it), or written out again.
   void bring_in(torch::optim::Optimizer& optimizer);
   void put_away(torch::optim::Optimizer& optimizer);
+  // Whether this swap is `optimizer`'s: it keeps the state names this swap lays out, and holds the state tensors whose
+  // values are on disk (none yet: any optimizer of that kind). Another optimizer may be bound at a freed one's address.
+  bool serves(const torch::optim::Optimizer& optimizer) const;
   // Where the state lives and what moved: the swap file, bytes read and written, seconds the steps took.
   nlohmann::json stats() const;
 

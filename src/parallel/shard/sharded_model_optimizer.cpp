@@ -39,7 +39,12 @@ void ShardedModel::bind_optimizer(torch::optim::Optimizer& optimizer) {
                                 group(it->second.group).names[it->second.index]));
       p = group(it->second.group).shard_params[it->second.index];
     }
-  if (!options_.optimizer_on_disk.enabled() || bound.empty() || swaps_.count(&optimizer)) return;
+  if (!options_.optimizer_on_disk.enabled() || bound.empty()) return;
+  // An optimizer bound again keeps its swap; one made where a freed one lived gets its own (the old file goes).
+  if (const auto it = swaps_.find(&optimizer); it != swaps_.end()) {
+    if (it->second->serves(optimizer)) return;
+    swaps_.erase(it);
+  }
   std::vector<FlatGroup*> groups;
   for (size_t g : bound) groups.push_back(&group(g));
   swaps_[&optimizer] = std::make_unique<OptimizerSwap>(options_.optimizer_on_disk, optimizer, groups);
