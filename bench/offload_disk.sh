@@ -6,7 +6,7 @@
 # own direct-I/O speed (dd) against the swap's in the same run.
 # PREFETCH_BUCKET=0 (stage3_prefetch_bucket_size; DeepSpeed's default 5e7 when unset) turns off fetching ahead,
 # the parameter shards' read-ahead from disk included.
-# Usage: [LAYERS=40 WIDTH=2048 HEADS=16 STEPS=3 MAX_LIVE=100000000 PREFETCH_BUCKET=50000000 SWAP=/var/tmp/xlr8-swap-bench] bench/offload_disk.sh [build-dir]
+# Usage: [LAYERS=40 WIDTH=2048 HEADS=16 STEPS=3 MAX_LIVE=100000000 PREFETCH_BUCKET=50000000 CHECKPOINT=0 SWAP=/var/tmp/xlr8-swap-bench] bench/offload_disk.sh [build-dir]
 set -eu
 . "$(dirname "$0")/common.sh"
 LAYERS=${LAYERS:-40}; WIDTH=${WIDTH:-2048}; STEPS=${STEPS:-3}; SWAP=${SWAP:-/var/tmp/xlr8-swap-bench}
@@ -29,13 +29,16 @@ cat >"$OUT/ds.json" <<JSON
    "offload_param": {"device": "nvme", "nvme_path": "$SWAP", "buffer_count": 2}},
  "aio": {"block_size": 1048576, "intra_op_parallelism": 2}}
 JSON
-/usr/bin/time -v "$X" launch --num_processes 1 --use_deepspeed --deepspeed_config_file "$OUT/ds.json" \
-  "$G" --n_layer "$LAYERS" --d_model "$WIDTH" --n_head "${HEADS:-16}" --seq_len 64 --batch_size 1 --max_steps "$STEPS" \
-  --lr 3e-5 --val_windows 4 --log_every 1 --output_dir "$OUT/run" >"$OUT/stdout" 2>"$OUT/stderr" || {
-  tail -30 "$OUT/stderr"; exit 1; }
-grep -E "step|loss" "$OUT/stdout" | tail -8
-RESULT=$(grep '^{' "$OUT/stdout" | tail -1)
-python3 - "$RESULT" <<'EOF'
+# One launch, reported: the losses, the state's size, what moved, the peak RSS. $1: the run's name; the rest: flags.
+run_gpt() {
+  name=$1; shift
+  /usr/bin/time -v "$X" launch --num_processes 1 --use_deepspeed --deepspeed_config_file "$OUT/ds.json" \
+    "$G" --n_layer "$LAYERS" --d_model "$WIDTH" --n_head "${HEADS:-16}" --seq_len 64 --batch_size 1 \
+    --lr 3e-5 --val_windows 4 --log_every 1 --output_dir "$OUT/run" "$@" >"$OUT/stdout" 2>"$OUT/stderr" || {
+    tail -30 "$OUT/stderr"; exit 1; }
+  echo "== $name"
+  grep -E "step|loss" "$OUT/stdout" | tail -8
+  python3 - "$(grep '^{' "$OUT/stdout" | tail -1)" <<'EOF'
 import json, sys
 r = json.loads(sys.argv[1])
 n = r["parameters"]
@@ -49,5 +52,19 @@ print(f"parameter shards: {p.get('shard_reads',0)} reads, {p.get('swap_reads_ahe
       f"{p.get('swap_reads_found_ahead',0)} found coming")
 print(f"moved: read {read/1e9:.1f} GB, written {written/1e9:.1f} GB; optimizer steps' swap GB/s "
       f"{o.get('swapped_step_gb_per_s',0):.2f} over {o.get('swapped_step_seconds',0):.0f} s")
+print(f"save_state {r.get('save_state_seconds',0):.0f} s, load_state {r.get('load_state_seconds',0):.0f} s; groups of "
+      f"state in memory at once for a checkpoint: at most {o.get('checkpoint_groups_in_memory_most',0)} of "
+      f"{o.get('swapped_groups',0)}")
 EOF
-grep -E "Maximum resident set size|Elapsed \(wall" "$OUT/stderr"
+  grep -E "Maximum resident set size|Elapsed \(wall" "$OUT/stderr"
+}
+
+# CHECKPOINT=1: the run saves a checkpoint after its last step (save_state), and a second run resumes from it
+# (load_state) for one step more: the state on disk goes to the checkpoint and back one group at a time.
+if [ "${CHECKPOINT:-0}" = 1 ]; then
+  run_gpt "train $STEPS steps, then save_state" --max_steps "$STEPS" --checkpoint_every "$STEPS"
+  du -sh "$OUT/run/checkpoints"/* | tail -1
+  run_gpt "resume (load_state), 1 step more" --max_steps "$((STEPS + 1))" --resume_from latest
+else
+  run_gpt "train $STEPS steps" --max_steps "$STEPS"
+fi

@@ -48,6 +48,17 @@ struct ParameterPiece {
   bool writes = true;
 };
 
+// Offload's disk tier: one group of a strategy's tensors held in memory (ParallelStrategy::hold_in_memory).
+// release() puts it back (writing what a holder for writing changed) and throws when that fails; the destructor
+// releases too, and only logs a failure.
+class HeldInMemory {
+ public:
+  virtual ~HeldInMemory() = default;
+  virtual void release() = 0;
+};
+// reading: the values go back unwritten. writing: the holder may change them; they are written back at release.
+enum class HoldFor { reading, writing };
+
 class ParallelStrategy {
  public:
   virtual ~ParallelStrategy() = default;
@@ -79,6 +90,14 @@ class ParallelStrategy {
   // Offload's disk tier: the optimizer state this strategy keeps on disk, all in memory (true: a checkpoint
   // reads or replaces it) or back on disk (false: what the optimizer holds then is written out).
   virtual void optimizer_state_in_memory(torch::optim::Optimizer& optimizer, bool in_memory) {}
+  // Offload's disk tier, one group at a time (what checkpoints use, so that state larger than memory can be saved
+  // and loaded): keeps the group holding `leaf` (a ParameterPiece's values) in memory until the handle is released:
+  // without `optimizer`, its parameter values; with one, that optimizer's state for the group's leaves. A live
+  // handle of the same group is shared. Null when nothing of it is on disk.
+  virtual std::shared_ptr<HeldInMemory> hold_in_memory(const at::Tensor& leaf, torch::optim::Optimizer* optimizer,
+                                                       HoldFor purpose) {
+    return nullptr;
+  }
   // Clips `parameters` (of this strategy's module) to the global gradient norm and returns it. Replicas
   // hold identical synchronised gradients, so their local norm is the global one; sharded strategies
   // reduce partial norms over the groups that hold different parts. Nothing is read back (GradNorm).
@@ -105,6 +124,8 @@ class ParallelStrategy {
   // Every parameter of the module, as the parts this rank holds (in the module's order). Replicas: each
   // parameter whole. No communication.
   virtual std::vector<ParameterPiece> parameter_pieces() const;
+  // The same, leaving values kept on disk there (offload's disk tier): read or write them under hold_in_memory.
+  virtual std::vector<ParameterPiece> parameter_pieces_where_they_are() const { return parameter_pieces(); }
   // After new values were copied into parameter_pieces()' `values`: whole copies catch up. Collective,
   // unless `whole_parameters_written` (the caller also wrote every parameter that holds memory whole):
   // then only local copies (low-precision shards of fp32 masters) are refreshed.

@@ -145,14 +145,14 @@ void apply_training_state(AcceleratorImpl& s, const checkpoints::Verified& saved
     s.schedulers[i]->steps = n;
   }
   for (size_t i = 0; i < s.optimizers.size(); ++i) {
-    if (!plan.portable->optimizers[i].portable)
-      checkpoints::load_optimizer(*s.optimizers[i]->optimizer, plan.optimizer_archives[i], plan.optimizer_paths[i]);
+    if (!plan.portable->optimizers[i].portable) {
+      auto& optimizer = *s.optimizers[i]->optimizer;
+      const OptimizerStateInMemory replaced(s, {&optimizer});  // then what was loaded goes to disk
+      checkpoints::load_optimizer(optimizer, plan.optimizer_archives[i], plan.optimizer_paths[i]);
+    }
     s.optimizers[i]->steps = optimizer_steps[i].get<int64_t>();
   }
-  {
-    const OptimizerStateInMemory replaced(s);  // then what was loaded goes to disk
-    apply_optimizer_state(s, *plan.portable);
-  }
+  apply_optimizer_state(s, *plan.portable);  // state on disk: one group in memory at a time
   for (size_t i = 0; i < s.custom.size(); ++i)
     s.custom[i].load(saved.file(custom_file(i)), (source / custom_file(i)).string());
   for (size_t i = 0; i < s.models.size(); ++i)
@@ -211,14 +211,17 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
       }
       return names;
     };
-  const OptimizerStateInMemory state_from_disk(s);  // until the checkpoint is written
-  const auto portable = collect_portable_state(s, sharded_models, content.pieces, content.state);
+  // State on disk is read as it is written, one group in memory at a time.
+  const auto held = std::make_shared<GroupInMemory>();
+  const auto portable = collect_portable_state(s, sharded_models, content.pieces, content.state, held);
   std::vector<bool> sharded;
   for (size_t i = 0; i < s.optimizers.size(); ++i) {
-    sharded.push_back(optimizer_is_sharded(s, *s.optimizers[i]->optimizer));
+    auto& optimizer = *s.optimizers[i]->optimizer;
+    sharded.push_back(optimizer_is_sharded(s, optimizer));
     if (portable[i]) continue;
-    if (sharded[i]) content.rank_optimizers[i] = checkpoints::optimizer_bytes(*s.optimizers[i]->optimizer);
-    else if (is_main_process()) content.optimizers[i] = checkpoints::optimizer_bytes(*s.optimizers[i]->optimizer);
+    const OptimizerStateInMemory from_disk(s, {&optimizer});  // an archive holds it all at once
+    if (sharded[i]) content.rank_optimizers[i] = checkpoints::optimizer_bytes(optimizer);
+    else if (is_main_process()) content.optimizers[i] = checkpoints::optimizer_bytes(optimizer);
   }
   if (is_main_process()) {
     for (size_t i = 0; i < s.custom.size(); ++i) {  // registered objects, as Accelerate's custom_checkpoint_<i>
@@ -235,6 +238,7 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
     record_training_state(s, content.state);
   }
   auto written = checkpoints::save(checkpoints::directory_path(target), content, s.world());
+  held->release();
   if (is_main_process() && dir.empty() && s.options.total_limit) checkpoints::prune_automatic_checkpoints(s.options.project_dir, *s.options.total_limit);
   s.save_iteration += 1;
   wait_for_everyone();

@@ -25,7 +25,7 @@ struct Layout {
 
   explicit Layout(const AcceleratorImpl& s) {
     for (size_t i = 0; i < s.models.size(); ++i) {
-      pieces.push_back(s.models[i]->parameter_pieces());
+      pieces.push_back(s.models[i]->parameter_pieces_where_they_are());
       for (size_t k = 0; k < pieces.back().size(); ++k)
         leaves[pieces.back()[k].values.unsafeGetTensorImpl()] = {i, k};
     }
@@ -96,8 +96,20 @@ bool models_saved_sharded(const AcceleratorImpl& s) {
   return true;  // DeepSpeed writes each rank's partition
 }
 
+void GroupInMemory::hold(ParallelStrategy& model, const at::Tensor& leaf, torch::optim::Optimizer* optimizer,
+                         HoldFor purpose) {
+  auto next = model.hold_in_memory(leaf, optimizer, purpose);
+  if (current_ && current_ != next) current_->release();
+  current_ = std::move(next);
+}
+
+void GroupInMemory::release() {
+  if (current_) current_->release();
+  current_.reset();
+}
+
 std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_as_pieces, checkpoints::RankPieces& out,
-                                         nlohmann::json& state) {
+                                         nlohmann::json& state, const std::shared_ptr<GroupInMemory>& held) {
   const Layout layout(s);
   auto& world = s.world();
   const auto& mesh = s.state->mesh();
@@ -105,7 +117,11 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
     for (size_t i = 0; i < s.models.size(); ++i) {
       for (const auto& piece : layout.pieces[i]) {
         const auto part = written_part(*s.models[i], piece, world, mesh);
-        out.add(model_key(i, piece.name), part, mine(piece, part, piece.values));
+        out.add_later(model_key(i, piece.name), part, piece.values.scalar_type(),
+                      [held, &model = *s.models[i], piece, part] {
+                        held->hold(model, piece.values, nullptr, HoldFor::reading);
+                        return mine(piece, part, piece.values);
+                      });
       }
       // Buffers are the same on every rank of a stage: its first rank writes them whole.
       if (world.rank() % (world.size() / mesh.size(MeshDim::pp)) == 0)
@@ -114,7 +130,7 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
     }
   std::vector<bool> portable;
   for (size_t j = 0; j < s.optimizers.size(); ++j) {
-    const auto& optimizer = *s.optimizers[j]->optimizer;
+    auto& optimizer = *s.optimizers[j]->optimizer;
     portable.push_back(optimizer_portable(optimizer, layout));
     state["optimizer_formats"].push_back(portable.back() ? *checkpoints::portable_optimizer_kind(optimizer) : "archive");
     state["optimizer_lrs"].push_back(learning_rates(optimizer));
@@ -127,7 +143,12 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
         if (!param_state) continue;
         const auto part = written_part(*s.models[model], *piece, world, mesh);
         for (const auto& [name, tensor] : param_state->tensors)
-          out.add(optimizer_key(j, model, piece->name, name), part, mine(*piece, part, tensor));
+          out.add_later(optimizer_key(j, model, piece->name, name), part, tensor.scalar_type(),
+                        [held, &owner = *s.models[model], &optimizer, leaf, state_name = name, piece = *piece, part] {
+                          held->hold(owner, leaf, &optimizer, HoldFor::reading);
+                          const auto now = checkpoints::read_parameter_state(optimizer, leaf);
+                          return mine(piece, part, now->tensors.at(state_name));
+                        });
         for (const auto& [name, value] : param_state->counters)
           out.counters[optimizer_key(j, model, piece->name, name)] = value;
       }
@@ -137,7 +158,13 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
 
 PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Verified& saved, const nlohmann::json& st) {
   const Layout layout(s);
-  const checkpoints::PieceReader reader(saved);
+  const auto shared_reader = std::make_shared<const checkpoints::PieceReader>(saved);
+  const auto& reader = *shared_reader;
+  // Checked now, read when copied.
+  auto later = [&](const std::string& key, const Placement& placement) -> std::function<at::Tensor()> {
+    reader.check(key, placement);
+    return [shared_reader, key, placement] { return shared_reader->read(key, placement); };
+  };
   const auto where = saved.dir().string();
   PortableLoad load;
   for (size_t i = 0; i < s.models.size(); ++i) {
@@ -168,9 +195,10 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Ve
     auto& copies = load.models.emplace_back();
     for (const auto& piece : layout.pieces[i])
       if (piece.values.numel() > 0)
-        copies.push_back({piece.values, reader.read(model_key(i, piece.name), piece.placement)});
+        copies.push_back({s.models[i].get(), piece.values, later(model_key(i, piece.name), piece.placement)});
     for (const auto& item : s.models[i]->module()->named_buffers())
-      copies.push_back({item.value(), reader.read(model_key(i, item.key()), Placement::whole_tensor(item.value().sizes().vec()))});
+      copies.push_back({nullptr, item.value(),
+                        later(model_key(i, item.key()), Placement::whole_tensor(item.value().sizes().vec()))});
   }
   auto formats = st.value("optimizer_formats", nlohmann::json::array());
   auto lrs = st.value("optimizer_lrs", nlohmann::json::array());
@@ -194,15 +222,19 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Ve
       for (const auto& leaf : group.params()) {
         size_t model = 0;
         const auto* piece = layout.find(leaf, &model);
-        checkpoints::ParameterState state;
-        for (const auto& name : checkpoints::state_tensor_names(*kind)) {
-          const auto key = optimizer_key(j, model, piece->name, name);
-          if (!reader.find(key)) continue;
-          state.tensors[name] = reader.read(key, piece->placement);
-        }
-        if (auto step = reader.counter(optimizer_key(j, model, piece->name, "step"))) state.counters["step"] = *step;
-        const bool any = !state.tensors.empty() || !state.counters.empty();
-        target.leaves.emplace_back(leaf, any ? std::optional(std::move(state)) : std::nullopt);
+        std::vector<std::pair<std::string, std::function<at::Tensor()>>> tensors;
+        for (const auto& name : checkpoints::state_tensor_names(*kind))
+          if (const auto key = optimizer_key(j, model, piece->name, name); reader.find(key))
+            tensors.emplace_back(name, later(key, piece->placement));
+        const auto step = reader.counter(optimizer_key(j, model, piece->name, "step"));
+        auto state = [tensors = std::move(tensors), step]() -> std::optional<checkpoints::ParameterState> {
+          if (tensors.empty() && !step) return std::nullopt;
+          checkpoints::ParameterState out;
+          for (const auto& [name, read] : tensors) out.tensors[name] = read();
+          if (step) out.counters["step"] = *step;
+          return out;
+        };
+        target.leaves.push_back({leaf, s.models[model].get(), std::move(state)});
       }
   }
   return load;
@@ -211,8 +243,13 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Ve
 void apply_model_state(AcceleratorImpl& s, const PortableLoad& load) {
   {
     at::NoGradGuard no_grad;
+    GroupInMemory held;  // parameters on disk: a group's shard read, written and put back before the next
     for (const auto& copies : load.models)
-      for (const auto& c : copies) c.target.detach().copy_(c.values.view(c.target.sizes()));
+      for (const auto& c : copies) {
+        if (c.model) held.hold(*c.model, c.target, nullptr, HoldFor::writing);
+        c.target.detach().copy_(c.values().view(c.target.sizes()));
+      }
+    held.release();
   }
   for (auto& m : s.models) m->parameter_pieces_loaded();
 }
@@ -222,15 +259,21 @@ void apply_optimizer_state(AcceleratorImpl& s, const PortableLoad& load) {
     const auto& target = load.optimizers[j];
     if (!target.portable) continue;
     auto& optimizer = *s.optimizers[j]->optimizer;
-    for (const auto& [leaf, state] : target.leaves) {
-      if (state) checkpoints::write_parameter_state(optimizer, leaf, *state);
-      else optimizer.state().erase(compat::optimizer_state_key(leaf));
+    GroupInMemory held;  // state on disk: a group's in memory, replaced and written before the next
+    for (const auto& l : target.leaves) {
+      held.hold(*l.model, l.leaf, &optimizer, HoldFor::writing);
+      if (auto state = l.state()) checkpoints::write_parameter_state(optimizer, l.leaf, *state);
+      else optimizer.state().erase(compat::optimizer_state_key(l.leaf));
     }
+    held.release();
     for (size_t g = 0; g < target.lrs.size(); ++g) optimizer.param_groups()[g].options().set_lr(target.lrs[g]);
   }
 }
 
-OptimizerStateInMemory::OptimizerStateInMemory(AcceleratorImpl& s) : s_(s) { each(true); }
+OptimizerStateInMemory::OptimizerStateInMemory(AcceleratorImpl& s, std::vector<torch::optim::Optimizer*> optimizers)
+    : s_(s), optimizers_(std::move(optimizers)) {
+  each(true);
+}
 
 OptimizerStateInMemory::~OptimizerStateInMemory() {
   try {
@@ -242,8 +285,8 @@ OptimizerStateInMemory::~OptimizerStateInMemory() {
 }
 
 void OptimizerStateInMemory::each(bool in_memory) {
-  for (const auto& o : s_.optimizers)
-    for (const auto& m : s_.models) m->optimizer_state_in_memory(*o->optimizer, in_memory);
+  for (auto* o : optimizers_)
+    for (const auto& m : s_.models) m->optimizer_state_in_memory(*o, in_memory);
 }
 
 }  // namespace xlr8

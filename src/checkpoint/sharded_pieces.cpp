@@ -46,9 +46,9 @@ nlohmann::json describe_pieces(const RankPieces& mine, int rank) {
   for (const auto& p : mine.pieces) {
     nlohmann::json piece{{"key", p.key},
                          {"shape", p.placement.whole()},
-                         {"dtype", safetensors_dtype_code(p.data.scalar_type())},
+                         {"dtype", safetensors_dtype_code(p.dtype)},
                          {"start", p.placement.start()},
-                         {"count", p.data.numel()}};
+                         {"count", p.placement.count()}};
     if (const auto* box = named_box(p)) {
       piece["box_offsets"] = box->offsets;
       piece["box_sizes"] = box->sizes;
@@ -162,23 +162,33 @@ bool IndexedTensor::boxed() const {
 
 void RankPieces::add(const std::string& key, const Placement& placement, const at::Tensor& values) {
   const auto flat = values.detach().reshape(-1);
+  add_later(key, placement, values.scalar_type(), [flat] { return flat; });
+}
+
+void RankPieces::add_later(const std::string& key, const Placement& placement, at::ScalarType dtype,
+                           std::function<at::Tensor()> values) {
   if (placement.whole_numel() == 0) {  // a tensor without elements still has a name and a shape to save
-    pieces.push_back({key, placement, flat});
+    pieces.push_back({key, placement, dtype, [values] { return values().reshape(-1); }});
     return;
   }
   for (const auto& span : placement.spans())
-    pieces.push_back({key, Placement::of_box(placement.whole(), span.box).chunk(span.begin, span.count),
-                      flat.narrow(0, span.at, span.count)});
+    pieces.push_back({key, Placement::of_box(placement.whole(), span.box).chunk(span.begin, span.count), dtype,
+                      [values, at = span.at, count = span.count] { return values().reshape(-1).narrow(0, at, count); }});
 }
 
 void write_pieces(const fs::path& dir, const RankPieces& mine, Communicator& world) {
-  NamedTensors named;
+  std::vector<SafetensorsSpec> specs;
   for (const auto& p : mine.pieces) {
     const auto* box = named_box(p);
-    named.emplace_back(piece_name(p.key, p.placement.start(), box ? box->offsets : std::vector<int64_t>{}),
-                       p.data.reshape(-1));
+    specs.push_back({piece_name(p.key, p.placement.start(), box ? box->offsets : std::vector<int64_t>{}), p.dtype,
+                     {p.placement.count()}});
   }
-  save_safetensors((dir / pieces_file(world.rank())).string(), named, {{"rank", std::to_string(world.rank())}});
+  {  // one piece in memory at a time
+    SafetensorsWriter writer((dir / pieces_file(world.rank())).string(), std::move(specs),
+                             {{"rank", std::to_string(world.rank())}});
+    for (const auto& p : mine.pieces) writer.write(p.data().reshape(-1));
+    writer.commit();
+  }
   auto all = world.all_gather_object(describe_pieces(mine, world.rank()).dump());
   auto index = merge_index(all);  // every rank: a bad layout fails everywhere
   if (world.rank() == 0) files::write_durably((dir / kPiecesIndex).string(), index.dump());
@@ -246,38 +256,68 @@ std::string PieceReader::describe(const std::string& key) const {
   return fmt::format("tensor {:?} of {}", key, checkpoint_.dir().string());
 }
 
-void PieceReader::read_range(const std::string& key, const IndexedTensor::Range& r, int64_t a, int64_t b,
-                             void* out) const {
+const SafetensorsEntry& PieceReader::entry_of(const std::string& key, const IndexedTensor::Range& r) const {
   const auto* entry = find(key);
-  const size_t element = at::elementSize(entry->dtype);
   const auto& entries = entries_of(r.file);
   auto found = entries.find(r.entry);
   const SafetensorsEntry* piece = found == entries.end() ? nullptr : &found->second;
-  if (!piece || piece->dtype != entry->dtype || piece->bytes != static_cast<size_t>(r.count) * element)
+  if (!piece || piece->dtype != entry->dtype ||
+      piece->bytes != static_cast<size_t>(r.count) * at::elementSize(entry->dtype))
     throw Error(fmt::format("load_state: {} does not hold the piece of {:?} at element {} that {} lists; the "
                             "checkpoint is corrupt, nothing was loaded",
                             (checkpoint_.dir() / r.file).string(), key, r.start, kPiecesIndex));
-  checkpoint_.read_into(r.file, piece->begin + (a - r.start) * element, static_cast<size_t>(b - a) * element, out);
+  checkpoint_.verify(r.file);
+  return *piece;
 }
 
-at::Tensor PieceReader::read(const std::string& key, const Placement& placement) const {
+void PieceReader::read_range(const std::string& key, const IndexedTensor::Range& r, int64_t a, int64_t b,
+                             void* out) const {
+  const auto& piece = entry_of(key, r);
+  const size_t element = at::elementSize(find(key)->dtype);
+  checkpoint_.read_into(r.file, piece.begin + (a - r.start) * element, static_cast<size_t>(b - a) * element, out);
+}
+
+const IndexedTensor& PieceReader::fitting(const std::string& key, const Placement& placement) const {
   const auto* entry = find(key);
   if (!entry) throw Error(fmt::format("load_state: {} is missing; nothing was loaded", describe(key)));
   if (placement.whole() != entry->shape)
     throw Error(fmt::format("load_state: {} is [{}], but this rank holds {}; nothing was loaded", describe(key),
                             fmt::join(entry->shape, ", "), placement.describe()));
+  return *entry;
+}
+
+namespace {
+
+// Whether some range of `entry` lies in `box`: it was saved in the same box (the same tp layout, or no tensor
+// parallelism either time), and a read takes that box's ranges, not a cut of the whole tensor.
+bool saved_alike(const IndexedTensor& entry, const Box& box) {
+  return std::any_of(entry.ranges.begin(), entry.ranges.end(), [&](const auto& r) { return r.box == box; });
+}
+
+}  // namespace
+
+void PieceReader::check(const std::string& key, const Placement& placement) const {
+  const auto& entry = fitting(key, placement);
+  for (const auto& span : placement.spans())
+    for (const auto& r : entry.ranges) {
+      // Saved in the same box: the ranges the span overlaps. Otherwise read() cuts it out of the whole tensor.
+      const bool alike = saved_alike(entry, span.box);
+      if (!alike || (r.box == span.box && r.start < span.begin + span.count && span.begin < r.start + r.count))
+        entry_of(key, r);
+    }
+}
+
+at::Tensor PieceReader::read(const std::string& key, const Placement& placement) const {
+  const auto& entry = fitting(key, placement);
   std::vector<at::Tensor> parts;
   for (const auto& span : placement.spans()) parts.push_back(read_box(key, span.box, span.begin, span.count));
-  if (parts.empty()) return at::empty({0}, at::TensorOptions().dtype(entry->dtype));  // a rank's empty shard
+  if (parts.empty()) return at::empty({0}, at::TensorOptions().dtype(entry.dtype));  // a rank's empty shard
   return parts.size() == 1 ? parts.front() : at::cat(parts);
 }
 
 at::Tensor PieceReader::read_box(const std::string& key, const Box& box, int64_t start, int64_t count) const {
   const auto* entry = find(key);
-  // Saved in the same box (the same tp layout, or no tensor parallelism either time): that box's ranges.
-  const bool saved_alike =
-      std::any_of(entry->ranges.begin(), entry->ranges.end(), [&](const auto& r) { return r.box == box; });
-  if (saved_alike) {
+  if (saved_alike(*entry, box)) {
     auto out = at::empty({count}, at::TensorOptions().dtype(entry->dtype));
     const size_t element = at::elementSize(entry->dtype);
     for (const auto& r : entry->ranges) {

@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <optional>
 #include <nlohmann/json.hpp>
@@ -23,11 +24,13 @@ namespace xlr8::checkpoints {
 class Verified;
 
 // Part of the tensor `key`: a placement of one box (the whole tensor unless tensor-parallel), whose
-// count() elements `data` holds.
+// count() elements of `dtype` `data` returns when the piece is written (offload's disk tier reads them only then,
+// so that a rank's pieces never need to be in memory together).
 struct Piece {
   std::string key;
   Placement placement;
-  at::Tensor data;
+  at::ScalarType dtype;
+  std::function<at::Tensor()> data;
 };
 
 struct RankPieces {
@@ -36,6 +39,9 @@ struct RankPieces {
   // `values` (placement.count() elements, any shape) as one piece per box the placement reaches (a tensor
   // without elements as one empty piece, so that it is saved).
   void add(const std::string& key, const Placement& placement, const at::Tensor& values);
+  // The same with the values made when written (called once per box the placement reaches).
+  void add_later(const std::string& key, const Placement& placement, at::ScalarType dtype,
+                 std::function<at::Tensor()> values);
 };
 
 std::string pieces_file(int rank);     // "shards_rank<r>.safetensors"
@@ -70,6 +76,9 @@ class PieceReader {
   // whatever layout saved it: read from the same boxes when it was saved alike, cut out of the whole
   // otherwise. Error naming both when the placement does not fit the saved shape.
   at::Tensor read(const std::string& key, const Placement& placement) const;
+  // Every check read() makes, the files it would read verified (their CRC32), without reading the values: a load
+  // that reads them later, one at a time, finds nothing wrong after it began to change things.
+  void check(const std::string& key, const Placement& placement) const;
   std::optional<int64_t> counter(const std::string& key) const;
   std::string describe(const std::string& key) const;  // "tensor K of <dir>"
 
@@ -79,6 +88,10 @@ class PieceReader {
   at::Tensor read_box(const std::string& key, const Box& box, int64_t start, int64_t count) const;
   // Elements [a, b) of the saved range `r` of `key` into `out`.
   void read_range(const std::string& key, const IndexedTensor::Range& r, int64_t a, int64_t b, void* out) const;
+  // The entry holding the saved range `r`, its file verified; throws when it does not match the index.
+  const SafetensorsEntry& entry_of(const std::string& key, const IndexedTensor::Range& r) const;
+  // The placement fits the saved shape (else an error naming both).
+  const IndexedTensor& fitting(const std::string& key, const Placement& placement) const;
   // The whole tensor assembled from its boxes (the last one is kept: pieces of one tensor come in a row).
   const at::Tensor& whole(const std::string& key) const;
   mutable std::pair<std::string, at::Tensor> last_whole_;

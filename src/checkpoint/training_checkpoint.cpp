@@ -223,7 +223,7 @@ const std::string& Verified::file(const std::string& name) const {
   return files_.emplace(name, std::move(bytes)).first->second;
 }
 
-void Verified::verify_streaming(const std::string& name) const {
+void Verified::verify(const std::string& name) const {
   if (verified_.count(name)) return;
   if (!has(name))
     throw Error(fmt::format("load_state: {} is missing: the checkpoint does not list it; nothing was loaded",
@@ -243,7 +243,7 @@ void Verified::verify_streaming(const std::string& name) const {
 }
 
 void Verified::read_into(const std::string& name, size_t offset, size_t size, void* out) const {
-  verify_streaming(name);
+  verify(name);
   files::read_range((dir_ / name).string(), offset, size, out);
 }
 

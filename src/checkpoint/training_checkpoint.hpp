@@ -62,10 +62,11 @@ class Verified {
   const std::string& file(const std::string& name) const;
   // `size` bytes at `offset` of a listed file into `out`, after streaming it once through its CRC32.
   void read_into(const std::string& name, size_t offset, size_t size, void* out) const;
+  // Streams a listed file once through its CRC32 (throws naming it when it fails); read_into does it first too.
+  void verify(const std::string& name) const;
   size_t size_of(const std::string& name) const { return manifest_.at("files").at(name).at("size").get<size_t>(); }
 
  private:
-  void verify_streaming(const std::string& name) const;
   mutable std::map<std::string, bool> verified_;
   std::filesystem::path dir_;
   nlohmann::json manifest_;

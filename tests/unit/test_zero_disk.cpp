@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <new>
+#include <set>
 
 #include "checkpoint/optimizer_state.hpp"
 #include "compat/torch_compat.hpp"
@@ -216,6 +217,78 @@ TEST(ZeroDisk, BetweenStepsTheStateIsOnDiskAndACheckpointsWindowBringsItIn) {
   const auto a = strategy->state_dict(StateDictKind::FULL), b = reference->state_dict(StateDictKind::FULL);
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+  fs::remove_all(dir);
+}
+
+// What checkpoints use (hold_in_memory): one group at a time in memory, its state and shard equal to the same run's
+// in memory; held for reading, it goes back to disk unwritten (nothing written, its tensors empty again); held for
+// writing, what was changed reaches disk and the next read finds it.
+TEST(ZeroDisk, ACheckpointHoldsOneGroupAtATimeReadsItAsItIsAndWritesOnlyWhatItChanged) {
+  const auto dir = swap_dir("held");
+  if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
+  auto comm = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
+  auto in_memory = stage_options(3);
+  in_memory.zero.offload_optimizer = true;  // the same layout, in memory
+  auto reference = make_parallel_strategy(make_model(), comm, in_memory);
+  torch::optim::AdamW ref_opt(reference->module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  reference->bind_optimizer(ref_opt);
+  step_through(*reference, ref_opt, 0, 2);
+
+  auto comm2 = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
+  // Writes waited for (no write-behind), so that the bytes written are all counted when read.
+  auto strategy = make_parallel_strategy(make_model(), comm2, on_disk(3, dir, /*pipelined=*/false, /*params=*/true));
+  torch::optim::AdamW opt(strategy->module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  strategy->bind_optimizer(opt);
+  step_through(*strategy, opt, 0, 2);
+  const auto leaves = strategy->optimizer_parameters(), ref_leaves = reference->optimizer_parameters();
+  const auto written_before = strategy->stats()["optimizer_on_disk"]["swap_bytes_written"].get<int64_t>();
+  std::set<HeldInMemory*> groups;
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    if (leaves[i].numel() == 0) continue;
+    auto state = strategy->hold_in_memory(leaves[i], &opt, HoldFor::reading);
+    auto values = strategy->hold_in_memory(leaves[i], nullptr, HoldFor::reading);
+    ASSERT_TRUE(state && values) << i;
+    groups.insert(state.get());
+    const auto got = checkpoints::read_parameter_state(opt, leaves[i]);
+    const auto want = checkpoints::read_parameter_state(ref_opt, ref_leaves[i]);
+    for (const auto& [name, t] : want->tensors) EXPECT_TRUE(at::equal(got->tensors.at(name), t)) << i << name;
+    EXPECT_TRUE(at::equal(leaves[i], ref_leaves[i])) << i;
+    // Whatever is in memory now is this group's (the same handle): state, and values.
+    for (size_t j = 0; j < leaves.size(); ++j) {
+      if (leaves[j].numel() == 0) continue;
+      if (checkpoints::read_parameter_state(opt, leaves[j])->tensors.at("exp_avg").numel() > 0) {
+        EXPECT_EQ(strategy->hold_in_memory(leaves[j], &opt, HoldFor::reading), state) << i << " " << j;
+      }
+      if (leaves[j].storage().nbytes() > 0) {
+        EXPECT_EQ(strategy->hold_in_memory(leaves[j], nullptr, HoldFor::reading), values) << i << " " << j;
+      }
+    }
+    state->release();
+    values->release();
+    EXPECT_EQ(checkpoints::read_parameter_state(opt, leaves[i])->tensors.at("exp_avg").numel(), 0) << i;
+    EXPECT_EQ(leaves[i].storage().nbytes(), 0u) << i;  // the shard is on disk again
+  }
+  EXPECT_GT(groups.size(), 1u);
+  auto disk = strategy->stats()["optimizer_on_disk"];
+  EXPECT_EQ(disk["swap_bytes_written"].get<int64_t>(), written_before);
+  EXPECT_EQ(disk["checkpoint_groups_in_memory_most"], 1);
+
+  // Written: the first leaf's moments doubled reach disk, and the leaf's shard keeps its (unchanged) values.
+  const auto first = leaves.front();
+  {
+    auto held = strategy->hold_in_memory(first, &opt, HoldFor::writing);
+    auto state = *checkpoints::read_parameter_state(opt, first);
+    for (auto& [name, t] : state.tensors) t = t * 2;
+    checkpoints::write_parameter_state(opt, first, state);
+    held->release();
+  }
+  EXPECT_GT(strategy->stats()["optimizer_on_disk"]["swap_bytes_written"].get<int64_t>(), written_before);
+  auto held = strategy->hold_in_memory(first, &opt, HoldFor::reading);
+  const auto want = checkpoints::read_parameter_state(ref_opt, ref_leaves.front());
+  for (const auto& [name, t] : want->tensors)
+    EXPECT_TRUE(at::equal(checkpoints::read_parameter_state(opt, first)->tensors.at(name), t * 2)) << name;
+  held->release();
+  strategy.reset();
   fs::remove_all(dir);
 }
 

@@ -192,8 +192,36 @@ void OptimizerSwap::swap_out(size_t k, torch::optim::Optimizer& optimizer, std::
   g.on_disk = !written.empty();
 }
 
+std::optional<size_t> OptimizerSwap::group_of(const FlatGroup* flat) const {
+  for (size_t k = 0; k < groups_.size(); ++k)
+    if (groups_[k].flat == flat) return k;
+  return std::nullopt;
+}
+
+std::map<std::string, at::Tensor> OptimizerSwap::hold_group(size_t k, torch::optim::Optimizer& optimizer) {
+  auto lent = swap_in(k, optimizer);
+  groups_held_most_ = std::max(groups_held_most_, ++groups_held_);
+  return lent;
+}
+
+void OptimizerSwap::release_group(size_t k, torch::optim::Optimizer& optimizer, std::map<std::string, at::Tensor> lent,
+                                  bool write) {
+  --groups_held_;
+  if (write) return swap_out(k, optimizer, std::move(lent));
+  if (lent.empty()) return;  // it was in memory before: it stays
+  for (const auto& m : groups_[k].members)
+    if (auto state = checkpoints::read_parameter_state(optimizer, m.leaf))
+      for (auto& [name, t] : state->tensors)
+        if (lent.count(name) && t.is_alias_of(lent[name])) {
+          t.set_();  // its values are unchanged on disk
+          emptied_.emplace(t.unsafeGetTensorImpl(), t);
+        }
+  groups_[k].on_disk = true;
+}
+
 void OptimizerSwap::bring_in(torch::optim::Optimizer& optimizer) {
   if (!swapper_) return;
+  groups_held_most_ = std::max<int64_t>(groups_held_most_, static_cast<int64_t>(groups_.size()));
   at::NoGradGuard no_grad;
   for (size_t k = 0; k < groups_.size(); ++k) {
     auto lent = swap_in(k, optimizer);
@@ -220,6 +248,8 @@ nlohmann::json OptimizerSwap::stats() const {
               {"swapped_steps", steps_},
               {"swapped_step_seconds", step_seconds_},
               {"swapped_step_gb_per_s", step_seconds_ > 0 ? moved / step_seconds_ / 1e9 : 0.0},
+              {"swapped_groups", groups_.size()},
+              {"checkpoint_groups_in_memory_most", groups_held_most_},
               {"stale_swap_files_removed", stale_removed_}});
   return out;
 }

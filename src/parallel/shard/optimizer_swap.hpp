@@ -11,6 +11,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -39,6 +40,13 @@ class OptimizerSwap {
   // Every group's state in memory of its own (a checkpoint reads or replaces it), or written out again.
   void bring_in(torch::optim::Optimizer& optimizer);
   void put_away(torch::optim::Optimizer& optimizer);
+  // One group's state in memory for a checkpoint (the group `flat`; nullopt when none of its leaves has state here):
+  // hold_group reads it from disk, its tensors viewing the returned buffers; release_group writes it out and empties
+  // it (`write`: a load replaced it), or, read only, empties it again unwritten.
+  std::optional<size_t> group_of(const FlatGroup* flat) const;
+  std::map<std::string, at::Tensor> hold_group(size_t group, torch::optim::Optimizer& optimizer);
+  void release_group(size_t group, torch::optim::Optimizer& optimizer, std::map<std::string, at::Tensor> lent,
+                     bool write);
   // Whether this swap is `optimizer`'s: it keeps the state names this swap lays out, and holds the state tensors whose
   // values are on disk (none yet: any optimizer of that kind). Another optimizer may be bound at a freed one's address.
   bool serves(const torch::optim::Optimizer& optimizer) const;
@@ -74,6 +82,7 @@ class OptimizerSwap {
   std::unique_ptr<TensorSwapper> swapper_;  // none when the optimizer keeps no state
   bool shards_on_disk_ = false;             // the groups' parameters are on disk too
   size_t stale_removed_ = 0;  // swap files of dead runs removed when this one's was claimed
+  int64_t groups_held_ = 0, groups_held_most_ = 0;  // outside steps, by checkpoints (bring_in: every group)
   int64_t steps_ = 0;
   double step_seconds_ = 0;
 };

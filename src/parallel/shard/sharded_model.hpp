@@ -59,10 +59,15 @@ class ShardedModel : public std::enable_shared_from_this<ShardedModel> {
   void bind_optimizer(torch::optim::Optimizer& optimizer);
   void optimizer_step(torch::optim::Optimizer& optimizer);
   void optimizer_state_in_memory(torch::optim::Optimizer& optimizer, bool in_memory);
+  // One group's shard (no optimizer) or its state of `optimizer`, in memory until released (held_in_memory.cpp).
+  std::shared_ptr<HeldInMemory> hold_in_memory(const at::Tensor& leaf, torch::optim::Optimizer* optimizer,
+                                               HoldFor purpose);
   GradNorm clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type);
   StateDict state_dict(StateDictKind kind);
   void load_state_dict(const StateDict& state, StateDictKind kind);
-  std::vector<ParameterPiece> parameter_pieces();  // drops prefetches: loads write what they return
+  // Drops prefetches (loads write what they return); `bring_in`: shards on disk are read into memory, until
+  // parameter_pieces_loaded; otherwise they stay there, for hold_in_memory.
+  std::vector<ParameterPiece> parameter_pieces(bool bring_in);
   std::vector<at::Tensor> gradient_holders(const std::vector<at::Tensor>& parameters) const;
   void visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn);
   StateDict full_state_layout(StateDictKind kind) const;
@@ -186,6 +191,8 @@ class ShardedModel : public std::enable_shared_from_this<ShardedModel> {
   // shards' (ZeroOptions::params_on_disk), shared with every group.
   std::map<const torch::optim::Optimizer*, std::unique_ptr<OptimizerSwap>> swaps_;
   std::shared_ptr<ShardStore> shard_store_;
+  // The groups held in memory now (hold_in_memory), by group and optimizer (none: the shard), shared by holders.
+  std::map<std::pair<size_t, const torch::optim::Optimizer*>, std::weak_ptr<HeldInMemory>> held_;
   std::shared_ptr<ShardStore> make_shard_store(const std::vector<UnitPlan>& plans) const;
   // Parameters on disk: every group's shard read into memory (a checkpoint or a state dict reads or writes it), or
   // written back and let go.

@@ -99,11 +99,11 @@ void ShardedModel::load_state_dict(const StateDict& state, StateDictKind kind) {
   refresh_whole_copies(/*frozen_too=*/true);
 }
 
-std::vector<ParameterPiece> ShardedModel::parameter_pieces() {
+std::vector<ParameterPiece> ShardedModel::parameter_pieces(bool bring_in) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     drop_prefetches();  // a mispredicted one would all-gather the shards while a load writes them
-    all_shards_in_memory(true);  // the pieces view them (parameter_pieces_loaded stores them again)
+    if (bring_in) all_shards_in_memory(true);  // the pieces view them (parameter_pieces_loaded stores them again)
   }
   // Under hybrid sharding every replica holds the same shards: the first one writes them.
   const bool writer = !replicate_.valid() || replicate_.rank() == 0;

@@ -26,6 +26,10 @@ class ShardedDataParallel final : public ParallelStrategy {
   void optimizer_state_in_memory(torch::optim::Optimizer& optimizer, bool in_memory) override {
     sharded_->optimizer_state_in_memory(optimizer, in_memory);
   }
+  std::shared_ptr<HeldInMemory> hold_in_memory(const at::Tensor& leaf, torch::optim::Optimizer* optimizer,
+                                               HoldFor purpose) override {
+    return sharded_->hold_in_memory(leaf, optimizer, purpose);
+  }
   GradNorm clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) override {
     return sharded_->clip_grad_norm(parameters, max_norm, norm_type);
   }
@@ -35,7 +39,10 @@ class ShardedDataParallel final : public ParallelStrategy {
   }
   StateDict state_dict(StateDictKind kind) const override { return sharded_->state_dict(kind); }
   void load_state_dict(const StateDict& state, StateDictKind kind) override { sharded_->load_state_dict(state, kind); }
-  std::vector<ParameterPiece> parameter_pieces() const override { return sharded_->parameter_pieces(); }
+  std::vector<ParameterPiece> parameter_pieces() const override { return sharded_->parameter_pieces(true); }
+  std::vector<ParameterPiece> parameter_pieces_where_they_are() const override {
+    return sharded_->parameter_pieces(false);
+  }
   StateDict full_state_layout() const override { return sharded_->full_state_layout(StateDictKind::FULL); }
   void visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn) const override {
     sharded_->visit_full_state(fn);
