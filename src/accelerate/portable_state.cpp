@@ -6,6 +6,7 @@
 
 #include <map>
 #include <set>
+#include <unordered_map>
 
 #include "checkpoint/sharded_pieces.hpp"
 #include "compat/torch_compat.hpp"
@@ -84,6 +85,26 @@ std::vector<double> learning_rates(const torch::optim::Optimizer& optimizer) {
 
 std::string shape_text(const std::vector<int64_t>& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
+// `items` reordered to keep the tensors of one storage together (storages in the order they first appear). A flat
+// group's leaves share its storage, and the module's order alternates between groups (a block's weights in its
+// unit's group, its biases and norms in the persistent one): offload's disk tier then brings each group into memory
+// once, not once per switch.
+template <class T, class TensorOf>
+std::vector<const T*> grouped_by_storage(const std::vector<T>& items, TensorOf tensor_of) {
+  std::vector<const c10::StorageImpl*> order;
+  std::unordered_map<const c10::StorageImpl*, std::vector<const T*>> by_storage;
+  for (const auto& item : items) {
+    const at::Tensor& t = tensor_of(item);
+    const auto* key = t.defined() && t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr;
+    auto& list = by_storage[key];
+    if (list.empty()) order.push_back(key);
+    list.push_back(&item);
+  }
+  std::vector<const T*> out;
+  for (const auto* key : order) out.insert(out.end(), by_storage[key].begin(), by_storage[key].end());
+  return out;
+}
+
 }  // namespace
 
 bool models_saved_sharded(const AcceleratorImpl& s) {
@@ -96,18 +117,6 @@ bool models_saved_sharded(const AcceleratorImpl& s) {
   return true;  // DeepSpeed writes each rank's partition
 }
 
-void GroupInMemory::hold(ParallelStrategy& model, const at::Tensor& leaf, torch::optim::Optimizer* optimizer,
-                         HoldFor purpose) {
-  auto next = model.hold_in_memory(leaf, optimizer, purpose);
-  if (current_ && current_ != next) current_->release();
-  current_ = std::move(next);
-}
-
-void GroupInMemory::release() {
-  if (current_) current_->release();
-  current_.reset();
-}
-
 std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_as_pieces, checkpoints::RankPieces& out,
                                          nlohmann::json& state, const std::shared_ptr<GroupInMemory>& held) {
   const Layout layout(s);
@@ -115,7 +124,8 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
   const auto& mesh = s.state->mesh();
   if (models_as_pieces)
     for (size_t i = 0; i < s.models.size(); ++i) {
-      for (const auto& piece : layout.pieces[i]) {
+      for (const auto* in_order : grouped_by_storage(layout.pieces[i], [](const auto& p) -> auto& { return p.values; })) {
+        const auto& piece = *in_order;
         const auto part = written_part(*s.models[i], piece, world, mesh);
         out.add_later(model_key(i, piece.name), part, piece.values.scalar_type(),
                       [held, &model = *s.models[i], piece, part] {
@@ -135,23 +145,25 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
     state["optimizer_formats"].push_back(portable.back() ? *checkpoints::portable_optimizer_kind(optimizer) : "archive");
     state["optimizer_lrs"].push_back(learning_rates(optimizer));
     if (!portable.back()) continue;
-    for (const auto& group : optimizer.param_groups())
-      for (const auto& leaf : group.params()) {
-        size_t model = 0;
-        const auto* piece = layout.find(leaf, &model);
-        auto param_state = checkpoints::read_parameter_state(optimizer, leaf);
-        if (!param_state) continue;
-        const auto part = written_part(*s.models[model], *piece, world, mesh);
-        for (const auto& [name, tensor] : param_state->tensors)
-          out.add_later(optimizer_key(j, model, piece->name, name), part, tensor.scalar_type(),
-                        [held, &owner = *s.models[model], &optimizer, leaf, state_name = name, piece = *piece, part] {
-                          held->hold(owner, leaf, &optimizer, HoldFor::reading);
-                          const auto now = checkpoints::read_parameter_state(optimizer, leaf);
-                          return mine(piece, part, now->tensors.at(state_name));
-                        });
-        for (const auto& [name, value] : param_state->counters)
-          out.counters[optimizer_key(j, model, piece->name, name)] = value;
-      }
+    std::vector<at::Tensor> leaves;
+    for (const auto& group : optimizer.param_groups()) leaves.insert(leaves.end(), group.params().begin(), group.params().end());
+    for (const auto* in_order : grouped_by_storage(leaves, [](const at::Tensor& t) -> auto& { return t; })) {
+      const auto& leaf = *in_order;
+      size_t model = 0;
+      const auto* piece = layout.find(leaf, &model);
+      auto param_state = checkpoints::read_parameter_state(optimizer, leaf);
+      if (!param_state) continue;
+      const auto part = written_part(*s.models[model], *piece, world, mesh);
+      for (const auto& [name, tensor] : param_state->tensors)
+        out.add_later(optimizer_key(j, model, piece->name, name), part, tensor.scalar_type(),
+                      [held, &owner = *s.models[model], &optimizer, leaf, state_name = name, piece = *piece, part] {
+                        held->hold(owner, leaf, &optimizer, HoldFor::reading);
+                        const auto now = checkpoints::read_parameter_state(optimizer, leaf);
+                        return mine(piece, part, now->tensors.at(state_name));
+                      });
+      for (const auto& [name, value] : param_state->counters)
+        out.counters[optimizer_key(j, model, piece->name, name)] = value;
+    }
   }
   return portable;
 }
@@ -245,9 +257,9 @@ void apply_model_state(AcceleratorImpl& s, const PortableLoad& load) {
     at::NoGradGuard no_grad;
     GroupInMemory held;  // parameters on disk: a group's shard read, written and put back before the next
     for (const auto& copies : load.models)
-      for (const auto& c : copies) {
-        if (c.model) held.hold(*c.model, c.target, nullptr, HoldFor::writing);
-        c.target.detach().copy_(c.values().view(c.target.sizes()));
+      for (const auto* c : grouped_by_storage(copies, [](const auto& copy) -> auto& { return copy.target; })) {
+        if (c->model) held.hold(*c->model, c->target, nullptr, HoldFor::writing);
+        c->target.detach().copy_(c->values().view(c->target.sizes()));
       }
     held.release();
   }
@@ -260,10 +272,10 @@ void apply_optimizer_state(AcceleratorImpl& s, const PortableLoad& load) {
     if (!target.portable) continue;
     auto& optimizer = *s.optimizers[j]->optimizer;
     GroupInMemory held;  // state on disk: a group's in memory, replaced and written before the next
-    for (const auto& l : target.leaves) {
-      held.hold(*l.model, l.leaf, &optimizer, HoldFor::writing);
-      if (auto state = l.state()) checkpoints::write_parameter_state(optimizer, l.leaf, *state);
-      else optimizer.state().erase(compat::optimizer_state_key(l.leaf));
+    for (const auto* l : grouped_by_storage(target.leaves, [](const auto& leaf) -> auto& { return leaf.leaf; })) {
+      held.hold(*l->model, l->leaf, &optimizer, HoldFor::writing);
+      if (auto state = l->state()) checkpoints::write_parameter_state(optimizer, l->leaf, *state);
+      else optimizer.state().erase(compat::optimizer_state_key(l->leaf));
     }
     held.release();
     for (size_t g = 0; g < target.lrs.size(); ++g) optimizer.param_groups()[g].options().set_lr(target.lrs[g]);

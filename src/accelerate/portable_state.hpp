@@ -11,25 +11,13 @@
 #include "checkpoint/optimizer_state.hpp"
 #include "checkpoint/training_checkpoint.hpp"
 #include "accelerate/accelerator_impl.hpp"
+#include "parallel/group_in_memory.hpp"
 
 namespace xlr8 {
 
 // Whether save_state writes the models as pieces (FSDP's SHARDED_STATE_DICT, DeepSpeed's layout) rather
 // than whole on the main process (FULL_STATE_DICT, and DDP's).
 bool models_saved_sharded(const AcceleratorImpl& s);
-
-// Offload's disk tier: a checkpoint reads or writes what strategies keep on disk one group at a time (two while it
-// passes from one to the next; the tensors of one group share its handle), so the state on disk never needs to
-// fit in memory.
-class GroupInMemory {
- public:
-  // The group holding `leaf` in memory (`optimizer`: its state of it; none: its values); the group held before goes.
-  void hold(ParallelStrategy& model, const at::Tensor& leaf, torch::optim::Optimizer* optimizer, HoldFor purpose);
-  void release();  // throws when what was written cannot go back to disk
-
- private:
-  std::shared_ptr<HeldInMemory> current_;
-};
 
 // Fills `pieces` with this rank's share of the models (when `models_as_pieces`) and of the state of every
 // optimizer whose type is portable, and `state` with "optimizer_formats" (kind or "archive") and

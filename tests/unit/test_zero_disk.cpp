@@ -16,6 +16,7 @@
 
 #include "checkpoint/optimizer_state.hpp"
 #include "compat/torch_compat.hpp"
+#include "parallel/group_in_memory.hpp"
 #include "parallel/shard/zero_options.hpp"
 #include "xlr8/deepspeed_config.hpp"
 #include "xlr8/error.hpp"
@@ -288,6 +289,54 @@ TEST(ZeroDisk, ACheckpointHoldsOneGroupAtATimeReadsItAsItIsAndWritesOnlyWhatItCh
   for (const auto& [name, t] : want->tensors)
     EXPECT_TRUE(at::equal(checkpoints::read_parameter_state(opt, first)->tensors.at(name), t * 2)) << name;
   held->release();
+  strategy.reset();
+  fs::remove_all(dir);
+}
+
+// A load into a run whose state is already on disk (load_state mid-run) replaces it as a checkpoint does, one group
+// at a time (GroupInMemory): a group held for writing goes back (taking a swap buffer more to write it) before the next
+// comes in, so the four buffers of a pool without read-ahead suffice; the run then goes on as the one it was loaded from.
+TEST(ZeroDisk, ALoadIntoARunWhoseStateIsOnDiskReplacesItOneGroupAtATime) {
+  const auto dir = swap_dir("reload");
+  if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
+  auto comm = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
+  auto in_memory = stage_options(3);
+  in_memory.zero.offload_optimizer = true;
+  auto reference = make_parallel_strategy(make_model(), comm, in_memory);
+  torch::optim::AdamW ref_opt(reference->module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  reference->bind_optimizer(ref_opt);
+  step_through(*reference, ref_opt, 0, 3);
+
+  auto comm2 = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
+  auto strategy = make_parallel_strategy(make_model(), comm2, on_disk(3, dir, /*pipelined=*/false, /*params=*/true));
+  torch::optim::AdamW opt(strategy->module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  strategy->bind_optimizer(opt);
+  step_through(*strategy, opt, 0, 2);  // its own state on disk, one step behind the reference's
+  const auto leaves = strategy->optimizer_parameters(), ref_leaves = reference->optimizer_parameters();
+  ASSERT_EQ(leaves.size(), ref_leaves.size());
+  GroupInMemory held;
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    held.hold(*strategy, leaves[i], nullptr, HoldFor::writing);
+    at::NoGradGuard no_grad;
+    leaves[i].copy_(ref_leaves[i]);
+  }
+  held.release();
+  strategy->parameter_pieces_loaded();
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    held.hold(*strategy, leaves[i], &opt, HoldFor::writing);
+    if (auto state = checkpoints::read_parameter_state(ref_opt, ref_leaves[i])) {
+      checkpoints::write_parameter_state(opt, leaves[i], *state);
+    }
+  }
+  held.release();
+  EXPECT_EQ(strategy->stats()["optimizer_on_disk"]["checkpoint_groups_in_memory_most"], 1);
+  for (const auto& t : state_tensors(opt, *strategy)) EXPECT_EQ(t.numel(), 0);
+
+  step_through(*reference, ref_opt, 3, 1);
+  step_through(*strategy, opt, 3, 1);
+  const auto a = strategy->state_dict(StateDictKind::FULL), b = reference->state_dict(StateDictKind::FULL);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
   strategy.reset();
   fs::remove_all(dir);
 }

@@ -201,6 +201,7 @@ std::optional<size_t> OptimizerSwap::group_of(const FlatGroup* flat) const {
 std::map<std::string, at::Tensor> OptimizerSwap::hold_group(size_t k, torch::optim::Optimizer& optimizer) {
   auto lent = swap_in(k, optimizer);
   groups_held_most_ = std::max(groups_held_most_, ++groups_held_);
+  groups_read_for_checkpoints_ += !lent.empty();
   return lent;
 }
 
@@ -250,6 +251,7 @@ nlohmann::json OptimizerSwap::stats() const {
               {"swapped_step_gb_per_s", step_seconds_ > 0 ? moved / step_seconds_ / 1e9 : 0.0},
               {"swapped_groups", groups_.size()},
               {"checkpoint_groups_in_memory_most", groups_held_most_},
+              {"checkpoint_group_reads", groups_read_for_checkpoints_},
               {"stale_swap_files_removed", stale_removed_}});
   return out;
 }

@@ -83,6 +83,7 @@ class OptimizerSwap {
   bool shards_on_disk_ = false;             // the groups' parameters are on disk too
   size_t stale_removed_ = 0;  // swap files of dead runs removed when this one's was claimed
   int64_t groups_held_ = 0, groups_held_most_ = 0;  // outside steps, by checkpoints (bring_in: every group)
+  int64_t groups_read_for_checkpoints_ = 0;
   int64_t steps_ = 0;
   double step_seconds_ = 0;
 };
