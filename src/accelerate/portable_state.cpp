@@ -146,7 +146,8 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
     state["optimizer_lrs"].push_back(learning_rates(optimizer));
     if (!portable.back()) continue;
     std::vector<at::Tensor> leaves;
-    for (const auto& group : optimizer.param_groups()) leaves.insert(leaves.end(), group.params().begin(), group.params().end());
+    for (const auto& group : optimizer.param_groups())
+      leaves.insert(leaves.end(), group.params().begin(), group.params().end());
     for (const auto* in_order : grouped_by_storage(leaves, [](const at::Tensor& t) -> auto& { return t; })) {
       const auto& leaf = *in_order;
       size_t model = 0;
