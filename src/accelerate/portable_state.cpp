@@ -169,15 +169,42 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
   return portable;
 }
 
+namespace {
+
+using SharedReader = std::shared_ptr<const checkpoints::PieceReader>;
+
+// Checked now (in the index, its shape, the files' CRC32), read when called.
+std::function<at::Tensor()> read_later(const SharedReader& reader, const std::string& key, const Placement& placement) {
+  reader->check(key, placement);
+  return [reader, key, placement] { return reader->read(key, placement); };
+}
+
+// The state optimizer `j` saved for a piece of model `model`, checked now and read when called (none when the
+// checkpoint holds none for it).
+std::function<std::optional<checkpoints::ParameterState>()> state_read_later(const SharedReader& reader,
+                                                                            const std::string& kind, size_t j,
+                                                                            size_t model, const ParameterPiece& piece) {
+  std::vector<std::pair<std::string, std::function<at::Tensor()>>> tensors;
+  for (const auto& name : checkpoints::state_tensor_names(kind))
+    if (const auto key = optimizer_key(j, model, piece.name, name); reader->find(key))
+      tensors.emplace_back(name, read_later(reader, key, piece.placement));
+  const auto step = reader->counter(optimizer_key(j, model, piece.name, "step"));
+  return [tensors = std::move(tensors), step]() -> std::optional<checkpoints::ParameterState> {
+    if (tensors.empty() && !step) return std::nullopt;
+    checkpoints::ParameterState out;
+    for (const auto& [name, read] : tensors) out.tensors[name] = read();
+    if (step) out.counters["step"] = *step;
+    return out;
+  };
+}
+
+}  // namespace
+
 PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Verified& saved, const nlohmann::json& st) {
   const Layout layout(s);
   const auto shared_reader = std::make_shared<const checkpoints::PieceReader>(saved);
   const auto& reader = *shared_reader;
-  // Checked now, read when copied.
-  auto later = [&](const std::string& key, const Placement& placement) -> std::function<at::Tensor()> {
-    reader.check(key, placement);
-    return [shared_reader, key, placement] { return shared_reader->read(key, placement); };
-  };
+  auto later = [&](const std::string& key, const Placement& placement) { return read_later(shared_reader, key, placement); };
   const auto where = saved.dir().string();
   PortableLoad load;
   for (size_t i = 0; i < s.models.size(); ++i) {
@@ -235,19 +262,7 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Ve
       for (const auto& leaf : group.params()) {
         size_t model = 0;
         const auto* piece = layout.find(leaf, &model);
-        std::vector<std::pair<std::string, std::function<at::Tensor()>>> tensors;
-        for (const auto& name : checkpoints::state_tensor_names(*kind))
-          if (const auto key = optimizer_key(j, model, piece->name, name); reader.find(key))
-            tensors.emplace_back(name, later(key, piece->placement));
-        const auto step = reader.counter(optimizer_key(j, model, piece->name, "step"));
-        auto state = [tensors = std::move(tensors), step]() -> std::optional<checkpoints::ParameterState> {
-          if (tensors.empty() && !step) return std::nullopt;
-          checkpoints::ParameterState out;
-          for (const auto& [name, read] : tensors) out.tensors[name] = read();
-          if (step) out.counters["step"] = *step;
-          return out;
-        };
-        target.leaves.push_back({leaf, s.models[model].get(), std::move(state)});
+        target.leaves.push_back({leaf, s.models[model].get(), state_read_later(shared_reader, *kind, j, model, *piece)});
       }
   }
   return load;

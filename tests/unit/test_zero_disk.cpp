@@ -85,6 +85,21 @@ void step_through(ParallelStrategy& strategy, torch::optim::Optimizer& optimizer
   }
 }
 
+// Whole parameters of the two, bitwise equal.
+void expect_same_parameters(ParallelStrategy& got, ParallelStrategy& want) {
+  const auto a = got.state_dict(StateDictKind::FULL), b = want.state_dict(StateDictKind::FULL);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+}
+
+// The layout the runs on disk are compared with: one process sharded over a group of one, the optimizer offloaded to
+// host memory (its leaves laid out as on disk).
+std::unique_ptr<ParallelStrategy> in_memory_reference() {
+  auto options = stage_options(3);
+  options.zero.offload_optimizer = true;
+  return make_parallel_strategy(make_model(), Communicator::in_process(xlr8::testing::unique_key(), 0, 1), options);
+}
+
 }  // namespace
 
 // Stages 1-3 (stage 3's units as FULL_SHARD's transformer wrap makes them) on 1, 2 and 3 ranks, with accumulation
@@ -182,10 +197,7 @@ TEST(ZeroDisk, ParametersOnDiskTooAtStageThreeOnOneTwoAndThreeRanksEqualTheRunIn
 TEST(ZeroDisk, BetweenStepsTheStateIsOnDiskAndACheckpointsWindowBringsItIn) {
   const auto dir = swap_dir("window");
   if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
-  auto comm = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
-  auto sharded = stage_options(3);
-  sharded.zero.offload_optimizer = true;  // one process sharded over a group of one, its leaves laid out as below
-  auto reference = make_parallel_strategy(make_model(), comm, sharded);
+  auto reference = in_memory_reference();
   torch::optim::AdamW ref_opt(reference->module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   reference->bind_optimizer(ref_opt);
   step_through(*reference, ref_opt, 0, 2);
@@ -215,9 +227,7 @@ TEST(ZeroDisk, BetweenStepsTheStateIsOnDiskAndACheckpointsWindowBringsItIn) {
 
   step_through(*reference, ref_opt, 2, 1);
   step_through(*strategy, opt, 2, 1);
-  const auto a = strategy->state_dict(StateDictKind::FULL), b = reference->state_dict(StateDictKind::FULL);
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+  expect_same_parameters(*strategy, *reference);
   fs::remove_all(dir);
 }
 
@@ -227,10 +237,7 @@ TEST(ZeroDisk, BetweenStepsTheStateIsOnDiskAndACheckpointsWindowBringsItIn) {
 TEST(ZeroDisk, ACheckpointHoldsOneGroupAtATimeReadsItAsItIsAndWritesOnlyWhatItChanged) {
   const auto dir = swap_dir("held");
   if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
-  auto comm = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
-  auto in_memory = stage_options(3);
-  in_memory.zero.offload_optimizer = true;  // the same layout, in memory
-  auto reference = make_parallel_strategy(make_model(), comm, in_memory);
+  auto reference = in_memory_reference();
   torch::optim::AdamW ref_opt(reference->module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   reference->bind_optimizer(ref_opt);
   step_through(*reference, ref_opt, 0, 2);
@@ -299,10 +306,7 @@ TEST(ZeroDisk, ACheckpointHoldsOneGroupAtATimeReadsItAsItIsAndWritesOnlyWhatItCh
 TEST(ZeroDisk, ALoadIntoARunWhoseStateIsOnDiskReplacesItOneGroupAtATime) {
   const auto dir = swap_dir("reload");
   if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
-  auto comm = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
-  auto in_memory = stage_options(3);
-  in_memory.zero.offload_optimizer = true;
-  auto reference = make_parallel_strategy(make_model(), comm, in_memory);
+  auto reference = in_memory_reference();
   torch::optim::AdamW ref_opt(reference->module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   reference->bind_optimizer(ref_opt);
   step_through(*reference, ref_opt, 0, 3);
@@ -334,9 +338,37 @@ TEST(ZeroDisk, ALoadIntoARunWhoseStateIsOnDiskReplacesItOneGroupAtATime) {
 
   step_through(*reference, ref_opt, 3, 1);
   step_through(*strategy, opt, 3, 1);
-  const auto a = strategy->state_dict(StateDictKind::FULL), b = reference->state_dict(StateDictKind::FULL);
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+  expect_same_parameters(*strategy, *reference);
+  strategy.reset();
+  fs::remove_all(dir);
+}
+
+// An optimizer freed, and another bound in its place at another address (a second training phase): the first one's
+// swap goes when the second is bound, its file with it; the second trains from its own state.
+TEST(ZeroDisk, AFreedOptimizersSwapGoesWhenAnotherIsBound) {
+  const auto dir = swap_dir("freed");
+  if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
+  auto optimizer_files = [&] {
+    size_t n = 0;
+    for (const auto& e : fs::directory_iterator(dir)) n += e.path().filename().string().rfind("xlr8-optimizer-", 0) == 0;
+    return n;
+  };
+  auto comm = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
+  auto strategy = make_parallel_strategy(make_model(), comm, on_disk(3, dir));
+  auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  auto first = std::make_unique<torch::optim::AdamW>(strategy->module()->parameters(), options);
+  strategy->bind_optimizer(*first);
+  step_through(*strategy, *first, 0, 2);
+  EXPECT_EQ(optimizer_files(), 1u);
+  auto second = std::make_unique<torch::optim::AdamW>(strategy->module()->parameters(), options);  // elsewhere
+  strategy->bind_optimizer(*second);
+  EXPECT_EQ(optimizer_files(), 2u);  // the first is alive: its swap stays
+  first.reset();
+  strategy->bind_optimizer(*second);  // bound again: keeps its own swap, and the freed one's goes
+  EXPECT_EQ(optimizer_files(), 1u);
+  step_through(*strategy, *second, 2, 1);
+  for (const auto& t : state_tensors(*second, *strategy)) EXPECT_EQ(t.numel(), 0);
+  EXPECT_EQ(strategy->stats()["optimizer_on_disk"]["swapped_steps"], 1);
   strategy.reset();
   fs::remove_all(dir);
 }
@@ -347,10 +379,7 @@ TEST(ZeroDisk, ALoadIntoARunWhoseStateIsOnDiskReplacesItOneGroupAtATime) {
 TEST(ZeroDisk, AnOptimizerMadeAtAFreedOnesAddressSwapsItsOwnState) {
   const auto dir = swap_dir("again");
   if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
-  auto comm = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
-  auto sharded = stage_options(3);
-  sharded.zero.offload_optimizer = true;
-  auto reference = make_parallel_strategy(make_model(), comm, sharded);
+  auto reference = in_memory_reference();
   auto comm2 = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
   auto strategy = make_parallel_strategy(make_model(), comm2, on_disk(3, dir));
   using torch::optim::AdamW, torch::optim::SGD;
@@ -376,9 +405,7 @@ TEST(ZeroDisk, AnOptimizerMadeAtAFreedOnesAddressSwapsItsOwnState) {
   const auto held = state_tensors(*second, *strategy);
   EXPECT_FALSE(held.empty());
   for (const auto& t : held) EXPECT_EQ(t.numel(), 0);  // the momentum is on disk
-  const auto a = strategy->state_dict(StateDictKind::FULL), b = reference->state_dict(StateDictKind::FULL);
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i].second, b[i].second)) << a[i].first;
+  expect_same_parameters(*strategy, *reference);
   second->~SGD();
   fs::remove_all(dir);
 }

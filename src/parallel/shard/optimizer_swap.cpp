@@ -84,6 +84,11 @@ bool OptimizerSwap::serves(const torch::optim::Optimizer& optimizer) const {
   return false;
 }
 
+bool OptimizerSwap::orphaned() const {
+  return !emptied_.empty() &&
+         std::all_of(emptied_.begin(), emptied_.end(), [](const auto& e) { return e.second.use_count() == 1; });
+}
+
 std::string OptimizerSwap::slot(size_t group, const std::string& name) const { return fmt::format("{}/{}", group, name); }
 
 void OptimizerSwap::step(torch::optim::Optimizer& optimizer) {

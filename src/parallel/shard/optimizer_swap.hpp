@@ -50,6 +50,9 @@ class OptimizerSwap {
   // Whether this swap is `optimizer`'s: it keeps the state names this swap lays out, and holds the state tensors whose
   // values are on disk (none yet: any optimizer of that kind). Another optimizer may be bound at a freed one's address.
   bool serves(const torch::optim::Optimizer& optimizer) const;
+  // Whether the optimizer it served is gone: the state tensors whose values are on disk are held by this swap alone
+  // (false before any went to disk: nothing tells then).
+  bool orphaned() const;
   // Where the state lives and what moved: the swap file, bytes read and written, seconds the steps took.
   nlohmann::json stats() const;
 

@@ -40,6 +40,8 @@ void ShardedModel::bind_optimizer(torch::optim::Optimizer& optimizer) {
       p = group(it->second.group).shard_params[it->second.index];
     }
   if (!options_.optimizer_on_disk.enabled() || bound.empty()) return;
+  // The swaps of optimizers freed since (a training phase's, replaced by another's) go, with their files and buffers.
+  std::erase_if(swaps_, [](const auto& entry) { return entry.second->orphaned(); });
   // An optimizer bound again keeps its swap; one made where a freed one lived gets its own (the old file goes).
   if (const auto it = swaps_.find(&optimizer); it != swaps_.end()) {
     if (it->second->serves(optimizer)) return;
