@@ -126,6 +126,9 @@ class ParallelStrategy {
   virtual std::vector<ParameterPiece> parameter_pieces() const;
   // The same, leaving values kept on disk there (offload's disk tier): read or write them under hold_in_memory.
   virtual std::vector<ParameterPiece> parameter_pieces_where_they_are() const { return parameter_pieces(); }
+  // Offload's disk tier: whether parameters or optimizer state live on disk. A load then reads the checkpoint as it
+  // writes it, one group at a time (checked first); otherwise it reads everything before changing anything.
+  virtual bool keeps_state_on_disk() const { return false; }
   // After new values were copied into parameter_pieces()' `values`: whole copies catch up. Collective,
   // unless `whole_parameters_written` (the caller also wrote every parameter that holds memory whole):
   // then only local copies (low-precision shards of fp32 masters) are refreshed.

@@ -160,6 +160,9 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
                       [held, &owner = *s.models[model], &optimizer, leaf, state_name = name, piece = *piece, part] {
                         held->hold(owner, leaf, &optimizer, HoldFor::reading);
                         const auto now = checkpoints::read_parameter_state(optimizer, leaf);
+                        if (!now || !now->tensors.count(state_name))
+                          throw Error(fmt::format("save_state: the optimizer's {} of {} went while it was saved",
+                                                  state_name, piece.name));
                         return mine(piece, part, now->tensors.at(state_name));
                       });
       for (const auto& [name, value] : param_state->counters)
@@ -173,8 +176,11 @@ namespace {
 
 using SharedReader = std::shared_ptr<const checkpoints::PieceReader>;
 
-// Checked now (in the index, its shape, the files' CRC32), read when called.
-std::function<at::Tensor()> read_later(const SharedReader& reader, const std::string& key, const Placement& placement) {
+// Offload's disk tier (`stream`): checked now (in the index, its shape, the files' CRC32), read when called, so that a
+// state larger than memory is loaded. Otherwise read now: a load changes nothing until everything was read.
+std::function<at::Tensor()> read_later(const SharedReader& reader, const std::string& key, const Placement& placement,
+                                       bool stream) {
+  if (!stream) return [values = reader->read(key, placement)] { return values; };
   reader->check(key, placement);
   return [reader, key, placement] { return reader->read(key, placement); };
 }
@@ -183,11 +189,12 @@ std::function<at::Tensor()> read_later(const SharedReader& reader, const std::st
 // checkpoint holds none for it).
 std::function<std::optional<checkpoints::ParameterState>()> state_read_later(const SharedReader& reader,
                                                                             const std::string& kind, size_t j,
-                                                                            size_t model, const ParameterPiece& piece) {
+                                                                            size_t model, const ParameterPiece& piece,
+                                                                            bool stream) {
   std::vector<std::pair<std::string, std::function<at::Tensor()>>> tensors;
   for (const auto& name : checkpoints::state_tensor_names(kind))
     if (const auto key = optimizer_key(j, model, piece.name, name); reader->find(key))
-      tensors.emplace_back(name, read_later(reader, key, piece.placement));
+      tensors.emplace_back(name, read_later(reader, key, piece.placement, stream));
   const auto step = reader->counter(optimizer_key(j, model, piece.name, "step"));
   return [tensors = std::move(tensors), step]() -> std::optional<checkpoints::ParameterState> {
     if (tensors.empty() && !step) return std::nullopt;
@@ -204,7 +211,9 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Ve
   const Layout layout(s);
   const auto shared_reader = std::make_shared<const checkpoints::PieceReader>(saved);
   const auto& reader = *shared_reader;
-  auto later = [&](const std::string& key, const Placement& placement) { return read_later(shared_reader, key, placement); };
+  auto later = [&](size_t model, const std::string& key, const Placement& placement) {
+    return read_later(shared_reader, key, placement, s.models[model]->keeps_state_on_disk());
+  };
   const auto where = saved.dir().string();
   PortableLoad load;
   for (size_t i = 0; i < s.models.size(); ++i) {
@@ -235,10 +244,10 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Ve
     auto& copies = load.models.emplace_back();
     for (const auto& piece : layout.pieces[i])
       if (piece.values.numel() > 0)
-        copies.push_back({s.models[i].get(), piece.values, later(model_key(i, piece.name), piece.placement)});
+        copies.push_back({s.models[i].get(), piece.values, later(i, model_key(i, piece.name), piece.placement)});
     for (const auto& item : s.models[i]->module()->named_buffers())
       copies.push_back({nullptr, item.value(),
-                        later(model_key(i, item.key()), Placement::whole_tensor(item.value().sizes().vec()))});
+                        later(i, model_key(i, item.key()), Placement::whole_tensor(item.value().sizes().vec()))});
   }
   auto formats = st.value("optimizer_formats", nlohmann::json::array());
   auto lrs = st.value("optimizer_lrs", nlohmann::json::array());
@@ -262,7 +271,9 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Ve
       for (const auto& leaf : group.params()) {
         size_t model = 0;
         const auto* piece = layout.find(leaf, &model);
-        target.leaves.push_back({leaf, s.models[model].get(), state_read_later(shared_reader, *kind, j, model, *piece)});
+        target.leaves.push_back({leaf, s.models[model].get(),
+                                 state_read_later(shared_reader, *kind, j, model, *piece,
+                                                  s.models[model]->keeps_state_on_disk())});
       }
   }
   return load;

@@ -27,8 +27,8 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
                                          checkpoints::RankPieces& pieces, nlohmann::json& state,
                                          const std::shared_ptr<GroupInMemory>& held);
 
-// What load_state will copy in, checked in full first (names, shapes, the files' CRC32) and read as it is copied,
-// one tensor at a time: a load never holds a second copy of the state.
+// What load_state will copy in, read in full first; under offload's disk tier checked in full first (names, shapes,
+// the files' CRC32) and read as it is copied, one tensor at a time, so that a state larger than memory is loaded.
 struct PortableLoad {
   struct Copy {
     ParallelStrategy* model = nullptr;  // the strategy whose parameter `target` is; none for a buffer

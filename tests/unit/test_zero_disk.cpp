@@ -369,6 +369,15 @@ TEST(ZeroDisk, AFreedOptimizersSwapGoesWhenAnotherIsBound) {
   step_through(*strategy, *second, 2, 1);
   for (const auto& t : state_tensors(*second, *strategy)) EXPECT_EQ(t.numel(), 0);
   EXPECT_EQ(strategy->stats()["optimizer_on_disk"]["swapped_steps"], 1);
+  // A live optimizer whose state is replaced outside its swap (cleared here) looks freed when a third is bound: its
+  // swap goes, and its next step makes one again, its state back on disk after it.
+  second->state().clear();
+  torch::optim::AdamW third(strategy->module()->parameters(), options);
+  strategy->bind_optimizer(third);
+  step_through(*strategy, *second, 3, 1);
+  const auto held = state_tensors(*second, *strategy);
+  EXPECT_FALSE(held.empty());
+  for (const auto& t : held) EXPECT_EQ(t.numel(), 0);
   strategy.reset();
   fs::remove_all(dir);
 }

@@ -68,6 +68,9 @@ class ShardedModel : public std::enable_shared_from_this<ShardedModel> {
   // Drops prefetches (loads write what they return); `bring_in`: shards on disk are read into memory, until
   // parameter_pieces_loaded; otherwise they stay there, for hold_in_memory.
   std::vector<ParameterPiece> parameter_pieces(bool bring_in);
+  bool keeps_state_on_disk() const {
+    return options_.optimizer_on_disk.enabled() || options_.params_on_disk.enabled();
+  }
   std::vector<at::Tensor> gradient_holders(const std::vector<at::Tensor>& parameters) const;
   void visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn);
   StateDict full_state_layout(StateDictKind kind) const;

@@ -53,7 +53,7 @@ void ShardedModel::bind_optimizer(torch::optim::Optimizer& optimizer) {
 }
 
 void ShardedModel::optimizer_state_in_memory(torch::optim::Optimizer& optimizer, bool in_memory) {
-  all_shards_in_memory(in_memory);  // a checkpoint reads (or a load writes) the parameters' pieces too
+  // The state alone: a checkpoint reads and writes the parameters' pieces one group at a time (hold_in_memory).
   const auto it = swaps_.find(&optimizer);
   if (it == swaps_.end()) return;
   if (in_memory) it->second->bring_in(optimizer);
@@ -72,6 +72,9 @@ void ShardedModel::optimizer_step(torch::optim::Optimizer& optimizer) {
     std::lock_guard<std::mutex> lock(mutex_);
     drop_prefetches();  // one the order mispredicted: it reads the shards the step is about to change
   }
+  // An optimizer whose swap went (its state was replaced outside the swap, then another optimizer was bound) gets one
+  // again: its state goes back to disk after this step.
+  if (options_.optimizer_on_disk.enabled() && !swaps_.count(&optimizer)) bind_optimizer(optimizer);
   if (const auto swap = swaps_.find(&optimizer); swap != swaps_.end()) swap->second->step(optimizer);
   else optimizer.step();
   std::lock_guard<std::mutex> lock(mutex_);

@@ -40,6 +40,7 @@ class ShardedDataParallel final : public ParallelStrategy {
   StateDict state_dict(StateDictKind kind) const override { return sharded_->state_dict(kind); }
   void load_state_dict(const StateDict& state, StateDictKind kind) override { sharded_->load_state_dict(state, kind); }
   std::vector<ParameterPiece> parameter_pieces() const override { return sharded_->parameter_pieces(true); }
+  bool keeps_state_on_disk() const override { return sharded_->keeps_state_on_disk(); }
   std::vector<ParameterPiece> parameter_pieces_where_they_are() const override {
     return sharded_->parameter_pieces(false);
   }
