@@ -100,6 +100,22 @@ std::unique_ptr<ParallelStrategy> in_memory_reference() {
   return make_parallel_strategy(make_model(), Communicator::in_process(xlr8::testing::unique_key(), 0, 1), options);
 }
 
+// The reference in memory and the same model with its state (and shards) on disk as `disk` says, each with its AdamW.
+struct BothRuns {
+  explicit BothRuns(const ParallelOptions& disk)
+      : reference(in_memory_reference()),
+        ref_opt(reference->module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1)),
+        strategy(make_parallel_strategy(make_model(), Communicator::in_process(xlr8::testing::unique_key(), 0, 1), disk)),
+        opt(strategy->module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1)) {
+    reference->bind_optimizer(ref_opt);
+    strategy->bind_optimizer(opt);
+  }
+  std::unique_ptr<ParallelStrategy> reference;
+  torch::optim::AdamW ref_opt;
+  std::unique_ptr<ParallelStrategy> strategy;
+  torch::optim::AdamW opt;
+};
+
 }  // namespace
 
 // Stages 1-3 (stage 3's units as FULL_SHARD's transformer wrap makes them) on 1, 2 and 3 ranks, with accumulation
@@ -197,15 +213,9 @@ TEST(ZeroDisk, ParametersOnDiskTooAtStageThreeOnOneTwoAndThreeRanksEqualTheRunIn
 TEST(ZeroDisk, BetweenStepsTheStateIsOnDiskAndACheckpointsWindowBringsItIn) {
   const auto dir = swap_dir("window");
   if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
-  auto reference = in_memory_reference();
-  torch::optim::AdamW ref_opt(reference->module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  reference->bind_optimizer(ref_opt);
+  BothRuns runs(on_disk(3, dir));
+  auto& [reference, ref_opt, strategy, opt] = runs;
   step_through(*reference, ref_opt, 0, 2);
-
-  auto comm2 = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
-  auto strategy = make_parallel_strategy(make_model(), comm2, on_disk(3, dir));
-  torch::optim::AdamW opt(strategy->module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  strategy->bind_optimizer(opt);
   step_through(*strategy, opt, 0, 2);
   const auto held = state_tensors(opt, *strategy);
   ASSERT_FALSE(held.empty());
@@ -237,16 +247,10 @@ TEST(ZeroDisk, BetweenStepsTheStateIsOnDiskAndACheckpointsWindowBringsItIn) {
 TEST(ZeroDisk, ACheckpointHoldsOneGroupAtATimeReadsItAsItIsAndWritesOnlyWhatItChanged) {
   const auto dir = swap_dir("held");
   if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
-  auto reference = in_memory_reference();
-  torch::optim::AdamW ref_opt(reference->module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  reference->bind_optimizer(ref_opt);
-  step_through(*reference, ref_opt, 0, 2);
-
-  auto comm2 = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
   // Writes waited for (no write-behind), so that the bytes written are all counted when read.
-  auto strategy = make_parallel_strategy(make_model(), comm2, on_disk(3, dir, /*pipelined=*/false, /*params=*/true));
-  torch::optim::AdamW opt(strategy->module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  strategy->bind_optimizer(opt);
+  BothRuns runs(on_disk(3, dir, /*pipelined=*/false, /*params=*/true));
+  auto& [reference, ref_opt, strategy, opt] = runs;
+  step_through(*reference, ref_opt, 0, 2);
   step_through(*strategy, opt, 0, 2);
   const auto leaves = strategy->optimizer_parameters(), ref_leaves = reference->optimizer_parameters();
   const auto written_before = strategy->stats()["optimizer_on_disk"]["swap_bytes_written"].get<int64_t>();
@@ -306,15 +310,9 @@ TEST(ZeroDisk, ACheckpointHoldsOneGroupAtATimeReadsItAsItIsAndWritesOnlyWhatItCh
 TEST(ZeroDisk, ALoadIntoARunWhoseStateIsOnDiskReplacesItOneGroupAtATime) {
   const auto dir = swap_dir("reload");
   if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
-  auto reference = in_memory_reference();
-  torch::optim::AdamW ref_opt(reference->module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  reference->bind_optimizer(ref_opt);
+  BothRuns runs(on_disk(3, dir, /*pipelined=*/false, /*params=*/true));
+  auto& [reference, ref_opt, strategy, opt] = runs;
   step_through(*reference, ref_opt, 0, 3);
-
-  auto comm2 = Communicator::in_process(xlr8::testing::unique_key(), 0, 1);
-  auto strategy = make_parallel_strategy(make_model(), comm2, on_disk(3, dir, /*pipelined=*/false, /*params=*/true));
-  torch::optim::AdamW opt(strategy->module()->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  strategy->bind_optimizer(opt);
   step_through(*strategy, opt, 0, 2);  // its own state on disk, one step behind the reference's
   const auto leaves = strategy->optimizer_parameters(), ref_leaves = reference->optimizer_parameters();
   ASSERT_EQ(leaves.size(), ref_leaves.size());
