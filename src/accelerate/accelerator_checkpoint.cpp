@@ -10,6 +10,7 @@
 #include "core/log.hpp"
 #include "accelerate/accelerator_impl.hpp"
 #include "accelerate/portable_state.hpp"
+#include "distributed/every_rank.hpp"
 #include "precision/float8_linear.hpp"
 #include "core/text.hpp"
 #include "xlr8/error.hpp"
@@ -259,19 +260,15 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
   // Read and check everything before the first change, on every rank; then agree, so that a bad shard
   // one rank read stops them all.
   LoadPlan plan;
-  std::string problem;
-  try {
-    plan = read_and_check(s, saved, source, process_index());
-  } catch (const Error& e) {
-    problem = e.what();
-  }
-  auto problems = s.world().all_gather_object(problem);
-  for (size_t r = 0; r < problems.size(); ++r)
-    if (!problems[r].empty())
-      throw Error(problems.size() == 1 ? problems[r] : fmt::format("rank {}: {}", r, problems[r]));
-
-  apply_model_state(s, *plan.portable);
-  apply_training_state(s, saved, source, plan);
+  on_every_rank_or_none(s.world(), [&] { plan = read_and_check(s, saved, source, process_index()); },
+                        "nothing was loaded");
+  // Past the checks a rank can still fail (an I/O error while the disk tier reads one group at a time, a registered
+  // object's load): every rank learns it before the next collective, and what it left.
+  constexpr std::string_view partly = "the training state is now partly the checkpoint's: load_state again (or "
+                                      "restart) before training on";
+  on_every_rank_or_none(s.world(), [&] { apply_model_state(s, *plan.portable); }, partly);
+  for (auto& m : s.models) m->parameter_pieces_loaded();  // collective: sharded strategies refresh their whole copies
+  on_every_rank_or_none(s.world(), [&] { apply_training_state(s, saved, source, plan); }, partly);
   if (auto rng = saved.rng(process_index())) {
     for (auto& [name, t] : rng->tensors)
       if (name == "cpu") {

@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <map>
 #include <set>
 #include <unordered_map>
@@ -12,6 +13,7 @@
 #include "compat/torch_compat.hpp"
 #include "core/log.hpp"
 #include "core/text.hpp"
+#include "xlr8/env.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8 {
@@ -174,28 +176,47 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
 
 namespace {
 
-using SharedReader = std::shared_ptr<const checkpoints::PieceReader>;
+// The checkpoint's reader, shared with the reads a streamed load leaves for later.
+struct Reads {
+  std::shared_ptr<const checkpoints::PieceReader> reader;
+  int rank = 0;
+
+  at::Tensor read(const std::string& key, const Placement& placement) const {
+    if (injected_failure())
+      throw Error(fmt::format("reading {}: an injected failure (XLR8_TEST_ONLY_FAIL_CHECKPOINT_READ)", key));
+    return reader->read(key, placement);
+  }
+  // XLR8_TEST_ONLY_FAIL_CHECKPOINT_READ=<rank>:<n>: that rank's n-th read in this process fails as an I/O error
+  // would, past the checks (for the tests of what such a failure leaves); the reads after it succeed.
+  bool injected_failure() const {
+    static std::atomic<int> reads{0};
+    const auto spec = env_var("XLR8_TEST_ONLY_FAIL_CHECKPOINT_READ");
+    const auto colon = spec ? spec->find(':') : std::string::npos;
+    return colon != std::string::npos && std::stoi(spec->substr(0, colon)) == rank &&
+           ++reads == std::stoi(spec->substr(colon + 1));
+  }
+};
 
 // Offload's disk tier (`stream`): checked now (in the index, its shape, the files' CRC32), read when called, so that a
 // state larger than memory is loaded. Otherwise read now: a load changes nothing until everything was read.
-std::function<at::Tensor()> read_later(const SharedReader& reader, const std::string& key, const Placement& placement,
+std::function<at::Tensor()> read_later(const Reads& reads, const std::string& key, const Placement& placement,
                                        bool stream) {
-  if (!stream) return [values = reader->read(key, placement)] { return values; };
-  reader->check(key, placement);
-  return [reader, key, placement] { return reader->read(key, placement); };
+  if (!stream) return [values = reads.read(key, placement)] { return values; };
+  reads.reader->check(key, placement);
+  return [reads, key, placement] { return reads.read(key, placement); };
 }
 
 // The state optimizer `j` saved for a piece of model `model`, checked now and read when called (none when the
 // checkpoint holds none for it).
-std::function<std::optional<checkpoints::ParameterState>()> state_read_later(const SharedReader& reader,
+std::function<std::optional<checkpoints::ParameterState>()> state_read_later(const Reads& reads,
                                                                             const std::string& kind, size_t j,
                                                                             size_t model, const ParameterPiece& piece,
                                                                             bool stream) {
   std::vector<std::pair<std::string, std::function<at::Tensor()>>> tensors;
   for (const auto& name : checkpoints::state_tensor_names(kind))
-    if (const auto key = optimizer_key(j, model, piece.name, name); reader->find(key))
-      tensors.emplace_back(name, read_later(reader, key, piece.placement, stream));
-  const auto step = reader->counter(optimizer_key(j, model, piece.name, "step"));
+    if (const auto key = optimizer_key(j, model, piece.name, name); reads.reader->find(key))
+      tensors.emplace_back(name, read_later(reads, key, piece.placement, stream));
+  const auto step = reads.reader->counter(optimizer_key(j, model, piece.name, "step"));
   return [tensors = std::move(tensors), step]() -> std::optional<checkpoints::ParameterState> {
     if (tensors.empty() && !step) return std::nullopt;
     checkpoints::ParameterState out;
@@ -209,10 +230,10 @@ std::function<std::optional<checkpoints::ParameterState>()> state_read_later(con
 
 PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Verified& saved, const nlohmann::json& st) {
   const Layout layout(s);
-  const auto shared_reader = std::make_shared<const checkpoints::PieceReader>(saved);
-  const auto& reader = *shared_reader;
+  const Reads reads{std::make_shared<const checkpoints::PieceReader>(saved), s.world().rank()};
+  const auto& reader = *reads.reader;
   auto later = [&](size_t model, const std::string& key, const Placement& placement) {
-    return read_later(shared_reader, key, placement, s.models[model]->keeps_state_on_disk());
+    return read_later(reads, key, placement, s.models[model]->keeps_state_on_disk());
   };
   const auto where = saved.dir().string();
   PortableLoad load;
@@ -272,25 +293,22 @@ PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Ve
         size_t model = 0;
         const auto* piece = layout.find(leaf, &model);
         target.leaves.push_back({leaf, s.models[model].get(),
-                                 state_read_later(shared_reader, *kind, j, model, *piece,
+                                 state_read_later(reads, *kind, j, model, *piece,
                                                   s.models[model]->keeps_state_on_disk())});
       }
   }
   return load;
 }
 
-void apply_model_state(AcceleratorImpl& s, const PortableLoad& load) {
-  {
-    at::NoGradGuard no_grad;
-    GroupInMemory held;  // parameters on disk: a group's shard read, written and put back before the next
-    for (const auto& copies : load.models)
-      for (const auto* c : grouped_by_storage(copies, [](const auto& copy) -> auto& { return copy.target; })) {
-        if (c->model) held.hold(*c->model, c->target, nullptr, HoldFor::writing);
-        c->target.detach().copy_(c->values().view(c->target.sizes()));
-      }
-    held.release();
-  }
-  for (auto& m : s.models) m->parameter_pieces_loaded();
+void apply_model_state(AcceleratorImpl&, const PortableLoad& load) {
+  at::NoGradGuard no_grad;
+  GroupInMemory held;  // parameters on disk: a group's shard read, written and put back before the next
+  for (const auto& copies : load.models)
+    for (const auto* c : grouped_by_storage(copies, [](const auto& copy) -> auto& { return copy.target; })) {
+      if (c->model) held.hold(*c->model, c->target, nullptr, HoldFor::writing);
+      c->target.detach().copy_(c->values().view(c->target.sizes()));
+    }
+  held.release();
 }
 
 void apply_optimizer_state(AcceleratorImpl& s, const PortableLoad& load) {

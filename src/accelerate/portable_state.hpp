@@ -52,7 +52,7 @@ struct PortableLoad {
 // Throws (naming the tensor, both shapes, or the file) when the checkpoint does not fit what is prepared. `saved`
 // must outlive the returned load.
 PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Verified& saved, const nlohmann::json& state);
-// Copies the models in (collective: sharded strategies refresh their whole copies).
+// Copies the models' pieces in (not collective: each strategy's parameter_pieces_loaded follows).
 void apply_model_state(AcceleratorImpl& s, const PortableLoad& load);
 // Optimizer states and learning rates, after the schedulers replayed their steps.
 void apply_optimizer_state(AcceleratorImpl& s, const PortableLoad& load);

@@ -167,6 +167,34 @@ TEST(ShardedOracle, ResumedShardedRunEqualsTheUninterruptedOne) {
   expect_same_params(resumed.dir, straight.dir, 1e-6);
 }
 
+// A load that fails on one rank past the checks (an injected read error: the n-th tensor rank 1 reads) fails on
+// every rank with that rank's message, at once, where the others would have gone on into a collective; a second load
+// then resumes the run as the uninterrupted one. With the state and parameters on disk the load streams (the failure
+// comes after part of the state was replaced, and says so); FULL_SHARD in memory reads everything first.
+TEST(ShardedCheckpoint, ALoadThatFailsOnOneRankFailsOnEveryRankAndLoadingAgainResumes) {
+  const auto swap = temp_dir("load-failure-swap");
+  const Strategy on_disk{"zero3", {"--use_deepspeed", "--zero_stage", "3", "--offload_optimizer_device", "nvme",
+                                   "--offload_optimizer_nvme_path", swap, "--offload_param_device", "nvme",
+                                   "--offload_param_nvme_path", swap}};
+  for (const auto& [s, streams] : {std::pair{on_disk, true}, std::pair{worker_strategies()[2], false}}) {
+    SCOPED_TRACE(s.flags[1]);
+    auto straight = worker_run(2, s.flags, 4, {"--steps", "8"});
+    auto first = worker_run(2, s.flags, 4, {"--steps", "4", "--checkpoint_at", "4"});
+    auto resumed = worker_run(2, s.flags, 4, {"--steps", "8", "--resume", first.dir + "/checkpoint", "--retry_failed_load"},
+                              {{"XLR8_TEST_ONLY_FAIL_CHECKPOINT_READ", "1:3"}, {"XLR8_COLLECTIVE_TIMEOUT", "60"}});
+    ASSERT_TRUE(resumed.result.is_object());  // else oracle_command reported the failed run
+    const auto said = resumed.result.value("load_errors", std::vector<std::string>{});
+    ASSERT_EQ(said.size(), 2u) << resumed.result;
+    for (const auto& e : said) {
+      EXPECT_NE(e.find("rank 1: "), std::string::npos) << e;
+      EXPECT_NE(e.find("an injected failure"), std::string::npos) << e;
+      EXPECT_NE(e.find(streams ? "partly the checkpoint's" : "nothing was loaded"), std::string::npos) << e;
+    }
+    expect_close(resumed.losses, std::vector<double>(straight.losses.begin() + 4, straight.losses.end()), 1e-6);
+    expect_same_params(resumed.dir, straight.dir, 1e-6);
+  }
+}
+
 TEST(ShardedCheckpoint, SavedUnderOneStrategyAndProcessCountResumesUnderAnother) {
   // The oracle: N ranks x 12/N for 3 steps (mid-epoch: 4 steps make an epoch), saved; resumed on M ranks
   // x 12/M for 7 more steps; equal to one process on 12 for 10 steps (losses and parameters), optimizer

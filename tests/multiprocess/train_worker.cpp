@@ -16,9 +16,12 @@
 //   --count_host_reads (report the reads of tensor values on the host inside the steps after the first, the
 //   program's own excluded: "host_reads", the largest rank's)
 //   --mode nested|nested-mismatch|free-memory|free-control (train_worker_api.cpp)
+//   --retry_failed_load (a --resume that fails on any rank is loaded again on every rank; "load_errors": what the
+//   first load said on each)
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <csignal>
 #include <torch/torch.h>
 
@@ -131,6 +134,8 @@ int main(int argc, char** argv) {
   app.add_flag("--print_steps", print_steps);
   bool count_host_reads = false;
   app.add_flag("--count_host_reads", count_host_reads);
+  bool retry_failed_load = false;  // a --resume whose load fails on some rank is loaded again, on every rank
+  app.add_flag("--retry_failed_load", retry_failed_load);
   app.add_option("--step_sleep_ms", step_sleep_ms);
   std::string optimizer = "adamw";
   app.add_option("--optimizer", optimizer)->check(CLI::IsMember({"adamw", "fused_adamw"}));
@@ -242,7 +247,19 @@ int main(int argc, char** argv) {
       auto sched = acc.prepare(torch::optim::StepLR(opt.optimizer(), 5, 0.5));
       auto loader = acc.prepare_data_loader(Synthetic(samples), {.batch_size = batch, .shuffle = true, .seed = 11});
       if (resume_latest && std::filesystem::exists(out + "/checkpoint")) resume = out + "/checkpoint";
-      if (!resume.empty()) acc.load_state(resume);
+      std::vector<std::string> load_errors;  // --retry_failed_load: what the first load said on each rank
+      if (!resume.empty() && retry_failed_load) {
+        std::string said;
+        try {
+          acc.load_state(resume);
+        } catch (const xlr8::Error& e) {
+          said = e.what();
+        }
+        load_errors = acc.state().world().all_gather_object(said);
+        if (std::ranges::any_of(load_errors, [](const auto& e) { return !e.empty(); })) acc.load_state(resume);
+      } else if (!resume.empty()) {
+        acc.load_state(resume);
+      }
       if (print_steps && acc.is_main_process())
         fmt::print("start at step {} on {} processes\n", acc.step(), acc.num_processes()), std::fflush(stdout);
       const int64_t resumed_step = acc.step();
@@ -302,7 +319,8 @@ int main(int argc, char** argv) {
                                            {"shared_memory", acc.state().world().uses_shared_memory()},
                                            {"tp_size", tp_size},
                                            {"host_reads", most_reads},
-                                           {"local_hidden", local_hidden}}
+                                           {"local_hidden", local_hidden},
+                                           {"load_errors", load_errors}}
                                .dump());
       acc.end_training();
       return 0;
