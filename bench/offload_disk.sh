@@ -45,6 +45,8 @@ n = r["parameters"]
 o, p = r.get("optimizer_on_disk") or {}, r.get("parameters_on_disk") or {}
 print(f"parameters {n/1e9:.3f} G: fp32 training state {16*n/1e9:.1f} GB (parameters, gradients, 2 moments)")
 print(f"final train loss {r['final_train_loss']:.4f}, val {r['val_loss']:.4f}, tokens/s {r['tokens_per_s']:.1f}")
+print(f"resident between steps {r.get('between_steps_rss_mb',0)/1024:.2f} GiB (after the last step; the heap trimmed "
+      f"after each step in {r.get('heap_trim_seconds',0):.2f} s in all)")
 print(f"swap files: state {o.get('swap_file_bytes',0)/1e9:.1f} GB, parameters {p.get('swap_file_bytes',0)/1e9:.1f} GB")
 read = o.get("swap_bytes_read", 0) + p.get("swap_bytes_read", 0)
 written = o.get("swap_bytes_written", 0) + p.get("swap_bytes_written", 0)

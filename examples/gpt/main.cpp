@@ -64,12 +64,14 @@ bool sequence_parallel_in(const torch::nn::Module& model) {
   return false;
 }
 
-double peak_rss_mb() {
+// A line of /proc/self/status in MB: VmHWM (the peak RSS) or VmRSS (now).
+double status_mb(const std::string& field) {
   std::ifstream status("/proc/self/status");
   for (std::string line; std::getline(status, line);)
-    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+    if (line.rfind(field, 0) == 0) return std::stod(line.substr(field.size())) / 1024.0;
   return 0;
 }
+double peak_rss_mb() { return status_mb("VmHWM:"); }
 
 // Resets VmHWM to the current RSS, so that a later peak_rss_mb() measures what happened since.
 void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
@@ -185,6 +187,7 @@ int run(const Args& args) {
   const auto ring_before = xlr8::cp::ring_time();
   int64_t micro_steps = 0;
   int64_t tokens = 0, steps_at_start = acc.step();
+  double between_steps_rss_mb = 0;
   int64_t held = 0, peak = 0;
   double last_loss = 0;
   xlr8::GradNorm grad_norm;  // stays on the device: read once, for the report
@@ -218,6 +221,7 @@ int run(const Args& args) {
       }
       peak = std::max(peak, held);
       opt.zero_grad();
+      if (acc.sync_gradients()) between_steps_rss_mb = status_mb("VmRSS:");  // what a step leaves resident
       tokens += batch.data.numel() * acc.state().mesh().size(xlr8::MeshDim::dp);  // tp peers read the same batch
       if (!acc.sync_gradients()) continue;
       const int64_t global_step = acc.step();
@@ -255,7 +259,8 @@ int run(const Args& args) {
   const double val_loss = validation_loss(acc, model, *val);
   acc.print("validation loss {:.4f} over {} held-out windows", val_loss, (val_text.numel() - 1) / args.seq_len);
   auto mean_loss = acc.reduce(torch::full({1}, last_loss, torch::kFloat64), xlr8::ReduceOp::AVG).item<double>();
-  auto largest = acc.reduce(torch::tensor({static_cast<double>(held), static_cast<double>(peak), peak_rss_mb()},
+  auto largest = acc.reduce(torch::tensor({static_cast<double>(held), static_cast<double>(peak), peak_rss_mb(),
+                                           between_steps_rss_mb},
                                           torch::kFloat64),
                             xlr8::ReduceOp::MAX);
   auto growth = acc.gather(torch::full({1}, load_growth_mb, torch::kFloat64));
@@ -284,6 +289,7 @@ int run(const Args& args) {
                           {"state_bytes_per_rank", static_cast<int64_t>(largest[0].item<double>())},
                           {"peak_state_bytes_per_rank", static_cast<int64_t>(largest[1].item<double>())},
                           {"peak_rss_mb", largest[2].item<double>()},
+                          {"between_steps_rss_mb", largest[3].item<double>()},
                           {"parameters", params},
                           {"trainable_parameters", params - frozen},
                           {"frozen_released_in_backward", stats.value("frozen_released_in_backward", int64_t{0})},
@@ -301,6 +307,7 @@ int run(const Args& args) {
                           // The disk tier (offload_optimizer nvme): rank 0's swap file, what moved, how fast.
                           {"optimizer_on_disk", stats.value("optimizer_on_disk", nlohmann::json())},
                           {"parameters_on_disk", stats.value("parameters_on_disk", nlohmann::json())},
+                          {"heap_trim_seconds", stats.value("heap_trim_seconds", 0.0)},
                           {"save_state_seconds", save_seconds},
                           {"load_state_seconds", load_seconds}};
     // How a sharding strategy split the model: its units (stage 3; the blocks under TRANSFORMER_BASED_WRAP)

@@ -190,6 +190,7 @@ class ShardedModel : public std::enable_shared_from_this<ShardedModel> {
   UnitOrder forward_order_, backward_order_;
 
   int64_t launches_ = 0, overlapped_ = 0;
+  double heap_trim_seconds_ = 0;  // the disk tier's, after each step (optimizer_step)
   // Offload's disk tier: per optimizer, its state's swap file (ZeroOptions::optimizer_on_disk); the parameter
   // shards' (ZeroOptions::params_on_disk), shared with every group.
   std::map<const torch::optim::Optimizer*, std::unique_ptr<OptimizerSwap>> swaps_;

@@ -3,12 +3,14 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <set>
 
 #include "compat/torch_compat.hpp"
 #include "parallel/grad_norm.hpp"
+#include "os/memory.hpp"
 #include "parallel/shard/optimizer_swap.hpp"
 #include "parallel/shard/shard_store.hpp"
 #include "parallel/shard/sharded_model.hpp"
@@ -81,6 +83,13 @@ void ShardedModel::optimizer_step(torch::optim::Optimizer& optimizer) {
   // Stages 1-2: every rank updated its chunk of the whole parameters; gather the others' in place.
   // Stage 3: the shards are the parameters; only groups held whole (no guard, or gathered now) refresh.
   refresh_whole_copies(/*frozen_too=*/false);
+  // Offload's disk tier: a step's allocations below the mmap threshold land in the heap that held the model before it
+  // went to disk, and their freed pages stay resident there (a 0.5 B-parameter GPT: 1.3 of its 2.7 GB between steps).
+  if (options_.optimizer_on_disk.enabled() || options_.params_on_disk.enabled()) {
+    const auto start = std::chrono::steady_clock::now();
+    os::return_free_memory_to_system();
+    heap_trim_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
 }
 
 void ShardedModel::refresh_whole_copies(bool frozen_too) {
@@ -198,6 +207,7 @@ nlohmann::json ShardedModel::stats() const {
           {"gathered_bytes", c.gathered_bytes},
           {"peak_gathered_bytes", c.peak_gathered_bytes},
           {"step_peak_gathered_bytes", c.step_peak_gathered_bytes},
+          {"heap_trim_seconds", heap_trim_seconds_},
           {"optimizer_on_disk", swaps_.empty() ? nlohmann::json(nullptr) : swaps_.begin()->second->stats()},
           {"parameters_on_disk", shard_store_ ? shard_store_->stats() : nlohmann::json(nullptr)}};
 }
