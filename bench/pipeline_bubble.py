@@ -9,6 +9,9 @@ schedule in one invocation, alternating over rounds; medians.
 
   python3 bench/pipeline_bubble.py --stages 2 --micro_batches 4,8       # this 2-core machine: p = 2
   python3 bench/pipeline_bubble.py --stages 4 --micro_batches 8 --json out.json
+  python3 bench/pipeline_bubble.py --stages 4 --micro_batches 4,8 --simulated_ms 20 --width 16 --batch 64
+      # p = 4 on 2 cores: each of 8 equal blocks sleeps 20 ms forward and 40 ms backward instead of computing, so
+      # the stages wait only for each other; the idle fraction the schedule itself leaves
 """
 import argparse
 import json
@@ -29,6 +32,8 @@ def run(a, schedule, m):
            "--parallelism_config_pp_size", str(a.stages), "--parallelism_config_pp_schedule", schedule,
            "--parallelism_config_pp_microbatches", str(m), os.path.join(a.build, "bin", "pipeline"),
            "--steps", str(a.steps), "--width", str(a.width), "--batch_size", str(a.batch)]
+    if a.simulated_ms > 0:
+        cmd += ["--simulated_ms", str(a.simulated_ms), "--equal_blocks", str(a.equal_blocks)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}")
@@ -57,6 +62,10 @@ def main():
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--batch", type=int, default=192)
+    p.add_argument("--simulated_ms", type=float, default=0,
+                   help="each block's forward sleeps this long, its backward twice that (stages of equal, known times "
+                        "that share few cores without contending); the blocks are --equal_blocks of one width")
+    p.add_argument("--equal_blocks", type=int, default=8)
     p.add_argument("--json")
     a = p.parse_args()
     cases = [(s, int(m)) for m in a.micro_batches.split(",") for s in a.schedules.split(",")]

@@ -11,6 +11,9 @@
 #include <xlr8/nn.hpp>
 #include <xlr8/xlr8.hpp>
 
+#include <chrono>
+#include <thread>
+
 namespace {
 
 // A residual block whose layers AutoTP recognises by name (fc1 column-wise, fc2 row-wise), so that a stage can
@@ -27,26 +30,50 @@ struct BlockImpl : torch::nn::Cloneable<BlockImpl> {
   }
   torch::Tensor forward(const torch::Tensor& x) {
     auto branch = fc2(torch::tanh(fc1(x)));
-    return x + (with_gain ? branch * torch::softplus(gain) : branch);
+    auto out = x + (with_gain ? branch * torch::softplus(gain) : branch);
+    if (simulated_ms > 0) simulate_work(out);
+    return out;
+  }
+  // --simulated_ms: the forward takes that much longer and the backward twice that, asleep rather than computing, so
+  // that stages sharing this machine's few cores still take equal, known times (bench/pipeline_bubble.py).
+  void simulate_work(const torch::Tensor& out) const {
+    std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(simulated_ms));
+    if (out.requires_grad())
+      out.register_hook([ms = 2 * simulated_ms](const torch::Tensor&) {
+        std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
+      });
   }
   int64_t width, hidden;
   bool with_gain;
+  double simulated_ms = 0;
   xlr8::nn::Linear fc1{nullptr}, fc2{nullptr};
   torch::Tensor gain;
 };
 TORCH_MODULE(Block);
 
+// What the model is made of (the flags of the same names).
+struct Shape {
+  int64_t width = 16;
+  int equal_blocks = 0;  // > 0: that many blocks of one width, else five of uneven widths
+  double simulated_ms = 0;
+  bool share_block = false, freeze_shared = false, gain = false;
+};
+
 // Blocks of uneven widths and a head: cut by parameters, the stages hold different numbers of layers. With
 // `share_block`, the fourth block runs the second's module again (a xlr8::pp::TiedLayer, weights shared as
 // ALBERT's layers are), which under pp lies on another stage.
-torch::nn::Sequential mlp(int64_t width, bool share_block, bool freeze_shared, bool gain) {
+torch::nn::Sequential mlp(const Shape& shape) {
+  const auto [width, equal_blocks, simulated_ms, share_block, freeze_shared, gain] = shape;
   torch::nn::Sequential model;
   int index = 0;
   torch::nn::AnyModule shared;
-  for (int64_t hidden : {64, 32, 48, 24, 40}) {
+  const auto hiddens = equal_blocks > 0 ? std::vector<int64_t>(equal_blocks, 32) : std::vector<int64_t>{64, 32, 48, 24, 40};
+  for (int64_t hidden : hiddens) {
     const auto name = "block" + std::to_string(index++);
     if (!share_block || (index != 2 && index != 4)) {
-      model->push_back(std::string(name), Block(width, hidden * width / 16, gain));
+      Block block(width, hidden * width / 16, gain);
+      block->simulated_ms = simulated_ms;
+      model->push_back(std::string(name), block);
       continue;
     }
     if (shared.is_empty()) {
@@ -64,11 +91,15 @@ torch::nn::Sequential mlp(int64_t width, bool share_block, bool freeze_shared, b
 
 int main(int argc, char** argv) {
   CLI::App app{"pipeline: a Sequential trained by xlr8's pipeline schedules (or on one process)"};
-  int steps = 8, batch = 24, width = 16;
+  int steps = 8, batch = 24;
+  Shape shape;
   double lr = 0.05;
   app.add_option("--steps", steps);
   app.add_option("--batch_size", batch, "Samples a step (the micro-batches split it)");
-  app.add_option("--width", width, "The blocks' width (bench/pipeline_bubble.py makes them wide)");
+  app.add_option("--width", shape.width, "The blocks' width (bench/pipeline_bubble.py makes them wide)");
+  app.add_option("--equal_blocks", shape.equal_blocks, "That many blocks of one width instead of five uneven ones");
+  app.add_option("--simulated_ms", shape.simulated_ms,
+                 "Each block's forward sleeps this long and its backward twice that (stages of known, equal times)");
   app.add_option("--lr", lr, "SGD's learning rate");
   double max_grad_norm = 0;
   app.add_option("--max_grad_norm", max_grad_norm, "Clip the gradients' global norm to this (0: no clipping)");
@@ -76,12 +107,9 @@ int main(int argc, char** argv) {
   app.add_option("--save_state", save_dir, "Save the training state there at the end");
   bool two_groups = false;
   app.add_flag("--two_groups", two_groups, "Give SGD two parameter groups: the first block's and the rest");
-  bool share_block = false;
-  app.add_flag("--share_block", share_block, "The fourth block runs the second's module (a TiedLayer)");
-  bool freeze_shared = false;
-  app.add_flag("--freeze_shared", freeze_shared, "With --share_block: the shared block's parameters do not train");
-  bool gain = false;
-  app.add_flag("--gain", gain, "Each block scales its branch by softplus of a parameter of its own");
+  app.add_flag("--share_block", shape.share_block, "The fourth block runs the second's module (a TiedLayer)");
+  app.add_flag("--freeze_shared", shape.freeze_shared, "With --share_block: the shared block's parameters do not train");
+  app.add_flag("--gain", shape.gain, "Each block scales its branch by softplus of a parameter of its own");
   std::string model_dir;
   app.add_option("--save_model", model_dir, "Save the whole trained model there (model.safetensors)");
   bool always_pipeline_step = false;
@@ -92,7 +120,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   xlr8::Accelerator acc;
   acc.set_seed(0);  // the same model on every rank; each keeps its stage's layers
-  auto model = acc.prepare(mlp(width, share_block, freeze_shared, gain));
+  auto model = acc.prepare(mlp(shape));
   // --two_groups: the first block's parameters in a group of their own (under pp a later stage keeps none of them).
   std::vector<torch::optim::OptimizerParamGroup> groups;
   if (two_groups) {
@@ -105,7 +133,7 @@ int main(int argc, char** argv) {
     groups.emplace_back(model->parameters());
   }
   auto optimizer = acc.prepare(torch::optim::SGD(groups, lr));
-  const auto teacher = torch::randn({width, 4});  // the function to learn: tanh(x @ teacher)
+  const auto teacher = torch::randn({shape.width, 4});  // the function to learn: tanh(x @ teacher)
   if (!load_dir.empty()) acc.load_state(load_dir);  // the parameters and the optimizer's step count
   const bool pipelined = acc.plan().mesh.pp > 1 || always_pipeline_step;
   auto mse = [](const torch::Tensor& y, const torch::Tensor& target) { return torch::mse_loss(y, target); };
@@ -116,7 +144,7 @@ int main(int argc, char** argv) {
     // Step k's batch comes from a generator of its own (seeded by k, restored from the optimizer's step count on
     // resume), so every rank draws it alike whatever layout saved or resumed the run.
     auto data = at::detail::createCPUGenerator(static_cast<uint64_t>(1000 + optimizer.steps_taken()));
-    auto x = torch::randn({batch, width}, data);
+    auto x = torch::randn({batch, shape.width}, data);
     auto target = torch::tanh(x.matmul(teacher));
     double loss = 0;
     if (pipelined) {
