@@ -31,7 +31,8 @@ struct ParallelOptions;  // xlr8/parallel_options.hpp: each strategy's own optio
 
 // FULL: every tensor whole, by name, on every rank. FULL_ON_MAIN: the same on the strategy group's rank 0
 // (FSDP's rank0_only; what save_model and save_state write), and elsewhere only names, dtypes and shapes
-// (meta tensors, no memory). SHARDED: what this rank holds.
+// (meta tensors, no memory). SHARDED: what this rank holds (views of its shards; with the parameters on disk, read
+// in for the purpose and valid until the next optimizer step, which puts them back).
 enum class StateDictKind { FULL, SHARDED, FULL_ON_MAIN };
 // Named tensors in the module's order (parameters, then buffers), as PyTorch's state_dict orders them.
 using StateDict = NamedTensors;

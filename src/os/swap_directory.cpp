@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/file.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -25,6 +26,19 @@ bool is_swap_file(const std::filesystem::path& p) {
   return name.starts_with("xlr8-") && name.ends_with(".swap");
 }
 
+const std::string& host_name() {
+  static const std::string name = [] {
+    char buffer[256] = {};
+    if (::gethostname(buffer, sizeof(buffer) - 1) != 0 || buffer[0] == '\0') return std::string("unknown-host");
+    return std::string(buffer);
+  }();
+  return name;
+}
+
+bool made_on_this_host(const std::filesystem::path& p) {
+  return p.filename().string().ends_with("@" + host_name() + ".swap");
+}
+
 // True when nobody holds `path`'s lock: its maker is gone. The file is removed while this process holds it.
 bool remove_if_unlocked(const std::filesystem::path& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -37,7 +51,26 @@ bool remove_if_unlocked(const std::filesystem::path& path) {
 
 }  // namespace
 
-SwapDirectoryClaim::SwapDirectoryClaim(const std::filesystem::path& dir, double wait_s) : dir_(dir) {
+std::string network_file_system(const std::filesystem::path& dir) {
+  struct statfs info {};
+  if (::statfs(dir.c_str(), &info) != 0) return "";
+  // Linux's magic numbers (statfs(2)); FUSE's may be a network one (sshfs, s3fs, GlusterFS) or not: treated as shared.
+  switch (static_cast<uint64_t>(info.f_type)) {
+    case 0x6969: return "nfs";
+    case 0x517B: return "smb";
+    case 0xFF534D42: return "cifs";
+    case 0xFE534D42: return "smb2";
+    case 0x0BD00BD0: return "lustre";
+    case 0x47504653: return "gpfs";
+    case 0x19830326: return "beegfs";
+    case 0x00C36400: return "ceph";
+    case 0x65735546: return "fuse";
+    default: return "";
+  }
+}
+
+SwapDirectoryClaim::SwapDirectoryClaim(const std::filesystem::path& dir, double wait_s, std::optional<bool> shared)
+    : dir_(dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir_, ec);
   if (ec)
@@ -60,7 +93,12 @@ SwapDirectoryClaim::SwapDirectoryClaim(const std::filesystem::path& dir, double 
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   try {
-    remove_stale_files();
+    const auto network = network_file_system(dir_);
+    if (!shared && !network.empty())
+      log::info("xlr8: the swap directory {} is on a network file system ({}): stale swap files are removed only when "
+                "this machine made them (another machine's may look unlocked from here)",
+                dir_.string(), network);
+    remove_stale_files(shared.value_or(!network.empty()));
     if (!removed_.empty())
       log::info("xlr8: removed {} stale swap file(s) ({} bytes) from {}: runs that ended without removing them",
                 removed_.size(), removed_bytes_, dir_.string());
@@ -71,13 +109,14 @@ SwapDirectoryClaim::SwapDirectoryClaim(const std::filesystem::path& dir, double 
   }
 }
 
-void SwapDirectoryClaim::remove_stale_files() {
+void SwapDirectoryClaim::remove_stale_files(bool shared) {
   std::error_code ec;
   for (auto it = std::filesystem::directory_iterator(dir_, ec); !ec && it != std::filesystem::directory_iterator();
        it.increment(ec)) {
     const auto& entry = *it;
     std::error_code entry_ec;
     if (!entry.is_regular_file(entry_ec) || !is_swap_file(entry.path())) continue;
+    if (shared && !made_on_this_host(entry.path())) continue;  // its machine judges it
     const auto bytes = static_cast<int64_t>(entry.file_size(entry_ec));
     if (!remove_if_unlocked(entry.path())) continue;
     removed_.push_back(entry.path());
@@ -95,7 +134,7 @@ std::filesystem::path SwapDirectoryClaim::new_file(const std::string& stem) cons
   // and SwapFile's O_EXCL turns one into an error instead of a lost file.
   static std::atomic<int> made{0};
   static const unsigned token = std::random_device{}();
-  return dir_ / fmt::format("xlr8-{}-{}-{:08x}-{}.swap", stem, ::getpid(), token, made++);
+  return dir_ / fmt::format("xlr8-{}-{}-{:08x}-{}@{}.swap", stem, ::getpid(), token, made++, host_name());
 }
 
 }  // namespace xlr8::os

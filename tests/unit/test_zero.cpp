@@ -113,7 +113,9 @@ TEST(Zero, ARootWithoutGuardStaysWholeAndStillMatches) {
     auto strategy = make_parallel_strategy(make_model(/*guard_root=*/false), comm, stage_options(3));
     auto got = train(*strategy, comm.rank(), 2, 3);
     expect_same_run(got, expected, 2e-6, "unguarded root");
-    for (const auto& g : strategy->stats()["groups"])
+    const auto stats = strategy->stats();  // kept: a range over a temporary's member would dangle
+    ASSERT_FALSE(stats["groups"].empty());
+    for (const auto& g : stats["groups"])
       EXPECT_EQ(g["sharded_between_steps"].get<bool>(), g["name"] != "(root)") << g.dump();
   });
 }

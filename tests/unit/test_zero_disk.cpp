@@ -16,6 +16,7 @@
 
 #include "checkpoint/optimizer_state.hpp"
 #include "compat/torch_compat.hpp"
+#include "os/swap_directory.hpp"
 #include "parallel/group_in_memory.hpp"
 #include "parallel/shard/zero_options.hpp"
 #include "xlr8/deepspeed_config.hpp"
@@ -304,6 +305,39 @@ TEST(ZeroDisk, ACheckpointHoldsOneGroupAtATimeReadsItAsItIsAndWritesOnlyWhatItCh
   fs::remove_all(dir);
 }
 
+// Parameters on disk: a sharded state dict reads every shard in, frozen ones included; the next optimizer step puts
+// them all back (the trained ones it steps, the frozen ones after), so that between steps no shard stays in memory.
+TEST(ZeroDisk, ShardsAShardedStateDictBroughtInGoBackToDiskWithTheNextStepFrozenOnesToo) {
+  const auto dir = swap_dir("frozen");
+  if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
+  auto strategy = make_parallel_strategy(make_model(true, /*frozen=*/true),
+                                         Communicator::in_process(xlr8::testing::unique_key(), 0, 1),
+                                         on_disk(3, dir, /*pipelined=*/true, /*params=*/true));
+  torch::optim::AdamW opt(strategy->module()->parameters(), torch::optim::AdamWOptions(1e-2));
+  strategy->bind_optimizer(opt);
+  auto shards_in_memory = [&](bool frozen) {
+    int n = 0;
+    const auto stats = strategy->stats();  // kept: a range over a temporary's member would dangle
+    for (const auto& g : stats["groups"]) n += g["frozen"] == frozen && g["shard_on_disk"] == false;
+    return n;
+  };
+  step_through(*strategy, opt, 0, 1);
+  EXPECT_EQ(shards_in_memory(true) + shards_in_memory(false), 0);
+  int frozen_groups = 0;
+  const auto stats = strategy->stats();
+  for (const auto& g : stats["groups"]) frozen_groups += g["frozen"] == true;
+  ASSERT_GT(frozen_groups, 0);
+  {
+    const auto sharded = strategy->state_dict(StateDictKind::SHARDED);
+    EXPECT_EQ(shards_in_memory(true), frozen_groups);
+  }
+  step_through(*strategy, opt, 1, 1);
+  EXPECT_EQ(shards_in_memory(true), 0);
+  EXPECT_EQ(shards_in_memory(false), 0);
+  strategy.reset();
+  fs::remove_all(dir);
+}
+
 // A load into a run whose state is already on disk (load_state mid-run) replaces it as a checkpoint does, one group
 // at a time (GroupInMemory): a group held for writing goes back (taking a swap buffer more to write it) before the next
 // comes in, so the four buffers of a pool without read-ahead suffice; the run then goes on as the one it was loaded from.
@@ -361,6 +395,11 @@ TEST(ZeroDisk, AFreedOptimizersSwapGoesWhenAnotherIsBound) {
   auto second = std::make_unique<torch::optim::AdamW>(strategy->module()->parameters(), options);  // elsewhere
   strategy->bind_optimizer(*second);
   EXPECT_EQ(optimizer_files(), 2u);  // the first is alive: its swap stays
+  const auto both = strategy->stats()["optimizer_on_disk"];  // both swaps, as one
+  EXPECT_EQ(both["optimizers"], 2) << both;
+  EXPECT_EQ(both["swap_files"].size(), 2u) << both;
+  EXPECT_EQ(both["swapped_steps"], 2) << both;  // the first's two, none yet of the second
+  EXPECT_EQ(both["swap_file_bytes"].get<int64_t>(), 2 * fs::file_size(both["swap_file"].get<std::string>())) << both;
   first.reset();
   strategy->bind_optimizer(*second);  // bound again: keeps its own swap, and the freed one's goes
   EXPECT_EQ(optimizer_files(), 1u);
@@ -476,6 +515,31 @@ TEST(ZeroDisk, StaleSwapFilesAreRemovedLiveOnesKeptAndABadPathFailsAtPrepare) {
   torch::optim::AdamW opt(strategy->module()->parameters());
   const auto error = disk_error_of([&] { strategy->bind_optimizer(opt); });
   EXPECT_NE(error.find("cannot create the nvme_path directory " + (file / "swap").string()), std::string::npos) << error;
+  fs::remove_all(dir);
+}
+
+// A swap directory other machines may share (a network file system, where flock may be each client's own): only this
+// machine's stale files are removed, by the host name in their names; another machine's unlocked one is left to it.
+// The same files on a local directory are all judged. This machine's /tmp-like directory is not a network one.
+TEST(ZeroDisk, OnASharedSwapDirectoryOnlyThisMachinesStaleFilesAreRemoved) {
+  const auto dir = swap_dir("shared");
+  fs::create_directories(dir);
+  EXPECT_EQ(os::network_file_system(dir), "");
+  char host[256] = {};
+  ASSERT_EQ(::gethostname(host, sizeof(host) - 1), 0);
+  const auto mine = dir / fmt::format("xlr8-optimizer-999999-0-0@{}.swap", host);
+  const auto theirs = dir / "xlr8-optimizer-999999-0-0@another-machine.swap";
+  const auto unnamed = dir / "xlr8-optimizer-999997-0.swap";  // an older run's name, without its host
+  for (const auto& f : {mine, theirs, unnamed}) std::ofstream(f) << "left";
+  {
+    const os::SwapDirectoryClaim claim(dir, 5, /*shared=*/true);
+    EXPECT_EQ(claim.removed(), std::vector<fs::path>{mine});
+    EXPECT_TRUE(claim.new_file("optimizer").filename().string().ends_with(fmt::format("@{}.swap", host)));
+  }
+  EXPECT_FALSE(fs::exists(mine));
+  EXPECT_TRUE(fs::exists(theirs) && fs::exists(unnamed));
+  const os::SwapDirectoryClaim local(dir, 5);
+  EXPECT_EQ(local.removed().size(), 2u);
   fs::remove_all(dir);
 }
 

@@ -261,4 +261,24 @@ nlohmann::json OptimizerSwap::stats() const {
   return out;
 }
 
+nlohmann::json OptimizerSwap::combined(const std::vector<nlohmann::json>& each) {
+  nlohmann::json out = each.empty() ? nlohmann::json::object() : each.front();
+  out["swap_files"] = nlohmann::json::array();
+  for (size_t i = 0; i < each.size(); ++i) {
+    if (each[i].contains("swap_file")) out["swap_files"].push_back(each[i]["swap_file"]);
+    for (const auto& [key, value] : each[i].items()) {
+      if (i == 0 || !value.is_number()) continue;
+      if (key.ends_with("_most")) out[key] = std::max(out.value(key, int64_t{0}), value.get<int64_t>());
+      else if (value.is_number_integer()) out[key] = out.value(key, int64_t{0}) + value.get<int64_t>();
+      else out[key] = out.value(key, 0.0) + value.get<double>();
+    }
+    if (i > 0 && each[i].value("optimizer_state_on_disk", false)) out["optimizer_state_on_disk"] = true;
+  }
+  const double seconds = out.value("swapped_step_seconds", 0.0);
+  const double moved = static_cast<double>(out.value("swap_bytes_read", int64_t{0}) + out.value("swap_bytes_written", int64_t{0}));
+  if (out.contains("swapped_step_gb_per_s")) out["swapped_step_gb_per_s"] = seconds > 0 ? moved / seconds / 1e9 : 0.0;
+  out["optimizers"] = each.size();
+  return out;
+}
+
 }  // namespace xlr8::shard

@@ -55,6 +55,9 @@ class OptimizerSwap {
   bool orphaned() const;
   // Where the state lives and what moved: the swap file, bytes read and written, seconds the steps took.
   nlohmann::json stats() const;
+  // The stats of the swaps of one model's live optimizers as one: bytes, seconds and counts summed, the most held at
+  // once the largest, "swap_files" each swap's file ("swap_file" the first's), "optimizers" how many.
+  static nlohmann::json combined(const std::vector<nlohmann::json>& each);
 
  private:
   struct Member {

@@ -83,6 +83,9 @@ void ShardedModel::optimizer_step(torch::optim::Optimizer& optimizer) {
   // Stages 1-2: every rank updated its chunk of the whole parameters; gather the others' in place.
   // Stage 3: the shards are the parameters; only groups held whole (no guard, or gathered now) refresh.
   refresh_whole_copies(/*frozen_too=*/false);
+  // Parameters on disk: the step put the trained shards back; a frozen one that a sharded state dict brought in
+  // goes back too (its views, like the trained ones', end with the step).
+  all_shards_in_memory(false);
   // Offload's disk tier: a step's allocations below the mmap threshold land in the heap that held the model before it
   // went to disk, and their freed pages stay resident there (a 0.5 B-parameter GPT: 1.3 of its 2.7 GB between steps).
   if (options_.optimizer_on_disk.enabled() || options_.params_on_disk.enabled()) {
@@ -165,7 +168,8 @@ nlohmann::json ShardedModel::stats() const {
                         {"bytes", g.full_bytes()},
                         {"sharded_between_steps", unit->managed()},
                         {"master_in_host_memory", g.host.master},
-                        {"shard_in_host_memory", g.host.shard}});
+                        {"shard_in_host_memory", g.host.shard},
+                        {"shard_on_disk", g.disk && g.shard_on_disk}});
       // Offload: the master shards and the parameter shards kept in host memory (the optimizer's state
       // and the gradients handed to it are there too, counted by whoever reads the optimizer).
       offloaded_masters += g.host.master;
@@ -184,6 +188,8 @@ nlohmann::json ShardedModel::stats() const {
         internal += static_cast<int64_t>(g.grad_full.nbytes());
     }
   const auto& c = context_;
+  std::vector<nlohmann::json> swap_stats;  // each live optimizer's
+  for (const auto& [optimizer, swap] : swaps_) swap_stats.push_back(swap->stats());
   return {{"stage", policy_.stage},
           {"ranks", comm_.size()},
           {"replicas", replicate_.valid() ? replicate_.size() : 1},
@@ -208,7 +214,7 @@ nlohmann::json ShardedModel::stats() const {
           {"peak_gathered_bytes", c.peak_gathered_bytes},
           {"step_peak_gathered_bytes", c.step_peak_gathered_bytes},
           {"heap_trim_seconds", heap_trim_seconds_},
-          {"optimizer_on_disk", swaps_.empty() ? nlohmann::json(nullptr) : swaps_.begin()->second->stats()},
+          {"optimizer_on_disk", swaps_.empty() ? nlohmann::json(nullptr) : OptimizerSwap::combined(swap_stats)},
           {"parameters_on_disk", shard_store_ ? shard_store_->stats() : nlohmann::json(nullptr)}};
 }
 
