@@ -77,7 +77,9 @@ torch::nn::Sequential mlp(const Shape& shape) {
       continue;
     }
     if (shared.is_empty()) {
-      shared = torch::nn::AnyModule(Block(width, hidden * width / 16, gain));
+      Block block(width, hidden * width / 16, gain);
+      block->simulated_ms = simulated_ms;
+      shared = torch::nn::AnyModule(block);
       if (freeze_shared)  // fine-tuning around it: no stage may change it
         for (auto& p : shared.ptr()->parameters()) p.set_requires_grad(false);
     }

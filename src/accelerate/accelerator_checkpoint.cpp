@@ -3,6 +3,7 @@
 // verification live in src/checkpoint/.
 #include <filesystem>
 #include <map>
+#include <optional>
 
 #include "checkpoint/hf_export.hpp"
 #include <fmt/ranges.h>
@@ -248,28 +249,32 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
 
 void Accelerator::load_state_unguarded(const std::string& dir) {
   auto& s = *impl_;
+  const auto context = fmt::format("load_state({:?})", dir);
+  // Which checkpoint, and everything in it read and checked before the first change, on every rank; then agree, so
+  // that a bad shard one rank read (or a checkpoint it cannot see) stops them all.
   fs::path source = checkpoints::directory_path(dir);
-  if (dir.empty()) {
-    auto all = checkpoints::automatic_checkpoints(s.options.project_dir);
-    if (all.empty())
-      throw Error(fmt::format("load_state(): no checkpoints under {}/checkpoints", s.options.project_dir));
-    source = all.back();
-  }
-  const checkpoints::Verified saved(source);
-
-  // Read and check everything before the first change, on every rank; then agree, so that a bad shard
-  // one rank read stops them all.
+  std::optional<checkpoints::Verified> saved;
   LoadPlan plan;
-  on_every_rank_or_none(s.world(), [&] { plan = read_and_check(s, saved, source, process_index()); },
-                        "nothing was loaded");
-  // Past the checks a rank can still fail (an I/O error while the disk tier reads one group at a time, a registered
-  // object's load): every rank learns it before the next collective, and what it left.
+  auto read = [&] {
+    if (dir.empty()) {
+      auto all = checkpoints::automatic_checkpoints(s.options.project_dir);
+      if (all.empty())
+        throw Error(fmt::format("load_state(): no checkpoints under {}/checkpoints", s.options.project_dir));
+      source = all.back();
+    }
+    saved.emplace(source);
+    plan = read_and_check(s, *saved, source, process_index());
+  };
+  on_every_rank_or_none(s.world(), read, context, "nothing was loaded");
+  // Past the checks a rank can still fail (an I/O error while the disk tier reads one group at a time, or writes a
+  // shard back; a registered object's load): every rank learns it before the next collective, and what it left.
   constexpr std::string_view partly = "the training state is now partly the checkpoint's: load_state again (or "
                                       "restart) before training on";
-  on_every_rank_or_none(s.world(), [&] { apply_model_state(s, *plan.portable); }, partly);
-  for (auto& m : s.models) m->parameter_pieces_loaded();  // collective: sharded strategies refresh their whole copies
-  on_every_rank_or_none(s.world(), [&] { apply_training_state(s, saved, source, plan); }, partly);
-  if (auto rng = saved.rng(process_index())) {
+  on_every_rank_or_none(s.world(), [&] { apply_model_state(s, *plan.portable); }, context, partly);
+  // Collective (sharded strategies refresh their whole copies); a rank's I/O error comes after its collectives.
+  on_every_rank_or_none(s.world(), [&] { for (auto& m : s.models) m->parameter_pieces_loaded(); }, context, partly);
+  on_every_rank_or_none(s.world(), [&] { apply_training_state(s, *saved, source, plan); }, context, partly);
+  if (auto rng = saved->rng(process_index())) {
     for (auto& [name, t] : rng->tensors)
       if (name == "cpu") {
         auto generator = at::detail::getDefaultCPUGenerator();
@@ -278,7 +283,7 @@ void Accelerator::load_state_unguarded(const std::string& dir) {
       }
   } else if (is_main_process()) {
     log::warning("xlr8: {} has no RNG state for rank {} (saved with {} processes); RNG not restored", source.string(),
-                 process_index(), saved.saved_world_size());
+                 process_index(), saved->saved_world_size());
   }
 }
 

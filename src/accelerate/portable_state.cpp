@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <atomic>
+#include <cstdio>
 #include <map>
 #include <set>
 #include <unordered_map>
@@ -191,9 +192,12 @@ struct Reads {
   bool injected_failure() const {
     static std::atomic<int> reads{0};
     const auto spec = env_var("XLR8_TEST_ONLY_FAIL_CHECKPOINT_READ");
-    const auto colon = spec ? spec->find(':') : std::string::npos;
-    return colon != std::string::npos && std::stoi(spec->substr(0, colon)) == rank &&
-           ++reads == std::stoi(spec->substr(colon + 1));
+    if (!spec) return false;
+    int failing_rank = -1, nth = 0;
+    if (std::sscanf(spec->c_str(), "%d:%d", &failing_rank, &nth) != 2)
+      throw ConfigError(fmt::format("XLR8_TEST_ONLY_FAIL_CHECKPOINT_READ={:?} must be <rank>:<n> (a test's; unset it)",
+                                    *spec));
+    return failing_rank == rank && ++reads == nth;
   }
 };
 

@@ -15,14 +15,17 @@ namespace xlr8 {
 
 // Runs `phase` here, then agrees with every rank of `world` (collective): when any failed, each rank throws the
 // first failed rank's message ("rank r: " where several run), followed by "; `consequence`" unless it says so already.
+// An exception not xlr8's own (LibTorch's, the library's) is prefixed with `context`, the operation it interrupted.
 template <class Phase>
-void on_every_rank_or_none(Communicator& world, Phase&& phase, std::string_view consequence = {}) {
+void on_every_rank_or_none(Communicator& world, Phase&& phase, std::string_view context,
+                           std::string_view consequence = {}) {
   std::string problem;
   try {
     phase();
-  } catch (const std::exception& e) {
+  } catch (const Error& e) {
     problem = e.what();
-    if (problem.empty()) problem = "an error without a message";
+  } catch (const std::exception& e) {
+    problem = fmt::format("{}: {}", context, e.what());
   }
   const auto problems = world.size() > 1 ? world.all_gather_object(problem) : std::vector<std::string>{problem};
   for (size_t r = 0; r < problems.size(); ++r) {

@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <cerrno>
+#include <cstdint>
 #include <chrono>
 #include <random>
 #include <system_error>
@@ -55,7 +56,7 @@ std::string network_file_system(const std::filesystem::path& dir) {
   struct statfs info {};
   if (::statfs(dir.c_str(), &info) != 0) return "";
   // Linux's magic numbers (statfs(2)); FUSE's may be a network one (sshfs, s3fs, GlusterFS) or not: treated as shared.
-  switch (static_cast<uint64_t>(info.f_type)) {
+  switch (static_cast<uint32_t>(info.f_type)) {
     case 0x6969: return "nfs";
     case 0x517B: return "smb";
     case 0xFF534D42: return "cifs";
@@ -65,6 +66,8 @@ std::string network_file_system(const std::filesystem::path& dir) {
     case 0x19830326: return "beegfs";
     case 0x00C36400: return "ceph";
     case 0x65735546: return "fuse";
+    case 0x01021997: return "9p";
+    case 0x6A656A63: return "virtiofs";
     default: return "";
   }
 }
@@ -94,7 +97,8 @@ SwapDirectoryClaim::SwapDirectoryClaim(const std::filesystem::path& dir, double 
   }
   try {
     const auto network = network_file_system(dir_);
-    if (!shared && !network.empty())
+    static std::atomic<bool> said{false};  // once a process: every rank's every swap claims a file
+    if (!shared && !network.empty() && !said.exchange(true))
       log::info("xlr8: the swap directory {} is on a network file system ({}): stale swap files are removed only when "
                 "this machine made them (another machine's may look unlocked from here)",
                 dir_.string(), network);

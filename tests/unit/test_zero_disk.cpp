@@ -524,7 +524,8 @@ TEST(ZeroDisk, StaleSwapFilesAreRemovedLiveOnesKeptAndABadPathFailsAtPrepare) {
 TEST(ZeroDisk, OnASharedSwapDirectoryOnlyThisMachinesStaleFilesAreRemoved) {
   const auto dir = swap_dir("shared");
   fs::create_directories(dir);
-  EXPECT_EQ(os::network_file_system(dir), "");
+  if (const auto network = os::network_file_system(dir); !network.empty())
+    GTEST_SKIP() << dir << " is on " << network << ": its stale files would be judged as shared ones";
   char host[256] = {};
   ASSERT_EQ(::gethostname(host, sizeof(host) - 1), 0);
   const auto mine = dir / fmt::format("xlr8-optimizer-999999-0-0@{}.swap", host);
@@ -538,7 +539,7 @@ TEST(ZeroDisk, OnASharedSwapDirectoryOnlyThisMachinesStaleFilesAreRemoved) {
   }
   EXPECT_FALSE(fs::exists(mine));
   EXPECT_TRUE(fs::exists(theirs) && fs::exists(unnamed));
-  const os::SwapDirectoryClaim local(dir, 5);
+  const os::SwapDirectoryClaim local(dir, 5);  // a local directory (the default here): every file judged
   EXPECT_EQ(local.removed().size(), 2u);
   fs::remove_all(dir);
 }

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
+#include <exception>
+
 #include "parallel/shard/shard_store.hpp"
 #include "xlr8/error.hpp"
 
@@ -99,12 +101,19 @@ Work FlatGroup::refresh_async(Communicator& comm) {
       return Work();
     }
     const bool was_on_disk = shard_on_disk;
-    load_shard();
+    std::exception_ptr failed;  // a read that failed still joins the gather the other ranks are in, then throws
+    try {
+      load_shard();
+    } catch (...) {
+      failed = std::current_exception();
+      fill_storage_anew(shard, shard_numel * static_cast<int64_t>(shard.element_size()));
+    }
     if (!was_on_disk && mixed()) {
       at::NoGradGuard no_grad;
       shard.copy_(master);
     }
     comm.all_gather_async(full, shard_on_device()).wait();
+    if (failed) std::rethrow_exception(failed);
     if (was_on_disk) drop_shard();
     else store_shard();
     return Work();

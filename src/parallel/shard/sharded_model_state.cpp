@@ -2,6 +2,7 @@
 // streamed visit of the whole model, catching whole copies up after a load, and the shards' swap file.
 #include <fmt/format.h>
 
+#include <exception>
 #include <map>
 
 #include "parallel/state_dict_check.hpp"
@@ -160,15 +161,21 @@ void ShardedModel::parameter_pieces_loaded(bool whole_parameters_written) {
   std::lock_guard<std::mutex> lock(mutex_);
   drop_prefetches();
   at::NoGradGuard no_grad;
+  std::exception_ptr failed;  // a group's I/O error (parameters on disk), thrown once every group's collective ran
   for (auto* flat : groups_) {
-    if (whole_parameters_written) {
-      if (flat->disk) flat->store_shard();  // copies the master when it is another tensor
-      else if (flat->mixed()) flat->shard.copy_(flat->master);
-      continue;
+    try {
+      if (whole_parameters_written) {
+        if (flat->disk) flat->store_shard();  // copies the master when it is another tensor
+        else if (flat->mixed()) flat->shard.copy_(flat->master);
+        continue;
+      }
+      // One group at a time (unlike after a step, where they overlap): the transient stays one group's.
+      flat->refresh_async(comm_).wait();
+    } catch (const std::exception&) {
+      if (!failed) failed = std::current_exception();
     }
-    // One group at a time (unlike after a step, where they overlap): the transient stays one group's.
-    flat->refresh_async(comm_).wait();
   }
+  if (failed) std::rethrow_exception(failed);
 }
 
 StateDict ShardedModel::full_state_layout(StateDictKind kind) const {
@@ -208,9 +215,14 @@ std::shared_ptr<ShardStore> ShardedModel::make_shard_store(const std::vector<Uni
 
 void ShardedModel::all_shards_in_memory(bool in_memory) {
   if (!shard_store_) return;
-  for (auto* flat : groups_) {
-    if (in_memory) flat->load_shard();
-    else flat->store_shard();
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    auto* flat = groups_[g];
+    if (in_memory) {
+      flat->load_shard();
+    } else if (!flat->shard_on_disk) {  // on disk already: its values are there (a mixed group's store would copy)
+      const auto held = held_.find({g, nullptr});
+      if (held == held_.end() || held->second.expired()) flat->store_shard();  // a holder's stays until released
+    }
   }
 }
 
