@@ -83,6 +83,9 @@ struct Call : torch::CustomClassHolder {
   // Tensorwise and delayed: the forward's fp8 input (kept in place of the wider input: 1 byte an element) and the
   // scales backward casts the weight with again (a sharded weight is gathered again for backward, not kept).
   at::Tensor input8, input_scale, weight_scale;
+  // A backward in two parts (a zero-bubble schedule's): the scale the inputs' part cast grad_output with, which the
+  // weights' part casts it with again, so that its product equals a whole backward's and nothing is recorded twice.
+  at::Tensor grad_scale;
 };
 
 // Whether backward needs the input in the compute dtype: row-wise re-casts it along another axis, and
@@ -153,10 +156,13 @@ std::pair<at::Tensor, at::Tensor> backward_products(const at::Tensor& g, const a
   }
   const auto grad_type = recipe.gradients_e5m2 ? kE5M2 : kE4M3;
   const auto grad_groups = groups_for(groups, Spread::Grad);
-  auto gs = recipe.scaling == Scaling::Tensorwise
+  const bool weights_part = need_weight && !need_input && call.grad_scale.defined();
+  auto gs = weights_part ? Cast{cast_to_float8(g, call.grad_scale, grad_type), call.grad_scale}
+            : recipe.scaling == Scaling::Tensorwise
                 ? cast_dynamic(g, grad_type, -1, grad_groups)
                 : cast_delayed(g, grad_type, state.grad_output, recipe, grad_groups, /*record=*/true,
                                /*forward=*/false);
+  if (need_input && !need_weight) call.grad_scale = gs.scale;  // an inputs' part: the weights' may follow
   // The forward's fp8 input, and its weight cast again with the forward's scale: the values the forward multiplied.
   const auto& sw = call.weight_scale;
   if (need_input)
@@ -194,6 +200,10 @@ struct Float8Product : torch::autograd::Function<Float8Product> {
 const char* const kCasts[] = {"input", "weight", "grad_output"};
 
 }  // namespace
+
+bool is_float8_product(const torch::autograd::Node& node) {
+  return dynamic_cast<const torch::autograd::CppNode<Float8Product>*>(&node) != nullptr;
+}
 
 LinearState::LinearState(Recipe recipe, std::string path) : recipe_(recipe), path_(std::move(path)) {
   for (auto* h : {&input, &weight, &grad_output}) {

@@ -12,6 +12,10 @@
 #include "xlr8/communicator.hpp"
 #include "xlr8/float8.hpp"
 
+namespace torch::autograd {
+struct Node;
+}
+
 namespace xlr8::fp8 {
 
 // The ranks across which an operand's amax is reduced (max), so that every rank casts with the scale one
@@ -64,5 +68,10 @@ inline nlohmann::json saved_delayed_state(const nlohmann::json& state, size_t mo
 // input @ weight^T in fp8 by the state's recipe (no bias), in the compute dtype: autocast's where it is on for the
 // input's device, else the input's. `training` records delayed amaxes; evaluation uses the scales it has.
 at::Tensor linear(const at::Tensor& input, const at::Tensor& weight, const std::shared_ptr<LinearState>& state, bool training);
+
+// Whether `node` is linear's backward, which computes only the gradients asked of it and, run in two parts (the
+// input's, then the weight's: a zero-bubble schedule's split backward), gives a whole backward's gradients and
+// records grad_output's amax once.
+bool is_float8_product(const torch::autograd::Node& node);
 
 }  // namespace xlr8::fp8

@@ -13,6 +13,9 @@
 #include <vector>
 
 #include "parallel/pipeline/split_backward.hpp"
+#include "precision/float8_linear.hpp"
+#include "xlr8/float8.hpp"
+#include "xlr8/nn.hpp"
 
 namespace {
 
@@ -153,3 +156,47 @@ TEST(SplitBackward, AWeightUsedAtTwoDepthsGetsBothUsesGradients) {
 }
 
 }  // namespace
+
+// fp8's product (delayed and tensor-wise scaling) is split like LibTorch's formulas: micro-batches in a zero-bubble
+// order (F0 B0 F1 B1 W0 F2 B2 W1 W2) give the gradients and the delayed scaling state of whole backwards in order,
+// bitwise: the weights' part casts grad_output with the scale the inputs' part used, and records nothing.
+TEST(SplitBackward, Fp8LayersSplitAndGiveWholeBackwardsGradientsAndScalingState) {
+  for (const auto scaling : {xlr8::fp8::Scaling::Delayed, xlr8::fp8::Scaling::Tensorwise}) {
+    auto make = [&] {
+      at::manual_seed(5);
+      auto net = torch::nn::Sequential(xlr8::nn::Linear(16, 32), torch::nn::Tanh(), xlr8::nn::Linear(32, 32),
+                                       torch::nn::Tanh(), xlr8::nn::Linear(32, 16));
+      xlr8::fp8::Recipe recipe;
+      recipe.scaling = scaling;
+      recipe.amax_history_len = 4;
+      EXPECT_EQ(xlr8::fp8::convert_to_float8_training(*net, recipe, {}).converted, std::vector<std::string>{"2"});
+      return net;
+    };
+    auto whole = make(), split = make();
+    at::manual_seed(6);
+    std::vector<at::Tensor> data, upstream, whole_inputs;
+    for (int i = 0; i < 3; ++i) data.push_back(at::randn({8, 16})), upstream.push_back(at::randn({8, 16}));
+    for (int i = 0; i < 3; ++i) {
+      auto x = data[i].clone().requires_grad_(true);
+      torch::autograd::backward({whole->forward(x)}, {upstream[i]});
+      whole_inputs.push_back(x.grad());
+    }
+    std::vector<xlr8::pp::SplitBackward> parts(3);
+    auto forward_and_inputs_part = [&](int i) {
+      auto x = data[i].clone().requires_grad_(true);
+      const auto got = parts[i].backward_input({split->forward(x)}, {upstream[i]}, {x})[0];
+      EXPECT_TRUE(at::equal(got, whole_inputs[i])) << i;
+    };
+    forward_and_inputs_part(0);
+    forward_and_inputs_part(1);
+    parts[0].backward_weight();
+    forward_and_inputs_part(2);
+    parts[1].backward_weight();
+    parts[2].backward_weight();
+    for (const auto& part : parts) EXPECT_EQ(part.whole_backwards(), 0);
+    const auto want = whole->named_parameters(), got = split->named_parameters();
+    for (const auto& item : want)
+      EXPECT_TRUE(at::equal(got[item.key()].grad(), item.value().grad())) << item.key() << " " << static_cast<int>(scaling);
+    EXPECT_EQ(xlr8::fp8::delayed_state_of(*split), xlr8::fp8::delayed_state_of(*whole));
+  }
+}

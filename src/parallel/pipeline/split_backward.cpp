@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "parallel/recompute/recompute.hpp"
+#include "precision/float8_linear.hpp"
 
 namespace xlr8::pp {
 
@@ -128,16 +129,17 @@ struct BackwardGraph {
 };
 
 // Whether `node` can run in both parts without counting anything twice: one of LibTorch's derivative formulas
-// (which compute only the gradients asked for), with no hooks. A checkpointed region's node would run its nested
-// backward again, another custom Function may compute (or record, as fp8's scaling does) whatever it computes.
+// (which compute only the gradients asked for), or fp8's product (which does so too, and records once), with no
+// hooks. A checkpointed region's node would run its nested backward again, another custom Function may compute (or
+// record) whatever it computes.
 bool runs_twice_safely(Node* node) {
   const auto name = node->name();
   const auto formula = name.find("Backward");
   const bool generated = name == "torch::autograd::CopySlices" ||  // an in-place op on a view: its formula inside
                          (formula != std::string::npos &&
                           name.find_first_not_of("0123456789", formula + 8) == std::string::npos);
-  return generated && node->pre_hooks().empty() && node->tensor_pre_hooks().empty() &&
-         node->retains_grad_hooks().empty() && node->post_hooks().empty();
+  return (generated || fp8::is_float8_product(*node)) && node->pre_hooks().empty() &&
+         node->tensor_pre_hooks().empty() && node->retains_grad_hooks().empty() && node->post_hooks().empty();
 }
 
 // A boundary: a node on the input path with children off it that reach weights, or a root off the path.
