@@ -105,6 +105,11 @@ int train_pipeline(xlr8::Accelerator& acc, const Args& args) {
   const double val_loss = held_out_loss(acc, *val);
   nlohmann::json held_by_rank = nlohmann::json::array();
   for (const auto& count : acc.gather_object(std::to_string(held))) held_by_rank.push_back(std::stoll(count));
+  // Zero-bubble schedules: the last step's micro-batches each stage could not split (a backward run whole).
+  nlohmann::json whole_backwards = nlohmann::json::array();
+  const auto stats = acc.pipeline_stats();
+  for (const auto& count : acc.gather_object(std::to_string(stats.is_null() ? 0 : stats.value("whole_backwards", 0))))
+    whole_backwards.push_back(std::stoi(count));
   acc.save_model(model, args.output_dir + "/model");
   acc.end_training();
   if (acc.is_main_process())
@@ -117,7 +122,8 @@ int train_pipeline(xlr8::Accelerator& acc, const Args& args) {
                                       {"pp_size", acc.state().mesh().size(xlr8::MeshDim::pp)},
                                       {"stage_starts", model->stage_starts()},
                                       {"parameters_by_rank", held_by_rank},
-                                      {"pipeline_stats", acc.pipeline_stats()},
+                                      {"pipeline_stats", stats},
+                                      {"whole_backwards_by_rank", whole_backwards},
                                       {"tokens_per_s", static_cast<double>(tokens) / std::max(seconds, 1e-9)}}
                            .dump());
   return 0;

@@ -157,6 +157,9 @@ class Pipeline {
   double last_wait_seconds() const { return wait_seconds_; }
   int64_t last_bytes_sent() const { return bytes_sent_; }
   int last_peak_held() const { return peak_held_; }
+  // Under InterleavedZeroBubble: the last step's micro-batches whose backward could not be split (a custom autograd
+  // Function, a checkpointed region or a hook where the weights' graph leaves the input's path) and ran whole.
+  int last_whole_backwards() const { return whole_backwards_; }
 
  private:
   // A tensor from stage `from`: its shape and dtype first, checked against the step's first micro-batch's
@@ -178,7 +181,7 @@ class Pipeline {
   int checkpoint_interval_ = 0;
   std::function<void(bool)> before_backward_;
   double wait_seconds_ = 0, step_seconds_ = 0;
-  int peak_held_ = 0;
+  int peak_held_ = 0, whole_backwards_ = 0;
   int64_t bytes_sent_ = 0;
 };
 

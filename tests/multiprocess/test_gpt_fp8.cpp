@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <fstream>
+#include <map>
 
 #include "gpt_runs.hpp"
 
@@ -100,6 +101,27 @@ TEST(GptFp8, AResumedDelayedScalingRunEqualsTheStraightOne) {
   EXPECT_EQ(resumed["global_step"], 12);
   EXPECT_EQ(resumed["final_train_loss"].get<double>(), whole["final_train_loss"].get<double>());
   EXPECT_EQ(resumed["val_loss"].get<double>(), whole["val_loss"].get<double>());
+}
+
+// pp 2 with the zero-bubble schedule splits fp8's layers' backwards (none ran whole on either stage) and trains as
+// 1F1B does, bitwise: the same order of forwards and inputs' parts, the weights' parts cast with the inputs' scales.
+// Delayed (TE, every Linear) and dynamic (AO) scaling.
+TEST(GptFp8, ZeroBubblePipelinesSplitFp8LayersAndTrainAsOneFOneB) {
+  for (const std::string backend : {"TE", "AO"}) {
+    SCOPED_TRACE(backend);
+    std::map<std::string, nlohmann::json> runs;
+    for (const std::string schedule : {"1F1B", "InterleavedZeroBubble"}) {
+      const Args pp{"--parallelism_config_pp_size", "2", "--parallelism_config_pp_schedule", schedule,
+                    "--parallelism_config_pp_microbatches", "4"};
+      runs[schedule] = fp8_run(2, 8, backend, temp_dir("gpt-fp8-pp"), pp, {}, 6);
+      ASSERT_TRUE(runs[schedule].contains("final_train_loss")) << schedule;
+    }
+    const auto& zb = runs["InterleavedZeroBubble"];
+    EXPECT_EQ(zb["pipeline_stats"]["schedule"], "InterleavedZeroBubble");
+    EXPECT_EQ(zb["whole_backwards_by_rank"], nlohmann::json::parse("[0, 0]")) << zb;
+    EXPECT_EQ(zb["losses"], runs["1F1B"]["losses"]);
+    EXPECT_EQ(zb["val_loss"], runs["1F1B"]["val_loss"]);
+  }
 }
 
 // 300 steps of a GPT twice as wide (the smallest above is too noisy: at d_model 32 and lr 3e-3 the validation loss

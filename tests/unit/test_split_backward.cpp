@@ -157,11 +157,12 @@ TEST(SplitBackward, AWeightUsedAtTwoDepthsGetsBothUsesGradients) {
 
 }  // namespace
 
-// fp8's product (delayed and tensor-wise scaling) is split like LibTorch's formulas: micro-batches in a zero-bubble
-// order (F0 B0 F1 B1 W0 F2 B2 W1 W2) give the gradients and the delayed scaling state of whole backwards in order,
-// bitwise: the weights' part casts grad_output with the scale the inputs' part used, and records nothing.
+// fp8's product (delayed, tensor-wise and row-wise scaling) is split like LibTorch's formulas: micro-batches in a
+// zero-bubble order (F0 B0 F1 B1 W0 F2 B2 W1 W2) give the gradients and the delayed scaling state of whole backwards
+// in order, bitwise: the weights' part casts grad_output with the scale the inputs' part used, and records nothing.
 TEST(SplitBackward, Fp8LayersSplitAndGiveWholeBackwardsGradientsAndScalingState) {
-  for (const auto scaling : {xlr8::fp8::Scaling::Delayed, xlr8::fp8::Scaling::Tensorwise}) {
+  using xlr8::fp8::Scaling;
+  for (const auto scaling : {Scaling::Delayed, Scaling::Tensorwise, Scaling::Rowwise}) {
     auto make = [&] {
       at::manual_seed(5);
       auto net = torch::nn::Sequential(xlr8::nn::Linear(16, 32), torch::nn::Tanh(), xlr8::nn::Linear(32, 32),

@@ -227,6 +227,9 @@ double Pipeline::run(const std::vector<at::Tensor>& inputs, const std::vector<at
   for (auto& work : pending_) work.wait();
   pending_.clear();
   in_flight_.clear();
+  if (train) whole_backwards_ = 0;  // an evaluation's run leaves the last step's count
+  for (const auto& chunk : split)
+    for (const auto& part : chunk) whole_backwards_ += part.whole_backwards();
   auto on_device = loss_sum.to(device_of(stage_));
   group_.broadcast(on_device, stages - 1);
   const double mean = on_device.item<double>() / m;
