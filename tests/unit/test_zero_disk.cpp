@@ -338,6 +338,39 @@ TEST(ZeroDisk, ShardsAShardedStateDictBroughtInGoBackToDiskWithTheNextStepFrozen
   fs::remove_all(dir);
 }
 
+// A rank whose shard read fails while a load's refresh gathers (its parameter swap file cut short here: a real end of
+// file) still joins every group's gather, then throws; the other rank is not left waiting in one (it would wait for the
+// 10 s timeout and fail with it), so load_state's agreement that follows reaches both. The root opens no guard, so its
+// group stays whole after a step and the refresh reads its shard.
+TEST(ZeroDisk, ARankWhoseShardReadFailsInALoadsRefreshStillJoinsEveryGather) {
+  const auto dir = swap_dir("refresh");
+  if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
+  std::vector<std::string> errors(2);
+  std::vector<int64_t> reads(2);
+  run_ranks(
+      2,
+      [&](Communicator& comm) {
+        auto strategy = make_parallel_strategy(make_model(/*guard_root=*/false), comm,
+                                               on_disk(3, dir, /*pipelined=*/true, /*params=*/true));
+        train(*strategy, comm.rank(), 2, 1);
+        auto shards = [&] { return strategy->stats()["parameters_on_disk"]; };
+        if (comm.rank() == 1) fs::resize_file(shards()["swap_file"].get<std::string>(), 0);
+        comm.barrier();
+        const auto before = shards()["shard_reads"].get<int64_t>();
+        try {
+          strategy->parameter_pieces_loaded();
+        } catch (const Error& e) {
+          errors[comm.rank()] = e.what();
+        }
+        reads[comm.rank()] = shards()["shard_reads"].get<int64_t>() - before;
+      },
+      std::chrono::seconds(10));
+  EXPECT_EQ(errors[0], "");
+  EXPECT_GT(reads[0], 0);  // the refresh read (and gathered) on both ranks
+  EXPECT_NE(errors[1].find("end of file"), std::string::npos) << errors[1];
+  fs::remove_all(dir);
+}
+
 // A load into a run whose state is already on disk (load_state mid-run) replaces it as a checkpoint does, one group
 // at a time (GroupInMemory): a group held for writing goes back (taking a swap buffer more to write it) before the next
 // comes in, so the four buffers of a pool without read-ahead suffice; the run then goes on as the one it was loaded from.
