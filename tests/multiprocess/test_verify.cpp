@@ -490,17 +490,20 @@ TEST(Advise, MeshCandidatesPredictTheirStateExactlyTheWinnersMeshLaunchesAndAMod
 // throughput), not tried with the reason for a program that trains with backward() or a model that is no Sequential.
 TEST(Advise, PipelineCandidatesAreTriedForASequentialSteppedByPipelineStepAndOtherwiseSayWhyNot) {
   auto advise = [](const Args& program) {
-    Args a{kXlr8, "advise", "--num_processes", "2", "--min_seconds", "0.2", "--try", "DDP", "--try", "pp 2, bf16"};
+    Args a{kXlr8, "advise", "--num_processes", "2", "--min_seconds", "0.2", "--try", "DDP", "--try", "pp 2, bf16",
+           "--try", "pp 2, zero-bubble, bf16"};
     a.insert(a.end(), program.begin(), program.end());
     return run(a, 85);
   };
   auto r = advise({kPipeline, "--always_pipeline_step", "--steps", "100000", "--width", "64"});
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
-  const auto row = table_row(r.out, "pp 2, bf16");
-  EXPECT_NE(row, "") << r.out;
-  EXPECT_EQ(row.find("not tried"), std::string::npos) << row;
-  EXPECT_EQ(row.find("failed"), std::string::npos) << row;
-  EXPECT_NE(r.err.find("xlr8 advise: pp 2, bf16: "), std::string::npos) << r.err;  // it was launched
+  for (const std::string name : {"pp 2, bf16", "pp 2, zero-bubble, bf16"}) {
+    const auto row = table_row(r.out, name);
+    EXPECT_NE(row, "") << r.out;
+    EXPECT_EQ(row.find("not tried"), std::string::npos) << row;
+    EXPECT_EQ(row.find("failed"), std::string::npos) << row;
+    EXPECT_NE(r.err.find("xlr8 advise: " + name + ": "), std::string::npos) << r.err;  // it was launched
+  }
   r = advise({kPipeline, "--steps", "100000"});  // plain backward() on one process and under DDP
   ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
   EXPECT_NE(table_row(r.out, "pp 2, bf16").find("not tried: the program does not step through Accelerator::pipeline_step"),

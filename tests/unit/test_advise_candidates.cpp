@@ -50,6 +50,7 @@ TEST(AdviseCandidates, HybridShardOnlyWithSeveralMachinesAndTheMeshOnesOnAnEvenC
   const auto two = names(candidates(4, 2));
   EXPECT_NE(std::find(two.begin(), two.end(), "HYBRID_SHARD, bf16"), two.end());
   EXPECT_NE(std::find(two.begin(), two.end(), "FULL_SHARD x tp 2, bf16"), two.end());
+  EXPECT_NE(std::find(one.begin(), one.end(), "pp 2, zero-bubble, bf16"), one.end());
   const auto odd = names(candidates(3, 1));
   EXPECT_EQ(std::find(odd.begin(), odd.end(), "tp 2, bf16"), odd.end());
 }
@@ -105,4 +106,7 @@ TEST(AdviseCandidates, ContextAndSequenceParallelismOfOneSizeHoldTheSameActivati
   EXPECT_EQ(activation_kind(under(all, "DDP, bf16")), activation_kind(under(all, "FULL_SHARD, bf16")));
   EXPECT_NE(activation_kind(under(all, "DDP")), activation_kind(under(all, "DDP, bf16")));
   EXPECT_NE(activation_kind(under(all, "tp 2, bf16")), activation_kind(under(all, "FULL_SHARD, bf16")));
+  // A pipeline's schedule decides how many micro-batches a stage holds; its launches differ too.
+  EXPECT_NE(activation_kind(under(all, "pp 2, bf16")), activation_kind(under(all, "pp 2, zero-bubble, bf16")));
+  EXPECT_NE(launch_key(under(all, "pp 2, bf16")), launch_key(under(all, "pp 2, zero-bubble, bf16")));
 }

@@ -8,6 +8,7 @@ namespace xlr8::cli {
 namespace {
 
 // Tensor, context, sequence and pipeline parallelism of 2 on n ranks (n even): the rest of the ranks data-parallel.
+// Pipelines under 1F1B and the zero-bubble schedule.
 std::vector<Candidate> mesh_candidates(int n, const std::map<std::string, std::string>& full_shard) {
   if (n % 2 != 0) return {};
   const std::string rest = std::to_string(n / 2);
@@ -28,7 +29,13 @@ std::vector<Candidate> mesh_candidates(int n, const std::map<std::string, std::s
        .parallelism = mesh({{"parallelism_config_sp_size", "2"}}, "parallelism_config_dp_shard_size"),
        .needs_attention = true},
       {.name = "pp 2, bf16", .formula = "ddp", .mixed_precision = "bf16",
-       .parallelism = mesh({{"parallelism_config_pp_size", "2"}}, "parallelism_config_dp_replicate_size"), .pp = 2}};
+       .parallelism = mesh({{"parallelism_config_pp_size", "2"}}, "parallelism_config_dp_replicate_size"), .pp = 2},
+      // The zero-bubble schedule: less idle than 1F1B, each stage holding up to 2 micro-batches' activations.
+      {.name = "pp 2, zero-bubble, bf16", .formula = "ddp", .mixed_precision = "bf16",
+       .parallelism = mesh({{"parallelism_config_pp_size", "2"},
+                            {"parallelism_config_pp_schedule", "InterleavedZeroBubble"}},
+                           "parallelism_config_dp_replicate_size"),
+       .pp = 2}};
   if (n >= 4)
     out.push_back({.name = "pp 2 x FULL_SHARD, bf16", .formula = "zero3", .use_fsdp = true, .fsdp = full_shard,
                    .mixed_precision = "bf16",
@@ -113,7 +120,8 @@ std::optional<LaunchRequest> without_recompute(LaunchRequest r) {
 }
 
 // What decides the bytes a step holds above the training state (activations, autocast copies, gathered units):
-// the precision, recomputation, how tp, cp or sp split the activations, and the stages a pipeline holds. Strategies of the same kind differ
+// the precision, recomputation, how tp, cp or sp split the activations, and the stages a pipeline holds (and how many of
+// its micro-batches, by schedule). Strategies of the same kind differ
 // by their gathered units and buckets alone.
 std::string activation_kind(const LaunchRequest& r) {
   auto value = [](const std::map<std::string, std::string>& m, const std::string& key) {
@@ -121,11 +129,12 @@ std::string activation_kind(const LaunchRequest& r) {
     return at == m.end() ? std::string("-") : at->second;
   };
   const std::string cp = value(r.parallelism, "parallelism_config_cp_size");  // cp and sp split the sequence alike
-  return fmt::format("{}|ac {}|tp {}|sequence / {}|pp {}", r.mixed_precision.value_or(""),
+  return fmt::format("{}|ac {}|tp {}|sequence / {}|pp {} {}", r.mixed_precision.value_or(""),
                      value(r.fsdp, "fsdp_activation_checkpointing") == "true",
                      value(r.parallelism, "parallelism_config_tp_size"),
                      cp != "-" ? cp : value(r.parallelism, "parallelism_config_sp_size"),
-                     value(r.parallelism, "parallelism_config_pp_size"));
+                     value(r.parallelism, "parallelism_config_pp_size"),
+                     value(r.parallelism, "parallelism_config_pp_schedule"));  // micro-batches held differ
 }
 
 std::string compute_kind(const LaunchRequest& r, MixedPrecision precision) {
