@@ -2,7 +2,10 @@
 // and a pool smaller than what they total, read back exactly, in write order, within the pool's memory.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <unistd.h>
+
+#include <csignal>
 
 #include <filesystem>
 #include <functional>
@@ -95,4 +98,31 @@ TEST(TensorSwapper, ABufferSmallerThanATensorOrAWrongTensorIsRefusedNamingIt) {
   EXPECT_NE(thrown_by([&] { swapper.swap_out("t0", at::zeros({4096}, at::kDouble)); }).find("its slot holds Float [4096]"),
             std::string::npos);
   EXPECT_NE(thrown_by([&] { swapper.swap_in("nope"); }).find("no swapped tensor is named nope"), std::string::npos);
+}
+
+// A write that fails (the kernel refuses writes past RLIMIT_FSIZE with EFBIG, as a full disk refuses with ENOSPC)
+// breaks the swap: the failure names itself and the way on, and every later use (a read of another slot, a write,
+// a prefetch, a flush) says the same instead of handing out a half-written state.
+TEST(TensorSwapper, AFailedWriteBreaksTheSwapAndEveryLaterUseSaysWhatToDo) {
+  const std::vector<at::Tensor> tensors{at::randn({1024}), at::randn({1024})};  // 4 KiB each: t1 at offset 4096
+  TensorSwapper swapper({.file = swap_file_here(), .buffer_size = 4096, .buffer_count = 2}, slots_of(tensors));
+  swapper.swap_out("t0", tensors[0]);
+  swapper.flush();
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);  // else the signal ends the process
+  rlimit small = old;
+  small.rlim_cur = 4096;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  swapper.swap_out("t1", tensors[1]);  // written behind
+  const auto failed = thrown_by([&] { swapper.flush(); });
+  ::setrlimit(RLIMIT_FSIZE, &old);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_NE(failed.find("writing 4096 bytes at offset 4096"), std::string::npos) << failed;
+  EXPECT_NE(failed.find("no longer holds the run's state"), std::string::npos) << failed;
+  EXPECT_NE(failed.find("resume from the last checkpoint"), std::string::npos) << failed;
+  for (const auto& use : std::vector<std::function<void()>>{[&] { swapper.swap_in("t0"); },
+                                                            [&] { swapper.swap_out("t0", tensors[0]); },
+                                                            [&] { swapper.prefetch("t1"); }, [&] { swapper.flush(); }})
+    EXPECT_EQ(thrown_by(use), failed);
 }

@@ -95,8 +95,9 @@ size_t TensorSwapper::acquire(std::unique_lock<std::mutex>& lock) {
   const size_t oldest = pool.busy.front();  // a write behind, or a read ahead nobody took yet
   pool.busy.pop_front();
   auto& b = pool.buffers[oldest];
-  b.ticket.wait();
-  b.state = Pool::Buffer::Free;
+  const bool write = b.state == Pool::Buffer::Writing;
+  b.state = Pool::Buffer::Free;  // whatever the transfer's end: the buffer is not lost with it
+  wait_for(b.ticket, write);
   return oldest;
 }
 
@@ -119,7 +120,8 @@ void TensorSwapper::swap_out(const std::string& name, const at::Tensor& values) 
                             name, c10::toString(values.scalar_type()), fmt::join(values.sizes(), ", "),
                             values.device().str(), c10::toString(p.slot.dtype), fmt::join(p.slot.shape, ", ")));
   std::unique_lock<std::mutex> lock(pool_->mutex);
-  p.last_write.wait();  // writes of one slot land in order
+  throw_if_broken();
+  wait_for(p.last_write, /*write=*/true);  // writes of one slot land in order
   drop_reads_of(name);
   const size_t i = acquire(lock);
   auto& b = pool_->buffers[i];
@@ -132,7 +134,8 @@ void TensorSwapper::swap_out(const std::string& name, const at::Tensor& values) 
 }
 
 size_t TensorSwapper::start_read(Placed& p, std::unique_lock<std::mutex>& lock) {
-  p.last_write.wait();
+  throw_if_broken();
+  wait_for(p.last_write, /*write=*/true);
   const size_t i = acquire(lock);
   auto& b = pool_->buffers[i];
   b.ticket = io_.read(file_, p.offset, *b.memory, p.bytes);
@@ -145,6 +148,7 @@ size_t TensorSwapper::start_read(Placed& p, std::unique_lock<std::mutex>& lock) 
 void TensorSwapper::prefetch(const std::string& name) {
   auto& p = placed(name);
   std::unique_lock<std::mutex> lock(pool_->mutex);
+  throw_if_broken();
   for (const auto& b : pool_->buffers)
     if (b.state == Pool::Buffer::Reading && b.name == name) return;
   start_read(p, lock);
@@ -154,6 +158,7 @@ void TensorSwapper::prefetch(const std::string& name) {
 at::Tensor TensorSwapper::swap_in(const std::string& name) {
   auto& p = placed(name);
   std::unique_lock<std::mutex> lock(pool_->mutex);
+  throw_if_broken();
   auto& buffers = pool_->buffers;
   size_t i = buffers.size();
   for (size_t k = 0; k < buffers.size(); ++k)
@@ -187,14 +192,33 @@ nlohmann::json TensorSwapper::stats() const {
 
 void TensorSwapper::flush() {
   std::lock_guard<std::mutex> lock(pool_->mutex);
+  throw_if_broken();
   auto& pool = *pool_;
   for (size_t i = 0; i < pool.buffers.size(); ++i) {
     auto& b = pool.buffers[i];
     if (b.state != Pool::Buffer::Writing) continue;
-    b.ticket.wait();
     b.state = Pool::Buffer::Free;
     std::erase(pool.busy, i);
+    wait_for(b.ticket, /*write=*/true);
   }
+}
+
+void TensorSwapper::wait_for(const os::IoTicket& ticket, bool write) {
+  try {
+    ticket.wait();
+  } catch (const std::exception& e) {
+    if (!write) throw;  // a read that failed leaves the file as it was
+    if (broken_.empty())
+      broken_ = fmt::format("{}; the swap file no longer holds the run's state (values written behind are lost): "
+                            "this run cannot go on; free the disk or fix its error, then resume from the last "
+                            "checkpoint (--resume_from latest, or load_state)",
+                            e.what());
+    throw Error(broken_);
+  }
+}
+
+void TensorSwapper::throw_if_broken() const {
+  if (!broken_.empty()) throw Error(broken_);
 }
 
 }  // namespace xlr8::shard

@@ -67,6 +67,9 @@ class TensorSwapper {
   size_t acquire(std::unique_lock<std::mutex>& lock);
   size_t start_read(Placed& p, std::unique_lock<std::mutex>& lock);
   void drop_reads_of(const std::string& name);  // prefetched values a new write makes stale
+  // Waits for a transfer; a write that failed breaks the swap (below) and says so. Under pool_'s mutex.
+  void wait_for(const os::IoTicket& ticket, bool write);
+  void throw_if_broken() const;
 
   SwapOptions options_;
   std::map<std::string, Placed> slots_;
@@ -75,6 +78,9 @@ class TensorSwapper {
   std::shared_ptr<Pool> pool_;
   // Reads started ahead by prefetch, and swap_ins that found their read already started (under pool_'s mutex).
   int64_t reads_ahead_ = 0, found_ahead_ = 0;
+  // Set when a write failed: the file no longer holds what it should (the values written behind were let go), so
+  // every later use fails with this, naming the first failure and the way on (under pool_'s mutex).
+  std::string broken_;
 };
 
 }  // namespace xlr8::shard
