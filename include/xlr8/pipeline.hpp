@@ -158,7 +158,8 @@ class Pipeline {
   int64_t last_bytes_sent() const { return bytes_sent_; }
   int last_peak_held() const { return peak_held_; }
   // Under InterleavedZeroBubble: the last step's micro-batches whose backward could not be split (a custom autograd
-  // Function, a checkpointed region or a hook where the weights' graph leaves the input's path) and ran whole.
+  // Function, a checkpointed region or a hook where the weights' graph leaves the input's path) and ran whole. The
+  // first stage's backward, which no input's gradient waits for, is one backward by design and not counted.
   int last_whole_backwards() const { return whole_backwards_; }
 
  private:

@@ -163,6 +163,7 @@ std::pair<at::Tensor, at::Tensor> backward_products(const at::Tensor& g, const a
                 : cast_delayed(g, grad_type, state.grad_output, recipe, grad_groups, /*record=*/true,
                                /*forward=*/false);
   if (need_input && !need_weight) call.grad_scale = gs.scale;  // an inputs' part: the weights' may follow
+  if (weights_part) call.grad_scale = at::Tensor();               // used once: another backward casts anew
   // The forward's fp8 input, and its weight cast again with the forward's scale: the values the forward multiplied.
   const auto& sw = call.weight_scale;
   if (need_input)

@@ -201,3 +201,40 @@ TEST(SplitBackward, Fp8LayersSplitAndGiveWholeBackwardsGradientsAndScalingState)
     EXPECT_EQ(xlr8::fp8::delayed_state_of(*split), xlr8::fp8::delayed_state_of(*whole));
   }
 }
+
+// An fp8 layer used at two depths of one stage (its weight's graph reached from the input's path twice): the weights'
+// part would run it again from the stage's outputs, asking its input's gradient again; such a micro-batch is one whole
+// backward instead, and the gradients and delayed scaling state are a whole backward's.
+TEST(SplitBackward, AnFp8LayerUsedAtTwoDepthsGivesAWholeBackwardsGradients) {
+  struct Twice : torch::nn::Module {
+    xlr8::nn::Linear first{16, 32}, middle{32, 32}, last{32, 16};
+    Twice() {
+      register_module("first", first), register_module("middle", middle), register_module("last", last);
+    }
+    at::Tensor forward(const at::Tensor& x) {
+      return last(at::tanh(middle(at::tanh(middle(at::tanh(first(x)))))));
+    }
+  };
+  auto make = [] {
+    at::manual_seed(5);
+    auto net = std::make_shared<Twice>();
+    xlr8::fp8::Recipe recipe;
+    recipe.scaling = xlr8::fp8::Scaling::Delayed;
+    recipe.amax_history_len = 4;
+    EXPECT_EQ(xlr8::fp8::convert_to_float8_training(*net, recipe, {}).converted, std::vector<std::string>{"middle"});
+    return net;
+  };
+  auto whole = make(), split = make();
+  at::manual_seed(6);
+  const auto data = at::randn({8, 16}), upstream = at::randn({8, 16});
+  auto x = data.clone().requires_grad_(true);
+  torch::autograd::backward({whole->forward(x)}, {upstream});
+  auto again = data.clone().requires_grad_(true);
+  xlr8::pp::SplitBackward part;
+  EXPECT_TRUE(at::equal(part.backward_input({split->forward(again)}, {upstream}, {again})[0], x.grad()));
+  part.backward_weight();
+  EXPECT_EQ(part.whole_backwards(), 1);
+  const auto want = whole->named_parameters(), got = split->named_parameters();
+  for (const auto& item : want) EXPECT_TRUE(at::equal(got[item.key()].grad(), item.value().grad())) << item.key();
+  EXPECT_EQ(xlr8::fp8::delayed_state_of(*split), xlr8::fp8::delayed_state_of(*whole));
+}

@@ -108,16 +108,28 @@ TEST(TensorSwapper, AFailedWriteBreaksTheSwapAndEveryLaterUseSaysWhatToDo) {
   TensorSwapper swapper({.file = swap_file_here(), .buffer_size = 4096, .buffer_count = 2}, slots_of(tensors));
   swapper.swap_out("t0", tensors[0]);
   swapper.flush();
-  rlimit old{};
-  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
-  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);  // else the signal ends the process
-  rlimit small = old;
-  small.rlim_cur = 4096;
-  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
-  swapper.swap_out("t1", tensors[1]);  // written behind
-  const auto failed = thrown_by([&] { swapper.flush(); });
-  ::setrlimit(RLIMIT_FSIZE, &old);
-  std::signal(SIGXFSZ, old_handler);
+  // Files of this process may not grow past 4 KiB while `limit` lives (restored however the block ends).
+  struct FileSizeLimit {
+    rlimit old{};
+    void (*old_handler)(int) = SIG_DFL;
+    explicit FileSizeLimit(rlim_t bytes) {
+      ::getrlimit(RLIMIT_FSIZE, &old);
+      old_handler = std::signal(SIGXFSZ, SIG_IGN);  // else the signal ends the process
+      rlimit small = old;
+      small.rlim_cur = bytes;
+      ::setrlimit(RLIMIT_FSIZE, &small);
+    }
+    ~FileSizeLimit() {
+      ::setrlimit(RLIMIT_FSIZE, &old);
+      std::signal(SIGXFSZ, old_handler);
+    }
+  };
+  std::string failed;
+  {
+    const FileSizeLimit limit(4096);
+    swapper.swap_out("t1", tensors[1]);  // written behind
+    failed = thrown_by([&] { swapper.flush(); });
+  }
   EXPECT_NE(failed.find("writing 4096 bytes at offset 4096"), std::string::npos) << failed;
   EXPECT_NE(failed.find("no longer holds the run's state"), std::string::npos) << failed;
   EXPECT_NE(failed.find("resume from the last checkpoint"), std::string::npos) << failed;

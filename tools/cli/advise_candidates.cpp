@@ -134,7 +134,9 @@ std::string activation_kind(const LaunchRequest& r) {
                      value(r.parallelism, "parallelism_config_tp_size"),
                      cp != "-" ? cp : value(r.parallelism, "parallelism_config_sp_size"),
                      value(r.parallelism, "parallelism_config_pp_size"),
-                     value(r.parallelism, "parallelism_config_pp_schedule"));  // micro-batches held differ
+                     r.parallelism.count("parallelism_config_pp_schedule")  // micro-batches held differ
+                         ? r.parallelism.at("parallelism_config_pp_schedule")
+                         : "1F1B");
 }
 
 std::string compute_kind(const LaunchRequest& r, MixedPrecision precision) {

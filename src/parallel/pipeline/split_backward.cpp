@@ -132,13 +132,13 @@ struct BackwardGraph {
 // (which compute only the gradients asked for), or fp8's product (which does so too, and records once), with no
 // hooks. A checkpointed region's node would run its nested backward again, another custom Function may compute (or
 // record) whatever it computes.
-bool runs_twice_safely(Node* node) {
+bool runs_twice_safely(Node* node, bool fp8_too = true) {
   const auto name = node->name();
   const auto formula = name.find("Backward");
   const bool generated = name == "torch::autograd::CopySlices" ||  // an in-place op on a view: its formula inside
                          (formula != std::string::npos &&
                           name.find_first_not_of("0123456789", formula + 8) == std::string::npos);
-  return (generated || fp8::is_float8_product(*node)) && node->pre_hooks().empty() &&
+  return (generated || (fp8_too && fp8::is_float8_product(*node))) && node->pre_hooks().empty() &&
          node->tensor_pre_hooks().empty() && node->retains_grad_hooks().empty() && node->post_hooks().empty();
 }
 
@@ -170,7 +170,8 @@ std::vector<WeightBoundary> weight_boundaries(const BackwardGraph& graph, const 
 }
 
 // Whether the nodes the weight part runs again can run twice: the boundaries, and under a run from the outputs every
-// node of the input path (but the inputs' accumulators, which it does not run: it asks for parameters only).
+// node of the input path (but the inputs' accumulators, which it does not run: it asks for parameters only). fp8's
+// node splits only as a boundary: run again from the outputs it would be asked for its input's gradient again.
 bool runs_again_safely(const BackwardGraph& graph, const std::vector<std::shared_ptr<SplitBackward::Group>>& groups,
                        const std::unordered_set<Node*>& input_nodes, bool any_from_outputs) {
   for (const auto& group : groups)
@@ -178,7 +179,8 @@ bool runs_again_safely(const BackwardGraph& graph, const std::vector<std::shared
       if (!runs_twice_safely(node.get())) return false;
   if (any_from_outputs)
     for (Node* node : graph.order)
-      if (graph.to_input.count(node) && !input_nodes.count(node) && !runs_twice_safely(node)) return false;
+      if (graph.to_input.count(node) && !input_nodes.count(node) && !runs_twice_safely(node, /*fp8_too=*/false))
+        return false;
   return true;
 }
 

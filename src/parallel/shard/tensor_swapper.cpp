@@ -97,7 +97,14 @@ size_t TensorSwapper::acquire(std::unique_lock<std::mutex>& lock) {
   auto& b = pool.buffers[oldest];
   const bool write = b.state == Pool::Buffer::Writing;
   b.state = Pool::Buffer::Free;  // whatever the transfer's end: the buffer is not lost with it
-  wait_for(b.ticket, write);
+  if (write) {
+    wait_for(b.ticket, /*write=*/true);
+  } else {
+    try {
+      b.ticket.wait();
+    } catch (const std::exception&) {  // a read ahead nobody took: its failure is nobody's (a swap_in reads anew)
+    }
+  }
   return oldest;
 }
 
@@ -106,9 +113,12 @@ void TensorSwapper::drop_reads_of(const std::string& name) {
   for (size_t i = 0; i < pool.buffers.size(); ++i) {
     auto& b = pool.buffers[i];
     if (b.state != Pool::Buffer::Reading || b.name != name) continue;
-    b.ticket.wait();
     b.state = Pool::Buffer::Free;
     std::erase(pool.busy, i);
+    try {
+      b.ticket.wait();  // the buffer must be idle before it is reused
+    } catch (const std::exception&) {  // values a write replaces: their read's failure does not matter
+    }
   }
 }
 
@@ -166,7 +176,12 @@ at::Tensor TensorSwapper::swap_in(const std::string& name) {
   if (i == buffers.size()) i = start_read(p, lock);
   else ++found_ahead_;
   std::erase(pool_->busy, i);
-  buffers[i].ticket.wait();
+  try {
+    buffers[i].ticket.wait();
+  } catch (const std::exception&) {
+    buffers[i].state = Pool::Buffer::Free;  // the buffer goes back; a later swap_in reads again
+    throw;
+  }
   buffers[i].state = Pool::Buffer::Lent;
   // The buffer comes back when the tensor's storage is freed, on whatever thread frees it.
   auto keep = pool_;  // the memory lives as long as the tensor does
