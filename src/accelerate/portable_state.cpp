@@ -177,27 +177,28 @@ std::vector<bool> collect_portable_state(const AcceleratorImpl& s, bool models_a
 
 namespace {
 
+// XLR8_TEST_ONLY_FAIL_CHECKPOINT_READ=<rank>:<n>: on that rank, the n-th read in this process fails as an I/O error
+// would, past the checks (for the tests of what such a failure leaves); the reads after it succeed. Null elsewhere.
+std::shared_ptr<std::atomic<int>> reads_before_injected_failure(int rank) {
+  const auto spec = env_var("XLR8_TEST_ONLY_FAIL_CHECKPOINT_READ");
+  if (!spec) return nullptr;
+  int failing_rank = -1, nth = 0;
+  if (std::sscanf(spec->c_str(), "%d:%d", &failing_rank, &nth) != 2)
+    throw ConfigError(fmt::format("XLR8_TEST_ONLY_FAIL_CHECKPOINT_READ={:?} must be <rank>:<n> (a test's; unset it)",
+                                  *spec));
+  static const auto reads_left = std::make_shared<std::atomic<int>>(nth);  // over the process's loads: one failure
+  return failing_rank == rank ? reads_left : nullptr;
+}
+
 // The checkpoint's reader, shared with the reads a streamed load leaves for later.
 struct Reads {
   std::shared_ptr<const checkpoints::PieceReader> reader;
-  int rank = 0;
+  std::shared_ptr<std::atomic<int>> reads_left;  // reads_before_injected_failure's
 
   at::Tensor read(const std::string& key, const Placement& placement) const {
-    if (injected_failure())
+    if (reads_left && --*reads_left == 0)
       throw Error(fmt::format("reading {}: an injected failure (XLR8_TEST_ONLY_FAIL_CHECKPOINT_READ)", key));
     return reader->read(key, placement);
-  }
-  // XLR8_TEST_ONLY_FAIL_CHECKPOINT_READ=<rank>:<n>: that rank's n-th read in this process fails as an I/O error
-  // would, past the checks (for the tests of what such a failure leaves); the reads after it succeed.
-  bool injected_failure() const {
-    static std::atomic<int> reads{0};
-    const auto spec = env_var("XLR8_TEST_ONLY_FAIL_CHECKPOINT_READ");
-    if (!spec) return false;
-    int failing_rank = -1, nth = 0;
-    if (std::sscanf(spec->c_str(), "%d:%d", &failing_rank, &nth) != 2)
-      throw ConfigError(fmt::format("XLR8_TEST_ONLY_FAIL_CHECKPOINT_READ={:?} must be <rank>:<n> (a test's; unset it)",
-                                    *spec));
-    return failing_rank == rank && ++reads == nth;
   }
 };
 
@@ -234,7 +235,8 @@ std::function<std::optional<checkpoints::ParameterState>()> state_read_later(con
 
 PortableLoad read_portable_state(const AcceleratorImpl& s, const checkpoints::Verified& saved, const nlohmann::json& st) {
   const Layout layout(s);
-  const Reads reads{std::make_shared<const checkpoints::PieceReader>(saved), s.world().rank()};
+  const Reads reads{std::make_shared<const checkpoints::PieceReader>(saved),
+                    reads_before_injected_failure(s.world().rank())};
   const auto& reader = *reads.reader;
   auto later = [&](size_t model, const std::string& key, const Placement& placement) {
     return read_later(reads, key, placement, s.models[model]->keeps_state_on_disk());

@@ -30,7 +30,7 @@ void on_every_rank_or_none(Communicator& world, Phase&& phase, std::string_view 
   const auto problems = world.size() > 1 ? world.all_gather_object(problem) : std::vector<std::string>{problem};
   for (size_t r = 0; r < problems.size(); ++r) {
     if (problems[r].empty()) continue;
-    const auto said = problems[r].find(consequence) != std::string::npos || consequence.empty()
+    const auto said = problems[r].find(consequence) != std::string::npos  // an empty one is found too
                           ? problems[r]
                           : fmt::format("{}; {}", problems[r], consequence);
     throw Error(problems.size() == 1 ? said : fmt::format("rank {}: {}", r, said));

@@ -99,7 +99,7 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
       find_unused_(find_unused_parameters),
       gradient_state_(std::move(gradient_state)) {
   context_.comm = &comm_;
-  if (options_.optimizer_on_disk.enabled() || options_.params_on_disk.enabled()) os::return_freed_memory_promptly();
+  if (keeps_state_on_disk()) os::return_freed_memory_promptly();
   // fsdp_sync_module_states: every rank starts from rank 0's weights (and the same model is checked).
   // Built for rank-0 loading, the other ranks hold no values: each unit's come from rank 0 below, one
   // unit at a time, so no rank ever holds the whole model.

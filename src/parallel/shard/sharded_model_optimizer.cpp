@@ -88,7 +88,7 @@ void ShardedModel::optimizer_step(torch::optim::Optimizer& optimizer) {
   all_shards_in_memory(false);
   // Offload's disk tier: a step's allocations below the mmap threshold land in the heap that held the model before it
   // went to disk, and their freed pages stay resident there (a 0.5 B-parameter GPT: 1.3 of its 2.7 GB between steps).
-  if (options_.optimizer_on_disk.enabled() || options_.params_on_disk.enabled()) {
+  if (keeps_state_on_disk()) {
     const auto start = std::chrono::steady_clock::now();
     os::return_free_memory_to_system();
     heap_trim_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -97,14 +97,8 @@ size_t TensorSwapper::acquire(std::unique_lock<std::mutex>& lock) {
   auto& b = pool.buffers[oldest];
   const bool write = b.state == Pool::Buffer::Writing;
   b.state = Pool::Buffer::Free;  // whatever the transfer's end: the buffer is not lost with it
-  if (write) {
-    wait_for(b.ticket, /*write=*/true);
-  } else {
-    try {
-      b.ticket.wait();
-    } catch (const std::exception&) {  // a read ahead nobody took: its failure is nobody's (a swap_in reads anew)
-    }
-  }
+  if (write) wait_for(b.ticket, /*write=*/true);
+  else wait_unneeded(b.ticket);  // a read ahead nobody took (a swap_in reads anew)
   return oldest;
 }
 
@@ -115,10 +109,7 @@ void TensorSwapper::drop_reads_of(const std::string& name) {
     if (b.state != Pool::Buffer::Reading || b.name != name) continue;
     b.state = Pool::Buffer::Free;
     std::erase(pool.busy, i);
-    try {
-      b.ticket.wait();  // the buffer must be idle before it is reused
-    } catch (const std::exception&) {  // values a write replaces: their read's failure does not matter
-    }
+    wait_unneeded(b.ticket);  // values a write replaces; the buffer must be idle before it is reused
   }
 }
 
@@ -229,6 +220,13 @@ void TensorSwapper::wait_for(const os::IoTicket& ticket, bool write) {
                             "checkpoint (--resume_from latest, or load_state)",
                             e.what());
     throw Error(broken_);
+  }
+}
+
+void TensorSwapper::wait_unneeded(const os::IoTicket& ticket) {
+  try {
+    ticket.wait();
+  } catch (const std::exception&) {  // a read whose values nobody will use: its failure is nobody's
   }
 }
 

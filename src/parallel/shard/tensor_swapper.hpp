@@ -70,6 +70,7 @@ class TensorSwapper {
   // Waits for a transfer; a write that failed breaks the swap (below) and says so. Under pool_'s mutex.
   void wait_for(const os::IoTicket& ticket, bool write);
   void throw_if_broken() const;
+  static void wait_unneeded(const os::IoTicket& ticket);  // a discarded read's: its failure is ignored
 
   SwapOptions options_;
   std::map<std::string, Placed> slots_;
