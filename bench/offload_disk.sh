@@ -6,7 +6,9 @@
 # own direct-I/O speed (dd) against the swap's in the same run.
 # PREFETCH_BUCKET=0 (stage3_prefetch_bucket_size; DeepSpeed's default 5e7 when unset) turns off fetching ahead,
 # the parameter shards' read-ahead from disk included.
-# Usage: [LAYERS=40 WIDTH=2048 HEADS=16 STEPS=3 MAX_LIVE=100000000 PREFETCH_BUCKET=50000000 CHECKPOINT=0 SWAP=/var/tmp/xlr8-swap-bench] bench/offload_disk.sh [build-dir]
+# GRADIENTS="0 1" runs the training twice in this invocation, with the gradients in memory and then on disk too
+# (XLR8_GRADIENTS_ON_DISK=1: each group's reduced gradient waits for the step in the swap file); default "0".
+# Usage: [LAYERS=40 WIDTH=2048 HEADS=16 STEPS=3 MAX_LIVE=100000000 PREFETCH_BUCKET=50000000 CHECKPOINT=0 GRADIENTS=0 SWAP=/var/tmp/xlr8-swap-bench] bench/offload_disk.sh [build-dir]
 set -eu
 . "$(dirname "$0")/common.sh"
 LAYERS=${LAYERS:-40}; WIDTH=${WIDTH:-2048}; STEPS=${STEPS:-3}; SWAP=${SWAP:-/var/tmp/xlr8-swap-bench}
@@ -54,6 +56,9 @@ print(f"parameter shards: {p.get('shard_reads',0)} reads, {p.get('swap_reads_ahe
       f"{p.get('swap_reads_found_ahead',0)} found coming")
 print(f"moved: read {read/1e9:.1f} GB, written {written/1e9:.1f} GB; optimizer steps' swap GB/s "
       f"{o.get('swapped_step_gb_per_s',0):.2f} over {o.get('swapped_step_seconds',0):.0f} s")
+if o.get("gradients_on_disk"):
+    print(f"gradients on disk: {o.get('gradient_writes',0)} writes, {o.get('gradient_reads',0)} reads by the steps, "
+          f"{o.get('gradient_reads_for_norms',0)} for norms")
 print(f"save_state {r.get('save_state_seconds',0):.0f} s, load_state {r.get('load_state_seconds',0):.0f} s; groups of "
       f"state in memory at once for a checkpoint: at most {o.get('checkpoint_groups_in_memory_most',0)} of "
       f"{o.get('swapped_groups',0)}")
@@ -68,5 +73,8 @@ if [ "${CHECKPOINT:-0}" = 1 ]; then
   du -sh "$OUT/run/checkpoints"/* | tail -1
   run_gpt "resume (load_state), 1 step more" --max_steps "$((STEPS + 1))" --resume_from latest
 else
-  run_gpt "train $STEPS steps" --max_steps "$STEPS"
+  for on in ${GRADIENTS:-0}; do
+    if [ "$on" = 1 ]; then export XLR8_GRADIENTS_ON_DISK=1; else unset XLR8_GRADIENTS_ON_DISK; fi
+    run_gpt "train $STEPS steps, gradients $([ "$on" = 1 ] && echo on disk || echo in memory)" --max_steps "$STEPS"
+  done
 fi

@@ -106,6 +106,16 @@ class ParallelStrategy {
   // The tensors whose .grad holds this rank's gradients of `parameters` (of this strategy's module): the
   // parameters themselves for replicas, their shard leaves when sharded. For elementwise gradient work.
   virtual std::vector<at::Tensor> gradient_holders(const std::vector<at::Tensor>& parameters) const { return parameters; }
+  // Offload's disk tier with the gradients on disk (ZeroOptions::Disk::gradients): gradients of `parameters` (of this
+  // strategy's module) that wait on disk for the step have no .grad; `op` (elementwise, given each one's 1-dimensional
+  // gradient) is queued for each and runs, in order, as the step reads it; an empty `op` sets them to none. Whether
+  // any was on disk.
+  virtual bool queue_on_disk_gradients(const std::vector<at::Tensor>& parameters,
+                                       const std::function<void(at::Tensor&)>& op) {
+    return false;
+  }
+  // Whether a gradient waiting on disk holds an inf or NaN now (fp16's overflow check).
+  virtual bool non_finite_gradients_on_disk() { return false; }
   // Whether every rank holds the whole synchronised gradients (replicas), so that a gradient norm over
   // parameters of several such models is the local one.
   virtual bool replicated() const { return true; }

@@ -111,6 +111,11 @@ struct ZeroOptions {
     bool write_behind = false;         // a group's state written while the next one steps (pipeline_write)
     int64_t aio_block_size = 1 << 20;  // bytes one read or write call moves
     int aio_threads = 1;               // threads issuing them (aio.intra_op_parallelism)
+    // optimizer_on_disk only (xlr8's; XLR8_GRADIENTS_ON_DISK=1): each group's reduced gradient chunk goes to the swap
+    // file as soon as it is reduced and the step reads it with the group's state, instead of every chunk waiting in
+    // memory for the step (stage 3: as many bytes as the fp32 parameters). Until the step the leaves' .grad is
+    // undefined; unscaling, clipping and zero_grad through the Accelerator still apply (queued for the step).
+    bool gradients = false;
     bool enabled() const { return !path.empty(); }
   } optimizer_on_disk, params_on_disk;
 };

@@ -119,6 +119,9 @@ struct AcceleratorImpl {
   // A sync step's gradients made ready, once (gradients → unscaled | overflowed): under fp16 divided by the
   // scale, with the world agreeing whether any overflowed.
   void unscale_gradients();
+  // Elementwise work for the gradients of `parameters` that wait on disk for the step (ParallelStrategy's
+  // queue_on_disk_gradients; nothing without the disk tier's gradients).
+  void queue_on_disk_gradients(const std::vector<at::Tensor>& parameters, const std::function<void(at::Tensor&)>& op);
   // What a backward propagates: loss / accumulation steps, times the fp16 scale (the step enters gradients:
   // what unscale_gradients found for the last one no longer holds).
   at::Tensor loss_for_backward(const at::Tensor& loss);

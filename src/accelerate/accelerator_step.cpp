@@ -95,6 +95,12 @@ void AcceleratorImpl::unscale_gradients() {
     at::_amp_foreach_non_finite_check_and_unscale_(grads, found_here, inverse);
     found = at::maximum(found, found_here.to(found.device()));
   }
+  // Gradients waiting on disk (ZeroOptions::Disk::gradients): checked as they are, divided as the step reads them.
+  bool on_disk_overflow = false;
+  for (const auto& model : models) on_disk_overflow = model->non_finite_gradients_on_disk() || on_disk_overflow;
+  if (on_disk_overflow) found.fill_(1);
+  const auto inverse_on_host = at::full({1}, 1.0 / scaler->scale(), flag_options);
+  queue_on_disk_gradients(optimized_parameters(), [inverse_on_host](at::Tensor& g) { g.mul_(inverse_on_host); });
   // Every rank must skip the same step: MAX of the overflow flag over the world (on the host, which every
   // backend reduces: the one wait for the device is this copy), read once.
   found = found.to(at::kCPU);
@@ -102,6 +108,16 @@ void AcceleratorImpl::unscale_gradients() {
   const bool overflow = found.item<float>() != 0;
   scaler->update(overflow);
   enter(overflow ? xlr8::step::StepPhase::overflowed : xlr8::step::StepPhase::unscaled, "unscale");
+}
+
+void AcceleratorImpl::queue_on_disk_gradients(const std::vector<at::Tensor>& parameters,
+                                              const std::function<void(at::Tensor&)>& op) {
+  for (const auto& model : models) {
+    std::vector<at::Tensor> its;
+    for (const auto& p : parameters)
+      if (model->owns(p)) its.push_back(p);
+    if (!its.empty()) model->queue_on_disk_gradients(its, op);
+  }
 }
 
 // ------------------------------------------------------------------------------------------ optimizer, scheduler
@@ -181,6 +197,12 @@ void PreparedOptimizer::zero_grad(bool set_to_none) {
       if (set_to_none) grad = at::Tensor();
       else grad.zero_();
     }
+  // Gradients on disk (a step has not read them yet): the same, when the step reads them.
+  std::vector<at::Tensor> parameters;
+  for (auto& group : state_->optimizer->param_groups())
+    parameters.insert(parameters.end(), group.params().begin(), group.params().end());
+  state_->impl->queue_on_disk_gradients(parameters, set_to_none ? std::function<void(at::Tensor&)>()
+                                                                : [](at::Tensor& g) { g.zero_(); });
 }
 
 torch::optim::Optimizer& PreparedOptimizer::optimizer() { return *state_->optimizer; }
@@ -306,6 +328,7 @@ void Accelerator::clip_grad_value(const std::vector<at::Tensor>& parameters, dou
     for (const auto& holder : owner ? owner->gradient_holders({p}) : std::vector<at::Tensor>{p})
       if (holder.grad().defined()) holder.grad().clamp_(-clip_value, clip_value);
   }
+  s.queue_on_disk_gradients(parameters, [clip_value](at::Tensor& g) { g.clamp_(-clip_value, clip_value); });
 }
 
 GradNorm Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {

@@ -61,6 +61,19 @@ ParallelPlan::Sequence sequence_of(const ParallelPlan::Mesh& mesh, const Setting
   return s;
 }
 
+// XLR8_GRADIENTS_ON_DISK=1: the reduced gradients wait for the step in the optimizer's swap file.
+void gradients_on_disk(ZeroOptions& zero, const ParallelPlan::Mesh& mesh) {
+  if (!zero.optimizer_on_disk.enabled())
+    throw ConfigError("XLR8_GRADIENTS_ON_DISK=1: the gradients go to the optimizer's swap file, and the optimizer's "
+                      "state is not on disk; set offload_optimizer_device nvme with offload_optimizer_nvme_path (or the "
+                      "JSON's offload_optimizer device \"nvme\"), or unset XLR8_GRADIENTS_ON_DISK");
+  if (mesh.pp > 1)
+    throw ConfigError(fmt::format("XLR8_GRADIENTS_ON_DISK=1 with parallelism_config_pp_size {}: a pipeline's stages "
+                                  "clip their gradients in memory; unset XLR8_GRADIENTS_ON_DISK for pipelines",
+                                  mesh.pp));
+  zero.optimizer_on_disk.gradients = true;
+}
+
 // make_parallel_strategy's choice for these options over `ranks` data-parallel ranks.
 std::string strategy_of(const ZeroOptions& zero, int ranks) {
   if (ranks == 1 && !zero.offload_optimizer && !zero.offload_params) return "single";
@@ -122,6 +135,7 @@ ParallelPlan resolve_plan(const PlanInputs& in, const Env& env) {
   parallel = shard::resolve_parallel_options(std::move(parallel), in.deepspeed ? &in.deepspeed->zero_optimization : nullptr,
                                       settings, in.state->local_world_size(), in.device.is_cpu());
   if (!parallel.zero.param_dtype) parallel.zero.param_dtype = sharded_param_dtype(plan.mixed_precision, in.device, env);
+  if (env.get_bool("XLR8_GRADIENTS_ON_DISK").value_or(false)) gradients_on_disk(parallel.zero, plan.mesh);
   plan.data_parallel_dim = parallel::data_parallel_dim(mesh);
   plan.strategy = strategy_of(parallel.zero, mesh.size(plan.data_parallel_dim));
   plan.data_parallel = std::move(parallel);
@@ -167,6 +181,7 @@ std::string data_parallel_text(const ParallelPlan& p) {
   if (z.hybrid_shard_size > 0) text += fmt::format(", hybrid: shard groups of {}", z.hybrid_shard_size);
   if (z.offload_optimizer || z.offload_params)
     text += fmt::format(", offload {}", z.offload_params ? "optimizer and parameters" : "optimizer");
+  if (z.optimizer_on_disk.gradients) text += ", gradients on disk";
   return text;
 }
 

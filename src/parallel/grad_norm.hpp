@@ -9,23 +9,26 @@
 
 namespace xlr8::parallel {
 
+// Σ norm^p over norms already taken, one per gradient (max for p = inf), as partial_norm below combines them.
+inline at::Tensor partial_norm_of_norms(const std::vector<at::Tensor>& norms, double norm_type, at::Device device) {
+  if (norms.empty()) return at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
+  const auto all = at::stack(norms).to(at::kDouble).to(device);
+  return (std::isinf(norm_type) ? all.max() : all.pow(norm_type).sum()).reshape({1});
+}
+
 // Σ|g|^p over `grads` (max |g| for p = inf) as a 1-element double tensor on `device`; 0 for none.
 inline at::Tensor partial_norm(const std::vector<at::Tensor>& grads, double norm_type, at::Device device) {
   if (grads.empty()) return at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
-  at::Tensor all;
   const auto& first = grads.front();
   const bool alike = std::all_of(grads.begin(), grads.end(), [&](const at::Tensor& g) {
     return g.device() == first.device() && g.scalar_type() == first.scalar_type();
   });
-  if (alike) {
-    // One multi-tensor kernel for every gradient's norm on a GPU, not one norm and two copies each.
-    all = at::stack(at::_foreach_norm(grads, norm_type)).to(at::kDouble).to(device);
-  } else {
-    // Partial offload leaves some groups' gradients in host memory, the others' on the GPU (or dtypes differ).
-    std::vector<at::Tensor> norms;
-    for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble).reshape({1}).to(device));
-    all = at::cat(norms);
-  }
+  // One multi-tensor kernel for every gradient's norm on a GPU, not one norm and two copies each.
+  if (alike) return partial_norm_of_norms(at::_foreach_norm(grads, norm_type), norm_type, device);
+  // Partial offload leaves some groups' gradients in host memory, the others' on the GPU (or dtypes differ).
+  std::vector<at::Tensor> norms;
+  for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble).reshape({1}).to(device));
+  const auto all = at::cat(norms);
   return (std::isinf(norm_type) ? all.max() : all.pow(norm_type).sum()).reshape({1});
 }
 
@@ -33,13 +36,15 @@ inline at::Tensor partial_norm(const std::vector<at::Tensor>& grads, double norm
 // gradient in `lists` scaled as clip_grad_norm_ does when it exceeds `max_norm`. All on the device, as
 // PyTorch's clip_grad_norm_: the coefficient is clamped to 1 and applied to every gradient (a NaN norm makes
 // them NaN, as there), so nothing is read back (the norm comes back as a 0-dimensional double tensor).
+// `coefficient`, when given, receives the coefficient applied (undefined when measuring only).
 inline at::Tensor scale_to_norm(const at::Tensor& totals, std::initializer_list<std::vector<at::Tensor>*> lists,
-                                double max_norm, double norm_type) {
+                                double max_norm, double norm_type, at::Tensor* coefficient = nullptr) {
   const bool infinity = std::isinf(norm_type);
   const auto total = infinity ? totals.max() : totals.sum();
   const auto norm = infinity ? total : total.pow(1.0 / norm_type);
   if (std::isinf(max_norm)) return norm;  // measuring only (xlr8 verify, an engine without clipping)
   const auto coef = (max_norm / (norm + 1e-6)).clamp_max(1.0);
+  if (coefficient) *coefficient = coef;
   // The coefficient once per device (offload keeps some gradients in host memory): no copy per gradient.
   std::vector<std::pair<at::Device, at::Tensor>> on_device;
   const auto coef_on = [&](const at::Device& device) {

@@ -2,6 +2,7 @@
 // examples/gpt launched through the real launcher, shared by the GPT tests.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -20,10 +21,11 @@ inline Args concat(Args a, const Args& b) {
   return a;
 }
 
-// xlr8 launch --num_processes N <launcher flags> gpt <program flags>; a failure is reported.
-inline ProcessResult launch_gpt(int processes, const Args& launcher, const Args& program, bool expect_success = true) {
+// xlr8 launch --num_processes N <launcher flags> gpt <program flags> (with `env` set); a failure is reported.
+inline ProcessResult launch_gpt(int processes, const Args& launcher, const Args& program, bool expect_success = true,
+                                const std::map<std::string, std::string>& env = {}) {
   auto command = concat(concat({kXlr8, "launch", "--num_processes", std::to_string(processes)}, launcher), {kGpt});
-  auto r = run(concat(command, program), 300);
+  auto r = run(concat(command, program), 300, env);
   if (expect_success) {
     EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
   }

@@ -133,3 +133,41 @@ TEST(GptOffloadDisk, ACheckpointHoldsTheStateAndAJobKilledMidRunResumesAsTheStra
   expect_same_training(json_of(r), straight, killed_dir, straight_dir);
   EXPECT_EQ(swap_files_in(swap), 0u);
 }
+
+// The gradients on disk too (XLR8_GRADIENTS_ON_DISK=1), ZeRO-3 with everything on disk on 2 ranks with accumulation
+// and clipping, in fp32 and in fp16 (whose unscaling and overflow check are queued for, or read from, the gradients
+// on disk): the same training as with the gradients in memory, bitwise. Without the optimizer's state on disk the
+// variable is one clear error.
+TEST(GptOffloadDisk, GradientsOnDiskTooTrainAsInMemory) {
+  const Args zero3{"--use_deepspeed", "--zero_stage", "3"};
+  const auto swap = temp_dir("gpt-disk-gradients-swap");
+  const std::map<std::string, std::string> gradients_on_disk{{"XLR8_GRADIENTS_ON_DISK", "1"}};
+  for (const std::string precision : {"no", "fp16"}) {
+    SCOPED_TRACE(precision);
+    const auto launcher = concat(concat(zero3, on_disk(swap, /*params=*/true)), {"--mixed_precision", precision});
+    const auto memory_dir = temp_dir("gpt-gradients-in-memory"), disk_dir = temp_dir("gpt-gradients-on-disk");
+    const auto want = json_of(launch_gpt(2, launcher, tiny_gpt(memory_dir, 6)));
+    const auto got = json_of(launch_gpt(2, launcher, tiny_gpt(disk_dir, 6), true, gradients_on_disk));
+    expect_same_training(got, want, disk_dir, memory_dir);
+    const auto disk = got.value("optimizer_on_disk", nlohmann::json::object());
+    EXPECT_TRUE(disk.value("gradients_on_disk", false)) << got.dump();
+    // Once per group and step (accumulation writes at the sync micro-batch only); a step fp16 skips reads none.
+    EXPECT_EQ(disk.value("gradient_writes", 0), 6 * disk.value("swapped_groups", 0)) << got.dump();
+    if (precision == "no") {
+      EXPECT_EQ(disk.value("gradient_reads", 0), disk.value("gradient_writes", 0)) << got.dump();
+      EXPECT_EQ(disk.value("gradient_reads_for_norms", -1), 0) << got.dump();  // the norms taken at the writes
+    } else {
+      EXPECT_GT(disk.value("gradient_reads_for_norms", 0), 0) << got.dump();  // after the unscaling was queued
+    }
+    EXPECT_EQ(swap_files_in(swap), 0u);
+  }
+  const auto r = launch_gpt(2, zero3, tiny_gpt(temp_dir("gpt-gradients-refused"), 2), false, gradients_on_disk);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("XLR8_GRADIENTS_ON_DISK=1: the gradients go to the optimizer's swap file"), std::string::npos)
+      << r.err;
+  // Nor with a pipeline (its stages clip their gradients in memory).
+  const auto pp = launch_gpt(2, concat(concat(zero3, on_disk(swap)), {"--parallelism_config_pp_size", "2"}),
+                             tiny_gpt(temp_dir("gpt-gradients-refused-pp"), 2), false, gradients_on_disk);
+  EXPECT_NE(pp.exit_code, 0);
+  EXPECT_NE(pp.err.find("XLR8_GRADIENTS_ON_DISK=1 with parallelism_config_pp_size 2"), std::string::npos) << pp.err;
+}

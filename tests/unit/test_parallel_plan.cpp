@@ -95,3 +95,27 @@ TEST(ParallelPlan, Tf32ComesFromTheProgramElseItsVariableAndABadValueIsRefusedBy
     EXPECT_NE(std::string(e.what()).find("XLR8_ALLOW_TF32=\"fast\" is not a boolean"), std::string::npos) << e.what();
   }
 }
+
+// (A pipeline refused: GptOffloadDisk.GradientsOnDiskTooTrainAsInMemory, which launches one.)
+TEST(ParallelPlan, GradientsOnDiskNeedTheOptimizersStateOnDisk) {
+  const Env nvme{{"ACCELERATE_USE_DEEPSPEED", "true"},
+                 {"ACCELERATE_DEEPSPEED_ZERO_STAGE", "3"},
+                 {"ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "nvme"},
+                 {"ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH", "/var/tmp/swap"}};
+  const Env gradients{{"XLR8_GRADIENTS_ON_DISK", "1"}};
+  EXPECT_FALSE(plan_for(nvme, {}).data_parallel.zero.optimizer_on_disk.gradients);
+  const auto plan = plan_for(nvme, {}, gradients);
+  EXPECT_TRUE(plan.data_parallel.zero.optimizer_on_disk.gradients);
+  EXPECT_NE(plan.describe().find("gradients on disk"), std::string::npos) << plan.describe();
+  const auto refused = [&](const Env& launch, const std::string& expected) {
+    try {
+      plan_for(launch, {}, gradients);
+      ADD_FAILURE() << "expected an error: " << expected;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  };
+  refused({{"ACCELERATE_USE_DEEPSPEED", "true"}, {"ACCELERATE_DEEPSPEED_ZERO_STAGE", "3"}},
+          "XLR8_GRADIENTS_ON_DISK=1: the gradients go to the optimizer's swap file, and the optimizer's state is not on "
+          "disk; set offload_optimizer_device nvme");
+}

@@ -21,6 +21,7 @@
 #include "parallel/shard/zero_options.hpp"
 #include "xlr8/deepspeed_config.hpp"
 #include "xlr8/error.hpp"
+#include "zero_disk_fixture.hpp"
 #include "zero_fixture.hpp"
 
 using namespace xlr8;
@@ -29,30 +30,6 @@ using xlr8::testing::run_ranks;
 namespace fs = std::filesystem;
 
 namespace {
-
-// A directory of this test's own beside the build's files (ext4 here: O_DIRECT works).
-fs::path swap_dir(const std::string& name) {
-  auto dir = fs::current_path() / fmt::format("zero_disk_{}_{}", ::getpid(), name);
-  fs::remove_all(dir);
-  return dir;
-}
-
-bool direct_io_works(const fs::path& dir) {
-  fs::create_directories(dir);
-  const auto probe = dir / "probe";
-  const int fd = ::open(probe.c_str(), O_RDWR | O_CREAT | O_DIRECT, 0600);
-  if (fd >= 0) ::close(fd);
-  fs::remove(probe);
-  return fd >= 0;
-}
-
-ParallelOptions on_disk(int stage, const fs::path& dir, bool pipelined = true, bool params = false) {
-  auto o = stage_options(stage);
-  o.zero.optimizer_on_disk.path = dir.string();
-  o.zero.optimizer_on_disk.read_ahead = o.zero.optimizer_on_disk.write_behind = pipelined;
-  if (params) o.zero.params_on_disk.path = dir.string();
-  return o;
-}
 
 std::string disk_error_of(const std::function<void()>& fn) {
   try {

@@ -12,6 +12,7 @@
 #include "checkpoint/optimizer_state.hpp"
 #include "os/swap_directory.hpp"
 #include "parallel/shard/flat_group.hpp"
+#include "parallel/shard/gradients_on_disk.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8::shard {
@@ -48,7 +49,8 @@ OptimizerSwap::OptimizerSwap(const ZeroOptions::Disk& disk, const torch::optim::
     shards_on_disk_ = shards_on_disk_ || flat->disk != nullptr;
     Group g{.flat = flat, .members = {}, .numel = flat->shard_numel, .dtype = flat->master.scalar_type()};
     for (size_t i = 0; i < flat->shard_params.size(); ++i)
-      if (const auto part = flat->owned_part(i); part.count > 0) g.members.push_back({flat->shard_params[i], part.in_shard});
+      if (const auto part = flat->owned_part(i); part.count > 0)
+        g.members.push_back({flat->shard_params[i], part.in_shard, i});
     if (g.members.empty()) continue;
     if (!flat->master.device().is_cpu())
       throw ConfigError(fmt::format("offload_optimizer nvme: group {}'s optimizer state would live on {}; the disk tier "
@@ -56,19 +58,27 @@ OptimizerSwap::OptimizerSwap(const ZeroOptions::Disk& disk, const torch::optim::
                                     flat->label, flat->master.device().str()));
     for (const auto& name : names_)
       slots.push_back({slot(groups_.size(), name), g.dtype, {g.numel}});
+    if (disk_.gradients) slots.push_back({GradientsOnDisk::slot(groups_.size()), g.dtype, {g.numel}});
     groups_.push_back(std::move(g));
   }
-  if (slots.empty()) return;  // no state kept (SGD without momentum), or nothing of it on this rank
+  if (slots.empty()) return;  // no state kept (SGD without momentum) nor gradients, or nothing of it on this rank
   os::SwapDirectoryClaim claim(disk_.path);
   stale_removed_ = claim.removed().size();
-  // A group's state lent out while it steps, and as much again for its write (and the next group's read ahead):
-  // fewer buffers would leave a swap nothing to move through.
-  const int per_group = static_cast<int>(names_.size());
+  // A group's state (and gradient) lent out while it steps, and as much again for its write (and the next group's
+  // read ahead): fewer buffers would leave a swap nothing to move through.
+  const int per_group = static_cast<int>(names_.size()) + (disk_.gradients ? 1 : 0);
   SwapOptions options{.file = claim.new_file("optimizer"),
                       .buffer_size = 0,  // the largest group's
                       .buffer_count = std::max(disk_.buffer_count, per_group * (disk_.read_ahead ? 3 : 2)),
                       .aio = {.block_size = disk_.aio_block_size, .intra_op_parallelism = disk_.aio_threads}};
   swapper_ = std::make_unique<TensorSwapper>(std::move(options), slots);
+  if (!disk_.gradients) return;
+  std::vector<std::vector<GradientsOnDisk::Part>> parts;
+  for (const auto& g : groups_) {
+    auto& each = parts.emplace_back();
+    for (const auto& m : g.members) each.push_back({.index = m.index, .offset = m.offset, .count = m.leaf.numel()});
+  }
+  gradients_ = std::make_unique<GradientsOnDisk>(*swapper_, std::move(parts));
 }
 
 OptimizerSwap::~OptimizerSwap() = default;
@@ -102,9 +112,13 @@ void OptimizerSwap::step(torch::optim::Optimizer& optimizer) {
   RestoreParameterLists restore{optimizer, lists};
   std::unordered_set<const c10::TensorImpl*> stepped;
   for (size_t k = 0; k < groups_.size(); ++k) {
-    if (swapper_ && disk_.read_ahead && k + 1 < groups_.size() && groups_[k + 1].on_disk)
-      for (const auto& name : names_) swapper_->prefetch(slot(k + 1, name));
+    if (swapper_ && disk_.read_ahead && k + 1 < groups_.size()) {
+      if (groups_[k + 1].on_disk)
+        for (const auto& name : names_) swapper_->prefetch(slot(k + 1, name));
+      if (gradients_) gradients_->prefetch(k + 1);
+    }
     auto lent = swap_in(k, optimizer);
+    const auto gradient = lend_gradient(k);
     auto* flat = groups_[k].flat;
     if (!flat->mixed()) flat->load_shard();  // the leaves view the shard (parameters on disk)
     // The next group's shard read while this one steps (a mixed group's follows its master: nothing to read).
@@ -113,6 +127,7 @@ void OptimizerSwap::step(torch::optim::Optimizer& optimizer) {
     for (const auto& m : groups_[k].members) leaves.push_back(m.leaf.unsafeGetTensorImpl());
     stepped.insert(leaves.begin(), leaves.end());
     step_only(optimizer, lists, leaves);
+    if (gradient.defined()) return_gradient(k);
     flat->store_shard();  // the stepped values to disk (a no-op for parameters in memory)
     swap_out(k, optimizer, std::move(lent));
   }
@@ -136,6 +151,32 @@ void OptimizerSwap::step_only(torch::optim::Optimizer& optimizer, const std::vec
     groups[j].params() = std::move(kept);
   }
   optimizer.step();
+}
+
+at::Tensor OptimizerSwap::lend_gradient(size_t k) {
+  if (!gradients_ || !gradients_->on_disk(k)) return {};
+  std::vector<bool> has;
+  auto chunk = gradients_->read(k, has);
+  const auto& parts = gradients_->parts(k);
+  for (size_t j = 0; j < parts.size(); ++j) {
+    auto& leaf = groups_[k].members[j].leaf;
+    leaf.mutable_grad() = has[j] ? chunk.narrow(0, parts[j].offset, parts[j].count) : at::Tensor();
+  }
+  return chunk;
+}
+
+void OptimizerSwap::return_gradient(size_t k) {
+  // The buffer goes back to the pool with the last view: the step used the gradients, as zero_grad would drop them.
+  for (auto& m : groups_[k].members) m.leaf.mutable_grad() = at::Tensor();
+  gradients_->consumed(k);
+}
+
+bool OptimizerSwap::write_gradient(const FlatGroup* flat, const at::Tensor& chunk) {
+  const auto k = gradients_ ? group_of(flat) : std::nullopt;
+  if (!k) return false;
+  gradients_->write(*k, chunk);
+  for (auto& m : groups_[*k].members) m.leaf.mutable_grad() = at::Tensor();  // a last step's, not zeroed
+  return true;
 }
 
 std::map<std::string, at::Tensor> OptimizerSwap::swap_in(size_t k, torch::optim::Optimizer& optimizer) {
@@ -250,6 +291,7 @@ nlohmann::json OptimizerSwap::stats() const {
   if (!swapper_) return {{"optimizer_state_on_disk", false}};
   const double moved = static_cast<double>(swapper_->bytes_read() + swapper_->bytes_written());
   auto out = swapper_->stats();
+  if (gradients_) out.update(gradients_->stats());
   out.update({{"optimizer_state_on_disk", true},
               {"swapped_steps", steps_},
               {"swapped_step_seconds", step_seconds_},

@@ -16,6 +16,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "parallel/shard/gradients_on_disk.hpp"
 #include "parallel/shard/tensor_swapper.hpp"
 #include "xlr8/zero.hpp"
 
@@ -53,6 +54,10 @@ class OptimizerSwap {
   // Whether the optimizer it served is gone: the state tensors whose values are on disk are held by this swap alone
   // (false before any went to disk: nothing tells then).
   bool orphaned() const;
+  // Gradients on disk (ZeroOptions::Disk::gradients): `flat`'s reduced chunk written out, its leaves' .grad left
+  // undefined until the step reads it; false when this swap does not hold that group's gradients.
+  bool write_gradient(const FlatGroup* flat, const at::Tensor& chunk);
+  GradientsOnDisk* gradients() { return gradients_.get(); }
   // Where the state lives and what moved: the swap file, bytes read and written, seconds the steps took.
   nlohmann::json stats() const;
   // The stats of the swaps of one model's live optimizers as one: bytes, seconds and counts summed, the most held at
@@ -63,6 +68,7 @@ class OptimizerSwap {
   struct Member {
     at::Tensor leaf;
     int64_t offset = 0;  // in the group's chunk
+    size_t index = 0;    // in the group's shard_params
   };
   struct Group {
     FlatGroup* flat = nullptr;
@@ -77,6 +83,10 @@ class OptimizerSwap {
   // The group's state, wherever it is (`lent`'s buffers, or tensors of the optimizer's own), written out and its
   // tensors emptied.
   void swap_out(size_t group, torch::optim::Optimizer& optimizer, std::map<std::string, at::Tensor> lent);
+  // Gradients on disk: the group's read back, its leaves' .grad viewing it (undefined when none is there); and let go
+  // after the step.
+  at::Tensor lend_gradient(size_t group);
+  void return_gradient(size_t group);
   // Steps the optimizer over `leaves` alone (`all`: every group's own parameter list, restored after).
   void step_only(torch::optim::Optimizer& optimizer, const std::vector<std::vector<at::Tensor>>& all,
                  const std::vector<const c10::TensorImpl*>& leaves);
@@ -85,7 +95,8 @@ class OptimizerSwap {
   std::vector<std::string> names_;  // the state tensors kept per parameter
   std::vector<Group> groups_;
   std::unordered_map<const c10::TensorImpl*, at::Tensor> emptied_;  // state tensors whose values are on disk
-  std::unique_ptr<TensorSwapper> swapper_;  // none when the optimizer keeps no state
+  std::unique_ptr<TensorSwapper> swapper_;  // none when the optimizer keeps no state (and gradients stay in memory)
+  std::unique_ptr<GradientsOnDisk> gradients_;  // with Disk::gradients; in swapper_'s file
   bool shards_on_disk_ = false;             // the groups' parameters are on disk too
   size_t stale_removed_ = 0;  // swap files of dead runs removed when this one's was claimed
   int64_t groups_held_ = 0, groups_held_most_ = 0;  // outside steps, by checkpoints (bring_in: every group)

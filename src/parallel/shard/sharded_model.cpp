@@ -322,6 +322,8 @@ void ShardedModel::retire_oldest() {
     grad_shards_[g].div_(replicate_.size());
     replicate_.all_reduce(grad_shards_[g], ReduceOp::SUM);
   }
+  // Gradients on disk: the chunk leaves memory now, not at the end of backward.
+  if (policy_.shards_gradients && gradient_to_disk(g, grad_shards_[g])) grad_shards_[g] = at::Tensor();
 }
 
 void ShardedModel::finish_backward() {
@@ -401,6 +403,7 @@ void ShardedModel::hand_over_reduced() {
     at::Tensor chunk = policy_.shards_gradients
                            ? grad_shards_[g]
                            : flat.grad_full.narrow(0, static_cast<int64_t>(flat.rank) * flat.shard_numel, flat.shard_numel);
+    if (!chunk.defined() || (!policy_.shards_gradients && gradient_to_disk(g, chunk))) continue;  // on disk
     // In the master's dtype, and (offload) in host memory, where the optimizer steps.
     chunk = chunk.to(flat.master.device(), flat.master.scalar_type());
     for (size_t i = 0; i < flat.params.size(); ++i) {

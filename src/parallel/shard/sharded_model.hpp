@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -25,6 +26,7 @@
 namespace xlr8::shard {
 
 // What a ZeRO stage changes, as data rather than branches.
+class GradientsOnDisk;
 class OptimizerSwap;
 class ShardStore;
 struct UnitPlan;
@@ -72,6 +74,10 @@ class ShardedModel : public std::enable_shared_from_this<ShardedModel> {
     return options_.optimizer_on_disk.enabled() || options_.params_on_disk.enabled();
   }
   std::vector<at::Tensor> gradient_holders(const std::vector<at::Tensor>& parameters) const;
+  // Gradients on disk (ZeroOptions::Disk::gradients): ParallelStrategy's queue_on_disk_gradients and
+  // non_finite_gradients_on_disk.
+  bool queue_on_disk_gradients(const std::vector<at::Tensor>& parameters, const std::function<void(at::Tensor&)>& op);
+  bool non_finite_gradients_on_disk();
   void visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn);
   StateDict full_state_layout(StateDictKind kind) const;
   void parameter_pieces_loaded(bool whole_parameters_written);
@@ -112,6 +118,14 @@ class ShardedModel : public std::enable_shared_from_this<ShardedModel> {
   void reduce_and_hand_over();
   void hand_over_reduced();  // launches what is pending, awaits every reduction, gives the leaves their parts
   void stash_gradient(size_t group, size_t index);
+  // Gradients on disk: group g's reduced chunk written to its optimizer's swap (true), or left in memory (no swap
+  // holds g's gradients: the optimizer is not bound yet, or they stay in memory).
+  bool gradient_to_disk(size_t g, const at::Tensor& reduced);
+  struct OnDisk {
+    GradientsOnDisk* gradients = nullptr;
+    size_t group = 0;  // in the swap's order
+  };
+  std::optional<OnDisk> gradient_on_disk(size_t g);  // where group g's gradient waits for the step, if it does
   void group_complete(size_t group);
   void launch_ready();
   void launch(size_t group);

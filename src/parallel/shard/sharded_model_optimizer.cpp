@@ -11,6 +11,7 @@
 #include "compat/torch_compat.hpp"
 #include "parallel/grad_norm.hpp"
 #include "os/memory.hpp"
+#include "parallel/shard/gradients_on_disk.hpp"
 #include "parallel/shard/optimizer_swap.hpp"
 #include "parallel/shard/shard_store.hpp"
 #include "parallel/shard/sharded_model.hpp"
@@ -119,6 +120,10 @@ GradNorm ShardedModel::clip_grad_norm(const std::vector<at::Tensor>& parameters,
   // Tensor-parallel slices are partial over the tp group as well; replicated parameters are not.
   const auto sliced = tp::sliced_parameters(*module_);
   std::vector<at::Tensor> grads, sliced_grads;
+  // Gradients on disk: the norms taken when they were written, and which leaves to scale when the step reads them.
+  std::vector<at::Tensor> disk_norms, sliced_disk_norms;
+  std::vector<std::pair<OnDisk, size_t>> scaled_on_disk;
+  std::map<size_t, std::vector<at::Tensor>> norms_of_group;
   std::map<std::pair<size_t, size_t>, bool> seen;
   for (const auto& p : parameters) {
     const auto* slot = slot_of(p);
@@ -128,13 +133,31 @@ GradNorm ShardedModel::clip_grad_norm(const std::vector<at::Tensor>& parameters,
     if (!seen.emplace(std::pair{slot->group, slot->index}, true).second) continue;
     const auto& grad = group(slot->group).shard_params[slot->index].grad();
     if (grad.defined() && grad.numel() > 0) (sliced.contains(p) ? sliced_grads : grads).push_back(grad);
+    if (grad.defined()) continue;
+    const auto where = gradient_on_disk(slot->group);
+    if (!where) continue;
+    auto [cached, fresh] = norms_of_group.try_emplace(slot->group);
+    if (fresh) cached->second = where->gradients->norms(where->group, norm_type);
+    const auto& parts = where->gradients->parts(where->group);
+    for (size_t j = 0; j < parts.size(); ++j)
+      if (parts[j].index == slot->index && cached->second[j].defined()) {
+        (sliced.contains(p) ? sliced_disk_norms : disk_norms).push_back(cached->second[j]);
+        scaled_on_disk.emplace_back(*where, slot->index);
+      }
   }
   // One all-reduce for all the partial norms, [replicated, tp-sliced]; nothing is read back.
   const auto device = !grads.empty()          ? grads.front().device()
                       : !sliced_grads.empty() ? sliced_grads.front().device()
                                               : at::Device(at::kCPU);
-  auto totals = at::cat({parallel::partial_norm(grads, norm_type, device), parallel::partial_norm(sliced_grads, norm_type, device)});
-  const auto op = std::isinf(norm_type) ? ReduceOp::MAX : ReduceOp::SUM;
+  const bool infinity = std::isinf(norm_type);
+  const auto partial = [&](const std::vector<at::Tensor>& in_memory, const std::vector<at::Tensor>& on_disk) {
+    auto total = parallel::partial_norm(in_memory, norm_type, device);
+    if (on_disk.empty()) return total;
+    const auto rest = parallel::partial_norm_of_norms(on_disk, norm_type, device);
+    return infinity ? at::maximum(total, rest) : total + rest;
+  };
+  auto totals = at::cat({partial(grads, disk_norms), partial(sliced_grads, sliced_disk_norms)});
+  const auto op = infinity ? ReduceOp::MAX : ReduceOp::SUM;
   comm_.all_reduce(totals, op);
   if (sliced.group) {
     auto part = totals.narrow(0, 1, 1).contiguous();
@@ -142,7 +165,52 @@ GradNorm ShardedModel::clip_grad_norm(const std::vector<at::Tensor>& parameters,
     tp_group.all_reduce(part, op);
     totals.narrow(0, 1, 1).copy_(part);
   }
-  return GradNorm(parallel::scale_to_norm(totals, {&grads, &sliced_grads}, max_norm, norm_type));
+  at::Tensor coefficient;
+  auto norm = parallel::scale_to_norm(totals, {&grads, &sliced_grads}, max_norm, norm_type, &coefficient);
+  if (coefficient.defined() && !scaled_on_disk.empty()) {
+    const auto on_host = coefficient.to(at::kCPU, at::kFloat);  // as scale_to_norm gives host gradients
+    for (const auto& [where, index] : scaled_on_disk)
+      where.gradients->queue(where.group, index, [on_host](at::Tensor& g) { g.mul_(on_host); });
+  }
+  return GradNorm(norm);
+}
+
+std::optional<ShardedModel::OnDisk> ShardedModel::gradient_on_disk(size_t g) {
+  if (!options_.optimizer_on_disk.gradients) return std::nullopt;
+  for (auto& [optimizer, swap] : swaps_) {
+    auto* gradients = swap->gradients();
+    const auto k = gradients ? swap->group_of(&group(g)) : std::nullopt;
+    if (k && gradients->on_disk(*k)) return OnDisk{gradients, *k};
+  }
+  return std::nullopt;
+}
+
+bool ShardedModel::gradient_to_disk(size_t g, const at::Tensor& reduced) {
+  if (!options_.optimizer_on_disk.gradients) return false;
+  auto& flat = group(g);
+  for (auto& [optimizer, swap] : swaps_)
+    if (swap->gradients() && swap->group_of(&flat) && !swap->orphaned())
+      return swap->write_gradient(&flat, reduced.to(flat.master.device(), flat.master.scalar_type()));
+  return false;
+}
+
+bool ShardedModel::queue_on_disk_gradients(const std::vector<at::Tensor>& parameters,
+                                           const std::function<void(at::Tensor&)>& op) {
+  bool any = false;
+  for (const auto& p : parameters) {
+    const auto* slot = slot_of(p);
+    const auto where = slot ? gradient_on_disk(slot->group) : std::nullopt;
+    if (!where) continue;
+    where->gradients->queue(where->group, slot->index, op);
+    any = true;
+  }
+  return any;
+}
+
+bool ShardedModel::non_finite_gradients_on_disk() {
+  for (size_t g = 0; g < groups_.size(); ++g)
+    if (const auto where = gradient_on_disk(g); where && where->gradients->non_finite(where->group)) return true;
+  return false;
 }
 
 std::vector<at::Tensor> ShardedModel::gradient_holders(const std::vector<at::Tensor>& parameters) const {

@@ -33,6 +33,11 @@ class ShardedDataParallel final : public ParallelStrategy {
   GradNorm clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) override {
     return sharded_->clip_grad_norm(parameters, max_norm, norm_type);
   }
+  bool queue_on_disk_gradients(const std::vector<at::Tensor>& parameters,
+                               const std::function<void(at::Tensor&)>& op) override {
+    return sharded_->queue_on_disk_gradients(parameters, op);
+  }
+  bool non_finite_gradients_on_disk() override { return sharded_->non_finite_gradients_on_disk(); }
   bool replicated() const override { return false; }
   std::vector<at::Tensor> gradient_holders(const std::vector<at::Tensor>& parameters) const override {
     return sharded_->gradient_holders(parameters);

@@ -1,0 +1,153 @@
+// Offload's disk tier with the gradients on disk too (ZeroOptions::Disk::gradients; gradients_on_disk.hpp): each
+// reduced chunk goes to the optimizer's real swap file when it is reduced and comes back for the step. The same
+// arithmetic as with the gradients in memory, so every run is compared bitwise with that one.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <limits>
+
+#include "zero_disk_fixture.hpp"
+#include "zero_fixture.hpp"
+
+using namespace xlr8;
+using namespace xlr8::testing::zero;
+using xlr8::testing::run_ranks;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct DiskLayout {
+  int stage;
+  bool params_on_disk, bf16;
+  std::string name() const {
+    return fmt::format("stage {}{}{}", stage, params_on_disk ? ", parameters on disk" : "", bf16 ? ", bf16" : "");
+  }
+};
+
+ParallelOptions disk_gradient_options(const DiskLayout& layout, const fs::path& dir, bool pipelined, bool gradients) {
+  auto o = on_disk(layout.stage, dir, pipelined, layout.params_on_disk);
+  if (layout.bf16) o.zero.param_dtype = at::kBFloat16;
+  o.zero.optimizer_on_disk.gradients = gradients;
+  return o;
+}
+
+// This rank's leaves that hold elements: with the gradients on disk, none has a .grad between backward and step.
+int64_t leaves_holding_gradients(ParallelStrategy& strategy) {
+  int64_t n = 0;
+  for (const auto& leaf : strategy.optimizer_parameters()) n += leaf.numel() > 0 && leaf.grad().defined();
+  return n;
+}
+
+// In memory, what queue_on_disk_gradients does on disk: `op` on the .grad of each of `parameters` that has one.
+void work_on_gradients_in_memory(ParallelStrategy& strategy, const std::vector<at::Tensor>& parameters,
+                            const std::function<void(at::Tensor&)>& op) {
+  at::NoGradGuard no_grad;
+  for (const auto& holder : strategy.gradient_holders(parameters)) {
+    auto& grad = holder.mutable_grad();
+    if (!grad.defined()) continue;
+    if (op) op(grad);
+    else grad = at::Tensor();
+  }
+}
+
+}  // namespace
+
+// Stages 1-3 on 1, 2 and 3 ranks, and stage 3 with the parameters on disk (fp32, and bf16 over fp32 masters), with
+// accumulation and clipping: bitwise the run with the gradients in memory, norms included, which are the ones taken
+// as the chunks were written (nothing is read back for them). Between backward and step no leaf holds a gradient.
+TEST(ZeroDiskGradients, EveryStageOnOneTwoAndThreeRanksEqualsTheGradientsInMemoryBitwise) {
+  const auto dir = swap_dir("gradients");
+  if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
+  for (const auto& layout : {DiskLayout{1, false, false}, DiskLayout{2, false, false}, DiskLayout{3, false, false},
+                             DiskLayout{3, true, false}, DiskLayout{3, true, true}})
+    for (int ranks : {1, 2, 3}) {
+      std::vector<TrainRun> in_memory(ranks);
+      run_ranks(ranks, [&](Communicator& comm) {
+        auto strategy = make_parallel_strategy(make_model(), comm, disk_gradient_options(layout, dir, true, false));
+        in_memory[comm.rank()] = train(*strategy, comm.rank(), ranks, 3, 2, 0.05, layout.bf16);
+      });
+      run_ranks(ranks, [&](Communicator& comm) {
+        const auto what = fmt::format("{} on {} ranks, rank {}", layout.name(), ranks, comm.rank());
+        auto strategy = make_parallel_strategy(make_model(), comm, disk_gradient_options(layout, dir, comm.rank() % 2 == 0, true));
+        std::vector<int64_t> holding;
+        auto got = train(*strategy, comm.rank(), ranks, 3, 2, 0.05, layout.bf16, [&](bool after) {
+          if (!after) holding.push_back(leaves_holding_gradients(*strategy));
+        });
+        expect_same_run(got, in_memory[comm.rank()], 0.0, what);
+        EXPECT_EQ(got.norms, in_memory[comm.rank()].norms) << what;  // bitwise
+        EXPECT_EQ(holding, std::vector<int64_t>(3, 0)) << what;
+        const auto disk = strategy->stats()["optimizer_on_disk"];
+        ASSERT_TRUE(disk.is_object()) << what;
+        EXPECT_TRUE(disk.value("gradients_on_disk", false)) << what;
+        const int64_t groups = disk["swapped_groups"].get<int64_t>();
+        EXPECT_GT(groups, 0) << what;
+        EXPECT_EQ(disk["gradient_writes"].get<int64_t>(), 3 * groups) << what;
+        EXPECT_EQ(disk["gradient_reads"].get<int64_t>(), 3 * groups) << what;
+        EXPECT_EQ(disk["gradient_reads_for_norms"].get<int64_t>(), 0) << what;
+      });
+    }
+  fs::remove_all(dir);
+}
+
+// Work on the gradients between backward and step, queued while they are on disk: halving every one (fp16's
+// unscaling), clamping some (clip_grad_value), zeroing one in place and setting others to none (zero_grad), then a
+// 3-norm clip (which reads them back: its norms are no longer the ones written). Bitwise the same work done in memory;
+// a leaf set to none is not stepped. A NaN queued for one is found by the overflow check.
+TEST(ZeroDiskGradients, WorkQueuedBeforeTheStepIsTheWorkDoneInMemory) {
+  const auto dir = swap_dir("gradient_work");
+  if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
+  const int ranks = 2;
+  std::vector<TrainRun> in_memory(ranks);
+  std::vector<std::vector<double>> memory_norms(ranks);
+  // The work, given how to do it: on the .grad in memory, or queued for the gradients on disk.
+  const auto work = [](ParallelStrategy& strategy, auto&& apply) {
+    auto& net = dynamic_cast<TinyNetImpl&>(*strategy.module());
+    apply(strategy.module()->parameters(), [](at::Tensor& g) { g.mul_(at::full({1}, 0.5f)); });
+    apply(net.blocks[0]->parameters(), [](at::Tensor& g) { g.clamp_(-0.01, 0.01); });
+    apply(std::vector<at::Tensor>{net.in->weight}, [](at::Tensor& g) { g.zero_(); });
+    apply(net.head->parameters(), std::function<void(at::Tensor&)>());
+    return strategy.clip_grad_norm(strategy.module()->parameters(), 0.02, 3.0).value();
+  };
+  const DiskLayout layout{3, true, false};
+  run_ranks(ranks, [&](Communicator& comm) {
+    auto strategy = make_parallel_strategy(make_model(), comm, disk_gradient_options(layout, dir, true, false));
+    in_memory[comm.rank()] = train(*strategy, comm.rank(), ranks, 3, 2, 0.05, false, [&](bool after) {
+      if (!after)
+        memory_norms[comm.rank()].push_back(work(*strategy, [&](const auto& params, const auto& op) {
+          work_on_gradients_in_memory(*strategy, params, op);
+        }));
+    });
+  });
+  run_ranks(ranks, [&](Communicator& comm) {
+    const auto what = fmt::format("rank {}", comm.rank());
+    auto strategy = make_parallel_strategy(make_model(), comm, disk_gradient_options(layout, dir, true, true));
+    std::vector<double> norms;
+    auto got = train(*strategy, comm.rank(), ranks, 3, 2, 0.05, false, [&](bool after) {
+      if (after) return;
+      EXPECT_FALSE(strategy->non_finite_gradients_on_disk()) << what;
+      norms.push_back(work(*strategy, [&](const auto& params, const auto& op) {
+        EXPECT_TRUE(strategy->queue_on_disk_gradients(params, op)) << what;
+      }));
+    });
+    expect_same_run(got, in_memory[comm.rank()], 0.0, what);
+    EXPECT_EQ(norms, memory_norms[comm.rank()]) << what;
+    const auto disk = strategy->stats()["optimizer_on_disk"];
+    EXPECT_GT(disk["gradient_reads_for_norms"].get<int64_t>(), 0) << what;
+    EXPECT_GT(disk["gradient_work_queued"].get<int64_t>(), 0) << what;
+    // No gradient waits on disk after a step: nothing to queue work for.
+    EXPECT_FALSE(strategy->queue_on_disk_gradients(strategy->module()->parameters(), [](at::Tensor& g) { g.zero_(); }));
+  });
+  // The overflow check sees an inf or NaN queued on disk (and only then).
+  run_ranks(1, [&](Communicator& comm) {
+    auto strategy = make_parallel_strategy(make_model(), comm, disk_gradient_options(layout, dir, true, true));
+    train(*strategy, 0, 1, 1, 1, 0.0, false, [&](bool after) {
+      if (after) return;
+      EXPECT_FALSE(strategy->non_finite_gradients_on_disk());
+      auto& net = dynamic_cast<TinyNetImpl&>(*strategy->module());
+      strategy->queue_on_disk_gradients({net.head->bias}, [](at::Tensor& g) { g[0] = std::nanf(""); });
+      EXPECT_TRUE(strategy->non_finite_gradients_on_disk());
+    });
+  });
+  fs::remove_all(dir);
+}
