@@ -9,6 +9,7 @@
 #include <map>
 #include <string>
 
+#include "os/net.hpp"
 #include "tensorboard.pb.h"
 #include "xlr8/error.hpp"
 
@@ -36,10 +37,8 @@ double now_seconds() {
 class TensorBoardTracker final : public Tracker {
  public:
   explicit TensorBoardTracker(const std::string& dir) : Tracker(dir) {
-    char host[256] = "localhost";
-    gethostname(host, sizeof(host) - 1);
     const std::string name =
-        "events.out.tfevents." + std::to_string(static_cast<int64_t>(now_seconds())) + "." + host;
+        "events.out.tfevents." + std::to_string(static_cast<int64_t>(now_seconds())) + "." + os::host_name();
     path_ = (std::filesystem::path(dir) / name).string();
     out_.open(path_, std::ios::binary | std::ios::app);
     if (!out_) throw Error("cannot write " + path_);

@@ -73,8 +73,7 @@ compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout
                              "exited or gave up; its own error names the ranks that did not join",
                              t.rank, where, t.world_size, first_line(e.what())));
   };
-  char host[256] = "?";
-  gethostname(host, sizeof(host) - 1);
+  const std::string& host = os::host_name();
   std::vector<int> missing;
   // The job this server belongs to: a rank of another job that reached it (two jobs on one derived port,
   // a stale MASTER_PORT) must stop with an error instead of joining.
@@ -89,7 +88,7 @@ compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout
                                 "port of its own with MASTER_PORT",
                                 t.rank, job, where, std::string(theirs.begin(), theirs.end())));
     }
-    store->set(fmt::format("xlr8/rdzv/rank/{}", t.rank), std::vector<uint8_t>(host, host + std::strlen(host)));
+    store->set(fmt::format("xlr8/rdzv/rank/{}", t.rank), std::vector<uint8_t>(host.begin(), host.end()));
     store->add("xlr8/rdzv/joined", 1);
     auto pause = std::chrono::milliseconds(2);
     while (store->add("xlr8/rdzv/joined", 0) < t.world_size) {

@@ -122,13 +122,11 @@ RendezvousClient::~RendezvousClient() {
 }
 
 ThisMachine this_machine(const std::string& peer_host, int max_nodes) {
-  char host[256] = "?";
-  gethostname(host, sizeof(host) - 1);
   std::string address = os::local_address_toward(peer_host);
   // A host name that resolves to loopback here (Debian's 127.0.1.1) is no address for the other machines.
   if (max_nodes > 1 && address.rfind("127.", 0) == 0)
     if (auto routable = os::first_routable_address(); !routable.empty()) address = routable;
-  return {.node = fmt::format("{} ({}, pid {})", host, address, ::getpid()), .address = address};
+  return {.node = fmt::format("{} ({}, pid {})", os::host_name(), address, ::getpid()), .address = address};
 }
 
 const std::string& RendezvousClient::node() const { return impl_->node; }

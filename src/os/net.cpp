@@ -254,4 +254,13 @@ std::string interface_with_address(const std::string& address) {
   return name;
 }
 
+const std::string& host_name() {
+  static const std::string name = [] {
+    char buffer[256] = {};
+    if (::gethostname(buffer, sizeof(buffer) - 1) != 0 || buffer[0] == '\0') return std::string("unknown-host");
+    return std::string(buffer);
+  }();
+  return name;
+}
+
 }  // namespace xlr8::os

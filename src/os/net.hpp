@@ -51,5 +51,7 @@ std::string local_address_toward(const std::string& host);
 std::string first_routable_address();
 // The network interface holding `address`, or "" (also for a loopback address).
 std::string interface_with_address(const std::string& address);
+// This machine's name (gethostname, read once), or "unknown-host" when it has none.
+const std::string& host_name();
 
 }  // namespace xlr8::os

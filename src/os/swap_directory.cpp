@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "core/log.hpp"
+#include "os/net.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8::os {
@@ -25,15 +26,6 @@ namespace {
 bool is_swap_file(const std::filesystem::path& p) {
   const auto name = p.filename().string();
   return name.starts_with("xlr8-") && name.ends_with(".swap");
-}
-
-const std::string& host_name() {
-  static const std::string name = [] {
-    char buffer[256] = {};
-    if (::gethostname(buffer, sizeof(buffer) - 1) != 0 || buffer[0] == '\0') return std::string("unknown-host");
-    return std::string(buffer);
-  }();
-  return name;
 }
 
 bool made_on_this_host(const std::filesystem::path& p) {

@@ -18,6 +18,7 @@
 #include "compat/torch_compat.hpp"
 #include "core/error_file.hpp"
 #include "core/log.hpp"
+#include "os/net.hpp"
 #include "trainer/run_storage.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/launcher.hpp"
@@ -273,9 +274,7 @@ LaunchRequest launch_request(const ScalingConfig& scaling, const RunConfig& run,
 std::string next_log_dir(const fs::path& run_dir, bool machines) {
   fs::path logs = run_dir / "logs";
   if (machines) {
-    char host[256] = "?";
-    gethostname(host, sizeof(host) - 1);
-    logs /= fmt::format("{}-{}", host, ::getpid());
+    logs /= fmt::format("{}-{}", os::host_name(), ::getpid());
   }
   int fits = 0;
   while (fs::exists(logs / fmt::format("fit_{}", fits))) ++fits;
