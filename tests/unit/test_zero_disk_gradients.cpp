@@ -151,3 +151,24 @@ TEST(ZeroDiskGradients, WorkQueuedBeforeTheStepIsTheWorkDoneInMemory) {
   });
   fs::remove_all(dir);
 }
+
+// A group's gradient on disk goes to one optimizer: a second live optimizer of the same parameters is refused (it would
+// step with no gradients), naming the group and the ways out.
+TEST(ZeroDiskGradients, ASecondLiveOptimizerOfTheSameParametersIsRefused) {
+  const auto dir = swap_dir("gradient_optimizers");
+  if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
+  run_ranks(1, [&](Communicator& comm) {
+    auto strategy = make_parallel_strategy(make_model(), comm, disk_gradient_options({3, false, false}, dir, true, true));
+    torch::optim::AdamW first(strategy->module()->parameters(), torch::optim::AdamWOptions(1e-2));
+    strategy->bind_optimizer(first);
+    torch::optim::AdamW second(strategy->module()->parameters(), torch::optim::AdamWOptions(1e-2));
+    try {
+      strategy->bind_optimizer(second);
+      ADD_FAILURE() << "expected an error";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("XLR8_GRADIENTS_ON_DISK=1: the parameters of "), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("free the first optimizer before preparing another"), std::string::npos);
+    }
+  });
+  fs::remove_all(dir);
+}

@@ -28,9 +28,11 @@ void GradientsOnDisk::write(size_t k, const at::Tensor& chunk) {
   auto& g = groups_[k];
   at::NoGradGuard no_grad;
   const auto each = views(chunk, g.parts);
-  g.norm2 = at::_foreach_norm(each, 2.0);
-  g.norm_inf = at::_foreach_norm(each, std::numeric_limits<double>::infinity());
-  swapper_.swap_out(slot(k), chunk);
+  auto norm2 = at::_foreach_norm(each, 2.0);
+  auto norm_inf = at::_foreach_norm(each, std::numeric_limits<double>::infinity());
+  swapper_.swap_out(slot(k), chunk);  // first: a failed write leaves the last chunk's norms with it
+  g.norm2 = std::move(norm2);
+  g.norm_inf = std::move(norm_inf);
   g.on_disk = true;
   g.queued.clear();
   g.dropped.assign(g.parts.size(), false);

@@ -126,7 +126,12 @@ void OptimizerSwap::step(torch::optim::Optimizer& optimizer) {
     std::vector<const c10::TensorImpl*> leaves;
     for (const auto& m : groups_[k].members) leaves.push_back(m.leaf.unsafeGetTensorImpl());
     stepped.insert(leaves.begin(), leaves.end());
-    step_only(optimizer, lists, leaves);
+    try {
+      step_only(optimizer, lists, leaves);
+    } catch (...) {
+      for (auto& m : groups_[k].members) m.leaf.mutable_grad() = at::Tensor();  // its buffer back; it stays on disk
+      throw;
+    }
     if (gradient.defined()) return_gradient(k);
     flat->store_shard();  // the stepped values to disk (a no-op for parameters in memory)
     swap_out(k, optimizer, std::move(lent));

@@ -403,7 +403,12 @@ void ShardedModel::hand_over_reduced() {
     at::Tensor chunk = policy_.shards_gradients
                            ? grad_shards_[g]
                            : flat.grad_full.narrow(0, static_cast<int64_t>(flat.rank) * flat.shard_numel, flat.shard_numel);
-    if (!chunk.defined() || (!policy_.shards_gradients && gradient_to_disk(g, chunk))) continue;  // on disk
+    if (!chunk.defined() || (!policy_.shards_gradients && gradient_to_disk(g, chunk))) {  // on disk
+      // Leaves with no elements here get their empty gradient as below (the optimizer keeps state for them).
+      for (size_t i = 0; i < flat.params.size(); ++i)
+        if (flat.owned_part(i).count == 0) flat.shard_params[i].mutable_grad() = at::empty({0}, flat.master.options());
+      continue;
+    }
     // In the master's dtype, and (offload) in host memory, where the optimizer steps.
     chunk = chunk.to(flat.master.device(), flat.master.scalar_type());
     for (size_t i = 0; i < flat.params.size(); ++i) {

@@ -50,6 +50,15 @@ void ShardedModel::bind_optimizer(torch::optim::Optimizer& optimizer) {
     if (it->second->serves(optimizer)) return;
     swaps_.erase(it);
   }
+  // Gradients on disk are handed to the one swap that holds their group: a second live optimizer of it would get none.
+  for (const auto& [other, swap] : swaps_)
+    for (size_t g : bound)
+      if (options_.optimizer_on_disk.gradients && swap->group_of(&group(g)))
+        throw ConfigError(fmt::format("XLR8_GRADIENTS_ON_DISK=1: the parameters of {} are given to a second optimizer "
+                                      "while the first is alive; the gradients on disk go to one optimizer per "
+                                      "parameter group: free the first optimizer before preparing another, give each "
+                                      "model one optimizer, or unset XLR8_GRADIENTS_ON_DISK",
+                                      group(g).label));
   std::vector<FlatGroup*> groups;
   for (size_t g : bound) groups.push_back(&group(g));
   swaps_[&optimizer] = std::make_unique<OptimizerSwap>(options_.optimizer_on_disk, optimizer, groups);
