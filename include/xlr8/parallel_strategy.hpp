@@ -114,8 +114,8 @@ class ParallelStrategy {
                                        const std::function<void(at::Tensor&)>& op) {
     return false;
   }
-  // Whether a gradient waiting on disk holds an inf or NaN now (fp16's overflow check).
-  virtual bool non_finite_gradients_on_disk() { return false; }
+  // Whether a gradient of `parameters` waiting on disk holds an inf or NaN now (fp16's overflow check).
+  virtual bool non_finite_gradients_on_disk(const std::vector<at::Tensor>& parameters) { return false; }
   // Whether every rank holds the whole synchronised gradients (replicas), so that a gradient norm over
   // parameters of several such models is the local one.
   virtual bool replicated() const { return true; }

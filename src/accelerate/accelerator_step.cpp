@@ -96,11 +96,12 @@ void AcceleratorImpl::unscale_gradients() {
     found = at::maximum(found, found_here.to(found.device()));
   }
   // Gradients waiting on disk (ZeroOptions::Disk::gradients): checked as they are, divided as the step reads them.
+  const auto optimized = optimized_parameters();
   bool on_disk_overflow = false;
-  for (const auto& model : models) on_disk_overflow = model->non_finite_gradients_on_disk() || on_disk_overflow;
+  for (const auto& model : models) on_disk_overflow = model->non_finite_gradients_on_disk(optimized) || on_disk_overflow;
   if (on_disk_overflow) found.fill_(1);
   const auto inverse_on_host = at::full({1}, 1.0 / scaler->scale(), flag_options);
-  queue_on_disk_gradients(optimized_parameters(), [inverse_on_host](at::Tensor& g) { g.mul_(inverse_on_host); });
+  queue_on_disk_gradients(optimized, [inverse_on_host](at::Tensor& g) { g.mul_(inverse_on_host); });
   // Every rank must skip the same step: MAX of the overflow flag over the world (on the host, which every
   // backend reduces: the one wait for the device is this copy), read once.
   found = found.to(at::kCPU);

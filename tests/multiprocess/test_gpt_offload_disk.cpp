@@ -135,30 +135,49 @@ TEST(GptOffloadDisk, ACheckpointHoldsTheStateAndAJobKilledMidRunResumesAsTheStra
 }
 
 // The gradients on disk too (XLR8_GRADIENTS_ON_DISK=1), ZeRO-3 with everything on disk on 2 ranks with accumulation
-// and clipping, in fp32 and in fp16 (whose unscaling and overflow check are queued for, or read from, the gradients
-// on disk): the same training as with the gradients in memory, bitwise. Without the optimizer's state on disk the
-// variable is one clear error.
+// and clipping, in fp32, in fp16 (whose unscaling and overflow check are queued for, or read from, the gradients on
+// disk), and in fp16 from a JSON whose initial loss scale overflows (the first steps skipped: their gradients are never
+// read): the same training as with the gradients in memory, bitwise. Without the optimizer's state on disk, or with a
+// pipeline, the variable is one clear error.
 TEST(GptOffloadDisk, GradientsOnDiskTooTrainAsInMemory) {
   const Args zero3{"--use_deepspeed", "--zero_stage", "3"};
   const auto swap = temp_dir("gpt-disk-gradients-swap");
+  // On the CPU the gradients stay fp32 under fp16's autocast: only a scale near fp32's limit overflows (2^128: twice).
+  const auto json = temp_dir("gpt-disk-gradients-json") + "/fp16.json";
+  std::ofstream(json) << R"({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+      "fp16": {"enabled": true, "initial_scale_power": 128, "hysteresis": 1},
+      "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": ")" << swap << R"("},
+                            "offload_param": {"device": "nvme", "nvme_path": ")" << swap << R"("}}})";
   const std::map<std::string, std::string> gradients_on_disk{{"XLR8_GRADIENTS_ON_DISK", "1"}};
-  for (const std::string precision : {"no", "fp16"}) {
-    SCOPED_TRACE(precision);
-    const auto launcher = concat(concat(zero3, on_disk(swap, /*params=*/true)), {"--mixed_precision", precision});
+  struct Variant {
+    std::string name;
+    Args launcher;
+  };
+  const std::vector<Variant> variants{
+      {"fp32", concat(concat(zero3, on_disk(swap, true)), {"--mixed_precision", "no"})},
+      {"fp16", concat(concat(zero3, on_disk(swap, true)), {"--mixed_precision", "fp16"})},
+      {"fp16 overflowing", {"--use_deepspeed", "--deepspeed_config_file", json}}};
+  for (const auto& [name, launcher] : variants) {
+    SCOPED_TRACE(name);
     const auto memory_dir = temp_dir("gpt-gradients-in-memory"), disk_dir = temp_dir("gpt-gradients-on-disk");
     const auto want = json_of(launch_gpt(2, launcher, tiny_gpt(memory_dir, 6)));
     const auto got = json_of(launch_gpt(2, launcher, tiny_gpt(disk_dir, 6), true, gradients_on_disk));
     expect_same_training(got, want, disk_dir, memory_dir);
     const auto disk = got.value("optimizer_on_disk", nlohmann::json::object());
     EXPECT_TRUE(disk.value("gradients_on_disk", false)) << got.dump();
-    // Once per group and step (accumulation writes at the sync micro-batch only); a step fp16 skips reads none.
-    EXPECT_EQ(disk.value("gradient_writes", 0), 6 * disk.value("swapped_groups", 0)) << got.dump();
-    if (precision == "no") {
-      EXPECT_EQ(disk.value("gradient_reads", 0), disk.value("gradient_writes", 0)) << got.dump();
-      EXPECT_EQ(disk.value("gradient_reads_for_norms", -1), 0) << got.dump();  // the norms taken at the writes
+    // Written once per group and synchronising backward (accumulation writes at the sync micro-batch only), read once
+    // per group by each of the 6 steps applied; a step fp16 skips (the example trains on until 6 apply) reads none.
+    const int64_t writes = disk.value("gradient_writes", 0), reads = disk.value("gradient_reads", 0);
+    const int64_t groups = disk.value("swapped_groups", 0);
+    EXPECT_EQ(reads, 6 * groups) << got.dump();
+    if (name == "fp16 overflowing") {
+      EXPECT_EQ(writes, 8 * groups) << got.dump();  // two overflows at 2^128 and 2^127, then the scale fits
     } else {
-      EXPECT_GT(disk.value("gradient_reads_for_norms", 0), 0) << got.dump();  // after the unscaling was queued
+      EXPECT_EQ(writes, reads) << got.dump();
     }
+    // fp32's norms are the ones taken at the writes; fp16's clip follows the queued unscaling, and reads.
+    if (name == "fp32") EXPECT_EQ(disk.value("gradient_reads_for_norms", -1), 0) << got.dump();
+    else EXPECT_GT(disk.value("gradient_reads_for_norms", 0), 0) << got.dump();
     EXPECT_EQ(swap_files_in(swap), 0u);
   }
   const auto r = launch_gpt(2, zero3, tiny_gpt(temp_dir("gpt-gradients-refused"), 2), false, gradients_on_disk);

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -125,7 +126,7 @@ TEST(ZeroDiskGradients, WorkQueuedBeforeTheStepIsTheWorkDoneInMemory) {
     std::vector<double> norms;
     auto got = train(*strategy, comm.rank(), ranks, 3, 2, 0.05, false, [&](bool after) {
       if (after) return;
-      EXPECT_FALSE(strategy->non_finite_gradients_on_disk()) << what;
+      EXPECT_FALSE(strategy->non_finite_gradients_on_disk(strategy->module()->parameters())) << what;
       norms.push_back(work(*strategy, [&](const auto& params, const auto& op) {
         EXPECT_TRUE(strategy->queue_on_disk_gradients(params, op)) << what;
       }));
@@ -143,10 +144,14 @@ TEST(ZeroDiskGradients, WorkQueuedBeforeTheStepIsTheWorkDoneInMemory) {
     auto strategy = make_parallel_strategy(make_model(), comm, disk_gradient_options(layout, dir, true, true));
     train(*strategy, 0, 1, 1, 1, 0.0, false, [&](bool after) {
       if (after) return;
-      EXPECT_FALSE(strategy->non_finite_gradients_on_disk());
+      const auto all = strategy->module()->parameters();
+      EXPECT_FALSE(strategy->non_finite_gradients_on_disk(all));
       auto& net = dynamic_cast<TinyNetImpl&>(*strategy->module());
       strategy->queue_on_disk_gradients({net.head->bias}, [](at::Tensor& g) { g[0] = std::nanf(""); });
-      EXPECT_TRUE(strategy->non_finite_gradients_on_disk());
+      EXPECT_TRUE(strategy->non_finite_gradients_on_disk(all));
+      // Only the parameters asked about: the head's bias is not among the first block's.
+      EXPECT_FALSE(strategy->non_finite_gradients_on_disk(net.blocks[0]->parameters()));
+      EXPECT_TRUE(strategy->non_finite_gradients_on_disk({net.head->bias}));
     });
   });
   fs::remove_all(dir);
@@ -170,5 +175,36 @@ TEST(ZeroDiskGradients, ASecondLiveOptimizerOfTheSameParametersIsRefused) {
       EXPECT_NE(std::string(e.what()).find("free the first optimizer before preparing another"), std::string::npos);
     }
   });
+  fs::remove_all(dir);
+}
+
+// On 3 ranks some leaves hold no elements of their parameter; they still get their empty gradient, as in memory, so the
+// optimizer keeps the same state (its step count) for every leaf either way.
+TEST(ZeroDiskGradients, LeavesWithNoElementsHereKeepTheirOptimizerStateAsInMemory) {
+  const auto dir = swap_dir("gradient_empty_leaves");
+  if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
+  const int ranks = 3;
+  std::vector<std::vector<size_t>> states(2, std::vector<size_t>(ranks));
+  std::vector<int64_t> empty_leaves(ranks);
+  for (bool gradients : {false, true})
+    run_ranks(ranks, [&](Communicator& comm) {
+      auto strategy = make_parallel_strategy(make_model(), comm, disk_gradient_options({3, false, false}, dir, true, gradients));
+      torch::optim::AdamW opt(strategy->module()->parameters(), torch::optim::AdamWOptions(1e-2));
+      strategy->bind_optimizer(opt);
+      auto& net = dynamic_cast<TinyNetImpl&>(*strategy->module());
+      const auto batch = global_batch(0);
+      const int64_t rows = 12 / ranks;
+      strategy->begin_step(false);
+      torch::nll_loss(torch::log_softmax(net.forward(batch.x.narrow(0, comm.rank() * rows, rows)), 1),
+                      batch.y.narrow(0, comm.rank() * rows, rows))
+          .backward();
+      strategy->end_step();
+      strategy->optimizer_step(opt);
+      states[gradients][comm.rank()] = opt.state().size();
+      empty_leaves[comm.rank()] = 0;
+      for (const auto& leaf : strategy->optimizer_parameters()) empty_leaves[comm.rank()] += leaf.numel() == 0;
+    });
+  EXPECT_EQ(states[1], states[0]);
+  EXPECT_GT(*std::max_element(empty_leaves.begin(), empty_leaves.end()), 0);  // the case is there
   fs::remove_all(dir);
 }

@@ -86,22 +86,20 @@ std::vector<at::Tensor> GradientsOnDisk::norms(size_t k, double p) {
   return out;
 }
 
-bool GradientsOnDisk::non_finite(size_t k) {
-  for (const auto& n : norms(k, std::numeric_limits<double>::infinity()))
-    if (n.defined() && !std::isfinite(n.item<double>())) return true;  // the max of |g| is inf or NaN
-  return false;
+std::optional<size_t> GradientsOnDisk::part_of(size_t k, size_t index) const {
+  const auto& parts = groups_[k].parts;
+  for (size_t j = 0; j < parts.size(); ++j)
+    if (parts[j].index == index) return j;
+  return std::nullopt;
 }
 
 void GradientsOnDisk::queue(size_t k, size_t index, Op op) {
   auto& g = groups_[k];
-  if (!g.on_disk) return;
-  for (size_t j = 0; j < g.parts.size(); ++j) {
-    if (g.parts[j].index != index || g.dropped[j]) continue;
-    if (!op) g.dropped[j] = true;  // set to none: the step leaves this leaf's .grad undefined
-    else g.queued.emplace_back(j, std::move(op));
-    ++queued_;
-    return;
-  }
+  const auto j = part_of(k, index);
+  if (!g.on_disk || !j || g.dropped[*j]) return;
+  if (!op) g.dropped[*j] = true;  // set to none: the step leaves this leaf's .grad undefined
+  else g.queued.emplace_back(*j, std::move(op));
+  ++queued_;
 }
 
 nlohmann::json GradientsOnDisk::stats() const {

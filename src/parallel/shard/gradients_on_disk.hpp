@@ -43,11 +43,11 @@ class GradientsOnDisk {
   void consumed(size_t group);  // the step used it: no gradient on disk until the next write
   // Per part of the group, the norm of order `p` of its gradient now (undefined for a dropped one).
   std::vector<at::Tensor> norms(size_t group, double p);
-  // Whether any leaf's gradient holds an inf or NaN now (fp16's overflow check).
-  bool non_finite(size_t group);
   // Queues `op` for the gradient of shard_params[index] (no-op when that leaf has none on disk).
   void queue(size_t group, size_t index, Op op);
   const std::vector<Part>& parts(size_t group) const { return groups_[group].parts; }
+  // Which part of the group is shard_params[index] (none: that leaf has no elements here).
+  std::optional<size_t> part_of(size_t group, size_t index) const;
   nlohmann::json stats() const;
 
  private:

@@ -77,7 +77,7 @@ class ShardedModel : public std::enable_shared_from_this<ShardedModel> {
   // Gradients on disk (ZeroOptions::Disk::gradients): ParallelStrategy's queue_on_disk_gradients and
   // non_finite_gradients_on_disk.
   bool queue_on_disk_gradients(const std::vector<at::Tensor>& parameters, const std::function<void(at::Tensor&)>& op);
-  bool non_finite_gradients_on_disk();
+  bool non_finite_gradients_on_disk(const std::vector<at::Tensor>& parameters);
   void visit_full_state(const std::function<void(size_t, const at::Tensor&)>& fn);
   StateDict full_state_layout(StateDictKind kind) const;
   void parameter_pieces_loaded(bool whole_parameters_written);

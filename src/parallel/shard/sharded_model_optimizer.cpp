@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <set>
 
@@ -147,12 +148,10 @@ GradNorm ShardedModel::clip_grad_norm(const std::vector<at::Tensor>& parameters,
     if (!where) continue;
     auto [cached, fresh] = norms_of_group.try_emplace(slot->group);
     if (fresh) cached->second = where->gradients->norms(where->group, norm_type);
-    const auto& parts = where->gradients->parts(where->group);
-    for (size_t j = 0; j < parts.size(); ++j)
-      if (parts[j].index == slot->index && cached->second[j].defined()) {
-        (sliced.contains(p) ? sliced_disk_norms : disk_norms).push_back(cached->second[j]);
-        scaled_on_disk.emplace_back(*where, slot->index);
-      }
+    const auto j = where->gradients->part_of(where->group, slot->index);
+    if (!j || !cached->second[*j].defined()) continue;  // no elements here, or set to none
+    (sliced.contains(p) ? sliced_disk_norms : disk_norms).push_back(cached->second[*j]);
+    scaled_on_disk.emplace_back(*where, slot->index);
   }
   // One all-reduce for all the partial norms, [replicated, tp-sliced]; nothing is read back.
   const auto device = !grads.empty()          ? grads.front().device()
@@ -216,9 +215,18 @@ bool ShardedModel::queue_on_disk_gradients(const std::vector<at::Tensor>& parame
   return any;
 }
 
-bool ShardedModel::non_finite_gradients_on_disk() {
-  for (size_t g = 0; g < groups_.size(); ++g)
-    if (const auto where = gradient_on_disk(g); where && where->gradients->non_finite(where->group)) return true;
+bool ShardedModel::non_finite_gradients_on_disk(const std::vector<at::Tensor>& parameters) {
+  std::map<size_t, std::vector<at::Tensor>> largest;  // per group on disk: each part's max |g|
+  for (const auto& p : parameters) {
+    const auto* slot = slot_of(p);
+    const auto where = slot ? gradient_on_disk(slot->group) : std::nullopt;
+    if (!where) continue;
+    auto [cached, fresh] = largest.try_emplace(slot->group);
+    if (fresh) cached->second = where->gradients->norms(where->group, std::numeric_limits<double>::infinity());
+    const auto j = where->gradients->part_of(where->group, slot->index);
+    // The max of |g| is inf or NaN exactly when some element is.
+    if (j && cached->second[*j].defined() && !std::isfinite(cached->second[*j].item<double>())) return true;
+  }
   return false;
 }
 

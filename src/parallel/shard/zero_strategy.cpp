@@ -37,7 +37,9 @@ class ShardedDataParallel final : public ParallelStrategy {
                                const std::function<void(at::Tensor&)>& op) override {
     return sharded_->queue_on_disk_gradients(parameters, op);
   }
-  bool non_finite_gradients_on_disk() override { return sharded_->non_finite_gradients_on_disk(); }
+  bool non_finite_gradients_on_disk(const std::vector<at::Tensor>& parameters) override {
+    return sharded_->non_finite_gradients_on_disk(parameters);
+  }
   bool replicated() const override { return false; }
   std::vector<at::Tensor> gradient_holders(const std::vector<at::Tensor>& parameters) const override {
     return sharded_->gradient_holders(parameters);
