@@ -110,3 +110,28 @@ TEST(AdviseCandidates, ContextAndSequenceParallelismOfOneSizeHoldTheSameActivati
   EXPECT_NE(activation_kind(under(all, "pp 2, bf16")), activation_kind(under(all, "pp 2, zero-bubble, bf16")));
   EXPECT_NE(launch_key(under(all, "pp 2, bf16")), launch_key(under(all, "pp 2, zero-bubble, bf16")));
 }
+
+// The user's settings of an axis stay under the candidates that split over it (a pipeline's micro-batches and schedule,
+// tp's head size), unless the candidate sets them itself; the sizes are the candidate's, and the other candidates take
+// none of them.
+TEST(AdviseCandidates, TheUsersSettingsOfAnAxisStayUnderTheCandidatesThatUseIt) {
+  const auto all = candidates(4, 1);
+  LaunchRequest user;
+  user.parallelism = {{"parallelism_config_pp_size", "4"},
+                      {"parallelism_config_pp_microbatches", "8"},
+                      {"parallelism_config_pp_schedule", "GPipe"},
+                      {"parallelism_config_tp_head_dim", "64"}};
+  const auto pp = with_candidate(user, named(all, "pp 2, bf16")).parallelism;
+  EXPECT_EQ(pp.at("parallelism_config_pp_size"), "2");
+  EXPECT_EQ(pp.at("parallelism_config_pp_microbatches"), "8");
+  EXPECT_EQ(pp.at("parallelism_config_pp_schedule"), "GPipe");
+  EXPECT_FALSE(pp.count("parallelism_config_tp_head_dim"));
+  const auto zero_bubble = with_candidate(user, named(all, "pp 2, zero-bubble, bf16")).parallelism;
+  EXPECT_EQ(zero_bubble.at("parallelism_config_pp_schedule"), "InterleavedZeroBubble");
+  EXPECT_EQ(zero_bubble.at("parallelism_config_pp_microbatches"), "8");
+  const auto tp = with_candidate(user, named(all, "tp 2, bf16")).parallelism;
+  EXPECT_EQ(tp.at("parallelism_config_tp_head_dim"), "64");
+  EXPECT_FALSE(tp.count("parallelism_config_pp_microbatches"));
+  EXPECT_FALSE(tp.count("parallelism_config_pp_size"));
+  EXPECT_TRUE(with_candidate(user, named(all, "DDP")).parallelism.empty());
+}

@@ -50,6 +50,23 @@ std::vector<Candidate> mesh_candidates(int n, const std::map<std::string, std::s
   return out;
 }
 
+// The candidate's mesh, with the user's settings of each axis the candidate splits over (pp's micro-batches and
+// schedule, tp's head size, sp's sequence length, ...) where the candidate sets none: the sizes are the candidate's,
+// and an axis it does not use takes none of the user's settings.
+std::map<std::string, std::string> with_axes_settings(const std::map<std::string, std::string>& user,
+                                                      std::map<std::string, std::string> mesh) {
+  const auto splits = [&](const std::string& axis) {
+    const auto at = mesh.find("parallelism_config_" + axis + "_size");
+    return at != mesh.end() && at->second != "1";
+  };
+  for (const auto& [key, value] : user) {
+    if (key.ends_with("_size") || mesh.count(key)) continue;
+    for (const std::string axis : {"pp", "cp", "sp", "tp"})
+      if (key.starts_with("parallelism_config_" + axis + "_") && splits(axis)) mesh[key] = value;
+  }
+  return mesh;
+}
+
 }  // namespace
 
 // n processes over `machines` machines: HYBRID_SHARD (sharded inside a machine, replicated across) once there
@@ -94,7 +111,7 @@ LaunchRequest with_candidate(LaunchRequest r, const Candidate& c) {
   for (const auto& [k, v] : c.fsdp) r.fsdp[k] = v;
   if (!c.use_fsdp) r.fsdp.clear();
   r.deepspeed = c.deepspeed;
-  r.parallelism = c.parallelism;
+  r.parallelism = with_axes_settings(r.parallelism, c.parallelism);
   if (!c.mixed_precision.empty()) r.mixed_precision = c.mixed_precision;
   r.max_restarts = 0;
   return r;
