@@ -127,6 +127,25 @@ TEST(ShardedOracle, ClipGradValueClipsTheShardsAsOneProcessClipsTheWholeGradient
   }
 }
 
+// The gradients on disk too (XLR8_GRADIENTS_ON_DISK=1), ZeRO-3 with the optimizer's state on disk on 3 ranks with
+// accumulation: the Accelerator's clip_grad_value is queued for each step's read of the gradients and clips as in
+// memory, bitwise.
+TEST(ShardedOracle, ClipGradValueWithTheGradientsOnDiskClipsAsInMemory) {
+  const auto swap = temp_dir("sharded-gradients-swap");
+  const Args flags{"--use_deepspeed", "--zero_stage", "3", "--offload_optimizer_device", "nvme",
+                   "--offload_optimizer_nvme_path", swap};
+  const Args extra{"--steps", "4", "--accum", "2", "--clip_value", "0.002"};
+  auto memory = worker_run(3, flags, 4, extra);
+  auto disk = worker_run(3, flags, 4, extra, {{"XLR8_GRADIENTS_ON_DISK", "1"}});
+  ASSERT_EQ(disk.losses.size(), 4u);
+  EXPECT_EQ(disk.losses, memory.losses);
+  expect_same_params(disk.dir, memory.dir, 0.0);
+  const auto on_disk = disk.result.value("optimizer_on_disk", nlohmann::json::object());
+  EXPECT_TRUE(on_disk.value("gradients_on_disk", false)) << disk.result.dump();
+  EXPECT_GT(on_disk.value("gradient_work_queued", 0), 0) << disk.result.dump();  // the clips, queued
+  EXPECT_EQ(on_disk.value("gradient_reads", 0), on_disk.value("gradient_writes", -1)) << disk.result.dump();
+}
+
 TEST(ShardedOracle, Bf16UnderEveryStageStaysWithinTheBf16Tolerance) {
   // On CPU the parameters stay fp32 under autocast (as DDP); XLR8_SHARDED_PARAM_DTYPE=bf16 makes them bf16
   // with fp32 master shards, as on CUDA.

@@ -319,6 +319,7 @@ int main(int argc, char** argv) {
                                            {"shared_memory", acc.state().world().uses_shared_memory()},
                                            {"tp_size", tp_size},
                                            {"host_reads", most_reads},
+                                           {"optimizer_on_disk", stats.value("optimizer_on_disk", nlohmann::json())},
                                            {"local_hidden", local_hidden},
                                            {"load_errors", load_errors}}
                                .dump());
