@@ -16,20 +16,40 @@ inline at::Tensor partial_norm_of_norms(const std::vector<at::Tensor>& norms, do
   return (std::isinf(norm_type) ? all.max() : all.pow(norm_type).sum()).reshape({1});
 }
 
+inline bool all_alike(const std::vector<at::Tensor>& grads) {
+  return std::all_of(grads.begin(), grads.end(), [&](const at::Tensor& g) {
+    return g.device() == grads.front().device() && g.scalar_type() == grads.front().scalar_type();
+  });
+}
+
 // Σ|g|^p over `grads` (max |g| for p = inf) as a 1-element double tensor on `device`; 0 for none.
 inline at::Tensor partial_norm(const std::vector<at::Tensor>& grads, double norm_type, at::Device device) {
   if (grads.empty()) return at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
-  const auto& first = grads.front();
-  const bool alike = std::all_of(grads.begin(), grads.end(), [&](const at::Tensor& g) {
-    return g.device() == first.device() && g.scalar_type() == first.scalar_type();
-  });
   // One multi-tensor kernel for every gradient's norm on a GPU, not one norm and two copies each.
-  if (alike) return partial_norm_of_norms(at::_foreach_norm(grads, norm_type), norm_type, device);
+  if (all_alike(grads)) return partial_norm_of_norms(at::_foreach_norm(grads, norm_type), norm_type, device);
   // Partial offload leaves some groups' gradients in host memory, the others' on the GPU (or dtypes differ).
   std::vector<at::Tensor> norms;
   for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble).reshape({1}).to(device));
   const auto all = at::cat(norms);
   return (std::isinf(norm_type) ? all.max() : all.pow(norm_type).sum()).reshape({1});
+}
+
+// partial_norm over gradients of which some are in memory (`grads`) and some only known by their norms (`norms`,
+// offload's gradients on disk), taken in the order `from_disk` gives (true: the next of `norms`): the sum partial_norm
+// makes of them all in memory, bitwise (each norm by the same kernel, summed in the same order).
+inline at::Tensor partial_norm_interleaved(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& norms,
+                                           const std::vector<bool>& from_disk, double norm_type, at::Device device) {
+  if (norms.empty()) return partial_norm(grads, norm_type, device);
+  std::vector<at::Tensor> of_grads;
+  if (!grads.empty() && all_alike(grads)) of_grads = at::_foreach_norm(grads, norm_type);
+  else
+    for (const auto& g : grads) of_grads.push_back(g.norm(norm_type));
+  std::vector<at::Tensor> all;
+  size_t next_grad = 0, next_norm = 0;
+  for (bool disk : from_disk)
+    all.push_back((disk ? norms[next_norm++] : of_grads[next_grad++]).to(at::kDouble).reshape({1}).to(device));
+  const auto total = at::cat(all);
+  return (std::isinf(norm_type) ? total.max() : total.pow(norm_type).sum()).reshape({1});
 }
 
 // The norm from already reduced partial totals (combined by sum, or max for p = inf), and every

@@ -208,3 +208,46 @@ TEST(ZeroDiskGradients, LeavesWithNoElementsHereKeepTheirOptimizerStateAsInMemor
   EXPECT_GT(*std::max_element(empty_leaves.begin(), empty_leaves.end()), 0);  // the case is there
   fs::remove_all(dir);
 }
+
+// An optimizer over the blocks alone: their gradients go to its swap, the other trainable groups' stay in memory. A
+// clip over the whole model sums both kinds in the parameters' order, as in memory: norms (2 and 3) and parameters
+// bitwise those of the run with every gradient in memory.
+TEST(ZeroDiskGradients, AClipOverGradientsPartlyOnDiskSumsThemInTheParametersOrder) {
+  const auto dir = swap_dir("gradient_mixed");
+  if (!direct_io_works(dir)) GTEST_SKIP() << dir << " has no O_DIRECT";
+  const int ranks = 2;
+  std::vector<std::vector<std::vector<double>>> norms(2, std::vector<std::vector<double>>(ranks));
+  std::vector<std::vector<StateDict>> params(2, std::vector<StateDict>(ranks));
+  for (bool gradients : {false, true})
+    run_ranks(ranks, [&](Communicator& comm) {
+      auto strategy = make_parallel_strategy(make_model(), comm, disk_gradient_options({3, false, false}, dir, true, gradients));
+      auto& net = dynamic_cast<TinyNetImpl&>(*strategy->module());
+      torch::optim::AdamW opt(net.blocks->parameters(), torch::optim::AdamWOptions(1e-2));
+      strategy->bind_optimizer(opt);
+      const int64_t rows = 12 / ranks;
+      for (int s = 0; s < 3; ++s) {
+        const auto batch = global_batch(s);
+        strategy->begin_step(false);
+        torch::nll_loss(torch::log_softmax(net.forward(batch.x.narrow(0, comm.rank() * rows, rows)), 1),
+                        batch.y.narrow(0, comm.rank() * rows, rows))
+            .backward();
+        strategy->end_step();
+        for (double p : {3.0, 2.0})
+          norms[gradients][comm.rank()].push_back(strategy->clip_grad_norm(strategy->module()->parameters(), 0.05, p));
+        strategy->optimizer_step(opt);
+        for (auto& leaf : strategy->optimizer_parameters()) leaf.mutable_grad() = at::Tensor();
+      }
+      for (auto& [name, t] : strategy->state_dict(StateDictKind::FULL))
+        params[gradients][comm.rank()].emplace_back(name, t.detach().clone());
+      if (gradients) {
+        EXPECT_GT(strategy->stats()["optimizer_on_disk"]["gradient_writes"].get<int64_t>(), 0);
+      }
+    });
+  for (int r = 0; r < ranks; ++r) {
+    EXPECT_EQ(norms[1][r], norms[0][r]) << "rank " << r;
+    ASSERT_EQ(params[1][r].size(), params[0][r].size());
+    for (size_t i = 0; i < params[0][r].size(); ++i)
+      EXPECT_TRUE(at::equal(params[1][r][i].second, params[0][r][i].second)) << params[0][r][i].first;
+  }
+  fs::remove_all(dir);
+}

@@ -130,8 +130,10 @@ GradNorm ShardedModel::clip_grad_norm(const std::vector<at::Tensor>& parameters,
   // Tensor-parallel slices are partial over the tp group as well; replicated parameters are not.
   const auto sliced = tp::sliced_parameters(*module_);
   std::vector<at::Tensor> grads, sliced_grads;
-  // Gradients on disk: the norms taken when they were written, and which leaves to scale when the step reads them.
+  // Gradients on disk: the norms taken when they were written (in the parameters' order among the gradients in
+  // memory), and which leaves to scale when the step reads them.
   std::vector<at::Tensor> disk_norms, sliced_disk_norms;
+  std::vector<bool> from_disk, sliced_from_disk;
   std::vector<std::pair<OnDisk, size_t>> scaled_on_disk;
   std::map<size_t, std::vector<at::Tensor>> norms_of_group;
   std::map<std::pair<size_t, size_t>, bool> seen;
@@ -142,7 +144,10 @@ GradNorm ShardedModel::clip_grad_norm(const std::vector<at::Tensor>& parameters,
       throw Error("clip_grad_norm(): a parameter is not one this sharded model trains (pass model->parameters())");
     if (!seen.emplace(std::pair{slot->group, slot->index}, true).second) continue;
     const auto& grad = group(slot->group).shard_params[slot->index].grad();
-    if (grad.defined() && grad.numel() > 0) (sliced.contains(p) ? sliced_grads : grads).push_back(grad);
+    if (grad.defined() && grad.numel() > 0) {
+      (sliced.contains(p) ? sliced_grads : grads).push_back(grad);
+      (sliced.contains(p) ? sliced_from_disk : from_disk).push_back(false);
+    }
     if (grad.defined()) continue;
     const auto where = gradient_on_disk(slot->group);
     if (!where) continue;
@@ -151,21 +156,17 @@ GradNorm ShardedModel::clip_grad_norm(const std::vector<at::Tensor>& parameters,
     const auto j = where->gradients->part_of(where->group, slot->index);
     if (!j || !cached->second[*j].defined()) continue;  // no elements here, or set to none
     (sliced.contains(p) ? sliced_disk_norms : disk_norms).push_back(cached->second[*j]);
+    (sliced.contains(p) ? sliced_from_disk : from_disk).push_back(true);
     scaled_on_disk.emplace_back(*where, slot->index);
   }
   // One all-reduce for all the partial norms, [replicated, tp-sliced]; nothing is read back.
   const auto device = !grads.empty()          ? grads.front().device()
                       : !sliced_grads.empty() ? sliced_grads.front().device()
                                               : at::Device(at::kCPU);
-  const bool infinity = std::isinf(norm_type);
-  const auto partial = [&](const std::vector<at::Tensor>& in_memory, const std::vector<at::Tensor>& on_disk) {
-    auto total = parallel::partial_norm(in_memory, norm_type, device);
-    if (on_disk.empty()) return total;
-    const auto rest = parallel::partial_norm_of_norms(on_disk, norm_type, device);
-    return infinity ? at::maximum(total, rest) : total + rest;
-  };
-  auto totals = at::cat({partial(grads, disk_norms), partial(sliced_grads, sliced_disk_norms)});
-  const auto op = infinity ? ReduceOp::MAX : ReduceOp::SUM;
+  auto totals = at::cat({parallel::partial_norm_interleaved(grads, disk_norms, from_disk, norm_type, device),
+                          parallel::partial_norm_interleaved(sliced_grads, sliced_disk_norms, sliced_from_disk, norm_type,
+                                                             device)});
+  const auto op = std::isinf(norm_type) ? ReduceOp::MAX : ReduceOp::SUM;
   comm_.all_reduce(totals, op);
   if (sliced.group) {
     auto part = totals.narrow(0, 1, 1).contiguous();
