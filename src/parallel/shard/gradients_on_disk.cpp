@@ -69,7 +69,8 @@ std::vector<at::Tensor> GradientsOnDisk::norms(size_t k, double p) {
   auto& g = groups_[k];
   std::vector<at::Tensor> out(g.parts.size());
   if (!g.on_disk) return out;
-  const bool as_written = g.queued.empty() && (p == 2 || std::isinf(p));
+  const double infinity = std::numeric_limits<double>::infinity();
+  const bool as_written = g.queued.empty() && (p == 2 || p == infinity);  // (-inf, the smallest |g|, is not kept)
   std::vector<at::Tensor> computed;
   std::vector<bool> has;
   at::Tensor chunk;  // read only when the norms written no longer hold (held until they are computed)
