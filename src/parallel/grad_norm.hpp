@@ -40,8 +40,11 @@ inline at::Tensor partial_norm(const std::vector<at::Tensor>& grads, double norm
 inline at::Tensor partial_norm_interleaved(const std::vector<at::Tensor>& grads, const std::vector<at::Tensor>& norms,
                                            const std::vector<bool>& from_disk, double norm_type, at::Device device) {
   if (norms.empty()) return partial_norm(grads, norm_type, device);
+  // Alike as partial_norm would judge them all in memory: a norm keeps its gradient's device and dtype.
+  auto everything = grads;
+  everything.insert(everything.end(), norms.begin(), norms.end());
   std::vector<at::Tensor> of_grads;
-  if (!grads.empty() && all_alike(grads)) of_grads = at::_foreach_norm(grads, norm_type);
+  if (!grads.empty() && all_alike(everything)) of_grads = at::_foreach_norm(grads, norm_type);
   else
     for (const auto& g : grads) of_grads.push_back(g.norm(norm_type));
   std::vector<at::Tensor> all;

@@ -134,4 +134,10 @@ TEST(AdviseCandidates, TheUsersSettingsOfAnAxisStayUnderTheCandidatesThatUseIt) 
   EXPECT_FALSE(tp.count("parallelism_config_pp_microbatches"));
   EXPECT_FALSE(tp.count("parallelism_config_pp_size"));
   EXPECT_TRUE(with_candidate(user, named(all, "DDP")).parallelism.empty());
+  // Micro-batches that are no multiple of the candidate's 2 stages (an interleaved schedule takes them in groups of
+  // the stage count) give way to the candidate's default.
+  user.parallelism["parallelism_config_pp_microbatches"] = "9";
+  const auto odd = with_candidate(user, named(all, "pp 2, zero-bubble, bf16")).parallelism;
+  EXPECT_FALSE(odd.count("parallelism_config_pp_microbatches"));
+  EXPECT_EQ(odd.at("parallelism_config_pp_schedule"), "InterleavedZeroBubble");
 }

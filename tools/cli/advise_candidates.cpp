@@ -3,6 +3,9 @@
 
 #include <fmt/format.h>
 
+#include <exception>
+#include <string>
+
 namespace xlr8::cli {
 
 namespace {
@@ -63,6 +66,17 @@ std::map<std::string, std::string> with_axes_settings(const std::map<std::string
     if (key.ends_with("_size") || mesh.count(key)) continue;
     for (const std::string axis : {"pp", "cp", "sp", "tp"})
       if (key.starts_with("parallelism_config_" + axis + "_") && splits(axis)) mesh[key] = value;
+  }
+  // Interleaved schedules take micro-batches in groups of the stage count: the user's, made for their stages, stay
+  // only when they are a multiple of the candidate's (else its default, one per stage).
+  if (const auto m = mesh.find("parallelism_config_pp_microbatches"); m != mesh.end()) {
+    const int stages = std::stoi(mesh.at("parallelism_config_pp_size"));
+    int micro_batches = 0;
+    try {
+      micro_batches = std::stoi(m->second);
+    } catch (const std::exception&) {  // the launch refuses it by name
+    }
+    if (micro_batches <= 0 || micro_batches % stages != 0) mesh.erase(m);
   }
   return mesh;
 }

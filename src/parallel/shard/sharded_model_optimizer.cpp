@@ -55,10 +55,11 @@ void ShardedModel::bind_optimizer(torch::optim::Optimizer& optimizer) {
   for (const auto& [other, swap] : swaps_)
     for (size_t g : bound)
       if (options_.optimizer_on_disk.gradients && swap->group_of(&group(g)))
-        throw ConfigError(fmt::format("XLR8_GRADIENTS_ON_DISK=1: the parameters of {} are given to a second optimizer "
-                                      "while the first is alive; the gradients on disk go to one optimizer per "
-                                      "parameter group: free the first optimizer before preparing another, give each "
-                                      "model one optimizer, or unset XLR8_GRADIENTS_ON_DISK",
+        throw ConfigError(fmt::format("XLR8_GRADIENTS_ON_DISK=1: parameters of sharding group {} are given to a second "
+                                      "optimizer while another optimizer of that group is alive (prepared); the "
+                                      "gradients on disk go to one optimizer per group: put these parameters in one "
+                                      "optimizer (its param groups may differ), call free_memory() and prepare again "
+                                      "for a new optimizer, or unset XLR8_GRADIENTS_ON_DISK",
                                       group(g).label));
   std::vector<FlatGroup*> groups;
   for (size_t g : bound) groups.push_back(&group(g));
@@ -159,10 +160,15 @@ GradNorm ShardedModel::clip_grad_norm(const std::vector<at::Tensor>& parameters,
     (sliced.contains(p) ? sliced_from_disk : from_disk).push_back(true);
     scaled_on_disk.emplace_back(*where, slot->index);
   }
-  // One all-reduce for all the partial norms, [replicated, tp-sliced]; nothing is read back.
-  const auto device = !grads.empty()          ? grads.front().device()
-                      : !sliced_grads.empty() ? sliced_grads.front().device()
-                                              : at::Device(at::kCPU);
+  // One all-reduce for all the partial norms, [replicated, tp-sliced]; nothing is read back. On the device of the first
+  // gradient in the parameters' order (a norm taken on disk is on its chunk's).
+  const auto first_device = [](const std::vector<bool>& from_disk, const std::vector<at::Tensor>& in_memory,
+                               const std::vector<at::Tensor>& on_disk) {
+    return from_disk.front() ? on_disk.front().device() : in_memory.front().device();
+  };
+  const auto device = !from_disk.empty()          ? first_device(from_disk, grads, disk_norms)
+                      : !sliced_from_disk.empty() ? first_device(sliced_from_disk, sliced_grads, sliced_disk_norms)
+                                                  : at::Device(at::kCPU);
   auto totals = at::cat({parallel::partial_norm_interleaved(grads, disk_norms, from_disk, norm_type, device),
                           parallel::partial_norm_interleaved(sliced_grads, sliced_disk_norms, sliced_from_disk, norm_type,
                                                              device)});
