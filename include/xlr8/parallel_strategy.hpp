@@ -106,8 +106,8 @@ class ParallelStrategy {
   // The tensors whose .grad holds this rank's gradients of `parameters` (of this strategy's module): the
   // parameters themselves for replicas, their shard leaves when sharded. For elementwise gradient work.
   virtual std::vector<at::Tensor> gradient_holders(const std::vector<at::Tensor>& parameters) const { return parameters; }
-  // Offload's disk tier with the gradients on disk (ZeroOptions::Disk::gradients): gradients of `parameters` (of this
-  // strategy's module) that wait on disk for the step have no .grad; `op` (elementwise, given each one's 1-dimensional
+  // Offload's disk tier with the gradients on disk (ZeroOptions::Disk::gradients): gradients of `parameters` (those of
+  // this strategy's module; others are ignored) that wait on disk for the step have no .grad; `op` (elementwise, given each one's 1-dimensional
   // gradient) is queued for each and runs, in order, as the step reads it; an empty `op` sets them to none. Whether
   // any was on disk.
   virtual bool queue_on_disk_gradients(const std::vector<at::Tensor>& parameters,

@@ -80,7 +80,8 @@ void AcceleratorImpl::unscale_gradients() {
   // One fused unscale-and-check per device (under partial offload some gradients are in host memory, others
   // on the GPU), as torch's GradScaler does; the flags meet on the first gradient's device.
   std::vector<std::pair<at::Device, std::vector<at::Tensor>>> by_device;
-  for (auto& p : optimized_parameters()) {
+  const auto optimized = optimized_parameters();
+  for (const auto& p : optimized) {
     const auto& g = p.grad();
     if (!g.defined()) continue;
     auto same = std::find_if(by_device.begin(), by_device.end(), [&](const auto& d) { return d.first == g.device(); });
@@ -96,7 +97,6 @@ void AcceleratorImpl::unscale_gradients() {
     found = at::maximum(found, found_here.to(found.device()));
   }
   // Gradients waiting on disk (ZeroOptions::Disk::gradients): checked as they are, divided as the step reads them.
-  const auto optimized = optimized_parameters();
   bool on_disk_overflow = false;
   for (const auto& model : models) on_disk_overflow = model->non_finite_gradients_on_disk(optimized) || on_disk_overflow;
   if (on_disk_overflow) found.fill_(1);
@@ -113,12 +113,7 @@ void AcceleratorImpl::unscale_gradients() {
 
 void AcceleratorImpl::queue_on_disk_gradients(const std::vector<at::Tensor>& parameters,
                                               const std::function<void(at::Tensor&)>& op) {
-  for (const auto& model : models) {
-    std::vector<at::Tensor> its;
-    for (const auto& p : parameters)
-      if (model->owns(p)) its.push_back(p);
-    if (!its.empty()) model->queue_on_disk_gradients(its, op);
-  }
+  for (const auto& model : models) model->queue_on_disk_gradients(parameters, op);  // each skips what is not its
 }
 
 // ------------------------------------------------------------------------------------------ optimizer, scheduler

@@ -9,29 +9,44 @@
 
 namespace xlr8::parallel {
 
-// Σ norm^p over norms already taken, one per gradient (max for p = inf), as partial_norm below combines them.
-inline at::Tensor partial_norm_of_norms(const std::vector<at::Tensor>& norms, double norm_type, at::Device device) {
-  if (norms.empty()) return at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
-  const auto all = at::stack(norms).to(at::kDouble).to(device);
+// Σ norm^p over double norms in one tensor (max for p = inf), as a 1-element tensor.
+inline at::Tensor sum_of_powers(const at::Tensor& all, double norm_type) {
   return (std::isinf(norm_type) ? all.max() : all.pow(norm_type).sum()).reshape({1});
 }
 
-inline bool all_alike(const std::vector<at::Tensor>& grads) {
-  return std::all_of(grads.begin(), grads.end(), [&](const at::Tensor& g) {
-    return g.device() == grads.front().device() && g.scalar_type() == grads.front().scalar_type();
-  });
+// Σ norm^p over norms already taken, one per gradient (max for p = inf), as partial_norm below combines them.
+inline at::Tensor partial_norm_of_norms(const std::vector<at::Tensor>& norms, double norm_type, at::Device device) {
+  if (norms.empty()) return at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
+  return sum_of_powers(at::stack(norms).to(at::kDouble).to(device), norm_type);
+}
+
+// Norms one at a time, each to double on `device` (tensors on several devices or of several dtypes), summed.
+inline at::Tensor partial_norm_of_mixed(const std::vector<at::Tensor>& norms, double norm_type, at::Device device) {
+  std::vector<at::Tensor> all;
+  for (const auto& n : norms) all.push_back(n.to(at::kDouble).reshape({1}).to(device));
+  return sum_of_powers(at::cat(all), norm_type);
+}
+
+// Whether every tensor of `lists` has the first one's device and dtype.
+inline bool all_alike(std::initializer_list<const std::vector<at::Tensor>*> lists) {
+  const at::Tensor* first = nullptr;
+  for (const auto* list : lists)
+    for (const auto& t : *list) {
+      if (!first) first = &t;
+      if (t.device() != first->device() || t.scalar_type() != first->scalar_type()) return false;
+    }
+  return true;
 }
 
 // Σ|g|^p over `grads` (max |g| for p = inf) as a 1-element double tensor on `device`; 0 for none.
 inline at::Tensor partial_norm(const std::vector<at::Tensor>& grads, double norm_type, at::Device device) {
   if (grads.empty()) return at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device));
   // One multi-tensor kernel for every gradient's norm on a GPU, not one norm and two copies each.
-  if (all_alike(grads)) return partial_norm_of_norms(at::_foreach_norm(grads, norm_type), norm_type, device);
+  if (all_alike({&grads})) return partial_norm_of_norms(at::_foreach_norm(grads, norm_type), norm_type, device);
   // Partial offload leaves some groups' gradients in host memory, the others' on the GPU (or dtypes differ).
   std::vector<at::Tensor> norms;
-  for (const auto& g : grads) norms.push_back(g.norm(norm_type).to(at::kDouble).reshape({1}).to(device));
-  const auto all = at::cat(norms);
-  return (std::isinf(norm_type) ? all.max() : all.pow(norm_type).sum()).reshape({1});
+  for (const auto& g : grads) norms.push_back(g.norm(norm_type));
+  return partial_norm_of_mixed(norms, norm_type, device);
 }
 
 // partial_norm over gradients of which some are in memory (`grads`) and some only known by their norms (`norms`,
@@ -41,18 +56,15 @@ inline at::Tensor partial_norm_interleaved(const std::vector<at::Tensor>& grads,
                                            const std::vector<bool>& from_disk, double norm_type, at::Device device) {
   if (norms.empty()) return partial_norm(grads, norm_type, device);
   // Alike as partial_norm would judge them all in memory: a norm keeps its gradient's device and dtype.
-  auto everything = grads;
-  everything.insert(everything.end(), norms.begin(), norms.end());
+  const bool alike = all_alike({&grads, &norms});
   std::vector<at::Tensor> of_grads;
-  if (!grads.empty() && all_alike(everything)) of_grads = at::_foreach_norm(grads, norm_type);
+  if (alike && !grads.empty()) of_grads = at::_foreach_norm(grads, norm_type);
   else
     for (const auto& g : grads) of_grads.push_back(g.norm(norm_type));
-  std::vector<at::Tensor> all;
+  std::vector<at::Tensor> in_order;
   size_t next_grad = 0, next_norm = 0;
-  for (bool disk : from_disk)
-    all.push_back((disk ? norms[next_norm++] : of_grads[next_grad++]).to(at::kDouble).reshape({1}).to(device));
-  const auto total = at::cat(all);
-  return (std::isinf(norm_type) ? total.max() : total.pow(norm_type).sum()).reshape({1});
+  for (bool disk : from_disk) in_order.push_back(disk ? norms[next_norm++] : of_grads[next_grad++]);
+  return alike ? partial_norm_of_norms(in_order, norm_type, device) : partial_norm_of_mixed(in_order, norm_type, device);
 }
 
 // The norm from already reduced partial totals (combined by sum, or max for p = inf), and every

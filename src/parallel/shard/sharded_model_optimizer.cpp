@@ -21,6 +21,27 @@
 
 namespace xlr8::shard {
 
+namespace {
+
+// The norms of order p of gradients waiting on disk, asked per leaf, taken (or read) once per group.
+class NormsOnDisk {
+ public:
+  explicit NormsOnDisk(double p) : p_(p) {}
+  // Leaf shard_params[index]'s in `group` of `gradients`; undefined when it has no elements here or was set to none.
+  at::Tensor of(GradientsOnDisk& gradients, size_t group, size_t index) {
+    auto [cached, fresh] = norms_.try_emplace(std::pair{&gradients, group});
+    if (fresh) cached->second = gradients.norms(group, p_);
+    const auto j = gradients.part_of(group, index);
+    return j ? cached->second[*j] : at::Tensor();
+  }
+
+ private:
+  double p_;
+  std::map<std::pair<const GradientsOnDisk*, size_t>, std::vector<at::Tensor>> norms_;
+};
+
+}  // namespace
+
 // ------------------------------------------------------------------------------------------ optimizer
 
 std::vector<at::Tensor> ShardedModel::optimizer_parameters() const {
@@ -136,7 +157,7 @@ GradNorm ShardedModel::clip_grad_norm(const std::vector<at::Tensor>& parameters,
   std::vector<at::Tensor> disk_norms, sliced_disk_norms;
   std::vector<bool> from_disk, sliced_from_disk;
   std::vector<std::pair<OnDisk, size_t>> scaled_on_disk;
-  std::map<size_t, std::vector<at::Tensor>> norms_of_group;
+  NormsOnDisk norms_on_disk(norm_type);
   std::map<std::pair<size_t, size_t>, bool> seen;
   for (const auto& p : parameters) {
     const auto* slot = slot_of(p);
@@ -152,11 +173,9 @@ GradNorm ShardedModel::clip_grad_norm(const std::vector<at::Tensor>& parameters,
     if (grad.defined()) continue;
     const auto where = gradient_on_disk(slot->group);
     if (!where) continue;
-    auto [cached, fresh] = norms_of_group.try_emplace(slot->group);
-    if (fresh) cached->second = where->gradients->norms(where->group, norm_type);
-    const auto j = where->gradients->part_of(where->group, slot->index);
-    if (!j || !cached->second[*j].defined()) continue;  // no elements here, or set to none
-    (sliced.contains(p) ? sliced_disk_norms : disk_norms).push_back(cached->second[*j]);
+    const auto norm = norms_on_disk.of(*where->gradients, where->group, slot->index);
+    if (!norm.defined()) continue;  // no elements here, or set to none
+    (sliced.contains(p) ? sliced_disk_norms : disk_norms).push_back(norm);
     (sliced.contains(p) ? sliced_from_disk : from_disk).push_back(true);
     scaled_on_disk.emplace_back(*where, slot->index);
   }
@@ -211,6 +230,7 @@ bool ShardedModel::gradient_to_disk(size_t g, const at::Tensor& reduced) {
 
 bool ShardedModel::queue_on_disk_gradients(const std::vector<at::Tensor>& parameters,
                                            const std::function<void(at::Tensor&)>& op) {
+  if (!options_.optimizer_on_disk.gradients) return false;  // every zero_grad asks: no work without the feature
   bool any = false;
   for (const auto& p : parameters) {
     const auto* slot = slot_of(p);
@@ -223,16 +243,13 @@ bool ShardedModel::queue_on_disk_gradients(const std::vector<at::Tensor>& parame
 }
 
 bool ShardedModel::non_finite_gradients_on_disk(const std::vector<at::Tensor>& parameters) {
-  std::map<size_t, std::vector<at::Tensor>> largest;  // per group on disk: each part's max |g|
+  NormsOnDisk largest(std::numeric_limits<double>::infinity());  // max |g|: inf or NaN exactly when some element is
   for (const auto& p : parameters) {
     const auto* slot = slot_of(p);
     const auto where = slot ? gradient_on_disk(slot->group) : std::nullopt;
     if (!where) continue;
-    auto [cached, fresh] = largest.try_emplace(slot->group);
-    if (fresh) cached->second = where->gradients->norms(where->group, std::numeric_limits<double>::infinity());
-    const auto j = where->gradients->part_of(where->group, slot->index);
-    // The max of |g| is inf or NaN exactly when some element is.
-    if (j && cached->second[*j].defined() && !std::isfinite(cached->second[*j].item<double>())) return true;
+    const auto norm = largest.of(*where->gradients, where->group, slot->index);
+    if (norm.defined() && !std::isfinite(norm.item<double>())) return true;
   }
   return false;
 }
