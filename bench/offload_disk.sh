@@ -8,7 +8,9 @@
 # the parameter shards' read-ahead from disk included.
 # GRADIENTS="0 1" runs the training twice in this invocation, with the gradients in memory and then on disk too
 # (XLR8_GRADIENTS_ON_DISK=1: each group's reduced gradient waits for the step in the swap file); default "0".
-# Usage: [LAYERS=40 WIDTH=2048 HEADS=16 STEPS=3 MAX_LIVE=100000000 PREFETCH_BUCKET=50000000 CHECKPOINT=0 GRADIENTS=0 SWAP=/var/tmp/xlr8-swap-bench] bench/offload_disk.sh [build-dir]
+# ZERO3_INIT=1 adds DeepSpeed's zero3_init_flag: the build is recorded, not run, and each unit's group computes its
+# own values when it is made (bitwise the whole build's), so the model is never whole in memory.
+# Usage: [ZERO3_INIT=0 LAYERS=40 WIDTH=2048 HEADS=16 STEPS=3 MAX_LIVE=100000000 PREFETCH_BUCKET=50000000 CHECKPOINT=0 GRADIENTS=0 SWAP=/var/tmp/xlr8-swap-bench] bench/offload_disk.sh [build-dir]
 set -eu
 . "$(dirname "$0")/common.sh"
 LAYERS=${LAYERS:-40}; WIDTH=${WIDTH:-2048}; STEPS=${STEPS:-3}; SWAP=${SWAP:-/var/tmp/xlr8-swap-bench}
@@ -35,6 +37,7 @@ JSON
 run_gpt() {
   name=$1; shift
   /usr/bin/time -v "$X" launch --num_processes 1 --use_deepspeed --deepspeed_config_file "$OUT/ds.json" \
+    --zero3_init_flag "$([ "${ZERO3_INIT:-0}" = 1 ] && echo true || echo false)" \
     "$G" --n_layer "$LAYERS" --d_model "$WIDTH" --n_head "${HEADS:-16}" --seq_len 64 --batch_size 1 \
     --lr 3e-5 --val_windows 4 --log_every 1 --output_dir "$OUT/run" "$@" >"$OUT/stdout" 2>"$OUT/stderr" || {
     tail -30 "$OUT/stderr"; exit 1; }
@@ -47,6 +50,8 @@ n = r["parameters"]
 o, p = r.get("optimizer_on_disk") or {}, r.get("parameters_on_disk") or {}
 print(f"parameters {n/1e9:.3f} G: fp32 training state {16*n/1e9:.1f} GB (parameters, gradients, 2 moments)")
 print(f"final train loss {r['final_train_loss']:.4f}, val {r['val_loss']:.4f}, tokens/s {r['tokens_per_s']:.1f}")
+print(f"setup peak {r.get('setup_peak_rss_mb_by_rank',[0])[0]/1024:.2f} GiB (building and preparing the model; "
+      f"groups computing their own values: {r.get('groups_computed_when_made',0)})")
 print(f"resident between steps {r.get('between_steps_rss_mb',0)/1024:.2f} GiB (after the last step; the heap trimmed "
       f"after each step in {r.get('heap_trim_seconds',0):.2f} s in all)")
 print(f"swap files: state {o.get('swap_file_bytes',0)/1e9:.1f} GB, parameters {p.get('swap_file_bytes',0)/1e9:.1f} GB")

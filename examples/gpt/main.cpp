@@ -294,6 +294,7 @@ int run(const Args& args) {
                           {"trainable_parameters", params - frozen},
                           {"frozen_released_in_backward", stats.value("frozen_released_in_backward", int64_t{0})},
                           {"rank0_loading", stats.value("values_from_rank0", false)},
+                          {"groups_computed_when_made", stats.value("groups_computed_when_made", int64_t{0})},
                           {"forward_prefetches", stats.value("forward_prefetches", int64_t{0})},
                           {"backward_prefetches", stats.value("backward_prefetches", int64_t{0})},
                           {"gathers", stats.value("gathers", int64_t{0})},

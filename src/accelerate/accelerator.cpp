@@ -15,6 +15,7 @@
 #include "accelerate/accelerator_impl.hpp"
 #include "accelerate/parallel_plan.hpp"
 #include "xlr8/context_parallel.hpp"
+#include "xlr8/deferred_init.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
@@ -218,13 +219,41 @@ bool Accelerator::tp_loading() const {
 struct Accelerator::ModelBuild {
   std::optional<EmptyInitScope> empty;                 // every rank but the main process
   std::optional<tp::detail::KeepWholeValues> wholes;   // the main process, under tensor parallelism
+  std::optional<DeferredInitScope> deferred;           // the process whose sharding groups compute their values
 };
+
+namespace {
+
+// Whether this process records the build instead of running it, each sharding group then computing its
+// own values when it is made (DeepSpeed's zero.Init), so that no process holds the whole model: rank-0
+// loading's main process, and one process asking for it (fsdp_cpu_ram_efficient_loading, or DeepSpeed's
+// zero3_init_flag) at stage 3.
+bool records_build(const AcceleratorImpl& s, bool rank0_loading, bool tp_loading, bool main_process) {
+  if (tp_loading) return false;
+  if (rank0_loading) return main_process;
+  const auto& settings = s.state->settings();
+  const bool asked = (settings.fsdp && settings.fsdp->cpu_ram_efficient_loading) ||
+                     (settings.deepspeed && settings.deepspeed->zero3_init_flag);
+  return asked && s.state->world_size() == 1 && s.plan.strategy == "zero3";  // one process shards when it offloads
+}
+
+// Module::to for everything but the deferred tensors, which their groups make on the device.
+void move_all_but_deferred(torch::nn::Module& module, const at::Device& device) {
+  auto move = [&](at::Tensor t) {
+    if (!is_deferred(t) && t.device() != device) t.set_data(t.to(device));
+  };
+  for (const auto& p : module.parameters()) move(p);
+  for (const auto& b : module.buffers()) move(b);
+}
+
+}  // namespace
 
 std::shared_ptr<Accelerator::ModelBuild> Accelerator::begin_model_build() {
   auto building = std::make_shared<ModelBuild>();
   const bool from_main = rank0_loading() || tp_loading();
   if (from_main && !is_main_process()) building->empty.emplace();
   if (from_main && is_main_process() && tp_loading()) building->wholes.emplace();
+  if (records_build(*impl_, rank0_loading(), tp_loading(), is_main_process())) building->deferred.emplace();
   return building;
 }
 
@@ -232,6 +261,12 @@ void Accelerator::built_model(const std::shared_ptr<torch::nn::Module>& module, 
   building.empty.reset();
   if (!module) throw Error("build_model(): the model is null");
   auto& s = *impl_;
+  if (building.deferred) {
+    // The generator ends as the whole build leaves it; buffers (small, and read before the groups are
+    // made) get their values now, the parameters as their sharding groups are made.
+    building.deferred->finish(*module, s.device);
+    materialize(module->buffers());
+  }
   if (tp_loading()) {
     // The main process keeps every whole value (those a plan sliced inside build() included) until
     // prepare() has sent them; the others stay on the meta device until the plan has sliced them.
@@ -268,7 +303,8 @@ bool AcceleratorImpl::complete_values(const std::shared_ptr<torch::nn::Module>& 
     tp_built.erase(tp_it);
     tp::detail::take_whole_values_from_main(*module, world(), wholes, device);
   }
-  module->to(device);
+  if (has_deferred(*module)) move_all_but_deferred(*module, device);
+  else module->to(device);
   auto& built = built_for_rank0_loading;
   std::erase_if(built, [](const auto& weak) { return weak.expired(); });
   auto it = std::find_if(built.begin(), built.end(), [&](const auto& weak) { return weak.lock() == module; });
@@ -286,7 +322,8 @@ void Accelerator::register_model(std::shared_ptr<torch::nn::Module> module) {
   hooks.after_tensor_parallel = [&](torch::nn::Module&) {
     values_from_rank0 = s.complete_values(module);
     const auto training = s.view();
-    s.notify([&](xlr8::step::StepObserver& o) { o.on_prepare(training, *module, /*values_everywhere=*/!values_from_rank0); });
+    const bool everywhere = !values_from_rank0 && !has_deferred(*module);  // one process recorded its build
+    s.notify([&](xlr8::step::StepObserver& o) { o.on_prepare(training, *module, everywhere); });
   };
   hooks.data_parallel_options = [&](torch::nn::Module& model, ParallelOptions& parallel) {
     if (s.deepspeed) s.deepspeed->configure_model(model, parallel, s.options.model_hidden_size);

@@ -8,6 +8,7 @@
 #include "parallel/state_dict_check.hpp"
 #include "parallel/parallelize.hpp"
 #include "parallel/shard/zero_strategy.hpp"
+#include "xlr8/deferred_init.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/parallel_options.hpp"
 #include "xlr8/parallel_strategy.hpp"
@@ -113,8 +114,10 @@ std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::
     throw ConfigError("offload (offload_optimizer / offload_param, fsdp_offload_params, nvme) needs ZeRO stage 1, 2 or 3 "
                       "(FSDP: FULL_SHARD or SHARD_GRAD_OP); the strategy is DDP: set a stage, or turn offload off");
   // One process offloads too (ZeRO-Offload's single-GPU case): the sharded model over a group of one.
+  const bool sharded = options.zero.stage > 0 && (data_parallel.size() > 1 || offloads);
+  if (!sharded) materialize_module(*module);  // a deferred build's values, whole: nothing takes them a group at a time
   if (data_parallel.size() == 1 && !offloads) return std::make_unique<SingleProcess>(std::move(module));
-  if (options.zero.stage > 0)
+  if (sharded)
     return shard::make_zero_strategy(std::move(module), std::move(data_parallel), options, std::move(gradient_state));
   return std::make_unique<DataParallelReplicas>(std::move(module), std::move(data_parallel), options.ddp,
                                                 std::move(gradient_state));

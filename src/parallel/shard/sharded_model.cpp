@@ -16,6 +16,7 @@
 #include "parallel/replicate/replica_sync.hpp"
 #include "parallel/shard/unit_registry.hpp"
 #include "parallel/shard/wrap_policy.hpp"
+#include "xlr8/deferred_init.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8::shard {
@@ -124,6 +125,7 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
     for (auto& g : plan.groups) {
       const bool frozen = !g.params.front().requires_grad();
       const auto host = offload.place(g.params, frozen);
+      if (materialize(g.params) > 0) ++groups_computed_when_made_;  // a deferred build's, one group at a time
       groups.push_back(make_flat_group(frozen ? plan.label + " (frozen)" : plan.label, std::move(g.names),
                                        std::move(g.params), comm_, /*owns_shard=*/policy_.shards_parameters,
                                        options_.param_dtype, from_rank0, host));
@@ -149,6 +151,7 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
       }
     }
   }
+  materialize_module(*module_);  // what no group holds (the parameters kept whole) of a deferred build
   // Gradients become ready in reverse: buckets are already in that order; units (root last) reverse.
   for (size_t g = 0; g < groups_.size(); ++g)
     if (!group(g).frozen) launch_order_.push_back(g);

@@ -316,6 +316,7 @@ nlohmann::json ShardedModel::stats() const {
           {"backward_prefetches", c.backward_prefetches},
           {"frozen_released_in_backward", c.frozen_released_in_backward},
           {"values_from_rank0", policy_.shards_parameters && options_.values_from_rank0},
+          {"groups_computed_when_made", groups_computed_when_made_},
           {"releases", c.releases},
           {"launches", launches_},
           {"overlapped_launches", overlapped_},

@@ -1,0 +1,253 @@
+// DeferredInitScope: EmptyInitScope's meta tensors, with the DeferredInit dispatch key (the one LibTorch
+// keeps for this purpose, above autograd) included on the thread, whose fallback records each operator the
+// build calls (not those it calls inside: they run on the meta device only) with the storages it reads and
+// writes. The registry maps each deferred parameter or buffer to its recording.
+#include "xlr8/deferred_init.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <fmt/format.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <mutex>
+#include <optional>
+#include <string_view>
+#include <unordered_set>
+
+#include "os/memory.hpp"
+#include "parallel/recompute/deferred_recording.hpp"
+#include "xlr8/empty_init.hpp"
+#include "xlr8/error.hpp"
+
+namespace xlr8 {
+namespace deferred {
+namespace {
+
+thread_local Recording* recording_now = nullptr;
+thread_local const c10::impl::LocalDispatchKeySet* keys_outside = nullptr;  // this thread's before the scope
+
+// Operators that write every element of their first argument without reading it.
+bool overwrites_first_argument(std::string_view name) {
+  static const std::unordered_set<std::string_view> names = {
+      "aten::uniform_", "aten::normal_",     "aten::fill_",  "aten::zero_",      "aten::random_",   "aten::bernoulli_",
+      "aten::exponential_", "aten::cauchy_", "aten::log_normal_", "aten::geometric_", "aten::copy_"};
+  return names.count(name) > 0;
+}
+
+void classify(RecordedOp& r) {
+  const auto& schema = r.op.schema();
+  const bool overwrites = overwrites_first_argument(schema.name());
+  std::unordered_set<size_t> inputs;
+  for (const auto& u : r.input_uses) {
+    inputs.insert(u.storage);
+    const auto* alias = schema.arguments()[u.argument].alias_info();
+    if (alias && alias->isWrite()) {
+      r.writes.push_back(u.storage);
+      if (overwrites && u.argument == 0 && u.covers_storage) {
+        r.kills.push_back(u.storage);
+        continue;
+      }
+    }
+    r.reads.push_back(u.storage);
+  }
+  for (const auto& u : r.output_uses)
+    if (!inputs.count(u.storage)) {  // a new tensor: made here
+      r.writes.push_back(u.storage);
+      r.kills.push_back(u.storage);
+    }
+}
+
+void record_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  auto* rec = recording_now;
+  if (!rec) throw Error("internal: the DeferredInit dispatch key is on without a DeferredInitScope on this thread");
+  const auto& schema = op.schema();
+  RecordedOp r{op, {}, {}, {}, {}, {}, {}, {}};
+  const size_t n_in = schema.arguments().size();
+  r.inputs.assign(stack->end() - static_cast<std::ptrdiff_t>(n_in), stack->end());
+  for (size_t a = 0; a < n_in; ++a)
+    for_each_tensor(r.inputs[a], [&](const at::Tensor& t) { r.input_uses.push_back(rec->use_of(t, a)); });
+  {
+    c10::impl::ExcludeDispatchKeyGuard inner_calls_unrecorded(c10::DispatchKey::DeferredInit);
+    op.callBoxed(stack);
+  }
+  const size_t n_out = schema.returns().size();
+  for (size_t k = 0; k < n_out; ++k)
+    for_each_tensor(*(stack->end() - static_cast<std::ptrdiff_t>(n_out - k)),
+                    [&](const at::Tensor& t) { r.output_uses.push_back(rec->use_of(t, k)); });
+  classify(r);
+  if (!r.writes.empty()) rec->ops.push_back(std::move(r));  // views and queries need no replay
+}
+
+TORCH_LIBRARY_IMPL(_, DeferredInit, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&record_operator>()); }
+
+struct Registered {
+  std::shared_ptr<Recording> recording;
+  size_t target = 0;
+};
+std::mutex registry_mutex;
+std::unordered_map<const c10::TensorImpl*, Registered>& registry() {
+  static auto* map = new std::unordered_map<const c10::TensorImpl*, Registered>();  // outlives static destructors
+  return *map;
+}
+
+// A real tensor the build read: its whole storage copied now, outside the scope, as its value then.
+at::Tensor copy_of_storage(const at::Tensor& real) {
+  c10::impl::ForceDispatchKeyGuard outside(*keys_outside);
+  const auto bytes = static_cast<int64_t>(real.storage().nbytes());
+  auto all = at::empty({0}, real.options().dtype(at::kByte));
+  all.set_(real.storage(), 0, {bytes}, {1});
+  return all.clone();
+}
+
+}  // namespace
+
+TensorUse Recording::use_of(const at::Tensor& t, size_t argument) {
+  if (!t.has_storage())
+    throw Error(fmt::format("deferred init: a tensor without storage ({}) cannot be recorded; build the model with "
+                            "dense tensors",
+                            t.toString()));
+  const auto* key = t.storage().unsafeGetStorageImpl();
+  auto [it, added] = storage_index.try_emplace(key, storages.size());
+  if (added) {
+    StorageInfo info{t.storage().nbytes(), std::nullopt};
+    if (!t.is_meta()) info.external = copy_of_storage(t);
+    storages.push_back(std::move(info));
+    meta_storages.push_back(t.storage());
+  }
+  TensorUse u;
+  u.storage = it->second;
+  u.dtype = t.scalar_type();
+  u.sizes = t.sizes().vec();
+  u.strides = t.strides().vec();
+  u.offset = t.storage_offset();
+  u.covers_storage = u.offset == 0 && t.is_non_overlapping_and_dense() &&
+                     static_cast<size_t>(t.numel()) * t.element_size() == storages[u.storage].nbytes;
+  u.argument = argument;
+  return u;
+}
+
+}  // namespace deferred
+
+struct DeferredInitScope::Impl {
+  std::shared_ptr<deferred::Recording> recording = std::make_shared<deferred::Recording>();
+  c10::impl::LocalDispatchKeySet outside = c10::impl::tls_local_dispatch_key_set();
+  deferred::Recording* outer_recording = deferred::recording_now;
+  const c10::impl::LocalDispatchKeySet* outer_keys = deferred::keys_outside;
+  std::optional<EmptyInitScope> empty;
+  std::optional<c10::impl::IncludeDispatchKeyGuard> recorded;
+  bool open = false;
+
+  void close() {
+    if (!open) return;
+    recorded.reset();
+    empty.reset();
+    deferred::recording_now = outer_recording;
+    deferred::keys_outside = outer_keys;
+    open = false;
+  }
+};
+
+DeferredInitScope::DeferredInitScope() : impl_(std::make_unique<Impl>()) {
+  deferred::recording_now = impl_->recording.get();
+  deferred::keys_outside = &impl_->outside;
+  impl_->empty.emplace();
+  impl_->recorded.emplace(c10::DispatchKey::DeferredInit);
+  impl_->open = true;
+}
+
+DeferredInitScope::~DeferredInitScope() { impl_->close(); }
+
+void DeferredInitScope::finish(torch::nn::Module& module, const at::Device& device) {
+  if (!impl_->open) throw Error("DeferredInitScope::finish: already finished");
+  impl_->close();
+  auto rec = std::move(impl_->recording);
+  rec->device = device;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  auto add = [&](const at::Tensor& t) {
+    if (!t.defined() || !t.is_meta() || !seen.insert(t.unsafeGetTensorImpl()).second) return;
+    if (!t.has_storage() || !rec->storage_index.count(t.storage().unsafeGetStorageImpl())) return;  // made before
+    rec->targets.push_back({t.getIntrusivePtr(), rec->use_of(t, 0)});
+  };
+  for (const auto& p : module.parameters()) add(p);
+  for (const auto& b : module.buffers()) add(b);
+  rec->done.assign(rec->targets.size(), false);
+  // Freed tensors must go back to the system at once, or glibc's heap keeps each one (its mmap threshold
+  // rises to the size of the last tensor freed) and the replays hold the whole model after all.
+  os::return_freed_memory_promptly();
+  // Run once in order, keeping nothing: the generator ends where the whole build leaves it, and each
+  // drawing operator's generator state is known for later.
+  std::vector<size_t> every(rec->ops.size());
+  for (size_t i = 0; i < every.size(); ++i) every[i] = i;
+  deferred::replay(*rec, every, {}, /*first_run=*/true);
+  std::lock_guard<std::mutex> lock(deferred::registry_mutex);
+  for (size_t i = 0; i < rec->targets.size(); ++i) deferred::registry()[rec->targets[i].tensor.get()] = {rec, i};
+}
+
+bool is_deferred(const at::Tensor& tensor) {
+  if (!tensor.defined() || !tensor.is_meta()) return false;
+  std::lock_guard<std::mutex> lock(deferred::registry_mutex);
+  return deferred::registry().count(tensor.unsafeGetTensorImpl()) > 0;
+}
+
+bool has_deferred(const torch::nn::Module& module) {
+  for (const auto& p : module.parameters())
+    if (is_deferred(p)) return true;
+  for (const auto& b : module.buffers())
+    if (is_deferred(b)) return true;
+  return false;
+}
+
+namespace {
+
+// Materialises the targets `wanted` of one recording, with every target sharing their storages.
+void materialize_targets(deferred::Recording& rec, std::vector<size_t> wanted) {
+  std::unordered_set<size_t> storages;
+  for (size_t t : wanted) storages.insert(rec.targets[t].use.storage);
+  for (size_t t = 0; t < rec.targets.size(); ++t)
+    if (!rec.done[t] && storages.count(rec.targets[t].use.storage) &&
+        std::find(wanted.begin(), wanted.end(), t) == wanted.end())
+      wanted.push_back(t);
+  const std::vector<size_t> kept(storages.begin(), storages.end());
+  auto values = deferred::replay(rec, deferred::slice_for(rec, kept), kept, /*first_run=*/false);
+  for (size_t t : wanted) {
+    auto& target = rec.targets[t];
+    auto real = deferred::view_of(values.at(target.use.storage), target.use);
+    if (rec.device != real.device()) real = real.to(rec.device);
+    // The same tensor object gets the values (its autograd identity stays), as to_empty does.
+    target.tensor->shallow_copy_from(real.getIntrusivePtr());
+    rec.done[t] = true;
+    deferred::registry().erase(target.tensor.get());
+  }
+}
+
+}  // namespace
+
+size_t materialize(const std::vector<at::Tensor>& tensors) {
+  std::lock_guard<std::mutex> lock(deferred::registry_mutex);
+  std::vector<std::pair<std::shared_ptr<deferred::Recording>, std::vector<size_t>>> by_recording;
+  for (const auto& t : tensors) {
+    if (!t.defined()) continue;
+    auto it = deferred::registry().find(t.unsafeGetTensorImpl());
+    if (it == deferred::registry().end()) continue;
+    auto& [rec, target] = it->second;
+    auto group = std::find_if(by_recording.begin(), by_recording.end(), [&](const auto& g) { return g.first == rec; });
+    if (group == by_recording.end()) group = by_recording.insert(by_recording.end(), {rec, {}});
+    if (std::find(group->second.begin(), group->second.end(), target) == group->second.end())
+      group->second.push_back(target);
+  }
+  size_t count = 0;
+  for (auto& [rec, wanted] : by_recording) {
+    count += wanted.size();
+    materialize_targets(*rec, std::move(wanted));
+  }
+  return count;
+}
+
+void materialize_module(const torch::nn::Module& module) {
+  auto tensors = module.parameters();
+  for (const auto& b : module.buffers()) tensors.push_back(b);
+  materialize(tensors);
+}
+
+}  // namespace xlr8

@@ -1,0 +1,196 @@
+// Deferred init (DeepSpeed's zero.Init for LibTorch): a build recorded on the meta device, each tensor's
+// values computed later and alone, bitwise those of the whole build, the generator left where the whole
+// build leaves it.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <mutex>
+
+#include "thread_ranks.hpp"
+#include "xlr8/deferred_init.hpp"
+#include "xlr8/empty_init.hpp"
+#include "xlr8/error.hpp"
+#include "xlr8/nn.hpp"
+#include "xlr8/parallel_strategy.hpp"
+#include "zero_fixture.hpp"
+
+using namespace xlr8;
+using namespace xlr8::testing::zero;
+
+namespace {
+
+// What LibTorch's modules and a model's own init do: initialisers redone whole (Linear's kaiming, then
+// normal_), a row written after the whole (Embedding's padding row), a value made apart and copied in,
+// one drawn with a generator of its own, a buffer, and a parameter written in parts.
+struct ZooImpl : torch::nn::Module {
+  ZooImpl() {
+    emb = register_module("emb", torch::nn::Embedding(torch::nn::EmbeddingOptions(50, 16).padding_idx(3)));
+    fc = register_module("fc", torch::nn::Linear(16, 33));
+    out = register_module("out", xlr8::nn::Linear(torch::nn::LinearOptions(33, 50).bias(false)));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})));
+    mixed = register_parameter("mixed", torch::empty({7, 5}));
+    mask = register_buffer("mask", torch::ones({8, 8}).tril());
+    torch::NoGradGuard no_grad;
+    fc->weight.normal_(0.0, 0.02);  // the model's own init over Linear's
+    mixed.narrow(0, 0, 3).fill_(2.0);
+    mixed.narrow(0, 3, 4).copy_(torch::randn({4, 5}) * 3 + 1);
+    auto own = at::detail::createCPUGenerator(7);
+    fc->bias.uniform_(-1.0, 1.0, own);
+  }
+  torch::nn::Embedding emb{nullptr};
+  torch::nn::Linear fc{nullptr};
+  xlr8::nn::Linear out{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+  at::Tensor mixed, mask;
+};
+TORCH_MODULE(Zoo);
+
+std::vector<at::Tensor> values_of(const torch::nn::Module& m) {
+  std::vector<at::Tensor> v;
+  for (const auto& p : m.parameters()) v.push_back(p.detach().clone());
+  for (const auto& b : m.buffers()) v.push_back(b.detach().clone());
+  return v;
+}
+
+}  // namespace
+
+TEST(DeferredInit, EachTensorMaterialisedAloneEqualsTheWholeBuildBitwise) {
+  torch::manual_seed(5);
+  auto whole = Zoo();
+  const auto expected = values_of(*whole);
+  const auto after_whole = torch::rand({6});
+
+  torch::manual_seed(5);
+  Zoo deferred{nullptr};
+  {
+    DeferredInitScope scope;
+    deferred = Zoo();
+    scope.finish(*deferred);
+  }
+  EXPECT_TRUE(at::equal(torch::rand({6}), after_whole)) << "the generator ends where the whole build leaves it";
+  EXPECT_TRUE(has_deferred(*deferred));
+  auto* identity = deferred->fc->weight.unsafeGetTensorImpl();
+  // One at a time, last first: each computes only what it depends on, and draws as the whole build drew.
+  auto params = deferred->parameters();
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {
+    EXPECT_TRUE(is_deferred(*it));
+    torch::manual_seed(99);  // the caller's generator is the caller's
+    const auto state = at::detail::getDefaultCPUGenerator().get_state();
+    materialize({*it});
+    EXPECT_TRUE(at::equal(at::detail::getDefaultCPUGenerator().get_state(), state));
+    EXPECT_FALSE(is_deferred(*it));
+  }
+  materialize_module(*deferred);
+  EXPECT_FALSE(has_deferred(*deferred));
+  EXPECT_EQ(deferred->fc->weight.unsafeGetTensorImpl(), identity);
+  EXPECT_TRUE(deferred->fc->weight.requires_grad());
+  const auto got = values_of(*deferred);
+  ASSERT_EQ(got.size(), expected.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_TRUE(at::equal(got[i], expected[i])) << "tensor " << i;
+  // It trains like the whole build.
+  auto loss = deferred->fc(deferred->emb(torch::tensor({{1, 3, 4}}))).sum();
+  loss.backward();
+  EXPECT_TRUE(deferred->fc->weight.grad().defined());
+}
+
+TEST(DeferredInit, ADiscardedScopeLeavesTheThreadComputing) {
+  {
+    DeferredInitScope scope;
+    auto lin = torch::nn::Linear(4, 4);
+    EXPECT_TRUE(lin->weight.is_meta());
+  }
+  EXPECT_TRUE(at::equal(torch::ones({3}) + 1, torch::full({3}, 2.0f)));
+  DeferredInitScope scope;
+  auto lin = torch::nn::Linear(4, 4);
+  scope.finish(*lin);
+  EXPECT_THROW(scope.finish(*lin), Error);
+  materialize_module(*lin);
+  EXPECT_FALSE(lin->weight.is_meta());
+}
+
+// A ZeRO-3 model whose main process recorded its build and whose other ranks built it empty: each group
+// computes its values when it is made, and training equals one process's whole build.
+TEST(DeferredInit, RankZerosRecordedBuildShardsAndTrainsAsOneProcess) {
+  const auto expected = single_run(3, /*micro=*/2, /*max_norm=*/0.05);
+  for (int ranks : {1, 2, 3})
+    xlr8::testing::run_ranks(ranks, [&](Communicator& comm) {
+      std::shared_ptr<TinyNetImpl> net;
+      {
+        static std::mutex mutex;  // the threads share LibTorch's default generator
+        std::lock_guard<std::mutex> lock(mutex);
+        torch::manual_seed(11);
+        if (comm.rank() == 0) {
+          DeferredInitScope scope;
+          net = TinyNet(true).ptr();
+          scope.finish(*net);
+        } else {
+          {
+            EmptyInitScope empty;
+            net = TinyNet(true).ptr();
+          }
+          to_empty(*net, at::kCPU);
+        }
+      }
+      auto options = stage_options(3);
+      options.zero.values_from_rank0 = ranks > 1;
+      auto strategy = make_parallel_strategy(net, comm, options);
+      EXPECT_FALSE(has_deferred(*net));
+      auto got = train(*strategy, comm.rank(), ranks, 3, 2, 0.05);
+      expect_same_run(got, expected, 2e-6, fmt::format("{} ranks, rank {}", ranks, comm.rank()));
+    });
+}
+
+namespace {
+
+double peak_resident_mb() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024;
+  return 0;
+}
+void reset_peak_resident() { std::ofstream("/proc/self/clear_refs") << "5"; }
+
+// 12 layers of 8 MB, each initialised twice (Linear's kaiming, then the model's normal_).
+struct TallImpl : torch::nn::Module {
+  TallImpl() {
+    for (int i = 0; i < 12; ++i) layers.push_back(register_module(fmt::format("l{}", i), torch::nn::Linear(1024, 2048)));
+    torch::NoGradGuard no_grad;
+    for (auto& layer : layers) layer->weight.normal_(0.0, 0.02);
+  }
+  std::vector<torch::nn::Linear> layers;
+};
+TORCH_MODULE(Tall);
+
+}  // namespace
+
+TEST(DeferredInit, ALayersValuesCostThatLayerOnly) {
+  Tall tall{nullptr};
+  reset_peak_resident();
+  double base = peak_resident_mb();
+  {
+    DeferredInitScope scope;
+    tall = Tall();
+    scope.finish(*tall);  // runs the whole build once, keeping nothing
+  }
+  EXPECT_LT(peak_resident_mb() - base, 40) << "the first run held more than a layer or two";
+  torch::manual_seed(3);
+  const auto third = Tall()->layers[3]->weight.detach().clone();  // the whole build's (96 MB, then freed)
+  torch::manual_seed(3);
+  {
+    DeferredInitScope scope;
+    tall = Tall();
+    scope.finish(*tall);
+  }
+  reset_peak_resident();
+  base = peak_resident_mb();
+  for (auto& layer : tall->layers) {
+    materialize({layer->weight, layer->bias});
+    for (auto* p : {&layer->weight, &layer->bias}) EXPECT_FALSE(p->is_meta());
+    if (&layer == &tall->layers[3]) {
+      EXPECT_TRUE(at::equal(layer->weight, third));
+    }
+    layer->weight.set_data(at::empty({0}));  // as a sharded model keeps only its shard
+  }
+  EXPECT_LT(peak_resident_mb() - base, 40) << "materialising one layer held others";
+}
