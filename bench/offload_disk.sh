@@ -8,8 +8,9 @@
 # the parameter shards' read-ahead from disk included.
 # GRADIENTS="0 1" runs the training twice in this invocation, with the gradients in memory and then on disk too
 # (XLR8_GRADIENTS_ON_DISK=1: each group's reduced gradient waits for the step in the swap file); default "0".
-# ZERO3_INIT=1 adds DeepSpeed's zero3_init_flag: the build is recorded, not run, and each unit's group computes its
-# own values when it is made (bitwise the whole build's), so the model is never whole in memory.
+# ZERO3_INIT="0 1" runs without and then with DeepSpeed's zero3_init_flag (default "0"): the build is recorded, not
+# run, and each unit's group computes its own values when it is made (bitwise the whole build's), so the model is
+# never whole in memory.
 # Usage: [ZERO3_INIT=0 LAYERS=40 WIDTH=2048 HEADS=16 STEPS=3 MAX_LIVE=100000000 PREFETCH_BUCKET=50000000 CHECKPOINT=0 GRADIENTS=0 SWAP=/var/tmp/xlr8-swap-bench] bench/offload_disk.sh [build-dir]
 set -eu
 . "$(dirname "$0")/common.sh"
@@ -37,7 +38,7 @@ JSON
 run_gpt() {
   name=$1; shift
   /usr/bin/time -v "$X" launch --num_processes 1 --use_deepspeed --deepspeed_config_file "$OUT/ds.json" \
-    --zero3_init_flag "$([ "${ZERO3_INIT:-0}" = 1 ] && echo true || echo false)" \
+    --zero3_init_flag "$([ "${init:-0}" = 1 ] && echo true || echo false)" \
     "$G" --n_layer "$LAYERS" --d_model "$WIDTH" --n_head "${HEADS:-16}" --seq_len 64 --batch_size 1 \
     --lr 3e-5 --val_windows 4 --log_every 1 --output_dir "$OUT/run" "$@" >"$OUT/stdout" 2>"$OUT/stderr" || {
     tail -30 "$OUT/stderr"; exit 1; }
@@ -78,8 +79,11 @@ if [ "${CHECKPOINT:-0}" = 1 ]; then
   du -sh "$OUT/run/checkpoints"/* | tail -1
   run_gpt "resume (load_state), 1 step more" --max_steps "$((STEPS + 1))" --resume_from latest
 else
-  for on in ${GRADIENTS:-0}; do
-    if [ "$on" = 1 ]; then export XLR8_GRADIENTS_ON_DISK=1; else unset XLR8_GRADIENTS_ON_DISK; fi
-    run_gpt "train $STEPS steps, gradients $([ "$on" = 1 ] && echo on disk || echo in memory)" --max_steps "$STEPS"
+  for init in ${ZERO3_INIT:-0}; do
+    for on in ${GRADIENTS:-0}; do
+      if [ "$on" = 1 ]; then export XLR8_GRADIENTS_ON_DISK=1; else unset XLR8_GRADIENTS_ON_DISK; fi
+      run_gpt "train $STEPS steps, gradients $([ "$on" = 1 ] && echo on disk || echo in memory), zero3_init_flag $init" \
+        --max_steps "$STEPS"
+    done
   done
 fi

@@ -76,7 +76,8 @@ void gradients_on_disk(ZeroOptions& zero, const ParallelPlan::Mesh& mesh) {
 
 // make_parallel_strategy's choice for these options over `ranks` data-parallel ranks.
 std::string strategy_of(const ZeroOptions& zero, int ranks) {
-  if (ranks == 1 && !zero.offload_optimizer && !zero.offload_params) return "single";
+  const bool offloads = zero.offload_optimizer || zero.offload_params || zero.optimizer_on_disk.enabled();
+  if (ranks == 1 && !offloads) return "single";
   return zero.stage > 0 ? fmt::format("zero{}", zero.stage) : "ddp";
 }
 
