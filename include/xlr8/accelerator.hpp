@@ -135,7 +135,11 @@ class Accelerator {
   //   processes, not hybrid; units by TRANSFORMER_BASED_WRAP or NO_WRAP, as SIZE_BASED_WRAP may pick
   //   LibTorch's own modules, which open no guard) and fsdp_cpu_ram_efficient_loading is on (the default),
   //   prepare() hands each rank its shards, one unit at a time. Every unit but the root then starts
-  //   freed, so each unit's forward must open xlr8::unshard(*this).
+  //   freed, so each unit's forward must open xlr8::unshard(*this). The main process records `build()`
+  //   (DeferredInitScope) and each unit's values are computed as prepare() makes its group, so no rank
+  //   holds the whole model; one process sharding at stage 3 (with offload) does the same when
+  //   fsdp_cpu_ram_efficient_loading or DeepSpeed's zero3_init_flag asks for it. Write the parameters
+  //   inside `build()` or after prepare(), not between (refused).
   // Otherwise `build()` runs as it is. Collective in both cases. Prepare the result before reading it.
   template <class Build>
   auto build_model(Build&& build) -> decltype(build()) {

@@ -14,6 +14,7 @@
 #include "distributed/every_rank.hpp"
 #include "precision/float8_linear.hpp"
 #include "core/text.hpp"
+#include "xlr8/deferred_init.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/tensor_parallel.hpp"
 
@@ -385,6 +386,8 @@ void Accelerator::load_module(torch::nn::Module& module, const std::string& path
   impl_->refuse_under_pipeline("load_model()");
   auto& s = *impl_;
   auto* strategy = s.strategy_for(&module);
+  if (!strategy && has_deferred(module))  // recorded by build_model: no values to write into yet
+    throw Error("load_model() before prepare() on a model build_model recorded (values computed at prepare): load after");
   auto world = s.world();
   const bool collective = strategy && world.size() > 1;
   const bool reads = !collective || world.rank() == 0;

@@ -31,7 +31,10 @@ struct ZooImpl : torch::nn::Module {
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({16})));
     mixed = register_parameter("mixed", torch::empty({7, 5}));
     mask = register_buffer("mask", torch::ones({8, 8}).tril());
+    shift = register_buffer("shift", torch::zeros({16}, norm->weight.options()) + 0.5);  // options name meta
+    literal = register_parameter("literal", torch::tensor({1.0f, 2.0f, 3.0f}));  // real values copied in
     torch::NoGradGuard no_grad;
+    literal.mul_(2);
     fc->weight.normal_(0.0, 0.02);  // the model's own init over Linear's
     mixed.narrow(0, 0, 3).fill_(2.0);
     mixed.narrow(0, 3, 4).copy_(torch::randn({4, 5}) * 3 + 1);
@@ -42,7 +45,7 @@ struct ZooImpl : torch::nn::Module {
   torch::nn::Linear fc{nullptr};
   xlr8::nn::Linear out{nullptr};
   torch::nn::LayerNorm norm{nullptr};
-  at::Tensor mixed, mask;
+  at::Tensor mixed, mask, shift, literal;
 };
 TORCH_MODULE(Zoo);
 
@@ -92,6 +95,48 @@ TEST(DeferredInit, EachTensorMaterialisedAloneEqualsTheWholeBuildBitwise) {
   auto loss = deferred->fc(deferred->emb(torch::tensor({{1, 3, 4}}))).sum();
   loss.backward();
   EXPECT_TRUE(deferred->fc->weight.grad().defined());
+}
+
+TEST(DeferredInit, WhatCannotBeReplayedIsRefusedInOneLine) {
+  auto message = [](auto&& f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  // Written after the build, before its values exist: the write would be lost.
+  DeferredInitScope scope;
+  auto lin = torch::nn::Linear(4, 4);
+  scope.finish(*lin);
+  {
+    torch::NoGradGuard no_grad;
+    lin->weight.mul_(2);
+  }
+  EXPECT_NE(message([&] { materialize({lin->weight}); }).find("written after the build"), std::string::npos);
+  materialize({lin->bias});  // untouched: fine
+  EXPECT_FALSE(lin->bias.is_meta());
+  // Seeding inside the build acts when recorded, not when replayed.
+  EXPECT_NE(message([] {
+              DeferredInitScope inner;
+              torch::manual_seed(3);
+              auto l = torch::nn::Linear(2, 2);
+              inner.finish(*l);
+            }).find("manual_seed"),
+            std::string::npos);
+  // A meta tensor no recorded operator made has no values to replay.
+  at::Tensor outside;
+  {
+    EmptyInitScope empty;
+    outside = torch::ones({3});
+  }
+  EXPECT_NE(message([&] {
+              DeferredInitScope inner;
+              auto t = outside * 2;
+            }).find("made outside this DeferredInitScope"),
+            std::string::npos);
+  EXPECT_TRUE(at::equal(torch::ones({3}) + 1, torch::full({3}, 2.0f)));  // every scope closed
 }
 
 TEST(DeferredInit, ADiscardedScopeLeavesTheThreadComputing) {

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <optional>
 #include <string_view>
+#include <thread>
 #include <unordered_set>
 
 #include "os/memory.hpp"
@@ -65,8 +66,22 @@ void record_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   RecordedOp r{op, {}, {}, {}, {}, {}, {}, {}};
   const size_t n_in = schema.arguments().size();
   r.inputs.assign(stack->end() - static_cast<std::ptrdiff_t>(n_in), stack->end());
-  for (size_t a = 0; a < n_in; ++a)
-    for_each_tensor(r.inputs[a], [&](const at::Tensor& t) { r.input_uses.push_back(rec->use_of(t, a)); });
+  const size_t known = rec->storages.size();
+  for (size_t a = 0; a < n_in; ++a) {
+    auto& input = r.inputs[a];
+    if (input.isStorage())
+      throw Error(fmt::format("deferred init: {} takes a storage; build the model without set_() on storages",
+                              schema.name()));
+    if (input.isDevice() && input.toDevice().is_meta()) input = c10::IValue(at::Device(at::kCPU));  // x.options()
+    for_each_tensor(input, [&](const at::Tensor& t) {
+      r.input_uses.push_back(rec->use_of(t, a));
+      if (t.is_meta() && r.input_uses.back().storage >= known)  // no recorded operator made it
+        throw Error(fmt::format("deferred init: {} read a meta tensor made outside this DeferredInitScope (an "
+                                "EmptyInitScope's, or another deferred model's); make every tensor the build "
+                                "reads inside it, or materialize() that model first",
+                                schema.name()));
+    });
+  }
   {
     c10::impl::ExcludeDispatchKeyGuard inner_calls_unrecorded(c10::DispatchKey::DeferredInit);
     op.callBoxed(stack);
@@ -122,7 +137,8 @@ TensorUse Recording::use_of(const at::Tensor& t, size_t argument) {
   u.strides = t.strides().vec();
   u.offset = t.storage_offset();
   u.covers_storage = u.offset == 0 && t.is_non_overlapping_and_dense() &&
-                     static_cast<size_t>(t.numel()) * t.element_size() == storages[u.storage].nbytes;
+                     static_cast<size_t>(t.numel()) * t.element_size() == t.storage().nbytes();
+  storages[u.storage].nbytes = std::max(storages[u.storage].nbytes, t.storage().nbytes());  // resize_ grows it
   u.argument = argument;
   return u;
 }
@@ -136,6 +152,8 @@ struct DeferredInitScope::Impl {
   const c10::impl::LocalDispatchKeySet* outer_keys = deferred::keys_outside;
   std::optional<EmptyInitScope> empty;
   std::optional<c10::impl::IncludeDispatchKeyGuard> recorded;
+  std::thread::id thread = std::this_thread::get_id();
+  at::Tensor generator_at_start;  // the build must not move it (manual_seed inside would act too early)
   bool open = false;
 
   void close() {
@@ -149,6 +167,13 @@ struct DeferredInitScope::Impl {
 };
 
 DeferredInitScope::DeferredInitScope() : impl_(std::make_unique<Impl>()) {
+  if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Meta))
+    throw Error("DeferredInitScope inside an EmptyInitScope or another DeferredInitScope: open one of them");
+  auto cpu = at::detail::getDefaultCPUGenerator();
+  {
+    std::lock_guard<std::mutex> lock(cpu.mutex());
+    impl_->generator_at_start = cpu.get_state();
+  }
   deferred::recording_now = impl_->recording.get();
   deferred::keys_outside = &impl_->outside;
   impl_->empty.emplace();
@@ -160,14 +185,23 @@ DeferredInitScope::~DeferredInitScope() { impl_->close(); }
 
 void DeferredInitScope::finish(torch::nn::Module& module, const at::Device& device) {
   if (!impl_->open) throw Error("DeferredInitScope::finish: already finished");
+  if (std::this_thread::get_id() != impl_->thread)
+    throw Error("DeferredInitScope::finish: call it on the thread that opened the scope");
   impl_->close();
+  auto cpu = at::detail::getDefaultCPUGenerator();
+  {
+    std::lock_guard<std::mutex> lock(cpu.mutex());
+    if (!at::equal(cpu.get_state(), impl_->generator_at_start))
+      throw Error("deferred init: the build moved the CPU generator itself (manual_seed, or drawing from it outside "
+                  "an operator); seed before build_model / the DeferredInitScope, not inside");
+  }
   auto rec = std::move(impl_->recording);
   rec->device = device;
   std::unordered_set<const c10::TensorImpl*> seen;
   auto add = [&](const at::Tensor& t) {
     if (!t.defined() || !t.is_meta() || !seen.insert(t.unsafeGetTensorImpl()).second) return;
     if (!t.has_storage() || !rec->storage_index.count(t.storage().unsafeGetStorageImpl())) return;  // made before
-    rec->targets.push_back({t.getIntrusivePtr(), rec->use_of(t, 0)});
+    rec->targets.push_back({t.getIntrusivePtr(), rec->use_of(t, 0), t.unsafeGetTensorImpl()->version_counter().current_version()});
   };
   for (const auto& p : module.parameters()) add(p);
   for (const auto& b : module.buffers()) add(b);
@@ -210,6 +244,12 @@ void materialize_targets(deferred::Recording& rec, std::vector<size_t> wanted) {
       wanted.push_back(t);
   const std::vector<size_t> kept(storages.begin(), storages.end());
   auto values = deferred::replay(rec, deferred::slice_for(rec, kept), kept, /*first_run=*/false);
+  for (size_t t : wanted) {  // before any work: a write since finish() would be lost silently
+    const auto& target = rec.targets[t];
+    if (target.tensor->version_counter().current_version() != target.version)
+      throw Error("deferred init: a parameter or buffer of a deferred model was written after the build (in place, "
+                  "before its values exist): write it inside build_model's build(), or after prepare()");
+  }
   for (size_t t : wanted) {
     auto& target = rec.targets[t];
     auto real = deferred::view_of(values.at(target.use.storage), target.use);

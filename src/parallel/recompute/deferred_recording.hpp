@@ -39,6 +39,7 @@ struct StorageInfo {
 struct Target {  // a parameter or buffer of the finished module
   c10::intrusive_ptr<c10::TensorImpl> tensor;
   TensorUse use;
+  uint32_t version = 0;  // its version counter when the build ended: an in-place write since is refused
 };
 
 struct Recording {

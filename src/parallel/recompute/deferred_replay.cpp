@@ -5,6 +5,7 @@
 // tensor at a time besides what it keeps.
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -110,8 +111,9 @@ class Replayer {
     auto it = buffers_.find(use.storage);
     if (it == buffers_.end()) {
       const auto& info = rec_.storages.at(use.storage);
-      // Written whole before it is read (or never written, as an empty tensor left so by the build).
-      c10::Storage storage = info.external ? info.external->storage()
+      // Written whole before it is read (or never written, as an empty tensor left so by the build); a real
+      // tensor the build read is copied, as an operator may write it.
+      c10::Storage storage = info.external ? info.external->clone().storage()
                                            : c10::Storage(c10::Storage::use_byte_size_t(), info.nbytes,
                                                           c10::GetCPUAllocator(), /*resizable=*/true);
       it = buffers_.emplace(use.storage, std::move(storage)).first;
@@ -121,7 +123,11 @@ class Replayer {
 
   void adopt_outputs(const RecordedOp& op, const torch::jit::Stack& stack) {
     std::unordered_set<size_t> inputs;
-    for (const auto& u : op.input_uses) inputs.insert(u.storage);
+    std::unordered_set<const c10::StorageImpl*> input_memory;
+    for (const auto& u : op.input_uses) {
+      inputs.insert(u.storage);
+      if (auto it = buffers_.find(u.storage); it != buffers_.end()) input_memory.insert(it->second.unsafeGetStorageImpl());
+    }
     std::vector<at::Tensor> results;
     const size_t n_out = op.op.schema().returns().size();
     for (size_t i = stack.size() - n_out; i < stack.size(); ++i)
@@ -138,7 +144,15 @@ class Replayer {
                                 "recorded; build the model on the CPU (the Accelerator moves it)",
                                 op.op.schema().name(), t.device().str(), fmt::join(t.sizes(), "x"),
                                 c10::toString(use.dtype), fmt::join(use.sizes, "x")));
-      buffers_[use.storage] = t.storage();
+      const bool aliases = input_memory.count(t.storage().unsafeGetStorageImpl()) > 0;  // x.to(kCPU) returns x
+      if (!aliases && t.strides() == c10::IntArrayRef(use.strides) && t.storage_offset() == use.offset) {
+        buffers_[use.storage] = t.storage();
+        continue;
+      }
+      // New on the meta device: its own memory, laid out as recorded (later views are rebuilt from that).
+      c10::Storage own(c10::Storage::use_byte_size_t(), rec_.storages.at(use.storage).nbytes, c10::GetCPUAllocator(), true);
+      view_of(own, use).copy_(t);
+      buffers_[use.storage] = std::move(own);
     }
   }
 
@@ -168,12 +182,39 @@ std::vector<size_t> slice_for(const Recording& rec, const std::vector<size_t>& s
   return slice;
 }
 
+// Puts back, however the replay ends, the states of the generators a replay sets (the caller's streams go
+// on as before); the first run leaves them where the whole build would.
+class GeneratorsKept {
+ public:
+  GeneratorsKept(Recording& rec, const std::vector<size_t>& wanted, bool first_run) {
+    if (first_run) return;
+    auto cpu = at::detail::getDefaultCPUGenerator();
+    saved_.emplace_back(cpu, state_of(cpu));
+    for (size_t i : wanted)
+      for (const auto& input : rec.ops[i].inputs)
+        if (input.isGenerator()) {
+          auto generator = input.toGenerator();
+          saved_.emplace_back(generator, state_of(generator));
+        }
+  }
+  ~GeneratorsKept() {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) set_state(it->first, it->second);
+  }
+  GeneratorsKept(const GeneratorsKept&) = delete;
+  GeneratorsKept& operator=(const GeneratorsKept&) = delete;
+
+ private:
+  std::vector<std::pair<at::Generator, at::Tensor>> saved_;
+};
+
 std::unordered_map<size_t, c10::Storage> replay(Recording& rec, const std::vector<size_t>& wanted,
                                                 const std::vector<size_t>& kept, bool first_run) {
+  if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Meta))
+    throw Error("deferred init: materialize() inside an EmptyInitScope or DeferredInitScope; call it outside");
   at::NoGradGuard no_grad;
   auto cpu = at::detail::getDefaultCPUGenerator();
-  const auto state_at_call = state_of(cpu);
-  auto state = state_at_call;
+  GeneratorsKept kept_generators(rec, wanted, first_run);
+  auto state = state_of(cpu);
   const auto dead = dead_after(rec, wanted, kept);
   Replayer replayer(rec);
   for (size_t k = 0; k < wanted.size(); ++k) {
@@ -186,7 +227,6 @@ std::unordered_map<size_t, c10::Storage> replay(Recording& rec, const std::vecto
     }
     for (size_t s : dead[k]) replayer.drop(s);
   }
-  if (!first_run) set_state(cpu, state_at_call);  // the caller's random numbers go on as before
   std::unordered_map<size_t, c10::Storage> values;
   for (size_t s : kept) {
     auto it = replayer.buffers().find(s);

@@ -82,6 +82,33 @@ class OffloadBudget {
   double left_ = 0;  // trainable elements still to offload
 };
 
+struct UnitGroups {
+  std::vector<FlatGroup> groups;
+  bool computed_now = false;  // its values came from a recorded build (DeferredInitScope) as it was made
+};
+
+// A unit's flat groups, one at a time: a recorded build's values are computed for the group alone, and
+// with parameters on disk its shard goes there at once, so at most one group is whole in memory here.
+UnitGroups make_unit_groups(UnitPlan& plan, OffloadBudget& offload, Communicator& comm, const ZeroOptions& options,
+                            bool owns_shard, bool from_rank0, const std::shared_ptr<ShardStore>& store,
+                            size_t& disk_slots) {
+  UnitGroups out;
+  for (auto& g : plan.groups) {
+    const bool frozen = !g.params.front().requires_grad();
+    const auto host = offload.place(g.params, frozen);
+    if (materialize(g.params) > 0) out.computed_now = true;
+    out.groups.push_back(make_flat_group(frozen ? plan.label + " (frozen)" : plan.label, std::move(g.names),
+                                         std::move(g.params), comm, owns_shard, options.param_dtype, from_rank0, host));
+    if (store) {
+      out.groups.back().disk = store;
+      out.groups.back().disk_slot = std::to_string(disk_slots++);
+      out.groups.back().store_shard();
+    }
+    os::return_free_memory_to_system();  // the group's original parameter storage, now replaced
+  }
+  return out;
+}
+
 }  // namespace
 
 StagePolicy StagePolicy::of(int stage) {
@@ -121,26 +148,18 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
   size_t disk_slots = 0;
   for (auto& plan : plans) {
     const bool root = plan.module == module_.get();
-    std::vector<FlatGroup> groups;
-    for (auto& g : plan.groups) {
-      const bool frozen = !g.params.front().requires_grad();
-      const auto host = offload.place(g.params, frozen);
-      if (materialize(g.params) > 0) ++groups_computed_when_made_;  // a deferred build's, one group at a time
-      groups.push_back(make_flat_group(frozen ? plan.label + " (frozen)" : plan.label, std::move(g.names),
-                                       std::move(g.params), comm_, /*owns_shard=*/policy_.shards_parameters,
-                                       options_.param_dtype, from_rank0, host));
-      if (shard_store_) {  // to disk at once: at most one group's shard in memory while the model is prepared
-        groups.back().disk = shard_store_;
-        groups.back().disk_slot = std::to_string(disk_slots++);
-        groups.back().store_shard();
-      }
-      os::return_free_memory_to_system();  // the group's original parameter storage, now replaced
-    }
-    // Units start freed under rank-0 loading (their guards gather them); the root stays whole until
-    // its guard runs, as without rank-0 loading.
+    auto made = make_unit_groups(plan, offload, comm_, options_, /*owns_shard=*/policy_.shards_parameters, from_rank0,
+                                 shard_store_, disk_slots);
+    groups_computed_when_made_ += made.computed_now;
+    // Units start freed under rank-0 loading (their guards gather them), and when their values were computed
+    // as they were made, where units are known to open guards (by class; DeepSpeed's leaf modules); the
+    // root stays whole until its guard runs.
+    const bool guarded = options_.auto_wrap_policy != AutoWrapPolicy::GUARDED_MODULES ||
+                         (plan.module && is_leaf_module(*plan.module));
+    const bool starts_sharded = !root && plan.module && (from_rank0 || (made.computed_now && guarded));
     units_.push_back(std::make_unique<ShardingUnit>(std::move(plan.label), plan.module, root, plan.named_by_user,
-                                                    std::move(groups), context_, policy_.shards_parameters,
-                                                    /*starts_sharded=*/from_rank0 && !root));
+                                                    std::move(made.groups), context_, policy_.shards_parameters,
+                                                    starts_sharded));
     for (auto& group : units_.back()->groups()) {
       const size_t g = groups_.size();
       groups_.push_back(&group);

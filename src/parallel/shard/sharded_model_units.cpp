@@ -177,16 +177,17 @@ void ShardedModel::unit_forward_abandoned(size_t u) {
   units_[u]->forward_abandoned();
   // The model's forward failed. Units that start freed and were never gathered are the likely cause:
   // reading them fails inside LibTorch with a message about "lazy allocation".
-  if (!units_[u]->is_root() || !options_.values_from_rank0 || warned_unguarded_) return;
+  const bool start_freed = options_.values_from_rank0 || groups_computed_when_made_ > 0;
+  if (!units_[u]->is_root() || !start_freed || warned_unguarded_) return;
   std::vector<std::string> never;
   for (const auto& other : units_)
     if (!other->guard_opened() && !other->is_root() && other->module()) never.push_back(other->label());
   if (never.empty()) return;
   warned_unguarded_ = true;
   log::warning("xlr8: the model's forward failed before unit(s) {} ever opened xlr8::unshard(*this). Built by "
-               "build_model for rank-0 loading (fsdp_cpu_ram_efficient_loading), units hold no parameters until "
-               "their guard gathers them: add the guard to their forward, or set fsdp_cpu_ram_efficient_loading: "
-               "false",
+               "build_model for rank-0 loading or recorded (fsdp_cpu_ram_efficient_loading, zero3_init_flag), units "
+               "hold no parameters until their guard gathers them: add the guard to their forward, or set "
+               "fsdp_cpu_ram_efficient_loading / zero3_init_flag to false",
                fmt::join(never, ", "));
 }
 
