@@ -179,8 +179,11 @@ TEST(DeferredInit, RankZerosRecordedBuildShardsAndTrainsAsOneProcess) {
       }
       auto options = stage_options(3);
       options.zero.values_from_rank0 = ranks > 1;
+      options.zero.offload_optimizer = ranks == 1;  // one process shards only when it offloads (nothing moves on the CPU)
       auto strategy = make_parallel_strategy(net, comm, options);
       EXPECT_FALSE(has_deferred(*net));
+      EXPECT_EQ(strategy->stats()["groups_computed_when_made"].get<int64_t>() > 0, comm.rank() == 0);
+      EXPECT_EQ(net->blocks[1]->as<TinyBlockImpl>()->fc->weight.storage().nbytes(), 0u);  // freed from the start
       auto got = train(*strategy, comm.rank(), ranks, 3, 2, 0.05);
       expect_same_run(got, expected, 2e-6, fmt::format("{} ranks, rank {}", ranks, comm.rank()));
     });

@@ -22,25 +22,6 @@
 namespace xlr8::shard {
 namespace {
 
-class UnitHandle final : public UnitHooks {
- public:
-  UnitHandle(std::weak_ptr<ShardedModel> owner, size_t unit) : owner_(std::move(owner)), unit_(unit) {}
-  void before_forward() override {
-    if (auto e = owner_.lock()) e->unit_forward_begins(unit_);
-  }
-  std::vector<at::Tensor> after_forward(const std::vector<at::Tensor>& outputs) override {
-    auto e = owner_.lock();
-    return e ? e->unit_forward_ends(unit_, outputs) : outputs;
-  }
-  void forward_abandoned() override {
-    if (auto e = owner_.lock()) e->unit_forward_abandoned(unit_);
-  }
-
- private:
-  std::weak_ptr<ShardedModel> owner_;
-  size_t unit_;
-};
-
 // Offload, group by group in the units' order: what lives in host memory, until `offload_ratio` of the
 // trainable elements does (DeepSpeed's partial offload; every group at 1).
 class OffloadBudget {
@@ -186,23 +167,6 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
   works_.resize(groups_.size());
   context_.peak_gathered_bytes = context_.step_peak_gathered_bytes = context_.gathered_bytes;
   reset_backward_state();
-}
-
-void ShardedModel::attach() {
-  std::weak_ptr<ShardedModel> self = shared_from_this();
-  for (size_t g = 0; g < groups_.size(); ++g) {
-    if (group(g).frozen) continue;
-    auto hooked = replicate::on_gradient_ready(group(g).params, [self, g](size_t i) {
-      if (auto sharded = self.lock()) sharded->gradient_ready(g, i);
-    });
-    accumulators_.insert(accumulators_.end(), hooked.begin(), hooked.end());
-  }
-  for (size_t u = 0; u < units_.size(); ++u) {
-    if (!units_[u]->module()) continue;  // a bucket
-    auto handle = std::make_shared<UnitHandle>(self, u);
-    register_unit(*units_[u]->module(), handle);
-    unit_handles_.push_back(handle);
-  }
 }
 
 ShardedModel::~ShardedModel() {

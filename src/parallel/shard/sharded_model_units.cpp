@@ -8,12 +8,53 @@
 #include "core/log.hpp"
 #include "core/text.hpp"
 #include "parallel/recompute/recompute.hpp"
+#include "parallel/replicate/gradient_ready.hpp"
 #include "parallel/shard/unit_registry.hpp"
 #include "parallel/shard/wrap_policy.hpp"
 #include "parallel/shard/sharded_model.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8::shard {
+namespace {
+
+// How a unit's guard reaches its model (the registry holds it while the model lives).
+class UnitHandle final : public UnitHooks {
+ public:
+  UnitHandle(std::weak_ptr<ShardedModel> owner, size_t unit) : owner_(std::move(owner)), unit_(unit) {}
+  void before_forward() override {
+    if (auto e = owner_.lock()) e->unit_forward_begins(unit_);
+  }
+  std::vector<at::Tensor> after_forward(const std::vector<at::Tensor>& outputs) override {
+    auto e = owner_.lock();
+    return e ? e->unit_forward_ends(unit_, outputs) : outputs;
+  }
+  void forward_abandoned() override {
+    if (auto e = owner_.lock()) e->unit_forward_abandoned(unit_);
+  }
+
+ private:
+  std::weak_ptr<ShardedModel> owner_;
+  size_t unit_;
+};
+
+}  // namespace
+
+void ShardedModel::attach() {
+  std::weak_ptr<ShardedModel> self = shared_from_this();
+  for (size_t g = 0; g < groups_.size(); ++g) {
+    if (group(g).frozen) continue;
+    auto hooked = replicate::on_gradient_ready(group(g).params, [self, g](size_t i) {
+      if (auto sharded = self.lock()) sharded->gradient_ready(g, i);
+    });
+    accumulators_.insert(accumulators_.end(), hooked.begin(), hooked.end());
+  }
+  for (size_t u = 0; u < units_.size(); ++u) {
+    if (!units_[u]->module()) continue;  // a bucket
+    auto handle = std::make_shared<UnitHandle>(self, u);
+    register_unit(*units_[u]->module(), handle);
+    unit_handles_.push_back(handle);
+  }
+}
 
 // ------------------------------------------------------------------------------------------ prefetching
 
