@@ -114,9 +114,15 @@ TEST(DeferredInit, WhatCannotBeReplayedIsRefusedInOneLine) {
     torch::NoGradGuard no_grad;
     lin->weight.mul_(2);
   }
-  EXPECT_NE(message([&] { materialize({lin->weight}); }).find("written after the build"), std::string::npos);
+  EXPECT_NE(message([&] { materialize({lin->weight}); }).find("written or replaced after the build"), std::string::npos);
   materialize({lin->bias});  // untouched: fine
   EXPECT_FALSE(lin->bias.is_meta());
+  // Replaced (a dtype change through set_data): the recorded fp32 value would come back silently.
+  DeferredInitScope again;
+  auto other = torch::nn::Linear(4, 4);
+  again.finish(*other);
+  other->weight.set_data(other->weight.to(at::kBFloat16));
+  EXPECT_NE(message([&] { materialize({other->weight}); }).find("written or replaced"), std::string::npos);
   // Seeding inside the build acts when recorded, not when replayed.
   EXPECT_NE(message([] {
               DeferredInitScope inner;

@@ -242,14 +242,20 @@ void materialize_targets(deferred::Recording& rec, std::vector<size_t> wanted) {
     if (!rec.done[t] && storages.count(rec.targets[t].use.storage) &&
         std::find(wanted.begin(), wanted.end(), t) == wanted.end())
       wanted.push_back(t);
+  for (size_t t : wanted) {  // before any work: a write or a replaced value since finish() would be lost silently
+    const auto& target = rec.targets[t];
+    const auto* impl = target.tensor.get();
+    const bool replaced = !impl->has_storage() ||
+                          impl->storage().unsafeGetStorageImpl() != rec.meta_storages[target.use.storage].unsafeGetStorageImpl() ||
+                          impl->dtype() != c10::scalarTypeToTypeMeta(target.use.dtype) ||
+                          impl->sizes() != c10::IntArrayRef(target.use.sizes);
+    if (replaced || impl->version_counter().current_version() != target.version)
+      throw Error("deferred init: a parameter or buffer of a deferred model was written or replaced after the build "
+                  "(in place, set_data, to(dtype), before its values exist): do it inside build_model's build(), or "
+                  "after prepare()");
+  }
   const std::vector<size_t> kept(storages.begin(), storages.end());
   auto values = deferred::replay(rec, deferred::slice_for(rec, kept), kept, /*first_run=*/false);
-  for (size_t t : wanted) {  // before any work: a write since finish() would be lost silently
-    const auto& target = rec.targets[t];
-    if (target.tensor->version_counter().current_version() != target.version)
-      throw Error("deferred init: a parameter or buffer of a deferred model was written after the build (in place, "
-                  "before its values exist): write it inside build_model's build(), or after prepare()");
-  }
   for (size_t t : wanted) {
     auto& target = rec.targets[t];
     auto real = deferred::view_of(values.at(target.use.storage), target.use);

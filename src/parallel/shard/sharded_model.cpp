@@ -65,7 +65,7 @@ class OffloadBudget {
 
 struct UnitGroups {
   std::vector<FlatGroup> groups;
-  bool computed_now = false;  // its values came from a recorded build (DeferredInitScope) as it was made
+  int64_t computed_now = 0;  // groups whose values came from a recorded build (DeferredInitScope) as made
 };
 
 // A unit's flat groups, one at a time: a recorded build's values are computed for the group alone, and
@@ -77,7 +77,7 @@ UnitGroups make_unit_groups(UnitPlan& plan, OffloadBudget& offload, Communicator
   for (auto& g : plan.groups) {
     const bool frozen = !g.params.front().requires_grad();
     const auto host = offload.place(g.params, frozen);
-    if (materialize(g.params) > 0) out.computed_now = true;
+    if (materialize(g.params) > 0) ++out.computed_now;
     out.groups.push_back(make_flat_group(frozen ? plan.label + " (frozen)" : plan.label, std::move(g.names),
                                          std::move(g.params), comm, owns_shard, options.param_dtype, from_rank0, host));
     if (store) {
@@ -133,11 +133,12 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
                                  shard_store_, disk_slots);
     groups_computed_when_made_ += made.computed_now;
     // Units start freed under rank-0 loading (their guards gather them), and when their values were computed
-    // as they were made, where units are known to open guards (by class; DeepSpeed's leaf modules); the
-    // root stays whole until its guard runs.
-    const bool guarded = options_.auto_wrap_policy != AutoWrapPolicy::GUARDED_MODULES ||
-                         (plan.module && is_leaf_module(*plan.module));
-    const bool starts_sharded = !root && plan.module && (from_rank0 || (made.computed_now && guarded));
+    // as they were made, where units are to open guards (by class, as rank-0 loading needs; DeepSpeed's leaf
+    // modules, whose forward must then open one); the root stays whole until its guard runs.
+    const auto policy = options_.auto_wrap_policy;
+    const bool guarded = policy == AutoWrapPolicy::TRANSFORMER_BASED_WRAP || policy == AutoWrapPolicy::NO_WRAP ||
+                         (policy == AutoWrapPolicy::GUARDED_MODULES && plan.module && is_leaf_module(*plan.module));
+    const bool starts_sharded = !root && plan.module && (from_rank0 || (made.computed_now > 0 && guarded));
     units_.push_back(std::make_unique<ShardingUnit>(std::move(plan.label), plan.module, root, plan.named_by_user,
                                                     std::move(made.groups), context_, policy_.shards_parameters,
                                                     starts_sharded));
