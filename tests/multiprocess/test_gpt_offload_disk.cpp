@@ -196,3 +196,28 @@ TEST(GptOffloadDisk, GradientsOnDiskTooTrainAsInMemory) {
   EXPECT_NE(pp.exit_code, 0);
   EXPECT_NE(pp.err.find("XLR8_GRADIENTS_ON_DISK=1 with parallelism_config_pp_size 2"), std::string::npos) << pp.err;
 }
+
+// DeepSpeed's zero3_init_flag with its blocks as leaf modules and everything on disk (one process): each block's
+// values are computed as its unit is made and the unit starts freed (its shard on disk), so the first forward
+// reads every block from disk where a model built whole finds them still gathered; the training is the same.
+TEST(GptOffloadDisk, Zero3InitFlagComputesEachLeafUnitAsMadeAndStartsItFreed) {
+  const auto dir = temp_dir("gpt-zero3-init-json"), swap = temp_dir("gpt-zero3-init-swap");
+  const std::string head = R"({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+      "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "leaf_module": {"classes": ["Block"]})";
+  std::ofstream(dir + "/disk.json") << head << R"(, "offload_optimizer": {"device": "nvme", "nvme_path": ")" << swap
+                                    << R"("}, "offload_param": {"device": "nvme", "nvme_path": ")" << swap << R"("}}})";
+  std::ofstream(dir + "/memory.json") << head << "}}";
+  const Args disk{"--use_deepspeed", "--deepspeed_config_file", dir + "/disk.json"};
+  const auto memory_dir = temp_dir("gpt-z3i-mem"), whole_dir = temp_dir("gpt-z3i-whole"), made_dir = temp_dir("gpt-z3i");
+  const auto want = json_of(launch_gpt(1, {"--use_deepspeed", "--deepspeed_config_file", dir + "/memory.json"},
+                                       tiny_gpt(memory_dir, 4)));
+  const auto whole = json_of(launch_gpt(1, concat(disk, {"--zero3_init_flag", "false"}), tiny_gpt(whole_dir, 4)));
+  const auto made = json_of(launch_gpt(1, concat(disk, {"--zero3_init_flag", "true"}), tiny_gpt(made_dir, 4)));
+  expect_same_training(made, want, made_dir, memory_dir);
+  expect_same_training(whole, want, whole_dir, memory_dir);
+  EXPECT_EQ(whole.value("groups_computed_when_made", -1), 0) << whole;
+  EXPECT_GE(made.value("groups_computed_when_made", 0), 3) << made;  // both blocks and the root
+  auto reads = [](const nlohmann::json& r) { return r.value("parameters_on_disk", nlohmann::json::object()).value("shard_reads", 0); };
+  EXPECT_EQ(reads(made), reads(whole) + 2) << "each block read once more, at the first forward: " << made << whole;
+  EXPECT_EQ(swap_files_in(swap), 0u);
+}
