@@ -142,6 +142,18 @@ TEST(DeferredInit, WhatCannotBeReplayedIsRefusedInOneLine) {
               auto t = outside * 2;
             }).find("made outside this DeferredInitScope"),
             std::string::npos);
+  // A build that cannot run on the CPU fails at finish(), leaving the generator where it was.
+  torch::manual_seed(4);
+  const auto start = at::detail::getDefaultCPUGenerator().get_state();
+  EXPECT_THROW(
+      {
+        DeferredInitScope inner;
+        auto l = torch::nn::Linear(3, 3);
+        auto on_gpu = torch::empty({2}, at::kCUDA);
+        inner.finish(*l);
+      },
+      Error);
+  EXPECT_TRUE(at::equal(at::detail::getDefaultCPUGenerator().get_state(), start));
   EXPECT_TRUE(at::equal(torch::ones({3}) + 1, torch::full({3}, 2.0f)));  // every scope closed
 }
 

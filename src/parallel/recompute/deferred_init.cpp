@@ -213,7 +213,13 @@ void DeferredInitScope::finish(torch::nn::Module& module, const at::Device& devi
   // drawing operator's generator state is known for later.
   std::vector<size_t> every(rec->ops.size());
   for (size_t i = 0; i < every.size(); ++i) every[i] = i;
-  deferred::replay(*rec, every, {}, /*first_run=*/true);
+  try {
+    deferred::replay(*rec, every, {}, /*first_run=*/true);
+  } catch (...) {  // the build failed: the generator goes back to where it was, as if it had not run
+    std::lock_guard<std::mutex> lock(cpu.mutex());
+    cpu.set_state(impl_->generator_at_start);
+    throw;
+  }
   std::lock_guard<std::mutex> lock(deferred::registry_mutex);
   for (size_t i = 0; i < rec->targets.size(); ++i) deferred::registry()[rec->targets[i].tensor.get()] = {rec, i};
 }
