@@ -203,11 +203,8 @@ bool Accelerator::rank0_loading() const {
   if (s.state->world_size() == 1 || !settings.fsdp || !settings.fsdp->cpu_ram_efficient_loading) return false;
   const auto& zero = s.plan.data_parallel.zero;
   const int dp = s.state->mesh().size(MeshDim::dp_cp);  // what the strategy shards over
-  // Units chosen by size may be modules whose forward opens no guard: they must stay whole.
-  const bool guarded_units =
-      zero.auto_wrap_policy == AutoWrapPolicy::TRANSFORMER_BASED_WRAP || zero.auto_wrap_policy == AutoWrapPolicy::NO_WRAP;
-  return zero.stage == 3 && guarded_units && (zero.hybrid_shard_size == 0 || zero.hybrid_shard_size == dp) &&
-         dp == num_processes();
+  return zero.stage == 3 && shard::units_open_guards(zero.auto_wrap_policy) &&
+         (zero.hybrid_shard_size == 0 || zero.hybrid_shard_size == dp) && dp == num_processes();
 }
 
 bool Accelerator::tp_loading() const {
@@ -250,10 +247,10 @@ void move_all_but_deferred(torch::nn::Module& module, const at::Device& device) 
 
 std::shared_ptr<Accelerator::ModelBuild> Accelerator::begin_model_build() {
   auto building = std::make_shared<ModelBuild>();
-  const bool from_main = rank0_loading() || tp_loading();
+  const bool rank0 = rank0_loading(), tp = tp_loading(), from_main = rank0 || tp;
   if (from_main && !is_main_process()) building->empty.emplace();
-  if (from_main && is_main_process() && tp_loading()) building->wholes.emplace();
-  if (records_build(*impl_, rank0_loading(), tp_loading(), is_main_process())) building->deferred.emplace();
+  if (from_main && is_main_process() && tp) building->wholes.emplace();
+  if (records_build(*impl_, rank0, tp, is_main_process())) building->deferred.emplace();
   return building;
 }
 

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <string_view>
 #include <thread>
@@ -52,8 +53,9 @@ void classify(RecordedOp& r) {
     }
     r.reads.push_back(u.storage);
   }
-  for (const auto& u : r.output_uses)
+  for (auto& u : r.output_uses)
     if (!inputs.count(u.storage)) {  // a new tensor: made here
+      u.made_here = true;
       r.writes.push_back(u.storage);
       r.kills.push_back(u.storage);
     }
@@ -109,10 +111,8 @@ std::unordered_map<const c10::TensorImpl*, Registered>& registry() {
 // A real tensor the build read: its whole storage copied now, outside the scope, as its value then.
 at::Tensor copy_of_storage(const at::Tensor& real) {
   c10::impl::ForceDispatchKeyGuard outside(*keys_outside);
-  const auto bytes = static_cast<int64_t>(real.storage().nbytes());
-  auto all = at::empty({0}, real.options().dtype(at::kByte));
-  all.set_(real.storage(), 0, {bytes}, {1});
-  return all.clone();
+  const TensorUse every_byte{.dtype = at::kByte, .sizes = {static_cast<int64_t>(real.storage().nbytes())}, .strides = {1}};
+  return view_of(real.storage(), every_byte).clone();
 }
 
 }  // namespace
@@ -170,10 +170,7 @@ DeferredInitScope::DeferredInitScope() : impl_(std::make_unique<Impl>()) {
   if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Meta))
     throw Error("DeferredInitScope inside an EmptyInitScope or another DeferredInitScope: open one of them");
   auto cpu = at::detail::getDefaultCPUGenerator();
-  {
-    std::lock_guard<std::mutex> lock(cpu.mutex());
-    impl_->generator_at_start = cpu.get_state();
-  }
+  impl_->generator_at_start = deferred::state_of(cpu);
   deferred::recording_now = impl_->recording.get();
   deferred::keys_outside = &impl_->outside;
   impl_->empty.emplace();
@@ -189,12 +186,9 @@ void DeferredInitScope::finish(torch::nn::Module& module, const at::Device& devi
     throw Error("DeferredInitScope::finish: call it on the thread that opened the scope");
   impl_->close();
   auto cpu = at::detail::getDefaultCPUGenerator();
-  {
-    std::lock_guard<std::mutex> lock(cpu.mutex());
-    if (!at::equal(cpu.get_state(), impl_->generator_at_start))
-      throw Error("deferred init: the build moved the CPU generator itself (manual_seed, or drawing from it outside "
-                  "an operator); seed before build_model / the DeferredInitScope, not inside");
-  }
+  if (!deferred::same_state(deferred::state_of(cpu), impl_->generator_at_start))
+    throw Error("deferred init: the build moved the CPU generator itself (manual_seed, or drawing from it outside "
+                "an operator); seed before build_model / the DeferredInitScope, not inside");
   auto rec = std::move(impl_->recording);
   rec->device = device;
   std::unordered_set<const c10::TensorImpl*> seen;
@@ -212,12 +206,11 @@ void DeferredInitScope::finish(torch::nn::Module& module, const at::Device& devi
   // Run once in order, keeping nothing: the generator ends where the whole build leaves it, and each
   // drawing operator's generator state is known for later.
   std::vector<size_t> every(rec->ops.size());
-  for (size_t i = 0; i < every.size(); ++i) every[i] = i;
+  std::iota(every.begin(), every.end(), size_t{0});
   try {
     deferred::replay(*rec, every, {}, /*first_run=*/true);
   } catch (...) {  // the build failed: the generator goes back to where it was, as if it had not run
-    std::lock_guard<std::mutex> lock(cpu.mutex());
-    cpu.set_state(impl_->generator_at_start);
+    deferred::set_state(cpu, impl_->generator_at_start);
     throw;
   }
   std::lock_guard<std::mutex> lock(deferred::registry_mutex);

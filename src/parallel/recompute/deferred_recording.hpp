@@ -20,6 +20,7 @@ struct TensorUse {
   int64_t offset = 0;
   bool covers_storage = false;  // dense over every byte of its storage
   size_t argument = 0;          // the schema argument (or return) it came from
+  bool made_here = false;       // a result in a storage no argument had: the operator made it
 };
 
 struct RecordedOp {
@@ -78,5 +79,11 @@ std::unordered_map<size_t, c10::Storage> replay(Recording& rec, const std::vecto
 std::vector<size_t> slice_for(const Recording& rec, const std::vector<size_t>& storages);
 // A real tensor as `use` describes it, over `storage`.
 at::Tensor view_of(const c10::Storage& storage, const TensorUse& use);
+// Uninitialised CPU memory for a storage of `nbytes`.
+c10::Storage new_storage(size_t nbytes);
+// A generator's state, taken and set under its lock; whether two states are the same.
+at::Tensor state_of(at::Generator& generator);
+void set_state(at::Generator& generator, const at::Tensor& state);
+bool same_state(const at::Tensor& a, const at::Tensor& b);
 
 }  // namespace xlr8::deferred

@@ -18,7 +18,6 @@
 #include "xlr8/error.hpp"
 
 namespace xlr8::deferred {
-namespace {
 
 at::Tensor state_of(at::Generator& generator) {
   std::lock_guard<std::mutex> lock(generator.mutex());
@@ -33,6 +32,12 @@ void set_state(at::Generator& generator, const at::Tensor& state) {
 bool same_state(const at::Tensor& a, const at::Tensor& b) {
   return a.nbytes() == b.nbytes() && std::memcmp(a.data_ptr(), b.data_ptr(), a.nbytes()) == 0;
 }
+
+c10::Storage new_storage(size_t nbytes) {
+  return c10::Storage(c10::Storage::use_byte_size_t(), nbytes, c10::GetCPUAllocator(), /*resizable=*/true);
+}
+
+namespace {
 
 // For each operator of `wanted`, the storages no later operator needs once it has run.
 std::vector<std::vector<size_t>> dead_after(const Recording& rec, const std::vector<size_t>& wanted,
@@ -113,21 +118,16 @@ class Replayer {
       const auto& info = rec_.storages.at(use.storage);
       // Written whole before it is read (or never written, as an empty tensor left so by the build); a real
       // tensor the build read is copied, as an operator may write it.
-      c10::Storage storage = info.external ? info.external->clone().storage()
-                                           : c10::Storage(c10::Storage::use_byte_size_t(), info.nbytes,
-                                                          c10::GetCPUAllocator(), /*resizable=*/true);
+      c10::Storage storage = info.external ? info.external->clone().storage() : new_storage(info.nbytes);
       it = buffers_.emplace(use.storage, std::move(storage)).first;
     }
     return view_of(it->second, use);
   }
 
   void adopt_outputs(const RecordedOp& op, const torch::jit::Stack& stack) {
-    std::unordered_set<size_t> inputs;
     std::unordered_set<const c10::StorageImpl*> input_memory;
-    for (const auto& u : op.input_uses) {
-      inputs.insert(u.storage);
+    for (const auto& u : op.input_uses)
       if (auto it = buffers_.find(u.storage); it != buffers_.end()) input_memory.insert(it->second.unsafeGetStorageImpl());
-    }
     std::vector<at::Tensor> results;
     const size_t n_out = op.op.schema().returns().size();
     for (size_t i = stack.size() - n_out; i < stack.size(); ++i)
@@ -137,7 +137,7 @@ class Replayer {
                               op.op.schema().name(), results.size(), op.output_uses.size()));
     for (size_t i = 0; i < results.size(); ++i) {
       const auto& use = op.output_uses[i];
-      if (inputs.count(use.storage)) continue;  // a view of, or written into, an input
+      if (!use.made_here) continue;  // a view of, or written into, an input
       const auto& t = results[i];
       if (!t.device().is_cpu() || t.sizes() != c10::IntArrayRef(use.sizes) || t.scalar_type() != use.dtype)
         throw Error(fmt::format("deferred init: {} made a {} tensor of shape {} when replayed, a {} of shape {} when "
@@ -150,7 +150,7 @@ class Replayer {
         continue;
       }
       // New on the meta device: its own memory, laid out as recorded (later views are rebuilt from that).
-      c10::Storage own(c10::Storage::use_byte_size_t(), rec_.storages.at(use.storage).nbytes, c10::GetCPUAllocator(), true);
+      auto own = new_storage(rec_.storages.at(use.storage).nbytes);
       view_of(own, use).copy_(t);
       buffers_[use.storage] = std::move(own);
     }

@@ -136,7 +136,7 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
     // as they were made, where units are to open guards (by class, as rank-0 loading needs; DeepSpeed's leaf
     // modules, whose forward must then open one); the root stays whole until its guard runs.
     const auto policy = options_.auto_wrap_policy;
-    const bool guarded = policy == AutoWrapPolicy::TRANSFORMER_BASED_WRAP || policy == AutoWrapPolicy::NO_WRAP ||
+    const bool guarded = units_open_guards(policy) ||
                          (policy == AutoWrapPolicy::GUARDED_MODULES && plan.module && is_leaf_module(*plan.module));
     const bool starts_sharded = !root && plan.module && (from_rank0 || (made.computed_now > 0 && guarded));
     units_.push_back(std::make_unique<ShardingUnit>(std::move(plan.label), plan.module, root, plan.named_by_user,

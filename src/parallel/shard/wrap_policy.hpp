@@ -45,5 +45,10 @@ bool layer_class_matches(const std::string& class_name, const std::string& repor
 // LibTorch's own modules (torch::nn::Linear, Sequential, ...) and xlr8's drop-in layers (xlr8::nn::Linear,
 // Embedding): their forwards are the libraries', which open no guard.
 bool opens_no_guard(const torch::nn::Module& module);
+// Whether the policy's units are blocks of classes the user names (or the root alone), whose forward opens its
+// guard: units that may start freed. Units chosen by size may be modules that open none.
+inline bool units_open_guards(AutoWrapPolicy policy) {
+  return policy == AutoWrapPolicy::TRANSFORMER_BASED_WRAP || policy == AutoWrapPolicy::NO_WRAP;
+}
 
 }  // namespace xlr8::shard
