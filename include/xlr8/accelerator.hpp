@@ -137,14 +137,21 @@ class Accelerator {
   //   prepare() hands each rank its shards, one unit at a time. Every unit but the root then starts
   //   freed, so each unit's forward must open xlr8::unshard(*this). The main process records `build()`
   //   (DeferredInitScope) and each unit's values are computed as prepare() makes its group, so no rank
-  //   holds the whole model; one process sharding at stage 3 (with offload) does the same when
-  //   fsdp_cpu_ram_efficient_loading or DeepSpeed's zero3_init_flag asks for it. Write the parameters
-  //   inside `build()` or after prepare(), not between (refused).
+  //   holds the whole model. At stage 3 over all processes (not hybrid, no pp or tp) with other units, or on
+  //   one process sharding with offload, fsdp_cpu_ram_efficient_loading or DeepSpeed's zero3_init_flag (unset:
+  //   on at ZeRO-3, as Accelerate) has every process record `build()`: rank 0 computes each group's values
+  //   and sends them. Write the parameters inside `build()` or after prepare(), not between (refused).
   // Otherwise `build()` runs as it is. Collective in both cases. Prepare the result before reading it.
   template <class Build>
   auto build_model(Build&& build) -> decltype(build()) {
     auto building = begin_model_build();
-    auto model = build();
+    auto model = [&] {
+      try {
+        return build();
+      } catch (...) {
+        build_failed(*building);
+      }
+    }();
     built_model(module_pointer(model), *building);
     return model;
   }
@@ -411,6 +418,8 @@ class Accelerator {
   struct ModelBuild;           // what build_model holds while `build()` runs (accelerator.cpp)
   std::shared_ptr<ModelBuild> begin_model_build();
   void built_model(const std::shared_ptr<torch::nn::Module>& module, ModelBuild& building);
+  // Rethrows the exception `build()` threw; a recorded build's says how to build the model whole instead.
+  [[noreturn]] void build_failed(ModelBuild& building);
   const ParallelStrategy& strategy_of(const torch::nn::Module& module) const;
   ParallelStrategy& strategy_for_scope(const torch::nn::Module& module);
   void register_loader(std::shared_ptr<DataLoaderBase> loader);

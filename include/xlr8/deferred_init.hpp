@@ -42,5 +42,9 @@ bool has_deferred(const torch::nn::Module& module);
 size_t materialize(const std::vector<at::Tensor>& tensors);
 // Every deferred parameter and buffer of `module`.
 void materialize_module(const torch::nn::Module& module);
+// Gives each deferred tensor of `tensors` uninitialised memory of its size instead of its values (as to_empty
+// does), for values that come from elsewhere (another rank's broadcast); its recording is dropped. Returns how
+// many were deferred.
+size_t materialize_empty(const std::vector<at::Tensor>& tensors);
 
 }  // namespace xlr8

@@ -62,7 +62,9 @@ struct DeepSpeedSettings {
   std::string offload_optimizer_nvme_path;
   std::string offload_param_nvme_path;
   std::optional<double> gradient_clipping;
-  bool zero3_init_flag = false;
+  // Record the build at ZeRO-3 (DeepSpeed's zero.Init) so that no rank holds the whole model; unset: on at
+  // ZeRO-3, as Accelerate's default (is_zero3).
+  std::optional<bool> zero3_init_flag;
   bool zero3_save_16bit_model = false;
   std::string config_file;                        // a full DeepSpeed JSON config
   bool operator==(const DeepSpeedSettings&) const = default;

@@ -116,7 +116,7 @@ void read_deepspeed(const Section& s, LaunchConfig& c) {
   if (auto v = s.choice("offload_param_device", kOffloadDevices, false)) d.offload_param_device = *v;
   if (auto v = s.str("offload_optimizer_nvme_path")) d.offload_optimizer_nvme_path = *v;
   if (auto v = s.str("offload_param_nvme_path")) d.offload_param_nvme_path = *v;
-  d.zero3_init_flag = s.boolean("zero3_init_flag").value_or(d.zero3_init_flag);
+  if (auto v = s.boolean("zero3_init_flag")) d.zero3_init_flag = *v;
   d.zero3_save_16bit_model = s.boolean("zero3_save_16bit_model").value_or(d.zero3_save_16bit_model);
 }
 
@@ -352,7 +352,7 @@ std::string to_yaml(const LaunchConfig& c) {
     if (d.gradient_clipping) out << YAML::Key << "gradient_clipping" << YAML::Value << *d.gradient_clipping;
     out << YAML::Key << "offload_optimizer_device" << YAML::Value << d.offload_optimizer_device;
     out << YAML::Key << "offload_param_device" << YAML::Value << d.offload_param_device;
-    out << YAML::Key << "zero3_init_flag" << YAML::Value << d.zero3_init_flag;
+    if (d.zero3_init_flag) out << YAML::Key << "zero3_init_flag" << YAML::Value << *d.zero3_init_flag;
     out << YAML::Key << "zero3_save_16bit_model" << YAML::Value << d.zero3_save_16bit_model;
     out << YAML::Key << "zero_stage" << YAML::Value << d.zero_stage;
     out << YAML::EndMap;

@@ -153,7 +153,7 @@ std::map<std::string, std::string> settings_to_env(const Settings& s) {
       env["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH"] = d->offload_optimizer_nvme_path;
     if (!d->offload_param_nvme_path.empty())
       env["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH"] = d->offload_param_nvme_path;
-    env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] = bool_text(d->zero3_init_flag);
+    if (d->zero3_init_flag) env["ACCELERATE_DEEPSPEED_ZERO3_INIT"] = bool_text(*d->zero3_init_flag);
     env["ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"] = bool_text(d->zero3_save_16bit_model);
     if (!d->config_file.empty()) env["ACCELERATE_DEEPSPEED_CONFIG_FILE"] = d->config_file;
   }
@@ -253,7 +253,7 @@ DeepSpeedSettings deepspeed_from_env(const Env& env) {
   }
   d.offload_optimizer_nvme_path = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH").value_or("");
   d.offload_param_nvme_path = env.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH").value_or("");
-  d.zero3_init_flag = env.get_bool("ACCELERATE_DEEPSPEED_ZERO3_INIT").value_or(d.zero3_init_flag);
+  d.zero3_init_flag = env.get_bool("ACCELERATE_DEEPSPEED_ZERO3_INIT");
   d.zero3_save_16bit_model = env.get_bool("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL").value_or(false);
   d.config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE").value_or("");
   return d;

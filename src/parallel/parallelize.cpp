@@ -51,15 +51,16 @@ void recompute_units(const torch::nn::Module& module, const ZeroOptions& zero) {
 
 // mixed_precision fp8: the filter's Linear layers compute in fp8, their amaxes reduced over the ranks holding other
 // rows of the batch (dp x cp) and, for a split layer, over its tp group. Refused on a GPU without fp8 gemms.
-void convert_to_float8(torch::nn::Module& module, const Fp8Settings& settings, DeviceMesh& mesh) {
+void convert_to_float8(torch::nn::Module& module, const Fp8Settings& settings, DeviceMesh& mesh,
+                       std::optional<at::Device> device) {
   const auto recipe = fp8::recipe_from(settings);
-  const auto parameters = module.parameters();  // on the device by now (step 2 placed them)
-  if (!parameters.empty() && parameters.front().is_cuda() &&
-      !fp8::has_fp8_gemm(parameters.front().device(), recipe.scaling == fp8::Scaling::Rowwise))
+  const auto parameters = module.parameters();  // on the device by now (step 2 placed them), unless recorded
+  if (!device && !parameters.empty()) device = parameters.front().device();
+  if (device && device->is_cuda() && !fp8::has_fp8_gemm(*device, recipe.scaling == fp8::Scaling::Rowwise))
     throw ConfigError(fmt::format(
         "mixed_precision fp8: this GPU ({}) has no fp8 gemm (LibTorch's _scaled_mm needs compute capability 8.9, "
         "Ada or Hopper, and later); use mixed_precision bf16 on it",
-        parameters.front().device().str()));
+        device->str()));
   auto report = fp8::convert_to_float8_training(module, recipe, fp8::filter_from(settings), mesh.group(MeshDim::dp_cp));
   if (report.converted.empty())
     throw ConfigError(fmt::format("mixed_precision fp8: no Linear layer of the model can compute in fp8, so it would "
@@ -159,7 +160,7 @@ std::unique_ptr<ParallelStrategy> parallelize(std::shared_ptr<torch::nn::Module>
   if (plan.recompute_units) recompute_units(*module, options.zero);
   // 5. Precision: sharded parameters are gathered and computed in options.zero.param_dtype (the plan's); under
   //    fp8 the model's Linear layers take their recipe (cast after the gather, from the compute dtype).
-  if (plan.fp8) convert_to_float8(*module, *plan.fp8, mesh);
+  if (plan.fp8) convert_to_float8(*module, *plan.fp8, mesh, hooks.device);
   // 6. Data parallelism.
   if (hooks.data_parallel_options) hooks.data_parallel_options(*module, options);
   return make_parallel_strategy(std::move(module), mesh.group(plan.data_parallel_dim), options, hooks.gradient_state);

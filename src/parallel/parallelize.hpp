@@ -9,6 +9,7 @@
 // The Accelerator (and through it deepspeed::Engine) calls it once per prepared model.
 #include <functional>
 #include <memory>
+#include <optional>
 
 #include "xlr8/device_mesh.hpp"
 #include "xlr8/gradient_state.hpp"
@@ -27,6 +28,9 @@ struct ParallelizeHooks {
   // JSON's sizes filled from its hidden size, values held by rank 0 only).
   std::function<void(torch::nn::Module&, ParallelOptions&)> data_parallel_options;
   std::shared_ptr<const GradientState> gradient_state;
+  // Where the model's values live or will (a recorded build's parameters stay on the meta device until sharding
+  // computes them); unset: where its first parameter is.
+  std::optional<at::Device> device;
   // pp > 1: the cut, as made from the whole model before tensor parallelism and sharding change its parameter
   // counts (and before the other stages' layers give their memory back): how many of the stage's layers each of
   // its chunks (virtual stages) has, and the whole model's parts.

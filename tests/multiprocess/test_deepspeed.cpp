@@ -347,3 +347,23 @@ TEST(DeepSpeedSequenceParallel, TheJsonsSequenceParallelSizeSplitsTheSequenceAnd
   EXPECT_NE(wrong.err.find("sets data_parallel_size 3 but this launch has 2 data-parallel ranks"), std::string::npos)
       << wrong.err;
 }
+
+// Accelerate's zero3_init_flag defaults to on at ZeRO-3: build_model records the build, so one that reads a value
+// back fails, saying which setting builds it whole; off, or at stage 2, it trains.
+TEST(DeepSpeedZero3Init, OnByDefaultAtStageThreeAndABuildItCannotRecordSaysHowToBuildWhole) {
+  auto train = [](const Args& flags) {
+    const auto dir = temp_dir("ds-z3i-reads");
+    Args a{kXlr8, "launch", "--num_processes", "2", "--use_deepspeed"};
+    a.insert(a.end(), flags.begin(), flags.end());
+    a.insert(a.end(), {kTrain, "--build_reads_values", "--steps", "2", "--out", dir});
+    return run(a, 120);
+  };
+  const auto recorded = train({"--zero_stage", "3"});
+  EXPECT_NE(recorded.exit_code, 0);
+  for (const char* said : {"build_model recorded the build", "zero3_init_flag (on at ZeRO-3 unless set)"})
+    EXPECT_NE(recorded.err.find(said), std::string::npos) << said << "\n" << recorded.err;
+  for (const Args& flags : {Args{"--zero_stage", "3", "--zero3_init_flag", "false"}, Args{"--zero_stage", "2"}}) {
+    const auto whole = train(flags);
+    EXPECT_EQ(whole.exit_code, 0) << flags[1] << whole.out << whole.err;
+  }
+}

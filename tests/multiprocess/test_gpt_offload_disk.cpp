@@ -221,3 +221,25 @@ TEST(GptOffloadDisk, Zero3InitFlagComputesEachLeafUnitAsMadeAndStartsItFreed) {
   EXPECT_EQ(reads(made), reads(whole) + 2) << "each block read once more, at the first forward: " << made << whole;
   EXPECT_EQ(swap_files_in(swap), 0u);
 }
+
+// DeepSpeed's zero.Init on 3 ranks (the flag unset: on at ZeRO-3, as Accelerate's default): every rank records its
+// build, rank 0 computes each group's values as the group is made and sends them, the blocks (leaf modules) start
+// freed, so no rank holds the whole model; the training equals the run that builds it whole on every rank (with
+// dropout: every rank's generator continues as after building whole).
+TEST(GptZero3Init, EveryRankRecordsItsBuildAndHoldsTheWholeModelNowhere) {
+  const auto json = temp_dir("gpt-z3i-ranks-json") + "/zero3.json";
+  std::ofstream(json) << R"({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+      "zero_optimization": {"stage": 3, "leaf_module": {"classes": ["Block"]}}})";
+  auto gpt = [&](const Args& flag, const std::string& dir) {
+    // 14.3 M parameters (57 MB in fp32).
+    return json_of(launch_gpt(3, concat({"--use_deepspeed", "--deepspeed_config_file", json}, flag),
+                              {"--n_layer", "8", "--d_model", "384", "--n_head", "6", "--seq_len", "32", "--batch_size",
+                               "1", "--max_steps", "2", "--val_windows", "8", "--dropout", "0.1", "--output_dir", dir}));
+  };
+  const auto on_dir = temp_dir("gpt-z3i-ranks-on"), off_dir = temp_dir("gpt-z3i-ranks-off");
+  const auto on = gpt({}, on_dir), off = gpt({"--zero3_init_flag", "false"}, off_dir);
+  const auto peaks = gpt_runs::same_training_and_setup_peaks(on, off, on_dir, off_dir, 3);
+  EXPECT_GE(on.value("groups_computed_when_made", 0), 9) << on;  // 8 blocks and more
+  EXPECT_EQ(off.value("groups_computed_when_made", -1), 0) << off;
+  for (size_t r = 0; r < 3; ++r) EXPECT_GT(peaks.off[r] - peaks.on[r], 0.5 * peaks.model_mb) << "rank " << r << on << off;
+}

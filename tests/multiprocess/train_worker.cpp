@@ -16,6 +16,7 @@
 //   --count_host_reads (report the reads of tensor values on the host inside the steps after the first, the
 //   program's own excluded: "host_reads", the largest rank's)
 //   --mode nested|nested-mismatch|free-memory|free-control (train_worker_api.cpp)
+//   --build_reads_values (the model built in Accelerator::build_model, which reads a value of it back)
 //   --retry_failed_load (a --resume that fails on any rank is loaded again on every rank; "load_errors": what the
 //   first load said on each)
 #include <CLI/CLI.hpp>
@@ -134,6 +135,8 @@ int main(int argc, char** argv) {
   app.add_flag("--print_steps", print_steps);
   bool count_host_reads = false;
   app.add_flag("--count_host_reads", count_host_reads);
+  bool build_reads_values = false;  // Accelerator::build_model, reading a value back: no recorded build can
+  app.add_flag("--build_reads_values", build_reads_values);
   bool retry_failed_load = false;  // a --resume whose load fails on some rank is loaded again, on every rank
   app.add_flag("--retry_failed_load", retry_failed_load);
   app.add_option("--step_sleep_ms", step_sleep_ms);
@@ -327,6 +330,12 @@ int main(int argc, char** argv) {
       return 0;
     };
     if (init_by_rank) torch::manual_seed(1000 + acc.process_index());  // a bug verify must name
+    if (build_reads_values)
+      return train(acc.prepare(acc.build_model([&] {
+        Mlp model(hidden, mode == "unused", with_norm, dropout, batch_norm);
+        if (model->fc1->weight.abs().max().item<double>() > 1) throw std::runtime_error("fc1's init is out of range");
+        return model;
+      })));
     if (!tensor_parallel) return train(acc.prepare(Mlp(hidden, mode == "unused", with_norm, dropout, batch_norm)));
     // fc1 column-wise, fc2 row-wise over the mesh's tp group, before the Accelerator sees the model.
     TpMlp model(hidden);

@@ -6,6 +6,7 @@
 
 #include <fstream>
 #include <mutex>
+#include <optional>
 
 #include "thread_ranks.hpp"
 #include "xlr8/deferred_init.hpp"
@@ -205,6 +206,73 @@ TEST(DeferredInit, RankZerosRecordedBuildShardsAndTrainsAsOneProcess) {
       auto got = train(*strategy, comm.rank(), ranks, 3, 2, 0.05);
       expect_same_run(got, expected, 2e-6, fmt::format("{} ranks, rank {}", ranks, comm.rank()));
     });
+}
+
+namespace {
+
+// TinyNet recorded (or built whole) on this thread-rank from `seed` (the threads share LibTorch's default
+// generator).
+std::shared_ptr<TinyNetImpl> recorded_tiny_net(uint64_t seed, bool frozen = false, bool record = true) {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  torch::manual_seed(seed);
+  std::optional<DeferredInitScope> scope;
+  if (record) scope.emplace();
+  auto net = TinyNet(true).ptr();
+  if (scope) scope->finish(*net);
+  if (frozen) freeze_front(*net);
+  return net;
+}
+
+}  // namespace
+
+// DeepSpeed's zero.Init on every rank: each recorded its build (from a seed of its own here), rank 0 computes
+// each group's values as it is made and sends them, the others only make room. Training equals one process
+// building rank 0's model whole, with persistent parameters, DeepSpeed's guarded units, and the frozen
+// parameters stage 2 keeps whole.
+TEST(DeferredInit, EveryRanksRecordedBuildTakesRankZerosValuesAndTrainsAsOneProcess) {
+  struct Layout {
+    std::string name;
+    int stage;
+    std::string policy;
+    int64_t persistence;
+    bool frozen;
+  };
+  const std::vector<Layout> layouts = {{"stage 3 by class", 3, "TRANSFORMER_BASED_WRAP", 0, false},
+                                       {"stage 3 by class, persistence 25", 3, "TRANSFORMER_BASED_WRAP", 25, false},
+                                       {"stage 3 guarded units, persistence 25", 3, "GUARDED_MODULES", 25, false},
+                                       {"stage 2, front frozen", 2, "TRANSFORMER_BASED_WRAP", 0, true}};
+  for (const auto& layout : layouts) {
+    const auto expected = single_run(3, /*micro=*/2, /*max_norm=*/0.05, false, layout.frozen);
+    for (int ranks : {2, 3})
+      xlr8::testing::run_ranks(ranks, [&](Communicator& comm) {
+        auto net = recorded_tiny_net(11 + 7 * comm.rank(), layout.frozen);
+        auto options = stage_options(layout.stage, layout.policy);
+        options.zero.param_persistence_threshold = layout.persistence;
+        auto strategy = make_parallel_strategy(net, comm, options);
+        const auto what = fmt::format("{}, {} ranks, rank {}", layout.name, ranks, comm.rank());
+        EXPECT_FALSE(has_deferred(*net)) << what;
+        EXPECT_GT(strategy->stats()["groups_computed_when_made"].get<int64_t>(), 0) << what;
+        const bool starts_freed = layout.stage == 3 && layout.policy == "TRANSFORMER_BASED_WRAP";
+        EXPECT_EQ(net->blocks[1]->as<TinyBlockImpl>()->fc->weight.storage().nbytes() == 0, starts_freed) << what;
+        auto got = train(*strategy, comm.rank(), ranks, 3, 2, 0.05);
+        expect_same_run(got, expected, 2e-6, what);
+      });
+  }
+}
+
+// Rank 0 recorded and rank 1 built whole, without rank-0 loading: one line on both, before any collective
+// could disagree.
+TEST(DeferredInit, RanksRecordingAndBuildingWholeAreRefusedOnEveryRank) {
+  xlr8::testing::run_ranks(2, [&](Communicator& comm) {
+    auto net = recorded_tiny_net(11, /*frozen=*/false, /*record=*/comm.rank() == 0);
+    try {
+      make_parallel_strategy(net, comm, stage_options(3));
+      ADD_FAILURE() << "rank " << comm.rank() << " accepted a mixture";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("1 of 2 ranks recorded the model's build"), std::string::npos) << e.what();
+    }
+  });
 }
 
 namespace {

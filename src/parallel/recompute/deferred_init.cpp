@@ -233,8 +233,9 @@ bool has_deferred(const torch::nn::Module& module) {
 
 namespace {
 
-// Materialises the targets `wanted` of one recording, with every target sharing their storages.
-void materialize_targets(deferred::Recording& rec, std::vector<size_t> wanted) {
+// Materialises the targets `wanted` of one recording, with every target sharing their storages: their
+// values computed, or (`compute` false) uninitialised memory for values that will come from elsewhere.
+void materialize_targets(deferred::Recording& rec, std::vector<size_t> wanted, bool compute) {
   std::unordered_set<size_t> storages;
   for (size_t t : wanted) storages.insert(rec.targets[t].use.storage);
   for (size_t t = 0; t < rec.targets.size(); ++t)
@@ -254,7 +255,10 @@ void materialize_targets(deferred::Recording& rec, std::vector<size_t> wanted) {
                   "after prepare()");
   }
   const std::vector<size_t> kept(storages.begin(), storages.end());
-  auto values = deferred::replay(rec, deferred::slice_for(rec, kept), kept, /*first_run=*/false);
+  std::unordered_map<size_t, c10::Storage> values;
+  if (compute) values = deferred::replay(rec, deferred::slice_for(rec, kept), kept, /*first_run=*/false);
+  else
+    for (size_t s : kept) values.emplace(s, deferred::new_storage(rec.meta_storages[s].nbytes()));
   for (size_t t : wanted) {
     auto& target = rec.targets[t];
     auto real = deferred::view_of(values.at(target.use.storage), target.use);
@@ -266,9 +270,7 @@ void materialize_targets(deferred::Recording& rec, std::vector<size_t> wanted) {
   }
 }
 
-}  // namespace
-
-size_t materialize(const std::vector<at::Tensor>& tensors) {
+size_t give_values(const std::vector<at::Tensor>& tensors, bool compute) {
   std::lock_guard<std::mutex> lock(deferred::registry_mutex);
   std::vector<std::pair<std::shared_ptr<deferred::Recording>, std::vector<size_t>>> by_recording;
   for (const auto& t : tensors) {
@@ -284,10 +286,16 @@ size_t materialize(const std::vector<at::Tensor>& tensors) {
   size_t count = 0;
   for (auto& [rec, wanted] : by_recording) {
     count += wanted.size();
-    materialize_targets(*rec, std::move(wanted));
+    materialize_targets(*rec, std::move(wanted), compute);
   }
   return count;
 }
+
+}  // namespace
+
+size_t materialize(const std::vector<at::Tensor>& tensors) { return give_values(tensors, /*compute=*/true); }
+
+size_t materialize_empty(const std::vector<at::Tensor>& tensors) { return give_values(tensors, /*compute=*/false); }
 
 void materialize_module(const torch::nn::Module& module) {
   auto tensors = module.parameters();

@@ -68,6 +68,28 @@ struct UnitGroups {
   int64_t computed_now = 0;  // groups whose values came from a recorded build (DeferredInitScope) as made
 };
 
+// Where a recorded build's values come from: computed here, or (every rank recorded it) computed on rank 0
+// and sent, the other ranks only making room for them.
+size_t give_recorded_values(const std::vector<at::Tensor>& tensors, Communicator& comm, bool from_rank0) {
+  return from_rank0 && comm.rank() != 0 ? materialize_empty(tensors) : materialize(tensors);
+}
+
+// Whether every rank recorded its build (DeferredInitScope), its values then computed on rank 0 as each group is
+// made and sent from there, as DeepSpeed's zero.Init broadcasts each parameter (collective). Under rank-0 loading
+// only rank 0 recorded; any other mixture is refused on every rank, before a collective could disagree.
+bool recorded_on_every_rank(Communicator& comm, const torch::nn::Module& module, bool rank0_loading) {
+  const bool here = has_deferred(module);
+  if (comm.size() == 1 || rank0_loading) return false;
+  auto count = at::full({1}, here ? 1 : 0, at::kInt);
+  comm.all_reduce(count);
+  const int recorded = count.item<int>();
+  if (recorded != 0 && recorded != comm.size())
+    throw ConfigError(fmt::format("{} of {} ranks recorded the model's build (DeferredInitScope, zero3_init_flag) and "
+                                  "the others built it whole (rank {}: {}): build it the same way on every rank",
+                                  recorded, comm.size(), comm.rank(), here ? "recorded" : "whole"));
+  return recorded == comm.size();
+}
+
 // A unit's flat groups, one at a time: a recorded build's values are computed for the group alone, and
 // with parameters on disk its shard goes there at once, so at most one group is whole in memory here.
 UnitGroups make_unit_groups(UnitPlan& plan, OffloadBudget& offload, Communicator& comm, const ZeroOptions& options,
@@ -77,7 +99,7 @@ UnitGroups make_unit_groups(UnitPlan& plan, OffloadBudget& offload, Communicator
   for (auto& g : plan.groups) {
     const bool frozen = !g.params.front().requires_grad();
     const auto host = offload.place(g.params, frozen);
-    if (materialize(g.params) > 0) ++out.computed_now;
+    if (give_recorded_values(g.params, comm, from_rank0) > 0) ++out.computed_now;
     out.groups.push_back(make_flat_group(frozen ? plan.label + " (frozen)" : plan.label, std::move(g.names),
                                          std::move(g.params), comm, owns_shard, options.param_dtype, from_rank0, host));
     if (store) {
@@ -115,13 +137,15 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
   for (const auto& item : module_->named_parameters())
     if (!item.value().requires_grad()) frozen_at_prepare_.emplace_back(item.key(), item.value());
   const bool from_rank0 = policy_.shards_parameters && options_.values_from_rank0;
+  materialize(module_->buffers());  // small, and compared and sent whole below
+  const bool recorded_everywhere = recorded_on_every_rank(comm_, *module_, from_rank0);
   if (from_rank0 && options_.param_persistence_threshold > 0)
     throw ConfigError("rank-0 loading (values_from_rank0, fsdp_cpu_ram_efficient_loading) and a parameter persistence "
                       "threshold do not combine: set one of them to off");
   if (from_rank0 && options_.auto_wrap_policy == AutoWrapPolicy::GUARDED_MODULES)
     throw ConfigError("rank-0 loading (values_from_rank0, fsdp_cpu_ram_efficient_loading) needs units known before the "
                       "first forward: use TRANSFORMER_BASED_WRAP or NO_WRAP, not GUARDED_MODULES");
-  replicate::make_replicas_equal(comm_, *module_, /*parameters=*/!from_rank0);
+  replicate::make_replicas_equal(comm_, *module_, /*parameters=*/!from_rank0 && !recorded_everywhere);
   auto plans = policy_.shards_parameters ? plan_units(*module_, options_)
                                          : plan_buckets(*module_, options_.first_bucket_mb, options_.bucket_cap_mb);
   OffloadBudget offload(options_, policy_, plans);
@@ -129,8 +153,8 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
   size_t disk_slots = 0;
   for (auto& plan : plans) {
     const bool root = plan.module == module_.get();
-    auto made = make_unit_groups(plan, offload, comm_, options_, /*owns_shard=*/policy_.shards_parameters, from_rank0,
-                                 shard_store_, disk_slots);
+    auto made = make_unit_groups(plan, offload, comm_, options_, /*owns_shard=*/policy_.shards_parameters,
+                                 from_rank0 || recorded_everywhere, shard_store_, disk_slots);
     groups_computed_when_made_ += made.computed_now;
     // Units start freed under rank-0 loading (their guards gather them), and when their values were computed
     // as they were made, where units are to open guards (by class, as rank-0 loading needs; DeepSpeed's leaf
@@ -152,7 +176,12 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
       }
     }
   }
-  materialize_module(*module_);  // what no group holds (the parameters kept whole) of a deferred build
+  // What no group holds (the frozen parameters stages 1-2 keep whole) of a recorded build.
+  std::vector<at::Tensor> kept_whole;
+  for (const auto& p : module_->parameters())
+    if (is_deferred(p)) kept_whole.push_back(p);
+  give_recorded_values(kept_whole, comm_, recorded_everywhere);
+  if (recorded_everywhere) replicate::broadcast_from_rank0(comm_, kept_whole);
   // Gradients become ready in reverse: buckets are already in that order; units (root last) reverse.
   for (size_t g = 0; g < groups_.size(); ++g)
     if (!group(g).frozen) launch_order_.push_back(g);

@@ -6,6 +6,7 @@
 
 #include "parallel/replicate/replica_sync.hpp"
 #include "parallel/shard/sharded_model.hpp"
+#include "xlr8/deferred_init.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8::shard {
@@ -98,6 +99,7 @@ std::unique_ptr<ParallelStrategy> make_zero_strategy(std::shared_ptr<torch::nn::
       throw ConfigError(fmt::format("hybrid sharding needs ZeRO stage 2 or 3 (HYBRID_SHARD_ZERO2 or HYBRID_SHARD); "
                                     "stage {} was asked for",
                                     options.zero.stage));
+    materialize_module(*module);  // a recorded build (DeferredInitScope) whole: replicas compare and send it so
     replicate::make_replicas_equal(shard, *module);  // every replica starts from rank 0's weights
     std::tie(shard, replicate) = hybrid_groups(shard, options.zero.hybrid_shard_size);
   }
