@@ -137,10 +137,11 @@ class Accelerator {
   //   prepare() hands each rank its shards, one unit at a time. Every unit but the root then starts
   //   freed, so each unit's forward must open xlr8::unshard(*this). The main process records `build()`
   //   (DeferredInitScope) and each unit's values are computed as prepare() makes its group, so no rank
-  //   holds the whole model. At stage 3 over all processes (not hybrid, no pp or tp) with other units, or on
-  //   one process sharding with offload, fsdp_cpu_ram_efficient_loading or DeepSpeed's zero3_init_flag (unset:
-  //   on at ZeRO-3, as Accelerate) has every process record `build()`: rank 0 computes each group's values
-  //   and sends them. Write the parameters inside `build()` or after prepare(), not between (refused).
+  //   holds the whole model. DeepSpeed's zero3_init_flag (unset: on at ZeRO-3, as Accelerate's default) has
+  //   every process record `build()` under ZeRO-3 over all processes (no pp or tp, not hybrid): rank 0
+  //   computes each group's values and sends them. One process sharding with offload records when
+  //   zero3_init_flag or fsdp_cpu_ram_efficient_loading asks. Write the parameters inside `build()` or after
+  //   prepare(), not between (refused); a build that cannot be recorded fails naming the setting to turn off.
   // Otherwise `build()` runs as it is. Collective in both cases. Prepare the result before reading it.
   template <class Build>
   auto build_model(Build&& build) -> decltype(build()) {

@@ -46,5 +46,7 @@ void materialize_module(const torch::nn::Module& module);
 // does), for values that come from elsewhere (another rank's broadcast); its recording is dropped. Returns how
 // many were deferred.
 size_t materialize_empty(const std::vector<at::Tensor>& tensors);
+// Throws the Error materialize() would: a deferred tensor of `tensors` was written or replaced since finish().
+void check_deferred_unchanged(const std::vector<at::Tensor>& tensors);
 
 }  // namespace xlr8

@@ -40,21 +40,23 @@ struct Accelerator::ModelBuild {
 namespace {
 
 // Whether this process records the build instead of running it, each sharding group then computing its
-// values when it is made (DeepSpeed's zero.Init), so that no process holds the whole model: rank-0
-// loading's main process; and at stage 3, when fsdp_cpu_ram_efficient_loading or DeepSpeed's zero3_init_flag
-// (unset: on, as Accelerate's default at ZeRO-3) asks, every process (rank 0 computes each group's values
-// and sends them). Not under pipeline stages (cut from the built model) or tensor parallelism (which
-// slices whole values), nor hybrid sharding (whose replicas start from the whole model).
+// values when it is made (DeepSpeed's zero.Init), so that no process holds the whole model: rank-0 loading's
+// main process; one process sharding at stage 3 (with offload) when fsdp_cpu_ram_efficient_loading or
+// DeepSpeed's zero3_init_flag asks; and every process under DeepSpeed ZeRO-3 when zero3_init_flag asks (unset:
+// on, as Accelerate's default at ZeRO-3; rank 0 computes each group's values and sends them), but not under
+// pipeline stages (cut from the built model), tensor parallelism (which slices whole values) or hybrid sharding
+// (whose replicas start from the whole model).
 bool records_build(const AcceleratorImpl& s, bool rank0_loading, bool tp_loading, bool main_process) {
   if (tp_loading) return false;
   if (rank0_loading) return main_process;
+  if (s.plan.strategy != "zero3") return false;  // one process shards when it offloads
   const auto& settings = s.state->settings();
-  const bool asked = (settings.fsdp && settings.fsdp->cpu_ram_efficient_loading) ||
-                     (settings.deepspeed && settings.deepspeed->zero3_init_flag.value_or(true));
-  if (!asked || s.plan.strategy != "zero3") return false;  // one process shards when it offloads
+  const bool zero_init = settings.deepspeed && settings.deepspeed->zero3_init_flag.value_or(true);
+  if (s.state->world_size() == 1) return zero_init || (settings.fsdp && settings.fsdp->cpu_ram_efficient_loading);
   const auto& zero = s.plan.data_parallel.zero;
   const int dp = s.state->mesh().size(MeshDim::dp_cp);
-  return s.plan.mesh.pp == 1 && s.plan.mesh.tp == 1 && (zero.hybrid_shard_size == 0 || zero.hybrid_shard_size == dp);
+  return zero_init && s.plan.mesh.pp == 1 && s.plan.mesh.tp == 1 &&
+         (zero.hybrid_shard_size == 0 || zero.hybrid_shard_size == dp);
 }
 
 // Module::to for everything but the deferred tensors, which their groups make on the device.

@@ -6,6 +6,7 @@
 //   engine_worker --accelerate --steps S --out DIR  (under xlr8 launch --use_deepspeed --deepspeed_config_file)
 // --save_at: save_checkpoint(DIR/ckpt) after step N; --resume: load_checkpoint and go on from its step;
 // --save_every N --resume_latest: an elastic job's checkpoints, and each start resuming from the latest.
+// --zero_init: the model built inside xlr8::DeferredInitScope (DeepSpeed's `with deepspeed.zero.Init():`).
 // --accelerate: the same model, rows and optimizer through Accelerator, as Accelerate drives DeepSpeed: the
 // launch's JSON may leave batch sizes, accumulation, clipping, optimizer and scheduler values "auto".
 #include <CLI/CLI.hpp>
@@ -14,10 +15,12 @@
 
 #include <chrono>
 #include <filesystem>
+#include <optional>
 #include <thread>
 
 #include "xlr8/deepspeed.hpp"
 #include "xlr8/deepspeed_dummy.hpp"
+#include "xlr8/deferred_init.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/unshard.hpp"
 
@@ -125,8 +128,9 @@ int main(int argc, char** argv) {
   app.add_option("--out", out);
   int64_t save_at = 0, save_every = 0, step_sleep_ms = 0;
   std::string resume;
-  bool accelerate = false, resume_latest = false;
+  bool accelerate = false, resume_latest = false, zero_init = false;
   app.add_flag("--accelerate", accelerate);
+  app.add_flag("--zero_init", zero_init);
   app.add_option("--save_at", save_at);
   app.add_option("--resume", resume);
   // An elastic job's restarts: a checkpoint every N steps in DIR/ckpt, resumed from its latest at each start.
@@ -138,7 +142,14 @@ int main(int argc, char** argv) {
     if (accelerate) return accelerate_path(steps, out);
     if (config.empty()) throw xlr8::Error("engine_worker: --config is required");
     torch::manual_seed(5);
-    auto [engine, optimizer, scheduler] = xlr8::deepspeed::initialize(Net(), config);
+    Net net{nullptr};
+    {
+      std::optional<xlr8::DeferredInitScope> zero_init_scope;  // no values until sharding makes each group
+      if (zero_init) zero_init_scope.emplace();
+      net = Net();
+      if (zero_init_scope) zero_init_scope->finish(*net);
+    }
+    auto [engine, optimizer, scheduler] = xlr8::deepspeed::initialize(net, config);
     auto& acc = engine->accelerator();
     const int64_t world = acc.num_processes(), rank = acc.process_index();
     const int64_t micro = engine->train_micro_batch_size_per_gpu(), gas = engine->gradient_accumulation_steps();
@@ -181,6 +192,8 @@ int main(int argc, char** argv) {
                                          {"micro_batch", micro},
                                          {"stage", engine->zero_optimization_stage()},
                                          {"strategy", acc.parallel_stats(engine->model())["strategy"]},
+                                         {"groups_computed_when_made",
+                                          acc.parallel_stats(engine->model()).value("groups_computed_when_made", 0)},
                                          {"plan", acc.plan().to_json()}}
                              .dump());
     acc.end_training();

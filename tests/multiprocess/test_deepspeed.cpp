@@ -149,6 +149,22 @@ TEST(DeepSpeedEngineOracle, EveryZeroStageOnTwoThreeAndFourRanksEqualsOneProcess
     }
 }
 
+// DeepSpeed's `with deepspeed.zero.Init():` as xlr8::DeferredInitScope around the model's construction: at stage 3 on
+// 2 and 3 ranks each sharding group's values are computed as it is made (on one process, whole at prepare), and the
+// training equals one process's.
+TEST(DeepSpeedEngineOracle, AModelBuiltUnderZeroInitTrainsAsOneProcessAtStageThree) {
+  auto one = engine_run(1, 0);
+  ASSERT_EQ(one.losses.size(), 4u);
+  for (int n : {1, 2, 3}) {
+    SCOPED_TRACE(fmt::format("{} ranks", n));
+    auto got = engine_run(n, 3, {"--zero_init"});
+    ASSERT_EQ(got.losses.size(), 4u);
+    EXPECT_EQ(got.result["groups_computed_when_made"].get<int>() > 0, n > 1) << got.result;
+    expect_close(got.losses, one.losses, 1e-5);
+    expect_same_params(got.dir, one.dir, 1e-5);
+  }
+}
+
 TEST(DeepSpeedEngineOracle, ACheckpointSavedOnThreeRanksAtStage3ResumesOnTwoAtStage2AsIfUninterrupted) {
   auto one = engine_run(1, 0);
   auto first = engine_run(3, 3, {"--save_at", "2"}, 2);

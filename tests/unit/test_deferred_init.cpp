@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <fstream>
+#include <functional>
 #include <mutex>
 #include <optional>
 
@@ -252,7 +253,10 @@ TEST(DeferredInit, EveryRanksRecordedBuildTakesRankZerosValuesAndTrainsAsOneProc
         auto strategy = make_parallel_strategy(net, comm, options);
         const auto what = fmt::format("{}, {} ranks, rank {}", layout.name, ranks, comm.rank());
         EXPECT_FALSE(has_deferred(*net)) << what;
-        EXPECT_GT(strategy->stats()["groups_computed_when_made"].get<int64_t>(), 0) << what;
+        // Rank 0 computes every group's values, the others none: they receive them.
+        const auto stats = strategy->stats();
+        EXPECT_EQ(stats["groups_computed_when_made"].get<int64_t>() > 0, comm.rank() == 0) << what;
+        EXPECT_EQ(stats["groups_received_when_made"].get<int64_t>() > 0, comm.rank() != 0) << what;
         const bool starts_freed = layout.stage == 3 && layout.policy == "TRANSFORMER_BASED_WRAP";
         EXPECT_EQ(net->blocks[1]->as<TinyBlockImpl>()->fc->weight.storage().nbytes() == 0, starts_freed) << what;
         auto got = train(*strategy, comm.rank(), ranks, 3, 2, 0.05);
@@ -261,18 +265,31 @@ TEST(DeferredInit, EveryRanksRecordedBuildTakesRankZerosValuesAndTrainsAsOneProc
   }
 }
 
-// Rank 0 recorded and rank 1 built whole, without rank-0 loading: one line on both, before any collective
-// could disagree.
-TEST(DeferredInit, RanksRecordingAndBuildingWholeAreRefusedOnEveryRank) {
-  xlr8::testing::run_ranks(2, [&](Communicator& comm) {
-    auto net = recorded_tiny_net(11, /*frozen=*/false, /*record=*/comm.rank() == 0);
-    try {
-      make_parallel_strategy(net, comm, stage_options(3));
-      ADD_FAILURE() << "rank " << comm.rank() << " accepted a mixture";
-    } catch (const ConfigError& e) {
-      EXPECT_NE(std::string(e.what()).find("1 of 2 ranks recorded the model's build"), std::string::npos) << e.what();
-    }
-  });
+// Rank 0 recorded and rank 1 built whole, without rank-0 loading; or rank 1 wrote a recorded parameter before
+// sharding (which would be lost): refused on both ranks, before any collective could disagree.
+TEST(DeferredInit, RanksRecordingAndBuildingWholeOrWritingARecordedValueAreRefusedOnEveryRank) {
+  auto refused = [](const std::function<std::shared_ptr<TinyNetImpl>(int rank)>& build,
+                    const std::function<std::string(int rank)>& said) {
+    xlr8::testing::run_ranks(2, [&](Communicator& comm) {
+      auto net = build(comm.rank());
+      try {
+        make_parallel_strategy(net, comm, stage_options(3));
+        ADD_FAILURE() << "rank " << comm.rank() << " accepted it";
+      } catch (const ConfigError& e) {
+        EXPECT_NE(std::string(e.what()).find(said(comm.rank())), std::string::npos) << e.what();
+      }
+    });
+  };
+  refused([](int rank) { return recorded_tiny_net(11, /*frozen=*/false, /*record=*/rank == 0); },
+          [](int) { return "1 of 2 ranks recorded the model's build"; });
+  refused(
+      [](int rank) {
+        auto net = recorded_tiny_net(11);
+        torch::NoGradGuard no_grad;
+        if (rank == 1) net->head->weight.mul_(2);
+        return net;
+      },
+      [](int rank) { return rank == 1 ? "written or replaced after the build" : "rank(s) 1 refused their recorded model"; });
 }
 
 namespace {

@@ -233,8 +233,23 @@ bool has_deferred(const torch::nn::Module& module) {
 
 namespace {
 
+// A write or a replaced value since finish() would be lost silently: refused before any work.
+void check_unchanged(const deferred::Recording& rec, size_t t) {
+  const auto& target = rec.targets[t];
+  const auto* impl = target.tensor.get();
+  const bool replaced = !impl->has_storage() ||
+                        impl->storage().unsafeGetStorageImpl() != rec.meta_storages[target.use.storage].unsafeGetStorageImpl() ||
+                        impl->dtype() != c10::scalarTypeToTypeMeta(target.use.dtype) ||
+                        impl->sizes() != c10::IntArrayRef(target.use.sizes);
+  if (replaced || impl->version_counter().current_version() != target.version)
+    throw Error("deferred init: a parameter or buffer of a deferred model was written or replaced after the build "
+                "(in place, set_data, to(dtype), before its values exist): do it inside build_model's build(), or "
+                "after prepare(); or build the model whole (zero3_init_flag / fsdp_cpu_ram_efficient_loading false)");
+}
+
 // Materialises the targets `wanted` of one recording, with every target sharing their storages: their
-// values computed, or (`compute` false) uninitialised memory for values that will come from elsewhere.
+// values computed, or (`compute` false) uninitialised memory on the device for values that will come from
+// elsewhere.
 void materialize_targets(deferred::Recording& rec, std::vector<size_t> wanted, bool compute) {
   std::unordered_set<size_t> storages;
   for (size_t t : wanted) storages.insert(rec.targets[t].use.storage);
@@ -242,23 +257,15 @@ void materialize_targets(deferred::Recording& rec, std::vector<size_t> wanted, b
     if (!rec.done[t] && storages.count(rec.targets[t].use.storage) &&
         std::find(wanted.begin(), wanted.end(), t) == wanted.end())
       wanted.push_back(t);
-  for (size_t t : wanted) {  // before any work: a write or a replaced value since finish() would be lost silently
-    const auto& target = rec.targets[t];
-    const auto* impl = target.tensor.get();
-    const bool replaced = !impl->has_storage() ||
-                          impl->storage().unsafeGetStorageImpl() != rec.meta_storages[target.use.storage].unsafeGetStorageImpl() ||
-                          impl->dtype() != c10::scalarTypeToTypeMeta(target.use.dtype) ||
-                          impl->sizes() != c10::IntArrayRef(target.use.sizes);
-    if (replaced || impl->version_counter().current_version() != target.version)
-      throw Error("deferred init: a parameter or buffer of a deferred model was written or replaced after the build "
-                  "(in place, set_data, to(dtype), before its values exist): do it inside build_model's build(), or "
-                  "after prepare()");
-  }
+  for (size_t t : wanted) check_unchanged(rec, t);
   const std::vector<size_t> kept(storages.begin(), storages.end());
   std::unordered_map<size_t, c10::Storage> values;
   if (compute) values = deferred::replay(rec, deferred::slice_for(rec, kept), kept, /*first_run=*/false);
   else
-    for (size_t s : kept) values.emplace(s, deferred::new_storage(rec.meta_storages[s].nbytes()));
+    for (size_t s : kept) {
+      const auto bytes = static_cast<int64_t>(rec.meta_storages[s].nbytes());
+      values.emplace(s, at::empty({bytes}, at::TensorOptions().dtype(at::kByte).device(rec.device)).storage());
+    }
   for (size_t t : wanted) {
     auto& target = rec.targets[t];
     auto real = deferred::view_of(values.at(target.use.storage), target.use);
@@ -296,6 +303,15 @@ size_t give_values(const std::vector<at::Tensor>& tensors, bool compute) {
 size_t materialize(const std::vector<at::Tensor>& tensors) { return give_values(tensors, /*compute=*/true); }
 
 size_t materialize_empty(const std::vector<at::Tensor>& tensors) { return give_values(tensors, /*compute=*/false); }
+
+void check_deferred_unchanged(const std::vector<at::Tensor>& tensors) {
+  std::lock_guard<std::mutex> lock(deferred::registry_mutex);
+  for (const auto& t : tensors) {
+    if (!t.defined()) continue;
+    auto it = deferred::registry().find(t.unsafeGetTensorImpl());
+    if (it != deferred::registry().end()) check_unchanged(*it->second.recording, it->second.target);
+  }
+}
 
 void materialize_module(const torch::nn::Module& module) {
   auto tensors = module.parameters();

@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <map>
+#include <unordered_set>
 
 #include "os/memory.hpp"
 #include "parallel/recompute/recompute.hpp"
@@ -65,7 +66,8 @@ class OffloadBudget {
 
 struct UnitGroups {
   std::vector<FlatGroup> groups;
-  int64_t computed_now = 0;  // groups whose values came from a recorded build (DeferredInitScope) as made
+  int64_t recorded_now = 0;  // groups whose values came from a recorded build (DeferredInitScope) as made
+  int64_t received_now = 0;  // of those, the ones whose values rank 0 computed and sent
 };
 
 // Where a recorded build's values come from: computed here, or (every rank recorded it) computed on rank 0
@@ -76,13 +78,31 @@ size_t give_recorded_values(const std::vector<at::Tensor>& tensors, Communicator
 
 // Whether every rank recorded its build (DeferredInitScope), its values then computed on rank 0 as each group is
 // made and sent from there, as DeepSpeed's zero.Init broadcasts each parameter (collective). Under rank-0 loading
-// only rank 0 recorded; any other mixture is refused on every rank, before a collective could disagree.
+// only rank 0 recorded; any other mixture, or a recorded parameter written since (which materialising refuses),
+// is refused on every rank before a collective could disagree.
 bool recorded_on_every_rank(Communicator& comm, const torch::nn::Module& module, bool rank0_loading) {
   const bool here = has_deferred(module);
-  if (comm.size() == 1 || rank0_loading) return false;
-  auto count = at::full({1}, here ? 1 : 0, at::kInt);
-  comm.all_reduce(count);
-  const int recorded = count.item<int>();
+  if (comm.size() == 1) return false;
+  std::string written;
+  try {
+    if (here) check_deferred_unchanged(module.parameters());
+  } catch (const Error& e) {
+    written = e.what();
+  }
+  auto counts = at::zeros({1 + comm.size()}, at::kInt);  // ranks that recorded; then, per rank, a write
+  counts[0] = here ? 1 : 0;
+  counts[1 + comm.rank()] = written.empty() ? 0 : 1;
+  comm.all_reduce(counts);
+  std::vector<int> writers;
+  for (int r = 0; r < comm.size(); ++r)
+    if (counts[1 + r].item<int>() > 0) writers.push_back(r);
+  if (!writers.empty())
+    throw ConfigError(written.empty() ? fmt::format("rank(s) {} refused their recorded model (DeferredInitScope): see "
+                                                    "their error",
+                                                    fmt::join(writers, ", "))
+                                      : written);
+  const int recorded = counts[0].item<int>();
+  if (rank0_loading) return false;
   if (recorded != 0 && recorded != comm.size())
     throw ConfigError(fmt::format("{} of {} ranks recorded the model's build (DeferredInitScope, zero3_init_flag) and "
                                   "the others built it whole (rank {}: {}): build it the same way on every rank",
@@ -99,7 +119,10 @@ UnitGroups make_unit_groups(UnitPlan& plan, OffloadBudget& offload, Communicator
   for (auto& g : plan.groups) {
     const bool frozen = !g.params.front().requires_grad();
     const auto host = offload.place(g.params, frozen);
-    if (give_recorded_values(g.params, comm, from_rank0) > 0) ++out.computed_now;
+    if (give_recorded_values(g.params, comm, from_rank0) > 0) {
+      ++out.recorded_now;
+      out.received_now += from_rank0 && comm.rank() != 0;
+    }
     out.groups.push_back(make_flat_group(frozen ? plan.label + " (frozen)" : plan.label, std::move(g.names),
                                          std::move(g.params), comm, owns_shard, options.param_dtype, from_rank0, host));
     if (store) {
@@ -110,6 +133,30 @@ UnitGroups make_unit_groups(UnitPlan& plan, OffloadBudget& offload, Communicator
     os::return_free_memory_to_system();  // the group's original parameter storage, now replaced
   }
   return out;
+}
+
+// The parameters no plan's group holds (the frozen ones stages 1-2 keep whole), before the groups are made.
+std::vector<at::Tensor> parameters_in_no_group(const torch::nn::Module& module, const std::vector<UnitPlan>& plans) {
+  std::unordered_set<const c10::TensorImpl*> grouped;
+  for (const auto& plan : plans)
+    for (const auto& g : plan.groups)
+      for (const auto& p : g.params) grouped.insert(p.unsafeGetTensorImpl());
+  std::vector<at::Tensor> kept_whole;
+  for (const auto& p : module.parameters())
+    if (!grouped.count(p.unsafeGetTensorImpl())) kept_whole.push_back(p);
+  return kept_whole;
+}
+
+// The values of a recorded build's parameters no group holds: every rank's from rank 0 when every rank recorded it
+// (collective; listed from the plans, not by what is still deferred: one sharing storage with a group's parameter
+// got values, empty ones off rank 0, with it); else computed here.
+void give_values_kept_whole(const torch::nn::Module& module, const std::vector<at::Tensor>& kept_whole,
+                            Communicator& comm, bool recorded_everywhere) {
+  if (recorded_everywhere) {
+    give_recorded_values(kept_whole, comm, /*from_rank0=*/true);
+    replicate::broadcast_from_rank0(comm, kept_whole);
+  }
+  materialize_module(module);
 }
 
 }  // namespace
@@ -150,19 +197,21 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
                                          : plan_buckets(*module_, options_.first_bucket_mb, options_.bucket_cap_mb);
   OffloadBudget offload(options_, policy_, plans);
   shard_store_ = make_shard_store(plans);
+  const auto kept_whole = parameters_in_no_group(*module_, plans);
   size_t disk_slots = 0;
   for (auto& plan : plans) {
     const bool root = plan.module == module_.get();
     auto made = make_unit_groups(plan, offload, comm_, options_, /*owns_shard=*/policy_.shards_parameters,
                                  from_rank0 || recorded_everywhere, shard_store_, disk_slots);
-    groups_computed_when_made_ += made.computed_now;
+    groups_made_from_recording_ += made.recorded_now;
+    groups_received_from_rank0_ += made.received_now;
     // Units start freed under rank-0 loading (their guards gather them), and when their values were computed
     // as they were made, where units are to open guards (by class, as rank-0 loading needs; DeepSpeed's leaf
     // modules, whose forward must then open one); the root stays whole until its guard runs.
     const auto policy = options_.auto_wrap_policy;
     const bool guarded = units_open_guards(policy) ||
                          (policy == AutoWrapPolicy::GUARDED_MODULES && plan.module && is_leaf_module(*plan.module));
-    const bool starts_sharded = !root && plan.module && (from_rank0 || (made.computed_now > 0 && guarded));
+    const bool starts_sharded = !root && plan.module && (from_rank0 || (made.recorded_now > 0 && guarded));
     units_.push_back(std::make_unique<ShardingUnit>(std::move(plan.label), plan.module, root, plan.named_by_user,
                                                     std::move(made.groups), context_, policy_.shards_parameters,
                                                     starts_sharded));
@@ -176,12 +225,7 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
       }
     }
   }
-  // What no group holds (the frozen parameters stages 1-2 keep whole) of a recorded build.
-  std::vector<at::Tensor> kept_whole;
-  for (const auto& p : module_->parameters())
-    if (is_deferred(p)) kept_whole.push_back(p);
-  give_recorded_values(kept_whole, comm_, recorded_everywhere);
-  if (recorded_everywhere) replicate::broadcast_from_rank0(comm_, kept_whole);
+  give_values_kept_whole(*module_, kept_whole, comm_, recorded_everywhere);
   // Gradients become ready in reverse: buckets are already in that order; units (root last) reverse.
   for (size_t g = 0; g < groups_.size(); ++g)
     if (!group(g).frozen) launch_order_.push_back(g);

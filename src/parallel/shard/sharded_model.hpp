@@ -173,7 +173,8 @@ class ShardedModel : public std::enable_shared_from_this<ShardedModel> {
   bool find_unused_;
   std::shared_ptr<const GradientState> gradient_state_;
   std::vector<std::pair<std::string, at::Tensor>> frozen_at_prepare_;  // must stay frozen
-  int64_t groups_computed_when_made_ = 0;  // of a deferred build (DeferredInitScope)
+  int64_t groups_made_from_recording_ = 0;  // of a deferred build (DeferredInitScope), as each group was made
+  int64_t groups_received_from_rank0_ = 0;  // of those, the ones whose values rank 0 computed and sent
   UnitContext context_;
   std::vector<std::unique_ptr<ShardingUnit>> units_;
   std::vector<FlatGroup*> groups_;     // every unit's groups, in unit order

@@ -218,7 +218,7 @@ void ShardedModel::unit_forward_abandoned(size_t u) {
   units_[u]->forward_abandoned();
   // The model's forward failed. Units that start freed and were never gathered are the likely cause:
   // reading them fails inside LibTorch with a message about "lazy allocation".
-  const bool start_freed = options_.values_from_rank0 || groups_computed_when_made_ > 0;
+  const bool start_freed = options_.values_from_rank0 || groups_made_from_recording_ > 0;
   if (!units_[u]->is_root() || !start_freed || warned_unguarded_) return;
   std::vector<std::string> never;
   for (const auto& other : units_)
