@@ -3,7 +3,7 @@
 # strategy? Prints one line per try with the parameter count, peak RSS per rank and the outcome.
 #   bench/scale.sh ddp 2048 6        # strategy (ddp | zero2 | full_shard | ds_zero3 | pp4), d_model, n_layer
 # ds_zero3: DeepSpeed ZeRO-3 from a JSON with the blocks as leaf modules; ZERO3_INIT=true|false sets
-# zero3_init_flag (unset: on, Accelerate's default at ZeRO-3). RANKS=N changes the 4 processes.
+# zero3_init_flag (unset: on, Accelerate's default at ZeRO-3). RANKS=N changes the 4 processes, STEPS=N the 3 steps (not pp4).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 strategy=$1 d_model=$2 n_layer=$3
@@ -38,7 +38,7 @@ fi
 out=$(mktemp -d)
 start=$(date +%s)
 log=$(build/bin/xlr8 launch --num_processes "${RANKS:-4}" --num_cpu_threads_per_process 1 "${flags[@]}" build/bin/gpt \
-  --d_model "$d_model" --n_layer "$n_layer" --n_head $((d_model / 64)) --seq_len 32 --batch_size 1 --max_steps 3 \
+  --d_model "$d_model" --n_layer "$n_layer" --n_head $((d_model / 64)) --seq_len 32 --batch_size 1 --max_steps "${STEPS:-3}" \
   --val_windows 1 --log_every 1 --output_dir "$out" 2>&1)
 rc=$?
 json=$(grep -o '{.*"final_train_loss".*' <<<"$log" | tail -1)

@@ -15,6 +15,7 @@
 #include "distributed/comm_state.hpp"
 #include "distributed/rendezvous.hpp"
 #include "os/cpu_affinity.hpp"
+#include "os/memory.hpp"
 #include "xlr8/error.hpp"
 
 namespace xlr8 {
@@ -37,7 +38,7 @@ std::chrono::milliseconds seconds_from(const Env& env, const char* name, long fa
 bool tune_allocator(const Env& env) {
 #if defined(__GLIBC__)
   if (!env.get_bool("XLR8_MALLOC_TUNING").value_or(true)) return false;
-  return mallopt(M_MMAP_THRESHOLD, 128 << 20) == 1 && mallopt(M_TRIM_THRESHOLD, 256 << 20) == 1;
+  return os::keep_freed_blocks_up_to(128 << 20, 256 << 20);
 #else
   (void)env;
   return false;
