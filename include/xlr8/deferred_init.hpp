@@ -7,9 +7,9 @@
 // materialize() later gives any of them their values, bitwise those of the whole build, computing only
 // the operators they depend on (random ones from the generator's state as it was when they ran). A
 // sharded model thus holds one unit's full values at a time, never the whole model.
-// finish() sets glibc's mmap threshold to 1 MB for the process (as the disk tier does), so that each
-// freed tensor's memory goes back to the system at once, until a strategy has taken the model
-// (make_parallel_strategy, prepare), which keeps freed memory warm for the training steps again.
+// While finish(), materialize() and a strategy computing the values (make_parallel_strategy, prepare) run,
+// glibc's mmap threshold is 1 MB for the process (as the disk tier sets it for good), so that each freed
+// tensor's memory goes back to the system at once; then the warm-heap tuning the training steps need is back.
 // Limits: the build runs on the CPU; a tensor the module keeps without registering it stays on the meta
 // device (register it, or create it in forward); values must not depend on data read back from tensors.
 #include <ATen/core/Tensor.h>

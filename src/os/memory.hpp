@@ -7,6 +7,8 @@
 #include <malloc.h>
 #endif
 
+#include <mutex>
+
 namespace xlr8::os {
 
 inline void return_free_memory_to_system() {
@@ -17,8 +19,10 @@ inline void return_free_memory_to_system() {
 
 namespace detail {
 struct MallocThresholds {
-  int mmap = 32 << 20, trim = 64 << 20;  // before any tuning: about glibc's dynamic ceiling
-  bool prompt_for_good = false;
+  std::mutex mutex;
+  int mmap = 32 << 20, trim = 64 << 20;  // the warm setting; before any tuning, about glibc's dynamic ceiling
+  int prompt_scopes = 0;                  // PromptlyFreedMemory scopes alive
+  bool prompt_for_good = false;           // offload's disk tier asked
 };
 inline MallocThresholds& malloc_thresholds() {
   static MallocThresholds thresholds;
@@ -33,33 +37,52 @@ inline void set_malloc_thresholds([[maybe_unused]] int mmap, [[maybe_unused]] in
 }  // namespace detail
 
 // ProcessState's tuning: freed blocks up to `mmap` bytes stay warm in the heap, which is trimmed above `trim`.
-// Returns whether glibc took them. What keep_freed_memory_warm() returns to.
+// Returns whether glibc took them; what a PromptlyFreedMemory scope returns to (32 MB / 64 MB when refused).
 inline bool keep_freed_blocks_up_to(int mmap, int trim) {
 #if defined(__GLIBC__)
-  detail::malloc_thresholds().mmap = mmap;
-  detail::malloc_thresholds().trim = trim;
-  return mallopt(M_MMAP_THRESHOLD, mmap) == 1 && mallopt(M_TRIM_THRESHOLD, trim) == 1;
+  auto& t = detail::malloc_thresholds();
+  std::lock_guard<std::mutex> lock(t.mutex);
+  const bool taken = mallopt(M_MMAP_THRESHOLD, mmap) == 1 && mallopt(M_TRIM_THRESHOLD, trim) == 1;
+  if (taken) t.mmap = mmap, t.trim = trim;
+  else detail::set_malloc_thresholds(t.mmap, t.trim);
+  return taken;
 #else
   return false;
 #endif
 }
 
-// Freed blocks above 1 MB go back to the system at once (mmapped, not kept warm in the heap by ProcessState's
-// tuning), and the heap is trimmed above 64 MB. For good (`for_good`): offload's disk tier, which trades speed
-// for memory (otherwise the shards and gradients it moves through leave their freed memory resident: a run with
-// its state on disk held twice its gradients' bytes more than it needed). Else until keep_freed_memory_warm():
-// a phase that frees large tensors once (a recorded model's values computed group by group), after which the
-// training steps, which free and allocate the same temporaries every step, must reuse warm pages again.
-inline void return_freed_memory_promptly(bool for_good) {
-  detail::malloc_thresholds().prompt_for_good |= for_good;
-  detail::set_malloc_thresholds(1 << 20, 64 << 20);
+// From now on freed blocks above 1 MB go back to the system at once (mmapped, not kept warm in the heap by
+// ProcessState's tuning), and the heap is trimmed above 64 MB: offload's disk tier trades speed for memory
+// (otherwise the shards and gradients it moves through leave their freed memory resident: a run with its state on
+// disk held twice its gradients' bytes more than it needed).
+inline void return_freed_memory_promptly() {
+  auto& t = detail::malloc_thresholds();
+  {
+    std::lock_guard<std::mutex> lock(t.mutex);
+    t.prompt_for_good = true;
+    detail::set_malloc_thresholds(1 << 20, 64 << 20);
+  }
   return_free_memory_to_system();
 }
 
-// Ends a phase of return_freed_memory_promptly(false), unless the disk tier asked for it for good.
-inline void keep_freed_memory_warm() {
-  const auto& t = detail::malloc_thresholds();
-  if (!t.prompt_for_good) detail::set_malloc_thresholds(t.mmap, t.trim);
-}
+// The same while it lives: a phase that frees large tensors once (a recorded model's values computed tensor by
+// tensor or group by group: glibc's heap would otherwise keep each freed one, its mmap threshold rising to the
+// size of the last freed). Training steps, which free and allocate the same temporaries every step, must reuse
+// warm pages: the last scope to end restores the warm setting, unless the disk tier asked for good.
+class PromptlyFreedMemory {
+ public:
+  PromptlyFreedMemory() {
+    auto& t = detail::malloc_thresholds();
+    std::lock_guard<std::mutex> lock(t.mutex);
+    if (t.prompt_scopes++ == 0 && !t.prompt_for_good) detail::set_malloc_thresholds(1 << 20, 64 << 20);
+  }
+  ~PromptlyFreedMemory() {
+    auto& t = detail::malloc_thresholds();
+    std::lock_guard<std::mutex> lock(t.mutex);
+    if (--t.prompt_scopes == 0 && !t.prompt_for_good) detail::set_malloc_thresholds(t.mmap, t.trim);
+  }
+  PromptlyFreedMemory(const PromptlyFreedMemory&) = delete;
+  PromptlyFreedMemory& operator=(const PromptlyFreedMemory&) = delete;
+};
 
 }  // namespace xlr8::os

@@ -5,7 +5,6 @@
 
 #include <map>
 
-#include "os/memory.hpp"
 #include "parallel/state_dict_check.hpp"
 #include "parallel/parallelize.hpp"
 #include "parallel/shard/zero_strategy.hpp"
@@ -116,10 +115,7 @@ std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::
                       "(FSDP: FULL_SHARD or SHARD_GRAD_OP); the strategy is DDP: set a stage, or turn offload off");
   // One process offloads too (ZeRO-Offload's single-GPU case): the sharded model over a group of one.
   const bool sharded = options.zero.stage > 0 && (data_parallel.size() > 1 || offloads);
-  if (!sharded && has_deferred(*module)) {  // a recorded build's values, whole: nothing takes them a group at a time
-    materialize_module(*module);
-    os::keep_freed_memory_warm();  // the steps reuse warm pages again
-  }
+  if (!sharded) materialize_module(*module);  // a recorded build's values, whole: nothing takes them a group at a time
   if (data_parallel.size() == 1 && !offloads) return std::make_unique<SingleProcess>(std::move(module));
   if (sharded)
     return shard::make_zero_strategy(std::move(module), std::move(data_parallel), options, std::move(gradient_state));

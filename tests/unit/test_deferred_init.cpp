@@ -4,11 +4,14 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <malloc.h>
+
 #include <fstream>
 #include <functional>
 #include <mutex>
 #include <optional>
 
+#include "os/memory.hpp"
 #include "thread_ranks.hpp"
 #include "xlr8/deferred_init.hpp"
 #include "xlr8/empty_init.hpp"
@@ -290,6 +293,28 @@ TEST(DeferredInit, RanksRecordingAndBuildingWholeOrWritingARecordedValueAreRefus
         return net;
       },
       [](int rank) { return rank == 1 ? "written or replaced after the build" : "rank(s) 1 refused their recorded model"; });
+}
+
+// Recording and computing values return freed memory to the system at once (glibc's mmap threshold 1 MB), but
+// only while they run: once a strategy has made the model, a 16 MB temporary of a training step comes from the
+// warm heap again, not from a fresh mmap (which every step would page-fault anew).
+TEST(DeferredInit, TrainingStepsGetWarmMemoryOnceTheModelIsMade) {
+  if (os::detail::malloc_thresholds().prompt_for_good) GTEST_SKIP() << "the disk tier ran in this process";
+  auto mmapped_while_alive = [] {
+    const auto before = mallinfo2().hblkhd;
+    auto temporary = at::ones({4 << 20});  // 16 MB
+    return mallinfo2().hblkhd - before >= (16u << 20);
+  };
+  auto net = recorded_tiny_net(11);
+  {
+    os::PromptlyFreedMemory prompt;  // as while the values are computed
+    EXPECT_TRUE(mmapped_while_alive());
+  }
+  auto options = stage_options(3);
+  options.zero.offload_optimizer = true;  // one process shards only when it offloads
+  auto strategy = make_parallel_strategy(net, Communicator::in_process(xlr8::testing::unique_key(), 0, 1), options);
+  EXPECT_GT(strategy->stats()["groups_computed_when_made"].get<int64_t>(), 0);
+  EXPECT_FALSE(mmapped_while_alive());
 }
 
 namespace {

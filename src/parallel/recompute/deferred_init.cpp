@@ -202,7 +202,7 @@ void DeferredInitScope::finish(torch::nn::Module& module, const at::Device& devi
   rec->done.assign(rec->targets.size(), false);
   // Freed tensors must go back to the system at once, or glibc's heap keeps each one (its mmap threshold
   // rises to the size of the last tensor freed) and the replays hold the whole model after all.
-  os::return_freed_memory_promptly(/*for_good=*/false);  // until the model is sharded (keep_freed_memory_warm)
+  os::PromptlyFreedMemory prompt;
   // Run once in order, keeping nothing: the generator ends where the whole build leaves it, and each
   // drawing operator's generator state is known for later.
   std::vector<size_t> every(rec->ops.size());
@@ -278,6 +278,7 @@ void materialize_targets(deferred::Recording& rec, std::vector<size_t> wanted, b
 }
 
 size_t give_values(const std::vector<at::Tensor>& tensors, bool compute) {
+  os::PromptlyFreedMemory prompt;  // as in finish()
   std::lock_guard<std::mutex> lock(deferred::registry_mutex);
   std::vector<std::pair<std::shared_ptr<deferred::Recording>, std::vector<size_t>>> by_recording;
   for (const auto& t : tensors) {

@@ -82,7 +82,9 @@ bool recorded_on_every_rank(Communicator& comm, const torch::nn::Module& module,
   if (comm.size() == 1) return false;
   std::string written;
   try {
-    if (here) check_deferred_unchanged(module.parameters());
+    auto tensors = module.parameters();
+    for (const auto& b : module.buffers()) tensors.push_back(b);
+    if (here) check_deferred_unchanged(tensors);
   } catch (const Error& e) {
     written = e.what();
   }
@@ -174,15 +176,18 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
       find_unused_(find_unused_parameters),
       gradient_state_(std::move(gradient_state)) {
   context_.comm = &comm_;
-  if (keeps_state_on_disk()) os::return_freed_memory_promptly(/*for_good=*/true);
+  if (keeps_state_on_disk()) os::return_freed_memory_promptly();
+  // A recorded build's groups are computed one at a time: each group's freed originals go back at once.
+  std::optional<os::PromptlyFreedMemory> prompt;
+  if (has_deferred(*module_)) prompt.emplace();
   // fsdp_sync_module_states: every rank starts from rank 0's weights (and the same model is checked).
   // Built for rank-0 loading, the other ranks hold no values: each unit's come from rank 0 below, one
   // unit at a time, so no rank ever holds the whole model.
   for (const auto& item : module_->named_parameters())
     if (!item.value().requires_grad()) frozen_at_prepare_.emplace_back(item.key(), item.value());
   const bool from_rank0 = policy_.shards_parameters && options_.values_from_rank0;
-  materialize(module_->buffers());  // small, and compared and sent whole below
   const bool recorded_everywhere = recorded_on_every_rank(comm_, *module_, from_rank0);
+  materialize(module_->buffers());  // small, and compared and sent whole below
   if (from_rank0 && options_.param_persistence_threshold > 0)
     throw ConfigError("rank-0 loading (values_from_rank0, fsdp_cpu_ram_efficient_loading) and a parameter persistence "
                       "threshold do not combine: set one of them to off");
@@ -223,7 +228,6 @@ ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> module, Communicat
     }
   }
   give_values_kept_whole(*module_, kept_whole, comm_, recorded_everywhere);
-  if (groups_made_from_recording_ > 0) os::keep_freed_memory_warm();  // the steps reuse warm pages again
   // Gradients become ready in reverse: buckets are already in that order; units (root last) reverse.
   for (size_t g = 0; g < groups_.size(); ++g)
     if (!group(g).frozen) launch_order_.push_back(g);
