@@ -28,27 +28,27 @@ inline MallocThresholds& malloc_thresholds() {
   static MallocThresholds thresholds;
   return thresholds;
 }
-inline void set_malloc_thresholds([[maybe_unused]] int mmap, [[maybe_unused]] int trim) {
+// Whether glibc took both.
+inline bool set_malloc_thresholds([[maybe_unused]] int mmap, [[maybe_unused]] int trim) {
 #if defined(__GLIBC__)
-  mallopt(M_MMAP_THRESHOLD, mmap);
-  mallopt(M_TRIM_THRESHOLD, trim);
+  return mallopt(M_MMAP_THRESHOLD, mmap) == 1 && mallopt(M_TRIM_THRESHOLD, trim) == 1;
+#else
+  return false;
 #endif
 }
+// Freed blocks above 1 MB go back to the system at once; the heap is trimmed above 64 MB.
+inline void set_prompt_thresholds() { set_malloc_thresholds(1 << 20, 64 << 20); }
 }  // namespace detail
 
 // ProcessState's tuning: freed blocks up to `mmap` bytes stay warm in the heap, which is trimmed above `trim`.
 // Returns whether glibc took them; what a PromptlyFreedMemory scope returns to (32 MB / 64 MB when refused).
 inline bool keep_freed_blocks_up_to(int mmap, int trim) {
-#if defined(__GLIBC__)
   auto& t = detail::malloc_thresholds();
   std::lock_guard<std::mutex> lock(t.mutex);
-  const bool taken = mallopt(M_MMAP_THRESHOLD, mmap) == 1 && mallopt(M_TRIM_THRESHOLD, trim) == 1;
+  const bool taken = detail::set_malloc_thresholds(mmap, trim);
   if (taken) t.mmap = mmap, t.trim = trim;
   else detail::set_malloc_thresholds(t.mmap, t.trim);
   return taken;
-#else
-  return false;
-#endif
 }
 
 // From now on freed blocks above 1 MB go back to the system at once (mmapped, not kept warm in the heap by
@@ -60,7 +60,7 @@ inline void return_freed_memory_promptly() {
   {
     std::lock_guard<std::mutex> lock(t.mutex);
     t.prompt_for_good = true;
-    detail::set_malloc_thresholds(1 << 20, 64 << 20);
+    detail::set_prompt_thresholds();
   }
   return_free_memory_to_system();
 }
@@ -74,7 +74,7 @@ class PromptlyFreedMemory {
   PromptlyFreedMemory() {
     auto& t = detail::malloc_thresholds();
     std::lock_guard<std::mutex> lock(t.mutex);
-    if (t.prompt_scopes++ == 0 && !t.prompt_for_good) detail::set_malloc_thresholds(1 << 20, 64 << 20);
+    if (t.prompt_scopes++ == 0 && !t.prompt_for_good) detail::set_prompt_thresholds();
   }
   ~PromptlyFreedMemory() {
     auto& t = detail::malloc_thresholds();

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <unordered_set>
 
 #include "os/memory.hpp"
@@ -78,12 +79,12 @@ size_t give_recorded_values(const std::vector<at::Tensor>& tensors, Communicator
 // only rank 0 recorded; any other mixture, or a recorded parameter written since (which materialising refuses),
 // is refused on every rank before a collective could disagree.
 bool recorded_on_every_rank(Communicator& comm, const torch::nn::Module& module, bool rank0_loading) {
-  const bool here = has_deferred(module);
   if (comm.size() == 1) return false;
+  auto tensors = module.parameters();
+  for (const auto& b : module.buffers()) tensors.push_back(b);
+  const bool here = std::any_of(tensors.begin(), tensors.end(), [](const at::Tensor& t) { return is_deferred(t); });
   std::string written;
   try {
-    auto tensors = module.parameters();
-    for (const auto& b : module.buffers()) tensors.push_back(b);
     if (here) check_deferred_unchanged(tensors);
   } catch (const Error& e) {
     written = e.what();
