@@ -57,14 +57,17 @@ struct Shape {
   int equal_blocks = 0;  // > 0: that many blocks of one width, else five of uneven widths
   double simulated_ms = 0;
   bool share_block = false, freeze_shared = false, gain = false;
+  int checkpoint_interval = 0;  // > 0: under pp, each run of that many layers is recomputed in backward
 };
 
 // Blocks of uneven widths and a head: cut by parameters, the stages hold different numbers of layers. With
 // `share_block`, the fourth block runs the second's module again (a xlr8::pp::TiedLayer, weights shared as
 // ALBERT's layers are), which under pp lies on another stage.
 torch::nn::Sequential mlp(const Shape& shape) {
-  const auto [width, equal_blocks, simulated_ms, share_block, freeze_shared, gain] = shape;
-  torch::nn::Sequential model;
+  const auto [width, equal_blocks, simulated_ms, share_block, freeze_shared, gain, checkpoint_interval] = shape;
+  // Cut by parameters either way; a PartitionedSequential also carries the pipeline's checkpointing.
+  xlr8::pp::PartitionedSequential model;
+  model->activation_checkpoint_interval = checkpoint_interval;
   int index = 0;
   torch::nn::AnyModule shared;
   const auto hiddens = equal_blocks > 0 ? std::vector<int64_t>(equal_blocks, 32) : std::vector<int64_t>{64, 32, 48, 24, 40};
@@ -86,7 +89,7 @@ torch::nn::Sequential mlp(const Shape& shape) {
     model->push_back(std::string(name), xlr8::pp::TiedLayer("shared", shared, xlr8::pp::TiedForward{}, /*owner=*/index == 2));
   }
   model->push_back("head", xlr8::nn::Linear(width, 4));
-  return model;
+  return torch::nn::Sequential(std::shared_ptr<torch::nn::SequentialImpl>(model.ptr()));
 }
 
 }  // namespace
@@ -112,6 +115,8 @@ int main(int argc, char** argv) {
   app.add_flag("--share_block", shape.share_block, "The fourth block runs the second's module (a TiedLayer)");
   app.add_flag("--freeze_shared", shape.freeze_shared, "With --share_block: the shared block's parameters do not train");
   app.add_flag("--gain", shape.gain, "Each block scales its branch by softplus of a parameter of its own");
+  app.add_option("--checkpoint_interval", shape.checkpoint_interval,
+                 "Under pp: each run of that many layers of a stage is recomputed in backward (0: none)");
   std::string model_dir;
   app.add_option("--save_model", model_dir, "Save the whole trained model there (model.safetensors)");
   bool always_pipeline_step = false;

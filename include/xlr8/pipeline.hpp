@@ -157,10 +157,14 @@ class Pipeline {
   double last_wait_seconds() const { return wait_seconds_; }
   int64_t last_bytes_sent() const { return bytes_sent_; }
   int last_peak_held() const { return peak_held_; }
-  // Under InterleavedZeroBubble: the last step's micro-batches whose backward could not be split (a custom autograd
-  // Function, a checkpointed region or a hook where the weights' graph leaves the input's path) and ran whole. The
-  // first stage's backward, which no input's gradient waits for, is one backward by design and not counted.
+  // Under InterleavedZeroBubble: the last step's backwards (a micro-batch's, or a checkpointed region's inside it)
+  // that could not be split (a custom autograd Function or a hook where the weights' graph leaves the input's path)
+  // and ran whole. The first stage's backward, which no input's gradient waits for, is one backward by design and
+  // not counted.
   int last_whole_backwards() const { return whole_backwards_; }
+  // Under InterleavedZeroBubble: the last step's checkpointed regions (activation checkpointing) whose backward
+  // was split as the stage's is, their weights' gradients left to the weights' part.
+  int last_split_regions() const { return split_regions_; }
 
  private:
   // A tensor from stage `from`: its shape and dtype first, checked against the step's first micro-batch's
@@ -170,6 +174,7 @@ class Pipeline {
   void send(const at::Tensor& tensor, int to, int tag);
   double run(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, const LossFn& loss,
              bool train);
+  void check_micro_batches(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) const;
 
   std::vector<Work> pending_;
   std::vector<at::Tensor> in_flight_;
@@ -182,7 +187,7 @@ class Pipeline {
   int checkpoint_interval_ = 0;
   std::function<void(bool)> before_backward_;
   double wait_seconds_ = 0, step_seconds_ = 0;
-  int peak_held_ = 0, whole_backwards_ = 0;
+  int peak_held_ = 0, whole_backwards_ = 0, split_regions_ = 0;
   int64_t bytes_sent_ = 0;
 };
 

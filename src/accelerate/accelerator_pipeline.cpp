@@ -221,6 +221,7 @@ nlohmann::json Accelerator::pipeline_stats() const {
           {"bytes_sent", p.last_bytes_sent()},
           {"peak_held_micro_batches", p.last_peak_held()},
           {"whole_backwards", p.last_whole_backwards()},
+          {"split_regions", p.last_split_regions()},
           {"bubble_formula",
            pp::bubble_fraction(pp::parse_schedule(plan.schedule), stages, plan.micro_batches, plan.virtual_stages)}};
 }

@@ -178,6 +178,27 @@ TEST(PipelineLaunch, ZeroBubbleTrainsAsOneProcessAloneAndWithDataAndTensorParall
     expect_close(got.value("grad_norms", std::vector<double>{}), expected.value("grad_norms", std::vector<double>{}),
                  1e-5);
   }
+  // Each block a checkpointed region (recomputed in the inputs' part): a region's backward splits as the stage's
+  // does, so no micro-batch's backward runs whole and the losses stay one process's.
+  for (const auto& [name, processes, launcher] : std::vector<std::tuple<std::string, int, Args>>{
+           {"pp 3, recomputed", 3, zero_bubble(3, 6, {})},
+           {"pp 2 x FULL_SHARD 2, recomputed", 4,
+            zero_bubble(2, 4, {"--use_fsdp", "--parallelism_config_dp_shard_size", "2"})}}) {
+    SCOPED_TRACE(name);
+    auto r = launch_pipeline(processes, launcher, {"--max_grad_norm", "0.05", "--checkpoint_interval", "1"});
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    const auto got = last_json(r.out);
+    expect_close(got.value("losses", std::vector<double>{}), expected.value("losses", std::vector<double>{}), 1e-5);
+    expect_close(got.value("grad_norms", std::vector<double>{}), expected.value("grad_norms", std::vector<double>{}),
+                 1e-5);
+    // Every stage but the first (whose one backward waits for nothing) split each region of each micro-batch.
+    for (const auto& stage : got.at("pipeline")) {
+      EXPECT_EQ(stage.value("whole_backwards", -1), 0) << stage;
+      if (stage.value("stage", 0) > 0) {
+        EXPECT_GT(stage.value("split_regions", 0), 0) << stage;
+      }
+    }
+  }
   // Blocks whose gain's gradient reads the gain itself (softplus), in the weights' part a schedule after the
   // inputs' part: the stage's sharded units must still hold it then.
   const Args gain{"--max_grad_norm", "0.05", "--gain"};

@@ -14,6 +14,7 @@
 
 #include "parallel/pipeline/split_backward.hpp"
 #include "precision/float8_linear.hpp"
+#include "xlr8/activation_checkpoint.hpp"
 #include "xlr8/float8.hpp"
 #include "xlr8/nn.hpp"
 
@@ -153,6 +154,71 @@ TEST(SplitBackward, ABoundaryThatCannotRunTwiceMakesTheBackwardWholeInTheInputPa
 TEST(SplitBackward, AWeightUsedAtTwoDepthsGetsBothUsesGradients) {
   expect_split_equals_whole(/*shared=*/true, /*input_needs_gradient=*/true);
   expect_split_equals_whole(/*shared=*/true, /*input_needs_gradient=*/false);
+}
+
+// A stage checkpointed in regions (activation checkpointing per stage), one region nested in another: each region's
+// parameters get their gradients in the weight part, as the layers outside do, and each region runs twice in all
+// (its forward, one recomputation in the input part). A custom Function taking a weight inside the inner region
+// makes that region's backward whole, in the input part, and leaves the rest split.
+TEST(SplitBackward, CheckpointedRegionsSplitTooAndRecomputeOnce) {
+  for (const bool custom_inside : {false, true}) {
+    at::manual_seed(7);
+    torch::nn::Linear first(12, 16), outer(16, 16), inner(16, 16), last(16, 4);
+    auto w = at::randn({16}).requires_grad_(true);
+    int outer_runs = 0, inner_runs = 0;
+    auto forward = [&](const at::Tensor& x) {
+      auto h = at::tanh(first->forward(x));
+      h = xlr8::checkpoint(
+          [&](const at::Tensor& a) {
+            ++outer_runs;
+            auto b = at::tanh(outer->forward(a));
+            return xlr8::checkpoint(
+                [&](const at::Tensor& c) {
+                  ++inner_runs;
+                  auto d = at::tanh(inner->forward(c));
+                  return custom_inside ? Scale::apply(d, w) : d * w;
+                },
+                b) + a;
+          },
+          h);
+      return last->forward(h);
+    };
+    auto leaves = [&] {
+      std::vector<at::Tensor> out{w};
+      for (const auto* m : {&first, &outer, &inner, &last})
+        for (const auto& p : (*m)->parameters()) out.push_back(p);
+      return out;
+    };
+    const auto data = at::randn({5, 12}), upstream = at::randn({5, 4});
+    auto input = data.clone().requires_grad_(true);
+    torch::autograd::backward({forward(input)}, {upstream});
+    std::vector<at::Tensor> expected{input.grad().clone()};
+    for (auto& p : leaves()) expected.push_back(p.grad().clone()), p.mutable_grad() = at::Tensor();
+
+    auto again = data.clone().requires_grad_(true);
+    const auto output = forward(again);
+    outer_runs = inner_runs = 0;
+    xlr8::pp::SplitBackward split;
+    std::vector<at::Tensor> got{split.backward_input({output}, {upstream}, {again})[0]};
+    // The outer region recomputed once, the inner twice (inside the outer's recomputation, then its own), as in a
+    // whole backward; the weight part recomputes nothing.
+    EXPECT_EQ(outer_runs, 1) << "custom " << custom_inside;
+    EXPECT_EQ(inner_runs, 2) << "custom " << custom_inside;
+    // Before the weight part only the inner region's weights (w, inner.weight, inner.bias), where it ran whole.
+    const auto before = leaves();
+    for (size_t i = 0; i < before.size(); ++i)
+      EXPECT_EQ(before[i].grad().defined(), custom_inside && (i == 0 || i == 5 || i == 6))
+          << "custom " << custom_inside << ", leaf " << i;
+    split.backward_weight();
+    EXPECT_EQ(outer_runs, 1) << "custom " << custom_inside;
+    EXPECT_EQ(inner_runs, 2) << "custom " << custom_inside;
+    EXPECT_EQ(split.whole_backwards(), custom_inside ? 1 : 0);
+    EXPECT_EQ(split.split_regions(), custom_inside ? 1 : 2);
+    for (auto& p : leaves()) got.push_back(p.grad());
+    ASSERT_EQ(got.size(), expected.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      EXPECT_TRUE(got[i].defined() && at::allclose(got[i], expected[i], 1e-6, 1e-7)) << "custom " << custom_inside << ", " << i;
+  }
 }
 
 }  // namespace

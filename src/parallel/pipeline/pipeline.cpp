@@ -156,14 +156,19 @@ double Pipeline::evaluate(const std::vector<at::Tensor>& inputs, const std::vect
   return run(inputs, targets, loss, /*train=*/false);
 }
 
-double Pipeline::run(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, const LossFn& loss,
-                     bool train) {
-  const int stages = group_.size(), r = group_.rank(), m = micro_batches_, v = static_cast<int>(chunks_.size());
-  const int virtual_stages = stages * v, previous = (r + stages - 1) % stages, next = (r + 1) % stages;
+void Pipeline::check_micro_batches(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) const {
+  const int stages = group_.size(), r = group_.rank(), m = micro_batches_;
   if (r == 0 && static_cast<int>(inputs.size()) != m)
     throw Error(fmt::format("pipeline: the first stage needs {} input micro-batches, got {}", m, inputs.size()));
   if (r == stages - 1 && static_cast<int>(targets.size()) != m)
     throw Error(fmt::format("pipeline: the last stage needs {} target micro-batches, got {}", m, targets.size()));
+}
+
+double Pipeline::run(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets, const LossFn& loss,
+                     bool train) {
+  const int stages = group_.size(), r = group_.rank(), m = micro_batches_, v = static_cast<int>(chunks_.size());
+  const int virtual_stages = stages * v, previous = (r + stages - 1) % stages, next = (r + 1) % stages;
+  check_micro_batches(inputs, targets);
   const auto started = std::chrono::steady_clock::now();
   wait_seconds_ = 0;
   bytes_sent_ = 0;
@@ -227,9 +232,9 @@ double Pipeline::run(const std::vector<at::Tensor>& inputs, const std::vector<at
   for (auto& work : pending_) work.wait();
   pending_.clear();
   in_flight_.clear();
-  if (train) whole_backwards_ = 0;  // an evaluation's run leaves the last step's count
+  if (train) whole_backwards_ = split_regions_ = 0;  // an evaluation's run leaves the last step's counts
   for (const auto& chunk : split)
-    for (const auto& part : chunk) whole_backwards_ += part.whole_backwards();
+    for (const auto& part : chunk) whole_backwards_ += part.whole_backwards(), split_regions_ += part.split_regions();
   auto on_device = loss_sum.to(device_of(stage_));
   group_.broadcast(on_device, stages - 1);
   const double mean = on_device.item<double>() / m;

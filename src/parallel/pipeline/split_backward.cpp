@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
+#include <mutex>
 #include <numeric>
 #include <string>
 #include <unordered_map>
@@ -29,6 +30,11 @@ struct SplitBackward::Group {
   std::vector<at::Tensor> root_gradients;
   torch::autograd::edge_list parameters;  // the leaves only this group reaches (their AccumulateGrad nodes)
   bool from_outputs = false;
+};
+
+struct SplitBackward::Regions {
+  std::mutex mutex;  // a stage on two devices runs its nodes on two of the engine's threads
+  std::vector<std::shared_ptr<SplitBackward>> splits;
 };
 
 namespace {
@@ -184,6 +190,36 @@ bool runs_again_safely(const BackwardGraph& graph, const std::vector<std::shared
   return true;
 }
 
+// While it lives, each checkpointed region on the input path splits its own backward, keeping the split in
+// `regions`: its node recomputes the region in the input part, as it would anyway, and runs only the region's input
+// part there.
+class SplitRegionsOnInputPath {
+ public:
+  SplitRegionsOnInputPath(const BackwardGraph& graph, const std::shared_ptr<SplitBackward::Regions>& regions) {
+    for (Node* node : graph.order) {
+      if (!graph.to_input.count(node) || !recompute::is_checkpoint_node(*node)) continue;
+      recompute::run_nested_backward_with(
+          *node, [regions](const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& gradients,
+                           const std::vector<at::Tensor>& inputs) {
+            auto split = std::make_shared<SplitBackward>();
+            auto input_gradients = split->backward_input(outputs, gradients, inputs);
+            std::lock_guard<std::mutex> lock(regions->mutex);
+            regions->splits.push_back(std::move(split));
+            return input_gradients;
+          });
+      nodes_.push_back(graph.refs.at(node));
+    }
+  }
+  ~SplitRegionsOnInputPath() {
+    for (const auto& node : nodes_) recompute::run_nested_backward_with(*node, {});
+  }
+  SplitRegionsOnInputPath(const SplitRegionsOnInputPath&) = delete;
+  SplitRegionsOnInputPath& operator=(const SplitRegionsOnInputPath&) = delete;
+
+ private:
+  std::vector<SplitNodeRef> nodes_;
+};
+
 }  // namespace
 
 std::vector<at::Tensor> SplitBackward::backward_input(const std::vector<at::Tensor>& outputs,
@@ -192,6 +228,8 @@ std::vector<at::Tensor> SplitBackward::backward_input(const std::vector<at::Tens
   groups_.clear();
   roots_.clear();
   root_gradients_.clear();
+  regions_ = std::make_shared<Regions>();
+  ran_whole_ = false;
   for (size_t i = 0; i < outputs.size(); ++i) {
     if (!outputs[i].requires_grad()) continue;
     roots_.push_back(torch::autograd::impl::gradient_edge(outputs[i]));
@@ -250,6 +288,7 @@ std::vector<at::Tensor> SplitBackward::backward_input(const std::vector<at::Tens
     for (size_t n = 0; n < group->nodes.size() && !group->from_outputs; ++n)
       group->nodes[n]->add_pre_hook(std::make_unique<KeepReceived>(group->received[n]));
   std::vector<at::Tensor> out(inputs.size());
+  const SplitRegionsOnInputPath split_regions(graph, regions_);
   auto found = torch::autograd::Engine::get_default_engine().execute(roots_, root_gradients_, /*keep_graph=*/true,
                                                                       /*create_graph=*/false,
                                                                       /*accumulate_grad=*/false, input_edges);
@@ -268,6 +307,7 @@ std::vector<at::Tensor> SplitBackward::whole_backward(const std::vector<at::Tens
   roots_.clear();
   root_gradients_.clear();
   ++whole_backwards_;
+  ran_whole_ = true;
   std::vector<at::Tensor> out;
   for (const auto& input : inputs) out.push_back(input.defined() && input.requires_grad() ? input.grad() : at::Tensor());
   return out;
@@ -293,6 +333,14 @@ void SplitBackward::backward_weight() {
     if (roots.empty()) continue;  // no gradient reached this group's boundary
     engine.execute(roots, gradients, /*keep_graph=*/true, /*create_graph=*/false, /*accumulate_grad=*/true,
                    group->parameters);
+  }
+  if (regions_) {
+    for (const auto& region : regions_->splits) {
+      region->backward_weight();
+      whole_backwards_ += region->whole_backwards();
+      split_regions_ += region->split_regions() + (region->ran_whole_ ? 0 : 1);
+    }
+    regions_.reset();
   }
   groups_.clear();
   roots_.clear();

@@ -133,6 +133,7 @@ struct Region : torch::CustomClassHolder {
   AutocastState autocast;
   std::vector<at::Tensor> remembered;  // remember()'s values from the first run, recalled in the recomputation
   size_t recalled = 0;                 // how many the recomputation under way has read
+  NestedBackwardRunner nested_runner;  // set: what runs in place of the one nested backward
 };
 
 // The regions remember() and recall() use on this thread now. A region's first run records into itself and
@@ -219,14 +220,19 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
         roots.push_back(outputs[k]);
         root_grads.push_back(grads[k]);
       }
+    std::vector<at::Tensor> input_grads(inputs.size());
     if (!roots.empty()) {
       NestedBackward nested;
-      torch::autograd::backward(roots, root_grads);
+      if (region->nested_runner) {
+        input_grads = region->nested_runner(roots, root_grads, inputs);
+      } else {
+        torch::autograd::backward(roots, root_grads);
+        for (size_t i = 0; i < inputs.size(); ++i)
+          if (inputs[i].defined() && inputs[i].requires_grad()) input_grads[i] = inputs[i].grad();
+      }
       nested.hand_over();
     }
-    torch::autograd::variable_list result;
-    for (const auto& input : inputs)
-      result.push_back(input.defined() && input.requires_grad() ? input.grad() : at::Tensor());
+    torch::autograd::variable_list result(input_grads.begin(), input_grads.end());
     result.push_back(at::Tensor());  // the anchor
     result.push_back(at::Tensor());  // the region
     return result;
@@ -280,6 +286,12 @@ bool note_unit_ran(const torch::nn::Module& unit) {
 
 bool is_checkpoint_node(const torch::autograd::Node& node) {
   return dynamic_cast<const torch::autograd::CppNode<CheckpointFunction>*>(&node) != nullptr;
+}
+
+void run_nested_backward_with(torch::autograd::Node& node, NestedBackwardRunner runner) {
+  auto& checkpoint = dynamic_cast<torch::autograd::CppNode<CheckpointFunction>&>(node);
+  c10::static_intrusive_pointer_cast<Region>(checkpoint.ctx_.saved_data.at("region").toCapsule())->nested_runner =
+      std::move(runner);
 }
 
 bool recomputing() { return recompute_depth > 0; }

@@ -52,4 +52,13 @@ std::string accumulated_twice(const std::string& parameter);
 // get theirs from the nested backward that the node runs.
 bool is_checkpoint_node(const torch::autograd::Node& node);
 
+// What a checkpointed region's node runs in place of its one nested backward while a runner is set on it (the
+// zero-bubble split's input part, which splits the region's backward too): given the recomputed outputs, their
+// gradients and the region's inputs, it returns each input's gradient (undefined where none flows). An empty
+// runner sets the node back to one nested backward. `node` must be a checkpoint node.
+using NestedBackwardRunner = std::function<std::vector<at::Tensor>(
+    const std::vector<at::Tensor>& outputs, const std::vector<at::Tensor>& gradients,
+    const std::vector<at::Tensor>& inputs)>;
+void run_nested_backward_with(torch::autograd::Node& node, NestedBackwardRunner runner);
+
 }  // namespace xlr8::recompute
