@@ -13,6 +13,7 @@
 #include "xlr8/launcher.hpp"
 #include "xlr8/pipeline.hpp"
 #include "xlr8/process_state.hpp"
+#include "xlr8/pure_backward.hpp"
 #include "xlr8/safetensors.hpp"
 #include "xlr8/settings.hpp"
 #include "xlr8/train.hpp"

@@ -17,6 +17,7 @@
 #include "xlr8/activation_checkpoint.hpp"
 #include "xlr8/float8.hpp"
 #include "xlr8/nn.hpp"
+#include "xlr8/pure_backward.hpp"
 
 namespace {
 
@@ -149,6 +150,59 @@ TEST(SplitBackward, ABoundaryThatCannotRunTwiceMakesTheBackwardWholeInTheInputPa
       }
     }
   }
+}
+
+// Scale again, declared pure (xlr8/pure_backward.hpp), computing only the gradients each run asks for.
+int pure_input_products = 0, pure_weight_products = 0;
+struct PureScale : torch::autograd::Function<PureScale> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w) {
+    ctx->save_for_backward({x, w});
+    return x * w;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list g) {
+    const auto saved = ctx->get_saved_variables();
+    at::Tensor dx, dw;
+    if (ctx->needs_input_grad(0)) dx = g[0] * saved[1], ++pure_input_products;
+    if (ctx->needs_input_grad(1)) dw = (g[0] * saved[0]).sum(0), ++pure_weight_products;
+    return {dx, dw};
+  }
+};
+
+// A custom Function declared pure splits like LibTorch's formulas: it runs in both parts, asked for the input's
+// gradient in the first and the weight's in the second, so each product is computed once; the gradients are one
+// backward's and the weight has none before its part.
+TEST(SplitBackward, ACustomFunctionDeclaredPureSplitsAndComputesEachGradientOnce) {
+  xlr8::pp::declare_pure_backward<PureScale>();
+  at::manual_seed(5);
+  torch::nn::Linear first(12, 16), last(16, 4);
+  auto w = at::randn({16}).requires_grad_(true);
+  const auto data = at::randn({5, 12}), upstream = at::randn({5, 4});
+  auto forward = [&](const at::Tensor& x) { return last->forward(at::tanh(PureScale::apply(first->forward(x), w))); };
+  auto input = data.clone().requires_grad_(true);
+  torch::autograd::backward({forward(input)}, {upstream});
+  std::vector<at::Tensor> expected{input.grad().clone(), w.grad().clone()};
+  for (auto& p : first->parameters()) expected.push_back(p.grad().clone()), p.mutable_grad() = at::Tensor();
+  for (auto& p : last->parameters()) expected.push_back(p.grad().clone()), p.mutable_grad() = at::Tensor();
+  w.mutable_grad() = at::Tensor();
+
+  auto again = data.clone().requires_grad_(true);
+  const auto output = forward(again);
+  pure_input_products = pure_weight_products = 0;
+  xlr8::pp::SplitBackward split;
+  std::vector<at::Tensor> got{split.backward_input({output}, {upstream}, {again})[0]};
+  EXPECT_FALSE(w.grad().defined());
+  EXPECT_EQ(pure_input_products, 1);
+  EXPECT_EQ(pure_weight_products, 0);
+  split.backward_weight();
+  EXPECT_EQ(pure_input_products, 1);
+  EXPECT_EQ(pure_weight_products, 1);
+  EXPECT_EQ(split.whole_backwards(), 0);
+  got.push_back(w.grad());
+  for (auto& p : first->parameters()) got.push_back(p.grad());
+  for (auto& p : last->parameters()) got.push_back(p.grad());
+  ASSERT_EQ(got.size(), expected.size());
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_TRUE(got[i].defined() && at::allclose(got[i], expected[i], 1e-6, 1e-7)) << "gradient " << i;
 }
 
 TEST(SplitBackward, AWeightUsedAtTwoDepthsGetsBothUsesGradients) {

@@ -17,6 +17,7 @@
 
 #include "parallel/recompute/recompute.hpp"
 #include "precision/float8_linear.hpp"
+#include "xlr8/pure_backward.hpp"
 
 namespace xlr8::pp {
 
@@ -134,17 +135,31 @@ struct BackwardGraph {
   }
 };
 
+// The custom Functions declared pure (xlr8/pure_backward.hpp): a test per class.
+std::mutex pure_mutex;
+std::vector<std::function<bool(const Node&)>>& pure_backwards() {
+  static std::vector<std::function<bool(const Node&)>> tests;
+  return tests;
+}
+
+bool declared_pure(const Node& node) {
+  std::lock_guard<std::mutex> lock(pure_mutex);
+  const auto& tests = pure_backwards();
+  return std::any_of(tests.begin(), tests.end(), [&](const auto& is_declared) { return is_declared(node); });
+}
+
 // Whether `node` can run in both parts without counting anything twice: one of LibTorch's derivative formulas
-// (which compute only the gradients asked for), or fp8's product (which does so too, and records once), with no
-// hooks. A checkpointed region's node would run its nested backward again, another custom Function may compute (or
-// record) whatever it computes.
+// (which compute only the gradients asked for), fp8's product (which does so too, and records once) or a custom
+// Function declared pure, with no hooks. A checkpointed region's node would run its nested backward again, another
+// custom Function may compute (or record) whatever it computes.
 bool runs_twice_safely(Node* node, bool fp8_too = true) {
   const auto name = node->name();
   const auto formula = name.find("Backward");
   const bool generated = name == "torch::autograd::CopySlices" ||  // an in-place op on a view: its formula inside
                          (formula != std::string::npos &&
                           name.find_first_not_of("0123456789", formula + 8) == std::string::npos);
-  return (generated || (fp8_too && fp8::is_float8_product(*node))) && node->pre_hooks().empty() &&
+  const bool splits = generated || (fp8_too && fp8::is_float8_product(*node)) || declared_pure(*node);
+  return splits && node->pre_hooks().empty() &&
          node->tensor_pre_hooks().empty() && node->retains_grad_hooks().empty() && node->post_hooks().empty();
 }
 
@@ -348,3 +363,12 @@ void SplitBackward::backward_weight() {
 }
 
 }  // namespace xlr8::pp
+
+namespace xlr8::pp::detail {
+
+void add_pure_backward(std::function<bool(const torch::autograd::Node&)> is_declared) {
+  std::lock_guard<std::mutex> lock(pure_mutex);
+  pure_backwards().push_back(std::move(is_declared));
+}
+
+}  // namespace xlr8::pp::detail
