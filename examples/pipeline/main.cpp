@@ -124,10 +124,18 @@ int main(int argc, char** argv) {
                "Step through pipeline_step() on any layout, one process included (xlr8 verify compares such runs)");
   std::string load_dir;
   app.add_option("--load_state", load_dir, "Resume from the training state saved there (any pp x dp x tp layout)");
+  bool build_model = false;
+  app.add_flag("--build_model", build_model,
+               "Build through Accelerator::build_model: under pp each rank records the build and computes only its "
+               "stage's layers");
   CLI11_PARSE(app, argc, argv);
   xlr8::Accelerator acc;
   acc.set_seed(0);  // the same model on every rank; each keeps its stage's layers
-  auto model = acc.prepare(mlp(shape));
+  auto built = build_model ? acc.build_model([&] { return mlp(shape); }) : mlp(shape);
+  int64_t built_bytes = 0;  // the values this rank held once the model was built (none when the build was recorded)
+  for (const auto& p : built->parameters())
+    if (!p.is_meta()) built_bytes += p.numel() * static_cast<int64_t>(p.element_size());
+  auto model = acc.prepare(built);
   // --two_groups: the first block's parameters in a group of their own (under pp a later stage keeps none of them).
   std::vector<torch::optim::OptimizerParamGroup> groups;
   if (two_groups) {
@@ -181,7 +189,8 @@ int main(int argc, char** argv) {
   int64_t parameter_bytes = 0;  // what this rank holds of the model (under pp: its stage's layers only)
   for (const auto& p : model->parameters()) parameter_bytes += p.numel() * static_cast<int64_t>(p.element_size());
   // Every rank's view of its stage: the idle fraction it measured against the schedule's formula (bench/).
-  nlohmann::json stages = nlohmann::json::array();
+  nlohmann::json stages = nlohmann::json::array(), built_bytes_by_rank = nlohmann::json::array();
+  for (const auto& text : acc.gather_object(std::to_string(built_bytes))) built_bytes_by_rank.push_back(std::stoll(text));
   if (!pipeline_stats.is_null()) {
     pipeline_stats["idle_fraction"] = step_seconds > 0 ? wait_seconds / step_seconds : 0.0;
     pipeline_stats["mean_step_seconds"] = steps > 1 ? step_seconds / (steps - 1) : 0.0;  // steps after the first
@@ -194,6 +203,7 @@ int main(int argc, char** argv) {
                                 {"pp", acc.plan().mesh.pp},
                                 {"parallel", acc.parallel_stats(model)},
                                 {"pipeline", stages},
-                                {"parameter_bytes", parameter_bytes}}
+                                {"parameter_bytes", parameter_bytes},
+                                {"built_bytes_by_rank", built_bytes_by_rank}}
               << std::endl;
 }

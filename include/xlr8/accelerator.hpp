@@ -140,7 +140,9 @@ class Accelerator {
   //   holds the whole model. DeepSpeed's zero3_init_flag (unset: on at ZeRO-3, as Accelerate's default) has
   //   every process record `build()` under ZeRO-3 over all processes (no pp or tp, not hybrid): rank 0
   //   computes each group's values and sends them. One process sharding with offload records when
-  //   zero3_init_flag or fsdp_cpu_ram_efficient_loading asks. Write the parameters inside `build()` or after
+  //   zero3_init_flag or fsdp_cpu_ram_efficient_loading asks. Under pipeline stages (parallelism_config_pp_size
+  //   > 1; without tensor-parallel loading) every process records `build()` and prepare() computes its own
+  //   stage's layers alone (and the modules its tied layers run). Write the parameters inside `build()` or after
   //   prepare(), not between (refused); a build that cannot be recorded fails naming the setting to turn off.
   // Otherwise `build()` runs as it is. Collective in both cases. Prepare the result before reading it.
   template <class Build>

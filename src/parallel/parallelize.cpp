@@ -7,8 +7,10 @@
 
 #include "core/log.hpp"
 #include "parallel/pipeline/tied_weights.hpp"
+#include "parallel/recompute/deferred_recording.hpp"
 #include "parallel/recompute/recompute.hpp"
 #include "parallel/shard/wrap_policy.hpp"
+#include "xlr8/deferred_init.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/float8.hpp"
 #include "xlr8/pipeline.hpp"
@@ -76,11 +78,35 @@ void release_other_stages(torch::nn::Module& whole, const torch::nn::Module& sta
   std::set<const torch::nn::Module*> mine;
   for (const auto& layer : stage.children()) mine.insert(layer.get());
   at::NoGradGuard no_grad;
+  // A recorded layer's tensors never get values here: their recordings go, and they become empty CPU tensors, as
+  // materialize() gives a meta tensor its values (set_data refuses a meta tensor; one could not move to the device).
+  auto release = [](at::Tensor& tensor) {
+    if (deferred::forget({tensor}) > 0) {
+      tensor.unsafeGetTensorImpl()->shallow_copy_from(at::empty({0}, tensor.options().device(at::kCPU)).getIntrusivePtr());
+      return;
+    }
+    tensor.set_data(at::empty({0}, tensor.options()));
+  };
   for (const auto& layer : whole.children()) {
     if (mine.count(layer.get())) continue;
-    for (auto& tensor : layer->parameters()) tensor.set_data(at::empty({0}, tensor.options()));
-    for (auto& tensor : layer->buffers()) tensor.set_data(at::empty({0}, tensor.options()));
+    for (auto& tensor : layer->parameters()) release(tensor);
+    for (auto& tensor : layer->buffers()) release(tensor);
   }
+}
+
+// A build that build_model recorded (DeferredInitScope): this stage's layers, and the modules its tied layers run,
+// compute their values now, bitwise the whole build's; the other stages' never do.
+void materialize_stage(const torch::nn::Sequential& stage) {
+  std::vector<at::Tensor> tensors;
+  auto add = [&](const torch::nn::Module& module) {
+    for (const auto& p : module.parameters()) tensors.push_back(p);
+    for (const auto& b : module.buffers()) tensors.push_back(b);
+  };
+  for (const auto& layer : stage->children()) {
+    add(*layer);
+    if (const auto* tied = layer->as<pp::TiedLayerImpl>()) add(tied->tied());
+  }
+  materialize(tensors);
 }
 
 // pp > 1: the model's layers in order, cut by parameters into one stage a pp rank; the later steps make that stage
@@ -100,6 +126,7 @@ std::shared_ptr<torch::nn::Module> cut_into_stages(torch::nn::Module& module, De
   auto whole = torch::nn::Sequential(std::static_pointer_cast<torch::nn::SequentialImpl>(sequential->shared_from_this()));
   auto stage = pp::stage_layers(whole, pp, mesh.rank(MeshDim::pp), virtual_stages);
   if (hooks.stage_cut) hooks.stage_cut(stage);
+  materialize_stage(stage.layers);
   pp::copy_tied_modules(whole, stage.layers);  // before the owner's layer, on another stage, gives its memory back
   release_other_stages(*whole, *stage.layers);
   return stage.layers.ptr();

@@ -64,6 +64,36 @@ TEST(PipelineLaunch, EachScheduleOnTwoThreeAndFourStagesTrainsAsOneProcess) {
   }
 }
 
+// Accelerator::build_model under pp: every rank records the build (no values at all once built) and computes only
+// its stage's layers at prepare, bitwise the whole build's: the same losses as the whole build on the same layout,
+// and one process's. Also with a block tied across stages (each stage that runs it computes it) and with FULL_SHARD
+// stages.
+TEST(PipelineLaunch, BuildModelHasEachStageComputeOnlyItsLayers) {
+  for (const auto& [name, processes, launcher, program] : std::vector<std::tuple<std::string, int, Args, Args>>{
+           {"pp 2", 2, {"--parallelism_config_pp_size", "2"}, {}},
+           {"pp 3", 3, {"--parallelism_config_pp_size", "3"}, {}},
+           {"pp 3, a block tied across stages", 3, {"--parallelism_config_pp_size", "3"}, {"--share_block"}},
+           {"pp 2 x FULL_SHARD 2", 4,
+            {"--parallelism_config_pp_size", "2", "--use_fsdp", "--parallelism_config_dp_shard_size", "2"},
+            {}}}) {
+    SCOPED_TRACE(name);
+    const auto one = losses_of(launch_pipeline(1, {}, program));
+    auto built_whole = launch_pipeline(processes, launcher, program);
+    Args recorded_program = program;
+    recorded_program.push_back("--build_model");
+    auto recorded = launch_pipeline(processes, launcher, recorded_program);
+    ASSERT_EQ(recorded.exit_code, 0) << recorded.out << recorded.err;
+    const auto result = last_json(recorded.out);
+    EXPECT_EQ(result.at("built_bytes_by_rank"), nlohmann::json(std::vector<int64_t>(processes, 0)));
+    const auto whole_result = last_json(built_whole.out);
+    EXPECT_GT(whole_result.at("built_bytes_by_rank").at(0).get<int64_t>(), 0);
+    EXPECT_EQ(result.at("parameter_bytes"), whole_result.at("parameter_bytes"));
+    const auto got = result.value("losses", std::vector<double>{});
+    EXPECT_EQ(got, losses_of(built_whole));  // bitwise: the same values, the same arithmetic
+    expect_close(got, one, 1e-6);
+  }
+}
+
 // Clipping spans every stage: the global norm (each stage's part summed over the pp group) is one process's, and
 // clipping at half of it trains as one process does.
 TEST(PipelineLaunch, ClippingTheGradientNormSpansEveryStage) {

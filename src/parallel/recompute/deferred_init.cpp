@@ -244,7 +244,8 @@ void check_unchanged(const deferred::Recording& rec, size_t t) {
   if (replaced || impl->version_counter().current_version() != target.version)
     throw Error("deferred init: a parameter or buffer of a deferred model was written or replaced after the build "
                 "(in place, set_data, to(dtype), before its values exist): do it inside build_model's build(), or "
-                "after prepare(); or build the model whole (zero3_init_flag / fsdp_cpu_ram_efficient_loading false)");
+                "after prepare(); or build the model whole (zero3_init_flag / fsdp_cpu_ram_efficient_loading false; "
+                "under pipeline stages, without build_model)");
 }
 
 // Materialises the targets `wanted` of one recording, with every target sharing their storages: their
@@ -312,6 +313,14 @@ void check_deferred_unchanged(const std::vector<at::Tensor>& tensors) {
     auto it = deferred::registry().find(t.unsafeGetTensorImpl());
     if (it != deferred::registry().end()) check_unchanged(*it->second.recording, it->second.target);
   }
+}
+
+size_t deferred::forget(const std::vector<at::Tensor>& tensors) {
+  std::lock_guard<std::mutex> lock(deferred::registry_mutex);
+  size_t count = 0;
+  for (const auto& t : tensors)
+    if (t.defined() && t.is_meta()) count += deferred::registry().erase(t.unsafeGetTensorImpl());
+  return count;
 }
 
 void materialize_module(const torch::nn::Module& module) {

@@ -86,4 +86,8 @@ at::Tensor state_of(at::Generator& generator);
 void set_state(at::Generator& generator, const at::Tensor& state);
 bool same_state(const at::Tensor& a, const at::Tensor& b);
 
+// Drops the recordings of the deferred tensors among `tensors`, which will never get values (a pipeline's other
+// stages' layers); they stay meta tensors until given other data. Returns how many were deferred.
+size_t forget(const std::vector<at::Tensor>& tensors);
+
 }  // namespace xlr8::deferred
