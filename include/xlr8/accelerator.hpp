@@ -141,8 +141,9 @@ class Accelerator {
   //   every process record `build()` under ZeRO-3 over all processes (no pp or tp, not hybrid): rank 0
   //   computes each group's values and sends them. One process sharding with offload records when
   //   zero3_init_flag or fsdp_cpu_ram_efficient_loading asks. Under pipeline stages (parallelism_config_pp_size
-  //   > 1; without tensor-parallel loading) every process records `build()` and prepare() computes its own
-  //   stage's layers alone (and the modules its tied layers run). Write the parameters inside `build()` or after
+  //   > 1; without tensor-parallel loading; unless either of those is set false) every process records `build()`
+  //   and prepare() computes only its own stage's parameters (and the modules its tied layers run; buffers, small,
+  //   come at once; a sharded stage computes its groups as it makes them). Write the parameters inside `build()` or after
   //   prepare(), not between (refused); a build that cannot be recorded fails naming the setting to turn off.
   // Otherwise `build()` runs as it is. Collective in both cases. Prepare the result before reading it.
   template <class Build>

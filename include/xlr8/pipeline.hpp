@@ -158,8 +158,9 @@ class Pipeline {
   int64_t last_bytes_sent() const { return bytes_sent_; }
   int last_peak_held() const { return peak_held_; }
   // Under InterleavedZeroBubble: the last step's backwards (a micro-batch's, or a checkpointed region's inside it)
-  // that could not be split (a custom autograd Function or a hook where the weights' graph leaves the input's path)
-  // and ran whole. The first stage's backward, which no input's gradient waits for, is one backward by design and
+  // that could not be split (a custom autograd Function not declared pure or a hook where the weights' graph leaves
+  // the input's path; with a weight used at two depths, any such node or checkpointed region on that path) and ran
+  // whole. The first stage's backward, which no input's gradient waits for, is one backward by design and
   // not counted.
   int last_whole_backwards() const { return whole_backwards_; }
   // Under InterleavedZeroBubble: the last step's checkpointed regions (activation checkpointing) whose backward

@@ -45,13 +45,16 @@ namespace {
 // DeepSpeed's zero3_init_flag asks; and every process under DeepSpeed ZeRO-3 when zero3_init_flag asks (unset:
 // on, as Accelerate's default at ZeRO-3; rank 0 computes each group's values and sends them), but not under
 // tensor parallelism (which slices whole values) or hybrid sharding (whose replicas start from the whole model).
-// Under pipeline stages every process records, and computes its own stage's layers alone when prepare() cuts them.
+// Under pipeline stages every process records, and computes its own stage's layers alone when prepare() cuts them,
+// unless zero3_init_flag or fsdp_cpu_ram_efficient_loading is set false.
 bool records_build(const AcceleratorImpl& s, bool rank0_loading, bool tp_loading, bool main_process) {
   if (tp_loading) return false;
   if (rank0_loading) return main_process;
-  if (s.plan.mesh.pp > 1) return true;
-  if (s.plan.strategy != "zero3") return false;  // one process shards when it offloads
   const auto& settings = s.state->settings();
+  if (s.plan.mesh.pp > 1)
+    return !(settings.deepspeed && settings.deepspeed->zero3_init_flag == false) &&
+           !(settings.fsdp && !settings.fsdp->cpu_ram_efficient_loading);
+  if (s.plan.strategy != "zero3") return false;  // one process shards when it offloads
   const bool zero_init = settings.deepspeed && settings.deepspeed->zero3_init_flag.value_or(true);
   if (s.state->world_size() == 1) return zero_init || (settings.fsdp && settings.fsdp->cpu_ram_efficient_loading);
   const auto& zero = s.plan.data_parallel.zero;
@@ -94,7 +97,8 @@ void Accelerator::build_failed(ModelBuild& building) {
   if (impl_->plan.mesh.pp > 1)
     throw Error(fmt::format("{}\nxlr8: build_model recorded the build (DeferredInitScope) so that each pipeline stage "
                             "computes its own layers alone; a build that cannot be recorded runs whole when the "
-                            "model is built without build_model and passed to prepare()",
+                            "model is built without build_model and passed to prepare() (or with zero3_init_flag / "
+                            "fsdp_cpu_ram_efficient_loading false)",
                             what));
   throw Error(fmt::format("{}\nxlr8: build_model recorded the build (DeferredInitScope), as fsdp_cpu_ram_efficient_loading "
                           "or DeepSpeed's zero3_init_flag (on at ZeRO-3 unless set) asks; a build that cannot be "

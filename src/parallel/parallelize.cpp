@@ -94,16 +94,22 @@ void release_other_stages(torch::nn::Module& whole, const torch::nn::Module& sta
   }
 }
 
-// A build that build_model recorded (DeferredInitScope): this stage's layers, and the modules its tied layers run,
-// compute their values now, bitwise the whole build's; the other stages' never do.
-void materialize_stage(const torch::nn::Sequential& stage) {
+// A build that build_model recorded (DeferredInitScope): the modules this stage's tied layers run compute their
+// values now (a copy needs them), bitwise the whole build's, and so do its other layers unless `sharded_later` (the
+// stage's sharded model computes them group by group as it makes them); the other stages' never do.
+void materialize_stage(const torch::nn::Sequential& whole, const torch::nn::Sequential& stage, bool sharded_later) {
+  // Every rank recorded the whole build: a write since then is refused on every rank alike, not only on the stage
+  // holding the tensor (its neighbours would wait for it).
+  auto every = whole->parameters();
+  for (const auto& b : whole->buffers()) every.push_back(b);
+  check_deferred_unchanged(every);
   std::vector<at::Tensor> tensors;
   auto add = [&](const torch::nn::Module& module) {
     for (const auto& p : module.parameters()) tensors.push_back(p);
     for (const auto& b : module.buffers()) tensors.push_back(b);
   };
   for (const auto& layer : stage->children()) {
-    add(*layer);
+    if (!sharded_later) add(*layer);
     if (const auto* tied = layer->as<pp::TiedLayerImpl>()) add(tied->tied());
   }
   materialize(tensors);
@@ -111,8 +117,9 @@ void materialize_stage(const torch::nn::Sequential& stage) {
 
 // pp > 1: the model's layers in order, cut by parameters into one stage a pp rank; the later steps make that stage
 // parallel over the rank's other axes (its tp group, its dp peers: the ranks holding the same stage).
-std::shared_ptr<torch::nn::Module> cut_into_stages(torch::nn::Module& module, DeviceMesh& mesh, int virtual_stages,
+std::shared_ptr<torch::nn::Module> cut_into_stages(torch::nn::Module& module, DeviceMesh& mesh, const ParallelPlan& plan,
                                                    const ParallelizeHooks& hooks) {
+  const int virtual_stages = plan.pipeline.virtual_stages;
   const int pp = mesh.size(MeshDim::pp);
   if (const int sequence = mesh.size(MeshDim::cp) * mesh.size(MeshDim::sp); sequence > 1)
     throw ConfigError(fmt::format("parallelism_config_pp_size {} with parallelism_config_cp_size or _sp_size {}: "
@@ -126,7 +133,8 @@ std::shared_ptr<torch::nn::Module> cut_into_stages(torch::nn::Module& module, De
   auto whole = torch::nn::Sequential(std::static_pointer_cast<torch::nn::SequentialImpl>(sequential->shared_from_this()));
   auto stage = pp::stage_layers(whole, pp, mesh.rank(MeshDim::pp), virtual_stages);
   if (hooks.stage_cut) hooks.stage_cut(stage);
-  materialize_stage(stage.layers);
+  // ZeRO-3 / FULL_SHARD computes a recorded stage's groups as it makes them (tensor parallelism slices whole values).
+  materialize_stage(whole, stage.layers, /*sharded_later=*/plan.strategy == "zero3" && mesh.size(MeshDim::tp) == 1);
   pp::copy_tied_modules(whole, stage.layers);  // before the owner's layer, on another stage, gives its memory back
   release_other_stages(*whole, *stage.layers);
   return stage.layers.ptr();
@@ -176,7 +184,7 @@ std::unique_ptr<ParallelStrategy> parallelize(std::shared_ptr<torch::nn::Module>
                                               DeviceMesh& mesh, const ParallelizeHooks& hooks) {
   if (!module) throw Error("prepare(): the model is null");
   // 1. Pipeline stages: from here on `module` is this rank's stage (the same layer objects as the whole's).
-  if (plan.mesh.pp > 1) module = cut_into_stages(*module, mesh, plan.pipeline.virtual_stages, hooks);
+  if (plan.mesh.pp > 1) module = cut_into_stages(*module, mesh, plan, hooks);
   // 2. Tensor parallelism.
   split_for_tensor_parallel(*module, mesh, plan.tensor);
   if (hooks.after_tensor_parallel) hooks.after_tensor_parallel(*module);

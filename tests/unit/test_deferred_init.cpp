@@ -136,6 +136,18 @@ TEST(DeferredInit, WhatCannotBeReplayedIsRefusedInOneLine) {
               inner.finish(*l);
             }).find("manual_seed"),
             std::string::npos);
+  // Also when the build sets it back afterwards (as DeepSpeed's PipelineModule seeds each layer and restores the
+  // program's state): the layer drew from the seed, the replay would draw from the state before it.
+  const auto restored = message([] {
+    DeferredInitScope inner;
+    auto cpu = at::detail::getDefaultCPUGenerator();
+    const auto before = cpu.get_state();
+    torch::manual_seed(4);  // not the 3 the case above left it at
+    auto l = torch::nn::Linear(2, 2);
+    cpu.set_state(before);
+    inner.finish(*l);
+  });
+  EXPECT_NE(restored.find("even if it set it back"), std::string::npos) << restored;
   // A meta tensor no recorded operator made has no values to replay.
   at::Tensor outside;
   {

@@ -153,10 +153,12 @@ bool declared_pure(const Node& node) {
 // Function declared pure, with no hooks. A checkpointed region's node would run its nested backward again, another
 // custom Function may compute (or record) whatever it computes.
 bool runs_twice_safely(Node* node, bool fp8_too = true) {
+  // LibTorch names its generated nodes "<Op>Backward<N>" with no namespace; a custom Function's node is named by
+  // its class, namespace included.
   const auto name = node->name();
   const auto formula = name.find("Backward");
   const bool generated = name == "torch::autograd::CopySlices" ||  // an in-place op on a view: its formula inside
-                         (formula != std::string::npos &&
+                         (formula != std::string::npos && name.find(':') == std::string::npos &&
                           name.find_first_not_of("0123456789", formula + 8) == std::string::npos);
   const bool splits = generated || (fp8_too && fp8::is_float8_product(*node)) || declared_pure(*node);
   return splits && node->pre_hooks().empty() &&

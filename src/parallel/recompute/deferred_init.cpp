@@ -84,6 +84,11 @@ void record_operator(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
                                 schema.name()));
     });
   }
+  if (!rec->generator_moved) {  // a seed set inside the build shows as another state (cheap: ~5 KB compared)
+    c10::impl::ForceDispatchKeyGuard outside(*keys_outside);
+    auto cpu = at::detail::getDefaultCPUGenerator();
+    rec->generator_moved = !same_state(state_of(cpu), rec->generator_at_start);
+  }
   {
     c10::impl::ExcludeDispatchKeyGuard inner_calls_unrecorded(c10::DispatchKey::DeferredInit);
     op.callBoxed(stack);
@@ -171,6 +176,7 @@ DeferredInitScope::DeferredInitScope() : impl_(std::make_unique<Impl>()) {
     throw Error("DeferredInitScope inside an EmptyInitScope or another DeferredInitScope: open one of them");
   auto cpu = at::detail::getDefaultCPUGenerator();
   impl_->generator_at_start = deferred::state_of(cpu);
+  impl_->recording->generator_at_start = impl_->generator_at_start;
   deferred::recording_now = impl_->recording.get();
   deferred::keys_outside = &impl_->outside;
   impl_->empty.emplace();
@@ -186,9 +192,11 @@ void DeferredInitScope::finish(torch::nn::Module& module, const at::Device& devi
     throw Error("DeferredInitScope::finish: call it on the thread that opened the scope");
   impl_->close();
   auto cpu = at::detail::getDefaultCPUGenerator();
-  if (!deferred::same_state(deferred::state_of(cpu), impl_->generator_at_start))
+  if (impl_->recording->generator_moved || !deferred::same_state(deferred::state_of(cpu), impl_->generator_at_start))
     throw Error("deferred init: the build moved the CPU generator itself (manual_seed, or drawing from it outside "
-                "an operator); seed before build_model / the DeferredInitScope, not inside");
+                "an operator), even if it set it back; seed before build_model / the DeferredInitScope, not inside "
+                "(a DeepSpeed PipelineModule seeds each layer: it builds only its stage's layers anyway, so build it "
+                "without build_model)");
   auto rec = std::move(impl_->recording);
   rec->device = device;
   std::unordered_set<const c10::TensorImpl*> seen;
@@ -318,8 +326,14 @@ void check_deferred_unchanged(const std::vector<at::Tensor>& tensors) {
 size_t deferred::forget(const std::vector<at::Tensor>& tensors) {
   std::lock_guard<std::mutex> lock(deferred::registry_mutex);
   size_t count = 0;
-  for (const auto& t : tensors)
-    if (t.defined() && t.is_meta()) count += deferred::registry().erase(t.unsafeGetTensorImpl());
+  for (const auto& t : tensors) {
+    if (!t.defined() || !t.is_meta()) continue;
+    auto it = deferred::registry().find(t.unsafeGetTensorImpl());
+    if (it == deferred::registry().end()) continue;
+    it->second.recording->done[it->second.target] = true;  // a target sharing its storage leaves it alone
+    deferred::registry().erase(it);
+    ++count;
+  }
   return count;
 }
 

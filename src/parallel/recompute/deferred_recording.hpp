@@ -51,6 +51,10 @@ struct Recording {
   std::vector<Target> targets;
   std::vector<bool> done;  // per target
   at::Device device = at::kCPU;
+  // The CPU generator's state when the scope opened, and whether an operator found it elsewhere: seeded inside
+  // the build (the replay draws from the start state alone, so a seed inside would be lost), even if restored.
+  at::Tensor generator_at_start;
+  bool generator_moved = false;
 
   TensorUse use_of(const at::Tensor& meta, size_t argument);  // registers its storage when new
 };

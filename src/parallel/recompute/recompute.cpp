@@ -133,7 +133,10 @@ struct Region : torch::CustomClassHolder {
   AutocastState autocast;
   std::vector<at::Tensor> remembered;  // remember()'s values from the first run, recalled in the recomputation
   size_t recalled = 0;                 // how many the recomputation under way has read
-  NestedBackwardRunner nested_runner;  // set: what runs in place of the one nested backward
+  // Set: what runs in place of the one nested backward. Under a mutex: the split that sets it may clear it while an
+  // engine thread of another device still runs this node (an exception on one device ends the pass early).
+  std::mutex runner_mutex;
+  NestedBackwardRunner nested_runner;
 };
 
 // The regions remember() and recall() use on this thread now. A region's first run records into itself and
@@ -223,8 +226,13 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<at::Tensor> input_grads(inputs.size());
     if (!roots.empty()) {
       NestedBackward nested;
-      if (region->nested_runner) {
-        input_grads = region->nested_runner(roots, root_grads, inputs);
+      NestedBackwardRunner runner;
+      {
+        std::lock_guard<std::mutex> lock(region->runner_mutex);
+        runner = region->nested_runner;
+      }
+      if (runner) {
+        input_grads = runner(roots, root_grads, inputs);
       } else {
         torch::autograd::backward(roots, root_grads);
         for (size_t i = 0; i < inputs.size(); ++i)
@@ -290,8 +298,9 @@ bool is_checkpoint_node(const torch::autograd::Node& node) {
 
 void run_nested_backward_with(torch::autograd::Node& node, NestedBackwardRunner runner) {
   auto& checkpoint = dynamic_cast<torch::autograd::CppNode<CheckpointFunction>&>(node);
-  c10::static_intrusive_pointer_cast<Region>(checkpoint.ctx_.saved_data.at("region").toCapsule())->nested_runner =
-      std::move(runner);
+  auto region = c10::static_intrusive_pointer_cast<Region>(checkpoint.ctx_.saved_data.at("region").toCapsule());
+  std::lock_guard<std::mutex> lock(region->runner_mutex);
+  region->nested_runner = std::move(runner);
 }
 
 bool recomputing() { return recompute_depth > 0; }

@@ -49,7 +49,8 @@ std::string accumulated_twice(const std::string& parameter);
 
 // Whether `node` is a checkpointed region's (xlr8::checkpoint's). Its last input is an anchor: a fresh leaf that
 // keeps the node in the graph when no input requires gradients, and never receives one. Its region's parameters
-// get theirs from the nested backward that the node runs.
+// get theirs from the nested backward that the node runs (or, split by run_nested_backward_with, from the runner's
+// later part).
 bool is_checkpoint_node(const torch::autograd::Node& node);
 
 // What a checkpointed region's node runs in place of its one nested backward while a runner is set on it (the
