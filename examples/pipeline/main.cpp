@@ -12,6 +12,7 @@
 #include <xlr8/xlr8.hpp>
 
 #include <chrono>
+#include <fstream>
 #include <thread>
 
 namespace {
@@ -92,6 +93,14 @@ torch::nn::Sequential mlp(const Shape& shape) {
   return torch::nn::Sequential(std::shared_ptr<torch::nn::SequentialImpl>(model.ptr()));
 }
 
+// This process's peak resident memory so far (VmHWM), in MB.
+double peak_rss_mb() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::stod(line.substr(6)) / 1024.0;
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -136,6 +145,7 @@ int main(int argc, char** argv) {
   for (const auto& p : built->parameters())
     if (!p.is_meta()) built_bytes += p.numel() * static_cast<int64_t>(p.element_size());
   auto model = acc.prepare(built);
+  const double setup_peak_rss_mb = peak_rss_mb();  // building and preparing the model
   // --two_groups: the first block's parameters in a group of their own (under pp a later stage keeps none of them).
   std::vector<torch::optim::OptimizerParamGroup> groups;
   if (two_groups) {
@@ -191,6 +201,9 @@ int main(int argc, char** argv) {
   // Every rank's view of its stage: the idle fraction it measured against the schedule's formula (bench/).
   nlohmann::json stages = nlohmann::json::array(), built_bytes_by_rank = nlohmann::json::array();
   for (const auto& text : acc.gather_object(std::to_string(built_bytes))) built_bytes_by_rank.push_back(std::stoll(text));
+  nlohmann::json setup_peak_rss_mb_by_rank = nlohmann::json::array();
+  for (const auto& text : acc.gather_object(std::to_string(setup_peak_rss_mb)))
+    setup_peak_rss_mb_by_rank.push_back(std::stod(text));
   if (!pipeline_stats.is_null()) {
     pipeline_stats["idle_fraction"] = step_seconds > 0 ? wait_seconds / step_seconds : 0.0;
     pipeline_stats["mean_step_seconds"] = steps > 1 ? step_seconds / (steps - 1) : 0.0;  // steps after the first
@@ -204,6 +217,7 @@ int main(int argc, char** argv) {
                                 {"parallel", acc.parallel_stats(model)},
                                 {"pipeline", stages},
                                 {"parameter_bytes", parameter_bytes},
-                                {"built_bytes_by_rank", built_bytes_by_rank}}
+                                {"built_bytes_by_rank", built_bytes_by_rank},
+                                {"setup_peak_rss_mb_by_rank", setup_peak_rss_mb_by_rank}}
               << std::endl;
 }
