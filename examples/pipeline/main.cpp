@@ -30,10 +30,11 @@ struct BlockImpl : torch::nn::Cloneable<BlockImpl> {
     if (with_gain) gain = register_parameter("gain", torch::zeros({1}));
   }
   torch::Tensor forward(const torch::Tensor& x) {
+    auto unit = xlr8::unshard(*this);  // a sharded unit when FSDP wraps Block (a no-op otherwise)
     auto branch = fc2(torch::tanh(fc1(x)));
     auto out = x + (with_gain ? branch * torch::softplus(gain) : branch);
     if (simulated_ms > 0) simulate_work(out);
-    return out;
+    return unit.done(out);
   }
   // --simulated_ms: the forward takes that much longer and the backward twice that, asleep rather than computing, so
   // that stages sharing this machine's few cores still take equal, known times (bench/pipeline_bubble.py).

@@ -67,7 +67,7 @@ TEST(PipelineLaunch, EachScheduleOnTwoThreeAndFourStagesTrainsAsOneProcess) {
 // Accelerator::build_model under pp: every rank records the build (no values at all once built) and computes only
 // its stage's layers at prepare, bitwise the whole build's: the same losses as the whole build on the same layout,
 // and one process's. Also with a block tied across stages (each stage that runs it computes it) and with FULL_SHARD
-// stages.
+// stages (the stage one group, or a unit a block: units computed one at a time and started freed).
 TEST(PipelineLaunch, BuildModelHasEachStageComputeOnlyItsLayers) {
   for (const auto& [name, processes, launcher, program] : std::vector<std::tuple<std::string, int, Args, Args>>{
            {"pp 2", 2, {"--parallelism_config_pp_size", "2"}, {}},
@@ -75,6 +75,10 @@ TEST(PipelineLaunch, BuildModelHasEachStageComputeOnlyItsLayers) {
            {"pp 3, a block tied across stages", 3, {"--parallelism_config_pp_size", "3"}, {"--share_block"}},
            {"pp 2 x FULL_SHARD 2", 4,
             {"--parallelism_config_pp_size", "2", "--use_fsdp", "--parallelism_config_dp_shard_size", "2"},
+            {}},
+           {"pp 2 x FULL_SHARD 2, a unit a Block", 4,
+            {"--parallelism_config_pp_size", "2", "--use_fsdp", "--fsdp_auto_wrap_policy", "TRANSFORMER_BASED_WRAP",
+             "--fsdp_transformer_layer_cls_to_wrap", "Block", "--parallelism_config_dp_shard_size", "2"},
             {}}}) {
     SCOPED_TRACE(name);
     const auto one = losses_of(launch_pipeline(1, {}, program));
