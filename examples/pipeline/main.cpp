@@ -138,6 +138,10 @@ int main(int argc, char** argv) {
   app.add_flag("--build_model", build_model,
                "Build through Accelerator::build_model: under pp each rank records the build and computes only its "
                "stage's layers");
+  bool write_after_build = false;
+  app.add_flag("--write_after_build", write_after_build,
+               "The main process scales the first block's weights between build_model and prepare (a recorded build "
+               "refuses that on every rank)");
   CLI11_PARSE(app, argc, argv);
   xlr8::Accelerator acc;
   acc.set_seed(0);  // the same model on every rank; each keeps its stage's layers
@@ -145,6 +149,10 @@ int main(int argc, char** argv) {
   int64_t built_bytes = 0;  // the values this rank held once the model was built (none when the build was recorded)
   for (const auto& p : built->parameters())
     if (!p.is_meta()) built_bytes += p.numel() * static_cast<int64_t>(p.element_size());
+  if (write_after_build && acc.is_main_process()) {
+    torch::NoGradGuard no_grad;
+    built->ptr(0)->parameters().front().mul_(2);
+  }
   auto model = acc.prepare(built);
   const double setup_peak_rss_mb = peak_rss_mb();  // building and preparing the model
   // --two_groups: the first block's parameters in a group of their own (under pp a later stage keeps none of them).

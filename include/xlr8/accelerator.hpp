@@ -143,7 +143,8 @@ class Accelerator {
   //   zero3_init_flag or fsdp_cpu_ram_efficient_loading asks. Under pipeline stages (parallelism_config_pp_size
   //   > 1; without tensor-parallel loading; unless either of those is set false) every process records `build()`
   //   and prepare() computes only its own stage's parameters (and the modules its tied layers run; buffers, small,
-  //   come at once; a sharded stage computes its groups as it makes them). Write the parameters inside `build()` or after
+  //   come at once); a FULL_SHARD / ZeRO-3 stage computes its groups as it makes them, and its units then start
+  //   freed as above, so their forward must open xlr8::unshard(*this). Write the parameters inside `build()` or after
   //   prepare(), not between (refused); a build that cannot be recorded fails naming the setting to turn off.
   // Otherwise `build()` runs as it is. Collective in both cases. Prepare the result before reading it.
   template <class Build>

@@ -11,7 +11,9 @@
 // glibc's mmap threshold is 1 MB for the process (as the disk tier sets it for good), so that each freed
 // tensor's memory goes back to the system at once; then the warm-heap tuning the training steps need is back.
 // Limits: the build runs on the CPU; a tensor the module keeps without registering it stays on the meta
-// device (register it, or create it in forward); values must not depend on data read back from tensors.
+// device (register it, or create it in forward); values must not depend on data read back from tensors; the
+// build must not seed the CPU generator (even if it sets it back), and no other thread may move it while the
+// build records (each recorded operator checks that it is where the scope found it).
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 

@@ -94,15 +94,10 @@ void release_other_stages(torch::nn::Module& whole, const torch::nn::Module& sta
   }
 }
 
-// A build that build_model recorded (DeferredInitScope): the modules this stage's tied layers run compute their
-// values now (a copy needs them), bitwise the whole build's, and so do its other layers unless `sharded_later` (the
+// A build that build_model recorded (DeferredInitScope): the modules this stage's tied layers run and another stage
+// owns compute their values now (a copy needs them), bitwise the whole build's, and so do its other layers unless `sharded_later` (the
 // stage's sharded model computes them group by group as it makes them); the other stages' never do.
-void materialize_stage(const torch::nn::Sequential& whole, const torch::nn::Sequential& stage, bool sharded_later) {
-  // Every rank recorded the whole build: a write since then is refused on every rank alike, not only on the stage
-  // holding the tensor (its neighbours would wait for it).
-  auto every = whole->parameters();
-  for (const auto& b : whole->buffers()) every.push_back(b);
-  check_deferred_unchanged(every);
+void materialize_stage(const torch::nn::Sequential& stage, bool sharded_later) {
   std::vector<at::Tensor> tensors;
   auto add = [&](const torch::nn::Module& module) {
     for (const auto& p : module.parameters()) tensors.push_back(p);
@@ -110,9 +105,31 @@ void materialize_stage(const torch::nn::Sequential& whole, const torch::nn::Sequ
   };
   for (const auto& layer : stage->children()) {
     if (!sharded_later) add(*layer);
-    if (const auto* tied = layer->as<pp::TiedLayerImpl>()) add(tied->tied());
+    if (const auto* tied = layer->as<pp::TiedLayerImpl>(); tied && !tied->owner()) add(tied->tied());
   }
   materialize(tensors);
+}
+
+// A recorded parameter written between build_model and prepare is refused on every rank alike, though a program may
+// write on some ranks only (rank 0 loading a file): the ranks agree over each axis of the mesh in turn (a sum over
+// pp, then dp, then tp is one over every rank; cp and sp are refused under pp), so that none waits for a
+// neighbour that stopped. Collective under pp, recorded or not.
+void refuse_writes_on_every_rank(const torch::nn::Module& whole, DeviceMesh& mesh) {
+  auto every = whole.parameters();
+  for (const auto& b : whole.buffers()) every.push_back(b);
+  std::string written;
+  try {
+    check_deferred_unchanged(every);
+  } catch (const Error& e) {
+    written = e.what();
+  }
+  auto refused = at::full({1}, written.empty() ? 0 : 1, at::kInt);
+  for (const auto dim : {MeshDim::pp, MeshDim::dp, MeshDim::tp})
+    if (mesh.size(dim) > 1) mesh.group(dim).all_reduce(refused);
+  if (refused.item<int>() > 0)
+    throw ConfigError(written.empty() ? std::string("another rank refused its recorded model (DeferredInitScope, "
+                                                    "build_model): see its error")
+                                      : written);
 }
 
 // pp > 1: the model's layers in order, cut by parameters into one stage a pp rank; the later steps make that stage
@@ -133,8 +150,9 @@ std::shared_ptr<torch::nn::Module> cut_into_stages(torch::nn::Module& module, De
   auto whole = torch::nn::Sequential(std::static_pointer_cast<torch::nn::SequentialImpl>(sequential->shared_from_this()));
   auto stage = pp::stage_layers(whole, pp, mesh.rank(MeshDim::pp), virtual_stages);
   if (hooks.stage_cut) hooks.stage_cut(stage);
+  refuse_writes_on_every_rank(*whole, mesh);
   // ZeRO-3 / FULL_SHARD computes a recorded stage's groups as it makes them (tensor parallelism slices whole values).
-  materialize_stage(whole, stage.layers, /*sharded_later=*/plan.strategy == "zero3" && mesh.size(MeshDim::tp) == 1);
+  materialize_stage(stage.layers, /*sharded_later=*/plan.strategy == "zero3" && mesh.size(MeshDim::tp) == 1);
   pp::copy_tied_modules(whole, stage.layers);  // before the owner's layer, on another stage, gives its memory back
   release_other_stages(*whole, *stage.layers);
   return stage.layers.ptr();

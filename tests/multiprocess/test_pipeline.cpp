@@ -101,6 +101,15 @@ TEST(PipelineLaunch, BuildModelHasEachStageComputeOnlyItsLayers) {
   }
 }
 
+// A recorded parameter written on the main process alone between build_model and prepare: every rank stops with
+// the refusal at prepare (the others would otherwise wait for rank 0 in the pipeline's first transfer).
+TEST(PipelineLaunch, AWriteBetweenBuildModelAndPrepareOnOneRankIsRefusedOnEvery) {
+  auto r = launch_pipeline(3, {"--parallelism_config_pp_size", "3"}, {"--build_model", "--write_after_build"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("written or replaced after the build"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("another rank refused its recorded model"), std::string::npos) << r.err;
+}
+
 // Clipping spans every stage: the global norm (each stage's part summed over the pp group) is one process's, and
 // clipping at half of it trains as one process does.
 TEST(PipelineLaunch, ClippingTheGradientNormSpansEveryStage) {
