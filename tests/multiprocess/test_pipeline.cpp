@@ -99,6 +99,12 @@ TEST(PipelineLaunch, BuildModelHasEachStageComputeOnlyItsLayers) {
     EXPECT_EQ(got, losses_of(built_whole));  // bitwise: the same values, the same arithmetic
     expect_close(got, one, 1e-6);
   }
+  // fsdp_cpu_ram_efficient_loading false builds the model whole under pp too (a build that cannot be recorded).
+  auto whole_anyway = launch_pipeline(
+      2, {"--parallelism_config_pp_size", "2", "--use_fsdp", "--fsdp_cpu_ram_efficient_loading", "false"},
+      {"--build_model"});
+  ASSERT_EQ(whole_anyway.exit_code, 0) << whole_anyway.err;
+  EXPECT_GT(last_json(whole_anyway.out).at("built_bytes_by_rank").at(1).get<int64_t>(), 0);
 }
 
 // A recorded parameter written on the main process alone between build_model and prepare: every rank stops with
