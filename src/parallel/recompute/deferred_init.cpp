@@ -158,7 +158,6 @@ struct DeferredInitScope::Impl {
   std::optional<EmptyInitScope> empty;
   std::optional<c10::impl::IncludeDispatchKeyGuard> recorded;
   std::thread::id thread = std::this_thread::get_id();
-  at::Tensor generator_at_start;  // the build must not move it (manual_seed inside would act too early)
   bool open = false;
 
   void close() {
@@ -175,8 +174,7 @@ DeferredInitScope::DeferredInitScope() : impl_(std::make_unique<Impl>()) {
   if (c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Meta))
     throw Error("DeferredInitScope inside an EmptyInitScope or another DeferredInitScope: open one of them");
   auto cpu = at::detail::getDefaultCPUGenerator();
-  impl_->generator_at_start = deferred::state_of(cpu);
-  impl_->recording->generator_at_start = impl_->generator_at_start;
+  impl_->recording->generator_at_start = deferred::state_of(cpu);  // the build must not move it
   deferred::recording_now = impl_->recording.get();
   deferred::keys_outside = &impl_->outside;
   impl_->empty.emplace();
@@ -192,12 +190,12 @@ void DeferredInitScope::finish(torch::nn::Module& module, const at::Device& devi
     throw Error("DeferredInitScope::finish: call it on the thread that opened the scope");
   impl_->close();
   auto cpu = at::detail::getDefaultCPUGenerator();
-  if (impl_->recording->generator_moved || !deferred::same_state(deferred::state_of(cpu), impl_->generator_at_start))
+  auto rec = std::move(impl_->recording);
+  if (rec->generator_moved || !deferred::same_state(deferred::state_of(cpu), rec->generator_at_start))
     throw Error("deferred init: the build moved the CPU generator itself (manual_seed, or drawing from it outside "
                 "an operator), even if it set it back; seed before build_model / the DeferredInitScope, not inside "
                 "(a DeepSpeed PipelineModule seeds each layer: it builds only its stage's layers anyway, so build it "
                 "without build_model)");
-  auto rec = std::move(impl_->recording);
   rec->device = device;
   std::unordered_set<const c10::TensorImpl*> seen;
   auto add = [&](const at::Tensor& t) {
@@ -218,7 +216,7 @@ void DeferredInitScope::finish(torch::nn::Module& module, const at::Device& devi
   try {
     deferred::replay(*rec, every, {}, /*first_run=*/true);
   } catch (...) {  // the build failed: the generator goes back to where it was, as if it had not run
-    deferred::set_state(cpu, impl_->generator_at_start);
+    deferred::set_state(cpu, rec->generator_at_start);
     throw;
   }
   std::lock_guard<std::mutex> lock(deferred::registry_mutex);
