@@ -64,14 +64,6 @@ struct RunningStats {
   }
 };
 
-bool has_automatic_checkpoint(const std::string& project_dir) {
-  const auto dir = std::filesystem::path(project_dir) / "checkpoints";
-  if (!std::filesystem::is_directory(dir)) return false;
-  for (const auto& entry : std::filesystem::directory_iterator(dir))
-    if (entry.path().filename().string().rfind("checkpoint_", 0) == 0) return true;
-  return false;
-}
-
 int run(const Args& args) {
   xlr8::AcceleratorOptions options;
   if (!args.mixed_precision.empty())
@@ -107,7 +99,7 @@ int run(const Args& args) {
   acc.register_for_checkpointing(stats);  // before load_state, which restores it
   // "latest" on a first start (no automatic checkpoint yet) starts fresh and says so, so one command line
   // serves the first run and every restart.
-  const bool nothing_to_resume = args.resume_from == "latest" && !has_automatic_checkpoint(args.output_dir);
+  const bool nothing_to_resume = args.resume_from == "latest" && !acc.latest_checkpoint();
   if (nothing_to_resume) acc.print("--resume_from latest: no checkpoint under {}/checkpoints yet; starting fresh", args.output_dir);
   if (!args.resume_from.empty() && !nothing_to_resume) {
     acc.load_state(args.resume_from == "latest" ? "" : args.resume_from);

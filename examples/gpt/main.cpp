@@ -99,14 +99,6 @@ double validation_loss(xlr8::Accelerator& acc, gpt::Gpt& model, xlr8::DataLoader
   return windows ? sum / static_cast<double>(windows) : 0.0;
 }
 
-bool has_automatic_checkpoint(const std::string& project_dir) {
-  const auto dir = std::filesystem::path(project_dir) / "checkpoints";
-  if (!std::filesystem::is_directory(dir)) return false;
-  for (const auto& entry : std::filesystem::directory_iterator(dir))
-    if (entry.path().filename().string().rfind("checkpoint_", 0) == 0) return true;
-  return false;
-}
-
 int run(const Args& args) {
   xlr8::AcceleratorOptions options;
   options.gradient_accumulation_steps = args.gradient_accumulation_steps;
@@ -167,7 +159,7 @@ int run(const Args& args) {
   }
   double load_seconds = 0, save_seconds = 0;
   // "latest" on a first start (no automatic checkpoint yet) starts fresh and says so.
-  const bool nothing_to_resume = args.resume_from == "latest" && !has_automatic_checkpoint(args.output_dir);
+  const bool nothing_to_resume = args.resume_from == "latest" && !acc.latest_checkpoint();
   if (nothing_to_resume) acc.print("--resume_from latest: no checkpoint under {}/checkpoints yet; starting fresh", args.output_dir);
   if (!args.resume_from.empty() && !nothing_to_resume) {
     const auto began = std::chrono::steady_clock::now();

@@ -361,6 +361,10 @@ class Accelerator {
   // Checkpoints (crash-safe, checksummed). Without a directory: automatic naming under project_dir.
   std::string save_state(const std::string& dir = "");
   void load_state(const std::string& dir = "");
+  // The newest automatic checkpoint under project_dir/checkpoints that save_state() completed, as this process sees
+  // the filesystem (a save cut short leaves only a .partial directory, which does not count): what load_state()
+  // without a directory loads. None on a first start, so that "resume from the latest" can start fresh instead.
+  std::optional<std::string> latest_checkpoint() const;
   // Hugging Face layout: model.safetensors, or shards plus model.safetensors.index.json.
   template <class Model>
   void save_model(const Model& model, const std::string& dir, const std::string& max_shard_size = "10GB") const {

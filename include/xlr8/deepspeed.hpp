@@ -171,6 +171,10 @@ class Engine {
   std::optional<bool> boundary_override_;
   int no_sync_depth_ = 0;
   int64_t micro_steps_ = 0, global_steps_ = 0, global_samples_ = 0, skipped_steps_ = 0;
+  // The micro-step the accumulation windows count from: 0, or where a loaded checkpoint's window ended when it was
+  // saved with another gradient_accumulation_steps (an elastic restart's).
+  int64_t window_origin_ = 0;
+  int64_t micro_steps_into_window() const;
   bool step_applied_ = false;
   GradNorm grad_norm_;  // on the device until read
   WallClock wall_clock_total_, wall_clock_interval_;

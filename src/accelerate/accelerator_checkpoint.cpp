@@ -1,4 +1,4 @@
-// Accelerator::save_state / load_state / save_model: gathers the Accelerator's counters and each
+// Accelerator::save_state / load_state: gathers the Accelerator's counters and each
 // strategy's state dicts into a checkpoints::Content and back; the file format, its crash safety and
 // verification live in src/checkpoint/.
 #include <filesystem>
@@ -22,14 +22,6 @@ namespace fs = std::filesystem;
 
 namespace xlr8 {
 
-namespace {
-
-std::string custom_file(size_t i) { return fmt::format("custom_checkpoint_{}.bin", i); }
-
-// Streams a module's whole state (a prepared model's through its strategy: collective, one unit gathered
-// at a time) into a writer that exists on the main process only: `open` receives the names, dtypes and
-// shapes, `write` each tensor in that order, `close` ends it. A failure of the writer does not stop the
-// collective; every rank then throws it. Under pp the whole model's stages come in turn (accelerator_pipeline.cpp).
 void stream_full_state(const AcceleratorImpl& s, const torch::nn::Module& module, const std::string& what,
                        const std::function<void(std::vector<SafetensorsSpec>)>& open,
                        const std::function<void(const at::Tensor&)>& write, const std::function<void()>& close) {
@@ -54,6 +46,10 @@ void stream_full_state(const AcceleratorImpl& s, const torch::nn::Module& module
   auto outcome = s.world().size() > 1 ? s.world().broadcast_object(problem, 0) : problem;
   if (!outcome.empty()) throw Error(fmt::format("{}: {}", what, outcome));
 }
+
+namespace {
+
+std::string custom_file(size_t i) { return fmt::format("custom_checkpoint_{}.bin", i); }
 
 // Whether `optimizer` updates a sharded model's shards, or a pipeline stage's parameters (its state then differs
 // on every rank, or every stage).
@@ -135,7 +131,23 @@ LoadPlan read_and_check(const AcceleratorImpl& s, const checkpoints::Verified& s
   return plan;
 }
 
+// Where the next micro-step falls in its accumulation window. The saved count runs on from the epoch's start, so it is
+// taken modulo the saved accumulation: a run resumed with another one (the same global batch in other micro-batches)
+// then starts its windows where the saved run's ended, not wherever the count modulo the new accumulation falls.
+int64_t position_in_window(const nlohmann::json& st, int accumulation_now, const fs::path& source, bool main_process) {
+  const int64_t saved_count = st.value("micro_step", int64_t{0});
+  const int64_t saved_accumulation = std::max<int64_t>(1, st.value("gradient_accumulation_steps", int64_t{accumulation_now}));
+  const int64_t position = saved_count % saved_accumulation;
+  if (position == 0 || saved_accumulation == accumulation_now) return position;
+  if (main_process)
+    log::warning("xlr8: {} was saved {} micro-step(s) into a window of {} and gradient_accumulation_steps is now {}: "
+                 "the window starts again (a checkpoint holds no partly accumulated gradients)",
+                 source.string(), position, saved_accumulation, accumulation_now);
+  return 0;
+}
+
 // After the models: schedulers, optimizers, registered objects, counters and loaders.
+
 void apply_training_state(AcceleratorImpl& s, const checkpoints::Verified& saved, const fs::path& source,
                           LoadPlan& plan) {
   const auto st = saved.state();
@@ -160,7 +172,7 @@ void apply_training_state(AcceleratorImpl& s, const checkpoints::Verified& saved
     s.custom[i].load(saved.file(custom_file(i)), (source / custom_file(i)).string());
   for (size_t i = 0; i < s.models.size(); ++i)
     fp8::load_delayed_state(*s.models[i]->module(), fp8::saved_delayed_state(st, i), source.string(), /*apply=*/true);
-  s.micro_step = st.value("micro_step", int64_t{0});
+  s.micro_step = position_in_window(st, s.gradient_state->num_steps, source, s.state->is_main_process());
   s.save_iteration = st.value("save_iteration", int64_t{0});
   s.seed = st.value("seed", uint64_t{0});
   s.last_step_applied = st.value("last_step_applied", false);
@@ -248,6 +260,14 @@ std::string Accelerator::save_state_unguarded(const std::string& dir) {
   return written;
 }
 
+std::optional<std::string> Accelerator::latest_checkpoint() const {
+  return checkpoints::filesystem_guard("latest_checkpoint()", [&]() -> std::optional<std::string> {
+    const auto all = checkpoints::automatic_checkpoints(impl_->options.project_dir);
+    if (all.empty()) return std::nullopt;
+    return all.back().string();
+  });
+}
+
 void Accelerator::load_state_unguarded(const std::string& dir) {
   auto& s = *impl_;
   const auto context = fmt::format("load_state({:?})", dir);
@@ -311,139 +331,6 @@ void Accelerator::load_optimizer_archive(torch::optim::Optimizer& optimizer, con
                                          const std::string& origin) {
   auto archive = checkpoints::read_optimizer_archive(bytes, origin);
   checkpoints::load_optimizer(optimizer, archive, origin);
-}
-
-void Accelerator::save_module(const torch::nn::Module& module, const std::string& dir, const std::string& max_shard_size) const {
-  // The size is parsed on every rank: a bad one fails them all.
-  write_full_model(*impl_, module, dir, checkpoints::parse_size(max_shard_size));
-}
-
-void write_full_model(const AcceleratorImpl& impl, const torch::nn::Module& module, const std::string& dir,
-                      int64_t limit) {
-  std::unique_ptr<checkpoints::HfModelWriter> writer;
-  stream_full_state(
-      impl, module, fmt::format("save_model({:?})", dir),
-      [&](std::vector<SafetensorsSpec> specs) {
-        writer = checkpoints::filesystem_guard(fmt::format("save_model({:?})", dir), [&] {
-          return std::make_unique<checkpoints::HfModelWriter>(dir, std::move(specs), limit);
-        });
-      },
-      [&](const at::Tensor& t) { writer->write(t); },
-      [&] { checkpoints::filesystem_guard(fmt::format("save_model({:?})", dir), [&] { writer->finish(); return 0; }); });
-}
-
-namespace {
-
-// What load_model copies: for each tensor name, where the part this rank holds goes.
-struct LoadTarget {
-  at::Tensor values;    // a parameter's piece or a whole buffer
-  Placement placement;  // which elements of the file's (whole) tensor `values` holds
-  at::Tensor whole;     // the parameter itself when sharded and it holds memory now (written whole too)
-};
-
-// Rank 0's verdict on a model file against the model: the names to load, in order, with dtype and size;
-// or why not.
-nlohmann::json plan_load(const std::string& path, const std::map<std::string, LoadTarget>& targets,
-                         const std::vector<std::string>& order, bool strict,
-                         std::optional<checkpoints::HfModelReader>& reader) {
-  try {
-    reader.emplace(path);
-  } catch (const Error& e) {
-    return {{"problem", std::string("load_model: ") + e.what()}};
-  }
-  std::vector<std::string> missing, mismatched, unexpected;
-  nlohmann::json plan = nlohmann::json::array();
-  for (const auto& name : order) {
-    auto it = reader->tensors().find(name);
-    if (it == reader->tensors().end()) {
-      missing.push_back(name);
-      continue;
-    }
-    const auto& shape = targets.at(name).placement.whole();
-    if (it->second.shape != shape) {
-      mismatched.push_back(fmt::format("{} ([{}] in the file, [{}] in the model)", name, fmt::join(it->second.shape, ", "),
-                                       fmt::join(shape, ", ")));
-      continue;
-    }
-    plan.push_back({{"name", name},
-                    {"dtype", safetensors_dtype_code(it->second.dtype)},
-                    {"numel", targets.at(name).placement.whole_numel()}});
-  }
-  for (const auto& [name, entry] : reader->tensors())
-    if (!targets.count(name)) unexpected.push_back(name);
-  if (!mismatched.empty() || (strict && (!missing.empty() || !unexpected.empty())))
-    return {{"problem", fmt::format("load_model: {} does not match the model: missing {}, mismatched {}, "
-                                    "unexpected {}{}{}; nothing was loaded",
-                                    path, text::listing(missing), text::listing(mismatched),
-                                    text::listing(unexpected), text::prefix_hint(missing, unexpected),
-                                    mismatched.empty() ? " (strict = false loads the names both have)" : "")}};
-  return {{"plan", plan}};
-}
-
-}  // namespace
-
-void Accelerator::load_module(torch::nn::Module& module, const std::string& path, bool strict) {
-  impl_->refuse_under_pipeline("load_model()");
-  auto& s = *impl_;
-  auto* strategy = s.strategy_for(&module);
-  if (!strategy && has_deferred(module))  // recorded by build_model: no values to write into yet
-    throw Error("load_model() before prepare() on a model build_model recorded (values computed at prepare): load after");
-  auto world = s.world();
-  const bool collective = strategy && world.size() > 1;
-  const bool reads = !collective || world.rank() == 0;
-  std::map<std::string, LoadTarget> targets;
-  std::vector<std::string> order;
-  if (strategy) {
-    std::map<std::string, at::Tensor> params;
-    for (const auto& item : module.named_parameters()) params[item.key()] = item.value();
-    for (auto& piece : strategy->parameter_pieces()) {
-      order.push_back(piece.name);
-      const auto& p = params.at(piece.name);
-      const bool whole = !p.is_same(piece.values) && p.has_storage() && p.storage().nbytes() > 0;
-      targets[piece.name] = {piece.values, piece.placement, whole ? p : at::Tensor()};
-    }
-  } else {
-    auto placements = tp::parameter_placements(module);
-    for (const auto& item : module.named_parameters()) {
-      order.push_back(item.key());
-      targets[item.key()] = {item.value(), std::move(placements.at(item.key()))};
-    }
-  }
-  for (const auto& item : module.named_buffers()) {
-    order.push_back(item.key());
-    targets[item.key()] = {item.value(), Placement::whole_tensor(item.value().sizes().vec())};
-  }
-  std::optional<checkpoints::HfModelReader> reader;
-  nlohmann::json verdict = reads ? plan_load(path, targets, order, strict, reader) : nlohmann::json();
-  if (collective) verdict = nlohmann::json::parse(world.broadcast_object(verdict.dump(), 0));
-  if (verdict.contains("problem")) throw Error(verdict["problem"].get<std::string>());
-  // One tensor at a time: read once (by rank 0 when collective), sent to all, each keeps its part. One
-  // buffer per dtype, as large as the largest tensor, serves them all.
-  std::map<at::ScalarType, at::Tensor> buffers;
-  for (const auto& item : verdict["plan"]) {
-    auto& b = buffers[*safetensors_dtype_from_code(item["dtype"])];
-    b = at::empty({std::max(b.defined() ? b.numel() : 0, item["numel"].get<int64_t>())},
-                  at::TensorOptions().dtype(*safetensors_dtype_from_code(item["dtype"])));
-  }
-  at::NoGradGuard no_grad;
-  for (const auto& item : verdict["plan"]) {
-    const auto name = item["name"].get<std::string>();
-    const auto& target = targets.at(name);
-    at::Tensor whole = buffers.at(*safetensors_dtype_from_code(item["dtype"])).narrow(0, 0, item["numel"].get<int64_t>());
-    if (reads) reader->read_into(name, whole);
-    if (collective) {
-      if (whole.device() != s.device) whole = whole.to(s.device);  // NCCL carries device tensors
-      world.broadcast(whole, 0);
-    }
-    // This rank's part of the whole (every rank received it): a tensor-parallel slice's boxes, a shard's
-    // elements of those.
-    const auto shaped = whole.view(target.placement.whole());
-    if (target.values.numel() > 0) target.values.detach().view(-1).copy_(target.placement.take(shaped));
-    // A whole copy the strategy keeps (the parameter the shard is a chunk of) is written here too, so no
-    // gather is needed afterwards.
-    if (target.whole.defined()) target.whole.detach().view(-1).copy_(target.placement.unchunked().take(shaped));
-  }
-  if (strategy) strategy->parameter_pieces_loaded(/*whole_parameters_written=*/collective);
 }
 
 }  // namespace xlr8

@@ -172,6 +172,14 @@ void stream_pipeline_state(const AcceleratorImpl& s, const std::function<void(co
                            const std::function<void(std::vector<SafetensorsSpec>)>& open,
                            const std::function<void(const at::Tensor&)>& write);
 
+// Streams a module's whole state (a prepared model's through its strategy: collective, one unit gathered at a time)
+// into a writer that exists on the main process only: `open` receives the names, dtypes and shapes, `write` each
+// tensor in that order, `close` ends it. A failure of the writer does not stop the collective; every rank then throws
+// it (`what` begins the message). Under pp the whole model's stages come in turn.
+void stream_full_state(const AcceleratorImpl& s, const torch::nn::Module& module, const std::string& what,
+                       const std::function<void(std::vector<SafetensorsSpec>)>& open,
+                       const std::function<void(const at::Tensor&)>& write, const std::function<void()>& close);
+
 // The whole model (gathered from shards, on rank 0) as Hugging Face safetensors in `dir` (collective): what
 // save_model writes.
 void write_full_model(const AcceleratorImpl& impl, const torch::nn::Module& module, const std::string& dir,

@@ -142,7 +142,11 @@ Engine::~Engine() = default;
 
 bool Engine::is_gradient_accumulation_boundary() const {
   if (boundary_override_) return *boundary_override_;
-  return (micro_steps_ + 1) % sizes_.gradient_accumulation_steps == 0;
+  return micro_steps_into_window() + 1 == sizes_.gradient_accumulation_steps;
+}
+
+int64_t Engine::micro_steps_into_window() const {
+  return (micro_steps_ - window_origin_) % sizes_.gradient_accumulation_steps;
 }
 
 void Engine::set_gradient_accumulation_boundary(bool is_boundary) { boundary_override_ = is_boundary; }
@@ -280,6 +284,8 @@ nlohmann::json Engine::Counters::state() const {
           {"global_samples", engine->global_samples_},
           {"skipped_steps", engine->skipped_steps_},
           {"micro_steps", engine->micro_steps_},
+          {"gradient_accumulation_steps", engine->sizes_.gradient_accumulation_steps},
+          {"micro_steps_into_window", engine->micro_steps_into_window()},
           {"client_state", client_state}};
 }
 
@@ -288,6 +294,18 @@ void Engine::Counters::load_state(const nlohmann::json& state) {
   engine->global_samples_ = state.at("global_samples").get<int64_t>();
   engine->skipped_steps_ = state.at("skipped_steps").get<int64_t>();
   engine->micro_steps_ = state.at("micro_steps").get<int64_t>();
+  // The windows go on where the saved run's stood, also under another accumulation (same global batch, other
+  // micro-batches); one saved partway through a window of another size starts again (no partial gradients are saved).
+  const int64_t gas = engine->sizes_.gradient_accumulation_steps;
+  int64_t into = state.value("micro_steps_into_window", engine->micro_steps_ % gas);
+  if (into != 0 && state.value("gradient_accumulation_steps", gas) != gas) {
+    if (engine->accelerator_->is_main_process())
+      log::warning("xlr8: the checkpoint was saved {} micro-step(s) into a window of {} and gradient_accumulation_steps "
+                   "is now {}: the window starts again",
+                   into, state.value("gradient_accumulation_steps", gas), gas);
+    into = 0;
+  }
+  engine->window_origin_ = engine->micro_steps_ - into;
   client_state = state.at("client_state");
 }
 

@@ -193,10 +193,10 @@ void prepare_pipeline_module(torch::nn::Module& module, const Config& config) {
 // ------------------------------------------------------------------------------------------ the engine's API
 
 Engine::MicroBatch Engine::gather_micro_batches(const std::function<MicroBatch()>& next, const char* call) const {
-  if (micro_step_ || no_sync_depth_ > 0 || micro_steps_ % sizes_.gradient_accumulation_steps != 0)
+  if (micro_step_ || no_sync_depth_ > 0 || micro_steps_into_window() != 0)
     throw Error(fmt::format("{}: the forward/backward/step() loop is mid-batch (a micro-step under way, no_sync, or "
                             "{} micro-steps since the last boundary); a batch starts at a boundary",
-                            call, micro_steps_ % sizes_.gradient_accumulation_steps));
+                            call, micro_steps_into_window()));
   if (!next) return {};
   std::vector<at::Tensor> inputs, labels;
   for (int64_t k = 0; k < sizes_.gradient_accumulation_steps; ++k) {

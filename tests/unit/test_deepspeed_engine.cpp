@@ -388,6 +388,32 @@ TEST(DeepSpeedEngine, ACheckpointRestoresModelOptimizerSchedulerCountersAndClien
   std::filesystem::remove_all(dir);
 }
 
+// An elastic restart changes gradient_accumulation_steps with the world size: a loaded engine's windows start where
+// the saved run's ended (saved after 4 micro-steps of 2, loaded under 3: the third micro-step is the boundary; before,
+// the saved count modulo 3 made the second one).
+TEST(DeepSpeedEngine, ALoadUnderAnotherAccumulationStartsItsWindowsWhereTheSavedRunsEnded) {
+  const auto dir = (std::filesystem::temp_directory_path() / fmt::format("xlr8_ds_gas_{}", getpid())).string();
+  std::filesystem::remove_all(dir);
+  auto a = deepspeed::initialize(make_net(), sgd_config(2, 0));
+  for (int i = 0; i < 4; ++i) {
+    a.engine->backward(loss_of(a.engine->forward(batch(i))));
+    a.engine->step();
+  }
+  a.engine->save_checkpoint(dir);
+  auto b = deepspeed::initialize(make_net(), sgd_config(3, 0));
+  ASSERT_TRUE(b.engine->load_checkpoint(dir).has_value());
+  std::vector<bool> boundaries;
+  for (int i = 0; i < 3; ++i) {
+    boundaries.push_back(b.engine->is_gradient_accumulation_boundary());
+    b.engine->backward(loss_of(b.engine->forward(batch(i))));
+    b.engine->step();
+  }
+  EXPECT_EQ(boundaries, (std::vector<bool>{false, false, true}));
+  EXPECT_EQ(b.engine->global_steps(), 3);
+  EXPECT_EQ(b.engine->micro_steps(), 7);
+  std::filesystem::remove_all(dir);
+}
+
 TEST(DeepSpeedEngine, Save16BitModelWritesTheTrainingDtypeAndUnderZero3OnlyWhenAskedTo) {
   const auto dir = (std::filesystem::temp_directory_path() / fmt::format("xlr8_ds_16bit_{}", getpid())).string();
   std::filesystem::remove_all(dir);
