@@ -19,6 +19,18 @@ struct EmbeddingsImpl : torch::nn::Module {
 };
 TORCH_MODULE(Embeddings);
 
+// The untied output layer: its Linear named "head", so that AutoTP splits it as an output head under pp x tp (a bare
+// Linear would be named by its index in the PipelineModule alone).
+struct HeadImpl : torch::nn::Module {
+  explicit HeadImpl(const Config& c)
+      : head(register_module("head", xlr8::nn::Linear(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)))) {
+    gpt2_init(*this);
+  }
+  torch::Tensor forward(const torch::Tensor& x) { return head(x); }
+  xlr8::nn::Linear head;
+};
+TORCH_MODULE(Head);
+
 template <class Holder, class... Args>
 xlr8::deepspeed::LayerSpec initialised(Args... args) {
   return xlr8::deepspeed::LayerSpec([=] {
@@ -41,7 +53,7 @@ std::vector<xlr8::deepspeed::PipeLayer> pipeline_layers(const Config& c) {
       return m.as<Embeddings>()->wte->attend(x);  // the logits against the token embedding's weight
     }));
   else
-    layers.push_back(initialised<xlr8::nn::Linear>(torch::nn::LinearOptions(c.d_model, c.vocab_size).bias(false)));
+    layers.push_back(LayerSpec::of<Head>(c));
   return layers;
 }
 

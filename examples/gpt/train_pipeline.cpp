@@ -41,8 +41,8 @@ void refuse_unsupported(const Args& args) {
 }
 
 // The mean loss over the held-out windows that fill whole batches (pipeline_evaluate splits each into the
-// micro-batches), over every data-parallel replica.
-double held_out_loss(xlr8::Accelerator& acc, xlr8::DataLoader<TextWindows>& val) {
+// micro-batches), over every data-parallel replica; JSON null, and a line saying so, when no batch is whole.
+nlohmann::json held_out_loss(xlr8::Accelerator& acc, xlr8::DataLoader<TextWindows>& val, const Args& args) {
   double sum = 0;
   int64_t batches = 0;
   for (auto& batch : val) {
@@ -50,7 +50,11 @@ double held_out_loss(xlr8::Accelerator& acc, xlr8::DataLoader<TextWindows>& val)
     ++batches;
   }
   auto both = acc.reduce(at::tensor({sum, static_cast<double>(batches)}, at::kDouble));
-  return both[1].item<double>() > 0 ? both[0].item<double>() / both[1].item<double>() : 0.0;
+  if (both[1].item<double>() > 0) return both[0].item<double>() / both[1].item<double>();
+  acc.print("validation: no held-out batch is whole (--val_windows {} under --batch_size {} a replica), so none was "
+            "scored; val_loss is null",
+            args.val_windows, args.batch_size);
+  return nullptr;
 }
 
 }  // namespace
@@ -71,7 +75,10 @@ int train_pipeline(xlr8::Accelerator& acc, const Args& args) {
   auto train = acc.prepare_data_loader(TextWindows(text.narrow(0, 0, split), args.seq_len),
                                        {.batch_size = args.batch_size, .shuffle = true});
   auto val = acc.prepare_data_loader(TextWindows(val_text, args.seq_len), {.batch_size = args.batch_size, .drop_last = true});
-  if (!args.resume_from.empty()) {
+  // "latest" on a first start (no automatic checkpoint yet) starts fresh and says so, as the other path does.
+  const bool nothing_to_resume = args.resume_from == "latest" && !acc.latest_checkpoint();
+  if (nothing_to_resume) acc.print("--resume_from latest: no checkpoint under {}/checkpoints yet; starting fresh", args.output_dir);
+  if (!args.resume_from.empty() && !nothing_to_resume) {
     acc.load_state(args.resume_from == "latest" ? "" : args.resume_from);
     acc.print("resumed from {} at step {}", args.resume_from, acc.step());
   }
@@ -102,7 +109,7 @@ int train_pipeline(xlr8::Accelerator& acc, const Args& args) {
     const auto mean = acc.reduce(at::tensor(losses, at::kDouble), xlr8::ReduceOp::AVG);
     losses.assign(mean.data_ptr<double>(), mean.data_ptr<double>() + mean.numel());
   }
-  const double val_loss = held_out_loss(acc, *val);
+  const auto val_loss = held_out_loss(acc, *val, args);
   nlohmann::json held_by_rank = nlohmann::json::array();
   for (const auto& count : acc.gather_object(std::to_string(held))) held_by_rank.push_back(std::stoll(count));
   // Zero-bubble schedules: the last step's micro-batches each stage could not split (a backward run whole).

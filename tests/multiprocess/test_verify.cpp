@@ -71,12 +71,14 @@ TEST(Verify, EveryOtherStrategyAndGradientAccumulationPassOnThreeRanks) {
 // model's names (a stage's norm would differ; a parameter missing from run 1 fails). A block tied across stages, an uneven cut
 // (pp 3 of 6 layers by parameters), pp x DDP, pp x FULL_SHARD, pp x tp, the interleaved and zero-bubble schedules; and
 // examples/gpt --pipeline (its embedding tied to the head across stages) on pp 2 (also zero-bubble), pp 2 x DDP 2 and
-// pp 2 x FULL_SHARD 2.
+// pp 2 x FULL_SHARD 2, and with an untied head on pp 2 x tp 2.
 TEST(Verify, PipelinesPassAgainstOneProcessThatAccumulatesTheMicroBatches) {
   const Args tied{kPipeline, "--always_pipeline_step", "--share_block"};
   const Args plain{kPipeline, "--always_pipeline_step"};
   const Args gpt{kGpt, "--pipeline", "--n_layer", "2", "--d_model", "64", "--n_head", "4", "--seq_len", "32",
                  "--batch_size", "8", "--output_dir", temp_dir("verify-gpt-pp")};
+  Args untied_gpt = gpt;
+  untied_gpt.push_back("--untied_head");
   struct Layout {
     int n;
     Args flags, program;
@@ -99,7 +101,9 @@ TEST(Verify, PipelinesPassAgainstOneProcessThatAccumulatesTheMicroBatches) {
        gpt},
       {4, {"--parallelism_config_pp_size", "2", "--parallelism_config_dp_replicate_size", "2", "--steps", "4"}, gpt},
       {4, {"--parallelism_config_pp_size", "2", "--use_fsdp", "--parallelism_config_dp_shard_size", "2", "--steps", "4"},
-       gpt}};
+       gpt},
+      // Its untied head under pp x tp: AutoTP splits it as an output head (before: "cannot tell how to split 4").
+      {4, {"--parallelism_config_pp_size", "2", "--parallelism_config_tp_size", "2", "--steps", "4"}, untied_gpt}};
   for (const auto& [n, flags, program] : layouts) {
     SCOPED_TRACE(fmt::format("{} ranks: {}", n, fmt::join(flags, " ")));
     auto r = verify(n, flags, program);

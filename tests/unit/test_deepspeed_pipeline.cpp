@@ -91,6 +91,15 @@ TEST(DeepSpeedPipelineModule, PartStartsCutWhereTheySayOrAreRefused) {
     EXPECT_NE(config_error_of([&] { pp::parts_of(as_sequential(whole), 2, 1); }).find("do not cut its 3 layers"),
               std::string::npos);
   }
+  // One part a stage (what a PipelineModule cuts) under an interleaved schedule's 2 chunks: the schedule is named as
+  // what to change, not the part starts the program never gave.
+  whole->part_starts = {0, 2};
+  const auto interleaved = config_error_of([&] { pp::parts_of(as_sequential(whole), 2, 2); });
+  EXPECT_NE(interleaved.find("an interleaved schedule runs 2 chunks a stage, 4 parts in all, but the model was cut into "
+                             "2 parts, one a stage"),
+            std::string::npos)
+      << interleaved;
+  EXPECT_NE(interleaved.find("choose GPipe, 1F1B or ZeroBubble"), std::string::npos) << interleaved;
 }
 
 TEST(DeepSpeedConfigPipeline, TheSectionIsReadWithDeepSpeedsKeys) {

@@ -171,6 +171,13 @@ std::vector<std::pair<size_t, size_t>> parts_of(const torch::nn::Sequential& who
     return partition(counts, static_cast<int>(parts), how);
   }
   const auto& starts = partitioned->part_starts;
+  if (chunks > 1 && starts.size() == static_cast<size_t>(stages))
+    throw ConfigError(fmt::format("pipeline: an interleaved schedule runs {} chunks a stage, {} parts in all, but the model "
+                                  "was cut into {} parts, one a stage (a deepspeed::PipelineModule builds only its "
+                                  "stage's layers, as DeepSpeed's does): choose GPipe, 1F1B or ZeroBubble "
+                                  "(parallelism_config_pp_schedule), or give a whole Sequential or a PartitionedSequential "
+                                  "with {} part starts",
+                                  chunks, parts, stages, parts));
   const bool ascending = std::adjacent_find(starts.begin(), starts.end(), std::greater_equal<>()) == starts.end();
   if (starts.size() != parts || starts.front() != 0 || !ascending || starts.back() >= layers)
     throw ConfigError(fmt::format("pipeline: the model's part starts [{}] do not cut its {} layers into {} parts "

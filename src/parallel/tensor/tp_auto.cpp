@@ -147,11 +147,13 @@ Plan auto_plan(const torch::nn::Module& model, int tp_size, int64_t head_dim, bo
     check_heads(layer, *entry, tp_size, "AutoTP: ");
     plan.push_back(*entry);
   }
-  if (!unknown.empty())
+  if (!unknown.empty()) {
+    for (auto& path : unknown) path = fmt::format("{:?}", path);  // quoted: a Sequential's layer is named by its index
     throw ConfigError(fmt::format(
-        "AutoTP: cannot tell how to split {} from their names (column-wise: q/k/v/qkv, fc/fc1/fc_in, gate/up; "
-        "row-wise: o/out_proj/proj, fc2/fc_out/down); rename them or give a plan",
+        "AutoTP: cannot tell how to split the layer(s) {} from their names (column-wise: q/k/v/qkv, fc/fc1/fc_in, "
+        "gate/up; row-wise: o/out_proj/proj, fc2/fc_out/down); rename them or give a plan",
         fmt::join(unknown, ", ")));
+  }
   if (plan.empty()) throw ConfigError("AutoTP: the model has no Linear or Embedding layer to split");
   return sequence_parallel ? with_sequence_parallel(std::move(plan), model) : plan;
 }
