@@ -77,6 +77,8 @@ struct LaunchRequest {
   std::map<std::string, std::string> deepspeed;  // keys as in deepspeed_config (zero_stage ...)
   std::map<std::string, std::string> parallelism;  // keys as in parallelism_config (parallelism_config_tp_size ...)
   std::map<std::string, std::string> fp8;  // by flag: fp8_backend ... (fp8_config's key without "fp8_", but fp8_format)
+  // Other keys given as flags, "section.key" or a top-level key: dynamo_config.dynamo_backend, main_training_function ...
+  std::map<std::string, std::string> other_keys;
   int max_restarts = 0;
   std::string log_dir;
   std::optional<int> rdzv_timeout_s;

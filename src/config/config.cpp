@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <tuple>
 
@@ -64,7 +65,10 @@ YAML::Node with_fsdp_prefix(const YAML::Node& node) {
   YAML::Node out(YAML::NodeType::Map);
   for (const auto& kv : node) {
     auto key = kv.first.as<std::string>();
-    if (key.rfind("fsdp_", 0) != 0 && !node["fsdp_" + key]) key = "fsdp_" + key;
+    if (key.rfind("fsdp_", 0) != 0) {
+      if (node["fsdp_" + key]) continue;  // both spellings (an old file under a --fsdp_* flag): the current one wins
+      key = "fsdp_" + key;
+    }
     out[key] = kv.second;
   }
   return out;
@@ -112,6 +116,8 @@ void read_deepspeed(const Section& s, LaunchConfig& c) {
   if (auto v = s.integer("zero_stage", 0, 3)) d.zero_stage = static_cast<int>(*v);
   if (auto v = s.integer("gradient_accumulation_steps", 1, 1L << 30)) c.gradient_accumulation_steps = static_cast<int>(*v);
   d.gradient_clipping = s.number("gradient_clipping");
+  if (d.gradient_clipping && *d.gradient_clipping < 0)  // as a DeepSpeed JSON's is refused
+    throw s.error("gradient_clipping", fmt::format("value {} must be >= 0 (0 disables clipping)", *d.gradient_clipping));
   if (auto v = s.choice("offload_optimizer_device", kOffloadDevices, false)) d.offload_optimizer_device = *v;
   if (auto v = s.choice("offload_param_device", kOffloadDevices, false)) d.offload_param_device = *v;
   if (auto v = s.str("offload_optimizer_nvme_path")) d.offload_optimizer_nvme_path = *v;
@@ -156,6 +162,20 @@ void read_parallelism(const Section& s, LaunchConfig& c) {
 
 }  // namespace
 
+void config::refuse_repeated_keys(const YAML::Node& node, const std::string& origin, const std::string& prefix) {
+  if (!node.IsMap()) return;
+  std::map<std::string, std::pair<int, std::string>> first;  // key -> its line and value, as first written
+  for (const auto& kv : node) {
+    const auto key = kv.first.Scalar();
+    const int line = kv.first.Mark().line + 1;
+    const auto value = YAML::Dump(kv.second);
+    if (const auto [it, fresh] = first.emplace(key, std::pair{line, value}); !fresh && it->second.second != value)
+      throw ConfigError(fmt::format("{}: key {}{} is written twice with different values (lines {} and {}); keep one",
+                                    origin, prefix, key, it->second.first, line));
+    refuse_repeated_keys(kv.second, origin, prefix + key + ".");
+  }
+}
+
 LaunchConfig parse_config(const std::string& yaml_text, const std::string& origin) {
   YAML::Node root;
   try {
@@ -163,6 +183,7 @@ LaunchConfig parse_config(const std::string& yaml_text, const std::string& origi
   } catch (const YAML::Exception& e) {
     throw ConfigError(fmt::format("{}: not valid YAML: {}", origin, e.what()));
   }
+  config::refuse_repeated_keys(root, origin);
   LaunchConfig c;
   c.path = origin;
   Section top(root, "", origin);
@@ -324,7 +345,11 @@ std::string to_yaml(const LaunchConfig& c) {
   out << YAML::BeginMap;
   out << YAML::Key << "compute_environment" << YAML::Value << c.compute_environment;
   out << YAML::Key << "debug" << YAML::Value << c.debug;
-  out << YAML::Key << "distributed_type" << YAML::Value << to_string(c.distributed_type);
+  // Quoted where YAML 1.1 (PyYAML, so Accelerate) would read a boolean: NO is false there.
+  const std::string distributed = to_string(c.distributed_type);
+  out << YAML::Key << "distributed_type" << YAML::Value;
+  if (distributed == "NO") out << YAML::SingleQuoted;
+  out << distributed;
   out << YAML::Key << "downcast_bf16" << YAML::Value << YAML::SingleQuoted << c.downcast_bf16;
   out << YAML::Key << "enable_cpu_affinity" << YAML::Value << c.enable_cpu_affinity;
   if (c.mixed_precision == MixedPrecision::FP8) config::write_fp8(out, c.fp8);
@@ -381,6 +406,9 @@ std::string to_yaml(const LaunchConfig& c) {
 
 void save_config(const LaunchConfig& config, const std::string& path) {
   fs::path target(path);
+  if (fs::is_directory(target))
+    throw ConfigError(fmt::format("cannot write the config to {:?}: it is a directory; give a file's path, such as {:?}",
+                                  path, (target / "default_config.yaml").string()));
   if (target.has_parent_path()) fs::create_directories(target.parent_path());
   fs::path tmp = target;
   tmp += ".tmp";
@@ -390,7 +418,13 @@ void save_config(const LaunchConfig& config, const std::string& path) {
     out << to_yaml(config);
     if (!out.flush()) throw ConfigError(fmt::format("cannot write config file {:?}", tmp.string()));
   }
-  fs::rename(tmp, target);
+  std::error_code failed;
+  fs::rename(tmp, target, failed);
+  if (failed) {
+    const auto why = failed.message();
+    fs::remove(tmp, failed);
+    throw ConfigError(fmt::format("cannot write config file {:?}: {}", path, why));
+  }
 }
 
 std::string default_config_path() {

@@ -154,4 +154,9 @@ class Section {
   std::string origin_;
 };
 
+// A key written twice in one mapping (at any depth) with different values is refused naming it and its lines: yaml-cpp
+// would read the first and PyYAML (so Accelerate) the last, and the file would mean two things. The same value twice
+// (as in Accelerate's own test files) means one thing and loads.
+void refuse_repeated_keys(const YAML::Node& node, const std::string& origin, const std::string& prefix = "");
+
 }  // namespace xlr8::config

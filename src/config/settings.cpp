@@ -243,6 +243,8 @@ DeepSpeedSettings deepspeed_from_env(const Env& env) {
     } catch (const std::exception&) {
       throw ConfigError(fmt::format("ACCELERATE_GRADIENT_CLIPPING={:?} is not a number", *v));
     }
+    if (*d.gradient_clipping < 0)
+      throw ConfigError(fmt::format("ACCELERATE_GRADIENT_CLIPPING={} must be >= 0 (0 disables clipping)", *v));
   }
   for (auto [var, field] : {std::pair{"ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", &d.offload_optimizer_device},
                             std::pair{"ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", &d.offload_param_device}}) {

@@ -1,6 +1,7 @@
 // The flight recorder's ring buffer, its file and its SIGUSR1 trigger.
 #include "core/flight_recorder.hpp"
 #include "xlr8/env.hpp"
+#include "xlr8/error.hpp"
 
 #include <fcntl.h>
 #include <fmt/format.h>
@@ -31,7 +32,11 @@ size_t capacity_from_env() {
   char* end = nullptr;
   const long n = std::strtol(text->c_str(), &end, 10);
   // Bounded: the buffer is allocated whole when the process state starts.
-  return (end && *end == '\0' && n >= 0) ? static_cast<size_t>(std::min(n, 1L << 20)) : 64;
+  if (text->empty() || *end != '\0' || n < 0 || n > (1L << 20))
+    throw ConfigError(fmt::format("XLR8_TRACE_BUFFER_SIZE={:?} must be a whole number of collectives from 0 (no record) "
+                                  "to 1048576; the default is 64",
+                                  *text));
+  return static_cast<size_t>(n);
 }
 
 // "all_reduce(float32[4], SUM) on group 'world' (rank 1 of 2)" -> "all_reduce(float32[4], SUM)": the part

@@ -41,6 +41,50 @@ bool wait_until_listening(const Topology& t, std::chrono::steady_clock::time_poi
   }
 }
 
+std::vector<uint8_t> bytes_of(const std::string& text) { return {text.begin(), text.end()}; }
+
+// The job this server belongs to, which every rank must share: its id and its number of ranks. A rank that
+// disagrees stops with an error instead of joining, and leaves a note for rank 0's timeout to name: either a
+// machine of this job counted the ranks differently, or a rank of another job (a stale MASTER_PORT) came here.
+// Rank 0 does not stop for it: a stray rank of another job must not end this one.
+void check_same_job(c10d::Store& store, const Topology& t, const std::string& where, const std::string& host) {
+  const std::string name = t.job_id.empty() ? "this job" : t.job_id;
+  if (t.rank == 0) {
+    store.set("xlr8/rdzv/job", bytes_of(name));
+    store.set("xlr8/rdzv/world_size", bytes_of(std::to_string(t.world_size)));
+    return;
+  }
+  const auto their_bytes = store.get("xlr8/rdzv/job"), their_size_bytes = store.get("xlr8/rdzv/world_size");
+  const std::string theirs(their_bytes.begin(), their_bytes.end()), their_size(their_size_bytes.begin(), their_size_bytes.end());
+  if (theirs == name && their_size == std::to_string(t.world_size)) return;
+  const auto note = fmt::format("rank {} on {} expected {} ranks in all ({})", t.rank, host, t.world_size, name);
+  store.set(fmt::format("xlr8/rdzv/refused/{}", store.add("xlr8/rdzv/refused", 1)), bytes_of(note));
+  if (theirs != name)
+    throw Error(fmt::format("rank {} ({} with {} ranks) reached the rendezvous server at {} of another job ({} with {} "
+                            "ranks); give this job a port of its own with MASTER_PORT",
+                            t.rank, name, t.world_size, where, theirs, their_size));
+  throw Error(fmt::format("rank {} expected {} ranks in all, but rank 0 started the rendezvous at {} for {}: every "
+                          "machine must count the same processes (--num_processes is the total over all machines; or "
+                          "give every machine the same --nproc_per_node and --num_machines). If that server is another "
+                          "job's, give this job a port of its own with MASTER_PORT",
+                          t.rank, t.world_size, where, their_size));
+}
+
+// What rank 0's timeout adds about ranks that came and were refused (check_same_job's notes).
+std::string refused_ranks(c10d::Store& store) {
+  try {
+    const int64_t count = store.add("xlr8/rdzv/refused", 0);
+    std::vector<std::string> notes;
+    for (int64_t k = 1; k <= count; ++k) {
+      const auto note = store.get(fmt::format("xlr8/rdzv/refused/{}", k));
+      notes.emplace_back(note.begin(), note.end());
+    }
+    return notes.empty() ? "" : fmt::format(". Refused here: {}; every machine must count the same processes", fmt::join(notes, "; "));
+  } catch (const std::exception&) {
+    return "";
+  }
+}
+
 }  // namespace
 
 compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout) {
@@ -75,19 +119,8 @@ compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout
   };
   const std::string& host = os::host_name();
   std::vector<int> missing;
-  // The job this server belongs to: a rank of another job that reached it (two jobs on one derived port,
-  // a stale MASTER_PORT) must stop with an error instead of joining.
-  const std::string job = fmt::format("{} with {} ranks", t.job_id.empty() ? "this job" : t.job_id, t.world_size);
   try {
-    if (t.rank == 0) {
-      store->set("xlr8/rdzv/job", std::vector<uint8_t>(job.begin(), job.end()));
-    } else {
-      auto theirs = store->get("xlr8/rdzv/job");
-      if (std::string(theirs.begin(), theirs.end()) != job)
-        throw Error(fmt::format("rank {} ({}) reached the rendezvous server at {} of another job ({}); give this job a "
-                                "port of its own with MASTER_PORT",
-                                t.rank, job, where, std::string(theirs.begin(), theirs.end())));
-    }
+    check_same_job(*store, t, where, host);
     store->set(fmt::format("xlr8/rdzv/rank/{}", t.rank), std::vector<uint8_t>(host.begin(), host.end()));
     store->add("xlr8/rdzv/joined", 1);
     auto pause = std::chrono::milliseconds(2);
@@ -108,9 +141,9 @@ compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout
   if (!missing.empty())
     throw TimeoutError(fmt::format(
         "rendezvous at {} timed out after {} s on rank {}: {} of {} ranks joined; missing rank{} {}. Start the missing "
-        "processes (every machine's launcher), or raise XLR8_RDZV_TIMEOUT",
+        "processes (every machine's launcher), or raise XLR8_RDZV_TIMEOUT{}",
         where, seconds, t.rank, t.world_size - static_cast<int>(missing.size()), t.world_size,
-        missing.size() == 1 ? "" : "s", fmt::join(missing, ", ")));
+        missing.size() == 1 ? "" : "s", fmt::join(missing, ", "), refused_ranks(*store)));
   return store;
 }
 

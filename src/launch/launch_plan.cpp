@@ -8,6 +8,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "config/config_section.hpp"
 #include "core/log.hpp"
 #include "launch/mpirun_launch.hpp"
 #include "launch/etcd_rendezvous.hpp"
@@ -249,6 +250,8 @@ void machines_from_slurm(const LaunchRequest& r, YAML::Node& root) {
 
 // The config file's YAML (an empty file: an empty map).
 YAML::Node config_file_yaml(const std::string& path) {
+  if (std::filesystem::is_directory(path))
+    throw ConfigError(fmt::format("--config_file {:?} is a directory: give the YAML file (`xlr8 config` writes one)", path));
   std::ifstream in(path);
   if (!in) throw ConfigError(fmt::format("--config_file {:?} does not exist or cannot be read", path));
   std::stringstream text;
@@ -259,26 +262,33 @@ YAML::Node config_file_yaml(const std::string& path) {
   } catch (const YAML::Exception& e) {
     throw ConfigError(fmt::format("{}: not valid YAML: {}", path, e.what()));
   }
-  return root.IsNull() ? YAML::Node(YAML::NodeType::Map) : root;
+  if (root.IsNull()) return YAML::Node(YAML::NodeType::Map);
+  config::refuse_repeated_keys(root, path);  // before the flags overlay the file, with the file's lines
+  if (!root.IsMap())
+    throw ConfigError(fmt::format("{}: the file must be a mapping of keys to values (such as `num_processes: 2`), not a "
+                                  "{}; `xlr8 config` writes one",
+                                  path, root.IsSequence() ? "list" : "single value"));
+  return root;
 }
 
-}  // namespace
+// The counts given twice, in torchrun's spelling and in Accelerate's, must agree: neither silently wins.
+void refuse_disagreeing_counts(const LaunchRequest& r) {
+  if (r.nproc_per_node && *r.nproc_per_node < 1)
+    throw ConfigError(fmt::format("--nproc_per_node {} must be at least 1 (or auto, cpu, gpu)", *r.nproc_per_node));
+  const auto [min_nodes, max_nodes] = r.nnodes ? parse_nnodes(*r.nnodes) : std::pair<int, int>{0, 0};
+  if (r.num_machines && max_nodes > 0 && (min_nodes != max_nodes || max_nodes != *r.num_machines))
+    throw ConfigError(fmt::format("--nnodes {} and --num_machines {} disagree: give one of them", *r.nnodes, *r.num_machines));
+  if (r.nproc_per_node && r.num_processes && min_nodes == max_nodes) {
+    const int machines = r.num_machines.value_or(std::max(max_nodes, 1));
+    if (*r.nproc_per_node * machines != *r.num_processes)
+      throw ConfigError(fmt::format("--nproc_per_node {} on {} machine(s) is {} processes, but --num_processes is {}: give "
+                                    "one of them (--num_processes counts every machine's)",
+                                    *r.nproc_per_node, machines, *r.nproc_per_node * machines, *r.num_processes));
+  }
+}
 
-LaunchOptions plan_launch(const LaunchRequest& r) {
-  if (r.command.empty()) throw ConfigError("no program given: usage `xlr8 launch [options] program [args...]`");
-  // Start from the file's YAML, overlay the flags as the same keys, then parse once: one validator, and
-  // the same messages for a bad flag and a bad key.
-  std::string path = r.config_file.value_or("");
-  if (path.empty() && std::filesystem::exists(default_config_path())) path = default_config_path();
-  YAML::Node root = path.empty() ? YAML::Node(YAML::NodeType::Map) : config_file_yaml(path);
-  if (r.num_processes) root["num_processes"] = *r.num_processes;
-  if (r.num_machines) root["num_machines"] = *r.num_machines;
-  auto elastic = plan_rendezvous(r, root);
-  if (!elastic) machines_from_slurm(r, root);
-  if (r.nproc_per_node && !elastic) root["num_processes"] = *r.nproc_per_node * root["num_machines"].as<int>(1);
-  if (r.machine_rank) root["machine_rank"] = *r.machine_rank;
-  if (r.main_process_ip) root["main_process_ip"] = *r.main_process_ip;
-  if (r.main_process_port) root["main_process_port"] = *r.main_process_port;
+// The flags that set the file's keys of what the job does (precision, strategy, sections), over the file's values.
+void overlay_settings(const LaunchRequest& r, YAML::Node& root) {
   if (r.mixed_precision) root["mixed_precision"] = *r.mixed_precision;
   if (r.cpu) root["use_cpu"] = true;
   if (r.debug) root["debug"] = true;
@@ -292,8 +302,39 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   for (auto& [k, v] : r.deepspeed) root["deepspeed_config"][k] = v;
   for (auto& [k, v] : r.parallelism) root["parallelism_config"][k] = v;
   for (auto& [flag, v] : r.fp8) root["fp8_config"][flag == "fp8_format" ? flag : flag.substr(4)] = v;  // as Accelerate
-  if (r.gradient_accumulation_steps) root["gradient_accumulation_steps"] = *r.gradient_accumulation_steps;
+  if (r.gradient_accumulation_steps) {
+    root["gradient_accumulation_steps"] = *r.gradient_accumulation_steps;
+    // The file's DeepSpeed section may name it too; the flag wins there as well (Accelerate keeps an explicit flag).
+    if (root["deepspeed_config"].IsMap() && root["deepspeed_config"]["gradient_accumulation_steps"])
+      root["deepspeed_config"]["gradient_accumulation_steps"] = *r.gradient_accumulation_steps;
+  }
   if (r.mpirun_hostfile) root["mpirun_config"]["mpirun_hostfile"] = *r.mpirun_hostfile;
+  for (const auto& [key, v] : r.other_keys) {
+    const auto dot = key.find('.');
+    if (dot == std::string::npos) root[key] = v;
+    else root[key.substr(0, dot)][key.substr(dot + 1)] = v;
+  }
+}
+
+}  // namespace
+
+LaunchOptions plan_launch(const LaunchRequest& r) {
+  if (r.command.empty()) throw ConfigError("no program given: usage `xlr8 launch [options] program [args...]`");
+  // Start from the file's YAML, overlay the flags as the same keys, then parse once: one validator, and
+  // the same messages for a bad flag and a bad key.
+  std::string path = r.config_file.value_or("");
+  if (path.empty() && std::filesystem::exists(default_config_path())) path = default_config_path();
+  refuse_disagreeing_counts(r);
+  YAML::Node root = path.empty() ? YAML::Node(YAML::NodeType::Map) : config_file_yaml(path);
+  if (r.num_processes) root["num_processes"] = *r.num_processes;
+  if (r.num_machines) root["num_machines"] = *r.num_machines;
+  auto elastic = plan_rendezvous(r, root);
+  if (!elastic) machines_from_slurm(r, root);
+  if (r.nproc_per_node && !elastic) root["num_processes"] = *r.nproc_per_node * root["num_machines"].as<int>(1);
+  if (r.machine_rank) root["machine_rank"] = *r.machine_rank;
+  if (r.main_process_ip) root["main_process_ip"] = *r.main_process_ip;
+  if (r.main_process_port) root["main_process_port"] = *r.main_process_port;
+  overlay_settings(r, root);
 
   std::string origin = path.empty() ? "xlr8 launch options" : fmt::format("xlr8 launch options over {}", path);
   YAML::Emitter emitter;

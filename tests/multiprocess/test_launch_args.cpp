@@ -3,7 +3,9 @@
 // keeps two launches apart.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <thread>
 
 #include "process_runner.hpp"
@@ -55,6 +57,59 @@ TEST(LaunchArguments, AnUnknownOptionBeforeTheProgramIsOneClearLine) {
   auto none = run({kXlr8, "launch", "--num_processes", "2", "--"});
   EXPECT_EQ(none.exit_code, 1);
   EXPECT_NE(none.err.find("no program given"), std::string::npos) << none.err;
+}
+
+// A misspelt option that begins a real one, or shares most of its start, is named too; a value of the wrong kind is
+// one xlr8 line naming the option, the value and what it takes (CLI11's own "Could not convert" before, exit 104);
+// a bad XLR8_TRACE_BUFFER_SIZE stops each worker instead of being ignored.
+TEST(LaunchArguments, MisspeltOptionsAndValuesOfTheWrongKindAreOneClearLine) {
+  auto config = run({kXlr8, "launch", "--config", "x.yaml", "--", "true"});
+  EXPECT_EQ(config.exit_code, 1);
+  EXPECT_NE(config.err.find("unknown option --config (did you mean --config_file?)"), std::string::npos) << config.err;
+  auto procs = run({kXlr8, "launch", "--num_procs", "2", "--", "true"});
+  EXPECT_NE(procs.err.find("unknown option --num_procs (did you mean --num_processes?)"), std::string::npos) << procs.err;
+  auto port = run({kXlr8, "launch", "--num_processes", "1", "--main_process_port", "abc", "--", "true"});
+  EXPECT_EQ(port.exit_code, 1);
+  EXPECT_NE(port.err.find("xlr8: error: --main_process_port takes a whole number, not \"abc\""), std::string::npos)
+      << port.err;
+  auto steps = run({kXlr8, "launch", "--num_processes", "1", "--gradient_accumulation_steps", "2.5", "--", "true"});
+  EXPECT_NE(steps.err.find("--gradient_accumulation_steps takes a whole number, not \"2.5\""), std::string::npos)
+      << steps.err;
+  auto trace = run({kXlr8, "launch", "--num_processes", "1", kTrain, "--steps", "1"}, 60, {{"XLR8_TRACE_BUFFER_SIZE", "abc"}});
+  EXPECT_NE(trace.exit_code, 0);
+  EXPECT_NE(trace.err.find("XLR8_TRACE_BUFFER_SIZE=\"abc\" must be a whole number of collectives from 0"),
+            std::string::npos)
+      << trace.err;
+}
+
+// `accelerate launch`'s TorchDynamo and TPU flags are options here too (as often copied from its command lines):
+// off is accepted, on is refused in one line as the config file's keys are.
+TEST(LaunchArguments, AccelerateLaunchsDynamoFlagsAreAcceptedOffAndRefusedOn) {
+  auto off = run({kXlr8, "launch", "--num_processes", "1", "--dynamo_backend", "no", "--dynamo_mode", "default",
+                  "--main_training_function", "main", "--", "true"});
+  EXPECT_EQ(off.exit_code, 0) << off.err;
+  auto on = run({kXlr8, "launch", "--num_processes", "1", "--dynamo_backend", "inductor", "--", "true"});
+  EXPECT_EQ(on.exit_code, 1);
+  EXPECT_NE(on.err.find("asks for torch.compile (TorchDynamo)"), std::string::npos) << on.err;
+  auto tpu = run({kXlr8, "launch", "--num_processes", "1", "--downcast_bf16", "--", "true"});
+  EXPECT_EQ(tpu.exit_code, 1);
+  EXPECT_NE(tpu.err.find("downcast_bf16"), std::string::npos) << tpu.err;
+}
+
+// torchrun's --nproc_per_node cpu and auto (no GPU here: the cores) start one worker per core; gpu, with none, is one
+// clear line.
+TEST(LaunchArguments, NprocPerNodeTakesTorchrunsCpuGpuAndAuto) {
+  const auto cores = std::to_string(std::max(1u, std::thread::hardware_concurrency()));
+  for (const char* words : {"cpu", "auto"}) {
+    auto r = run({kXlr8, "launch", "--nproc_per_node", words, "--", "sh", "-c", "echo world=$WORLD_SIZE"});
+    ASSERT_EQ(r.exit_code, 0) << words << ": " << r.err;
+    EXPECT_NE(r.out.find("world=" + cores), std::string::npos) << words << ": " << r.out;
+  }
+  if (!std::filesystem::exists("/proc/driver/nvidia/gpus")) {
+    auto gpu = run({kXlr8, "launch", "--nproc_per_node", "gpu", "--", "true"});
+    EXPECT_EQ(gpu.exit_code, 1);
+    EXPECT_NE(gpu.err.find("this machine shows no NVIDIA GPU"), std::string::npos) << gpu.err;
+  }
 }
 
 TEST(LaunchJobs, ARankOfAnotherJobThatReachesThisJobsRendezvousIsRefusedNamingBothAndThisJobTrainsOn) {

@@ -376,8 +376,15 @@ TEST(TorchrunEnvironment, ARankOfAnotherJobIsRefusedAtTheRendezvous) {
   auto b = b1.wait(60), a = a0.wait(60);
   EXPECT_NE(b.exit_code, 0);
   EXPECT_LT(b.seconds, 4.0) << "refused at once, not at the rendezvous timeout";
-  EXPECT_NE(b.err.find("reached the rendezvous server"), std::string::npos) << b.err;
-  EXPECT_NE(b.err.find("of another job (this job with 2 ranks)"), std::string::npos) << b.err;
+  // Neither has a job id: one job whose machines counted differently, or another job's rank; the message says both.
+  EXPECT_NE(b.err.find("rank 1 expected 3 ranks in all, but rank 0 started the rendezvous at 127.0.0.1:" +
+                       std::to_string(port) + " for 2"),
+            std::string::npos)
+      << b.err;
+  EXPECT_NE(b.err.find("every machine must count the same processes"), std::string::npos) << b.err;
   EXPECT_NE(b.err.find("MASTER_PORT"), std::string::npos) << b.err;
-  EXPECT_NE(a.exit_code, 0);  // job A's rank 1 never came
+  EXPECT_NE(a.exit_code, 0);  // job A's rank 1 never came; its timeout names the rank it refused
+  EXPECT_NE(a.err.find("missing rank 1"), std::string::npos) << a.err;
+  EXPECT_NE(a.err.find("Refused here: rank 1 on "), std::string::npos) << a.err;
+  EXPECT_NE(a.err.find("expected 3 ranks in all (this job)"), std::string::npos) << a.err;
 }

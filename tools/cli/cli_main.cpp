@@ -12,6 +12,30 @@
 
 namespace xlr8::cli {
 
+namespace {
+
+// CLI11's "Could not convert: --port = abc" as one line naming the option, the value and what it takes.
+std::string conversion_message(const CLI::App& app, const std::string& what) {
+  const std::string prefix = "Could not convert: ";
+  const auto equals = what.find(" = ");
+  if (what.rfind(prefix, 0) != 0 || equals == std::string::npos) return what;
+  const auto name = what.substr(prefix.size(), equals - prefix.size());
+  const auto value = what.substr(equals + 3);
+  const CLI::Option* option = nullptr;
+  std::string command = "";
+  for (const auto* sub : app.get_subcommands(nullptr))
+    if (sub->parsed() && (option = sub->get_option_no_throw(name))) command = sub->get_name();
+  const std::string type = option ? option->get_type_name() : "";
+  const std::string takes = type == "INT" || type == "UINT" ? "a whole number"
+                            : type == "FLOAT"               ? "a number"
+                            : type.empty()                  ? "another kind of value"
+                                                            : type;
+  return fmt::format("{} takes {}, not {:?}; `xlr8 {} --help` lists what each option takes", name, takes, value,
+                     command.empty() ? std::string("<command>") : command);
+}
+
+}  // namespace
+
 int run_cli(int argc, char** argv, const std::vector<AddCommand>& commands) {
   CLI::App app{"xlr8: distributed training for LibTorch", "xlr8"};
   app.require_subcommand(1);
@@ -41,6 +65,12 @@ int run_cli(int argc, char** argv, const std::vector<AddCommand>& commands) {
     }
     std::reverse(args.begin(), args.end());  // CLI11 takes a vector last word first
     app.parse(args);
+  } catch (const CLI::ConversionError& e) {
+    fmt::print(stderr, "xlr8: error: {}\n", conversion_message(app, e.what()));
+    return 1;
+  } catch (const CLI::ValidationError& e) {
+    fmt::print(stderr, "xlr8: error: {}\n", e.what());
+    return 1;
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const Error& e) {

@@ -1,7 +1,11 @@
 // `xlr8 launch`: Accelerate's and torchrun's flag spellings over one LaunchRequest.
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
 #include <memory>
+#include <thread>
 
 #include "cli/commands.hpp"
 #include "core/text.hpp"
@@ -17,6 +21,46 @@ std::string spellings(const std::string& underscored) {
   std::string hyphen = underscored;
   std::replace(hyphen.begin() + 2, hyphen.end(), '_', '-');
   return hyphen == underscored ? underscored : underscored + "," + hyphen;
+}
+
+// The option a mistyped one most likely meant: the closest spelling, else the one it begins (--config for
+// --config_file), else one sharing most of its start (--num_procs for --num_processes).
+std::string closest_option(const std::string& name, const std::vector<std::string>& names) {
+  if (auto hint = text::closest(name, names); !hint.empty()) return hint;
+  std::string best;
+  size_t best_shared = 0;
+  for (const auto& n : names) {
+    size_t shared = 0;
+    while (shared < name.size() && shared < n.size() && name[shared] == n[shared]) ++shared;
+    if (shared == name.size()) return n;
+    if (shared > best_shared) best_shared = shared, best = n;
+  }
+  return best_shared * 3 >= name.size() * 2 ? best : "";
+}
+
+// torchrun's words for --nproc_per_node: cpu (this machine's cores), gpu (its NVIDIA GPUs: the driver's list, or
+// CUDA_VISIBLE_DEVICES's where set), auto (the GPUs, else the cores).
+CLI::Validator torchrun_process_counts() {
+  return CLI::Validator(
+      [](std::string& value) {
+        if (value != "auto" && value != "cpu" && value != "gpu") return std::string();
+        int gpus = 0;
+        std::error_code ignored;
+        for (auto it = std::filesystem::directory_iterator("/proc/driver/nvidia/gpus", ignored);
+             it != std::filesystem::directory_iterator(); ++it)
+          ++gpus;
+        if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES"); visible && gpus > 0) {
+          const std::string list = visible;
+          const int listed = list.empty() ? 0 : static_cast<int>(std::count(list.begin(), list.end(), ',')) + 1;
+          gpus = std::min(gpus, listed);
+        }
+        if (value == "gpu" && gpus == 0)
+          return std::string("gpu: this machine shows no NVIDIA GPU (none under /proc/driver/nvidia/gpus, or "
+                             "CUDA_VISIBLE_DEVICES empty); give a number of processes, or cpu");
+        value = std::to_string(value == "cpu" || gpus == 0 ? std::max(1u, std::thread::hardware_concurrency()) : gpus);
+        return std::string();
+      },
+      "N|auto|cpu|gpu");
 }
 
 }  // namespace
@@ -37,7 +81,7 @@ std::vector<std::string> normalize_launch_args(const CLI::App& launch, const std
       std::vector<std::string> names;
       for (const auto* o : launch.get_options())
         for (const auto& n : o->get_lnames()) names.push_back("--" + n);
-      std::string hint = text::closest(name, names);
+      std::string hint = closest_option(name, names);
       throw ConfigError(fmt::format("xlr8 launch: unknown option {}{}; to pass it to the program, put it after the "
                                     "program's name",
                                     name, hint.empty() ? "" : fmt::format(" (did you mean {}?)", hint)));
@@ -98,6 +142,26 @@ static void add_config_section_options(CLI::App* cmd, const std::shared_ptr<Laun
                          {"fp8_backend", "fp8_margin", "fp8_interval", "fp8_format", "fp8_amax_history_len",
                           "fp8_amax_compute_algo", "fp8_override_linear_precision", "fp8_opt_level",
                           "fp8_enable_fsdp_float8_all_gather", "fp8_pad_inner_dim"});
+  // `accelerate launch`'s TorchDynamo and TPU flags, as their keys: off is accepted (no dynamo backend, no bf16
+  // downcast), anything on is refused in one line as the file's key is.
+  add_config_key_options(cmd, req, &LaunchRequest::other_keys, "Compatibility", "as the config file's ",
+                         {"main_training_function"});
+  for (const char* key : {"dynamo_backend", "dynamo_mode"})
+    cmd->add_option_function<std::string>(
+           spellings(std::string("--") + key),
+           [req, key](const std::string& v) { req->other_keys[std::string("dynamo_config.") + key] = v; },
+           std::string("as the config file's dynamo_config.") + key)
+        ->group("Compatibility");
+  for (const char* key : {"dynamo_use_fullgraph", "dynamo_use_dynamic", "dynamo_use_regional_compilation"})
+    cmd->add_flag_callback(
+           spellings(std::string("--") + key),
+           [req, key] { req->other_keys[std::string("dynamo_config.") + key] = "true"; },
+           std::string("as the config file's dynamo_config.") + key)
+        ->group("Compatibility");
+  cmd->add_flag_callback(
+         spellings("--downcast_bf16"), [req] { req->other_keys["downcast_bf16"] = "true"; },
+         "as the config file's downcast_bf16 (TPU only: refused)")
+      ->group("Compatibility");
   const auto autocast_in_eval = [req] { req->fp8["fp8_use_autocast_during_eval"] = "true"; };
   cmd->add_flag_callback(spellings("--fp8_use_autocast_during_eval"), autocast_in_eval,
                          "fp8: evaluate in fp8 too (fp8_config.use_autocast_during_eval)")
@@ -144,7 +208,9 @@ void add_launch_options(CLI::App* cmd, const std::shared_ptr<LaunchRequest>& req
   cmd->add_flag("--enable_cpu_affinity,--enable-cpu-affinity", r.enable_cpu_affinity,
                 "Bind each worker to its own share of this machine's cores (ACCELERATE_CPU_AFFINITY)");
   // torchrun spellings.
-  cmd->add_option("--nproc-per-node,--nproc_per_node", r.nproc_per_node, "Processes on this machine (torchrun)");
+  cmd->add_option("--nproc-per-node,--nproc_per_node", r.nproc_per_node,
+                  "Processes on this machine (torchrun): a number, or cpu, gpu or auto (the GPUs, else the cores)")
+      ->transform(torchrun_process_counts());
   cmd->add_option("--nnodes", r.nnodes, "Number of machines, N or MIN:MAX (torchrun; a range needs --rdzv_backend c10d)");
   cmd->add_option("--node-rank,--node_rank", r.machine_rank, "Rank of this machine (torchrun)");
   cmd->add_option("--master-addr,--master_addr", r.main_process_ip, "Address of machine 0 (torchrun)");
