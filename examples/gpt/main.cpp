@@ -76,7 +76,8 @@ double peak_rss_mb() { return status_mb("VmHWM:"); }
 // Resets VmHWM to the current RSS, so that a later peak_rss_mb() measures what happened since.
 void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
 
-double validation_loss(xlr8::Accelerator& acc, gpt::Gpt& model, xlr8::DataLoader<gpt::TextWindows>& val) {
+// The mean loss over the held-out windows; null when there are none (as the pipeline path reports it).
+nlohmann::json validation_loss(xlr8::Accelerator& acc, gpt::Gpt& model, xlr8::DataLoader<gpt::TextWindows>& val) {
   torch::NoGradGuard no_grad;
   model->eval();
   double sum = 0;
@@ -96,7 +97,7 @@ double validation_loss(xlr8::Accelerator& acc, gpt::Gpt& model, xlr8::DataLoader
     windows += all.size(0);
   }
   model->train();
-  return windows ? sum / static_cast<double>(windows) : 0.0;
+  return windows ? nlohmann::json(sum / static_cast<double>(windows)) : nlohmann::json();
 }
 
 int run(const Args& args) {
@@ -248,8 +249,9 @@ int run(const Args& args) {
   auto cp_blocks = acc.gather(torch::full(
       {1}, static_cast<double>(xlr8::cp::attention_blocks() - cp_blocks_before) / std::max<int64_t>(micro_steps, 1),
       torch::kFloat64));
-  const double val_loss = validation_loss(acc, model, *val);
-  acc.print("validation loss {:.4f} over {} held-out windows", val_loss, (val_text.numel() - 1) / args.seq_len);
+  const auto val_loss = validation_loss(acc, model, *val);
+  if (val_loss.is_null()) acc.print("validation: no held-out window (--val_windows {}); val_loss is null", args.val_windows);
+  else acc.print("validation loss {:.4f} over {} held-out windows", val_loss.get<double>(), (val_text.numel() - 1) / args.seq_len);
   auto mean_loss = acc.reduce(torch::full({1}, last_loss, torch::kFloat64), xlr8::ReduceOp::AVG).item<double>();
   auto largest = acc.reduce(torch::tensor({static_cast<double>(held), static_cast<double>(peak), peak_rss_mb(),
                                            between_steps_rss_mb},

@@ -97,6 +97,11 @@ LoadPlan read_and_check(const AcceleratorImpl& s, const checkpoints::Verified& s
   if (saved.models() != 0 && saved.models() != s.models.size())
     throw Error(fmt::format("load_state: {} holds {} model(s) but {} were prepared; nothing was loaded",
                             source.string(), saved.models(), s.models.size()));
+  if (st.value("micro_step", int64_t{0}) < 0 || st.value("gradient_accumulation_steps", int64_t{1}) < 1)
+    throw Error(fmt::format("load_state: {} holds micro_step {} and gradient_accumulation_steps {}, which xlr8 never "
+                            "writes (0 or more, 1 or more): it was edited or damaged; nothing was loaded",
+                            source.string(), st.value("micro_step", int64_t{0}),
+                            st.value("gradient_accumulation_steps", int64_t{1})));
   auto optimizer_steps = st.value("optimizer_steps", nlohmann::json::array());
   if (optimizer_steps.size() != s.optimizers.size())
     throw Error(fmt::format("load_state: {} holds {} optimizer(s) but {} were prepared; nothing was loaded",
@@ -136,7 +141,7 @@ LoadPlan read_and_check(const AcceleratorImpl& s, const checkpoints::Verified& s
 // then starts its windows where the saved run's ended, not wherever the count modulo the new accumulation falls.
 int64_t position_in_window(const nlohmann::json& st, int accumulation_now, const fs::path& source, bool main_process) {
   const int64_t saved_count = st.value("micro_step", int64_t{0});
-  const int64_t saved_accumulation = std::max<int64_t>(1, st.value("gradient_accumulation_steps", int64_t{accumulation_now}));
+  const int64_t saved_accumulation = st.value("gradient_accumulation_steps", int64_t{accumulation_now});  // checked
   const int64_t position = saved_count % saved_accumulation;
   if (position == 0 || saved_accumulation == accumulation_now) return position;
   if (main_process)

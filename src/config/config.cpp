@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <sstream>
 #include <tuple>
 
@@ -166,7 +167,7 @@ void config::refuse_repeated_keys(const YAML::Node& node, const std::string& ori
   if (!node.IsMap()) return;
   std::map<std::string, std::pair<int, std::string>> first;  // key -> its line and value, as first written
   for (const auto& kv : node) {
-    const auto key = kv.first.Scalar();
+    const auto key = kv.first.IsScalar() ? kv.first.Scalar() : YAML::Dump(kv.first);
     const int line = kv.first.Mark().line + 1;
     const auto value = YAML::Dump(kv.second);
     if (const auto [it, fresh] = first.emplace(key, std::pair{line, value}); !fresh && it->second.second != value)
@@ -174,6 +175,18 @@ void config::refuse_repeated_keys(const YAML::Node& node, const std::string& ori
                                     origin, prefix, key, it->second.first, line));
     refuse_repeated_keys(kv.second, origin, prefix + key + ".");
   }
+}
+
+YAML::Node config::without_repeated_keys(const YAML::Node& node) {
+  if (!node.IsMap()) return node;
+  YAML::Node out(YAML::NodeType::Map);
+  std::set<std::string> seen;
+  for (const auto& kv : node) {
+    if (!seen.insert(YAML::Dump(kv.first)).second) continue;
+    if (kv.first.IsScalar()) out[kv.first.Scalar()] = without_repeated_keys(kv.second);
+    else out[kv.first] = without_repeated_keys(kv.second);
+  }
+  return out;
 }
 
 LaunchConfig parse_config(const std::string& yaml_text, const std::string& origin) {
@@ -406,7 +419,7 @@ std::string to_yaml(const LaunchConfig& c) {
 
 void save_config(const LaunchConfig& config, const std::string& path) {
   fs::path target(path);
-  if (fs::is_directory(target))
+  if (std::error_code unreadable; fs::is_directory(target, unreadable))
     throw ConfigError(fmt::format("cannot write the config to {:?}: it is a directory; give a file's path, such as {:?}",
                                   path, (target / "default_config.yaml").string()));
   if (target.has_parent_path()) fs::create_directories(target.parent_path());

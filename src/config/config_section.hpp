@@ -158,5 +158,7 @@ class Section {
 // would read the first and PyYAML (so Accelerate) the last, and the file would mean two things. The same value twice
 // (as in Accelerate's own test files) means one thing and loads.
 void refuse_repeated_keys(const YAML::Node& node, const std::string& origin, const std::string& prefix = "");
+// The same mapping with each key once (its first entry), at any depth: so that setting a key sets its one entry.
+YAML::Node without_repeated_keys(const YAML::Node& node);
 
 }  // namespace xlr8::config

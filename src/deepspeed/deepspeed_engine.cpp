@@ -290,22 +290,29 @@ nlohmann::json Engine::Counters::state() const {
 }
 
 void Engine::Counters::load_state(const nlohmann::json& state) {
-  engine->global_steps_ = state.at("global_steps").get<int64_t>();
-  engine->global_samples_ = state.at("global_samples").get<int64_t>();
-  engine->skipped_steps_ = state.at("skipped_steps").get<int64_t>();
-  engine->micro_steps_ = state.at("micro_steps").get<int64_t>();
   // The windows go on where the saved run's stood, also under another accumulation (same global batch, other
   // micro-batches); one saved partway through a window of another size starts again (no partial gradients are saved).
   const int64_t gas = engine->sizes_.gradient_accumulation_steps;
-  int64_t into = state.value("micro_steps_into_window", engine->micro_steps_ % gas);
-  if (into != 0 && state.value("gradient_accumulation_steps", gas) != gas) {
+  const int64_t micro_steps = state.at("micro_steps").get<int64_t>();
+  const int64_t saved_gas = state.value("gradient_accumulation_steps", gas);
+  int64_t into = state.value("micro_steps_into_window", micro_steps % gas);
+  if (micro_steps < 0 || saved_gas < 1 || into < 0 || into >= saved_gas)
+    throw Error(fmt::format("load_checkpoint: micro_steps {}, micro_steps_into_window {} and gradient_accumulation_steps "
+                            "{} cannot be what the engine saved (0 or more, the window's place below its size): the "
+                            "checkpoint was edited or damaged",
+                            micro_steps, into, saved_gas));
+  if (into != 0 && saved_gas != gas) {
     if (engine->accelerator_->is_main_process())
       log::warning("xlr8: the checkpoint was saved {} micro-step(s) into a window of {} and gradient_accumulation_steps "
                    "is now {}: the window starts again",
-                   into, state.value("gradient_accumulation_steps", gas), gas);
+                   into, saved_gas, gas);
     into = 0;
   }
-  engine->window_origin_ = engine->micro_steps_ - into;
+  engine->global_steps_ = state.at("global_steps").get<int64_t>();
+  engine->global_samples_ = state.at("global_samples").get<int64_t>();
+  engine->skipped_steps_ = state.at("skipped_steps").get<int64_t>();
+  engine->micro_steps_ = micro_steps;
+  engine->window_origin_ = micro_steps - into;
   client_state = state.at("client_state");
 }
 

@@ -43,43 +43,52 @@ bool wait_until_listening(const Topology& t, std::chrono::steady_clock::time_poi
 
 std::vector<uint8_t> bytes_of(const std::string& text) { return {text.begin(), text.end()}; }
 
-// The job this server belongs to, which every rank must share: its id and its number of ranks. A rank that
-// disagrees stops with an error instead of joining, and leaves a note for rank 0's timeout to name: either a
-// machine of this job counted the ranks differently, or a rank of another job (a stale MASTER_PORT) came here.
-// Rank 0 does not stop for it: a stray rank of another job must not end this one.
+// The job this server belongs to, which every rank must share: its id and its number of ranks, in one key (as
+// earlier versions wrote it). A rank that disagrees stops with an error instead of joining, and leaves a note for
+// rank 0's timeout to name: either a machine of this job counted the ranks differently, or a rank of another job (a
+// stale MASTER_PORT) came here. Rank 0 does not stop for it: a stray rank of another job must not end this one.
 void check_same_job(c10d::Store& store, const Topology& t, const std::string& where, const std::string& host) {
   const std::string name = t.job_id.empty() ? "this job" : t.job_id;
+  const std::string job = fmt::format("{} with {} ranks", name, t.world_size);
   if (t.rank == 0) {
-    store.set("xlr8/rdzv/job", bytes_of(name));
-    store.set("xlr8/rdzv/world_size", bytes_of(std::to_string(t.world_size)));
+    store.set("xlr8/rdzv/job", bytes_of(job));
     return;
   }
-  const auto their_bytes = store.get("xlr8/rdzv/job"), their_size_bytes = store.get("xlr8/rdzv/world_size");
-  const std::string theirs(their_bytes.begin(), their_bytes.end()), their_size(their_size_bytes.begin(), their_size_bytes.end());
-  if (theirs == name && their_size == std::to_string(t.world_size)) return;
-  const auto note = fmt::format("rank {} on {} expected {} ranks in all ({})", t.rank, host, t.world_size, name);
-  store.set(fmt::format("xlr8/rdzv/refused/{}", store.add("xlr8/rdzv/refused", 1)), bytes_of(note));
-  if (theirs != name)
-    throw Error(fmt::format("rank {} ({} with {} ranks) reached the rendezvous server at {} of another job ({} with {} "
-                            "ranks); give this job a port of its own with MASTER_PORT",
-                            t.rank, name, t.world_size, where, theirs, their_size));
+  const auto their_bytes = store.get("xlr8/rdzv/job");
+  const std::string theirs(their_bytes.begin(), their_bytes.end());
+  if (theirs == job) return;
+  const auto with = theirs.rfind(" with ");
+  const bool same_name = with != std::string::npos && theirs.substr(0, with) == name;
+  const auto note = fmt::format("rank {} on {} expected {} ranks in all ({}: {})", t.rank, host, t.world_size, name,
+                                same_name ? "every machine must count the same processes"
+                                          : "another job's, which needs a port of its own");
+  // The note is written before it is counted, so that rank 0 never waits for a counted note.
+  const auto key = fmt::format("xlr8/rdzv/refused/{}/{}", host, t.rank);
+  store.set(key, bytes_of(note));
+  store.append("xlr8/rdzv/refused", bytes_of(key + "\n"));
+  if (!same_name)
+    throw Error(fmt::format("rank {} ({}) reached the rendezvous server at {} of another job ({}); give this job a port "
+                            "of its own with MASTER_PORT",
+                            t.rank, job, where, theirs));
   throw Error(fmt::format("rank {} expected {} ranks in all, but rank 0 started the rendezvous at {} for {}: every "
                           "machine must count the same processes (--num_processes is the total over all machines; or "
                           "give every machine the same --nproc_per_node and --num_machines). If that server is another "
                           "job's, give this job a port of its own with MASTER_PORT",
-                          t.rank, t.world_size, where, their_size));
+                          t.rank, t.world_size, where, with == std::string::npos ? theirs : theirs.substr(with + 6)));
 }
 
 // What rank 0's timeout adds about ranks that came and were refused (check_same_job's notes).
 std::string refused_ranks(c10d::Store& store) {
   try {
-    const int64_t count = store.add("xlr8/rdzv/refused", 0);
+    if (!store.check({"xlr8/rdzv/refused"})) return "";
+    const auto listed = store.get("xlr8/rdzv/refused");
     std::vector<std::string> notes;
-    for (int64_t k = 1; k <= count; ++k) {
-      const auto note = store.get(fmt::format("xlr8/rdzv/refused/{}", k));
+    for (const auto& key : text::split(std::string(listed.begin(), listed.end()), '\n')) {
+      if (key.empty() || !store.check({key})) continue;
+      const auto note = store.get(key);
       notes.emplace_back(note.begin(), note.end());
     }
-    return notes.empty() ? "" : fmt::format(". Refused here: {}; every machine must count the same processes", fmt::join(notes, "; "));
+    return notes.empty() ? "" : fmt::format(". Refused here: {}", fmt::join(notes, "; "));
   } catch (const std::exception&) {
     return "";
   }

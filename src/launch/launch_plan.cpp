@@ -250,7 +250,7 @@ void machines_from_slurm(const LaunchRequest& r, YAML::Node& root) {
 
 // The config file's YAML (an empty file: an empty map).
 YAML::Node config_file_yaml(const std::string& path) {
-  if (std::filesystem::is_directory(path))
+  if (std::error_code unreadable; std::filesystem::is_directory(path, unreadable))
     throw ConfigError(fmt::format("--config_file {:?} is a directory: give the YAML file (`xlr8 config` writes one)", path));
   std::ifstream in(path);
   if (!in) throw ConfigError(fmt::format("--config_file {:?} does not exist or cannot be read", path));
@@ -264,6 +264,7 @@ YAML::Node config_file_yaml(const std::string& path) {
   }
   if (root.IsNull()) return YAML::Node(YAML::NodeType::Map);
   config::refuse_repeated_keys(root, path);  // before the flags overlay the file, with the file's lines
+  root = config::without_repeated_keys(root);  // a flag then sets the one entry left
   if (!root.IsMap())
     throw ConfigError(fmt::format("{}: the file must be a mapping of keys to values (such as `num_processes: 2`), not a "
                                   "{}; `xlr8 config` writes one",
@@ -276,15 +277,21 @@ void refuse_disagreeing_counts(const LaunchRequest& r) {
   if (r.nproc_per_node && *r.nproc_per_node < 1)
     throw ConfigError(fmt::format("--nproc_per_node {} must be at least 1 (or auto, cpu, gpu)", *r.nproc_per_node));
   const auto [min_nodes, max_nodes] = r.nnodes ? parse_nnodes(*r.nnodes) : std::pair<int, int>{0, 0};
-  if (r.num_machines && max_nodes > 0 && (min_nodes != max_nodes || max_nodes != *r.num_machines))
+  if (r.num_machines && min_nodes != max_nodes)
+    throw ConfigError(fmt::format("--nnodes {} is a range (an elastic job) and takes no --num_machines: remove --num_machines",
+                                  *r.nnodes));
+  if (r.num_machines && max_nodes > 0 && max_nodes != *r.num_machines)
     throw ConfigError(fmt::format("--nnodes {} and --num_machines {} disagree: give one of them", *r.nnodes, *r.num_machines));
-  if (r.nproc_per_node && r.num_processes && min_nodes == max_nodes) {
-    const int machines = r.num_machines.value_or(std::max(max_nodes, 1));
-    if (*r.nproc_per_node * machines != *r.num_processes)
-      throw ConfigError(fmt::format("--nproc_per_node {} on {} machine(s) is {} processes, but --num_processes is {}: give "
-                                    "one of them (--num_processes counts every machine's)",
-                                    *r.nproc_per_node, machines, *r.nproc_per_node * machines, *r.num_processes));
-  }
+}
+
+// --nproc_per_node times the machines (from the flags, the file or Slurm) must be --num_processes where both are given.
+void refuse_disagreeing_process_count(const LaunchRequest& r, const YAML::Node& root) {
+  if (!r.nproc_per_node || !r.num_processes) return;
+  const int machines = root["num_machines"].as<int>(1);
+  if (*r.nproc_per_node * machines != *r.num_processes)
+    throw ConfigError(fmt::format("--nproc_per_node {} on {} machine(s) is {} processes, but --num_processes is {}: give "
+                                  "one of them (--num_processes counts every machine's)",
+                                  *r.nproc_per_node, machines, *r.nproc_per_node * machines, *r.num_processes));
 }
 
 // The flags that set the file's keys of what the job does (precision, strategy, sections), over the file's values.
@@ -314,6 +321,9 @@ void overlay_settings(const LaunchRequest& r, YAML::Node& root) {
     if (dot == std::string::npos) root[key] = v;
     else root[key.substr(0, dot)][key.substr(dot + 1)] = v;
   }
+  // An older file's top-level dynamo_backend gives way to the flag too, as in Accelerate.
+  if (r.other_keys.count("dynamo_config.dynamo_backend") && root["dynamo_backend"])
+    root["dynamo_backend"] = r.other_keys.at("dynamo_config.dynamo_backend");
 }
 
 }  // namespace
@@ -330,6 +340,7 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   if (r.num_machines) root["num_machines"] = *r.num_machines;
   auto elastic = plan_rendezvous(r, root);
   if (!elastic) machines_from_slurm(r, root);
+  if (!elastic) refuse_disagreeing_process_count(r, root);
   if (r.nproc_per_node && !elastic) root["num_processes"] = *r.nproc_per_node * root["num_machines"].as<int>(1);
   if (r.machine_rank) root["machine_rank"] = *r.machine_rank;
   if (r.main_process_ip) root["main_process_ip"] = *r.main_process_ip;

@@ -666,6 +666,12 @@ TEST(Cli, ConfigDefaultAndInteractiveWriteLoadableFiles) {
   auto r = run(launch({"--config_file", dir + "/i.yaml", "--num_processes", "2"}, {"env", dir}));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(read_env_file(dir + "/rank1.env")["ACCELERATE_MIXED_PRECISION"], "bf16");
+  // Piped answers with a typo whose input then ends: an error, and no file (before: the defaults, written, exit 0).
+  auto typo = run({"/bin/sh", "-c", fmt::format("printf 'DEEPSPED\n' | {} config --config_file {}/t.yaml", kXlr8, dir)});
+  EXPECT_NE(typo.exit_code, 0) << typo.out;
+  EXPECT_NE(typo.err.find("the answer \"DEEPSPED\" to \"Which kind of training\" was refused"), std::string::npos)
+      << typo.err;
+  EXPECT_FALSE(fs::exists(dir + "/t.yaml"));
   fs::remove_all(dir);
 }
 

@@ -2,14 +2,17 @@
 // output) either loads, or is refused with one line that names the key and the value. Plus the shapes
 // older Accelerate versions wrote, which current files no longer show.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <map>
 
 #include "parallel/shard/zero_strategy.hpp"
 #include "xlr8/config.hpp"
 #include "xlr8/error.hpp"
+#include "xlr8/launcher.hpp"
 #include "xlr8/settings.hpp"
 
 using namespace xlr8;
@@ -293,4 +296,103 @@ TEST(AccelerateConfigs, KeysThatTurnOnMissingFeaturesAreRefusedByName) {
   EXPECT_EQ(error_of_text("tpu_use_sudo: 'no'\ntpu_vm:\n- ''\ndowncast_bf16: false\ndynamo_config:\n  dynamo_backend: NO\n"
                           "use_mps_device: false\ndeepspeed_config:\n  deepspeed_multinode_launcher: pdsh\n"),
             "");
+}
+
+namespace {
+
+// The message of the ConfigError plan_launch throws for `r`, or "" when it throws none.
+std::string launch_error(const LaunchRequest& r) {
+  return error_of([&] { plan_launch(r); });
+}
+
+}  // namespace
+
+// What a user types twice, or wrongly, at the launch: the flag's accumulation wins over the file's DeepSpeed section
+// (Accelerate keeps an explicit flag); torchrun's and Accelerate's counts must agree; a directory or a file that is not
+// a mapping, or with a key written twice, is refused naming it; an old file's unprefixed FSDP key gives way to the
+// --fsdp_* flag.
+TEST(LaunchPlan, WhatIsGivenTwiceOrWronglyIsDecidedOrRefusedInOneLine) {
+  const auto dir = std::filesystem::temp_directory_path() / ("xlr8_plan_twice_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  auto file = [&](const std::string& name, const std::string& text) {
+    const auto path = (dir / name).string();
+    std::ofstream(path) << text;
+    return path;
+  };
+  LaunchRequest r;
+  r.command = {"prog"};
+  r.config_file = file("ds.yaml", "distributed_type: DEEPSPEED\ndeepspeed_config:\n  gradient_accumulation_steps: 4\n  zero_stage: 2\nnum_processes: 16\n");
+  r.num_machines = 1;
+  r.num_processes = 2;
+  r.gradient_accumulation_steps = 3;
+  EXPECT_EQ(plan_launch(r).settings.gradient_accumulation_steps, 3);
+  r.deepspeed["gradient_clipping"] = "-1";  // refused as a DeepSpeed JSON's is, not taken as no clipping
+  EXPECT_NE(launch_error(r).find("value -1 must be >= 0 (0 disables clipping)"), std::string::npos) << launch_error(r);
+
+  LaunchRequest counts;
+  counts.command = {"prog"};
+  counts.config_file = "";
+  counts.nproc_per_node = 2;
+  counts.num_processes = 3;
+  EXPECT_NE(launch_error(counts).find("--nproc_per_node 2 on 1 machine(s) is 2 processes, but --num_processes is 3"),
+            std::string::npos)
+      << launch_error(counts);
+  counts.num_processes = 2;
+  EXPECT_EQ(launch_error(counts), "");
+  counts.nnodes = "2";
+  counts.num_machines = 3;
+  EXPECT_NE(launch_error(counts).find("--nnodes 2 and --num_machines 3 disagree"), std::string::npos) << launch_error(counts);
+  counts.num_machines.reset();
+  counts.nnodes.reset();
+  counts.num_processes.reset();
+  counts.nproc_per_node = 0;
+  EXPECT_NE(launch_error(counts).find("--nproc_per_node 0 must be at least 1"), std::string::npos) << launch_error(counts);
+
+  LaunchRequest files;
+  files.command = {"prog"};
+  files.config_file = dir.string();
+  EXPECT_NE(launch_error(files).find("is a directory: give the YAML file"), std::string::npos) << launch_error(files);
+  files.config_file = file("scalar.yaml", "hello\n");
+  EXPECT_NE(launch_error(files).find("must be a mapping of keys to values (such as `num_processes: 2`), not a single value"),
+            std::string::npos)
+      << launch_error(files);
+  files.config_file = file("list.yaml", "- a\n");
+  EXPECT_NE(launch_error(files).find("not a list"), std::string::npos) << launch_error(files);
+
+  files.config_file = file("twice.yaml", "num_processes: 2\nnum_processes: 3\n");  // PyYAML reads 3, yaml-cpp 2
+  EXPECT_NE(launch_error(files).find("twice.yaml: key num_processes is written twice with different values (lines 1 and 2); keep one"),
+            std::string::npos)
+      << launch_error(files);
+  files.config_file = file("twice_nested.yaml", "fsdp_config:\n  fsdp_version: 1\n  fsdp_version: 2\n");
+  EXPECT_NE(launch_error(files).find("key fsdp_config.fsdp_version is written twice with different values (lines 2 and 3)"), std::string::npos)
+      << launch_error(files);
+  files.config_file = file("same_twice.yaml", "num_processes: 2\nnum_processes: 2\n");  // one meaning: loads
+  EXPECT_EQ(launch_error(files), "");
+  files.config_file = file("old_fsdp.yaml", "distributed_type: FSDP\nfsdp_config:\n  sharding_strategy: 1\nnum_processes: 2\n");
+  ASSERT_TRUE(plan_launch(files).settings.fsdp);
+  EXPECT_EQ(plan_launch(files).settings.fsdp->sharding_strategy, ShardingStrategy::FULL_SHARD);
+  files.fsdp["fsdp_sharding_strategy"] = "SHARD_GRAD_OP";
+  EXPECT_EQ(plan_launch(files).settings.fsdp->sharding_strategy, ShardingStrategy::SHARD_GRAD_OP);
+  std::filesystem::remove_all(dir);
+}
+
+// `xlr8 config` writes what Accelerate (PyYAML, YAML 1.1) reads back as written: distributed_type NO quoted, since
+// a bare NO is false there; a directory given as the file is refused and leaves nothing behind.
+TEST(Config, SavedFileQuotesNoAndRefusesADirectory) {
+  const auto dir = std::filesystem::temp_directory_path() / ("xlr8_cfg_no_" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  auto c = parse_config("distributed_type: 'NO'\nnum_processes: 1\n");
+  save_config(c, (dir / "c.yaml").string());
+  std::ifstream in(dir / "c.yaml");
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("distributed_type: 'NO'\n"), std::string::npos) << text;
+  EXPECT_EQ(load_config((dir / "c.yaml").string()).distributed_type, DistributedType::NO);
+  try {
+    save_config(c, dir.string());
+    ADD_FAILURE() << "a directory was taken as the config file";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("it is a directory; give a file's path"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir.string() + ".tmp"));
+  std::filesystem::remove_all(dir);
 }

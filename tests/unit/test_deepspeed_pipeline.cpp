@@ -95,8 +95,8 @@ TEST(DeepSpeedPipelineModule, PartStartsCutWhereTheySayOrAreRefused) {
   // what to change, not the part starts the program never gave.
   whole->part_starts = {0, 2};
   const auto interleaved = config_error_of([&] { pp::parts_of(as_sequential(whole), 2, 2); });
-  EXPECT_NE(interleaved.find("an interleaved schedule runs 2 chunks a stage, 4 parts in all, but the model was cut into "
-                             "2 parts, one a stage"),
+  EXPECT_NE(interleaved.find("an interleaved schedule runs 2 chunks a stage, 4 parts in all, but the model's part "
+                             "starts cut it into 2 parts, one a stage"),
             std::string::npos)
       << interleaved;
   EXPECT_NE(interleaved.find("choose GPipe, 1F1B or ZeroBubble"), std::string::npos) << interleaved;

@@ -25,7 +25,8 @@ std::string conversion_message(const CLI::App& app, const std::string& what) {
   std::string command = "";
   for (const auto* sub : app.get_subcommands(nullptr))
     if (sub->parsed() && (option = sub->get_option_no_throw(name))) command = sub->get_name();
-  const std::string type = option ? option->get_type_name() : "";
+  std::string type = option ? option->get_type_name() : "";
+  type = type.substr(0, type.find(':'));  // "INT:N|auto|cpu|gpu": the type, then the validator's description
   const std::string takes = type == "INT" || type == "UINT" ? "a whole number"
                             : type == "FLOAT"               ? "a number"
                             : type.empty()                  ? "another kind of value"

@@ -13,7 +13,8 @@
 namespace xlr8::cli {
 namespace {
 
-// Asks until the answer is valid; an empty answer (or end of input) takes the default.
+// Asks until the answer is valid; an empty answer (or end of input) takes the default. Input that ends right after a
+// refused answer (piped answers with a typo) is an error, not the default in its place.
 class Asker {
  public:
   std::string ask(const std::string& question, const std::string& fallback, const std::vector<std::string>& choices = {}) {
@@ -23,13 +24,19 @@ class Asker {
       std::string line;
       if (!std::getline(std::cin, line)) {
         fmt::print("\n");
+        if (!refused_.empty())
+          throw ConfigError(fmt::format("xlr8 config: the answer {:?} to {:?} was refused and the input ended before "
+                                        "another; nothing was written",
+                                        refused_, question));
         return fallback;
       }
       line = text::trim(line);
+      refused_.clear();
       if (line.empty()) return fallback;
       if (choices.empty()) return line;
       for (auto& c : choices)
         if (text::lower(c) == text::lower(line)) return c;
+      refused_ = line;
       fmt::print("  please answer one of: {}\n", text::join(choices, ", "));
     }
   }
@@ -41,12 +48,16 @@ class Asker {
         if (v >= min) return v;
       } catch (const std::exception&) {
       }
+      refused_ = a;
       fmt::print("  please answer a whole number >= {}\n", min);
     }
   }
   bool ask_bool(const std::string& question, bool fallback) {
     return ask(question, fallback ? "yes" : "no", {"yes", "no"}) == "yes";
   }
+
+ private:
+  std::string refused_;  // the last answer refused, until another line comes
 };
 
 LaunchConfig interview() {

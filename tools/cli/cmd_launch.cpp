@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
+#include <map>
 #include <memory>
+#include <set>
 #include <thread>
 
 #include "cli/commands.hpp"
@@ -24,18 +26,25 @@ std::string spellings(const std::string& underscored) {
 }
 
 // The option a mistyped one most likely meant: the closest spelling, else the one it begins (--config for
-// --config_file), else one sharing most of its start (--num_procs for --num_processes).
+// --config_file), else one sharing most of its start (--num_procs for --num_processes); none when several options
+// would fit as well (--m).
 std::string closest_option(const std::string& name, const std::vector<std::string>& names) {
   if (auto hint = text::closest(name, names); !hint.empty()) return hint;
-  std::string best;
-  size_t best_shared = 0;
+  auto option_of = [](std::string n) {  // --a-b and --a_b are one option
+    std::replace(n.begin(), n.end(), '-', '_');
+    return n;
+  };
+  std::map<size_t, std::set<std::string>> by_shared;  // characters shared with `name` -> the options sharing that many
+  std::map<std::string, std::string> spelled;
   for (const auto& n : names) {
     size_t shared = 0;
     while (shared < name.size() && shared < n.size() && name[shared] == n[shared]) ++shared;
-    if (shared == name.size()) return n;
-    if (shared > best_shared) best_shared = shared, best = n;
+    by_shared[shared].insert(option_of(n));
+    spelled.emplace(option_of(n), n);
   }
-  return best_shared * 3 >= name.size() * 2 ? best : "";
+  if (by_shared.empty()) return "";
+  const auto& [shared, options] = *by_shared.rbegin();
+  return options.size() == 1 && shared * 3 >= name.size() * 2 ? spelled.at(*options.begin()) : "";
 }
 
 // torchrun's words for --nproc_per_node: cpu (this machine's cores), gpu (its NVIDIA GPUs: the driver's list, or

@@ -172,9 +172,9 @@ std::vector<std::pair<size_t, size_t>> parts_of(const torch::nn::Sequential& who
   }
   const auto& starts = partitioned->part_starts;
   if (chunks > 1 && starts.size() == static_cast<size_t>(stages))
-    throw ConfigError(fmt::format("pipeline: an interleaved schedule runs {} chunks a stage, {} parts in all, but the model "
-                                  "was cut into {} parts, one a stage (a deepspeed::PipelineModule builds only its "
-                                  "stage's layers, as DeepSpeed's does): choose GPipe, 1F1B or ZeroBubble "
+    throw ConfigError(fmt::format("pipeline: an interleaved schedule runs {} chunks a stage, {} parts in all, but the model's "
+                                  "part starts cut it into {} parts, one a stage (as a deepspeed::PipelineModule always "
+                                  "does: it builds only its stage's layers): choose GPipe, 1F1B or ZeroBubble "
                                   "(parallelism_config_pp_schedule), or give a whole Sequential or a PartitionedSequential "
                                   "with {} part starts",
                                   chunks, parts, stages, parts));
