@@ -368,6 +368,9 @@ TEST(LaunchPlan, WhatIsGivenTwiceOrWronglyIsDecidedOrRefusedInOneLine) {
       << launch_error(files);
   files.config_file = file("same_twice.yaml", "num_processes: 2\nnum_processes: 2\n");  // one meaning: loads
   EXPECT_EQ(launch_error(files), "");
+  files.num_processes = 3;  // and a flag sets its one entry
+  EXPECT_EQ(plan_launch(files).nproc_per_node, 3);
+  files.num_processes.reset();
   files.config_file = file("old_fsdp.yaml", "distributed_type: FSDP\nfsdp_config:\n  sharding_strategy: 1\nnum_processes: 2\n");
   ASSERT_TRUE(plan_launch(files).settings.fsdp);
   EXPECT_EQ(plan_launch(files).settings.fsdp->sharding_strategy, ShardingStrategy::FULL_SHARD);
