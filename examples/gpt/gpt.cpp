@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <iterator>
 
 #include "xlr8/context_parallel.hpp"
@@ -124,9 +125,12 @@ int64_t freeze(torch::nn::Module& model, const std::string& paths) {
   return frozen;
 }
 
-TextWindows::TextWindows(torch::Tensor bytes, int64_t seq_len) : bytes_(std::move(bytes)), seq_len_(seq_len) {
-  if (bytes_.numel() < seq_len_ + 1)
-    throw xlr8::Error(fmt::format("the text has {} bytes, fewer than one window of {}", bytes_.numel(), seq_len_ + 1));
+TextWindows::TextWindows(torch::Tensor bytes, int64_t seq_len, const std::string& what)
+    : bytes_(std::move(bytes)), seq_len_(seq_len) {
+  if (bytes_.numel() > 0 && bytes_.numel() < seq_len_ + 1)
+    throw xlr8::Error(fmt::format("the {} has {} bytes, fewer than one window of {} (--seq_len {} + 1): give more text "
+                                  "(--data_dir) or a shorter --seq_len",
+                                  what, bytes_.numel(), seq_len_ + 1, seq_len_));
 }
 
 torch::data::Example<> TextWindows::get(size_t index) {
@@ -135,23 +139,37 @@ torch::data::Example<> TextWindows::get(size_t index) {
 }
 
 torch::optional<size_t> TextWindows::size() const {
-  return static_cast<size_t>((bytes_.numel() - 1) / seq_len_);
+  return bytes_.numel() == 0 ? 0 : static_cast<size_t>((bytes_.numel() - 1) / seq_len_);  // none held out: empty
+}
+
+TextSplit split_text(const torch::Tensor& text, int64_t seq_len, int64_t held_out_windows) {
+  const int64_t split = text.numel() * 9 / 10;
+  const int64_t held = held_out_windows > 0 ? std::min(text.numel() - split, held_out_windows * seq_len + 1) : 0;
+  return {TextWindows(text.narrow(0, 0, split), seq_len, "training text (90 % of --data_dir's)"),
+          TextWindows(text.narrow(0, split, held), seq_len, "held-out text (what follows the training text, up to "
+                                                            "--val_windows windows)")};
 }
 
 torch::Tensor load_text(const std::string& dir) {
+  std::error_code failed;
+  if (!fs::is_directory(dir, failed))
+    throw xlr8::Error(fmt::format("--data_dir {}: {}; give a directory of text files", dir,
+                                  fs::exists(dir, failed) ? "not a directory" : "does not exist"));
   std::vector<fs::path> files;
-  if (fs::is_directory(dir))
-    for (auto& e : fs::directory_iterator(dir))
-      if (e.is_regular_file() && !e.is_symlink() && e.path().extension() != ".dat") files.push_back(e.path());
+  for (auto& e : fs::directory_iterator(dir))  // regular files and links to them; no subdirectories
+    if (e.is_regular_file() && e.path().extension() != ".dat") files.push_back(e.path());
   std::sort(files.begin(), files.end());
   std::string text;
+  std::set<fs::path> read;  // each file once: fortunes' "<name>.u8" links to "<name>"
   for (auto& f : files) {
+    if (!read.insert(fs::canonical(f)).second) continue;
     std::ifstream in(f, std::ios::binary);
     text.append(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
   }
   if (text.empty())
-    throw xlr8::Error(fmt::format("no text found in {}: install Debian's `fortunes` package (scripts/setup does) or "
-                                  "pass --data_dir",
+    throw xlr8::Error(fmt::format("no text found in {} (its regular files, not subdirectories, and not .dat files): put "
+                                  "text files there, or install Debian's `fortunes` package (scripts/setup does) and "
+                                  "leave --data_dir at its default",
                                   dir));
   auto bytes = torch::empty({static_cast<int64_t>(text.size())}, torch::kUInt8);
   std::memcpy(bytes.data_ptr(), text.data(), text.size());

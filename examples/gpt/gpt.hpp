@@ -98,7 +98,8 @@ int64_t freeze(torch::nn::Module& model, const std::string& paths);
 // Windows of seq_len + 1 bytes of one text, seq_len apart: input bytes and the next bytes as targets.
 class TextWindows : public torch::data::datasets::Dataset<TextWindows> {
  public:
-  TextWindows(torch::Tensor bytes, int64_t seq_len);
+  // `bytes` empty: no windows (nothing held out); otherwise at least one window, or an error naming `what`.
+  TextWindows(torch::Tensor bytes, int64_t seq_len, const std::string& what = "text");
   torch::data::Example<> get(size_t index) override;
   torch::optional<size_t> size() const override;
 
@@ -106,6 +107,13 @@ class TextWindows : public torch::data::datasets::Dataset<TextWindows> {
   torch::Tensor bytes_;
   int64_t seq_len_;
 };
+
+// 90 % of `text` for training and, after it, at most `held_out_windows` windows held out (none when 0); an error
+// naming the part and what to change where a part is shorter than one window.
+struct TextSplit {
+  TextWindows train, held_out;
+};
+TextSplit split_text(const torch::Tensor& text, int64_t seq_len, int64_t held_out_windows);
 
 // Every regular file of Debian's `fortunes` package (/usr/share/games/fortunes, no .dat indexes or
 // links), in name order, as one uint8 tensor. Throws xlr8::Error naming the directory when it is empty.

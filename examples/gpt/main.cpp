@@ -77,7 +77,10 @@ double peak_rss_mb() { return status_mb("VmHWM:"); }
 void reset_peak_rss() { std::ofstream("/proc/self/clear_refs") << "5"; }
 
 // The mean loss over the held-out windows; null when there are none (as the pipeline path reports it).
-nlohmann::json validation_loss(xlr8::Accelerator& acc, gpt::Gpt& model, xlr8::DataLoader<gpt::TextWindows>& val) {
+nlohmann::json validation_loss(xlr8::Accelerator& acc, gpt::Gpt& model,
+                               const std::shared_ptr<xlr8::DataLoader<gpt::TextWindows>>& held_out) {
+  if (!held_out) return nullptr;
+  auto& val = *held_out;
   torch::NoGradGuard no_grad;
   model->eval();
   double sum = 0;
@@ -142,14 +145,14 @@ int run(const Args& args) {
     scheduler = acc.prepare(xlr8::DummyScheduler(opt.optimizer(), args.max_steps, args.warmup_steps));
 
   // 90% of the text for training, the rest held out.
-  auto text = gpt::load_text(args.data_dir);
-  const int64_t split = text.numel() * 9 / 10;
-  auto val_text = text.narrow(0, split, text.numel() - split);
-  val_text = val_text.narrow(0, 0, std::min(val_text.numel(), args.val_windows * args.seq_len + 1));
-  auto train = acc.prepare_data_loader(gpt::TextWindows(text.narrow(0, 0, split), args.seq_len),
+  const auto text = gpt::load_text(args.data_dir);
+  auto [train_windows, held_out_windows] = gpt::split_text(text, args.seq_len, args.val_windows);
+  const auto held_out = *held_out_windows.size();
+  auto train = acc.prepare_data_loader(std::move(train_windows),
                                        {.batch_size = args.batch_size, .shuffle = true,
                                         .pin_memory = acc.device().is_cuda()});  // copies overlap the step
-  auto val = acc.prepare_data_loader(gpt::TextWindows(val_text, args.seq_len), {.batch_size = args.batch_size});
+  std::shared_ptr<xlr8::DataLoader<gpt::TextWindows>> val;  // none with --val_windows 0
+  if (held_out > 0) val = acc.prepare_data_loader(std::move(held_out_windows), {.batch_size = args.batch_size});
   double load_growth_mb = 0;  // how far loading the weights raised this rank's peak RSS
   if (!args.init_from.empty()) {
     reset_peak_rss();
@@ -183,6 +186,7 @@ int run(const Args& args) {
   double between_steps_rss_mb = 0;
   int64_t held = 0, peak = 0;
   double last_loss = 0;
+  bool loss_read = false;
   xlr8::GradNorm grad_norm;  // stays on the device: read once, for the report
   bool done = acc.step() >= args.max_steps;
   // A bar on a terminal, a line every --log_every steps otherwise (XLR8_PROGRESS=off: none).
@@ -220,9 +224,13 @@ int run(const Args& args) {
       const int64_t global_step = acc.step();
       // Reading the loss waits for the device: only on the steps that show it.
       if ((args.log_every > 0 && global_step % args.log_every == 0) || global_step >= args.max_steps)
-        last_loss = loss.item<double>();
+        last_loss = loss.item<double>(), loss_read = true;
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      bar.set_postfix({{"loss", last_loss}, {"tokens/s", std::round(tokens / std::max(seconds, 1e-9))}});
+      // The loss shown is the last one read (none before the first --log_every step), never a stand-in 0.
+      nlohmann::ordered_json postfix;
+      if (loss_read) postfix["loss"] = last_loss;
+      postfix["tokens/s"] = std::round(tokens / std::max(seconds, 1e-9));
+      bar.set_postfix(postfix);
       bar.update();
       if (args.checkpoint_every > 0 && global_step % args.checkpoint_every == 0) {
         const auto began = std::chrono::steady_clock::now();
@@ -249,9 +257,9 @@ int run(const Args& args) {
   auto cp_blocks = acc.gather(torch::full(
       {1}, static_cast<double>(xlr8::cp::attention_blocks() - cp_blocks_before) / std::max<int64_t>(micro_steps, 1),
       torch::kFloat64));
-  const auto val_loss = validation_loss(acc, model, *val);
+  const auto val_loss = validation_loss(acc, model, val);
   if (val_loss.is_null()) acc.print("validation: no held-out window (--val_windows {}); val_loss is null", args.val_windows);
-  else acc.print("validation loss {:.4f} over {} held-out windows", val_loss.get<double>(), (val_text.numel() - 1) / args.seq_len);
+  else acc.print("validation loss {:.4f} over {} held-out windows", val_loss.get<double>(), held_out);
   auto mean_loss = acc.reduce(torch::full({1}, last_loss, torch::kFloat64), xlr8::ReduceOp::AVG).item<double>();
   auto largest = acc.reduce(torch::tensor({static_cast<double>(held), static_cast<double>(peak), peak_rss_mb(),
                                            between_steps_rss_mb},

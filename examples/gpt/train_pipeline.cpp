@@ -42,13 +42,15 @@ void refuse_unsupported(const Args& args) {
 
 // The mean loss over the held-out windows that fill whole batches (pipeline_evaluate splits each into the
 // micro-batches), over every data-parallel replica; JSON null, and a line saying so, when no batch is whole.
-nlohmann::json held_out_loss(xlr8::Accelerator& acc, xlr8::DataLoader<TextWindows>& val, const Args& args) {
+nlohmann::json held_out_loss(xlr8::Accelerator& acc, const std::shared_ptr<xlr8::DataLoader<TextWindows>>& val,
+                             const Args& args) {
   double sum = 0;
   int64_t batches = 0;
-  for (auto& batch : val) {
-    sum += acc.pipeline_evaluate(batch.data, batch.target, next_byte_loss);
-    ++batches;
-  }
+  if (val)  // none with --val_windows 0; the reduce below is collective either way
+    for (auto& batch : *val) {
+      sum += acc.pipeline_evaluate(batch.data, batch.target, next_byte_loss);
+      ++batches;
+    }
   auto both = acc.reduce(at::tensor({sum, static_cast<double>(batches)}, at::kDouble));
   if (both[1].item<double>() > 0) return both[0].item<double>() / both[1].item<double>();
   acc.print("validation: no held-out batch is whole (--val_windows {} under --batch_size {} a replica), so none was "
@@ -69,12 +71,11 @@ int train_pipeline(xlr8::Accelerator& acc, const Args& args) {
   for (const auto& p : model->parameters()) held += p.numel();
   auto opt = acc.prepare(xlr8::optim::FusedAdamW(model->parameters(),
                                                  torch::optim::AdamWOptions(args.lr).weight_decay(args.weight_decay)));
-  auto text = load_text(args.data_dir);
-  const int64_t split = text.numel() * 9 / 10;
-  auto val_text = text.narrow(0, split, std::min(text.numel() - split, args.val_windows * args.seq_len + 1));
-  auto train = acc.prepare_data_loader(TextWindows(text.narrow(0, 0, split), args.seq_len),
-                                       {.batch_size = args.batch_size, .shuffle = true});
-  auto val = acc.prepare_data_loader(TextWindows(val_text, args.seq_len), {.batch_size = args.batch_size, .drop_last = true});
+  auto [train_windows, held_out_windows] = split_text(load_text(args.data_dir), args.seq_len, args.val_windows);
+  auto train = acc.prepare_data_loader(std::move(train_windows), {.batch_size = args.batch_size, .shuffle = true});
+  std::shared_ptr<xlr8::DataLoader<TextWindows>> val;
+  if (*held_out_windows.size() > 0)
+    val = acc.prepare_data_loader(std::move(held_out_windows), {.batch_size = args.batch_size, .drop_last = true});
   // "latest" on a first start (no automatic checkpoint yet) starts fresh and says so, as the other path does.
   const bool nothing_to_resume = args.resume_from == "latest" && !acc.latest_checkpoint();
   if (nothing_to_resume) acc.print("--resume_from latest: no checkpoint under {}/checkpoints yet; starting fresh", args.output_dir);
@@ -109,7 +110,7 @@ int train_pipeline(xlr8::Accelerator& acc, const Args& args) {
     const auto mean = acc.reduce(at::tensor(losses, at::kDouble), xlr8::ReduceOp::AVG);
     losses.assign(mean.data_ptr<double>(), mean.data_ptr<double>() + mean.numel());
   }
-  const auto val_loss = held_out_loss(acc, *val, args);
+  const auto val_loss = held_out_loss(acc, val, args);
   nlohmann::json held_by_rank = nlohmann::json::array();
   for (const auto& count : acc.gather_object(std::to_string(held))) held_by_rank.push_back(std::stoll(count));
   // Zero-bubble schedules: the last step's micro-batches each stage could not split (a backward run whole).

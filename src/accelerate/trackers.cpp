@@ -103,17 +103,22 @@ std::unique_ptr<Tracker> make_tracker(const std::string& name, const std::string
 
 std::vector<std::string> parse_log_with(const std::string& text) {
   std::vector<std::string> out;
+  bool all = false;
   std::string word;
   std::istringstream in(text);
   for (std::string part; std::getline(in, part, ',');) {
     std::istringstream words(part);
     while (words >> word) {
-      if (word == "all") return builtin_trackers();
-      if (std::find(builtin_trackers().begin(), builtin_trackers().end(), word) == builtin_trackers().end())
+      all = all || word == "all";
+      if (word != "all" && std::find(builtin_trackers().begin(), builtin_trackers().end(), word) == builtin_trackers().end())
         (void)make_tracker(word, "");  // throws naming the choices
-      out.push_back(word);
+      // Each tracker once: a name given twice would write every value twice into one file.
+      if (word != "all" && std::find(out.begin(), out.end(), word) == out.end()) out.push_back(word);
     }
   }
+  if (all) return builtin_trackers();
+  if (out.empty())
+    throw ConfigError(fmt::format("log_with {:?} names no tracker: give jsonl, csv, tensorboard or all", text));
   return out;
 }
 

@@ -311,6 +311,11 @@ Result Trainer::drive() {
     throw ConfigError(fmt::format("FailureConfig.max_failures {} must be -1 (without limit), 0 or more",
                                   run_.failure_config.max_failures));
   const std::string name = run_.name.empty() ? default_run_name() : run_.name;
+  // One directory under storage_path: a name with '/' or '..' would put the run (its checkpoints, lock, logs) elsewhere.
+  if (name == "." || name == ".." || name.find('/') != std::string::npos)
+    throw ConfigError(fmt::format("RunConfig.name {:?} must be one directory name under storage_path (no '/', not '.' "
+                                  "or '..'); give the parent directory as storage_path instead",
+                                  name));
   std::string storage = run_.storage_path;
   if (storage.empty()) {
     storage = (fs::path(env_var("HOME").value_or(".")) / "xlr8_results").string();

@@ -8,6 +8,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "oracle.hpp"
 #include "process_runner.hpp"
 #include "programs.hpp"
 #include "xlr8/launcher.hpp"
@@ -80,6 +81,43 @@ TEST(LaunchArguments, MisspeltOptionsAndValuesOfTheWrongKindAreOneClearLine) {
   EXPECT_NE(trace.err.find("XLR8_TRACE_BUFFER_SIZE=\"abc\" must be a whole number of collectives from 0"),
             std::string::npos)
       << trace.err;
+}
+
+// What the other commands were given wrongly, each one line before any work: an option given twice (CLI11's own
+// text, exit 114, before), verify's --rtol nan (which passed every comparison), merge-weights into the checkpoint it
+// reads (it overwrote the checkpoint's model file), a Trainer run name that leaves storage_path, and examples/gpt
+// with nothing held out (it stopped with "the text has 1 bytes").
+TEST(LaunchArguments, OtherCommandsRefuseWhatTheyWereGivenWronglyInOneLine) {
+  auto twice = run({kXlr8, "launch", "--num_processes", "2", "--num_processes", "1", "--", "true"});
+  EXPECT_EQ(twice.exit_code, 1);
+  EXPECT_NE(twice.err.find("was given more than once; give it once"), std::string::npos) << twice.err;
+  auto rtol = run({kXlr8, "verify", "--num_processes", "2", "--rtol", "nan", kTrain, "--batch", "8"});
+  EXPECT_EQ(rtol.exit_code, 1);
+  EXPECT_NE(rtol.err.find("--rtol nan must be a finite relative tolerance"), std::string::npos) << rtol.err;
+  const auto dir = temp_dir("bad-tool-input");
+  const Args tiny{"--n_layer", "1", "--d_model", "16", "--n_head", "2", "--seq_len", "16", "--batch_size", "2"};
+  Args gpt{kGpt, "--max_steps", "1", "--checkpoint_every", "1", "--val_windows", "0", "--output_dir", dir};
+  gpt.insert(gpt.end(), tiny.begin(), tiny.end());
+  auto trained = run(gpt, 120);
+  ASSERT_EQ(trained.exit_code, 0) << trained.err;
+  EXPECT_TRUE(last_json(trained.out)["val_loss"].is_null()) << trained.out;
+  gpt.push_back("--pipeline");
+  auto piped = run(gpt, 120);
+  ASSERT_EQ(piped.exit_code, 0) << piped.err;
+  EXPECT_TRUE(last_json(piped.out)["val_loss"].is_null()) << piped.out;
+  const auto checkpoint = dir + "/checkpoints/checkpoint_0";
+  const auto model_before = read_file(checkpoint + "/model.safetensors");
+  for (const auto& into : {checkpoint, checkpoint + "/inside"}) {
+    auto merged = run({kXlr8, "merge-weights", checkpoint, into, "--dtype", "bf16"});
+    EXPECT_EQ(merged.exit_code, 1) << merged.out;
+    EXPECT_NE(merged.err.find("is the checkpoint " + checkpoint + " or inside it"), std::string::npos) << merged.err;
+  }
+  EXPECT_EQ(read_file(checkpoint + "/model.safetensors"), model_before);
+  EXPECT_EQ(run({kXlr8, "merge-weights", checkpoint, dir + "/merged"}).exit_code, 0);
+  auto escaped = run({kTrainer, "--num_workers", "1", "--steps", "1", "--storage_path", dir + "/runs", "--name", ".."});
+  EXPECT_NE(escaped.exit_code, 0);
+  EXPECT_NE(escaped.err.find("RunConfig.name \"..\" must be one directory name under storage_path"), std::string::npos)
+      << escaped.err;
 }
 
 // `accelerate launch`'s TorchDynamo and TPU flags are options here too (as often copied from its command lines):

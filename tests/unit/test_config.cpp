@@ -390,3 +390,12 @@ TEST(FreePort, PickedBelowTheKernelsEphemeralPortsAtRandomAndFree) {
   }
   EXPECT_GT(seen.size(), 15u);  // 20 draws from over 20,000 ports
 }
+
+// log_with names each tracker once (a name given twice wrote every value twice into one file), checks every name even
+// after "all", and refuses a value naming none (it started no tracker, silently).
+TEST(Trackers, LogWithNamesEachTrackerOnceChecksEveryNameAndRefusesNone) {
+  EXPECT_EQ(parse_log_with("jsonl,jsonl, csv jsonl"), (std::vector<std::string>{"jsonl", "csv"}));
+  EXPECT_EQ(parse_log_with("csv,all"), builtin_trackers());
+  EXPECT_THROW(parse_log_with("all,bogus"), ConfigError);
+  EXPECT_THROW(parse_log_with(" , "), ConfigError);
+}

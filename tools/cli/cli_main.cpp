@@ -72,6 +72,10 @@ int run_cli(int argc, char** argv, const std::vector<AddCommand>& commands) {
   } catch (const CLI::ValidationError& e) {
     fmt::print(stderr, "xlr8: error: {}\n", e.what());
     return 1;
+  } catch (const CLI::ArgumentMismatch& e) {  // "--num_processes: At Most 1 required but received 2"
+    fmt::print(stderr, "xlr8: error: {}: an option that takes one value was given more than once; give it once\n",
+               e.what());
+    return 1;
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const Error& e) {

@@ -4,6 +4,7 @@
 // written and dropped, so the peak memory is about the largest tensor, not the model.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -58,6 +59,17 @@ int merge(Args a) {
     throw ConfigError(fmt::format("merge-weights: checkpoint {} does not exist; give a directory save_state wrote "
                                   "(such as <project_dir>/checkpoints/checkpoint_0)",
                                   a.checkpoint));
+  // The output must not be the checkpoint or inside it (its model.safetensors would be overwritten), nor a file.
+  std::error_code ignored;
+  const auto source = fs::weakly_canonical(checkpoints::directory_path(a.checkpoint), ignored);
+  const auto target = fs::weakly_canonical(fs::absolute(a.out), ignored);
+  const auto [end, rest] = std::mismatch(source.begin(), source.end(), target.begin(), target.end());
+  if (end == source.end())
+    throw ConfigError(fmt::format("merge-weights: output {} is the checkpoint {} or inside it, whose files it would "
+                                  "overwrite; give another directory",
+                                  a.out, a.checkpoint));
+  if (fs::exists(a.out, ignored) && !fs::is_directory(a.out, ignored))
+    throw ConfigError(fmt::format("merge-weights: output {} is a file; give a directory to write into", a.out));
   const checkpoints::Verified saved(checkpoints::directory_path(a.checkpoint));
   const checkpoints::PieceReader reader(saved);
   // The model's own order (parameters, then buffers) when the checkpoint records it; else by name.

@@ -311,6 +311,8 @@ int verify(const LaunchRequest& request, const VerifyOptions& v) {
   one.extra_env["OMP_NUM_THREADS"] = many.extra_env["OMP_NUM_THREADS"];
 
   const double rtol = v.rtol.value_or(default_rtol(many.settings.mixed_precision));
+  if (!(rtol >= 0 && std::isfinite(rtol)))  // a NaN bound compares false with every difference: all would pass
+    throw ConfigError(fmt::format("--rtol {} must be a finite relative tolerance of 0 or more (e.g. 1e-4)", rtol));
   const auto scratch = v.keep.empty() ? std::make_unique<ScratchDir>("verify") : std::make_unique<ScratchDir>();
   const fs::path base = v.keep.empty() ? scratch->path() : fs::path(v.keep);
 
