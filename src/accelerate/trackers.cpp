@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
@@ -18,6 +19,14 @@ namespace xlr8 {
 namespace {
 
 // One JSON object per log() call: {"step": s, ...values}.
+// A logged NaN or infinity kept as what it was: JSON has no such number, and nlohmann's dump writes null (a value
+// not logged). Python's json reads the same names from its own files; here they are strings, valid JSON.
+nlohmann::json named_if_not_finite(const nlohmann::json& v) {
+  if (!v.is_number_float() || std::isfinite(v.get<double>())) return v;
+  const double x = v.get<double>();
+  return std::isnan(x) ? "NaN" : x > 0 ? "Infinity" : "-Infinity";
+}
+
 class JsonLinesTracker final : public Tracker {
  public:
   explicit JsonLinesTracker(const std::string& dir) : Tracker(dir), out_(fs::path(dir) / "metrics.jsonl", std::ios::app) {
@@ -27,7 +36,7 @@ class JsonLinesTracker final : public Tracker {
   void log(const nlohmann::json& values, std::optional<int64_t> step) override {
     nlohmann::json line = nlohmann::json::object();
     if (step) line["step"] = *step;
-    for (auto& [k, v] : values.items()) line[k] = v;
+    for (auto& [k, v] : values.items()) line[k] = named_if_not_finite(v);
     out_ << line.dump() << '\n' << std::flush;
   }
   void finish() override { out_.close(); }
@@ -38,6 +47,8 @@ class JsonLinesTracker final : public Tracker {
 
 std::string csv_field(const nlohmann::json& v) {
   if (v.is_null()) return "";
+  if (v.is_number_float() && !std::isfinite(v.get<double>()))  // as pandas and strtod read them
+    return std::isnan(v.get<double>()) ? "nan" : v.get<double>() > 0 ? "inf" : "-inf";
   std::string text = v.is_string() ? v.get<std::string>() : v.dump();
   if (text.find_first_of(",\"\n") == std::string::npos) return text;
   std::string quoted = "\"";

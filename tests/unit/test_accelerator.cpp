@@ -138,6 +138,7 @@ TEST(Accelerator, LastBatchOfAnEpochAlwaysSyncs) {
 TEST(Accelerator, HelpersOnOneProcess) {
   AcceleratorOptions o;
   o.project_dir = fresh_dir("helpers");
+  o.log_with = {"jsonl", "csv"};
   Accelerator acc(o);
   EXPECT_EQ(acc.split_between_processes(std::vector<int>{1, 2, 3}), (std::vector<int>{1, 2, 3}));
   EXPECT_TRUE(acc.gather(at::ones({3})).equal(at::ones({3})));
@@ -147,15 +148,21 @@ TEST(Accelerator, HelpersOnOneProcess) {
   EXPECT_TRUE(ran);
   acc.log({{"loss", 0.5}}, 3);
   acc.log({{"accuracy", 0.9}});
+  acc.log({{"loss", std::nan("")}, {"accuracy", -INFINITY}}, 5);  // kept as such, not as null (not logged)
   const auto run = acc.run_dir();  // without init_trackers: project "xlr8", a run named by the time
   EXPECT_EQ(fs::path(run).parent_path(), fs::path(o.project_dir) / "xlr8");
   acc.end_training();
   std::ifstream in(run + "/metrics.jsonl");
-  std::string first, second;
+  std::string first, second, third;
   std::getline(in, first);
   std::getline(in, second);
+  std::getline(in, third);
   EXPECT_EQ(nlohmann::json::parse(first), (nlohmann::json{{"step", 3}, {"loss", 0.5}}));
   EXPECT_EQ(nlohmann::json::parse(second), (nlohmann::json{{"accuracy", 0.9}}));
+  EXPECT_EQ(nlohmann::json::parse(third), (nlohmann::json{{"step", 5}, {"loss", "NaN"}, {"accuracy", "-Infinity"}}));
+  std::ifstream csv(run + "/metrics.csv");
+  const std::string table((std::istreambuf_iterator<char>(csv)), std::istreambuf_iterator<char>());
+  EXPECT_NE(table.find("\n5,nan,-inf\n"), std::string::npos) << table;
   fs::remove_all(o.project_dir);
 }
 
