@@ -3,6 +3,7 @@
 #include "launch/trace_diagnosis.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -13,6 +14,8 @@
 #include <regex>
 #include <set>
 #include <vector>
+
+#include "core/text.hpp"
 
 namespace fs = std::filesystem;
 
@@ -42,8 +45,9 @@ std::string ranks_text(const std::vector<int>& ranks) {
 
 using Traces = std::map<int, RankTrace>;
 
-// rank<N>.json files of `dir`; a file that cannot be read is skipped (half a picture beats none).
-Traces read_traces(const std::string& dir) {
+// rank<N>.json files of `dir`; a file that cannot be read is skipped (half a picture beats none) and named in
+// `unreadable`, with why; only a dump that reads whole counts as its rank's.
+Traces read_traces(const std::string& dir, std::vector<std::string>& unreadable) {
   Traces traces;
   std::error_code error;
   const std::regex name("rank([0-9]+)\\.json");
@@ -54,13 +58,15 @@ Traces read_traces(const std::string& dir) {
     try {
       std::ifstream in(file.path());
       const auto dump = nlohmann::json::parse(in);
-      RankTrace& t = traces[std::stoi(match[1])];
+      RankTrace t;
       t.reason = dump.value("reason", "");
       for (const auto& e : dump.at("entries"))
         if (e.at("sequence").get<uint64_t>() > 0)
           t.by_group[e.at("group").get<std::string>()].push_back(
               {e.at("sequence").get<uint64_t>(), e.at("op").get<std::string>(), e.at("state").get<std::string>()});
-    } catch (const std::exception&) {
+      traces[std::stoi(match[1])] = std::move(t);
+    } catch (const std::exception& e) {
+      unreadable.push_back(fmt::format("{} ({})", filename, text::first_line(e.what())));
     }
   }
   return traces;
@@ -126,8 +132,11 @@ void compare_positions(const Traces& traces, const std::string& group, std::vect
 
 std::string diagnose_traces(const std::string& dir, const TraceDiagnosisOptions& options) {
   const int world_size = options.world_size;
-  const auto traces = read_traces(dir);
-  if (traces.empty()) return "";
+  std::vector<std::string> unreadable;
+  const auto traces = read_traces(dir, unreadable);
+  if (traces.empty()) return unreadable.empty() ? "" : fmt::format("collective trace ({}): no dump could be read: {}",
+                                                                    options.shown_as.empty() ? dir : options.shown_as,
+                                                                    fmt::join(unreadable, "; "));
   if (options.only_after_timeout &&
       std::none_of(traces.begin(), traces.end(), [](const auto& t) { return t.second.reason.rfind("timed out", 0) == 0; }))
     return "";
@@ -145,6 +154,9 @@ std::string diagnose_traces(const std::string& dir, const TraceDiagnosisOptions&
   if (!silent.empty())
     findings.push_back(fmt::format("{} left no trace (died first, or never issued a collective through xlr8)",
                                    ranks_text(silent)));
+  if (!unreadable.empty()) findings.push_back(fmt::format("not read: {}", fmt::join(unreadable, "; ")));
+  if (world_size > 0 && traces.rbegin()->first >= world_size)
+    findings.push_back(fmt::format("rank {} dumped, beyond the {} ranks given", traces.rbegin()->first, world_size));
   if (findings.empty()) findings.push_back("every rank's collectives match and completed");
   std::string text = fmt::format("collective trace ({} of {} ranks, {}): ", traces.size(),
                                  world_size > 0 ? world_size : static_cast<int>(traces.size()),

@@ -84,13 +84,18 @@ TEST(LaunchArguments, MisspeltOptionsAndValuesOfTheWrongKindAreOneClearLine) {
 }
 
 // What the other commands were given wrongly, each one line before any work: an option given twice (CLI11's own
-// text, exit 114, before), verify's --rtol nan (which passed every comparison), merge-weights into the checkpoint it
+// text, exit 114, before), advise's --budget_s 0 and a negative --max_memory_per_rank (which named other things),
+// verify's --rtol nan (which passed every comparison), merge-weights into the checkpoint it
 // reads (it overwrote the checkpoint's model file), a Trainer run name that leaves storage_path, and examples/gpt
 // with nothing held out (it stopped with "the text has 1 bytes").
 TEST(LaunchArguments, OtherCommandsRefuseWhatTheyWereGivenWronglyInOneLine) {
   auto twice = run({kXlr8, "launch", "--num_processes", "2", "--num_processes", "1", "--", "true"});
   EXPECT_EQ(twice.exit_code, 1);
   EXPECT_NE(twice.err.find("was given more than once; give it once"), std::string::npos) << twice.err;
+  auto budget = run({kXlr8, "advise", "--num_processes", "2", "--budget_s", "0", kTrain});
+  EXPECT_NE(budget.err.find("xlr8: error: --budget_s: must be above 0, not 0"), std::string::npos) << budget.err;
+  auto memory = run({kXlr8, "advise", "--num_processes", "2", "--max_memory_per_rank", "-1GB", kTrain, "--batch", "8"});
+  EXPECT_NE(memory.err.find("--max_memory_per_rank \"-1GB\" must be a size above 0"), std::string::npos) << memory.err;
   auto rtol = run({kXlr8, "verify", "--num_processes", "2", "--rtol", "nan", kTrain, "--batch", "8"});
   EXPECT_EQ(rtol.exit_code, 1);
   EXPECT_NE(rtol.err.find("--rtol nan must be a finite relative tolerance"), std::string::npos) << rtol.err;

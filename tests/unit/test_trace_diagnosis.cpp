@@ -71,3 +71,21 @@ TEST(TraceDiagnosis, NamesTheFirstPositionWhereTheRanksIssuedDifferentCollective
   EXPECT_EQ(xlr8::launcher::diagnose_traces((clean / "none").string(), {.world_size = 2}), "");  // no dumps: nothing to say
   fs::remove_all(clean);
 }
+
+// A dump that does not read whole (`{}`, or cut short) is no rank's: its rank counts as having left no trace, and the
+// file is named with why (before, `{}` counted as a rank whose collectives completed, and a cut one vanished silently).
+TEST(TraceDiagnosis, ADumpThatDoesNotReadIsNamedAndCountsForNoRank) {
+  const auto dir = fresh("trace-unreadable");
+  write_dump(dir, 0, {{1, "barrier", "completed"}});
+  std::ofstream(dir / "rank1.json") << "{}";
+  std::ofstream(dir / "rank2.json") << "{\"entries\": [";
+  const auto text = xlr8::launcher::diagnose_traces(dir.string(), {.world_size = 3});
+  EXPECT_NE(text.find("collective trace (1 of 3 ranks"), std::string::npos) << text;
+  EXPECT_NE(text.find("ranks 1, 2 left no trace"), std::string::npos) << text;
+  EXPECT_NE(text.find("not read: rank1.json ("), std::string::npos) << text;
+  EXPECT_NE(text.find("rank2.json ("), std::string::npos) << text;
+  fs::remove(dir / "rank0.json");
+  EXPECT_NE(xlr8::launcher::diagnose_traces(dir.string(), {.world_size = 3}).find("no dump could be read: rank1.json"),
+            std::string::npos);
+  fs::remove_all(dir);
+}

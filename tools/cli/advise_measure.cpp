@@ -5,6 +5,7 @@
 
 #include <fstream>
 
+#include "checkpoint/hf_export.hpp"
 #include "cli/memory_formulas.hpp"
 #include "cli/scratch_dir.hpp"
 #include "core/text.hpp"
@@ -19,6 +20,14 @@ double available_memory_bytes() {
   for (std::string line; std::getline(meminfo, line);)
     if (line.rfind("MemAvailable:", 0) == 0) return std::stod(line.substr(13)) * 1024;
   return 0;
+}
+
+double memory_limit(const std::string& size) {
+  try {
+    if (const auto bytes = checkpoints::parse_size(size); bytes > 0) return static_cast<double>(bytes);
+  } catch (const Error&) {  // its message names max_shard_size, another option's
+  }
+  throw ConfigError(fmt::format("--max_memory_per_rank {:?} must be a size above 0, such as 40GB or 512MB", size));
 }
 
 std::optional<nlohmann::json> read_json(const fs::path& file) {

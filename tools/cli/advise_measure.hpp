@@ -18,6 +18,8 @@ using Clock = std::chrono::steady_clock;
 
 // This machine's available memory (MemAvailable), bytes; 0 when unknown.
 double available_memory_bytes();
+// --max_memory_per_rank's size in bytes (40GB, 512MB), or a ConfigError naming that option.
+double memory_limit(const std::string& size);
 
 // A JSON file a run wrote (files::write_durably renames it into place); nullopt while it is not there.
 std::optional<nlohmann::json> read_json(const std::filesystem::path& file);

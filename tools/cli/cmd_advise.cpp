@@ -156,7 +156,8 @@ class Advisor {
     if (too_big || (!result && row.predicted > limit_)) return cannot_fit(row);
     if (!result) {
       row.verdict = Clock::now() > deadline_ ? "not finished within --budget_s"
-                    : failure.empty()        ? fmt::format("ended before {} steps", a_.warmup + a_.steps)
+                    : failure.empty()        ? fmt::format("ended before {} + {} steps and {} s (more steps, or lower "
+                                                               "--steps / --min_seconds)", a_.warmup, a_.steps, a_.min_seconds)
                                              : fmt::format("failed: {}", failure);
       return row;
     }
@@ -313,8 +314,7 @@ const Candidate* lead(const LaunchRequest& request, const AdviseOptions& a, cons
   const auto started = Clock::now();
   const auto deadline = started + std::chrono::milliseconds(static_cast<int64_t>(a.budget_s * 1000));
   const int n = base.world_size();
-  const double limit = a.max_memory.empty() ? available_memory_bytes() / base.nproc_per_node
-                                            : static_cast<double>(checkpoints::parse_size(a.max_memory));
+  const double limit = a.max_memory.empty() ? available_memory_bytes() / base.nproc_per_node : memory_limit(a.max_memory);
   const ScratchDir scratch("advise");
   Advisor advisor(request, a, n, limit, scratch.path(), deadline, channel);
   std::vector<Row> rows;
@@ -403,7 +403,7 @@ int advise(const LaunchRequest& request, const AdviseOptions& a) {
     if (channel) channel->end("end:" + (winner ? winner->name : std::string()));
   }
   if (!winner) {
-    fmt::print("xlr8 advise: no strategy ran within the memory per rank\n");
+    fmt::print("xlr8 advise: no strategy finished its measurement (within the memory per rank); rows above say why\n");
     return 1;
   }
   fmt::print("xlr8 advise: {} on {} processes", winner->name, n);
@@ -426,15 +426,15 @@ Handler add_advise(CLI::App& app) {
   cmd->add_option("--max_memory_per_rank", a->max_memory,
                   "Training state (parameters, gradients, optimizer state) one rank may hold, e.g. 2GB (default: "
                   "available memory / processes on this machine); peak RSS, which adds the runtime, activations and data, is shown beside it");
-  cmd->add_option("--budget_s", a->budget_s, "Time for the whole search, seconds (default 300)");
+  cmd->add_option("--budget_s", a->budget_s, "Time for the whole search, seconds (default 300)")->check(number_in(0, false));
   cmd->add_option("--warmup", a->warmup, "Untimed optimizer steps per strategy (default 2)");
   cmd->add_option("--steps", a->steps, "Timed optimizer steps per strategy, at least (default 3)");
-  cmd->add_option("--min_seconds", a->min_seconds, "...and at least this long (default 2)");
+  cmd->add_option("--min_seconds", a->min_seconds, "...and at least this long (default 2)")->check(number_in(0, true));
   cmd->add_option("--cut_below", a->cut_below,
                   "Stop a candidate early once its throughput is below this fraction of the best so far, and do not "
                   "launch one that a run of the same precision, recomputation and mesh shows cannot reach it "
                   "(its forward and backward alone, measured, would be slower) (default 0.7; 0: every candidate runs "
-                  "its full measurement)");
+                  "its full measurement)")->check(number_in(0, true));
   cmd->add_option("--try", a->only, "Try only this candidate, by its name in the table (repeat for several)")
       ->allow_extra_args(false)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);

@@ -15,7 +15,8 @@ Handler add_trace(CLI::App& app) {
   auto dir = std::make_shared<std::string>();
   auto world_size = std::make_shared<int>(0);
   cmd->add_option("dir", *dir, "Folder with rank<R>.json dumps (e.g. <log_dir>/attempt_0/trace)")->required();
-  cmd->add_option("--world_size", *world_size, "Ranks the job had, to name those that left no dump (default: the dumps')");
+  cmd->add_option("--world_size", *world_size, "Ranks the job had, to name those that left no dump (default: the dumps')")
+      ->check(number_in(0, true));
   return [dir, world_size] {
     if (!std::filesystem::is_directory(*dir)) throw Error(fmt::format("xlr8 trace: {:?} is not a folder", *dir));
     const auto diagnosis = launcher::diagnose_traces(*dir, {.world_size = *world_size});

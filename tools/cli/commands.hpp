@@ -2,6 +2,7 @@
 // Subcommands of the `xlr8` CLI. Each registers its options on `app` and returns the handler to run.
 #include <CLI/CLI.hpp>
 
+#include <cstdlib>
 #include <functional>
 #include <memory>
 #include <string>
@@ -34,5 +35,18 @@ Handler add_plot(CLI::App& app);
 Handler add_trace(CLI::App& app);
 // The worker side of `xlr8 test`.
 Handler add_selftest_worker(CLI::App& app);
+
+// A number option's bounds, said plainly: "must be above 0" (CLI11's own ranges print the largest double).
+inline CLI::Validator number_in(double low, bool low_included, double high = 1e300) {
+  return CLI::Validator(
+      [=](std::string& text) {
+        char* end = nullptr;
+        const double v = std::strtod(text.c_str(), &end);
+        if (!text.empty() && *end == '\0' && (low_included ? v >= low : v > low) && v <= high) return std::string();
+        return "must be " + std::string(low_included ? "at least " : "above ") + CLI::detail::to_string(low) +
+               (high < 1e300 ? " and at most " + CLI::detail::to_string(high) : "") + ", not " + text;
+      },
+      "");
+}
 
 }  // namespace xlr8::cli
