@@ -158,9 +158,8 @@ int workers_here(const ScalingConfig& s) {
                    s.num_workers.min, s.resources_per_worker.cpus, wanted, cores, s.num_workers.min);
     return s.num_workers.min;
   }
-  const int offered = s.use_gpu ? compat::cuda_device_count()
-                      : s.resources_per_worker.cpus > 0 ? cores / s.resources_per_worker.cpus
-                                                        : s.num_workers.max;
+  // Without a count of cores a worker, one core each (as Ray's default of one CPU a worker; it took the maximum).
+  const int offered = s.use_gpu ? compat::cuda_device_count() : cores / std::max(1, s.resources_per_worker.cpus);
   if (offered < s.num_workers.min)
     throw ConfigError(fmt::format("ScalingConfig.num_workers {}: this machine offers {} worker(s) ({}), fewer than the "
                                   "minimum",

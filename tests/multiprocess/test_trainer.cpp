@@ -303,6 +303,10 @@ TEST(Trainer, AnElasticRangeOnOneMachineTakesTheWorkersItsCoresOfferAndRefusesTo
   auto ranged = fit(storage, "ranged", {"--num_workers", "1:4", "--cpus_per_worker", "1", "--steps", "10"});
   ASSERT_EQ(ranged.process.exit_code, 0) << ranged.process.err;
   EXPECT_EQ(ranged.summary["metrics"]["world_size"], std::min(cores, 4)) << ranged.process.out;
+  // Without --cpus_per_worker too: one core a worker (it took all 4 on 2 cores, which the fixed count warns against).
+  auto unstated = fit(storage, "unstated", {"--num_workers", "1:4", "--steps", "2"});
+  ASSERT_EQ(unstated.process.exit_code, 0) << unstated.process.err;
+  EXPECT_EQ(unstated.summary["metrics"]["world_size"], std::min(cores, 4)) << unstated.process.out;
   auto few = fit(storage, "few", {"--num_workers", fmt::format("{}:{}", cores + 1, cores + 2), "--cpus_per_worker", "1"});
   EXPECT_NE(few.process.exit_code, 0);
   EXPECT_NE(few.process.err.find(fmt::format("ScalingConfig.num_workers {{{}, {}}}: this machine offers {} worker(s) ({} "

@@ -242,7 +242,7 @@ Handler add_estimate_memory(CLI::App& app) {
       "GPipe, at most P - stage of them under 1F1B and P under InterleavedZeroBubble, which also keeps zero3's\n"
       "parameters gathered through the step (zero3 then holds zero2's pΨ).");
   auto a = std::make_shared<EstimateArgs>();
-  cmd->add_option("--params", a->params, "Number of parameters, such as 7e9");
+  cmd->add_option("--params", a->params, "Number of parameters, such as 7e9")->check(number_in(0, false, 1e18));
   cmd->add_option("--model", a->model, "A safetensors file, a model.safetensors.index.json, or a directory with one");
   cmd->add_option("--n_layer", a->n_layer, "GPT shape: layers (with --d_model, --n_head; activations need it)");
   cmd->add_option("--d_model", a->d_model, "GPT shape: hidden size");
