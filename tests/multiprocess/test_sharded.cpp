@@ -601,7 +601,8 @@ TEST(EstimateMemory, CountsAModelFileOrShardedIndexAndNamesBadArguments) {
       {{"--params", "1e9", "--n_layer", "2"}, "give exactly one of --params"},
       {{"--params", "1e9", "--num_processes", "0"}, "--num_processes 0 must be 1 or more"},
       {{"--params", "1e9", "--strategies", "zero9"}, "--strategies \"zero9\" is not a strategy"},
-      {{"--params", "-5"}, "--params -5 must be"},
+      {{"--params", "-5"}, "--params: must be above 0 and at most 1e+18, not -5"},
+      {{"--params", "nan"}, "--params: must be above 0 and at most 1e+18, not nan"},  // it named the other inputs
       {{"--n_layer", "2", "--d_model", "30", "--n_head", "4", "--seq_len", "8"}, "--d_model 30 is not a multiple of --n_head 4"},
       {{"--model", dir + "/nothing"}, "holds no model"},
   };
