@@ -176,14 +176,36 @@ int main(int argc, char** argv) {
   app.add_option("--data_dir", data_dir, "Directory with the Fashion-MNIST IDX .gz files");
   app.add_option("--crash", crash, "RANK:STEP:kill|throw|exit: fail once, in the first group");
   CLI11_PARSE(app, argc, argv);
+  // Whole numbers only ("2x", "1.5" and "1:2:3" are refused, not read as 2, 1 and 1:2).
+  auto count = [](const std::string& text) {
+    size_t used = 0;
+    const int n = std::stoi(text, &used);
+    if (used != text.size()) throw std::invalid_argument(text);
+    return n;
+  };
   try {
     const size_t colon = workers.find(':');
     scaling.num_workers = colon == std::string::npos
-                              ? xlr8::train::NumWorkers(std::stoi(workers))
-                              : xlr8::train::NumWorkers(std::stoi(workers.substr(0, colon)), std::stoi(workers.substr(colon + 1)));
+                              ? xlr8::train::NumWorkers(count(workers))
+                              : xlr8::train::NumWorkers(count(workers.substr(0, colon)), count(workers.substr(colon + 1)));
   } catch (const std::logic_error&) {
     fmt::print(stderr, "trainer: --num_workers {:?}: give N or MIN:MAX\n", workers);
     return 2;
+  }
+  // A crash that cannot happen is refused here, not in every worker (or never): its form, kind and rank.
+  if (!crash.empty()) {
+    int rank = 0;
+    long long at = 0;
+    char how[16] = {};
+    const bool parsed = std::sscanf(crash.c_str(), "%d:%lld:%15s", &rank, &at, how) == 3;
+    const std::string kind = how;
+    if (!parsed || (kind != "kill" && kind != "throw" && kind != "exit") || rank < 0 ||
+        rank >= scaling.num_workers.max || at < 1) {
+      fmt::print(stderr, "trainer: --crash {:?}: give RANK:STEP:kill|throw|exit with a rank below the workers ({}) and "
+                         "a step from 1\n",
+                 crash, scaling.num_workers.max);
+      return 2;
+    }
   }
   config["steps"] = steps;
   config["checkpoint_every"] = every;

@@ -28,8 +28,10 @@ class Section {
  public:
   Section(const YAML::Node& node, std::string prefix, std::string origin)
       : node_(node), prefix_(std::move(prefix)), origin_(std::move(origin)) {
-    if (node_ && !node_.IsNull() && !node_.IsMap())
-      throw error(prefix_.empty() ? "the file" : prefix_.substr(0, prefix_.size() - 1), "must be a mapping of key: value");
+    if (node_ && !node_.IsNull() && !node_.IsMap())  // named once: where() would add the prefix to itself
+      throw ConfigError(fmt::format("{}: {} must be a mapping of key: value{}", origin_,
+                                    prefix_.empty() ? "the file" : prefix_.substr(0, prefix_.size() - 1),
+                                    node_.IsScalar() ? fmt::format(", not {:?}", node_.Scalar()) : ""));
   }
 
   // Each key that is neither known nor ignored, as "unknown key "k" (did you mean "h"?)".

@@ -323,3 +323,18 @@ TEST(Trainer, AnElasticRangeOnOneMachineTakesTheWorkersItsCoresOfferAndRefusesTo
             std::string::npos)
       << over.process.err;
 }
+
+// The example's own flags: a worker count that is not whole and a crash that cannot happen are refused before any
+// worker starts (they were read as 2, 1 and 1:2, or injected nothing, or failed in every worker).
+TEST(Trainer, TheExamplesCountsAndCrashesThatCannotBeAreRefusedAtTheDriver) {
+  for (const char* workers : {"2x", "1.5", "1:2:3"}) {
+    auto r = run({kTrainer, "--num_workers", workers, "--steps", "1"}, 30);
+    EXPECT_EQ(r.exit_code, 2) << workers;
+    EXPECT_NE(r.err.find("give N or MIN:MAX"), std::string::npos) << r.err;
+  }
+  for (const char* crash : {"1:5:boom", "5:5:kill", "1:5"}) {
+    auto r = run({kTrainer, "--num_workers", "2", "--crash", crash, "--steps", "1"}, 30);
+    EXPECT_EQ(r.exit_code, 2) << crash;
+    EXPECT_NE(r.err.find("give RANK:STEP:kill|throw|exit with a rank below the workers (2)"), std::string::npos) << r.err;
+  }
+}

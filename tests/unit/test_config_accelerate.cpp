@@ -356,6 +356,10 @@ TEST(LaunchPlan, WhatIsGivenTwiceOrWronglyIsDecidedOrRefusedInOneLine) {
   EXPECT_NE(launch_error(files).find("must be a mapping of keys to values (such as `num_processes: 2`), not a single value"),
             std::string::npos)
       << launch_error(files);
+  files.config_file = file("fsdp_yes.yaml", "distributed_type: FSDP\nfsdp_config: yes\n");  // named once, with its value
+  EXPECT_NE(launch_error(files).find("fsdp_yes.yaml: fsdp_config must be a mapping of key: value, not \"yes\""),
+            std::string::npos)
+      << launch_error(files);
   files.config_file = file("list.yaml", "- a\n");
   EXPECT_NE(launch_error(files).find("not a list"), std::string::npos) << launch_error(files);
 
