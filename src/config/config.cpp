@@ -161,13 +161,16 @@ void read_parallelism(const Section& s, LaunchConfig& c) {
   c.parallelism = p;
 }
 
+// A mapping key as the repeated-key checks compare it: its text, or (a key that is itself a list or map) its YAML.
+std::string key_text(const YAML::Node& key) { return key.IsScalar() ? key.Scalar() : YAML::Dump(key); }
+
 }  // namespace
 
 void config::refuse_repeated_keys(const YAML::Node& node, const std::string& origin, const std::string& prefix) {
   if (!node.IsMap()) return;
   std::map<std::string, std::pair<int, std::string>> first;  // key -> its line and value, as first written
   for (const auto& kv : node) {
-    const auto key = kv.first.IsScalar() ? kv.first.Scalar() : YAML::Dump(kv.first);
+    const auto key = key_text(kv.first);
     const int line = kv.first.Mark().line + 1;
     const auto value = YAML::Dump(kv.second);
     if (const auto [it, fresh] = first.emplace(key, std::pair{line, value}); !fresh && it->second.second != value)
@@ -182,7 +185,7 @@ YAML::Node config::without_repeated_keys(const YAML::Node& node) {
   YAML::Node out(YAML::NodeType::Map);
   std::set<std::string> seen;
   for (const auto& kv : node) {
-    if (!seen.insert(YAML::Dump(kv.first)).second) continue;
+    if (!seen.insert(key_text(kv.first)).second) continue;
     if (kv.first.IsScalar()) out[kv.first.Scalar()] = without_repeated_keys(kv.second);
     else out[kv.first] = without_repeated_keys(kv.second);
   }
@@ -358,11 +361,8 @@ std::string to_yaml(const LaunchConfig& c) {
   out << YAML::BeginMap;
   out << YAML::Key << "compute_environment" << YAML::Value << c.compute_environment;
   out << YAML::Key << "debug" << YAML::Value << c.debug;
-  // Quoted where YAML 1.1 (PyYAML, so Accelerate) would read a boolean: NO is false there.
-  const std::string distributed = to_string(c.distributed_type);
-  out << YAML::Key << "distributed_type" << YAML::Value;
-  if (distributed == "NO") out << YAML::SingleQuoted;
-  out << distributed;
+  const std::string distributed = to_string(c.distributed_type);  // quoted NO: YAML 1.1 (PyYAML) reads it as false
+  out << YAML::Key << "distributed_type" << YAML::Value << (distributed == "NO" ? YAML::SingleQuoted : YAML::Auto) << distributed;
   out << YAML::Key << "downcast_bf16" << YAML::Value << YAML::SingleQuoted << c.downcast_bf16;
   out << YAML::Key << "enable_cpu_affinity" << YAML::Value << c.enable_cpu_affinity;
   if (c.mixed_precision == MixedPrecision::FP8) config::write_fp8(out, c.fp8);

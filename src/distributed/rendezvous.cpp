@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <string_view>
 #include <thread>
 
 #include "core/text.hpp"
@@ -48,8 +49,9 @@ std::vector<uint8_t> bytes_of(const std::string& text) { return {text.begin(), t
 // rank 0's timeout to name: either a machine of this job counted the ranks differently, or a rank of another job (a
 // stale MASTER_PORT) came here. Rank 0 does not stop for it: a stray rank of another job must not end this one.
 void check_same_job(c10d::Store& store, const Topology& t, const std::string& where, const std::string& host) {
+  constexpr std::string_view kWith = " with ";  // "<job> with <N> ranks"
   const std::string name = t.job_id.empty() ? "this job" : t.job_id;
-  const std::string job = fmt::format("{} with {} ranks", name, t.world_size);
+  const std::string job = fmt::format("{}{}{} ranks", name, kWith, t.world_size);
   if (t.rank == 0) {
     store.set("xlr8/rdzv/job", bytes_of(job));
     return;
@@ -57,7 +59,7 @@ void check_same_job(c10d::Store& store, const Topology& t, const std::string& wh
   const auto their_bytes = store.get("xlr8/rdzv/job");
   const std::string theirs(their_bytes.begin(), their_bytes.end());
   if (theirs == job) return;
-  const auto with = theirs.rfind(" with ");
+  const auto with = theirs.rfind(kWith);
   const bool same_name = with != std::string::npos && theirs.substr(0, with) == name;
   const auto note = fmt::format("rank {} on {} expected {} ranks in all ({}: {})", t.rank, host, t.world_size, name,
                                 same_name ? "every machine must count the same processes"
@@ -74,7 +76,7 @@ void check_same_job(c10d::Store& store, const Topology& t, const std::string& wh
                           "machine must count the same processes (--num_processes is the total over all machines; or "
                           "give every machine the same --nproc_per_node and --num_machines). If that server is another "
                           "job's, give this job a port of its own with MASTER_PORT",
-                          t.rank, t.world_size, where, with == std::string::npos ? theirs : theirs.substr(with + 6)));
+                          t.rank, t.world_size, where, with == std::string::npos ? theirs : theirs.substr(with + kWith.size())));
 }
 
 // What rank 0's timeout adds about ranks that came and were refused (check_same_job's notes).

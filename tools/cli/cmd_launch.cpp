@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <filesystem>
-#include <map>
 #include <memory>
 #include <set>
 #include <thread>
@@ -34,17 +33,16 @@ std::string closest_option(const std::string& name, const std::vector<std::strin
     std::replace(n.begin(), n.end(), '-', '_');
     return n;
   };
-  std::map<size_t, std::set<std::string>> by_shared;  // characters shared with `name` -> the options sharing that many
-  std::map<std::string, std::string> spelled;
+  size_t most = 0;  // characters of `name` the best candidates begin with
+  std::set<std::string> best;
+  std::string hint;
   for (const auto& n : names) {
     size_t shared = 0;
     while (shared < name.size() && shared < n.size() && name[shared] == n[shared]) ++shared;
-    by_shared[shared].insert(option_of(n));
-    spelled.emplace(option_of(n), n);
+    if (shared > most) most = shared, best.clear(), hint = n;
+    if (shared == most) best.insert(option_of(n));
   }
-  if (by_shared.empty()) return "";
-  const auto& [shared, options] = *by_shared.rbegin();
-  return options.size() == 1 && shared * 3 >= name.size() * 2 ? spelled.at(*options.begin()) : "";
+  return best.size() == 1 && most * 3 >= name.size() * 2 ? hint : "";
 }
 
 // torchrun's words for --nproc_per_node: cpu (this machine's cores), gpu (its NVIDIA GPUs: the driver's list, or
