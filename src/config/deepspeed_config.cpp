@@ -170,7 +170,11 @@ void read_aio(const Reader& r, AioConfig& a) {
   if (a.block_size <= 0 || a.block_size % 4096 != 0)
     throw r.error(r.key("block_size"), fmt::format("{} must be a positive multiple of 4096 (direct I/O's alignment)", a.block_size));
   if (a.queue_depth < 1) throw r.error(r.key("queue_depth"), "must be 1 or more");
-  if (a.intra_op_parallelism < 1) throw r.error(r.key("intra_op_parallelism"), "must be 1 or more");
+  // Threads per rank for the swaps; thousands would exhaust the machine's threads before training starts.
+  if (a.intra_op_parallelism < 1 || a.intra_op_parallelism > 1024)
+    throw r.error(r.key("intra_op_parallelism"),
+                  fmt::format("{} must be 1 to 1024 (threads a rank moves its swaps with; a few are enough)",
+                              a.intra_op_parallelism));
   if (a.use_gds)
     throw r.error(r.key("use_gds"), "is true: GPUDirect Storage is not supported; set it to false (swaps go through host "
                                     "buffers)");

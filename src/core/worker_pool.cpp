@@ -1,18 +1,36 @@
 #include "core/worker_pool.hpp"
 
+#include <fmt/format.h>
+
+#include <system_error>
+
+#include "xlr8/error.hpp"
+
 namespace xlr8 {
 
 WorkerPool::WorkerPool(int threads) {
-  for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { loop(); });
+  try {
+    for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { loop(); });
+  } catch (const std::system_error& e) {
+    // The destructor will not run: join the threads that started, or their destruction ends the process.
+    const auto started = threads_.size();
+    stop_and_join();
+    throw Error(fmt::format("could not start thread {} of {} ({}); ask for fewer threads, or raise the limit on "
+                            "threads (ulimit -u)",
+                            started + 1, threads, e.what()));
+  }
 }
 
-WorkerPool::~WorkerPool() {
+WorkerPool::~WorkerPool() { stop_and_join(); }
+
+void WorkerPool::stop_and_join() {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     stopping_ = true;
   }
   cv_.notify_all();
   for (auto& t : threads_) t.join();
+  threads_.clear();
 }
 
 void WorkerPool::submit(std::function<void()> task) {

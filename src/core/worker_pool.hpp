@@ -19,6 +19,7 @@ class WorkerPool {
 
  private:
   void loop();
+  void stop_and_join();  // after the queued tasks
   std::vector<std::thread> threads_;
   std::deque<std::function<void()>> tasks_;
   std::mutex mutex_;

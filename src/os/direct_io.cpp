@@ -95,7 +95,11 @@ DirectIo::DirectIo(AioOptions options) : options_(options) {
                                   AlignedBuffer::kAlignment));
   if (options_.intra_op_parallelism < 1)
     throw ConfigError(fmt::format("aio.intra_op_parallelism {} must be 1 or more", options_.intra_op_parallelism));
-  pool_ = std::make_unique<WorkerPool>(options_.intra_op_parallelism);
+  try {
+    pool_ = std::make_unique<WorkerPool>(options_.intra_op_parallelism);
+  } catch (const Error& e) {
+    throw ConfigError(fmt::format("aio.intra_op_parallelism {}: {}", options_.intra_op_parallelism, e.what()));
+  }
 }
 
 DirectIo::~DirectIo() = default;  // the pool finishes its queue before the threads join

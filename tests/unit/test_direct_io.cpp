@@ -2,6 +2,7 @@
 // byte for byte through the thread pool; what cannot be written fails before anything is swapped, naming the path.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <sys/wait.h>
 
 #include <csignal>
 #include <cstring>
@@ -120,4 +121,39 @@ TEST(DirectIo, AnUnwritablePathOrADiskWithoutRoomFailsAtCreationNamingThePath) {
   EXPECT_NE(full.find("cannot reserve 8388608 bytes for the swap file"), std::string::npos) << full;
   EXPECT_NE(full.find("free space under nvme_path"), std::string::npos) << full;
   EXPECT_FALSE(fs::exists(dir.path / "big.swp"));
+}
+
+// More threads than the process may start (an address-space limit makes the threads' stacks fail, as a
+// thread limit does): one error naming the key, in a child process, since a pool left with joinable threads
+// ends its process (std::terminate) instead of throwing.
+TEST(DirectIo, ThreadsThatCannotStartAreOneErrorNamingTheKeyNotAnAbort) {
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    rlimit limit{};
+    ::getrlimit(RLIMIT_AS, &limit);
+    std::ifstream status("/proc/self/status");
+    int64_t vm_kb = 0;
+    for (std::string line; std::getline(status, line);)
+      if (line.rfind("VmSize:", 0) == 0) vm_kb = std::stoll(line.substr(7));
+    limit.rlim_cur = static_cast<rlim_t>(vm_kb + 64 * 1024) * 1024;  // room for a few 8 MiB stacks, not 1000
+    ::setrlimit(RLIMIT_AS, &limit);
+    const auto message = error_of([] { DirectIo io({.intra_op_parallelism = 1000}); });
+    const bool named = message.find("aio.intra_op_parallelism 1000: could not start thread ") != std::string::npos &&
+                       message.find("of 1000") != std::string::npos;
+    ::_exit(message.empty() ? 3 : named ? 0 : 4);
+  }
+  int status = 0;
+  pid_t ended = 0;
+  for (int waited_ms = 0; ended == 0 && waited_ms < 60000; waited_ms += 50) {
+    ended = ::waitpid(child, &status, WNOHANG);
+    if (ended == 0) ::usleep(50000);
+  }
+  if (ended == 0) {  // before the fix: the pool's unwinding destroyed the condition its threads waited on
+    ::kill(child, SIGKILL);
+    ::waitpid(child, &status, 0);
+    FAIL() << "the child hung for 60 s";
+  }
+  ASSERT_TRUE(WIFEXITED(status)) << "the child ended by signal " << WTERMSIG(status);  // or std::terminate
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "3: no error; 4: the error did not name the key and the thread";
 }

@@ -578,6 +578,7 @@ TEST(ZeroDiskConfig, DeepSpeedsNvmeSectionsAndAccelerateKeysMapOntoTheOptions) {
       {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme"}}})", "nvme_path"},
       {R"({"aio": {"use_gds": true}})", "GPUDirect Storage is not supported"},
       {R"({"aio": {"block_size": 1000}})", "aio.block_size"},
+      {R"({"aio": {"thread_count": 1000000}})", "1000000 must be 1 to 1024"},  // it hung the machine
       {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/d", "ratio": 0.5}}})",
        "offload_optimizer.ratio is 0.5 with device \"nvme\""},
       {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})", "nvme_path"}};
