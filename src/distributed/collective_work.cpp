@@ -51,6 +51,11 @@ void rethrow_with_context(const std::string& what, std::chrono::milliseconds tim
   std::string message = cause.what();
   // c10::Error messages carry a C++ backtrace after the first line; keep the first line only.
   if (auto nl = message.find('\n'); nl != std::string::npos) message = message.substr(0, nl);
+  // gloo words a refused connection "timed out connecting: ... Connection refused" at once, long before the timeout.
+  if (message.find("Connection refused") != std::string::npos)
+    throw Error(fmt::format("{} could not connect to a peer rank: connection refused (the peer ended, or the addresses "
+                            "the store gave are another group's). Cause: {}",
+                            what, message));
   bool timed_out = message.find("imed out") != std::string::npos || message.find("imeout") != std::string::npos;
   if (timed_out)
     throw TimeoutError(fmt::format("{} timed out after {} s: a peer rank did not reach this collective or died "

@@ -86,7 +86,7 @@ std::unique_ptr<ProcessState> ProcessState::create(const Env& env, const Process
   auto coll_timeout = options.collective_timeout.value_or(seconds_from(env, "XLR8_COLLECTIVE_TIMEOUT", 1800));
   compat::StorePtr store;
   if (t.distributed()) {
-    store = distributed::rendezvous(t, rdzv_timeout);
+    store = distributed::rendezvous(t, rdzv_timeout, env.get_int("TORCHELASTIC_RESTART_COUNT").value_or(0));
     if (node_index_from_hosts(t)) distributed::place_nodes_by_host(store, s->topology_);
     store->setTimeout(coll_timeout);
   } else {

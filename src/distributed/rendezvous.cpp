@@ -98,7 +98,7 @@ std::string refused_ranks(c10d::Store& store) {
 
 }  // namespace
 
-compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout) {
+compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout, int64_t attempt) {
   const std::string where = fmt::format("{}:{}", t.master_addr, t.master_port);
   const double seconds = timeout.count() / 1000.0;
   compat::StorePtr store;
@@ -121,6 +121,7 @@ compat::StorePtr rendezvous(const Topology& t, std::chrono::milliseconds timeout
                               t.master_port, where, cause));
     throw unreachable(cause);
   }
+  if (attempt > 0) store = c10::make_intrusive<c10d::PrefixStore>(fmt::format("xlr8/attempt_{}", attempt), store);
 
   // Any store failure from here on means the server (rank 0) went away: it gave up or died.
   auto lost_server = [&](const std::exception& e) {

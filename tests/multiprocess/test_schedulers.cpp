@@ -218,6 +218,29 @@ TEST(TorchrunEnvironment, HandSetVariablesTrainInLockstep) {
   expect_same_params(dir, one.dir, 1e-5);
 }
 
+// The real torchrun (the venv's torch). Its agent keeps one store for every restart of the group; a rank
+// that fails after the process group was made used to leave its join count and gloo addresses there, and the
+// restarted group read them ("Connection refused", at random). Each attempt now has keys of its own.
+TEST(TorchrunEnvironment, TheRealTorchrunRestartsAGroupWhoseRankFailedAfterTheProcessGroupWasMade) {
+  const std::string torchrun = kSource + "/.venv/bin/torchrun";
+  if (!fs::exists(torchrun)) GTEST_SKIP() << "no " << torchrun << " (scripts/setup installs torch into .venv)";
+  auto one = one_process(8, 8);
+  auto dir = temp_dir("torchrun-restart");
+  const std::string script = dir + "/fail_once.sh";
+  std::ofstream(script) << "#!/bin/sh\n\"$@\"; rc=$?\n"
+                           "[ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ] && exit 7\n"
+                           "exit $rc\n";
+  fs::permissions(script, fs::perms::owner_all);
+  Args command{torchrun, "--nproc_per_node", "2", "--max_restarts", "1", "--no-python", script};
+  for (const auto& arg : train_args(4, 8, dir)) command.push_back(arg);
+  auto many = run(without_master(command), 240);
+  ASSERT_EQ(many.exit_code, 0) << many.out << many.err;
+  EXPECT_NE(many.err.find("failed (exitcode: 7)"), std::string::npos) << many.err;  // torchrun saw the first attempt fail
+  auto result = last_json(many.out);
+  EXPECT_EQ(result["num_processes"], 2);
+  expect_close(result["losses"].get<std::vector<double>>(), one.losses, 1e-5);
+}
+
 // ------------------------------------------------------------------------------------------------ Slurm
 
 // One real Slurm cluster (controller + one node daemon) for the whole suite.
