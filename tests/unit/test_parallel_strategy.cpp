@@ -136,3 +136,29 @@ TEST(ParallelStrategy, ClipGradNormOfReplicasIsTorchsNorm) {
   for (auto& p : s->module()->parameters()) clipped += p.grad().pow(2).sum().item<double>();
   EXPECT_NEAR(std::sqrt(clipped), 1e-3, 1e-6);
 }
+
+// LibTorch's parameters() lists a tied weight under each of its names; PyTorch's lists it once. The norm
+// counts it once and clipping scales it once, as the sharded strategies' clipping does.
+// A Linear whose weight is another's (LibTorch has no unregister_parameter; a subclass reaches the table).
+struct SecondOfTiedLinearsImpl : torch::nn::LinearImpl {
+  explicit SecondOfTiedLinearsImpl(const at::Tensor& tied) : LinearImpl(tied.size(1), tied.size(0)) {
+    weight = parameters_["weight"] = tied;
+  }
+};
+
+TEST(ParallelStrategy, ClipGradNormCountsATiedWeightOnceAndScalesItOnce) {
+  torch::manual_seed(3);
+  torch::nn::Linear first(4, 4);
+  torch::nn::Linear second(std::shared_ptr<torch::nn::LinearImpl>(std::make_shared<SecondOfTiedLinearsImpl>(first->weight)));
+  auto model = torch::nn::Sequential(first, torch::nn::Tanh(), second).ptr();
+  ASSERT_EQ(model->parameters().size(), 4u);  // the tied weight twice
+  auto s = make_parallel_strategy(model, Communicator::in_process("tied", 0, 1), {});
+  forward(*s->module(), at::randn({5, 4})).pow(2).sum().backward();
+  auto unique_norm = [&] {
+    return std::sqrt(first->weight.grad().pow(2).sum().item<double>() + first->bias.grad().pow(2).sum().item<double>() +
+                     second->bias.grad().pow(2).sum().item<double>());
+  };
+  const double before = unique_norm();
+  EXPECT_NEAR(s->clip_grad_norm(s->module()->parameters(), 1e-3, 2.0), before, 1e-6 * before);
+  EXPECT_NEAR(unique_norm(), 1e-3, 1e-9);  // scaled twice it would be about 1e-3 times the coefficient
+}

@@ -223,3 +223,34 @@ TEST(ShardingUnits, DeepSpeedsPrefetchBucketAndLiveBoundDecideHowManyUnitsAreGat
       });
 }
 
+
+// A weight tied between two blocks (units): it belongs to their common unit, the root, which stays gathered while
+// either uses it. Under the first block's unit it was freed before the second block's forward ("setStorage ... out
+// of bounds", a raw c10::Error).
+// The second block's `side`: a Linear whose weight is the first block's (a subclass reaches the parameter table).
+struct SideTiedToFirstImpl : torch::nn::LinearImpl {
+  explicit SideTiedToFirstImpl(const at::Tensor& tied) : LinearImpl(tied.size(1), tied.size(0)) {
+    weight = parameters_["weight"] = tied;
+  }
+};
+
+TEST(ShardingUnits, AWeightTiedAcrossTwoUnitsLivesInTheirCommonUnitAndTrainsAsOneRank) {
+  auto tied = [] {
+    auto net = make_net(false);
+    auto& first = *net->blocks[0]->as<PairBlockImpl>();
+    auto& second = *net->blocks[1]->as<PairBlockImpl>();
+    second.side = second.replace_module("side", torch::nn::Linear(std::shared_ptr<torch::nn::LinearImpl>(std::make_shared<SideTiedToFirstImpl>(first.side->weight))));
+    return net;
+  };
+  const auto plan = xlr8::shard::plan_units(*tied(), full_shard().zero);
+  ASSERT_EQ(plan.back().label, "(root)");
+  const auto& root_names = plan.back().groups.front().names;
+  EXPECT_NE(std::find(root_names.begin(), root_names.end(), "blocks.0.side.weight"), root_names.end());
+  auto single = make_parallel_strategy(tied(), Communicator::in_process(xlr8::testing::unique_key(), 0, 1), {});
+  const auto expected = train(*single, 0, 1, 3);
+  for (int ranks : {2, 3})
+    run_ranks(ranks, [&](Communicator& comm) {
+      auto strategy = make_parallel_strategy(tied(), comm, full_shard());
+      expect_same(train(*strategy, comm.rank(), ranks, 3), expected, fmt::format("{} ranks, rank {}", ranks, comm.rank()));
+    });
+}

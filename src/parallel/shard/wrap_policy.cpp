@@ -8,6 +8,7 @@
 #include <optional>
 #include <utility>
 #include <set>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "parallel/shard/unit_registry.hpp"
@@ -198,6 +199,10 @@ std::vector<UnitPlan> plan_units(const torch::nn::Module& root, const ZeroOption
     for (const auto& item : modules)
       if (!opens_no_guard(*item.value())) units.push_back({item.key(), item.value().get(), false, {}});
   }
+  // Every name of each tensor: a tied parameter belongs to the deepest unit holding all of them, since a unit that
+  // holds one name is freed while another module may still use the tensor.
+  std::unordered_map<const c10::TensorImpl*, std::vector<std::string>> names_of;
+  for (const auto& item : root.named_parameters()) names_of[item.value().unsafeGetTensorImpl()].push_back(item.key());
   // Each parameter goes to the deepest unit that contains it; the rest to the root. Frozen parameters
   // form a second group of the same unit: no gradient hooks, released when the unit's backward is done.
   // Parameters below the persistence threshold go to a unit of no module, never freed.
@@ -206,9 +211,11 @@ std::vector<UnitPlan> plan_units(const torch::nn::Module& root, const ZeroOption
   units.push_back({"(root)", &root, false, {}});
   std::vector<UnitPlan::Group> trainable(units.size()), frozen(units.size());
   for (const auto& p : params) {
+    const auto& names = names_of.at(p.tensor.unsafeGetTensorImpl());
     size_t best = root_index;
     for (size_t u = 0; u < persistent_index; ++u)
-      if (inside(p.name, units[u].label) && (best == root_index || units[u].label.size() > units[best].label.size()))
+      if (std::all_of(names.begin(), names.end(), [&](const std::string& name) { return inside(name, units[u].label); }) &&
+          (best == root_index || units[u].label.size() > units[best].label.size()))
         best = u;
     if (p.tensor.numel() < options.param_persistence_threshold) best = persistent_index;
     auto& group = p.tensor.requires_grad() ? trainable[best] : frozen[best];

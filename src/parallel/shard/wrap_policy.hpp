@@ -1,9 +1,9 @@
 #pragma once
 // How a model's parameters are grouped for sharding: stage 3 by units (FSDP's auto wrap policies),
-// stages 1-2 by gradient buckets (as DDP). Each plan lists parameters by name, each parameter once
-// (a tied parameter belongs to the first name it appears under). Buckets hold only parameters that
-// require gradients (stages 1-2 keep frozen ones whole: they have neither gradients nor optimizer
-// state to shard); stage 3 shards frozen parameters too, in a group of their own per unit.
+// stages 1-2 by gradient buckets (as DDP). Each plan lists parameters by name, each parameter once (a tied
+// parameter under the first name it appears under, in the deepest unit that holds all its names). Buckets hold
+// only parameters that require gradients (stages 1-2 keep frozen ones whole: they have neither gradients nor
+// optimizer state to shard); stage 3 shards frozen parameters too, in a group of their own per unit.
 #include <ATen/core/Tensor.h>
 #include <torch/nn/module.h>
 

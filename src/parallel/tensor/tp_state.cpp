@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 
 #include "parallel/grad_norm.hpp"
 #include "core/text.hpp"
@@ -176,8 +177,11 @@ at::Tensor slice_of_parts(const at::Tensor& whole, const std::vector<int64_t>& p
 GradNorm clip_grad_norm(const std::vector<at::Tensor>& parameters, const SlicedParameters& sliced, double max_norm,
                         double norm_type) {
   std::vector<at::Tensor> whole, parts;
+  // A tied weight is listed once per name by LibTorch's parameters(): counted (and scaled) once, as in PyTorch's
+  // and the sharded strategies' clipping.
+  std::set<const void*> seen;
   for (const auto& p : parameters)
-    if (p.grad().defined()) (sliced.contains(p) ? parts : whole).push_back(p.grad());
+    if (p.grad().defined() && seen.insert(p.unsafeGetTensorImpl()).second) (sliced.contains(p) ? parts : whole).push_back(p.grad());
   if (whole.empty() && parts.empty()) return GradNorm();
   const auto device = (whole.empty() ? parts : whole).front().device();
   auto part_total = xlr8::parallel::partial_norm(parts, norm_type, device);
