@@ -284,9 +284,17 @@ double Accelerator::pipeline_evaluate(const at::Tensor& input, const at::Tensor&
     throw ConfigError("pipeline_evaluate(): without pipeline stages one prepared model, a torch::nn::Sequential, runs "
                       "the batch: prepare that model alone and give both the input and the target");
   at::NoGradGuard no_grad;
+  const bool training = layers->is_training();  // eval mode for the call, as the stages' evaluate()
+  layers->eval();
   double total = 0;
-  for (size_t i = 0; i < inputs.size(); ++i)
-    total += loss(pp::forward_layers(torch::nn::Sequential(layers), inputs[i], 0), targets[i]).item<double>();
+  try {
+    for (size_t i = 0; i < inputs.size(); ++i)
+      total += loss(pp::forward_layers(torch::nn::Sequential(layers), inputs[i], 0), targets[i]).item<double>();
+  } catch (...) {
+    layers->train(training);
+    throw;
+  }
+  layers->train(training);
   return total / static_cast<double>(inputs.size());
 }
 

@@ -266,6 +266,40 @@ TEST(Pipeline, ZeroBubbleOnTwoThreeAndFourStagesOfOneAndTwoChunksEqualsOneProces
   expect_pipeline_equals_one_process(pp::Schedule::InterleavedZeroBubble, 2, 4, 1, 2);
 }
 
+// evaluate() runs in eval mode, as DeepSpeed's eval_batch: with dropout at 0.9 its loss is the one without dropout,
+// twice alike. The stages' mode and the last step's figures are as they were.
+TEST(Pipeline, EvaluateRunsWithoutDropoutAndLeavesTheModeAndTheLastStepsFigures) {
+  at::manual_seed(5);
+  auto x = at::randn({4, 12}), target = at::randn({4, 4});
+  auto whole = model();
+  whole->eval();
+  const double expected = mse(whole->forward(x), target).item<double>();
+  xlr8::testing::run_ranks(2, [&](Communicator& comm) {
+    pp::StageLayers layers;
+    {
+      std::lock_guard<std::mutex> lock(xlr8::testing::generator_lock());
+      at::manual_seed(46);  // model()'s weights, and a dropout before the first Tanh (on stage 0)
+      auto dropped = torch::nn::Sequential(torch::nn::Linear(12, 24), torch::nn::Dropout(0.9), torch::nn::Tanh(),
+                                           torch::nn::Linear(24, 16), torch::nn::Tanh(), torch::nn::Linear(16, 16),
+                                           torch::nn::Tanh(), torch::nn::Linear(16, 20), torch::nn::Tanh(),
+                                           torch::nn::Linear(20, 4));
+      layers = pp::stage_layers(dropped, 2, comm.rank(), 1);
+    }
+    pp::Pipeline pipeline(layers.layers, comm, pp::Schedule::OneFOneB, 2, layers.chunk_sizes);
+    const auto inputs = comm.rank() == 0 ? x.chunk(2) : std::vector<at::Tensor>{};
+    const auto targets = comm.rank() == 1 ? target.chunk(2) : std::vector<at::Tensor>{};
+    pipeline.step(inputs, targets, mse);
+    const auto held = pipeline.last_peak_held();
+    const auto sent = pipeline.last_bytes_sent();
+    const auto waited = pipeline.last_wait_seconds();
+    for (int i = 0; i < 2; ++i) EXPECT_NEAR(pipeline.evaluate(inputs, targets, mse), expected, 1e-6);
+    EXPECT_TRUE(layers.layers->is_training());
+    EXPECT_EQ(pipeline.last_peak_held(), held);
+    EXPECT_EQ(pipeline.last_bytes_sent(), sent);
+    EXPECT_EQ(pipeline.last_wait_seconds(), waited);
+  });
+}
+
 TEST(Pipeline, AMicroBatchOfAnotherShapeIsRefusedByNameBeforeItIsSent) {
   std::vector<std::string> errors(2);
   try {

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <tuple>
 
 #include "parallel/pipeline/split_backward.hpp"
 #include "xlr8/activation_checkpoint.hpp"
@@ -153,7 +154,19 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
 double Pipeline::evaluate(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
                           const LossFn& loss) {
   at::NoGradGuard no_grad;
-  return run(inputs, targets, loss, /*train=*/false);
+  // In eval mode (dropout off), as DeepSpeed's eval_batch; the stage's mode and the last step's figures come back.
+  const bool training = stage_->is_training();
+  const auto step_figures = std::tuple{wait_seconds_, step_seconds_, peak_held_, bytes_sent_};
+  stage_->eval();
+  try {
+    const double mean = run(inputs, targets, loss, /*train=*/false);
+    stage_->train(training);
+    std::tie(wait_seconds_, step_seconds_, peak_held_, bytes_sent_) = step_figures;
+    return mean;
+  } catch (...) {
+    stage_->train(training);
+    throw;
+  }
 }
 
 void Pipeline::check_micro_batches(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) const {
@@ -232,7 +245,7 @@ double Pipeline::run(const std::vector<at::Tensor>& inputs, const std::vector<at
   for (auto& work : pending_) work.wait();
   pending_.clear();
   in_flight_.clear();
-  if (train) whole_backwards_ = split_regions_ = 0;  // an evaluation's run leaves the last step's counts
+  if (train) whole_backwards_ = split_regions_ = 0;  // an evaluation's run leaves the last step's counts (evaluate())
   for (const auto& chunk : split)
     for (const auto& part : chunk) whole_backwards_ += part.whole_backwards(), split_regions_ += part.split_regions();
   auto on_device = loss_sum.to(device_of(stage_));
