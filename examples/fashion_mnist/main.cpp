@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <optional>
 
 #include "fashion_mnist.hpp"
 #include "xlr8/accelerator.hpp"
@@ -111,7 +112,9 @@ int run(const Args& args) {
             args.batch_size * acc.num_processes() * args.gradient_accumulation_steps, total_steps);
   const auto start = std::chrono::steady_clock::now();
   int64_t samples = 0;
-  double last_loss = 0, test_accuracy = 0;
+  double last_loss = 0;
+  std::optional<double> test_accuracy;  // none when no epoch ran (--epochs 0, or resumed at the end)
+  int64_t steps_here = 0;
   bool done = acc.step() >= total_steps;
   // A bar on a terminal, a line every 50 steps otherwise (XLR8_PROGRESS=off: none).
   auto bar = acc.progress(total_steps, {.description = "train", .unit = "step", .initial = acc.step(), .line_every = 50});
@@ -128,6 +131,7 @@ int run(const Args& args) {
       samples += batch.data.size(0) * acc.num_processes();
       if (!acc.sync_gradients()) continue;
       last_loss = loss.item<double>();
+      ++steps_here;
       stats.add_loss(last_loss);
       const int64_t global_step = acc.step();
       const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -147,9 +151,9 @@ int run(const Args& args) {
     }
     if (done) bar.close();
     test_accuracy = evaluate(acc, model, *test);
-    stats.best_accuracy = std::max(stats.best_accuracy, test_accuracy);
-    acc.print("epoch {} test accuracy {:.4f}", epoch, test_accuracy);
-    acc.log({{"test_accuracy", test_accuracy}, {"epoch", epoch}}, acc.step());
+    stats.best_accuracy = std::max(stats.best_accuracy, *test_accuracy);
+    acc.print("epoch {} test accuracy {:.4f}", epoch, *test_accuracy);
+    acc.log({{"test_accuracy", *test_accuracy}, {"epoch", epoch}}, acc.step());
   }
   // Mean over ranks of the last optimizer step's batch loss.
   auto mean_loss = acc.reduce(torch::full({1}, last_loss, torch::kFloat64), xlr8::ReduceOp::AVG).item<double>();
@@ -157,8 +161,10 @@ int run(const Args& args) {
   acc.save_model(model, args.output_dir + "/model");
   acc.end_training();
   if (acc.is_main_process()) {
-    nlohmann::json result{{"final_train_loss", mean_loss},
-                          {"test_accuracy", test_accuracy},
+    // null, not 0, for what this run did not measure (no step, no evaluation).
+    auto measured = [](bool was, double value) { return was ? nlohmann::json(value) : nlohmann::json(); };
+    nlohmann::json result{{"final_train_loss", measured(steps_here > 0, mean_loss)},
+                          {"test_accuracy", measured(test_accuracy.has_value(), test_accuracy.value_or(0))},
                           {"best_test_accuracy", stats.best_accuracy},
                           {"smoothed_loss", stats.smoothed_loss},
                           {"global_step", acc.step()},
@@ -174,7 +180,7 @@ int run(const Args& args) {
 int main(int argc, char** argv) {
   CLI::App app{"Train a small CNN on Fashion-MNIST with xlr8"};
   Args a;
-  app.add_option("--epochs", a.epochs, "Epochs");
+  app.add_option("--epochs", a.epochs, "Epochs")->check(CLI::NonNegativeNumber);
   app.add_option("--max_steps", a.max_steps, "Stop after this many optimizer steps (0: no limit)");
   app.add_option("--batch_size", a.batch_size, "Batch size per process");
   app.add_option("--lr", a.lr, "Learning rate (AdamW)");

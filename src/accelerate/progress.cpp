@@ -91,6 +91,17 @@ std::string bar_cells(double fraction, int width, bool utf8) {
   return out + std::string(width - cells, ' ');
 }
 
+// `text` cut to `cells` characters (UTF-8 code points; every character drawn is one cell wide): a frame
+// wider than the terminal wraps, and the next \r then redraws only its last line, leaving the rest behind.
+std::string fit_to_cells(const std::string& text, int cells) {
+  int seen = 0;
+  for (size_t i = 0; i < text.size(); ++i) {
+    if ((static_cast<unsigned char>(text[i]) & 0xC0) == 0x80) continue;  // a continuation byte
+    if (seen++ == cells) return text.substr(0, i);
+  }
+  return text;
+}
+
 }  // namespace
 
 ProgressBar::ProgressBar(int64_t total, ProgressOptions options, ProgressMode mode, std::FILE* out)
@@ -183,11 +194,12 @@ std::string ProgressBar::render(int columns) const {
                                  : fmt::format("{} [{}, {}", count_, clock_text(elapsed), rate_text);
   if (!postfix_.empty()) right += ", " + postfix_;
   right += "]";
-  if (total_ <= 0) return description + right;
+  const int room = std::max(1, columns - 1);  // the last column left free: a full line would wrap on some terminals
+  if (total_ <= 0) return fit_to_cells(description + right, room);
   const double fraction = static_cast<double>(count_) / total_;
   const std::string left = fmt::format("{}{:3.0f}%|", description, std::floor(100 * fraction));
-  const int width = std::max(1, std::min(50, columns - static_cast<int>(left.size() + right.size()) - 1));
-  return left + bar_cells(fraction, width, utf8_terminal()) + right;
+  const int width = std::max(1, std::min(50, room - static_cast<int>(left.size() + right.size())));
+  return fit_to_cells(left + bar_cells(fraction, width, utf8_terminal()) + right, room);
 }
 
 void ProgressBar::draw(bool final) {

@@ -167,6 +167,11 @@ std::string key_text(const YAML::Node& key) { return key.IsScalar() ? key.Scalar
 }  // namespace
 
 void config::refuse_repeated_keys(const YAML::Node& node, const std::string& origin, const std::string& prefix) {
+  if (node.IsSequence()) {  // a list's mappings too: `- {a: 1, a: 2}`
+    const auto list = prefix.ends_with('.') ? prefix.substr(0, prefix.size() - 1) : prefix;  // x.[0] reads x[0]
+    for (size_t i = 0; i < node.size(); ++i) refuse_repeated_keys(node[i], origin, fmt::format("{}[{}].", list, i));
+    return;
+  }
   if (!node.IsMap()) return;
   std::map<std::string, std::pair<int, std::string>> first;  // key -> its line and value, as first written
   for (const auto& kv : node) {
@@ -181,6 +186,11 @@ void config::refuse_repeated_keys(const YAML::Node& node, const std::string& ori
 }
 
 YAML::Node config::without_repeated_keys(const YAML::Node& node) {
+  if (node.IsSequence()) {
+    YAML::Node out(YAML::NodeType::Sequence);
+    for (const auto& item : node) out.push_back(without_repeated_keys(item));
+    return out;
+  }
   if (!node.IsMap()) return node;
   YAML::Node out(YAML::NodeType::Map);
   std::set<std::string> seen;

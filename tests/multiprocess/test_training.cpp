@@ -407,6 +407,18 @@ TEST(FashionMnist, OneProcessOnTwiceTheBatchReportsTheSameLossAsTwoProcesses) {
   EXPECT_NEAR(one, two, 1e-4 * (1 + std::abs(one)));
 }
 
+TEST(FashionMnist, NoEpochReportsNullNotZeroAndANegativeCountIsRefused) {
+  auto r = run({kFashion, "--epochs", "0", "--train_limit", "256", "--output_dir", temp_dir("no-epoch")}, 60);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto result = last_json(r.out);
+  EXPECT_TRUE(result.at("final_train_loss").is_null()) << result;  // was 0.0: read as a perfect loss
+  EXPECT_TRUE(result.at("test_accuracy").is_null()) << result;
+  EXPECT_EQ(result.at("global_step"), 0) << result;
+  auto negative = run({kFashion, "--epochs", "-1"}, 60);
+  EXPECT_NE(negative.exit_code, 0);
+  EXPECT_NE((negative.out + negative.err).find("--epochs"), std::string::npos) << negative.out << negative.err;
+}
+
 TEST(FashionMnist, BadDatasetPathIsAClearError) {
   auto r = run({kXlr8, "launch", "--num_processes", "2", kFashion, "--data_dir", "/nonexistent/fm"}, 60);
   EXPECT_EQ(r.exit_code, 1);

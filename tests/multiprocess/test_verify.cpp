@@ -256,12 +256,16 @@ TEST(Verify, AModelInitialisedByRankIsNamedAndPassesBecauseEveryStrategySyncsItF
   }
 }
 
-TEST(Verify, AJobOfOneProcessOrABatchTheRanksCannotSplitIsRefused) {
+TEST(Verify, AJobOfOneProcessAMissingProgramOrABatchTheRanksCannotSplitIsRefused) {
   auto one = verify(1, {}, oracle_worker());
   EXPECT_NE(one.exit_code, 0);
   EXPECT_NE(one.err.find("compares N processes with one; this launch has 1: give --num_processes 2 or more"),
             std::string::npos)
       << one.err;
+  // A program that is not there is named first, whatever the count.
+  auto missing = verify(1, {}, {"./no-such-program"});
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_NE(missing.err.find("cannot run \"./no-such-program\": no such file"), std::string::npos) << missing.err;
   auto uneven = verify(5, {}, oracle_worker());  // a global batch of 12 over 5 ranks
   EXPECT_NE(uneven.exit_code, 0);
   EXPECT_NE(uneven.err.find("split_batches needs the batch size (12) to be a multiple of the number of processes (5)"),

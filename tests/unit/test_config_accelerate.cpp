@@ -370,6 +370,10 @@ TEST(LaunchPlan, WhatIsGivenTwiceOrWronglyIsDecidedOrRefusedInOneLine) {
   files.config_file = file("twice_nested.yaml", "fsdp_config:\n  fsdp_version: 1\n  fsdp_version: 2\n");
   EXPECT_NE(launch_error(files).find("key fsdp_config.fsdp_version is written twice with different values (lines 2 and 3)"), std::string::npos)
       << launch_error(files);
+  files.config_file = file("twice_in_list.yaml", "tpu_env:\n- {A: 1, A: 2}\n");  // inside a list too
+  EXPECT_NE(launch_error(files).find("key tpu_env[0].A is written twice with different values (lines 2 and 2)"),
+            std::string::npos)
+      << launch_error(files);
   files.config_file = file("same_twice.yaml", "num_processes: 2\nnum_processes: 2\n");  // one meaning: loads
   EXPECT_EQ(launch_error(files), "");
   files.num_processes = 3;  // and a flag sets its one entry

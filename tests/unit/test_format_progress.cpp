@@ -5,6 +5,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <unordered_map>
@@ -117,6 +118,25 @@ TEST(ProgressBar, BarModeRedrawsInPlaceAndEndsWithANewline) {
   EXPECT_NE(text.find("| 4/4 [00:00<00:00, "), std::string::npos) << text;
   EXPECT_EQ(text.substr(text.size() - 4), "\x1b[K\n");
   EXPECT_EQ(bar.count(), 4);
+}
+
+TEST(ProgressBar, AFrameWiderThanTheTerminalIsCutToItSoRedrawsStayOnOneLine) {
+  std::FILE* out = std::tmpfile();
+  xlr8::ProgressBar bar(4, {.description = "run", .initial = 2}, xlr8::ProgressMode::BAR, out);
+  bar.set_postfix({{"loss", 1.25}, {"learning_rate", 0.0003}, {"tokens_per_second", 13760.0}});
+  auto characters = [](const std::string& text) {
+    return std::count_if(text.begin(), text.end(), [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; });
+  };
+  ::setenv("LANG", "C.UTF-8", 1);  // a half-filled cell is three bytes: the cut counts characters
+  const auto frame = bar.render(70);
+  const auto whole = bar.render(400);
+  ::unsetenv("LANG");
+  EXPECT_EQ(characters(frame), 69) << frame;  // the last column left free
+  EXPECT_EQ(frame.rfind("run  50%|\u258c| 2/4 [", 0), 0u) << frame;  // the bar one cell, then cut in the postfix
+  EXPECT_NE(whole.find("tokens_per_second=13760]"), std::string::npos) << whole;
+  EXPECT_EQ(whole.rfind(']'), whole.size() - 1) << whole;
+  bar.close();
+  std::fclose(out);
 }
 
 TEST(ProgressBar, TheLaunchersTerminalCountsOnlyWhileStderrIsItsPipe) {

@@ -293,6 +293,7 @@ LaunchOptions one_process(LaunchRequest single) {
 int verify(const LaunchRequest& request, const VerifyOptions& v) {
   if (v.steps < 1) throw ConfigError(fmt::format("--steps {} must be 1 or more", v.steps));
   LaunchOptions many = plan_launch(request);
+  resolve_program(many.command.front());  // a missing program is named before the process counts
   if (many.elastic || !many.mpirun_hostfile.empty() || many.num_machines > 1)
     throw ConfigError("xlr8 verify runs both programs on this machine: give --num_processes N alone (no machines, "
                       "rendezvous or mpirun host file)");
