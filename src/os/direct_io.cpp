@@ -50,6 +50,7 @@ SwapFile::SwapFile(std::filesystem::path path, int64_t bytes) : path_(std::move(
     std::filesystem::remove(path_);
     throw Error(fmt::format("offload to disk: cannot lock the swap file {} ({})", path_.string(), reason(e)));
   }
+  removed_on_termination_ = std::make_unique<RemovedOnTermination>(path_);
   // Every block now: a disk without room says so before training, not in the middle of a swap. (fallocate, not
   // posix_fallocate: glibc's fallback writes single bytes, which O_DIRECT refuses.)
   if (::fallocate(fd_, 0, 0, size_) != 0) {
@@ -64,6 +65,7 @@ SwapFile::SwapFile(std::filesystem::path path, int64_t bytes) : path_(std::move(
 }
 
 SwapFile::~SwapFile() {
+  removed_on_termination_.reset();
   ::close(fd_);
   std::error_code ignored;  // scratch: gone at exit however the run ends normally
   std::filesystem::remove(path_, ignored);

@@ -10,6 +10,8 @@
 #include <memory>
 #include <string>
 
+#include "os/scratch_files.hpp"
+
 namespace xlr8 {
 class WorkerPool;
 }
@@ -56,6 +58,7 @@ class SwapFile {
   std::filesystem::path path_;
   int64_t size_ = 0;
   int fd_ = -1;
+  std::unique_ptr<RemovedOnTermination> removed_on_termination_;  // a stopped rank leaves no swap file behind
 };
 
 // A queued transfer: wait() returns once every piece of it is done, or throws the first piece's error.

@@ -157,3 +157,38 @@ TEST(DirectIo, ThreadsThatCannotStartAreOneErrorNamingTheKeyNotAnAbort) {
   ASSERT_TRUE(WIFEXITED(status)) << "the child ended by signal " << WTERMSIG(status);  // or std::terminate
   EXPECT_EQ(WEXITSTATUS(status), 0) << "3: no error; 4: the error did not name the key and the thread";
 }
+
+// A rank the launcher stops (SIGTERM, after another rank failed) or Ctrl-C (SIGINT) runs no destructor: its swap
+// files stayed on disk, the whole state's size, until a later job used the directory. The signal still ends the
+// process as it did (killed by the signal), and a file already closed is not touched.
+TEST(DirectIo, ASignalThatStopsTheProcessRemovesItsSwapFilesAndStillEndsIt) {
+  DiskDir dir;
+  if (!dir.direct_io()) GTEST_SKIP() << dir.path << " is on a file system without O_DIRECT";
+  for (const int signal_number : {SIGTERM, SIGINT}) {
+    const auto held = dir.path / "held.swp", closed = dir.path / "closed.swp";
+    int ready[2];
+    ASSERT_EQ(::pipe(ready), 0);
+    const pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      { SwapFile done(closed, 4096); }  // created and removed by its owner before the signal
+      std::ofstream(closed) << "a file of the same name, the user's";
+      SwapFile file(held, 1 << 20);
+      (void)!::write(ready[1], "x", 1);
+      ::pause();
+      ::_exit(3);
+    }
+    char byte = 0;
+    ASSERT_EQ(::read(ready[0], &byte, 1), 1);
+    ::close(ready[0]);
+    ::close(ready[1]);
+    EXPECT_TRUE(fs::exists(held));
+    ::kill(child, signal_number);
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    EXPECT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == signal_number) << "status " << status;
+    EXPECT_FALSE(fs::exists(held)) << strsignal(signal_number);
+    EXPECT_TRUE(fs::exists(closed)) << "a removed owner's slot must not remove a later file of that name";
+    fs::remove(closed);
+  }
+}
