@@ -98,6 +98,8 @@ DeepSpeedPlugin::DeepSpeedPlugin(const DeepSpeedSettings& launch, MixedPrecision
       {"zero_optimization.stage", launch.zero_stage},
       {"zero_optimization.offload_optimizer.device", launch.offload_optimizer_device},
       {"zero_optimization.offload_param.device", launch.offload_param_device},
+      {"zero_optimization.offload_optimizer.nvme_path", launch.offload_optimizer_nvme_path},  // Accelerate's mapping
+      {"zero_optimization.offload_param.nvme_path", launch.offload_param_nvme_path},
       {"zero_optimization.stage3_gather_16bit_weights_on_model_save", launch.zero3_save_16bit_model}};
   fill(values);
   if (main_process_ && this->precision() != precision)

@@ -326,6 +326,21 @@ void overlay_settings(const LaunchRequest& r, YAML::Node& root) {
     root["dynamo_backend"] = r.other_keys.at("dynamo_config.dynamo_backend");
 }
 
+// A DeepSpeed or FSDP flag on a launch of another strategy would do nothing: --offload_optimizer_device nvme under
+// DDP wrote no swap file and said nothing.
+void refuse_flags_of_another_strategy(const LaunchRequest& r, DistributedType type) {
+  const auto first_of = [](const std::map<std::string, std::string>& flags) { return "--" + flags.begin()->first; };
+  if (!r.deepspeed.empty() && type != DistributedType::DEEPSPEED)
+    throw ConfigError(fmt::format("{} is a DeepSpeed option, but this launch is {}: add --use_deepspeed (or "
+                                  "distributed_type: DEEPSPEED in the config file), or drop it (FSDP offloads with "
+                                  "--fsdp_offload_params true)",
+                                  first_of(r.deepspeed), to_string(type)));
+  if (!r.fsdp.empty() && type != DistributedType::FSDP)
+    throw ConfigError(fmt::format("{} is an FSDP option, but this launch is {}: add --use_fsdp (or distributed_type: "
+                                  "FSDP in the config file), or drop it",
+                                  first_of(r.fsdp), to_string(type)));
+}
+
 }  // namespace
 
 LaunchOptions plan_launch(const LaunchRequest& r) {
@@ -351,6 +366,7 @@ LaunchOptions plan_launch(const LaunchRequest& r) {
   YAML::Emitter emitter;
   emitter << root;
   LaunchConfig cfg = parse_config(emitter.c_str(), origin);
+  refuse_flags_of_another_strategy(r, cfg.distributed_type);
   if (cfg.num_processes == -1)
     throw ConfigError(fmt::format("{}: num_processes is -1, which means it must be given: pass --num_processes N", origin));
 

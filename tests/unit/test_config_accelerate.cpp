@@ -384,6 +384,22 @@ TEST(LaunchPlan, WhatIsGivenTwiceOrWronglyIsDecidedOrRefusedInOneLine) {
   EXPECT_EQ(plan_launch(files).settings.fsdp->sharding_strategy, ShardingStrategy::FULL_SHARD);
   files.fsdp["fsdp_sharding_strategy"] = "SHARD_GRAD_OP";
   EXPECT_EQ(plan_launch(files).settings.fsdp->sharding_strategy, ShardingStrategy::SHARD_GRAD_OP);
+  // A strategy's flag on a launch of another did nothing, silently (disk offload under DDP wrote no swap file).
+  LaunchRequest ddp;
+  ddp.command = {"prog"};
+  ddp.config_file = file("ddp.yaml", "distributed_type: MULTI_GPU\nnum_processes: 2\n");
+  ddp.deepspeed["offload_optimizer_device"] = "nvme";
+  EXPECT_NE(launch_error(ddp).find("--offload_optimizer_device is a DeepSpeed option, but this launch is MULTI_GPU: add "
+                                   "--use_deepspeed"),
+            std::string::npos)
+      << launch_error(ddp);
+  ddp.deepspeed.clear();
+  ddp.fsdp["fsdp_offload_params"] = "true";
+  EXPECT_NE(launch_error(ddp).find("--fsdp_offload_params is an FSDP option, but this launch is MULTI_GPU"),
+            std::string::npos)
+      << launch_error(ddp);
+  ddp.use_fsdp = true;
+  EXPECT_EQ(launch_error(ddp), "");
   std::filesystem::remove_all(dir);
 }
 

@@ -73,6 +73,23 @@ TEST(DeepSpeedPlugin, TheLaunchAndTheAcceleratorFillTheirAutoValuesAndTheJsonsOw
   EXPECT_DOUBLE_EQ(plugin.config().gradient_clipping, 0.3);
   EXPECT_EQ(plugin.config().zero_optimization.stage, 3);
   EXPECT_TRUE(plugin.config().zero_optimization.stage3_gather_16bit_weights_on_model_save);
+  // The disk tier's paths too (offload_*_nvme_path), as Accelerate maps them: an "auto" path was never filled.
+  auto with_disk = kAllAuto;
+  with_disk["zero_optimization"]["offload_optimizer"] = {{"device", "auto"}, {"nvme_path", "auto"}};
+  with_disk["zero_optimization"]["offload_param"] = {{"device", "auto"}, {"nvme_path", "auto"}};
+  auto disk_launch = launch_with(with_disk);
+  disk_launch.zero_stage = 3;
+  disk_launch.offload_optimizer_device = disk_launch.offload_param_device = "nvme";
+  disk_launch.offload_optimizer_nvme_path = "/swap/optimizer";
+  disk_launch.offload_param_nvme_path = "/swap/parameters";
+  DeepSpeedPlugin disk(disk_launch, MixedPrecision::NO, 1, 1, false);
+  EXPECT_EQ(disk.config().zero_optimization.offload_optimizer.nvme_path, "/swap/optimizer");
+  EXPECT_EQ(disk.config().zero_optimization.offload_param.nvme_path, "/swap/parameters");
+  // Without the flags nothing is offloaded, and nothing is left "auto".
+  auto no_disk_launch = launch_with(with_disk);
+  no_disk_launch.zero_stage = 3;
+  DeepSpeedPlugin no_disk(no_disk_launch, MixedPrecision::NO, 1, 1, false);
+  EXPECT_EQ(no_disk.config().zero_optimization.offload_optimizer.device, "none");
   // Without --gradient_clipping, Accelerate's 1.0.
   DeepSpeedPlugin defaults(launch_with(kAllAuto), MixedPrecision::NO, 1, 1, false);
   EXPECT_DOUBLE_EQ(defaults.config().gradient_clipping, 1.0);
