@@ -662,6 +662,7 @@ TEST(Cli, ConfigDefaultAndInteractiveWriteLoadableFiles) {
   EXPECT_EQ(c.deepspeed.offload_optimizer_device, "cpu");
   EXPECT_EQ(c.gradient_accumulation_steps, 2);
   EXPECT_EQ(c.mixed_precision, xlr8::MixedPrecision::BF16);
+  EXPECT_FALSE(c.use_cpu);  // as Accelerate writes a GPU kind's file, even on a machine without GPUs (this one)
   // And the launcher uses it.
   auto r = run(launch({"--config_file", dir + "/i.yaml", "--num_processes", "2"}, {"env", dir}));
   ASSERT_EQ(r.exit_code, 0) << r.err;

@@ -94,7 +94,11 @@ LaunchConfig interview() {
     // The default answer leaves the choice to the program; any other answer overrides the program's.
     if (int steps = a.ask_int("Gradient accumulation steps", 1, 1); steps != 1) c.gradient_accumulation_steps = steps;
   }
-  c.use_cpu = gpus == 0 || a.ask_bool("Train on CPU only", false);
+  // As Accelerate's questionnaire writes it: MULTI_CPU on the CPU, the GPU kinds not (a file written on a login
+  // node without GPUs must not keep the GPU nodes' jobs on the CPU), NO as asked.
+  if (c.distributed_type == DistributedType::MULTI_CPU) c.use_cpu = true;
+  else if (c.distributed_type == DistributedType::NO) c.use_cpu = gpus == 0 || a.ask_bool("Train on CPU only", false);
+  else c.use_cpu = false;
   c.mixed_precision = parse_mixed_precision(a.ask("Mixed precision", "no", {"no", "fp16", "bf16"}), "mixed_precision");
   c.validate();
   return c;
