@@ -6,6 +6,7 @@
 // (--parallelism_config_dp_replicate_size, --use_fsdp --parallelism_config_dp_shard_size, _tp_size). Prints one
 // JSON line: every step's loss (and gradient norm with clipping).
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 #include <xlr8/nn.hpp>
@@ -104,7 +105,7 @@ double peak_rss_mb() {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_example(int argc, char** argv) {
   CLI::App app{"pipeline: a Sequential trained by xlr8's pipeline schedules (or on one process)"};
   int steps = 8, batch = 24;
   Shape shape;
@@ -194,6 +195,7 @@ int main(int argc, char** argv) {
       }
       loss = acc.reduce(torch::tensor(mine, torch::kDouble)).item<double>() / acc.num_processes();
     } else {
+      auto scope = acc.autocast();  // --mixed_precision bf16 here too, as pipeline_step runs its forwards
       auto value = mse(model->forward(x.to(acc.device())), target.to(acc.device()));
       acc.backward(value);
       loss = value.item<double>();
@@ -229,4 +231,15 @@ int main(int argc, char** argv) {
                                 {"built_bytes_by_rank", built_bytes_by_rank},
                                 {"setup_peak_rss_mb_by_rank", setup_peak_rss_mb_by_rank}}
               << std::endl;
+  return 0;
+}
+
+// A configuration the run cannot take is one line and exit code 1, not std::terminate's abort on every rank.
+int main(int argc, char** argv) {
+  try {
+    return run_example(argc, argv);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "pipeline: error: {}\n", e.what());
+    return 1;
+  }
 }

@@ -1,10 +1,13 @@
 // DeepSpeed's pipeline API in C++ (issue 46): a model given as layer specs, with the embedding tied to the output
 // head, trained by engine->train_batch() from a DeepSpeed JSON. With
-//   xlr8 launch --num_processes 4 --parallelism_config_pp_size 2 build/bin/pipeline_deepspeed --config ds_pipeline.json
-// (or the JSON's "pipeline": {"stages": 2}) each pair of stages is a pipeline and the two pipelines are data
+//   xlr8 launch --num_processes 4 --parallelism_config_pp_size 2 --parallelism_config_dp_replicate_size 2
+//     build/bin/pipeline_deepspeed --config ds_pipeline.json
+// (or the JSON's "pipeline": {"stages": 2} with --use_deepspeed --deepspeed_config_file ds_pipeline.json) each pair
+// of stages is a pipeline and the two pipelines are data
 // parallel; each rank builds only its stage's layers. One process trains the same steps. Prints one JSON line:
 // every step's loss, the last evaluation's, the stages' first layers, and rank 0's block forwards in training.
 #include <CLI/CLI.hpp>
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 #include <torch/torch.h>
 #include <xlr8/deepspeed.hpp>
@@ -35,7 +38,7 @@ torch::Tensor head(torch::nn::Module& embedding, const torch::Tensor& x) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+int run_example(int argc, char** argv) {
   CLI::App app{"pipeline_deepspeed: DeepSpeed's PipelineModule and train_batch, from a DeepSpeed JSON"};
   std::string config = "examples/pipeline_deepspeed/ds_pipeline.json", partition = "parameters", save_dir, load_dir,
               model_dir;
@@ -108,4 +111,15 @@ int main(int argc, char** argv) {
                                 {"block_forwards", training_block_forwards},  // rank 0's, in training
                                 {"parameter_bytes", parameter_bytes}}
               << std::endl;
+  return 0;
+}
+
+// A configuration the run cannot take is one line and exit code 1, not std::terminate's abort on every rank.
+int main(int argc, char** argv) {
+  try {
+    return run_example(argc, argv);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "pipeline_deepspeed: error: {}\n", e.what());
+    return 1;
+  }
 }

@@ -32,7 +32,8 @@ struct DataLoaderOptions {
   // Page-locked host batches, copied to a CUDA device on the loader's own stream; the step's stream waits
   // for a batch's copies when it takes the batch. On another device: a warning, and batches are not pinned.
   bool pin_memory = false;
-  std::optional<uint64_t> seed;  // shuffle seed; default: the Accelerator's seed (set_seed)
+  std::optional<uint64_t> seed{};  // shuffle seed; default: the Accelerator's seed (set_seed). {}: designated
+                                  // initialisers that leave it out do not warn (-Wmissing-field-initializers)
 };
 
 // Stacks tensors and Examples into one batch; any other item type gives a std::vector of items.

@@ -12,8 +12,9 @@
 //     acc.prepare(xlr8::DummyScheduler(opt.optimizer(), total_steps, warmup_steps));
 //
 // optimizer.params.lr / weight_decay take the DummyOptim's; scheduler.params.warmup_min_lr takes 0,
-// warmup_max_lr the optimizer's lr, warmup_num_steps and total_num_steps (divided by the number of
-// processes, as Accelerate does) the DummyScheduler's. Neither can step itself.
+// warmup_max_lr the optimizer's lr, warmup_num_steps and total_num_steps the DummyScheduler's (the totals as
+// given: unlike Accelerate's, they are not divided by the number of processes; README, DeepSpeed). Neither can
+// step itself.
 #include <torch/optim/adamw.h>
 #include <torch/optim/optimizer.h>
 #include <torch/optim/schedulers/lr_scheduler.h>

@@ -71,7 +71,7 @@ class ParallelStrategy {
   // step's backward synchronises has one owner, the GradientState the strategy was made with (its
   // sync_gradients: the accumulation boundary); `suspend_sync` is no_sync()'s request for this model.
   // Here DDP broadcasts buffers; ZeRO-3 / FSDP gather their first unit.
-  virtual void begin_step(bool suspend_sync) {}
+  virtual void begin_step(bool /*suspend_sync*/) {}
   // At the end of the scope: outside scopes every backward synchronises, as DDP without no_sync.
   virtual void end_step() {}
   // Outside any backward: reduces now the gradients backwards accumulated with sync suspended, as a synchronising
@@ -85,18 +85,18 @@ class ParallelStrategy {
   virtual bool owns(const at::Tensor& tensor) const;
   // Points an optimizer built over the module's parameters at what optimizer_parameters() returns (in
   // place, group by group, keeping each group's options). Before the optimizer's first step.
-  virtual void bind_optimizer(torch::optim::Optimizer& optimizer) const {}
+  virtual void bind_optimizer(torch::optim::Optimizer& /*optimizer*/) const {}
   // One optimizer step: plain for replicas; shard step plus all-gather when sharded.
   virtual void optimizer_step(torch::optim::Optimizer& optimizer) { optimizer.step(); }
   // Offload's disk tier: the optimizer state this strategy keeps on disk, all in memory (true: a checkpoint
   // reads or replaces it) or back on disk (false: what the optimizer holds then is written out).
-  virtual void optimizer_state_in_memory(torch::optim::Optimizer& optimizer, bool in_memory) {}
+  virtual void optimizer_state_in_memory(torch::optim::Optimizer& /*optimizer*/, bool /*in_memory*/) {}
   // Offload's disk tier, one group at a time (what checkpoints use, so that state larger than memory can be saved
   // and loaded): keeps the group holding `leaf` (a ParameterPiece's values) in memory until the handle is released:
   // without `optimizer`, its parameter values; with one, that optimizer's state for the group's leaves. A live
   // handle of the same group is shared. Null when nothing of it is on disk.
-  virtual std::shared_ptr<HeldInMemory> hold_in_memory(const at::Tensor& leaf, torch::optim::Optimizer* optimizer,
-                                                       HoldFor purpose) {
+  virtual std::shared_ptr<HeldInMemory> hold_in_memory(const at::Tensor& /*leaf*/, torch::optim::Optimizer* /*optimizer*/,
+                                                       HoldFor /*purpose*/) {
     return nullptr;
   }
   // Clips `parameters` (of this strategy's module) to the global gradient norm and returns it. Replicas
@@ -110,12 +110,12 @@ class ParallelStrategy {
   // this strategy's module; others are ignored) that wait on disk for the step have no .grad; `op` (elementwise, given each one's 1-dimensional
   // gradient) is queued for each and runs, in order, as the step reads it; an empty `op` sets them to none. Whether
   // any was on disk.
-  virtual bool queue_on_disk_gradients(const std::vector<at::Tensor>& parameters,
-                                       const std::function<void(at::Tensor&)>& op) {
+  virtual bool queue_on_disk_gradients(const std::vector<at::Tensor>& /*parameters*/,
+                                       const std::function<void(at::Tensor&)>& /*op*/) {
     return false;
   }
   // Whether a gradient of `parameters` waiting on disk holds an inf or NaN now (fp16's overflow check).
-  virtual bool non_finite_gradients_on_disk(const std::vector<at::Tensor>& parameters) { return false; }
+  virtual bool non_finite_gradients_on_disk(const std::vector<at::Tensor>& /*parameters*/) { return false; }
   // Whether every rank holds the whole synchronised gradients (replicas), so that a gradient norm over
   // parameters of several such models is the local one.
   virtual bool replicated() const { return true; }
@@ -143,11 +143,11 @@ class ParallelStrategy {
   // After new values were copied into parameter_pieces()' `values`: whole copies catch up. Collective,
   // unless `whole_parameters_written` (the caller also wrote every parameter that holds memory whole):
   // then only local copies (low-precision shards of fp32 masters) are refreshed.
-  virtual void parameter_pieces_loaded(bool whole_parameters_written = false) {}
+  virtual void parameter_pieces_loaded(bool /*whole_parameters_written*/ = false) {}
   // FSDP's summon_full_params: every parameter whole and current until release_full_parameters(), which
   // with `writeback` keeps changes made to them meanwhile. Collective; replicas are always whole.
   virtual void gather_full_parameters() {}
-  virtual void release_full_parameters(bool writeback) {}
+  virtual void release_full_parameters(bool /*writeback*/) {}
   // Figures for tests, benchmarks and logs: at least {"strategy": name()}.
   virtual nlohmann::json stats() const { return {{"strategy", name()}}; }
 

@@ -19,7 +19,7 @@ class Tracker {
   virtual void log(const nlohmann::json& values, std::optional<int64_t> step) = 0;
   // The run's configuration, once, when the run starts (Accelerate's store_init_configuration): every
   // tracker's run also has it as config.json; TensorBoard shows it as the run's hyperparameters.
-  virtual void store_init_configuration(const nlohmann::json& config) {}
+  virtual void store_init_configuration(const nlohmann::json& /*config*/) {}
   virtual void finish() {}
   const std::string& run_dir() const { return run_dir_; }
 

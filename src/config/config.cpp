@@ -117,7 +117,8 @@ void read_deepspeed(const Section& s, LaunchConfig& c) {
   if (auto v = s.integer("zero_stage", 0, 3)) d.zero_stage = static_cast<int>(*v);
   if (auto v = s.integer("gradient_accumulation_steps", 1, 1L << 30)) c.gradient_accumulation_steps = static_cast<int>(*v);
   d.gradient_clipping = s.number("gradient_clipping");
-  if (d.gradient_clipping && *d.gradient_clipping < 0)  // as a DeepSpeed JSON's is refused
+  // DeepSpeed takes a negative value as no clipping; xlr8 refuses it (a sign typo would clip nothing), the JSON's too
+  if (d.gradient_clipping && *d.gradient_clipping < 0)
     throw s.error("gradient_clipping", fmt::format("value {} must be >= 0 (0 disables clipping)", *d.gradient_clipping));
   if (auto v = s.choice("offload_optimizer_device", kOffloadDevices, false)) d.offload_optimizer_device = *v;
   if (auto v = s.choice("offload_param_device", kOffloadDevices, false)) d.offload_param_device = *v;

@@ -26,7 +26,7 @@ void check_mesh(const Config& config, const MeshSizes& mesh) {
   if (config.sequence_parallel_size && *config.sequence_parallel_size != mesh.sp)
     throw ConfigError(fmt::format("deepspeed::initialize: {} sets sequence_parallel_size {} but this job's mesh has sp "
                                   "{}; launch it with --parallelism_config_sp_size {} (xlr8 launch sets it itself from "
-                                  "a JSON given as --deepspeed_config_file)",
+                                  "a JSON given as --use_deepspeed --deepspeed_config_file)",
                                   config.origin, *config.sequence_parallel_size, mesh.sp,
                                   *config.sequence_parallel_size));
   if (config.data_parallel_size && *config.data_parallel_size != mesh.dp)
@@ -37,12 +37,12 @@ void check_mesh(const Config& config, const MeshSizes& mesh) {
   if (autotp > 1 && autotp != mesh.tp)
     throw ConfigError(fmt::format("deepspeed::initialize: {} sets tensor_parallel.autotp_size {} but this job's mesh "
                                   "has tp {}; launch it with --parallelism_config_tp_size {} (xlr8 launch sets it "
-                                  "itself from a JSON given as --deepspeed_config_file)",
+                                  "itself from a JSON given as --use_deepspeed --deepspeed_config_file)",
                                   config.origin, autotp, mesh.tp, autotp));
   if (config.pipeline.stages && *config.pipeline.stages != mesh.pp)
     throw ConfigError(fmt::format("deepspeed::initialize: {} sets pipeline.stages {} but this job's mesh has pp {}; "
                                   "launch it with --parallelism_config_pp_size {} (xlr8 launch sets it itself from a "
-                                  "JSON given as --deepspeed_config_file)",
+                                  "JSON given as --use_deepspeed --deepspeed_config_file)",
                                   config.origin, *config.pipeline.stages, mesh.pp, *config.pipeline.stages));
 }
 

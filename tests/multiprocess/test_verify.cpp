@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <regex>
 
 #include "process_runner.hpp"
@@ -110,6 +111,15 @@ TEST(Verify, PipelinesPassAgainstOneProcessThatAccumulatesTheMicroBatches) {
     EXPECT_TRUE(passed(r)) << r.out << r.err;
     EXPECT_EQ(r.out.find("differed across ranks"), std::string::npos) << r.out;
   }
+  // Without --pipeline the GPT builds its pipeline model only under pp > 1: one process trains another model. Said
+  // so, not "a strategy bug" over a parameter difference of inf.
+  Args plain_gpt(gpt.begin(), gpt.end());
+  plain_gpt.erase(std::find(plain_gpt.begin(), plain_gpt.end(), "--pipeline"));
+  auto two_models = verify(2, {"--parallelism_config_pp_size", "2", "--steps", "2"}, plain_gpt);
+  EXPECT_NE(two_models.exit_code, 0);
+  EXPECT_NE(two_models.out.find("xlr8 verify: FAIL: the two runs built different models"), std::string::npos)
+      << two_models.out;
+  EXPECT_NE(two_models.out.find("(examples/gpt: --pipeline)"), std::string::npos) << two_models.out;
 }
 
 // The GPT example: its attention key bias has only rounding for a gradient (softmax ignores it), which Adam

@@ -300,6 +300,19 @@ TEST(Pipeline, EvaluateRunsWithoutDropoutAndLeavesTheModeAndTheLastStepsFigures)
   });
 }
 
+// Interleaved: the parts are stages x chunks, and the message says so (it spoke of 12 stages for pp 4).
+TEST(PipelinePartition, MoreInterleavedPartsThanLayersNameTheVirtualStages) {
+  try {
+    pp::stage_layers(model(), 4, 0, 3);
+    FAIL() << "4 stages of 3 chunks over 9 layers were accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("4 stages x 3 chunks a stage (parallelism_config_pp_virtual_stages) cut the "
+                                         "model into 12 parts, but it has 9 layers"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(Pipeline, AMicroBatchOfAnotherShapeIsRefusedByNameBeforeItIsSent) {
   std::vector<std::string> errors(2);
   try {

@@ -135,6 +135,27 @@ ParamDiffs param_diffs(const Recorded& a, const Recorded& b, double noise) {
   return out;
 }
 
+// The parameters one run has and the other lacks (or has in another shape): the program built two models, and
+// comparing their values means nothing. "" when both runs built the same names and shapes.
+std::string different_models(const Recorded& many, const Recorded& one) {
+  std::vector<std::string> only_many, only_one;
+  for (const auto& [name, t] : many.params)
+    if (auto it = one.params.find(name); it == one.params.end() || !it->second.sizes().equals(t.sizes()))
+      only_many.push_back(name);
+  for (const auto& [name, t] : one.params)
+    if (!many.params.count(name)) only_one.push_back(name);
+  if (only_many.empty() && only_one.empty()) return "";
+  auto some = [](const std::vector<std::string>& names) {
+    return names.empty() ? std::string("none")
+                         : fmt::format("{}{}", fmt::join(names.begin(), names.begin() + std::min<long>(3, names.size()), ", "),
+                                       names.size() > 3 ? fmt::format(" and {} more", names.size() - 3) : "");
+  };
+  return fmt::format("the two runs built different models (parameters of run 1 that run 2 lacks or has in another "
+                     "shape: {}; only in run 2: {}): the program chooses its model by the launch's layout; give it "
+                     "an option that builds the same model on one process (examples/gpt: --pipeline)",
+                     some(only_many), some(only_one));
+}
+
 std::string listed(const nlohmann::json& names) {
   std::string out;
   for (size_t i = 0; i < names.size() && i < 5; ++i) out += (i ? ", " : "") + names[i].get<std::string>();
@@ -337,6 +358,10 @@ int verify(const LaunchRequest& request, const VerifyOptions& v) {
     const double la = sa[i]["loss"], lb = sb[i]["loss"], ga = sa[i]["grad_norm"], gb = sb[i]["grad_norm"];
     fmt::print("{:>4}  {:>16.8g}  {:>19.8g}  {:>9.2e}   {:>29.8g}  {:>{}.8g}  {:>9.2e}\n", sb[i]["step"].get<int>(), lb,
                la, relative(la, lb), gb, ga, norm_n.size(), relative(ga, gb));
+  }
+  if (const auto differ = different_models(a, b); !differ.empty()) {
+    fmt::print("xlr8 verify: FAIL: {}\n", differ);
+    return 1;
   }
   // Gradients below this share of their tensor's largest are rounding at this precision.
   const double noise = rtol / 10;

@@ -168,13 +168,19 @@ std::vector<std::pair<size_t, size_t>> parts_of(const torch::nn::Sequential& who
       for (const auto& p : layer->parameters()) n += p.numel();
       counts.push_back(n);
     }
+    if (chunks > 1 && parts > layers)  // partition() would speak of N x V stages, not the pp size given
+      throw ConfigError(fmt::format("pipeline: {} stages x {} chunks a stage (parallelism_config_pp_virtual_stages) "
+                                    "cut the model into {} parts, but it has {} layers; every part needs a layer, so "
+                                    "use fewer virtual stages (1 runs a non-interleaved schedule) or fewer stages",
+                                    stages, chunks, parts, layers));
     return partition(counts, static_cast<int>(parts), how);
   }
   const auto& starts = partitioned->part_starts;
   if (chunks > 1 && starts.size() == static_cast<size_t>(stages))
     throw ConfigError(fmt::format("pipeline: an interleaved schedule runs {} chunks a stage, {} parts in all, but the model's "
                                   "part starts cut it into {} parts, one a stage (as a deepspeed::PipelineModule always "
-                                  "does: it builds only its stage's layers): choose GPipe, 1F1B or ZeroBubble "
+                                  "does: it builds only its stage's layers): set parallelism_config_pp_virtual_stages 1 (one chunk a "
+                                  "stage; InterleavedZeroBubble runs so too) or choose GPipe or 1F1B "
                                   "(parallelism_config_pp_schedule), or give a whole Sequential or a PartitionedSequential "
                                   "with {} part starts",
                                   chunks, parts, stages, parts));
