@@ -28,7 +28,10 @@ bool Accelerator::rank0_loading() const {
 bool Accelerator::tp_loading() const {
   const auto& s = *impl_;
   const auto& fsdp = s.state->settings().fsdp;
-  return s.state->world_size() > 1 && s.plan.mesh.tp > 1 && (!fsdp || fsdp->cpu_ram_efficient_loading);
+  // Not under pipeline stages: the main process's whole model would be compared with other stages' (pp x tp builds
+  // whole on every rank, records_build).
+  return s.state->world_size() > 1 && s.plan.mesh.tp > 1 && s.plan.mesh.pp == 1 &&
+         (!fsdp || fsdp->cpu_ram_efficient_loading);
 }
 
 struct Accelerator::ModelBuild {
@@ -46,13 +49,13 @@ namespace {
 // on, as Accelerate's default at ZeRO-3; rank 0 computes each group's values and sends them), but not under
 // tensor parallelism (which slices whole values) or hybrid sharding (whose replicas start from the whole model).
 // Under pipeline stages every process records, and computes its own stage's layers alone when prepare() cuts them,
-// unless zero3_init_flag or fsdp_cpu_ram_efficient_loading is set false.
+// unless zero3_init_flag or fsdp_cpu_ram_efficient_loading is set false, or under pp x tp.
 bool records_build(const AcceleratorImpl& s, bool rank0_loading, bool tp_loading, bool main_process) {
   if (tp_loading) return false;
   if (rank0_loading) return main_process;
   const auto& settings = s.state->settings();
-  if (s.plan.mesh.pp > 1)
-    return !(settings.deepspeed && settings.deepspeed->zero3_init_flag == false) &&
+  if (s.plan.mesh.pp > 1)  // pp x tp: whole on every rank (a recording's values are not sliced)
+    return s.plan.mesh.tp == 1 && !(settings.deepspeed && settings.deepspeed->zero3_init_flag == false) &&
            !(settings.fsdp && !settings.fsdp->cpu_ram_efficient_loading);
   if (s.plan.strategy != "zero3") return false;  // one process shards when it offloads
   const bool zero_init = settings.deepspeed && settings.deepspeed->zero3_init_flag.value_or(true);

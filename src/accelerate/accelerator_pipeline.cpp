@@ -6,10 +6,12 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <set>
 
 #include "accelerate/accelerator_impl.hpp"
 #include "parallel/parallelize.hpp"
 #include "parallel/grad_norm.hpp"
+#include "parallel/pipeline/eval_mode.hpp"
 #include "parallel/pipeline/owner_pieces.hpp"
 #include "xlr8/accelerator.hpp"
 #include "xlr8/error.hpp"
@@ -98,8 +100,9 @@ GradNorm AcceleratorImpl::clip_pipeline_grad_norm(double max_norm, double norm_t
   if (!infinity) part = part.pow(norm_type);
   state->mesh().group(MeshDim::pp).all_reduce(part, infinity ? ReduceOp::MAX : ReduceOp::SUM);
   std::vector<at::Tensor> grads;
+  std::set<const void*> seen;  // a weight tied inside the stage is listed under each name: scaled once
   for (const auto& holder : stage.gradient_holders(parameters))
-    if (holder.grad().defined()) grads.push_back(holder.grad());
+    if (holder.grad().defined() && seen.insert(holder.unsafeGetTensorImpl()).second) grads.push_back(holder.grad());
   return GradNorm(parallel::scale_to_norm(part, {&grads}, max_norm, norm_type));
 }
 
@@ -284,17 +287,10 @@ double Accelerator::pipeline_evaluate(const at::Tensor& input, const at::Tensor&
     throw ConfigError("pipeline_evaluate(): without pipeline stages one prepared model, a torch::nn::Sequential, runs "
                       "the batch: prepare that model alone and give both the input and the target");
   at::NoGradGuard no_grad;
-  const bool training = layers->is_training();  // eval mode for the call, as the stages' evaluate()
-  layers->eval();
+  pp::EvalModeScope eval_mode(*layers);  // as the stages' evaluate()
   double total = 0;
-  try {
-    for (size_t i = 0; i < inputs.size(); ++i)
-      total += loss(pp::forward_layers(torch::nn::Sequential(layers), inputs[i], 0), targets[i]).item<double>();
-  } catch (...) {
-    layers->train(training);
-    throw;
-  }
-  layers->train(training);
+  for (size_t i = 0; i < inputs.size(); ++i)
+    total += loss(pp::forward_layers(torch::nn::Sequential(layers), inputs[i], 0), targets[i]).item<double>();
   return total / static_cast<double>(inputs.size());
 }
 

@@ -2,7 +2,7 @@
 
 #include <fmt/format.h>
 
-#include <system_error>
+#include <exception>
 
 #include "xlr8/error.hpp"
 
@@ -11,7 +11,7 @@ namespace xlr8 {
 WorkerPool::WorkerPool(int threads) {
   try {
     for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { loop(); });
-  } catch (const std::system_error& e) {
+  } catch (const std::exception& e) {  // system_error (no thread), or bad_alloc
     // The destructor will not run: join the threads that started, or their destruction ends the process.
     const auto started = threads_.size();
     stop_and_join();

@@ -86,7 +86,11 @@ std::unique_ptr<ProcessState> ProcessState::create(const Env& env, const Process
   auto coll_timeout = options.collective_timeout.value_or(seconds_from(env, "XLR8_COLLECTIVE_TIMEOUT", 1800));
   compat::StorePtr store;
   if (t.distributed()) {
-    store = distributed::rendezvous(t, rdzv_timeout, env.get_int("TORCHELASTIC_RESTART_COUNT").value_or(0));
+    // torchrun's agent serves the workers' store across restarts (TORCHELASTIC_USE_AGENT_STORE): each attempt its own
+    // keys, as torch's env:// does. xlr8 launch's workers start a fresh store each attempt; their machines' restart
+    // counts may differ (a machine that joins late starts at 0).
+    const bool agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE").value_or("") == "True";
+    store = distributed::rendezvous(t, rdzv_timeout, agent_store ? env.get_int("TORCHELASTIC_RESTART_COUNT").value_or(0) : 0);
     if (node_index_from_hosts(t)) distributed::place_nodes_by_host(store, s->topology_);
     store->setTimeout(coll_timeout);
   } else {

@@ -7,8 +7,8 @@ namespace xlr8::distributed {
 
 // Returns once every rank has joined; otherwise throws xlr8::TimeoutError naming the missing ranks and
 // the address, or xlr8::Error when the server cannot listen (port in use) or cannot be reached.
-// `attempt` (TORCHELASTIC_RESTART_COUNT) keys each restart apart: torchrun's agent keeps its store across
-// restarts, so a restarted group would otherwise read the join count and the addresses of the one before.
+// `attempt` (TORCHELASTIC_RESTART_COUNT under torchrun's agent store) keys each restart apart: the agent keeps its
+// store across restarts, so a restarted group would otherwise read the join count and addresses of the one before.
 compat::StorePtr rendezvous(const Topology& topology, std::chrono::milliseconds timeout, int64_t attempt = 0);
 
 // Sets the node index and count from the hosts every rank reported at rendezvous (nodes numbered in the

@@ -65,10 +65,10 @@ SwapFile::SwapFile(std::filesystem::path path, int64_t bytes) : path_(std::move(
 }
 
 SwapFile::~SwapFile() {
-  removed_on_termination_.reset();
   ::close(fd_);
   std::error_code ignored;  // scratch: gone at exit however the run ends normally
   std::filesystem::remove(path_, ignored);
+  removed_on_termination_.reset();  // after the removal: a signal before it still removes the file
 }
 
 struct IoTicket::State {

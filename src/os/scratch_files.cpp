@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <climits>
 #include <csignal>
 #include <cstring>
@@ -25,11 +26,13 @@ constexpr int kSignals[] = {SIGTERM, SIGINT, SIGHUP};
 struct sigaction g_previous[std::size(kSignals)];
 
 void remove_held_files(int signal_number) {
+  const int saved_errno = errno;  // a previous handler that lets the process go on finds errno as it was
   for (auto& slot : g_slots)
     if (slot.ready.load()) ::unlink(slot.path);
   for (size_t i = 0; i < std::size(kSignals); ++i)
     if (kSignals[i] == signal_number) ::sigaction(signal_number, &g_previous[i], nullptr);
   ::raise(signal_number);  // pending until this handler returns: then the previous handler, or the default end
+  errno = saved_errno;
 }
 
 void install_handler() {
@@ -49,7 +52,9 @@ void install_handler() {
 }  // namespace
 
 RemovedOnTermination::RemovedOnTermination(const std::filesystem::path& path) {
-  const std::string& text = path.native();
+  std::error_code unknown;  // the working directory may change before the signal: held as an absolute path
+  const std::string text = std::filesystem::absolute(path, unknown).native();
+  if (unknown) return;
   if (text.size() >= PATH_MAX) return;
   for (int i = 0; i < kSlots; ++i) {
     bool expected = false;

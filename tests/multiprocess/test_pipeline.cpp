@@ -105,6 +105,13 @@ TEST(PipelineLaunch, BuildModelHasEachStageComputeOnlyItsLayers) {
       {"--build_model"});
   ASSERT_EQ(whole_anyway.exit_code, 0) << whole_anyway.err;
   EXPECT_GT(last_json(whole_anyway.out).at("built_bytes_by_rank").at(1).get<int64_t>(), 0);
+  // pp x tp builds whole on every rank too (before: tensor parallelism's loading from the main process, whose whole
+  // model every rank was compared with, stopped them all).
+  const Args pp_tp{"--parallelism_config_pp_size", "2", "--parallelism_config_tp_size", "2"};
+  auto pp_tp_built = launch_pipeline(4, pp_tp, {"--build_model"});
+  ASSERT_EQ(pp_tp_built.exit_code, 0) << pp_tp_built.err;
+  EXPECT_GT(last_json(pp_tp_built.out).at("built_bytes_by_rank").at(3).get<int64_t>(), 0);
+  EXPECT_EQ(losses_of(pp_tp_built), losses_of(launch_pipeline(4, pp_tp, {})));
 }
 
 // A recorded parameter written on the main process alone between build_model and prepare: every rank stops with

@@ -231,7 +231,8 @@ TEST(TorchrunEnvironment, TheRealTorchrunRestartsAGroupWhoseRankFailedAfterThePr
                            "[ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ] && [ \"$RANK\" = 1 ] && exit 7\n"
                            "exit $rc\n";
   fs::permissions(script, fs::perms::owner_all);
-  Args command{torchrun, "--nproc_per_node", "2", "--max_restarts", "1", "--no-python", script};
+  Args command{torchrun,        "--nproc_per_node", "2", "--max_restarts", "1", "--master_port",
+               std::to_string(xlr8::pick_free_port()), "--no-python", script};
   for (const auto& arg : train_args(4, 8, dir)) command.push_back(arg);
   auto many = run(without_master(command), 240);
   ASSERT_EQ(many.exit_code, 0) << many.out << many.err;

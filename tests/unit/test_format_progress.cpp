@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <unordered_map>
 
@@ -127,10 +128,14 @@ TEST(ProgressBar, AFrameWiderThanTheTerminalIsCutToItSoRedrawsStayOnOneLine) {
   auto characters = [](const std::string& text) {
     return std::count_if(text.begin(), text.end(), [](char c) { return (static_cast<unsigned char>(c) & 0xC0) != 0x80; });
   };
-  ::setenv("LANG", "C.UTF-8", 1);  // a half-filled cell is three bytes: the cut counts characters
+  // A half-filled cell is three bytes: the cut counts characters. LC_ALL, read first, and put back after.
+  const char* before = std::getenv("LC_ALL");
+  const std::string saved = before ? before : "";
+  ::setenv("LC_ALL", "C.UTF-8", 1);
   const auto frame = bar.render(70);
   const auto whole = bar.render(400);
-  ::unsetenv("LANG");
+  if (before) ::setenv("LC_ALL", saved.c_str(), 1);
+  else ::unsetenv("LC_ALL");
   EXPECT_EQ(characters(frame), 69) << frame;  // the last column left free
   EXPECT_EQ(frame.rfind("run  50%|\u258c| 2/4 [", 0), 0u) << frame;  // the bar one cell, then cut in the postfix
   EXPECT_NE(whole.find("tokens_per_second=13760]"), std::string::npos) << whole;

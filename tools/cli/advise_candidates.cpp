@@ -131,6 +131,12 @@ LaunchRequest with_candidate(LaunchRequest r, const Candidate& c) {
   return r;
 }
 
+LaunchRequest without_strategy_hints(LaunchRequest r) {
+  if (!r.use_fsdp) r.fsdp.clear();
+  if (!r.use_deepspeed) r.deepspeed.clear();
+  return r;
+}
+
 // Two candidates that change the user's launch the same way (bf16 when the launch is bf16 already) run once.
 std::string launch_key(const LaunchRequest& r) {
   std::string key = fmt::format("{}|{}|{}|", r.use_fsdp, r.use_deepspeed, r.mixed_precision.value_or(""));

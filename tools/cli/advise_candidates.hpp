@@ -26,6 +26,9 @@ struct Candidate {
 std::vector<Candidate> candidates(int n, int machines);
 // The user's launch under the candidate: their FSDP keys (wrap policy, block class) stay unless it sets them.
 LaunchRequest with_candidate(LaunchRequest r, const Candidate& c);
+// The user's launch without the strategy flags it gives only as the candidates' hints (--fsdp_* without
+// --use_fsdp): what advise plans as its base, which a strategy's flag on another strategy's launch would stop.
+LaunchRequest without_strategy_hints(LaunchRequest r);
 // Two candidates that change the user's launch the same way (bf16 when the launch is bf16 already) run once.
 std::string launch_key(const LaunchRequest& r);
 // The launch without activation checkpointing, when it has it.

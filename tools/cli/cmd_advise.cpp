@@ -379,7 +379,7 @@ const Candidate* follow(const LaunchRequest& request, const AdviseOptions& a, co
 int advise(const LaunchRequest& request, const AdviseOptions& a) {
   // At least one warm-up step: the first one allocates, and the clock starts at a step's end.
   if (a.steps < 1 || a.warmup < 1) throw ConfigError("--steps and --warmup must be 1 or more");
-  const LaunchOptions base = plan_launch(request);
+  const LaunchOptions base = plan_launch(without_strategy_hints(request));
   if (base.settings.mixed_precision == MixedPrecision::FP8) throw ConfigError("xlr8 advise: fp8 is not measured yet; advise in bf16");
   if (base.elastic || !base.mpirun_hostfile.empty())
     throw ConfigError("xlr8 advise starts each machine's processes itself: give --num_processes N (and on several "

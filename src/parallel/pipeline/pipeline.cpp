@@ -9,6 +9,7 @@
 #include <chrono>
 #include <tuple>
 
+#include "parallel/pipeline/eval_mode.hpp"
 #include "parallel/pipeline/split_backward.hpp"
 #include "xlr8/activation_checkpoint.hpp"
 #include "xlr8/error.hpp"
@@ -154,19 +155,15 @@ double Pipeline::step(const std::vector<at::Tensor>& inputs, const std::vector<a
 double Pipeline::evaluate(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets,
                           const LossFn& loss) {
   at::NoGradGuard no_grad;
-  // In eval mode (dropout off), as DeepSpeed's eval_batch; the stage's mode and the last step's figures come back.
-  const bool training = stage_->is_training();
+  EvalModeScope eval_mode(*stage_);
+  // The last step's figures stay the step's (pipeline_stats()), whatever the evaluation does.
   const auto step_figures = std::tuple{wait_seconds_, step_seconds_, peak_held_, bytes_sent_};
-  stage_->eval();
-  try {
-    const double mean = run(inputs, targets, loss, /*train=*/false);
-    stage_->train(training);
-    std::tie(wait_seconds_, step_seconds_, peak_held_, bytes_sent_) = step_figures;
-    return mean;
-  } catch (...) {
-    stage_->train(training);
-    throw;
-  }
+  struct Restore {
+    Pipeline& p;
+    decltype(step_figures) figures;
+    ~Restore() { std::tie(p.wait_seconds_, p.step_seconds_, p.peak_held_, p.bytes_sent_) = figures; }
+  } restore{*this, step_figures};
+  return run(inputs, targets, loss, /*train=*/false);
 }
 
 void Pipeline::check_micro_batches(const std::vector<at::Tensor>& inputs, const std::vector<at::Tensor>& targets) const {
