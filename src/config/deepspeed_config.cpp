@@ -156,6 +156,11 @@ void read_offload(const Reader& r, OffloadConfig& o, const std::vector<Key>& key
     throw r.error(r.key("nvme_path"), "is required with device \"nvme\": the directory of the swap files (a local disk)");
   if (r.has("buffer_count") && o.buffer_count < 1) throw r.error(r.key("buffer_count"), "must be 1 or more");
   if (o.buffer_size < 1) throw r.error(r.key("buffer_size"), "must be 1 or more (it counts elements)");
+  if (!(o.ratio > 0 && o.ratio <= 1))  // DeepSpeed's schema allows 0 to 1; 0 would offload nothing
+    throw r.error(r.key("ratio"), fmt::format("{} must be above 0 and at most 1 (the share of the optimizer's state "
+                                              "offloaded; 1: all)",
+                                              o.ratio));
+  if (o.max_in_cpu < 0) throw r.error(r.key("max_in_cpu"), "must be 0 or more");
 }
 
 void read_aio(const Reader& r, AioConfig& a) {

@@ -110,9 +110,7 @@ std::unique_ptr<ParallelStrategy> make_parallel_strategy(std::shared_ptr<torch::
   if (!module) throw Error("prepare(): the model is null");
   const bool offloads =
       options.zero.offload_optimizer || options.zero.offload_params || options.zero.optimizer_on_disk.enabled();
-  if (offloads && options.zero.stage < 1)
-    throw ConfigError("offload (offload_optimizer / offload_param, fsdp_offload_params, nvme) needs ZeRO stage 1, 2 or 3 "
-                      "(FSDP: FULL_SHARD or SHARD_GRAD_OP); the strategy is DDP: set a stage, or turn offload off");
+  shard::check_offload_stage(options.zero);
   // One process offloads too (ZeRO-Offload's single-GPU case): the sharded model over a group of one.
   const bool sharded = options.zero.stage > 0 && (data_parallel.size() > 1 || offloads);
   if (!sharded) materialize_module(*module);  // a recorded build's values, whole: nothing takes them a group at a time

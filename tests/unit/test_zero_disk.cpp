@@ -579,6 +579,8 @@ TEST(ZeroDiskConfig, DeepSpeedsNvmeSectionsAndAccelerateKeysMapOntoTheOptions) {
       {R"({"aio": {"use_gds": true}})", "GPUDirect Storage is not supported"},
       {R"({"aio": {"block_size": 1000}})", "aio.block_size"},
       {R"({"aio": {"thread_count": 1000000}})", "1000000 must be 1 to 1024"},  // it hung the machine
+      {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 1.5}}})",
+       "offload_optimizer.ratio 1.5 must be above 0 and at most 1"},  // accepted, silently, with device cpu
       {R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/d", "ratio": 0.5}}})",
        "offload_optimizer.ratio is 0.5 with device \"nvme\""},
       {R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}})", "nvme_path"}};
@@ -622,4 +624,21 @@ TEST(ZeroDiskConfig, DeepSpeedsNvmeSectionsAndAccelerateKeysMapOntoTheOptions) {
   settings.deepspeed->offload_optimizer_device = "nvme";
   settings.deepspeed->zero_stage = 0;
   EXPECT_NE(disk_error_of([&] { shard::resolve_zero_options({}, settings, 1); }).find("at ZeRO stage 0"), std::string::npos);
+  // A CPU run (parameters in host memory: nothing to offload) refuses what a GPU's would: parameters below stage 3.
+  settings.deepspeed->zero_stage = 2;
+  settings.deepspeed->offload_optimizer_device = "none";
+  settings.deepspeed->offload_param_device = "cpu";
+  EXPECT_NE(disk_error_of([&] { shard::resolve_zero_options({}, settings, 1, /*parameters_in_host_memory=*/true); })
+                .find("offloading parameters needs ZeRO stage 3 (FULL_SHARD); stage 2"),
+            std::string::npos);
+  settings.deepspeed->offload_param_device = "none";
+  settings.deepspeed->offload_optimizer_device = "nvme";
+  // With a JSON, its own devices win over the launch's: a "none" there stayed none only in the log before.
+  settings.deepspeed->zero_stage = 3;
+  const auto json_none = parse(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "none"}}})");
+  const auto with_json = shard::resolve_parallel_options({}, &json_none.zero_optimization, settings, 1, false);
+  EXPECT_FALSE(with_json.zero.optimizer_on_disk.enabled());
+  EXPECT_FALSE(with_json.zero.offload_optimizer);
+  const auto without_json = shard::resolve_parallel_options({}, nullptr, settings, 1, false);
+  EXPECT_TRUE(without_json.zero.optimizer_on_disk.enabled());  // the launch decides when there is no JSON
 }

@@ -128,8 +128,19 @@ ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings, 
     throw ConfigError("offload_param device nvme without offload_optimizer device nvme: a group's parameters and its "
                       "optimizer state come in from disk together to step; set offload_optimizer_device nvme too "
                       "(offload_optimizer_nvme_path may be the same directory)");
+  check_offload_stage(options);  // before a CPU run clears the host offload: its rehearsal refuses what a GPU's would
   if (parameters_in_host_memory) options.offload_optimizer = options.offload_params = false;
   return options;
+}
+
+void check_offload_stage(const ZeroOptions& zero) {
+  if ((zero.offload_optimizer || zero.offload_params || zero.optimizer_on_disk.enabled()) && zero.stage < 1)
+    throw ConfigError("offload (offload_optimizer / offload_param, fsdp_offload_params, nvme) needs ZeRO stage 1, 2 or 3 "
+                      "(FSDP: FULL_SHARD or SHARD_GRAD_OP); the strategy is DDP: set a stage, or turn offload off");
+  if (zero.offload_params && zero.stage != 3)
+    throw ConfigError(fmt::format("offloading parameters needs ZeRO stage 3 (FULL_SHARD); stage {} keeps them whole "
+                                  "on every rank: offload the optimizer instead, or use stage 3",
+                                  zero.stage));
 }
 
 void apply_zero_sizes(const deepspeed::ZeroConfig& z, ParallelOptions& parallel) {
@@ -168,7 +179,11 @@ void apply_zero_config(const deepspeed::ZeroConfig& z, ParallelOptions& parallel
 ParallelOptions resolve_parallel_options(ParallelOptions options, const deepspeed::ZeroConfig* json,
                                          const Settings& settings, int node_size, bool parameters_in_host_memory) {
   if (json) apply_zero_config(*json, options);
-  options.zero = resolve_zero_options(options.zero, settings, node_size, parameters_in_host_memory);
+  // With a JSON its own offload devices win over the launch's (README; Accelerate refuses both together): the launch's
+  // reach it only through its "auto" ones, already filled (DeepSpeedPlugin). They overrode a JSON's "none" before.
+  Settings launch = settings;
+  if (json && launch.deepspeed) launch.deepspeed->offload_optimizer_device = launch.deepspeed->offload_param_device = "none";
+  options.zero = resolve_zero_options(options.zero, launch, node_size, parameters_in_host_memory);
   return options;
 }
 

@@ -22,6 +22,9 @@ ParallelOptions resolve_parallel_options(ParallelOptions options, const deepspee
 ZeroOptions resolve_zero_options(ZeroOptions options, const Settings& settings, int node_size,
                                  bool parameters_in_host_memory = false);
 
+// ConfigError for offload the stage cannot take: any offload without a stage (DDP), parameters below stage 3.
+void check_offload_stage(const ZeroOptions& zero);
+
 // The zero_optimization keys on the strategies' options: stage (unless the program chose one), bucket
 // sizes (elements -> megabytes of float32), stage 3's units and persistence threshold, offload, unused
 // parameters.
