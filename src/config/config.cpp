@@ -4,6 +4,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -128,6 +129,10 @@ void read_deepspeed(const Section& s, LaunchConfig& c) {
   d.zero3_save_16bit_model = s.boolean("zero3_save_16bit_model").value_or(d.zero3_save_16bit_model);
 }
 
+constexpr std::array<const char*, 6> kMeshSizeKeys{
+    "parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size", "parallelism_config_tp_size",
+    "parallelism_config_cp_size",           "parallelism_config_sp_size",       "parallelism_config_pp_size"};
+
 void read_parallelism(const Section& s, LaunchConfig& c) {
   ParallelismSettings p;
   constexpr long kMax = 1 << 20;
@@ -159,6 +164,11 @@ void read_parallelism(const Section& s, LaunchConfig& c) {
                   fmt::format("value {} is not divisible by parallelism_config_sp_size {}; choose a multiple of it",
                               *p.sp_seq_length, p.sp));
   check_sequence_split(p);
+  // No size given (only pp_microbatches or a schedule, for pipeline_step without stages): every rank data parallel,
+  // FSDP's sharded, as Accelerate's default mesh; it was a mesh of 1 that no launch of 2 could take.
+  const bool sized = std::any_of(kMeshSizeKeys.begin(), kMeshSizeKeys.end(), [&](const char* key) { return s.has(key); });
+  if (!sized && c.num_processes > 0)
+    (c.distributed_type == DistributedType::FSDP ? p.dp_shard : p.dp_replicate) = c.num_processes;
   c.parallelism = p;
 }
 

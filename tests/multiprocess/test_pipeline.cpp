@@ -182,6 +182,14 @@ TEST(PipelineLaunch, StagesDataAndTensorParallelTrainAsOneProcess) {
   // SHARD_GRAD_OP with two optimizer groups (one group is SHARD_GRAD_OP's plain case, and tp alone is in the
   // interleaved and three-dimensional layouts): a stage that keeps none of a group's parameters still steps
   // through its strategy (SHARD_GRAD_OP's whole copies catch up).
+  // pipeline_step without stages, its micro-batch count alone on the launch (refused before: "parallelism_config
+  // sizes multiply to 1 ... but num_processes is 2"): every rank data parallel, FSDP's sharded.
+  for (const Args& flags : {Args{}, fsdp}) {
+    auto r = launch_pipeline(2, with(flags, {"--parallelism_config_pp_microbatches", "3"}),
+                             with(clip, {"--always_pipeline_step"}));
+    ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+    expect_close(losses_of(r), expected.value("losses", std::vector<double>{}), 1e-5);
+  }
   layouts.push_back({"pp 2 x SHARD_GRAD_OP 2, two optimizer groups", 4,
                      with(with(pp2, fsdp), {"--fsdp_sharding_strategy", "SHARD_GRAD_OP",
                                             "--parallelism_config_dp_shard_size", "2"})});

@@ -400,6 +400,15 @@ TEST(LaunchPlan, WhatIsGivenTwiceOrWronglyIsDecidedOrRefusedInOneLine) {
       << launch_error(ddp);
   ddp.use_fsdp = true;
   EXPECT_EQ(launch_error(ddp), "");
+  // A micro-batch count alone (pipeline_step without stages) leaves the mesh every launch has without the section:
+  // FSDP's ranks sharded, the others replicas. It was a mesh of 1 that a launch of 2 refused.
+  ddp.fsdp.clear();
+  ddp.parallelism["parallelism_config_pp_microbatches"] = "3";
+  ASSERT_EQ(launch_error(ddp), "");
+  EXPECT_EQ(plan_launch(ddp).settings.parallelism->dp_shard, 2);
+  ddp.use_fsdp = false;
+  EXPECT_EQ(plan_launch(ddp).settings.parallelism->dp_replicate, 2);
+  EXPECT_EQ(plan_launch(ddp).settings.parallelism->pp_microbatches, 3);
   std::filesystem::remove_all(dir);
 }
 
