@@ -10,6 +10,17 @@
 
 namespace xlr8::testing {
 
+// A Linear whose weight is `tied` (another layer's): LibTorch has no unregister_parameter, and a subclass reaches the
+// parameter table.
+struct TiedLinearImpl : torch::nn::LinearImpl {
+  explicit TiedLinearImpl(const at::Tensor& tied) : LinearImpl(tied.size(1), tied.size(0)) {
+    weight = parameters_["weight"] = tied;
+  }
+};
+inline torch::nn::Linear tied_linear(const at::Tensor& weight) {
+  return torch::nn::Linear(std::shared_ptr<torch::nn::LinearImpl>(std::make_shared<TiedLinearImpl>(weight)));
+}
+
 // SGD steps of a `Net` (4 inputs, 3 classes; its forward takes the batch) on this rank's rows of a global
 // batch of 12 drawn from generators seeded `seed + step`; the whole parameters afterwards.
 template <class Net>

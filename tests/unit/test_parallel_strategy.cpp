@@ -6,6 +6,7 @@
 
 #include <mutex>
 
+#include "strategy_steps.hpp"
 #include "thread_ranks.hpp"
 #include "xlr8/error.hpp"
 #include "xlr8/parallel_strategy.hpp"
@@ -139,17 +140,10 @@ TEST(ParallelStrategy, ClipGradNormOfReplicasIsTorchsNorm) {
 
 // LibTorch's parameters() lists a tied weight under each of its names; PyTorch's lists it once. The norm
 // counts it once and clipping scales it once, as the sharded strategies' clipping does.
-// A Linear whose weight is another's (LibTorch has no unregister_parameter; a subclass reaches the table).
-struct SecondOfTiedLinearsImpl : torch::nn::LinearImpl {
-  explicit SecondOfTiedLinearsImpl(const at::Tensor& tied) : LinearImpl(tied.size(1), tied.size(0)) {
-    weight = parameters_["weight"] = tied;
-  }
-};
-
 TEST(ParallelStrategy, ClipGradNormCountsATiedWeightOnceAndScalesItOnce) {
   torch::manual_seed(3);
   torch::nn::Linear first(4, 4);
-  torch::nn::Linear second(std::shared_ptr<torch::nn::LinearImpl>(std::make_shared<SecondOfTiedLinearsImpl>(first->weight)));
+  auto second = xlr8::testing::tied_linear(first->weight);
   auto model = torch::nn::Sequential(first, torch::nn::Tanh(), second).ptr();
   ASSERT_EQ(model->parameters().size(), 4u);  // the tied weight twice
   auto s = make_parallel_strategy(model, Communicator::in_process("tied", 0, 1), {});

@@ -227,19 +227,12 @@ TEST(ShardingUnits, DeepSpeedsPrefetchBucketAndLiveBoundDecideHowManyUnitsAreGat
 // A weight tied between two blocks (units): it belongs to their common unit, the root, which stays gathered while
 // either uses it. Under the first block's unit it was freed before the second block's forward ("setStorage ... out
 // of bounds", a raw c10::Error).
-// The second block's `side`: a Linear whose weight is the first block's (a subclass reaches the parameter table).
-struct SideTiedToFirstImpl : torch::nn::LinearImpl {
-  explicit SideTiedToFirstImpl(const at::Tensor& tied) : LinearImpl(tied.size(1), tied.size(0)) {
-    weight = parameters_["weight"] = tied;
-  }
-};
-
 TEST(ShardingUnits, AWeightTiedAcrossTwoUnitsLivesInTheirCommonUnitAndTrainsAsOneRank) {
   auto tied = [] {
     auto net = make_net(false);
     auto& first = *net->blocks[0]->as<PairBlockImpl>();
     auto& second = *net->blocks[1]->as<PairBlockImpl>();
-    second.side = second.replace_module("side", torch::nn::Linear(std::shared_ptr<torch::nn::LinearImpl>(std::make_shared<SideTiedToFirstImpl>(first.side->weight))));
+    second.side = second.replace_module("side", xlr8::testing::tied_linear(first.side->weight));  // block 0's weight
     return net;
   };
   const auto plan = xlr8::shard::plan_units(*tied(), full_shard().zero);
