@@ -9,15 +9,29 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "xlr8/deepspeed_config.hpp"
 
 namespace xlr8::deepspeed {
 
+// One value for every parameter group, or one per group (DeepSpeed's list form: "warmup_max_lr": [1e-3, 1e-4]).
+class PerGroup {
+ public:
+  PerGroup(double value) : values_{value} {}  // NOLINT(google-explicit-constructor): a scalar, as in the JSON
+  PerGroup(std::vector<double> values) : values_(std::move(values)), listed_(true) {}  // NOLINT: a list, likewise
+  // The value of each of `groups` groups; a list of another length is a ConfigError naming `key`.
+  std::vector<double> for_groups(size_t groups, const std::string& key) const;
+
+ private:
+  std::vector<double> values_;
+  bool listed_ = false;
+};
+
 struct WarmupOptions {
-  double warmup_min_lr = 0.0;
-  std::optional<double> warmup_max_lr;  // WarmupLR: each group's own lr when unset; WarmupDecayLR: 0.001
+  PerGroup warmup_min_lr = 0.0;
+  std::optional<PerGroup> warmup_max_lr;  // WarmupLR: each group's own lr when unset; WarmupDecayLR: 0.001
   int64_t warmup_num_steps = 1000;
   std::string warmup_type = "log";  // log | linear
 };
@@ -74,7 +88,7 @@ class WarmupCosineLR : public torch::optim::LRScheduler {
 // cycle_max_mom and beta2 becomes 0.99 (DeepSpeed's quirk); optimizers without betas (SGD) keep theirs,
 // with a warning.
 struct OneCycleOptions {
-  double cycle_min_lr = 0, cycle_max_lr = 0;
+  PerGroup cycle_min_lr = 0.0, cycle_max_lr = 0.0;
   double decay_lr_rate = 0;
   int64_t cycle_first_step_size = 2000;
   std::optional<int64_t> cycle_second_step_size;
@@ -82,7 +96,8 @@ struct OneCycleOptions {
   std::optional<int64_t> cycle_second_stair_count;
   int64_t decay_step_size = 0;
   bool cycle_momentum = true;
-  double cycle_min_mom = 0.8, cycle_max_mom = 0.9, decay_mom_rate = 0;
+  PerGroup cycle_min_mom = 0.8, cycle_max_mom = 0.9;
+  double decay_mom_rate = 0;
 };
 
 class OneCycle : public torch::optim::LRScheduler {
@@ -94,9 +109,10 @@ class OneCycle : public torch::optim::LRScheduler {
 
  private:
   double scale_factor(int64_t iteration) const;
-  void set_beta1(double beta1);
+  void set_beta1(const std::vector<double>& beta1);
   torch::optim::Optimizer& optimizer_;
   OneCycleOptions o_;
+  std::vector<double> min_lrs_, max_lrs_, min_moms_, max_moms_;
   double first_, second_, total_, ratio_;
   int64_t first_stairs_, second_stairs_;
   bool cycle_momentum_;
@@ -106,17 +122,17 @@ class OneCycle : public torch::optim::LRScheduler {
 // (floored with staircase).
 class LRRangeTest : public torch::optim::LRScheduler {
  public:
-  LRRangeTest(torch::optim::Optimizer& optimizer, double min_lr = 1e-3, int64_t step_size = 2000, double step_rate = 1.0,
-              bool staircase = false);
+  LRRangeTest(torch::optim::Optimizer& optimizer, const PerGroup& min_lr = 1e-3, int64_t step_size = 2000,
+              double step_rate = 1.0, bool staircase = false);
 
  protected:
   std::vector<double> get_lrs() override;
 
  private:
-  double min_lr_, step_rate_;
+  std::vector<double> min_lrs_;
+  double step_rate_;
   int64_t step_size_;
   bool staircase_;
-  size_t groups_;
 };
 
 // The scheduler a config's "scheduler" section describes (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle,

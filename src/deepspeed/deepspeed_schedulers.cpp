@@ -49,6 +49,15 @@ double warmup_fraction(int64_t iteration, int64_t steps, const std::string& type
 
 }  // namespace
 
+std::vector<double> PerGroup::for_groups(size_t groups, const std::string& key) const {
+  if (!listed_) return std::vector<double>(groups, values_.front());
+  if (values_.size() != groups)
+    throw ConfigError(fmt::format("DeepSpeed scheduler: scheduler.params.{} lists {} values but the optimizer has {} "
+                                  "parameter groups: give one value for all, or one per group",
+                                  key, values_.size(), groups));
+  return values_;
+}
+
 WarmupLR::WarmupLR(torch::optim::Optimizer& optimizer, WarmupOptions options)
     : LRScheduler(optimizer),
       warmup_num_steps_(std::max<int64_t>(2, options.warmup_num_steps)),
@@ -57,8 +66,9 @@ WarmupLR::WarmupLR(torch::optim::Optimizer& optimizer, WarmupOptions options)
     throw ConfigError(fmt::format("WarmupLR: warmup_num_steps must be a positive integer, got {}", options.warmup_num_steps));
   // Without warmup_max_lr, each group warms up to its own lr (DeepSpeed 0.19.4 on).
   const auto initial = current_lrs(optimizer);
-  min_lrs_.assign(initial.size(), options.warmup_min_lr);
-  for (double lr : initial) delta_lrs_.push_back(options.warmup_max_lr.value_or(lr) - options.warmup_min_lr);
+  min_lrs_ = options.warmup_min_lr.for_groups(initial.size(), "warmup_min_lr");
+  const auto max_lrs = options.warmup_max_lr ? options.warmup_max_lr->for_groups(initial.size(), "warmup_max_lr") : initial;
+  for (size_t i = 0; i < initial.size(); ++i) delta_lrs_.push_back(max_lrs[i] - min_lrs_[i]);
   set_lrs(optimizer, min_lrs_);  // DeepSpeed starts every group at warmup_min_lr
 }
 
@@ -137,6 +147,11 @@ std::tuple<double, double>* betas_of(torch::optim::OptimizerOptions& options) {
 
 OneCycle::OneCycle(torch::optim::Optimizer& optimizer, OneCycleOptions options)
     : LRScheduler(optimizer), optimizer_(optimizer), o_(options) {
+  const size_t groups = optimizer.param_groups().size();
+  min_lrs_ = o_.cycle_min_lr.for_groups(groups, "cycle_min_lr");
+  max_lrs_ = o_.cycle_max_lr.for_groups(groups, "cycle_max_lr");
+  min_moms_ = o_.cycle_min_mom.for_groups(groups, "cycle_min_mom");
+  max_moms_ = o_.cycle_max_mom.for_groups(groups, "cycle_max_mom");
   first_ = static_cast<double>(o_.cycle_first_step_size);
   second_ = o_.cycle_second_step_size ? static_cast<double>(*o_.cycle_second_step_size) : first_;
   if (first_ <= 0) throw ConfigError(fmt::format("OneCycle: cycle_first_step_size must be positive, got {}", first_));
@@ -145,18 +160,19 @@ OneCycle::OneCycle(torch::optim::Optimizer& optimizer, OneCycleOptions options)
   ratio_ = first_ / total_;
   first_stairs_ = o_.cycle_first_stair_count;
   second_stairs_ = o_.cycle_second_stair_count.value_or(first_stairs_);
-  set_lrs(optimizer, std::vector<double>(optimizer.param_groups().size(), o_.cycle_min_lr));
+  set_lrs(optimizer, min_lrs_);
   cycle_momentum_ = o_.cycle_momentum;
   if (cycle_momentum_) {
     for (auto& group : optimizer.param_groups())
       if (!betas_of(group.options())) cycle_momentum_ = false;
     if (!cycle_momentum_) log::warning("xlr8: OneCycle: cycle_momentum is disabled: the optimizer has no betas");
-    else set_beta1(o_.cycle_min_mom);
+    else set_beta1(min_moms_);
   }
 }
 
-void OneCycle::set_beta1(double beta1) {
-  for (auto& group : optimizer_.param_groups()) *betas_of(group.options()) = {beta1, 0.99};
+void OneCycle::set_beta1(const std::vector<double>& beta1) {
+  auto& groups = optimizer_.param_groups();
+  for (size_t i = 0; i < groups.size(); ++i) *betas_of(groups[i].options()) = {beta1[i], 0.99};
 }
 
 double OneCycle::scale_factor(int64_t iteration) const {
@@ -176,40 +192,42 @@ double OneCycle::scale_factor(int64_t iteration) const {
 
 std::vector<double> OneCycle::get_lrs() {
   const auto iteration = static_cast<int64_t>(step_count_);
-  const size_t groups = optimizer_.param_groups().size();
-  double lr = o_.cycle_min_lr, beta1 = o_.cycle_max_mom;
+  std::vector<double> lrs = min_lrs_, beta1 = max_moms_;
   if (static_cast<double>(iteration) < total_) {
     const double f = scale_factor(iteration);
-    lr = o_.cycle_min_lr + (o_.cycle_max_lr - o_.cycle_min_lr) * f;
-    beta1 = o_.cycle_max_mom - (o_.cycle_max_mom - o_.cycle_min_mom) * f;
-  } else {
-    const double interval = o_.decay_step_size == 0 ? 0.0
-                                                    : (static_cast<double>(iteration) - total_ + 1) /
-                                                          static_cast<double>(o_.decay_step_size);
-    if (o_.decay_step_size != 0 && o_.decay_lr_rate != 0) lr = o_.cycle_min_lr / (1 + o_.decay_lr_rate * interval);
-    if (o_.decay_step_size != 0 && o_.decay_mom_rate != 0) beta1 = o_.cycle_max_mom * (1 + o_.decay_mom_rate * interval);
+    for (size_t i = 0; i < lrs.size(); ++i) {
+      lrs[i] = min_lrs_[i] + (max_lrs_[i] - min_lrs_[i]) * f;
+      beta1[i] = max_moms_[i] - (max_moms_[i] - min_moms_[i]) * f;
+    }
+  } else if (o_.decay_step_size != 0) {
+    const double interval = (static_cast<double>(iteration) - total_ + 1) / static_cast<double>(o_.decay_step_size);
+    for (size_t i = 0; i < lrs.size(); ++i) {
+      if (o_.decay_lr_rate != 0) lrs[i] = min_lrs_[i] / (1 + o_.decay_lr_rate * interval);
+      if (o_.decay_mom_rate != 0) beta1[i] = max_moms_[i] * (1 + o_.decay_mom_rate * interval);
+    }
   }
   if (cycle_momentum_) set_beta1(beta1);
-  return std::vector<double>(groups, lr);
+  return lrs;
 }
 
-LRRangeTest::LRRangeTest(torch::optim::Optimizer& optimizer, double min_lr, int64_t step_size, double step_rate,
-                         bool staircase)
+LRRangeTest::LRRangeTest(torch::optim::Optimizer& optimizer, const PerGroup& min_lr, int64_t step_size,
+                         double step_rate, bool staircase)
     : LRScheduler(optimizer),
-      min_lr_(min_lr),
+      min_lrs_(min_lr.for_groups(optimizer.param_groups().size(), "lr_range_test_min_lr")),
       step_rate_(step_rate),
       step_size_(step_size),
-      staircase_(staircase),
-      groups_(optimizer.param_groups().size()) {
+      staircase_(staircase) {
   if (step_size <= 0)
     throw ConfigError(fmt::format("LRRangeTest: lr_range_test_step_size must be a positive integer, got {}", step_size));
-  set_lrs(optimizer, std::vector<double>(groups_, min_lr_));
+  set_lrs(optimizer, min_lrs_);
 }
 
 std::vector<double> LRRangeTest::get_lrs() {
   double interval = static_cast<double>(step_count_ + 1) / static_cast<double>(step_size_);
   if (staircase_) interval = std::floor(interval);
-  return std::vector<double>(groups_, min_lr_ * (1 + step_rate_ * interval));
+  std::vector<double> lrs;
+  for (double lr : min_lrs_) lrs.push_back(lr * (1 + step_rate_ * interval));
+  return lrs;
 }
 
 // ------------------------------------------------------------------------------------------ from a config
@@ -225,6 +243,23 @@ struct SchedulerParams {
       throw ConfigError(fmt::format("DeepSpeed config: scheduler.params.{} = {} must be a number", key, p.at(key).dump()));
     return p.at(key).get<double>();
   }
+  // A number, or DeepSpeed's list of one number per parameter group.
+  PerGroup per_group(const char* key, double fallback) const {
+    if (!p.contains(key) || !p.at(key).is_array()) return number(key, fallback);
+    std::vector<double> values;
+    for (const auto& v : p.at(key)) {
+      if (!v.is_number())
+        throw ConfigError(fmt::format("DeepSpeed config: scheduler.params.{} = {} must be a number or a list of numbers "
+                                      "(one per parameter group)",
+                                      key, p.at(key).dump()));
+      values.push_back(v.get<double>());
+    }
+    if (values.empty())
+      throw ConfigError(fmt::format("DeepSpeed config: scheduler.params.{} is an empty list: give one number per "
+                                    "parameter group, or one number for all",
+                                    key));
+    return values;
+  }
   int64_t whole(const char* key, int64_t fallback) const {
     const double v = number(key, static_cast<double>(fallback));
     if (std::floor(v) != v)
@@ -238,8 +273,8 @@ OneCycleOptions one_cycle_options(const SchedulerParams& r) {
   for (const char* required : {"cycle_min_lr", "cycle_max_lr"})
     if (!p.contains(required)) throw ConfigError(fmt::format("DeepSpeed config: scheduler OneCycle needs params.{}", required));
   OneCycleOptions o;
-  o.cycle_min_lr = r.number("cycle_min_lr", 0.0);
-  o.cycle_max_lr = r.number("cycle_max_lr", 0.0);
+  o.cycle_min_lr = r.per_group("cycle_min_lr", 0.0);
+  o.cycle_max_lr = r.per_group("cycle_max_lr", 0.0);
   o.decay_lr_rate = r.number("decay_lr_rate", 0.0);
   o.cycle_first_step_size = r.whole("cycle_first_step_size", 2000);
   if (p.contains("cycle_second_step_size") && !p.at("cycle_second_step_size").is_null())
@@ -249,8 +284,8 @@ OneCycleOptions one_cycle_options(const SchedulerParams& r) {
     o.cycle_second_stair_count = r.whole("cycle_second_stair_count", 0);
   o.decay_step_size = r.whole("decay_step_size", 0);
   o.cycle_momentum = p.value("cycle_momentum", true);
-  o.cycle_min_mom = r.number("cycle_min_mom", 0.8);
-  o.cycle_max_mom = r.number("cycle_max_mom", 0.9);
+  o.cycle_min_mom = r.per_group("cycle_min_mom", 0.8);
+  o.cycle_max_mom = r.per_group("cycle_max_mom", 0.9);
   o.decay_mom_rate = r.number("decay_mom_rate", 0.0);
   return o;
 }
@@ -279,9 +314,10 @@ std::shared_ptr<torch::optim::LRScheduler> make_scheduler(const TypedSection& se
   };
   auto warmup = [&] {
     WarmupOptions o;
-    o.warmup_min_lr = number("warmup_min_lr", 0.0);
+    o.warmup_min_lr = reader.per_group("warmup_min_lr", 0.0);
     // null: each group's own lr, as when absent
-    if (p.contains("warmup_max_lr") && !p.at("warmup_max_lr").is_null()) o.warmup_max_lr = number("warmup_max_lr", 0.0);
+    if (p.contains("warmup_max_lr") && !p.at("warmup_max_lr").is_null())
+      o.warmup_max_lr = reader.per_group("warmup_max_lr", 0.0);
     o.warmup_num_steps = whole("warmup_num_steps", 1000);
     o.warmup_type = warmup_type();
     return o;
@@ -314,7 +350,7 @@ std::shared_ptr<torch::optim::LRScheduler> make_scheduler(const TypedSection& se
   if (section.type == "LRRangeTest") {
     check({"lr_range_test_min_lr", "lr_range_test_step_size", "lr_range_test_step_rate", "lr_range_test_staircase",
            "last_batch_iteration"});
-    return std::make_shared<LRRangeTest>(optimizer, number("lr_range_test_min_lr", 1e-3),
+    return std::make_shared<LRRangeTest>(optimizer, reader.per_group("lr_range_test_min_lr", 1e-3),
                                          whole("lr_range_test_step_size", 2000), number("lr_range_test_step_rate", 1.0),
                                          p.value("lr_range_test_staircase", false));
   }

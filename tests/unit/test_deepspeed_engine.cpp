@@ -303,6 +303,93 @@ TEST(DeepSpeedSchedulers, OneCycleClimbsInStairsAndLRRangeTestGrowsByItsRateAsDe
              {0.01, 0.01, 0.01, 0.03, 0.03, 0.03});
 }
 
+namespace {
+
+// Each group's (lr, beta1) before any step, then after each of `steps` steps, on AdamW with two groups (lr 0.3, 0.03).
+std::vector<std::vector<std::pair<double, double>>> schedule_two_groups(const nlohmann::json& scheduler, int steps) {
+  auto net = make_net();
+  std::vector<torch::optim::OptimizerParamGroup> groups{
+      {net->fc1->parameters(), std::make_unique<torch::optim::AdamWOptions>(0.3)},
+      {net->fc2->parameters(), std::make_unique<torch::optim::AdamWOptions>(0.03)}};
+  torch::optim::AdamW opt(std::move(groups));
+  auto sched = deepspeed::make_scheduler(deepspeed::TypedSection{scheduler["type"], scheduler["params"]}, opt);
+  std::vector<std::vector<std::pair<double, double>>> seen;
+  for (int i = 0; i <= steps; ++i) {
+    if (i > 0) sched->step();
+    auto& row = seen.emplace_back();
+    for (auto& group : opt.param_groups()) {
+      auto& options = static_cast<torch::optim::AdamWOptions&>(group.options());
+      row.emplace_back(options.lr(), std::get<0>(options.betas()));
+    }
+  }
+  return seen;
+}
+
+void expect_rows(const std::vector<std::vector<std::pair<double, double>>>& got,
+                 const std::vector<std::vector<std::pair<double, double>>>& want) {
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i)
+    for (size_t g = 0; g < 2; ++g) {
+      EXPECT_NEAR(got[i][g].first, want[i][g].first, 1e-12) << "lr of group " << g << " after " << i << " steps";
+      EXPECT_NEAR(got[i][g].second, want[i][g].second, 1e-12) << "beta1 of group " << g << " after " << i << " steps";
+    }
+}
+
+}  // namespace
+
+// Expected values: DeepSpeed 0.19.8's lr_schedules.py on torch's AdamW with the same two groups, printed with repr().
+TEST(DeepSpeedSchedulers, ListsGiveEachParameterGroupItsOwnRatesAndMomentaAsDeepSpeedsDo) {
+  expect_rows(schedule_two_groups({{"type", "WarmupLR"},
+                                   {"params", {{"warmup_min_lr", {0.01, 0.001}}, {"warmup_max_lr", {0.09, 0.009}},
+                                               {"warmup_num_steps", 4}, {"warmup_type", "linear"}}}},
+                                  5),
+              {{{0.01, 0.9}, {0.001, 0.9}}, {{0.01, 0.9}, {0.001, 0.9}}, {{0.03, 0.9}, {0.003, 0.9}},
+               {{0.05, 0.9}, {0.005, 0.9}}, {{0.07, 0.9}, {0.007, 0.9}}, {{0.09, 0.9}, {0.009, 0.9}}});
+  // A list of minima with no maximum: each group warms up to its own lr.
+  expect_rows(schedule_two_groups({{"type", "WarmupLR"},
+                                   {"params", {{"warmup_min_lr", {0.0, 0.01}}, {"warmup_num_steps", 2},
+                                               {"warmup_type", "linear"}}}},
+                                  3),
+              {{{0.0, 0.9}, {0.01, 0.9}}, {{0.0, 0.9}, {0.01, 0.9}}, {{0.15, 0.9}, {0.02, 0.9}}, {{0.3, 0.9}, {0.03, 0.9}}});
+  expect_rows(schedule_two_groups({{"type", "WarmupDecayLR"},
+                                   {"params", {{"warmup_max_lr", {0.1, 0.2}}, {"warmup_num_steps", 2},
+                                               {"total_num_steps", 6}, {"warmup_type", "linear"}}}},
+                                  6),
+              {{{0, 0.9}, {0, 0.9}}, {{0, 0.9}, {0, 0.9}}, {{0.05, 0.9}, {0.1, 0.9}}, {{0.1, 0.9}, {0.2, 0.9}},
+               {{0.075, 0.9}, {0.15, 0.9}}, {{0.05, 0.9}, {0.1, 0.9}}, {{0.025, 0.9}, {0.05, 0.9}}});
+  expect_rows(schedule_two_groups({{"type", "OneCycle"},
+                                   {"params", {{"cycle_min_lr", {0.1, 0.01}}, {"cycle_max_lr", {1.0, 0.1}},
+                                               {"decay_lr_rate", 0.5}, {"cycle_first_step_size", 2},
+                                               {"decay_step_size", 2}, {"cycle_min_mom", {0.8, 0.7}},
+                                               {"cycle_max_mom", {0.9, 0.95}}, {"decay_mom_rate", 0.1}}}},
+                                  8),
+              {{{0.1, 0.8}, {0.01, 0.7}}, {{0.55, 0.85}, {0.055, 0.825}}, {{1.0, 0.8}, {0.1, 0.7}},
+               {{0.55, 0.85}, {0.055, 0.825}}, {{0.1, 0.9}, {0.01, 0.95}}, {{0.08, 0.945}, {0.008, 0.9975}},
+               {{0.06666666666666667, 0.99}, {0.006666666666666667, 1.045}},
+               {{0.05714285714285715, 1.035}, {0.005714285714285714, 1.0925}}, {{0.05, 1.08}, {0.005, 1.14}}});
+  expect_rows(schedule_two_groups({{"type", "LRRangeTest"},
+                                   {"params", {{"lr_range_test_min_lr", {0.01, 0.1}}, {"lr_range_test_step_size", 2}}}},
+                                  3),
+              {{{0.01, 0.9}, {0.1, 0.9}}, {{0.015, 0.9}, {0.15, 0.9}}, {{0.02, 0.9}, {0.2, 0.9}}, {{0.025, 0.9}, {0.25, 0.9}}});
+}
+
+TEST(DeepSpeedSchedulers, AListOfAnotherLengthThanTheGroupsOrOfNonNumbersIsNamed) {
+  auto refusal = [](const nlohmann::json& params) {
+    try {
+      schedule_two_groups({{"type", "WarmupLR"}, {"params", params}}, 1);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("built");
+  };
+  EXPECT_NE(refusal({{"warmup_max_lr", {0.1, 0.2, 0.3}}}).find("scheduler.params.warmup_max_lr lists 3 values but the "
+                                                                "optimizer has 2 parameter groups"),
+            std::string::npos);
+  EXPECT_NE(refusal({{"warmup_min_lr", {0.1, "x"}}}).find("must be a number or a list of numbers"), std::string::npos);
+  EXPECT_NE(refusal({{"warmup_min_lr", nlohmann::json::array()}}).find("is an empty list"), std::string::npos);
+  EXPECT_EQ(refusal({{"warmup_min_lr", {0.0, 0.01}}, {"warmup_max_lr", 0.1}}), "built");  // a list beside a scalar
+}
+
 TEST(DeepSpeedSchedulers, TheEnginesJsonSchedulerStepsOnlyAfterAnAppliedStep) {
   nlohmann::json config = sgd_config(1, 0);
   config["scheduler"] = {{"type", "WarmupLR"}, {"params", {{"warmup_max_lr", 0.1}, {"warmup_num_steps", 4}}}};
