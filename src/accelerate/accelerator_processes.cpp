@@ -19,7 +19,8 @@ namespace {
 at::Tensor gather_over(Communicator& group, const at::Tensor& tensor) {
   auto input = tensor.contiguous();
   const int P = group.size();
-  if (P == 1) return input;
+  // A 0-d tensor becomes one value per process, [1] on one process as [P] on P: code written for P runs on 1.
+  if (P == 1) return input.dim() == 0 ? input.reshape({1}) : input;
   auto flat = at::empty({input.numel() * P}, input.options());
   group.all_gather(flat, input);
   if (input.dim() == 0) return flat;
@@ -105,7 +106,8 @@ at::Tensor Accelerator::unshard_sequence(const at::Tensor& local, int64_t dim) c
 }
 
 at::Tensor Accelerator::pad_across_processes(const at::Tensor& tensor, int64_t dim, double pad_index, bool pad_first) const {
-  if (tensor.dim() == 0 || num_processes() == 1) return tensor;
+  // As Accelerate: a dimension the tensor does not have (any, for a 0-d tensor) leaves it as it is.
+  if (dim >= tensor.dim() || dim < -tensor.dim() || num_processes() == 1) return tensor;
   if (dim < 0) dim += tensor.dim();
   auto size = at::full({1}, tensor.size(dim), at::kLong);
   impl_->world().all_reduce(size, ReduceOp::MAX);

@@ -39,8 +39,9 @@ DataLoaderBase::~DataLoaderBase() = default;
 std::vector<std::vector<int64_t>> DataLoaderBase::plan_epoch() const {
   std::vector<int64_t> order(static_cast<size_t>(dataset_size_));
   if (options_.shuffle) {
-    // One permutation per (seed, epoch), identical on every rank and for any number of ranks.
-    at::Generator generator = at::detail::createCPUGenerator(seed_ * 1000003ULL + static_cast<uint64_t>(epoch_));
+    // One permutation per (seed, epoch), identical on every rank and for any number of ranks: torch.randperm
+    // seeded with seed + epoch, the order of Accelerate's seedable sampler (use_seedable_sampler) for that seed.
+    at::Generator generator = at::detail::createCPUGenerator(seed_ + static_cast<uint64_t>(epoch_));
     auto perm = at::randperm(dataset_size_, generator, at::kLong);
     auto data = perm.data_ptr<int64_t>();
     order.assign(data, data + dataset_size_);

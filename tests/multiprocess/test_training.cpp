@@ -188,6 +188,7 @@ TEST(AcceleratorHelpers, PadSplitReduceAndMainFirstOnRealRanks) {
   EXPECT_EQ(ranks[0]["padded_rows"], 2);
   EXPECT_EQ(ranks[0]["pad_first_row0"], -1.0);  // padding in front
   EXPECT_EQ(ranks[1]["pad_first_row0"], 2.0);   // already the longest
+  EXPECT_EQ(ranks[0]["past_last_dim_rows"], 1);  // a dimension the tensor lacks: unchanged, as Accelerate's
   EXPECT_EQ(ranks[0]["items"], (std::vector<int>{10, 11}));
   EXPECT_EQ(ranks[1]["items"], (std::vector<int>{12, 12}));  // padded with the last item
   EXPECT_EQ(ranks[0]["max"], 1.0);

@@ -194,6 +194,7 @@ int main(int argc, char** argv) {
       auto mine = at::full({r + 1, 2}, static_cast<double>(r + 1));  // ranks hold different lengths
       auto padded = acc.pad_across_processes(mine, 0, -1.0);
       auto first = acc.pad_across_processes(mine, 0, -1.0, /*pad_first=*/true);
+      auto past_last_dim = acc.pad_across_processes(mine, 2, -1.0);  // a dimension it lacks: left as it is
       auto gathered = acc.gather(padded);
       auto items = acc.split_between_processes(std::vector<int>{10, 11, 12}, /*apply_padding=*/true);
       auto maximum = acc.reduce(at::full({1}, static_cast<double>(r)), xlr8::ReduceOp::MAX).item<double>();
@@ -225,6 +226,7 @@ int main(int argc, char** argv) {
                                                                 {"twice_grad", w.grad()[0].item<double>()},
                                                                 {"padded_rows", padded.size(0)},
                                                                 {"pad_first_row0", first[0][0].item<double>()},
+                                                                {"past_last_dim_rows", past_last_dim.size(0)},
                                                                 {"items", items},
                                                                 {"max", maximum},
                                                                 {"saw_marker", order}}

@@ -128,6 +128,15 @@ std::vector<int64_t> flatten(DataLoader<Numbers>& loader, int64_t limit = -1) {
 }
 }  // namespace
 
+// Expected: Accelerate 1.16's SeedableRandomSampler(range(10), data_seed=42) after set_epoch(0) and set_epoch(1).
+TEST(DataLoader, ShuffleIsAcceleratesSeedableSamplerOrderForTheSameSeed) {
+  ShardingOptions single;
+  single.num_processes = 1;
+  DataLoader<Numbers> loader(Numbers{10}, {.batch_size = 10, .shuffle = true, .seed = 42}, single, 0, nullptr, at::kCPU);
+  EXPECT_EQ(flatten(loader), (std::vector<int64_t>{2, 6, 1, 8, 4, 5, 0, 9, 3, 7}));
+  EXPECT_EQ(flatten(loader), (std::vector<int64_t>{8, 4, 9, 0, 5, 1, 6, 7, 2, 3}));
+}
+
 TEST(DataLoader, ShuffleIsOneOrderForAnyNumberOfProcessesAndEpochsDiffer) {
   ShardingOptions single;
   single.num_processes = 1;
