@@ -73,12 +73,15 @@ nlohmann::json plan_load(const std::string& path, const std::map<std::string, Lo
   }
   for (const auto& [name, entry] : reader->tensors())
     if (!targets.count(name)) unexpected.push_back(name);
-  if (!mismatched.empty() || (strict && (!missing.empty() || !unexpected.empty())))
+  if (!mismatched.empty() || (strict && (!missing.empty() || !unexpected.empty()))) {
+    const auto prefix = text::prefix_hint(missing, unexpected);
+    // strict = false is a fix only when the two share names and no prefix sets every name apart.
+    const bool partial_load_helps = mismatched.empty() && !plan.empty() && prefix.empty();
     return {{"problem", fmt::format("load_model: {} does not match the model: missing {}, mismatched {}, "
                                     "unexpected {}{}{}; nothing was loaded",
-                                    path, text::listing(missing), text::listing(mismatched),
-                                    text::listing(unexpected), text::prefix_hint(missing, unexpected),
-                                    mismatched.empty() ? " (strict = false loads the names both have)" : "")}};
+                                    path, text::listing(missing), text::listing(mismatched), text::listing(unexpected),
+                                    prefix, partial_load_helps ? " (strict = false loads the names both have)" : "")}};
+  }
   return {{"plan", plan}};
 }
 

@@ -33,7 +33,7 @@ int64_t parse_size(const std::string& text) {
 
 HfModelWriter::HfModelWriter(std::string dir, std::vector<SafetensorsSpec> specs, int64_t limit)
     : dir_(std::move(dir)), specs_(std::move(specs)), files_(1) {
-  fs::create_directories(dir_);
+  made_dir_ = fs::create_directories(dir_);
   int64_t used = 0;
   for (size_t i = 0; i < specs_.size(); ++i) {
     int64_t bytes = static_cast<int64_t>(at::elementSize(specs_[i].dtype));
@@ -43,15 +43,23 @@ HfModelWriter::HfModelWriter(std::string dir, std::vector<SafetensorsSpec> specs
     used += bytes;
     total_ += bytes;
   }
-  static const std::regex stale("model-\\d{5}-of-\\d{5}\\.safetensors");
-  for (auto& e : fs::directory_iterator(dir_))
-    if (std::regex_match(e.path().filename().string(), stale)) fs::remove(e.path());
 }
 
-HfModelWriter::~HfModelWriter() = default;
+// Without finish(): the files written so far go, the earlier export stays as it was.
+HfModelWriter::~HfModelWriter() {
+  if (finished_) return;
+  current_.reset();
+  std::error_code ec;
+  for (size_t k = 0; k < file_; ++k) fs::remove(staged_path(k), ec);
+  if (made_dir_ && fs::is_empty(dir_, ec)) fs::remove(dir_, ec);
+}
 
 std::string HfModelWriter::file_name(size_t k) const {
   return files_.size() == 1 ? "model.safetensors" : fmt::format("model-{:05d}-of-{:05d}.safetensors", k + 1, files_.size());
+}
+
+std::string HfModelWriter::staged_path(size_t k) const {
+  return (fs::path(dir_) / fmt::format(".{}.staged", file_name(k))).string();
 }
 
 void HfModelWriter::write(const at::Tensor& tensor) {
@@ -59,7 +67,7 @@ void HfModelWriter::write(const at::Tensor& tensor) {
   if (!current_) {
     std::vector<SafetensorsSpec> announced;
     for (auto i : files_[file_]) announced.push_back(specs_[i]);
-    current_ = std::make_unique<SafetensorsWriter>((fs::path(dir_) / file_name(file_)).string(), announced,
+    current_ = std::make_unique<SafetensorsWriter>(staged_path(file_), announced,
                                                    std::map<std::string, std::string>{{"format", "pt"}});
   }
   current_->write(tensor.to(specs_[next_].dtype));
@@ -71,18 +79,27 @@ void HfModelWriter::write(const at::Tensor& tensor) {
   }
 }
 
+// Every file is written: the earlier export's shards go and the new files take their names.
 void HfModelWriter::finish() {
   if (next_ != specs_.size()) throw Error(fmt::format("{}: {} of {} tensors written", dir_, next_, specs_.size()));
+  if (specs_.empty()) {
+    SafetensorsWriter(staged_path(0), {}, {{"format", "pt"}}).commit();
+    file_ = 1;
+  }
+  static const std::regex shard("model-\\d{5}-of-\\d{5}\\.safetensors");
+  for (auto& e : fs::directory_iterator(dir_))
+    if (std::regex_match(e.path().filename().string(), shard)) fs::remove(e.path());
+  for (size_t k = 0; k < files_.size(); ++k) fs::rename(staged_path(k), fs::path(dir_) / file_name(k));
+  finished_ = true;
   if (files_.size() == 1) {
-    if (specs_.empty()) SafetensorsWriter((fs::path(dir_) / file_name(0)).string(), {}, {{"format", "pt"}}).commit();
     fs::remove(fs::path(dir_) / "model.safetensors.index.json");
     return;
   }
   nlohmann::ordered_json index{{"metadata", {{"total_size", total_}}}, {"weight_map", nlohmann::ordered_json::object()}};
   for (size_t k = 0; k < files_.size(); ++k)
     for (auto i : files_[k]) index["weight_map"][specs_[i].name] = file_name(k);
-  fs::remove(fs::path(dir_) / "model.safetensors");
   files::write_durably((fs::path(dir_) / "model.safetensors.index.json").string(), index.dump(2));
+  fs::remove(fs::path(dir_) / "model.safetensors");
 }
 
 HfModelReader::HfModelReader(const std::string& path) {

@@ -20,7 +20,8 @@ void export_hf_model(const NamedTensors& tensors, const std::string& dir, int64_
 void export_hf_model(const std::vector<SafetensorsSpec>& specs, const std::function<at::Tensor(size_t)>& fetch,
                      const std::string& dir, int64_t max_shard_bytes);
 // The same pushed one tensor at a time in the announced order (a collective visit of a sharded model
-// feeds it on the main process): each file is written and committed as its last tensor arrives.
+// feeds it on the main process): each file is written under a hidden name as its last tensor arrives, and
+// finish() puts them in place of an earlier export; until then (and after a failure) that export is intact.
 class HfModelWriter {
  public:
   HfModelWriter(std::string dir, std::vector<SafetensorsSpec> specs, int64_t max_shard_bytes);
@@ -30,11 +31,14 @@ class HfModelWriter {
 
  private:
   std::string file_name(size_t k) const;
+  std::string staged_path(size_t k) const;
   std::string dir_;
+  bool made_dir_ = false;  // removed again, when empty, if no export finished
   std::vector<SafetensorsSpec> specs_;
   std::vector<std::vector<size_t>> files_;  // tensor indices per file
   int64_t total_ = 0;
   size_t next_ = 0, file_ = 0;
+  bool finished_ = false;
   std::unique_ptr<SafetensorsWriter> current_;
 };
 

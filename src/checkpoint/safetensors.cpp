@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstring>
 
 #include "checkpoint/files.hpp"
@@ -12,9 +13,13 @@
 namespace xlr8 {
 namespace {
 
+// The codes of safetensors' own torch mapping (safetensors.torch) that LibTorch 2.6 on has.
 const std::vector<std::pair<at::ScalarType, std::string>> kDtypes = {
-    {at::kDouble, "F64"}, {at::kFloat, "F32"}, {at::kHalf, "F16"}, {at::kBFloat16, "BF16"}, {at::kLong, "I64"},
-    {at::kInt, "I32"},    {at::kShort, "I16"}, {at::kChar, "I8"},  {at::kByte, "U8"},       {at::kBool, "BOOL"}};
+    {at::kDouble, "F64"},           {at::kFloat, "F32"},          {at::kHalf, "F16"},    {at::kBFloat16, "BF16"},
+    {at::kLong, "I64"},             {at::kInt, "I32"},            {at::kShort, "I16"},   {at::kChar, "I8"},
+    {at::kByte, "U8"},              {at::kBool, "BOOL"},          {at::kUInt16, "U16"},  {at::kUInt32, "U32"},
+    {at::kUInt64, "U64"},           {at::kFloat8_e4m3fn, "F8_E4M3"}, {at::kFloat8_e5m2, "F8_E5M2"},
+    {at::kComplexFloat, "C64"}};
 
 std::string dtype_code(at::ScalarType t) {
   for (auto& [type, code] : kDtypes)
@@ -26,6 +31,25 @@ std::optional<at::ScalarType> dtype_of(const std::string& code) {
   for (auto& [type, c] : kDtypes)
     if (c == code) return type;
   return std::nullopt;
+}
+
+// As safetensors' own reader: the tensors' bytes follow each other from the data's start to the file's end,
+// with no gap, overlap or trailing bytes (a file that is neither truncated nor padded by another writer).
+template <class Bad>
+void check_data_covered(const std::vector<SafetensorsEntry>& entries, size_t data_start, size_t data_size,
+                        const Bad& bad) {
+  std::vector<std::pair<size_t, size_t>> ranges;  // [begin, end) within the data
+  for (const auto& e : entries) ranges.emplace_back(e.begin - data_start, e.begin - data_start + e.bytes);
+  std::sort(ranges.begin(), ranges.end());
+  size_t end = 0;
+  for (const auto& [begin, stop] : ranges) {
+    if (begin != end)
+      throw bad(fmt::format("the tensors' data {} at byte {} of the data (a gap or an overlap)",
+                            begin > end ? "leaves a gap" : "overlaps", end));
+    end = stop;
+  }
+  if (end != data_size)
+    throw bad(fmt::format("the tensors' data ends at byte {} but the file holds {} bytes of data", end, data_size));
 }
 
 }  // namespace
@@ -122,7 +146,11 @@ SafetensorsHeader parse_safetensors_header(const std::string& bytes, size_t file
   const size_t data_size = file_size - out.data_start;
   for (auto& [name, entry] : header.items()) {
     if (name == "__metadata__") {
-      for (auto& [k, v] : entry.items()) out.metadata[k] = v.get<std::string>();
+      if (!entry.is_object()) throw bad("__metadata__ is not a JSON object");
+      for (auto& [k, v] : entry.items()) {
+        if (!v.is_string()) throw bad(fmt::format("__metadata__ value {:?} is {}, not a string", k, v.dump()));
+        out.metadata[k] = v.get<std::string>();
+      }
       continue;
     }
     try {
@@ -144,6 +172,7 @@ SafetensorsHeader parse_safetensors_header(const std::string& bytes, size_t file
       throw bad(fmt::format("tensor {:?}: {}", name, e.what()));
     }
   }
+  check_data_covered(out.entries, out.data_start, data_size, bad);
   return out;
 }
 

@@ -135,6 +135,28 @@ TEST(Accelerator, LastBatchOfAnEpochAlwaysSyncs) {
   EXPECT_EQ(syncs, (std::vector<bool>{false, false, false, true, true}));
 }
 
+// A file whose every name has a prefix: the message says so, and does not offer strict = false (it would load
+// nothing); a file sharing some names does offer it.
+TEST(Accelerator, LoadModelOffersStrictFalseOnlyWhenTheFileSharesNamesWithTheModel) {
+  Accelerator acc;
+  torch::nn::Linear model(2, 3);
+  auto dir = fresh_dir("load_model_hint");
+  auto message = [&](const NamedTensors& file) {
+    save_safetensors((std::filesystem::path(dir) / "model.safetensors").string(), file);
+    try {
+      acc.load_model(model, dir);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("loaded");
+  };
+  auto prefixed = message({{"model.weight", at::zeros({3, 2})}, {"model.bias", at::zeros({3})}});
+  EXPECT_NE(prefixed.find("\"model.\" in front"), std::string::npos) << prefixed;
+  EXPECT_EQ(prefixed.find("strict = false"), std::string::npos) << prefixed;
+  auto partial = message({{"weight", at::zeros({3, 2})}});
+  EXPECT_NE(partial.find("(strict = false loads the names both have)"), std::string::npos) << partial;
+}
+
 TEST(Accelerator, HelpersOnOneProcess) {
   AcceleratorOptions o;
   o.project_dir = fresh_dir("helpers");

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <set>
 
 #include "checkpoint/hf_export.hpp"
 #include "checkpoint/sharded_pieces.hpp"
@@ -141,5 +142,42 @@ TEST(HfExport, ShardsWithAnIndexAboveTheLimitAndOneFileBelow) {
   EXPECT_FALSE(fs::exists(dir / "model-00001-of-00002.safetensors"));
   EXPECT_EQ(checkpoints::parse_size("2GiB"), int64_t{2} << 30);
   EXPECT_THROW(checkpoints::parse_size("lots"), ConfigError);
+  fs::remove_all(dir);
+}
+
+// An export that fails part way (merge-weights reading a corrupt checkpoint) leaves the earlier export whole:
+// it removed the earlier shards first, leaving an index that named missing files.
+TEST(HfExport, AFailedExportLeavesTheEarlierOneWholeAndNoFilesOfItsOwn) {
+  auto dir = fresh_dir("hf_failed");
+  NamedTensors tensors{{"a", at::full({256}, 1.0)}, {"b", at::full({256}, 2.0)}, {"c", at::full({256}, 3.0)}};
+  checkpoints::export_hf_model(tensors, dir.string(), 1100);  // three shards
+  auto listing = [&] {
+    std::set<std::string> names;
+    for (const auto& e : fs::directory_iterator(dir)) names.insert(e.path().filename().string());
+    return names;
+  };
+  const auto before = listing();
+  ASSERT_EQ(before.size(), 4u);
+  for (size_t fail_at : {0, 1, 2}) {  // the reader fails at the first, second or last tensor
+    std::vector<SafetensorsSpec> specs;
+    for (const auto& [name, t] : tensors) specs.push_back({name, t.scalar_type(), t.sizes().vec()});
+    EXPECT_THROW(checkpoints::export_hf_model(
+                     specs,
+                     [&](size_t i) -> at::Tensor {
+                       if (i == fail_at) throw Error("the checkpoint is corrupt");
+                       return at::zeros({256});
+                     },
+                     dir.string(), 2100),
+                 Error);
+    EXPECT_EQ(listing(), before) << "failing at tensor " << fail_at;
+  }
+  checkpoints::HfModelReader reader(dir.string());
+  EXPECT_TRUE(reader.read("b").equal(at::full({256}, 2.0)));
+  // Into a directory of its own: nothing is left, not even the directory.
+  auto fresh = dir / "new";
+  EXPECT_THROW(checkpoints::export_hf_model({{"a", at::kFloat, {2}}}, [](size_t) -> at::Tensor { throw Error("no"); },
+                                            fresh.string(), 100),
+               Error);
+  EXPECT_FALSE(fs::exists(fresh));
   fs::remove_all(dir);
 }

@@ -102,7 +102,9 @@ int merge(Args a) {
   const bool sharded = !saved.has(checkpoints::model_file(a.model));
   fmt::print("merged {} tensors ({:.1f} MB) of {} ({}) into {}\n", specs.size(), bytes / 1e6, a.checkpoint,
              sharded ? fmt::format("sharded over {} rank(s)", saved.saved_world_size()) : "a whole model file",
-             (fs::path(a.out) / (bytes > limit ? "model.safetensors.index.json" : "model.safetensors")).string());
+             (fs::path(a.out) / (fs::exists(fs::path(a.out) / "model.safetensors.index.json") ? "model.safetensors.index.json"
+                                                                                              : "model.safetensors"))
+                 .string());
   return 0;
 }
 
