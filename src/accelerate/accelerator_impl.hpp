@@ -6,6 +6,7 @@
 #include <map>
 #include <optional>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "deepspeed/deepspeed_plugin.hpp"
 #include "diagnostics/advise_recorder.hpp"
@@ -94,6 +95,13 @@ struct AcceleratorImpl {
   std::optional<DynamicLossScaler> scaler;  // fp16 only
   xlr8::step::StepState step_state;             // where this training step is (step/step_state.hpp)
   bool last_step_applied = false;           // the last sync step really updated the parameters
+  // What the program's clip_grad_norm clipped since the last backward (the smallest max_norm, the parameters): the
+  // step's DeepSpeed clip at gradient_clipping (no smaller), over those parameters, would find the norm within it.
+  struct ProgramClip {
+    double max_norm;
+    std::unordered_set<const c10::TensorImpl*> parameters;
+  };
+  std::optional<ProgramClip> program_clip;
   uint64_t seed = 0;
   int64_t save_iteration = 0;               // next automatic checkpoint number
   std::vector<std::unique_ptr<Tracker>> trackers;  // main process, once a run started

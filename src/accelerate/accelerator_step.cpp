@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <unordered_set>
 #include <utility>
 
 #include <fmt/ranges.h>
@@ -70,6 +71,7 @@ xlr8::step::TrainingView AcceleratorImpl::view() {
 
 void AcceleratorImpl::enter(xlr8::step::StepPhase next, const char* caller) {
   const auto from = step_state.enter(next, caller);
+  if (next == xlr8::step::StepPhase::gradients) program_clip.reset();  // new gradients, not clipped yet
   notify([&](xlr8::step::StepObserver& o) { o.on_phase(from, next); });
 }
 
@@ -146,8 +148,17 @@ bool apply_step(PreparedOptimizer::State& s, AcceleratorImpl& impl) {
     const auto training = impl.view();
     impl.notify([&](xlr8::step::StepObserver& o) { o.before_update(training, parameters, owner); });
   }
-  if (impl.plan.clip_at_step > 0)  // DeepSpeed's gradient_clipping, over the whole model's gradients
-    impl.clip_grad_norm(owner ? owner->module()->parameters() : impl.optimized_parameters(), impl.plan.clip_at_step, 2.0);
+  // DeepSpeed's gradient_clipping, over the whole model's gradients; not again after the program clipped all of them
+  // at most as far (the norm is within the limit already; under the disk tier it would read the gradients back).
+  if (impl.plan.clip_at_step > 0) {
+    const auto parameters = owner ? owner->module()->parameters() : impl.optimized_parameters();
+    const auto& program = impl.program_clip;
+    const bool clipped = program && program->max_norm <= impl.plan.clip_at_step &&
+                         std::all_of(parameters.begin(), parameters.end(), [&](const at::Tensor& p) {
+                           return program->parameters.count(p.unsafeGetTensorImpl()) > 0;
+                         });
+    if (!clipped) impl.clip_grad_norm(parameters, impl.plan.clip_at_step, 2.0);
+  }
   if (owner) owner->optimizer_step(*s.optimizer);
   else s.optimizer->step();
   impl.enter(xlr8::step::StepPhase::updated, "optimizer.step()");
@@ -329,6 +340,10 @@ void Accelerator::clip_grad_value(const std::vector<at::Tensor>& parameters, dou
 
 GradNorm Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
   auto norm = impl_->clip_grad_norm(parameters, max_norm, norm_type);
+  if (impl_->gradient_state->sync_gradients && norm_type == 2.0 && impl_->plan.clip_at_step > 0 && !impl_->program_clip) {
+    impl_->program_clip.emplace(AcceleratorImpl::ProgramClip{max_norm, {}});
+    for (const auto& p : parameters) impl_->program_clip->parameters.insert(p.unsafeGetTensorImpl());
+  }
   // `xlr8 verify` compares the norm the program clipped from: after clipping every clipped step reads max_norm.
   if (impl_->gradient_state->sync_gradients) impl_->notify([&](xlr8::step::StepObserver& o) { o.on_clip_grad_norm(norm); });
   return norm;

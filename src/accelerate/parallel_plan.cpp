@@ -126,8 +126,10 @@ ParallelPlan resolve_plan(const PlanInputs& in, const Env& env) {
       plan.clip_at_step = json.gradient_clipping;
     }
     if (in.from_engine) plan.tensor.deepspeed_rules = deepspeed::tensor_rules(json);
-  } else if (settings.deepspeed && settings.deepspeed->gradient_clipping) {
-    plan.clip_at_step = *settings.deepspeed->gradient_clipping;  // --gradient_clipping: DeepSpeed clips every step
+  } else if (settings.deepspeed) {
+    // DeepSpeed clips every step: at --gradient_clipping, else 1.0 (Accelerate's config without a JSON says "auto",
+    // which its Accelerator fills with 1.0); 0 turns it off.
+    plan.clip_at_step = settings.deepspeed->gradient_clipping.value_or(1.0);
   }
   if (!in.from_engine) plan.gradient_accumulation_steps *= in.micro_batches_per_rank;
   if (plan.mixed_precision == MixedPrecision::FP8) plan.fp8 = in.options->fp8.value_or(settings.fp8);

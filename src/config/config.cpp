@@ -82,11 +82,14 @@ void read_fsdp(const Section& s, FsdpSettings& f) {
                                                       "the key or set it to null",
                                                       s.shown("fsdp_ignored_modules")));
   if (auto v = s.integer("fsdp_version", 1, 2)) f.version = static_cast<int>(*v);
-  if (auto v = s.str("fsdp_sharding_strategy"))
-    f.sharding_strategy = parse_sharding_strategy(*v, s.where("fsdp_sharding_strategy"));
+  const auto strategy = s.str("fsdp_sharding_strategy");
+  if (strategy) f.sharding_strategy = parse_sharding_strategy(*strategy, s.where("fsdp_sharding_strategy"));
+  // FSDP1 files from `accelerate config` name the strategy under fsdp_reshard_after_forward; given both (the
+  // file's and a --fsdp_sharding_strategy), fsdp_sharding_strategy wins, as FSDP_SHARDING_STRATEGY does in Accelerate.
   if (auto v = s.str("fsdp_reshard_after_forward")) {
     if (auto b = parse_bool(*v)) f.reshard_after_forward = b;
-    else f.sharding_strategy = parse_sharding_strategy(*v, s.where("fsdp_reshard_after_forward"));
+    else if (auto named = parse_sharding_strategy(*v, s.where("fsdp_reshard_after_forward")); !strategy)
+      f.sharding_strategy = named;
   }
   if (auto v = s.choice("fsdp_auto_wrap_policy", kAutoWrapPolicies, true)) f.auto_wrap_policy = *v;
   f.transformer_layer_cls_to_wrap = s.list("fsdp_transformer_layer_cls_to_wrap");
@@ -94,6 +97,7 @@ void read_fsdp(const Section& s, FsdpSettings& f) {
   for (auto key : {"fsdp_backward_prefetch", "fsdp_backward_prefetch_policy"})
     if (auto v = s.choice(key, kBackwardPrefetchValues, true)) f.backward_prefetch = *v;
   if (auto v = s.choice("fsdp_state_dict_type", kStateDictTypes, true)) f.state_dict_type = *v;
+  else if (f.version == 2) f.state_dict_type = "SHARDED_STATE_DICT";  // Accelerate's FSDP2 default
   for (const auto& flag : fsdp_flags())
     if (auto b = s.boolean(flag.config_key)) f.*flag.member = *b;
 }

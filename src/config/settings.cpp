@@ -206,10 +206,15 @@ FsdpSettings fsdp_from_env(const Env& env) {
   f.version = static_cast<int>(env.get_positive("FSDP_VERSION", 1));
   if (f.version > 2) throw ConfigError(fmt::format("FSDP_VERSION={}: allowed values are 1 and 2", f.version));
   if (auto v = env.get("FSDP_SHARDING_STRATEGY")) f.sharding_strategy = parse_sharding_strategy(*v, "FSDP_SHARDING_STRATEGY");
+  // `accelerate launch` exports FSDP_SHARDING_STRATEGY always (FULL_SHARD unless given) and the strategy an
+  // FSDP1 file names under fsdp_reshard_after_forward here: a strategy given on its own variable wins, else this one.
   if (auto v = env.get("FSDP_RESHARD_AFTER_FORWARD")) {
     if (auto b = parse_bool(*v)) f.reshard_after_forward = b;
-    else if (f.version == 1) f.sharding_strategy = parse_sharding_strategy(*v, "FSDP_RESHARD_AFTER_FORWARD");
-    else throw ConfigError(fmt::format("FSDP_RESHARD_AFTER_FORWARD={:?} must be true or false with FSDP_VERSION=2", *v));
+    else if (f.version != 1)
+      throw ConfigError(fmt::format("FSDP_RESHARD_AFTER_FORWARD={:?} must be true or false with FSDP_VERSION=2", *v));
+    else if (auto named = parse_sharding_strategy(*v, "FSDP_RESHARD_AFTER_FORWARD");
+             f.sharding_strategy == ShardingStrategy::FULL_SHARD)
+      f.sharding_strategy = named;
   }
   if (auto v = env.get("FSDP_AUTO_WRAP_POLICY")) {
     f.auto_wrap_policy = text::upper(*v);
@@ -224,9 +229,17 @@ FsdpSettings fsdp_from_env(const Env& env) {
   if (auto v = env.get("FSDP_STATE_DICT_TYPE")) {
     f.state_dict_type = text::upper(*v);
     config::check_choice(f.state_dict_type, kStateDictTypes, "FSDP_STATE_DICT_TYPE");
+  } else if (f.version == 2) {
+    f.state_dict_type = "SHARDED_STATE_DICT";  // Accelerate's FSDP2 default
   }
   for (const auto& flag : fsdp_flags())
     if (auto b = env.get_bool(flag.env_var)) f.*flag.member = *b;
+  // What xlr8 launch refuses arrives only from another launcher (`accelerate launch`): not dropped in silence.
+  if (auto v = env.get("FSDP_IGNORED_MODULES"); v && !v->empty() && *v != "None")
+    throw ConfigError(fmt::format("FSDP_IGNORED_MODULES={:?} is not supported: xlr8 shards every module; unset it", *v));
+  if (env.get_bool("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD").value_or(false))
+    log::warning("xlr8: FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD is true: xlr8 keeps no checkpointed activation on the "
+                 "host (it recomputes them), so the setting is ignored");
   return f;
 }
 
@@ -258,6 +271,10 @@ DeepSpeedSettings deepspeed_from_env(const Env& env) {
   d.zero3_init_flag = env.get_bool("ACCELERATE_DEEPSPEED_ZERO3_INIT");
   d.zero3_save_16bit_model = env.get_bool("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL").value_or(false);
   d.config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE").value_or("");
+  if (auto v = env.get("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"); v && !v->empty() && *v != "None")
+    throw ConfigError(fmt::format("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES={:?} asks for DeepSpeed mixture-of-experts "
+                                  "layers, which xlr8 does not have; unset it",
+                                  *v));
   return d;
 }
 
@@ -272,6 +289,13 @@ Settings settings_from_env(const Env& env) {
   s.use_cpu = env.get_bool("ACCELERATE_USE_CPU").value_or(false);
   s.debug = env.get_bool("ACCELERATE_DEBUG_MODE").value_or(false);
   s.cpu_affinity = env.get_bool("ACCELERATE_CPU_AFFINITY").value_or(false);
+  if (auto v = env.get("ACCELERATE_DYNAMO_BACKEND"); v && !v->empty() && text::upper(*v) != "NO")
+    log::warning("xlr8: ACCELERATE_DYNAMO_BACKEND={}: xlr8 has no TorchDynamo (xlr8 launch refuses the backend); the "
+                 "model runs as written",
+                 *v);
+  if (env.get_bool("ACCELERATE_USE_MEGATRON_LM").value_or(false))
+    throw ConfigError("ACCELERATE_USE_MEGATRON_LM is true: xlr8 has no Megatron-LM engine; its tensor and pipeline "
+                      "parallelism are parallelism_config_tp_size and parallelism_config_pp_size");
   bool use_fsdp = env.get_bool("ACCELERATE_USE_FSDP").value_or(false);
   bool use_deepspeed = env.get_bool("ACCELERATE_USE_DEEPSPEED").value_or(false);
   if (use_fsdp && use_deepspeed)
@@ -308,7 +332,9 @@ Settings settings_from_env(const Env& env) {
     p.sp = static_cast<int>(env.get_positive("PARALLELISM_CONFIG_SP_SIZE", 1));
     if (auto backend = env.get("PARALLELISM_CONFIG_SP_BACKEND"); backend && *backend != "deepspeed")
       throw ConfigError(fmt::format("PARALLELISM_CONFIG_SP_BACKEND={:?}: the allowed value is deepspeed (Ulysses)", *backend));
-    if (env.has("PARALLELISM_CONFIG_SP_SEQ_LENGTH")) p.sp_seq_length = env.get_positive("PARALLELISM_CONFIG_SP_SEQ_LENGTH", 1);
+    // `accelerate launch` exports the Python None of a length not given.
+    if (auto v = env.get("PARALLELISM_CONFIG_SP_SEQ_LENGTH"); v && *v != "None" && !v->empty())
+      p.sp_seq_length = env.get_positive("PARALLELISM_CONFIG_SP_SEQ_LENGTH", 1);
     p.sp_seq_length_is_variable = env.get_bool("PARALLELISM_CONFIG_SP_SEQ_LENGTH_IS_VARIABLE").value_or(true);
     if (auto attn = env.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION"); attn && *attn != "sdpa")
       throw ConfigError(fmt::format("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION={:?}: the allowed value is sdpa (what "

@@ -93,8 +93,11 @@ class WorkerEnvironment : public ::testing::TestWithParam<int> {};
 TEST_P(WorkerEnvironment, EachWorkerSeesTheTorchrunAndAccelerateVariables) {
   const int n = GetParam();
   auto dir = temp_dir("env");
+  // A strategy under fsdp_reshard_after_forward (how `accelerate config` writes FSDP1's) loses to the explicit
+  // --fsdp_sharding_strategy, as FSDP_SHARDING_STRATEGY wins in Accelerate.
   auto r = run(launch({"--num_processes", std::to_string(n), "--mixed_precision", "bf16", "--use_fsdp",
-                       "--fsdp_sharding_strategy", "SHARD_GRAD_OP", "--num_cpu_threads_per_process", "3"},
+                       "--fsdp_reshard_after_forward", "FULL_SHARD", "--fsdp_sharding_strategy", "SHARD_GRAD_OP",
+                       "--num_cpu_threads_per_process", "3"},
                       {"env", dir}),
                60);
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -122,6 +125,18 @@ TEST_P(WorkerEnvironment, EachWorkerSeesTheTorchrunAndAccelerateVariables) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Launcher, WorkerEnvironment, ::testing::Values(2, 4));
+
+// `accelerate launch` flags that ask nothing of xlr8 launch are accepted, as their config-file keys are.
+TEST(Launcher, AccelerateLaunchFlagsThatAskNothingOfXlr8AreAccepted) {
+  auto dir = temp_dir("compat_flags");
+  auto r = run(launch({"--num_processes", "1", "--use_deepspeed", "--deepspeed_multinode_launcher", "standard",
+                       "--use_parallelism_config", "--parallelism_config_cp_backend", "torch"},
+                      {"env", dir}),
+               60);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(read_env_file(dir + "/rank0.env")["ACCELERATE_USE_DEEPSPEED"], "true");
+  fs::remove_all(dir);
+}
 
 TEST(Launcher, ADeepSpeedConfigFileThatIsMissingOrWrongStopsTheLaunchBeforeAnyWorker) {
   auto dir = temp_dir("ds-json");

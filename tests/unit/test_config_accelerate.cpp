@@ -260,6 +260,20 @@ parallelism_config:
   EXPECT_EQ(settings_from_env(Env(settings_to_env(fixed))), fixed);
 }
 
+// Found running the real `accelerate launch` (1.16) beside xlr8 launch on the same files and flags.
+TEST(AccelerateConfigs, TheShardingStrategyKeyWinsOverAStrategyUnderReshardAndFsdp2DefaultsToShardedStateDicts) {
+  auto both = parse_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_reshard_after_forward: FULL_SHARD\n"
+                           "  fsdp_sharding_strategy: SHARD_GRAD_OP\n");
+  EXPECT_EQ(both.fsdp.sharding_strategy, ShardingStrategy::SHARD_GRAD_OP);
+  auto questionnaire = parse_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_reshard_after_forward: NO_SHARD\n");
+  EXPECT_EQ(questionnaire.fsdp.sharding_strategy, ShardingStrategy::NO_SHARD);
+  EXPECT_EQ(questionnaire.fsdp.state_dict_type, "FULL_STATE_DICT");
+  auto v2 = parse_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n");
+  EXPECT_EQ(v2.fsdp.state_dict_type, "SHARDED_STATE_DICT");
+  auto v2_full = parse_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_state_dict_type: FULL_STATE_DICT\n");
+  EXPECT_EQ(v2_full.fsdp.state_dict_type, "FULL_STATE_DICT");
+}
+
 TEST(AccelerateConfigs, KeysThatTurnOnMissingFeaturesAreRefusedByName) {
   const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
       {"tpu_use_sudo: 'yes'\n", {"tpu_use_sudo", "yes", "TPU"}},

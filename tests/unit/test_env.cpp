@@ -139,6 +139,45 @@ TEST(Settings, AccelerateSpellings) {
   EXPECT_EQ(v1.fsdp->sharding_strategy, ShardingStrategy::NO_SHARD);
 }
 
+// What `accelerate launch` (1.16) exports, read as its Accelerator reads it (checked with the real launcher).
+TEST(Settings, WhatAccelerateLaunchExportsIsReadAsItsAcceleratorReadsIt) {
+  auto fsdp = [](std::map<std::string, std::string> vars) {
+    vars["ACCELERATE_USE_FSDP"] = "true";
+    return *settings_from_env(Env(vars)).fsdp;
+  };
+  // It always exports FSDP_SHARDING_STRATEGY (FULL_SHARD unless given); an FSDP1 file's strategy comes as
+  // FSDP_RESHARD_AFTER_FORWARD. A strategy given on the command line wins.
+  EXPECT_EQ(fsdp({{"FSDP_SHARDING_STRATEGY", "FULL_SHARD"}, {"FSDP_RESHARD_AFTER_FORWARD", "SHARD_GRAD_OP"}}).sharding_strategy,
+            ShardingStrategy::SHARD_GRAD_OP);
+  EXPECT_EQ(fsdp({{"FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP"}, {"FSDP_RESHARD_AFTER_FORWARD", "FULL_SHARD"}}).sharding_strategy,
+            ShardingStrategy::SHARD_GRAD_OP);
+  EXPECT_EQ(fsdp({{"FSDP_SHARDING_STRATEGY", "NO_SHARD"}, {"FSDP_RESHARD_AFTER_FORWARD", "SHARD_GRAD_OP"}}).sharding_strategy,
+            ShardingStrategy::NO_SHARD);
+  EXPECT_EQ(fsdp({{"FSDP_VERSION", "2"}}).state_dict_type, "SHARDED_STATE_DICT");  // its FSDP2 default
+  EXPECT_EQ(fsdp({{"FSDP_VERSION", "1"}}).state_dict_type, "FULL_STATE_DICT");
+  // An unset sequence length is Python's None.
+  auto sp = settings_from_env(Env({{"PARALLELISM_CONFIG_SP_SIZE", "2"}, {"PARALLELISM_CONFIG_SP_SEQ_LENGTH", "None"},
+                                   {"PARALLELISM_CONFIG_SP_SEQ_LENGTH_IS_VARIABLE", "True"}}));
+  ASSERT_TRUE(sp.parallelism);
+  EXPECT_FALSE(sp.parallelism->sp_seq_length);
+  // What xlr8 launch refuses is refused here too, not dropped in silence.
+  auto refusal = [](const std::map<std::string, std::string>& vars) {
+    try {
+      settings_from_env(Env(vars));
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("read");
+  };
+  EXPECT_NE(refusal({{"ACCELERATE_USE_FSDP", "true"}, {"FSDP_IGNORED_MODULES", "lm_head"}}).find("xlr8 shards every module"),
+            std::string::npos);
+  EXPECT_NE(refusal({{"ACCELERATE_USE_DEEPSPEED", "true"}, {"ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES", "MoE"}})
+                .find("mixture-of-experts"),
+            std::string::npos);
+  EXPECT_NE(refusal({{"ACCELERATE_USE_MEGATRON_LM", "true"}}).find("no Megatron-LM engine"), std::string::npos);
+  EXPECT_EQ(refusal({{"ACCELERATE_USE_MEGATRON_LM", "false"}, {"ACCELERATE_DYNAMO_BACKEND", "NO"}}), "read");
+}
+
 TEST(Settings, BadValuesNameVariableValueAndChoices) {
   try {
     settings_from_env(Env({{"ACCELERATE_MIXED_PRECISION", "bf61"}}));

@@ -79,6 +79,13 @@ TEST(ParallelPlan, DeepSpeedLaunchKeysGiveTheStageClippingAndModuleUnits) {
   EXPECT_DOUBLE_EQ(plan.clip_at_step, 0.25);
   ASSERT_TRUE(plan.loss_scaler);
   EXPECT_EQ(plan.loss_scaler->initial_scale_power, 16);
+  // Without --gradient_clipping, DeepSpeed clips at 1.0 as Accelerate's generated config does ("auto" filled with
+  // 1.0); 0 turns it off.
+  EXPECT_DOUBLE_EQ(plan_for(Env{{"ACCELERATE_USE_DEEPSPEED", "true"}}, {}).clip_at_step, 1.0);
+  EXPECT_DOUBLE_EQ(plan_for(Env{{"ACCELERATE_USE_DEEPSPEED", "true"}, {"ACCELERATE_GRADIENT_CLIPPING", "auto"}}, {}).clip_at_step,
+                   1.0);
+  EXPECT_DOUBLE_EQ(plan_for(Env{{"ACCELERATE_USE_DEEPSPEED", "true"}, {"ACCELERATE_GRADIENT_CLIPPING", "0"}}, {}).clip_at_step,
+                   0.0);
 }
 
 TEST(ParallelPlan, Tf32ComesFromTheProgramElseItsVariableAndABadValueIsRefusedByName) {

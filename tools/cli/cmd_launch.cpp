@@ -135,11 +135,13 @@ static void add_config_section_options(CLI::App* cmd, const std::shared_ptr<Laun
   add_config_key_options(cmd, req, &LaunchRequest::deepspeed, "DeepSpeed", "DeepSpeed: as deepspeed_config.",
                          {"zero_stage", "offload_optimizer_device", "offload_param_device", "offload_optimizer_nvme_path",
                           "offload_param_nvme_path", "gradient_clipping", "zero3_init_flag", "zero3_save_16bit_model",
-                          "deepspeed_config_file"});
+                          "deepspeed_config_file", "deepspeed_hostfile", "deepspeed_multinode_launcher",
+                          "deepspeed_exclusion_filter", "deepspeed_inclusion_filter", "deepspeed_moe_layer_cls_names"});
   // Accelerate's ParallelismConfig flags: the device mesh (dp_replicate x dp_shard x cp x sp x tp).
   add_config_key_options(cmd, req, &LaunchRequest::parallelism, "Parallelism", "Device mesh: as parallelism_config.",
                          {"parallelism_config_dp_replicate_size", "parallelism_config_dp_shard_size",
                           "parallelism_config_tp_size", "parallelism_config_cp_size", "parallelism_config_cp_comm_strategy",
+                          "parallelism_config_cp_backend",
                           "parallelism_config_sp_size", "parallelism_config_sp_backend", "parallelism_config_sp_seq_length",
                           "parallelism_config_sp_seq_length_is_variable", "parallelism_config_sp_attn_implementation",
                           "parallelism_config_tp_head_dim", "parallelism_config_pp_size", "parallelism_config_pp_schedule",
@@ -231,7 +233,8 @@ void add_launch_options(CLI::App* cmd, const std::shared_ptr<LaunchRequest>& req
   // Accepted for compatibility with `accelerate launch`; xlr8 needs nothing from them.
   auto compat_flags = std::make_shared<std::vector<std::string>>();
   auto compat_switch = std::make_shared<bool>(false);
-  for (auto name : {"--multi_gpu", "--quiet", "--same_network", "--standalone", "--no_python"})
+  // --use_parallelism_config: xlr8 applies the parallelism_config_* flags without it.
+  for (auto name : {"--multi_gpu", "--quiet", "--same_network", "--standalone", "--no_python", "--use_parallelism_config"})
     cmd->add_flag(spellings(name), *compat_switch, "Accepted for compatibility")->group("Compatibility");
   for (auto name : {"--monitor_interval", "--role", "--tee"})
     cmd->add_option(spellings(name), *compat_flags, "Accepted for compatibility")->group("Compatibility")->expected(1);
