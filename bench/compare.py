@@ -53,8 +53,8 @@ def configs(model):
         "c_f_xlr8_ddp_2_fused_adamw": launch(2, [BENCH, "--impl", "xlr8", "--optimizer", "fused_adamw"] + args),
         # ZeRO-1 on 2 ranks: xlr8's (--use_deepspeed --zero_stage 1) against PyTorch's own
         # ZeroRedundancyOptimizer over DDP; both report their bytes per rank (state_bytes_per_rank).
-        "z_xlr8_zero1_2": launch(2, ["--use_deepspeed", "--zero_stage", "1", BENCH, "--impl", "xlr8"] + args),
-        "z_f_xlr8_zero1_2_fused_adamw": launch(2, ["--use_deepspeed", "--zero_stage", "1", BENCH, "--impl", "xlr8",
+        "z_xlr8_zero1_2": launch(2, ["--use_deepspeed", "--zero_stage", "1", "--gradient_clipping", "0", BENCH, "--impl", "xlr8"] + args),
+        "z_f_xlr8_zero1_2_fused_adamw": launch(2, ["--use_deepspeed", "--zero_stage", "1", "--gradient_clipping", "0", BENCH, "--impl", "xlr8",
                                                    "--optimizer", "fused_adamw"] + args),
         "zp_pytorch_zero1_2": launch(2, PYBENCH + ["--zero"] + args),
         # (c_f) with each rank bound to its own cores (xlr8 launch --enable_cpu_affinity).

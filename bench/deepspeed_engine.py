@@ -46,7 +46,7 @@ def main():
             path = os.path.join(tmp, f"zero{stage}.json")
             with open(path, "w") as f:
                 json.dump(config(stage), f)
-            accelerator = launch + ["--use_deepspeed", "--zero_stage", str(stage), os.path.join(BUILD, "bin", "gpt"),
+            accelerator = launch + ["--use_deepspeed", "--zero_stage", str(stage), "--gradient_clipping", "0", os.path.join(BUILD, "bin", "gpt"),
                                     "--max_steps", STEPS, "--log_every", "100000", "--batch_size", "16",
                                     "--output_dir", os.path.join(tmp, "gpt"), "--val_windows", "16"]
             engine = launch + [os.path.join(BUILD, "bin", "gpt_deepspeed"), "--deepspeed_config", path,

@@ -31,7 +31,7 @@ SHAPE = os.environ.get("SHAPE", "").split()
 
 STRATEGIES = {
     "ddp": [],
-    "zero1": ["--use_deepspeed", "--zero_stage", "1"],
+    "zero1": ["--use_deepspeed", "--zero_stage", "1", "--gradient_clipping", "0"],  # unclipped, as the others
     "zero2_shard_grad_op": ["--use_fsdp", "--fsdp_sharding_strategy", "SHARD_GRAD_OP"],
     "zero3_full_shard": ["--use_fsdp", "--fsdp_sharding_strategy", "FULL_SHARD", "--fsdp_auto_wrap_policy",
                          "TRANSFORMER_BASED_WRAP", "--fsdp_transformer_layer_cls_to_wrap", "Block"],

@@ -95,7 +95,7 @@ struct AcceleratorImpl {
   std::optional<DynamicLossScaler> scaler;  // fp16 only
   xlr8::step::StepState step_state;             // where this training step is (step/step_state.hpp)
   bool last_step_applied = false;           // the last sync step really updated the parameters
-  // What the program's clip_grad_norm clipped since the last backward (the smallest max_norm, the parameters): the
+  // What the program's clip_grad_norm first clipped since the last backward (max_norm, the parameters): the
   // step's DeepSpeed clip at gradient_clipping (no smaller), over those parameters, would find the norm within it.
   struct ProgramClip {
     double max_norm;

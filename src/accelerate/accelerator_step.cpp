@@ -340,7 +340,9 @@ void Accelerator::clip_grad_value(const std::vector<at::Tensor>& parameters, dou
 
 GradNorm Accelerator::clip_grad_norm(const std::vector<at::Tensor>& parameters, double max_norm, double norm_type) {
   auto norm = impl_->clip_grad_norm(parameters, max_norm, norm_type);
-  if (impl_->gradient_state->sync_gradients && norm_type == 2.0 && impl_->plan.clip_at_step > 0 && !impl_->program_clip) {
+  // Under pp the clip spans the stage whatever is passed, so no rank may decide from `parameters` alone.
+  if (impl_->gradient_state->sync_gradients && norm_type == 2.0 && max_norm > 0 && impl_->plan.clip_at_step > 0 &&
+      !impl_->pipeline && !impl_->program_clip) {
     impl_->program_clip.emplace(AcceleratorImpl::ProgramClip{max_norm, {}});
     for (const auto& p : parameters) impl_->program_clip->parameters.insert(p.unsafeGetTensorImpl());
   }

@@ -34,6 +34,9 @@ int64_t parse_size(const std::string& text) {
 HfModelWriter::HfModelWriter(std::string dir, std::vector<SafetensorsSpec> specs, int64_t limit)
     : dir_(std::move(dir)), specs_(std::move(specs)), files_(1) {
   made_dir_ = fs::create_directories(dir_);
+  static const std::regex staged("\\.model.*\\.safetensors\\.staged");  // left by an export that was killed
+  for (auto& e : fs::directory_iterator(dir_))
+    if (std::regex_match(e.path().filename().string(), staged)) fs::remove(e.path());
   int64_t used = 0;
   for (size_t i = 0; i < specs_.size(); ++i) {
     int64_t bytes = static_cast<int64_t>(at::elementSize(specs_[i].dtype));
@@ -79,27 +82,35 @@ void HfModelWriter::write(const at::Tensor& tensor) {
   }
 }
 
-// Every file is written: the earlier export's shards go and the new files take their names.
+// Every file is written: the new files take their names (replacing same-named ones), the index follows, and only
+// then do the earlier export's other files go, so that a stop at any point leaves one readable export.
 void HfModelWriter::finish() {
   if (next_ != specs_.size()) throw Error(fmt::format("{}: {} of {} tensors written", dir_, next_, specs_.size()));
   if (specs_.empty()) {
     SafetensorsWriter(staged_path(0), {}, {{"format", "pt"}}).commit();
     file_ = 1;
   }
-  static const std::regex shard("model-\\d{5}-of-\\d{5}\\.safetensors");
-  for (auto& e : fs::directory_iterator(dir_))
-    if (std::regex_match(e.path().filename().string(), shard)) fs::remove(e.path());
-  for (size_t k = 0; k < files_.size(); ++k) fs::rename(staged_path(k), fs::path(dir_) / file_name(k));
-  finished_ = true;
-  if (files_.size() == 1) {
-    fs::remove(fs::path(dir_) / "model.safetensors.index.json");
-    return;
+  std::set<std::string> names;
+  for (size_t k = 0; k < files_.size(); ++k) {
+    fs::rename(staged_path(k), fs::path(dir_) / file_name(k));
+    names.insert(file_name(k));
   }
-  nlohmann::ordered_json index{{"metadata", {{"total_size", total_}}}, {"weight_map", nlohmann::ordered_json::object()}};
-  for (size_t k = 0; k < files_.size(); ++k)
-    for (auto i : files_[k]) index["weight_map"][specs_[i].name] = file_name(k);
-  files::write_durably((fs::path(dir_) / "model.safetensors.index.json").string(), index.dump(2));
-  fs::remove(fs::path(dir_) / "model.safetensors");
+  finished_ = true;
+  const auto index = fs::path(dir_) / "model.safetensors.index.json";
+  if (files_.size() == 1) {
+    fs::remove(index);
+  } else {
+    nlohmann::ordered_json json{{"metadata", {{"total_size", total_}}}, {"weight_map", nlohmann::ordered_json::object()}};
+    for (size_t k = 0; k < files_.size(); ++k)
+      for (auto i : files_[k]) json["weight_map"][specs_[i].name] = file_name(k);
+    files::write_durably(index.string(), json.dump(2));
+  }
+  static const std::regex earlier("model(-\\d{5}-of-\\d{5})?\\.safetensors");
+  for (auto& e : fs::directory_iterator(dir_)) {
+    const auto name = e.path().filename().string();
+    if (std::regex_match(name, earlier) && !names.count(name)) fs::remove(e.path());
+  }
+  files::fsync_directory(dir_);
 }
 
 HfModelReader::HfModelReader(const std::string& path) {

@@ -152,6 +152,7 @@ void read_parallelism(const Section& s, LaunchConfig& c) {
   p.pp_virtual_stages = static_cast<int>(s.integer("parallelism_config_pp_virtual_stages", 1, kMax).value_or(0));
   if (auto strategy = s.choice("parallelism_config_cp_comm_strategy", {"allgather", "alltoall"}, /*upper=*/false))
     p.cp_comm_strategy = *strategy;
+  (void)s.choice("parallelism_config_cp_backend", {"torch"}, /*upper=*/false);  // Accelerate's only one; nothing to set
   // Ulysses (DeepSpeed's ALST, Accelerate's sp_backend deepspeed: the only backend).
   p.sp = static_cast<int>(s.integer("parallelism_config_sp_size", 1, kMax).value_or(1));
   s.choice("parallelism_config_sp_backend", {"deepspeed"}, /*upper=*/false);

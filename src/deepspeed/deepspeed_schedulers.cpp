@@ -150,8 +150,6 @@ OneCycle::OneCycle(torch::optim::Optimizer& optimizer, OneCycleOptions options)
   const size_t groups = optimizer.param_groups().size();
   min_lrs_ = o_.cycle_min_lr.for_groups(groups, "cycle_min_lr");
   max_lrs_ = o_.cycle_max_lr.for_groups(groups, "cycle_max_lr");
-  min_moms_ = o_.cycle_min_mom.for_groups(groups, "cycle_min_mom");
-  max_moms_ = o_.cycle_max_mom.for_groups(groups, "cycle_max_mom");
   first_ = static_cast<double>(o_.cycle_first_step_size);
   second_ = o_.cycle_second_step_size ? static_cast<double>(*o_.cycle_second_step_size) : first_;
   if (first_ <= 0) throw ConfigError(fmt::format("OneCycle: cycle_first_step_size must be positive, got {}", first_));
@@ -162,11 +160,18 @@ OneCycle::OneCycle(torch::optim::Optimizer& optimizer, OneCycleOptions options)
   second_stairs_ = o_.cycle_second_stair_count.value_or(first_stairs_);
   set_lrs(optimizer, min_lrs_);
   cycle_momentum_ = o_.cycle_momentum;
+  for (auto& group : optimizer.param_groups())
+    if (cycle_momentum_ && !betas_of(group.options())) {
+      cycle_momentum_ = false;
+      log::warning("xlr8: OneCycle: cycle_momentum is disabled: the optimizer has no betas");
+    }
+  // As DeepSpeed, the momenta (and their lists' lengths) count only when they cycle.
+  min_moms_.assign(groups, 0.0);
+  max_moms_.assign(groups, 0.0);
   if (cycle_momentum_) {
-    for (auto& group : optimizer.param_groups())
-      if (!betas_of(group.options())) cycle_momentum_ = false;
-    if (!cycle_momentum_) log::warning("xlr8: OneCycle: cycle_momentum is disabled: the optimizer has no betas");
-    else set_beta1(min_moms_);
+    min_moms_ = o_.cycle_min_mom.for_groups(groups, "cycle_min_mom");
+    max_moms_ = o_.cycle_max_mom.for_groups(groups, "cycle_max_mom");
+    set_beta1(min_moms_);
   }
 }
 
@@ -245,6 +250,10 @@ struct SchedulerParams {
   }
   // A number, or DeepSpeed's list of one number per parameter group.
   PerGroup per_group(const char* key, double fallback) const {
+    if (p.contains(key) && !p.at(key).is_array() && !p.at(key).is_number())
+      throw ConfigError(fmt::format("DeepSpeed config: scheduler.params.{} = {} must be a number or a list of numbers "
+                                    "(one per parameter group)",
+                                    key, p.at(key).dump()));
     if (!p.contains(key) || !p.at(key).is_array()) return number(key, fallback);
     std::vector<double> values;
     for (const auto& v : p.at(key)) {

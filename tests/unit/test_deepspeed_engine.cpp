@@ -387,6 +387,18 @@ TEST(DeepSpeedSchedulers, AListOfAnotherLengthThanTheGroupsOrOfNonNumbersIsNamed
             std::string::npos);
   EXPECT_NE(refusal({{"warmup_min_lr", {0.1, "x"}}}).find("must be a number or a list of numbers"), std::string::npos);
   EXPECT_NE(refusal({{"warmup_min_lr", nlohmann::json::array()}}).find("is an empty list"), std::string::npos);
+  EXPECT_NE(refusal({{"warmup_min_lr", "0.1"}}).find("must be a number or a list of numbers"), std::string::npos);
+  // As DeepSpeed, momenta that do not cycle (SGD has no betas) are not checked against the groups.
+  auto net = make_net();
+  std::vector<torch::optim::OptimizerParamGroup> groups{
+      {net->fc1->parameters(), std::make_unique<torch::optim::SGDOptions>(0.1)},
+      {net->fc2->parameters(), std::make_unique<torch::optim::SGDOptions>(0.1)}};
+  torch::optim::SGD sgd(std::move(groups), torch::optim::SGDOptions(0.1));
+  deepspeed::OneCycleOptions cycle;
+  cycle.cycle_min_lr = 0.1;
+  cycle.cycle_max_lr = 1.0;
+  cycle.cycle_min_mom = std::vector<double>{0.8, 0.8, 0.8};
+  EXPECT_NO_THROW(deepspeed::OneCycle(sgd, cycle));
   EXPECT_EQ(refusal({{"warmup_min_lr", {0.0, 0.01}}, {"warmup_max_lr", 0.1}}), "built");  // a list beside a scalar
 }
 

@@ -139,7 +139,8 @@ TEST(Settings, AccelerateSpellings) {
   EXPECT_EQ(v1.fsdp->sharding_strategy, ShardingStrategy::NO_SHARD);
 }
 
-// What `accelerate launch` (1.16) exports, read as its Accelerator reads it (checked with the real launcher).
+// What `accelerate launch` (1.16) exports (checked with the real launcher), read as its Accelerator reads it except
+// for an FSDP1 file's strategy, which Accelerate 1.16 loses (it trains the FULL_SHARD it exports by default).
 TEST(Settings, WhatAccelerateLaunchExportsIsReadAsItsAcceleratorReadsIt) {
   auto fsdp = [](std::map<std::string, std::string> vars) {
     vars["ACCELERATE_USE_FSDP"] = "true";

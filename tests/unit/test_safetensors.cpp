@@ -97,6 +97,9 @@ TEST(Safetensors, MetadataThatIsNoStringAndDataNotCoveredExactlyAreNamedErrors) 
   const std::string eight(8, '\1');
   const nlohmann::json w = {{"dtype", "F32"}, {"shape", {2}}, {"data_offsets", {0, 8}}};
   EXPECT_EQ(message(file_of({{"w", w}}, eight)), "loaded");
+  // An empty tensor between two others takes no bytes: what xlr8 writes loads.
+  EXPECT_EQ(message(safetensors_bytes({{"a", at::ones({2})}, {"empty", at::zeros({0, 3})}, {"b", at::ones({1})}})),
+            "loaded");
   EXPECT_NE(message(file_of({{"__metadata__", {{"format", "pt"}, {"n", 1}}}, {"w", w}}, eight))
                 .find("model.safetensors is not a valid safetensors file: __metadata__ value \"n\" is 1, not a string"),
             std::string::npos);

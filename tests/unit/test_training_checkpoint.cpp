@@ -173,6 +173,10 @@ TEST(HfExport, AFailedExportLeavesTheEarlierOneWholeAndNoFilesOfItsOwn) {
   }
   checkpoints::HfModelReader reader(dir.string());
   EXPECT_TRUE(reader.read("b").equal(at::full({256}, 2.0)));
+  // A killed export's staged file goes with the next export, which replaces the three shards with one file.
+  std::ofstream(dir / ".model-00001-of-00002.safetensors.staged") << "partial";
+  checkpoints::export_hf_model(tensors, dir.string(), checkpoints::parse_size("10GB"));
+  EXPECT_EQ(listing(), (std::set<std::string>{"model.safetensors"}));
   // Into a directory of its own: nothing is left, not even the directory.
   auto fresh = dir / "new";
   EXPECT_THROW(checkpoints::export_hf_model({{"a", at::kFloat, {2}}}, [](size_t) -> at::Tensor { throw Error("no"); },
