@@ -96,7 +96,8 @@ void read_fsdp(const Section& s, FsdpSettings& f) {
   if (auto v = s.integer("fsdp_min_num_params", 0, std::numeric_limits<long>::max())) f.min_num_params = *v;
   for (auto key : {"fsdp_backward_prefetch", "fsdp_backward_prefetch_policy"})
     if (auto v = s.choice(key, kBackwardPrefetchValues, true)) f.backward_prefetch = *v;
-  if (auto v = s.choice("fsdp_state_dict_type", kStateDictTypes, true)) f.state_dict_type = *v;
+  if (auto v = s.str("fsdp_state_dict_type"))
+    f.state_dict_type = config::state_dict_type_of(*v, s.where("fsdp_state_dict_type"));
   else if (f.version == 2) f.state_dict_type = "SHARDED_STATE_DICT";  // Accelerate's FSDP2 default
   for (const auto& flag : fsdp_flags())
     if (auto b = s.boolean(flag.config_key)) f.*flag.member = *b;

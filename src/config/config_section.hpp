@@ -19,6 +19,9 @@ namespace xlr8::config {
 
 // ConfigError "<what>: invalid value "v"; allowed: ..." unless `value` is one of `allowed` (a variable's value).
 void check_choice(const std::string& value, const std::vector<std::string>& allowed, const std::string& what);
+// FSDP's state dict type by name (any case), or by torch's StateDictType value as Accelerate also reads it (1 FULL,
+// 2 LOCAL, 3 SHARDED); a ConfigError naming `what` otherwise.
+std::string state_dict_type_of(const std::string& value, const std::string& what);
 // parallelism_config_pp_schedule's values, lower-case, and torch's spelling of each ("1f1b" -> "1F1B").
 const std::vector<std::string>& pp_schedules();
 std::string pp_schedule_spelling(const std::string& lower);

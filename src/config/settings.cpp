@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <map>
+
 #include "config/config_section.hpp"
 #include "config/fp8_config.hpp"
 #include "core/log.hpp"
@@ -57,6 +59,15 @@ void config::check_choice(const std::string& value, const std::vector<std::strin
   for (auto& a : allowed)
     if (a == value) return;
   invalid_value(value, allowed, what);
+}
+
+std::string config::state_dict_type_of(const std::string& value, const std::string& what) {
+  static const std::map<std::string, std::string> by_number{
+      {"1", "FULL_STATE_DICT"}, {"2", "LOCAL_STATE_DICT"}, {"3", "SHARDED_STATE_DICT"}};
+  if (auto it = by_number.find(value); it != by_number.end()) return it->second;
+  const auto name = text::upper(value);
+  check_choice(name, kStateDictTypes, what);
+  return name;
 }
 
 const std::vector<std::string>& config::pp_schedules() {
@@ -227,8 +238,7 @@ FsdpSettings fsdp_from_env(const Env& env) {
     config::check_choice(f.backward_prefetch, kBackwardPrefetchValues, "FSDP_BACKWARD_PREFETCH");
   }
   if (auto v = env.get("FSDP_STATE_DICT_TYPE")) {
-    f.state_dict_type = text::upper(*v);
-    config::check_choice(f.state_dict_type, kStateDictTypes, "FSDP_STATE_DICT_TYPE");
+    f.state_dict_type = config::state_dict_type_of(*v, "FSDP_STATE_DICT_TYPE");
   } else if (f.version == 2) {
     f.state_dict_type = "SHARDED_STATE_DICT";  // Accelerate's FSDP2 default
   }

@@ -272,6 +272,8 @@ TEST(AccelerateConfigs, TheShardingStrategyKeyWinsOverAStrategyUnderReshardAndFs
   EXPECT_EQ(v2.fsdp.state_dict_type, "SHARDED_STATE_DICT");
   auto v2_full = parse_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_state_dict_type: FULL_STATE_DICT\n");
   EXPECT_EQ(v2_full.fsdp.state_dict_type, "FULL_STATE_DICT");
+  auto numbered = parse_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_state_dict_type: 2\n");
+  EXPECT_EQ(numbered.fsdp.state_dict_type, "LOCAL_STATE_DICT");
   // Accelerate's one context-parallel backend is accepted; another is refused by name.
   EXPECT_NO_THROW(parse_config("parallelism_config:\n  parallelism_config_cp_backend: torch\n", "cp.yaml"));
   EXPECT_THROW(parse_config("parallelism_config:\n  parallelism_config_cp_backend: deepspeed\n", "cp.yaml"), ConfigError);

@@ -156,6 +156,9 @@ TEST(Settings, WhatAccelerateLaunchExportsIsReadAsItsAcceleratorReadsIt) {
             ShardingStrategy::NO_SHARD);
   EXPECT_EQ(fsdp({{"FSDP_VERSION", "2"}}).state_dict_type, "SHARDED_STATE_DICT");  // its FSDP2 default
   EXPECT_EQ(fsdp({{"FSDP_VERSION", "1"}}).state_dict_type, "FULL_STATE_DICT");
+  EXPECT_EQ(fsdp({{"FSDP_STATE_DICT_TYPE", "3"}}).state_dict_type, "SHARDED_STATE_DICT");  // torch's enum value
+  EXPECT_EQ(fsdp({{"FSDP_STATE_DICT_TYPE", "sharded_state_dict"}}).state_dict_type, "SHARDED_STATE_DICT");
+  EXPECT_THROW(fsdp({{"FSDP_STATE_DICT_TYPE", "4"}}), ConfigError);
   // An unset sequence length is Python's None.
   auto sp = settings_from_env(Env({{"PARALLELISM_CONFIG_SP_SIZE", "2"}, {"PARALLELISM_CONFIG_SP_SEQ_LENGTH", "None"},
                                    {"PARALLELISM_CONFIG_SP_SEQ_LENGTH_IS_VARIABLE", "True"}}));
