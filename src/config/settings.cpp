@@ -212,6 +212,13 @@ std::map<std::string, std::string> topology_to_env(const Topology& t) {
 namespace {
 
 
+// A variable `accelerate launch` set to a value the user gave, not to an empty string or Python's None.
+std::optional<std::string> given(const Env& env, const char* name) {
+  auto v = env.get(name);
+  if (v && (v->empty() || *v == "None")) return std::nullopt;
+  return v;
+}
+
 FsdpSettings fsdp_from_env(const Env& env) {
   FsdpSettings f;
   f.version = static_cast<int>(env.get_positive("FSDP_VERSION", 1));
@@ -245,7 +252,7 @@ FsdpSettings fsdp_from_env(const Env& env) {
   for (const auto& flag : fsdp_flags())
     if (auto b = env.get_bool(flag.env_var)) f.*flag.member = *b;
   // What xlr8 launch refuses arrives only from another launcher (`accelerate launch`): not dropped in silence.
-  if (auto v = env.get("FSDP_IGNORED_MODULES"); v && !v->empty() && *v != "None")
+  if (auto v = given(env, "FSDP_IGNORED_MODULES"))
     throw ConfigError(fmt::format("FSDP_IGNORED_MODULES={:?} is not supported: xlr8 shards every module; unset it", *v));
   if (env.get_bool("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD").value_or(false))
     log::warning("xlr8: FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD is true: xlr8 keeps no checkpointed activation on the "
@@ -281,7 +288,7 @@ DeepSpeedSettings deepspeed_from_env(const Env& env) {
   d.zero3_init_flag = env.get_bool("ACCELERATE_DEEPSPEED_ZERO3_INIT");
   d.zero3_save_16bit_model = env.get_bool("ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL").value_or(false);
   d.config_file = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE").value_or("");
-  if (auto v = env.get("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"); v && !v->empty() && *v != "None")
+  if (auto v = given(env, "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES"))
     throw ConfigError(fmt::format("ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES={:?} asks for DeepSpeed mixture-of-experts "
                                   "layers, which xlr8 does not have; unset it",
                                   *v));
@@ -343,7 +350,7 @@ Settings settings_from_env(const Env& env) {
     if (auto backend = env.get("PARALLELISM_CONFIG_SP_BACKEND"); backend && *backend != "deepspeed")
       throw ConfigError(fmt::format("PARALLELISM_CONFIG_SP_BACKEND={:?}: the allowed value is deepspeed (Ulysses)", *backend));
     // `accelerate launch` exports the Python None of a length not given.
-    if (auto v = env.get("PARALLELISM_CONFIG_SP_SEQ_LENGTH"); v && *v != "None" && !v->empty())
+    if (given(env, "PARALLELISM_CONFIG_SP_SEQ_LENGTH"))
       p.sp_seq_length = env.get_positive("PARALLELISM_CONFIG_SP_SEQ_LENGTH", 1);
     p.sp_seq_length_is_variable = env.get_bool("PARALLELISM_CONFIG_SP_SEQ_LENGTH_IS_VARIABLE").value_or(true);
     if (auto attn = env.get("PARALLELISM_CONFIG_SP_ATTN_IMPLEMENTATION"); attn && *attn != "sdpa")
